@@ -1,0 +1,18 @@
+//! mediaplane core: everything that decides, nothing that does I/O.
+//!
+//! * [`packet`] parses and builds Ethernet/IPv4/IPv6/UDP frames and checks checksums;
+//! * [`rtp`] parses RTP (RFC 3550, RFC 8285 extensions) and RTCP compound packets, detects STUN;
+//! * [`model`] holds rooms, participants, published streams, subscriptions and SIP relay pairs;
+//! * [`table`] compiles a model into forwarding tables and holds [`table::ForwardingTable::classify`],
+//!   the reference decision every data plane must reproduce packet for packet.
+//!
+//! Data planes (crates `mediaplane-dataplane`, `mediaplane-ebpf`) are drivers that install tables
+//! and move packets; they never re-derive forwarding decisions from the model.
+
+pub mod model;
+pub mod packet;
+pub mod rtp;
+pub mod table;
+
+pub use model::{Model, ModelError};
+pub use table::{Copy, DropReason, ForwardingTable, IngressKey, SlowReason, SourceRule, StreamEntry, Verdict};

@@ -1,0 +1,540 @@
+//! The session model: rooms of participants publishing streams and subscribing to each other's,
+//! and SIP-style relay pairs. Pure data with validated mutations; no I/O.
+//!
+//! Every local address (an SFU IP:port) has exactly one owner: a participant (its transport or a
+//! stream's own port) or a relay leg. That single rule makes ingress lookups unambiguous.
+
+use serde::{Deserialize, Serialize};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::SocketAddr;
+
+pub const MAX_ID_LEN: usize = 64;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ModelError {
+    #[error("invalid id {0:?}: use 1-64 characters of [A-Za-z0-9_.-]")]
+    InvalidId(String),
+    #[error("{kind} {id:?} already exists")]
+    Exists { kind: &'static str, id: String },
+    #[error("{kind} {id:?} not found")]
+    NotFound { kind: &'static str, id: String },
+    #[error("local address {addr} is already used by {owner}")]
+    AddressInUse { addr: SocketAddr, owner: String },
+    #[error("a stream with ingress {addr} and ssrc {ssrc:?} already exists ({owner})")]
+    IngressInUse { addr: SocketAddr, ssrc: Option<u32>, owner: String },
+    #[error("a participant cannot subscribe to its own stream")]
+    SelfSubscription,
+    #[error("address {0} must be a concrete unicast address with a non-zero port")]
+    BadAddress(SocketAddr),
+    #[error("local and remote addresses of {0} must be the same IP family")]
+    FamilyMismatch(String),
+}
+
+fn check_id(id: &str) -> Result<(), ModelError> {
+    let ok = !id.is_empty()
+        && id.len() <= MAX_ID_LEN
+        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    if ok {
+        Ok(())
+    } else {
+        Err(ModelError::InvalidId(id.to_string()))
+    }
+}
+
+fn check_addr(a: SocketAddr) -> Result<(), ModelError> {
+    let ip = a.ip();
+    if a.port() == 0 || ip.is_unspecified() || ip.is_multicast() {
+        return Err(ModelError::BadAddress(a));
+    }
+    if let std::net::IpAddr::V4(v4) = ip {
+        if v4.is_broadcast() {
+            return Err(ModelError::BadAddress(a));
+        }
+    }
+    Ok(())
+}
+
+/// A published stream. Its ingress is `local` (or the publisher's transport address) narrowed
+/// by `ssrc` when given.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Stream {
+    /// Stable numeric id used for counters and kernel maps.
+    pub uid: u32,
+    /// Its own local port, when it does not arrive on the participant's transport address.
+    pub local: Option<SocketAddr>,
+    pub ssrc: Option<u32>,
+    /// RTP-aware checks (header validity, SSRC) apply only to RTP streams.
+    pub rtp: bool,
+}
+
+/// What a caller gives to publish a stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamSpec {
+    pub local: Option<SocketAddr>,
+    pub ssrc: Option<u32>,
+    #[serde(default = "default_true")]
+    pub rtp: bool,
+}
+
+fn default_true() -> bool {
+    true
+}
+
+impl Default for StreamSpec {
+    /// RTP on the participant's transport address, any SSRC.
+    fn default() -> Self {
+        StreamSpec { local: None, ssrc: None, rtp: true }
+    }
+}
+
+/// Identifies a stream inside a room: its publisher and its name (e.g. a quality "low"/"high").
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct StreamRef {
+    pub publisher: String,
+    pub stream: String,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Participant {
+    /// SFU address this participant sends to and receives its copies from (symmetric RTP).
+    pub local: SocketAddr,
+    /// Where the participant receives media; also the only source allowed to publish.
+    pub remote: SocketAddr,
+    pub streams: BTreeMap<String, Stream>,
+    pub subscriptions: BTreeSet<StreamRef>,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Room {
+    pub participants: BTreeMap<String, Participant>,
+}
+
+/// One side of a relayed call: media from `peer` arrives at `local` and is sent on from the
+/// other leg's `local` to the other leg's peer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Leg {
+    pub uid: u32,
+    pub local: SocketAddr,
+    /// The peer address signalled (e.g. from SDP); may be absent until media arrives.
+    pub remote: Option<SocketAddr>,
+    /// The peer's real source, learned from its first packet (NAT traversal).
+    pub latched: Option<SocketAddr>,
+    /// Only `remote` may send; no latching.
+    pub strict: bool,
+    pub rtp: bool,
+}
+
+impl Leg {
+    /// Where packets for this leg's peer go: the latched source wins over the signalled one.
+    pub fn peer(&self) -> Option<SocketAddr> {
+        if self.strict {
+            self.remote
+        } else {
+            self.latched.or(self.remote)
+        }
+    }
+}
+
+/// What a caller gives to create one leg of a relay.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LegSpec {
+    pub local: SocketAddr,
+    pub remote: Option<SocketAddr>,
+    #[serde(default)]
+    pub strict: bool,
+    #[serde(default = "default_true")]
+    pub rtp: bool,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Relay {
+    pub a: Leg,
+    pub b: Leg,
+}
+
+/// Which side of a relay.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Side {
+    A,
+    B,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Model {
+    pub rooms: BTreeMap<String, Room>,
+    pub relays: BTreeMap<String, Relay>,
+    next_uid: u32,
+    /// Owner of every local address in use; derived, rebuilt on load.
+    #[serde(skip)]
+    owners: BTreeMap<SocketAddr, String>,
+}
+
+fn not_found(kind: &'static str, id: &str) -> ModelError {
+    ModelError::NotFound { kind, id: id.to_string() }
+}
+
+impl Model {
+    pub fn new() -> Self {
+        Model { next_uid: 1, ..Default::default() }
+    }
+
+    /// Rebuild derived indexes after deserialisation; fails if the stored state is inconsistent.
+    pub fn reindex(&mut self) -> Result<(), ModelError> {
+        let mut fresh = Model { next_uid: self.next_uid.max(1), ..Default::default() };
+        for (rid, room) in &self.rooms {
+            for (pid, p) in &room.participants {
+                fresh.claim(p.local, format!("participant {rid}/{pid}"))?;
+                for s in p.streams.values() {
+                    if let Some(l) = s.local {
+                        fresh.claim(l, format!("participant {rid}/{pid}"))?;
+                    }
+                }
+            }
+        }
+        for (id, r) in &self.relays {
+            fresh.claim(r.a.local, format!("relay {id}/a"))?;
+            fresh.claim(r.b.local, format!("relay {id}/b"))?;
+        }
+        self.owners = fresh.owners;
+        self.next_uid = fresh.next_uid;
+        Ok(())
+    }
+
+    fn claim(&mut self, addr: SocketAddr, owner: String) -> Result<(), ModelError> {
+        match self.owners.get(&addr) {
+            Some(o) if *o != owner => Err(ModelError::AddressInUse { addr, owner: o.clone() }),
+            _ => {
+                self.owners.insert(addr, owner);
+                Ok(())
+            }
+        }
+    }
+
+    fn check_free(&self, addr: SocketAddr, owner: &str) -> Result<(), ModelError> {
+        match self.owners.get(&addr) {
+            Some(o) if o != owner => Err(ModelError::AddressInUse { addr, owner: o.clone() }),
+            _ => Ok(()),
+        }
+    }
+
+    fn uid(&mut self) -> u32 {
+        let u = self.next_uid.max(1);
+        self.next_uid = u + 1;
+        u
+    }
+
+    /// The owner of a local address, if any (e.g. for port allocation).
+    pub fn owner_of(&self, addr: &SocketAddr) -> Option<&str> {
+        self.owners.get(addr).map(String::as_str)
+    }
+
+    pub fn local_addresses(&self) -> impl Iterator<Item = &SocketAddr> {
+        self.owners.keys()
+    }
+
+    pub fn create_room(&mut self, id: &str) -> Result<(), ModelError> {
+        check_id(id)?;
+        if self.rooms.contains_key(id) {
+            return Err(ModelError::Exists { kind: "room", id: id.into() });
+        }
+        self.rooms.insert(id.into(), Room::default());
+        Ok(())
+    }
+
+    pub fn delete_room(&mut self, id: &str) -> Result<(), ModelError> {
+        let room = self.rooms.remove(id).ok_or_else(|| not_found("room", id))?;
+        for p in room.participants.values() {
+            self.release_participant(p);
+        }
+        Ok(())
+    }
+
+    fn release_participant(&mut self, p: &Participant) {
+        self.owners.remove(&p.local);
+        for s in p.streams.values() {
+            if let Some(l) = s.local {
+                self.owners.remove(&l);
+            }
+        }
+    }
+
+    pub fn room(&self, id: &str) -> Result<&Room, ModelError> {
+        self.rooms.get(id).ok_or_else(|| not_found("room", id))
+    }
+
+    fn room_mut(&mut self, id: &str) -> Result<&mut Room, ModelError> {
+        self.rooms.get_mut(id).ok_or_else(|| not_found("room", id))
+    }
+
+    pub fn participant(&self, room: &str, pid: &str) -> Result<&Participant, ModelError> {
+        self.room(room)?.participants.get(pid).ok_or_else(|| not_found("participant", pid))
+    }
+
+    pub fn add_participant(&mut self, room: &str, pid: &str, local: SocketAddr, remote: SocketAddr) -> Result<(), ModelError> {
+        check_id(pid)?;
+        check_addr(local)?;
+        check_addr(remote)?;
+        if local.is_ipv4() != remote.is_ipv4() {
+            return Err(ModelError::FamilyMismatch(format!("participant {pid}")));
+        }
+        let owner = format!("participant {room}/{pid}");
+        let r = self.room(room)?;
+        if r.participants.contains_key(pid) {
+            return Err(ModelError::Exists { kind: "participant", id: pid.into() });
+        }
+        self.check_free(local, &owner)?;
+        self.claim(local, owner)?;
+        self.room_mut(room)?.participants.insert(
+            pid.into(),
+            Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeSet::new() },
+        );
+        Ok(())
+    }
+
+    /// Remove a participant, its streams, and every subscription to them.
+    pub fn remove_participant(&mut self, room: &str, pid: &str) -> Result<(), ModelError> {
+        let p = self.room_mut(room)?.participants.remove(pid).ok_or_else(|| not_found("participant", pid))?;
+        self.release_participant(&p);
+        for other in self.room_mut(room)?.participants.values_mut() {
+            other.subscriptions.retain(|s| s.publisher != pid);
+        }
+        Ok(())
+    }
+
+    /// Ingress of a stream: its own port or its publisher's transport address, plus SSRC.
+    fn ingress_of(p: &Participant, s: &Stream) -> (SocketAddr, Option<u32>) {
+        (s.local.unwrap_or(p.local), s.ssrc)
+    }
+
+    fn find_ingress(&self, addr: SocketAddr, ssrc: Option<u32>) -> Option<String> {
+        for (rid, room) in &self.rooms {
+            for (pid, p) in &room.participants {
+                for (sid, s) in &p.streams {
+                    if Self::ingress_of(p, s) == (addr, ssrc) {
+                        return Some(format!("stream {rid}/{pid}/{sid}"));
+                    }
+                }
+            }
+        }
+        None
+    }
+
+    pub fn publish(&mut self, room: &str, pid: &str, name: &str, spec: StreamSpec) -> Result<u32, ModelError> {
+        check_id(name)?;
+        let owner = format!("participant {room}/{pid}");
+        let p = self.participant(room, pid)?;
+        if p.streams.contains_key(name) {
+            return Err(ModelError::Exists { kind: "stream", id: name.into() });
+        }
+        let ingress = spec.local.unwrap_or(p.local);
+        if let Some(l) = spec.local {
+            check_addr(l)?;
+            if l.is_ipv4() != p.remote.is_ipv4() {
+                return Err(ModelError::FamilyMismatch(format!("stream {name}")));
+            }
+            self.check_free(l, &owner)?;
+        }
+        if let Some(o) = self.find_ingress(ingress, spec.ssrc) {
+            return Err(ModelError::IngressInUse { addr: ingress, ssrc: spec.ssrc, owner: o });
+        }
+        if let Some(l) = spec.local {
+            self.claim(l, owner)?;
+        }
+        let uid = self.uid();
+        let stream = Stream { uid, local: spec.local, ssrc: spec.ssrc, rtp: spec.rtp || spec.ssrc.is_some() };
+        self.room_mut(room)?.participants.get_mut(pid).unwrap().streams.insert(name.into(), stream);
+        Ok(uid)
+    }
+
+    /// Remove a stream and every subscription to it.
+    pub fn unpublish(&mut self, room: &str, pid: &str, name: &str) -> Result<(), ModelError> {
+        let r = self.room_mut(room)?;
+        let p = r.participants.get_mut(pid).ok_or_else(|| not_found("participant", pid))?;
+        let s = p.streams.remove(name).ok_or_else(|| not_found("stream", name))?;
+        let gone = StreamRef { publisher: pid.into(), stream: name.into() };
+        for other in r.participants.values_mut() {
+            other.subscriptions.remove(&gone);
+        }
+        if let Some(l) = s.local {
+            // The participant may still use it for another stream with a different SSRC.
+            let still_used = self.rooms[room].participants[pid].streams.values().any(|o| o.local == Some(l));
+            if !still_used {
+                self.owners.remove(&l);
+            }
+        }
+        Ok(())
+    }
+
+    pub fn subscribe(&mut self, room: &str, subscriber: &str, to: StreamRef) -> Result<(), ModelError> {
+        if subscriber == to.publisher {
+            return Err(ModelError::SelfSubscription);
+        }
+        let r = self.room(room)?;
+        r.participants.get(subscriber).ok_or_else(|| not_found("participant", subscriber))?;
+        let publ = r.participants.get(&to.publisher).ok_or_else(|| not_found("participant", &to.publisher))?;
+        if !publ.streams.contains_key(&to.stream) {
+            return Err(not_found("stream", &to.stream));
+        }
+        self.room_mut(room)?.participants.get_mut(subscriber).unwrap().subscriptions.insert(to);
+        Ok(())
+    }
+
+    pub fn unsubscribe(&mut self, room: &str, subscriber: &str, from: &StreamRef) -> Result<(), ModelError> {
+        let r = self.room_mut(room)?;
+        let p = r.participants.get_mut(subscriber).ok_or_else(|| not_found("participant", subscriber))?;
+        if !p.subscriptions.remove(from) {
+            return Err(not_found("subscription", &format!("{}/{}", from.publisher, from.stream)));
+        }
+        Ok(())
+    }
+
+    pub fn create_relay(&mut self, id: &str, a: LegSpec, b: LegSpec) -> Result<(), ModelError> {
+        check_id(id)?;
+        if self.relays.contains_key(id) {
+            return Err(ModelError::Exists { kind: "relay", id: id.into() });
+        }
+        for (leg, side) in [(&a, "a"), (&b, "b")] {
+            check_addr(leg.local)?;
+            if let Some(r) = leg.remote {
+                check_addr(r)?;
+                if r.is_ipv4() != leg.local.is_ipv4() {
+                    return Err(ModelError::FamilyMismatch(format!("relay {id}/{side}")));
+                }
+            }
+            self.check_free(leg.local, &format!("relay {id}/{side}"))?;
+        }
+        if a.local == b.local {
+            return Err(ModelError::AddressInUse { addr: b.local, owner: format!("relay {id}/a") });
+        }
+        self.claim(a.local, format!("relay {id}/a"))?;
+        self.claim(b.local, format!("relay {id}/b"))?;
+        let mk = |m: &mut Model, s: LegSpec| Leg { uid: m.uid(), local: s.local, remote: s.remote, latched: None, strict: s.strict, rtp: s.rtp };
+        let a = mk(self, a);
+        let b = mk(self, b);
+        self.relays.insert(id.into(), Relay { a, b });
+        Ok(())
+    }
+
+    pub fn delete_relay(&mut self, id: &str) -> Result<Relay, ModelError> {
+        let r = self.relays.remove(id).ok_or_else(|| not_found("relay", id))?;
+        self.owners.remove(&r.a.local);
+        self.owners.remove(&r.b.local);
+        Ok(r)
+    }
+
+    /// Record the real source of a relay leg's peer, learned from its first packet.
+    /// Returns false when nothing changed (already latched there, or strict).
+    pub fn latch(&mut self, id: &str, side: Side, source: SocketAddr) -> Result<bool, ModelError> {
+        let r = self.relays.get_mut(id).ok_or_else(|| not_found("relay", id))?;
+        let leg = match side {
+            Side::A => &mut r.a,
+            Side::B => &mut r.b,
+        };
+        if leg.strict || leg.latched == Some(source) || source.is_ipv4() != leg.local.is_ipv4() {
+            return Ok(false);
+        }
+        leg.latched = Some(source);
+        Ok(true)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    fn room_of_two() -> Model {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "alice", a("10.0.0.1:4000"), a("10.0.1.1:5000")).unwrap();
+        m.add_participant("r", "bob", a("10.0.0.1:4002"), a("10.0.1.2:5000")).unwrap();
+        m
+    }
+
+    #[test]
+    fn ids_and_addresses_are_validated() {
+        let mut m = Model::new();
+        assert!(matches!(m.create_room(""), Err(ModelError::InvalidId(_))));
+        assert!(matches!(m.create_room("a/b"), Err(ModelError::InvalidId(_))));
+        assert!(matches!(m.create_room(&"x".repeat(65)), Err(ModelError::InvalidId(_))));
+        m.create_room("r").unwrap();
+        assert!(matches!(m.create_room("r"), Err(ModelError::Exists { .. })));
+        let e = m.add_participant("r", "p", a("0.0.0.0:4000"), a("10.0.1.1:5000"));
+        assert!(matches!(e, Err(ModelError::BadAddress(_))));
+        let e = m.add_participant("r", "p", a("10.0.0.1:0"), a("10.0.1.1:5000"));
+        assert!(matches!(e, Err(ModelError::BadAddress(_))));
+        let e = m.add_participant("r", "p", a("10.0.0.1:4000"), a("[fd00::1]:5000"));
+        assert!(matches!(e, Err(ModelError::FamilyMismatch(_))));
+        assert!(matches!(m.add_participant("nope", "p", a("10.0.0.1:1"), a("10.0.0.2:1")), Err(ModelError::NotFound { .. })));
+    }
+
+    #[test]
+    fn local_addresses_have_one_owner() {
+        let mut m = room_of_two();
+        let e = m.add_participant("r", "carol", a("10.0.0.1:4000"), a("10.0.1.3:5000"));
+        assert!(matches!(e, Err(ModelError::AddressInUse { .. })));
+        let spec = StreamSpec { local: Some(a("10.0.0.1:4002")), ssrc: None, rtp: true };
+        assert!(matches!(m.publish("r", "alice", "s", spec), Err(ModelError::AddressInUse { .. })));
+        let leg = |p| LegSpec { local: a(p), remote: None, strict: false, rtp: true };
+        assert!(matches!(m.create_relay("c", leg("10.0.0.1:4000"), leg("10.0.0.1:9000")), Err(ModelError::AddressInUse { .. })));
+        m.create_relay("c", leg("10.0.0.1:9000"), leg("10.0.0.1:9002")).unwrap();
+        // Deleting frees the addresses for reuse.
+        m.delete_relay("c").unwrap();
+        m.remove_participant("r", "alice").unwrap();
+        m.add_participant("r", "carol", a("10.0.0.1:4000"), a("10.0.1.3:5000")).unwrap();
+        m.create_relay("c", leg("10.0.0.1:9000"), leg("10.0.0.1:9002")).unwrap();
+    }
+
+    #[test]
+    fn ingress_must_be_unique_but_ssrc_narrows_it() {
+        let mut m = room_of_two();
+        m.publish("r", "alice", "low", StreamSpec { ssrc: Some(1), ..Default::default() }).unwrap();
+        m.publish("r", "alice", "high", StreamSpec { ssrc: Some(2), ..Default::default() }).unwrap();
+        let dup = m.publish("r", "alice", "again", StreamSpec { ssrc: Some(2), ..Default::default() });
+        assert!(matches!(dup, Err(ModelError::IngressInUse { .. })));
+        assert!(matches!(m.publish("r", "alice", "low", StreamSpec::default()), Err(ModelError::Exists { .. })));
+    }
+
+    #[test]
+    fn removing_a_publisher_removes_subscriptions_to_it() {
+        let mut m = room_of_two();
+        m.publish("r", "alice", "main", StreamSpec::default()).unwrap();
+        let sref = StreamRef { publisher: "alice".into(), stream: "main".into() };
+        assert_eq!(m.subscribe("r", "alice", sref.clone()), Err(ModelError::SelfSubscription));
+        m.subscribe("r", "bob", sref.clone()).unwrap();
+        assert!(m.participant("r", "bob").unwrap().subscriptions.contains(&sref));
+        m.unpublish("r", "alice", "main").unwrap();
+        assert!(m.participant("r", "bob").unwrap().subscriptions.is_empty());
+        assert!(matches!(m.unsubscribe("r", "bob", &sref), Err(ModelError::NotFound { .. })));
+    }
+
+    #[test]
+    fn serde_roundtrip_then_reindex_keeps_ownership() {
+        let mut m = room_of_two();
+        m.publish("r", "alice", "hi", StreamSpec { local: Some(a("10.0.0.1:4100")), ssrc: None, rtp: true }).unwrap();
+        let json = serde_json::to_string(&m).unwrap();
+        let mut back: Model = serde_json::from_str(&json).unwrap();
+        back.reindex().unwrap();
+        assert_eq!(back, m);
+        assert_eq!(back.owner_of(&a("10.0.0.1:4100")), Some("participant r/alice"));
+        // uids keep increasing after a reload.
+        let u = back.publish("r", "bob", "x", StreamSpec::default()).unwrap();
+        assert!(u > m.participant("r", "alice").unwrap().streams["hi"].uid);
+    }
+
+    #[test]
+    fn latching_respects_strict_legs() {
+        let mut m = Model::new();
+        let leg = |p, strict| LegSpec { local: a(p), remote: Some(a("10.0.2.1:7000")), strict, rtp: true };
+        m.create_relay("c", leg("10.0.0.1:9000", false), leg("10.0.0.1:9002", true)).unwrap();
+        assert!(m.latch("c", Side::A, a("10.0.2.9:7777")).unwrap());
+        assert!(!m.latch("c", Side::A, a("10.0.2.9:7777")).unwrap());
+        assert!(!m.latch("c", Side::B, a("10.0.2.9:7777")).unwrap());
+        assert_eq!(m.relays["c"].a.peer(), Some(a("10.0.2.9:7777")));
+        assert_eq!(m.relays["c"].b.peer(), Some(a("10.0.2.1:7000")));
+    }
+}

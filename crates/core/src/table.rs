@@ -1,0 +1,388 @@
+//! Forwarding tables: the model compiled into "ingress key -> fan-out list with per-copy
+//! rewrite", and the reference per-packet decision ([`ForwardingTable::classify`]).
+//!
+//! Invariants hold by construction here, so every data plane inherits them:
+//! a copy never goes back to its publisher, only subscribers get copies, and a stream has exactly
+//! one allowed source (fixed, or latched by the control plane from the first packet).
+
+use crate::model::{Leg, Model};
+use crate::rtp::{self, MediaKind, RtpHeader};
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+
+/// Where a packet enters: an SFU address, optionally narrowed by SSRC.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
+pub struct IngressKey {
+    pub local: SocketAddr,
+    pub ssrc: Option<u32>,
+}
+
+/// Who may inject into a stream.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SourceRule {
+    Fixed(SocketAddr),
+    /// Not yet known: the first packet goes to the slow path, which latches it.
+    Latch,
+}
+
+/// One output copy: sent from `from` (the SFU address for that subscriber) to `to`.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct Copy {
+    pub subscriber: String,
+    pub from: SocketAddr,
+    pub to: SocketAddr,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamEntry {
+    /// Stable id (model uid): counters and kernel map slots are keyed by it.
+    pub id: u32,
+    /// Human-readable name: `room/participant/stream` or `relay:id/a`.
+    pub label: String,
+    pub key: IngressKey,
+    pub source: SourceRule,
+    pub rtp: bool,
+    pub copies: Vec<Copy>,
+}
+
+/// Why a packet was dropped; every drop is counted under one of these.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum DropReason {
+    /// Arrived on an SFU address but matches no stream (e.g. unknown SSRC).
+    NoStream,
+    /// Not from the stream's registered or latched source.
+    Stranger,
+    /// Not a valid RTP/RTCP packet on an RTP stream (truncated, garbage).
+    Malformed,
+}
+
+impl DropReason {
+    pub const ALL: [DropReason; 3] = [DropReason::NoStream, DropReason::Stranger, DropReason::Malformed];
+    pub fn as_str(self) -> &'static str {
+        match self {
+            DropReason::NoStream => "no_stream",
+            DropReason::Stranger => "stranger",
+            DropReason::Malformed => "malformed",
+        }
+    }
+}
+
+/// Why a packet goes to the slow path (user space) rather than being forwarded or dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[serde(rename_all = "snake_case")]
+pub enum SlowReason {
+    /// STUN/ICE connectivity checks.
+    Stun,
+    /// First packet of a stream whose source is not latched yet.
+    Unlatched,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict<'t> {
+    Forward(&'t StreamEntry),
+    Drop { reason: DropReason, stream: Option<u32> },
+    SlowPath { reason: SlowReason, stream: Option<u32> },
+}
+
+/// The compiled tables. `version` increases with every compile so drivers can tell updates apart.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ForwardingTable {
+    pub version: u64,
+    pub streams: BTreeMap<IngressKey, StreamEntry>,
+}
+
+/// What changed between two tables, for drivers that update entries in place (kernel maps).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct TableDiff<'t> {
+    pub upserts: Vec<&'t StreamEntry>,
+    pub removals: Vec<IngressKey>,
+}
+
+impl ForwardingTable {
+    /// Compile the model. Copies are sorted by subscriber so equal models give equal tables.
+    pub fn compile(model: &Model, version: u64) -> ForwardingTable {
+        let mut streams = BTreeMap::new();
+        for (rid, room) in &model.rooms {
+            for (pid, p) in &room.participants {
+                for (sid, s) in &p.streams {
+                    let key = IngressKey { local: s.local.unwrap_or(p.local), ssrc: s.ssrc };
+                    let mut copies: Vec<Copy> = room
+                        .participants
+                        .iter()
+                        .filter(|(sub_id, sub)| {
+                            *sub_id != pid
+                                && sub.subscriptions.iter().any(|r| r.publisher == *pid && r.stream == *sid)
+                        })
+                        .map(|(sub_id, sub)| Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote })
+                        .collect();
+                    copies.sort();
+                    streams.insert(
+                        key,
+                        StreamEntry {
+                            id: s.uid,
+                            label: format!("{rid}/{pid}/{sid}"),
+                            key,
+                            source: SourceRule::Fixed(p.remote),
+                            rtp: s.rtp,
+                            copies,
+                        },
+                    );
+                }
+            }
+        }
+        for (id, r) in &model.relays {
+            for (from_leg, to_leg, side, other) in [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")] {
+                let key = IngressKey { local: from_leg.local, ssrc: None };
+                let copies = to_leg
+                    .peer()
+                    .map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to }])
+                    .unwrap_or_default();
+                streams.insert(
+                    key,
+                    StreamEntry {
+                        id: from_leg.uid,
+                        label: format!("relay:{id}/{side}"),
+                        key,
+                        source: relay_source(from_leg),
+                        rtp: from_leg.rtp,
+                        copies,
+                    },
+                );
+            }
+        }
+        ForwardingTable { version, streams }
+    }
+
+    /// Every SFU address a data plane must receive on.
+    pub fn local_addresses(&self) -> Vec<SocketAddr> {
+        let mut v: Vec<SocketAddr> = self.streams.keys().map(|k| k.local).collect();
+        v.dedup();
+        v
+    }
+
+    /// True when some stream on `local` is narrowed by SSRC (the packet's SSRC must be read).
+    pub fn has_ssrc_streams(&self, local: SocketAddr) -> bool {
+        self.streams
+            .range(IngressKey { local, ssrc: Some(0) }..=IngressKey { local, ssrc: Some(u32::MAX) })
+            .next()
+            .is_some()
+    }
+
+    pub fn by_id(&self, id: u32) -> Option<&StreamEntry> {
+        self.streams.values().find(|s| s.id == id)
+    }
+
+    /// The reference decision for a UDP payload that arrived at `local` from `src`.
+    ///
+    /// Order matters and every data plane follows it: unknown address, STUN, RTP validity,
+    /// SSRC lookup, source check, then forward.
+    pub fn classify(&self, local: SocketAddr, src: SocketAddr, payload: &[u8]) -> Verdict<'_> {
+        let any = self.streams.get(&IngressKey { local, ssrc: None });
+        let narrowed = self.has_ssrc_streams(local);
+        if any.is_none() && !narrowed {
+            return Verdict::Drop { reason: DropReason::NoStream, stream: None };
+        }
+        let kind = rtp::demux(payload);
+        if kind == MediaKind::Stun {
+            return Verdict::SlowPath { reason: SlowReason::Stun, stream: any.map(|s| s.id) };
+        }
+        let wants_rtp = narrowed || any.is_some_and(|s| s.rtp);
+        let ssrc = if wants_rtp {
+            match rtp_ssrc(kind, payload) {
+                Some(ssrc) => Some(ssrc),
+                None => return Verdict::Drop { reason: DropReason::Malformed, stream: any.map(|s| s.id) },
+            }
+        } else {
+            None
+        };
+        let entry = ssrc
+            .filter(|_| narrowed)
+            .and_then(|ssrc| self.streams.get(&IngressKey { local, ssrc: Some(ssrc) }))
+            .or(any);
+        let Some(entry) = entry else {
+            return Verdict::Drop { reason: DropReason::NoStream, stream: None };
+        };
+        match entry.source {
+            SourceRule::Fixed(allowed) if allowed == src => Verdict::Forward(entry),
+            SourceRule::Fixed(_) => Verdict::Drop { reason: DropReason::Stranger, stream: Some(entry.id) },
+            SourceRule::Latch => Verdict::SlowPath { reason: SlowReason::Unlatched, stream: Some(entry.id) },
+        }
+    }
+
+    /// Entries to write and keys to delete to turn `old` into `self`.
+    pub fn diff<'t>(&'t self, old: &ForwardingTable) -> TableDiff<'t> {
+        let upserts = self.streams.iter().filter(|(k, v)| old.streams.get(k) != Some(v)).map(|(_, v)| v).collect();
+        let removals = old.streams.keys().filter(|k| !self.streams.contains_key(k)).copied().collect();
+        TableDiff { upserts, removals }
+    }
+}
+
+fn relay_source(leg: &Leg) -> SourceRule {
+    match (leg.strict, leg.remote, leg.latched) {
+        (true, Some(r), _) => SourceRule::Fixed(r),
+        (false, _, Some(l)) => SourceRule::Fixed(l),
+        _ => SourceRule::Latch,
+    }
+}
+
+/// The SSRC of a valid RTP packet, or of the sender of a valid RTCP compound packet.
+fn rtp_ssrc(kind: MediaKind, payload: &[u8]) -> Option<u32> {
+    match kind {
+        MediaKind::Rtp => RtpHeader::parse(payload).ok().map(|h| h.ssrc),
+        MediaKind::Rtcp => rtp::parse_rtcp_compound(payload).ok().map(|p| p[0].sender_ssrc),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::{LegSpec, StreamRef, StreamSpec};
+    use crate::rtp::build_rtp;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    /// n participants p0..p(n-1); each publishes "main" and subscribes to everybody else's.
+    fn full_mesh(n: usize) -> Model {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        for i in 0..n {
+            m.add_participant("r", &format!("p{i}"), a(&format!("10.0.0.1:{}", 4000 + 2 * i)), a(&format!("10.0.1.{}:5000", i + 1)))
+                .unwrap();
+            m.publish("r", &format!("p{i}"), "main", StreamSpec::default()).unwrap();
+        }
+        for i in 0..n {
+            for j in 0..n {
+                if i != j {
+                    let r = StreamRef { publisher: format!("p{j}"), stream: "main".into() };
+                    m.subscribe("r", &format!("p{i}"), r).unwrap();
+                }
+            }
+        }
+        m
+    }
+
+    #[test]
+    fn full_mesh_never_copies_back_to_the_publisher() {
+        let t = ForwardingTable::compile(&full_mesh(12), 1);
+        assert_eq!(t.streams.len(), 12);
+        for e in t.streams.values() {
+            assert_eq!(e.copies.len(), 11);
+            let SourceRule::Fixed(src) = e.source else { panic!() };
+            assert!(e.copies.iter().all(|c| c.to != src));
+            // Each copy leaves from its subscriber's own SFU address.
+            assert!(e.copies.iter().all(|c| c.from != e.key.local));
+        }
+    }
+
+    #[test]
+    fn only_subscribers_get_copies_per_quality() {
+        let mut m = full_mesh(4);
+        // p0 also publishes "high" on its own port; only p2 and p3 subscribe to it.
+        m.publish("r", "p0", "high", StreamSpec { local: Some(a("10.0.0.1:4100")), ..Default::default() }).unwrap();
+        for s in ["p2", "p3"] {
+            m.subscribe("r", s, StreamRef { publisher: "p0".into(), stream: "high".into() }).unwrap();
+        }
+        let t = ForwardingTable::compile(&m, 1);
+        let high = &t.streams[&IngressKey { local: a("10.0.0.1:4100"), ssrc: None }];
+        let subs: Vec<_> = high.copies.iter().map(|c| c.subscriber.as_str()).collect();
+        assert_eq!(subs, ["r/p2", "r/p3"]);
+    }
+
+    #[test]
+    fn classify_follows_the_invariants() {
+        let t = ForwardingTable::compile(&full_mesh(3), 1);
+        let local = a("10.0.0.1:4000");
+        let owner = a("10.0.1.1:5000");
+        let rtp = build_rtp(0, 1, 160, 42, &[0; 160]);
+        match t.classify(local, owner, &rtp) {
+            Verdict::Forward(e) => assert_eq!(e.copies.len(), 2),
+            v => panic!("{v:?}"),
+        }
+        let stranger = t.classify(local, a("10.9.9.9:5000"), &rtp);
+        assert!(matches!(stranger, Verdict::Drop { reason: DropReason::Stranger, stream: Some(_) }));
+        // Same IP, different port is a stranger too.
+        let other_port = t.classify(local, a("10.0.1.1:5001"), &rtp);
+        assert!(matches!(other_port, Verdict::Drop { reason: DropReason::Stranger, .. }));
+        for garbage in [&b""[..], b"\x80", b"hello world!", &[0x80; 11]] {
+            let v = t.classify(local, owner, garbage);
+            assert!(matches!(v, Verdict::Drop { reason: DropReason::Malformed, .. }), "{garbage:?}: {v:?}");
+        }
+        assert!(matches!(t.classify(a("10.0.0.1:9999"), owner, &rtp), Verdict::Drop { reason: DropReason::NoStream, stream: None }));
+        let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+        stun.extend_from_slice(&[0; 12]);
+        assert!(matches!(t.classify(local, a("10.9.9.9:1"), &stun), Verdict::SlowPath { reason: SlowReason::Stun, .. }));
+    }
+
+    #[test]
+    fn non_rtp_streams_forward_any_payload() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "x", a("10.0.0.1:6363"), a("10.0.1.1:6363")).unwrap();
+        m.add_participant("r", "y", a("10.0.0.1:6364"), a("10.0.1.2:6363")).unwrap();
+        m.publish("r", "x", "raw", StreamSpec { rtp: false, ..Default::default() }).unwrap();
+        m.subscribe("r", "y", StreamRef { publisher: "x".into(), stream: "raw".into() }).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        for payload in [&b""[..], b"hello", &[0xff; 46]] {
+            assert!(matches!(t.classify(a("10.0.0.1:6363"), a("10.0.1.1:6363"), payload), Verdict::Forward(_)));
+        }
+    }
+
+    #[test]
+    fn ssrc_narrows_streams_on_one_port() {
+        let mut m = full_mesh(2);
+        m.unpublish("r", "p0", "main").unwrap();
+        m.publish("r", "p0", "low", StreamSpec { ssrc: Some(1), ..Default::default() }).unwrap();
+        m.publish("r", "p0", "high", StreamSpec { ssrc: Some(2), ..Default::default() }).unwrap();
+        m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "high".into() }).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        let (local, src) = (a("10.0.0.1:4000"), a("10.0.1.1:5000"));
+        let v = t.classify(local, src, &build_rtp(96, 1, 1, 2, b"x"));
+        assert!(matches!(v, Verdict::Forward(e) if e.label == "r/p0/high" && e.copies.len() == 1));
+        let v = t.classify(local, src, &build_rtp(96, 1, 1, 1, b"x"));
+        assert!(matches!(v, Verdict::Forward(e) if e.label == "r/p0/low" && e.copies.is_empty()));
+        let v = t.classify(local, src, &build_rtp(96, 1, 1, 3, b"x"));
+        assert!(matches!(v, Verdict::Drop { reason: DropReason::NoStream, .. }));
+        // RTCP SR from SSRC 2 follows the high stream.
+        let mut sr = vec![0x80, 200, 0, 6];
+        sr.extend_from_slice(&2u32.to_be_bytes());
+        sr.extend_from_slice(&[0; 20]);
+        assert!(matches!(t.classify(local, src, &sr), Verdict::Forward(e) if e.label == "r/p0/high"));
+    }
+
+    #[test]
+    fn relay_pairs_are_fan_outs_of_one_and_latch() {
+        let mut m = Model::new();
+        let leg = |l, r| LegSpec { local: a(l), remote: r, strict: false, rtp: true };
+        m.create_relay("call", leg("10.0.0.1:30000", Some(a("10.0.2.1:7000"))), leg("10.0.0.1:30002", Some(a("10.0.3.1:8000"))))
+            .unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        let rtp = build_rtp(8, 1, 1, 1, &[0; 160]);
+        let v = t.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &rtp);
+        assert!(matches!(v, Verdict::SlowPath { reason: SlowReason::Unlatched, .. }));
+        // Behind a NAT: the real source differs from the signalled address.
+        m.latch("call", crate::model::Side::A, a("10.0.2.9:7777")).unwrap();
+        let t2 = ForwardingTable::compile(&m, 2);
+        let v = t2.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &rtp);
+        assert!(matches!(v, Verdict::Drop { reason: DropReason::Stranger, .. }));
+        let back = &t2.streams[&IngressKey { local: a("10.0.0.1:30002"), ssrc: None }];
+        assert_eq!(back.copies[0].to, a("10.0.2.9:7777"), "b's media goes to a's latched source");
+        match t2.classify(a("10.0.0.1:30000"), a("10.0.2.9:7777"), &rtp) {
+            Verdict::Forward(e) => {
+                assert_eq!(e.copies, vec![Copy { subscriber: "relay:call/b".into(), from: a("10.0.0.1:30002"), to: a("10.0.3.1:8000") }])
+            }
+            v => panic!("{v:?}"),
+        }
+        let d = t2.diff(&t);
+        assert_eq!(d.upserts.len(), 2, "a's source and b's destination both changed");
+        assert!(d.removals.is_empty());
+        m.delete_relay("call").unwrap();
+        let t3 = ForwardingTable::compile(&m, 3);
+        assert_eq!(t3.diff(&t2).removals.len(), 2);
+    }
+}

@@ -1,0 +1,141 @@
+//! The [`Dataplane`] trait that every forwarding path implements, the counters they report, and
+//! the portable user-space data plane ([`userspace::UserspaceDataplane`]).
+//!
+//! A data plane is a driver: it installs [`ForwardingTable`]s compiled by the core and moves
+//! packets according to [`ForwardingTable::classify`]; it never decides anything the table does
+//! not say. Slow-path events (a source to latch) go back to the control plane as [`DataplaneEvent`]s.
+
+pub mod sys;
+pub mod userspace;
+
+use mediaplane_core::table::{DropReason, SlowReason};
+use mediaplane_core::ForwardingTable;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+
+pub use userspace::{UserspaceConfig, UserspaceDataplane};
+
+#[derive(Debug, thiserror::Error)]
+pub enum DataplaneError {
+    #[error("cannot bind {addr}: {source}")]
+    Bind { addr: SocketAddr, source: std::io::Error },
+    #[error("{0}")]
+    Unsupported(String),
+    #[error("{context}: {source}")]
+    Io { context: String, source: std::io::Error },
+    #[error("{0}")]
+    Other(String),
+}
+
+/// Something the slow path learned that the control plane must decide on.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum DataplaneEvent {
+    /// The first packet of a stream with a latching source arrived from `source`.
+    Unlatched { stream: u32, source: SocketAddr },
+}
+
+/// Packet counters. The same shape is used per stream and for a whole data plane.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Counters {
+    /// Packets and bytes (UDP payload) received on SFU addresses.
+    pub rx_packets: u64,
+    pub rx_bytes: u64,
+    /// Copies sent and their UDP payload bytes.
+    pub tx_copies: u64,
+    pub tx_bytes: u64,
+    /// Copies that could not be sent (socket error, no route or neighbour).
+    pub tx_errors: u64,
+    pub drop_no_stream: u64,
+    pub drop_stranger: u64,
+    pub drop_malformed: u64,
+    pub slow_stun: u64,
+    pub slow_unlatched: u64,
+}
+
+impl Counters {
+    pub fn add(&mut self, o: &Counters) {
+        self.rx_packets += o.rx_packets;
+        self.rx_bytes += o.rx_bytes;
+        self.tx_copies += o.tx_copies;
+        self.tx_bytes += o.tx_bytes;
+        self.tx_errors += o.tx_errors;
+        self.drop_no_stream += o.drop_no_stream;
+        self.drop_stranger += o.drop_stranger;
+        self.drop_malformed += o.drop_malformed;
+        self.slow_stun += o.slow_stun;
+        self.slow_unlatched += o.slow_unlatched;
+    }
+
+    pub fn count_drop(&mut self, reason: DropReason) {
+        match reason {
+            DropReason::NoStream => self.drop_no_stream += 1,
+            DropReason::Stranger => self.drop_stranger += 1,
+            DropReason::Malformed => self.drop_malformed += 1,
+        }
+    }
+
+    pub fn count_slow(&mut self, reason: SlowReason) {
+        match reason {
+            SlowReason::Stun => self.slow_stun += 1,
+            SlowReason::Unlatched => self.slow_unlatched += 1,
+        }
+    }
+
+    /// (name, value) pairs, for metrics exposition.
+    pub fn fields(&self) -> [(&'static str, u64); 10] {
+        [
+            ("rx_packets", self.rx_packets),
+            ("rx_bytes", self.rx_bytes),
+            ("tx_copies", self.tx_copies),
+            ("tx_bytes", self.tx_bytes),
+            ("tx_errors", self.tx_errors),
+            ("drop_no_stream", self.drop_no_stream),
+            ("drop_stranger", self.drop_stranger),
+            ("drop_malformed", self.drop_malformed),
+            ("slow_stun", self.slow_stun),
+            ("slow_unlatched", self.slow_unlatched),
+        ]
+    }
+}
+
+/// Summary of a latency histogram in nanoseconds.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencySummary {
+    pub count: u64,
+    pub min_ns: u64,
+    pub p50_ns: u64,
+    pub mean_ns: f64,
+    pub p99_ns: u64,
+    pub max_ns: u64,
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct DataplaneStats {
+    pub dataplane: String,
+    /// Version of the table currently installed.
+    pub table_version: u64,
+    pub total: Counters,
+    /// Per stream id (see [`mediaplane_core::StreamEntry::id`]).
+    pub streams: BTreeMap<u32, Counters>,
+    /// Per-copy processing time inside the data plane, where it measures it.
+    pub copy_latency: Option<LatencySummary>,
+    /// Counters particular to one data plane (e.g. kernel verdicts), by name.
+    pub extra: BTreeMap<String, u64>,
+}
+
+/// A forwarding path. Implementations must be safe to call from any thread.
+pub trait Dataplane: Send + Sync {
+    /// "userspace", "ebpf", ...
+    fn name(&self) -> &'static str;
+
+    /// Install `table`. Atomic: each packet sees either the old or the new table, never a mix,
+    /// so an update never yields a duplicate or a copy to a removed subscriber.
+    fn apply(&self, table: Arc<ForwardingTable>) -> Result<(), DataplaneError>;
+
+    fn stats(&self) -> DataplaneStats;
+
+    /// Stop forwarding and release everything this data plane created (sockets, programs, pins).
+    fn shutdown(&self) -> Result<(), DataplaneError>;
+}
