@@ -1,0 +1,383 @@
+//! The portable user-space data plane: UDP sockets, batched I/O, one worker thread per core.
+//!
+//! Every SFU address in the table gets one socket per worker in an `SO_REUSEPORT` group, so the
+//! kernel spreads flows over workers and keeps each flow on one worker (no reordering). A worker
+//! receives with `recvmmsg`, decides with [`ForwardingTable::classify`], and sends each copy from
+//! the socket bound to the copy's `from` address with `sendmmsg`, grouped per socket.
+//!
+//! Atomic updates: the table and the sockets it needs live in one immutable [`State`] snapshot
+//! swapped with `ArcSwap`; a worker loads it once per received batch, so a batch is processed
+//! entirely with the old or entirely with the new table.
+
+use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
+use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats};
+use arc_swap::ArcSwap;
+use mediaplane_core::table::Verdict;
+use mediaplane_core::ForwardingTable;
+use parking_lot::Mutex;
+use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::os::fd::{AsRawFd, RawFd};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::Arc;
+use std::thread::JoinHandle;
+
+/// Largest UDP payload; anything the kernel has to truncate to fit is counted as malformed.
+const MAX_DATAGRAM: usize = 65_535;
+const WAKE_TOKEN: u64 = u64::MAX;
+/// Batches read from one socket before looking at the others (fairness between sockets).
+const BATCHES_PER_TURN: usize = 4;
+
+#[derive(Debug, Clone)]
+pub struct UserspaceConfig {
+    /// Worker threads; 0 means one per core.
+    pub workers: usize,
+    /// Datagrams per `recvmmsg`.
+    pub batch: usize,
+    /// SO_RCVBUF / SO_SNDBUF per socket, bytes.
+    pub socket_buffer: usize,
+}
+
+impl Default for UserspaceConfig {
+    fn default() -> Self {
+        UserspaceConfig { workers: 0, batch: 32, socket_buffer: 4 << 20 }
+    }
+}
+
+/// What workers see: the table and, per SFU address, one socket per worker.
+struct State {
+    table: Arc<ForwardingTable>,
+    sockets: HashMap<SocketAddr, Arc<Vec<Socket>>>,
+}
+
+#[derive(Default)]
+struct WorkerCounters {
+    total: Counters,
+    streams: HashMap<u32, Counters>,
+}
+
+struct Shared {
+    state: ArcSwap<State>,
+    stop: AtomicBool,
+    events: Option<Mutex<Sender<DataplaneEvent>>>,
+}
+
+struct Worker {
+    thread: Option<JoinHandle<()>>,
+    wake: Arc<EventFd>,
+    counters: Arc<Mutex<WorkerCounters>>,
+}
+
+pub struct UserspaceDataplane {
+    shared: Arc<Shared>,
+    workers: Mutex<Vec<Worker>>,
+    cfg: UserspaceConfig,
+    /// Serialises `apply` calls (socket set changes must not interleave).
+    apply_lock: Mutex<()>,
+}
+
+impl UserspaceDataplane {
+    pub fn new(mut cfg: UserspaceConfig, events: Option<Sender<DataplaneEvent>>) -> Result<Self, DataplaneError> {
+        if cfg.workers == 0 {
+            cfg.workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+        }
+        cfg.batch = cfg.batch.clamp(1, 1024);
+        let shared = Arc::new(Shared {
+            state: ArcSwap::from_pointee(State { table: Arc::new(ForwardingTable::default()), sockets: HashMap::new() }),
+            stop: AtomicBool::new(false),
+            events: events.map(Mutex::new),
+        });
+        let mut workers = Vec::new();
+        for id in 0..cfg.workers {
+            let wake = Arc::new(EventFd::new().map_err(|e| io_err("eventfd", e))?);
+            let counters = Arc::new(Mutex::new(WorkerCounters::default()));
+            let epoll = Epoll::new().map_err(|e| io_err("epoll", e))?;
+            epoll.add(wake.raw(), WAKE_TOKEN).map_err(|e| io_err("epoll add", e))?;
+            let ctx = WorkerCtx {
+                id,
+                shared: shared.clone(),
+                wake: wake.clone(),
+                counters: counters.clone(),
+                epoll,
+                batch: RecvBatch::new(cfg.batch, MAX_DATAGRAM),
+                slots: Vec::new(),
+            };
+            let thread = std::thread::Builder::new()
+                .name(format!("mp-worker-{id}"))
+                .spawn(move || ctx.run())
+                .map_err(|e| io_err("spawn worker", e))?;
+            workers.push(Worker { thread: Some(thread), wake, counters });
+        }
+        Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(()) })
+    }
+
+    fn open_socket_group(&self, addr: SocketAddr) -> Result<Vec<Socket>, DataplaneError> {
+        (0..self.cfg.workers).map(|_| open_socket(addr, self.cfg.socket_buffer)).collect()
+    }
+
+    /// The installed table.
+    pub fn table(&self) -> Arc<ForwardingTable> {
+        self.shared.state.load().table.clone()
+    }
+}
+
+fn io_err(context: &str, source: std::io::Error) -> DataplaneError {
+    DataplaneError::Io { context: context.to_string(), source }
+}
+
+fn open_socket(addr: SocketAddr, buffer: usize) -> Result<Socket, DataplaneError> {
+    let bind_err = |source| DataplaneError::Bind { addr, source };
+    let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(bind_err)?;
+    s.set_reuse_port(true).map_err(bind_err)?;
+    s.set_nonblocking(true).map_err(bind_err)?;
+    if addr.is_ipv6() {
+        s.set_only_v6(true).map_err(bind_err)?;
+    } else {
+        // Lets the daemon bind an SFU address before the interface carrying it is up.
+        s.set_freebind(true).map_err(bind_err)?;
+    }
+    // Best effort: the kernel caps these at net.core.{r,w}mem_max.
+    let _ = s.set_recv_buffer_size(buffer);
+    let _ = s.set_send_buffer_size(buffer);
+    s.bind(&SockAddr::from(addr)).map_err(bind_err)?;
+    Ok(s)
+}
+
+impl Dataplane for UserspaceDataplane {
+    fn name(&self) -> &'static str {
+        "userspace"
+    }
+
+    fn apply(&self, table: Arc<ForwardingTable>) -> Result<(), DataplaneError> {
+        let _guard = self.apply_lock.lock();
+        let old = self.shared.state.load_full();
+        let mut sockets = HashMap::new();
+        for addr in table.local_addresses() {
+            let group = match old.sockets.get(&addr) {
+                Some(g) => g.clone(),
+                // If a bind fails the new sockets are dropped and the old state stays installed.
+                None => Arc::new(self.open_socket_group(addr)?),
+            };
+            sockets.insert(addr, group);
+        }
+        self.shared.state.store(Arc::new(State { table, sockets }));
+        for w in self.workers.lock().iter() {
+            w.wake.notify();
+        }
+        Ok(())
+    }
+
+    fn stats(&self) -> DataplaneStats {
+        let mut st = DataplaneStats {
+            dataplane: self.name().into(),
+            table_version: self.shared.state.load().table.version,
+            ..Default::default()
+        };
+        for w in self.workers.lock().iter() {
+            let c = w.counters.lock();
+            st.total.add(&c.total);
+            for (id, sc) in &c.streams {
+                st.streams.entry(*id).or_default().add(sc);
+            }
+        }
+        st
+    }
+
+    fn shutdown(&self) -> Result<(), DataplaneError> {
+        self.shared.stop.store(true, Ordering::SeqCst);
+        let mut workers = self.workers.lock();
+        for w in workers.iter() {
+            w.wake.notify();
+        }
+        for w in workers.iter_mut() {
+            if let Some(t) = w.thread.take() {
+                let _ = t.join();
+            }
+        }
+        self.shared.state.store(Arc::new(State { table: Arc::new(ForwardingTable::default()), sockets: HashMap::new() }));
+        Ok(())
+    }
+}
+
+impl Drop for UserspaceDataplane {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+struct Slot {
+    addr: SocketAddr,
+    group: Arc<Vec<Socket>>,
+    fd: RawFd,
+}
+
+struct WorkerCtx {
+    id: usize,
+    shared: Arc<Shared>,
+    wake: Arc<EventFd>,
+    counters: Arc<Mutex<WorkerCounters>>,
+    epoll: Epoll,
+    batch: RecvBatch,
+    /// Sockets this worker receives on; the index is the epoll token.
+    slots: Vec<Option<Slot>>,
+}
+
+impl WorkerCtx {
+    fn run(mut self) {
+        let mut ready = Vec::with_capacity(64);
+        self.reconcile();
+        while !self.shared.stop.load(Ordering::Relaxed) {
+            if let Err(e) = self.epoll.wait(&mut ready, 200) {
+                tracing::error!(worker = self.id, error = %e, "epoll_wait failed");
+                std::thread::sleep(std::time::Duration::from_millis(10));
+                continue;
+            }
+            for &tok in &ready {
+                if tok == WAKE_TOKEN {
+                    self.wake.drain();
+                    self.reconcile();
+                } else {
+                    self.serve_socket(tok as usize);
+                }
+            }
+        }
+        for slot in self.slots.drain(..).flatten() {
+            let _ = self.epoll.remove(slot.fd);
+        }
+    }
+
+    /// Make this worker's epoll set match the sockets of the current state.
+    fn reconcile(&mut self) {
+        let state = self.shared.state.load();
+        for slot in self.slots.iter_mut() {
+            let keep = slot.as_ref().is_some_and(|s| state.sockets.get(&s.addr).is_some_and(|g| Arc::ptr_eq(g, &s.group)));
+            if !keep {
+                if let Some(s) = slot.take() {
+                    let _ = self.epoll.remove(s.fd);
+                }
+            }
+        }
+        for (addr, group) in &state.sockets {
+            if self.slots.iter().flatten().any(|s| s.addr == *addr) {
+                continue;
+            }
+            let fd = group[self.id].as_raw_fd();
+            let idx = self.slots.iter().position(Option::is_none).unwrap_or_else(|| {
+                self.slots.push(None);
+                self.slots.len() - 1
+            });
+            match self.epoll.add(fd, idx as u64) {
+                Ok(()) => self.slots[idx] = Some(Slot { addr: *addr, group: group.clone(), fd }),
+                Err(e) => tracing::error!(%addr, error = %e, "cannot watch socket"),
+            }
+        }
+    }
+
+    fn serve_socket(&mut self, idx: usize) {
+        let Some(Some(slot)) = self.slots.get(idx) else { return };
+        let (local, fd) = (slot.addr, slot.fd);
+        for _ in 0..BATCHES_PER_TURN {
+            let n = match self.batch.recv(fd) {
+                Ok(0) => return,
+                Ok(n) => n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
+                Err(e) => {
+                    tracing::warn!(%local, error = %e, "recvmmsg failed");
+                    return;
+                }
+            };
+            self.forward_batch(local, n);
+            if n < self.batch.capacity() {
+                return; // drained
+            }
+        }
+    }
+
+    fn forward_batch(&mut self, local: SocketAddr, n: usize) {
+        let state = self.shared.state.load();
+        let mut delta = WorkerCounters::default();
+        // (egress fd, stream id, message) for every copy of the batch.
+        let mut out: Vec<(RawFd, u32, Outgoing<'_>)> = Vec::new();
+        for i in 0..n {
+            let (src, payload, truncated) = self.batch.get(i);
+            delta.total.rx_packets += 1;
+            delta.total.rx_bytes += payload.len() as u64;
+            let Some(src) = src else {
+                delta.total.drop_malformed += 1;
+                continue;
+            };
+            if truncated {
+                delta.total.drop_malformed += 1;
+                continue;
+            }
+            match state.table.classify(local, src, payload) {
+                Verdict::Forward(entry) => {
+                    let sc = delta.streams.entry(entry.id).or_default();
+                    sc.rx_packets += 1;
+                    sc.rx_bytes += payload.len() as u64;
+                    for copy in &entry.copies {
+                        if copy.to == src {
+                            continue; // never back to the sender, whatever the table says
+                        }
+                        match state.sockets.get(&copy.from) {
+                            Some(group) => out.push((group[self.id].as_raw_fd(), entry.id, Outgoing { to: SockAddr::from(copy.to), payload })),
+                            None => {
+                                sc.tx_errors += 1;
+                                delta.total.tx_errors += 1;
+                            }
+                        }
+                    }
+                }
+                Verdict::Drop { reason, stream } => {
+                    delta.total.count_drop(reason);
+                    if let Some(id) = stream {
+                        let sc = delta.streams.entry(id).or_default();
+                        sc.rx_packets += 1;
+                        sc.rx_bytes += payload.len() as u64;
+                        sc.count_drop(reason);
+                    }
+                }
+                Verdict::SlowPath { reason, stream } => {
+                    delta.total.count_slow(reason);
+                    if let Some(id) = stream {
+                        delta.streams.entry(id).or_default().count_slow(reason);
+                        if reason == mediaplane_core::SlowReason::Unlatched {
+                            if let Some(ev) = &self.shared.events {
+                                let _ = ev.lock().send(DataplaneEvent::Unlatched { stream: id, source: src });
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        // Group copies per egress socket, keeping their order within a socket.
+        out.sort_by_key(|(fd, _, _)| *fd);
+        let mut start = 0;
+        while start < out.len() {
+            let fd = out[start].0;
+            let end = start + out[start..].iter().take_while(|(f, _, _)| *f == fd).count();
+            let msgs: Vec<&Outgoing<'_>> = out[start..end].iter().map(|(_, _, m)| m).collect();
+            let failed = sys::send_batch(fd, &msgs);
+            for (k, (_, id, m)) in out[start..end].iter().enumerate() {
+                let sc = delta.streams.entry(*id).or_default();
+                if failed.contains(&k) {
+                    sc.tx_errors += 1;
+                    delta.total.tx_errors += 1;
+                } else {
+                    sc.tx_copies += 1;
+                    sc.tx_bytes += m.payload.len() as u64;
+                    delta.total.tx_copies += 1;
+                    delta.total.tx_bytes += m.payload.len() as u64;
+                }
+            }
+            start = end;
+        }
+        let mut c = self.counters.lock();
+        c.total.add(&delta.total);
+        for (id, sc) in delta.streams {
+            c.streams.entry(id).or_default().add(&sc);
+        }
+    }
+}
