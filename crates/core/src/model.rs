@@ -179,6 +179,40 @@ impl Model {
         Model { next_uid: 1, ..Default::default() }
     }
 
+    /// Reassemble a model from stored parts (rooms and relays stored apart), validating it.
+    pub fn from_parts(rooms: BTreeMap<String, Room>, relays: BTreeMap<String, Relay>, next_uid: u32) -> Result<Model, ModelError> {
+        let mut m = Model { rooms, relays, next_uid, owners: BTreeMap::new() };
+        let max_uid = m
+            .rooms
+            .values()
+            .flat_map(|r| r.participants.values())
+            .flat_map(|p| p.streams.values().map(|s| s.uid))
+            .chain(m.relays.values().flat_map(|r| [r.a.uid, r.b.uid]))
+            .max()
+            .unwrap_or(0);
+        m.next_uid = m.next_uid.max(max_uid + 1);
+        m.reindex()?;
+        Ok(m)
+    }
+
+    /// The uid the next stream or leg will get (persisted so uids are never reused).
+    pub fn next_uid(&self) -> u32 {
+        self.next_uid
+    }
+
+    /// Find the relay leg with this uid: (relay id, side).
+    pub fn relay_leg_by_uid(&self, uid: u32) -> Option<(&str, Side)> {
+        self.relays.iter().find_map(|(id, r)| {
+            if r.a.uid == uid {
+                Some((id.as_str(), Side::A))
+            } else if r.b.uid == uid {
+                Some((id.as_str(), Side::B))
+            } else {
+                None
+            }
+        })
+    }
+
     /// Rebuild derived indexes after deserialisation; fails if the stored state is inconsistent.
     pub fn reindex(&mut self) -> Result<(), ModelError> {
         let mut fresh = Model { next_uid: self.next_uid.max(1), ..Default::default() };

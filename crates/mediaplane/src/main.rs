@@ -1,1 +1,133 @@
-fn main() {}
+//! `mediaplane`: serve | ctl | demo.
+
+mod ctl;
+mod demo;
+
+use anyhow::Context;
+use clap::{Parser, Subcommand};
+use mediaplane_control::{Config, DataplaneKind};
+use mediaplane_dataplane::{Dataplane, DataplaneEvent, UserspaceConfig, UserspaceDataplane};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+
+#[derive(Parser)]
+#[command(name = "mediaplane", version, about = "Media forwarding plane for SFUs and SIP media relays, with an eBPF kernel fast path")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Run the daemon: HTTP/JSON API + a data plane, sessions kept in an embedded store.
+    Serve(ServeArgs),
+    /// Talk to a running daemon's API.
+    Ctl(ctl::CtlArgs),
+    /// Run a real multi-party conference in network namespaces and print what everyone received.
+    Demo(demo::DemoArgs),
+}
+
+#[derive(clap::Args)]
+struct ServeArgs {
+    /// TOML configuration file; every key has a default (see README).
+    #[arg(long, short)]
+    config: Option<PathBuf>,
+    /// API listen address (overrides api.listen).
+    #[arg(long)]
+    listen: Option<SocketAddr>,
+    /// Data plane (overrides dataplane.kind).
+    #[arg(long, value_parser = parse_kind)]
+    dataplane: Option<DataplaneKind>,
+    /// eBPF: interface to attach to; repeat for several (overrides dataplane.interfaces).
+    #[arg(long = "interface")]
+    interfaces: Vec<String>,
+    /// SQLite store path (overrides store.path).
+    #[arg(long)]
+    store: Option<PathBuf>,
+    /// User-space worker threads, 0 = one per core (overrides dataplane.workers).
+    #[arg(long)]
+    workers: Option<usize>,
+    /// Start empty: forget stored sessions (and, for eBPF, stale pinned state).
+    #[arg(long)]
+    reset: bool,
+}
+
+fn parse_kind(s: &str) -> Result<DataplaneKind, String> {
+    match s {
+        "userspace" => Ok(DataplaneKind::Userspace),
+        "ebpf" => Ok(DataplaneKind::Ebpf),
+        _ => Err(format!("unknown data plane {s:?}: use userspace or ebpf")),
+    }
+}
+
+fn main() {
+    let cli = Cli::parse();
+    let result = match cli.command {
+        Command::Serve(args) => serve(args),
+        Command::Ctl(args) => ctl::run(args),
+        Command::Demo(args) => demo::run(args),
+    };
+    if let Err(e) = result {
+        eprintln!("error: {e:#}");
+        std::process::exit(1);
+    }
+}
+
+fn init_logging(cfg: &Config) {
+    let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    if cfg.log.format == "json" {
+        builder.json().init();
+    } else {
+        builder.init();
+    }
+}
+
+fn serve(args: ServeArgs) -> anyhow::Result<()> {
+    let mut cfg = match &args.config {
+        Some(p) => Config::load(p).map_err(anyhow::Error::msg)?,
+        None => Config::default(),
+    };
+    if let Some(l) = args.listen {
+        cfg.api.listen = l;
+    }
+    if let Some(k) = args.dataplane {
+        cfg.dataplane.kind = k;
+    }
+    if !args.interfaces.is_empty() {
+        cfg.dataplane.interfaces = args.interfaces.clone();
+    }
+    if let Some(s) = args.store {
+        cfg.store.path = s;
+    }
+    if let Some(w) = args.workers {
+        cfg.dataplane.workers = w;
+    }
+    cfg.validate().map_err(anyhow::Error::msg)?;
+    init_logging(&cfg);
+
+    let (tx, rx) = std::sync::mpsc::channel::<DataplaneEvent>();
+    let dataplane = build_dataplane(&cfg, tx, args.reset)?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    rt.block_on(mediaplane_control::serve(cfg, dataplane, Some(rx), args.reset, shutdown_signal()))
+}
+
+fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>, _reset: bool) -> anyhow::Result<Arc<dyn Dataplane>> {
+    let us = UserspaceConfig { workers: cfg.dataplane.workers, batch: cfg.dataplane.batch, ..Default::default() };
+    match cfg.dataplane.kind {
+        DataplaneKind::Userspace => Ok(Arc::new(UserspaceDataplane::new(us, Some(events)).context("starting the user-space data plane")?)),
+        DataplaneKind::Ebpf => anyhow::bail!("the ebpf data plane is not built into this binary yet"),
+    }
+}
+
+/// Resolves on SIGINT or SIGTERM: both mean a graceful shutdown.
+async fn shutdown_signal() {
+    use tokio::signal::unix::{signal, SignalKind};
+    let mut term = signal(SignalKind::terminate()).expect("SIGTERM handler");
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => {}
+        _ = term.recv() => {}
+    }
+    tracing::info!("shutdown requested");
+}

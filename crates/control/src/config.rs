@@ -1,0 +1,162 @@
+//! `serve` configuration: a TOML file whose every key has a default, so an empty file (or none)
+//! is a working configuration.
+
+use serde::{Deserialize, Serialize};
+use std::net::{IpAddr, SocketAddr};
+use std::path::{Path, PathBuf};
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Config {
+    pub api: ApiConfig,
+    pub dataplane: DataplaneConfig,
+    pub media: MediaConfig,
+    pub store: StoreConfig,
+    pub log: LogConfig,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct ApiConfig {
+    /// HTTP/JSON API address. Loopback by default: the API has no authentication yet.
+    pub listen: SocketAddr,
+    /// Largest request body accepted, bytes.
+    pub max_body: usize,
+}
+
+#[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum DataplaneKind {
+    Userspace,
+    Ebpf,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct DataplaneConfig {
+    pub kind: DataplaneKind,
+    /// User-space workers (0 = one per core) and datagrams per recvmmsg.
+    pub workers: usize,
+    pub batch: usize,
+    /// eBPF: interfaces to attach the TC program to (media arrives on them).
+    pub interfaces: Vec<String>,
+    /// eBPF: bpffs directory for pinned maps and links (per instance).
+    pub pin_dir: PathBuf,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct MediaConfig {
+    /// SFU address used when a participant or relay leg is created without a local address.
+    pub ip: IpAddr,
+    /// Port range for allocated local addresses (RTP even; the odd port above is kept for RTCP).
+    pub port_min: u16,
+    pub port_max: u16,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct StoreConfig {
+    /// SQLite file holding sessions across restarts.
+    pub path: PathBuf,
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct LogConfig {
+    /// `text` or `json`.
+    pub format: String,
+    /// tracing filter, e.g. `info` or `mediaplane_control=debug`.
+    pub level: String,
+}
+
+impl Default for ApiConfig {
+    fn default() -> Self {
+        ApiConfig { listen: "127.0.0.1:7580".parse().unwrap(), max_body: 64 * 1024 }
+    }
+}
+impl Default for DataplaneConfig {
+    fn default() -> Self {
+        DataplaneConfig {
+            kind: DataplaneKind::Userspace,
+            workers: 0,
+            batch: 32,
+            interfaces: Vec::new(),
+            pin_dir: PathBuf::from("/sys/fs/bpf/mediaplane"),
+        }
+    }
+}
+impl Default for MediaConfig {
+    fn default() -> Self {
+        MediaConfig { ip: "127.0.0.1".parse().unwrap(), port_min: 30000, port_max: 39999 }
+    }
+}
+impl Default for StoreConfig {
+    fn default() -> Self {
+        StoreConfig { path: PathBuf::from("mediaplane.db") }
+    }
+}
+impl Default for LogConfig {
+    fn default() -> Self {
+        LogConfig { format: "text".into(), level: "info".into() }
+    }
+}
+impl Default for Config {
+    fn default() -> Self {
+        Config {
+            api: ApiConfig::default(),
+            dataplane: DataplaneConfig::default(),
+            media: MediaConfig::default(),
+            store: StoreConfig::default(),
+            log: LogConfig::default(),
+        }
+    }
+}
+
+impl Config {
+    pub fn from_toml(text: &str) -> Result<Config, String> {
+        let c: Config = toml::from_str(text).map_err(|e| e.to_string())?;
+        c.validate()?;
+        Ok(c)
+    }
+
+    pub fn load(path: &Path) -> Result<Config, String> {
+        let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+        Config::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))
+    }
+
+    pub fn validate(&self) -> Result<(), String> {
+        if self.media.port_min == 0 || self.media.port_min > self.media.port_max {
+            return Err(format!("media port range {}-{} is empty or starts at 0", self.media.port_min, self.media.port_max));
+        }
+        if self.media.ip.is_unspecified() {
+            return Err("media.ip must be a concrete address, not 0.0.0.0 or ::".into());
+        }
+        if !matches!(self.log.format.as_str(), "text" | "json") {
+            return Err(format!("log.format must be \"text\" or \"json\", not {:?}", self.log.format));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn empty_file_is_the_default() {
+        assert_eq!(Config::from_toml("").unwrap(), Config::default());
+        assert!(Config::default().api.listen.ip().is_loopback());
+    }
+
+    #[test]
+    fn partial_file_overrides_and_typos_are_errors() {
+        let c = Config::from_toml("[dataplane]\nkind = \"ebpf\"\ninterfaces = [\"eth1\"]\n").unwrap();
+        assert_eq!(c.dataplane.kind, DataplaneKind::Ebpf);
+        assert_eq!(c.dataplane.batch, 32);
+        let e = Config::from_toml("[api]\nlisten_addr = \"x\"\n").unwrap_err();
+        assert!(e.contains("listen_addr"), "{e}");
+        let e = Config::from_toml("[media]\nport_min = 5000\nport_max = 10\n").unwrap_err();
+        assert!(e.contains("port range"), "{e}");
+    }
+}

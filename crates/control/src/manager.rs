@@ -1,0 +1,165 @@
+//! The session manager: the single writer of the model. Every mutation is applied to a copy,
+//! compiled, installed in the data plane, persisted, and only then becomes the model; a failure
+//! at any step leaves model, data plane and store as they were.
+
+use crate::config::MediaConfig;
+use crate::store::{Change, Store, StoreError};
+use mediaplane_core::model::{ModelError, Side};
+use mediaplane_core::{ForwardingTable, Model};
+use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneStats};
+use parking_lot::Mutex;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ManagerError {
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    #[error("data plane refused the update: {0}")]
+    Dataplane(#[from] DataplaneError),
+    #[error(transparent)]
+    Store(#[from] StoreError),
+    #[error("no free port left in {ip} {min}-{max}")]
+    NoFreePort { ip: IpAddr, min: u16, max: u16 },
+}
+
+struct Inner {
+    model: Model,
+    table: Arc<ForwardingTable>,
+    store: Store,
+}
+
+pub struct SessionManager {
+    inner: Mutex<Inner>,
+    dataplane: Arc<dyn Dataplane>,
+    media: MediaConfig,
+}
+
+impl SessionManager {
+    /// Load the stored sessions and install them: after a restart, media flows again.
+    pub fn open(store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig) -> Result<SessionManager, ManagerError> {
+        let model = store.load()?;
+        let table = Arc::new(ForwardingTable::compile(&model, 1));
+        dataplane.apply(table.clone())?;
+        Ok(SessionManager { inner: Mutex::new(Inner { model, table, store }), dataplane, media })
+    }
+
+    pub fn dataplane(&self) -> &Arc<dyn Dataplane> {
+        &self.dataplane
+    }
+
+    /// Apply `f` to a copy of the model; install and persist the result, or change nothing.
+    pub fn mutate<R>(&self, f: impl FnOnce(&mut Model, &MediaConfig) -> Result<(R, Vec<Change>), ManagerError>) -> Result<R, ManagerError> {
+        let mut inner = self.inner.lock();
+        let mut next = inner.model.clone();
+        let (out, changes) = f(&mut next, &self.media)?;
+        let table = Arc::new(ForwardingTable::compile(&next, inner.table.version + 1));
+        self.dataplane.apply(table.clone())?;
+        if let Err(e) = inner.store.save(&next, &changes) {
+            // Not persisted, so not accepted: put the previous table back.
+            if let Err(e2) = self.dataplane.apply(inner.table.clone()) {
+                tracing::error!(error = %e2, "could not restore the previous table after a store failure");
+            }
+            return Err(e.into());
+        }
+        inner.model = next;
+        inner.table = table;
+        Ok(out)
+    }
+
+    pub fn read<R>(&self, f: impl FnOnce(&Model, &ForwardingTable) -> R) -> R {
+        let inner = self.inner.lock();
+        f(&inner.model, &inner.table)
+    }
+
+    /// The slow path saw the first packet of a latching stream: learn its source.
+    pub fn latch(&self, stream: u32, source: SocketAddr) -> Result<bool, ManagerError> {
+        self.mutate(|m, _| {
+            let Some((id, side)) = m.relay_leg_by_uid(stream).map(|(id, s)| (id.to_string(), s)) else {
+                return Ok((false, vec![]));
+            };
+            let changed = m.latch(&id, side, source)?;
+            tracing::info!(relay = %id, side = ?side, %source, changed, "latched");
+            Ok((changed, vec![Change::Relay(id)]))
+        })
+    }
+
+    pub fn stats(&self) -> DataplaneStats {
+        self.dataplane.stats()
+    }
+
+    /// Forget everything (model, store, data plane tables).
+    pub fn reset(&self) -> Result<(), ManagerError> {
+        let mut inner = self.inner.lock();
+        let table = Arc::new(ForwardingTable { version: inner.table.version + 1, ..Default::default() });
+        self.dataplane.apply(table.clone())?;
+        inner.store.clear()?;
+        inner.model = Model::new();
+        inner.table = table;
+        Ok(())
+    }
+}
+
+/// A free local address on `media.ip`: an even port whose odd neighbour (RTCP) is free too.
+/// Addresses in `exclude` are taken too (reserved earlier in the same request).
+pub fn allocate_local(model: &Model, media: &MediaConfig, exclude: &[SocketAddr]) -> Result<SocketAddr, ManagerError> {
+    let start = media.port_min + (media.port_min % 2);
+    let mut port = start as u32;
+    while port < media.port_max as u32 {
+        let rtp = SocketAddr::new(media.ip, port as u16);
+        let rtcp = SocketAddr::new(media.ip, port as u16 + 1);
+        let free = |a: &SocketAddr| model.owner_of(a).is_none() && !exclude.contains(a);
+        if free(&rtp) && free(&rtcp) {
+            return Ok(rtp);
+        }
+        port += 2;
+    }
+    Err(ManagerError::NoFreePort { ip: media.ip, min: media.port_min, max: media.port_max })
+}
+
+/// The relay side named in an API path.
+pub fn parse_side(s: &str) -> Option<Side> {
+    match s {
+        "a" => Some(Side::A),
+        "b" => Some(Side::B),
+        _ => None,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mediaplane_dataplane::{UserspaceConfig, UserspaceDataplane};
+
+    fn media() -> MediaConfig {
+        MediaConfig { ip: "127.78.0.1".parse().unwrap(), port_min: 40001, port_max: 40006 }
+    }
+
+    #[test]
+    fn allocation_skips_used_ports_and_runs_out_cleanly() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        let a1 = allocate_local(&m, &media(), &[]).unwrap();
+        assert_eq!(a1.port(), 40002, "even port");
+        m.add_participant("r", "x", a1, "127.78.1.1:5000".parse().unwrap()).unwrap();
+        let a2 = allocate_local(&m, &media(), &[]).unwrap();
+        assert_eq!(a2.port(), 40004);
+        m.add_participant("r", "y", a2, "127.78.1.2:5000".parse().unwrap()).unwrap();
+        assert!(matches!(allocate_local(&m, &media(), &[]), Err(ManagerError::NoFreePort { .. })));
+    }
+
+    #[test]
+    fn failed_mutation_changes_nothing() {
+        let dp: Arc<dyn Dataplane> = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap());
+        let mgr = SessionManager::open(Store::in_memory().unwrap(), dp, media()).unwrap();
+        mgr.mutate(|m, _| Ok((m.create_room("r")?, vec![Change::Room("r".into())]))).unwrap();
+        let before = mgr.read(|m, t| (m.clone(), t.version));
+        let r: Result<(), _> = mgr.mutate(|m, _| {
+            m.create_room("other")?;
+            m.create_room("r")?; // fails: exists
+            Ok(((), vec![]))
+        });
+        assert!(matches!(r, Err(ManagerError::Model(ModelError::Exists { .. }))));
+        assert_eq!(mgr.read(|m, t| (m.clone(), t.version)), before);
+    }
+}
