@@ -171,6 +171,17 @@ pub fn router(state: AppState, max_body: usize) -> Router {
         .route("/v1/table", get(table))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
+        // Declared-too-large bodies are refused before a byte is read; chunked ones when they
+        // cross the limit.
+        .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| async move {
+            let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            match declared {
+                Some(n) if n > max_body as u64 => {
+                    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", format!("request body of {n} bytes exceeds {max_body}")).into_response()
+                }
+                _ => next.run(req).await,
+            }
+        }))
         .layer(DefaultBodyLimit::max(max_body))
         .with_state(state)
 }

@@ -156,9 +156,12 @@ impl ForwardingTable {
         ForwardingTable { version, streams }
     }
 
-    /// Every SFU address a data plane must receive on.
+    /// Every SFU address a data plane uses: ingress addresses and the addresses copies are sent
+    /// from (a subscriber that publishes nothing still receives from its own SFU address).
     pub fn local_addresses(&self) -> Vec<SocketAddr> {
-        let mut v: Vec<SocketAddr> = self.streams.keys().map(|k| k.local).collect();
+        let mut v: Vec<SocketAddr> =
+            self.streams.values().flat_map(|e| std::iter::once(e.key.local).chain(e.copies.iter().map(|c| c.from))).collect();
+        v.sort();
         v.dedup();
         v
     }
@@ -292,6 +295,15 @@ mod tests {
         let high = &t.streams[&IngressKey { local: a("10.0.0.1:4100"), ssrc: None }];
         let subs: Vec<_> = high.copies.iter().map(|c| c.subscriber.as_str()).collect();
         assert_eq!(subs, ["r/p2", "r/p3"]);
+    }
+
+    #[test]
+    fn local_addresses_include_egress_only_subscribers() {
+        let mut m = full_mesh(2);
+        m.add_participant("r", "viewer", a("10.0.0.1:4100"), a("10.0.1.9:5000")).unwrap();
+        m.subscribe("r", "viewer", StreamRef { publisher: "p0".into(), stream: "main".into() }).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        assert_eq!(t.local_addresses(), vec![a("10.0.0.1:4000"), a("10.0.0.1:4002"), a("10.0.0.1:4100")]);
     }
 
     #[test]

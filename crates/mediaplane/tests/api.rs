@@ -1,0 +1,177 @@
+//! Every API endpoint's success and error paths against a real `mediaplane serve`, and a check
+//! that no bad input takes the daemon down.
+
+mod common;
+
+use common::{Daemon, TempDir};
+use serde_json::{json, Value};
+
+fn code(v: &Value) -> &str {
+    v["code"].as_str().unwrap_or("")
+}
+
+#[test]
+fn every_endpoint_success_and_error_paths() {
+    let dir = TempDir::new("api");
+    let mut d = Daemon::start(&dir.0.join("s.db"), &[]);
+
+    let (s, v) = d.call("GET", "/health", None);
+    assert_eq!((s, v["status"].as_str()), (200, Some("ok")));
+    assert_eq!(v["dataplane"], "userspace");
+
+    // Rooms.
+    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "conf"}))).0, 201);
+    let (s, v) = d.call("POST", "/v1/rooms", Some(json!({"id": "conf"})));
+    assert_eq!((s, code(&v)), (409, "exists"));
+    let (s, v) = d.call("POST", "/v1/rooms", Some(json!({"id": "bad/id"})));
+    assert_eq!((s, code(&v)), (400, "invalid"));
+    assert!(v["error"].as_str().unwrap().contains("invalid id"));
+    let (s, v) = d.call("POST", "/v1/rooms", Some(json!({"name": "conf"})));
+    assert_eq!(s, 422, "unknown/missing fields: {v}");
+    assert!(v["error"].as_str().unwrap().contains("id"), "{v}");
+    let (s, v) = d.call("GET", "/v1/rooms", None);
+    assert_eq!((s, v["rooms"].clone()), (200, json!(["conf"])));
+    assert_eq!(d.call("GET", "/v1/rooms/conf", None).0, 200);
+    let (s, v) = d.call("GET", "/v1/rooms/nope", None);
+    assert_eq!((s, code(&v)), (404, "not_found"));
+
+    // Malformed bodies: not JSON, wrong content type, too large.
+    let r = ureq::post(&format!("{}/v1/rooms", d.api)).set("content-type", "application/json").send_string("{not json");
+    match r {
+        Err(ureq::Error::Status(400, resp)) => assert_eq!(resp.into_json::<Value>().unwrap()["code"], "bad_request"),
+        other => panic!("syntax error must be a 400: {other:?}"),
+    }
+    match ureq::post(&format!("{}/v1/rooms", d.api)).set("content-type", "text/plain").send_string("{}") {
+        Err(ureq::Error::Status(415, _)) => {}
+        other => panic!("wrong content type must be a 415: {other:?}"),
+    }
+    // Announce a 200 kB body and wait: the limit must answer 413 before reading any of it.
+    {
+        use std::io::{Read, Write};
+        let mut tcp = std::net::TcpStream::connect(d.listen).unwrap();
+        tcp.set_read_timeout(Some(std::time::Duration::from_secs(5))).unwrap();
+        write!(tcp, "POST /v1/rooms HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\ncontent-length: 200000\r\nexpect: 100-continue\r\n\r\n").unwrap();
+        let mut resp = vec![0u8; 4096];
+        let n = tcp.read(&mut resp).unwrap();
+        let text = String::from_utf8_lossy(&resp[..n]);
+        assert!(text.starts_with("HTTP/1.1 413"), "{text}");
+        assert!(text.contains("too_large"), "{text}");
+    }
+
+    // Participants.
+    let add = |id: &str, remote: &str, local: Option<&str>| json!({"id": id, "remote": remote, "local": local});
+    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("alice", "127.79.0.10:5000", Some("127.79.0.1:42000"))));
+    assert_eq!((s, v["local"].as_str()), (201, Some("127.79.0.1:42000")));
+    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("bob", "127.79.0.11:5000", None)));
+    assert_eq!(s, 201, "{v}");
+    assert!(v["local"].as_str().unwrap().starts_with("127.0.0.1:"), "allocated from the media range: {v}");
+    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("bob", "127.79.0.12:5000", None)));
+    assert_eq!((s, code(&v)), (409, "exists"));
+    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("carol", "127.79.0.12:5000", Some("127.79.0.1:42000"))));
+    assert_eq!((s, code(&v)), (409, "address_in_use"));
+    let (s, _) = d.call("POST", "/v1/rooms/conf/participants", Some(json!({"id": "carol", "remote": "not-an-address"})));
+    assert_eq!(s, 422);
+    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("carol", "0.0.0.0:5000", None)));
+    assert_eq!((s, code(&v)), (400, "invalid"));
+    let (s, v) = d.call("POST", "/v1/rooms/nope/participants", Some(add("carol", "127.79.0.12:5000", None)));
+    assert_eq!((s, code(&v)), (404, "not_found"));
+    assert_eq!(d.call("GET", "/v1/rooms/conf/participants/alice", None).0, 200);
+    assert_eq!(d.call("GET", "/v1/rooms/conf/participants/zed", None).0, 404);
+
+    // Streams and subscriptions.
+    let (s, v) = d.call("POST", "/v1/rooms/conf/participants/alice/streams", Some(json!({"name": "low", "ssrc": 1})));
+    assert_eq!(s, 201, "{v}");
+    let (s, v) = d.call("POST", "/v1/rooms/conf/participants/alice/streams", Some(json!({"name": "low"})));
+    assert_eq!((s, code(&v)), (409, "exists"));
+    let (s, v) = d.call("POST", "/v1/rooms/conf/participants/alice/streams", Some(json!({"name": "dup", "ssrc": 1})));
+    assert_eq!((s, code(&v)), (409, "address_in_use"));
+    assert_eq!(d.call("POST", "/v1/rooms/conf/participants/zed/streams", Some(json!({"name": "x"}))).0, 404);
+    let sub = |p: &str, s: &str| json!({"publisher": p, "stream": s});
+    assert_eq!(d.call("POST", "/v1/rooms/conf/participants/bob/subscriptions", Some(sub("alice", "low"))).0, 201);
+    let (s, v) = d.call("POST", "/v1/rooms/conf/participants/alice/subscriptions", Some(sub("alice", "low")));
+    assert_eq!((s, code(&v)), (400, "invalid"));
+    assert_eq!(d.call("POST", "/v1/rooms/conf/participants/bob/subscriptions", Some(sub("alice", "nope"))).0, 404);
+    let (s, t) = d.call("GET", "/v1/table", None);
+    assert_eq!(s, 200);
+    assert_eq!(t["streams"][0]["copies"][0]["subscriber"], "conf/bob");
+    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/bob/subscriptions/alice/low", None).0, 200);
+    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/bob/subscriptions/alice/low", None).0, 404);
+    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/alice/streams/low", None).0, 200);
+    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/alice/streams/low", None).0, 404);
+
+    // Relays.
+    let relay = json!({"id": "call1", "a": {"remote": "127.79.1.10:7000"}, "b": {"remote": "127.79.1.11:7000", "strict": true}});
+    let (s, v) = d.call("POST", "/v1/relays", Some(relay.clone()));
+    assert_eq!(s, 201, "{v}");
+    assert_ne!(v["a"]["local"], v["b"]["local"], "two distinct allocated ports");
+    assert_eq!(d.call("POST", "/v1/relays", Some(relay)).0, 409);
+    assert_eq!(d.call("GET", "/v1/relays", None).1["relays"], json!(["call1"]));
+    assert_eq!(d.call("GET", "/v1/relays/call1", None).0, 200);
+    assert_eq!(d.call("GET", "/v1/relays/nope", None).0, 404);
+    let (s, _) = d.call("POST", "/v1/relays", Some(json!({"id": "c2", "a": {}})));
+    assert_eq!(s, 422, "missing leg b");
+
+    // Stats and metrics.
+    let (s, v) = d.call("GET", "/v1/stats", None);
+    assert_eq!(s, 200);
+    assert_eq!(v["dataplane"], "userspace");
+    assert!(v["streams"].as_array().unwrap().iter().any(|x| x["label"] == "relay:call1/a"), "{v}");
+    let metrics = ureq::get(&format!("{}/metrics", d.api)).call().unwrap().into_string().unwrap();
+    assert!(metrics.contains("mediaplane_rx_packets_total{dataplane=\"userspace\"}"), "{metrics}");
+    assert!(metrics.contains("mediaplane_table_version"), "{metrics}");
+
+    // Unknown endpoint and wrong method are JSON errors too.
+    let (s, v) = d.call("GET", "/v2/nothing", None);
+    assert_eq!((s, code(&v)), (404, "not_found"));
+    let (s, v) = d.call("PUT", "/v1/rooms", Some(json!({})));
+    assert_eq!((s, code(&v)), (405, "method_not_allowed"));
+
+    // Deletions.
+    assert_eq!(d.call("DELETE", "/v1/relays/call1", None).0, 200);
+    assert_eq!(d.call("DELETE", "/v1/relays/call1", None).0, 404);
+    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/alice", None).0, 200);
+    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/alice", None).0, 404);
+    assert_eq!(d.call("DELETE", "/v1/rooms/conf", None).0, 200);
+    assert_eq!(d.call("DELETE", "/v1/rooms/conf", None).0, 404);
+
+    assert!(d.alive(), "no input may take the daemon down");
+    assert!(d.terminate().success(), "graceful shutdown exits 0");
+}
+
+#[test]
+fn ctl_prints_results_and_api_errors() {
+    let dir = TempDir::new("ctl");
+    let d = Daemon::start(&dir.0.join("s.db"), &[]);
+    let ctl = |args: &[&str]| {
+        std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane")).arg("ctl").arg("--api").arg(&d.api).args(args).output().unwrap()
+    };
+    let out = ctl(&["room", "create", "r1"]);
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+    let out = ctl(&["participant", "add", "r1", "p", "--remote", "127.79.2.10:5000"]);
+    assert!(out.status.success());
+    let v: Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(v["id"], "p");
+    let out = ctl(&["room", "create", "r1"]);
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("409") && err.contains("already exists"), "{err}");
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["ctl", "--api", "http://127.0.0.1:1", "health"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach"));
+}
+
+#[test]
+fn bad_config_is_a_clear_startup_error() {
+    let dir = TempDir::new("cfg");
+    let cfg = dir.0.join("bad.toml");
+    std::fs::write(&cfg, "[media]\nport_min = 9\nport_max = 2\n").unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["serve", "--config", cfg.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("port range"));
+}
