@@ -1,0 +1,29 @@
+# mediaplane: the two commands a fresh machine needs are `make demo` and `make test`.
+SHELL := /bin/bash
+export PATH := $(HOME)/.cargo/bin:$(PATH)
+CARGO ?= cargo
+
+.PHONY: all deps build release test demo bench clean
+
+all: build
+
+deps:
+	@scripts/install-deps.sh
+
+build: deps
+	$(CARGO) build --workspace
+
+release: deps
+	$(CARGO) build --release -p mediaplane
+
+# Unit, loopback, kernel (BPF_PROG_TEST_RUN, network namespaces) and interop tests.
+# Privileged tests fail rather than skip when CI=true.
+test: deps
+	$(CARGO) test --workspace --no-fail-fast
+
+# A real multi-party conference in network namespaces, through each data plane.
+demo: release
+	target/release/mediaplane demo
+
+clean:
+	$(CARGO) clean

@@ -1,0 +1,29 @@
+#!/usr/bin/env bash
+# Install what building and testing mediaplane needs, and nothing twice: Debian packages are
+# installed only when missing (apt-get as root), so running this again is fast and harmless.
+set -euo pipefail
+
+packages=(
+  clang llvm libelf-dev zlib1g-dev pkg-config bpftool libbpf-dev   # BPF programs + libbpf-rs
+  iproute2                                                         # network-namespace testbed
+)
+
+missing=()
+for p in "${packages[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+
+if ((${#missing[@]})); then
+  if [ "$(id -u)" -ne 0 ]; then
+    echo "missing Debian packages: ${missing[*]}" >&2
+    echo "run 'make deps' as root (or install them) first" >&2
+    exit 1
+  fi
+  echo "installing: ${missing[*]}"
+  apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+if ! command -v cargo >/dev/null 2>&1; then
+  [ -x "$HOME/.cargo/bin/cargo" ] || { echo "cargo not found: install Rust (rustup) first" >&2; exit 1; }
+fi
