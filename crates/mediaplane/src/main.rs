@@ -1,5 +1,6 @@
 //! `mediaplane`: serve | ctl | demo.
 
+mod conference;
 mod ctl;
 mod demo;
 

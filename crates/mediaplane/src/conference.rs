@@ -1,0 +1,325 @@
+//! A real conference through a real `mediaplane serve`: participants in network namespaces
+//! around an SFU namespace, native RTP senders and receivers, and the direct path (the SFU
+//! namespace's kernel routing participant to participant) measured in the same run as the
+//! baseline for *added delay*.
+
+use anyhow::{bail, Context};
+use mediaplane_bench::added_delay::{added_delay, AddedDelay, AddedDelayMethod};
+use mediaplane_bench::netns::Testbed;
+use mediaplane_bench::qos::Summary;
+use mediaplane_bench::traffic::{self, Profile, TrafficPlan, TrafficReport};
+use serde::Serialize;
+use serde_json::{json, Value};
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+/// SFU port of each participant's transport, and of its optional "high" stream.
+const SFU_PORT: u16 = 40000;
+const SFU_HIGH_PORT: u16 = 40002;
+/// Participant ports: media through the SFU, and the direct-path baseline.
+const MEDIA_PORT: u16 = 5004;
+const DIRECT_PORT: u16 = 5006;
+const API: &str = "127.0.0.1:7580";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Scenario {
+    /// Every participant sends one stream; every other participant receives it.
+    OneStream,
+    /// Low quality to all, high quality (its own SFU port) to the upper half.
+    TwoStreams,
+}
+
+pub struct ConferenceSpec {
+    pub dataplane: String,
+    pub scenario: Scenario,
+    pub profile: Profile,
+    pub duration: Duration,
+}
+
+/// What one participant received, per data plane run.
+#[derive(Debug, Clone, Serialize)]
+pub struct ParticipantResult {
+    pub participant: String,
+    pub streams: usize,
+    pub expected: u64,
+    pub received: u64,
+    pub lost: u64,
+    pub duplicates: u64,
+    pub unexpected: u64,
+    pub delay_ns: Summary,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct ConferenceResult {
+    pub dataplane: String,
+    pub scenario: Scenario,
+    pub participants: Vec<ParticipantResult>,
+    pub copies_expected: u64,
+    pub copies_received: u64,
+    pub lost: u64,
+    pub duplicates: u64,
+    pub unexpected: u64,
+    /// One-way delay over all copies through the SFU, and over the direct path.
+    pub delay_ns: Summary,
+    pub direct_delay_ns: Summary,
+    pub added_delay_ns: Option<AddedDelay>,
+    /// CPU time of the `serve` process during the run, per delivered copy.
+    pub serve_cpu_ns: u64,
+    pub cpu_per_copy_ns: Option<f64>,
+    /// The daemon's own counters after the run (`/v1/stats`).
+    pub daemon_stats: Value,
+    pub generator_cpu_ns: u64,
+}
+
+/// `mediaplane serve` running inside the SFU namespace; stopped (SIGTERM, then SIGKILL) on drop.
+struct ServeProcess {
+    child: Child,
+    log: PathBuf,
+}
+
+impl ServeProcess {
+    fn start(tb: &Testbed, dataplane: &str, store: &std::path::Path, log: PathBuf) -> anyhow::Result<ServeProcess> {
+        let exe = std::env::current_exe().context("locating the mediaplane binary")?;
+        let logf = std::fs::File::create(&log)?;
+        let mut cmd = tb.command(&tb.sfu_ns, exe.to_str().unwrap());
+        cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--reset", "--dataplane", dataplane])
+            .env("RUST_LOG", "info")
+            .stdout(Stdio::null())
+            .stderr(logf);
+        if dataplane == "ebpf" {
+            for p in &tb.peers {
+                cmd.args(["--interface", &p.sfu_if]);
+            }
+        }
+        let child = cmd.spawn().context("starting mediaplane serve in the SFU namespace")?;
+        Ok(ServeProcess { child, log })
+    }
+
+    fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    /// The `ip netns exec` wrapper execs mediaplane, so the child pid is the daemon's.
+    fn stop(&mut self) -> anyhow::Result<()> {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Some(st) = self.child.try_wait()? {
+                if !st.success() {
+                    bail!("serve exited with {st}; log: {}", self.log.display());
+                }
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        bail!("serve did not stop within 10 s of SIGTERM")
+    }
+}
+
+impl Drop for ServeProcess {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One API call made from inside the SFU namespace (the daemon listens on its loopback).
+fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    let (method, url) = (method.to_string(), format!("http://{API}{path}"));
+    let r = tb.in_ns(&tb.sfu_ns, move || {
+        let req = ureq::request(&method, &url).timeout(Duration::from_secs(5));
+        let resp = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        match resp {
+            Ok(r) => r.into_json::<Value>().map_err(|e| e.to_string()),
+            Err(ureq::Error::Status(code, r)) => Err(format!("HTTP {code}: {}", r.into_string().unwrap_or_default())),
+            Err(e) => Err(e.to_string()),
+        }
+    })?;
+    r.map_err(|e| anyhow::anyhow!("{path}: {e}"))
+}
+
+fn wait_ready(tb: &Testbed, serve: &mut ServeProcess) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while Instant::now() < deadline {
+        if api(tb, "GET", "/health", None).is_ok() {
+            return Ok(());
+        }
+        if let Some(st) = serve.child.try_wait()? {
+            let log = std::fs::read_to_string(&serve.log).unwrap_or_default();
+            bail!("serve exited at start ({st}):\n{log}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    bail!("serve did not answer within 20 s")
+}
+
+/// CPU time of all threads of a process, ns (from /proc/<pid>/task/*/schedstat).
+fn process_cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+fn flow_main(i: usize) -> u32 {
+    1000 + i as u32
+}
+fn flow_high(i: usize) -> u32 {
+    2000 + i as u32
+}
+fn flow_direct(i: usize) -> u32 {
+    9000 + i as u32
+}
+
+/// Run one conference on an existing testbed through one data plane.
+pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> anyhow::Result<ConferenceResult> {
+    let n = tb.peers.len();
+    if n < 2 {
+        bail!("a conference needs at least 2 participants");
+    }
+    let store = workdir.join(format!("{}-{}.db", tb.prefix, spec.dataplane));
+    let log = workdir.join(format!("{}-{}.log", tb.prefix, spec.dataplane));
+    let mut serve = ServeProcess::start(tb, &spec.dataplane, &store, log)?;
+    wait_ready(tb, &mut serve)?;
+
+    // The session: everyone publishes "main"; in two-streams also "high" on its own port.
+    api(tb, "POST", "/v1/rooms", Some(json!({"id": "demo"})))?;
+    let high_half = |i: usize| i >= n / 2;
+    let rtp = matches!(spec.profile.format, traffic::PayloadFormat::Rtp { .. });
+    for (i, p) in tb.peers.iter().enumerate() {
+        let local = SocketAddr::new(p.sfu_ip, SFU_PORT);
+        let remote = SocketAddr::new(p.ip, MEDIA_PORT);
+        api(tb, "POST", "/v1/rooms/demo/participants", Some(json!({"id": format!("p{i}"), "local": local, "remote": remote})))?;
+        // RTP streams are narrowed to their SSRC; raw (thesis) streams forward any payload.
+        let ssrc = rtp.then_some(flow_main(i));
+        let streams = format!("/v1/rooms/demo/participants/p{i}/streams");
+        api(tb, "POST", &streams, Some(json!({"name": "main", "ssrc": ssrc, "rtp": rtp})))?;
+        if spec.scenario == Scenario::TwoStreams {
+            let high = SocketAddr::new(p.sfu_ip, SFU_HIGH_PORT);
+            api(tb, "POST", &streams, Some(json!({"name": "high", "local": high, "rtp": rtp})))?;
+        }
+    }
+    for i in 0..n {
+        for j in (0..n).filter(|j| *j != i) {
+            let path = format!("/v1/rooms/demo/participants/p{i}/subscriptions");
+            api(tb, "POST", &path, Some(json!({"publisher": format!("p{j}"), "stream": "main"})))?;
+            if spec.scenario == Scenario::TwoStreams && high_half(i) {
+                api(tb, "POST", &path, Some(json!({"publisher": format!("p{j}"), "stream": "high"})))?;
+            }
+        }
+    }
+
+    // Traffic: one socket per participant sends and receives (symmetric RTP); a second socket
+    // receives the direct-path flow from the previous participant.
+    let mut plan = TrafficPlan::new(spec.duration);
+    let mut expected: Vec<Vec<u32>> = vec![Vec::new(); n];
+    for (i, p) in tb.peers.iter().enumerate() {
+        let sock = tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT))?;
+        let profile = spec.profile.clone();
+        plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_main(i), profile.clone());
+        if spec.scenario == Scenario::TwoStreams {
+            plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_HIGH_PORT), flow_high(i), profile.clone());
+        }
+        let next = &tb.peers[(i + 1) % n];
+        plan = plan.sender(sock.try_clone()?, SocketAddr::new(next.ip, DIRECT_PORT), flow_direct(i), profile);
+        for j in (0..n).filter(|j| *j != i) {
+            expected[i].push(flow_main(j));
+            if spec.scenario == Scenario::TwoStreams && high_half(i) {
+                expected[i].push(flow_high(j));
+            }
+        }
+        plan = plan.receiver(format!("p{i}"), sock, expected[i].clone());
+    }
+    for (i, p) in tb.peers.iter().enumerate() {
+        let prev = (i + n - 1) % n;
+        let direct = tb.udp_socket(&p.ns, SocketAddr::new(p.ip, DIRECT_PORT))?;
+        plan = plan.receiver(format!("p{i}-direct"), direct, [flow_direct(prev)]);
+    }
+
+    let cpu0 = process_cpu_ns(serve.pid());
+    let report = traffic::run(&plan)?;
+    let serve_cpu_ns = process_cpu_ns(serve.pid()).saturating_sub(cpu0);
+    let daemon_stats = api(tb, "GET", "/v1/stats", None)?;
+    serve.stop()?;
+    let _ = std::fs::remove_file(&store);
+    for ext in ["db-wal", "db-shm"] {
+        let _ = std::fs::remove_file(store.with_extension(ext));
+    }
+    Ok(summarise(spec, n, &expected, &report, serve_cpu_ns, daemon_stats))
+}
+
+fn summarise(spec: &ConferenceSpec, n: usize, expected: &[Vec<u32>], report: &TrafficReport, serve_cpu_ns: u64, daemon_stats: Value) -> ConferenceResult {
+    let mut participants = Vec::new();
+    let mut all = empty_histogram();
+    let mut direct = empty_histogram();
+    let (mut exp_total, mut recv_total, mut lost, mut dups) = (0, 0, 0, 0);
+    for (i, flows) in expected.iter().enumerate() {
+        let mut rec = empty_histogram();
+        let (mut e, mut r, mut l, mut d) = (0, 0, 0, 0);
+        for f in flows {
+            if let Some(c) = report.copy(*f, i) {
+                e += c.sent;
+                r += c.received;
+                l += c.lost;
+                d += c.duplicates;
+                rec.add(&c.delay_histogram).ok();
+                all.add(&c.delay_histogram).ok();
+            }
+        }
+        let unexpected = report.receivers[i].unexpected;
+        participants.push(ParticipantResult {
+            participant: format!("p{i}"),
+            streams: flows.len(),
+            expected: e,
+            received: r,
+            lost: l,
+            duplicates: d,
+            unexpected,
+            delay_ns: Summary::of_histogram(&rec),
+        });
+        exp_total += e;
+        recv_total += r;
+        lost += l;
+        dups += d;
+    }
+    for i in 0..n {
+        if let Some(c) = report.copy(flow_direct((i + n - 1) % n), n + i) {
+            direct.add(&c.delay_histogram).ok();
+        }
+    }
+    let delay = Summary::of_histogram(&all);
+    let direct_delay = Summary::of_histogram(&direct);
+    let unexpected = participants.iter().map(|p| p.unexpected).sum();
+    ConferenceResult {
+        dataplane: spec.dataplane.clone(),
+        scenario: spec.scenario,
+        participants,
+        copies_expected: exp_total,
+        copies_received: recv_total,
+        lost,
+        duplicates: dups,
+        unexpected,
+        added_delay_ns: added_delay(&delay, &direct_delay, AddedDelayMethod::QuantileDifference),
+        delay_ns: delay,
+        direct_delay_ns: direct_delay,
+        serve_cpu_ns,
+        cpu_per_copy_ns: (recv_total > 0).then(|| serve_cpu_ns as f64 / recv_total as f64),
+        daemon_stats,
+        generator_cpu_ns: report.generator_cpu_ns,
+    }
+}
+
+fn empty_histogram() -> hdrhistogram::Histogram<u64> {
+    mediaplane_bench::qos::ValueRecorder::new().histogram
+}

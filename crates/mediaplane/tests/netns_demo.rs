@@ -1,0 +1,45 @@
+//! The demo as a test: a real conference in network namespaces through `mediaplane serve`.
+//! `demo` exits non-zero on any loss, duplicate or unexpected copy, or if a data plane fails;
+//! the JSON results are checked copy by copy here as well.
+
+use serde_json::Value;
+use std::process::Command;
+
+fn demo(tag: &str, args: &[&str]) -> Vec<Value> {
+    let json = std::env::temp_dir().join(format!("mp-demo-{tag}-{}.json", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane")).arg("demo").args(args).arg("--json").arg(&json).output().unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout).to_string();
+    assert!(out.status.success(), "demo failed:\n{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(&json).unwrap()).unwrap();
+    std::fs::remove_file(&json).unwrap();
+    v
+}
+
+#[test]
+fn four_participants_one_stream_each() {
+    if !mediaplane_bench::require_root("four_participants_one_stream_each") {
+        return;
+    }
+    let r = &demo("one", &["--participants", "4", "--seconds", "1"])[0];
+    // 4 participants x 3 streams x 50 packets, each exactly once.
+    assert_eq!(r["copies_expected"], 600);
+    assert_eq!(r["copies_received"], 600);
+    assert_eq!((r["lost"].as_u64(), r["duplicates"].as_u64(), r["unexpected"].as_u64()), (Some(0), Some(0), Some(0)));
+    assert_eq!(r["daemon_stats"]["total"]["tx_copies"], 600);
+}
+
+#[test]
+fn two_qualities_only_upper_half_gets_high() {
+    if !mediaplane_bench::require_root("two_qualities_only_upper_half_gets_high") {
+        return;
+    }
+    let r = &demo("two", &["--participants", "4", "--seconds", "1", "--two-streams"])[0];
+    // p0, p1 get the 3 others' low streams; p2, p3 also their high streams.
+    for (i, streams) in [3, 3, 6, 6].into_iter().enumerate() {
+        let p = &r["participants"][i];
+        assert_eq!(p["streams"], streams, "{p}");
+        assert_eq!(p["expected"], streams * 50, "{p}");
+        assert_eq!(p["received"], p["expected"], "{p}");
+        assert_eq!(p["unexpected"], 0, "{p}");
+    }
+}
