@@ -10,6 +10,7 @@
 //! and move packets; they never re-derive forwarding decisions from the model.
 
 pub mod model;
+mod model_ng;
 pub mod packet;
 pub mod rtp;
 pub mod table;
