@@ -1,1 +1,34 @@
+//! mediaplane bench: the measurement library.
+//!
+//! * [`netns`]: a star testbed in network namespaces (one SFU namespace, n participants, a
+//!   kernel-routed *direct path* between participants as the added-delay baseline);
+//! * [`traffic`]: a paced generator and epoll receivers with kernel timestamps, presets
+//!   `thesis`, `voice`, `video`, and a per-copy report;
+//! * [`qos`]: the metrics of DESIGN.md "Measurement definitions" as pure functions (RFC 3550
+//!   jitter, RFC 4689 delay variation, loss/duplicates/reordering, summaries, G.107 E-model);
+//! * [`added_delay`]: through-SFU delay minus direct-path delay, per copy.
 
+pub mod added_delay;
+pub mod netns;
+pub mod qos;
+pub mod traffic;
+
+pub use added_delay::{added_delay, AddedDelay, AddedDelayMethod};
+pub use netns::{Peer, Testbed};
+pub use qos::{EModel, Summary};
+pub use traffic::{run, Preset, Profile, TrafficPlan, TrafficReport};
+
+/// Guard for privileged tests: true when running as root. Without root, panics when `CI=true`
+/// (CI runs as root, so a privileged test must never silently skip there), otherwise prints
+/// "skipped: needs root" and returns false.
+pub fn require_root(test: &str) -> bool {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } == 0 {
+        return true;
+    }
+    if std::env::var("CI").is_ok_and(|v| v == "true") {
+        panic!("{test}: needs root, and CI=true: privileged tests must run in CI");
+    }
+    eprintln!("{test}: skipped: needs root");
+    false
+}
