@@ -25,5 +25,10 @@ test: deps
 demo: release
 	target/release/mediaplane demo
 
+# The full sweep (N = 2..12, 16, 32, 64; both scenarios; every data plane), < 30 min here.
+BENCH_DATAPLANES ?= userspace
+bench: release
+	target/release/mediaplane bench sfu --dataplanes $(BENCH_DATAPLANES) --out bench-results
+
 clean:
 	$(CARGO) clean

@@ -6,6 +6,7 @@ set -euo pipefail
 packages=(
   clang llvm libelf-dev zlib1g-dev pkg-config bpftool libbpf-dev   # BPF programs + libbpf-rs
   iproute2                                                         # network-namespace testbed
+  kamailio sip-tester                                              # SIP interop tests (Kamailio + SIPp)
 )
 
 missing=()

@@ -59,13 +59,23 @@ pub struct ConferenceResult {
     pub participants: Vec<ParticipantResult>,
     pub copies_expected: u64,
     pub copies_received: u64,
+    /// UDP payload bytes of copies, as measured at the receivers.
+    pub bytes_received: u64,
     pub lost: u64,
     pub duplicates: u64,
     pub unexpected: u64,
     /// One-way delay over all copies through the SFU, and over the direct path.
     pub delay_ns: Summary,
     pub direct_delay_ns: Summary,
+    /// (delay ns, cumulative fraction) points of the delay distribution through the SFU.
+    pub delay_cdf: Vec<(f64, f64)>,
     pub added_delay_ns: Option<AddedDelay>,
+    /// RFC 3550 jitter (mean over copies) and RFC 4689 delay variation p99 (worst copy), ns.
+    pub jitter_ns_mean: f64,
+    pub delay_variation_p99_ns: f64,
+    /// G.107 E-model MOS per copy as G.711 (Ie = 0, Bpl = 4.3): mean and worst copy.
+    pub mos_mean: f64,
+    pub mos_min: f64,
     /// CPU time of the `serve` process during the run, per delivered copy.
     pub serve_cpu_ns: u64,
     pub cpu_per_copy_ns: Option<f64>,
@@ -190,7 +200,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     }
     let store = workdir.join(format!("{}-{}.db", tb.prefix, spec.dataplane));
     let log = workdir.join(format!("{}-{}.log", tb.prefix, spec.dataplane));
-    let mut serve = ServeProcess::start(tb, &spec.dataplane, &store, log)?;
+    let mut serve = ServeProcess::start(tb, &spec.dataplane, &store, log.clone())?;
     wait_ready(tb, &mut serve)?;
 
     // The session: everyone publishes "main"; in two-streams also "high" on its own port.
@@ -252,6 +262,8 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     let serve_cpu_ns = process_cpu_ns(serve.pid()).saturating_sub(cpu0);
     let daemon_stats = api(tb, "GET", "/v1/stats", None)?;
     serve.stop()?;
+    // The daemon's log is kept only when something went wrong (the error names it).
+    let _ = std::fs::remove_file(&log);
     let _ = std::fs::remove_file(&store);
     for ext in ["db-wal", "db-shm"] {
         let _ = std::fs::remove_file(store.with_extension(ext));
@@ -264,6 +276,8 @@ fn summarise(spec: &ConferenceSpec, n: usize, expected: &[Vec<u32>], report: &Tr
     let mut all = empty_histogram();
     let mut direct = empty_histogram();
     let (mut exp_total, mut recv_total, mut lost, mut dups) = (0, 0, 0, 0);
+    let mut bytes = 0u64;
+    let (mut jitter_sum, mut dv_p99, mut mos_sum, mut mos_min, mut copies) = (0.0, 0.0f64, 0.0, f64::MAX, 0u64);
     for (i, flows) in expected.iter().enumerate() {
         let mut rec = empty_histogram();
         let (mut e, mut r, mut l, mut d) = (0, 0, 0, 0);
@@ -274,6 +288,12 @@ fn summarise(spec: &ConferenceSpec, n: usize, expected: &[Vec<u32>], report: &Tr
                 l += c.lost;
                 d += c.duplicates;
                 rec.add(&c.delay_histogram).ok();
+                jitter_sum += c.jitter_ns;
+                bytes += c.bytes;
+                dv_p99 = dv_p99.max(c.delay_variation_ns.p99);
+                mos_sum += c.mos_g711;
+                mos_min = mos_min.min(c.mos_g711);
+                copies += 1;
                 all.add(&c.delay_histogram).ok();
             }
         }
@@ -307,10 +327,16 @@ fn summarise(spec: &ConferenceSpec, n: usize, expected: &[Vec<u32>], report: &Tr
         participants,
         copies_expected: exp_total,
         copies_received: recv_total,
+        bytes_received: bytes,
         lost,
         duplicates: dups,
         unexpected,
         added_delay_ns: added_delay(&delay, &direct_delay, AddedDelayMethod::QuantileDifference),
+        jitter_ns_mean: if copies > 0 { jitter_sum / copies as f64 } else { 0.0 },
+        delay_variation_p99_ns: dv_p99,
+        mos_mean: if copies > 0 { mos_sum / copies as f64 } else { 0.0 },
+        mos_min: if copies > 0 { mos_min } else { 0.0 },
+        delay_cdf: cdf_points(&all),
         delay_ns: delay,
         direct_delay_ns: direct_delay,
         serve_cpu_ns,
@@ -322,4 +348,14 @@ fn summarise(spec: &ConferenceSpec, n: usize, expected: &[Vec<u32>], report: &Tr
 
 fn empty_histogram() -> hdrhistogram::Histogram<u64> {
     mediaplane_bench::qos::ValueRecorder::new().histogram
+}
+
+/// Points of a histogram's CDF, dense in the tail where SFUs differ.
+fn cdf_points(h: &hdrhistogram::Histogram<u64>) -> Vec<(f64, f64)> {
+    if h.len() == 0 {
+        return Vec::new();
+    }
+    let mut qs: Vec<f64> = (0..=90).step_by(5).map(|q| q as f64 / 100.0).collect();
+    qs.extend([0.95, 0.97, 0.99, 0.995, 0.999, 1.0]);
+    qs.into_iter().map(|q| (h.value_at_quantile(q) as f64, q)).collect()
 }

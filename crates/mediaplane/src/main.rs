@@ -1,8 +1,10 @@
 //! `mediaplane`: serve | ctl | demo.
 
+mod bench_sfu;
 mod conference;
 mod ctl;
 mod demo;
+mod report;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -27,6 +29,9 @@ enum Command {
     Ctl(ctl::CtlArgs),
     /// Run a real multi-party conference in network namespaces and print what everyone received.
     Demo(demo::DemoArgs),
+    /// Benchmarks: every data plane side by side in one run; writes JSON, CSV and an HTML report.
+    #[command(subcommand)]
+    Bench(bench_sfu::BenchCommand),
 }
 
 #[derive(clap::Args)]
@@ -68,6 +73,7 @@ fn main() {
         Command::Serve(args) => serve(args),
         Command::Ctl(args) => ctl::run(args),
         Command::Demo(args) => demo::run(args),
+        Command::Bench(cmd) => bench_sfu::run(cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

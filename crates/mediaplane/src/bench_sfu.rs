@@ -1,0 +1,108 @@
+//! `mediaplane bench sfu`: the thesis experiment, side by side for every data plane, in one run.
+//! For each participant count N one namespace testbed is built and every (data plane, scenario)
+//! runs on it in turn, so the planes share the same machine state.
+
+use crate::conference::{self, ConferenceResult, ConferenceSpec, Scenario};
+use crate::demo::profile_named;
+use crate::report;
+use anyhow::{bail, Context};
+use indicatif::{ProgressBar, ProgressStyle};
+use mediaplane_bench::netns::Testbed;
+use std::path::PathBuf;
+use std::time::Duration;
+
+#[derive(clap::Args)]
+pub struct BenchSfuArgs {
+    /// A seconds-long smoke run: N = 2 and 4, one second each.
+    #[arg(long)]
+    quick: bool,
+    /// Data planes to compare.
+    #[arg(long, value_delimiter = ',', default_value = "userspace")]
+    dataplanes: Vec<String>,
+    /// one-stream, two-streams.
+    #[arg(long, value_delimiter = ',', default_value = "one-stream,two-streams")]
+    scenarios: Vec<String>,
+    /// Participant counts (default 2..=12, 16, 32, 64; quick: 2, 4).
+    #[arg(long, value_delimiter = ',')]
+    sizes: Option<Vec<usize>>,
+    /// Traffic preset: voice, video, thesis.
+    #[arg(long, default_value = "voice")]
+    preset: String,
+    /// Seconds of media per run (default 10; quick: 1).
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Directory for results.json, results.csv, report.html and plots.
+    #[arg(long, default_value = "bench-results")]
+    out: PathBuf,
+}
+
+#[derive(clap::Subcommand)]
+pub enum BenchCommand {
+    /// SFU fan-out: the thesis scenarios for every data plane, side by side.
+    Sfu(BenchSfuArgs),
+}
+
+pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
+    match cmd {
+        BenchCommand::Sfu(a) => sfu(a),
+    }
+}
+
+fn parse_scenario(s: &str) -> anyhow::Result<Scenario> {
+    match s {
+        "one-stream" => Ok(Scenario::OneStream),
+        "two-streams" => Ok(Scenario::TwoStreams),
+        other => bail!("unknown scenario {other:?}: use one-stream or two-streams"),
+    }
+}
+
+fn sfu(a: BenchSfuArgs) -> anyhow::Result<()> {
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("bench sfu builds network namespaces and needs root");
+    }
+    let profile = profile_named(&a.preset)?;
+    let scenarios: Vec<Scenario> = a.scenarios.iter().map(|s| parse_scenario(s)).collect::<anyhow::Result<_>>()?;
+    let sizes = a.sizes.clone().unwrap_or_else(|| if a.quick { vec![2, 4] } else { (2..=12).chain([16, 32, 64]).collect() });
+    if sizes.iter().any(|n| !(2..=64).contains(n)) {
+        bail!("sizes must be between 2 and 64");
+    }
+    let seconds = a.seconds.unwrap_or(if a.quick { 1.0 } else { 10.0 });
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let runs = sizes.len() * scenarios.len() * a.dataplanes.len();
+    let bar = ProgressBar::new(runs as u64);
+    bar.set_style(ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
+    let mut results: Vec<ConferenceResult> = Vec::new();
+    let mut failures: Vec<String> = Vec::new();
+    for &n in &sizes {
+        bar.set_message(format!("building testbed N={n}"));
+        let tb = Testbed::star(n).with_context(|| format!("testbed N={n}"))?;
+        for &scenario in &scenarios {
+            // Like the thesis, the default sweep runs two-streams for even N only (halves).
+            if scenario == Scenario::TwoStreams && n % 2 == 1 && a.sizes.is_none() {
+                bar.inc(a.dataplanes.len() as u64);
+                continue;
+            }
+            for dp in &a.dataplanes {
+                bar.set_message(format!("N={n} {scenario:?} {dp}"));
+                let spec = ConferenceSpec { dataplane: dp.clone(), scenario, profile: profile.clone(), duration: Duration::from_secs_f64(seconds) };
+                match conference::run(&tb, &spec, &a.out) {
+                    Ok(r) => results.push(r),
+                    Err(e) => {
+                        bar.println(format!("N={n} {scenario:?} {dp}: failed: {e:#}"));
+                        failures.push(format!("N={n} {scenario:?} {dp}: {e:#}"));
+                    }
+                }
+                bar.inc(1);
+            }
+        }
+    }
+    bar.finish_with_message("done");
+    report::print_table(&results);
+    let meta = report::RunMeta::collect(&format!("mediaplane bench sfu {}", std::env::args().skip(3).collect::<Vec<_>>().join(" ")), &profile, seconds);
+    report::write_all(&a.out, &meta, &results, &failures)?;
+    println!("\nresults: {0}/results.json, {0}/results.csv, report: {0}/report.html", a.out.display());
+    if !failures.is_empty() {
+        bail!("{} run(s) failed:\n{}", failures.len(), failures.join("\n"));
+    }
+    Ok(())
+}

@@ -1,0 +1,331 @@
+//! Benchmark output: the console table (shaped like the thesis tables, plus our columns), raw
+//! JSON and CSV, and an HTML report with SVG plots and the thesis's own numbers beside ours.
+
+use crate::conference::{ConferenceResult, Scenario};
+use mediaplane_bench::traffic::Profile;
+use plotters::prelude::*;
+use serde::Serialize;
+use std::fmt::Write as _;
+use std::path::Path;
+
+/// The thesis's measured SFU processing time, seconds: (N, min, max, avg). Seed
+/// 000_e9f84557bdc0755e.txt. Its last table is titled "P4 ... two streams" but follows the
+/// server-based tables and has server-based magnitudes: it is the Python SFU's two-stream run.
+pub const THESIS_P4_ONE: &[(usize, f64, f64, f64)] = &[
+    (2, 0.000505, 0.002907, 0.000778),
+    (3, 0.000471, 0.004113, 0.000937),
+    (4, 0.000467, 0.007507, 0.001134),
+    (5, 0.000458, 0.017137, 0.001675),
+    (6, 0.000453, 0.015145, 0.001978),
+    (7, 0.000456, 0.030355, 0.003095),
+    (8, 0.000462, 0.052992, 0.004736),
+    (9, 0.000460, 0.106720, 0.009122),
+    (10, 0.000484, 0.328883, 0.031889),
+    (11, 0.000514, 0.989098, 0.267746),
+    (12, 0.000523, 5.958905, 3.986195),
+];
+pub const THESIS_P4_TWO: &[(usize, f64, f64, f64)] =
+    &[(2, 0.000515, 0.002859, 0.000834), (4, 0.000484, 0.014854, 0.001210), (6, 0.000476, 0.018257, 0.001987), (8, 0.000457, 0.051833, 0.003915), (10, 0.000486, 0.141570, 0.015084)];
+pub const THESIS_PYTHON_ONE: &[(usize, f64, f64, f64)] = &[(2, 0.010961, 10.913122, 7.860589), (3, 0.015288, 32.523685, 23.351614)];
+pub const THESIS_PYTHON_TWO: &[(usize, f64, f64, f64)] = &[(2, 0.013842, 6.811303, 4.585829), (4, 0.019133, 53.473191, 34.797006)];
+
+#[derive(Debug, Clone, Serialize)]
+pub struct RunMeta {
+    pub command: String,
+    pub date_unix: u64,
+    pub kernel: String,
+    pub cpu: String,
+    pub cores: usize,
+    pub memory_gib: f64,
+    pub git_commit: String,
+    pub profile: Profile,
+    pub seconds: f64,
+}
+
+impl RunMeta {
+    pub fn collect(command: &str, profile: &Profile, seconds: f64) -> RunMeta {
+        let read = |p: &str| std::fs::read_to_string(p).unwrap_or_default();
+        let cpu = read("/proc/cpuinfo").lines().find(|l| l.starts_with("model name")).and_then(|l| l.split(':').nth(1)).unwrap_or("?").trim().to_string();
+        let mem_kb: f64 = read("/proc/meminfo").lines().next().and_then(|l| l.split_whitespace().nth(1)?.parse().ok()).unwrap_or(0.0);
+        let git = std::process::Command::new("git").args(["rev-parse", "--short", "HEAD"]).output().ok().filter(|o| o.status.success());
+        RunMeta {
+            command: command.trim().to_string(),
+            date_unix: std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0),
+            kernel: read("/proc/sys/kernel/osrelease").trim().to_string(),
+            cpu,
+            cores: std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+            memory_gib: mem_kb / 1024.0 / 1024.0,
+            git_commit: git.map(|o| String::from_utf8_lossy(&o.stdout).trim().to_string()).unwrap_or_else(|| "unknown".into()),
+            profile: profile.clone(),
+            seconds,
+        }
+    }
+}
+
+fn scen(s: Scenario) -> &'static str {
+    match s {
+        Scenario::OneStream => "one-stream",
+        Scenario::TwoStreams => "two-streams",
+    }
+}
+
+fn loss_pct(r: &ConferenceResult) -> f64 {
+    if r.copies_expected == 0 {
+        0.0
+    } else {
+        100.0 * r.lost as f64 / r.copies_expected as f64
+    }
+}
+
+const CSV_HEADER: &str = "scenario,n,dataplane,copies_expected,copies_received,bytes_received,lost,loss_pct,duplicates,unexpected,\
+delay_min_us,delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,added_min_us,added_p50_us,added_mean_us,added_p99_us,added_max_us,\
+direct_p50_us,jitter_us,delay_variation_p99_us,mos_mean,mos_min,cpu_per_copy_ns,generator_cpu_ms";
+
+fn csv_row(r: &ConferenceResult) -> String {
+    let d = &r.delay_ns;
+    let a = r.added_delay_ns;
+    let af = |f: fn(&mediaplane_bench::added_delay::AddedDelay) -> f64| a.map(|x| format!("{:.2}", f(&x) / 1e3)).unwrap_or_default();
+    format!(
+        "{},{},{},{},{},{},{},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{},{:.2},{:.2},{:.2},{:.3},{:.3},{},{:.1}",
+        scen(r.scenario),
+        r.participants.len(),
+        r.dataplane,
+        r.copies_expected,
+        r.copies_received,
+        r.bytes_received,
+        r.lost,
+        loss_pct(r),
+        r.duplicates,
+        r.unexpected,
+        d.min / 1e3,
+        d.p50 / 1e3,
+        d.mean / 1e3,
+        d.p99 / 1e3,
+        d.max / 1e3,
+        af(|x| x.min),
+        af(|x| x.p50),
+        af(|x| x.mean),
+        af(|x| x.p99),
+        af(|x| x.max),
+        r.direct_delay_ns.p50 / 1e3,
+        r.jitter_ns_mean / 1e3,
+        r.delay_variation_p99_ns / 1e3,
+        r.mos_mean,
+        r.mos_min,
+        r.cpu_per_copy_ns.map(|c| format!("{c:.0}")).unwrap_or_default(),
+        r.generator_cpu_ns as f64 / 1e6,
+    )
+}
+
+/// The console table: one row per (scenario, N, data plane).
+pub fn print_table(results: &[ConferenceResult]) {
+    println!(
+        "\n{:<11} {:>3} {:<10} {:>9} {:>8} {:>5} {:>10} {:>10} {:>10} {:>11} {:>11} {:>9} {:>6} {:>11}",
+        "scenario", "N", "dataplane", "copies", "loss %", "dup", "p50 µs", "p99 µs", "max µs", "added p50", "added p99", "jitter µs", "MOS", "cpu/copy ns"
+    );
+    for r in results {
+        let (a50, a99) = r.added_delay_ns.map(|a| (format!("{:.1}", a.p50 / 1e3), format!("{:.1}", a.p99 / 1e3))).unwrap_or_default();
+        println!(
+            "{:<11} {:>3} {:<10} {:>9} {:>8.3} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>11} {:>11} {:>9.1} {:>6.2} {:>11}",
+            scen(r.scenario),
+            r.participants.len(),
+            r.dataplane,
+            r.copies_received,
+            loss_pct(r),
+            r.duplicates,
+            r.delay_ns.p50 / 1e3,
+            r.delay_ns.p99 / 1e3,
+            r.delay_ns.max / 1e3,
+            a50,
+            a99,
+            r.jitter_ns_mean / 1e3,
+            r.mos_mean,
+            r.cpu_per_copy_ns.map(|c| format!("{c:.0}")).unwrap_or("-".into())
+        );
+    }
+}
+
+pub fn write_all(dir: &Path, meta: &RunMeta, results: &[ConferenceResult], failures: &[String]) -> anyhow::Result<()> {
+    std::fs::write(dir.join("results.json"), serde_json::to_string_pretty(&serde_json::json!({"meta": meta, "results": results, "failures": failures}))?)?;
+    let mut csv = String::from(CSV_HEADER);
+    csv.push('\n');
+    for r in results {
+        csv.push_str(&csv_row(r));
+        csv.push('\n');
+    }
+    std::fs::write(dir.join("results.csv"), csv)?;
+    let plots = write_plots(dir, results)?;
+    std::fs::write(dir.join("report.html"), html(meta, results, failures, &plots))?;
+    Ok(())
+}
+
+const PALETTE: [RGBColor; 4] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
+
+fn planes(results: &[ConferenceResult]) -> Vec<String> {
+    let mut v: Vec<String> = results.iter().map(|r| r.dataplane.clone()).collect();
+    v.dedup();
+    v.sort();
+    v.dedup();
+    v
+}
+
+/// A line chart of `metric` against N for each data plane, one-stream scenario.
+fn plot_vs_n(path: &Path, title: &str, ylabel: &str, results: &[ConferenceResult], metric: &dyn Fn(&ConferenceResult) -> Option<f64>) -> anyhow::Result<()> {
+    let series: Vec<(String, Vec<(f64, f64)>)> = planes(results)
+        .into_iter()
+        .map(|p| {
+            let pts = results
+                .iter()
+                .filter(|r| r.dataplane == p && r.scenario == Scenario::OneStream)
+                .filter_map(|r| Some((r.participants.len() as f64, metric(r)?)))
+                .collect();
+            (p, pts)
+        })
+        .collect();
+    let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).collect();
+    let xmax = all.iter().map(|p| p.0).fold(2.0, f64::max) + 1.0;
+    let ymax = all.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9) * 1.15;
+    let ymin = all.iter().map(|p| p.1).fold(0.0, f64::min).min(0.0);
+    let root = SVGBackend::new(path, (640, 400)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(35)
+        .y_label_area_size(60)
+        .build_cartesian_2d(1f64..xmax, ymin..ymax)?;
+    chart.configure_mesh().x_desc("participants N").y_desc(ylabel).draw()?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, color.filled())))?;
+    }
+    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// Delay CDF per data plane at the largest N of the one-stream scenario.
+fn plot_cdf(path: &Path, results: &[ConferenceResult]) -> anyhow::Result<Option<usize>> {
+    let Some(n) = results.iter().filter(|r| r.scenario == Scenario::OneStream).map(|r| r.participants.len()).max() else {
+        return Ok(None);
+    };
+    let sel: Vec<&ConferenceResult> = results.iter().filter(|r| r.scenario == Scenario::OneStream && r.participants.len() == n).collect();
+    let xmax = sel.iter().flat_map(|r| r.delay_cdf.iter().map(|p| p.0 / 1e3)).fold(1.0, f64::max) * 1.05;
+    let root = SVGBackend::new(path, (640, 400)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(format!("one-way delay CDF through the SFU, N = {n}"), ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(35)
+        .y_label_area_size(50)
+        .build_cartesian_2d((1f64..xmax).log_scale(), 0f64..1.0)?;
+    chart.configure_mesh().x_desc("one-way delay, µs (log)").y_desc("fraction of packets").draw()?;
+    for (i, r) in sel.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        let pts: Vec<(f64, f64)> = r.delay_cdf.iter().map(|(d, q)| ((d / 1e3).max(1.0), *q)).collect();
+        chart
+            .draw_series(LineSeries::new(pts, color.stroke_width(2)))?
+            .label(r.dataplane.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+    }
+    chart.configure_series_labels().position(SeriesLabelPosition::LowerRight).background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(Some(n))
+}
+
+fn write_plots(dir: &Path, results: &[ConferenceResult]) -> anyhow::Result<Vec<(String, String)>> {
+    let mut out = Vec::new();
+    if let Some(n) = plot_cdf(&dir.join("delay_cdf.svg"), results)? {
+        out.push(("delay_cdf.svg".into(), format!("Delay CDF per data plane at N = {n} (one stream)")));
+    }
+    plot_vs_n(&dir.join("added_p50.svg"), "added delay p50 per copy (one stream)", "µs", results, &|r| r.added_delay_ns.map(|a| a.p50 / 1e3))?;
+    out.push(("added_p50.svg".into(), "Added delay p50 vs N".into()));
+    plot_vs_n(&dir.join("added_p99.svg"), "added delay p99 per copy (one stream)", "µs", results, &|r| r.added_delay_ns.map(|a| a.p99 / 1e3))?;
+    out.push(("added_p99.svg".into(), "Added delay p99 vs N".into()));
+    plot_vs_n(&dir.join("cpu_per_copy.svg"), "cost per copy (one stream)", "CPU ns per delivered copy", results, &|r| r.cpu_per_copy_ns)?;
+    out.push(("cpu_per_copy.svg".into(), "Cost per copy vs N".into()));
+    plot_vs_n(&dir.join("loss.svg"), "loss (one stream)", "% of copies", results, &|r| Some(loss_pct(r)))?;
+    out.push(("loss.svg".into(), "Loss vs N".into()));
+    Ok(out)
+}
+
+fn esc(s: &str) -> String {
+    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
+}
+
+fn html(meta: &RunMeta, results: &[ConferenceResult], failures: &[String], plots: &[(String, String)]) -> String {
+    let mut h = String::new();
+    let _ = write!(
+        h,
+        "<!doctype html><html><head><meta charset=\"utf-8\"><title>mediaplane bench sfu</title>\
+         <style>body{{font-family:sans-serif;max-width:1200px;margin:2em auto}}table{{border-collapse:collapse;font-size:13px}}\
+         td,th{{border:1px solid #ccc;padding:3px 6px;text-align:right}}th{{background:#eee}}img{{margin:6px}}</style></head><body>\
+         <h1>mediaplane bench sfu</h1><p><code>{}</code></p>\
+         <p>Machine: {} cores, {:.1} GiB, {}; kernel {}; commit {}. Preset {} ({} pkt/s per sender, {} B UDP payload), {} s per run.</p>",
+        esc(&meta.command),
+        meta.cores,
+        meta.memory_gib,
+        esc(&meta.cpu),
+        esc(&meta.kernel),
+        esc(&meta.git_commit),
+        esc(&meta.profile.name),
+        meta.profile.packets_per_sec,
+        meta.profile.packet_size,
+        meta.seconds
+    );
+    if !failures.is_empty() {
+        h.push_str("<h2>Failed runs</h2><ul>");
+        for f in failures {
+            let _ = write!(h, "<li>{}</li>", esc(f));
+        }
+        h.push_str("</ul>");
+    }
+    h.push_str("<h2>Plots</h2>");
+    for (file, title) in plots {
+        let _ = write!(h, "<figure style=\"display:inline-block\"><img src=\"{file}\" alt=\"{t}\"><figcaption>{t}</figcaption></figure>", t = esc(title));
+    }
+    h.push_str("<h2>Results</h2><p>Delays are one-way, per copy, in µs. Added delay = through the SFU minus the direct path through the SFU namespace's router, same run (difference of quantiles). MOS: G.107 E-model as G.711 (Ie = 0, Bpl = 4.3) with the measured mean delay and loss. Cost per copy: CPU of the serve process per delivered copy.</p><table><tr>");
+    for c in CSV_HEADER.split(',') {
+        let _ = write!(h, "<th>{c}</th>");
+    }
+    h.push_str("</tr>");
+    for r in results {
+        h.push_str("<tr>");
+        for c in csv_row(r).split(',') {
+            let _ = write!(h, "<td>{}</td>", esc(c));
+        }
+        h.push_str("</tr>");
+    }
+    h.push_str("</table>");
+    h.push_str(
+        "<h2>Against the thesis</h2><p>The thesis (P4/BMv2 SFU and a Python/scapy SFU in Mininet) measured the time a packet spent in the SFU; \
+         the closest measure here is the added delay. Thesis values in ms; ours in µs (mean added delay per copy).</p>\
+         <table><tr><th>scenario</th><th>N</th><th>thesis P4/BMv2 avg ms</th><th>thesis P4 max ms</th><th>thesis Python avg ms</th>",
+    );
+    let ps = planes(results);
+    for p in &ps {
+        let _ = write!(h, "<th>{p} added mean µs</th><th>{p} added p99 µs</th>");
+    }
+    h.push_str("</tr>");
+    for (scenario, p4, py) in [(Scenario::OneStream, THESIS_P4_ONE, THESIS_PYTHON_ONE), (Scenario::TwoStreams, THESIS_P4_TWO, THESIS_PYTHON_TWO)] {
+        for (n, _min, max, avg) in p4 {
+            let pyavg = py.iter().find(|x| x.0 == *n).map(|x| format!("{:.1}", x.3 * 1e3)).unwrap_or("collapsed/not run".into());
+            let _ = write!(h, "<tr><td>{}</td><td>{n}</td><td>{:.3}</td><td>{:.3}</td><td>{pyavg}</td>", scen(scenario), avg * 1e3, max * 1e3);
+            for p in &ps {
+                match results.iter().find(|r| r.dataplane == *p && r.scenario == scenario && r.participants.len() == *n).and_then(|r| r.added_delay_ns) {
+                    Some(a) => {
+                        let _ = write!(h, "<td>{:.1}</td><td>{:.1}</td>", a.mean / 1e3, a.p99 / 1e3);
+                    }
+                    None => h.push_str("<td>-</td><td>-</td>"),
+                }
+            }
+            h.push_str("</tr>");
+        }
+    }
+    h.push_str("</table></body></html>");
+    h
+}

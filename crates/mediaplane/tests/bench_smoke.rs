@@ -1,0 +1,36 @@
+//! A seconds-long run of `mediaplane bench sfu --quick` so the harness never rots: it must
+//! produce every output file, with real data, and no loss.
+
+use serde_json::Value;
+use std::process::Command;
+
+#[test]
+fn bench_sfu_quick_writes_its_report() {
+    if !mediaplane_bench::require_root("bench_sfu_quick_writes_its_report") {
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!("mp-bench-smoke-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["bench", "sfu", "--quick", "--sizes", "2,3", "--out"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    for f in ["results.json", "results.csv", "report.html", "delay_cdf.svg", "added_p50.svg", "added_p99.svg", "cpu_per_copy.svg", "loss.svg"] {
+        let p = out_dir.join(f);
+        assert!(p.metadata().map(|m| m.len() > 200).unwrap_or(false), "{f} missing or empty");
+    }
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap()).unwrap();
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 4, "2 sizes x 2 scenarios");
+    for r in results {
+        assert_eq!(r["lost"], 0, "{r}");
+        assert_eq!(r["copies_received"], r["copies_expected"]);
+        assert!(r["copies_received"].as_u64().unwrap() > 0);
+        assert!(r["delay_ns"]["p50"].as_f64().unwrap() > 0.0);
+    }
+    let html = std::fs::read_to_string(out_dir.join("report.html")).unwrap();
+    assert!(html.contains("Against the thesis") && html.contains("3986.195"), "thesis numbers shown");
+    std::fs::remove_dir_all(&out_dir).unwrap();
+}
