@@ -53,6 +53,7 @@ impl From<ManagerError> for ApiError {
                     ApiError::new(StatusCode::BAD_REQUEST, "invalid", msg)
                 }
             },
+            ManagerError::Limit { .. } => ApiError::new(StatusCode::FORBIDDEN, "limit", msg),
             ManagerError::NoFreePort { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no_free_port", msg),
             ManagerError::Dataplane(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "dataplane", msg),
             ManagerError::Store(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", msg),
@@ -153,7 +154,10 @@ struct CreateRelay {
     b: LegRequest,
 }
 
-pub fn router(state: AppState, max_body: usize) -> Router {
+pub fn router(state: AppState, cfg: &crate::config::ApiConfig) -> Router {
+    let max_body = cfg.max_body;
+    let token = cfg.token.clone().filter(|t| !t.is_empty()).map(|t| Arc::new(format!("Bearer {t}")));
+    let timeout = std::time::Duration::from_millis(cfg.timeout_ms.max(1));
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics))
@@ -183,6 +187,26 @@ pub fn router(state: AppState, max_body: usize) -> Router {
             }
         }))
         .layer(DefaultBodyLimit::max(max_body))
+        // A handler stuck (e.g. on a slow store) answers 503 instead of holding the client.
+        .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| async move {
+            match tokio::time::timeout(timeout, next.run(req)).await {
+                Ok(resp) => resp,
+                Err(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", format!("request took longer than {timeout:?}")).into_response(),
+            }
+        }))
+        // Outermost: unauthenticated requests are refused before anything else runs.
+        .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| {
+            let token = token.clone();
+            async move {
+                if let Some(expected) = token {
+                    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
+                    if given != Some(expected.as_str()) {
+                        return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token").into_response();
+                    }
+                }
+                next.run(req).await
+            }
+        }))
         .with_state(state)
 }
 

@@ -13,6 +13,25 @@ pub struct Config {
     pub media: MediaConfig,
     pub store: StoreConfig,
     pub log: LogConfig,
+    pub limits: Limits,
+}
+
+/// Caps on what one daemon will hold; reaching one is a clear error, never an allocation.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct Limits {
+    pub max_rooms: usize,
+    pub max_participants_per_room: usize,
+    pub max_streams_per_participant: usize,
+    /// Fan-out cap: subscribers of one stream.
+    pub max_subscribers_per_stream: usize,
+    pub max_relays: usize,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Limits { max_rooms: 10_000, max_participants_per_room: 256, max_streams_per_participant: 8, max_subscribers_per_stream: 256, max_relays: 1_000_000 }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -22,6 +41,10 @@ pub struct ApiConfig {
     pub listen: SocketAddr,
     /// Largest request body accepted, bytes.
     pub max_body: usize,
+    /// Bearer token required on every request; mandatory when `listen` is not loopback.
+    pub token: Option<String>,
+    /// A request taking longer than this is answered 503.
+    pub timeout_ms: u64,
 }
 
 #[derive(Debug, Clone, Copy, Serialize, Deserialize, PartialEq, Eq)]
@@ -72,7 +95,7 @@ pub struct LogConfig {
 
 impl Default for ApiConfig {
     fn default() -> Self {
-        ApiConfig { listen: "127.0.0.1:7580".parse().unwrap(), max_body: 64 * 1024 }
+        ApiConfig { listen: "127.0.0.1:7580".parse().unwrap(), max_body: 64 * 1024, token: None, timeout_ms: 5000 }
     }
 }
 impl Default for DataplaneConfig {
@@ -109,6 +132,7 @@ impl Default for Config {
             media: MediaConfig::default(),
             store: StoreConfig::default(),
             log: LogConfig::default(),
+            limits: Limits::default(),
         }
     }
 }
@@ -131,6 +155,9 @@ impl Config {
         }
         if self.media.ip.is_unspecified() {
             return Err("media.ip must be a concrete address, not 0.0.0.0 or ::".into());
+        }
+        if !self.api.listen.ip().is_loopback() && self.api.token.as_deref().is_none_or(str::is_empty) {
+            return Err(format!("api.listen {} is not loopback: set api.token (clients send it as a bearer token)", self.api.listen));
         }
         if !matches!(self.log.format.as_str(), "text" | "json") {
             return Err(format!("log.format must be \"text\" or \"json\", not {:?}", self.log.format));
@@ -158,5 +185,8 @@ mod tests {
         assert!(e.contains("listen_addr"), "{e}");
         let e = Config::from_toml("[media]\nport_min = 5000\nport_max = 10\n").unwrap_err();
         assert!(e.contains("port range"), "{e}");
+        let e = Config::from_toml("[api]\nlisten = \"0.0.0.0:7580\"\n").unwrap_err();
+        assert!(e.contains("api.token"), "{e}");
+        assert!(Config::from_toml("[api]\nlisten = \"0.0.0.0:7580\"\ntoken = \"s3cret\"\n").is_ok());
     }
 }

@@ -31,7 +31,7 @@ pub async fn serve(
         tracing::warn!(path = %cfg.store.path.display(), "store cleared (--reset)");
     }
     let manager = Arc::new(
-        manager::SessionManager::open(store, dataplane.clone(), cfg.media.clone()).context("restoring stored sessions")?,
+        manager::SessionManager::open(store, dataplane.clone(), cfg.media.clone(), cfg.limits.clone()).context("restoring stored sessions")?,
     );
     let (rooms, relays) = manager.read(|m, _| (m.rooms.len(), m.relays.len()));
     tracing::info!(rooms, relays, dataplane = dataplane.name(), "sessions restored");
@@ -53,7 +53,7 @@ pub async fn serve(
 
     let listener = tokio::net::TcpListener::bind(cfg.api.listen).await.with_context(|| format!("binding API on {}", cfg.api.listen))?;
     tracing::info!(listen = %listener.local_addr()?, "API listening");
-    let app = api::router(manager.clone(), cfg.api.max_body);
+    let app = api::router(manager.clone(), &cfg.api);
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
     tracing::info!("shutting down data plane");
     dataplane.shutdown()?;

@@ -2,7 +2,7 @@
 //! compiled, installed in the data plane, persisted, and only then becomes the model; a failure
 //! at any step leaves model, data plane and store as they were.
 
-use crate::config::MediaConfig;
+use crate::config::{Limits, MediaConfig};
 use crate::store::{Change, Store, StoreError};
 use mediaplane_core::model::{ModelError, Side};
 use mediaplane_core::{ForwardingTable, Model};
@@ -19,6 +19,8 @@ pub enum ManagerError {
     Dataplane(#[from] DataplaneError),
     #[error(transparent)]
     Store(#[from] StoreError),
+    #[error("limit reached: at most {max} {what}")]
+    Limit { what: &'static str, max: usize },
     #[error("no free port left in {ip} {min}-{max}")]
     NoFreePort { ip: IpAddr, min: u16, max: u16 },
 }
@@ -33,15 +35,16 @@ pub struct SessionManager {
     inner: Mutex<Inner>,
     dataplane: Arc<dyn Dataplane>,
     media: MediaConfig,
+    limits: Limits,
 }
 
 impl SessionManager {
     /// Load the stored sessions and install them: after a restart, media flows again.
-    pub fn open(store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig) -> Result<SessionManager, ManagerError> {
+    pub fn open(store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig, limits: Limits) -> Result<SessionManager, ManagerError> {
         let model = store.load()?;
         let table = Arc::new(ForwardingTable::compile(&model, 1));
         dataplane.apply(table.clone())?;
-        Ok(SessionManager { inner: Mutex::new(Inner { model, table, store }), dataplane, media })
+        Ok(SessionManager { inner: Mutex::new(Inner { model, table, store }), dataplane, media, limits })
     }
 
     pub fn dataplane(&self) -> &Arc<dyn Dataplane> {
@@ -53,6 +56,7 @@ impl SessionManager {
         let mut inner = self.inner.lock();
         let mut next = inner.model.clone();
         let (out, changes) = f(&mut next, &self.media)?;
+        check_limits(&next, &changes, &self.limits)?;
         let table = Arc::new(ForwardingTable::compile(&next, inner.table.version + 1));
         self.dataplane.apply(table.clone())?;
         if let Err(e) = inner.store.save(&next, &changes) {
@@ -98,6 +102,39 @@ impl SessionManager {
         inner.table = table;
         Ok(())
     }
+}
+
+/// Check the caps on what changed (whole-model counts are O(1); per-room checks only for rooms
+/// this mutation touched).
+fn check_limits(model: &Model, changes: &[Change], l: &Limits) -> Result<(), ManagerError> {
+    let over = |what, max| Err(ManagerError::Limit { what, max });
+    if model.rooms.len() > l.max_rooms {
+        return over("rooms", l.max_rooms);
+    }
+    if model.relays.len() > l.max_relays {
+        return over("relays", l.max_relays);
+    }
+    for c in changes {
+        let Change::Room(id) = c else { continue };
+        let Some(room) = model.rooms.get(id) else { continue };
+        if room.participants.len() > l.max_participants_per_room {
+            return over("participants per room", l.max_participants_per_room);
+        }
+        let mut subscribers: std::collections::HashMap<&mediaplane_core::model::StreamRef, usize> = Default::default();
+        for p in room.participants.values() {
+            if p.streams.len() > l.max_streams_per_participant {
+                return over("streams per participant", l.max_streams_per_participant);
+            }
+            for s in &p.subscriptions {
+                let n = subscribers.entry(s).or_default();
+                *n += 1;
+                if *n > l.max_subscribers_per_stream {
+                    return over("subscribers per stream", l.max_subscribers_per_stream);
+                }
+            }
+        }
+    }
+    Ok(())
 }
 
 /// A free local address on `media.ip`: an even port whose odd neighbour (RTCP) is free too.
@@ -151,7 +188,8 @@ mod tests {
     #[test]
     fn failed_mutation_changes_nothing() {
         let dp: Arc<dyn Dataplane> = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap());
-        let mgr = SessionManager::open(Store::in_memory().unwrap(), dp, media()).unwrap();
+        let limits = Limits { max_rooms: 2, max_participants_per_room: 1, ..Default::default() };
+        let mgr = SessionManager::open(Store::in_memory().unwrap(), dp, media(), limits).unwrap();
         mgr.mutate(|m, _| Ok((m.create_room("r")?, vec![Change::Room("r".into())]))).unwrap();
         let before = mgr.read(|m, t| (m.clone(), t.version));
         let r: Result<(), _> = mgr.mutate(|m, _| {
@@ -161,5 +199,24 @@ mod tests {
         });
         assert!(matches!(r, Err(ManagerError::Model(ModelError::Exists { .. }))));
         assert_eq!(mgr.read(|m, t| (m.clone(), t.version)), before);
+    }
+
+    #[test]
+    fn limits_are_clear_errors() {
+        let dp: Arc<dyn Dataplane> = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap());
+        let limits = Limits { max_rooms: 1, max_participants_per_room: 1, ..Default::default() };
+        let mgr = SessionManager::open(Store::in_memory().unwrap(), dp, media(), limits).unwrap();
+        mgr.mutate(|m, _| Ok((m.create_room("r")?, vec![Change::Room("r".into())]))).unwrap();
+        let e = mgr.mutate(|m, _| Ok((m.create_room("s")?, vec![Change::Room("s".into())]))).unwrap_err();
+        assert_eq!(e.to_string(), "limit reached: at most 1 rooms");
+        let add = |id: &str, port: u16| {
+            mgr.mutate(|m, _| {
+                m.add_participant("r", id, SocketAddr::new("127.78.0.1".parse().unwrap(), port), "127.78.1.1:5000".parse().unwrap())?;
+                Ok(((), vec![Change::Room("r".into())]))
+            })
+        };
+        add("a", 40010).unwrap();
+        assert!(matches!(add("b", 40012), Err(ManagerError::Limit { what: "participants per room", max: 1 })));
+        assert_eq!(mgr.read(|m, _| m.rooms["r"].participants.len()), 1, "nothing changed");
     }
 }

@@ -11,6 +11,9 @@ pub struct CtlArgs {
     /// Base URL of the daemon's API.
     #[arg(long, env = "MEDIAPLANE_API", default_value = "http://127.0.0.1:7580")]
     api: String,
+    /// Bearer token, when the daemon requires one (api.token).
+    #[arg(long, env = "MEDIAPLANE_TOKEN", hide_env_values = true)]
+    token: Option<String>,
     #[command(subcommand)]
     command: CtlCommand,
 }
@@ -145,15 +148,18 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
         CtlCommand::Stats => ("GET", "/v1/stats".into(), None),
         CtlCommand::Table => ("GET", "/v1/table".into(), None),
     };
-    let v = request(api, method, &path, body)?;
+    let v = request(api, args.token.as_deref(), method, &path, body)?;
     println!("{}", serde_json::to_string_pretty(&v)?);
     Ok(())
 }
 
 /// One API call; an HTTP error status becomes an error carrying the API's message.
-pub fn request(api: &str, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+pub fn request(api: &str, token: Option<&str>, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
     let agent = ureq::AgentBuilder::new().timeout(std::time::Duration::from_secs(10)).build();
-    let req = agent.request(method, &format!("{api}{path}"));
+    let mut req = agent.request(method, &format!("{api}{path}"));
+    if let Some(t) = token {
+        req = req.set("authorization", &format!("Bearer {t}"));
+    }
     let resp = match body {
         Some(b) => req.send_json(b),
         None => req.call(),

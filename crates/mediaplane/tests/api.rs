@@ -175,3 +175,39 @@ fn bad_config_is_a_clear_startup_error() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("port range"));
 }
+
+#[test]
+fn token_and_limits_are_enforced() {
+    let dir = TempDir::new("auth");
+    let cfg = dir.0.join("c.toml");
+    std::fs::write(&cfg, "[api]\ntoken = \"s3cret\"\n[limits]\nmax_rooms = 1\n").unwrap();
+    let d = Daemon::start_with_token(&dir.0.join("s.db"), &["--config", cfg.to_str().unwrap()], "s3cret");
+    match ureq::get(&format!("{}/v1/rooms", d.api)).call() {
+        Err(ureq::Error::Status(401, r)) => assert_eq!(r.into_json::<Value>().unwrap()["code"], "unauthorized"),
+        other => panic!("no token must be a 401: {other:?}"),
+    }
+    match ureq::get(&format!("{}/v1/rooms", d.api)).set("authorization", "Bearer wrong").call() {
+        Err(ureq::Error::Status(401, _)) => {}
+        other => panic!("a wrong token must be a 401: {other:?}"),
+    }
+    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "one"}))).0, 201);
+    let (s, v) = d.call("POST", "/v1/rooms", Some(json!({"id": "two"})));
+    assert_eq!((s, code(&v)), (403, "limit"));
+    assert!(v["error"].as_str().unwrap().contains("at most 1 rooms"));
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["ctl", "--api", &d.api, "room", "list"])
+        .env("MEDIAPLANE_TOKEN", "s3cret")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn non_loopback_listen_without_token_is_refused() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["serve", "--listen", "0.0.0.0:0", "--store", "/nonexistent/never-opened.db"])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    assert!(String::from_utf8_lossy(&out.stderr).contains("api.token"));
+}

@@ -9,6 +9,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct Daemon {
+    pub token: Option<String>,
     pub child: Child,
     pub api: String,
     pub listen: SocketAddr,
@@ -39,7 +40,15 @@ impl Daemon {
         Self::start_on(free_port(), store, extra)
     }
 
+    pub fn start_with_token(store: &Path, extra: &[&str], token: &str) -> Daemon {
+        Self::spawn(free_port(), store, extra, Some(token.to_string()))
+    }
+
     pub fn start_on(port: u16, store: &Path, extra: &[&str]) -> Daemon {
+        Self::spawn(port, store, extra, None)
+    }
+
+    fn spawn(port: u16, store: &Path, extra: &[&str], token: Option<String>) -> Daemon {
         let listen: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
         let child = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
             .args(["serve", "--listen", &listen.to_string(), "--store", store.to_str().unwrap(), "--workers", "1"])
@@ -48,7 +57,7 @@ impl Daemon {
             .stdout(Stdio::null())
             .spawn()
             .expect("spawn mediaplane serve");
-        let d = Daemon { child, api: format!("http://{listen}"), listen, store: store.to_path_buf() };
+        let d = Daemon { token, child, api: format!("http://{listen}"), listen, store: store.to_path_buf() };
         d.wait_ready();
         d
     }
@@ -56,7 +65,12 @@ impl Daemon {
     fn wait_ready(&self) {
         let deadline = Instant::now() + Duration::from_secs(20);
         while Instant::now() < deadline {
-            if ureq::get(&format!("{}/health", self.api)).timeout(Duration::from_millis(500)).call().is_ok() {
+            let r = ureq::get(&format!("{}/health", self.api)).timeout(Duration::from_millis(500));
+            let r = match &self.token {
+                Some(t) => r.set("authorization", &format!("Bearer {t}")),
+                None => r,
+            };
+            if r.call().is_ok() {
                 return;
             }
             std::thread::sleep(Duration::from_millis(50));
@@ -66,7 +80,10 @@ impl Daemon {
 
     /// (status, JSON body) of one request; never panics on HTTP errors.
     pub fn call(&self, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
-        let req = ureq::request(method, &format!("{}{path}", self.api)).timeout(Duration::from_secs(10));
+        let mut req = ureq::request(method, &format!("{}{path}", self.api)).timeout(Duration::from_secs(10));
+        if let Some(t) = &self.token {
+            req = req.set("authorization", &format!("Bearer {t}"));
+        }
         let r = match body {
             Some(b) => req.send_json(b),
             None => req.call(),
