@@ -1,1 +1,26 @@
+//! mediaplane's kernel fast path: a TC ingress eBPF program (bpf/sfu_tc.bpf.c) that forwards
+//! SFU fan-outs and SIP relay legs per [`mediaplane_core::ForwardingTable`], with the
+//! user-space data plane as its slow path.
+//!
+//! * [`maps`]: the kernel map layouts mirrored in Rust and the table -> entries compiler;
+//! * [`install`]: the update protocol that makes table changes atomic per packet (sans-I/O);
+//! * [`loader`]: [`FastPath`], the loaded program + maps (`BPF_PROG_TEST_RUN` for tests);
+//! * [`attach`]: tcx / clsact hooks, pinned for hitless restarts;
+//! * [`dataplane`]: [`EbpfDataplane`], the [`mediaplane_dataplane::Dataplane`] named "ebpf".
 
+pub mod attach;
+pub mod dataplane;
+pub mod install;
+pub mod loader;
+pub mod maps;
+
+/// The libbpf-cargo skeleton: used for the C struct layouts (BTF) in tests and test_run.
+#[allow(dead_code, clippy::all, non_camel_case_types, non_snake_case, unused_imports)]
+mod skel {
+    include!(concat!(env!("OUT_DIR"), "/sfu_tc.skel.rs"));
+}
+
+pub use attach::AttachMode;
+pub use dataplane::{EbpfConfig, EbpfDataplane};
+pub use install::ApplyReport;
+pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_SHOT};

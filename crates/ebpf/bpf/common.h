@@ -1,0 +1,82 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* Constants shared by every mediaplane BPF program: what vmlinux.h does not carry (uapi
+ * #defines), counter indices and flags. The Rust mirror lives in src/maps.rs: change both. */
+#ifndef MEDIAPLANE_COMMON_H
+#define MEDIAPLANE_COMMON_H
+
+/* uapi/linux/pkt_cls.h: #defines, so absent from vmlinux.h. */
+#define TC_ACT_UNSPEC (-1)
+#define TC_ACT_OK 0
+#define TC_ACT_SHOT 2
+
+#define ETH_HLEN 14
+#define ETH_ALEN 6
+#define ETH_P_IP 0x0800
+#define ETH_P_IPV6 0x86DD
+#define ETH_P_8021Q 0x8100
+#define ETH_P_8021AD 0x88A8
+#define AF_INET 2
+#define AF_INET6 10
+#define IPPROTO_UDP_NR 17
+
+
+/* Address families as stored in map keys (not AF_*: independent of the libc). */
+#define MP_FAMILY_V4 4
+#define MP_FAMILY_V6 6
+
+/* stream_value.flags */
+#define STREAM_F_PRESENT (1u << 0)  /* a real stream; unset on the placeholder wildcard entry that
+                                      only says "this local address has SSRC-narrowed streams" */
+#define STREAM_F_RTP (1u << 1)      /* payload must be valid RTP/RTCP */
+#define STREAM_F_NARROWED (1u << 2) /* (wildcard entry only) some stream on this local has an SSRC */
+#define STREAM_F_LATCH (1u << 3)    /* source not latched yet: slow path */
+#define STREAM_F_SLOW (1u << 4)     /* the kernel cannot fan this one out (mixed address families,
+                                      too many copies): slow path */
+
+/* Copies per stream the kernel fans out itself (size of the per-CPU next-hop scratch). */
+#define MAX_FANOUT 4096
+
+/* Global per-CPU counters (index into the `counters` array). The first eight mirror fields of
+ * mediaplane_dataplane::Counters and count only packets the kernel decided itself (forwarded or
+ * dropped); packets handed to the stack are counted by the user-space slow path that reads
+ * them, so merged totals count every packet once. */
+enum mp_counter {
+	CNT_RX_PACKETS = 0,
+	CNT_RX_BYTES,
+	CNT_TX_COPIES,
+	CNT_TX_BYTES,
+	CNT_TX_ERRORS,
+	CNT_DROP_NO_STREAM,
+	CNT_DROP_STRANGER,
+	CNT_DROP_MALFORMED,
+	/* kernel-only verdicts */
+	CNT_FORWARDED,        /* packets fanned out, then consumed (TC_ACT_SHOT, not a drop) */
+	CNT_PASS_NOT_IP,
+	CNT_PASS_NOT_UDP,
+	CNT_PASS_FRAGMENT,
+	CNT_PASS_IP_OPTIONS,
+	CNT_PASS_IPV6_EXT,
+	CNT_PASS_TRUNCATED,
+	CNT_PASS_BAD_IP_HEADER,
+	CNT_PASS_BAD_UDP_LENGTH,
+	CNT_PASS_VLAN,        /* stacked VLAN tags */
+	CNT_PASS_GSO,         /* GRO-merged super-packet */
+	CNT_PASS_NOT_OURS,    /* no stream on the destination address */
+	CNT_PASS_STUN,
+	CNT_PASS_UNLATCHED,
+	CNT_PASS_SLOW_STREAM, /* STREAM_F_SLOW */
+	CNT_PASS_NO_NEIGH,    /* some copy's next hop has no resolved neighbour */
+	CNT_PASS_FIB_FAIL,    /* some copy has no forwardable route (local, unreachable, MTU...) */
+	CNT_PASS_STALE_COPY,  /* fan-out slot did not belong to the stream (should never happen) */
+	CNT_PASS_ERROR,       /* a helper failed before any copy was sent */
+	CNT__MAX,
+};
+
+/* Per-copy latency histogram (struct mp_latency_hist): 16 exact buckets for 0..15 ns, then 8
+ * linear sub-buckets per power of two up to 2^40 ns. */
+#define LAT_EXACT 16
+#define LAT_SUB 8
+#define LAT_MAX_EXP 40
+#define LAT_BUCKETS (LAT_EXACT + (LAT_MAX_EXP - 4) * LAT_SUB)
+
+#endif

@@ -1,0 +1,143 @@
+/* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
+/* Map layouts. Rust mirror: src/maps.rs (its unit tests compare sizes with this BTF). */
+#ifndef MEDIAPLANE_MAPS_H
+#define MEDIAPLANE_MAPS_H
+
+#include "common.h"
+
+/* Where a packet enters: local address + UDP port, optionally narrowed by SSRC.
+ * IPv4 addresses use addr[0..4], the rest zero. Ports in network order. */
+struct mp_ingress_key {
+	__u8 addr[16];
+	__be16 port;
+	__u8 family;   /* MP_FAMILY_V4 / MP_FAMILY_V6 */
+	__u8 has_ssrc; /* 0: the wildcard entry of this local address */
+	__u32 ssrc;    /* host order, 0 when has_ssrc == 0 */
+};
+
+struct mp_stream_value {
+	__u32 id;         /* StreamEntry::id */
+	__u32 flags;      /* STREAM_F_* */
+	__u8 src_addr[16];/* the Fixed source (unless STREAM_F_LATCH) */
+	__be16 src_port;
+	__u16 pad;
+	__u32 stats_slot; /* index into stream_stats */
+	__u32 copies_base;/* first index into copies[] */
+	__u32 copies_count;
+};
+
+/* One output copy: the full rewrite. MACs and ifindex come from bpf_fib_lookup per packet. */
+struct mp_copy_rewrite {
+	__u8 from_addr[16];
+	__u8 to_addr[16];
+	__be16 from_port;
+	__be16 to_port;
+	__u32 stream_id; /* owner, checked against the stream (guards against a reused slot) */
+};
+
+/* Per-stream per-CPU counters: only what the kernel decided (see enum mp_counter). */
+struct mp_stream_counters {
+	__u64 rx_packets;
+	__u64 rx_bytes;
+	__u64 tx_copies;
+	__u64 tx_bytes;
+	__u64 tx_errors;
+	__u64 drop_stranger;
+	__u64 drop_malformed;
+	__u64 pass_slow; /* handed to the slow path (STUN, unlatched, no neighbour...) */
+};
+
+struct mp_nexthop {
+	__u32 ifindex;
+	__u8 smac[ETH_ALEN];
+	__u8 dmac[ETH_ALEN];
+};
+
+/* Stream entries. No prealloc: a replaced value is freed after an RCU grace period, so a
+ * program that looked up the old value keeps reading a stable copy of it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536); /* resized by the loader */
+	__type(key, struct mp_ingress_key);
+	__type(value, struct mp_stream_value);
+} streams SEC(".maps");
+
+/* Fan-out lists: ranges allocated by user space. A changed list is written to a fresh range,
+ * the stream entry flipped to it, and the old range freed only after an RCU barrier. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 65536); /* resized by the loader */
+	__type(key, __u32);
+	__type(value, struct mp_copy_rewrite);
+} copies SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 65536); /* = streams max_entries */
+	__type(key, __u32);
+	__type(value, struct mp_stream_counters);
+} stream_stats SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, CNT__MAX);
+	__type(key, __u32);
+	__type(value, __u64);
+} counters SEC(".maps");
+
+/* Per-copy processing time: entry of the program -> after that copy's clone_redirect. */
+struct mp_latency_hist {
+	__u64 buckets[LAT_BUCKETS];
+	__u64 sum;
+	__u64 min; /* 0 = none yet */
+	__u64 max;
+	__u64 count;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mp_latency_hist);
+} copy_latency SEC(".maps");
+
+/* Scratch: next hops of the packet being fanned out (resolved before any copy is sent). */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, MAX_FANOUT);
+	__type(key, __u32);
+	__type(value, struct mp_nexthop);
+} nexthops SEC(".maps");
+
+/* Not used by programs. Updating a map-in-map from user space makes the kernel wait for an
+ * RCU grace period (maybe_wait_bpf_programs), i.e. until every program run that could still
+ * hold an old stream value has finished: the barrier before freeing fan-out ranges. */
+struct barrier_inner {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY_OF_MAPS);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__array(values, struct barrier_inner);
+} rcu_barrier SEC(".maps");
+
+static __always_inline void count(__u32 idx, __u64 n)
+{
+	__u64 *c = bpf_map_lookup_elem(&counters, &idx);
+	if (c)
+		*c += n; /* per-CPU, and TC runs with migration disabled: no atomics needed */
+}
+
+static __always_inline struct mp_stream_counters *stream_counters_of(const struct mp_stream_value *s)
+{
+	__u32 slot = s->stats_slot;
+	return bpf_map_lookup_elem(&stream_stats, &slot);
+}
+
+#endif

@@ -1,0 +1,58 @@
+//! Builds the BPF programs in bpf/ with clang (via libbpf-cargo's SkeletonBuilder) against a
+//! vmlinux.h generated from the running kernel's BTF into OUT_DIR.
+
+use libbpf_cargo::SkeletonBuilder;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+const BTF: &str = "/sys/kernel/btf/vmlinux";
+const PROGRAMS: &[&str] = &["sfu_tc"];
+
+fn main() {
+    let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));
+    let manifest = PathBuf::from(std::env::var_os("CARGO_MANIFEST_DIR").expect("CARGO_MANIFEST_DIR"));
+    let bpf_dir = manifest.join("bpf");
+    println!("cargo:rerun-if-changed={}", bpf_dir.display());
+    println!("cargo:rerun-if-changed={BTF}");
+
+    generate_vmlinux_h(&out.join("vmlinux.h"));
+
+    for prog in PROGRAMS {
+        let src = bpf_dir.join(format!("{prog}.bpf.c"));
+        let obj = out.join(format!("{prog}.bpf.o"));
+        let skel = out.join(format!("{prog}.skel.rs"));
+        SkeletonBuilder::new()
+            .source(&src)
+            .obj(&obj)
+            .clang_args([
+                "-O2".to_string(),
+                "-g".to_string(),
+                "-Wall".to_string(),
+                "-Werror".to_string(),
+                format!("-I{}", out.display()),
+                format!("-I{}", bpf_dir.display()),
+            ])
+            .build_and_generate(&skel)
+            .unwrap_or_else(|e| panic!("mediaplane-ebpf: building {}: {e:#}", src.display()));
+    }
+}
+
+/// `bpftool btf dump file /sys/kernel/btf/vmlinux format c > OUT_DIR/vmlinux.h`.
+fn generate_vmlinux_h(dst: &Path) {
+    if !Path::new(BTF).exists() {
+        panic!(
+            "mediaplane-ebpf: {BTF} is missing: this crate needs a kernel built with \
+             CONFIG_DEBUG_INFO_BTF=y to generate vmlinux.h"
+        );
+    }
+    let output = Command::new("bpftool")
+        .args(["btf", "dump", "file", BTF, "format", "c"])
+        .output()
+        .unwrap_or_else(|e| {
+            panic!("mediaplane-ebpf: cannot run bpftool ({e}); install it (Debian: apt-get install bpftool)")
+        });
+    if !output.status.success() {
+        panic!("mediaplane-ebpf: bpftool btf dump failed: {}", String::from_utf8_lossy(&output.stderr));
+    }
+    std::fs::write(dst, &output.stdout).unwrap_or_else(|e| panic!("writing {}: {e}", dst.display()));
+}

@@ -1,0 +1,391 @@
+//! Loading the TC program and its maps, installing tables into them, reading them back.
+//!
+//! [`FastPath`] is the kernel half of the eBPF data plane without any attachment: tests drive it
+//! with `BPF_PROG_TEST_RUN` ([`FastPath::test_run`]), [`crate::EbpfDataplane`] attaches it.
+
+use crate::install::{ApplyReport, Installer, KernelMaps};
+use crate::maps::{CopyRaw, KeyRaw, LatencyHistRaw, Pod, StreamCountersRaw, StreamValueRaw, GLOBAL_COUNTERS};
+use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, Program, ProgramInput};
+use mediaplane_core::ForwardingTable;
+use mediaplane_dataplane::{Counters, DataplaneError, DataplaneStats, LatencySummary};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::os::fd::{AsFd, AsRawFd};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+
+/// The compiled BPF object (bpf/sfu_tc.bpf.c), embedded.
+pub const SFU_TC_OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sfu_tc.bpf.o"));
+/// Name of the TC ingress program in [`SFU_TC_OBJECT`].
+pub const SFU_TC_PROGRAM: &str = "sfu_ingress";
+
+/// Maps that carry state worth keeping across a restart: pinned when a pin dir is given.
+const PINNED_MAPS: [&str; 5] = ["streams", "copies", "stream_stats", "counters", "copy_latency"];
+
+#[derive(Debug, Clone)]
+pub struct LoadOptions {
+    /// Capacity of the stream table (also the number of per-stream counter slots).
+    pub max_streams: u32,
+    /// Capacity of the fan-out array: total copies over all streams.
+    pub max_copies: u32,
+    /// Pin (or adopt already pinned) maps in this bpffs directory.
+    pub pin_dir: Option<PathBuf>,
+}
+
+impl Default for LoadOptions {
+    fn default() -> Self {
+        LoadOptions { max_streams: 16384, max_copies: 65536, pin_dir: None }
+    }
+}
+
+/// Outcome of one `BPF_PROG_TEST_RUN`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TestRun {
+    /// The program's verdict: `TC_ACT_OK` (0) = to the stack, `TC_ACT_SHOT` (2) = consumed.
+    pub retval: u32,
+}
+
+pub const TC_ACT_OK: u32 = 0;
+pub const TC_ACT_SHOT: u32 = 2;
+
+/// Everything the kernel counted.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct KernelStats {
+    /// Every global counter by name (see [`GLOBAL_COUNTERS`]).
+    pub global: BTreeMap<&'static str, u64>,
+    /// Per stream id.
+    pub streams: BTreeMap<u32, StreamCountersRaw>,
+    pub latency: LatencyHistRaw,
+}
+
+impl KernelStats {
+    pub fn get(&self, name: &str) -> u64 {
+        self.global.get(name).copied().unwrap_or(0)
+    }
+
+    /// In the shape every data plane reports. Kernel-only verdicts go to `extra`.
+    pub fn to_dataplane_stats(&self, table_version: u64) -> DataplaneStats {
+        let g = |n| self.get(n);
+        let total = Counters {
+            rx_packets: g("rx_packets"),
+            rx_bytes: g("rx_bytes"),
+            tx_copies: g("tx_copies"),
+            tx_bytes: g("tx_bytes"),
+            tx_errors: g("tx_errors"),
+            drop_no_stream: g("drop_no_stream"),
+            drop_stranger: g("drop_stranger"),
+            drop_malformed: g("drop_malformed"),
+            slow_stun: 0,
+            slow_unlatched: 0,
+        };
+        let streams = self
+            .streams
+            .iter()
+            .map(|(id, s)| {
+                let c = Counters {
+                    rx_packets: s.rx_packets,
+                    rx_bytes: s.rx_bytes,
+                    tx_copies: s.tx_copies,
+                    tx_bytes: s.tx_bytes,
+                    tx_errors: s.tx_errors,
+                    drop_stranger: s.drop_stranger,
+                    drop_malformed: s.drop_malformed,
+                    ..Counters::default()
+                };
+                (*id, c)
+            })
+            .collect();
+        let extra = GLOBAL_COUNTERS[8..].iter().map(|n| (n.to_string(), g(n))).collect();
+        let l = &self.latency;
+        let copy_latency = (l.count > 0).then(|| LatencySummary {
+            count: l.count,
+            min_ns: l.min,
+            p50_ns: l.quantile(0.5),
+            mean_ns: l.sum as f64 / l.count as f64,
+            p99_ns: l.quantile(0.99),
+            max_ns: l.max,
+        });
+        DataplaneStats { dataplane: "ebpf".into(), table_version, total, streams, copy_latency, extra }
+    }
+}
+
+/// libbpf prints to stderr by default; send it to tracing instead (verifier logs included).
+fn route_libbpf_logs() {
+    fn log(level: libbpf_rs::PrintLevel, msg: String) {
+        let msg = msg.trim_end();
+        match level {
+            libbpf_rs::PrintLevel::Warn => tracing::warn!(target: "libbpf", "{msg}"),
+            libbpf_rs::PrintLevel::Info => tracing::info!(target: "libbpf", "{msg}"),
+            libbpf_rs::PrintLevel::Debug => tracing::debug!(target: "libbpf", "{msg}"),
+        }
+    }
+    static ONCE: std::sync::Once = std::sync::Once::new();
+    ONCE.call_once(|| {
+        libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Info, log)));
+    });
+}
+
+fn bpf_err(context: impl std::fmt::Display, e: libbpf_rs::Error) -> DataplaneError {
+    DataplaneError::Other(format!("{context}: {e}"))
+}
+
+/// The loaded program and maps, and the mirror of what is installed in them.
+pub struct FastPath {
+    obj: Object,
+    installer: Mutex<Installer>,
+    /// An inner map for the RCU barrier (see bpf/maps.h `rcu_barrier`).
+    barrier_inner: MapHandle,
+    pin_dir: Option<PathBuf>,
+    adopted: bool,
+}
+
+impl std::fmt::Debug for FastPath {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FastPath").field("pin_dir", &self.pin_dir).field("adopted", &self.adopted).finish()
+    }
+}
+
+impl FastPath {
+    /// Load (verify) the program and create its maps, or adopt the maps pinned in
+    /// `opts.pin_dir` by a previous instance (their content is kept and mirrored).
+    pub fn load(opts: &LoadOptions) -> Result<FastPath, DataplaneError> {
+        route_libbpf_logs();
+        let adopted = opts.pin_dir.as_ref().is_some_and(|d| d.join("streams").exists());
+        let mut open = ObjectBuilder::default()
+            .open_memory(SFU_TC_OBJECT)
+            .map_err(|e| bpf_err("opening the BPF object", e))?;
+        for mut m in open.maps_mut() {
+            let name = m.name().to_string_lossy().into_owned();
+            let entries = match name.as_str() {
+                "streams" | "stream_stats" => Some(opts.max_streams),
+                "copies" => Some(opts.max_copies),
+                _ => None,
+            };
+            if let Some(n) = entries {
+                m.set_max_entries(n).map_err(|e| bpf_err(format!("sizing map {name}"), e))?;
+            }
+            if let Some(dir) = &opts.pin_dir {
+                if PINNED_MAPS.contains(&name.as_str()) {
+                    m.set_pin_path(dir.join(&name)).map_err(|e| bpf_err(format!("pin path of map {name}"), e))?;
+                }
+            }
+        }
+        // libbpf attaches tcx links with the program's expected attach type (SEC("tc") has none).
+        for mut p in open.progs_mut() {
+            p.set_attach_type(libbpf_rs::ProgramAttachType::TcxIngress);
+        }
+        let obj = open.load().map_err(|e| {
+            bpf_err(
+                "loading the BPF program (needs root/CAP_BPF+CAP_NET_ADMIN and a kernel >= 6.6 with BTF; \
+                 pinned maps from an incompatible version need a reset)",
+                e,
+            )
+        })?;
+        let barrier_inner = MapHandle::create(
+            MapType::Array,
+            Some("mp_barrier"),
+            4,
+            4,
+            1,
+            &libbpf_rs::libbpf_sys::bpf_map_create_opts {
+                sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
+                ..Default::default()
+            },
+        )
+        .map_err(|e| bpf_err("creating the RCU barrier map", e))?;
+        let counters_len = obj.maps().find(|m| m.name() == "counters").map(|m| m.max_entries());
+        if counters_len != Some(GLOBAL_COUNTERS.len() as u32) {
+            return Err(DataplaneError::Other(format!(
+                "BPF counter enum ({counters_len:?}) and maps::GLOBAL_COUNTERS ({}) disagree",
+                GLOBAL_COUNTERS.len()
+            )));
+        }
+        let mut me = FastPath {
+            obj,
+            installer: Mutex::new(Installer::new(opts.max_copies, opts.max_streams)),
+            barrier_inner,
+            pin_dir: opts.pin_dir.clone(),
+            adopted,
+        };
+        if adopted {
+            let existing = me.read_installed()?;
+            tracing::info!(streams = existing.len(), "adopted pinned kernel forwarding state");
+            me.installer = Mutex::new(Installer::adopt(opts.max_copies, opts.max_streams, existing)?);
+        }
+        Ok(me)
+    }
+
+    /// True when the maps were adopted from a previous instance's pins.
+    pub fn adopted(&self) -> bool {
+        self.adopted
+    }
+
+    pub fn program(&self) -> Program<'_> {
+        self.obj.progs().find(|p| p.name() == SFU_TC_PROGRAM).expect("program in the embedded object")
+    }
+
+    fn map(&self, name: &str) -> libbpf_rs::Map<'_> {
+        self.obj.maps().find(|m| m.name() == name).unwrap_or_else(|| panic!("map {name} in the embedded object"))
+    }
+
+    /// Remove the map pins (the maps live on while this process holds them).
+    pub fn unpin_maps(&self) -> Result<(), DataplaneError> {
+        if let Some(dir) = &self.pin_dir {
+            for name in PINNED_MAPS {
+                let p = dir.join(name);
+                if p.exists() {
+                    std::fs::remove_file(&p).map_err(|source| DataplaneError::Io { context: format!("unpinning {}", p.display()), source })?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn pin_dir(&self) -> Option<&Path> {
+        self.pin_dir.as_deref()
+    }
+
+    /// Install `table` (atomically per packet, see [`crate::install`]).
+    pub fn apply(&self, table: Arc<ForwardingTable>) -> Result<ApplyReport, DataplaneError> {
+        let mut io = MapsIo { fp: self };
+        self.installer.lock().apply(table, &mut io)
+    }
+
+    pub fn table_version(&self) -> u64 {
+        self.installer.lock().table().map_or(0, |t| t.version)
+    }
+
+    /// Every stream entry in the kernel with its fan-out.
+    pub fn read_installed(&self) -> Result<Vec<(KeyRaw, StreamValueRaw, Vec<CopyRaw>)>, DataplaneError> {
+        let streams = self.map("streams");
+        let copies = self.map("copies");
+        let mut out = Vec::new();
+        for k in streams.keys() {
+            let Some(v) = streams.lookup(&k, MapFlags::ANY).map_err(|e| bpf_err("reading streams", e))? else { continue };
+            let key = KeyRaw::from_bytes(&k);
+            let value = StreamValueRaw::from_bytes(&v);
+            let mut list = Vec::with_capacity(value.copies_count as usize);
+            for i in 0..value.copies_count {
+                let idx = value.copies_base + i;
+                let c = copies
+                    .lookup(idx.as_bytes(), MapFlags::ANY)
+                    .map_err(|e| bpf_err("reading copies", e))?
+                    .ok_or_else(|| DataplaneError::Other(format!("copy slot {idx} out of range")))?;
+                list.push(CopyRaw::from_bytes(&c));
+            }
+            out.push((key, value, list));
+        }
+        Ok(out)
+    }
+
+    fn percpu_sum<T: Pod>(map: &libbpf_rs::Map<'_>, key: u32, add: impl Fn(&mut T, &T)) -> Result<T, DataplaneError> {
+        let mut acc = T::default();
+        if let Some(per_cpu) = map.lookup_percpu(key.as_bytes(), MapFlags::ANY).map_err(|e| bpf_err("reading counters", e))? {
+            for v in per_cpu {
+                add(&mut acc, &T::from_bytes(&v));
+            }
+        }
+        Ok(acc)
+    }
+
+    pub fn kernel_stats(&self) -> Result<KernelStats, DataplaneError> {
+        let counters = self.map("counters");
+        let mut global = BTreeMap::new();
+        for (i, name) in GLOBAL_COUNTERS.iter().enumerate() {
+            global.insert(*name, Self::percpu_sum::<u64>(&counters, i as u32, |a, b| *a += b)?);
+        }
+        let stats = self.map("stream_stats");
+        let slots: Vec<(u32, u32)> = self.installer.lock().stats_slots().collect();
+        let mut streams = BTreeMap::new();
+        for (id, slot) in slots {
+            streams.insert(id, Self::percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?);
+        }
+        let latency = Self::percpu_sum::<LatencyHistRaw>(&self.map("copy_latency"), 0, |a, b| a.add(b))?;
+        Ok(KernelStats { global, streams, latency })
+    }
+
+    /// Run the program once on `frame` with `BPF_PROG_TEST_RUN`. `ifindex` is the device the
+    /// packet pretends to arrive on (fib lookups use it; needs forwarding enabled on it);
+    /// copies really leave through `bpf_clone_redirect`, in the calling thread's netns.
+    // ProgramInput is non-exhaustive: no struct literal possible.
+    #[allow(clippy::field_reassign_with_default)]
+    pub fn test_run(&self, frame: &[u8], ifindex: Option<u32>) -> Result<TestRun, DataplaneError> {
+        // struct __sk_buff: only ifindex (offset 40) may be set besides mark/priority.
+        let mut ctx = vec![0u8; std::mem::size_of::<crate::skel::types::__sk_buff>()];
+        if let Some(i) = ifindex {
+            ctx[40..44].copy_from_slice(&i.to_ne_bytes());
+        }
+        let mut input = ProgramInput::default();
+        input.data_in = Some(frame);
+        input.context_in = Some(&mut ctx);
+        let prog = self.obj.progs_mut().find(|p| p.name() == SFU_TC_PROGRAM).expect("program in the embedded object");
+        let out = prog.test_run(input).map_err(|e| bpf_err("BPF_PROG_TEST_RUN", e))?;
+        Ok(TestRun { retval: out.return_value })
+    }
+
+    /// Zero every counter and the latency histogram (tests, benchmarks).
+    pub fn reset_counters(&self) -> Result<(), DataplaneError> {
+        let ncpu = libbpf_rs::num_possible_cpus().map_err(|e| bpf_err("counting CPUs", e))?;
+        let counters = self.map("counters");
+        for i in 0..GLOBAL_COUNTERS.len() as u32 {
+            counters
+                .update_percpu(i.as_bytes(), &vec![0u64.as_bytes().to_vec(); ncpu], MapFlags::ANY)
+                .map_err(|e| bpf_err("zeroing counters", e))?;
+        }
+        let z = LatencyHistRaw::default();
+        self.map("copy_latency")
+            .update_percpu(0u32.as_bytes(), &vec![z.as_bytes().to_vec(); ncpu], MapFlags::ANY)
+            .map_err(|e| bpf_err("zeroing latency", e))?;
+        let slots: Vec<u32> = self.installer.lock().stats_slots().map(|(_, s)| s).collect();
+        let mut io = MapsIo { fp: self };
+        for s in slots {
+            io.zero_stats(s)?;
+        }
+        Ok(())
+    }
+}
+
+/// [`KernelMaps`] over the real maps.
+struct MapsIo<'a> {
+    fp: &'a FastPath,
+}
+
+impl KernelMaps for MapsIo<'_> {
+    fn write_copies(&mut self, base: u32, copies: &[CopyRaw]) -> Result<(), DataplaneError> {
+        let map = self.fp.map("copies");
+        for (i, c) in copies.iter().enumerate() {
+            let idx = base + i as u32;
+            map.update(idx.as_bytes(), c.as_bytes(), MapFlags::ANY).map_err(|e| bpf_err("writing copies", e))?;
+        }
+        Ok(())
+    }
+
+    fn write_stream(&mut self, key: &KeyRaw, value: &StreamValueRaw) -> Result<(), DataplaneError> {
+        self.fp
+            .map("streams")
+            .update(key.as_bytes(), value.as_bytes(), MapFlags::ANY)
+            .map_err(|e| bpf_err(format!("writing stream {:?}", key.local()), e))
+    }
+
+    fn delete_stream(&mut self, key: &KeyRaw) -> Result<(), DataplaneError> {
+        self.fp.map("streams").delete(key.as_bytes()).map_err(|e| bpf_err(format!("deleting stream {:?}", key.local()), e))
+    }
+
+    fn zero_stats(&mut self, slot: u32) -> Result<(), DataplaneError> {
+        let ncpu = libbpf_rs::num_possible_cpus().map_err(|e| bpf_err("counting CPUs", e))?;
+        let zero = StreamCountersRaw::default();
+        self.fp
+            .map("stream_stats")
+            .update_percpu(slot.as_bytes(), &vec![zero.as_bytes().to_vec(); ncpu], MapFlags::ANY)
+            .map_err(|e| bpf_err("zeroing stream counters", e))
+    }
+
+    fn rcu_barrier(&mut self) -> Result<(), DataplaneError> {
+        // Updating a map-in-map waits for an RCU grace period before returning.
+        let fd = self.fp.barrier_inner.as_fd().as_raw_fd() as u32;
+        self.fp
+            .map("rcu_barrier")
+            .update(0u32.as_bytes(), fd.as_bytes(), MapFlags::ANY)
+            .map_err(|e| bpf_err("RCU barrier", e))
+    }
+}

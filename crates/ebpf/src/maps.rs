@@ -1,0 +1,467 @@
+//! Rust mirror of the kernel map layouts (bpf/maps.h, bpf/common.h) and the compiler from a
+//! [`ForwardingTable`] to the kernel entries that express it. Sans-I/O: no maps are touched here.
+//!
+//! One table stream becomes one `streams` entry keyed by (local ip, local port, ssrc?). A local
+//! address that has SSRC-narrowed streams always gets a wildcard (no SSRC) entry too: either its
+//! real wildcard stream or a placeholder, flagged `NARROWED`, so the program learns with one
+//! lookup whether it must read the SSRC (mirrors `ForwardingTable::has_ssrc_streams`).
+
+use mediaplane_core::table::{ForwardingTable, SourceRule, StreamEntry};
+use std::collections::{BTreeMap, BTreeSet};
+use std::net::{IpAddr, SocketAddr};
+
+pub const FAMILY_V4: u8 = 4;
+pub const FAMILY_V6: u8 = 6;
+
+/// `stream_value.flags` (bpf/common.h STREAM_F_*).
+pub mod flags {
+    pub const PRESENT: u32 = 1 << 0;
+    pub const RTP: u32 = 1 << 1;
+    pub const NARROWED: u32 = 1 << 2;
+    pub const LATCH: u32 = 1 << 3;
+    pub const SLOW: u32 = 1 << 4;
+}
+
+/// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
+pub const MAX_FANOUT: usize = 4096;
+
+/// Global counter indices (enum mp_counter) with their names in `DataplaneStats.extra`.
+/// The first eight feed [`mediaplane_dataplane::Counters`].
+pub const GLOBAL_COUNTERS: [&str; 27] = [
+    "rx_packets",
+    "rx_bytes",
+    "tx_copies",
+    "tx_bytes",
+    "tx_errors",
+    "drop_no_stream",
+    "drop_stranger",
+    "drop_malformed",
+    "forwarded",
+    "pass_not_ip",
+    "pass_not_udp",
+    "pass_fragment",
+    "pass_ip_options",
+    "pass_ipv6_ext",
+    "pass_truncated",
+    "pass_bad_ip_header",
+    "pass_bad_udp_length",
+    "pass_vlan",
+    "pass_gso",
+    "pass_not_ours",
+    "pass_stun",
+    "pass_unlatched",
+    "pass_slow_stream",
+    "pass_no_neigh",
+    "pass_fib_fail",
+    "pass_stale_copy",
+    "pass_error",
+];
+
+/// Index of a global counter by name (panics on a typo: names are compile-time constants).
+pub fn counter_index(name: &str) -> u32 {
+    GLOBAL_COUNTERS.iter().position(|n| *n == name).unwrap_or_else(|| panic!("no counter {name}")) as u32
+}
+
+/// Latency histogram geometry (LAT_* in bpf/common.h).
+pub const LAT_EXACT: usize = 16;
+pub const LAT_SUB: usize = 8;
+pub const LAT_MAX_EXP: usize = 40;
+pub const LAT_BUCKETS: usize = LAT_EXACT + (LAT_MAX_EXP - 4) * LAT_SUB;
+
+/// Plain-old-data map structs: `#[repr(C)]`, no implicit padding, any bit pattern valid.
+///
+/// # Safety
+/// Implementors must be `repr(C)` without padding bytes and valid for every bit pattern.
+pub unsafe trait Pod: Copy + Default {
+    fn as_bytes(&self) -> &[u8] {
+        // SAFETY: Pod guarantees no padding, so every byte is initialized.
+        unsafe { std::slice::from_raw_parts(self as *const Self as *const u8, std::mem::size_of::<Self>()) }
+    }
+    fn from_bytes(b: &[u8]) -> Self {
+        assert_eq!(b.len(), std::mem::size_of::<Self>(), "map value size mismatch");
+        let mut v = Self::default();
+        // SAFETY: sizes match and any bit pattern is valid.
+        unsafe { std::ptr::copy_nonoverlapping(b.as_ptr(), &mut v as *mut Self as *mut u8, b.len()) };
+        v
+    }
+}
+
+/// `struct mp_ingress_key`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct KeyRaw {
+    pub addr: [u8; 16],
+    /// Network byte order.
+    pub port: [u8; 2],
+    pub family: u8,
+    pub has_ssrc: u8,
+    pub ssrc: u32,
+}
+
+/// `struct mp_stream_value`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamValueRaw {
+    pub id: u32,
+    pub flags: u32,
+    pub src_addr: [u8; 16],
+    pub src_port: [u8; 2],
+    pub pad: u16,
+    pub stats_slot: u32,
+    pub copies_base: u32,
+    pub copies_count: u32,
+}
+
+/// `struct mp_copy_rewrite`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CopyRaw {
+    pub from_addr: [u8; 16],
+    pub to_addr: [u8; 16],
+    pub from_port: [u8; 2],
+    pub to_port: [u8; 2],
+    pub stream_id: u32,
+}
+
+/// `struct mp_stream_counters`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamCountersRaw {
+    pub rx_packets: u64,
+    pub rx_bytes: u64,
+    pub tx_copies: u64,
+    pub tx_bytes: u64,
+    pub tx_errors: u64,
+    pub drop_stranger: u64,
+    pub drop_malformed: u64,
+    pub pass_slow: u64,
+}
+
+/// `struct mp_latency_hist`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LatencyHistRaw {
+    pub buckets: [u64; LAT_BUCKETS],
+    pub sum: u64,
+    /// 0 = none yet.
+    pub min: u64,
+    pub max: u64,
+    pub count: u64,
+}
+
+impl Default for LatencyHistRaw {
+    fn default() -> Self {
+        LatencyHistRaw { buckets: [0; LAT_BUCKETS], sum: 0, min: 0, max: 0, count: 0 }
+    }
+}
+
+unsafe impl Pod for KeyRaw {}
+unsafe impl Pod for StreamValueRaw {}
+unsafe impl Pod for CopyRaw {}
+unsafe impl Pod for StreamCountersRaw {}
+unsafe impl Pod for LatencyHistRaw {}
+unsafe impl Pod for u32 {}
+unsafe impl Pod for u64 {}
+
+impl StreamCountersRaw {
+    pub fn add(&mut self, o: &StreamCountersRaw) {
+        self.rx_packets += o.rx_packets;
+        self.rx_bytes += o.rx_bytes;
+        self.tx_copies += o.tx_copies;
+        self.tx_bytes += o.tx_bytes;
+        self.tx_errors += o.tx_errors;
+        self.drop_stranger += o.drop_stranger;
+        self.drop_malformed += o.drop_malformed;
+        self.pass_slow += o.pass_slow;
+    }
+}
+
+impl LatencyHistRaw {
+    pub fn add(&mut self, o: &LatencyHistRaw) {
+        for (a, b) in self.buckets.iter_mut().zip(o.buckets.iter()) {
+            *a += b;
+        }
+        self.sum += o.sum;
+        self.count += o.count;
+        self.max = self.max.max(o.max);
+        if o.min != 0 && (self.min == 0 || o.min < self.min) {
+            self.min = o.min;
+        }
+    }
+
+    /// Value (ns) at quantile `q` in 0..=1: the middle of the bucket holding it.
+    pub fn quantile(&self, q: f64) -> u64 {
+        let total: u64 = self.buckets.iter().sum();
+        if total == 0 {
+            return 0;
+        }
+        let rank = ((q * total as f64).ceil() as u64).clamp(1, total);
+        let mut seen = 0;
+        for (i, n) in self.buckets.iter().enumerate() {
+            seen += n;
+            if seen >= rank {
+                let (lo, hi) = latency_bucket_bounds(i);
+                return (lo + (hi - lo) / 2).clamp(self.min, self.max.max(self.min));
+            }
+        }
+        self.max
+    }
+}
+
+/// Bucket index of `ns`, as the BPF program computes it (latency_bucket in sfu_tc.bpf.c).
+pub fn latency_bucket(ns: u64) -> usize {
+    if ns < LAT_EXACT as u64 {
+        return ns as usize;
+    }
+    let e = 63 - ns.leading_zeros() as usize;
+    if e >= LAT_MAX_EXP {
+        return LAT_BUCKETS - 1;
+    }
+    LAT_EXACT + (e - 4) * LAT_SUB + ((ns >> (e - 3)) as usize & (LAT_SUB - 1))
+}
+
+/// [low, high) in ns of a histogram bucket.
+pub fn latency_bucket_bounds(i: usize) -> (u64, u64) {
+    if i < LAT_EXACT {
+        return (i as u64, i as u64 + 1);
+    }
+    let e = 4 + (i - LAT_EXACT) / LAT_SUB;
+    let m = ((i - LAT_EXACT) % LAT_SUB) as u64;
+    let lo = (8 + m) << (e - 3);
+    (lo, lo + (1 << (e - 3)))
+}
+
+fn addr_bytes(ip: IpAddr) -> ([u8; 16], u8) {
+    let mut b = [0; 16];
+    match ip {
+        IpAddr::V4(v4) => {
+            b[..4].copy_from_slice(&v4.octets());
+            (b, FAMILY_V4)
+        }
+        IpAddr::V6(v6) => (v6.octets(), FAMILY_V6),
+    }
+}
+
+impl KeyRaw {
+    pub fn new(local: SocketAddr, ssrc: Option<u32>) -> KeyRaw {
+        let (addr, family) = addr_bytes(local.ip());
+        KeyRaw {
+            addr,
+            port: local.port().to_be_bytes(),
+            family,
+            has_ssrc: ssrc.is_some() as u8,
+            ssrc: ssrc.unwrap_or(0),
+        }
+    }
+
+    pub fn local(&self) -> SocketAddr {
+        SocketAddr::new(ip_of(self.family, &self.addr), u16::from_be_bytes(self.port))
+    }
+
+    pub fn ssrc(&self) -> Option<u32> {
+        (self.has_ssrc != 0).then_some(self.ssrc)
+    }
+
+    pub fn is_wildcard(&self) -> bool {
+        self.has_ssrc == 0
+    }
+}
+
+fn ip_of(family: u8, addr: &[u8; 16]) -> IpAddr {
+    if family == FAMILY_V4 {
+        IpAddr::from([addr[0], addr[1], addr[2], addr[3]])
+    } else {
+        IpAddr::from(*addr)
+    }
+}
+
+impl CopyRaw {
+    pub fn new(stream_id: u32, from: SocketAddr, to: SocketAddr) -> CopyRaw {
+        CopyRaw {
+            from_addr: addr_bytes(from.ip()).0,
+            to_addr: addr_bytes(to.ip()).0,
+            from_port: from.port().to_be_bytes(),
+            to_port: to.port().to_be_bytes(),
+            stream_id,
+        }
+    }
+}
+
+/// What one `streams` entry must say, before slots (fan-out range, stats) are assigned.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct KernelStream {
+    /// Stream id; 0 for a placeholder.
+    pub id: u32,
+    pub flags: u32,
+    pub source: Option<SocketAddr>,
+    pub copies: Vec<CopyRaw>,
+}
+
+impl KernelStream {
+    pub fn is_placeholder(&self) -> bool {
+        self.flags & flags::PRESENT == 0
+    }
+
+    /// The entry value, given where its copies and counters live.
+    pub fn value(&self, stats_slot: u32, copies_base: u32) -> StreamValueRaw {
+        let (src_addr, src_port) = match self.source {
+            Some(s) => (addr_bytes(s.ip()).0, s.port().to_be_bytes()),
+            None => ([0; 16], [0; 2]),
+        };
+        StreamValueRaw {
+            id: self.id,
+            flags: self.flags,
+            src_addr,
+            src_port,
+            pad: 0,
+            stats_slot,
+            copies_base,
+            copies_count: self.copies.len() as u32,
+        }
+    }
+}
+
+fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
+    let mut f = flags::PRESENT;
+    if e.rtp {
+        f |= flags::RTP;
+    }
+    if narrowed && e.key.ssrc.is_none() {
+        f |= flags::NARROWED;
+    }
+    let source = match e.source {
+        SourceRule::Fixed(s) => Some(s),
+        SourceRule::Latch => {
+            f |= flags::LATCH;
+            None
+        }
+    };
+    let v4 = e.key.local.is_ipv4();
+    // The kernel rewrites headers in place: it cannot turn IPv4 into IPv6. Such streams (and
+    // fan-outs bigger than its scratch space) are left whole to the slow path.
+    let mixed = source.is_some_and(|s| s.is_ipv4() != v4)
+        || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
+    if mixed || e.copies.len() > MAX_FANOUT {
+        f |= flags::SLOW;
+    }
+    let copies = if f & flags::SLOW != 0 {
+        Vec::new()
+    } else {
+        e.copies.iter().map(|c| CopyRaw::new(e.id, c.from, c.to)).collect()
+    };
+    KernelStream { id: e.id, flags: f, source, copies }
+}
+
+/// Kernel entries of the streams on `locals` (all locals when `None`).
+pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAddr>>) -> BTreeMap<KeyRaw, KernelStream> {
+    let mut out = BTreeMap::new();
+    let wanted = |l: &SocketAddr| locals.is_none_or(|s| s.contains(l));
+    let mut narrowed_locals = BTreeSet::new();
+    for k in table.streams.keys() {
+        if k.ssrc.is_some() && wanted(&k.local) {
+            narrowed_locals.insert(k.local);
+        }
+    }
+    for (k, e) in &table.streams {
+        if !wanted(&k.local) {
+            continue;
+        }
+        out.insert(KeyRaw::new(k.local, k.ssrc), kernel_stream(e, narrowed_locals.contains(&k.local)));
+    }
+    for local in narrowed_locals {
+        out.entry(KeyRaw::new(local, None)).or_insert(KernelStream {
+            id: 0,
+            flags: flags::NARROWED,
+            source: None,
+            copies: Vec::new(),
+        });
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mediaplane_core::model::{Model, StreamRef, StreamSpec};
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn layouts_match_the_c_structs() {
+        use std::mem::size_of;
+        assert_eq!(size_of::<KeyRaw>(), 24);
+        assert_eq!(size_of::<StreamValueRaw>(), 40);
+        assert_eq!(size_of::<CopyRaw>(), 40);
+        assert_eq!(size_of::<StreamCountersRaw>(), 64);
+        assert_eq!(size_of::<LatencyHistRaw>(), (LAT_BUCKETS + 4) * 8);
+        // The generated skeleton carries the C layout (from BTF): compare.
+        use crate::skel::types;
+        assert_eq!(size_of::<types::mp_ingress_key>(), size_of::<KeyRaw>());
+        assert_eq!(size_of::<types::mp_stream_value>(), size_of::<StreamValueRaw>());
+        assert_eq!(size_of::<types::mp_copy_rewrite>(), size_of::<CopyRaw>());
+        assert_eq!(size_of::<types::mp_stream_counters>(), size_of::<StreamCountersRaw>());
+        assert_eq!(size_of::<types::mp_latency_hist>(), size_of::<LatencyHistRaw>());
+    }
+
+    #[test]
+    fn latency_buckets_round_trip() {
+        for ns in [0u64, 1, 15, 16, 17, 31, 32, 100, 1000, 12345, 1 << 30, (1 << 40) - 1] {
+            let b = latency_bucket(ns);
+            let (lo, hi) = latency_bucket_bounds(b);
+            assert!(lo <= ns && ns < hi, "{ns} in bucket {b} [{lo},{hi})");
+        }
+        assert_eq!(latency_bucket(u64::MAX), LAT_BUCKETS - 1);
+    }
+
+    #[test]
+    fn narrowed_locals_get_a_placeholder_wildcard() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p0", a("10.0.0.1:4000"), a("10.0.1.1:5000")).unwrap();
+        m.add_participant("r", "p1", a("10.0.0.1:4002"), a("10.0.1.2:5000")).unwrap();
+        m.publish("r", "p0", "low", StreamSpec { ssrc: Some(1), ..Default::default() }).unwrap();
+        m.publish("r", "p1", "main", StreamSpec::default()).unwrap();
+        m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "low".into() }).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        let e = kernel_entries(&t, None);
+        assert_eq!(e.len(), 3);
+        let ph = &e[&KeyRaw::new(a("10.0.0.1:4000"), None)];
+        assert!(ph.is_placeholder());
+        assert_eq!(ph.flags, flags::NARROWED);
+        let low = &e[&KeyRaw::new(a("10.0.0.1:4000"), Some(1))];
+        assert_eq!(low.flags, flags::PRESENT | flags::RTP);
+        assert_eq!(low.copies, vec![CopyRaw::new(low.id, a("10.0.0.1:4002"), a("10.0.1.2:5000"))]);
+        let main = &e[&KeyRaw::new(a("10.0.0.1:4002"), None)];
+        assert_eq!(main.flags & flags::NARROWED, 0);
+        // Restricting to one local only yields its entries.
+        let only: BTreeSet<_> = [a("10.0.0.1:4002")].into();
+        assert_eq!(kernel_entries(&t, Some(&only)).len(), 1);
+    }
+
+    #[test]
+    fn mixed_family_streams_go_slow() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "v4", a("10.0.0.1:4000"), a("10.0.1.1:5000")).unwrap();
+        m.add_participant("r", "v6", a("[fd00::1]:4000"), a("[fd00::2]:5000")).unwrap();
+        m.publish("r", "v4", "main", StreamSpec::default()).unwrap();
+        m.subscribe("r", "v6", StreamRef { publisher: "v4".into(), stream: "main".into() }).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        let e = kernel_entries(&t, None);
+        let s = &e[&KeyRaw::new(a("10.0.0.1:4000"), None)];
+        assert_ne!(s.flags & flags::SLOW, 0);
+        assert!(s.copies.is_empty());
+    }
+
+    #[test]
+    fn key_round_trips_addresses() {
+        for s in ["10.1.2.3:4000", "[fd00::7]:9"] {
+            let k = KeyRaw::new(a(s), Some(7));
+            assert_eq!(k.local(), a(s));
+            assert_eq!(k.ssrc(), Some(7));
+            assert_eq!(KeyRaw::from_bytes(k.as_bytes()), k);
+        }
+    }
+}

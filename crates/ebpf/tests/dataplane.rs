@@ -1,0 +1,291 @@
+//! EbpfDataplane end to end in network namespaces with real UDP sockets: a star of
+//! participants around an SFU namespace, table updates under load, a hitless restart.
+//!
+//! Run: `cargo test -p mediaplane-ebpf --test dataplane` as root.
+
+mod common;
+
+use common::*;
+use mediaplane_core::model::{Model, StreamRef, StreamSpec};
+use mediaplane_core::rtp::{build_rtp, RtpHeader};
+use mediaplane_core::ForwardingTable;
+use mediaplane_dataplane::{Dataplane, DataplaneError, UserspaceConfig};
+use mediaplane_ebpf::{EbpfConfig, EbpfDataplane};
+use std::collections::BTreeMap;
+use std::net::UdpSocket;
+use std::path::Path;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+macro_rules! root_or_skip {
+    ($name:expr) => {
+        if !require_root($name) {
+            return;
+        }
+    };
+}
+
+/// Participants p0..p(n-1) on the star, each publishing "main"; `subs` lists (subscriber, publisher).
+fn star_model(n: usize, subs: &[(usize, usize)]) -> Model {
+    let mut m = Model::new();
+    m.create_room("r").unwrap();
+    for i in 0..n {
+        m.add_participant("r", &format!("p{i}"), Star::sfu_addr(i), Star::participant_addr(i)).unwrap();
+        m.publish("r", &format!("p{i}"), "main", StreamSpec::default()).unwrap();
+    }
+    for (s, p) in subs {
+        m.subscribe("r", &format!("p{s}"), StreamRef { publisher: format!("p{p}"), stream: "main".into() }).unwrap();
+    }
+    m
+}
+
+fn config(star: &Star, pin_dir: &Path) -> EbpfConfig {
+    let mut cfg = EbpfConfig::new(star.sfu_ifs.clone(), pin_dir);
+    cfg.userspace = UserspaceConfig { workers: 1, ..UserspaceConfig::default() };
+    cfg
+}
+
+/// (publisher index, sequence) of each RTP packet received.
+fn received(sock: &UdpSocket, quiet: Duration) -> BTreeMap<(u32, u16), usize> {
+    let mut out = BTreeMap::new();
+    for (_, d) in drain(sock, quiet, Duration::from_secs(10)) {
+        let h = RtpHeader::parse(&d).expect("RTP copy");
+        *out.entry((h.ssrc - 1, h.sequence)).or_insert(0) += 1;
+    }
+    out
+}
+
+#[test]
+fn star_every_participant_gets_exactly_its_subscriptions() {
+    root_or_skip!("star_every_participant_gets_exactly_its_subscriptions");
+    const N: usize = 4;
+    const PACKETS: u16 = 30;
+    let star = Star::new(N);
+    let fs = Bpffs::new();
+    // Full mesh except: p3 does not subscribe to p0.
+    let subs: Vec<(usize, usize)> = (0..N).flat_map(|s| (0..N).map(move |p| (s, p))).filter(|(s, p)| s != p && (*s, *p) != (3, 0)).collect();
+    let table = Arc::new(ForwardingTable::compile(&star_model(N, &subs), 1));
+    let socks: Vec<UdpSocket> = (0..N).map(|i| star.socket(i, 5000)).collect();
+    let stranger = star.socket(0, 5001);
+
+    let g = star.sfu.enter();
+    let dp = EbpfDataplane::new(config(&star, &fs.dir.join("star")), None).expect("ebpf data plane");
+    drop(g); // its threads live in the SFU namespace; the test thread need not
+    assert_eq!(dp.name(), "ebpf");
+    assert!(dp.hooks().iter().all(|(_, kind)| *kind == "tcx"), "{:?}", dp.hooks());
+    {
+        let _g = star.sfu.enter(); // the slow path binds its sockets in apply()
+        dp.apply(table.clone()).unwrap();
+    }
+
+    // Round-robin sends; the first packets find no neighbour entries: slow path.
+    for seq in 0..PACKETS {
+        for (i, s) in socks.iter().enumerate() {
+            s.send_to(&build_rtp(96, seq, seq as u32 * 160, i as u32 + 1, &[i as u8; 100]), Star::sfu_addr(i)).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    for (i, s) in socks.iter().enumerate() {
+        let got = received(s, Duration::from_millis(400));
+        let mut want = BTreeMap::new();
+        for (sub, p) in &subs {
+            if *sub == i {
+                for seq in 0..PACKETS {
+                    want.insert((*p as u32, seq), 1);
+                }
+            }
+        }
+        assert_eq!(got, want, "participant {i}");
+    }
+    let st = dp.stats();
+    let expected_copies = subs.len() as u64 * PACKETS as u64;
+    assert_eq!(st.total.tx_copies, expected_copies, "{st:?}");
+    assert_eq!(st.total.rx_packets, N as u64 * PACKETS as u64, "{st:?}");
+    assert!(st.extra["forwarded"] > 0, "the kernel path forwarded nothing: {:?}", st.extra);
+    assert!(st.copy_latency.is_some());
+
+    // A stranger (right IP, wrong port) is dropped in the kernel and counted.
+    let before = dp.stats();
+    for seq in 0..5 {
+        stranger.send_to(&build_rtp(96, seq, 0, 99, b"evil"), Star::sfu_addr(0)).unwrap();
+    }
+    for (i, s) in socks.iter().enumerate() {
+        assert!(received(s, Duration::from_millis(300)).is_empty(), "participant {i} got a stranger's packet");
+    }
+    let after = dp.stats();
+    assert_eq!(after.total.drop_stranger - before.total.drop_stranger, 5);
+    let p0_stream = table.streams.values().find(|e| e.label == "r/p0/main").unwrap().id;
+    assert_eq!(after.streams[&p0_stream].drop_stranger - before.streams.get(&p0_stream).map_or(0, |c| c.drop_stranger), 5);
+
+    dp.shutdown().unwrap();
+    assert!(!fs.dir.join("star").exists(), "shutdown removes the pins");
+}
+
+#[test]
+fn refuses_to_start_without_interface_or_bpffs() {
+    root_or_skip!("refuses_to_start_without_interface_or_bpffs");
+    let fs = Bpffs::new();
+    let e = EbpfDataplane::new(EbpfConfig::new(vec!["mp-no-such-if".into()], fs.dir.join("x")), None).err().expect("must fail");
+    assert!(e.to_string().contains("mp-no-such-if not found"), "{e}");
+    let e = EbpfDataplane::new(EbpfConfig::new(vec!["lo".into()], std::env::temp_dir().join(unique("nobpffs"))), None)
+        .err()
+        .expect("must fail");
+    assert!(matches!(e, DataplaneError::Unsupported(_)) && e.to_string().contains("bpffs"), "{e}");
+}
+
+/// Table flips under load: no duplicate ever, the always-subscribed participant gets every
+/// packet, and a removed subscriber gets nothing sent while it was removed.
+#[test]
+fn table_updates_under_load_are_atomic() {
+    root_or_skip!("table_updates_under_load_are_atomic");
+    const ROUNDS: usize = 20;
+    const PER_ROUND: u16 = 40;
+    let star = Star::new(3);
+    let fs = Bpffs::new();
+    let with = Arc::new(ForwardingTable::compile(&star_model(3, &[(1, 0), (2, 0)]), 1));
+    let without = Arc::new(ForwardingTable::compile(&star_model(3, &[(1, 0)]), 2));
+    let socks: Vec<UdpSocket> = (0..3).map(|i| star.socket(i, 5000)).collect();
+    let _g = star.sfu.enter();
+    let dp = EbpfDataplane::new(config(&star, &fs.dir.join("atomic")), None).expect("ebpf data plane");
+    dp.apply(with.clone()).unwrap();
+    // Warm up: resolve neighbours both ways so the kernel path carries the load.
+    for (i, s) in socks.iter().enumerate() {
+        s.send_to(b"warm-up", Star::sfu_addr(i)).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    for s in &socks {
+        drain(s, Duration::from_millis(100), Duration::from_secs(1));
+    }
+
+    let mut forbidden = Vec::new(); // sequences p2 must not get
+    let mut seq: u16 = 0;
+    let mut version = 2;
+    for round in 0..ROUNDS {
+        let removed = round % 2 == 1;
+        let mut t = if removed { (*without).clone() } else { (*with).clone() };
+        version += 1;
+        t.version = version;
+        dp.apply(Arc::new(t)).unwrap();
+        for _ in 0..PER_ROUND {
+            socks[0].send_to(&build_rtp(96, seq, 0, 1, &[7; 64]), Star::sfu_addr(0)).unwrap();
+            if removed {
+                forbidden.push(seq);
+            }
+            seq += 1;
+            std::thread::sleep(Duration::from_micros(200));
+        }
+    }
+    let total = seq;
+    let p1 = received(&socks[1], Duration::from_millis(400));
+    let p2 = received(&socks[2], Duration::from_millis(400));
+    assert!(p1.values().chain(p2.values()).all(|n| *n == 1), "duplicates");
+    assert_eq!(p1.len(), total as usize, "the steady subscriber lost packets");
+    for s in &forbidden {
+        assert!(!p2.contains_key(&(0, *s)), "p2 got seq {s}, sent while it was unsubscribed");
+    }
+    let allowed = total as usize - forbidden.len();
+    assert_eq!(p2.len(), allowed, "p2 missed packets sent while subscribed");
+    let st = dp.stats();
+    assert!(st.extra["forwarded"] >= total as u64 - 5, "kernel path not used: {:?}", st.extra);
+    dp.shutdown().unwrap();
+}
+
+/// Role of the child process in the restart test: run the data plane until killed.
+const DAEMON_ENV: &str = "MEDIAPLANE_EBPF_TEST_DAEMON";
+
+#[test]
+fn hitless_restart_after_kill_9() {
+    if let Ok(spec) = std::env::var(DAEMON_ENV) {
+        // Child: "<sfu netns>|<pin dir>|<if,if>": start, apply, say ready, wait to be killed.
+        let parts: Vec<&str> = spec.split('|').collect();
+        let ns = Netns { name: parts[0].into() };
+        let _g = ns.enter();
+        std::mem::forget(ns);
+        let mut cfg = EbpfConfig::new(parts[2].split(',').map(String::from).collect(), parts[1]);
+        cfg.userspace = UserspaceConfig { workers: 1, ..UserspaceConfig::default() };
+        let dp = EbpfDataplane::new(cfg, None).expect("daemon start");
+        dp.apply(Arc::new(ForwardingTable::compile(&star_model(2, &[(1, 0)]), 1))).unwrap();
+        println!("DAEMON-READY");
+        std::thread::sleep(Duration::from_secs(60));
+        std::process::exit(3); // never reached unless the parent forgot us
+    }
+    root_or_skip!("hitless_restart_after_kill_9");
+    let star = Star::new(2);
+    let fs = Bpffs::new();
+    let pin_dir = fs.dir.join("restart");
+    let socks: Vec<UdpSocket> = (0..2).map(|i| star.socket(i, 5000)).collect();
+    let table = Arc::new(ForwardingTable::compile(&star_model(2, &[(1, 0)]), 1));
+
+    let spawn = || {
+        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
+            .args(["--exact", "hitless_restart_after_kill_9", "--nocapture", "--test-threads=1"])
+            .env(DAEMON_ENV, format!("{}|{}|{}", star.sfu.name, pin_dir.display(), star.sfu_ifs.join(",")))
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .expect("spawn daemon");
+        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        let mut line = String::new();
+        while Instant::now() < deadline {
+            line.clear();
+            if std::io::BufRead::read_line(&mut out, &mut line).unwrap_or(0) == 0 {
+                break;
+            }
+            if line.contains("DAEMON-READY") {
+                return child;
+            }
+        }
+        let _ = child.kill();
+        let _ = child.wait();
+        panic!("daemon did not start");
+    };
+    struct KillOnDrop(std::process::Child);
+    impl Drop for KillOnDrop {
+        fn drop(&mut self) {
+            let _ = self.0.kill();
+            let _ = self.0.wait();
+        }
+    }
+    let daemon = KillOnDrop(spawn());
+    // Resolve neighbours, then stream p0 -> p1 across a kill -9 and a restart.
+    socks[1].send_to(b"warm-up", Star::sfu_addr(1)).unwrap();
+    socks[0].send_to(b"warm-up", Star::sfu_addr(0)).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    drain(&socks[1], Duration::from_millis(100), Duration::from_secs(1));
+
+    let sender = socks[0].try_clone().unwrap();
+    let streaming = std::thread::spawn(move || {
+        for seq in 0..1500u16 {
+            sender.send_to(&build_rtp(96, seq, 0, 1, &[1; 64]), Star::sfu_addr(0)).unwrap();
+            std::thread::sleep(Duration::from_micros(1000));
+        }
+    });
+    std::thread::sleep(Duration::from_millis(300));
+    drop(daemon); // SIGKILL: only the pins keep the kernel path alive
+    std::thread::sleep(Duration::from_millis(300));
+    // Restart in this process: adopt the pins, then apply the same table (nothing to rewrite).
+    let g = star.sfu.enter();
+    let dp = EbpfDataplane::new(config(&star, &pin_dir), None).expect("restart");
+    assert!(dp.fast_path().adopted());
+    let report = dp.fast_path().apply(table.clone()).unwrap();
+    assert_eq!((report.streams_written, report.streams_deleted), (0, 0), "adoption rewrote entries");
+    drop(g);
+    streaming.join().unwrap();
+    let got = received(&socks[1], Duration::from_millis(400));
+    let lost: Vec<u16> = (0..1500u16).filter(|s| !got.contains_key(&(0, *s))).collect();
+    assert!(lost.is_empty(), "{} packets lost across the restart, first {:?}", lost.len(), &lost[..lost.len().min(10)]);
+    assert!(got.values().all(|n| *n == 1), "duplicates");
+    // Counters survived the restart too (pinned).
+    assert!(dp.stats().extra["forwarded"] >= 1500);
+
+    // reset: a new instance with reset removes the stale state instead of adopting it.
+    drop(dp); // dropped without shutdown: the kernel path stays pinned, as after a crash
+    let g = star.sfu.enter();
+    let mut cfg = config(&star, &pin_dir);
+    cfg.reset = true;
+    let dp = EbpfDataplane::new(cfg, None).expect("start with reset");
+    assert!(!dp.fast_path().adopted());
+    drop(g);
+    dp.shutdown().unwrap();
+    assert!(!pin_dir.exists());
+}

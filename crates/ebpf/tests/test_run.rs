@@ -1,0 +1,527 @@
+//! BPF_PROG_TEST_RUN of the TC program on crafted frames, compared with the reference
+//! `ForwardingTable::classify()`. Copies really leave through bpf_clone_redirect: each test runs
+//! in its own network namespace with a veth pair (v0: the SFU side the packet "arrives" on and
+//! copies leave from; v1: the subscribers' side, where an AF_PACKET socket captures them).
+//!
+//! Run: `cargo test -p mediaplane-ebpf --test test_run` as root.
+
+mod common;
+
+use common::*;
+use mediaplane_core::packet::{build_frame, parse_frame, verify_checksums, FrameError, FrameSpec};
+use mediaplane_core::rtp::build_rtp;
+use mediaplane_core::table::{Copy, DropReason, ForwardingTable, IngressKey, SlowReason, SourceRule, StreamEntry, Verdict};
+use mediaplane_ebpf::maps::{flags, kernel_entries};
+use mediaplane_ebpf::{FastPath, KernelStats, LoadOptions, TC_ACT_OK, TC_ACT_SHOT};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+const MAC0: [u8; 6] = [0x02, 0, 0, 0, 0, 0xa0];
+const MAC1: [u8; 6] = [0x02, 0, 0, 0, 0, 0xa1];
+
+fn a(s: &str) -> SocketAddr {
+    s.parse().unwrap()
+}
+
+/// A namespace with v0 (10.200.0.1/24, fd00:200::1/64, forwarding on) and its veth peer v1 in
+/// a second namespace, standing for every subscriber (10.200.0.2, fd00:200::2 resolved
+/// permanently to v1's MAC). v1 lives apart so that the SFU side's forwarding never bounces
+/// captured copies back (IPv6 forwarding is a per-namespace switch).
+struct Lab {
+    ns: Netns,
+    peer: Netns,
+    v0: String,
+    v1: String,
+}
+
+impl Lab {
+    fn new() -> Lab {
+        let ns = Netns::new("t");
+        let peer = Netns::new("p");
+        let v0 = format!("{}a", ns.name);
+        let v1 = format!("{}b", ns.name);
+        ns.ip(&["link", "add", &v0, "address", "02:00:00:00:00:a0", "type", "veth", "peer", "name", &v1, "address", "02:00:00:00:00:a1"]);
+        ns.ip(&["link", "set", &v1, "netns", &peer.name]);
+        ns.ip(&["link", "set", &v0, "up"]);
+        peer.ip(&["link", "set", &v1, "up"]);
+        ns.ip(&["addr", "add", "10.200.0.1/24", "dev", &v0]);
+        ns.ip(&["addr", "add", "fd00:200::1/64", "dev", &v0, "nodad"]);
+        ns.ip(&["neigh", "add", "10.200.0.2", "lladdr", "02:00:00:00:00:a1", "dev", &v0, "nud", "permanent"]);
+        ns.ip(&["neigh", "add", "fd00:200::2", "lladdr", "02:00:00:00:00:a1", "dev", &v0, "nud", "permanent"]);
+        ns.sysctl(&format!("net/ipv4/conf/{v0}/forwarding"), "1");
+        ns.sysctl("net/ipv6/conf/all/forwarding", "1");
+        Lab { ns, peer, v0, v1 }
+    }
+}
+
+fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: bool, copies: Vec<(SocketAddr, SocketAddr)>) -> StreamEntry {
+    let key = IngressKey { local: a(local), ssrc };
+    StreamEntry {
+        id,
+        label: format!("s{id}"),
+        key,
+        source,
+        rtp,
+        copies: copies.into_iter().enumerate().map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to }).collect(),
+    }
+}
+
+fn table(version: u64, entries: Vec<StreamEntry>) -> ForwardingTable {
+    ForwardingTable { version, streams: entries.into_iter().map(|e| (e.key, e)).collect() }
+}
+
+/// `n` subscribers, all on 10.200.0.2 (one neighbour) with distinct ports.
+fn subscribers_v4(n: usize) -> Vec<(SocketAddr, SocketAddr)> {
+    (0..n).map(|i| (a(&format!("10.200.0.1:{}", 30000 + i)), a(&format!("10.200.0.2:{}", 40000 + i)))).collect()
+}
+
+const PUBLISHER: &str = "10.200.0.9:5000";
+const LOCAL: &str = "10.200.0.1:4000";
+
+/// What the reference says the kernel must do with a frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum Expect {
+    /// Fan out these (from, to) copies and consume the original.
+    Forward(Vec<(SocketAddr, SocketAddr)>),
+    /// Consume and count under this counter.
+    Drop(&'static str),
+    /// To the stack, counted under this counter.
+    Pass(&'static str),
+}
+
+fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
+    let f = match parse_frame(frame) {
+        Ok(f) => f,
+        Err(e) => {
+            return Expect::Pass(match e {
+                FrameError::Truncated => "pass_truncated",
+                FrameError::NotIp(_) => "pass_not_ip",
+                FrameError::NotUdp(_) => "pass_not_udp",
+                FrameError::IpOptions => "pass_ip_options",
+                FrameError::Fragment => "pass_fragment",
+                FrameError::BadIpHeader => "pass_bad_ip_header",
+                FrameError::BadUdpLength => "pass_bad_udp_length",
+            })
+        }
+    };
+    // Traffic to addresses without streams is not ours: the kernel leaves it to the stack
+    // (classify() calls it NoStream because it only ever sees the SFU's own sockets).
+    if !t.streams.keys().any(|k| k.local == f.dst) {
+        return Expect::Pass("pass_not_ours");
+    }
+    let payload = &frame[f.payload..f.payload + f.payload_len];
+    match t.classify(f.dst, f.src, payload) {
+        Verdict::Forward(e) => {
+            let slow = kernel_entries(t, None)[&mediaplane_ebpf::maps::KeyRaw::new(e.key.local, e.key.ssrc)].flags & flags::SLOW != 0;
+            if slow {
+                Expect::Pass("pass_slow_stream")
+            } else {
+                Expect::Forward(e.copies.iter().map(|c| (c.from, c.to)).collect())
+            }
+        }
+        Verdict::Drop { reason: DropReason::NoStream, .. } => Expect::Drop("drop_no_stream"),
+        Verdict::Drop { reason: DropReason::Stranger, .. } => Expect::Drop("drop_stranger"),
+        Verdict::Drop { reason: DropReason::Malformed, .. } => Expect::Drop("drop_malformed"),
+        Verdict::SlowPath { reason: SlowReason::Stun, .. } => Expect::Pass("pass_stun"),
+        Verdict::SlowPath { reason: SlowReason::Unlatched, .. } => Expect::Pass("pass_unlatched"),
+    }
+}
+
+fn delta(before: &KernelStats, after: &KernelStats) -> BTreeMap<&'static str, u64> {
+    after.global.iter().map(|(k, v)| (*k, v - before.get(k))).filter(|(_, v)| *v > 0).collect()
+}
+
+/// The UDP frames arriving on v1 whose destination port is one of `ports`.
+fn udp_to(ports: &[u16]) -> impl Fn(&[u8]) -> bool + '_ {
+    move |fr: &[u8]| parse_frame(fr).is_ok_and(|f| ports.contains(&f.dst.port()))
+}
+
+/// A loaded program in the lab's namespace, with a capture on v1.
+struct Rig {
+    lab: Lab,
+    fp: FastPath,
+    cap: Capture,
+    ifindex: u32,
+    _g: NetnsGuard,
+}
+
+impl Rig {
+    fn new() -> Rig {
+        let lab = Lab::new();
+        let g = lab.ns.enter();
+        let fp = FastPath::load(&LoadOptions::default()).expect("load");
+        let v1 = lab.v1.clone();
+        let cap = lab.peer.run(move || Capture::new(&v1));
+        let ifindex = ifindex(&lab.v0);
+        Rig { lab, fp, cap, ifindex, _g: g }
+    }
+
+    fn apply(&self, t: &ForwardingTable) {
+        self.fp.apply(Arc::new(t.clone())).expect("apply");
+    }
+
+    /// Run `frame` through the program, check verdict, counters and copies against the
+    /// reference, and return the captured copies.
+    fn check(&self, t: &ForwardingTable, frame: &[u8]) -> Vec<Vec<u8>> {
+        let want = reference(t, frame);
+        let before = self.fp.kernel_stats().unwrap();
+        let run = self.fp.test_run(frame, Some(self.ifindex)).expect("test_run");
+        let after = self.fp.kernel_stats().unwrap();
+        let d = delta(&before, &after);
+        // Listen on every copy port of the table: a frame to any of them is a copy.
+        let ports: Vec<u16> = t.streams.values().flat_map(|e| e.copies.iter().map(|c| c.to.port())).collect();
+        match &want {
+            Expect::Forward(copies) => {
+                assert_eq!(run.retval, TC_ACT_SHOT, "{want:?}: {d:?}");
+                assert_eq!(d.get("forwarded"), Some(&1), "{d:?}");
+                assert_eq!(d.get("rx_packets"), Some(&1), "{d:?}");
+                assert_eq!(d.get("tx_copies").copied().unwrap_or(0), copies.len() as u64, "{d:?}");
+                assert_eq!(d.get("tx_errors"), None, "{d:?}");
+                let got = self.cap.collect(copies.len(), Duration::from_secs(3), udp_to(&ports));
+                verify_copies(frame, copies, &got);
+                got
+            }
+            Expect::Drop(counter) => {
+                assert_eq!(run.retval, TC_ACT_SHOT, "{want:?}: {d:?}");
+                assert_eq!(d.get(counter), Some(&1), "{want:?}: {d:?}");
+                assert_eq!(d.get("tx_copies"), None);
+                assert!(self.cap.collect(0, Duration::from_millis(100), udp_to(&ports)).is_empty(), "a dropped packet was copied");
+                vec![]
+            }
+            Expect::Pass(counter) => {
+                assert_eq!(run.retval, TC_ACT_OK, "{want:?}: {d:?}");
+                assert_eq!(d.get(counter), Some(&1), "{want:?}: {d:?}");
+                // The kernel counts only what it decides: the slow path counts the rest.
+                assert_eq!(d.get("rx_packets"), None, "{d:?}");
+                assert!(self.cap.collect(0, Duration::from_millis(100), udp_to(&ports)).is_empty(), "a passed packet was copied");
+                vec![]
+            }
+        }
+    }
+}
+
+/// Exactly the expected copies (each once), correct headers and MACs, payload unchanged,
+/// valid checksums.
+fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got: &[Vec<u8>]) {
+    let of = parse_frame(original).unwrap();
+    let payload = &original[of.payload..of.payload + of.payload_len];
+    let mut seen: Vec<(SocketAddr, SocketAddr)> = got
+        .iter()
+        .map(|fr| {
+            let f = parse_frame(fr).expect("copy parses");
+            assert_eq!(f.vlan, None, "copies leave untagged");
+            assert_eq!(&fr[0..6], &MAC1, "dst MAC from the neighbour table");
+            assert_eq!(&fr[6..12], &MAC0, "src MAC of the egress device");
+            assert_eq!(&fr[f.payload..f.payload + f.payload_len], payload, "payload changed");
+            let c = verify_checksums(fr, &f);
+            assert!(c.ok(), "bad checksums {c:?} on copy {} -> {}", f.src, f.dst);
+            (f.src, f.dst)
+        })
+        .collect();
+    let mut want = expected.to_vec();
+    seen.sort();
+    want.sort();
+    assert_eq!(seen.len(), want.len(), "{} copies, wanted {}", seen.len(), want.len());
+    assert_eq!(seen, want, "copies differ from the fan-out list");
+}
+
+fn v4_frame(src: &str, dst: &str, payload: &[u8]) -> Vec<u8> {
+    let mut spec = FrameSpec::new(a(src), a(dst));
+    spec.dst_mac = MAC0;
+    build_frame(&spec, payload)
+}
+
+fn rtp(ssrc: u32) -> Vec<u8> {
+    build_rtp(96, 7, 1234, ssrc, &[0x5a; 160])
+}
+
+macro_rules! root_or_skip {
+    ($name:expr) => {
+        if !require_root($name) {
+            return;
+        }
+    };
+}
+
+#[test]
+fn valid_rtp_fans_out_to_every_subscriber() {
+    root_or_skip!("valid_rtp_fans_out_to_every_subscriber");
+    let rig = Rig::new();
+    let t = table(1, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(3))]);
+    rig.apply(&t);
+    rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &rtp(42)));
+    let s = rig.fp.kernel_stats().unwrap();
+    assert_eq!(s.streams[&1].tx_copies, 3);
+    assert_eq!(s.latency.count, 3, "one latency sample per copy");
+    let ds = s.to_dataplane_stats(1);
+    assert!(ds.copy_latency.is_some_and(|l| l.count == 3 && l.min_ns > 0 && l.max_ns >= l.p50_ns));
+}
+
+#[test]
+fn zero_one_and_256_subscribers() {
+    root_or_skip!("zero_one_and_256_subscribers");
+    let rig = Rig::new();
+    for (id, n) in [(1u32, 0usize), (2, 1), (3, 256)] {
+        let t = table(id as u64, vec![entry(id, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(n))]);
+        rig.apply(&t);
+        let got = rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &rtp(9)));
+        assert_eq!(got.len(), n);
+    }
+}
+
+#[test]
+fn non_rtp_payload_on_a_non_rtp_stream_is_forwarded() {
+    root_or_skip!("non_rtp_payload_on_a_non_rtp_stream_is_forwarded");
+    let rig = Rig::new();
+    let t = table(1, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), false, subscribers_v4(2))]);
+    rig.apply(&t);
+    for payload in [&b""[..], b"x", b"hello world", &[0xff; 1000]] {
+        rig.check(&t, &v4_frame(PUBLISHER, LOCAL, payload));
+    }
+    // The same payloads on an RTP stream are malformed.
+    let t = table(2, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(2))]);
+    rig.apply(&t);
+    for payload in [&b""[..], b"x", b"hello world", &[0x80; 11]] {
+        rig.check(&t, &v4_frame(PUBLISHER, LOCAL, payload));
+    }
+}
+
+#[test]
+fn malformed_rtp_variants_follow_the_reference() {
+    root_or_skip!("malformed_rtp_variants_follow_the_reference");
+    let rig = Rig::new();
+    let t = table(1, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(1))]);
+    rig.apply(&t);
+    let mut cases: Vec<Vec<u8>> = Vec::new();
+    let mut cc = rtp(1);
+    cc[0] |= 0x0f; // 15 CSRCs promised: 72 bytes, have 172 -> valid
+    cases.push(cc.clone());
+    cc.truncate(60); // now too short for them
+    cases.push(cc);
+    let mut ext = build_rtp(96, 1, 1, 1, &[]);
+    ext[0] |= 0x10;
+    ext.extend_from_slice(&[0xbe, 0xde, 0, 1, 0x10, 0xaa, 0, 0]); // valid one-word extension
+    cases.push(ext.clone());
+    ext[15] = 9; // extension length runs past the end
+    cases.push(ext);
+    let mut pad = build_rtp(96, 1, 1, 1, &[1, 2, 3, 4]);
+    pad[0] |= 0x20;
+    *pad.last_mut().unwrap() = 4; // valid padding
+    cases.push(pad.clone());
+    *pad.last_mut().unwrap() = 0; // zero padding length
+    cases.push(pad.clone());
+    *pad.last_mut().unwrap() = 200; // longer than the packet
+    cases.push(pad);
+    cases.push(vec![0x40; 20]); // version 1
+    // RTCP: SR alone, SR + PLI compound, bad length inside the compound, too short.
+    let mut sr = vec![0x80, 200, 0, 6];
+    sr.extend_from_slice(&0x1111_1111u32.to_be_bytes());
+    sr.extend_from_slice(&[0; 20]);
+    let mut pli = vec![0x81, 206, 0, 2];
+    pli.extend_from_slice(&0x2222_2222u32.to_be_bytes());
+    pli.extend_from_slice(&0x1111_1111u32.to_be_bytes());
+    cases.push(sr.clone());
+    let compound = [sr.clone(), pli].concat();
+    cases.push(compound.clone());
+    let mut bad = compound.clone();
+    bad[3] = 60;
+    cases.push(bad);
+    let mut badv = compound;
+    badv[28] = 0x41; // second packet's version
+    cases.push(badv);
+    cases.push(sr[..6].to_vec());
+    for payload in cases {
+        rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &payload));
+    }
+}
+
+#[test]
+fn frames_the_fast_path_cannot_judge_go_to_the_stack() {
+    root_or_skip!("frames_the_fast_path_cannot_judge_go_to_the_stack");
+    let rig = Rig::new();
+    let t = table(1, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(2))]);
+    rig.apply(&t);
+    let good = v4_frame(PUBLISHER, LOCAL, &rtp(1));
+    // Truncated at every length from the Ethernet header (test_run needs >= 14 bytes) on.
+    // Truncated at every length from a full IPv4 header on (BPF_PROG_TEST_RUN itself refuses
+    // IPv4 frames shorter than an IPv4 header, though real ones can reach TC ingress).
+    for n in 14 + 20..14 + 28 + 12 {
+        rig.check(&t, &good[..n]);
+    }
+    let mut short_arp = good[..20].to_vec();
+    short_arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+    rig.check(&t, &short_arp);
+    let mut badlen = good.clone();
+    badlen[14 + 20 + 5] += 1; // UDP length
+    rig.check(&t, &badlen);
+    let mut short_udp = good.clone();
+    short_udp[14 + 20 + 4..14 + 20 + 6].copy_from_slice(&4u16.to_be_bytes());
+    rig.check(&t, &short_udp);
+    let mut opts = good.clone();
+    opts[14] = 0x46;
+    opts[14 + 3] += 4;
+    opts.splice(14 + 20..14 + 20, [1, 1, 1, 0]);
+    rig.check(&t, &opts);
+    for frag in [[0x20, 0], [0, 0x10], [0x20, 0x01]] {
+        let mut f = good.clone();
+        f[14 + 6] = frag[0]; // MF and/or offset
+        f[14 + 7] = frag[1];
+        rig.check(&t, &f);
+    }
+    let mut tcp = good.clone();
+    tcp[14 + 9] = 6;
+    rig.check(&t, &tcp);
+    let mut arp = good.clone();
+    arp[12..14].copy_from_slice(&0x0806u16.to_be_bytes());
+    rig.check(&t, &arp);
+    let mut ihl = good.clone();
+    ihl[14] = 0x44; // IHL 16 bytes
+    rig.check(&t, &ihl);
+    let mut total = good.clone();
+    total[14 + 2..14 + 4].copy_from_slice(&2000u16.to_be_bytes());
+    rig.check(&t, &total);
+    // Ethernet padding after the IP packet is fine (short frames are padded to 60 bytes).
+    let mut padded = v4_frame(PUBLISHER, LOCAL, &rtp(1));
+    padded.extend_from_slice(&[0; 8]);
+    rig.check(&t, &padded);
+    // Not ours: another port, another address.
+    rig.check(&t, &v4_frame(PUBLISHER, "10.200.0.1:4001", &rtp(1)));
+    rig.check(&t, &v4_frame(PUBLISHER, "10.200.0.3:4000", &rtp(1)));
+}
+
+#[test]
+fn stranger_stun_and_unlatched() {
+    root_or_skip!("stranger_stun_and_unlatched");
+    let rig = Rig::new();
+    let t = table(
+        1,
+        vec![
+            entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(2)),
+            entry(2, "10.200.0.1:4002", None, SourceRule::Latch, true, subscribers_v4(1)),
+        ],
+    );
+    rig.apply(&t);
+    rig.check(&t, &v4_frame("10.200.0.66:5000", LOCAL, &rtp(1)));
+    rig.check(&t, &v4_frame("10.200.0.9:5001", LOCAL, &rtp(1))); // right IP, wrong port
+    let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+    stun.extend_from_slice(&[7; 12]);
+    rig.check(&t, &v4_frame("10.200.0.66:5000", LOCAL, &stun));
+    rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &stun));
+    rig.check(&t, &v4_frame(PUBLISHER, "10.200.0.1:4002", &rtp(1)));
+    let s = rig.fp.kernel_stats().unwrap();
+    assert_eq!(s.streams[&1].drop_stranger, 2);
+    assert_eq!(s.streams[&1].pass_slow, 2); // the two STUN packets
+    assert_eq!(s.streams[&2].pass_slow, 1);
+}
+
+#[test]
+fn ssrc_narrowed_streams_and_rtcp_demux() {
+    root_or_skip!("ssrc_narrowed_streams_and_rtcp_demux");
+    let rig = Rig::new();
+    let subs = subscribers_v4(3);
+    let t = table(
+        1,
+        vec![
+            entry(1, LOCAL, Some(1), SourceRule::Fixed(a(PUBLISHER)), true, subs[..1].to_vec()),
+            entry(2, LOCAL, Some(2), SourceRule::Fixed(a(PUBLISHER)), true, subs[1..].to_vec()),
+        ],
+    );
+    rig.apply(&t);
+    rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &rtp(1)));
+    rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &rtp(2)));
+    rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &rtp(3))); // unknown SSRC: drop no_stream
+    rig.check(&t, &v4_frame(PUBLISHER, LOCAL, b"not rtp at all")); // malformed
+    let mut sr = vec![0x80, 200, 0, 6];
+    sr.extend_from_slice(&2u32.to_be_bytes());
+    sr.extend_from_slice(&[0; 20]);
+    rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &sr)); // RTCP follows SSRC 2
+    // With a wildcard stream too, unknown SSRCs fall back to it.
+    let mut t2 = t.clone();
+    t2.version = 2;
+    let w = entry(3, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), false, subs[2..].to_vec());
+    t2.streams.insert(w.key, w);
+    rig.apply(&t2);
+    rig.check(&t2, &v4_frame(PUBLISHER, LOCAL, &rtp(3)));
+    rig.check(&t2, &v4_frame(PUBLISHER, LOCAL, &rtp(1)));
+}
+
+#[test]
+fn ipv6_and_vlan_tagged_frames_are_forwarded() {
+    root_or_skip!("ipv6_and_vlan_tagged_frames_are_forwarded");
+    let rig = Rig::new();
+    let v6subs: Vec<_> = (0..3).map(|i| (a(&format!("[fd00:200::1]:{}", 31000 + i)), a(&format!("[fd00:200::2]:{}", 41000 + i)))).collect();
+    let t = table(
+        1,
+        vec![
+            entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(2)),
+            entry(2, "[fd00:200::1]:4000", None, SourceRule::Fixed(a("[fd00:200::9]:5000")), true, v6subs),
+        ],
+    );
+    rig.apply(&t);
+    let mut spec = FrameSpec::new(a("[fd00:200::9]:5000"), a("[fd00:200::1]:4000"));
+    spec.dst_mac = MAC0;
+    rig.check(&t, &build_frame(&spec, &rtp(5)));
+    // IPv6 stranger and IPv6 with an extension header (hop-by-hop) / fragment header.
+    let mut stranger = spec.clone();
+    stranger.src = a("[fd00:200::66]:5000");
+    rig.check(&t, &build_frame(&stranger, &rtp(5)));
+    let mut hbh = build_frame(&spec, &rtp(5));
+    hbh[14 + 6] = 0;
+    let before = rig.fp.kernel_stats().unwrap();
+    assert_eq!(rig.fp.test_run(&hbh, Some(rig.ifindex)).unwrap().retval, TC_ACT_OK);
+    hbh[14 + 6] = 44;
+    assert_eq!(rig.fp.test_run(&hbh, Some(rig.ifindex)).unwrap().retval, TC_ACT_OK);
+    let d = delta(&before, &rig.fp.kernel_stats().unwrap());
+    assert_eq!((d.get("pass_ipv6_ext"), d.get("pass_fragment")), (Some(&1), Some(&1)), "{d:?}");
+    // VLAN-tagged IPv4: forwarded, copies leave untagged.
+    let mut tagged = FrameSpec::new(a(PUBLISHER), a(LOCAL));
+    tagged.dst_mac = MAC0;
+    tagged.vlan = Some(42);
+    rig.check(&t, &build_frame(&tagged, &rtp(5)));
+    // Double tags go to the stack.
+    let mut qinq = build_frame(&tagged, &rtp(5));
+    qinq.splice(16..16, [0x81, 0x00, 0x00, 0x07]);
+    let before = rig.fp.kernel_stats().unwrap();
+    assert_eq!(rig.fp.test_run(&qinq, Some(rig.ifindex)).unwrap().retval, TC_ACT_OK);
+    let d = delta(&before, &rig.fp.kernel_stats().unwrap());
+    assert_eq!(d.get("pass_vlan"), Some(&1), "{d:?}");
+}
+
+#[test]
+fn unresolved_next_hop_hands_the_whole_packet_to_the_slow_path() {
+    root_or_skip!("unresolved_next_hop_hands_the_whole_packet_to_the_slow_path");
+    let rig = Rig::new();
+    // Two resolvable subscribers and one (10.200.0.3) without a neighbour entry.
+    let mut subs = subscribers_v4(2);
+    subs.push((a("10.200.0.1:30009"), a("10.200.0.3:40009")));
+    let t = table(1, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subs)]);
+    rig.apply(&t);
+    let before = rig.fp.kernel_stats().unwrap();
+    let run = rig.fp.test_run(&v4_frame(PUBLISHER, LOCAL, &rtp(1)), Some(rig.ifindex)).unwrap();
+    assert_eq!(run.retval, TC_ACT_OK);
+    let d = delta(&before, &rig.fp.kernel_stats().unwrap());
+    assert_eq!(d.get("pass_no_neigh"), Some(&1), "{d:?}");
+    assert_eq!(d.get("tx_copies"), None, "no copy may leave when the packet goes to the slow path");
+    assert!(rig.cap.collect(0, Duration::from_millis(150), udp_to(&[40000, 40001, 40009])).is_empty());
+    // Mixed address families: the kernel leaves the whole stream to the slow path.
+    let t = table(2, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, vec![(a("[fd00:200::1]:1"), a("[fd00:200::2]:2"))])]);
+    rig.apply(&t);
+    rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &rtp(1)));
+    let _ = &rig.lab;
+}
+
+#[test]
+fn udp_checksum_zero_stays_zero_on_ipv4() {
+    root_or_skip!("udp_checksum_zero_stays_zero_on_ipv4");
+    let rig = Rig::new();
+    let t = table(1, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), false, subscribers_v4(2))]);
+    rig.apply(&t);
+    let mut f = v4_frame(PUBLISHER, LOCAL, b"no checksum");
+    f[14 + 20 + 6] = 0;
+    f[14 + 20 + 7] = 0;
+    for c in rig.check(&t, &f) {
+        assert_eq!(&c[14 + 20 + 6..14 + 20 + 8], &[0, 0]);
+    }
+}
