@@ -1,0 +1,40 @@
+//! The reference forwarding decision on arbitrary payloads and sources: never panic, and never
+//! forward anything the model does not allow (the same oracle the data planes are tested by).
+#![no_main]
+use libfuzzer_sys::fuzz_target;
+use mediaplane_core::model::{StreamRef, StreamSpec};
+use mediaplane_core::table::{SourceRule, Verdict};
+use mediaplane_core::{ForwardingTable, Model};
+use std::net::SocketAddr;
+use std::sync::OnceLock;
+
+fn table() -> &'static ForwardingTable {
+    static T: OnceLock<ForwardingTable> = OnceLock::new();
+    T.get_or_init(|| {
+        let a = |s: &str| s.parse::<SocketAddr>().unwrap();
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        for i in 0..3u16 {
+            m.add_participant("r", &format!("p{i}"), a(&format!("10.0.0.1:{}", 4000 + 2 * i)), a(&format!("10.0.1.{}:5000", i + 1))).unwrap();
+        }
+        m.publish("r", "p0", "main", StreamSpec::default()).unwrap();
+        m.publish("r", "p1", "low", StreamSpec { ssrc: Some(7), ..Default::default() }).unwrap();
+        m.publish("r", "p2", "raw", StreamSpec { rtp: false, ..Default::default() }).unwrap();
+        for (s, p, n) in [("p1", "p0", "main"), ("p2", "p0", "main"), ("p0", "p1", "low"), ("p0", "p2", "raw")] {
+            m.subscribe("r", s, StreamRef { publisher: p.into(), stream: n.into() }).unwrap();
+        }
+        ForwardingTable::compile(&m, 1)
+    })
+}
+
+fuzz_target!(|data: &[u8]| {
+    if data.len() < 2 {
+        return;
+    }
+    let local: SocketAddr = format!("10.0.0.1:{}", 4000 + 2 * (data[0] % 4) as u16).parse().unwrap();
+    let src: SocketAddr = format!("10.0.1.{}:{}", data[1] % 4 + 1, 5000 + (data[1] >> 7) as u16).parse().unwrap();
+    if let Verdict::Forward(e) = table().classify(local, src, &data[2..]) {
+        assert_eq!(e.source, SourceRule::Fixed(src));
+        assert!(e.copies.iter().all(|c| c.to != src));
+    }
+});
