@@ -26,7 +26,7 @@ demo: release
 	target/release/mediaplane demo
 
 # The full sweep (N = 2..12, 16, 32, 64; both scenarios; every data plane), < 30 min here.
-BENCH_DATAPLANES ?= userspace
+BENCH_DATAPLANES ?= userspace,ebpf
 bench: release
 	target/release/mediaplane bench sfu --dataplanes $(BENCH_DATAPLANES) --out bench-results
 

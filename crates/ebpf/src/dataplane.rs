@@ -56,6 +56,35 @@ pub struct EbpfDataplane {
     slow: UserspaceDataplane,
     attachments: Mutex<Vec<Attachment>>,
     pin_dir: PathBuf,
+    /// Holding this fd keeps the kernel's BPF run-time accounting on (BPF_ENABLE_STATS): it is
+    /// how cost per copy is measured. Closing it (drop) turns accounting back off.
+    _run_stats: Option<std::os::fd::OwnedFd>,
+}
+
+/// Mount a bpffs at the standard place when nothing is mounted there (as systemd would).
+fn ensure_bpffs(parent: &Path) -> Result<(), DataplaneError> {
+    if is_on_bpffs(parent) || parent != Path::new("/sys/fs/bpf") || !parent.is_dir() {
+        return Ok(());
+    }
+    let (src, target, fstype) = (c"bpf", c"/sys/fs/bpf", c"bpf");
+    // SAFETY: static NUL-terminated strings; no data argument.
+    let r = unsafe { libc::mount(src.as_ptr(), target.as_ptr(), fstype.as_ptr(), 0, std::ptr::null()) };
+    if r != 0 {
+        return Err(DataplaneError::Io { context: "mounting a bpffs on /sys/fs/bpf".into(), source: std::io::Error::last_os_error() });
+    }
+    tracing::info!("mounted a bpffs on /sys/fs/bpf");
+    Ok(())
+}
+
+fn enable_run_stats() -> Option<std::os::fd::OwnedFd> {
+    use std::os::fd::FromRawFd;
+    // SAFETY: plain syscall wrapper; a non-negative return is an fd we now own.
+    let fd = unsafe { libbpf_rs::libbpf_sys::bpf_enable_stats(libbpf_rs::libbpf_sys::BPF_STATS_RUN_TIME) };
+    if fd < 0 {
+        tracing::warn!("BPF run-time statistics unavailable (errno {}): cost per copy will not be reported", -fd);
+        return None;
+    }
+    Some(unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) })
 }
 
 fn other(msg: impl Into<String>) -> DataplaneError {
@@ -107,6 +136,7 @@ impl EbpfDataplane {
             }
         }
         let parent = cfg.pin_dir.parent().filter(|p| !p.as_os_str().is_empty()).unwrap_or(Path::new("."));
+        ensure_bpffs(parent)?;
         if !is_on_bpffs(parent) {
             return Err(DataplaneError::Unsupported(format!(
                 "{} is not on a bpffs (mount -t bpf bpf /sys/fs/bpf): the ebpf data plane pins its state there",
@@ -144,7 +174,7 @@ impl EbpfDataplane {
             }
         }
         tracing::info!(?attachments, adopted = fast.adopted(), "ebpf data plane attached");
-        Ok(EbpfDataplane { fast, slow, attachments: Mutex::new(attachments), pin_dir: cfg.pin_dir })
+        Ok(EbpfDataplane { fast, slow, attachments: Mutex::new(attachments), pin_dir: cfg.pin_dir, _run_stats: enable_run_stats() })
     }
 
     pub fn fast_path(&self) -> &FastPath {
@@ -191,6 +221,10 @@ impl Dataplane for EbpfDataplane {
         }
         for (k, v) in u.extra {
             s.extra.insert(format!("userspace.{k}"), v);
+        }
+        if let Some((run_time_ns, run_count)) = self.fast.run_stats() {
+            s.extra.insert("bpf_run_time_ns".into(), run_time_ns);
+            s.extra.insert("bpf_run_count".into(), run_count);
         }
         s
     }

@@ -288,6 +288,18 @@ impl FastPath {
         Ok(acc)
     }
 
+    /// (total run time ns, runs) of the program, as accounted by the kernel while BPF run-time
+    /// statistics are enabled; `None` if the kernel does not report them.
+    pub fn run_stats(&self) -> Option<(u64, u64)> {
+        use std::os::fd::AsRawFd;
+        let prog = self.program();
+        let mut info: libbpf_rs::libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+        let mut len = std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_prog_info>() as u32;
+        // SAFETY: info is a zeroed bpf_prog_info of the size we pass.
+        let r = unsafe { libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(prog.as_fd().as_raw_fd(), &mut info, &mut len) };
+        (r == 0).then_some((info.run_time_ns, info.run_cnt))
+    }
+
     pub fn kernel_stats(&self) -> Result<KernelStats, DataplaneError> {
         let counters = self.map("counters");
         let mut global = BTreeMap::new();

@@ -17,7 +17,7 @@ pub struct BenchSfuArgs {
     #[arg(long)]
     quick: bool,
     /// Data planes to compare.
-    #[arg(long, value_delimiter = ',', default_value = "userspace")]
+    #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
     dataplanes: Vec<String>,
     /// one-stream, two-streams.
     #[arg(long, value_delimiter = ',', default_value = "one-stream,two-streams")]

@@ -76,8 +76,11 @@ pub struct ConferenceResult {
     /// G.107 E-model MOS per copy as G.711 (Ie = 0, Bpl = 4.3): mean and worst copy.
     pub mos_mean: f64,
     pub mos_min: f64,
-    /// CPU time of the `serve` process during the run, per delivered copy.
+    /// CPU time of the `serve` process during the run (user + system, all threads).
     pub serve_cpu_ns: u64,
+    /// Run time of the BPF program during the run (kernel BPF statistics; eBPF plane only).
+    pub bpf_run_ns: u64,
+    /// (serve CPU + BPF run time) per delivered copy.
     pub cpu_per_copy_ns: Option<f64>,
     /// The daemon's own counters after the run (`/v1/stats`).
     pub daemon_stats: Value,
@@ -95,7 +98,10 @@ impl ServeProcess {
         let exe = std::env::current_exe().context("locating the mediaplane binary")?;
         let logf = std::fs::File::create(&log)?;
         let mut cmd = tb.command(&tb.sfu_ns, exe.to_str().unwrap());
-        cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--reset", "--dataplane", dataplane])
+        // The pin dir is per run; `ip netns exec` gives serve a private mount namespace, where it
+        // mounts its own bpffs, so nothing outlives the run.
+        let pin_dir = format!("/sys/fs/bpf/{}-{dataplane}", tb.prefix);
+        cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--reset", "--dataplane", dataplane, "--pin-dir", &pin_dir])
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(logf);
@@ -257,10 +263,13 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         plan = plan.receiver(format!("p{i}-direct"), direct, [flow_direct(prev)]);
     }
 
+    let bpf_ns = |stats: &Value| stats["extra"]["bpf_run_time_ns"].as_u64().unwrap_or(0);
+    let bpf0 = bpf_ns(&api(tb, "GET", "/v1/stats", None)?);
     let cpu0 = process_cpu_ns(serve.pid());
     let report = traffic::run(&plan)?;
     let serve_cpu_ns = process_cpu_ns(serve.pid()).saturating_sub(cpu0);
     let daemon_stats = api(tb, "GET", "/v1/stats", None)?;
+    let bpf_run_ns = bpf_ns(&daemon_stats).saturating_sub(bpf0);
     serve.stop()?;
     // The daemon's log is kept only when something went wrong (the error names it).
     let _ = std::fs::remove_file(&log);
@@ -268,10 +277,18 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     for ext in ["db-wal", "db-shm"] {
         let _ = std::fs::remove_file(store.with_extension(ext));
     }
-    Ok(summarise(spec, n, &expected, &report, serve_cpu_ns, daemon_stats))
+    Ok(summarise(spec, n, &expected, &report, serve_cpu_ns, bpf_run_ns, daemon_stats))
 }
 
-fn summarise(spec: &ConferenceSpec, n: usize, expected: &[Vec<u32>], report: &TrafficReport, serve_cpu_ns: u64, daemon_stats: Value) -> ConferenceResult {
+fn summarise(
+    spec: &ConferenceSpec,
+    n: usize,
+    expected: &[Vec<u32>],
+    report: &TrafficReport,
+    serve_cpu_ns: u64,
+    bpf_run_ns: u64,
+    daemon_stats: Value,
+) -> ConferenceResult {
     let mut participants = Vec::new();
     let mut all = empty_histogram();
     let mut direct = empty_histogram();
@@ -340,7 +357,8 @@ fn summarise(spec: &ConferenceSpec, n: usize, expected: &[Vec<u32>], report: &Tr
         delay_ns: delay,
         direct_delay_ns: direct_delay,
         serve_cpu_ns,
-        cpu_per_copy_ns: (recv_total > 0).then(|| serve_cpu_ns as f64 / recv_total as f64),
+        bpf_run_ns,
+        cpu_per_copy_ns: (recv_total > 0).then(|| (serve_cpu_ns + bpf_run_ns) as f64 / recv_total as f64),
         daemon_stats,
         generator_cpu_ns: report.generator_cpu_ns,
     }

@@ -19,7 +19,7 @@ pub struct DemoArgs {
     #[arg(long, default_value_t = 3.0)]
     seconds: f64,
     /// Data planes to run, side by side.
-    #[arg(long, value_delimiter = ',', default_value = "userspace")]
+    #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
     dataplanes: Vec<String>,
     /// Traffic preset: voice (G.711, 50 pkt/s, 172 B), video (1.5 Mbit/s, 1200 B), thesis (25 pkt/s, 18 B raw).
     #[arg(long, default_value = "voice")]
@@ -109,16 +109,18 @@ fn print_side_by_side(results: &[ConferenceResult]) {
     if results.is_empty() {
         return;
     }
-    println!("\nside by side (added delay = through the SFU minus the direct path, same run; per copy)");
+    println!("\nside by side (added delay = through the SFU minus the direct path, same run; per copy;");
+    println!("cpu/copy = serve process CPU + BPF program run time, per delivered copy; bpf ns/copy = the BPF part)");
     println!(
-        "  {:<10} {:>9} {:>9} {:>7} {:>5} {:>16} {:>16} {:>15} {:>14} {:>12}",
-        "dataplane", "copies", "expected", "loss %", "dup", "added p50 µs", "added p99 µs", "direct p50 µs", "cpu/copy ns", "stranger drops"
+        "  {:<10} {:>9} {:>9} {:>7} {:>5} {:>16} {:>16} {:>15} {:>14} {:>13}",
+        "dataplane", "copies", "expected", "loss %", "dup", "added p50 µs", "added p99 µs", "direct p50 µs", "cpu/copy ns", "bpf ns/copy"
     );
     for r in results {
         let loss = if r.copies_expected > 0 { 100.0 * r.lost as f64 / r.copies_expected as f64 } else { 0.0 };
         let (a50, a99) = r.added_delay_ns.map(|a| (us(a.p50), us(a.p99))).unwrap_or(("-".into(), "-".into()));
+        let bpf = if r.bpf_run_ns > 0 && r.copies_received > 0 { format!("{:.0}", r.bpf_run_ns as f64 / r.copies_received as f64) } else { "-".into() };
         println!(
-            "  {:<10} {:>9} {:>9} {:>7.3} {:>5} {:>16} {:>16} {:>15} {:>14} {:>12}",
+            "  {:<10} {:>9} {:>9} {:>7.3} {:>5} {:>16} {:>16} {:>15} {:>14} {:>13}",
             r.dataplane,
             r.copies_received,
             r.copies_expected,
@@ -128,7 +130,7 @@ fn print_side_by_side(results: &[ConferenceResult]) {
             a99,
             us(r.direct_delay_ns.p50),
             r.cpu_per_copy_ns.map(|c| format!("{c:.0}")).unwrap_or("-".into()),
-            r.daemon_stats["total"]["drop_stranger"]
+            bpf
         );
     }
     if results.len() >= 2 {

@@ -48,6 +48,9 @@ struct ServeArgs {
     /// eBPF: interface to attach to; repeat for several (overrides dataplane.interfaces).
     #[arg(long = "interface")]
     interfaces: Vec<String>,
+    /// eBPF: bpffs directory for this instance's pinned maps and links (overrides dataplane.pin_dir).
+    #[arg(long)]
+    pin_dir: Option<PathBuf>,
     /// SQLite store path (overrides store.path).
     #[arg(long)]
     store: Option<PathBuf>,
@@ -105,6 +108,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if !args.interfaces.is_empty() {
         cfg.dataplane.interfaces = args.interfaces.clone();
     }
+    if let Some(p) = args.pin_dir {
+        cfg.dataplane.pin_dir = p;
+    }
     if let Some(s) = args.store {
         cfg.store.path = s;
     }
@@ -120,11 +126,18 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     rt.block_on(mediaplane_control::serve(cfg, dataplane, Some(rx), args.reset, shutdown_signal()))
 }
 
-fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>, _reset: bool) -> anyhow::Result<Arc<dyn Dataplane>> {
+fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>, reset: bool) -> anyhow::Result<Arc<dyn Dataplane>> {
     let us = UserspaceConfig { workers: cfg.dataplane.workers, batch: cfg.dataplane.batch, ..Default::default() };
     match cfg.dataplane.kind {
         DataplaneKind::Userspace => Ok(Arc::new(UserspaceDataplane::new(us, Some(events)).context("starting the user-space data plane")?)),
-        DataplaneKind::Ebpf => anyhow::bail!("the ebpf data plane is not built into this binary yet"),
+        DataplaneKind::Ebpf => {
+            let mut ecfg = mediaplane_ebpf::EbpfConfig::new(cfg.dataplane.interfaces.clone(), cfg.dataplane.pin_dir.clone());
+            ecfg.userspace = us;
+            ecfg.reset = reset;
+            let dp = mediaplane_ebpf::EbpfDataplane::new(ecfg, Some(events)).context("starting the ebpf data plane")?;
+            tracing::info!(hooks = ?dp.hooks(), adopted = dp.fast_path().adopted(), "kernel fast path attached");
+            Ok(Arc::new(dp))
+        }
     }
 }
 

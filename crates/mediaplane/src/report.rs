@@ -79,14 +79,14 @@ fn loss_pct(r: &ConferenceResult) -> f64 {
 
 const CSV_HEADER: &str = "scenario,n,dataplane,copies_expected,copies_received,bytes_received,lost,loss_pct,duplicates,unexpected,\
 delay_min_us,delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,added_min_us,added_p50_us,added_mean_us,added_p99_us,added_max_us,\
-direct_p50_us,jitter_us,delay_variation_p99_us,mos_mean,mos_min,cpu_per_copy_ns,generator_cpu_ms";
+direct_p50_us,jitter_us,delay_variation_p99_us,mos_mean,mos_min,cpu_per_copy_ns,bpf_ns_per_copy,serve_cpu_ms,generator_cpu_ms";
 
 fn csv_row(r: &ConferenceResult) -> String {
     let d = &r.delay_ns;
     let a = r.added_delay_ns;
     let af = |f: fn(&mediaplane_bench::added_delay::AddedDelay) -> f64| a.map(|x| format!("{:.2}", f(&x) / 1e3)).unwrap_or_default();
     format!(
-        "{},{},{},{},{},{},{},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{},{:.2},{:.2},{:.2},{:.3},{:.3},{},{:.1}",
+        "{},{},{},{},{},{},{},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{},{:.2},{:.2},{:.2},{:.3},{:.3},{},{},{:.1},{:.1}",
         scen(r.scenario),
         r.participants.len(),
         r.dataplane,
@@ -113,20 +113,27 @@ fn csv_row(r: &ConferenceResult) -> String {
         r.mos_mean,
         r.mos_min,
         r.cpu_per_copy_ns.map(|c| format!("{c:.0}")).unwrap_or_default(),
+        bpf_per_copy(r).map(|c| format!("{c:.0}")).unwrap_or_default(),
+        r.serve_cpu_ns as f64 / 1e6,
         r.generator_cpu_ns as f64 / 1e6,
     )
+}
+
+/// BPF program run time per delivered copy (eBPF plane only).
+pub fn bpf_per_copy(r: &ConferenceResult) -> Option<f64> {
+    (r.bpf_run_ns > 0 && r.copies_received > 0).then(|| r.bpf_run_ns as f64 / r.copies_received as f64)
 }
 
 /// The console table: one row per (scenario, N, data plane).
 pub fn print_table(results: &[ConferenceResult]) {
     println!(
-        "\n{:<11} {:>3} {:<10} {:>9} {:>8} {:>5} {:>10} {:>10} {:>10} {:>11} {:>11} {:>9} {:>6} {:>11}",
-        "scenario", "N", "dataplane", "copies", "loss %", "dup", "p50 µs", "p99 µs", "max µs", "added p50", "added p99", "jitter µs", "MOS", "cpu/copy ns"
+        "\n{:<11} {:>3} {:<10} {:>9} {:>8} {:>5} {:>10} {:>10} {:>10} {:>11} {:>11} {:>9} {:>6} {:>11} {:>11}",
+        "scenario", "N", "dataplane", "copies", "loss %", "dup", "p50 µs", "p99 µs", "max µs", "added p50", "added p99", "jitter µs", "MOS", "cpu/copy ns", "bpf ns/copy"
     );
     for r in results {
         let (a50, a99) = r.added_delay_ns.map(|a| (format!("{:.1}", a.p50 / 1e3), format!("{:.1}", a.p99 / 1e3))).unwrap_or_default();
         println!(
-            "{:<11} {:>3} {:<10} {:>9} {:>8.3} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>11} {:>11} {:>9.1} {:>6.2} {:>11}",
+            "{:<11} {:>3} {:<10} {:>9} {:>8.3} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>11} {:>11} {:>9.1} {:>6.2} {:>11} {:>11}",
             scen(r.scenario),
             r.participants.len(),
             r.dataplane,
@@ -140,7 +147,8 @@ pub fn print_table(results: &[ConferenceResult]) {
             a99,
             r.jitter_ns_mean / 1e3,
             r.mos_mean,
-            r.cpu_per_copy_ns.map(|c| format!("{c:.0}")).unwrap_or("-".into())
+            r.cpu_per_copy_ns.map(|c| format!("{c:.0}")).unwrap_or("-".into()),
+            bpf_per_copy(r).map(|c| format!("{c:.0}")).unwrap_or("-".into())
         );
     }
 }
@@ -246,7 +254,7 @@ fn write_plots(dir: &Path, results: &[ConferenceResult]) -> anyhow::Result<Vec<(
     out.push(("added_p50.svg".into(), "Added delay p50 vs N".into()));
     plot_vs_n(&dir.join("added_p99.svg"), "added delay p99 per copy (one stream)", "µs", results, &|r| r.added_delay_ns.map(|a| a.p99 / 1e3))?;
     out.push(("added_p99.svg".into(), "Added delay p99 vs N".into()));
-    plot_vs_n(&dir.join("cpu_per_copy.svg"), "cost per copy (one stream)", "CPU ns per delivered copy", results, &|r| r.cpu_per_copy_ns)?;
+    plot_vs_n(&dir.join("cpu_per_copy.svg"), "cost per copy (one stream): serve CPU + BPF run time", "CPU ns per delivered copy", results, &|r| r.cpu_per_copy_ns)?;
     out.push(("cpu_per_copy.svg".into(), "Cost per copy vs N".into()));
     plot_vs_n(&dir.join("loss.svg"), "loss (one stream)", "% of copies", results, &|r| Some(loss_pct(r)))?;
     out.push(("loss.svg".into(), "Loss vs N".into()));

@@ -23,7 +23,12 @@ fn bench_sfu_quick_writes_its_report() {
     }
     let v: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap()).unwrap();
     let results = v["results"].as_array().unwrap();
-    assert_eq!(results.len(), 4, "2 sizes x 2 scenarios");
+    assert_eq!(results.len(), 8, "2 sizes x 2 scenarios x 2 data planes");
+    for plane in ["userspace", "ebpf"] {
+        assert_eq!(results.iter().filter(|r| r["dataplane"] == plane).count(), 4, "{plane}");
+    }
+    // The kernel path reports its BPF run time.
+    assert!(results.iter().filter(|r| r["dataplane"] == "ebpf").all(|r| r["bpf_run_ns"].as_u64().unwrap() > 0));
     for r in results {
         assert_eq!(r["lost"], 0, "{r}");
         assert_eq!(r["copies_received"], r["copies_expected"]);

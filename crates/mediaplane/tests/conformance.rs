@@ -20,7 +20,7 @@ const N: usize = 5;
 
 /// Data planes under test; `MEDIAPLANE_CONFORMANCE_PLANES` narrows it (e.g. "userspace").
 fn planes() -> Vec<String> {
-    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace".into()).split(',').map(String::from).collect()
+    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf".into()).split(',').map(String::from).collect()
 }
 
 struct Serve(Child);
