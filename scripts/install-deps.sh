@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   clang llvm libelf-dev zlib1g-dev pkg-config bpftool libbpf-dev   # BPF programs + libbpf-rs
-  iproute2                                                         # network-namespace testbed
+  iproute2 ethtool                                                 # network-namespace testbed
   kamailio sip-tester                                              # SIP interop tests (Kamailio + SIPp)
 )
 

@@ -21,6 +21,6 @@ mod skel {
 }
 
 pub use attach::AttachMode;
-pub use dataplane::{EbpfConfig, EbpfDataplane};
+pub use dataplane::{remove_pins, EbpfConfig, EbpfDataplane};
 pub use install::ApplyReport;
 pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_SHOT};

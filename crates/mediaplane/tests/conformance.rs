@@ -3,16 +3,17 @@
 //! `ForwardingTable::classify` on the daemon's own compiled table says — same copies, same
 //! source addresses, same payload bytes — so the planes also agree with each other.
 
+mod common;
+
+use common::netns::NetnsServe;
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::table::{ForwardingTable, StreamEntry, Verdict};
 use mediaplane_core::rtp::build_rtp;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, UdpSocket};
-use std::process::{Child, Stdio};
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
-const API: &str = "127.0.0.1:7580";
 const SFU_PORT: u16 = 40000;
 const MEDIA_PORT: u16 = 5004;
 const STRANGER_PORT: u16 = 5999;
@@ -23,76 +24,26 @@ fn planes() -> Vec<String> {
     std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf".into()).split(',').map(String::from).collect()
 }
 
-struct Serve(Child);
-impl Drop for Serve {
-    fn drop(&mut self) {
-        unsafe { libc::kill(self.0.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(_)) = self.0.try_wait() {
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.0.kill();
-        let _ = self.0.wait();
-    }
-}
-
-fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> Value {
-    let (m, url, p) = (method.to_string(), format!("http://{API}{path}"), path.to_string());
-    tb.in_ns(&tb.sfu_ns, move || {
-        let req = ureq::request(&m, &url).timeout(Duration::from_secs(5));
-        let r = match body {
-            Some(b) => req.send_json(b),
-            None => req.call(),
-        };
-        match r {
-            Ok(resp) => resp.into_json::<Value>().unwrap(),
-            Err(e) => panic!("{m} {p}: {e}"),
-        }
-    })
-    .unwrap()
-}
-
-fn start(tb: &Testbed, plane: &str, store: &std::path::Path) -> Serve {
-    let mut cmd = tb.command(&tb.sfu_ns, env!("CARGO_BIN_EXE_mediaplane"));
-    cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--reset", "--dataplane", plane, "--workers", "1"])
-        .env("RUST_LOG", "warn")
-        .stdout(Stdio::null());
-    for p in &tb.peers {
-        cmd.args(["--interface", &p.sfu_if]);
-    }
-    let serve = Serve(cmd.spawn().unwrap());
-    let deadline = Instant::now() + Duration::from_secs(20);
-    loop {
-        let url = format!("http://{API}/health");
-        if tb.in_ns(&tb.sfu_ns, move || ureq::get(&url).timeout(Duration::from_millis(300)).call().is_ok()).unwrap() {
-            return serve;
-        }
-        assert!(Instant::now() < deadline, "serve --dataplane {plane} did not start");
-        std::thread::sleep(Duration::from_millis(50));
-    }
-}
-
 /// The session: p0 publishes "main" (RTP, any SSRC) and "hi" (its own port, SSRC 77);
 /// p1 publishes "raw" (non-RTP); p2 publishes nothing; p3 and p4 publish "main".
 /// Subscriptions: everyone to p0/main; p3, p4 to p0/hi; p0, p2 to p1/raw; p0 to p3/main;
 /// nobody to p4/main (a stream with 0 subscribers).
-fn setup(tb: &Testbed) {
-    api(tb, "POST", "/v1/rooms", Some(json!({"id": "c"})));
+fn setup(s: &NetnsServe) {
+    let tb = s.tb;
+    let api = |m: &str, p: &str, b: Option<Value>| s.api(m, p, b);
+    api("POST", "/v1/rooms", Some(json!({"id": "c"})));
     for (i, p) in tb.peers.iter().enumerate() {
         let body = json!({"id": format!("p{i}"), "local": SocketAddr::new(p.sfu_ip, SFU_PORT), "remote": SocketAddr::new(p.ip, MEDIA_PORT)});
-        api(tb, "POST", "/v1/rooms/c/participants", Some(body));
+        api("POST", "/v1/rooms/c/participants", Some(body));
     }
-    let publish = |p: &str, body: Value| api(tb, "POST", &format!("/v1/rooms/c/participants/{p}/streams"), Some(body));
+    let publish = |p: &str, body: Value| api("POST", &format!("/v1/rooms/c/participants/{p}/streams"), Some(body));
     publish("p0", json!({"name": "main"}));
     publish("p0", json!({"name": "hi", "ssrc": 77, "local": SocketAddr::new(tb.peers[0].sfu_ip, SFU_PORT + 2)}));
     publish("p1", json!({"name": "raw", "rtp": false}));
     publish("p3", json!({"name": "main"}));
     publish("p4", json!({"name": "main"}));
     let sub = |who: usize, publisher: &str, stream: &str| {
-        api(tb, "POST", &format!("/v1/rooms/c/participants/p{who}/subscriptions"), Some(json!({"publisher": publisher, "stream": stream})));
+        api("POST", &format!("/v1/rooms/c/participants/p{who}/subscriptions"), Some(json!({"publisher": publisher, "stream": stream})));
     };
     for i in 1..N {
         sub(i, "p0", "main");
@@ -133,8 +84,8 @@ type Delivered = BTreeMap<usize, Vec<(SocketAddr, Vec<u8>)>>;
 /// daemon's compiled table.
 fn run_plane(tb: &Testbed, plane: &str) -> (Delivered, ForwardingTable, Value) {
     let store = std::env::temp_dir().join(format!("{}-conf-{plane}.db", tb.prefix));
-    let _serve = start(tb, plane, &store);
-    setup(tb);
+    let serve = NetnsServe::start(tb, plane, &store, &["--reset"]);
+    setup(&serve);
     let socks: Vec<UdpSocket> = tb.peers.iter().map(|p| tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT)).unwrap()).collect();
     let strangers: Vec<UdpSocket> = tb.peers.iter().map(|p| tb.udp_socket(&p.ns, SocketAddr::new(p.ip, STRANGER_PORT)).unwrap()).collect();
     // Neighbour entries for every participant exist before the first packet (a real
@@ -163,8 +114,8 @@ fn run_plane(tb: &Testbed, plane: &str) -> (Delivered, ForwardingTable, Value) {
         s.set_nonblocking(true).unwrap();
         assert!(s.recv_from(&mut buf).is_err(), "a stranger's socket received a copy");
     }
-    let table_json = api(tb, "GET", "/v1/table", None);
-    let stats = api(tb, "GET", "/v1/stats", None);
+    let table_json = serve.api("GET", "/v1/table", None);
+    let stats = serve.api("GET", "/v1/stats", None);
     let entries: Vec<StreamEntry> = serde_json::from_value(table_json["streams"].clone()).unwrap();
     let table = ForwardingTable { version: table_json["version"].as_u64().unwrap(), streams: entries.into_iter().map(|e| (e.key, e)).collect() };
     let _ = std::fs::remove_file(&store);

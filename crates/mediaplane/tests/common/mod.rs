@@ -2,6 +2,8 @@
 
 #![allow(dead_code)]
 
+pub mod netns;
+
 use serde_json::Value;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};

@@ -1,0 +1,99 @@
+//! `mediaplane serve` running inside a testbed's SFU namespace, and API calls made from there.
+
+use mediaplane_bench::netns::Testbed;
+use serde_json::Value;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+pub const API: &str = "127.0.0.1:7580";
+
+pub struct NetnsServe<'t> {
+    pub tb: &'t Testbed,
+    pub child: Child,
+}
+
+impl<'t> NetnsServe<'t> {
+    /// `ip netns exec` (private mount namespace: a bpffs of its own, gone with the process).
+    pub fn start(tb: &'t Testbed, plane: &str, store: &std::path::Path, extra: &[&str]) -> NetnsServe<'t> {
+        let mut cmd = tb.command(&tb.sfu_ns, env!("CARGO_BIN_EXE_mediaplane"));
+        Self::args(&mut cmd, tb, plane, store, extra);
+        Self::spawn(tb, cmd)
+    }
+
+    /// `nsenter --net` only: the root mount namespace's /sys/fs/bpf, so pins outlive the process
+    /// (what hitless restart needs).
+    pub fn start_shared_bpffs(tb: &'t Testbed, plane: &str, store: &std::path::Path, extra: &[&str]) -> NetnsServe<'t> {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/var/run/netns/{}", tb.sfu_ns)).arg("--").arg(env!("CARGO_BIN_EXE_mediaplane"));
+        Self::args(&mut cmd, tb, plane, store, extra);
+        Self::spawn(tb, cmd)
+    }
+
+    fn args(cmd: &mut Command, tb: &Testbed, plane: &str, store: &std::path::Path, extra: &[&str]) {
+        cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--dataplane", plane, "--workers", "1"])
+            .args(extra)
+            .env("RUST_LOG", "warn")
+            .stdout(Stdio::null());
+        for p in &tb.peers {
+            cmd.args(["--interface", &p.sfu_if]);
+        }
+    }
+
+    fn spawn(tb: &'t Testbed, mut cmd: Command) -> NetnsServe<'t> {
+        let s = NetnsServe { tb, child: cmd.spawn().unwrap() };
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while try_api(tb, "GET", "/health", None).is_err() {
+            assert!(Instant::now() < deadline, "serve did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        s
+    }
+
+    pub fn api(&self, method: &str, path: &str, body: Option<Value>) -> Value {
+        try_api(self.tb, method, path, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    pub fn kill9(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+
+    /// SIGTERM and wait; true when it exited 0.
+    pub fn terminate(&mut self) -> bool {
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while Instant::now() < deadline {
+            if let Ok(Some(st)) = self.child.try_wait() {
+                return st.success();
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        self.kill9();
+        false
+    }
+}
+
+impl Drop for NetnsServe<'_> {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            self.terminate();
+        }
+    }
+}
+
+pub fn try_api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    let (m, url) = (method.to_string(), format!("http://{API}{path}"));
+    tb.in_ns(&tb.sfu_ns, move || {
+        let req = ureq::request(&m, &url).timeout(Duration::from_secs(5));
+        let r = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        match r {
+            Ok(resp) => resp.into_json::<Value>().map_err(|e| e.to_string()),
+            Err(ureq::Error::Status(c, resp)) => Err(format!("HTTP {c}: {}", resp.into_string().unwrap_or_default())),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .map_err(|e| e.to_string())?
+}
