@@ -25,6 +25,19 @@ pub async fn serve(
     reset: bool,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
+    serve_with(cfg, dataplane, events, reset, shutdown, |_| {}).await
+}
+
+/// [`serve`], handing the session manager to `start` once sessions are restored (e.g. to run
+/// the NG protocol listener beside the HTTP API).
+pub async fn serve_with(
+    cfg: Config,
+    dataplane: Arc<dyn Dataplane>,
+    events: Option<Receiver<DataplaneEvent>>,
+    reset: bool,
+    shutdown: impl Future<Output = ()> + Send + 'static,
+    start: impl FnOnce(Arc<manager::SessionManager>),
+) -> anyhow::Result<()> {
     let mut store = store::Store::open(&cfg.store.path).with_context(|| format!("opening store {}", cfg.store.path.display()))?;
     if reset {
         store.clear()?;
@@ -51,6 +64,7 @@ pub async fn serve(
         })?;
     }
 
+    start(manager.clone());
     let listener = tokio::net::TcpListener::bind(cfg.api.listen).await.with_context(|| format!("binding API on {}", cfg.api.listen))?;
     tracing::info!(listen = %listener.local_addr()?, "API listening");
     let app = api::router(manager.clone(), &cfg.api);

@@ -57,6 +57,12 @@ struct ServeArgs {
     /// User-space worker threads, 0 = one per core (overrides dataplane.workers).
     #[arg(long)]
     workers: Option<usize>,
+    /// NG protocol (rtpengine-compatible, for Kamailio's/OpenSIPS's rtpengine module) on this UDP address.
+    #[arg(long)]
+    ng_listen: Option<SocketAddr>,
+    /// NG: delete calls whose media stopped for this many seconds.
+    #[arg(long, default_value_t = 60)]
+    ng_media_timeout: u64,
     /// Start empty: forget stored sessions (and, for eBPF, stale pinned state).
     #[arg(long)]
     reset: bool,
@@ -123,7 +129,25 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     let (tx, rx) = std::sync::mpsc::channel::<DataplaneEvent>();
     let dataplane = build_dataplane(&cfg, tx, args.reset)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-    rt.block_on(mediaplane_control::serve(cfg, dataplane, Some(rx), args.reset, shutdown_signal()))
+    let ng = match args.ng_listen {
+        Some(listen) => Some(rt.block_on(tokio::net::UdpSocket::bind(listen)).with_context(|| format!("binding NG on {listen}"))?),
+        None => None,
+    };
+    let ng_cfg = mediaplane_ng::NgConfig {
+        listen: args.ng_listen.unwrap_or(mediaplane_ng::NgConfig::default().listen),
+        media_timeout: std::time::Duration::from_secs(args.ng_media_timeout),
+        allow: Vec::new(),
+    };
+    rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager| {
+        if let Some(socket) = ng {
+            tracing::info!(listen = %ng_cfg.listen, "NG protocol listening");
+            tokio::spawn(async move {
+                if let Err(e) = mediaplane_ng::serve_ng(socket, manager, ng_cfg).await {
+                    tracing::error!(error = %e, "NG listener stopped");
+                }
+            });
+        }
+    }))
 }
 
 fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>, reset: bool) -> anyhow::Result<Arc<dyn Dataplane>> {

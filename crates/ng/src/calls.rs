@@ -1,0 +1,587 @@
+//! The call registry and what an offer, an answer or a delete does to the model.
+//!
+//! A call (one SIP Call-ID) has two sides: **A**, the party that sent the first offer (its
+//! From-tag), and **B**, the other one (learned from the answer's To-tag). Each live SDP media
+//! section `i` is one relay pair for RTP, `ng-<key>-<i>`, plus one for RTCP, `ng-<key>-<i>c`,
+//! unless RTP and RTCP are multiplexed. Leg A of a relay faces party A: its local address is what
+//! A is told to send to (in the SDP answered to A), its remote is A's media address. Leg B
+//! likewise for B. `<key>` is a 64-bit FNV-1a hash of the Call-ID, so relay ids are valid model
+//! ids whatever the Call-ID holds, and relays found in the store after a restart can be matched
+//! to their call again ([`Registry::adopt`]).
+//!
+//! Everything here is a function of the model and the registry: no sockets, no clock reads.
+
+use crate::sdp::{ConnAddr, Sdp};
+use mediaplane_control::config::MediaConfig;
+use mediaplane_control::manager::{allocate_local, ManagerError};
+use mediaplane_control::store::Change;
+use mediaplane_core::model::{LegSpec, Side};
+use mediaplane_core::Model;
+use std::collections::{BTreeMap, HashMap};
+use std::net::{IpAddr, SocketAddr};
+use std::time::{Instant, SystemTime};
+
+pub const RELAY_PREFIX: &str = "ng-";
+
+/// FNV-1a 64 of the Call-ID, as 16 hex digits.
+pub fn call_key(call_id: &str) -> String {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in call_id.bytes() {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x0000_0100_0000_01b3);
+    }
+    format!("{h:016x}")
+}
+
+pub fn rtp_relay_id(key: &str, media: usize) -> String {
+    format!("{RELAY_PREFIX}{key}-{media}")
+}
+
+pub fn rtcp_relay_id(key: &str, media: usize) -> String {
+    format!("{RELAY_PREFIX}{key}-{media}c")
+}
+
+/// Parse a relay id made by this crate: (call key, media index, is RTCP).
+pub fn parse_relay_id(id: &str) -> Option<(String, usize, bool)> {
+    let rest = id.strip_prefix(RELAY_PREFIX)?;
+    let (key, tail) = rest.split_once('-')?;
+    if key.len() != 16 || !key.bytes().all(|b| b.is_ascii_hexdigit()) {
+        return None;
+    }
+    let (num, rtcp) = match tail.strip_suffix('c') {
+        Some(n) => (n, true),
+        None => (tail, false),
+    };
+    if num.is_empty() || !num.bytes().all(|b| b.is_ascii_digit()) || num.len() > 3 {
+        return None;
+    }
+    Some((key.to_string(), num.parse().ok()?, rtcp))
+}
+
+pub fn other(side: Side) -> Side {
+    match side {
+        Side::A => Side::B,
+        Side::B => Side::A,
+    }
+}
+
+fn ix(side: Side) -> usize {
+    match side {
+        Side::A => 0,
+        Side::B => 1,
+    }
+}
+
+/// One SDP media section of a call, as negotiated so far.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MediaState {
+    pub kind: String,
+    pub proto: String,
+    /// Relays exist (false for a disabled section, port 0).
+    pub active: bool,
+    /// RTP local address per side [A, B]; RTCP uses the port above.
+    pub local: [SocketAddr; 2],
+    /// The RTCP relay exists (false when RTP and RTCP are multiplexed).
+    pub rtcp: bool,
+    /// Signalled RTP and RTCP peer per side.
+    pub peer: [Option<SocketAddr>; 2],
+    pub peer_rtcp: [Option<SocketAddr>; 2],
+    /// The last offer proposed rtcp-mux; the answer accepted it.
+    pub mux_offered: bool,
+    pub mux: bool,
+}
+
+impl MediaState {
+    pub fn local_of(&self, side: Side) -> SocketAddr {
+        self.local[ix(side)]
+    }
+}
+
+#[derive(Debug, Clone)]
+pub struct Call {
+    /// Empty for a call adopted from the store after a restart (only its key is known).
+    pub call_id: String,
+    pub key: String,
+    pub tag_a: Option<String>,
+    pub tag_b: Option<String>,
+    pub created: SystemTime,
+    pub last_signal: SystemTime,
+    pub media: Vec<MediaState>,
+    pub answered: bool,
+    /// Media activity: received packets on all its legs at the last poll, and when it moved.
+    pub last_rx: u64,
+    pub last_activity: Instant,
+}
+
+impl Call {
+    pub fn new(call_id: &str, now: Instant) -> Call {
+        let t = SystemTime::now();
+        Call {
+            call_id: call_id.to_string(),
+            key: call_key(call_id),
+            tag_a: None,
+            tag_b: None,
+            created: t,
+            last_signal: t,
+            media: Vec::new(),
+            answered: false,
+            last_rx: 0,
+            last_activity: now,
+        }
+    }
+
+    /// The side a tag belongs to; unknown tags of a call whose tags are unknown (adopted) are
+    /// taken for A, then B.
+    pub fn side_of(&self, tag: &str) -> Option<Side> {
+        if self.tag_a.as_deref() == Some(tag) {
+            Some(Side::A)
+        } else if self.tag_b.as_deref() == Some(tag) {
+            Some(Side::B)
+        } else {
+            None
+        }
+    }
+
+    pub fn has_tag(&self, tag: &str) -> bool {
+        self.side_of(tag).is_some()
+    }
+
+    /// Every relay id this call owns in the model.
+    pub fn relay_ids(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        for (i, m) in self.media.iter().enumerate() {
+            if m.active {
+                v.push(rtp_relay_id(&self.key, i));
+                if m.rtcp {
+                    v.push(rtcp_relay_id(&self.key, i));
+                }
+            }
+        }
+        v
+    }
+}
+
+/// One media section of a received SDP, reduced to what the relay needs.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct MediaSignal {
+    pub kind: String,
+    pub proto: String,
+    /// Port 0: the section is disabled / rejected.
+    pub disabled: bool,
+    /// Where the party receives RTP and RTCP; `None` for a zero (hold) address.
+    pub rtp: Option<SocketAddr>,
+    pub rtcp: Option<SocketAddr>,
+    pub mux: bool,
+}
+
+/// How the media address of a party is found (rtpengine's `trust address`,
+/// `SIP source address`, `media address`).
+#[derive(Debug, Clone, Default)]
+pub struct AddressPolicy {
+    pub media_address: Option<IpAddr>,
+    pub sip_source: bool,
+    pub received_from: Option<IpAddr>,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SignalError {
+    #[error("media section {0}: no usable connection address (and no received-from to fall back on)")]
+    NoAddress(usize),
+}
+
+/// Extract the media endpoints of each section of `sdp` from the party that sent it.
+/// `strip_mux`: the relay refuses rtcp-mux, so sections are treated as not muxed.
+pub fn media_signals(sdp: &Sdp, policy: &AddressPolicy, strip_mux: bool) -> Result<Vec<MediaSignal>, SignalError> {
+    let mut out = Vec::with_capacity(sdp.media.len());
+    for (i, m) in sdp.media.iter().enumerate() {
+        let mux = m.rtcp_mux && !strip_mux;
+        if m.port == 0 {
+            out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: true, rtp: None, rtcp: None, mux });
+            continue;
+        }
+        let sdp_ip = sdp.media_addr(i).and_then(ConnAddr::ip);
+        let overridden = policy.media_address.or(if policy.sip_source { policy.received_from } else { None });
+        let ip = overridden.or(sdp_ip).or(policy.received_from).ok_or(SignalError::NoAddress(i))?;
+        let rtp = (!ip.is_unspecified()).then_some(SocketAddr::new(ip, m.port));
+        let rtcp = rtp.and_then(|_| {
+            let (rip, rport) = match &m.rtcp {
+                Some(r) => (overridden.or(r.addr.as_ref().and_then(ConnAddr::ip)).unwrap_or(ip), r.port),
+                None => (ip, m.port.checked_add(1)?),
+            };
+            (rport != 0 && !rip.is_unspecified()).then_some(SocketAddr::new(rip, rport))
+        });
+        out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: false, rtp, rtcp, mux });
+    }
+    Ok(out)
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Phase {
+    Offer,
+    Answer,
+}
+
+fn rtcp_addr(a: SocketAddr) -> SocketAddr {
+    SocketAddr::new(a.ip(), a.port() + 1)
+}
+
+/// Apply one party's SDP (`from`: whose SDP it is) to the model and to `call` together.
+/// Run inside [`mediaplane_control::manager::SessionManager::mutate`]: on error the caller drops
+/// both the model copy and the call copy, so nothing changes.
+pub fn apply_signal(
+    model: &mut Model,
+    media_cfg: &MediaConfig,
+    call: &mut Call,
+    from: Side,
+    phase: Phase,
+    signals: &[MediaSignal],
+    strict: bool,
+) -> Result<Vec<Change>, ManagerError> {
+    let mut changes = Vec::new();
+    let s = ix(from);
+    // Sections the new SDP no longer has (not allowed by RFC 3264, handled anyway).
+    while call.media.len() > signals.len() {
+        let i = call.media.len() - 1;
+        remove_media(model, call, i, &mut changes)?;
+        call.media.pop();
+    }
+    for (i, sig) in signals.iter().enumerate() {
+        if sig.disabled {
+            if i < call.media.len() {
+                remove_media(model, call, i, &mut changes)?;
+            } else {
+                call.media.push(inactive(sig));
+            }
+            let m = &mut call.media[i];
+            m.kind.clone_from(&sig.kind);
+            m.proto.clone_from(&sig.proto);
+            continue;
+        }
+        let rtp_id = rtp_relay_id(&call.key, i);
+        let rtcp_id = rtcp_relay_id(&call.key, i);
+        if i >= call.media.len() {
+            call.media.push(inactive(sig));
+        }
+        let m = &mut call.media[i];
+        if !m.active {
+            // New section: two RTP locals (their odd neighbours are free for RTCP).
+            let la = allocate_local(model, media_cfg, &[])?;
+            let lb = allocate_local(model, media_cfg, &[la, rtcp_addr(la)])?;
+            m.local = [la, lb];
+            m.peer = [None, None];
+            m.peer_rtcp = [None, None];
+            m.peer[s] = sig.rtp;
+            let leg = |local, remote, strict| LegSpec { local, remote, strict: strict && remote.is_some(), rtp: true };
+            let (a, b) = if from == Side::A { (leg(la, sig.rtp, strict), leg(lb, None, false)) } else { (leg(la, None, false), leg(lb, sig.rtp, strict)) };
+            model.create_relay(&rtp_id, a, b)?;
+            m.active = true;
+            m.rtcp = false;
+            changes.push(Change::Relay(rtp_id.clone()));
+        } else {
+            model.set_leg_remote(&rtp_id, from, sig.rtp, strict && sig.rtp.is_some())?;
+            m.peer[s] = sig.rtp;
+            changes.push(Change::Relay(rtp_id.clone()));
+        }
+        m.peer_rtcp[s] = sig.rtcp;
+        m.kind.clone_from(&sig.kind);
+        m.proto.clone_from(&sig.proto);
+        let want_rtcp = match phase {
+            Phase::Offer => {
+                m.mux_offered = sig.mux;
+                // Keep RTP and RTCP together only if they already were and still are offered so.
+                !(sig.mux && m.mux && m.active && !m.rtcp)
+            }
+            Phase::Answer => {
+                m.mux = sig.mux && m.mux_offered;
+                !m.mux
+            }
+        };
+        if phase == Phase::Offer && want_rtcp {
+            m.mux = false;
+        }
+        match (want_rtcp, m.rtcp) {
+            (true, false) => {
+                let [pa, pb] = m.peer_rtcp;
+                let spec = |local: SocketAddr, remote: Option<SocketAddr>, me: bool| LegSpec {
+                    local: rtcp_addr(local),
+                    remote,
+                    strict: me && strict && remote.is_some(),
+                    rtp: true,
+                };
+                model.create_relay(&rtcp_id, spec(m.local[0], pa, from == Side::A), spec(m.local[1], pb, from == Side::B))?;
+                m.rtcp = true;
+                changes.push(Change::Relay(rtcp_id));
+            }
+            (true, true) => {
+                model.set_leg_remote(&rtcp_id, from, m.peer_rtcp[s], strict && m.peer_rtcp[s].is_some())?;
+                changes.push(Change::Relay(rtcp_id));
+            }
+            (false, true) => {
+                model.delete_relay(&rtcp_id)?;
+                m.rtcp = false;
+                changes.push(Change::Relay(rtcp_id));
+            }
+            (false, false) => {}
+        }
+    }
+    Ok(changes)
+}
+
+fn inactive(sig: &MediaSignal) -> MediaState {
+    let unspecified = SocketAddr::new(IpAddr::from([0, 0, 0, 0]), 0);
+    MediaState {
+        kind: sig.kind.clone(),
+        proto: sig.proto.clone(),
+        active: false,
+        local: [unspecified; 2],
+        rtcp: false,
+        peer: [None; 2],
+        peer_rtcp: [None; 2],
+        mux_offered: false,
+        mux: false,
+    }
+}
+
+fn remove_media(model: &mut Model, call: &mut Call, i: usize, changes: &mut Vec<Change>) -> Result<(), ManagerError> {
+    let key = call.key.clone();
+    let m = &mut call.media[i];
+    if m.active {
+        model.delete_relay(&rtp_relay_id(&key, i))?;
+        changes.push(Change::Relay(rtp_relay_id(&key, i)));
+        if m.rtcp {
+            model.delete_relay(&rtcp_relay_id(&key, i))?;
+            changes.push(Change::Relay(rtcp_relay_id(&key, i)));
+        }
+    }
+    m.active = false;
+    m.rtcp = false;
+    m.peer = [None; 2];
+    m.peer_rtcp = [None; 2];
+    Ok(())
+}
+
+/// Remove every relay of `call` from the model (relays already gone are skipped).
+pub fn delete_call(model: &mut Model, call: &Call) -> Result<Vec<Change>, ManagerError> {
+    let mut changes = Vec::new();
+    for id in call.relay_ids() {
+        if model.relays.contains_key(&id) {
+            model.delete_relay(&id)?;
+            changes.push(Change::Relay(id));
+        }
+    }
+    Ok(changes)
+}
+
+/// Stream ids (leg uids) of a call's relays, for counters.
+pub fn stream_ids(model: &Model, call: &Call) -> Vec<u32> {
+    call.relay_ids().iter().filter_map(|id| model.relays.get(id)).flat_map(|r| [r.a.uid, r.b.uid]).collect()
+}
+
+/// Calls by key (hash of the Call-ID).
+#[derive(Debug, Default)]
+pub struct Registry {
+    calls: HashMap<String, Call>,
+}
+
+impl Registry {
+    pub fn get(&self, call_id: &str) -> Option<&Call> {
+        self.calls.get(&call_key(call_id))
+    }
+
+    pub fn by_key(&self, key: &str) -> Option<&Call> {
+        self.calls.get(key)
+    }
+
+    pub fn insert(&mut self, call: Call) {
+        self.calls.insert(call.key.clone(), call);
+    }
+
+    pub fn remove(&mut self, key: &str) -> Option<Call> {
+        self.calls.remove(key)
+    }
+
+    pub fn len(&self) -> usize {
+        self.calls.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.calls.is_empty()
+    }
+
+    pub fn calls(&self) -> impl Iterator<Item = &Call> {
+        self.calls.values()
+    }
+
+    pub fn calls_mut(&mut self) -> impl Iterator<Item = &mut Call> {
+        self.calls.values_mut()
+    }
+
+    /// Rebuild calls from relays this crate created (after a restart, the store still has the
+    /// relays but the registry is gone). Call-IDs and tags are unknown until signalled again;
+    /// such calls can still be deleted by Call-ID and time out like any other.
+    pub fn adopt(&mut self, model: &Model, now: Instant) -> usize {
+        let mut found: BTreeMap<String, BTreeMap<usize, (bool, bool)>> = BTreeMap::new();
+        for id in model.relays.keys() {
+            if let Some((key, i, rtcp)) = parse_relay_id(id) {
+                let e = found.entry(key).or_default().entry(i).or_default();
+                if rtcp {
+                    e.1 = true;
+                } else {
+                    e.0 = true;
+                }
+            }
+        }
+        let mut n = 0;
+        for (key, medias) in found {
+            if self.calls.contains_key(&key) {
+                continue;
+            }
+            let mut call = Call::new("", now);
+            call.key = key.clone();
+            call.answered = true;
+            let len = medias.keys().max().map_or(0, |m| m + 1);
+            for i in 0..len {
+                let sig = MediaSignal { kind: "audio".into(), proto: "RTP/AVP".into(), disabled: true, rtp: None, rtcp: None, mux: false };
+                let mut m = inactive(&sig);
+                if let Some(&(true, rtcp)) = medias.get(&i) {
+                    let r = &model.relays[&rtp_relay_id(&key, i)];
+                    m.active = true;
+                    m.local = [r.a.local, r.b.local];
+                    m.peer = [r.a.remote, r.b.remote];
+                    m.rtcp = rtcp;
+                    m.mux = !rtcp;
+                    if let Some(c) = model.relays.get(&rtcp_relay_id(&key, i)).filter(|_| rtcp) {
+                        m.peer_rtcp = [c.a.remote, c.b.remote];
+                    }
+                }
+                call.media.push(m);
+            }
+            self.calls.insert(key, call);
+            n += 1;
+        }
+        n
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn media() -> MediaConfig {
+        MediaConfig { ip: "127.80.0.1".parse().unwrap(), port_min: 30000, port_max: 30100 }
+    }
+
+    fn sig(rtp: &str, mux: bool) -> MediaSignal {
+        let rtp: SocketAddr = rtp.parse().unwrap();
+        MediaSignal { kind: "audio".into(), proto: "RTP/AVP".into(), disabled: false, rtp: Some(rtp), rtcp: Some(rtcp_addr(rtp)), mux }
+    }
+
+    #[test]
+    fn relay_ids_round_trip() {
+        let k = call_key("a84b4c76e66710@pc33.atlanta.com");
+        assert_eq!(k.len(), 16);
+        assert_eq!(parse_relay_id(&rtp_relay_id(&k, 3)), Some((k.clone(), 3, false)));
+        assert_eq!(parse_relay_id(&rtcp_relay_id(&k, 0)), Some((k.clone(), 0, true)));
+        assert_eq!(parse_relay_id("ng-xyz-1"), None);
+        assert_eq!(parse_relay_id("call-1"), None);
+        assert_ne!(call_key("a"), call_key("b"));
+    }
+
+    #[test]
+    fn offer_answer_reinvite_and_delete() {
+        let mut model = Model::new();
+        let t = Instant::now();
+        let mut call = Call::new("c1", t);
+        // Offer from A with one audio and one video section.
+        let offer = vec![sig("10.1.0.1:6000", false), MediaSignal { kind: "video".into(), ..sig("10.1.0.1:6002", false) }];
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &offer, false).unwrap();
+        assert_eq!(model.relays.len(), 4, "RTP and RTCP for each section");
+        let m0 = call.media[0].clone();
+        assert_eq!(m0.local[0].port() % 2, 0);
+        assert_eq!(m0.local[1].port() % 2, 0);
+        assert_ne!(m0.local[0], m0.local[1]);
+        let r = &model.relays[&rtp_relay_id(&call.key, 0)];
+        assert_eq!(r.a.remote, Some("10.1.0.1:6000".parse().unwrap()));
+        assert_eq!(r.b.remote, None);
+        let c = &model.relays[&rtcp_relay_id(&call.key, 0)];
+        assert_eq!(c.a.local.port(), m0.local[0].port() + 1);
+        assert_eq!(c.a.remote, Some("10.1.0.1:6001".parse().unwrap()));
+
+        // Answer from B rejects video.
+        let answer = vec![sig("10.2.0.1:7000", false), MediaSignal { disabled: true, rtp: None, rtcp: None, ..sig("10.2.0.1:7002", false) }];
+        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &answer, false).unwrap();
+        assert_eq!(model.relays.len(), 2);
+        assert_eq!(model.relays[&rtp_relay_id(&call.key, 0)].b.remote, Some("10.2.0.1:7000".parse().unwrap()));
+        assert!(!call.media[1].active);
+
+        // Re-INVITE from B moves its media; the ports stay.
+        let before = call.media[0].local;
+        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Offer, &[sig("10.2.0.9:7100", false)], false).unwrap();
+        assert_eq!(call.media.len(), 1);
+        assert_eq!(call.media[0].local, before);
+        assert_eq!(model.relays[&rtp_relay_id(&call.key, 0)].b.remote, Some("10.2.0.9:7100".parse().unwrap()));
+        assert_eq!(model.relays[&rtcp_relay_id(&call.key, 0)].b.remote, Some("10.2.0.9:7101".parse().unwrap()));
+
+        delete_call(&mut model, &call).unwrap();
+        assert!(model.relays.is_empty());
+        assert_eq!(model.local_addresses().count(), 0);
+    }
+
+    #[test]
+    fn rtcp_mux_accepted_drops_the_rtcp_relay() {
+        let mut model = Model::new();
+        let mut call = Call::new("c2", Instant::now());
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], false).unwrap();
+        assert!(call.media[0].rtcp, "until the answer accepts mux, RTCP gets its own relay");
+        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &[sig("10.2.0.1:7000", true)], false).unwrap();
+        assert!(call.media[0].mux && !call.media[0].rtcp);
+        assert_eq!(model.relays.len(), 1);
+        // A re-offer with mux keeps it muxed; one without brings the RTCP relay back.
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], false).unwrap();
+        assert_eq!(model.relays.len(), 1);
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], false).unwrap();
+        assert_eq!(model.relays.len(), 2);
+    }
+
+    #[test]
+    fn strict_source_pins_the_signalled_peer() {
+        let mut model = Model::new();
+        let mut call = Call::new("c3", Instant::now());
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], true).unwrap();
+        let r = &model.relays[&rtp_relay_id(&call.key, 0)];
+        assert!(r.a.strict && !r.b.strict);
+    }
+
+    #[test]
+    fn adopt_rebuilds_calls_from_relays() {
+        let mut model = Model::new();
+        let mut call = Call::new("c4", Instant::now());
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], false).unwrap();
+        let mut reg = Registry::default();
+        assert_eq!(reg.adopt(&model, Instant::now()), 1);
+        let adopted = reg.get("c4").unwrap();
+        assert_eq!(adopted.media[0].local, call.media[0].local);
+        assert_eq!(adopted.relay_ids(), call.relay_ids());
+        assert_eq!(reg.adopt(&model, Instant::now()), 0, "idempotent");
+    }
+
+    #[test]
+    fn media_addresses_follow_the_address_policy() {
+        let body = b"v=0\r\nc=IN IP4 10.1.0.1\r\nm=audio 6000 RTP/AVP 0\r\na=rtcp:6011 IN IP4 10.1.0.2\r\nm=audio 0 RTP/AVP 0\r\nm=audio 6020 RTP/AVP 0\r\nc=IN IP4 0.0.0.0\r\n";
+        let sdp = Sdp::parse(body).unwrap();
+        let s = media_signals(&sdp, &AddressPolicy::default(), false).unwrap();
+        assert_eq!(s[0].rtp, Some("10.1.0.1:6000".parse().unwrap()));
+        assert_eq!(s[0].rtcp, Some("10.1.0.2:6011".parse().unwrap()));
+        assert!(s[1].disabled);
+        assert_eq!((s[2].rtp, s[2].rtcp), (None, None), "zero address: on hold");
+        let src: IpAddr = "192.0.2.1".parse().unwrap();
+        let p = AddressPolicy { sip_source: true, received_from: Some(src), media_address: None };
+        let s = media_signals(&sdp, &p, false).unwrap();
+        assert_eq!(s[0].rtp, Some("192.0.2.1:6000".parse().unwrap()));
+        assert_eq!(s[0].rtcp, Some("192.0.2.1:6011".parse().unwrap()));
+        let p = AddressPolicy { media_address: Some("192.0.2.9".parse().unwrap()), ..p };
+        assert_eq!(media_signals(&sdp, &p, false).unwrap()[0].rtp, Some("192.0.2.9:6000".parse().unwrap()));
+        let bad = Sdp::parse(b"v=0\r\nm=audio 6000 RTP/AVP 0\r\n").unwrap();
+        assert_eq!(media_signals(&bad, &AddressPolicy::default(), false), Err(SignalError::NoAddress(0)));
+    }
+}

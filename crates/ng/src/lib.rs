@@ -1,0 +1,103 @@
+//! mediaplane's SIP media relay control surface: the NG protocol of rtpengine (bencoded
+//! dictionaries over UDP) as spoken by Kamailio's `rtpengine` module.
+//!
+//! * [`bencode`] — the codec (strict, bounded, never panics);
+//! * [`protocol`] — `<cookie> <dict>` framing, option spelling variants, the reply cache that
+//!   answers retransmissions;
+//! * [`sdp`] — SDP parsing and the relay rewrite (c=, o=, m= ports, a=rtcp, ICE removal), all
+//!   other bytes kept;
+//! * [`calls`] — the call registry and what offer/answer/delete do to the model (one relay pair
+//!   per media section for RTP, one for RTCP unless muxed);
+//! * [`engine`] — command handling: datagram in, datagram out, against a `SessionManager`;
+//! * [`serve_ng`] — the thin UDP driver and the media-timeout poller.
+//!
+//! Sans-I/O: everything but [`serve_ng`] is testable without sockets.
+
+pub mod bencode;
+pub mod calls;
+pub mod engine;
+pub mod protocol;
+pub mod sdp;
+
+pub use engine::{Engine, EngineConfig};
+
+use mediaplane_control::manager::SessionManager;
+use parking_lot::Mutex;
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// NG listener configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NgConfig {
+    /// Where the NG socket listens (the caller binds it; see [`serve_ng`]).
+    pub listen: SocketAddr,
+    /// Calls whose media did not move for this long are deleted.
+    pub media_timeout: Duration,
+    /// Clients allowed to send commands; empty allows any (the protocol has no authentication:
+    /// keep `listen` on loopback or a private network, or list the SIP proxies here).
+    pub allow: Vec<IpAddr>,
+}
+
+impl Default for NgConfig {
+    fn default() -> Self {
+        NgConfig { listen: "127.0.0.1:2223".parse().unwrap(), media_timeout: Duration::from_secs(60), allow: Vec::new() }
+    }
+}
+
+/// Largest NG datagram.
+const MAX_DATAGRAM: usize = 65_535;
+
+/// Aborts a task when dropped (the poller dies with `serve_ng`'s future).
+struct AbortOnDrop(tokio::task::JoinHandle<()>);
+
+impl Drop for AbortOnDrop {
+    fn drop(&mut self) {
+        self.0.abort();
+    }
+}
+
+/// Serve the NG protocol on `socket` until an I/O error (or until the future is dropped).
+///
+/// Requests are executed one at a time, in arrival order, on the blocking pool (a request
+/// mutates the model, which persists to the store). Relays this crate created before a
+/// restart are adopted so they still time out and can still be deleted.
+pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager>, cfg: NgConfig) -> anyhow::Result<()> {
+    let engine = Arc::new(Mutex::new(Engine::new(EngineConfig { media_timeout: cfg.media_timeout, ..Default::default() })));
+    let adopted = engine.lock().adopt(&manager, Instant::now());
+    let local = socket.local_addr()?;
+    if !local.ip().is_loopback() && cfg.allow.is_empty() {
+        tracing::warn!(%local, "NG listens beyond loopback and accepts commands from anyone: set an allow list");
+    }
+    tracing::info!(%local, adopted, timeout_s = cfg.media_timeout.as_secs(), "NG listening");
+
+    let _poller = {
+        let (engine, manager) = (engine.clone(), manager.clone());
+        AbortOnDrop(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+            loop {
+                tick.tick().await;
+                let (engine, manager) = (engine.clone(), manager.clone());
+                let _ = tokio::task::spawn_blocking(move || engine.lock().expire(&manager, Instant::now())).await;
+            }
+        }))
+    };
+
+    let mut buf = vec![0u8; MAX_DATAGRAM];
+    loop {
+        let (n, client) = socket.recv_from(&mut buf).await?;
+        if !cfg.allow.is_empty() && !cfg.allow.contains(&client.ip()) {
+            tracing::warn!(%client, "NG request from a client not in the allow list dropped");
+            continue;
+        }
+        let datagram = buf[..n].to_vec();
+        let (e, m) = (engine.clone(), manager.clone());
+        let reply = tokio::task::spawn_blocking(move || e.lock().handle_datagram(&m, client, &datagram, Instant::now())).await?;
+        if let Some(reply) = reply {
+            if let Err(e) = socket.send_to(&reply, client).await {
+                tracing::warn!(%client, error = %e, "NG reply not sent");
+            }
+        }
+    }
+}

@@ -1,0 +1,500 @@
+//! SDP (RFC 4566) parsing and the rewrite a media relay needs: connection addresses (`c=`,
+//! session and media level), the origin address (`o=`, on request), media ports (`m=`), the RTCP
+//! port attribute (`a=rtcp`, RFC 3605) and, on request, removal of ICE attributes. Every other
+//! byte — attribute order, unknown lines, line endings (CRLF or LF, per line) — is kept as is.
+//!
+//! Works on bytes: only the lines it rewrites must be ASCII text.
+
+use std::net::IpAddr;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SdpError {
+    #[error("SDP must start with a v= line")]
+    NoVersion,
+    #[error("malformed SDP line {line}: {why}")]
+    Malformed { line: usize, why: &'static str },
+    #[error("SDP has more than {0} media sections")]
+    TooManyMedia(usize),
+}
+
+/// Most media sections accepted in one SDP.
+pub const MAX_MEDIA: usize = 32;
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+struct Line {
+    text: Vec<u8>,
+    /// "\r\n", "\n" or "" (last line without terminator).
+    eol: &'static [u8],
+}
+
+/// A connection address: an IP address, or something else (FQDN, placeholder) kept as text.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum ConnAddr {
+    Ip(IpAddr),
+    Other(String),
+}
+
+impl ConnAddr {
+    pub fn ip(&self) -> Option<IpAddr> {
+        match self {
+            ConnAddr::Ip(ip) => Some(*ip),
+            ConnAddr::Other(_) => None,
+        }
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Connection {
+    line: usize,
+    pub addr: ConnAddr,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RtcpAttr {
+    line: usize,
+    pub port: u16,
+    pub addr: Option<ConnAddr>,
+}
+
+/// One media section (`m=` line up to the next one).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Media {
+    line: usize,
+    /// "audio", "video", "image", ...
+    pub kind: String,
+    /// 0 means the stream is disabled (rejected in an answer).
+    pub port: u16,
+    /// The transport protocol, e.g. "RTP/AVP".
+    pub proto: String,
+    pub connection: Option<Connection>,
+    pub rtcp: Option<RtcpAttr>,
+    /// `a=rtcp-mux` present.
+    pub rtcp_mux: bool,
+    rtcp_mux_lines: Vec<usize>,
+    ice_lines: Vec<usize>,
+}
+
+impl Media {
+    /// True when the section carries ICE attributes (candidates, credentials).
+    pub fn has_ice(&self) -> bool {
+        !self.ice_lines.is_empty()
+    }
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sdp {
+    lines: Vec<Line>,
+    origin: Option<usize>,
+    pub session_connection: Option<Connection>,
+    session_ice_lines: Vec<usize>,
+    pub media: Vec<Media>,
+}
+
+/// What to change in an SDP; see [`Sdp::rewrite`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Rewrite {
+    /// The relay's address, advertised in every rewritten `c=` (and `o=` when `origin`).
+    pub addr: IpAddr,
+    /// Replace the origin address (NG `replace: origin`).
+    pub origin: bool,
+    /// Rewrite the session-level `c=` (done anyway when a live media section relies on it).
+    pub session_connection: bool,
+    /// Drop ICE attributes at session and media level.
+    pub remove_ice: bool,
+    /// One per media section, in order; sections beyond the list are left untouched.
+    pub media: Vec<MediaRewrite>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct MediaRewrite {
+    /// The relay port to advertise; `None` leaves the section untouched (e.g. a disabled one).
+    pub port: Option<u16>,
+    /// Value for an existing `a=rtcp` attribute (the RTCP port, or the RTP port when muxed).
+    pub rtcp_port: u16,
+    /// Drop `a=rtcp-mux` (the relay does not offer it onward).
+    pub strip_rtcp_mux: bool,
+}
+
+const ICE_ATTRS: &[&str] = &["candidate", "ice-ufrag", "ice-pwd", "ice-options", "ice-lite", "ice-mismatch", "remote-candidates", "end-of-candidates", "ice-pacing"];
+
+fn split_lines(body: &[u8]) -> Vec<Line> {
+    let mut lines = Vec::new();
+    let mut rest = body;
+    while !rest.is_empty() {
+        match rest.iter().position(|&b| b == b'\n') {
+            Some(i) => {
+                let (text, eol): (&[u8], &'static [u8]) =
+                    if i > 0 && rest[i - 1] == b'\r' { (&rest[..i - 1], b"\r\n") } else { (&rest[..i], b"\n") };
+                lines.push(Line { text: text.to_vec(), eol });
+                rest = &rest[i + 1..];
+            }
+            None => {
+                lines.push(Line { text: rest.to_vec(), eol: b"" });
+                rest = &[];
+            }
+        }
+    }
+    lines
+}
+
+fn text(line: &Line, n: usize) -> Result<&str, SdpError> {
+    std::str::from_utf8(&line.text).map_err(|_| SdpError::Malformed { line: n + 1, why: "not UTF-8" })
+}
+
+fn parse_addr(s: &str) -> ConnAddr {
+    // Multicast addresses may carry /ttl and /count suffixes.
+    let a = s.split('/').next().unwrap_or(s);
+    match a.parse::<IpAddr>() {
+        Ok(ip) => ConnAddr::Ip(ip),
+        Err(_) => ConnAddr::Other(a.to_string()),
+    }
+}
+
+fn parse_connection(s: &str, n: usize) -> Result<Connection, SdpError> {
+    let f: Vec<&str> = s.split_ascii_whitespace().collect();
+    if f.len() != 3 || f[0] != "IN" {
+        return Err(SdpError::Malformed { line: n + 1, why: "c= must be \"IN <IP4|IP6> <address>\"" });
+    }
+    Ok(Connection { line: n, addr: parse_addr(f[2]) })
+}
+
+impl Sdp {
+    pub fn parse(body: &[u8]) -> Result<Sdp, SdpError> {
+        let lines = split_lines(body);
+        if !lines.first().is_some_and(|l| l.text.starts_with(b"v=")) {
+            return Err(SdpError::NoVersion);
+        }
+        let mut sdp = Sdp { lines: Vec::new(), origin: None, session_connection: None, session_ice_lines: Vec::new(), media: Vec::new() };
+        for (n, line) in lines.iter().enumerate() {
+            let t = &line.text;
+            if t.len() < 2 || t[1] != b'=' {
+                // Blank or odd lines are carried through untouched.
+                continue;
+            }
+            match t[0] {
+                b'm' => {
+                    if sdp.media.len() == MAX_MEDIA {
+                        return Err(SdpError::TooManyMedia(MAX_MEDIA));
+                    }
+                    let s = text(line, n)?;
+                    let f: Vec<&str> = s[2..].split_ascii_whitespace().collect();
+                    if f.len() < 3 {
+                        return Err(SdpError::Malformed { line: n + 1, why: "m= needs media, port and protocol" });
+                    }
+                    let port_str = f[1].split('/').next().unwrap_or("");
+                    let port = port_str.parse::<u16>().map_err(|_| SdpError::Malformed { line: n + 1, why: "bad m= port" })?;
+                    sdp.media.push(Media {
+                        line: n,
+                        kind: f[0].to_string(),
+                        port,
+                        proto: f[2].to_string(),
+                        connection: None,
+                        rtcp: None,
+                        rtcp_mux: false,
+                        rtcp_mux_lines: Vec::new(),
+                        ice_lines: Vec::new(),
+                    });
+                }
+                b'c' => {
+                    let c = parse_connection(&text(line, n)?[2..], n)?;
+                    match sdp.media.last_mut() {
+                        Some(m) => m.connection = Some(c),
+                        None => sdp.session_connection = Some(c),
+                    }
+                }
+                b'o' if sdp.media.is_empty() => sdp.origin = Some(n),
+                b'a' => {
+                    let attr = &t[2..];
+                    let name_end = attr.iter().position(|&b| b == b':').unwrap_or(attr.len());
+                    let name = &attr[..name_end];
+                    let is_ice = ICE_ATTRS.iter().any(|a| a.as_bytes() == name);
+                    match sdp.media.last_mut() {
+                        None => {
+                            if is_ice {
+                                sdp.session_ice_lines.push(n);
+                            }
+                        }
+                        Some(m) => {
+                            if is_ice {
+                                m.ice_lines.push(n);
+                            } else if name == b"rtcp-mux" {
+                                m.rtcp_mux = true;
+                                m.rtcp_mux_lines.push(n);
+                            } else if name == b"rtcp" {
+                                let s = text(line, n)?;
+                                let v: Vec<&str> = s[7.min(s.len())..].split_ascii_whitespace().collect();
+                                let bad = SdpError::Malformed { line: n + 1, why: "a=rtcp must be \"<port> [IN <IP4|IP6> <address>]\"" };
+                                let port = v.first().and_then(|p| p.parse::<u16>().ok()).ok_or(bad.clone())?;
+                                let addr = match v.len() {
+                                    1 => None,
+                                    4 if v[1] == "IN" => Some(parse_addr(v[3])),
+                                    _ => return Err(bad),
+                                };
+                                m.rtcp = Some(RtcpAttr { line: n, port, addr });
+                            }
+                        }
+                    }
+                }
+                _ => {}
+            }
+        }
+        sdp.lines = lines;
+        Ok(sdp)
+    }
+
+    /// True when any ICE attribute is present.
+    pub fn has_ice(&self) -> bool {
+        !self.session_ice_lines.is_empty() || self.media.iter().any(Media::has_ice)
+    }
+
+    /// The connection address that applies to media section `i` (its own or the session's).
+    pub fn media_addr(&self, i: usize) -> Option<&ConnAddr> {
+        let m = self.media.get(i)?;
+        m.connection.as_ref().or(self.session_connection.as_ref()).map(|c| &c.addr)
+    }
+
+    /// The origin line's address, if any.
+    pub fn origin_addr(&self) -> Option<ConnAddr> {
+        let l = &self.lines[self.origin?];
+        let s = std::str::from_utf8(&l.text).ok()?;
+        s[2..].split_ascii_whitespace().nth(5).map(parse_addr)
+    }
+
+    /// The rewritten SDP.
+    pub fn rewrite(&self, rw: &Rewrite) -> Vec<u8> {
+        enum Edit {
+            Keep,
+            Drop,
+            Replace(String),
+        }
+        let mut edits: Vec<Edit> = (0..self.lines.len()).map(|_| Edit::Keep).collect();
+        let family = if rw.addr.is_ipv4() { "IP4" } else { "IP6" };
+        let conn_line = format!("c=IN {family} {}", rw.addr);
+
+        let mut session_conn_needed = rw.session_connection;
+        for (i, m) in self.media.iter().enumerate() {
+            let Some(mr) = rw.media.get(i) else { continue };
+            let Some(port) = mr.port else { continue };
+            // m=<media> <port>[/<count>] <proto> <fmt>...
+            let s = String::from_utf8_lossy(&self.lines[m.line].text).into_owned();
+            let mut f: Vec<String> = s[2..].split(' ').map(str::to_string).collect();
+            if let Some(p) = f.iter_mut().filter(|x| !x.is_empty()).nth(1) {
+                *p = match p.split_once('/') {
+                    Some((_, count)) => format!("{port}/{count}"),
+                    None => port.to_string(),
+                };
+            }
+            edits[m.line] = Edit::Replace(format!("m={}", f.join(" ")));
+            match &m.connection {
+                Some(c) => edits[c.line] = Edit::Replace(conn_line.clone()),
+                None => session_conn_needed = true,
+            }
+            if let Some(r) = &m.rtcp {
+                edits[r.line] = Edit::Replace(match r.addr {
+                    Some(_) => format!("a=rtcp:{} IN {family} {}", mr.rtcp_port, rw.addr),
+                    None => format!("a=rtcp:{}", mr.rtcp_port),
+                });
+            }
+            if mr.strip_rtcp_mux {
+                for &l in &m.rtcp_mux_lines {
+                    edits[l] = Edit::Drop;
+                }
+            }
+            if rw.remove_ice {
+                for &l in &m.ice_lines {
+                    edits[l] = Edit::Drop;
+                }
+            }
+        }
+        if rw.remove_ice {
+            for &l in &self.session_ice_lines {
+                edits[l] = Edit::Drop;
+            }
+            // ICE attributes of untouched (disabled) sections go too.
+            for m in &self.media {
+                for &l in &m.ice_lines {
+                    edits[l] = Edit::Drop;
+                }
+            }
+        }
+        if session_conn_needed {
+            if let Some(c) = &self.session_connection {
+                edits[c.line] = Edit::Replace(conn_line.clone());
+            }
+        }
+        if rw.origin {
+            if let Some(o) = self.origin {
+                let s = String::from_utf8_lossy(&self.lines[o].text).into_owned();
+                let f: Vec<&str> = s[2..].split_ascii_whitespace().collect();
+                if f.len() == 6 {
+                    let addr = rw.addr.to_string();
+                    edits[o] = Edit::Replace(format!("o={} {} {} {} {family} {addr}", f[0], f[1], f[2], f[3]));
+                }
+            }
+        }
+
+        let mut out = Vec::with_capacity(self.lines.iter().map(|l| l.text.len() + 2).sum());
+        for (line, edit) in self.lines.iter().zip(edits) {
+            match edit {
+                Edit::Keep => out.extend_from_slice(&line.text),
+                Edit::Drop => continue,
+                Edit::Replace(s) => out.extend_from_slice(s.as_bytes()),
+            }
+            out.extend_from_slice(line.eol);
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What SIPp's uac_pcap scenario sends through Kamailio.
+    const SIPP: &str = "v=0\r\no=user1 53655765 2353687637 IN IP4 127.0.0.1\r\ns=-\r\nc=IN IP4 127.0.0.1\r\nt=0 0\r\nm=audio 6000 RTP/AVP 8 101\r\na=rtpmap:8 PCMA/8000\r\na=rtpmap:101 telephone-event/8000\r\na=fmtp:101 0-11,16\r\n";
+
+    /// A WebRTC-ish offer: two media sections with their own c=, a=rtcp with address, ICE.
+    const WEBRTC: &str = "v=0\r\n\
+o=- 1667981451757923244 2 IN IP4 127.0.0.1\r\n\
+s=-\r\n\
+t=0 0\r\n\
+a=group:BUNDLE audio video\r\n\
+a=ice-options:trickle\r\n\
+m=audio 52535 RTP/AVP 111 0 8\r\n\
+c=IN IP4 10.100.1.218\r\n\
+a=rtcp:52536 IN IP4 10.100.1.218\r\n\
+a=candidate:2609552855 1 udp 2122260223 10.100.1.218 52535 typ host generation 0\r\n\
+a=candidate:2609552855 2 udp 2122260222 10.100.1.218 52536 typ host generation 0\r\n\
+a=ice-ufrag:Kv4x\r\n\
+a=ice-pwd:qwertyuiopasdfghjklzxcvb\r\n\
+a=mid:audio\r\n\
+a=rtpmap:111 opus/48000/2\r\n\
+a=rtcp-mux\r\n\
+a=sendrecv\r\n\
+m=video 52540 RTP/AVP 96\r\n\
+c=IN IP4 10.100.1.218\r\n\
+a=candidate:1 1 udp 2122260223 10.100.1.218 52540 typ host\r\n\
+a=mid:video\r\n\
+a=rtpmap:96 VP8/90000\r\n";
+
+    fn ip(s: &str) -> IpAddr {
+        s.parse().unwrap()
+    }
+
+    #[test]
+    fn parses_sipp_offer() {
+        let s = Sdp::parse(SIPP.as_bytes()).unwrap();
+        assert_eq!(s.media.len(), 1);
+        let m = &s.media[0];
+        assert_eq!((m.kind.as_str(), m.port, m.proto.as_str()), ("audio", 6000, "RTP/AVP"));
+        assert_eq!(s.media_addr(0), Some(&ConnAddr::Ip(ip("127.0.0.1"))));
+        assert!(m.rtcp.is_none() && !m.rtcp_mux && !s.has_ice());
+        assert_eq!(s.origin_addr(), Some(ConnAddr::Ip(ip("127.0.0.1"))));
+    }
+
+    #[test]
+    fn rewrite_session_connection_and_port_keeps_the_rest() {
+        let s = Sdp::parse(SIPP.as_bytes()).unwrap();
+        let rw = Rewrite {
+            addr: ip("192.0.2.7"),
+            origin: false,
+            session_connection: false,
+            remove_ice: false,
+            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false }],
+        };
+        let out = String::from_utf8(s.rewrite(&rw)).unwrap();
+        // The media relies on the session c=, so it is rewritten even without the replace flag.
+        let want = SIPP.replace("c=IN IP4 127.0.0.1", "c=IN IP4 192.0.2.7").replace("m=audio 6000", "m=audio 30000");
+        assert_eq!(out, want);
+        let out = String::from_utf8(s.rewrite(&Rewrite { origin: true, ..rw })).unwrap();
+        assert!(out.contains("o=user1 53655765 2353687637 IN IP4 192.0.2.7\r\n"), "{out}");
+    }
+
+    #[test]
+    fn rewrite_multi_media_rtcp_and_ice() {
+        let s = Sdp::parse(WEBRTC.as_bytes()).unwrap();
+        assert_eq!(s.media.len(), 2);
+        assert!(s.has_ice() && s.media[0].rtcp_mux && !s.media[1].rtcp_mux);
+        assert_eq!(s.media[0].rtcp.as_ref().unwrap().port, 52536);
+        assert_eq!(s.media_addr(1), Some(&ConnAddr::Ip(ip("10.100.1.218"))));
+        let rw = Rewrite {
+            addr: ip("192.0.2.7"),
+            origin: true,
+            session_connection: true,
+            remove_ice: true,
+            media: vec![
+                MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false },
+                MediaRewrite { port: Some(30002), rtcp_port: 30003, strip_rtcp_mux: false },
+            ],
+        };
+        let out = String::from_utf8(s.rewrite(&rw)).unwrap();
+        let want = "v=0\r\n\
+o=- 1667981451757923244 2 IN IP4 192.0.2.7\r\n\
+s=-\r\n\
+t=0 0\r\n\
+a=group:BUNDLE audio video\r\n\
+m=audio 30000 RTP/AVP 111 0 8\r\n\
+c=IN IP4 192.0.2.7\r\n\
+a=rtcp:30001 IN IP4 192.0.2.7\r\n\
+a=mid:audio\r\n\
+a=rtpmap:111 opus/48000/2\r\n\
+a=rtcp-mux\r\n\
+a=sendrecv\r\n\
+m=video 30002 RTP/AVP 96\r\n\
+c=IN IP4 192.0.2.7\r\n\
+a=mid:video\r\n\
+a=rtpmap:96 VP8/90000\r\n";
+        assert_eq!(out, want);
+        // Without ICE removal the candidates stay byte for byte.
+        let keep = String::from_utf8(s.rewrite(&Rewrite { remove_ice: false, ..rw })).unwrap();
+        assert!(keep.contains("a=candidate:2609552855 2 udp 2122260222 10.100.1.218 52536 typ host generation 0\r\n"));
+        assert!(keep.contains("a=ice-options:trickle\r\n"));
+    }
+
+    #[test]
+    fn disabled_media_lf_endings_and_port_counts() {
+        let body = "v=0\no=- 1 1 IN IP4 10.0.0.1\ns=x\nc=IN IP4 10.0.0.1\nt=0 0\nm=audio 4000/2 RTP/AVP 0\na=rtcp:4001\nm=video 0 RTP/AVP 96\nc=IN IP4 10.0.0.1\n";
+        let s = Sdp::parse(body.as_bytes()).unwrap();
+        assert_eq!(s.media[1].port, 0);
+        let rw = Rewrite {
+            addr: ip("192.0.2.7"),
+            origin: false,
+            session_connection: false,
+            remove_ice: false,
+            media: vec![
+                MediaRewrite { port: Some(30010), rtcp_port: 30011, strip_rtcp_mux: false },
+                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false },
+            ],
+        };
+        let out = String::from_utf8(s.rewrite(&rw)).unwrap();
+        assert_eq!(
+            out,
+            "v=0\no=- 1 1 IN IP4 10.0.0.1\ns=x\nc=IN IP4 192.0.2.7\nt=0 0\nm=audio 30010/2 RTP/AVP 0\na=rtcp:30011\nm=video 0 RTP/AVP 96\nc=IN IP4 10.0.0.1\n"
+        );
+    }
+
+    #[test]
+    fn malformed_sdp_is_an_error() {
+        assert_eq!(Sdp::parse(b""), Err(SdpError::NoVersion));
+        assert_eq!(Sdp::parse(b"o=x\r\n"), Err(SdpError::NoVersion));
+        assert!(Sdp::parse(b"v=0\r\nm=audio\r\n").is_err());
+        assert!(Sdp::parse(b"v=0\r\nm=audio 99999 RTP/AVP 0\r\n").is_err());
+        assert!(Sdp::parse(b"v=0\r\nc=IN\r\n").is_err());
+        assert!(Sdp::parse(b"v=0\r\nm=audio 1 RTP/AVP 0\r\na=rtcp:x\r\n").is_err());
+        let many = format!("v=0\r\n{}", "m=audio 1 RTP/AVP 0\r\n".repeat(MAX_MEDIA + 1));
+        assert_eq!(Sdp::parse(many.as_bytes()), Err(SdpError::TooManyMedia(MAX_MEDIA)));
+        // Non-IP connection addresses parse; callers decide what to do with them.
+        let s = Sdp::parse(b"v=0\r\nc=IN IP4 host.example\r\nm=audio 1 RTP/AVP 0\r\n").unwrap();
+        assert_eq!(s.media_addr(0), Some(&ConnAddr::Other("host.example".into())));
+        // Garbage never panics.
+        for i in 0..WEBRTC.len() {
+            let _ = Sdp::parse(&WEBRTC.as_bytes()[..i]).map(|s| s.rewrite(&Rewrite {
+                addr: ip("::1"),
+                origin: true,
+                session_connection: true,
+                remove_ice: true,
+                media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true }; 2],
+            }));
+        }
+    }
+}

@@ -1,0 +1,198 @@
+//! The NG protocol over real UDP against serve_ng with a real SessionManager and the user-space
+//! data plane: offer/answer, RTP and RTCP both ways through the allocated ports, re-INVITE,
+//! retransmissions, malformed input, delete, media timeout. Loopback only (127.82.0.0/16).
+
+mod common;
+
+use common::{list, text, Client, Relay};
+use mediaplane_core::rtp::{build_rtp, RtpHeader};
+use mediaplane_ng::bencode::Value;
+use mediaplane_ng::sdp::{ConnAddr, Sdp};
+use std::net::{SocketAddr, UdpSocket};
+use std::time::{Duration, Instant};
+
+const CALL: &str = "3c26700fba4b-ng-protocol@127.82.0.1";
+
+fn sdp(ip: &str, port: u16, sess: u32) -> String {
+    format!(
+        "v=0\r\no=- {sess} {sess} IN IP4 {ip}\r\ns=ng test\r\nc=IN IP4 {ip}\r\nt=0 0\r\nm=audio {port} RTP/AVP 8 101\r\na=rtpmap:8 PCMA/8000\r\na=rtpmap:101 telephone-event/8000\r\na=ptime:20\r\na=sendrecv\r\n"
+    )
+}
+
+fn req(cmd: &str, from: &str, to: Option<&str>, body: &str) -> Vec<(&'static str, Value)> {
+    let mut v = vec![
+        ("command", Value::str(cmd)),
+        ("call-id", Value::str(CALL)),
+        ("from-tag", Value::str(from)),
+        ("sdp", Value::str(body)),
+        ("flags", list(&["trust-address"])),
+        ("replace", list(&["origin", "session-connection"])),
+        ("received-from", list(&["IP4", "127.0.0.1"])),
+    ];
+    if let Some(t) = to {
+        v.push(("to-tag", Value::str(t)));
+    }
+    v
+}
+
+/// The address an SDP reply tells its recipient to send to.
+fn advertised(v: &Value) -> SocketAddr {
+    assert_eq!(text(v, "result"), "ok", "{v:?}");
+    let s = Sdp::parse(text(v, "sdp").as_bytes()).unwrap();
+    let Some(ConnAddr::Ip(ip)) = s.media_addr(0) else { panic!("no address in {v:?}") };
+    SocketAddr::new(*ip, s.media[0].port)
+}
+
+fn udp(addr: &str) -> UdpSocket {
+    let s = UdpSocket::bind(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    s
+}
+
+/// Receive everything for a while: (payloads' sequence numbers or -1, sender).
+fn drain(s: &UdpSocket) -> Vec<(i32, SocketAddr)> {
+    let mut buf = [0u8; 2048];
+    let mut got = Vec::new();
+    while let Ok((n, from)) = s.recv_from(&mut buf) {
+        got.push((RtpHeader::parse(&buf[..n]).map_or(-1, |h| h.sequence as i32), from));
+    }
+    got
+}
+
+/// Send one packet so the relay latches the sender, and wait until it did.
+fn latch(relay: &Relay, from: &UdpSocket, to: SocketAddr, payload: &[u8]) {
+    from.send_to(payload, to).unwrap();
+    let src = from.local_addr().unwrap();
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while Instant::now() < deadline {
+        let done = relay.mgr.read(|m, _| m.relays.values().any(|r| r.a.latched == Some(src) || r.b.latched == Some(src)));
+        if done {
+            return;
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    panic!("{src} never latched");
+}
+
+fn send_rtp(from: &UdpSocket, to: SocketAddr, seqs: std::ops::Range<u16>) {
+    for s in seqs {
+        from.send_to(&build_rtp(8, s, s as u32 * 160, 0xabc, &[0xd5; 160]), to).unwrap();
+    }
+}
+
+fn rtcp_rr(ssrc: u32) -> Vec<u8> {
+    let mut p = vec![0x80, 201, 0, 1];
+    p.extend_from_slice(&ssrc.to_be_bytes());
+    p
+}
+
+#[test]
+fn call_flow_over_real_sockets() {
+    let relay = Relay::start("127.82.0.1", 41000, 41099, Duration::from_secs(60));
+    let mut ng = Client::new(relay.ng);
+    assert_eq!(text(&ng.cmd(vec![("command", "ping".into())]), "result"), "pong");
+
+    // Caller A at 127.82.1.1:6000 (RTCP 6001), callee B at 127.82.2.1:7000 (RTCP 7001).
+    let a = udp("127.82.1.1:6000");
+    let a_rtcp = udp("127.82.1.1:6001");
+    let b = udp("127.82.2.1:7000");
+    let b_rtcp = udp("127.82.2.1:7001");
+
+    let offer = ng.cmd(req("offer", "tagA", None, &sdp("127.82.1.1", 6000, 1)));
+    let to_b = advertised(&offer); // where B sends
+    assert_eq!(to_b.ip().to_string(), "127.82.0.1");
+    assert!(text(&offer, "sdp").contains("o=- 1 1 IN IP4 127.82.0.1\r\n"), "replace origin");
+    let answer = ng.cmd(req("answer", "tagA", Some("tagB"), &sdp("127.82.2.1", 7000, 2)));
+    let to_a = advertised(&answer); // where A sends
+    assert_ne!(to_a, to_b);
+    assert_eq!(relay.relays(), 2, "RTP and RTCP relay pairs");
+
+    // The first packet of each leg latches its source and is dropped; then media flows.
+    latch(&relay, &a, to_a, &build_rtp(8, 0, 0, 0xabc, &[0; 160]));
+    latch(&relay, &b, to_b, &build_rtp(8, 0, 0, 0xdef, &[0; 160]));
+    send_rtp(&a, to_a, 1..21);
+    send_rtp(&b, to_b, 101..121);
+    let at_b = drain(&b);
+    let at_a = drain(&a);
+    assert_eq!(at_b.iter().map(|x| x.0).collect::<Vec<_>>(), (1..21).collect::<Vec<_>>());
+    assert!(at_b.iter().all(|x| x.1 == to_b), "B hears from the address it sends to (symmetric RTP)");
+    assert_eq!(at_a.iter().map(|x| x.0).collect::<Vec<_>>(), (101..121).collect::<Vec<_>>());
+    assert!(at_a.iter().all(|x| x.1 == to_a));
+
+    // RTCP on the odd ports.
+    let rtcp_a = SocketAddr::new(to_a.ip(), to_a.port() + 1);
+    let rtcp_b = SocketAddr::new(to_b.ip(), to_b.port() + 1);
+    latch(&relay, &a_rtcp, rtcp_a, &rtcp_rr(0xabc));
+    latch(&relay, &b_rtcp, rtcp_b, &rtcp_rr(0xdef));
+    a_rtcp.send_to(&rtcp_rr(0xabc), rtcp_a).unwrap();
+    b_rtcp.send_to(&rtcp_rr(0xdef), rtcp_b).unwrap();
+    assert_eq!(drain(&b_rtcp).len(), 1);
+    assert_eq!(drain(&a_rtcp).len(), 1);
+
+    // query reports both tags and the packets.
+    let q = ng.cmd(vec![("command", "query".into()), ("call-id", CALL.into())]);
+    let rtp_packets = q.get("totals").unwrap().get("RTP").unwrap().get("packets").unwrap().as_int().unwrap();
+    // 20 each way; the two latching packets went to the slow path (counted there, not here).
+    assert_eq!(rtp_packets, 40, "{q:?}");
+
+    // re-INVITE from A: A moves to port 6010; the relay keeps its ports, in one model change.
+    let a2 = udp("127.82.1.1:6010");
+    let version = relay.mgr.read(|_, t| t.version);
+    let (reinvite, re_offer) = ng.call(req("offer", "tagA", Some("tagB"), &sdp("127.82.1.1", 6010, 3)));
+    assert_eq!(advertised(&re_offer), to_b);
+    assert_eq!(relay.mgr.read(|_, t| t.version), version + 1, "one atomic mutation");
+    let re_answer = ng.cmd(req("answer", "tagA", Some("tagB"), &sdp("127.82.2.1", 7000, 4)));
+    assert_eq!(advertised(&re_answer), to_a);
+    latch(&relay, &a2, to_a, &build_rtp(8, 200, 0, 0xabc, &[0; 160]));
+    send_rtp(&a2, to_a, 201..206);
+    send_rtp(&b, to_b, 301..306);
+    assert_eq!(drain(&b).len(), 5);
+    assert_eq!(drain(&a2).iter().map(|x| x.0).collect::<Vec<_>>(), (301..306).collect::<Vec<_>>(), "B's media goes to A's new port");
+    assert!(drain(&a).is_empty(), "and no longer to the old one");
+
+    // A retransmitted request (same cookie) gets the same reply and is not executed again.
+    let version = relay.mgr.read(|_, t| t.version);
+    let first = ng.raw(&reinvite).unwrap();
+    let again = ng.raw(&reinvite).unwrap();
+    assert_eq!(first, again);
+    assert_eq!(relay.mgr.read(|_, t| t.version), version);
+
+    // Malformed input: error replies with reasons; no cookie, no reply; the server survives.
+    for (bad, why) in [(&b"x1 d7:command"[..], "malformed bencode"), (b"x2 i5e", "not a bencoded dictionary"), (b"x3 d7:command5:xyzzye", "unknown command")] {
+        let (_, v) = mediaplane_ng::protocol::parse_frame(&ng.raw(bad).unwrap()).unwrap();
+        assert_eq!(text(&v, "result"), "error");
+        assert!(text(&v, "error-reason").contains(why), "{v:?}");
+    }
+    ng.sock.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    assert!(ng.raw(b"no-space-no-cookie").is_none());
+    ng.sock.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    assert_eq!(text(&ng.cmd(vec![("command", "ping".into())]), "result"), "pong");
+
+    // delete frees everything: relays, model addresses, and the sockets themselves.
+    let d = ng.cmd(vec![("command", "delete".into()), ("call-id", CALL.into()), ("from-tag", "tagA".into()), ("to-tag", "tagB".into())]);
+    assert_eq!(text(&d, "result"), "ok", "{d:?}");
+    assert_eq!(relay.relays(), 0);
+    assert_eq!(relay.mgr.read(|m, _| m.local_addresses().count()), 0);
+    for addr in [to_a, to_b, rtcp_a, rtcp_b] {
+        UdpSocket::bind(addr).unwrap_or_else(|e| panic!("{addr} still held after delete: {e}"));
+    }
+    let l = ng.cmd(vec![("command", "list".into())]);
+    assert_eq!(l.get("calls").unwrap().as_list().unwrap().len(), 0);
+}
+
+#[test]
+fn idle_calls_time_out() {
+    let relay = Relay::start("127.82.0.2", 41100, 41199, Duration::from_secs(2));
+    let mut ng = Client::new(relay.ng);
+    let o = ng.cmd(req("offer", "tagA", None, &sdp("127.82.3.1", 6000, 1)));
+    assert_eq!(text(&o, "result"), "ok");
+    assert_eq!(relay.relays(), 2);
+    let deadline = Instant::now() + Duration::from_secs(8);
+    while relay.relays() > 0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    assert_eq!(relay.relays(), 0, "deleted after 2 s without media");
+    let s = ng.cmd(vec![("command", "statistics".into())]);
+    let total = s.get("statistics").unwrap().get("totalstatistics").unwrap();
+    assert_eq!(total.get("timeoutsessions"), Some(&Value::Int(1)), "{s:?}");
+}
