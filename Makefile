@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: all deps build release test demo bench clean
+.PHONY: all deps build release test demo bench fuzz fuzz-smoke clean
 
 all: build
 
@@ -20,6 +20,26 @@ release: deps
 # Privileged tests fail rather than skip when CI=true.
 test: deps
 	$(CARGO) test --workspace --no-fail-fast
+	$(MAKE) fuzz-smoke
+
+# Coverage-guided fuzzing (cargo-fuzz, nightly): a seconds-long run of every target in
+# `make test`, longer runs with `make fuzz` (FUZZ_SECONDS per target).
+FUZZ_TARGETS := frame rtp_rtcp classify api_json bencode sdp
+FUZZ_SECONDS ?= 300
+fuzz-smoke:
+	$(MAKE) fuzz FUZZ_SECONDS=8
+
+fuzz:
+	@rustup toolchain list | grep -q '^nightly' || { echo "cargo fuzz needs a nightly toolchain (rustup toolchain install nightly)" >&2; exit 1; }
+	@$(CARGO) fuzz --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-fuzz
+	cd fuzz && $(CARGO) +nightly fuzz build -O
+	cd fuzz && for t in $(FUZZ_TARGETS); do \
+	  log=target/fuzz-$$t.log; \
+	  if ! $(CARGO) +nightly fuzz run -O $$t -- -max_total_time=$(FUZZ_SECONDS) >$$log 2>&1; then \
+	    tail -40 $$log; echo "fuzz target $$t failed: crash input in fuzz/artifacts/$$t" >&2; exit 1; \
+	  fi; \
+	  echo "fuzz $$t: $$(grep -E '^Done' $$log)"; \
+	done
 
 # A real multi-party conference in network namespaces, through each data plane.
 demo: release

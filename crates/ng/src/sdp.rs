@@ -117,6 +117,29 @@ pub struct MediaRewrite {
 
 const ICE_ATTRS: &[&str] = &["candidate", "ice-ufrag", "ice-pwd", "ice-options", "ice-lite", "ice-mismatch", "remote-candidates", "end-of-candidates", "ice-pacing"];
 
+/// Byte range of the `n`-th token of `s`, tokens separated by ASCII whitespace (the same
+/// tokenisation the parser uses, so a rewrite touches exactly the field the parser read).
+fn token_range(s: &[u8], n: usize) -> Option<std::ops::Range<usize>> {
+    let mut i = 0;
+    let mut seen = 0;
+    while i < s.len() {
+        while i < s.len() && s[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        let start = i;
+        while i < s.len() && !s[i].is_ascii_whitespace() {
+            i += 1;
+        }
+        if start < i {
+            if seen == n {
+                return Some(start..i);
+            }
+            seen += 1;
+        }
+    }
+    None
+}
+
 fn split_lines(body: &[u8]) -> Vec<Line> {
     let mut lines = Vec::new();
     let mut rest = body;
@@ -265,7 +288,7 @@ impl Sdp {
         enum Edit {
             Keep,
             Drop,
-            Replace(String),
+            Replace(Vec<u8>),
         }
         let mut edits: Vec<Edit> = (0..self.lines.len()).map(|_| Edit::Keep).collect();
         let family = if rw.addr.is_ipv4() { "IP4" } else { "IP6" };
@@ -275,25 +298,27 @@ impl Sdp {
         for (i, m) in self.media.iter().enumerate() {
             let Some(mr) = rw.media.get(i) else { continue };
             let Some(port) = mr.port else { continue };
-            // m=<media> <port>[/<count>] <proto> <fmt>...
-            let s = String::from_utf8_lossy(&self.lines[m.line].text).into_owned();
-            let mut f: Vec<String> = s[2..].split(' ').map(str::to_string).collect();
-            if let Some(p) = f.iter_mut().filter(|x| !x.is_empty()).nth(1) {
-                *p = match p.split_once('/') {
-                    Some((_, count)) => format!("{port}/{count}"),
-                    None => port.to_string(),
-                };
+            // m=<media> <port>[/<count>] <proto> <fmt>...: splice the new port into the port
+            // token, found with the parser's own tokenisation; every other byte stays.
+            let text = &self.lines[m.line].text;
+            if let Some(r) = token_range(&text[2..], 1) {
+                let (start, end) = (r.start + 2, r.end + 2);
+                let count_at = text[start..end].iter().position(|&b| b == b'/').map_or(end, |i| start + i);
+                let mut line = text[..start].to_vec();
+                line.extend_from_slice(port.to_string().as_bytes());
+                line.extend_from_slice(&text[count_at..]);
+                edits[m.line] = Edit::Replace(line);
             }
-            edits[m.line] = Edit::Replace(format!("m={}", f.join(" ")));
             match &m.connection {
-                Some(c) => edits[c.line] = Edit::Replace(conn_line.clone()),
+                Some(c) => edits[c.line] = Edit::Replace(conn_line.clone().into_bytes()),
                 None => session_conn_needed = true,
             }
             if let Some(r) = &m.rtcp {
                 edits[r.line] = Edit::Replace(match r.addr {
                     Some(_) => format!("a=rtcp:{} IN {family} {}", mr.rtcp_port, rw.addr),
                     None => format!("a=rtcp:{}", mr.rtcp_port),
-                });
+                }
+                .into_bytes());
             }
             if mr.strip_rtcp_mux {
                 for &l in &m.rtcp_mux_lines {
@@ -319,7 +344,7 @@ impl Sdp {
         }
         if session_conn_needed {
             if let Some(c) = &self.session_connection {
-                edits[c.line] = Edit::Replace(conn_line.clone());
+                edits[c.line] = Edit::Replace(conn_line.clone().into_bytes());
             }
         }
         if rw.origin {
@@ -328,7 +353,7 @@ impl Sdp {
                 let f: Vec<&str> = s[2..].split_ascii_whitespace().collect();
                 if f.len() == 6 {
                     let addr = rw.addr.to_string();
-                    edits[o] = Edit::Replace(format!("o={} {} {} {} {family} {addr}", f[0], f[1], f[2], f[3]));
+                    edits[o] = Edit::Replace(format!("o={} {} {} {} {family} {addr}", f[0], f[1], f[2], f[3]).into_bytes());
                 }
             }
         }
@@ -338,7 +363,7 @@ impl Sdp {
             match edit {
                 Edit::Keep => out.extend_from_slice(&line.text),
                 Edit::Drop => continue,
-                Edit::Replace(s) => out.extend_from_slice(s.as_bytes()),
+                Edit::Replace(s) => out.extend_from_slice(&s),
             }
             out.extend_from_slice(line.eol);
         }
@@ -478,6 +503,21 @@ a=rtpmap:96 VP8/90000\r\n";
         assert_eq!(Sdp::parse(b""), Err(SdpError::NoVersion));
         assert_eq!(Sdp::parse(b"o=x\r\n"), Err(SdpError::NoVersion));
         assert!(Sdp::parse(b"v=0\r\nm=audio\r\n").is_err());
+        // Found by the sdp fuzz target: fields separated by other ASCII whitespace (a form
+        // feed) than a space; the rewrite used to swallow the protocol and emit an m= line
+        // the parser rejects.
+        let odd = b"v=0\r\nc=IN IP4 10.0.0.1\r\nm=audio 4000\x0cRTP/AVP\t0\r\n";
+        let sdp = Sdp::parse(odd).unwrap();
+        let rw = Rewrite {
+            addr: "192.0.2.7".parse().unwrap(),
+            origin: false,
+            session_connection: false,
+            remove_ice: false,
+            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false }],
+        };
+        let out = sdp.rewrite(&rw);
+        assert_eq!(out, b"v=0\r\nc=IN IP4 192.0.2.7\r\nm=audio 30000\x0cRTP/AVP\t0\r\n");
+        assert_eq!(Sdp::parse(&out).unwrap().media.len(), 1);
         assert!(Sdp::parse(b"v=0\r\nm=audio 99999 RTP/AVP 0\r\n").is_err());
         assert!(Sdp::parse(b"v=0\r\nc=IN\r\n").is_err());
         assert!(Sdp::parse(b"v=0\r\nm=audio 1 RTP/AVP 0\r\na=rtcp:x\r\n").is_err());
