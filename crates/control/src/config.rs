@@ -14,6 +14,25 @@ pub struct Config {
     pub store: StoreConfig,
     pub log: LogConfig,
     pub limits: Limits,
+    pub ng: NgSection,
+}
+
+/// The rtpengine NG protocol listener (SIP servers drive calls through it).
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct NgSection {
+    /// UDP address; none = no NG listener. Anything but loopback needs `allow`.
+    pub listen: Option<SocketAddr>,
+    /// Delete calls whose media stopped this long.
+    pub media_timeout_secs: u64,
+    /// SIP servers allowed to send commands (the protocol has no authentication).
+    pub allow: Vec<IpAddr>,
+}
+
+impl Default for NgSection {
+    fn default() -> Self {
+        NgSection { listen: None, media_timeout_secs: 60, allow: Vec::new() }
+    }
 }
 
 /// Caps on what one daemon will hold; reaching one is a clear error, never an allocation.
@@ -133,6 +152,7 @@ impl Default for Config {
             store: StoreConfig::default(),
             log: LogConfig::default(),
             limits: Limits::default(),
+            ng: NgSection::default(),
         }
     }
 }
@@ -158,6 +178,11 @@ impl Config {
         }
         if !self.api.listen.ip().is_loopback() && self.api.token.as_deref().is_none_or(str::is_empty) {
             return Err(format!("api.listen {} is not loopback: set api.token (clients send it as a bearer token)", self.api.listen));
+        }
+        if let Some(ng) = self.ng.listen {
+            if !ng.ip().is_loopback() && self.ng.allow.is_empty() {
+                return Err(format!("ng.listen {ng} is not loopback: set ng.allow to the SIP servers that may send commands"));
+            }
         }
         if !matches!(self.log.format.as_str(), "text" | "json") {
             return Err(format!("log.format must be \"text\" or \"json\", not {:?}", self.log.format));
@@ -188,5 +213,8 @@ mod tests {
         let e = Config::from_toml("[api]\nlisten = \"0.0.0.0:7580\"\n").unwrap_err();
         assert!(e.contains("api.token"), "{e}");
         assert!(Config::from_toml("[api]\nlisten = \"0.0.0.0:7580\"\ntoken = \"s3cret\"\n").is_ok());
+        let e = Config::from_toml("[ng]\nlisten = \"0.0.0.0:2223\"\n").unwrap_err();
+        assert!(e.contains("ng.allow"), "{e}");
+        assert!(Config::from_toml("[ng]\nlisten = \"0.0.0.0:2223\"\nallow = [\"10.1.2.3\"]\n").is_ok());
     }
 }

@@ -57,12 +57,13 @@ struct ServeArgs {
     /// User-space worker threads, 0 = one per core (overrides dataplane.workers).
     #[arg(long)]
     workers: Option<usize>,
-    /// NG protocol (rtpengine-compatible, for Kamailio's/OpenSIPS's rtpengine module) on this UDP address.
+    /// NG protocol (rtpengine-compatible, for Kamailio's/OpenSIPS's rtpengine module) on this
+    /// UDP address (overrides ng.listen).
     #[arg(long)]
     ng_listen: Option<SocketAddr>,
-    /// NG: delete calls whose media stopped for this many seconds.
-    #[arg(long, default_value_t = 60)]
-    ng_media_timeout: u64,
+    /// NG: delete calls whose media stopped for this many seconds (overrides ng.media_timeout_secs).
+    #[arg(long)]
+    ng_media_timeout: Option<u64>,
     /// Start empty: forget stored sessions (and, for eBPF, stale pinned state).
     #[arg(long)]
     reset: bool,
@@ -123,20 +124,26 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(w) = args.workers {
         cfg.dataplane.workers = w;
     }
+    if let Some(l) = args.ng_listen {
+        cfg.ng.listen = Some(l);
+    }
+    if let Some(t) = args.ng_media_timeout {
+        cfg.ng.media_timeout_secs = t;
+    }
     cfg.validate().map_err(anyhow::Error::msg)?;
     init_logging(&cfg);
 
     let (tx, rx) = std::sync::mpsc::channel::<DataplaneEvent>();
     let dataplane = build_dataplane(&cfg, tx, args.reset)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
-    let ng = match args.ng_listen {
+    let ng = match cfg.ng.listen {
         Some(listen) => Some(rt.block_on(tokio::net::UdpSocket::bind(listen)).with_context(|| format!("binding NG on {listen}"))?),
         None => None,
     };
     let ng_cfg = mediaplane_ng::NgConfig {
-        listen: args.ng_listen.unwrap_or(mediaplane_ng::NgConfig::default().listen),
-        media_timeout: std::time::Duration::from_secs(args.ng_media_timeout),
-        allow: Vec::new(),
+        listen: cfg.ng.listen.unwrap_or(mediaplane_ng::NgConfig::default().listen),
+        media_timeout: std::time::Duration::from_secs(cfg.ng.media_timeout_secs),
+        allow: cfg.ng.allow.clone(),
     };
     rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager| {
         if let Some(socket) = ng {
