@@ -9,6 +9,7 @@
 //! * [`added_delay`]: through-SFU delay minus direct-path delay, per copy.
 
 pub mod added_delay;
+pub mod flood;
 pub mod netns;
 pub mod qos;
 pub mod traffic;

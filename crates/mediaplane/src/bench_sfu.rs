@@ -40,11 +40,14 @@ pub struct BenchSfuArgs {
 pub enum BenchCommand {
     /// SFU fan-out: the thesis scenarios for every data plane, side by side.
     Sfu(BenchSfuArgs),
+    /// A stranger's flood at twice the forwarding capacity beside established calls.
+    Overload(crate::bench_overload::BenchOverloadArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Sfu(a) => sfu(a),
+        BenchCommand::Overload(a) => crate::bench_overload::run(a),
     }
 }
 

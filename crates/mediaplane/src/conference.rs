@@ -16,10 +16,10 @@ use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
 /// SFU port of each participant's transport, and of its optional "high" stream.
-const SFU_PORT: u16 = 40000;
+pub(crate) const SFU_PORT: u16 = 40000;
 const SFU_HIGH_PORT: u16 = 40002;
 /// Participant ports: media through the SFU, and the direct-path baseline.
-const MEDIA_PORT: u16 = 5004;
+pub(crate) const MEDIA_PORT: u16 = 5004;
 const DIRECT_PORT: u16 = 5006;
 const API: &str = "127.0.0.1:7580";
 
@@ -88,13 +88,13 @@ pub struct ConferenceResult {
 }
 
 /// `mediaplane serve` running inside the SFU namespace; stopped (SIGTERM, then SIGKILL) on drop.
-struct ServeProcess {
+pub(crate) struct ServeProcess {
     child: Child,
     log: PathBuf,
 }
 
 impl ServeProcess {
-    fn start(tb: &Testbed, dataplane: &str, store: &std::path::Path, log: PathBuf) -> anyhow::Result<ServeProcess> {
+    pub(crate) fn start(tb: &Testbed, dataplane: &str, store: &std::path::Path, log: PathBuf) -> anyhow::Result<ServeProcess> {
         let exe = std::env::current_exe().context("locating the mediaplane binary")?;
         let logf = std::fs::File::create(&log)?;
         let mut cmd = tb.command(&tb.sfu_ns, exe.to_str().unwrap());
@@ -114,12 +114,16 @@ impl ServeProcess {
         Ok(ServeProcess { child, log })
     }
 
-    fn pid(&self) -> u32 {
+    pub(crate) fn alive(&mut self) -> bool {
+        matches!(self.child.try_wait(), Ok(None))
+    }
+
+    pub(crate) fn pid(&self) -> u32 {
         self.child.id()
     }
 
     /// The `ip netns exec` wrapper execs mediaplane, so the child pid is the daemon's.
-    fn stop(&mut self) -> anyhow::Result<()> {
+    pub(crate) fn stop(&mut self) -> anyhow::Result<()> {
         unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
         let deadline = Instant::now() + Duration::from_secs(10);
         while Instant::now() < deadline {
@@ -146,7 +150,7 @@ impl Drop for ServeProcess {
 }
 
 /// One API call made from inside the SFU namespace (the daemon listens on its loopback).
-fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+pub(crate) fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
     let (method, url) = (method.to_string(), format!("http://{API}{path}"));
     let r = tb.in_ns(&tb.sfu_ns, move || {
         let req = ureq::request(&method, &url).timeout(Duration::from_secs(5));
@@ -163,7 +167,7 @@ fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> anyhow::R
     r.map_err(|e| anyhow::anyhow!("{path}: {e}"))
 }
 
-fn wait_ready(tb: &Testbed, serve: &mut ServeProcess) -> anyhow::Result<()> {
+pub(crate) fn wait_ready(tb: &Testbed, serve: &mut ServeProcess) -> anyhow::Result<()> {
     let deadline = Instant::now() + Duration::from_secs(20);
     while Instant::now() < deadline {
         if api(tb, "GET", "/health", None).is_ok() {
@@ -179,7 +183,7 @@ fn wait_ready(tb: &Testbed, serve: &mut ServeProcess) -> anyhow::Result<()> {
 }
 
 /// CPU time of all threads of a process, ns (from /proc/<pid>/task/*/schedstat).
-fn process_cpu_ns(pid: u32) -> u64 {
+pub(crate) fn process_cpu_ns(pid: u32) -> u64 {
     let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
     tasks
         .flatten()
@@ -188,7 +192,7 @@ fn process_cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
-fn flow_main(i: usize) -> u32 {
+pub(crate) fn flow_main(i: usize) -> u32 {
     1000 + i as u32
 }
 fn flow_high(i: usize) -> u32 {
@@ -196,6 +200,38 @@ fn flow_high(i: usize) -> u32 {
 }
 fn flow_direct(i: usize) -> u32 {
     9000 + i as u32
+}
+
+/// The session on a running daemon: participants p0..p(n-1) (SFU address `sfu_ip:40000`,
+/// media at `ip:5004`) publish "main" (narrowed to SSRC 1000+i when RTP); in two-streams also
+/// "high" on `sfu_ip:40002`; everyone subscribes to every other's "main", the upper half also
+/// to "high".
+pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool) -> anyhow::Result<()> {
+    api(tb, "POST", "/v1/rooms", Some(json!({"id": "demo"})))?;
+    let high_half = |i: usize| i >= n / 2;
+    for (i, p) in tb.peers.iter().take(n).enumerate() {
+        let local = SocketAddr::new(p.sfu_ip, SFU_PORT);
+        let remote = SocketAddr::new(p.ip, MEDIA_PORT);
+        api(tb, "POST", "/v1/rooms/demo/participants", Some(json!({"id": format!("p{i}"), "local": local, "remote": remote})))?;
+        // RTP streams are narrowed to their SSRC; raw (thesis) streams forward any payload.
+        let ssrc = rtp.then_some(flow_main(i));
+        let streams = format!("/v1/rooms/demo/participants/p{i}/streams");
+        api(tb, "POST", &streams, Some(json!({"name": "main", "ssrc": ssrc, "rtp": rtp})))?;
+        if scenario == Scenario::TwoStreams {
+            let high = SocketAddr::new(p.sfu_ip, SFU_HIGH_PORT);
+            api(tb, "POST", &streams, Some(json!({"name": "high", "local": high, "rtp": rtp})))?;
+        }
+    }
+    for i in 0..n {
+        for j in (0..n).filter(|j| *j != i) {
+            let path = format!("/v1/rooms/demo/participants/p{i}/subscriptions");
+            api(tb, "POST", &path, Some(json!({"publisher": format!("p{j}"), "stream": "main"})))?;
+            if scenario == Scenario::TwoStreams && high_half(i) {
+                api(tb, "POST", &path, Some(json!({"publisher": format!("p{j}"), "stream": "high"})))?;
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Run one conference on an existing testbed through one data plane.
@@ -209,32 +245,9 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     let mut serve = ServeProcess::start(tb, &spec.dataplane, &store, log.clone())?;
     wait_ready(tb, &mut serve)?;
 
-    // The session: everyone publishes "main"; in two-streams also "high" on its own port.
-    api(tb, "POST", "/v1/rooms", Some(json!({"id": "demo"})))?;
-    let high_half = |i: usize| i >= n / 2;
     let rtp = matches!(spec.profile.format, traffic::PayloadFormat::Rtp { .. });
-    for (i, p) in tb.peers.iter().enumerate() {
-        let local = SocketAddr::new(p.sfu_ip, SFU_PORT);
-        let remote = SocketAddr::new(p.ip, MEDIA_PORT);
-        api(tb, "POST", "/v1/rooms/demo/participants", Some(json!({"id": format!("p{i}"), "local": local, "remote": remote})))?;
-        // RTP streams are narrowed to their SSRC; raw (thesis) streams forward any payload.
-        let ssrc = rtp.then_some(flow_main(i));
-        let streams = format!("/v1/rooms/demo/participants/p{i}/streams");
-        api(tb, "POST", &streams, Some(json!({"name": "main", "ssrc": ssrc, "rtp": rtp})))?;
-        if spec.scenario == Scenario::TwoStreams {
-            let high = SocketAddr::new(p.sfu_ip, SFU_HIGH_PORT);
-            api(tb, "POST", &streams, Some(json!({"name": "high", "local": high, "rtp": rtp})))?;
-        }
-    }
-    for i in 0..n {
-        for j in (0..n).filter(|j| *j != i) {
-            let path = format!("/v1/rooms/demo/participants/p{i}/subscriptions");
-            api(tb, "POST", &path, Some(json!({"publisher": format!("p{j}"), "stream": "main"})))?;
-            if spec.scenario == Scenario::TwoStreams && high_half(i) {
-                api(tb, "POST", &path, Some(json!({"publisher": format!("p{j}"), "stream": "high"})))?;
-            }
-        }
-    }
+    let high_half = |i: usize| i >= n / 2;
+    setup_room(tb, n, spec.scenario, rtp)?;
 
     // Traffic: one socket per participant sends and receives (symmetric RTP); a second socket
     // receives the direct-path flow from the previous participant.
@@ -364,7 +377,7 @@ fn summarise(
     }
 }
 
-fn empty_histogram() -> hdrhistogram::Histogram<u64> {
+pub(crate) fn empty_histogram() -> hdrhistogram::Histogram<u64> {
     mediaplane_bench::qos::ValueRecorder::new().histogram
 }
 

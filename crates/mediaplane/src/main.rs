@@ -1,5 +1,6 @@
 //! `mediaplane`: serve | ctl | demo.
 
+mod bench_overload;
 mod bench_sfu;
 mod conference;
 mod ctl;
