@@ -42,12 +42,15 @@ pub enum BenchCommand {
     Sfu(BenchSfuArgs),
     /// A stranger's flood at twice the forwarding capacity beside established calls.
     Overload(crate::bench_overload::BenchOverloadArgs),
+    /// SIP media relay: N concurrent calls over NG through mediaplane (user space, eBPF) and rtpengine.
+    Relay(crate::bench_relay::BenchRelayArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
     match cmd {
         BenchCommand::Sfu(a) => sfu(a),
         BenchCommand::Overload(a) => crate::bench_overload::run(a),
+        BenchCommand::Relay(a) => crate::bench_relay::run(a),
     }
 }
 

@@ -1,10 +1,12 @@
 //! `mediaplane`: serve | ctl | demo.
 
+mod bench_relay;
 mod bench_overload;
 mod bench_sfu;
 mod conference;
 mod ctl;
 mod demo;
+mod relay_report;
 mod report;
 
 use anyhow::Context;

@@ -1,0 +1,1023 @@
+//! `mediaplane bench relay`: the P4 RTP-relay experiment (seed 002) on a Linux box. N concurrent
+//! G.711 calls are set up over the NG protocol at a fixed rate, each call = two legs of
+//! 50 packets/s of 172-byte RTP, through three relays in turn on the same testbed and the same
+//! traffic: mediaplane's user-space plane, mediaplane's eBPF plane, and rtpengine (user space).
+//!
+//! Topology: a star of two (caller namespace, callee namespace) around a relay namespace that
+//! runs the relay process and the NG client (the SIP proxy's place). The relay advertises one
+//! media address (its address on the caller's link); the callee reaches it through the relay
+//! namespace's routing.
+//!
+//! Per run: NG set-up latency (offer, answer) and achieved set-up rate, latching, then a paced
+//! media run measuring per leg one-way delay, RFC 4689 delay variation, RFC 3550 jitter, loss and
+//! G.107 MOS; the relay's CPU (all threads, /proc schedstat) and, for eBPF, the BPF program's run
+//! time; the generator's own CPU; then every call is deleted over NG.
+//!
+//! A capacity phase then measures the API layer: NG calls/s and HTTP `POST /v1/relays`/s into a
+//! mediaplane eBPF daemon, installing relay sessions up to a target (1,000,000 by default) or the
+//! first error or the time budget, with the daemon's VmRSS and the BPF maps' memlock along the
+//! way, and an in-process breakdown of what one mutation costs (model clone, table compile,
+//! store write) at growing model sizes.
+
+use crate::relay_report;
+use anyhow::{bail, Context};
+use mediaplane_bench::netns::Testbed;
+use mediaplane_bench::qos::{Summary, ValueRecorder};
+use mediaplane_bench::traffic::{self, Profile, TrafficPlan};
+use mediaplane_ng::bencode::Value;
+use mediaplane_ng::protocol;
+use mediaplane_ng::sdp::{ConnAddr, Sdp};
+use serde::Serialize;
+use serde_json::{json, Value as Json};
+use std::net::{IpAddr, SocketAddr, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::process::{Child, Stdio};
+use std::time::{Duration, Instant};
+
+const NG: &str = "127.0.0.1:2223";
+const API: &str = "127.0.0.1:7580";
+/// Relay media ports (4 per call: two RTP legs and their RTCP neighbours): 12,500 calls.
+const RELAY_PORT_MIN: u16 = 10000;
+const RELAY_PORT_MAX: u16 = 59999;
+/// Party media ports: call i uses PARTY_PORT_BASE + 2i on both sides.
+const PARTY_PORT_BASE: u16 = 10000;
+const MAX_CALLS: usize = 12_000;
+
+pub const RELAYS: [&str; 3] = ["mediaplane-userspace", "mediaplane-ebpf", "rtpengine"];
+
+#[derive(clap::Args)]
+pub struct BenchRelayArgs {
+    /// A seconds-long smoke run: 20 and 50 calls, 1 s of media, a small capacity phase.
+    #[arg(long)]
+    quick: bool,
+    /// Concurrent calls per run (default 750,1500,1800,5000,10000; quick: 20,50).
+    #[arg(long, value_delimiter = ',')]
+    calls: Option<Vec<usize>>,
+    /// Relays to compare: mediaplane-userspace, mediaplane-ebpf, rtpengine.
+    #[arg(long, value_delimiter = ',', default_value = "mediaplane-userspace,mediaplane-ebpf,rtpengine")]
+    relays: Vec<String>,
+    /// Calls set up per second over NG (the seed: 30/s; quick: 100/s).
+    #[arg(long)]
+    setup_rate: Option<f64>,
+    /// Seconds of media once every call is up (default 30; quick 1).
+    #[arg(long)]
+    seconds: Option<f64>,
+    /// Relay sessions to install in the capacity phase (default 1,000,000; quick 2,000).
+    #[arg(long)]
+    capacity: Option<usize>,
+    /// Time budget of each capacity measurement, seconds (default 300; quick 3).
+    #[arg(long)]
+    capacity_seconds: Option<f64>,
+    /// Skip the capacity phase.
+    #[arg(long)]
+    skip_capacity: bool,
+    /// Directory for results.json, results.csv, report.html and plots.
+    #[arg(long, default_value = "bench-results/relay")]
+    out: PathBuf,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Results
+// ---------------------------------------------------------------------------------------------
+
+/// One (relay, N calls) run.
+#[derive(Debug, Clone, Serialize)]
+pub struct RelayRun {
+    pub relay: String,
+    pub calls: usize,
+    pub calls_up: usize,
+    pub setup_failures: usize,
+    /// The first few set-up errors, verbatim.
+    pub setup_errors: Vec<String>,
+    pub setup_rate_target: f64,
+    /// Calls set up per second, measured (first offer to last answer).
+    pub setup_rate_achieved: f64,
+    /// NG round trip of offers and answers, ns.
+    pub offer_ns: Summary,
+    pub answer_ns: Summary,
+    pub legs: usize,
+    /// Legs the relay had latched before media started (mediaplane only; rtpengine: None).
+    pub legs_latched: Option<usize>,
+    pub latch_seconds: f64,
+    pub seconds: f64,
+    /// Packets the generator planned and sent; the difference is generator shortfall (it fell
+    /// more than 1 s behind, or its socket buffer was full), not relay loss.
+    pub planned: u64,
+    pub sent: u64,
+    pub send_errors: u64,
+    pub received: u64,
+    pub lost: u64,
+    pub loss_pct: f64,
+    pub duplicates: u64,
+    pub unexpected: u64,
+    /// Legs with any loss.
+    pub legs_with_loss: usize,
+    /// One-way delay over all packets of all legs, ns.
+    pub delay_ns: Summary,
+    /// RFC 4689 delay variation: p99 per leg, then median and worst over legs, ns.
+    pub delay_variation_p99_median_ns: f64,
+    pub delay_variation_p99_max_ns: f64,
+    /// RFC 3550 jitter, mean over legs, ns.
+    pub jitter_mean_ns: f64,
+    /// G.107 MOS (G.711, Ie = 0, Bpl = 4.3; measured delay and loss): mean and worst leg.
+    pub mos_mean: f64,
+    pub mos_min: f64,
+    /// CPU of the relay process during the media run (all threads), ns; BPF program run time.
+    pub relay_cpu_ns: u64,
+    pub bpf_run_ns: u64,
+    /// (relay CPU + BPF run time) as % of one core over the media run.
+    pub cpu_pct: f64,
+    /// (relay CPU + BPF run time) per relayed packet.
+    pub cpu_per_packet_ns: Option<f64>,
+    /// mediaplane: packets forwarded by the kernel and packets seen by the user-space slow path
+    /// during the media run.
+    pub kernel_forwarded: Option<u64>,
+    pub slow_path_rx: Option<u64>,
+    pub relay_rss_kib: u64,
+    pub relay_bpf_memlock_bytes: u64,
+    pub generator_cpu_ns: u64,
+    pub receiver_cpu_ns: u64,
+    pub delete_failures: usize,
+    pub delete_ns: Summary,
+    /// What the relay still held after every delete (mediaplane: relays in the model).
+    pub left_after_delete: Option<u64>,
+}
+
+/// One sample of a capacity ramp.
+#[derive(Debug, Clone, Serialize)]
+pub struct CapacitySample {
+    pub sessions: usize,
+    pub elapsed_s: f64,
+    /// Sessions per second over the last window.
+    pub rate: f64,
+    /// Latency of one install request over the last window, ns.
+    pub request_ns: Summary,
+    pub rss_kib: u64,
+    pub bpf_memlock_bytes: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct CapacityRamp {
+    /// "ng" (offer + answer: 2 relay sessions, RTP and RTCP) or "http" (POST /v1/relays).
+    pub api: String,
+    pub dataplane: String,
+    pub target: usize,
+    pub installed: usize,
+    pub seconds: f64,
+    pub rate_mean: f64,
+    pub stopped_by: String,
+    pub samples: Vec<CapacitySample>,
+}
+
+/// What one mutation of the session manager costs in-process at a model size.
+#[derive(Debug, Clone, Serialize)]
+pub struct MutationCost {
+    pub relays: usize,
+    pub model_clone_ns: f64,
+    pub table_compile_ns: f64,
+    pub store_save_ns: f64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+pub struct Capacity {
+    pub ramps: Vec<CapacityRamp>,
+    pub mutation_cost: Vec<MutationCost>,
+}
+
+// ---------------------------------------------------------------------------------------------
+// Small system helpers
+// ---------------------------------------------------------------------------------------------
+
+/// Raise RLIMIT_NOFILE to 1,048,576 (children inherit it): a relay holds a socket per port.
+fn raise_nofile() {
+    let want: libc::rlim_t = 1 << 20;
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: plain syscalls on a valid struct.
+    unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r);
+        let new = libc::rlimit { rlim_cur: want.max(r.rlim_cur), rlim_max: want.max(r.rlim_max) };
+        if libc::setrlimit(libc::RLIMIT_NOFILE, &new) != 0 {
+            let fallback = libc::rlimit { rlim_cur: r.rlim_max, rlim_max: r.rlim_max };
+            libc::setrlimit(libc::RLIMIT_NOFILE, &fallback);
+        }
+    }
+}
+
+/// CPU time of all threads of a process, ns (/proc/<pid>/task/*/schedstat).
+pub fn process_cpu_ns(pid: u32) -> u64 {
+    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
+    tasks
+        .flatten()
+        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
+        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
+        .sum()
+}
+
+pub fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Sum of `memlock` over the BPF maps a process holds open (/proc/<pid>/fdinfo).
+pub fn bpf_memlock(pid: u32) -> u64 {
+    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else { return 0 };
+    let mut total = 0;
+    for fd in fds.flatten() {
+        let Ok(info) = std::fs::read_to_string(fd.path()) else { continue };
+        if !info.contains("map_type:") {
+            continue;
+        }
+        total += info.lines().find(|l| l.starts_with("memlock:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).unwrap_or(0);
+    }
+    total
+}
+
+fn summary(r: &ValueRecorder) -> Summary {
+    r.summary()
+}
+
+// ---------------------------------------------------------------------------------------------
+// NG client
+// ---------------------------------------------------------------------------------------------
+
+/// A blocking NG client with retransmission (same cookie, as Kamailio does).
+pub struct NgClient {
+    sock: UdpSocket,
+    server: SocketAddr,
+    tag: String,
+    n: u64,
+    buf: Vec<u8>,
+}
+
+impl NgClient {
+    /// Create inside the namespace the server listens in.
+    pub fn new(server: SocketAddr, tag: &str) -> std::io::Result<NgClient> {
+        let sock = UdpSocket::bind("127.0.0.1:0")?;
+        sock.set_read_timeout(Some(Duration::from_secs(2)))?;
+        Ok(NgClient { sock, server, tag: tag.to_string(), n: 0, buf: vec![0; 65536] })
+    }
+
+    /// One request; the reply dictionary (an error reply is an error).
+    pub fn request(&mut self, pairs: Vec<(&str, Value)>) -> anyhow::Result<Value> {
+        self.n += 1;
+        let cookie = format!("{}_{}", self.tag, self.n);
+        let d = protocol::frame(cookie.as_bytes(), &Value::dict(pairs));
+        for _ in 0..3 {
+            self.sock.send_to(&d, self.server)?;
+            loop {
+                match self.sock.recv_from(&mut self.buf) {
+                    Ok((n, _)) => {
+                        let Ok((c, v)) = protocol::parse_frame(&self.buf[..n]) else { continue };
+                        if c != cookie.as_bytes() {
+                            continue; // a late reply to an earlier request
+                        }
+                        let result = v.get("result").and_then(Value::as_str).unwrap_or("");
+                        if result == "ok" || result == "pong" {
+                            return Ok(v);
+                        }
+                        let reason = v.get("error-reason").and_then(Value::as_str).unwrap_or("no reason");
+                        bail!("{result}: {reason}");
+                    }
+                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => break,
+                    Err(e) => return Err(e.into()),
+                }
+            }
+        }
+        bail!("no reply after 3 tries of 2 s")
+    }
+}
+
+fn list(items: &[&str]) -> Value {
+    Value::List(items.iter().map(|s| Value::str(s)).collect())
+}
+
+fn sdp(ip: IpAddr, port: u16, sess: usize) -> String {
+    format!(
+        "v=0\r\no=- {sess} {sess} IN IP4 {ip}\r\ns=mediaplane bench\r\nc=IN IP4 {ip}\r\nt=0 0\r\nm=audio {port} RTP/AVP 0 101\r\na=rtpmap:0 PCMU/8000\r\na=rtpmap:101 telephone-event/8000\r\na=ptime:20\r\na=sendrecv\r\n"
+    )
+}
+
+fn offer_answer(cmd: &str, call: &str, from: &str, to: Option<&str>, body: &str, src: IpAddr) -> Vec<(&'static str, Value)> {
+    let mut v = vec![
+        ("command", Value::str(cmd)),
+        ("call-id", Value::str(call)),
+        ("from-tag", Value::str(from)),
+        ("sdp", Value::str(body)),
+        ("flags", list(&["trust-address"])),
+        ("replace", list(&["origin", "session-connection"])),
+        ("received-from", list(&["IP4", &src.to_string()])),
+    ];
+    if let Some(t) = to {
+        v.push(("to-tag", Value::str(t)));
+    }
+    v
+}
+
+/// The address an SDP in a reply tells its recipient to send RTP to.
+fn advertised(v: &Value) -> anyhow::Result<SocketAddr> {
+    let body = v.get("sdp").and_then(Value::as_bytes).context("reply without SDP")?;
+    let s = Sdp::parse(body).map_err(|e| anyhow::anyhow!("reply SDP: {e}"))?;
+    let Some(ConnAddr::Ip(ip)) = s.media_addr(0) else { bail!("reply SDP without a media address") };
+    let m = s.media.first().context("reply SDP without media")?;
+    Ok(SocketAddr::new(*ip, m.port))
+}
+
+// ---------------------------------------------------------------------------------------------
+// Relay processes
+// ---------------------------------------------------------------------------------------------
+
+/// A relay running in the relay namespace; SIGTERM then SIGKILL by PID on stop or drop.
+pub struct RelayProc {
+    pub name: String,
+    child: Child,
+    log: PathBuf,
+    pub mediaplane: bool,
+}
+
+impl RelayProc {
+    /// `name`: one of [`RELAYS`]. `workers`: mediaplane worker threads (None = default).
+    pub fn start(tb: &Testbed, name: &str, dir: &Path, workers: Option<usize>) -> anyhow::Result<RelayProc> {
+        let media_ip = tb.peers[0].sfu_ip;
+        let log = dir.join(format!("{}-{name}.log", tb.prefix));
+        let logf = std::fs::File::create(&log)?;
+        let mut cmd;
+        match name {
+            "mediaplane-userspace" | "mediaplane-ebpf" => {
+                let plane = name.trim_start_matches("mediaplane-");
+                let exe = std::env::current_exe().context("locating the mediaplane binary")?;
+                let cfg = dir.join(format!("{}-{name}.toml", tb.prefix));
+                std::fs::write(&cfg, format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\n"))?;
+                let store = dir.join(format!("{}-{name}.db", tb.prefix));
+                cmd = tb.command(&tb.sfu_ns, exe.to_str().unwrap());
+                let pin = format!("/sys/fs/bpf/{}-relay", tb.prefix);
+                cmd.args(["serve", "--config", cfg.to_str().unwrap(), "--listen", API, "--store", store.to_str().unwrap(), "--reset"])
+                    .args(["--dataplane", plane, "--pin-dir", &pin, "--ng-listen", NG, "--ng-media-timeout", "86400"])
+                    .env("RUST_LOG", "warn");
+                if let Some(w) = workers {
+                    cmd.args(["--workers", &w.to_string()]);
+                }
+                if plane == "ebpf" {
+                    for p in &tb.peers {
+                        cmd.args(["--interface", &p.sfu_if]);
+                    }
+                }
+            }
+            "rtpengine" => {
+                cmd = tb.command(&tb.sfu_ns, "rtpengine");
+                cmd.args([
+                    "--config-file=none",
+                    "--table=-1",
+                    "--foreground",
+                    "--log-stderr",
+                    "--log-level=4",
+                    "--delete-delay=0",
+                    "--timeout=86400",
+                    "--silent-timeout=86400",
+                    "--offer-timeout=86400",
+                ])
+                .arg(format!("--interface={media_ip}"))
+                .arg(format!("--listen-ng={NG}"))
+                .arg(format!("--port-min={RELAY_PORT_MIN}"))
+                .arg(format!("--port-max={RELAY_PORT_MAX}"));
+            }
+            other => bail!("unknown relay {other:?}: use {}", RELAYS.join(", ")),
+        }
+        let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(logf).spawn().with_context(|| format!("starting {name}"))?;
+        let mut me = RelayProc { name: name.to_string(), child, log, mediaplane: name.starts_with("mediaplane") };
+        me.wait_ready(tb)?;
+        Ok(me)
+    }
+
+    /// `ip netns exec` execs the relay: the child's pid is the relay's.
+    pub fn pid(&self) -> u32 {
+        self.child.id()
+    }
+
+    fn wait_ready(&mut self, tb: &Testbed) -> anyhow::Result<()> {
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while Instant::now() < deadline {
+            let ok = tb.in_ns(&tb.sfu_ns, || -> anyhow::Result<()> {
+                let mut c = NgClient::new(NG.parse().unwrap(), "ready")?;
+                c.sock.set_read_timeout(Some(Duration::from_millis(200)))?;
+                c.request(vec![("command", "ping".into())]).map(|_| ())
+            })?;
+            if ok.is_ok() {
+                return Ok(());
+            }
+            if let Some(st) = self.child.try_wait()? {
+                bail!("{} exited at start ({st}): {}", self.name, self.log_tail());
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        bail!("{} did not answer NG ping within 20 s: {}", self.name, self.log_tail())
+    }
+
+    pub fn log_tail(&self) -> String {
+        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
+        let lines: Vec<&str> = s.lines().collect();
+        lines[lines.len().saturating_sub(5)..].join("\n")
+    }
+
+    pub fn stop(&mut self) -> anyhow::Result<()> {
+        if self.child.try_wait()?.is_some() {
+            bail!("{} died during the run: {}", self.name, self.log_tail());
+        }
+        // SAFETY: signalling our own child by pid.
+        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while Instant::now() < deadline {
+            if self.child.try_wait()?.is_some() {
+                let _ = std::fs::remove_file(&self.log);
+                return Ok(());
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+        bail!("{} did not stop within 15 s of SIGTERM (killed)", self.name)
+    }
+}
+
+impl Drop for RelayProc {
+    fn drop(&mut self) {
+        if matches!(self.child.try_wait(), Ok(None)) {
+            let _ = self.child.kill();
+            let _ = self.child.wait();
+        }
+    }
+}
+
+/// One HTTP call to the mediaplane daemon, from inside the relay namespace.
+fn api(tb: &Testbed, method: &str, path: &str, body: Option<Json>) -> anyhow::Result<Json> {
+    let (m, url) = (method.to_string(), format!("http://{API}{path}"));
+    let r = tb.in_ns(&tb.sfu_ns, move || {
+        let req = ureq::request(&m, &url).timeout(Duration::from_secs(60));
+        let resp = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        match resp {
+            Ok(r) => r.into_json::<Json>().map_err(|e| e.to_string()),
+            Err(ureq::Error::Status(code, r)) => Err(format!("HTTP {code}: {}", r.into_string().unwrap_or_default())),
+            Err(e) => Err(e.to_string()),
+        }
+    })?;
+    r.map_err(|e| anyhow::anyhow!("{path}: {e}"))
+}
+
+fn extra(stats: &Json, k: &str) -> u64 {
+    stats["extra"][k].as_u64().unwrap_or(0)
+}
+
+// ---------------------------------------------------------------------------------------------
+// One run
+// ---------------------------------------------------------------------------------------------
+
+struct CallUp {
+    index: usize,
+    call_id: String,
+    /// Where the caller sends (leg A's relay address) and where the callee sends (leg B's).
+    to_from_caller: SocketAddr,
+    to_from_callee: SocketAddr,
+}
+
+struct Setup {
+    up: Vec<CallUp>,
+    failures: Vec<String>,
+    offer: ValueRecorder,
+    answer: ValueRecorder,
+    seconds: f64,
+}
+
+fn setup_calls(tb: &Testbed, tag: &str, n: usize, rate: f64) -> anyhow::Result<Setup> {
+    let (cip, eip) = (tb.peers[0].ip, tb.peers[1].ip);
+    let tag = tag.to_string();
+    tb.in_ns(&tb.sfu_ns, move || -> anyhow::Result<Setup> {
+        let mut ng = NgClient::new(NG.parse().unwrap(), &format!("{tag}-setup"))?;
+        let mut s = Setup { up: Vec::new(), failures: Vec::new(), offer: ValueRecorder::new(), answer: ValueRecorder::new(), seconds: 0.0 };
+        let t0 = Instant::now();
+        for i in 0..n {
+            let due = t0 + Duration::from_secs_f64(i as f64 / rate);
+            if let Some(d) = due.checked_duration_since(Instant::now()) {
+                std::thread::sleep(d);
+            }
+            let call_id = format!("{tag}-{i}@bench");
+            let port = PARTY_PORT_BASE + 2 * i as u16;
+            let t = Instant::now();
+            let offer = ng.request(offer_answer("offer", &call_id, &format!("c{i}"), None, &sdp(cip, port, i), cip)).and_then(|v| advertised(&v));
+            let offer_ns = t.elapsed().as_nanos() as u64;
+            let to_from_callee = match offer {
+                Ok(a) => a,
+                Err(e) => {
+                    s.failures.push(format!("call {i} offer: {e:#}"));
+                    continue;
+                }
+            };
+            s.offer.record(offer_ns);
+            let t = Instant::now();
+            let answer = ng
+                .request(offer_answer("answer", &call_id, &format!("c{i}"), Some(&format!("e{i}")), &sdp(eip, port, i), eip))
+                .and_then(|v| advertised(&v));
+            let answer_ns = t.elapsed().as_nanos() as u64;
+            match answer {
+                Ok(to_from_caller) => {
+                    s.answer.record(answer_ns);
+                    s.up.push(CallUp { index: i, call_id, to_from_caller, to_from_callee });
+                }
+                Err(e) => s.failures.push(format!("call {i} answer: {e:#}")),
+            }
+        }
+        s.seconds = t0.elapsed().as_secs_f64();
+        Ok(s)
+    })?
+}
+
+fn delete_calls(tb: &Testbed, tag: &str, calls: Vec<(usize, String)>) -> anyhow::Result<(ValueRecorder, usize)> {
+    let tag = tag.to_string();
+    tb.in_ns(&tb.sfu_ns, move || -> anyhow::Result<(ValueRecorder, usize)> {
+        let mut ng = NgClient::new(NG.parse().unwrap(), &format!("{tag}-delete"))?;
+        let mut lat = ValueRecorder::new();
+        let mut failures = 0;
+        for (i, call_id) in calls {
+            let t = Instant::now();
+            let r = ng.request(vec![
+                ("command", "delete".into()),
+                ("call-id", Value::str(&call_id)),
+                ("from-tag", Value::str(&format!("c{i}"))),
+                ("to-tag", Value::str(&format!("e{i}"))),
+            ]);
+            match r {
+                Ok(v) if v.get("warning").is_none() => lat.record(t.elapsed().as_nanos() as u64),
+                _ => failures += 1,
+            }
+        }
+        Ok((lat, failures))
+    })?
+}
+
+/// Bind `ports` on `ip` inside namespace `ns`, in one thread.
+fn bind_many(tb: &Testbed, ns: &str, ip: IpAddr, ports: Vec<u16>) -> anyhow::Result<Vec<UdpSocket>> {
+    tb.in_ns(ns, move || ports.into_iter().map(|p| UdpSocket::bind(SocketAddr::new(ip, p))).collect::<std::io::Result<Vec<_>>>())?.context("binding party sockets")
+}
+
+fn caller_flow(i: usize) -> u32 {
+    0x1000_0000 + i as u32
+}
+fn callee_flow(i: usize) -> u32 {
+    0x2000_0000 + i as u32
+}
+
+/// Legs of mediaplane RTP relays still waiting for their first packet (`/v1/table`).
+fn unlatched_rtp_legs(tb: &Testbed) -> anyhow::Result<usize> {
+    let t = api(tb, "GET", "/v1/table", None)?;
+    Ok(t["streams"]
+        .as_array()
+        .map(|a| a.iter().filter(|s| s["source"] == "latch" && s["label"].as_str().is_some_and(|l| l.ends_with("-0/a") || l.ends_with("-0/b"))).count())
+        .unwrap_or(0))
+}
+
+pub struct RunSpec {
+    pub calls: usize,
+    pub setup_rate: f64,
+    pub seconds: f64,
+}
+
+pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> anyhow::Result<RelayRun> {
+    let n = spec.calls;
+    if n == 0 || n > MAX_CALLS {
+        bail!("calls must be between 1 and {MAX_CALLS}");
+    }
+    let mut relay = RelayProc::start(tb, relay_name, dir, None)?;
+    let tag = format!("{}-{relay_name}-{n}", tb.prefix);
+    let setup = setup_calls(tb, &tag, n, spec.setup_rate)?;
+    if setup.up.is_empty() {
+        let first = setup.failures.first().cloned().unwrap_or_default();
+        relay.stop().ok();
+        bail!("no call could be set up ({} failures; first: {first})", setup.failures.len());
+    }
+
+    // Party sockets for the calls that are up.
+    let (caller, callee) = (&tb.peers[0], &tb.peers[1]);
+    let ports: Vec<u16> = setup.up.iter().map(|c| PARTY_PORT_BASE + 2 * c.index as u16).collect();
+    let caller_socks = bind_many(tb, &caller.ns, caller.ip, ports.clone())?;
+    let callee_socks = bind_many(tb, &callee.ns, callee.ip, ports)?;
+
+    // Latching: one packet per leg, paced, then wait for the relay to have learnt every leg.
+    let t_latch = Instant::now();
+    let latch_pkt = mediaplane_core::rtp::build_rtp(0, 0, 0, 0x1a7c4, &[0xff; 160]);
+    for (k, c) in setup.up.iter().enumerate() {
+        caller_socks[k].send_to(&latch_pkt, c.to_from_caller).ok();
+        callee_socks[k].send_to(&latch_pkt, c.to_from_callee).ok();
+        if k % 100 == 99 {
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+    let legs = 2 * setup.up.len();
+    let legs_latched = if relay.mediaplane {
+        let deadline = Instant::now() + Duration::from_secs_f64((30.0 + legs as f64 * 0.05).min(900.0));
+        let mut left = unlatched_rtp_legs(tb)?;
+        while left > 0 && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(250));
+            left = unlatched_rtp_legs(tb)?;
+        }
+        Some(legs - left)
+    } else {
+        std::thread::sleep(Duration::from_millis(500));
+        None
+    };
+    let latch_seconds = t_latch.elapsed().as_secs_f64();
+
+    // Media.
+    let profile = Profile::voice();
+    let mut plan = TrafficPlan::new(Duration::from_secs_f64(spec.seconds));
+    plan.drain = Duration::from_secs(2);
+    for (k, c) in setup.up.iter().enumerate() {
+        plan = plan.sender(caller_socks[k].try_clone()?, c.to_from_caller, caller_flow(c.index), profile.clone());
+        plan = plan.sender(callee_socks[k].try_clone()?, c.to_from_callee, callee_flow(c.index), profile.clone());
+    }
+    for (k, (a, b)) in caller_socks.into_iter().zip(callee_socks).enumerate() {
+        let i = setup.up[k].index;
+        plan = plan.receiver(format!("caller{i}"), a, [callee_flow(i)]);
+        plan = plan.receiver(format!("callee{i}"), b, [caller_flow(i)]);
+    }
+    let stats0 = if relay.mediaplane { Some(api(tb, "GET", "/v1/stats", None)?) } else { None };
+    let pid = relay.pid();
+    let cpu0 = process_cpu_ns(pid);
+    let report = traffic::run(&plan)?;
+    let relay_cpu_ns = process_cpu_ns(pid).saturating_sub(cpu0);
+    let stats1 = if relay.mediaplane { Some(api(tb, "GET", "/v1/stats", None)?) } else { None };
+    let rss = rss_kib(pid);
+    let memlock = bpf_memlock(pid);
+    drop(plan);
+
+    let delta = |k: &str| match (&stats0, &stats1) {
+        (Some(a), Some(b)) => Some(extra(b, k).saturating_sub(extra(a, k))),
+        _ => None,
+    };
+    let bpf_run_ns = delta("bpf_run_time_ns").unwrap_or(0);
+    let kernel_forwarded = if relay_name == "mediaplane-ebpf" { delta("forwarded") } else { None };
+    let slow_path_rx = match (&stats0, &stats1) {
+        (Some(a), Some(b)) if relay_name == "mediaplane-ebpf" => Some(extra(b, "userspace.rx_packets").saturating_sub(extra(a, "userspace.rx_packets"))),
+        (Some(a), Some(b)) => Some(b["total"]["rx_packets"].as_u64().unwrap_or(0).saturating_sub(a["total"]["rx_packets"].as_u64().unwrap_or(0))),
+        _ => None,
+    };
+
+    // Delete every call, then check what is left.
+    let calls: Vec<(usize, String)> = setup.up.iter().map(|c| (c.index, c.call_id.clone())).collect();
+    let (del_lat, delete_failures) = delete_calls(tb, &tag, calls)?;
+    let left_after_delete = if relay.mediaplane { api(tb, "GET", "/health", None).ok().and_then(|h| h["relays"].as_u64()) } else { None };
+    relay.stop()?;
+    for ext in ["db", "db-wal", "db-shm", "toml"] {
+        let _ = std::fs::remove_file(dir.join(format!("{}-{relay_name}.{ext}", tb.prefix)));
+    }
+
+    // Per leg QoS.
+    let mut all = ValueRecorder::new().histogram;
+    let (mut dv_p99, mut jitter, mut mos) = (Vec::new(), 0.0, Vec::new());
+    let mut legs_with_loss = 0;
+    for c in &report.copies {
+        all.add(&c.delay_histogram).ok();
+        dv_p99.push(c.delay_variation_ns.p99);
+        jitter += c.jitter_ns;
+        mos.push(c.mos_g711);
+        legs_with_loss += (c.lost > 0) as usize;
+    }
+    let dv = Summary::of(&mut dv_p99);
+    let ncopies = report.copies.len().max(1) as f64;
+    let t = &report.totals;
+    let planned: u64 = report.senders.iter().map(|s| s.planned).sum();
+    let cpu_total = relay_cpu_ns + bpf_run_ns;
+    let media_ns = (report.send_duration_ns as f64).max(spec.seconds * 1e9);
+    let mos_s = Summary::of(&mut mos);
+    Ok(RelayRun {
+        relay: relay_name.to_string(),
+        calls: n,
+        calls_up: setup.up.len(),
+        setup_failures: setup.failures.len(),
+        setup_errors: setup.failures.iter().take(5).cloned().collect(),
+        setup_rate_target: spec.setup_rate,
+        setup_rate_achieved: setup.up.len() as f64 / setup.seconds.max(1e-9),
+        offer_ns: summary(&setup.offer),
+        answer_ns: summary(&setup.answer),
+        legs,
+        legs_latched,
+        latch_seconds,
+        seconds: spec.seconds,
+        planned,
+        sent: t.sent,
+        send_errors: t.send_errors,
+        received: t.received,
+        lost: t.lost,
+        loss_pct: if t.expected_copies > 0 { 100.0 * t.lost as f64 / t.expected_copies as f64 } else { 0.0 },
+        duplicates: t.duplicates,
+        unexpected: t.unexpected,
+        legs_with_loss,
+        delay_ns: Summary::of_histogram(&all),
+        delay_variation_p99_median_ns: dv.p50,
+        delay_variation_p99_max_ns: dv.max,
+        jitter_mean_ns: jitter / ncopies,
+        mos_mean: mos_s.mean,
+        mos_min: mos_s.min,
+        relay_cpu_ns,
+        bpf_run_ns,
+        cpu_pct: 100.0 * cpu_total as f64 / media_ns,
+        cpu_per_packet_ns: (t.received > 0).then(|| cpu_total as f64 / t.received as f64),
+        kernel_forwarded,
+        slow_path_rx,
+        relay_rss_kib: rss,
+        relay_bpf_memlock_bytes: memlock,
+        generator_cpu_ns: report.generator_cpu_ns,
+        receiver_cpu_ns: report.receiver_cpu_ns,
+        delete_failures,
+        delete_ns: summary(&del_lat),
+        left_after_delete,
+    })
+}
+
+// ---------------------------------------------------------------------------------------------
+// Capacity: how fast and how many sessions the API layer installs
+// ---------------------------------------------------------------------------------------------
+
+struct Ramp {
+    samples: Vec<CapacitySample>,
+    window: ValueRecorder,
+    t0: Instant,
+    last: (Instant, usize),
+    every: usize,
+}
+
+impl Ramp {
+    fn new(every: usize) -> Ramp {
+        let now = Instant::now();
+        Ramp { samples: Vec::new(), window: ValueRecorder::new(), t0: now, last: (now, 0), every }
+    }
+
+    fn record(&mut self, sessions: usize, request_ns: u64, pid: u32, force: bool) {
+        self.window.record(request_ns);
+        if !force && sessions < self.last.1 + self.every {
+            return;
+        }
+        let now = Instant::now();
+        let dt = now.duration_since(self.last.0).as_secs_f64().max(1e-9);
+        self.samples.push(CapacitySample {
+            sessions,
+            elapsed_s: now.duration_since(self.t0).as_secs_f64(),
+            rate: (sessions - self.last.1) as f64 / dt,
+            request_ns: self.window.summary(),
+            rss_kib: rss_kib(pid),
+            bpf_memlock_bytes: bpf_memlock(pid),
+        });
+        self.window = ValueRecorder::new();
+        self.last = (now, sessions);
+    }
+}
+
+/// NG calls as fast as one client goes: each call = 2 relay sessions (RTP + RTCP).
+fn ramp_ng(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration) -> anyhow::Result<CapacityRamp> {
+    let (cip, eip, pid) = (tb.peers[0].ip, tb.peers[1].ip, relay.pid());
+    let tag = format!("{}-cap", tb.prefix);
+    let every = (target / 50).clamp(50, 5000);
+    tb.in_ns(&tb.sfu_ns, move || -> anyhow::Result<CapacityRamp> {
+        let mut ng = NgClient::new(NG.parse().unwrap(), &tag)?;
+        let mut ramp = Ramp::new(every);
+        let mut sessions = 0;
+        let mut stopped_by = format!("target of {target} sessions");
+        let mut i = 0usize;
+        while sessions < target {
+            if ramp.t0.elapsed() > budget {
+                stopped_by = format!("time budget of {} s", budget.as_secs());
+                break;
+            }
+            let call_id = format!("{tag}-{i}");
+            let port = 1000 + (i % 30000) as u16 * 2;
+            let t = Instant::now();
+            let r = ng
+                .request(offer_answer("offer", &call_id, "c", None, &sdp(cip, port, i), cip))
+                .and_then(|_| ng.request(offer_answer("answer", &call_id, "c", Some("e"), &sdp(eip, port, i), eip)));
+            if let Err(e) = r {
+                stopped_by = format!("error at {sessions} sessions: {e:#}");
+                break;
+            }
+            sessions += 2;
+            i += 1;
+            ramp.record(sessions, t.elapsed().as_nanos() as u64, pid, false);
+        }
+        ramp.record(sessions, 0, pid, true);
+        Ok(finish_ramp("ng", "ebpf", target, sessions, stopped_by, ramp))
+    })?
+}
+
+/// HTTP `POST /v1/relays` with explicit local addresses on many IPs (10.78.x.y, bound with
+/// IP_FREEBIND by the slow path), so the port range of one media IP is no limit.
+fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration) -> anyhow::Result<CapacityRamp> {
+    let pid = relay.pid();
+    let every = (target / 50).clamp(50, 5000);
+    tb.in_ns(&tb.sfu_ns, move || -> anyhow::Result<CapacityRamp> {
+        let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(120)).build();
+        let url = format!("http://{API}/v1/relays");
+        let mut ramp = Ramp::new(every);
+        let mut stopped_by = format!("target of {target} sessions");
+        let mut sessions = 0;
+        while sessions < target {
+            if ramp.t0.elapsed() > budget {
+                stopped_by = format!("time budget of {} s", budget.as_secs());
+                break;
+            }
+            // 25,000 even ports per IP (2,000..51,998), two legs per relay.
+            let local = |k: usize| {
+                let ip = 0x0a4e_0000u32 + (k / 25_000) as u32 + 1;
+                SocketAddr::new(IpAddr::from(ip.to_be_bytes()), 2000 + 2 * (k % 25_000) as u16)
+            };
+            let body = json!({
+                "id": format!("cap-{sessions}"),
+                "a": {"local": local(2 * sessions), "remote": "10.77.0.2:4000"},
+                "b": {"local": local(2 * sessions + 1), "remote": "10.77.1.2:4000"},
+            });
+            let t = Instant::now();
+            match agent.post(&url).send_json(body) {
+                Ok(_) => {}
+                Err(ureq::Error::Status(code, r)) => {
+                    stopped_by = format!("HTTP {code} at {sessions} sessions: {}", r.into_string().unwrap_or_default());
+                    break;
+                }
+                Err(e) => {
+                    stopped_by = format!("error at {sessions} sessions: {e}");
+                    break;
+                }
+            }
+            sessions += 1;
+            ramp.record(sessions, t.elapsed().as_nanos() as u64, pid, false);
+        }
+        ramp.record(sessions, 0, pid, true);
+        Ok(finish_ramp("http", "ebpf", target, sessions, stopped_by, ramp))
+    })?
+}
+
+fn finish_ramp(api: &str, dp: &str, target: usize, installed: usize, stopped_by: String, ramp: Ramp) -> CapacityRamp {
+    let seconds = ramp.t0.elapsed().as_secs_f64();
+    CapacityRamp {
+        api: api.into(),
+        dataplane: dp.into(),
+        target,
+        installed,
+        seconds,
+        rate_mean: installed as f64 / seconds.max(1e-9),
+        stopped_by,
+        samples: ramp.samples,
+    }
+}
+
+/// In-process: what one session-manager mutation costs at a model size (clone the model,
+/// compile the whole table, write one relay to a file-backed store).
+fn mutation_costs(sizes: &[usize], dir: &Path) -> anyhow::Result<Vec<MutationCost>> {
+    use mediaplane_control::store::{Change, Store};
+    use mediaplane_core::model::LegSpec;
+    use mediaplane_core::{ForwardingTable, Model};
+    let mut out = Vec::new();
+    let mut model = Model::new();
+    let db = dir.join("mutation-cost.db");
+    let _ = std::fs::remove_file(&db);
+    let mut store = Store::open(&db)?;
+    let local = |k: usize| {
+        let ip = 0x0a4f_0000u32 + (k / 25_000) as u32 + 1;
+        SocketAddr::new(IpAddr::from(ip.to_be_bytes()), 2000 + 2 * (k % 25_000) as u16)
+    };
+    let mut have = 0;
+    for &n in sizes {
+        while have < n {
+            let leg = |k| LegSpec { local: local(k), remote: Some("10.77.0.2:4000".parse().unwrap()), strict: false, rtp: true };
+            model.create_relay(&format!("r{have}"), leg(2 * have), leg(2 * have + 1)).map_err(|e| anyhow::anyhow!("{e}"))?;
+            have += 1;
+        }
+        let reps = (200_000 / n.max(1)).clamp(3, 50);
+        let t = Instant::now();
+        for _ in 0..reps {
+            std::hint::black_box(model.clone());
+        }
+        let clone_ns = t.elapsed().as_nanos() as f64 / reps as f64;
+        let t = Instant::now();
+        for v in 0..reps {
+            std::hint::black_box(ForwardingTable::compile(&model, v as u64));
+        }
+        let compile_ns = t.elapsed().as_nanos() as f64 / reps as f64;
+        let t = Instant::now();
+        for k in 0..reps {
+            store.save(&model, &[Change::Relay(format!("r{}", k % n.max(1)))])?;
+        }
+        let save_ns = t.elapsed().as_nanos() as f64 / reps as f64;
+        out.push(MutationCost { relays: n, model_clone_ns: clone_ns, table_compile_ns: compile_ns, store_save_ns: save_ns });
+    }
+    drop(store);
+    for ext in ["db", "db-wal", "db-shm"] {
+        let _ = std::fs::remove_file(db.with_extension(ext));
+    }
+    Ok(out)
+}
+
+fn capacity(tb: &Testbed, target: usize, budget: Duration, dir: &Path, quick: bool, failures: &mut Vec<String>) -> Capacity {
+    let mut ramps = Vec::new();
+    // NG: at most a tenth of the target, in a third of the budget (every call = 2 sessions).
+    let ng_target = (target / 10).clamp(100, 24_000);
+    for api_kind in ["ng", "http"] {
+        let r = RelayProc::start(tb, "mediaplane-ebpf", dir, Some(1)).and_then(|mut relay| {
+            let r = if api_kind == "ng" { ramp_ng(tb, &relay, ng_target, budget / 3) } else { ramp_http(tb, &relay, target, budget) };
+            let stop = relay.stop();
+            let r = r?;
+            stop?;
+            Ok(r)
+        });
+        match r {
+            Ok(r) => ramps.push(r),
+            Err(e) => failures.push(format!("capacity ({api_kind}): {e:#}")),
+        }
+    }
+    for ext in ["db", "db-wal", "db-shm", "toml"] {
+        let _ = std::fs::remove_file(dir.join(format!("{}-mediaplane-ebpf.{ext}", tb.prefix)));
+    }
+    let sizes: &[usize] = if quick { &[100, 1000] } else { &[1000, 10_000, 100_000, 1_000_000] };
+    let mutation_cost = mutation_costs(sizes, dir).unwrap_or_else(|e| {
+        failures.push(format!("mutation cost: {e:#}"));
+        Vec::new()
+    });
+    Capacity { ramps, mutation_cost }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Entry point
+// ---------------------------------------------------------------------------------------------
+
+pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
+    if unsafe { libc::geteuid() } != 0 {
+        bail!("bench relay builds network namespaces and needs root");
+    }
+    raise_nofile();
+    let calls = a.calls.clone().unwrap_or_else(|| if a.quick { vec![20, 50] } else { vec![750, 1500, 1800, 5000, 10000] });
+    if calls.iter().any(|&n| n == 0 || n > MAX_CALLS) {
+        bail!("calls must be between 1 and {MAX_CALLS}");
+    }
+    for r in &a.relays {
+        if !RELAYS.contains(&r.as_str()) {
+            bail!("unknown relay {r:?}: use {}", RELAYS.join(", "));
+        }
+    }
+    let setup_rate = a.setup_rate.unwrap_or(if a.quick { 100.0 } else { 30.0 });
+    if !(setup_rate > 0.0 && setup_rate <= 100_000.0) {
+        bail!("--setup-rate must be in (0, 100000]");
+    }
+    let seconds = a.seconds.unwrap_or(if a.quick { 1.0 } else { 30.0 });
+    if !(seconds > 0.0 && seconds <= 3600.0) {
+        bail!("--seconds must be in (0, 3600]");
+    }
+    let cap_target = a.capacity.unwrap_or(if a.quick { 2_000 } else { 1_000_000 });
+    let cap_budget = Duration::from_secs_f64(a.capacity_seconds.unwrap_or(if a.quick { 3.0 } else { 300.0 }).clamp(1.0, 7200.0));
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let dir = std::fs::canonicalize(&a.out)?;
+
+    let tb = Testbed::star(2).context("building the testbed")?;
+    let mut runs: Vec<RelayRun> = Vec::new();
+    let mut failures: Vec<String> = Vec::new();
+    let have_rtpengine = std::process::Command::new("rtpengine").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok();
+    for &n in &calls {
+        for r in &a.relays {
+            if r == "rtpengine" && !have_rtpengine {
+                failures.push(format!("N={n} rtpengine: not installed (apt-get install rtpengine-daemon)"));
+                continue;
+            }
+            eprintln!("bench relay: {r}, {n} calls at {setup_rate}/s, {seconds} s of media ...");
+            let spec = RunSpec { calls: n, setup_rate, seconds };
+            match run_one(&tb, r, &spec, &dir) {
+                Ok(run) => {
+                    eprintln!(
+                        "  {} of {n} calls up ({:.1}/s), loss {:.3} %, relay CPU {:.1} %, {} set-up failures",
+                        run.calls_up, run.setup_rate_achieved, run.loss_pct, run.cpu_pct, run.setup_failures
+                    );
+                    runs.push(run);
+                }
+                Err(e) => {
+                    eprintln!("  failed: {e:#}");
+                    failures.push(format!("N={n} {r}: {e:#}"));
+                }
+            }
+        }
+    }
+    let cap = if a.skip_capacity {
+        None
+    } else {
+        eprintln!("bench relay: capacity phase (target {cap_target} sessions, {} s budget) ...", cap_budget.as_secs());
+        Some(capacity(&tb, cap_target, cap_budget, &dir, a.quick, &mut failures))
+    };
+    drop(tb);
+
+    relay_report::print_table(&runs, cap.as_ref());
+    let meta = crate::report::RunMeta::collect(&format!("mediaplane bench relay {}", std::env::args().skip(3).collect::<Vec<_>>().join(" ")), &Profile::voice(), seconds);
+    relay_report::write_all(&a.out, &meta, setup_rate, &runs, cap.as_ref(), &failures)?;
+    println!("\nresults: {0}/results.json, {0}/results.csv, report: {0}/report.html", a.out.display());
+    if !failures.is_empty() {
+        bail!("{} run(s) failed:\n{}", failures.len(), failures.join("\n"));
+    }
+    Ok(())
+}
