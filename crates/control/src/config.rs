@@ -84,6 +84,10 @@ pub struct DataplaneConfig {
     pub interfaces: Vec<String>,
     /// eBPF: bpffs directory for pinned maps and links (per instance).
     pub pin_dir: PathBuf,
+    /// eBPF: kernel map sizes: stream entries (an SFU stream or one relay direction) and
+    /// fan-out copy slots. Memory grows with them; a full map is a clear error.
+    pub max_streams: u32,
+    pub max_copies: u32,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -125,6 +129,8 @@ impl Default for DataplaneConfig {
             batch: 32,
             interfaces: Vec::new(),
             pin_dir: PathBuf::from("/sys/fs/bpf/mediaplane"),
+            max_streams: 16384,
+            max_copies: 65536,
         }
     }
 }

@@ -168,6 +168,8 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>
             let mut ecfg = mediaplane_ebpf::EbpfConfig::new(cfg.dataplane.interfaces.clone(), cfg.dataplane.pin_dir.clone());
             ecfg.userspace = us;
             ecfg.reset = reset;
+            ecfg.max_streams = cfg.dataplane.max_streams;
+            ecfg.max_copies = cfg.dataplane.max_copies;
             let dp = mediaplane_ebpf::EbpfDataplane::new(ecfg, Some(events)).context("starting the ebpf data plane")?;
             tracing::info!(hooks = ?dp.hooks(), adopted = dp.fast_path().adopted(), "kernel fast path attached");
             Ok(Arc::new(dp))
