@@ -45,6 +45,10 @@ pub struct StreamEntry {
     pub source: SourceRule,
     pub rtp: bool,
     pub copies: Vec<Copy>,
+    /// Packet/bit-rate limit on what the source may inject (checked after the source, before the
+    /// fan-out; excess is dropped and counted as `drop_rate_limited`). Set by the control plane.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rate: Option<crate::ratelimit::RateLimit>,
 }
 
 /// Why a packet was dropped; every drop is counted under one of these.
@@ -128,6 +132,7 @@ impl ForwardingTable {
                             source: SourceRule::Fixed(p.remote),
                             rtp: s.rtp,
                             copies,
+                            rate: None,
                         },
                     );
                 }
@@ -149,6 +154,7 @@ impl ForwardingTable {
                         source: relay_source(from_leg),
                         rtp: from_leg.rtp,
                         copies,
+                        rate: None,
                     },
                 );
             }
@@ -172,6 +178,15 @@ impl ForwardingTable {
             .range(IngressKey { local, ssrc: Some(0) }..=IngressKey { local, ssrc: Some(u32::MAX) })
             .next()
             .is_some()
+    }
+
+    /// Put `limit` on every stream (`None` or an unlimited one removes limits). The control plane
+    /// calls it after [`ForwardingTable::compile`] with its configured per-stream limit.
+    pub fn set_rate_limit(&mut self, limit: Option<crate::ratelimit::RateLimit>) {
+        let limit = limit.filter(|l| !l.is_unlimited());
+        for e in self.streams.values_mut() {
+            e.rate = limit;
+        }
     }
 
     pub fn by_id(&self, id: u32) -> Option<&StreamEntry> {
@@ -329,6 +344,21 @@ mod tests {
         let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
         stun.extend_from_slice(&[0; 12]);
         assert!(matches!(t.classify(local, a("10.9.9.9:1"), &stun), Verdict::SlowPath { reason: SlowReason::Stun, .. }));
+    }
+
+    #[test]
+    fn rate_limits_are_set_on_every_stream_and_serialised_only_when_present() {
+        let mut t = ForwardingTable::compile(&full_mesh(3), 1);
+        let e = t.streams.values().next().unwrap().clone();
+        let plain = serde_json::to_string(&e).unwrap();
+        assert!(!plain.contains("rate"), "{plain}");
+        assert_eq!(serde_json::from_str::<StreamEntry>(&plain).unwrap(), e);
+        t.set_rate_limit(Some(crate::RateLimit::packets(100)));
+        assert!(t.streams.values().all(|e| e.rate == Some(crate::RateLimit::packets(100))));
+        let e = t.streams.values().next().unwrap();
+        assert_eq!(&serde_json::from_str::<StreamEntry>(&serde_json::to_string(e).unwrap()).unwrap(), e);
+        t.set_rate_limit(Some(crate::RateLimit { pps: 0, bps: 0, burst_ms: 5 }));
+        assert!(t.streams.values().all(|e| e.rate.is_none()));
     }
 
     #[test]

@@ -52,6 +52,9 @@ pub struct Counters {
     pub drop_malformed: u64,
     pub slow_stun: u64,
     pub slow_unlatched: u64,
+    /// From the registered source but over the stream's rate limit.
+    #[serde(default)]
+    pub drop_rate_limited: u64,
 }
 
 impl Counters {
@@ -66,6 +69,7 @@ impl Counters {
         self.drop_malformed += o.drop_malformed;
         self.slow_stun += o.slow_stun;
         self.slow_unlatched += o.slow_unlatched;
+        self.drop_rate_limited += o.drop_rate_limited;
     }
 
     pub fn count_drop(&mut self, reason: DropReason) {
@@ -84,7 +88,7 @@ impl Counters {
     }
 
     /// (name, value) pairs, for metrics exposition.
-    pub fn fields(&self) -> [(&'static str, u64); 10] {
+    pub fn fields(&self) -> [(&'static str, u64); 11] {
         [
             ("rx_packets", self.rx_packets),
             ("rx_bytes", self.rx_bytes),
@@ -96,6 +100,7 @@ impl Counters {
             ("drop_malformed", self.drop_malformed),
             ("slow_stun", self.slow_stun),
             ("slow_unlatched", self.slow_unlatched),
+            ("drop_rate_limited", self.drop_rate_limited),
         ]
     }
 }

@@ -12,6 +12,7 @@
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats};
 use arc_swap::ArcSwap;
+use mediaplane_core::ratelimit::{RateLimit, RateState};
 use mediaplane_core::table::Verdict;
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
@@ -103,6 +104,7 @@ impl UserspaceDataplane {
                 epoll,
                 batch: RecvBatch::new(cfg.batch, MAX_DATAGRAM),
                 slots: Vec::new(),
+                rates: HashMap::new(),
             };
             let thread = std::thread::Builder::new()
                 .name(format!("mp-worker-{id}"))
@@ -222,6 +224,18 @@ struct WorkerCtx {
     batch: RecvBatch,
     /// Sockets this worker receives on; the index is the epoll token.
     slots: Vec<Option<Slot>>,
+    /// Rate-limit buckets of the streams this worker has seen, with the limit they were made
+    /// for. Per worker: only a stream's registered source passes the source check, and one
+    /// source address sending to one SFU address is one flow, which SO_REUSEPORT keeps on
+    /// one socket, hence one worker.
+    rates: HashMap<u32, (RateLimit, RateState)>,
+}
+
+/// Monotonic nanoseconds (the buckets' clock).
+fn mono_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    // +1 s: a zero theoretical arrival time is "idle", never "in the future".
+    EPOCH.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64 + 1_000_000_000
 }
 
 impl WorkerCtx {
@@ -297,6 +311,7 @@ impl WorkerCtx {
 
     fn forward_batch(&mut self, local: SocketAddr, n: usize) {
         let state = self.shared.state.load();
+        let now = mono_ns();
         let mut delta = WorkerCounters::default();
         // (egress fd, stream id, message) for every copy of the batch.
         let mut out: Vec<(RawFd, u32, Outgoing<'_>)> = Vec::new();
@@ -317,6 +332,18 @@ impl WorkerCtx {
                     let sc = delta.streams.entry(entry.id).or_default();
                     sc.rx_packets += 1;
                     sc.rx_bytes += payload.len() as u64;
+                    if let Some(limit) = entry.rate.filter(|l| !l.is_unlimited()) {
+                        let (l, st) = self.rates.entry(entry.id).or_insert((limit, RateState::default()));
+                        if *l != limit {
+                            *l = limit;
+                            *st = RateState::default();
+                        }
+                        if !limit.params().admit(st, now, payload.len() as u64) {
+                            sc.drop_rate_limited += 1;
+                            delta.total.drop_rate_limited += 1;
+                            continue;
+                        }
+                    }
                     for copy in &entry.copies {
                         if copy.to == src {
                             continue; // never back to the sender, whatever the table says

@@ -8,6 +8,7 @@
 #define TC_ACT_UNSPEC (-1)
 #define TC_ACT_OK 0
 #define TC_ACT_SHOT 2
+#define TC_ACT_REDIRECT 7
 
 #define ETH_HLEN 14
 #define ETH_ALEN 6
@@ -32,9 +33,21 @@
 #define STREAM_F_LATCH (1u << 3)    /* source not latched yet: slow path */
 #define STREAM_F_SLOW (1u << 4)     /* the kernel cannot fan this one out (mixed address families,
                                       too many copies): slow path */
+#define STREAM_F_RATE (1u << 5)     /* rate limited: stream_rate[stats_slot] */
 
 /* Copies per stream the kernel fans out itself (size of the per-CPU next-hop scratch). */
 #define MAX_FANOUT 4096
+
+/* Next-hop cache: entries (a power of two >= MAX_FANOUT) and how long one may be used without
+ * a fresh bpf_fib_lookup even when no change was signalled. */
+#define NH_CACHE_SIZE 8192
+#define NH_CACHE_TTL_NS 1000000000ull
+
+/* skb->ip_summed */
+#define MP_CHECKSUM_NONE 0
+#define MP_CHECKSUM_UNNECESSARY 1
+#define MP_CHECKSUM_COMPLETE 2
+#define MP_CHECKSUM_PARTIAL 3
 
 /* Global per-CPU counters (index into the `counters` array). The first eight mirror fields of
  * mediaplane_dataplane::Counters and count only packets the kernel decided itself (forwarded or
@@ -50,7 +63,8 @@ enum mp_counter {
 	CNT_DROP_STRANGER,
 	CNT_DROP_MALFORMED,
 	/* kernel-only verdicts */
-	CNT_FORWARDED,        /* packets fanned out, then consumed (TC_ACT_SHOT, not a drop) */
+	CNT_FORWARDED,        /* packets fanned out (the last copy is the original itself, redirected;
+	                         with no copy it is consumed: TC_ACT_SHOT, not a drop) */
 	CNT_PASS_NOT_IP,
 	CNT_PASS_NOT_UDP,
 	CNT_PASS_FRAGMENT,
@@ -69,6 +83,7 @@ enum mp_counter {
 	CNT_PASS_FIB_FAIL,    /* some copy has no forwardable route (local, unreachable, MTU...) */
 	CNT_PASS_STALE_COPY,  /* fan-out slot did not belong to the stream (should never happen) */
 	CNT_PASS_ERROR,       /* a helper failed before any copy was sent */
+	CNT_DROP_RATE_LIMITED,/* from the registered source, over the stream's rate limit */
 	CNT__MAX,
 };
 

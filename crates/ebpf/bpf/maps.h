@@ -45,12 +45,36 @@ struct mp_stream_counters {
 	__u64 drop_stranger;
 	__u64 drop_malformed;
 	__u64 pass_slow; /* handed to the slow path (STUN, unlatched, no neighbour...) */
+	__u64 drop_rate_limited;
 };
 
-struct mp_nexthop {
-	__u32 ifindex;
-	__u8 smac[ETH_ALEN];
+/* A stream's rate limit (mediaplane_core::ratelimit: GCRA, the same integer arithmetic) and its
+ * state. Written by user space (BPF_F_LOCK) when the stream's limit is installed. */
+struct mp_rate {
+	struct bpf_spin_lock lock;
+	__u32 pad;
+	__u64 interval_ns;   /* per packet, 0 = none */
+	__u64 byte_cost_q16; /* per payload byte, 1/65536 ns, 0 = none */
+	__u64 tau_ns;
+	__u64 tat_packets;
+	__u64 tat_bytes;
+};
+
+/* Next-hop cache entry, one per copy slot (direct-mapped: slot & (NH_CACHE_SIZE - 1)). It is
+ * valid for exactly the copy it was resolved for (the first 36 bytes of mp_copy_rewrite: both
+ * addresses and ports), arriving on in_ifindex, for IP packets up to max_len bytes (the MTU check
+ * bpf_fib_lookup made), while the generation matches (user space bumps it on every route,
+ * neighbour, address or link change it hears of) and until expires_ns (a safety net).
+ * Only successful lookups are cached. */
+struct mp_nh_cache {
+	__u32 key[9];
+	__u32 in_ifindex;
+	__u32 out_ifindex;
+	__u32 gen;
+	__u32 max_len;
 	__u8 dmac[ETH_ALEN];
+	__u8 smac[ETH_ALEN];
+	__u64 expires_ns;
 };
 
 /* Stream entries. No prealloc: a replaced value is freed after an RCU grace period, so a
@@ -79,6 +103,14 @@ struct {
 	__type(value, struct mp_stream_counters);
 } stream_stats SEC(".maps");
 
+/* Indexed like stream_stats. Shared by all CPUs (one bucket per stream), under its lock. */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 65536); /* = streams max_entries */
+	__type(key, __u32);
+	__type(value, struct mp_rate);
+} stream_rate SEC(".maps");
+
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
 	__uint(max_entries, CNT__MAX);
@@ -102,13 +134,22 @@ struct {
 	__type(value, struct mp_latency_hist);
 } copy_latency SEC(".maps");
 
-/* Scratch: next hops of the packet being fanned out (resolved before any copy is sent). */
+/* Per CPU, so entries are never torn by a concurrent writer. NH_CACHE_SIZE >= MAX_FANOUT: the
+ * copies of one packet (a contiguous slot range) never share an entry. */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, MAX_FANOUT);
+	__uint(max_entries, NH_CACHE_SIZE);
 	__type(key, __u32);
-	__type(value, struct mp_nexthop);
-} nexthops SEC(".maps");
+	__type(value, struct mp_nh_cache);
+} nh_cache SEC(".maps");
+
+/* [0]: next-hop generation, bumped by user space (see mp_nh_cache). */
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, __u32);
+} nh_gen SEC(".maps");
 
 /* Not used by programs. Updating a map-in-map from user space makes the kernel wait for an
  * RCU grace period (maybe_wait_bpf_programs), i.e. until every program run that could still

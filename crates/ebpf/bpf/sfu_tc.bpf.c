@@ -6,21 +6,28 @@
  *   -> STUN (-> stack) -> RTP/RTCP validity if the stream(s) need RTP (bad -> drop malformed)
  *   -> SSRC-narrowed entry, else the wildcard entry (none -> drop no_stream)
  *   -> source: unlatched -> stack; not the fixed source -> drop stranger
+ *   -> rate limit (if any): over it -> drop rate_limited
  *   -> resolve every copy's next hop (bpf_fib_lookup); any failure -> the whole packet to the
  *      stack, where the user-space plane sends all copies (no copy lost, none duplicated)
- *   -> per copy: rewrite addresses/ports/MACs with incremental checksums, bpf_clone_redirect
- *   -> consume the original (TC_ACT_SHOT, counted as forwarded).
+ *      (a per-copy-slot cache skips the lookup while nothing changed, see mp_nh_cache)
+ *   -> per copy: rewrite addresses/ports/MACs with incremental checksums (direct packet access,
+ *      plain arithmetic; the checksum helpers under CHECKSUM_COMPLETE), bpf_clone_redirect
+ *   -> the last copy is the original itself: bpf_redirect (TC_ACT_REDIRECT); no copies at all:
+ *      consume it (TC_ACT_SHOT). Both count as forwarded.
  * "To the stack" is TC_ACT_OK: the user-space data plane's sockets are the slow path. */
 
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
+#include <bpf/bpf_core_read.h>
 
 #include "common.h"
 #include "maps.h"
 #include "parse.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
+
+extern void *bpf_cast_to_kern_ctx(void *obj) __ksym;
 
 static __always_inline __u32 log2_u64(__u64 v)
 {
@@ -46,12 +53,14 @@ static __always_inline __u32 latency_bucket(__u64 ns)
 	return LAT_EXACT + (e - 4) * LAT_SUB + ((ns >> (e - 3)) & (LAT_SUB - 1));
 }
 
-static __always_inline void record_copy_latency(__u64 ns)
+/* A global function: the verifier checks it once, on its own, instead of once per path of its
+ * callers (its log2 branches would multiply theirs). */
+__noinline int record_copy_latency(__u64 ns)
 {
 	__u32 zero = 0;
 	struct mp_latency_hist *h = bpf_map_lookup_elem(&copy_latency, &zero);
 	if (!h)
-		return;
+		return 0;
 	__u32 b = latency_bucket(ns);
 	asm volatile("" : "+r"(b)); /* keep the bound check below visible to the verifier */
 	if (b >= LAT_BUCKETS)
@@ -65,6 +74,7 @@ static __always_inline void record_copy_latency(__u64 ns)
 		h->min = ns;
 	if (ns > h->max)
 		h->max = ns;
+	return 0;
 }
 
 /* State shared with the bpf_loop callbacks (lives on the program's stack). */
@@ -83,6 +93,11 @@ struct mp_fanout {
 	__u32 fail;   /* CNT_PASS_* of the first copy that cannot be sent, 0 if none */
 	__u32 sent;
 	__u32 errors;
+	__u32 gen;    /* next-hop generation (nh_gen) read at entry */
+	__u32 direct; /* rewrite with direct packet access (headers linear, not CHECKSUM_COMPLETE) */
+	__u32 partial;/* skb->ip_summed == CHECKSUM_PARTIAL: the UDP checksum field holds the
+		       * pseudo-header sum only */
+	__u32 last_ifindex; /* != 0: the last copy is the original, to bpf_redirect there */
 	/* Header fields as currently written in the packet: each copy is rewritten from the
 	 * previous one, checksums adjusted by the difference. */
 	__u8 cur_addrs[32]; /* saddr then daddr; IPv4 uses the first 8 bytes */
@@ -98,6 +113,74 @@ static __always_inline struct mp_copy_rewrite *copy_of(struct mp_fanout *f, __u3
 	return c;
 }
 
+static __always_inline struct mp_nh_cache *nh_entry(struct mp_fanout *f, __u32 i)
+{
+	__u32 k = (f->copies_base + i) & (NH_CACHE_SIZE - 1);
+	return bpf_map_lookup_elem(&nh_cache, &k);
+}
+
+/* The entry was resolved for this very copy (addresses and ports), in this generation. */
+static __always_inline int nh_matches(const struct mp_nh_cache *e, const struct mp_copy_rewrite *c, __u32 gen)
+{
+	const __u32 *k = (const __u32 *)c;
+	return e->gen == gen && e->key[0] == k[0] && e->key[1] == k[1] && e->key[2] == k[2] && e->key[3] == k[3] &&
+	       e->key[4] == k[4] && e->key[5] == k[5] && e->key[6] == k[6] && e->key[7] == k[7] && e->key[8] == k[8];
+}
+
+/* bpf_fib_lookup for one copy; on success the cache entry is rewritten whole. Returns 0 or the
+ * CNT_PASS_* reason. */
+/* bpf_fib_lookup parameters: in a per-CPU map rather than on the stack (the fan-out's call chain
+ * is near the 512-byte stack limit). Nothing runs between filling and reading it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct bpf_fib_lookup);
+} fib_scratch SEC(".maps");
+
+static __noinline int resolve(struct mp_fanout *f, const struct mp_copy_rewrite *c, struct mp_nh_cache *e)
+{
+	__u32 zero = 0;
+	struct bpf_fib_lookup *fib = bpf_map_lookup_elem(&fib_scratch, &zero);
+	if (!fib)
+		return CNT_PASS_ERROR;
+	__builtin_memset(fib, 0, sizeof(*fib));
+	fib->l4_protocol = IPPROTO_UDP_NR;
+	fib->sport = c->from_port;
+	fib->dport = c->to_port;
+	fib->tot_len = f->ip_len;
+	fib->ifindex = f->ifindex;
+	if (f->family == MP_FAMILY_V4) {
+		fib->family = AF_INET;
+		__builtin_memcpy(&fib->ipv4_src, c->from_addr, 4);
+		__builtin_memcpy(&fib->ipv4_dst, c->to_addr, 4);
+	} else {
+		fib->family = AF_INET6;
+		__builtin_memcpy(fib->ipv6_src, c->from_addr, 16);
+		__builtin_memcpy(fib->ipv6_dst, c->to_addr, 16);
+	}
+	long rc = bpf_fib_lookup(f->skb, fib, sizeof(*fib), 0);
+	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
+		return rc == BPF_FIB_LKUP_RET_NO_NEIGH ? CNT_PASS_NO_NEIGH : CNT_PASS_FIB_FAIL;
+	__builtin_memcpy(e->key, c, sizeof(e->key));
+	e->in_ifindex = f->ifindex;
+	e->out_ifindex = fib->ifindex;
+	e->gen = f->gen;
+	e->max_len = f->ip_len;
+	__builtin_memcpy(e->dmac, fib->dmac, ETH_ALEN);
+	__builtin_memcpy(e->smac, fib->smac, ETH_ALEN);
+	e->expires_ns = f->t0 + NH_CACHE_TTL_NS;
+	return 0;
+}
+
+/* Next hop of copy i: the cached one when it is still good, else a fresh lookup. */
+static __always_inline int next_hop(struct mp_fanout *f, const struct mp_copy_rewrite *c, struct mp_nh_cache *e)
+{
+	if (nh_matches(e, c, f->gen) && e->in_ifindex == f->ifindex && f->ip_len <= e->max_len && f->t0 < e->expires_ns)
+		return 0;
+	return resolve(f, c, e);
+}
+
 /* Pass 1: resolve every copy's next hop before sending anything. */
 static long resolve_next_hop(__u32 i, void *ctx)
 {
@@ -107,39 +190,110 @@ static long resolve_next_hop(__u32 i, void *ctx)
 		f->fail = CNT_PASS_STALE_COPY;
 		return 1;
 	}
-	struct bpf_fib_lookup fib = {};
-	fib.l4_protocol = IPPROTO_UDP_NR;
-	fib.sport = c->from_port;
-	fib.dport = c->to_port;
-	fib.tot_len = f->ip_len;
-	fib.ifindex = f->ifindex;
-	if (f->family == MP_FAMILY_V4) {
-		fib.family = AF_INET;
-		__builtin_memcpy(&fib.ipv4_src, c->from_addr, 4);
-		__builtin_memcpy(&fib.ipv4_dst, c->to_addr, 4);
-	} else {
-		fib.family = AF_INET6;
-		__builtin_memcpy(fib.ipv6_src, c->from_addr, 16);
-		__builtin_memcpy(fib.ipv6_dst, c->to_addr, 16);
-	}
-	long rc = bpf_fib_lookup(f->skb, &fib, sizeof(fib), 0);
-	if (rc != BPF_FIB_LKUP_RET_SUCCESS) {
-		f->fail = rc == BPF_FIB_LKUP_RET_NO_NEIGH ? CNT_PASS_NO_NEIGH : CNT_PASS_FIB_FAIL;
-		return 1;
-	}
-	__u32 k = i;
-	struct mp_nexthop *nh = bpf_map_lookup_elem(&nexthops, &k);
-	if (!nh) {
+	struct mp_nh_cache *e = nh_entry(f, i);
+	if (!e) {
 		f->fail = CNT_PASS_ERROR;
 		return 1;
 	}
-	nh->ifindex = fib.ifindex;
-	__builtin_memcpy(nh->smac, fib.smac, ETH_ALEN);
-	__builtin_memcpy(nh->dmac, fib.dmac, ETH_ALEN);
+	int rc = next_hop(f, c, e);
+	if (rc) {
+		f->fail = rc;
+		return 1;
+	}
 	return 0;
 }
 
-static __always_inline int rewrite_addresses(struct mp_fanout *f, const struct mp_copy_rewrite *c)
+/* ---- one's complement arithmetic (RFC 1624), on words as they lie in the packet ---- */
+
+static __always_inline __u16 csum_fold64(__u64 x)
+{
+	x = (x & 0xffffffff) + (x >> 32);
+	x = (x & 0xffff) + (x >> 16);
+	x = (x & 0xffff) + (x >> 16);
+	x = (x & 0xffff) + (x >> 16);
+	return (__u16)x;
+}
+
+/* Sum of (new - old) over n 32-bit words. */
+static __always_inline __u64 csum_delta(const __u32 *old, const __u32 *new, int n)
+{
+	__u64 acc = 0;
+#pragma unroll
+	for (int k = 0; k < n; k++)
+		acc += (__u64)new[k] + (__u32)~old[k];
+	return acc;
+}
+
+/* A checksum field (the complement of a sum) after the covered data changed by `delta`. */
+static __always_inline __u16 csum_replace(__u16 check, __u64 delta)
+{
+	return ~csum_fold64((__u64)(__u16)~check + delta);
+}
+
+/* The UDP checksum after addresses changed by `da` and ports by `dp`. IPv4 zero means "none"
+ * and stays; a computed zero is sent as 0xffff (RFC 768, RFC 8200). Under CHECKSUM_PARTIAL the
+ * field holds the (uncomplemented) pseudo-header sum: only the addresses enter it. */
+static __always_inline __u16 udp_csum_update(__u16 check, __u64 da, __u64 dp, int partial, int v4)
+{
+	if (v4 && check == 0)
+		return 0;
+	__u16 r = partial ? csum_fold64((__u64)check + da) : csum_replace(check, da + dp);
+	return r ? r : 0xffff;
+}
+
+/* Rewrite MACs, addresses, ports and checksums with direct packet access: no helper calls.
+ * After VLAN pop the IP header is at 14. Returns -1 if the headers are not in the linear part. */
+static __always_inline int rewrite_direct(struct mp_fanout *f, const struct mp_copy_rewrite *c, const struct mp_nh_cache *e)
+{
+	struct __sk_buff *skb = f->skb;
+	void *data = (void *)(long)skb->data;
+	void *end = (void *)(long)skb->data_end;
+	__u32 np[1];
+	__builtin_memcpy(np, &c->from_port, 4);
+	__u64 dp = csum_delta((const __u32 *)f->cur_ports, np, 1);
+	if (f->family == MP_FAMILY_V4) {
+		if (data + ETH_HLEN + 20 + 8 > end)
+			return -1;
+		__u8 *eth = data;
+		__u8 *ip = data + ETH_HLEN;
+		__u8 *udp = data + ETH_HLEN + 20;
+		__u32 na[2];
+		__builtin_memcpy(na, c->from_addr, 4);
+		__builtin_memcpy(na + 1, c->to_addr, 4);
+		__u64 da = csum_delta((const __u32 *)f->cur_addrs, na, 2);
+		__builtin_memcpy(eth, e->dmac, ETH_ALEN);
+		__builtin_memcpy(eth + 6, e->smac, ETH_ALEN);
+		__u16 *ipcheck = (__u16 *)(ip + 10);
+		*ipcheck = csum_replace(*ipcheck, da);
+		__builtin_memcpy(ip + 12, na, 8);
+		__u16 *ucheck = (__u16 *)(udp + 6);
+		*ucheck = udp_csum_update(*ucheck, da, dp, f->partial, 1);
+		__builtin_memcpy(udp, np, 4);
+		__builtin_memcpy(f->cur_addrs, na, 8);
+	} else {
+		if (data + ETH_HLEN + 40 + 8 > end)
+			return -1;
+		__u8 *eth = data;
+		__u8 *ip = data + ETH_HLEN;
+		__u8 *udp = data + ETH_HLEN + 40;
+		__u32 na[8];
+		__builtin_memcpy(na, c->from_addr, 32); /* from_addr and to_addr are contiguous */
+		__u64 da = csum_delta((const __u32 *)f->cur_addrs, na, 8);
+		__builtin_memcpy(eth, e->dmac, ETH_ALEN);
+		__builtin_memcpy(eth + 6, e->smac, ETH_ALEN);
+		__builtin_memcpy(ip + 8, na, 32);
+		__u16 *ucheck = (__u16 *)(udp + 6);
+		*ucheck = udp_csum_update(*ucheck, da, dp, f->partial, 0);
+		__builtin_memcpy(udp, np, 4);
+		__builtin_memcpy(f->cur_addrs, na, 32);
+	}
+	__builtin_memcpy(f->cur_ports, np, 4);
+	return 0;
+}
+
+/* The same with the checksum helpers, which also keep skb->csum right under
+ * CHECKSUM_COMPLETE (and work on non-linear headers). */
+static __always_inline int rewrite_helpers(struct mp_fanout *f, const struct mp_copy_rewrite *c, const struct mp_nh_cache *e)
 {
 	struct __sk_buff *skb = f->skb;
 	if (f->family == MP_FAMILY_V4) {
@@ -167,36 +321,56 @@ static __always_inline int rewrite_addresses(struct mp_fanout *f, const struct m
 	    bpf_l4_csum_replace(skb, f->l4_off + 6, 0, pdiff, mangled0))
 		return -1;
 	__builtin_memcpy(f->cur_ports, &c->from_port, 4);
-	return 0;
+	__u8 macs[12];
+	__builtin_memcpy(macs, e->dmac, ETH_ALEN);
+	__builtin_memcpy(macs + 6, e->smac, ETH_ALEN);
+	return bpf_skb_store_bytes(skb, 0, macs, 12, 0) ? -1 : 0;
 }
 
 /* Pass 2: one copy per call. */
-static long send_copy(__u32 i, void *ctx)
+static __always_inline long send_copy(__u32 i, struct mp_fanout *f, int direct)
 {
-	struct mp_fanout *f = ctx;
 	struct mp_copy_rewrite *c = copy_of(f, i);
-	__u32 k = i;
-	struct mp_nexthop *nh = bpf_map_lookup_elem(&nexthops, &k);
-	if (!c || !nh) {
+	struct mp_nh_cache *e = nh_entry(f, i);
+	if (!c || !e) {
 		f->errors++;
 		return 0;
 	}
-	__u8 macs[12];
-	__builtin_memcpy(macs, nh->dmac, ETH_ALEN);
-	__builtin_memcpy(macs + 6, nh->smac, ETH_ALEN);
-	if (rewrite_addresses(f, c) || bpf_skb_store_bytes(f->skb, 0, macs, 12, 0)) {
+	/* Pass 1 left this copy's entry good; re-check it anyway (a nested run on this CPU could
+	 * have reused it) and resolve again on any doubt. */
+	if (next_hop(f, c, e)) {
+		f->errors++;
+		return 0;
+	}
+	if (direct ? rewrite_direct(f, c, e) : rewrite_helpers(f, c, e)) {
 		/* The headers may be half rewritten: every later copy would carry wrong
 		 * checksums. Stop and count the rest as errors. */
 		f->errors += f->count - i;
 		return 1;
 	}
-	if (bpf_clone_redirect(f->skb, nh->ifindex, 0)) {
+	if (i + 1 == f->count) {
+		/* The last copy needs no clone: the program redirects the original itself. */
+		f->last_ifindex = e->out_ifindex;
+		f->sent++;
+		return 0;
+	}
+	if (bpf_clone_redirect(f->skb, e->out_ifindex, 0)) {
 		f->errors++;
 		return 0;
 	}
 	f->sent++;
 	record_copy_latency(bpf_ktime_get_ns() - f->t0);
 	return 0;
+}
+
+static long send_copy_direct(__u32 i, void *ctx)
+{
+	return send_copy(i, ctx, 1);
+}
+
+static long send_copy_helpers(__u32 i, void *ctx)
+{
+	return send_copy(i, ctx, 0);
 }
 
 /* No memcmp in BPF: compare 16-byte addresses word by word. */
@@ -206,6 +380,37 @@ static __always_inline int same_addr(const __u8 *a, const __u8 *b)
 	__builtin_memcpy(x, a, 16);
 	__builtin_memcpy(y, b, 16);
 	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3];
+}
+
+/* The first n bytes are in the linear part (direct packet access reaches them). The loads are
+ * spelled out: the verifier wants each context field read at its own constant offset, and clang
+ * would otherwise share one computed address between them. */
+static __always_inline int linear_upto(struct __sk_buff *skb, __u32 n)
+{
+	long data, end;
+	asm volatile("%0 = *(u32 *)(%1 + %2)" : "=r"(data) : "r"(skb), "i"(__builtin_offsetof(struct __sk_buff, data)));
+	asm volatile("%0 = *(u32 *)(%1 + %2)" : "=r"(end) : "r"(skb), "i"(__builtin_offsetof(struct __sk_buff, data_end)));
+	return data + n <= end;
+}
+
+/* RateParams::admit (mediaplane_core::ratelimit), under the stream's lock. Global: verified
+ * once on its own (see record_copy_latency). */
+__noinline int rate_admit(__u32 slot, __u64 now, __u64 bytes)
+{
+	struct mp_rate *r = bpf_map_lookup_elem(&stream_rate, &slot);
+	if (!r)
+		return 1;
+	int ok = 0;
+	bpf_spin_lock(&r->lock);
+	__u64 tp = r->tat_packets > now ? r->tat_packets : now;
+	__u64 tb = r->tat_bytes > now ? r->tat_bytes : now;
+	if ((r->interval_ns == 0 || tp - now <= r->tau_ns) && (r->byte_cost_q16 == 0 || tb - now <= r->tau_ns)) {
+		r->tat_packets = tp + r->interval_ns;
+		r->tat_bytes = tb + ((bytes * r->byte_cost_q16) >> 16);
+		ok = 1;
+	}
+	bpf_spin_unlock(&r->lock);
+	return ok;
 }
 
 static __always_inline int pass_slow(struct mp_stream_counters *sc, __u32 why)
@@ -226,6 +431,8 @@ static __always_inline int drop(struct mp_stream_counters *sc, __u32 why, __u32 
 		sc->rx_bytes += payload_len;
 		if (why == CNT_DROP_STRANGER)
 			sc->drop_stranger += 1;
+		else if (why == CNT_DROP_RATE_LIMITED)
+			sc->drop_rate_limited += 1;
 		else if (why == CNT_DROP_MALFORMED)
 			sc->drop_malformed += 1;
 	}
@@ -252,10 +459,11 @@ int sfu_ingress(struct __sk_buff *skb)
 		count(CNT_PASS_NOT_OURS, 1);
 		return TC_ACT_OK;
 	}
-	struct mp_stream_value wildcard = *found;
-	int has_any = wildcard.flags & STREAM_F_PRESENT;
-	int narrowed = wildcard.flags & STREAM_F_NARROWED;
-	struct mp_stream_counters *any_sc = has_any ? stream_counters_of(&wildcard) : NULL;
+	/* Map values stay valid (RCU) for the whole run: no copies needed. */
+	const struct mp_stream_value *wildcard = found;
+	int has_any = wildcard->flags & STREAM_F_PRESENT;
+	int narrowed = wildcard->flags & STREAM_F_NARROWED;
+	struct mp_stream_counters *any_sc = has_any ? stream_counters_of(wildcard) : NULL;
 
 	struct mp_payload_head head = {};
 	if (load_head(skb, &p, &head))
@@ -265,7 +473,7 @@ int sfu_ingress(struct __sk_buff *skb)
 		return pass_slow(any_sc, CNT_PASS_STUN);
 
 	__u32 ssrc = 0;
-	int wants_rtp = narrowed || (has_any && (wildcard.flags & STREAM_F_RTP));
+	int wants_rtp = narrowed || (has_any && (wildcard->flags & STREAM_F_RTP));
 	if (wants_rtp) {
 		int bad = kind == MK_RTP ? rtp_ssrc(skb, &p, &head, &ssrc)
 			: kind == MK_RTCP ? rtcp_ssrc(skb, &p, &ssrc) : -1;
@@ -273,37 +481,37 @@ int sfu_ingress(struct __sk_buff *skb)
 			return drop(any_sc, CNT_DROP_MALFORMED, p.payload_len);
 	}
 
-	struct mp_stream_value entry;
-	int have_entry = 0;
+	const struct mp_stream_value *entry = NULL;
 	if (wants_rtp && narrowed) {
 		key.has_ssrc = 1;
 		key.ssrc = ssrc;
 		struct mp_stream_value *s = bpf_map_lookup_elem(&streams, &key);
 		if (s) {
-			entry = *s;
-			have_entry = 1;
+			entry = s;
 		}
 	}
-	if (!have_entry) {
+	if (!entry) {
 		if (!has_any)
 			return drop(NULL, CNT_DROP_NO_STREAM, p.payload_len);
 		entry = wildcard;
 	}
-	struct mp_stream_counters *sc = stream_counters_of(&entry);
+	struct mp_stream_counters *sc = stream_counters_of(entry);
 
-	if (entry.flags & STREAM_F_LATCH)
+	if (entry->flags & STREAM_F_LATCH)
 		return pass_slow(sc, CNT_PASS_UNLATCHED);
-	if (!same_addr(entry.src_addr, p.saddr) || entry.src_port != p.sport)
+	if (!same_addr(entry->src_addr, p.saddr) || entry->src_port != p.sport)
 		return drop(sc, CNT_DROP_STRANGER, p.payload_len);
-	if ((entry.flags & STREAM_F_SLOW) || entry.copies_count > MAX_FANOUT)
+	if ((entry->flags & STREAM_F_SLOW) || entry->copies_count > MAX_FANOUT)
 		return pass_slow(sc, CNT_PASS_SLOW_STREAM);
+	if ((entry->flags & STREAM_F_RATE) && !rate_admit(entry->stats_slot, t0, p.payload_len))
+		return drop(sc, CNT_DROP_RATE_LIMITED, p.payload_len);
 
 	struct mp_fanout f = {
 		.skb = skb,
 		.t0 = t0,
-		.stream_id = entry.id,
-		.copies_base = entry.copies_base,
-		.count = entry.copies_count,
+		.stream_id = entry->id,
+		.copies_base = entry->copies_base,
+		.count = entry->copies_count,
 		.ifindex = skb->ifindex,
 		.ip_len = p.ip_len,
 		.l3_off = p.l3_off,
@@ -311,6 +519,10 @@ int sfu_ingress(struct __sk_buff *skb)
 		.payload_len = p.payload_len,
 		.family = p.family,
 	};
+	__u32 zero = 0;
+	__u32 *gen = bpf_map_lookup_elem(&nh_gen, &zero);
+	if (gen)
+		f.gen = *gen;
 	__builtin_memcpy(f.cur_addrs, p.saddr, 16);
 	if (p.family == MP_FAMILY_V4)
 		__builtin_memcpy(f.cur_addrs + 4, p.daddr, 4);
@@ -319,8 +531,8 @@ int sfu_ingress(struct __sk_buff *skb)
 	f.cur_ports[0] = p.sport;
 	f.cur_ports[1] = p.dport;
 
-	if (entry.copies_count > 0) {
-		bpf_loop(entry.copies_count, resolve_next_hop, &f, 0);
+	if (entry->copies_count > 0) {
+		bpf_loop(entry->copies_count, resolve_next_hop, &f, 0);
 		if (f.fail)
 			return pass_slow(sc, f.fail);
 		/* Copies leave untagged: the egress device (possibly a VLAN device) tags them. */
@@ -332,7 +544,21 @@ int sfu_ingress(struct __sk_buff *skb)
 				f.l4_off -= 4;
 			}
 		}
-		bpf_loop(entry.copies_count, send_copy, &f, 0);
+		/* Direct packet access needs the headers in the linear part and a checksum state
+		 * it can follow: CHECKSUM_COMPLETE (skb->csum) is left to the helpers. */
+		struct sk_buff *kskb = bpf_cast_to_kern_ctx(skb);
+		__u8 summed = BPF_CORE_READ_BITFIELD(kskb, ip_summed);
+		__u32 hdr_end = ETH_HLEN + (p.family == MP_FAMILY_V4 ? 20 : 40) + 8;
+		if (summed != MP_CHECKSUM_COMPLETE) {
+			if (!linear_upto(skb, hdr_end))
+				bpf_skb_pull_data(skb, hdr_end);
+			f.direct = linear_upto(skb, hdr_end);
+			f.partial = summed == MP_CHECKSUM_PARTIAL;
+		}
+		if (f.direct)
+			bpf_loop(entry->copies_count, send_copy_direct, &f, 0);
+		else
+			bpf_loop(entry->copies_count, send_copy_helpers, &f, 0);
 	}
 
 	count(CNT_RX_PACKETS, 1);
@@ -347,6 +573,10 @@ int sfu_ingress(struct __sk_buff *skb)
 		sc->tx_copies += f.sent;
 		sc->tx_bytes += (__u64)f.sent * p.payload_len;
 		sc->tx_errors += f.errors;
+	}
+	if (f.last_ifindex) {
+		record_copy_latency(bpf_ktime_get_ns() - t0);
+		return bpf_redirect(f.last_ifindex, 0);
 	}
 	return TC_ACT_SHOT;
 }

@@ -56,6 +56,8 @@ pub struct EbpfDataplane {
     slow: UserspaceDataplane,
     attachments: Mutex<Vec<Attachment>>,
     pin_dir: PathBuf,
+    /// Bumps the next-hop cache generation on every route/neighbour/link change.
+    _nh_watch: Option<crate::nhwatch::NextHopWatch>,
     /// Holding this fd keeps the kernel's BPF run-time accounting on (BPF_ENABLE_STATS): it is
     /// how cost per copy is measured. Closing it (drop) turns accounting back off.
     _run_stats: Option<std::os::fd::OwnedFd>,
@@ -174,7 +176,22 @@ impl EbpfDataplane {
             }
         }
         tracing::info!(?attachments, adopted = fast.adopted(), "ebpf data plane attached");
-        Ok(EbpfDataplane { fast, slow, attachments: Mutex::new(attachments), pin_dir: cfg.pin_dir, _run_stats: enable_run_stats() })
+        // Without the watcher cached next hops still expire on their own (NH_CACHE_TTL_NS).
+        let nh_watch = match fast.next_hop_generation_map().and_then(crate::nhwatch::NextHopWatch::start) {
+            Ok(w) => Some(w),
+            Err(e) => {
+                tracing::warn!("no rtnetlink watcher ({e}): cached next hops are only renewed by expiry");
+                None
+            }
+        };
+        Ok(EbpfDataplane {
+            fast,
+            slow,
+            attachments: Mutex::new(attachments),
+            pin_dir: cfg.pin_dir,
+            _nh_watch: nh_watch,
+            _run_stats: enable_run_stats(),
+        })
     }
 
     pub fn fast_path(&self) -> &FastPath {

@@ -14,7 +14,7 @@
 //! So each packet sees the old or the new stream entry and that entry's own, complete fan-out:
 //! no duplicate, no copy to a removed subscriber.
 
-use crate::maps::{kernel_entries, CopyRaw, KernelStream, KeyRaw, StreamValueRaw};
+use crate::maps::{kernel_entries, CopyRaw, KernelStream, KeyRaw, RateRaw, StreamValueRaw};
 use mediaplane_core::ForwardingTable;
 use mediaplane_dataplane::DataplaneError;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
@@ -27,6 +27,8 @@ pub trait KernelMaps {
     fn write_stream(&mut self, key: &KeyRaw, value: &StreamValueRaw) -> Result<(), DataplaneError>;
     fn delete_stream(&mut self, key: &KeyRaw) -> Result<(), DataplaneError>;
     fn zero_stats(&mut self, slot: u32) -> Result<(), DataplaneError>;
+    /// Install a stream's rate limit (and reset its bucket) in `stream_rate[slot]`.
+    fn write_rate(&mut self, slot: u32, rate: &RateRaw) -> Result<(), DataplaneError>;
     /// Return only once no program run that started before the call is still running.
     fn rcu_barrier(&mut self) -> Result<(), DataplaneError>;
 }
@@ -171,7 +173,7 @@ impl Installer {
                 e.1 += 1;
                 used_slots.insert(e.0);
             }
-            let stream = KernelStream { id: value.id, flags: value.flags, source, copies };
+            let stream = KernelStream { id: value.id, flags: value.flags, source, copies, rate: None };
             me.installed.insert(key, Installed { stream, value });
         }
         me.next_slot = used_slots.last().map_or(0, |s| s + 1);
@@ -323,6 +325,12 @@ impl Installer {
         for slot in &fresh_slots {
             maps.zero_stats(*slot)?;
         }
+        // Rate limits before the entries that enable them.
+        for w in writes.iter() {
+            if let Some(r) = &w.stream.rate {
+                maps.write_rate(w.value.stats_slot, &RateRaw::new(r))?;
+            }
+        }
         // 2. flip entries: SSRC entries before wildcard ones.
         writes.sort_by_key(|w| (w.key.is_wildcard(), w.key));
         for w in writes {
@@ -416,6 +424,9 @@ mod tests {
             Ok(())
         }
         fn zero_stats(&mut self, _slot: u32) -> Result<(), DataplaneError> {
+            Ok(())
+        }
+        fn write_rate(&mut self, _slot: u32, _rate: &RateRaw) -> Result<(), DataplaneError> {
             Ok(())
         }
         fn rcu_barrier(&mut self) -> Result<(), DataplaneError> {

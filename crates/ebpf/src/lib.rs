@@ -6,6 +6,7 @@
 //! * [`install`]: the update protocol that makes table changes atomic per packet (sans-I/O);
 //! * [`loader`]: [`FastPath`], the loaded program + maps (`BPF_PROG_TEST_RUN` for tests);
 //! * [`attach`]: tcx / clsact hooks, pinned for hitless restarts;
+//! * [`nhwatch`]: invalidates the kernel's next-hop cache on route/neighbour changes;
 //! * [`dataplane`]: [`EbpfDataplane`], the [`mediaplane_dataplane::Dataplane`] named "ebpf".
 
 pub mod attach;
@@ -13,6 +14,7 @@ pub mod dataplane;
 pub mod install;
 pub mod loader;
 pub mod maps;
+pub mod nhwatch;
 
 /// The libbpf-cargo skeleton: used for the C struct layouts (BTF) in tests and test_run.
 #[allow(dead_code, clippy::all, non_camel_case_types, non_snake_case, unused_imports)]
@@ -23,4 +25,4 @@ mod skel {
 pub use attach::AttachMode;
 pub use dataplane::{remove_pins, EbpfConfig, EbpfDataplane};
 pub use install::ApplyReport;
-pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_SHOT};
+pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};

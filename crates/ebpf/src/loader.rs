@@ -4,7 +4,7 @@
 //! with `BPF_PROG_TEST_RUN` ([`FastPath::test_run`]), [`crate::EbpfDataplane`] attaches it.
 
 use crate::install::{ApplyReport, Installer, KernelMaps};
-use crate::maps::{CopyRaw, KeyRaw, LatencyHistRaw, Pod, StreamCountersRaw, StreamValueRaw, GLOBAL_COUNTERS};
+use crate::maps::{CopyRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, StreamCountersRaw, StreamValueRaw, GLOBAL_COUNTERS};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, Program, ProgramInput};
 use mediaplane_core::ForwardingTable;
 use mediaplane_dataplane::{Counters, DataplaneError, DataplaneStats, LatencySummary};
@@ -39,14 +39,22 @@ impl Default for LoadOptions {
 }
 
 /// Outcome of one `BPF_PROG_TEST_RUN`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TestRun {
-    /// The program's verdict: `TC_ACT_OK` (0) = to the stack, `TC_ACT_SHOT` (2) = consumed.
+    /// The program's verdict: `TC_ACT_OK` (0) = to the stack, `TC_ACT_SHOT` (2) = consumed,
+    /// `TC_ACT_REDIRECT` (7) = the packet itself leaves as the last copy of a fan-out
+    /// (BPF_PROG_TEST_RUN does not carry the redirect out: that copy is `data_out`).
     pub retval: u32,
+    /// The packet as the program left it.
+    pub data_out: Vec<u8>,
+    /// Run time of the program as measured by the kernel (includes the helpers it called,
+    /// e.g. every `bpf_clone_redirect` transmission).
+    pub duration_ns: u64,
 }
 
 pub const TC_ACT_OK: u32 = 0;
 pub const TC_ACT_SHOT: u32 = 2;
+pub const TC_ACT_REDIRECT: u32 = 7;
 
 /// Everything the kernel counted.
 #[derive(Debug, Clone, Default, PartialEq)]
@@ -77,6 +85,7 @@ impl KernelStats {
             drop_malformed: g("drop_malformed"),
             slow_stun: 0,
             slow_unlatched: 0,
+            drop_rate_limited: g("drop_rate_limited"),
         };
         let streams = self
             .streams
@@ -90,12 +99,13 @@ impl KernelStats {
                     tx_errors: s.tx_errors,
                     drop_stranger: s.drop_stranger,
                     drop_malformed: s.drop_malformed,
+                    drop_rate_limited: s.drop_rate_limited,
                     ..Counters::default()
                 };
                 (*id, c)
             })
             .collect();
-        let extra = GLOBAL_COUNTERS[8..].iter().map(|n| (n.to_string(), g(n))).collect();
+        let extra = GLOBAL_COUNTERS[8..].iter().filter(|n| **n != "drop_rate_limited").map(|n| (n.to_string(), g(n))).collect();
         let l = &self.latency;
         let copy_latency = (l.count > 0).then(|| LatencySummary {
             count: l.count,
@@ -149,15 +159,21 @@ impl FastPath {
     /// Load (verify) the program and create its maps, or adopt the maps pinned in
     /// `opts.pin_dir` by a previous instance (their content is kept and mirrored).
     pub fn load(opts: &LoadOptions) -> Result<FastPath, DataplaneError> {
+        Self::load_object(opts, SFU_TC_OBJECT)
+    }
+
+    /// [`FastPath::load`] with another build of bpf/sfu_tc.bpf.c (A/B measurements).
+    #[doc(hidden)]
+    pub fn load_object(opts: &LoadOptions, object: &[u8]) -> Result<FastPath, DataplaneError> {
         route_libbpf_logs();
         let adopted = opts.pin_dir.as_ref().is_some_and(|d| d.join("streams").exists());
         let mut open = ObjectBuilder::default()
-            .open_memory(SFU_TC_OBJECT)
+            .open_memory(object)
             .map_err(|e| bpf_err("opening the BPF object", e))?;
         for mut m in open.maps_mut() {
             let name = m.name().to_string_lossy().into_owned();
             let entries = match name.as_str() {
-                "streams" | "stream_stats" => Some(opts.max_streams),
+                "streams" | "stream_stats" | "stream_rate" => Some(opts.max_streams),
                 "copies" => Some(opts.max_copies),
                 _ => None,
             };
@@ -226,6 +242,16 @@ impl FastPath {
 
     fn map(&self, name: &str) -> libbpf_rs::Map<'_> {
         self.obj.maps().find(|m| m.name() == name).unwrap_or_else(|| panic!("map {name} in the embedded object"))
+    }
+
+    /// A handle on the next-hop generation map (see [`crate::nhwatch`]).
+    pub fn next_hop_generation_map(&self) -> Result<MapHandle, DataplaneError> {
+        MapHandle::try_from(&self.map("nh_gen")).map_err(|e| bpf_err("nh_gen handle", e))
+    }
+
+    /// Make the program resolve every next hop again (after a route or neighbour change).
+    pub fn invalidate_next_hops(&self) -> Result<(), DataplaneError> {
+        crate::nhwatch::bump(&self.next_hop_generation_map()?).map(|_| ())
     }
 
     /// Remove the map pins (the maps live on while this process holds them).
@@ -327,12 +353,17 @@ impl FastPath {
         if let Some(i) = ifindex {
             ctx[40..44].copy_from_slice(&i.to_ne_bytes());
         }
+        // Room for what the program may do to the frame (it only ever shrinks it: VLAN pop).
+        let mut out = vec![0u8; frame.len() + 64];
         let mut input = ProgramInput::default();
         input.data_in = Some(frame);
+        input.data_out = Some(&mut out);
         input.context_in = Some(&mut ctx);
         let prog = self.obj.progs_mut().find(|p| p.name() == SFU_TC_PROGRAM).expect("program in the embedded object");
-        let out = prog.test_run(input).map_err(|e| bpf_err("BPF_PROG_TEST_RUN", e))?;
-        Ok(TestRun { retval: out.return_value })
+        let res = prog.test_run(input).map_err(|e| bpf_err("BPF_PROG_TEST_RUN", e))?;
+        let (retval, duration_ns) = (res.return_value, res.duration.as_nanos() as u64);
+        let data_out = res.data.map(|d| d.to_vec()).unwrap_or_default();
+        Ok(TestRun { retval, data_out, duration_ns })
     }
 
     /// Zero every counter and the latency histogram (tests, benchmarks).
@@ -390,6 +421,13 @@ impl KernelMaps for MapsIo<'_> {
             .map("stream_stats")
             .update_percpu(slot.as_bytes(), &vec![zero.as_bytes().to_vec(); ncpu], MapFlags::ANY)
             .map_err(|e| bpf_err("zeroing stream counters", e))
+    }
+
+    fn write_rate(&mut self, slot: u32, rate: &RateRaw) -> Result<(), DataplaneError> {
+        self.fp
+            .map("stream_rate")
+            .update(slot.as_bytes(), rate.as_bytes(), MapFlags::LOCK)
+            .map_err(|e| bpf_err("writing a rate limit", e))
     }
 
     fn rcu_barrier(&mut self) -> Result<(), DataplaneError> {

@@ -6,6 +6,7 @@
 //! real wildcard stream or a placeholder, flagged `NARROWED`, so the program learns with one
 //! lookup whether it must read the SSRC (mirrors `ForwardingTable::has_ssrc_streams`).
 
+use mediaplane_core::ratelimit::RateLimit;
 use mediaplane_core::table::{ForwardingTable, SourceRule, StreamEntry};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
@@ -20,6 +21,7 @@ pub mod flags {
     pub const NARROWED: u32 = 1 << 2;
     pub const LATCH: u32 = 1 << 3;
     pub const SLOW: u32 = 1 << 4;
+    pub const RATE: u32 = 1 << 5;
 }
 
 /// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
@@ -27,7 +29,7 @@ pub const MAX_FANOUT: usize = 4096;
 
 /// Global counter indices (enum mp_counter) with their names in `DataplaneStats.extra`.
 /// The first eight feed [`mediaplane_dataplane::Counters`].
-pub const GLOBAL_COUNTERS: [&str; 27] = [
+pub const GLOBAL_COUNTERS: [&str; 28] = [
     "rx_packets",
     "rx_bytes",
     "tx_copies",
@@ -55,6 +57,7 @@ pub const GLOBAL_COUNTERS: [&str; 27] = [
     "pass_fib_fail",
     "pass_stale_copy",
     "pass_error",
+    "drop_rate_limited",
 ];
 
 /// Index of a global counter by name (panics on a typo: names are compile-time constants).
@@ -135,6 +138,29 @@ pub struct StreamCountersRaw {
     pub drop_stranger: u64,
     pub drop_malformed: u64,
     pub pass_slow: u64,
+    pub drop_rate_limited: u64,
+}
+
+/// `struct mp_rate`: a stream's limit (see [`mediaplane_core::ratelimit::RateParams`]) and state.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct RateRaw {
+    /// struct bpf_spin_lock (user space never touches it: writes use BPF_F_LOCK).
+    pub lock: u32,
+    pub pad: u32,
+    pub interval_ns: u64,
+    pub byte_cost_q16: u64,
+    pub tau_ns: u64,
+    pub tat_packets: u64,
+    pub tat_bytes: u64,
+}
+
+impl RateRaw {
+    /// A fresh (idle) bucket for `limit`.
+    pub fn new(limit: &RateLimit) -> RateRaw {
+        let p = limit.params();
+        RateRaw { interval_ns: p.interval_ns, byte_cost_q16: p.byte_cost_q16, tau_ns: p.tau_ns, ..Default::default() }
+    }
 }
 
 /// `struct mp_latency_hist`.
@@ -159,6 +185,7 @@ unsafe impl Pod for KeyRaw {}
 unsafe impl Pod for StreamValueRaw {}
 unsafe impl Pod for CopyRaw {}
 unsafe impl Pod for StreamCountersRaw {}
+unsafe impl Pod for RateRaw {}
 unsafe impl Pod for LatencyHistRaw {}
 unsafe impl Pod for u32 {}
 unsafe impl Pod for u64 {}
@@ -173,6 +200,7 @@ impl StreamCountersRaw {
         self.drop_stranger += o.drop_stranger;
         self.drop_malformed += o.drop_malformed;
         self.pass_slow += o.pass_slow;
+        self.drop_rate_limited += o.drop_rate_limited;
     }
 }
 
@@ -295,6 +323,9 @@ pub struct KernelStream {
     pub flags: u32,
     pub source: Option<SocketAddr>,
     pub copies: Vec<CopyRaw>,
+    /// With `flags::RATE`: the limit to write to `stream_rate[stats slot]`. `None` with the flag
+    /// set means "unknown" (adopted from pins): the next apply rewrites it.
+    pub rate: Option<RateLimit>,
 }
 
 impl KernelStream {
@@ -344,12 +375,16 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     if mixed || e.copies.len() > MAX_FANOUT {
         f |= flags::SLOW;
     }
+    let rate = e.rate.filter(|r| !r.is_unlimited());
+    if rate.is_some() {
+        f |= flags::RATE;
+    }
     let copies = if f & flags::SLOW != 0 {
         Vec::new()
     } else {
         e.copies.iter().map(|c| CopyRaw::new(e.id, c.from, c.to)).collect()
     };
-    KernelStream { id: e.id, flags: f, source, copies }
+    KernelStream { id: e.id, flags: f, source, copies, rate }
 }
 
 /// Kernel entries of the streams on `locals` (all locals when `None`).
@@ -374,6 +409,7 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
             flags: flags::NARROWED,
             source: None,
             copies: Vec::new(),
+            rate: None,
         });
     }
     out
@@ -394,7 +430,8 @@ mod tests {
         assert_eq!(size_of::<KeyRaw>(), 24);
         assert_eq!(size_of::<StreamValueRaw>(), 40);
         assert_eq!(size_of::<CopyRaw>(), 40);
-        assert_eq!(size_of::<StreamCountersRaw>(), 64);
+        assert_eq!(size_of::<StreamCountersRaw>(), 72);
+        assert_eq!(size_of::<RateRaw>(), 48);
         assert_eq!(size_of::<LatencyHistRaw>(), (LAT_BUCKETS + 4) * 8);
         // The generated skeleton carries the C layout (from BTF): compare.
         use crate::skel::types;
@@ -403,6 +440,7 @@ mod tests {
         assert_eq!(size_of::<types::mp_copy_rewrite>(), size_of::<CopyRaw>());
         assert_eq!(size_of::<types::mp_stream_counters>(), size_of::<StreamCountersRaw>());
         assert_eq!(size_of::<types::mp_latency_hist>(), size_of::<LatencyHistRaw>());
+        assert_eq!(size_of::<types::mp_rate>(), size_of::<RateRaw>());
     }
 
     #[test]

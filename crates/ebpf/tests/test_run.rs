@@ -12,7 +12,7 @@ use mediaplane_core::packet::{build_frame, parse_frame, verify_checksums, FrameE
 use mediaplane_core::rtp::build_rtp;
 use mediaplane_core::table::{Copy, DropReason, ForwardingTable, IngressKey, SlowReason, SourceRule, StreamEntry, Verdict};
 use mediaplane_ebpf::maps::{flags, kernel_entries};
-use mediaplane_ebpf::{FastPath, KernelStats, LoadOptions, TC_ACT_OK, TC_ACT_SHOT};
+use mediaplane_ebpf::{FastPath, KernelStats, LoadOptions, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -65,6 +65,7 @@ fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: bool,
         source,
         rtp,
         copies: copies.into_iter().enumerate().map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to }).collect(),
+        rate: None,
     }
 }
 
@@ -174,12 +175,19 @@ impl Rig {
         let ports: Vec<u16> = t.streams.values().flat_map(|e| e.copies.iter().map(|c| c.to.port())).collect();
         match &want {
             Expect::Forward(copies) => {
-                assert_eq!(run.retval, TC_ACT_SHOT, "{want:?}: {d:?}");
+                // The last copy is the packet itself, redirected: BPF_PROG_TEST_RUN hands it
+                // back (data_out) instead of transmitting it.
+                let want_ret = if copies.is_empty() { TC_ACT_SHOT } else { TC_ACT_REDIRECT };
+                assert_eq!(run.retval, want_ret, "{want:?}: {d:?}");
                 assert_eq!(d.get("forwarded"), Some(&1), "{d:?}");
                 assert_eq!(d.get("rx_packets"), Some(&1), "{d:?}");
                 assert_eq!(d.get("tx_copies").copied().unwrap_or(0), copies.len() as u64, "{d:?}");
                 assert_eq!(d.get("tx_errors"), None, "{d:?}");
-                let got = self.cap.collect(copies.len(), Duration::from_secs(3), udp_to(&ports));
+                let clones = copies.len().saturating_sub(1);
+                let mut got = self.cap.collect(clones, Duration::from_secs(3), udp_to(&ports));
+                if !copies.is_empty() {
+                    got.push(run.data_out.clone());
+                }
                 verify_copies(frame, copies, &got);
                 got
             }
@@ -523,5 +531,160 @@ fn udp_checksum_zero_stays_zero_on_ipv4() {
     f[14 + 20 + 7] = 0;
     for c in rig.check(&t, &f) {
         assert_eq!(&c[14 + 20 + 6..14 + 20 + 8], &[0, 0]);
+    }
+}
+
+/// Not a check: the program's run time per copy on this machine, warm (back to back) and cold-ish
+/// (1 ms apart, like real media). Copies leave through a veth whose peer drops them, so the time is the
+/// program's own work plus clone and transmit; BPF_PROG_TEST_RUN runs in process context, so
+/// the receiving veth's softirq (a quick PACKET_OTHERHOST drop) runs inside the helper too. Run:
+/// `cargo test --release -p mediaplane-ebpf --test test_run copy_cost -- --ignored --nocapture`
+#[test]
+#[ignore]
+fn copy_cost_microbench() {
+    root_or_skip!("copy_cost_microbench");
+    let ns = Netns::new("m");
+    let v0 = format!("{}a", ns.name);
+    let v1 = format!("{}b", ns.name);
+    let d0 = format!("{}d", ns.name);
+    ns.ip(&["link", "add", &v0, "type", "veth", "peer", "name", &v1]);
+    let d1 = format!("{}e", ns.name);
+    // The copies' next hop MAC is not d1's: its stack drops them right away (PACKET_OTHERHOST).
+    ns.ip(&["link", "add", &d0, "type", "veth", "peer", "name", &d1]);
+    for i in [&v0, &v1, &d0, &d1] {
+        ns.ip(&["link", "set", i, "up"]);
+    }
+    ns.ip(&["addr", "add", "10.200.0.1/24", "dev", &v0]);
+    ns.ip(&["addr", "add", "10.201.0.1/24", "dev", &d0]);
+    ns.ip(&["neigh", "add", "10.201.0.2", "lladdr", "02:00:00:00:00:a1", "dev", &d0, "nud", "permanent"]);
+    ns.sysctl("net/ipv4/conf/all/forwarding", "1");
+    let _g = ns.enter();
+    // MP_AB_OBJECT=<path to another sfu_tc.bpf.o>: measure it too, interleaved with this build.
+    let mut planes = vec![("this build".to_string(), FastPath::load(&LoadOptions::default()).expect("load"))];
+    if let Ok(path) = std::env::var("MP_AB_OBJECT") {
+        let obj = std::fs::read(&path).expect("MP_AB_OBJECT");
+        planes.push((path, FastPath::load_object(&LoadOptions::default(), &obj).expect("load MP_AB_OBJECT")));
+    }
+    let ifx = ifindex(&v0);
+    for round in 0..2 {
+    for (name, fp) in &planes {
+    println!("{name} (round {round})");
+    for n in [11usize, 63] {
+        let subs: Vec<_> = (0..n).map(|i| (a(&format!("10.201.0.1:{}", 30000 + i)), a(&format!("10.201.0.2:{}", 40000 + i)))).collect();
+        let t = table(n as u64, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subs)]);
+        fp.apply(Arc::new(t)).unwrap();
+        let frame = v4_frame(PUBLISHER, LOCAL, &rtp(1));
+        for (label, gap) in [("warm", Duration::ZERO), ("1ms apart", Duration::from_millis(1))] {
+            let mut d: Vec<u64> = Vec::new();
+            let runs = if gap.is_zero() { 5000 } else { 500 };
+            for _ in 0..runs {
+                let r = fp.test_run(&frame, Some(ifx)).unwrap();
+                assert!(r.retval == TC_ACT_REDIRECT || r.retval == TC_ACT_SHOT, "{}", r.retval);
+                d.push(r.duration_ns);
+                if !gap.is_zero() {
+                    std::thread::sleep(gap);
+                }
+            }
+            d.sort();
+            let per = |x: u64| x as f64 / n as f64;
+            println!(
+                "copies {n:3} {label:10}: ns/copy p50 {:7.1}  p10 {:7.1}  p90 {:7.1}  mean {:7.1}",
+                per(d[d.len() / 2]),
+                per(d[d.len() / 10]),
+                per(d[d.len() * 9 / 10]),
+                d.iter().sum::<u64>() as f64 / d.len() as f64 / n as f64
+            );
+        }
+        let s = fp.kernel_stats().unwrap();
+        assert_eq!(s.get("tx_errors"), 0, "{:?}", s.global);
+    }
+    }
+    }
+}
+
+#[test]
+fn next_hop_cache_follows_neighbour_changes() {
+    root_or_skip!("next_hop_cache_follows_neighbour_changes");
+    let rig = Rig::new();
+    let t = table(1, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(1))]);
+    rig.apply(&t);
+    let frame = v4_frame(PUBLISHER, LOCAL, &rtp(1));
+    let dst_mac = |fp: &FastPath| {
+        let r = fp.test_run(&frame, Some(rig.ifindex)).unwrap();
+        assert_eq!(r.retval, TC_ACT_REDIRECT);
+        <[u8; 6]>::try_from(&r.data_out[0..6]).unwrap()
+    };
+    assert_eq!(dst_mac(&rig.fp), MAC1);
+    assert_eq!(dst_mac(&rig.fp), MAC1, "cached");
+    // The watcher hears the neighbour change and invalidates the cache.
+    let gen = rig.fp.next_hop_generation_map().unwrap();
+    let read_gen = || {
+        use libbpf_rs::MapCore;
+        let v = gen.lookup(&0u32.to_ne_bytes(), libbpf_rs::MapFlags::ANY).unwrap().unwrap();
+        u32::from_ne_bytes(v[..4].try_into().unwrap())
+    };
+    let watch = mediaplane_ebpf::nhwatch::NextHopWatch::start(rig.fp.next_hop_generation_map().unwrap()).unwrap();
+    let g0 = read_gen();
+    rig.lab.ns.ip(&["neigh", "replace", "10.200.0.2", "lladdr", "02:00:00:00:00:b1", "dev", &rig.lab.v0, "nud", "permanent"]);
+    let start = std::time::Instant::now();
+    while read_gen() == g0 && start.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    assert_ne!(read_gen(), g0, "the watcher saw no change");
+    assert_eq!(dst_mac(&rig.fp), [0x02, 0, 0, 0, 0, 0xb1], "re-resolved after the change");
+    drop(watch);
+    // An explicit invalidation works too.
+    rig.lab.ns.ip(&["neigh", "replace", "10.200.0.2", "lladdr", "02:00:00:00:00:a1", "dev", &rig.lab.v0, "nud", "permanent"]);
+    rig.fp.invalidate_next_hops().unwrap();
+    assert_eq!(dst_mac(&rig.fp), MAC1);
+}
+
+/// A stream limited to R packets/s flooded for a second through BPF_PROG_TEST_RUN: it forwards
+/// R per second (within 5%), drops and counts the rest; an unlimited stream beside it is untouched.
+#[test]
+fn rate_limited_stream_forwards_its_rate_under_a_flood() {
+    root_or_skip!("rate_limited_stream_forwards_its_rate_under_a_flood");
+    const RATE: u32 = 1000;
+    let rig = Rig::new();
+    let mut limited = entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(1));
+    limited.rate = Some(mediaplane_core::RateLimit { pps: RATE, bps: 0, burst_ms: 10 });
+    let free = entry(2, "10.200.0.1:4002", None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(1));
+    let t = table(1, vec![limited, free]);
+    rig.apply(&t);
+    let frame = v4_frame(PUBLISHER, LOCAL, &rtp(1));
+    let before = rig.fp.kernel_stats().unwrap();
+    let start = std::time::Instant::now();
+    let (mut runs, mut forwarded) = (0u64, 0u64);
+    while start.elapsed() < Duration::from_secs(1) && runs < 5_000_000 {
+        let r = rig.fp.test_run(&frame, Some(rig.ifindex)).unwrap();
+        runs += 1;
+        match r.retval {
+            TC_ACT_REDIRECT => forwarded += 1,
+            TC_ACT_SHOT => {}
+            v => panic!("verdict {v}"),
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let want = RATE as f64 * secs;
+    assert!(runs as f64 > 4.0 * want, "flood too slow to test anything: {runs} runs");
+    assert!((forwarded as f64 - want).abs() <= 0.05 * want, "{forwarded} forwarded in {secs:.3} s, want {want:.0} ± 5%");
+    let d = delta(&before, &rig.fp.kernel_stats().unwrap());
+    assert_eq!(d.get("drop_rate_limited").copied().unwrap_or(0), runs - forwarded, "{d:?}");
+    assert_eq!(d.get("forwarded").copied().unwrap_or(0), forwarded, "{d:?}");
+    let s = rig.fp.kernel_stats().unwrap();
+    assert_eq!(s.streams[&1].drop_rate_limited, runs - forwarded);
+    assert_eq!(s.to_dataplane_stats(1).total.drop_rate_limited, runs - forwarded);
+    // The unlimited stream forwards everything.
+    let other = v4_frame(PUBLISHER, "10.200.0.1:4002", &rtp(1));
+    for _ in 0..100 {
+        assert_eq!(rig.fp.test_run(&other, Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
+    }
+    // Lifting the limit lifts it at once.
+    let mut t2 = t.clone();
+    t2.version = 2;
+    t2.streams.values_mut().for_each(|e| e.rate = None);
+    rig.apply(&t2);
+    for _ in 0..100 {
+        assert_eq!(rig.fp.test_run(&frame, Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
     }
 }
