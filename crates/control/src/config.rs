@@ -45,11 +45,27 @@ pub struct Limits {
     /// Fan-out cap: subscribers of one stream.
     pub max_subscribers_per_stream: usize,
     pub max_relays: usize,
+    /// Per-stream limit on what a publisher may inject, enforced in both data planes;
+    /// 0 = no limit. The bucket holds `stream_burst_ms` worth of the rate.
+    pub stream_pps: u32,
+    pub stream_kbps: u64,
+    pub stream_burst_ms: u32,
+}
+
+impl Limits {
+    /// The per-stream rate limit the table carries, if any is configured.
+    pub fn stream_rate(&self) -> Option<mediaplane_core::RateLimit> {
+        (self.stream_pps > 0 || self.stream_kbps > 0).then_some(mediaplane_core::RateLimit {
+            pps: self.stream_pps,
+            bps: self.stream_kbps * 1000,
+            burst_ms: self.stream_burst_ms,
+        })
+    }
 }
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_rooms: 10_000, max_participants_per_room: 256, max_streams_per_participant: 8, max_subscribers_per_stream: 256, max_relays: 1_000_000 }
+        Limits { max_rooms: 10_000, max_participants_per_room: 256, max_streams_per_participant: 8, max_subscribers_per_stream: 256, max_relays: 1_000_000, stream_pps: 0, stream_kbps: 0, stream_burst_ms: mediaplane_core::RateLimit::DEFAULT_BURST_MS }
     }
 }
 

@@ -42,7 +42,9 @@ impl SessionManager {
     /// Load the stored sessions and install them: after a restart, media flows again.
     pub fn open(store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig, limits: Limits) -> Result<SessionManager, ManagerError> {
         let model = store.load()?;
-        let table = Arc::new(ForwardingTable::compile(&model, 1));
+        let mut table = ForwardingTable::compile(&model, 1);
+        table.set_rate_limit(limits.stream_rate());
+        let table = Arc::new(table);
         dataplane.apply(table.clone())?;
         Ok(SessionManager { inner: Mutex::new(Inner { model, table, store }), dataplane, media, limits })
     }
@@ -57,7 +59,9 @@ impl SessionManager {
         let mut next = inner.model.clone();
         let (out, changes) = f(&mut next, &self.media)?;
         check_limits(&next, &changes, &self.limits)?;
-        let table = Arc::new(ForwardingTable::compile(&next, inner.table.version + 1));
+        let mut table = ForwardingTable::compile(&next, inner.table.version + 1);
+        table.set_rate_limit(self.limits.stream_rate());
+        let table = Arc::new(table);
         self.dataplane.apply(table.clone())?;
         if let Err(e) = inner.store.save(&next, &changes) {
             // Not persisted, so not accepted: put the previous table back.
