@@ -1,0 +1,26 @@
+//! `mediaplane bench overload --quick`: a stranger's flood beside a conference must leave the
+//! daemon alive, reach no participant, and be counted as stranger drops, in both planes.
+
+use serde_json::Value;
+use std::process::Command;
+
+#[test]
+fn overload_quick_strangers_are_dropped_and_counted_and_serve_survives() {
+    if !mediaplane_bench::require_root("bench_overload_smoke") {
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!("mp-overload-smoke-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane")).args(["bench", "overload", "--quick", "--out"]).arg(&out_dir).output().unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let v: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(out_dir.join("overload.json")).unwrap()).unwrap();
+    assert_eq!(v.len(), 2);
+    for r in &v {
+        assert_eq!(r["serve_alive"], true, "{r}");
+        assert_eq!(r["copies_to_strangers"], 0, "{r}");
+        let (sent, dropped) = (r["flood"]["sent"].as_u64().unwrap(), r["stranger_drops"].as_u64().unwrap());
+        assert!(sent > 0 && dropped > 0 && dropped <= sent, "every counted drop was sent: {r}");
+        assert!(r["capacity_pps"].as_f64().unwrap() > 0.0);
+        assert_eq!(r["api_errors"], 0, "the API answers during the flood: {r}");
+    }
+    std::fs::remove_dir_all(&out_dir).unwrap();
+}
