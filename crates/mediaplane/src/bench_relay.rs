@@ -453,20 +453,7 @@ impl Drop for RelayProc {
 
 /// One HTTP call to the mediaplane daemon, from inside the relay namespace.
 fn api(tb: &Testbed, method: &str, path: &str, body: Option<Json>) -> anyhow::Result<Json> {
-    let (m, url) = (method.to_string(), format!("http://{API}{path}"));
-    let r = tb.in_ns(&tb.sfu_ns, move || {
-        let req = ureq::request(&m, &url).timeout(Duration::from_secs(60));
-        let resp = match body {
-            Some(b) => req.send_json(b),
-            None => req.call(),
-        };
-        match resp {
-            Ok(r) => r.into_json::<Json>().map_err(|e| e.to_string()),
-            Err(ureq::Error::Status(code, r)) => Err(format!("HTTP {code}: {}", r.into_string().unwrap_or_default())),
-            Err(e) => Err(e.to_string()),
-        }
-    })?;
-    r.map_err(|e| anyhow::anyhow!("{path}: {e}"))
+    crate::conference::api_with_timeout(tb, method, path, body, Duration::from_secs(60))
 }
 
 fn extra(stats: &Json, k: &str) -> u64 {

@@ -151,9 +151,14 @@ impl Drop for ServeProcess {
 
 /// One API call made from inside the SFU namespace (the daemon listens on its loopback).
 pub(crate) fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
+    api_with_timeout(tb, method, path, body, Duration::from_secs(5))
+}
+
+/// [`api`] for requests that may legitimately take long (bulk set-up under load).
+pub(crate) fn api_with_timeout(tb: &Testbed, method: &str, path: &str, body: Option<Value>, timeout: Duration) -> anyhow::Result<Value> {
     let (method, url) = (method.to_string(), format!("http://{API}{path}"));
     let r = tb.in_ns(&tb.sfu_ns, move || {
-        let req = ureq::request(&method, &url).timeout(Duration::from_secs(5));
+        let req = ureq::request(&method, &url).timeout(timeout);
         let resp = match body {
             Some(b) => req.send_json(b),
             None => req.call(),
