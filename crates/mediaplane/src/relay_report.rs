@@ -3,12 +3,10 @@
 //! install rate and memory vs sessions installed).
 
 use crate::bench_relay::{Capacity, RelayRun};
-use crate::report::RunMeta;
-use plotters::prelude::*;
+use crate::report::{esc, html_table, line_chart, RunMeta};
 use std::fmt::Write as _;
 use std::path::Path;
 
-const PALETTE: [RGBColor; 4] = [RGBColor(31, 119, 180), RGBColor(214, 39, 40), RGBColor(44, 160, 44), RGBColor(148, 103, 189)];
 
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map(|x| x.to_string()).unwrap_or_default()
@@ -142,32 +140,11 @@ fn per_relay(runs: &[RelayRun], metric: &dyn Fn(&RelayRun) -> Option<f64>) -> Se
         .collect()
 }
 
-fn plot(path: &Path, title: &str, xdesc: &str, ydesc: &str, series: &Series) -> anyhow::Result<()> {
-    let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).collect();
-    let xmax = all.iter().map(|p| p.0).fold(1.0, f64::max) * 1.05;
-    let ymax = all.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9) * 1.15;
-    let root = SVGBackend::new(path, (640, 400)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root).caption(title, ("sans-serif", 18)).margin(12).x_label_area_size(35).y_label_area_size(65).build_cartesian_2d(0f64..xmax, 0f64..ymax)?;
-    chart.configure_mesh().x_desc(xdesc).y_desc(ydesc).draw()?;
-    for (i, (name, pts)) in series.iter().enumerate() {
-        let color = PALETTE[i % PALETTE.len()];
-        chart
-            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?
-            .label(name.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, color.filled())))?;
-    }
-    chart.configure_series_labels().position(SeriesLabelPosition::UpperLeft).background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
-    root.present()?;
-    Ok(())
-}
-
 fn write_plots(dir: &Path, runs: &[RelayRun], cap: Option<&Capacity>) -> anyhow::Result<Vec<(String, String)>> {
     let mut out = Vec::new();
     let mut add = |file: &str, caption: &str, title: &str, xdesc: &str, ydesc: &str, s: Series| -> anyhow::Result<()> {
         if s.iter().any(|x| !x.1.is_empty()) {
-            plot(&dir.join(file), title, xdesc, ydesc, &s)?;
+            line_chart(&dir.join(file), title, xdesc, ydesc, &s)?;
             out.push((file.to_string(), caption.to_string()));
         }
         Ok(())
@@ -186,10 +163,6 @@ fn write_plots(dir: &Path, runs: &[RelayRun], cap: Option<&Capacity>) -> anyhow:
         add("capacity_rss.svg", "Daemon memory vs sessions", "daemon VmRSS", "relay sessions installed", "MiB", s)?;
     }
     Ok(out)
-}
-
-fn esc(s: &str) -> String {
-    s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
 pub fn write_all(dir: &Path, meta: &RunMeta, setup_rate: f64, runs: &[RelayRun], cap: Option<&Capacity>, failures: &[String]) -> anyhow::Result<()> {
@@ -249,19 +222,8 @@ pub fn write_all(dir: &Path, meta: &RunMeta, setup_rate: f64, runs: &[RelayRun],
     for (file, title) in &plots {
         let _ = write!(h, "<figure style=\"display:inline-block\"><img src=\"{file}\" alt=\"{t}\"><figcaption>{t}</figcaption></figure>", t = esc(title));
     }
-    h.push_str("<h2>Runs</h2><table><tr>");
-    for c in CSV_HEADER.split(',') {
-        let _ = write!(h, "<th>{c}</th>");
-    }
-    h.push_str("</tr>");
-    for r in runs {
-        h.push_str("<tr>");
-        for c in csv_row(r).split(',') {
-            let _ = write!(h, "<td>{}</td>", esc(c));
-        }
-        h.push_str("</tr>");
-    }
-    h.push_str("</table>");
+    h.push_str("<h2>Runs</h2>");
+    h.push_str(&html_table(CSV_HEADER, runs.iter().map(csv_row)));
     if let Some(c) = cap {
         h.push_str(
             "<h2>Capacity of the API layer (mediaplane, eBPF plane, one worker)</h2>\

@@ -276,6 +276,52 @@ fn planes(results: &[ConferenceResult]) -> Vec<String> {
     v
 }
 
+/// One line (with points) per named series; the y axis includes 0. Shared by every report.
+pub(crate) fn line_chart(path: &Path, title: &str, xdesc: &str, ydesc: &str, series: &[(String, Vec<(f64, f64)>)]) -> anyhow::Result<()> {
+    let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).collect();
+    let xmax = all.iter().map(|p| p.0).fold(1.0, f64::max) * 1.05;
+    let ymax = all.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9) * 1.15;
+    let ymin = all.iter().map(|p| p.1).fold(0.0, f64::min).min(0.0);
+    let root = SVGBackend::new(path, (640, 400)).into_drawing_area();
+    root.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(&root)
+        .caption(title, ("sans-serif", 18))
+        .margin(12)
+        .x_label_area_size(35)
+        .y_label_area_size(65)
+        .build_cartesian_2d(0f64..xmax, ymin..ymax)?;
+    chart.configure_mesh().x_desc(xdesc).y_desc(ydesc).draw()?;
+    for (i, (name, pts)) in series.iter().enumerate() {
+        let color = PALETTE[i % PALETTE.len()];
+        chart
+            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?
+            .label(name.as_str())
+            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
+        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, color.filled())))?;
+    }
+    chart.configure_series_labels().position(SeriesLabelPosition::UpperLeft).background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
+    root.present()?;
+    Ok(())
+}
+
+/// An HTML table from a CSV header and CSV rows (values escaped).
+pub(crate) fn html_table(header: &str, rows: impl IntoIterator<Item = String>) -> String {
+    let mut h = String::from("<table><tr>");
+    for c in header.split(',') {
+        let _ = write!(h, "<th>{}</th>", esc(c));
+    }
+    h.push_str("</tr>");
+    for row in rows {
+        h.push_str("<tr>");
+        for c in row.split(',') {
+            let _ = write!(h, "<td>{}</td>", esc(c));
+        }
+        h.push_str("</tr>");
+    }
+    h.push_str("</table>");
+    h
+}
+
 /// A line chart of `metric` against N for each data plane, one-stream scenario.
 fn plot_vs_n(path: &Path, title: &str, ylabel: &str, results: &[ConferenceResult], metric: &dyn Fn(&ConferenceResult) -> Option<f64>) -> anyhow::Result<()> {
     let series: Vec<(String, Vec<(f64, f64)>)> = planes(results)
@@ -289,30 +335,7 @@ fn plot_vs_n(path: &Path, title: &str, ylabel: &str, results: &[ConferenceResult
             (p, pts)
         })
         .collect();
-    let all: Vec<(f64, f64)> = series.iter().flat_map(|s| s.1.iter().copied()).collect();
-    let xmax = all.iter().map(|p| p.0).fold(2.0, f64::max) + 1.0;
-    let ymax = all.iter().map(|p| p.1).fold(0.0, f64::max).max(1e-9) * 1.15;
-    let ymin = all.iter().map(|p| p.1).fold(0.0, f64::min).min(0.0);
-    let root = SVGBackend::new(path, (640, 400)).into_drawing_area();
-    root.fill(&WHITE)?;
-    let mut chart = ChartBuilder::on(&root)
-        .caption(title, ("sans-serif", 18))
-        .margin(12)
-        .x_label_area_size(35)
-        .y_label_area_size(60)
-        .build_cartesian_2d(1f64..xmax, ymin..ymax)?;
-    chart.configure_mesh().x_desc("participants N").y_desc(ylabel).draw()?;
-    for (i, (name, pts)) in series.iter().enumerate() {
-        let color = PALETTE[i % PALETTE.len()];
-        chart
-            .draw_series(LineSeries::new(pts.clone(), color.stroke_width(2)))?
-            .label(name.as_str())
-            .legend(move |(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], color.stroke_width(2)));
-        chart.draw_series(pts.iter().map(|p| Circle::new(*p, 3, color.filled())))?;
-    }
-    chart.configure_series_labels().background_style(WHITE.mix(0.8)).border_style(BLACK).draw()?;
-    root.present()?;
-    Ok(())
+    line_chart(path, title, "participants N", ylabel, &series)
 }
 
 /// Delay CDF per data plane at the largest N of the one-stream scenario.
@@ -360,7 +383,7 @@ fn write_plots(dir: &Path, results: &[ConferenceResult]) -> anyhow::Result<Vec<(
     Ok(out)
 }
 
-fn esc(s: &str) -> String {
+pub(crate) fn esc(s: &str) -> String {
     s.replace('&', "&amp;").replace('<', "&lt;").replace('>', "&gt;")
 }
 
@@ -395,19 +418,8 @@ fn html(meta: &RunMeta, results: &[ConferenceResult], failures: &[String], plots
     for (file, title) in plots {
         let _ = write!(h, "<figure style=\"display:inline-block\"><img src=\"{file}\" alt=\"{t}\"><figcaption>{t}</figcaption></figure>", t = esc(title));
     }
-    h.push_str("<h2>Results</h2><p>Delays are one-way, per copy, in µs. Added delay = through the SFU minus the direct path through the SFU namespace's router, same run (difference of quantiles). MOS: G.107 E-model as G.711 (Ie = 0, Bpl = 4.3) with the measured mean delay and loss. Cost per copy: CPU of the serve process per delivered copy.</p><table><tr>");
-    for c in CSV_HEADER.split(',') {
-        let _ = write!(h, "<th>{c}</th>");
-    }
-    h.push_str("</tr>");
-    for r in results {
-        h.push_str("<tr>");
-        for c in csv_row(r).split(',') {
-            let _ = write!(h, "<td>{}</td>", esc(c));
-        }
-        h.push_str("</tr>");
-    }
-    h.push_str("</table>");
+    h.push_str("<h2>Results</h2><p>Delays are one-way, per copy, in µs. Added delay = through the SFU minus the direct path through the SFU namespace's router, same run (difference of quantiles). MOS: G.107 E-model as G.711 (Ie = 0, Bpl = 4.3) with the measured mean delay and loss. Cost per copy: CPU of the serve process per delivered copy.</p>");
+    h.push_str(&html_table(CSV_HEADER, results.iter().map(csv_row)));
     h.push_str(
         "<h2>Against the thesis</h2><p>The thesis (P4/BMv2 SFU and a Python/scapy SFU in Mininet) measured the time a packet spent in the SFU; \
          the closest measure here is the added delay. Thesis values in ms; ours in µs (mean added delay per copy).</p>\
