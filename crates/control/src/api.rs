@@ -388,12 +388,13 @@ async fn metrics(State(m): State<AppState>) -> Response {
     let labels = m.read(|_, t| t.streams.values().map(|e| (e.id, e.label.clone())).collect::<std::collections::HashMap<_, _>>());
     let dp = &st.dataplane;
     let mut out = String::new();
-    for (i, (name, _)) in st.total.fields().iter().enumerate() {
+    let per_stream: Vec<_> = st.streams.iter().map(|(id, c)| (id, c.fields())).collect();
+    for (i, (name, total)) in st.total.fields().into_iter().enumerate() {
         let _ = writeln!(out, "# TYPE mediaplane_{name}_total counter");
-        let _ = writeln!(out, "mediaplane_{name}_total{{dataplane=\"{dp}\"}} {}", st.total.fields()[i].1);
-        for (id, c) in &st.streams {
+        let _ = writeln!(out, "mediaplane_{name}_total{{dataplane=\"{dp}\"}} {total}");
+        for (id, fields) in &per_stream {
             let label = labels.get(id).map(String::as_str).unwrap_or("removed");
-            let _ = writeln!(out, "mediaplane_stream_{name}_total{{dataplane=\"{dp}\",stream=\"{}\",id=\"{id}\"}} {}", escape(label), c.fields()[i].1);
+            let _ = writeln!(out, "mediaplane_stream_{name}_total{{dataplane=\"{dp}\",stream=\"{}\",id=\"{id}\"}} {}", escape(label), fields[i].1);
         }
     }
     for (k, v) in &st.extra {
