@@ -1,6 +1,10 @@
 //! The session manager: the single writer of the model. Every mutation is applied to a copy,
 //! compiled, installed in the data plane, persisted, and only then becomes the model; a failure
 //! at any step leaves model, data plane and store as they were.
+//!
+//! A mutation costs what it touches, not the number of sessions: the model and table are
+//! persistent maps (O(1) copies), only the rooms and relays a mutation names in its [`Change`]s
+//! are recompiled, and the data plane is handed just the keys that changed.
 
 use crate::config::{Limits, MediaConfig};
 use crate::store::{Change, Store, StoreError};
@@ -42,9 +46,7 @@ impl SessionManager {
     /// Load the stored sessions and install them: after a restart, media flows again.
     pub fn open(store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig, limits: Limits) -> Result<SessionManager, ManagerError> {
         let model = store.load()?;
-        let mut table = ForwardingTable::compile(&model, 1);
-        table.set_rate_limit(limits.stream_rate());
-        let table = Arc::new(table);
+        let table = Arc::new(ForwardingTable::compile_with_rate(&model, 1, limits.stream_rate()));
         dataplane.apply(table.clone())?;
         Ok(SessionManager { inner: Mutex::new(Inner { model, table, store }), dataplane, media, limits })
     }
@@ -59,13 +61,18 @@ impl SessionManager {
         let mut next = inner.model.clone();
         let (out, changes) = f(&mut next, &self.media)?;
         check_limits(&next, &changes, &self.limits)?;
-        let mut table = ForwardingTable::compile(&next, inner.table.version + 1);
-        table.set_rate_limit(self.limits.stream_rate());
+        let mut table = (*inner.table).clone();
+        let changed = table.update(&inner.model, &next, changes.iter().map(Change::owner));
+        #[cfg(debug_assertions)]
+        if next.rooms.len() + next.relays.len() < 500 {
+            let full = ForwardingTable::compile_with_rate(&next, table.version, self.limits.stream_rate());
+            debug_assert!(table == full, "a mutation changed a room or relay it did not name in its changes");
+        }
         let table = Arc::new(table);
-        self.dataplane.apply(table.clone())?;
+        self.dataplane.apply_changes(table.clone(), &changed)?;
         if let Err(e) = inner.store.save(&next, &changes) {
             // Not persisted, so not accepted: put the previous table back.
-            if let Err(e2) = self.dataplane.apply(inner.table.clone()) {
+            if let Err(e2) = self.dataplane.apply_changes(inner.table.clone(), &changed) {
                 tracing::error!(error = %e2, "could not restore the previous table after a store failure");
             }
             return Err(e.into());
@@ -142,18 +149,24 @@ fn check_limits(model: &Model, changes: &[Change], l: &Limits) -> Result<(), Man
 }
 
 /// A free local address on `media.ip`: an even port whose odd neighbour (RTCP) is free too.
-/// Addresses in `exclude` are taken too (reserved earlier in the same request).
+/// Addresses in `exclude` are taken too (reserved earlier in the same request). The search
+/// resumes after the last port claimed and wraps around, so allocating is O(1) amortised
+/// however many ports are in use.
 pub fn allocate_local(model: &Model, media: &MediaConfig, exclude: &[SocketAddr]) -> Result<SocketAddr, ManagerError> {
-    let start = media.port_min + (media.port_min % 2);
-    let mut port = start as u32;
-    while port < media.port_max as u32 {
-        let rtp = SocketAddr::new(media.ip, port as u16);
-        let rtcp = SocketAddr::new(media.ip, port as u16 + 1);
+    let first = media.port_min as u32 + (media.port_min % 2) as u32;
+    let last = media.port_max as u32; // the RTCP port must stay <= port_max
+    if first < last {
+        let hint = model.last_claimed_port() as u32 + 1;
+        let hint = hint + (hint % 2);
+        let start = if (first..last).contains(&hint) { hint } else { first };
         let free = |a: &SocketAddr| model.owner_of(a).is_none() && !exclude.contains(a);
-        if free(&rtp) && free(&rtcp) {
-            return Ok(rtp);
+        for port in (start..last).step_by(2).chain((first..start).step_by(2)) {
+            let rtp = SocketAddr::new(media.ip, port as u16);
+            let rtcp = SocketAddr::new(media.ip, port as u16 + 1);
+            if free(&rtp) && free(&rtcp) {
+                return Ok(rtp);
+            }
         }
-        port += 2;
     }
     Err(ManagerError::NoFreePort { ip: media.ip, min: media.port_min, max: media.port_max })
 }
@@ -187,6 +200,11 @@ mod tests {
         assert_eq!(a2.port(), 40004);
         m.add_participant("r", "y", a2, "127.78.1.2:5000".parse().unwrap()).unwrap();
         assert!(matches!(allocate_local(&m, &media(), &[]), Err(ManagerError::NoFreePort { .. })));
+        // A freed port is found again after the search wraps around.
+        m.remove_participant("r", "x").unwrap();
+        assert_eq!(allocate_local(&m, &media(), &[]).unwrap().port(), 40002);
+        assert_eq!(allocate_local(&m, &media(), &[a1, SocketAddr::new(a1.ip(), 40003)]).map_err(|e| e.to_string()).unwrap_err(),
+            "no free port left in 127.78.0.1 40001-40006");
     }
 
     #[test]

@@ -26,6 +26,16 @@ pub enum Change {
     Relay(String),
 }
 
+impl Change {
+    /// The part of the table this change recompiles.
+    pub fn owner(&self) -> mediaplane_core::table::Owner<'_> {
+        match self {
+            Change::Room(id) => mediaplane_core::table::Owner::Room(id),
+            Change::Relay(id) => mediaplane_core::table::Owner::Relay(id),
+        }
+    }
+}
+
 impl Store {
     pub fn open(path: &Path) -> Result<Store, StoreError> {
         Self::init(Connection::open(path)?)

@@ -4,6 +4,7 @@
 //! Every local address (an SFU IP:port) has exactly one owner: a participant (its transport or a
 //! stream's own port) or a relay leg. That single rule makes ingress lookups unambiguous.
 
+use imbl::OrdMap;
 use serde::{Deserialize, Serialize};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::SocketAddr;
@@ -160,15 +161,35 @@ pub enum Side {
     B,
 }
 
+/// Rooms, relays and the derived indexes live in persistent maps: cloning a model is O(1) and a
+/// mutation copies only the path to what it changes. That is what lets the control plane apply
+/// each change to a copy (and drop the copy on failure) at any number of sessions.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Model {
-    pub rooms: BTreeMap<String, Room>,
-    pub relays: BTreeMap<String, Relay>,
+    pub rooms: OrdMap<String, Room>,
+    pub relays: OrdMap<String, Relay>,
     next_uid: u32,
     /// Owner of every local address in use; derived, rebuilt on load.
     #[serde(skip)]
-    owners: BTreeMap<SocketAddr, String>,
+    owners: OrdMap<SocketAddr, String>,
+    /// Relay leg uid -> (relay id, side); derived, rebuilt on load.
+    #[serde(skip)]
+    legs: OrdMap<u32, (String, Side)>,
+    #[serde(skip)]
+    last_claimed: AllocHint,
 }
+
+/// The port of the last address claimed: port allocation continues from there instead of
+/// rescanning every used port. A hint, so it never makes two models unequal.
+#[derive(Debug, Clone, Copy, Default)]
+struct AllocHint(u16);
+
+impl PartialEq for AllocHint {
+    fn eq(&self, _: &Self) -> bool {
+        true
+    }
+}
+impl Eq for AllocHint {}
 
 fn not_found(kind: &'static str, id: &str) -> ModelError {
     ModelError::NotFound { kind, id: id.to_string() }
@@ -180,8 +201,12 @@ impl Model {
     }
 
     /// Reassemble a model from stored parts (rooms and relays stored apart), validating it.
-    pub fn from_parts(rooms: BTreeMap<String, Room>, relays: BTreeMap<String, Relay>, next_uid: u32) -> Result<Model, ModelError> {
-        let mut m = Model { rooms, relays, next_uid, owners: BTreeMap::new() };
+    pub fn from_parts(
+        rooms: impl IntoIterator<Item = (String, Room)>,
+        relays: impl IntoIterator<Item = (String, Relay)>,
+        next_uid: u32,
+    ) -> Result<Model, ModelError> {
+        let mut m = Model { rooms: rooms.into_iter().collect(), relays: relays.into_iter().collect(), next_uid, ..Default::default() };
         let max_uid = m
             .rooms
             .values()
@@ -202,15 +227,7 @@ impl Model {
 
     /// Find the relay leg with this uid: (relay id, side).
     pub fn relay_leg_by_uid(&self, uid: u32) -> Option<(&str, Side)> {
-        self.relays.iter().find_map(|(id, r)| {
-            if r.a.uid == uid {
-                Some((id.as_str(), Side::A))
-            } else if r.b.uid == uid {
-                Some((id.as_str(), Side::B))
-            } else {
-                None
-            }
-        })
+        self.legs.get(&uid).map(|(id, side)| (id.as_str(), *side))
     }
 
     /// Rebuild derived indexes after deserialisation; fails if the stored state is inconsistent.
@@ -229,8 +246,11 @@ impl Model {
         for (id, r) in &self.relays {
             fresh.claim(r.a.local, format!("relay {id}/a"))?;
             fresh.claim(r.b.local, format!("relay {id}/b"))?;
+            fresh.legs.insert(r.a.uid, (id.clone(), Side::A));
+            fresh.legs.insert(r.b.uid, (id.clone(), Side::B));
         }
         self.owners = fresh.owners;
+        self.legs = fresh.legs;
         self.next_uid = fresh.next_uid;
         Ok(())
     }
@@ -240,6 +260,7 @@ impl Model {
             Some(o) if *o != owner => Err(ModelError::AddressInUse { addr, owner: o.clone() }),
             _ => {
                 self.owners.insert(addr, owner);
+                self.last_claimed = AllocHint(addr.port());
                 Ok(())
             }
         }
@@ -261,6 +282,11 @@ impl Model {
     /// The owner of a local address, if any (e.g. for port allocation).
     pub fn owner_of(&self, addr: &SocketAddr) -> Option<&str> {
         self.owners.get(addr).map(String::as_str)
+    }
+
+    /// The port of the address claimed last (where port allocation resumes).
+    pub fn last_claimed_port(&self) -> u16 {
+        self.last_claimed.0
     }
 
     pub fn local_addresses(&self) -> impl Iterator<Item = &SocketAddr> {
@@ -341,17 +367,13 @@ impl Model {
         (s.local.unwrap_or(p.local), s.ssrc)
     }
 
-    fn find_ingress(&self, addr: SocketAddr, ssrc: Option<u32>) -> Option<String> {
-        for (rid, room) in &self.rooms {
-            for (pid, p) in &room.participants {
-                for (sid, s) in &p.streams {
-                    if Self::ingress_of(p, s) == (addr, ssrc) {
-                        return Some(format!("stream {rid}/{pid}/{sid}"));
-                    }
-                }
-            }
-        }
-        None
+    /// The stream of `p` already using this ingress. Only `p`'s streams can: the ingress
+    /// address is `p`'s transport address or one that is free or owned by `p` (checked before).
+    fn find_ingress(room: &str, pid: &str, p: &Participant, addr: SocketAddr, ssrc: Option<u32>) -> Option<String> {
+        p.streams
+            .iter()
+            .find(|(_, s)| Self::ingress_of(p, s) == (addr, ssrc))
+            .map(|(sid, _)| format!("stream {room}/{pid}/{sid}"))
     }
 
     pub fn publish(&mut self, room: &str, pid: &str, name: &str, spec: StreamSpec) -> Result<u32, ModelError> {
@@ -369,7 +391,7 @@ impl Model {
             }
             self.check_free(l, &owner)?;
         }
-        if let Some(o) = self.find_ingress(ingress, spec.ssrc) {
+        if let Some(o) = Self::find_ingress(room, pid, p, ingress, spec.ssrc) {
             return Err(ModelError::IngressInUse { addr: ingress, ssrc: spec.ssrc, owner: o });
         }
         if let Some(l) = spec.local {
@@ -446,6 +468,8 @@ impl Model {
         let mk = |m: &mut Model, s: LegSpec| Leg { uid: m.uid(), local: s.local, remote: s.remote, latched: None, strict: s.strict, rtp: s.rtp };
         let a = mk(self, a);
         let b = mk(self, b);
+        self.legs.insert(a.uid, (id.into(), Side::A));
+        self.legs.insert(b.uid, (id.into(), Side::B));
         self.relays.insert(id.into(), Relay { a, b });
         Ok(())
     }
@@ -454,6 +478,8 @@ impl Model {
         let r = self.relays.remove(id).ok_or_else(|| not_found("relay", id))?;
         self.owners.remove(&r.a.local);
         self.owners.remove(&r.b.local);
+        self.legs.remove(&r.a.uid);
+        self.legs.remove(&r.b.uid);
         Ok(r)
     }
 

@@ -5,10 +5,11 @@
 //! a copy never goes back to its publisher, only subscribers get copies, and a stream has exactly
 //! one allowed source (fixed, or latched by the control plane from the first packet).
 
-use crate::model::{Leg, Model};
+use crate::model::{Leg, Model, Relay, Room};
+use crate::ratelimit::RateLimit;
 use crate::rtp::{self, MediaKind, RtpHeader};
+use imbl::OrdMap;
 use serde::{Deserialize, Serialize};
-use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 /// Where a packet enters: an SFU address, optionally narrowed by SSRC.
@@ -91,11 +92,18 @@ pub enum Verdict<'t> {
     SlowPath { reason: SlowReason, stream: Option<u32> },
 }
 
-/// The compiled tables. `version` increases with every compile so drivers can tell updates apart.
+/// The compiled tables. `version` increases with every change so drivers can tell updates apart.
+///
+/// A persistent map: the control plane clones the installed table in O(1), recompiles only the
+/// rooms and relays a mutation touched ([`ForwardingTable::update`]), and hands the data planes
+/// the new table together with the keys that changed.
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ForwardingTable {
     pub version: u64,
-    pub streams: BTreeMap<IngressKey, StreamEntry>,
+    pub streams: OrdMap<IngressKey, StreamEntry>,
+    /// The per-stream limit [`ForwardingTable::update`] puts on entries it compiles.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_rate: Option<crate::ratelimit::RateLimit>,
 }
 
 /// What changed between two tables, for drivers that update entries in place (kernel maps).
@@ -105,61 +113,117 @@ pub struct TableDiff<'t> {
     pub removals: Vec<IngressKey>,
 }
 
+/// A part of the model that compiles into its own table entries: a mutation names the ones it
+/// touched and only those are recompiled.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Owner<'a> {
+    Room(&'a str),
+    Relay(&'a str),
+}
+
+/// The entries of one room: one per published stream, copies to its subscribers.
+fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEntry> {
+    let mut out = Vec::new();
+    for (pid, p) in &room.participants {
+        for (sid, s) in &p.streams {
+            let key = IngressKey { local: s.local.unwrap_or(p.local), ssrc: s.ssrc };
+            let mut copies: Vec<Copy> = room
+                .participants
+                .iter()
+                .filter(|(sub_id, sub)| {
+                    *sub_id != pid && sub.subscriptions.iter().any(|r| r.publisher == *pid && r.stream == *sid)
+                })
+                .map(|(sub_id, sub)| Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote })
+                .collect();
+            copies.sort();
+            out.push(StreamEntry {
+                id: s.uid,
+                label: format!("{rid}/{pid}/{sid}"),
+                key,
+                source: SourceRule::Fixed(p.remote),
+                rtp: s.rtp,
+                copies,
+                rate,
+            });
+        }
+    }
+    out
+}
+
+/// The two entries of a relay: each leg's ingress, a fan-out of one to the other leg's peer.
+fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 2] {
+    [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
+        let key = IngressKey { local: from_leg.local, ssrc: None };
+        let copies = to_leg
+            .peer()
+            .map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to }])
+            .unwrap_or_default();
+        StreamEntry {
+            id: from_leg.uid,
+            label: format!("relay:{id}/{side}"),
+            key,
+            source: relay_source(from_leg),
+            rtp: from_leg.rtp,
+            copies,
+            rate,
+        }
+    })
+}
+
+fn compile_owner(model: &Model, owner: Owner, rate: Option<RateLimit>) -> Vec<StreamEntry> {
+    match owner {
+        Owner::Room(id) => model.rooms.get(id).map(|r| compile_room(id, r, rate)).unwrap_or_default(),
+        Owner::Relay(id) => model.relays.get(id).map(|r| compile_relay(id, r, rate).into()).unwrap_or_default(),
+    }
+}
+
 impl ForwardingTable {
-    /// Compile the model. Copies are sorted by subscriber so equal models give equal tables.
+    /// Compile the whole model. Copies are sorted by subscriber so equal models give equal tables.
     pub fn compile(model: &Model, version: u64) -> ForwardingTable {
-        let mut streams = BTreeMap::new();
+        Self::compile_with_rate(model, version, None)
+    }
+
+    /// [`ForwardingTable::compile`] with `rate` on every stream (`None` or unlimited: no limit).
+    pub fn compile_with_rate(model: &Model, version: u64, rate: Option<RateLimit>) -> ForwardingTable {
+        let rate = rate.filter(|l| !l.is_unlimited());
+        let mut streams = OrdMap::new();
         for (rid, room) in &model.rooms {
-            for (pid, p) in &room.participants {
-                for (sid, s) in &p.streams {
-                    let key = IngressKey { local: s.local.unwrap_or(p.local), ssrc: s.ssrc };
-                    let mut copies: Vec<Copy> = room
-                        .participants
-                        .iter()
-                        .filter(|(sub_id, sub)| {
-                            *sub_id != pid
-                                && sub.subscriptions.iter().any(|r| r.publisher == *pid && r.stream == *sid)
-                        })
-                        .map(|(sub_id, sub)| Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote })
-                        .collect();
-                    copies.sort();
-                    streams.insert(
-                        key,
-                        StreamEntry {
-                            id: s.uid,
-                            label: format!("{rid}/{pid}/{sid}"),
-                            key,
-                            source: SourceRule::Fixed(p.remote),
-                            rtp: s.rtp,
-                            copies,
-                            rate: None,
-                        },
-                    );
-                }
+            for e in compile_room(rid, room, rate) {
+                streams.insert(e.key, e);
             }
         }
         for (id, r) in &model.relays {
-            for (from_leg, to_leg, side, other) in [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")] {
-                let key = IngressKey { local: from_leg.local, ssrc: None };
-                let copies = to_leg
-                    .peer()
-                    .map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to }])
-                    .unwrap_or_default();
-                streams.insert(
-                    key,
-                    StreamEntry {
-                        id: from_leg.uid,
-                        label: format!("relay:{id}/{side}"),
-                        key,
-                        source: relay_source(from_leg),
-                        rtp: from_leg.rtp,
-                        copies,
-                        rate: None,
-                    },
-                );
+            for e in compile_relay(id, r, rate) {
+                streams.insert(e.key, e);
             }
         }
-        ForwardingTable { version, streams }
+        ForwardingTable { version, streams, stream_rate: rate }
+    }
+
+    /// Turn this table (compiled from `old`) into the table of `new`, where `new` differs from
+    /// `old` only in `touched`. Bumps the version; returns the keys whose entry was added,
+    /// changed or removed (each once, sorted). Cost: the size of what was touched.
+    pub fn update<'a>(&mut self, old: &Model, new: &Model, touched: impl IntoIterator<Item = Owner<'a>>) -> Vec<IngressKey> {
+        self.version += 1;
+        let mut changed = Vec::new();
+        for owner in touched {
+            let before = compile_owner(old, owner, self.stream_rate);
+            let after = compile_owner(new, owner, self.stream_rate);
+            for e in &before {
+                if !after.iter().any(|a| a.key == e.key) && self.streams.remove(&e.key).is_some() {
+                    changed.push(e.key);
+                }
+            }
+            for e in after {
+                if self.streams.get(&e.key) != Some(&e) {
+                    changed.push(e.key);
+                    self.streams.insert(e.key, e);
+                }
+            }
+        }
+        changed.sort();
+        changed.dedup();
+        changed
     }
 
     /// Every SFU address a data plane uses: ingress addresses and the addresses copies are sent
@@ -178,15 +242,6 @@ impl ForwardingTable {
             .range(IngressKey { local, ssrc: Some(0) }..=IngressKey { local, ssrc: Some(u32::MAX) })
             .next()
             .is_some()
-    }
-
-    /// Put `limit` on every stream (`None` or an unlimited one removes limits). The control plane
-    /// calls it after [`ForwardingTable::compile`] with its configured per-stream limit.
-    pub fn set_rate_limit(&mut self, limit: Option<crate::ratelimit::RateLimit>) {
-        let limit = limit.filter(|l| !l.is_unlimited());
-        for e in self.streams.values_mut() {
-            e.rate = limit;
-        }
     }
 
     pub fn by_id(&self, id: u32) -> Option<&StreamEntry> {
@@ -232,8 +287,8 @@ impl ForwardingTable {
 
     /// Entries to write and keys to delete to turn `old` into `self`.
     pub fn diff<'t>(&'t self, old: &ForwardingTable) -> TableDiff<'t> {
-        let upserts = self.streams.iter().filter(|(k, v)| old.streams.get(k) != Some(v)).map(|(_, v)| v).collect();
-        let removals = old.streams.keys().filter(|k| !self.streams.contains_key(k)).copied().collect();
+        let upserts = self.streams.iter().filter(|(k, v)| old.streams.get(*k) != Some(v)).map(|(_, v)| v).collect();
+        let removals = old.streams.keys().filter(|k| !self.streams.contains_key(*k)).copied().collect();
         TableDiff { upserts, removals }
     }
 }
@@ -348,16 +403,16 @@ mod tests {
 
     #[test]
     fn rate_limits_are_set_on_every_stream_and_serialised_only_when_present() {
-        let mut t = ForwardingTable::compile(&full_mesh(3), 1);
+        let t = ForwardingTable::compile(&full_mesh(3), 1);
         let e = t.streams.values().next().unwrap().clone();
         let plain = serde_json::to_string(&e).unwrap();
         assert!(!plain.contains("rate"), "{plain}");
         assert_eq!(serde_json::from_str::<StreamEntry>(&plain).unwrap(), e);
-        t.set_rate_limit(Some(crate::RateLimit::packets(100)));
+        let t = ForwardingTable::compile_with_rate(&full_mesh(3), 1, Some(crate::RateLimit::packets(100)));
         assert!(t.streams.values().all(|e| e.rate == Some(crate::RateLimit::packets(100))));
         let e = t.streams.values().next().unwrap();
         assert_eq!(&serde_json::from_str::<StreamEntry>(&serde_json::to_string(e).unwrap()).unwrap(), e);
-        t.set_rate_limit(Some(crate::RateLimit { pps: 0, bps: 0, burst_ms: 5 }));
+        let t = ForwardingTable::compile_with_rate(&full_mesh(3), 1, Some(crate::RateLimit { pps: 0, bps: 0, burst_ms: 5 }));
         assert!(t.streams.values().all(|e| e.rate.is_none()));
     }
 
@@ -426,5 +481,82 @@ mod tests {
         m.delete_relay("call").unwrap();
         let t3 = ForwardingTable::compile(&m, 3);
         assert_eq!(t3.diff(&t2).removals.len(), 2);
+    }
+
+    /// Random mutations applied incrementally give exactly the table a full compile gives, and
+    /// the changed keys are exactly the keys whose entries differ.
+    #[test]
+    fn incremental_update_equals_full_compile() {
+        let mut seed = 0x9e37_79b9_7f4a_7c15u64;
+        let mut rnd = |n: u64| {
+            seed ^= seed << 13;
+            seed ^= seed >> 7;
+            seed ^= seed << 17;
+            seed % n
+        };
+        let rate = Some(crate::RateLimit::packets(50));
+        let mut model = Model::new();
+        let mut table = ForwardingTable::compile_with_rate(&model, 0, rate);
+        let leg = |port: u64| LegSpec { local: a(&format!("10.0.0.1:{}", 30000 + 2 * port)), remote: None, strict: false, rtp: true };
+        for step in 0..3000 {
+            let mut next = model.clone();
+            let room = format!("r{}", rnd(4));
+            let relay = format!("c{}", rnd(40));
+            let p = |i: u64| format!("p{i}");
+            let owner = match rnd(9) {
+                0 => {
+                    let _ = next.create_room(&room);
+                    Owner::Room(&room)
+                }
+                1 if rnd(4) == 0 => {
+                    let _ = next.delete_room(&room);
+                    Owner::Room(&room)
+                }
+                2 => {
+                    let i = rnd(6);
+                    let port = 4000 + 100 * (room.as_bytes()[1] as u64 - b'0' as u64) + 2 * i;
+                    let _ = next.add_participant(&room, &p(i), a(&format!("10.0.0.1:{port}")), a(&format!("10.0.1.{}:5000", i + 1)));
+                    Owner::Room(&room)
+                }
+                3 => {
+                    let _ = next.remove_participant(&room, &p(rnd(6)));
+                    Owner::Room(&room)
+                }
+                4 => {
+                    let ssrc = (rnd(2) == 0).then(|| rnd(3) as u32);
+                    let _ = next.publish(&room, &p(rnd(6)), &format!("s{}", rnd(3)), StreamSpec { ssrc, ..Default::default() });
+                    Owner::Room(&room)
+                }
+                5 => {
+                    let r = StreamRef { publisher: p(rnd(6)), stream: format!("s{}", rnd(3)) };
+                    let _ = if rnd(3) == 0 { next.unsubscribe(&room, &p(rnd(6)), &r) } else { next.subscribe(&room, &p(rnd(6)), r) };
+                    Owner::Room(&room)
+                }
+                6 => {
+                    let n = rnd(40);
+                    let _ = next.create_relay(&relay, leg(2 * n), leg(2 * n + 1));
+                    Owner::Relay(&relay)
+                }
+                7 => {
+                    let side = if rnd(2) == 0 { crate::model::Side::A } else { crate::model::Side::B };
+                    let _ = next.latch(&relay, side, a(&format!("10.0.2.{}:7000", rnd(3) + 1)));
+                    Owner::Relay(&relay)
+                }
+                _ => {
+                    let _ = next.delete_relay(&relay);
+                    Owner::Relay(&relay)
+                }
+            };
+            let before = table.clone();
+            let changed = table.update(&model, &next, [owner]);
+            let full = ForwardingTable::compile_with_rate(&next, table.version, rate);
+            assert_eq!(table, full, "step {step}");
+            let d = full.diff(&before);
+            let mut expected: Vec<IngressKey> = d.upserts.iter().map(|e| e.key).chain(d.removals).collect();
+            expected.sort();
+            assert_eq!(changed, expected, "step {step}");
+            model = next;
+        }
+        assert!(table.streams.len() > 10, "the walk built something: {}", table.streams.len());
     }
 }

@@ -8,7 +8,7 @@
 pub mod sys;
 pub mod userspace;
 
-use mediaplane_core::table::{DropReason, SlowReason};
+use mediaplane_core::table::{DropReason, IngressKey, SlowReason};
 use mediaplane_core::ForwardingTable;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -138,6 +138,14 @@ pub trait Dataplane: Send + Sync {
     /// Install `table`. Atomic: each packet sees either the old or the new table, never a mix,
     /// so an update never yields a duplicate or a copy to a removed subscriber.
     fn apply(&self, table: Arc<ForwardingTable>) -> Result<(), DataplaneError>;
+
+    /// Install `table`, which differs from the installed one only at `changed` (the keys
+    /// [`ForwardingTable::update`] returned). Same atomicity as [`Dataplane::apply`]; data planes
+    /// that can update in place override it so a change costs what changed, not the table size.
+    fn apply_changes(&self, table: Arc<ForwardingTable>, changed: &[IngressKey]) -> Result<(), DataplaneError> {
+        let _ = changed;
+        self.apply(table)
+    }
 
     fn stats(&self) -> DataplaneStats;
 

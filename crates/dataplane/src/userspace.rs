@@ -8,12 +8,16 @@
 //! Atomic updates: the table and the sockets it needs live in one immutable [`State`] snapshot
 //! swapped with `ArcSwap`; a worker loads it once per received batch, so a batch is processed
 //! entirely with the old or entirely with the new table.
+//!
+//! Updates cost what changed: the table and the socket map are persistent maps (O(1) clones),
+//! an update with its changed keys ([`Dataplane::apply_changes`]) only counts the addresses
+//! those entries use, and workers are told which sockets came and went rather than rescanning.
 
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats};
 use arc_swap::ArcSwap;
 use mediaplane_core::ratelimit::{RateLimit, RateState};
-use mediaplane_core::table::Verdict;
+use mediaplane_core::table::{IngressKey, StreamEntry, Verdict};
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
@@ -50,7 +54,18 @@ impl Default for UserspaceConfig {
 /// What workers see: the table and, per SFU address, one socket per worker.
 struct State {
     table: Arc<ForwardingTable>,
-    sockets: HashMap<SocketAddr, Arc<Vec<Socket>>>,
+    sockets: imbl::HashMap<SocketAddr, Arc<Vec<Socket>>>,
+}
+
+/// A change to the socket set, queued for each worker's epoll set.
+enum SocketChange {
+    Added(SocketAddr, Arc<Vec<Socket>>),
+    Removed(SocketAddr),
+}
+
+/// Every address an entry needs a socket for: its ingress and the addresses its copies leave from.
+fn addresses_of(e: &StreamEntry) -> impl Iterator<Item = SocketAddr> + '_ {
+    std::iter::once(e.key.local).chain(e.copies.iter().map(|c| c.from))
 }
 
 #[derive(Default)]
@@ -69,14 +84,16 @@ struct Worker {
     thread: Option<JoinHandle<()>>,
     wake: Arc<EventFd>,
     counters: Arc<Mutex<WorkerCounters>>,
+    changes: Arc<Mutex<Vec<SocketChange>>>,
 }
 
 pub struct UserspaceDataplane {
     shared: Arc<Shared>,
     workers: Mutex<Vec<Worker>>,
     cfg: UserspaceConfig,
-    /// Serialises `apply` calls (socket set changes must not interleave).
-    apply_lock: Mutex<()>,
+    /// Serialises `apply` calls (socket set changes must not interleave) and holds how many
+    /// table entries use each address (its socket group lives while that is non-zero).
+    apply_lock: Mutex<HashMap<SocketAddr, u32>>,
 }
 
 impl UserspaceDataplane {
@@ -86,7 +103,7 @@ impl UserspaceDataplane {
         }
         cfg.batch = cfg.batch.clamp(1, 1024);
         let shared = Arc::new(Shared {
-            state: ArcSwap::from_pointee(State { table: Arc::new(ForwardingTable::default()), sockets: HashMap::new() }),
+            state: ArcSwap::from_pointee(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default() }),
             stop: AtomicBool::new(false),
             events: events.map(Mutex::new),
         });
@@ -94,6 +111,7 @@ impl UserspaceDataplane {
         for id in 0..cfg.workers {
             let wake = Arc::new(EventFd::new().map_err(|e| io_err("eventfd", e))?);
             let counters = Arc::new(Mutex::new(WorkerCounters::default()));
+            let changes = Arc::new(Mutex::new(Vec::new()));
             let epoll = Epoll::new().map_err(|e| io_err("epoll", e))?;
             epoll.add(wake.raw(), WAKE_TOKEN).map_err(|e| io_err("epoll add", e))?;
             let ctx = WorkerCtx {
@@ -101,18 +119,86 @@ impl UserspaceDataplane {
                 shared: shared.clone(),
                 wake: wake.clone(),
                 counters: counters.clone(),
+                changes: changes.clone(),
                 epoll,
                 batch: RecvBatch::new(cfg.batch, MAX_DATAGRAM),
                 slots: Vec::new(),
+                slot_of: HashMap::new(),
+                free_slots: Vec::new(),
                 rates: HashMap::new(),
             };
             let thread = std::thread::Builder::new()
                 .name(format!("mp-worker-{id}"))
                 .spawn(move || ctx.run())
                 .map_err(|e| io_err("spawn worker", e))?;
-            workers.push(Worker { thread: Some(thread), wake, counters });
+            workers.push(Worker { thread: Some(thread), wake, counters, changes });
         }
-        Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(()) })
+        Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(HashMap::new()) })
+    }
+
+    /// Install `table`; `changed` lists the keys that differ from the installed table (None:
+    /// compare everything). Sockets are opened for addresses that come into use and closed for
+    /// those that fall out of use; if a bind fails nothing changes.
+    fn install(&self, table: Arc<ForwardingTable>, changed: Option<&[IngressKey]>) -> Result<(), DataplaneError> {
+        let mut refs = self.apply_lock.lock();
+        let old = self.shared.state.load_full();
+        let mut delta: HashMap<SocketAddr, i64> = HashMap::new();
+        let mut count = |e: &StreamEntry, d: i64| {
+            for a in addresses_of(e) {
+                *delta.entry(a).or_default() += d;
+            }
+        };
+        match changed {
+            Some(keys) => {
+                for k in keys {
+                    if let Some(e) = old.table.streams.get(k) {
+                        count(e, -1);
+                    }
+                    if let Some(e) = table.streams.get(k) {
+                        count(e, 1);
+                    }
+                }
+            }
+            None => {
+                old.table.streams.values().for_each(|e| count(e, -1));
+                table.streams.values().for_each(|e| count(e, 1));
+            }
+        }
+        let mut sockets = old.sockets.clone();
+        let mut changes = Vec::new();
+        let mut new_refs = Vec::new();
+        for (addr, d) in delta.into_iter().filter(|(_, d)| *d != 0) {
+            let cur = refs.get(&addr).copied().unwrap_or(0) as i64;
+            let n = (cur + d).max(0);
+            if cur == 0 && n > 0 {
+                // A failed bind returns here: the groups opened so far are dropped, nothing changed.
+                let group = Arc::new(self.open_socket_group(addr)?);
+                sockets.insert(addr, group.clone());
+                changes.push(SocketChange::Added(addr, group));
+            } else if cur > 0 && n == 0 {
+                sockets.remove(&addr);
+                changes.push(SocketChange::Removed(addr));
+            }
+            new_refs.push((addr, n as u32));
+        }
+        for (addr, n) in new_refs {
+            if n == 0 {
+                refs.remove(&addr);
+            } else {
+                refs.insert(addr, n);
+            }
+        }
+        self.shared.state.store(Arc::new(State { table, sockets }));
+        if !changes.is_empty() {
+            for w in self.workers.lock().iter() {
+                w.changes.lock().extend(changes.iter().map(|c| match c {
+                    SocketChange::Added(a, g) => SocketChange::Added(*a, g.clone()),
+                    SocketChange::Removed(a) => SocketChange::Removed(*a),
+                }));
+                w.wake.notify();
+            }
+        }
+        Ok(())
     }
 
     fn open_socket_group(&self, addr: SocketAddr) -> Result<Vec<Socket>, DataplaneError> {
@@ -153,22 +239,11 @@ impl Dataplane for UserspaceDataplane {
     }
 
     fn apply(&self, table: Arc<ForwardingTable>) -> Result<(), DataplaneError> {
-        let _guard = self.apply_lock.lock();
-        let old = self.shared.state.load_full();
-        let mut sockets = HashMap::new();
-        for addr in table.local_addresses() {
-            let group = match old.sockets.get(&addr) {
-                Some(g) => g.clone(),
-                // If a bind fails the new sockets are dropped and the old state stays installed.
-                None => Arc::new(self.open_socket_group(addr)?),
-            };
-            sockets.insert(addr, group);
-        }
-        self.shared.state.store(Arc::new(State { table, sockets }));
-        for w in self.workers.lock().iter() {
-            w.wake.notify();
-        }
-        Ok(())
+        self.install(table, None)
+    }
+
+    fn apply_changes(&self, table: Arc<ForwardingTable>, changed: &[IngressKey]) -> Result<(), DataplaneError> {
+        self.install(table, Some(changed))
     }
 
     fn stats(&self) -> DataplaneStats {
@@ -198,7 +273,8 @@ impl Dataplane for UserspaceDataplane {
                 let _ = t.join();
             }
         }
-        self.shared.state.store(Arc::new(State { table: Arc::new(ForwardingTable::default()), sockets: HashMap::new() }));
+        self.shared.state.store(Arc::new(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default() }));
+        self.apply_lock.lock().clear();
         Ok(())
     }
 }
@@ -211,7 +287,8 @@ impl Drop for UserspaceDataplane {
 
 struct Slot {
     addr: SocketAddr,
-    group: Arc<Vec<Socket>>,
+    /// Keeps the socket (and so `fd`) open until this worker has taken it out of its epoll set.
+    _group: Arc<Vec<Socket>>,
     fd: RawFd,
 }
 
@@ -220,10 +297,13 @@ struct WorkerCtx {
     shared: Arc<Shared>,
     wake: Arc<EventFd>,
     counters: Arc<Mutex<WorkerCounters>>,
+    changes: Arc<Mutex<Vec<SocketChange>>>,
     epoll: Epoll,
     batch: RecvBatch,
     /// Sockets this worker receives on; the index is the epoll token.
     slots: Vec<Option<Slot>>,
+    slot_of: HashMap<SocketAddr, usize>,
+    free_slots: Vec<usize>,
     /// Rate-limit buckets of the streams this worker has seen, with the limit they were made
     /// for. Per worker: only a stream's registered source passes the source check, and one
     /// source address sending to one SFU address is one flow, which SO_REUSEPORT keeps on
@@ -262,29 +342,43 @@ impl WorkerCtx {
         }
     }
 
-    /// Make this worker's epoll set match the sockets of the current state.
+    /// Apply the queued socket changes to this worker's epoll set.
     fn reconcile(&mut self) {
-        let state = self.shared.state.load();
-        for slot in self.slots.iter_mut() {
-            let keep = slot.as_ref().is_some_and(|s| state.sockets.get(&s.addr).is_some_and(|g| Arc::ptr_eq(g, &s.group)));
-            if !keep {
-                if let Some(s) = slot.take() {
-                    let _ = self.epoll.remove(s.fd);
+        let changes = std::mem::take(&mut *self.changes.lock());
+        for c in changes {
+            match c {
+                SocketChange::Removed(addr) => {
+                    if let Some(idx) = self.slot_of.remove(&addr) {
+                        if let Some(s) = self.slots[idx].take() {
+                            let _ = self.epoll.remove(s.fd);
+                        }
+                        self.free_slots.push(idx);
+                    }
                 }
-            }
-        }
-        for (addr, group) in &state.sockets {
-            if self.slots.iter().flatten().any(|s| s.addr == *addr) {
-                continue;
-            }
-            let fd = group[self.id].as_raw_fd();
-            let idx = self.slots.iter().position(Option::is_none).unwrap_or_else(|| {
-                self.slots.push(None);
-                self.slots.len() - 1
-            });
-            match self.epoll.add(fd, idx as u64) {
-                Ok(()) => self.slots[idx] = Some(Slot { addr: *addr, group: group.clone(), fd }),
-                Err(e) => tracing::error!(%addr, error = %e, "cannot watch socket"),
+                SocketChange::Added(addr, group) => {
+                    if let Some(idx) = self.slot_of.remove(&addr) {
+                        // Re-added before this worker saw the removal: drop the old socket.
+                        if let Some(s) = self.slots[idx].take() {
+                            let _ = self.epoll.remove(s.fd);
+                        }
+                        self.free_slots.push(idx);
+                    }
+                    let fd = group[self.id].as_raw_fd();
+                    let idx = self.free_slots.pop().unwrap_or_else(|| {
+                        self.slots.push(None);
+                        self.slots.len() - 1
+                    });
+                    match self.epoll.add(fd, idx as u64) {
+                        Ok(()) => {
+                            self.slots[idx] = Some(Slot { addr, _group: group, fd });
+                            self.slot_of.insert(addr, idx);
+                        }
+                        Err(e) => {
+                            self.free_slots.push(idx);
+                            tracing::error!(%addr, error = %e, "cannot watch socket");
+                        }
+                    }
+                }
             }
         }
     }

@@ -214,10 +214,7 @@ fn rate_limited_stream_forwards_its_rate_under_a_flood() {
     const RATE: u32 = 500;
     const SECS: f64 = 1.5;
     let model = conference(NET, 2);
-    let mut table = ForwardingTable::compile(&model, 1);
-    for e in table.streams.values_mut() {
-        e.rate = Some(mediaplane_core::RateLimit { pps: RATE, bps: 0, burst_ms: 10 });
-    }
+    let table = ForwardingTable::compile_with_rate(&model, 1, Some(mediaplane_core::RateLimit { pps: RATE, bps: 0, burst_ms: 10 }));
     let dp = UserspaceDataplane::new(UserspaceConfig { workers: 2, ..Default::default() }, None).unwrap();
     dp.apply(Arc::new(table)).unwrap();
     let p0 = UdpSocket::bind(peer_addr(NET, 0)).unwrap();

@@ -2,7 +2,7 @@
 
 use crate::attach::{self, AttachMode, Attachment};
 use crate::loader::{FastPath, LoadOptions};
-use mediaplane_core::ForwardingTable;
+use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, UserspaceConfig, UserspaceDataplane};
 use parking_lot::Mutex;
 use std::path::{Path, PathBuf};
@@ -217,6 +217,20 @@ impl Dataplane for EbpfDataplane {
         // Slow path first: its sockets must be bound before the kernel hands packets up.
         self.slow.apply(table.clone())?;
         self.fast.apply(table)?;
+        Ok(())
+    }
+
+    fn apply_changes(&self, table: Arc<ForwardingTable>, changed: &[IngressKey]) -> Result<(), DataplaneError> {
+        let before = self.slow.table();
+        self.slow.apply_changes(table.clone(), changed)?;
+        if let Err(e) = self.fast.apply_changes(table, Some(changed)) {
+            // The kernel kept its table (the installer writes nothing unless everything fits):
+            // put the slow path back on it too.
+            if let Err(e2) = self.slow.apply_changes(before, changed) {
+                tracing::error!(error = %e2, "could not restore the slow path's table");
+            }
+            return Err(e);
+        }
         Ok(())
     }
 

@@ -15,7 +15,7 @@
 //! no duplicate, no copy to a removed subscriber.
 
 use crate::maps::{kernel_entries, CopyRaw, KernelStream, KeyRaw, RateRaw, StreamValueRaw};
-use mediaplane_core::ForwardingTable;
+use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::DataplaneError;
 use std::collections::{BTreeMap, BTreeSet, HashMap};
 use std::net::SocketAddr;
@@ -228,17 +228,31 @@ impl Installer {
 
     /// Install `table`, touching only the entries that differ from what is installed.
     pub fn apply(&mut self, table: Arc<ForwardingTable>, maps: &mut impl KernelMaps) -> Result<ApplyReport, DataplaneError> {
-        // With a previous table, only locals the diff touches are compared; otherwise all.
-        let locals: Option<BTreeSet<SocketAddr>> = self.prev.as_ref().map(|prev| {
-            let d = table.diff(prev);
-            d.upserts.iter().map(|e| e.key.local).chain(d.removals.iter().map(|k| k.local)).collect()
+        self.apply_changes(table, None, maps)
+    }
+
+    /// [`Installer::apply`] for a table that differs from the last one installed only at
+    /// `changed` (None: find out by comparing the tables). Only the addresses of those keys are
+    /// looked at, so the cost is what changed, not the table size.
+    pub fn apply_changes(
+        &mut self,
+        table: Arc<ForwardingTable>,
+        changed: Option<&[IngressKey]>,
+        maps: &mut impl KernelMaps,
+    ) -> Result<ApplyReport, DataplaneError> {
+        // With a previous table, only locals that changed are compared; otherwise all.
+        let locals: Option<BTreeSet<SocketAddr>> = self.prev.as_ref().map(|prev| match changed {
+            Some(keys) => keys.iter().map(|k| k.local).collect(),
+            None => {
+                let d = table.diff(prev);
+                d.upserts.iter().map(|e| e.key.local).chain(d.removals.iter().map(|k| k.local)).collect()
+            }
         });
         if locals.as_ref().is_some_and(|l| l.is_empty()) {
             self.prev = Some(table);
             return Ok(ApplyReport::default());
         }
         let desired = kernel_entries(&table, locals.as_ref());
-        let considered = |k: &KeyRaw| locals.as_ref().is_none_or(|l| l.contains(&k.local()));
         // Invalidate the diff base until this apply fully succeeds.
         self.prev = None;
         let mut report = ApplyReport::default();
@@ -314,8 +328,15 @@ impl Installer {
             }
             return Err(e);
         }
-        let deletes: Vec<KeyRaw> =
-            self.installed.keys().filter(|k| considered(k) && !desired.contains_key(k)).copied().collect();
+        let deletes: Vec<KeyRaw> = match &locals {
+            Some(ls) => ls
+                .iter()
+                .flat_map(|l| self.installed.range(KeyRaw::new(*l, None)..=KeyRaw::new(*l, Some(u32::MAX))))
+                .map(|(k, _)| *k)
+                .filter(|k| !desired.contains_key(k))
+                .collect(),
+            None => self.installed.keys().filter(|k| !desired.contains_key(k)).copied().collect(),
+        };
 
         // 1. fresh fan-out ranges and zeroed counters.
         for w in writes.iter().filter(|w| w.new_range) {
@@ -515,7 +536,8 @@ mod tests {
         inst.apply(t1.clone(), &mut k).unwrap();
         let mut t2 = (*t1).clone();
         t2.version = 2;
-        let e = t2.streams.values_mut().next().unwrap();
+        let first = *t2.streams.keys().next().unwrap();
+        let e = t2.streams.get_mut(&first).unwrap();
         e.source = mediaplane_core::SourceRule::Latch;
         let t2 = Arc::new(t2);
         let r = inst.apply(t2.clone(), &mut k).unwrap();

@@ -6,7 +6,7 @@
 use crate::install::{ApplyReport, Installer, KernelMaps};
 use crate::maps::{CopyRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, StreamCountersRaw, StreamValueRaw, GLOBAL_COUNTERS};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, Program, ProgramInput};
-use mediaplane_core::ForwardingTable;
+use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Counters, DataplaneError, DataplaneStats, LatencySummary};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
@@ -273,8 +273,13 @@ impl FastPath {
 
     /// Install `table` (atomically per packet, see [`crate::install`]).
     pub fn apply(&self, table: Arc<ForwardingTable>) -> Result<ApplyReport, DataplaneError> {
+        self.apply_changes(table, None)
+    }
+
+    /// Install `table`, which differs from the last installed one only at `changed`.
+    pub fn apply_changes(&self, table: Arc<ForwardingTable>, changed: Option<&[IngressKey]>) -> Result<ApplyReport, DataplaneError> {
         let mut io = MapsIo { fp: self };
-        self.installer.lock().apply(table, &mut io)
+        self.installer.lock().apply_changes(table, changed, &mut io)
     }
 
     pub fn table_version(&self) -> u64 {

@@ -7,7 +7,7 @@
 //! lookup whether it must read the SSRC (mirrors `ForwardingTable::has_ssrc_streams`).
 
 use mediaplane_core::ratelimit::RateLimit;
-use mediaplane_core::table::{ForwardingTable, SourceRule, StreamEntry};
+use mediaplane_core::table::{ForwardingTable, IngressKey, SourceRule, StreamEntry};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
 
@@ -389,18 +389,17 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
 
 /// Kernel entries of the streams on `locals` (all locals when `None`).
 pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAddr>>) -> BTreeMap<KeyRaw, KernelStream> {
+    // Only the entries at the wanted addresses: a range per address, not a pass over the table.
+    let entries: Box<dyn Iterator<Item = (&IngressKey, &StreamEntry)>> = match locals {
+        None => Box::new(table.streams.iter()),
+        Some(ls) => Box::new(ls.iter().flat_map(|l| {
+            table.streams.range(IngressKey { local: *l, ssrc: None }..=IngressKey { local: *l, ssrc: Some(u32::MAX) })
+        })),
+    };
+    let entries: Vec<(&IngressKey, &StreamEntry)> = entries.collect();
+    let narrowed_locals: BTreeSet<SocketAddr> = entries.iter().filter(|(k, _)| k.ssrc.is_some()).map(|(k, _)| k.local).collect();
     let mut out = BTreeMap::new();
-    let wanted = |l: &SocketAddr| locals.is_none_or(|s| s.contains(l));
-    let mut narrowed_locals = BTreeSet::new();
-    for k in table.streams.keys() {
-        if k.ssrc.is_some() && wanted(&k.local) {
-            narrowed_locals.insert(k.local);
-        }
-    }
-    for (k, e) in &table.streams {
-        if !wanted(&k.local) {
-            continue;
-        }
+    for (k, e) in entries {
         out.insert(KeyRaw::new(k.local, k.ssrc), kernel_stream(e, narrowed_locals.contains(&k.local)));
     }
     for local in narrowed_locals {

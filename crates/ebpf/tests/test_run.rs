@@ -70,7 +70,7 @@ fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: bool,
 }
 
 fn table(version: u64, entries: Vec<StreamEntry>) -> ForwardingTable {
-    ForwardingTable { version, streams: entries.into_iter().map(|e| (e.key, e)).collect() }
+    ForwardingTable { version, streams: entries.into_iter().map(|e| (e.key, e)).collect(), ..Default::default() }
 }
 
 /// `n` subscribers, all on 10.200.0.2 (one neighbour) with distinct ports.
@@ -682,7 +682,8 @@ fn rate_limited_stream_forwards_its_rate_under_a_flood() {
     // Lifting the limit lifts it at once.
     let mut t2 = t.clone();
     t2.version = 2;
-    t2.streams.values_mut().for_each(|e| e.rate = None);
+    let keys: Vec<_> = t2.streams.keys().copied().collect();
+    keys.iter().for_each(|k| t2.streams.get_mut(k).unwrap().rate = None);
     rig.apply(&t2);
     for _ in 0..100 {
         assert_eq!(rig.fp.test_run(&frame, Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
