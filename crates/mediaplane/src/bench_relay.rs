@@ -71,6 +71,9 @@ pub struct BenchRelayArgs {
     /// Skip the capacity phase.
     #[arg(long)]
     skip_capacity: bool,
+    /// Concurrent HTTP clients in the capacity phase.
+    #[arg(long, default_value_t = 4)]
+    capacity_clients: usize,
     /// Directory for results.json, results.csv, report.html and plots.
     #[arg(long, default_value = "bench-results/relay")]
     out: PathBuf,
@@ -799,47 +802,68 @@ fn ramp_ng(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration) -> 
 }
 
 /// HTTP `POST /v1/relays` with explicit local addresses on many IPs (10.78.x.y, bound with
-/// IP_FREEBIND by the slow path), so the port range of one media IP is no limit.
-fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration) -> anyhow::Result<CapacityRamp> {
+/// IP_FREEBIND by the slow path), so the port range of one media IP is no limit. `clients`
+/// keep-alive connections send requests concurrently (as a SIP server's workers would).
+fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration, clients: usize) -> anyhow::Result<CapacityRamp> {
+    use std::sync::atomic::{AtomicUsize, Ordering};
     let pid = relay.pid();
     let every = (target / 50).clamp(50, 5000);
     tb.in_ns(&tb.sfu_ns, move || -> anyhow::Result<CapacityRamp> {
-        let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(120)).build();
         let url = format!("http://{API}/v1/relays");
-        let mut ramp = Ramp::new(every);
-        let mut stopped_by = format!("target of {target} sessions");
-        let mut sessions = 0;
-        while sessions < target {
-            if ramp.t0.elapsed() > budget {
-                stopped_by = format!("time budget of {} s", budget.as_secs());
-                break;
+        let ramp = parking_lot::Mutex::new(Ramp::new(every));
+        let next = AtomicUsize::new(0);
+        let done = AtomicUsize::new(0);
+        let stopped = parking_lot::Mutex::new(None::<String>);
+        // 25,000 even ports per IP (2,000..51,998), two legs per relay.
+        let local = |k: usize| {
+            let ip = 0x0a4e_0000u32 + (k / 25_000) as u32 + 1;
+            SocketAddr::new(IpAddr::from(ip.to_be_bytes()), 2000 + 2 * (k % 25_000) as u16)
+        };
+        // Threads spawned here inherit this thread's network namespace.
+        std::thread::scope(|s| {
+            for _ in 0..clients.max(1) {
+                s.spawn(|| {
+                    let agent = ureq::AgentBuilder::new().timeout(Duration::from_secs(120)).build();
+                    let t0 = ramp.lock().t0;
+                    loop {
+                        if stopped.lock().is_some() {
+                            return;
+                        }
+                        if t0.elapsed() > budget {
+                            stopped.lock().get_or_insert(format!("time budget of {} s", budget.as_secs()));
+                            return;
+                        }
+                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        if k >= target {
+                            return;
+                        }
+                        let body = json!({
+                            "id": format!("cap-{k}"),
+                            "a": {"local": local(2 * k), "remote": "10.77.0.2:4000"},
+                            "b": {"local": local(2 * k + 1), "remote": "10.77.1.2:4000"},
+                        });
+                        let t = Instant::now();
+                        let err = match agent.post(&url).send_json(body) {
+                            Ok(_) => None,
+                            Err(ureq::Error::Status(code, r)) => {
+                                Some(format!("HTTP {code} at {} sessions: {}", done.load(Ordering::Relaxed), r.into_string().unwrap_or_default()))
+                            }
+                            Err(e) => Some(format!("error at {} sessions: {e}", done.load(Ordering::Relaxed))),
+                        };
+                        if let Some(e) = err {
+                            stopped.lock().get_or_insert(e);
+                            return;
+                        }
+                        let n = done.fetch_add(1, Ordering::Relaxed) + 1;
+                        ramp.lock().record(n, t.elapsed().as_nanos() as u64, pid, false);
+                    }
+                });
             }
-            // 25,000 even ports per IP (2,000..51,998), two legs per relay.
-            let local = |k: usize| {
-                let ip = 0x0a4e_0000u32 + (k / 25_000) as u32 + 1;
-                SocketAddr::new(IpAddr::from(ip.to_be_bytes()), 2000 + 2 * (k % 25_000) as u16)
-            };
-            let body = json!({
-                "id": format!("cap-{sessions}"),
-                "a": {"local": local(2 * sessions), "remote": "10.77.0.2:4000"},
-                "b": {"local": local(2 * sessions + 1), "remote": "10.77.1.2:4000"},
-            });
-            let t = Instant::now();
-            match agent.post(&url).send_json(body) {
-                Ok(_) => {}
-                Err(ureq::Error::Status(code, r)) => {
-                    stopped_by = format!("HTTP {code} at {sessions} sessions: {}", r.into_string().unwrap_or_default());
-                    break;
-                }
-                Err(e) => {
-                    stopped_by = format!("error at {sessions} sessions: {e}");
-                    break;
-                }
-            }
-            sessions += 1;
-            ramp.record(sessions, t.elapsed().as_nanos() as u64, pid, false);
-        }
+        });
+        let sessions = done.load(Ordering::Relaxed);
+        let mut ramp = ramp.into_inner();
         ramp.record(sessions, 0, pid, true);
+        let stopped_by = stopped.into_inner().unwrap_or_else(|| format!("target of {target} sessions"));
         Ok(finish_ramp("http", "ebpf", target, sessions, stopped_by, ramp))
     })?
 }
@@ -905,13 +929,13 @@ fn mutation_costs(sizes: &[usize], dir: &Path) -> anyhow::Result<Vec<MutationCos
     Ok(out)
 }
 
-fn capacity(tb: &Testbed, target: usize, budget: Duration, dir: &Path, quick: bool, failures: &mut Vec<String>) -> Capacity {
+fn capacity(tb: &Testbed, target: usize, budget: Duration, clients: usize, dir: &Path, quick: bool, failures: &mut Vec<String>) -> Capacity {
     let mut ramps = Vec::new();
     // NG: at most a tenth of the target, in a third of the budget (every call = 2 sessions).
     let ng_target = (target / 10).clamp(100, 24_000);
     for api_kind in ["ng", "http"] {
         let r = RelayProc::start(tb, "mediaplane-ebpf", dir, Some(1)).and_then(|mut relay| {
-            let r = if api_kind == "ng" { ramp_ng(tb, &relay, ng_target, budget / 3) } else { ramp_http(tb, &relay, target, budget) };
+            let r = if api_kind == "ng" { ramp_ng(tb, &relay, ng_target, budget / 3) } else { ramp_http(tb, &relay, target, budget, clients) };
             let stop = relay.stop();
             let r = r?;
             stop?;
@@ -995,7 +1019,7 @@ pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
         None
     } else {
         eprintln!("bench relay: capacity phase (target {cap_target} sessions, {} s budget) ...", cap_budget.as_secs());
-        Some(capacity(&tb, cap_target, cap_budget, &dir, a.quick, &mut failures))
+        Some(capacity(&tb, cap_target, cap_budget, a.capacity_clients.clamp(1, 64), &dir, a.quick, &mut failures))
     };
     drop(tb);
 
