@@ -15,10 +15,15 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
+/// Control-message space per datagram: room for one IP(V6)_ORIGDSTADDR (a sockaddr_in6).
+const CTRL_LEN: usize = 64;
+
 /// Receive buffers for up to `batch` datagrams, reused across calls.
 pub struct RecvBatch {
     bufs: Vec<Vec<u8>>,
     addrs: Vec<libc::sockaddr_storage>,
+    /// u64s: cmsghdr alignment.
+    ctrl: Vec<[u64; CTRL_LEN / 8]>,
     iovs: Vec<libc::iovec>,
     hdrs: Vec<libc::mmsghdr>,
 }
@@ -31,6 +36,7 @@ impl RecvBatch {
         RecvBatch {
             bufs: (0..batch).map(|_| vec![0u8; mtu]).collect(),
             addrs: vec![unsafe { zeroed() }; batch],
+            ctrl: vec![[0; CTRL_LEN / 8]; batch],
             iovs: Vec::with_capacity(batch),
             hdrs: Vec::with_capacity(batch),
         }
@@ -50,6 +56,8 @@ impl RecvBatch {
             h.msg_hdr.msg_namelen = size_of::<libc::sockaddr_storage>() as u32;
             h.msg_hdr.msg_iov = &mut self.iovs[i];
             h.msg_hdr.msg_iovlen = 1;
+            h.msg_hdr.msg_control = self.ctrl[i].as_mut_ptr().cast();
+            h.msg_hdr.msg_controllen = CTRL_LEN;
             self.hdrs.push(h);
         }
         let r = unsafe { libc::recvmmsg(fd, self.hdrs.as_mut_ptr(), n as u32, libc::MSG_DONTWAIT, std::ptr::null_mut()) };
@@ -68,6 +76,54 @@ impl RecvBatch {
         let storage = self.addrs[i];
         let addr = unsafe { SockAddr::new(storage, h.msg_hdr.msg_namelen) }.as_socket();
         (addr, &self.bufs[i][..len.min(self.bufs[i].len())], truncated)
+    }
+}
+
+impl RecvBatch {
+    /// Where the i-th datagram was sent to, from its IP(V6)_ORIGDSTADDR control message (only
+    /// on sockets with [`set_recv_orig_dst`]: packets steered to a catch-all socket).
+    pub fn orig_dst(&self, i: usize) -> Option<SocketAddr> {
+        let h = &self.hdrs[i].msg_hdr;
+        // SAFETY: the CMSG_* macros walk the control buffer the kernel filled, bounded by
+        // msg_controllen; the payload is copied out unaligned.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(h);
+            while !c.is_null() {
+                let (level, kind) = ((*c).cmsg_level, (*c).cmsg_type);
+                let data = libc::CMSG_DATA(c);
+                if level == libc::SOL_IP && kind == libc::IP_ORIGDSTADDR {
+                    let sa: libc::sockaddr_in = std::ptr::read_unaligned(data.cast());
+                    let ip = std::net::Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr));
+                    return Some(SocketAddr::new(ip.into(), u16::from_be(sa.sin_port)));
+                }
+                if level == libc::SOL_IPV6 && kind == libc::IPV6_ORIGDSTADDR {
+                    let sa: libc::sockaddr_in6 = std::ptr::read_unaligned(data.cast());
+                    let ip = std::net::Ipv6Addr::from(sa.sin6_addr.s6_addr);
+                    return Some(SocketAddr::new(ip.into(), u16::from_be(sa.sin6_port)));
+                }
+                c = libc::CMSG_NXTHDR(h, c);
+            }
+        }
+        None
+    }
+}
+
+/// Ask for each datagram's original destination (IP_RECVORIGDSTADDR / IPV6_RECVORIGDSTADDR).
+pub fn set_recv_orig_dst(fd: RawFd, v6: bool) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    let (level, opt) = if v6 { (libc::SOL_IPV6, libc::IPV6_RECVORIGDSTADDR) } else { (libc::SOL_IP, libc::IP_RECVORIGDSTADDR) };
+    // SAFETY: setsockopt with a pointer to a live c_int of the stated size.
+    cvt(unsafe { libc::setsockopt(fd, level, opt, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) }).map(drop)
+}
+
+/// Send one complete IP packet (header included) on a raw `IPPROTO_RAW` socket.
+pub fn send_raw_ip(fd: RawFd, packet: &[u8], to: &SockAddr) -> io::Result<()> {
+    // SAFETY: the buffer and address outlive the call.
+    let r = unsafe { libc::sendto(fd, packet.as_ptr().cast(), packet.len(), libc::MSG_DONTWAIT, to.as_ptr().cast(), to.len()) };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
     }
 }
 

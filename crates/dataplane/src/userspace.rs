@@ -43,11 +43,58 @@ pub struct UserspaceConfig {
     pub batch: usize,
     /// SO_RCVBUF / SO_SNDBUF per socket, bytes.
     pub socket_buffer: usize,
+    /// Steered mode (the eBPF plane's slow path): instead of one socket per SFU address, each
+    /// worker receives on a catch-all socket per address family that an sk_lookup program
+    /// steers packets to (their destination read from IP(V6)_ORIGDSTADDR), and sends copies
+    /// as complete IP packets on a raw socket. Sessions then cost no file descriptors.
+    pub steered: bool,
 }
 
 impl Default for UserspaceConfig {
     fn default() -> Self {
-        UserspaceConfig { workers: 0, batch: 32, socket_buffer: 4 << 20 }
+        UserspaceConfig { workers: 0, batch: 32, socket_buffer: 4 << 20, steered: false }
+    }
+}
+
+/// A worker's sockets in steered mode: catch-all receivers and raw senders per family
+/// (IPv6 ones only where the namespace has IPv6).
+struct SteerSockets {
+    rx4: Socket,
+    rx6: Option<Socket>,
+    raw4: Socket,
+    raw6: Option<Socket>,
+}
+
+impl SteerSockets {
+    fn open(buffer: usize) -> Result<SteerSockets, DataplaneError> {
+        let rx = |addr: SocketAddr| -> std::io::Result<Socket> {
+            let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+            if addr.is_ipv6() {
+                s.set_only_v6(true)?;
+            }
+            let _ = s.set_recv_buffer_size(buffer);
+            let _ = s.set_send_buffer_size(buffer);
+            s.bind(&SockAddr::from(addr))?;
+            sys::set_recv_orig_dst(s.as_raw_fd(), addr.is_ipv6())?;
+            s.set_nonblocking(true)?;
+            Ok(s)
+        };
+        let raw = |domain: Domain| -> std::io::Result<Socket> {
+            let s = Socket::new(domain, Type::RAW, Some(Protocol::from(libc::IPPROTO_RAW)))?;
+            let _ = s.set_send_buffer_size(buffer);
+            Ok(s)
+        };
+        let ctx = |what: &'static str| move |e| io_err(&format!("slow-path {what} socket"), e);
+        let rx4 = rx("127.0.0.1:0".parse().unwrap()).map_err(ctx("IPv4 catch-all"))?;
+        let raw4 = raw(Domain::IPV4).map_err(ctx("raw IPv4"))?;
+        let (rx6, raw6) = match (rx("[::1]:0".parse().unwrap()), raw(Domain::IPV6)) {
+            (Ok(r), Ok(w)) => (Some(r), Some(w)),
+            (r, w) => {
+                tracing::warn!(rx = ?r.err(), raw = ?w.err(), "no IPv6 slow-path sockets: IPv6 sessions are kernel-only");
+                (None, None)
+            }
+        };
+        Ok(SteerSockets { rx4, rx6, raw4, raw6 })
     }
 }
 
@@ -94,6 +141,8 @@ pub struct UserspaceDataplane {
     /// Serialises `apply` calls (socket set changes must not interleave) and holds how many
     /// table entries use each address (its socket group lives while that is non-zero).
     apply_lock: Mutex<HashMap<SocketAddr, u32>>,
+    /// Steered mode: per worker.
+    steer: Vec<Arc<SteerSockets>>,
 }
 
 impl UserspaceDataplane {
@@ -107,6 +156,11 @@ impl UserspaceDataplane {
             stop: AtomicBool::new(false),
             events: events.map(Mutex::new),
         });
+        let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
+            (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer).map(Arc::new)).collect::<Result<_, _>>()?
+        } else {
+            Vec::new()
+        };
         let mut workers = Vec::new();
         for id in 0..cfg.workers {
             let wake = Arc::new(EventFd::new().map_err(|e| io_err("eventfd", e))?);
@@ -114,6 +168,13 @@ impl UserspaceDataplane {
             let changes = Arc::new(Mutex::new(Vec::new()));
             let epoll = Epoll::new().map_err(|e| io_err("epoll", e))?;
             epoll.add(wake.raw(), WAKE_TOKEN).map_err(|e| io_err("epoll add", e))?;
+            let mut slots = Vec::new();
+            if let Some(st) = steer.get(id) {
+                for rx in std::iter::once(&st.rx4).chain(st.rx6.as_ref()) {
+                    epoll.add(rx.as_raw_fd(), slots.len() as u64).map_err(|e| io_err("epoll add", e))?;
+                    slots.push(Some(Slot { addr: None, _group: None, fd: rx.as_raw_fd() }));
+                }
+            }
             let ctx = WorkerCtx {
                 id,
                 shared: shared.clone(),
@@ -122,7 +183,8 @@ impl UserspaceDataplane {
                 changes: changes.clone(),
                 epoll,
                 batch: RecvBatch::new(cfg.batch, MAX_DATAGRAM),
-                slots: Vec::new(),
+                slots,
+                steer: steer.get(id).cloned(),
                 slot_of: HashMap::new(),
                 free_slots: Vec::new(),
                 rates: HashMap::new(),
@@ -133,7 +195,18 @@ impl UserspaceDataplane {
                 .map_err(|e| io_err("spawn worker", e))?;
             workers.push(Worker { thread: Some(thread), wake, counters, changes });
         }
-        Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(HashMap::new()) })
+        Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(HashMap::new()), steer })
+    }
+
+    /// Steered mode: the catch-all receive sockets (IPv4, IPv6) the sk_lookup program must
+    /// steer slow-path packets to.
+    pub fn steering_fds(&self) -> Option<(Vec<RawFd>, Vec<RawFd>)> {
+        if !self.cfg.steered {
+            return None;
+        }
+        let v4 = self.steer.iter().map(|s| s.rx4.as_raw_fd()).collect();
+        let v6 = self.steer.iter().filter_map(|s| s.rx6.as_ref().map(|r| r.as_raw_fd())).collect();
+        Some((v4, v6))
     }
 
     /// Install `table`; `changed` lists the keys that differ from the installed table (None:
@@ -141,6 +214,12 @@ impl UserspaceDataplane {
     /// those that fall out of use; if a bind fails nothing changes.
     fn install(&self, table: Arc<ForwardingTable>, changed: Option<&[IngressKey]>) -> Result<(), DataplaneError> {
         let mut refs = self.apply_lock.lock();
+        if self.cfg.steered {
+            // No per-address sockets: packets are steered to us, copies leave on raw sockets.
+            let sockets = self.shared.state.load().sockets.clone();
+            self.shared.state.store(Arc::new(State { table, sockets }));
+            return Ok(());
+        }
         let old = self.shared.state.load_full();
         let mut delta: HashMap<SocketAddr, i64> = HashMap::new();
         let mut count = |e: &StreamEntry, d: i64| {
@@ -286,9 +365,12 @@ impl Drop for UserspaceDataplane {
 }
 
 struct Slot {
-    addr: SocketAddr,
-    /// Keeps the socket (and so `fd`) open until this worker has taken it out of its epoll set.
-    _group: Arc<Vec<Socket>>,
+    /// The SFU address the socket is bound to; None for a steered catch-all socket (each
+    /// datagram carries its destination).
+    addr: Option<SocketAddr>,
+    /// Keeps the socket (and so `fd`) open until this worker has taken it out of its epoll set
+    /// (catch-all sockets are kept open by `WorkerCtx::steer`).
+    _group: Option<Arc<Vec<Socket>>>,
     fd: RawFd,
 }
 
@@ -304,11 +386,31 @@ struct WorkerCtx {
     slots: Vec<Option<Slot>>,
     slot_of: HashMap<SocketAddr, usize>,
     free_slots: Vec<usize>,
+    /// Steered mode: this worker's catch-all and raw sockets.
+    steer: Option<Arc<SteerSockets>>,
     /// Rate-limit buckets of the streams this worker has seen, with the limit they were made
     /// for. Per worker: only a stream's registered source passes the source check, and one
     /// source address sending to one SFU address is one flow, which SO_REUSEPORT keeps on
     /// one socket, hence one worker.
     rates: HashMap<u32, (RateLimit, RateState)>,
+}
+
+/// Steered mode: send one copy from `from` as a complete IP packet on the raw socket (the slow
+/// path is rare traffic: the first packet of a relay leg, STUN, unresolved next hops).
+fn send_raw_copy(steer: &SteerSockets, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> bool {
+    use mediaplane_core::packet::{build_frame, FrameSpec};
+    let raw = if to.is_ipv4() { Some(&steer.raw4) } else { steer.raw6.as_ref() };
+    let Some(raw) = raw.filter(|_| from.is_ipv4() == to.is_ipv4()) else { return false };
+    let frame = build_frame(&FrameSpec::new(from, to), payload);
+    // Raw IP sockets take the packet without its Ethernet header; the port must be 0 (IPv6).
+    let dst = SockAddr::from(SocketAddr::new(to.ip(), 0));
+    match sys::send_raw_ip(raw.as_raw_fd(), &frame[mediaplane_core::packet::ETH_HLEN..], &dst) {
+        Ok(()) => true,
+        Err(e) => {
+            tracing::debug!(%from, %to, error = %e, "raw send failed");
+            false
+        }
+    }
 }
 
 /// Monotonic nanoseconds (the buckets' clock).
@@ -370,7 +472,7 @@ impl WorkerCtx {
                     });
                     match self.epoll.add(fd, idx as u64) {
                         Ok(()) => {
-                            self.slots[idx] = Some(Slot { addr, _group: group, fd });
+                            self.slots[idx] = Some(Slot { addr: Some(addr), _group: Some(group), fd });
                             self.slot_of.insert(addr, idx);
                         }
                         Err(e) => {
@@ -392,7 +494,7 @@ impl WorkerCtx {
                 Ok(n) => n,
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => return,
                 Err(e) => {
-                    tracing::warn!(%local, error = %e, "recvmmsg failed");
+                    tracing::warn!(?local, error = %e, "recvmmsg failed");
                     return;
                 }
             };
@@ -403,7 +505,9 @@ impl WorkerCtx {
         }
     }
 
-    fn forward_batch(&mut self, local: SocketAddr, n: usize) {
+    /// Decide and send one received batch. `local`: the address the socket is bound to, None
+    /// on a catch-all socket (each datagram's destination comes from its control message).
+    fn forward_batch(&mut self, local: Option<SocketAddr>, n: usize) {
         let state = self.shared.state.load();
         let now = mono_ns();
         let mut delta = WorkerCounters::default();
@@ -421,6 +525,10 @@ impl WorkerCtx {
                 delta.total.drop_malformed += 1;
                 continue;
             }
+            let Some(local) = local.or_else(|| self.batch.orig_dst(i)) else {
+                delta.total.drop_no_stream += 1;
+                continue;
+            };
             match state.table.classify(local, src, payload) {
                 Verdict::Forward(entry) => {
                     let sc = delta.streams.entry(entry.id).or_default();
@@ -442,9 +550,20 @@ impl WorkerCtx {
                         if copy.to == src {
                             continue; // never back to the sender, whatever the table says
                         }
-                        match state.sockets.get(&copy.from) {
-                            Some(group) => out.push((group[self.id].as_raw_fd(), entry.id, Outgoing { to: SockAddr::from(copy.to), payload })),
-                            None => {
+                        match (state.sockets.get(&copy.from), &self.steer) {
+                            (Some(group), _) => out.push((group[self.id].as_raw_fd(), entry.id, Outgoing { to: SockAddr::from(copy.to), payload })),
+                            (None, Some(steer)) => {
+                                if send_raw_copy(steer, copy.from, copy.to, payload) {
+                                    sc.tx_copies += 1;
+                                    sc.tx_bytes += payload.len() as u64;
+                                    delta.total.tx_copies += 1;
+                                    delta.total.tx_bytes += payload.len() as u64;
+                                } else {
+                                    sc.tx_errors += 1;
+                                    delta.total.tx_errors += 1;
+                                }
+                            }
+                            (None, None) => {
                                 sc.tx_errors += 1;
                                 delta.total.tx_errors += 1;
                             }

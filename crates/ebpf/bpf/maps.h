@@ -77,6 +77,10 @@ struct mp_nh_cache {
 	__u64 expires_ns;
 };
 
+/* Programs that only borrow a map of the fast path (by fd, see the loader) define
+ * MP_STRUCTS_ONLY to get the layouts without the fast path's maps. */
+#ifndef MP_STRUCTS_ONLY
+
 /* Stream entries. No prealloc: a replaced value is freed after an RCU grace period, so a
  * program that looked up the old value keeps reading a stable copy of it. */
 struct {
@@ -180,5 +184,7 @@ static __always_inline struct mp_stream_counters *stream_counters_of(const struc
 	__u32 slot = s->stats_slot;
 	return bpf_map_lookup_elem(&stream_stats, &slot);
 }
+
+#endif /* MP_STRUCTS_ONLY */
 
 #endif

@@ -25,6 +25,9 @@ pub struct EbpfConfig {
     pub attach: AttachMode,
     pub max_streams: u32,
     pub max_copies: u32,
+    /// Steer slow-path packets to a few catch-all sockets (sk_lookup) instead of binding one
+    /// socket per SFU address: sessions then cost no file descriptors (see [`crate::steer`]).
+    pub steer_slow_path: bool,
 }
 
 impl EbpfConfig {
@@ -38,6 +41,7 @@ impl EbpfConfig {
             attach: AttachMode::Auto,
             max_streams: d.max_streams,
             max_copies: d.max_copies,
+            steer_slow_path: true,
         }
     }
 }
@@ -58,6 +62,8 @@ pub struct EbpfDataplane {
     pin_dir: PathBuf,
     /// Bumps the next-hop cache generation on every route/neighbour/link change.
     _nh_watch: Option<crate::nhwatch::NextHopWatch>,
+    /// Slow-path steering (sk_lookup), detached when dropped.
+    steering: Mutex<Option<crate::steer::SlowPathSteering>>,
     /// Holding this fd keeps the kernel's BPF run-time accounting on (BPF_ENABLE_STATS): it is
     /// how cost per copy is measured. Closing it (drop) turns accounting back off.
     _run_stats: Option<std::os::fd::OwnedFd>,
@@ -161,7 +167,15 @@ impl EbpfDataplane {
                 attach::detach_stale_clsact(&fast.program(), ifname);
             }
         }
-        let slow = UserspaceDataplane::new(cfg.userspace.clone(), events)?;
+        let mut slow_cfg = cfg.userspace.clone();
+        slow_cfg.steered = cfg.steer_slow_path;
+        let slow = UserspaceDataplane::new(slow_cfg, events)?;
+        let steering = match slow.steering_fds() {
+            Some((v4, v6)) => Some(crate::steer::SlowPathSteering::attach(&fast.streams_map(), &v4, &v6).inspect_err(|_| {
+                let _ = slow.shutdown();
+            })?),
+            None => None,
+        };
         let mut attachments = Vec::new();
         for ifname in &cfg.interfaces {
             match attach::attach_ingress(&fast.program(), ifname, cfg.attach, Some(&cfg.pin_dir)) {
@@ -190,6 +204,7 @@ impl EbpfDataplane {
             attachments: Mutex::new(attachments),
             pin_dir: cfg.pin_dir,
             _nh_watch: nh_watch,
+            steering: Mutex::new(steering),
             _run_stats: enable_run_stats(),
         })
     }
@@ -253,6 +268,11 @@ impl Dataplane for EbpfDataplane {
         for (k, v) in u.extra {
             s.extra.insert(format!("userspace.{k}"), v);
         }
+        if let Some(st) = &*self.steering.lock() {
+            let (steered, failed) = st.stats();
+            s.extra.insert("slow_path_steered".into(), steered);
+            s.extra.insert("slow_path_steer_failed".into(), failed);
+        }
         if let Some((run_time_ns, run_count)) = self.fast.run_stats() {
             s.extra.insert("bpf_run_time_ns".into(), run_time_ns);
             s.extra.insert("bpf_run_count".into(), run_count);
@@ -262,6 +282,7 @@ impl Dataplane for EbpfDataplane {
 
     fn shutdown(&self) -> Result<(), DataplaneError> {
         let mut first_err = None;
+        self.steering.lock().take(); // detaches the sk_lookup program
         for a in self.attachments.lock().drain(..) {
             if let Err(e) = a.detach() {
                 first_err.get_or_insert(e);

@@ -7,6 +7,7 @@
 //! * [`loader`]: [`FastPath`], the loaded program + maps (`BPF_PROG_TEST_RUN` for tests);
 //! * [`attach`]: tcx / clsact hooks, pinned for hitless restarts;
 //! * [`nhwatch`]: invalidates the kernel's next-hop cache on route/neighbour changes;
+//! * [`steer`]: sk_lookup steering of slow-path packets to a few catch-all sockets;
 //! * [`dataplane`]: [`EbpfDataplane`], the [`mediaplane_dataplane::Dataplane`] named "ebpf".
 
 pub mod attach;
@@ -15,6 +16,7 @@ pub mod install;
 pub mod loader;
 pub mod maps;
 pub mod nhwatch;
+pub mod steer;
 
 /// The libbpf-cargo skeleton: used for the C struct layouts (BTF) in tests and test_run.
 #[allow(dead_code, clippy::all, non_camel_case_types, non_snake_case, unused_imports)]

@@ -135,7 +135,7 @@ fn route_libbpf_logs() {
     });
 }
 
-fn bpf_err(context: impl std::fmt::Display, e: libbpf_rs::Error) -> DataplaneError {
+pub(crate) fn bpf_err(context: impl std::fmt::Display, e: libbpf_rs::Error) -> DataplaneError {
     DataplaneError::Other(format!("{context}: {e}"))
 }
 
@@ -242,6 +242,11 @@ impl FastPath {
 
     fn map(&self, name: &str) -> libbpf_rs::Map<'_> {
         self.obj.maps().find(|m| m.name() == name).unwrap_or_else(|| panic!("map {name} in the embedded object"))
+    }
+
+    /// The stream map (shared with the slow-path steering program).
+    pub fn streams_map(&self) -> libbpf_rs::Map<'_> {
+        self.map("streams")
     }
 
     /// A handle on the next-hop generation map (see [`crate::nhwatch`]).

@@ -66,6 +66,12 @@ fn relay_call_is_forwarded_by_the_kernel_after_latching() {
     let to_caller = advertised(&answer); // where the caller sends
     assert_eq!(to_caller.ip(), caller.sfu_ip);
     assert_eq!(to_callee.ip(), caller.sfu_ip, "one media address is advertised to both parties");
+    // The slow path binds no socket per relay port (packets are steered to it by sk_lookup):
+    // the ports are still free for a bind in the relay namespace.
+    for addr in [to_caller, to_callee] {
+        let bound = tb.in_ns(&tb.sfu_ns, move || std::net::UdpSocket::bind(addr).map(drop)).unwrap();
+        assert!(bound.is_ok(), "the daemon holds a socket on {addr}: {bound:?}");
+    }
 
     let caller_sock = tb.udp_socket(&caller.ns, SocketAddr::new(caller.ip, CALLER_PORT)).unwrap();
     let callee_sock = tb.udp_socket(&callee.ns, SocketAddr::new(callee.ip, CALLEE_PORT)).unwrap();
@@ -87,6 +93,9 @@ fn relay_call_is_forwarded_by_the_kernel_after_latching() {
     }
     let s0 = api(&tb, "/v1/stats");
     assert_eq!(counter(&s0, &["total", "slow_unlatched"]) - counter(&before_latch, &["total", "slow_unlatched"]), 2, "{s0}");
+    let steered = |s: &Json| counter(s, &["extra", "slow_path_steered"]);
+    assert_eq!(steered(&s0) - steered(&before_latch), 2, "both latching packets were steered to the slow path: {s0}");
+    assert_eq!(counter(&s0, &["extra", "slow_path_steer_failed"]), 0, "{s0}");
 
     // Media both ways, G.711-sized RTP at 250 packets/s per leg for 2 s.
     let profile = Profile::voice().with_rate(250.0);
