@@ -177,6 +177,9 @@ pub struct CapacityRamp {
 pub struct MutationCost {
     pub relays: usize,
     pub model_clone_ns: f64,
+    /// Recompiling what one relay creation touched ([`mediaplane_core::ForwardingTable::update`]).
+    pub table_update_ns: f64,
+    /// Compiling the whole table (what every mutation cost before updates were incremental).
     pub table_compile_ns: f64,
     pub store_save_ns: f64,
 }
@@ -344,6 +347,11 @@ pub struct RelayProc {
 impl RelayProc {
     /// `name`: one of [`RELAYS`]. `workers`: mediaplane worker threads (None = default).
     pub fn start(tb: &Testbed, name: &str, dir: &Path, workers: Option<usize>) -> anyhow::Result<RelayProc> {
+        Self::start_sized(tb, name, dir, workers, None)
+    }
+
+    /// [`RelayProc::start`] with kernel maps sized for `sessions` relay sessions (capacity runs).
+    pub fn start_sized(tb: &Testbed, name: &str, dir: &Path, workers: Option<usize>, sessions: Option<usize>) -> anyhow::Result<RelayProc> {
         let media_ip = tb.peers[0].sfu_ip;
         let log = dir.join(format!("{}-{name}.log", tb.prefix));
         let logf = std::fs::File::create(&log)?;
@@ -353,7 +361,13 @@ impl RelayProc {
                 let plane = name.trim_start_matches("mediaplane-");
                 let exe = std::env::current_exe().context("locating the mediaplane binary")?;
                 let cfg = dir.join(format!("{}-{name}.toml", tb.prefix));
-                std::fs::write(&cfg, format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\n"))?;
+                let mut toml = format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\n");
+                if let Some(n) = sessions {
+                    // Two stream entries and two copies per relay session, plus headroom.
+                    let entries = (2 * n + 1024).min(u32::MAX as usize);
+                    toml += &format!("[dataplane]\nmax_streams = {entries}\nmax_copies = {entries}\n[limits]\nmax_relays = {}\n", n + 16);
+                }
+                std::fs::write(&cfg, toml)?;
                 let store = dir.join(format!("{}-{name}.db", tb.prefix));
                 cmd = tb.command(&tb.sfu_ns, exe.to_str().unwrap());
                 let pin = format!("/sys/fs/bpf/{}-relay", tb.prefix);
@@ -883,7 +897,8 @@ fn finish_ramp(api: &str, dp: &str, target: usize, installed: usize, stopped_by:
 }
 
 /// In-process: what one session-manager mutation costs at a model size (clone the model,
-/// compile the whole table, write one relay to a file-backed store).
+/// recompile what it touched, write one relay to a file-backed store), and for comparison a
+/// whole-table compile.
 fn mutation_costs(sizes: &[usize], dir: &Path) -> anyhow::Result<Vec<MutationCost>> {
     use mediaplane_control::store::{Change, Store};
     use mediaplane_core::model::LegSpec;
@@ -910,17 +925,31 @@ fn mutation_costs(sizes: &[usize], dir: &Path) -> anyhow::Result<Vec<MutationCos
             std::hint::black_box(model.clone());
         }
         let clone_ns = t.elapsed().as_nanos() as f64 / reps as f64;
+        let table = ForwardingTable::compile(&model, 0);
+        let update_reps = 1000;
+        let t = Instant::now();
+        for k in 0..update_reps {
+            let mut next = model.clone();
+            let leg = |p| LegSpec { local: local(2 * n + p), remote: Some("10.77.0.2:4000".parse().unwrap()), strict: false, rtp: true };
+            let id = format!("new{k}");
+            next.create_relay(&id, leg(0), leg(1)).map_err(|e| anyhow::anyhow!("{e}"))?;
+            let mut t2 = table.clone();
+            std::hint::black_box(t2.update(&model, &next, [mediaplane_core::table::Owner::Relay(&id)]));
+        }
+        let update_ns = t.elapsed().as_nanos() as f64 / update_reps as f64;
+        drop(table);
         let t = Instant::now();
         for v in 0..reps {
             std::hint::black_box(ForwardingTable::compile(&model, v as u64));
         }
         let compile_ns = t.elapsed().as_nanos() as f64 / reps as f64;
+        let save_reps = 500;
         let t = Instant::now();
-        for k in 0..reps {
+        for k in 0..save_reps {
             store.save(&model, &[Change::Relay(format!("r{}", k % n.max(1)))])?;
         }
-        let save_ns = t.elapsed().as_nanos() as f64 / reps as f64;
-        out.push(MutationCost { relays: n, model_clone_ns: clone_ns, table_compile_ns: compile_ns, store_save_ns: save_ns });
+        let save_ns = t.elapsed().as_nanos() as f64 / save_reps as f64;
+        out.push(MutationCost { relays: n, model_clone_ns: clone_ns, table_update_ns: update_ns, table_compile_ns: compile_ns, store_save_ns: save_ns });
     }
     drop(store);
     for ext in ["db", "db-wal", "db-shm"] {
@@ -934,7 +963,8 @@ fn capacity(tb: &Testbed, target: usize, budget: Duration, clients: usize, dir: 
     // NG: at most a tenth of the target, in a third of the budget (every call = 2 sessions).
     let ng_target = (target / 10).clamp(100, 24_000);
     for api_kind in ["ng", "http"] {
-        let r = RelayProc::start(tb, "mediaplane-ebpf", dir, Some(1)).and_then(|mut relay| {
+        let sized = if api_kind == "ng" { 2 * ng_target } else { target };
+        let r = RelayProc::start_sized(tb, "mediaplane-ebpf", dir, Some(1), Some(sized)).and_then(|mut relay| {
             let r = if api_kind == "ng" { ramp_ng(tb, &relay, ng_target, budget / 3) } else { ramp_http(tb, &relay, target, budget, clients) };
             let stop = relay.stop();
             let r = r?;
