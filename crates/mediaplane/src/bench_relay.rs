@@ -346,12 +346,8 @@ pub struct RelayProc {
 
 impl RelayProc {
     /// `name`: one of [`RELAYS`]. `workers`: mediaplane worker threads (None = default).
-    pub fn start(tb: &Testbed, name: &str, dir: &Path, workers: Option<usize>) -> anyhow::Result<RelayProc> {
-        Self::start_sized(tb, name, dir, workers, None)
-    }
-
-    /// [`RelayProc::start`] with kernel maps sized for `sessions` relay sessions (capacity runs).
-    pub fn start_sized(tb: &Testbed, name: &str, dir: &Path, workers: Option<usize>, sessions: Option<usize>) -> anyhow::Result<RelayProc> {
+    /// `sessions`: size mediaplane's kernel maps and relay limit for that many relay sessions.
+    pub fn start(tb: &Testbed, name: &str, dir: &Path, workers: Option<usize>, sessions: Option<usize>) -> anyhow::Result<RelayProc> {
         let media_ip = tb.peers[0].sfu_ip;
         let log = dir.join(format!("{}-{name}.log", tb.prefix));
         let logf = std::fs::File::create(&log)?;
@@ -595,7 +591,7 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     if n == 0 || n > MAX_CALLS {
         bail!("calls must be between 1 and {MAX_CALLS}");
     }
-    let mut relay = RelayProc::start(tb, relay_name, dir, None)?;
+    let mut relay = RelayProc::start(tb, relay_name, dir, None, Some(2 * n))?;
     let tag = format!("{}-{relay_name}-{n}", tb.prefix);
     let setup = setup_calls(tb, &tag, n, spec.setup_rate)?;
     if setup.up.is_empty() {
@@ -964,7 +960,7 @@ fn capacity(tb: &Testbed, target: usize, budget: Duration, clients: usize, dir: 
     let ng_target = (target / 10).clamp(100, 24_000);
     for api_kind in ["ng", "http"] {
         let sized = if api_kind == "ng" { 2 * ng_target } else { target };
-        let r = RelayProc::start_sized(tb, "mediaplane-ebpf", dir, Some(1), Some(sized)).and_then(|mut relay| {
+        let r = RelayProc::start(tb, "mediaplane-ebpf", dir, Some(1), Some(sized)).and_then(|mut relay| {
             let r = if api_kind == "ng" { ramp_ng(tb, &relay, ng_target, budget / 3) } else { ramp_http(tb, &relay, target, budget, clients) };
             let stop = relay.stop();
             let r = r?;
