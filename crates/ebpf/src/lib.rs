@@ -7,6 +7,7 @@
 //! * [`loader`]: [`FastPath`], the loaded program + maps (`BPF_PROG_TEST_RUN` for tests);
 //! * [`attach`]: tcx / clsact hooks, pinned for hitless restarts;
 //! * [`nhwatch`]: invalidates the kernel's next-hop cache on route/neighbour changes;
+//! * [`pinlock`]: one live daemon per pin directory (a kill -9'd one's pins are still adopted);
 //! * [`dataplane`]: [`EbpfDataplane`], the [`mediaplane_dataplane::Dataplane`] named "ebpf".
 
 pub mod attach;
@@ -15,6 +16,7 @@ pub mod install;
 pub mod loader;
 pub mod maps;
 pub mod nhwatch;
+pub mod pinlock;
 
 /// The libbpf-cargo skeleton: used for the C struct layouts (BTF) in tests and test_run.
 #[allow(dead_code, clippy::all, non_camel_case_types, non_snake_case, unused_imports)]
@@ -25,4 +27,5 @@ mod skel {
 pub use attach::AttachMode;
 pub use dataplane::{remove_pins, EbpfConfig, EbpfDataplane};
 pub use install::ApplyReport;
+pub use pinlock::{PinDirLock, PinLockError};
 pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
