@@ -163,6 +163,44 @@ fn frames_the_fast_path_cannot_judge_go_to_the_stack() {
     rig.check(&t, &v4_frame(PUBLISHER, "10.200.0.3:4000", &rtp(1)));
 }
 
+/// Found by fuzz_test_run.rs (seed 1795323839313202305, frame #105957): bytes after the IP
+/// packet (a trailer; short frames' Ethernet padding) went out with every copy, so a full-size
+/// packet plus trailer exceeded the egress MTU and all clones were dropped (tx_errors) though
+/// the stack would have trimmed the trailer and sent them. Copies now leave trimmed.
+#[test]
+fn bytes_after_the_ip_packet_are_trimmed_before_the_fan_out() {
+    root_or_skip!("bytes_after_the_ip_packet_are_trimmed_before_the_fan_out");
+    let rig = Rig::new();
+    let v6pub = "[fd00:200::9]:5000";
+    let t = table(
+        1,
+        vec![
+            entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), false, subscribers_v4(3)),
+            entry(2, "[fd00:200::1]:4000", None, SourceRule::Fixed(a(v6pub)), false, subscribers(3, "fd00:200::1", "fd00:200::2", 41000)),
+        ],
+    );
+    rig.apply(&t);
+    // IPv4 packets of exactly the MTU and just below, with a 30-byte trailer.
+    for payload in [LAB_MTU - 28, LAB_MTU - 29] {
+        let mut f = v4_frame(PUBLISHER, LOCAL, &vec![0x77; payload]);
+        f.extend_from_slice(&[0xee; 30]);
+        assert_eq!(rig.check(&t, &f).len(), 3);
+    }
+    // IPv6, VLAN-tagged, MTU-sized plus trailer.
+    let mut spec = FrameSpec::new(a(v6pub), a("[fd00:200::1]:4000"));
+    spec.dst_mac = MAC0;
+    spec.vlan = Some(790);
+    let mut f = build_frame(&spec, &vec![0x66; LAB_MTU - 48]);
+    f.extend_from_slice(&[0xee; 29]);
+    assert_eq!(rig.check(&t, &f).len(), 3);
+    // A short frame with Ethernet padding up to 60 bytes: copies without the padding.
+    let mut f = v4_frame(PUBLISHER, LOCAL, b"hi");
+    f.resize(60, 0);
+    for c in rig.check(&t, &f) {
+        assert_eq!(c.len(), 14 + 20 + 8 + 2);
+    }
+}
+
 #[test]
 fn stranger_stun_and_unlatched() {
     root_or_skip!("stranger_stun_and_unlatched");

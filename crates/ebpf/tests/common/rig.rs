@@ -272,9 +272,9 @@ pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Exactly the expected copies (each once), correct headers and MACs, payload unchanged,
-/// checksums valid exactly when the original's were (never broken, never laundered: a
-/// valid packet's copies are valid).
+/// Exactly the expected copies (each once), correct headers and MACs, payload unchanged, no
+/// bytes after the IP packet, checksums valid exactly when the original's were (never broken,
+/// never laundered: a valid packet's copies are valid).
 pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got: &[Vec<u8>]) -> Result<(), String> {
     let of = parse_frame(original).map_err(|e| format!("forwarded an unparsable frame: {e}"))?;
     let payload = &original[of.payload..of.payload + of.payload_len];
@@ -285,6 +285,7 @@ pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got
         ensure!(f.vlan.is_none(), "copies leave untagged: {}", hex(fr));
         ensure!(fr[0..6] == MAC1, "dst MAC from the neighbour table: {}", hex(fr));
         ensure!(fr[6..12] == MAC0, "src MAC of the egress device: {}", hex(fr));
+        ensure!(fr.len() == f.payload + f.payload_len, "copies carry no bytes after the IP packet: {} -> {} is {} bytes", f.src, f.dst, fr.len());
         ensure!(&fr[f.payload..f.payload + f.payload_len] == payload, "payload changed on {} -> {}", f.src, f.dst);
         let c = verify_checksums(fr, &f);
         ensure!(
