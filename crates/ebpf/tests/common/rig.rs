@@ -158,6 +158,18 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
     }
 }
 
+/// The stream the kernel must account a frame to (its per-stream counters), per classify().
+pub fn reference_stream(t: &ForwardingTable, frame: &[u8]) -> Option<u32> {
+    let f = parse_frame(frame).ok()?;
+    if !t.streams.keys().any(|k| k.local == f.dst) {
+        return None;
+    }
+    match t.classify(f.dst, f.src, &frame[f.payload..f.payload + f.payload_len]) {
+        Verdict::Forward(e) => Some(e.id),
+        Verdict::Drop { stream, .. } | Verdict::SlowPath { stream, .. } => stream,
+    }
+}
+
 pub fn delta(before: &KernelStats, after: &KernelStats) -> BTreeMap<&'static str, u64> {
     after.global.iter().map(|(k, v)| (*k, v - before.get(k))).filter(|(_, v)| *v > 0).collect()
 }
@@ -224,6 +236,10 @@ impl Rig {
         let run = self.fp.test_run(frame, Some(self.ifindex)).map_err(|e| format!("{want:?}: {e}"))?;
         let after = self.fp.kernel_stats().map_err(|e| e.to_string())?;
         let d = delta(&before, &after);
+        // Per-stream counters move for the classified stream only (none when there is none).
+        let moved: Vec<u32> = after.streams.iter().filter(|(id, c)| before.streams.get(id) != Some(c)).map(|(id, _)| *id).collect();
+        let stream = reference_stream(t, frame);
+        ensure!(moved == stream.into_iter().collect::<Vec<_>>(), "{want:?}: per-stream counters moved for {moved:?}, want {stream:?}");
         match &want {
             Expect::Forward(copies) => {
                 // The last copy is the packet itself, redirected: BPF_PROG_TEST_RUN hands it
@@ -233,7 +249,7 @@ impl Rig {
                 ensure!(d.get("forwarded") == Some(&1), "{want:?}: counters {d:?}");
                 ensure!(d.get("rx_packets") == Some(&1), "{want:?}: counters {d:?}");
                 ensure!(d.get("tx_copies").copied().unwrap_or(0) == copies.len() as u64, "{want:?}: counters {d:?}");
-                ensure!(d.get("tx_errors").is_none(), "{want:?}: counters {d:?}");
+                ensure!(!d.contains_key("tx_errors"), "{want:?}: counters {d:?}");
                 let clones = copies.len().saturating_sub(1);
                 let mut got = self.cap.collect_for(clones, Duration::from_secs(3), grace, keep);
                 if !copies.is_empty() {
@@ -245,16 +261,17 @@ impl Rig {
             Expect::Drop(counter) => {
                 ensure!(run.retval == TC_ACT_SHOT, "{want:?}: verdict {}, counters {d:?}", run.retval);
                 ensure!(d.get(counter) == Some(&1), "{want:?}: counters {d:?}");
-                ensure!(d.get("tx_copies").is_none(), "{want:?}: counters {d:?}");
+                ensure!(!d.contains_key("tx_copies"), "{want:?}: counters {d:?}");
                 let got = self.cap.collect_for(0, Duration::ZERO, grace, keep);
                 ensure!(got.is_empty(), "{want:?}: a dropped packet was copied: {}", describe(&got));
                 Ok(vec![])
             }
             Expect::Pass(counter) => {
                 ensure!(run.retval == TC_ACT_OK, "{want:?}: verdict {}, counters {d:?}", run.retval);
+                ensure!(run.data_out == frame, "{want:?}: the packet went to the stack modified: {}", hex(&run.data_out));
                 ensure!(d.get(counter) == Some(&1), "{want:?}: counters {d:?}");
                 // The kernel counts only what it decides: the slow path counts the rest.
-                ensure!(d.get("rx_packets").is_none(), "{want:?}: counters {d:?}");
+                ensure!(!d.contains_key("rx_packets"), "{want:?}: counters {d:?}");
                 let got = self.cap.collect_for(0, Duration::ZERO, grace, keep);
                 ensure!(got.is_empty(), "{want:?}: a passed packet was copied: {}", describe(&got));
                 Ok(vec![])
