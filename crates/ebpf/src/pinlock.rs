@@ -86,8 +86,9 @@ fn holder_of(file: &File) -> Option<u32> {
     let md = file.metadata().ok()?;
     let dev = md.dev();
     let id = format!("{:02x}:{:02x}:{}", libc::major(dev), libc::minor(dev), md.ino());
-    let locks = std::fs::read_to_string("/proc/locks").ok()?;
-    holder_in(&locks, &id)
+    // /proc/locks longer than a page is read in several passes over a list other processes
+    // keep changing: an entry can be skipped. A few reads make that unlikely.
+    (0..5).find_map(|_| holder_in(&std::fs::read_to_string("/proc/locks").ok()?, &id))
 }
 
 /// Parse /proc/locks lines such as `3: FLOCK  ADVISORY  WRITE 4242 00:2a:1234 0 EOF` (waiters,

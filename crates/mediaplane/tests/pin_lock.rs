@@ -6,6 +6,7 @@
 mod common;
 
 use common::netns::NetnsServe;
+use common::TempDir;
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
 use serde_json::json;
@@ -47,8 +48,9 @@ fn a_second_serve_on_live_pins_is_refused_unless_told_to_adopt_them() {
     let tb = Testbed::star(2).unwrap();
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}-lock", tb.prefix));
     let _guard = PinGuard(pin_dir.clone());
-    let store = std::env::temp_dir().join(format!("{}-lock.db", tb.prefix));
-    let store2 = std::env::temp_dir().join(format!("{}-lock2.db", tb.prefix));
+    // Both stores (and SQLite's -wal/-shm beside them) go with the directory, pass or fail.
+    let tmp = TempDir::new(&format!("{}-lock", tb.prefix));
+    let (store, store2) = (tmp.0.join("first.db"), tmp.0.join("second.db"));
     let pins = ["--pin-dir", pin_dir.to_str().unwrap()];
     let (p0, p1) = (&tb.peers[0], &tb.peers[1]);
     let sfu0 = SocketAddr::new(p0.sfu_ip, 40000);
@@ -88,6 +90,4 @@ fn a_second_serve_on_live_pins_is_refused_unless_told_to_adopt_them() {
     second.kill9();
     assert!(first.terminate(), "graceful shutdown of the first daemon");
     assert!(!pin_dir.exists(), "a graceful shutdown removes the pins");
-    let _ = std::fs::remove_file(&store);
-    let _ = std::fs::remove_file(&store2);
 }
