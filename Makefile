@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: all deps build release test demo bench fuzz fuzz-smoke clean
+.PHONY: all deps build release test demo bench fuzz fuzz-smoke fuzz-cargo fuzz-bpf clean
 
 all: build
 
@@ -23,13 +23,22 @@ test: deps
 	$(MAKE) fuzz-smoke
 
 # Coverage-guided fuzzing (cargo-fuzz, nightly): a seconds-long run of every target in
-# `make test`, longer runs with `make fuzz` (FUZZ_SECONDS per target).
+# `make test`, longer runs with `make fuzz` (FUZZ_SECONDS per target). `make fuzz` also runs the
+# kernel program's fuzz driver (root; BPF_PROG_TEST_RUN against classify()) over BPF_FUZZ_FRAMES
+# random and mutated frames (`make test` runs 10000 of them in cargo test); a failure prints its
+# seed, MEDIAPLANE_FUZZ_SEED=<seed> replays it.
 FUZZ_TARGETS := frame rtp_rtcp classify api_json bencode sdp
 FUZZ_SECONDS ?= 300
+BPF_FUZZ_FRAMES ?= 500000
 fuzz-smoke:
-	$(MAKE) fuzz FUZZ_SECONDS=8
+	$(MAKE) fuzz-cargo FUZZ_SECONDS=8
 
-fuzz:
+fuzz: fuzz-bpf fuzz-cargo
+
+fuzz-bpf:
+	MEDIAPLANE_FUZZ_FRAMES=$(BPF_FUZZ_FRAMES) $(CARGO) test --release -p mediaplane-ebpf --test fuzz_test_run -- --nocapture
+
+fuzz-cargo:
 	@rustup toolchain list | grep -q '^nightly' || { echo "cargo fuzz needs a nightly toolchain (rustup toolchain install nightly)" >&2; exit 1; }
 	@$(CARGO) fuzz --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-fuzz
 	cd fuzz && $(CARGO) +nightly fuzz build -O

@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub api: ApiConfig,
@@ -100,6 +100,10 @@ pub struct DataplaneConfig {
     pub interfaces: Vec<String>,
     /// eBPF: bpffs directory for pinned maps and links (per instance).
     pub pin_dir: PathBuf,
+    /// eBPF: start even if a LIVE instance holds `pin_dir`, sharing its maps and links.
+    /// Dangerous (two daemons writing the same maps); off, a live holder is a start-up error.
+    /// A dead instance's pins are adopted either way (hitless restart).
+    pub adopt_live_pins: bool,
     /// eBPF: kernel map sizes: stream entries (an SFU stream or one relay direction) and
     /// fan-out copy slots. Memory grows with them; a full map is a clear error.
     pub max_streams: u32,
@@ -145,6 +149,7 @@ impl Default for DataplaneConfig {
             batch: 32,
             interfaces: Vec::new(),
             pin_dir: PathBuf::from("/sys/fs/bpf/mediaplane"),
+            adopt_live_pins: false,
             max_streams: 16384,
             max_copies: 65536,
         }
@@ -163,19 +168,6 @@ impl Default for StoreConfig {
 impl Default for LogConfig {
     fn default() -> Self {
         LogConfig { format: "text".into(), level: "info".into() }
-    }
-}
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            api: ApiConfig::default(),
-            dataplane: DataplaneConfig::default(),
-            media: MediaConfig::default(),
-            store: StoreConfig::default(),
-            log: LogConfig::default(),
-            limits: Limits::default(),
-            ng: NgSection::default(),
-        }
     }
 }
 
@@ -228,6 +220,8 @@ mod tests {
         let c = Config::from_toml("[dataplane]\nkind = \"ebpf\"\ninterfaces = [\"eth1\"]\n").unwrap();
         assert_eq!(c.dataplane.kind, DataplaneKind::Ebpf);
         assert_eq!(c.dataplane.batch, 32);
+        assert!(!c.dataplane.adopt_live_pins, "sharing a live instance's pins is never the default");
+        assert!(Config::from_toml("[dataplane]\nadopt_live_pins = true\n").unwrap().dataplane.adopt_live_pins);
         let e = Config::from_toml("[api]\nlisten_addr = \"x\"\n").unwrap_err();
         assert!(e.contains("listen_addr"), "{e}");
         let e = Config::from_toml("[media]\nport_min = 5000\nport_max = 10\n").unwrap_err();

@@ -10,6 +10,7 @@
  *   -> resolve every copy's next hop (bpf_fib_lookup); any failure -> the whole packet to the
  *      stack, where the user-space plane sends all copies (no copy lost, none duplicated)
  *      (a per-copy-slot cache skips the lookup while nothing changed, see mp_nh_cache)
+ *   -> pop a VLAN tag, trim bytes after the IP packet (Ethernet padding/trailer)
  *   -> per copy: rewrite addresses/ports/MACs with incremental checksums (direct packet access,
  *      plain arithmetic; the checksum helpers under CHECKSUM_COMPLETE), bpf_clone_redirect
  *   -> the last copy is the original itself: bpf_redirect (TC_ACT_REDIRECT); no copies at all:
@@ -544,6 +545,12 @@ int sfu_ingress(struct __sk_buff *skb)
 				f.l4_off -= 4;
 			}
 		}
+		/* Bytes after the IP packet (Ethernet padding, a trailer) are not part of it: the
+		 * stack trims them (ip_rcv) and so does the fast path, or a full-size packet plus
+		 * trailer exceeds the egress MTU and its copies are dropped on the way out. */
+		__u32 frame_len = f.l3_off + p.ip_len;
+		if (skb->len > frame_len && bpf_skb_change_tail(skb, frame_len, 0))
+			return pass_slow(sc, CNT_PASS_ERROR);
 		/* Direct packet access needs the headers in the linear part and a checksum state
 		 * it can follow: CHECKSUM_COMPLETE (skb->csum) is left to the helpers. */
 		struct sk_buff *kskb = bpf_cast_to_kern_ctx(skb);

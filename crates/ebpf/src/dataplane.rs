@@ -2,6 +2,7 @@
 
 use crate::attach::{self, AttachMode, Attachment};
 use crate::loader::{FastPath, LoadOptions};
+use crate::pinlock::{PinDirLock, PinLockError};
 use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, UserspaceConfig, UserspaceDataplane};
 use parking_lot::Mutex;
@@ -22,6 +23,11 @@ pub struct EbpfConfig {
     pub userspace: UserspaceConfig,
     /// Remove stale pins (and our clsact filters) of a previous instance instead of adopting.
     pub reset: bool,
+    /// Start even when a live instance holds `pin_dir` (see [`crate::pinlock`]), sharing its
+    /// maps and links. Dangerous: two daemons then write the same maps, each undoing the other's
+    /// tables, and either one's graceful shutdown detaches both. Without it, a live holder is a
+    /// start-up error; a dead instance's pins are adopted either way.
+    pub adopt_live_pins: bool,
     pub attach: AttachMode,
     pub max_streams: u32,
     pub max_copies: u32,
@@ -38,6 +44,7 @@ impl EbpfConfig {
             pin_dir: pin_dir.into(),
             userspace: UserspaceConfig::default(),
             reset: false,
+            adopt_live_pins: false,
             attach: AttachMode::Auto,
             max_streams: d.max_streams,
             max_copies: d.max_copies,
@@ -54,7 +61,8 @@ impl EbpfConfig {
 /// packet is counted once.
 ///
 /// Dropping it without [`Dataplane::shutdown`] leaves the kernel path forwarding from its pins
-/// (that is what makes `kill -9` + restart hitless); `shutdown()` detaches and unpins.
+/// (that is what makes `kill -9` + restart hitless); `shutdown()` detaches and unpins. While it
+/// lives it holds the pin dir's lock ([`crate::pinlock`]): no second instance starts over it.
 pub struct EbpfDataplane {
     fast: FastPath,
     slow: UserspaceDataplane,
@@ -67,6 +75,9 @@ pub struct EbpfDataplane {
     /// Holding this fd keeps the kernel's BPF run-time accounting on (BPF_ENABLE_STATS): it is
     /// how cost per copy is measured. Closing it (drop) turns accounting back off.
     _run_stats: Option<std::os::fd::OwnedFd>,
+    /// Exclusive use of `pin_dir` while this process lives (`None` only under `adopt_live_pins`
+    /// with a live holder).
+    _lock: Option<PinDirLock>,
 }
 
 /// Mount a bpffs at the standard place when nothing is mounted there (as systemd would).
@@ -111,12 +122,35 @@ pub fn remove_pins(pin_dir: &Path) -> Result<(), DataplaneError> {
     if !pin_dir.exists() {
         return Ok(());
     }
+    remove_pin_files(pin_dir)?;
+    std::fs::remove_dir(pin_dir).map_err(|source| DataplaneError::Io { context: format!("removing {}", pin_dir.display()), source })
+}
+
+/// Remove every pin in `pin_dir`, keeping the directory (and so our lock on it).
+fn remove_pin_files(pin_dir: &Path) -> Result<(), DataplaneError> {
     let io = |context: String| move |source| DataplaneError::Io { context, source };
     for entry in std::fs::read_dir(pin_dir).map_err(io(format!("reading {}", pin_dir.display())))? {
         let p = entry.map_err(io(format!("reading {}", pin_dir.display())))?.path();
         std::fs::remove_file(&p).map_err(io(format!("removing pin {}", p.display())))?;
     }
-    std::fs::remove_dir(pin_dir).map_err(io(format!("removing {}", pin_dir.display())))
+    Ok(())
+}
+
+/// Take `pin_dir` for this process: a live holder is an error unless `adopt_live` says to share.
+fn lock_pin_dir(pin_dir: &Path, adopt_live: bool) -> Result<Option<PinDirLock>, DataplaneError> {
+    match PinDirLock::acquire(pin_dir) {
+        Ok(lock) => Ok(Some(lock)),
+        Err(PinLockError::Held { dir, holder }) if adopt_live => {
+            tracing::warn!(
+                pin_dir = %dir.display(),
+                holder,
+                "--adopt-live-pins: sharing the pins of a LIVE instance; both daemons now write the same maps"
+            );
+            Ok(None)
+        }
+        Err(e @ PinLockError::Held { .. }) => Err(other(e.to_string())),
+        Err(PinLockError::Io { dir, source }) => Err(DataplaneError::Io { context: format!("locking pin dir {}", dir.display()), source }),
+    }
 }
 
 impl EbpfDataplane {
@@ -151,11 +185,11 @@ impl EbpfDataplane {
                 parent.display()
             )));
         }
+        // Before anything touches the pins (--reset included): a live holder keeps them.
+        let lock = lock_pin_dir(&cfg.pin_dir, cfg.adopt_live_pins)?;
         if cfg.reset {
-            remove_pins(&cfg.pin_dir)?;
+            remove_pin_files(&cfg.pin_dir)?;
         }
-        std::fs::create_dir_all(&cfg.pin_dir)
-            .map_err(|source| DataplaneError::Io { context: format!("creating {}", cfg.pin_dir.display()), source })?;
 
         let fast = FastPath::load(&LoadOptions {
             max_streams: cfg.max_streams,
@@ -206,6 +240,7 @@ impl EbpfDataplane {
             _nh_watch: nh_watch,
             steering: Mutex::new(steering),
             _run_stats: enable_run_stats(),
+            _lock: lock,
         })
     }
 

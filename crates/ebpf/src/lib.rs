@@ -8,6 +8,7 @@
 //! * [`attach`]: tcx / clsact hooks, pinned for hitless restarts;
 //! * [`nhwatch`]: invalidates the kernel's next-hop cache on route/neighbour changes;
 //! * [`steer`]: sk_lookup steering of slow-path packets to a few catch-all sockets;
+//! * [`pinlock`]: one live daemon per pin directory (a kill -9'd one's pins are still adopted);
 //! * [`dataplane`]: [`EbpfDataplane`], the [`mediaplane_dataplane::Dataplane`] named "ebpf".
 
 pub mod attach;
@@ -17,6 +18,7 @@ pub mod loader;
 pub mod maps;
 pub mod nhwatch;
 pub mod steer;
+pub mod pinlock;
 
 /// The libbpf-cargo skeleton: used for the C struct layouts (BTF) in tests and test_run.
 #[allow(dead_code, clippy::all, non_camel_case_types, non_snake_case, unused_imports)]
@@ -27,4 +29,5 @@ mod skel {
 pub use attach::AttachMode;
 pub use dataplane::{remove_pins, EbpfConfig, EbpfDataplane};
 pub use install::ApplyReport;
+pub use pinlock::{PinDirLock, PinLockError};
 pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};

@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::rig::root_or_skip;
 use common::*;
 use mediaplane_core::model::{Model, StreamRef, StreamSpec};
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
@@ -17,13 +18,6 @@ use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-macro_rules! root_or_skip {
-    ($name:expr) => {
-        if !require_root($name) {
-            return;
-        }
-    };
-}
 
 /// Participants p0..p(n-1) on the star, each publishing "main"; `subs` lists (subscriber, publisher).
 fn star_model(n: usize, subs: &[(usize, usize)]) -> Model {

@@ -2,256 +2,20 @@
 //! `ForwardingTable::classify()`. Copies really leave through bpf_clone_redirect: each test runs
 //! in its own network namespace with a veth pair (v0: the SFU side the packet "arrives" on and
 //! copies leave from; v1: the subscribers' side, where an AF_PACKET socket captures them).
+//! The rig and the oracle live in tests/common/rig.rs (shared with fuzz_test_run.rs).
 //!
 //! Run: `cargo test -p mediaplane-ebpf --test test_run` as root.
 
 mod common;
 
+use common::rig::*;
 use common::*;
-use mediaplane_core::packet::{build_frame, parse_frame, verify_checksums, FrameError, FrameSpec};
+use mediaplane_core::packet::{build_frame, FrameSpec};
 use mediaplane_core::rtp::build_rtp;
-use mediaplane_core::table::{Copy, DropReason, ForwardingTable, IngressKey, SlowReason, SourceRule, StreamEntry, Verdict};
-use mediaplane_ebpf::maps::{flags, kernel_entries};
-use mediaplane_ebpf::{FastPath, KernelStats, LoadOptions, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
-use std::collections::BTreeMap;
-use std::net::SocketAddr;
+use mediaplane_core::table::SourceRule;
+use mediaplane_ebpf::{FastPath, LoadOptions, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
 use std::sync::Arc;
 use std::time::Duration;
-
-const MAC0: [u8; 6] = [0x02, 0, 0, 0, 0, 0xa0];
-const MAC1: [u8; 6] = [0x02, 0, 0, 0, 0, 0xa1];
-
-fn a(s: &str) -> SocketAddr {
-    s.parse().unwrap()
-}
-
-/// A namespace with v0 (10.200.0.1/24, fd00:200::1/64, forwarding on) and its veth peer v1 in
-/// a second namespace, standing for every subscriber (10.200.0.2, fd00:200::2 resolved
-/// permanently to v1's MAC). v1 lives apart so that the SFU side's forwarding never bounces
-/// captured copies back (IPv6 forwarding is a per-namespace switch).
-struct Lab {
-    ns: Netns,
-    peer: Netns,
-    v0: String,
-    v1: String,
-}
-
-impl Lab {
-    fn new() -> Lab {
-        let ns = Netns::new("t");
-        let peer = Netns::new("p");
-        let v0 = format!("{}a", ns.name);
-        let v1 = format!("{}b", ns.name);
-        ns.ip(&["link", "add", &v0, "address", "02:00:00:00:00:a0", "type", "veth", "peer", "name", &v1, "address", "02:00:00:00:00:a1"]);
-        ns.ip(&["link", "set", &v1, "netns", &peer.name]);
-        ns.ip(&["link", "set", &v0, "up"]);
-        peer.ip(&["link", "set", &v1, "up"]);
-        ns.ip(&["addr", "add", "10.200.0.1/24", "dev", &v0]);
-        ns.ip(&["addr", "add", "fd00:200::1/64", "dev", &v0, "nodad"]);
-        ns.ip(&["neigh", "add", "10.200.0.2", "lladdr", "02:00:00:00:00:a1", "dev", &v0, "nud", "permanent"]);
-        ns.ip(&["neigh", "add", "fd00:200::2", "lladdr", "02:00:00:00:00:a1", "dev", &v0, "nud", "permanent"]);
-        ns.sysctl(&format!("net/ipv4/conf/{v0}/forwarding"), "1");
-        ns.sysctl("net/ipv6/conf/all/forwarding", "1");
-        Lab { ns, peer, v0, v1 }
-    }
-}
-
-fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: bool, copies: Vec<(SocketAddr, SocketAddr)>) -> StreamEntry {
-    let key = IngressKey { local: a(local), ssrc };
-    StreamEntry {
-        id,
-        label: format!("s{id}"),
-        key,
-        source,
-        rtp,
-        copies: copies.into_iter().enumerate().map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to }).collect(),
-        rate: None,
-    }
-}
-
-fn table(version: u64, entries: Vec<StreamEntry>) -> ForwardingTable {
-    ForwardingTable { version, streams: entries.into_iter().map(|e| (e.key, e)).collect(), ..Default::default() }
-}
-
-/// `n` subscribers, all on 10.200.0.2 (one neighbour) with distinct ports.
-fn subscribers_v4(n: usize) -> Vec<(SocketAddr, SocketAddr)> {
-    (0..n).map(|i| (a(&format!("10.200.0.1:{}", 30000 + i)), a(&format!("10.200.0.2:{}", 40000 + i)))).collect()
-}
-
-const PUBLISHER: &str = "10.200.0.9:5000";
-const LOCAL: &str = "10.200.0.1:4000";
-
-/// What the reference says the kernel must do with a frame.
-#[derive(Debug, Clone, PartialEq, Eq)]
-enum Expect {
-    /// Fan out these (from, to) copies and consume the original.
-    Forward(Vec<(SocketAddr, SocketAddr)>),
-    /// Consume and count under this counter.
-    Drop(&'static str),
-    /// To the stack, counted under this counter.
-    Pass(&'static str),
-}
-
-fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
-    let f = match parse_frame(frame) {
-        Ok(f) => f,
-        Err(e) => {
-            return Expect::Pass(match e {
-                FrameError::Truncated => "pass_truncated",
-                FrameError::NotIp(_) => "pass_not_ip",
-                FrameError::NotUdp(_) => "pass_not_udp",
-                FrameError::IpOptions => "pass_ip_options",
-                FrameError::Fragment => "pass_fragment",
-                FrameError::BadIpHeader => "pass_bad_ip_header",
-                FrameError::BadUdpLength => "pass_bad_udp_length",
-            })
-        }
-    };
-    // Traffic to addresses without streams is not ours: the kernel leaves it to the stack
-    // (classify() calls it NoStream because it only ever sees the SFU's own sockets).
-    if !t.streams.keys().any(|k| k.local == f.dst) {
-        return Expect::Pass("pass_not_ours");
-    }
-    let payload = &frame[f.payload..f.payload + f.payload_len];
-    match t.classify(f.dst, f.src, payload) {
-        Verdict::Forward(e) => {
-            let slow = kernel_entries(t, None)[&mediaplane_ebpf::maps::KeyRaw::new(e.key.local, e.key.ssrc)].flags & flags::SLOW != 0;
-            if slow {
-                Expect::Pass("pass_slow_stream")
-            } else {
-                Expect::Forward(e.copies.iter().map(|c| (c.from, c.to)).collect())
-            }
-        }
-        Verdict::Drop { reason: DropReason::NoStream, .. } => Expect::Drop("drop_no_stream"),
-        Verdict::Drop { reason: DropReason::Stranger, .. } => Expect::Drop("drop_stranger"),
-        Verdict::Drop { reason: DropReason::Malformed, .. } => Expect::Drop("drop_malformed"),
-        Verdict::SlowPath { reason: SlowReason::Stun, .. } => Expect::Pass("pass_stun"),
-        Verdict::SlowPath { reason: SlowReason::Unlatched, .. } => Expect::Pass("pass_unlatched"),
-    }
-}
-
-fn delta(before: &KernelStats, after: &KernelStats) -> BTreeMap<&'static str, u64> {
-    after.global.iter().map(|(k, v)| (*k, v - before.get(k))).filter(|(_, v)| *v > 0).collect()
-}
-
-/// The UDP frames arriving on v1 whose destination port is one of `ports`.
-fn udp_to(ports: &[u16]) -> impl Fn(&[u8]) -> bool + '_ {
-    move |fr: &[u8]| parse_frame(fr).is_ok_and(|f| ports.contains(&f.dst.port()))
-}
-
-/// A loaded program in the lab's namespace, with a capture on v1.
-struct Rig {
-    lab: Lab,
-    fp: FastPath,
-    cap: Capture,
-    ifindex: u32,
-    _g: NetnsGuard,
-}
-
-impl Rig {
-    fn new() -> Rig {
-        let lab = Lab::new();
-        let g = lab.ns.enter();
-        let fp = FastPath::load(&LoadOptions::default()).expect("load");
-        let v1 = lab.v1.clone();
-        let cap = lab.peer.run(move || Capture::new(&v1));
-        let ifindex = ifindex(&lab.v0);
-        Rig { lab, fp, cap, ifindex, _g: g }
-    }
-
-    fn apply(&self, t: &ForwardingTable) {
-        self.fp.apply(Arc::new(t.clone())).expect("apply");
-    }
-
-    /// Run `frame` through the program, check verdict, counters and copies against the
-    /// reference, and return the captured copies.
-    fn check(&self, t: &ForwardingTable, frame: &[u8]) -> Vec<Vec<u8>> {
-        let want = reference(t, frame);
-        let before = self.fp.kernel_stats().unwrap();
-        let run = self.fp.test_run(frame, Some(self.ifindex)).expect("test_run");
-        let after = self.fp.kernel_stats().unwrap();
-        let d = delta(&before, &after);
-        // Listen on every copy port of the table: a frame to any of them is a copy.
-        let ports: Vec<u16> = t.streams.values().flat_map(|e| e.copies.iter().map(|c| c.to.port())).collect();
-        match &want {
-            Expect::Forward(copies) => {
-                // The last copy is the packet itself, redirected: BPF_PROG_TEST_RUN hands it
-                // back (data_out) instead of transmitting it.
-                let want_ret = if copies.is_empty() { TC_ACT_SHOT } else { TC_ACT_REDIRECT };
-                assert_eq!(run.retval, want_ret, "{want:?}: {d:?}");
-                assert_eq!(d.get("forwarded"), Some(&1), "{d:?}");
-                assert_eq!(d.get("rx_packets"), Some(&1), "{d:?}");
-                assert_eq!(d.get("tx_copies").copied().unwrap_or(0), copies.len() as u64, "{d:?}");
-                assert_eq!(d.get("tx_errors"), None, "{d:?}");
-                let clones = copies.len().saturating_sub(1);
-                let mut got = self.cap.collect(clones, Duration::from_secs(3), udp_to(&ports));
-                if !copies.is_empty() {
-                    got.push(run.data_out.clone());
-                }
-                verify_copies(frame, copies, &got);
-                got
-            }
-            Expect::Drop(counter) => {
-                assert_eq!(run.retval, TC_ACT_SHOT, "{want:?}: {d:?}");
-                assert_eq!(d.get(counter), Some(&1), "{want:?}: {d:?}");
-                assert_eq!(d.get("tx_copies"), None);
-                assert!(self.cap.collect(0, Duration::from_millis(100), udp_to(&ports)).is_empty(), "a dropped packet was copied");
-                vec![]
-            }
-            Expect::Pass(counter) => {
-                assert_eq!(run.retval, TC_ACT_OK, "{want:?}: {d:?}");
-                assert_eq!(d.get(counter), Some(&1), "{want:?}: {d:?}");
-                // The kernel counts only what it decides: the slow path counts the rest.
-                assert_eq!(d.get("rx_packets"), None, "{d:?}");
-                assert!(self.cap.collect(0, Duration::from_millis(100), udp_to(&ports)).is_empty(), "a passed packet was copied");
-                vec![]
-            }
-        }
-    }
-}
-
-/// Exactly the expected copies (each once), correct headers and MACs, payload unchanged,
-/// valid checksums.
-fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got: &[Vec<u8>]) {
-    let of = parse_frame(original).unwrap();
-    let payload = &original[of.payload..of.payload + of.payload_len];
-    let mut seen: Vec<(SocketAddr, SocketAddr)> = got
-        .iter()
-        .map(|fr| {
-            let f = parse_frame(fr).expect("copy parses");
-            assert_eq!(f.vlan, None, "copies leave untagged");
-            assert_eq!(&fr[0..6], &MAC1, "dst MAC from the neighbour table");
-            assert_eq!(&fr[6..12], &MAC0, "src MAC of the egress device");
-            assert_eq!(&fr[f.payload..f.payload + f.payload_len], payload, "payload changed");
-            let c = verify_checksums(fr, &f);
-            assert!(c.ok(), "bad checksums {c:?} on copy {} -> {}", f.src, f.dst);
-            (f.src, f.dst)
-        })
-        .collect();
-    let mut want = expected.to_vec();
-    seen.sort();
-    want.sort();
-    assert_eq!(seen.len(), want.len(), "{} copies, wanted {}", seen.len(), want.len());
-    assert_eq!(seen, want, "copies differ from the fan-out list");
-}
-
-fn v4_frame(src: &str, dst: &str, payload: &[u8]) -> Vec<u8> {
-    let mut spec = FrameSpec::new(a(src), a(dst));
-    spec.dst_mac = MAC0;
-    build_frame(&spec, payload)
-}
-
-fn rtp(ssrc: u32) -> Vec<u8> {
-    build_rtp(96, 7, 1234, ssrc, &[0x5a; 160])
-}
-
-macro_rules! root_or_skip {
-    ($name:expr) => {
-        if !require_root($name) {
-            return;
-        }
-    };
-}
 
 #[test]
 fn valid_rtp_fans_out_to_every_subscriber() {
@@ -399,6 +163,44 @@ fn frames_the_fast_path_cannot_judge_go_to_the_stack() {
     rig.check(&t, &v4_frame(PUBLISHER, "10.200.0.3:4000", &rtp(1)));
 }
 
+/// Found by fuzz_test_run.rs (seed 1795323839313202305, frame #105957): bytes after the IP
+/// packet (a trailer; short frames' Ethernet padding) went out with every copy, so a full-size
+/// packet plus trailer exceeded the egress MTU and all clones were dropped (tx_errors) though
+/// the stack would have trimmed the trailer and sent them. Copies now leave trimmed.
+#[test]
+fn bytes_after_the_ip_packet_are_trimmed_before_the_fan_out() {
+    root_or_skip!("bytes_after_the_ip_packet_are_trimmed_before_the_fan_out");
+    let rig = Rig::new();
+    let v6pub = "[fd00:200::9]:5000";
+    let t = table(
+        1,
+        vec![
+            entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), false, subscribers_v4(3)),
+            entry(2, "[fd00:200::1]:4000", None, SourceRule::Fixed(a(v6pub)), false, subscribers(3, "fd00:200::1", "fd00:200::2", 41000)),
+        ],
+    );
+    rig.apply(&t);
+    // IPv4 packets of exactly the MTU and just below, with a 30-byte trailer.
+    for payload in [LAB_MTU - 28, LAB_MTU - 29] {
+        let mut f = v4_frame(PUBLISHER, LOCAL, &vec![0x77; payload]);
+        f.extend_from_slice(&[0xee; 30]);
+        assert_eq!(rig.check(&t, &f).len(), 3);
+    }
+    // IPv6, VLAN-tagged, MTU-sized plus trailer.
+    let mut spec = FrameSpec::new(a(v6pub), a("[fd00:200::1]:4000"));
+    spec.dst_mac = MAC0;
+    spec.vlan = Some(790);
+    let mut f = build_frame(&spec, &vec![0x66; LAB_MTU - 48]);
+    f.extend_from_slice(&[0xee; 29]);
+    assert_eq!(rig.check(&t, &f).len(), 3);
+    // A short frame with Ethernet padding up to 60 bytes: copies without the padding.
+    let mut f = v4_frame(PUBLISHER, LOCAL, b"hi");
+    f.resize(60, 0);
+    for c in rig.check(&t, &f) {
+        assert_eq!(c.len(), 14 + 20 + 8 + 2);
+    }
+}
+
 #[test]
 fn stranger_stun_and_unlatched() {
     root_or_skip!("stranger_stun_and_unlatched");
@@ -459,7 +261,7 @@ fn ssrc_narrowed_streams_and_rtcp_demux() {
 fn ipv6_and_vlan_tagged_frames_are_forwarded() {
     root_or_skip!("ipv6_and_vlan_tagged_frames_are_forwarded");
     let rig = Rig::new();
-    let v6subs: Vec<_> = (0..3).map(|i| (a(&format!("[fd00:200::1]:{}", 31000 + i)), a(&format!("[fd00:200::2]:{}", 41000 + i)))).collect();
+    let v6subs = subscribers(3, "fd00:200::1", "fd00:200::2", 41000);
     let t = table(
         1,
         vec![

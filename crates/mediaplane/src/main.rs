@@ -54,6 +54,11 @@ struct ServeArgs {
     /// eBPF: bpffs directory for this instance's pinned maps and links (overrides dataplane.pin_dir).
     #[arg(long)]
     pin_dir: Option<PathBuf>,
+    /// eBPF: start even if a LIVE instance holds the pin dir, sharing its maps and links
+    /// (sets dataplane.adopt_live_pins). DANGEROUS: two daemons then write the same maps and
+    /// undo each other's tables. Not needed after a crash: a dead instance's pins are adopted.
+    #[arg(long)]
+    adopt_live_pins: bool,
     /// SQLite store path (overrides store.path).
     #[arg(long)]
     store: Option<PathBuf>,
@@ -121,6 +126,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(p) = args.pin_dir {
         cfg.dataplane.pin_dir = p;
     }
+    if args.adopt_live_pins {
+        cfg.dataplane.adopt_live_pins = true;
+    }
     if let Some(s) = args.store {
         cfg.store.path = s;
     }
@@ -168,6 +176,7 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>
             let mut ecfg = mediaplane_ebpf::EbpfConfig::new(cfg.dataplane.interfaces.clone(), cfg.dataplane.pin_dir.clone());
             ecfg.userspace = us;
             ecfg.reset = reset;
+            ecfg.adopt_live_pins = cfg.dataplane.adopt_live_pins;
             ecfg.max_streams = cfg.dataplane.max_streams;
             ecfg.max_copies = cfg.dataplane.max_copies;
             let dp = mediaplane_ebpf::EbpfDataplane::new(ecfg, Some(events)).context("starting the ebpf data plane")?;

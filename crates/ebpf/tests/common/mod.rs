@@ -2,6 +2,8 @@
 //! frame capture. Everything created here is removed by Drop guards, on success and on panic.
 #![allow(dead_code)]
 
+pub mod rig;
+
 use std::ffi::CString;
 use std::fs::File;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
@@ -166,12 +168,27 @@ impl Capture {
     /// Frames that `keep` accepts, until `want` of them or `timeout` (then a short grace period
     /// to catch extra, unexpected frames).
     pub fn collect(&self, want: usize, timeout: Duration, keep: impl Fn(&[u8]) -> bool) -> Vec<Vec<u8>> {
+        self.collect_for(want, timeout, Duration::from_millis(100), keep)
+    }
+
+    /// [`Capture::collect`] with the grace period given; a zero grace only takes what is
+    /// already queued once `want` frames are in (copies sent by `bpf_clone_redirect` inside
+    /// BPF_PROG_TEST_RUN are queued before the syscall returns: the veth peer's receive softirq
+    /// runs when the transmit path re-enables bottom halves).
+    pub fn collect_for(&self, want: usize, timeout: Duration, grace: Duration, keep: impl Fn(&[u8]) -> bool) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
         let start = Instant::now();
         let mut deadline = start + timeout;
         let mut buf = vec![0u8; 65536];
         let mut extended = false;
         loop {
+            if out.len() >= want && !extended {
+                if grace.is_zero() {
+                    break;
+                }
+                deadline = Instant::now() + grace;
+                extended = true;
+            }
             if Instant::now() >= deadline {
                 break;
             }
@@ -180,9 +197,17 @@ impl Capture {
             if n > 0 && keep(&buf[..n as usize]) {
                 out.push(buf[..n as usize].to_vec());
             }
-            if out.len() >= want && !extended {
-                deadline = Instant::now() + Duration::from_millis(100);
-                extended = true;
+        }
+        if grace.is_zero() {
+            loop {
+                // SAFETY: buf is valid for its length.
+                let n = unsafe { libc::recv(self.fd.as_raw_fd(), buf.as_mut_ptr() as *mut libc::c_void, buf.len(), libc::MSG_DONTWAIT) };
+                if n < 0 {
+                    break;
+                }
+                if n > 0 && keep(&buf[..n as usize]) {
+                    out.push(buf[..n as usize].to_vec());
+                }
             }
         }
         out

@@ -10,27 +10,60 @@ pub const API: &str = "127.0.0.1:7580";
 pub struct NetnsServe<'t> {
     pub tb: &'t Testbed,
     pub child: Child,
+    /// Its API address (inside the SFU namespace).
+    pub listen: String,
 }
 
 impl<'t> NetnsServe<'t> {
     /// `ip netns exec` (private mount namespace: a bpffs of its own, gone with the process).
     pub fn start(tb: &'t Testbed, plane: &str, store: &std::path::Path, extra: &[&str]) -> NetnsServe<'t> {
         let mut cmd = tb.command(&tb.sfu_ns, env!("CARGO_BIN_EXE_mediaplane"));
-        Self::args(&mut cmd, tb, plane, store, extra);
-        Self::spawn(tb, cmd)
+        Self::args(&mut cmd, tb, plane, store, API, extra);
+        Self::spawn(tb, cmd, API)
     }
 
     /// `nsenter --net` only: the root mount namespace's /sys/fs/bpf, so pins outlive the process
     /// (what hitless restart needs).
     pub fn start_shared_bpffs(tb: &'t Testbed, plane: &str, store: &std::path::Path, extra: &[&str]) -> NetnsServe<'t> {
-        let mut cmd = Command::new("nsenter");
-        cmd.arg(format!("--net=/var/run/netns/{}", tb.sfu_ns)).arg("--").arg(env!("CARGO_BIN_EXE_mediaplane"));
-        Self::args(&mut cmd, tb, plane, store, extra);
-        Self::spawn(tb, cmd)
+        Self::start_shared_bpffs_on(tb, API, plane, store, extra)
     }
 
-    fn args(cmd: &mut Command, tb: &Testbed, plane: &str, store: &std::path::Path, extra: &[&str]) {
-        cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--dataplane", plane, "--workers", "1"])
+    /// [`NetnsServe::start_shared_bpffs`] with its API on `listen` (a second daemon beside one on [`API`]).
+    pub fn start_shared_bpffs_on(tb: &'t Testbed, listen: &str, plane: &str, store: &std::path::Path, extra: &[&str]) -> NetnsServe<'t> {
+        Self::spawn(tb, Self::shared_bpffs_command(tb, listen, plane, store, extra), listen)
+    }
+
+    /// Run a daemon like [`NetnsServe::start_shared_bpffs_on`] that is expected to refuse to
+    /// start: its exit status and stderr (killed, and a panic, if it is still up after `timeout`).
+    pub fn run_to_exit(tb: &Testbed, listen: &str, plane: &str, store: &std::path::Path, extra: &[&str], timeout: Duration) -> (std::process::ExitStatus, String) {
+        let mut cmd = Self::shared_bpffs_command(tb, listen, plane, store, extra);
+        let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
+        let deadline = Instant::now() + timeout;
+        let status = loop {
+            if let Some(st) = child.try_wait().unwrap() {
+                break st;
+            }
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                let _ = child.wait();
+                panic!("serve was expected to exit but still ran after {timeout:?}");
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        };
+        let mut err = String::new();
+        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        (status, err)
+    }
+
+    fn shared_bpffs_command(tb: &Testbed, listen: &str, plane: &str, store: &std::path::Path, extra: &[&str]) -> Command {
+        let mut cmd = Command::new("nsenter");
+        cmd.arg(format!("--net=/var/run/netns/{}", tb.sfu_ns)).arg("--").arg(env!("CARGO_BIN_EXE_mediaplane"));
+        Self::args(&mut cmd, tb, plane, store, listen, extra);
+        cmd
+    }
+
+    fn args(cmd: &mut Command, tb: &Testbed, plane: &str, store: &std::path::Path, listen: &str, extra: &[&str]) {
+        cmd.args(["serve", "--listen", listen, "--store", store.to_str().unwrap(), "--dataplane", plane, "--workers", "1"])
             .args(extra)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null());
@@ -39,18 +72,23 @@ impl<'t> NetnsServe<'t> {
         }
     }
 
-    fn spawn(tb: &'t Testbed, mut cmd: Command) -> NetnsServe<'t> {
-        let s = NetnsServe { tb, child: cmd.spawn().unwrap() };
+    fn spawn(tb: &'t Testbed, mut cmd: Command, listen: &str) -> NetnsServe<'t> {
+        let mut s = NetnsServe { tb, child: cmd.spawn().unwrap(), listen: listen.to_string() };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while try_api(tb, "GET", "/health", None).is_err() {
+        while try_api_at(tb, listen, "GET", "/health", None).is_err() {
             assert!(Instant::now() < deadline, "serve did not start");
+            assert!(matches!(s.child.try_wait(), Ok(None)), "serve exited instead of starting");
             std::thread::sleep(Duration::from_millis(50));
         }
         s
     }
 
     pub fn api(&self, method: &str, path: &str, body: Option<Value>) -> Value {
-        try_api(self.tb, method, path, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+        try_api_at(self.tb, &self.listen, method, path, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    pub fn pid(&self) -> u32 {
+        self.child.id()
     }
 
     pub fn kill9(&mut self) {
@@ -82,7 +120,11 @@ impl Drop for NetnsServe<'_> {
 }
 
 pub fn try_api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
-    let (m, url) = (method.to_string(), format!("http://{API}{path}"));
+    try_api_at(tb, API, method, path, body)
+}
+
+pub fn try_api_at(tb: &Testbed, listen: &str, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    let (m, url) = (method.to_string(), format!("http://{listen}{path}"));
     tb.in_ns(&tb.sfu_ns, move || {
         let req = ureq::request(&m, &url).timeout(Duration::from_secs(5));
         let r = match body {

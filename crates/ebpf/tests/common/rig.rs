@@ -1,0 +1,341 @@
+//! The BPF_PROG_TEST_RUN rig shared by test_run.rs (crafted frames) and fuzz_test_run.rs
+//! (random and mutated frames): a lab of two namespaces joined by a veth pair, the program
+//! loaded in the first, a capture on the second, and the oracle — `ForwardingTable::classify()`
+//! on what `parse_frame()` makes of the frame — that every run is judged against.
+
+use super::*;
+use mediaplane_core::packet::{build_frame, parse_frame, verify_checksums, FrameError, FrameSpec};
+use mediaplane_core::rtp::build_rtp;
+use mediaplane_core::table::{Copy, DropReason, ForwardingTable, IngressKey, SlowReason, SourceRule, StreamEntry, Verdict};
+use mediaplane_ebpf::maps::{flags, kernel_entries};
+use mediaplane_ebpf::{FastPath, KernelStats, LoadOptions, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+pub const MAC0: [u8; 6] = [0x02, 0, 0, 0, 0, 0xa0];
+pub const MAC1: [u8; 6] = [0x02, 0, 0, 0, 0, 0xa1];
+/// MTU of the lab's veth pair: a copy whose IP packet is larger cannot leave (bpf_fib_lookup
+/// says "fragmentation needed"), so the kernel hands such packets to the stack.
+pub const LAB_MTU: usize = 1500;
+
+pub fn a(s: &str) -> SocketAddr {
+    s.parse().unwrap()
+}
+
+/// A namespace with v0 (10.200.0.1/24, fd00:200::1/64, forwarding on) and its veth peer v1 in
+/// a second namespace, standing for every subscriber (10.200.0.2, fd00:200::2 resolved
+/// permanently to v1's MAC). v1 lives apart so that the SFU side's forwarding never bounces
+/// captured copies back (IPv6 forwarding is a per-namespace switch).
+pub struct Lab {
+    pub ns: Netns,
+    pub peer: Netns,
+    pub v0: String,
+    pub v1: String,
+}
+
+impl Lab {
+    pub fn new() -> Lab {
+        let ns = Netns::new("t");
+        let peer = Netns::new("p");
+        let v0 = format!("{}a", ns.name);
+        let v1 = format!("{}b", ns.name);
+        ns.ip(&["link", "add", &v0, "address", "02:00:00:00:00:a0", "type", "veth", "peer", "name", &v1, "address", "02:00:00:00:00:a1"]);
+        ns.ip(&["link", "set", &v1, "netns", &peer.name]);
+        ns.ip(&["link", "set", &v0, "up", "mtu", &LAB_MTU.to_string()]);
+        peer.ip(&["link", "set", &v1, "up"]);
+        ns.ip(&["addr", "add", "10.200.0.1/24", "dev", &v0]);
+        ns.ip(&["addr", "add", "fd00:200::1/64", "dev", &v0, "nodad"]);
+        ns.ip(&["neigh", "add", "10.200.0.2", "lladdr", "02:00:00:00:00:a1", "dev", &v0, "nud", "permanent"]);
+        ns.ip(&["neigh", "add", "fd00:200::2", "lladdr", "02:00:00:00:00:a1", "dev", &v0, "nud", "permanent"]);
+        ns.sysctl(&format!("net/ipv4/conf/{v0}/forwarding"), "1");
+        ns.sysctl("net/ipv6/conf/all/forwarding", "1");
+        Lab { ns, peer, v0, v1 }
+    }
+}
+
+pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: bool, copies: Vec<(SocketAddr, SocketAddr)>) -> StreamEntry {
+    let key = IngressKey { local: a(local), ssrc };
+    StreamEntry {
+        id,
+        label: format!("s{id}"),
+        key,
+        source,
+        rtp,
+        copies: copies.into_iter().enumerate().map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to }).collect(),
+        rate: None,
+    }
+}
+
+pub fn table(version: u64, entries: Vec<StreamEntry>) -> ForwardingTable {
+    ForwardingTable { version, streams: entries.into_iter().map(|e| (e.key, e)).collect(), ..Default::default() }
+}
+
+/// `n` subscribers, all on 10.200.0.2 (one neighbour) with distinct ports.
+pub fn subscribers_v4(n: usize) -> Vec<(SocketAddr, SocketAddr)> {
+    subscribers(n, "10.200.0.1", "10.200.0.2", 40000)
+}
+
+/// `n` (from, to) copies: from `sfu_ip`:`port - 10000`, to `sub_ip`:`port`, ports from `base` on.
+pub fn subscribers(n: usize, sfu_ip: &str, sub_ip: &str, base: u16) -> Vec<(SocketAddr, SocketAddr)> {
+    let (sfu, sub) = (sfu_ip.parse().unwrap(), sub_ip.parse().unwrap());
+    (0..n as u16).map(|i| (SocketAddr::new(sfu, base + i - 10000), SocketAddr::new(sub, base + i))).collect()
+}
+
+pub const PUBLISHER: &str = "10.200.0.9:5000";
+pub const LOCAL: &str = "10.200.0.1:4000";
+
+/// What the reference says the kernel must do with a frame.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Expect {
+    /// Fan out these (from, to) copies and consume the original.
+    Forward(Vec<(SocketAddr, SocketAddr)>),
+    /// Consume and count under this counter.
+    Drop(&'static str),
+    /// To the stack, counted under this counter.
+    Pass(&'static str),
+}
+
+/// The ethertype after at most one VLAN tag (what `parse_frame` dispatches on).
+fn inner_ethertype(frame: &[u8]) -> Option<u16> {
+    let be = |at: usize| frame.get(at..at + 2).map(|b| u16::from_be_bytes([b[0], b[1]]));
+    match be(12)? {
+        0x8100 | 0x88a8 => be(16),
+        t => Some(t),
+    }
+}
+
+/// The IPv6 next-header values the kernel counts as extension headers (bpf/parse.h).
+const IPV6_EXT_HEADERS: [u8; 8] = [0, 43, 50, 51, 60, 135, 139, 140];
+
+pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
+    let f = match parse_frame(frame) {
+        Ok(f) => f,
+        Err(e) => {
+            // The same verdict (to the stack) for the same frames; the kernel only names a few
+            // reasons more precisely than the parser: a second VLAN tag, and IPv6 extension or
+            // fragment headers (which the parser reports as "not UDP").
+            let v6 = inner_ethertype(frame) == Some(0x86dd);
+            return Expect::Pass(match e {
+                FrameError::Truncated => "pass_truncated",
+                FrameError::NotIp(0x8100 | 0x88a8) => "pass_vlan",
+                FrameError::NotIp(_) => "pass_not_ip",
+                FrameError::NotUdp(44) if v6 => "pass_fragment",
+                FrameError::NotUdp(n) if v6 && IPV6_EXT_HEADERS.contains(&n) => "pass_ipv6_ext",
+                FrameError::NotUdp(_) => "pass_not_udp",
+                FrameError::IpOptions => "pass_ip_options",
+                FrameError::Fragment => "pass_fragment",
+                FrameError::BadIpHeader => "pass_bad_ip_header",
+                FrameError::BadUdpLength => "pass_bad_udp_length",
+            });
+        }
+    };
+    // Traffic to addresses without streams is not ours: the kernel leaves it to the stack
+    // (classify() calls it NoStream because it only ever sees the SFU's own sockets).
+    if !t.streams.keys().any(|k| k.local == f.dst) {
+        return Expect::Pass("pass_not_ours");
+    }
+    let payload = &frame[f.payload..f.payload + f.payload_len];
+    match t.classify(f.dst, f.src, payload) {
+        Verdict::Forward(e) => {
+            let slow = kernel_entries(t, None)[&mediaplane_ebpf::maps::KeyRaw::new(e.key.local, e.key.ssrc)].flags & flags::SLOW != 0;
+            let ip_len = f.payload + f.payload_len - f.l3;
+            if slow {
+                Expect::Pass("pass_slow_stream")
+            } else if !e.copies.is_empty() && ip_len > LAB_MTU {
+                // Copies too big for the egress link: the slow path (and the stack) deal with it.
+                Expect::Pass("pass_fib_fail")
+            } else {
+                Expect::Forward(e.copies.iter().map(|c| (c.from, c.to)).collect())
+            }
+        }
+        Verdict::Drop { reason: DropReason::NoStream, .. } => Expect::Drop("drop_no_stream"),
+        Verdict::Drop { reason: DropReason::Stranger, .. } => Expect::Drop("drop_stranger"),
+        Verdict::Drop { reason: DropReason::Malformed, .. } => Expect::Drop("drop_malformed"),
+        Verdict::SlowPath { reason: SlowReason::Stun, .. } => Expect::Pass("pass_stun"),
+        Verdict::SlowPath { reason: SlowReason::Unlatched, .. } => Expect::Pass("pass_unlatched"),
+    }
+}
+
+/// The stream the kernel must account a frame to (its per-stream counters), per classify().
+pub fn reference_stream(t: &ForwardingTable, frame: &[u8]) -> Option<u32> {
+    let f = parse_frame(frame).ok()?;
+    if !t.streams.keys().any(|k| k.local == f.dst) {
+        return None;
+    }
+    match t.classify(f.dst, f.src, &frame[f.payload..f.payload + f.payload_len]) {
+        Verdict::Forward(e) => Some(e.id),
+        Verdict::Drop { stream, .. } | Verdict::SlowPath { stream, .. } => stream,
+    }
+}
+
+pub fn delta(before: &KernelStats, after: &KernelStats) -> BTreeMap<&'static str, u64> {
+    after.global.iter().map(|(k, v)| (*k, v - before.get(k))).filter(|(_, v)| *v > 0).collect()
+}
+
+/// The UDP frames arriving on v1 whose destination port is one of `ports`.
+pub fn udp_to(ports: &[u16]) -> impl Fn(&[u8]) -> bool + '_ {
+    move |fr: &[u8]| parse_frame(fr).is_ok_and(|f| ports.contains(&f.dst.port()))
+}
+
+/// Everything arriving on v1 that the program could have sent: any frame to the subscribers'
+/// MAC (nothing else in the lab sends there) and any UDP datagram at all.
+pub fn any_copy(fr: &[u8]) -> bool {
+    fr.get(0..6) == Some(&MAC1[..]) || parse_frame(fr).is_ok()
+}
+
+/// `Err(message)` unless `cond`.
+macro_rules! ensure {
+    ($cond:expr, $($fmt:tt)+) => {
+        if !$cond {
+            return Err(format!($($fmt)+));
+        }
+    };
+}
+
+/// A loaded program in the lab's namespace, with a capture on v1.
+pub struct Rig {
+    pub lab: Lab,
+    pub fp: FastPath,
+    pub cap: Capture,
+    pub ifindex: u32,
+    _g: NetnsGuard,
+}
+
+impl Rig {
+    pub fn new() -> Rig {
+        let lab = Lab::new();
+        let g = lab.ns.enter();
+        let fp = FastPath::load(&LoadOptions::default()).expect("load");
+        let v1 = lab.v1.clone();
+        let cap = lab.peer.run(move || Capture::new(&v1));
+        let ifindex = ifindex(&lab.v0);
+        Rig { lab, fp, cap, ifindex, _g: g }
+    }
+
+    pub fn apply(&self, t: &ForwardingTable) {
+        self.fp.apply(Arc::new(t.clone())).expect("apply");
+    }
+
+    /// Run `frame` through the program, check verdict, counters and copies against the
+    /// reference, and return the captured copies. Panics on any difference.
+    pub fn check(&self, t: &ForwardingTable, frame: &[u8]) -> Vec<Vec<u8>> {
+        // Listen on every copy port of the table: a frame to any of them is a copy.
+        let ports: Vec<u16> = t.streams.values().flat_map(|e| e.copies.iter().map(|c| c.to.port())).collect();
+        let keep = udp_to(&ports);
+        self.judge(t, frame, Duration::from_millis(100), &keep).unwrap_or_else(|e| panic!("{e}"))
+    }
+
+    /// [`Rig::check`] returning the difference instead of panicking. Copies are the captured
+    /// frames `keep` accepts; after the expected ones, the capture waits `grace` for more
+    /// (zero: takes only what is already queued).
+    pub fn judge(&self, t: &ForwardingTable, frame: &[u8], grace: Duration, keep: &dyn Fn(&[u8]) -> bool) -> Result<Vec<Vec<u8>>, String> {
+        let want = reference(t, frame);
+        let before = self.fp.kernel_stats().map_err(|e| e.to_string())?;
+        let run = self.fp.test_run(frame, Some(self.ifindex)).map_err(|e| format!("{want:?}: {e}"))?;
+        let after = self.fp.kernel_stats().map_err(|e| e.to_string())?;
+        let d = delta(&before, &after);
+        // Per-stream counters move for the classified stream only (none when there is none).
+        let moved: Vec<u32> = after.streams.iter().filter(|(id, c)| before.streams.get(id) != Some(c)).map(|(id, _)| *id).collect();
+        let stream = reference_stream(t, frame);
+        ensure!(moved == stream.into_iter().collect::<Vec<_>>(), "{want:?}: per-stream counters moved for {moved:?}, want {stream:?}");
+        match &want {
+            Expect::Forward(copies) => {
+                // The last copy is the packet itself, redirected: BPF_PROG_TEST_RUN hands it
+                // back (data_out) instead of transmitting it.
+                let want_ret = if copies.is_empty() { TC_ACT_SHOT } else { TC_ACT_REDIRECT };
+                ensure!(run.retval == want_ret, "{want:?}: verdict {} (want {want_ret}), counters {d:?}", run.retval);
+                ensure!(d.get("forwarded") == Some(&1), "{want:?}: counters {d:?}");
+                ensure!(d.get("rx_packets") == Some(&1), "{want:?}: counters {d:?}");
+                ensure!(d.get("tx_copies").copied().unwrap_or(0) == copies.len() as u64, "{want:?}: counters {d:?}");
+                ensure!(!d.contains_key("tx_errors"), "{want:?}: counters {d:?}");
+                let clones = copies.len().saturating_sub(1);
+                let mut got = self.cap.collect_for(clones, Duration::from_secs(3), grace, keep);
+                if !copies.is_empty() {
+                    got.push(run.data_out.clone());
+                }
+                verify_copies(frame, copies, &got)?;
+                Ok(got)
+            }
+            Expect::Drop(counter) => {
+                ensure!(run.retval == TC_ACT_SHOT, "{want:?}: verdict {}, counters {d:?}", run.retval);
+                ensure!(d.get(counter) == Some(&1), "{want:?}: counters {d:?}");
+                ensure!(!d.contains_key("tx_copies"), "{want:?}: counters {d:?}");
+                let got = self.cap.collect_for(0, Duration::ZERO, grace, keep);
+                ensure!(got.is_empty(), "{want:?}: a dropped packet was copied: {}", describe(&got));
+                Ok(vec![])
+            }
+            Expect::Pass(counter) => {
+                ensure!(run.retval == TC_ACT_OK, "{want:?}: verdict {}, counters {d:?}", run.retval);
+                ensure!(run.data_out == frame, "{want:?}: the packet went to the stack modified: {}", hex(&run.data_out));
+                ensure!(d.get(counter) == Some(&1), "{want:?}: counters {d:?}");
+                // The kernel counts only what it decides: the slow path counts the rest.
+                ensure!(!d.contains_key("rx_packets"), "{want:?}: counters {d:?}");
+                let got = self.cap.collect_for(0, Duration::ZERO, grace, keep);
+                ensure!(got.is_empty(), "{want:?}: a passed packet was copied: {}", describe(&got));
+                Ok(vec![])
+            }
+        }
+    }
+}
+
+/// Source and destination of each frame, for messages.
+pub fn describe(frames: &[Vec<u8>]) -> String {
+    frames.iter().map(|f| parse_frame(f).map_or_else(|e| format!("<{e}: {}>", hex(f)), |p| format!("{}->{}", p.src, p.dst))).collect::<Vec<_>>().join(", ")
+}
+
+pub fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+/// Exactly the expected copies (each once), correct headers and MACs, payload unchanged, no
+/// bytes after the IP packet, checksums valid exactly when the original's were (never broken,
+/// never laundered: a valid packet's copies are valid).
+pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got: &[Vec<u8>]) -> Result<(), String> {
+    let of = parse_frame(original).map_err(|e| format!("forwarded an unparsable frame: {e}"))?;
+    let payload = &original[of.payload..of.payload + of.payload_len];
+    let want_ck = verify_checksums(original, &of);
+    let mut seen = Vec::new();
+    for fr in got {
+        let f = parse_frame(fr).map_err(|e| format!("a copy does not parse ({e}): {}", hex(fr)))?;
+        ensure!(f.vlan.is_none(), "copies leave untagged: {}", hex(fr));
+        ensure!(fr[0..6] == MAC1, "dst MAC from the neighbour table: {}", hex(fr));
+        ensure!(fr[6..12] == MAC0, "src MAC of the egress device: {}", hex(fr));
+        ensure!(fr.len() == f.payload + f.payload_len, "copies carry no bytes after the IP packet: {} -> {} is {} bytes", f.src, f.dst, fr.len());
+        ensure!(&fr[f.payload..f.payload + f.payload_len] == payload, "payload changed on {} -> {}", f.src, f.dst);
+        let c = verify_checksums(fr, &f);
+        ensure!(
+            c == want_ck,
+            "checksums {c:?} on copy {} -> {}, the original's were {want_ck:?}{}",
+            f.src,
+            f.dst,
+            if want_ck.ok() { " (a valid packet's copy must be valid)" } else { "" }
+        );
+        seen.push((f.src, f.dst));
+    }
+    let mut want = expected.to_vec();
+    seen.sort();
+    want.sort();
+    ensure!(seen == want, "copies differ from the fan-out list: got {seen:?}, want {want:?}");
+    Ok(())
+}
+
+pub fn v4_frame(src: &str, dst: &str, payload: &[u8]) -> Vec<u8> {
+    let mut spec = FrameSpec::new(a(src), a(dst));
+    spec.dst_mac = MAC0;
+    build_frame(&spec, payload)
+}
+
+pub fn rtp(ssrc: u32) -> Vec<u8> {
+    build_rtp(96, 7, 1234, ssrc, &[0x5a; 160])
+}
+
+macro_rules! root_or_skip {
+    ($name:expr) => {
+        if !require_root($name) {
+            return;
+        }
+    };
+}
+pub(crate) use root_or_skip;
