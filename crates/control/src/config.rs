@@ -5,7 +5,7 @@ use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, SocketAddr};
 use std::path::{Path, PathBuf};
 
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct Config {
     pub api: ApiConfig,
@@ -163,19 +163,6 @@ impl Default for StoreConfig {
 impl Default for LogConfig {
     fn default() -> Self {
         LogConfig { format: "text".into(), level: "info".into() }
-    }
-}
-impl Default for Config {
-    fn default() -> Self {
-        Config {
-            api: ApiConfig::default(),
-            dataplane: DataplaneConfig::default(),
-            media: MediaConfig::default(),
-            store: StoreConfig::default(),
-            log: LogConfig::default(),
-            limits: Limits::default(),
-            ng: NgSection::default(),
-        }
     }
 }
 

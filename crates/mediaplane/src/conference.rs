@@ -388,7 +388,7 @@ pub(crate) fn empty_histogram() -> hdrhistogram::Histogram<u64> {
 
 /// Points of a histogram's CDF, dense in the tail where SFUs differ.
 fn cdf_points(h: &hdrhistogram::Histogram<u64>) -> Vec<(f64, f64)> {
-    if h.len() == 0 {
+    if h.is_empty() {
         return Vec::new();
     }
     let mut qs: Vec<f64> = (0..=90).step_by(5).map(|q| q as f64 / 100.0).collect();
