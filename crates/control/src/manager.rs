@@ -42,9 +42,7 @@ impl SessionManager {
     /// Load the stored sessions and install them: after a restart, media flows again.
     pub fn open(store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig, limits: Limits) -> Result<SessionManager, ManagerError> {
         let model = store.load()?;
-        let mut table = ForwardingTable::compile(&model, 1);
-        table.set_rate_limit(limits.stream_rate());
-        let table = Arc::new(table);
+        let table = Arc::new(compile(&model, 1, &limits));
         dataplane.apply(table.clone())?;
         Ok(SessionManager { inner: Mutex::new(Inner { model, table, store }), dataplane, media, limits })
     }
@@ -59,9 +57,7 @@ impl SessionManager {
         let mut next = inner.model.clone();
         let (out, changes) = f(&mut next, &self.media)?;
         check_limits(&next, &changes, &self.limits)?;
-        let mut table = ForwardingTable::compile(&next, inner.table.version + 1);
-        table.set_rate_limit(self.limits.stream_rate());
-        let table = Arc::new(table);
+        let table = Arc::new(compile(&next, inner.table.version + 1, &self.limits));
         self.dataplane.apply(table.clone())?;
         if let Err(e) = inner.store.save(&next, &changes) {
             // Not persisted, so not accepted: put the previous table back.
@@ -99,7 +95,7 @@ impl SessionManager {
     /// Forget everything (model, store, data plane tables).
     pub fn reset(&self) -> Result<(), ManagerError> {
         let mut inner = self.inner.lock();
-        let table = Arc::new(ForwardingTable { version: inner.table.version + 1, ..Default::default() });
+        let table = Arc::new(compile(&Model::new(), inner.table.version + 1, &self.limits));
         self.dataplane.apply(table.clone())?;
         inner.store.clear()?;
         inner.model = Model::new();
@@ -110,6 +106,14 @@ impl SessionManager {
 
 /// Check the caps on what changed (whole-model counts are O(1); per-room checks only for rooms
 /// this mutation touched).
+/// The table for `model` with the configured rate limits.
+fn compile(model: &Model, version: u64, limits: &Limits) -> ForwardingTable {
+    let mut table = ForwardingTable::compile(model, version);
+    table.set_rate_limit(limits.stream_rate());
+    table.set_source_limit(limits.source_rate());
+    table
+}
+
 fn check_limits(model: &Model, changes: &[Change], l: &Limits) -> Result<(), ManagerError> {
     let over = |what, max| Err(ManagerError::Limit { what, max });
     if model.rooms.len() > l.max_rooms {

@@ -96,6 +96,14 @@ pub enum Verdict<'t> {
 pub struct ForwardingTable {
     pub version: u64,
     pub streams: BTreeMap<IngressKey, StreamEntry>,
+    /// Per-source limit: one bucket per source IP address (any port, any SFU address), set by the
+    /// control plane ([`ForwardingTable::set_source_limit`]). Data planes apply it to every packet
+    /// [`ForwardingTable::classify`] does not drop (so strangers, malformed and unknown-stream
+    /// packets are never charged: they cost nothing further), before anything costs work: before
+    /// the per-stream limit and the fan-out, and before the slow path takes STUN or a first
+    /// packet. Excess is dropped and counted as `drop_source_limited`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_limit: Option<crate::ratelimit::RateLimit>,
 }
 
 /// What changed between two tables, for drivers that update entries in place (kernel maps).
@@ -159,7 +167,7 @@ impl ForwardingTable {
                 );
             }
         }
-        ForwardingTable { version, streams }
+        ForwardingTable { version, streams, source_limit: None }
     }
 
     /// Every SFU address a data plane uses: ingress addresses and the addresses copies are sent
@@ -187,6 +195,11 @@ impl ForwardingTable {
         for e in self.streams.values_mut() {
             e.rate = limit;
         }
+    }
+
+    /// Set the per-source limit (`None` or an unlimited one removes it).
+    pub fn set_source_limit(&mut self, limit: Option<crate::ratelimit::RateLimit>) {
+        self.source_limit = limit.filter(|l| !l.is_unlimited());
     }
 
     pub fn by_id(&self, id: u32) -> Option<&StreamEntry> {

@@ -168,6 +168,41 @@ struct {
 	__array(values, struct barrier_inner);
 } rcu_barrier SEC(".maps");
 
+/* Per-source rate limit (mediaplane_core::ratelimit GCRA, as RateParams::admit): the limit in
+ * source_limit[0] (all zero = off, written by user space), one bucket per source IP address in
+ * an LRU hash (a forgotten idle source loses nothing: an idle bucket equals a fresh one). LRU
+ * values cannot hold a bpf_spin_lock: the buckets advance with compare-and-swap. */
+struct mp_source_key {
+	__u8 addr[16];
+	__u8 family; /* MP_FAMILY_* */
+	__u8 pad[3];
+};
+
+struct mp_source_state {
+	__u64 tat_packets;
+	__u64 tat_bytes;
+};
+
+struct mp_source_limit {
+	__u64 interval_ns;
+	__u64 byte_cost_q16;
+	__u64 tau_ns;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_SOURCES);
+	__type(key, struct mp_source_key);
+	__type(value, struct mp_source_state);
+} source_rate SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mp_source_limit);
+} source_limit SEC(".maps");
+
 static __always_inline void count(__u32 idx, __u64 n)
 {
 	__u64 *c = bpf_map_lookup_elem(&counters, &idx);

@@ -70,7 +70,7 @@ fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: bool,
 }
 
 fn table(version: u64, entries: Vec<StreamEntry>) -> ForwardingTable {
-    ForwardingTable { version, streams: entries.into_iter().map(|e| (e.key, e)).collect() }
+    ForwardingTable { version, streams: entries.into_iter().map(|e| (e.key, e)).collect(), ..Default::default() }
 }
 
 /// `n` subscribers, all on 10.200.0.2 (one neighbour) with distinct ports.
@@ -686,5 +686,81 @@ fn rate_limited_stream_forwards_its_rate_under_a_flood() {
     rig.apply(&t2);
     for _ in 0..100 {
         assert_eq!(rig.fp.test_run(&frame, Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
+    }
+}
+
+/// A per-source limit of R packets/s: one source flooding through BPF_PROG_TEST_RUN gets R per
+/// second forwarded (within 5%), the rest dropped as `drop_source_limited`; another source
+/// sending beside it is not affected; the flooding source's STUN is limited too (same bucket).
+#[test]
+fn source_limit_holds_a_flooding_source_and_spares_others() {
+    root_or_skip!("source_limit_holds_a_flooding_source_and_spares_others");
+    const RATE: u32 = 1000;
+    let rig = Rig::new();
+    let other = "10.200.0.8:5000";
+    let mut t = table(
+        1,
+        vec![
+            entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(1)),
+            // The same source IP on another port and SFU address: the same bucket.
+            entry(2, "10.200.0.1:4002", None, SourceRule::Fixed(a("10.200.0.9:5002")), true, subscribers_v4(1)),
+            entry(3, "10.200.0.1:4004", None, SourceRule::Fixed(a(other)), true, subscribers_v4(1)),
+        ],
+    );
+    t.set_source_limit(Some(mediaplane_core::RateLimit { pps: RATE, bps: 0, burst_ms: 10 }));
+    rig.apply(&t);
+    let frames = [v4_frame(PUBLISHER, LOCAL, &rtp(1)), v4_frame("10.200.0.9:5002", "10.200.0.1:4002", &rtp(2))];
+    let bystander = v4_frame(other, "10.200.0.1:4004", &rtp(3));
+    let before = rig.fp.kernel_stats().unwrap();
+    let start = std::time::Instant::now();
+    let (mut runs, mut forwarded, mut others) = (0u64, 0u64, 0u64);
+    while start.elapsed() < Duration::from_secs(1) && runs < 5_000_000 {
+        let r = rig.fp.test_run(&frames[(runs % 2) as usize], Some(rig.ifindex)).unwrap();
+        runs += 1;
+        match r.retval {
+            TC_ACT_REDIRECT => forwarded += 1,
+            TC_ACT_SHOT => {}
+            v => panic!("verdict {v}"),
+        }
+        if runs % 256 == 0 {
+            // About RATE/4 per second or less: well under the limit.
+            assert_eq!(rig.fp.test_run(&bystander, Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT, "the other source was limited");
+            others += 1;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let want = RATE as f64 * secs;
+    assert!(runs as f64 > 4.0 * want, "flood too slow to test anything: {runs} runs");
+    assert!((forwarded as f64 - want).abs() <= 0.05 * want, "{forwarded} forwarded in {secs:.3} s, want {want:.0} ± 5%");
+    let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+    stun.extend_from_slice(&[7; 12]);
+    // STUN from the flooding source, back to back: mostly over the limit too (a burst of 50 takes
+    // a few ms here, in which the bucket lets a few through).
+    let stun_frame = v4_frame(PUBLISHER, LOCAL, &stun);
+    let t_stun = std::time::Instant::now();
+    let stun_passed = (0..50).filter(|_| rig.fp.test_run(&stun_frame, Some(rig.ifindex)).unwrap().retval == TC_ACT_OK).count() as u64;
+    let allowed = (RATE as f64 * t_stun.elapsed().as_secs_f64()).ceil() as u64 + 1;
+    assert!(stun_passed <= allowed, "{stun_passed} of 50 STUN packets passed, at most {allowed} allowed");
+    let stun_dropped = 50 - stun_passed;
+    let d = delta(&before, &rig.fp.kernel_stats().unwrap());
+    assert_eq!(d.get("drop_source_limited").copied().unwrap_or(0), runs - forwarded + stun_dropped, "{d:?}");
+    assert_eq!(d.get("pass_stun").copied().unwrap_or(0), stun_passed, "{d:?}");
+    assert_eq!(d.get("forwarded").copied().unwrap_or(0), forwarded + others, "{d:?}");
+    assert_eq!(d.get("drop_stranger"), None, "{d:?}");
+    let s = rig.fp.kernel_stats().unwrap();
+    assert_eq!(s.to_dataplane_stats(1).total.drop_source_limited, runs - forwarded + stun_dropped);
+    assert!(!s.to_dataplane_stats(1).extra.contains_key("drop_source_limited"));
+    // A stranger is a stranger, never charged: it does not eat the other source's budget.
+    for _ in 0..(2 * RATE) {
+        assert_eq!(rig.fp.test_run(&v4_frame("10.200.0.8:6666", "10.200.0.1:4004", &rtp(3)), Some(rig.ifindex)).unwrap().retval, TC_ACT_SHOT);
+    }
+    assert_eq!(rig.fp.test_run(&bystander, Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
+    // Lifting the limit lifts it at once.
+    let mut t2 = t.clone();
+    t2.version = 2;
+    t2.set_source_limit(None);
+    rig.apply(&t2);
+    for _ in 0..100 {
+        assert_eq!(rig.fp.test_run(&frames[0], Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
     }
 }

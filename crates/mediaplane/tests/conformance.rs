@@ -117,7 +117,7 @@ fn run_plane(tb: &Testbed, plane: &str) -> (Delivered, ForwardingTable, Value) {
     let table_json = serve.api("GET", "/v1/table", None);
     let stats = serve.api("GET", "/v1/stats", None);
     let entries: Vec<StreamEntry> = serde_json::from_value(table_json["streams"].clone()).unwrap();
-    let table = ForwardingTable { version: table_json["version"].as_u64().unwrap(), streams: entries.into_iter().map(|e| (e.key, e)).collect() };
+    let table = ForwardingTable { version: table_json["version"].as_u64().unwrap(), streams: entries.into_iter().map(|e| (e.key, e)).collect(), ..Default::default() };
     let _ = std::fs::remove_file(&store);
     (got, table, stats)
 }
