@@ -122,6 +122,10 @@ pub struct DataplaneConfig {
     /// fan-out copy slots. Memory grows with them; a full map is a clear error.
     pub max_streams: u32,
     pub max_copies: u32,
+    /// eBPF: an XDP pre-filter on the same interfaces drops certain strangers before the TC
+    /// program sees them (native XDP where the driver has it). Off if another XDP program must
+    /// own the interfaces.
+    pub xdp_prefilter: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -165,6 +169,7 @@ impl Default for DataplaneConfig {
             pin_dir: PathBuf::from("/sys/fs/bpf/mediaplane"),
             max_streams: 16384,
             max_copies: 65536,
+            xdp_prefilter: true,
         }
     }
 }
@@ -246,10 +251,12 @@ mod tests {
     }
 
     #[test]
-    fn source_limits_are_off_by_default() {
+    fn source_limits_off_and_xdp_prefilter_on_by_default() {
         let c = Config::default();
         assert_eq!(c.limits.source_rate(), None);
-        let c = Config::from_toml("[limits]\nsource_pps = 2000\nsource_kbps = 5000\n").unwrap();
+        assert!(c.dataplane.xdp_prefilter);
+        let c = Config::from_toml("[limits]\nsource_pps = 2000\nsource_kbps = 5000\n[dataplane]\nxdp_prefilter = false\n").unwrap();
         assert_eq!(c.limits.source_rate(), Some(mediaplane_core::RateLimit { pps: 2000, bps: 5_000_000, burst_ms: 50 }));
+        assert!(!c.dataplane.xdp_prefilter);
     }
 }

@@ -38,6 +38,15 @@
 /* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
 #define MAX_SOURCES 65536
 
+/* XDP pre-filter counters (index into its `xdp_counters` per-CPU array). Rust mirror:
+ * src/prefilter.rs XDP_COUNTERS. */
+enum mp_xdp_counter {
+	XDP_CNT_DROP_STRANGER = 0, /* dropped: certainly a stranger (see prefilter_xdp.bpf.c) */
+	XDP_CNT_DROP_BYTES,        /* their UDP payload bytes */
+	XDP_CNT_PASS,              /* everything else, left to TC and the stack */
+	XDP_CNT__MAX,
+};
+
 /* Copies per stream the kernel fans out itself (size of the per-CPU next-hop scratch). */
 #define MAX_FANOUT 4096
 

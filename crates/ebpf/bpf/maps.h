@@ -4,27 +4,7 @@
 #define MEDIAPLANE_MAPS_H
 
 #include "common.h"
-
-/* Where a packet enters: local address + UDP port, optionally narrowed by SSRC.
- * IPv4 addresses use addr[0..4], the rest zero. Ports in network order. */
-struct mp_ingress_key {
-	__u8 addr[16];
-	__be16 port;
-	__u8 family;   /* MP_FAMILY_V4 / MP_FAMILY_V6 */
-	__u8 has_ssrc; /* 0: the wildcard entry of this local address */
-	__u32 ssrc;    /* host order, 0 when has_ssrc == 0 */
-};
-
-struct mp_stream_value {
-	__u32 id;         /* StreamEntry::id */
-	__u32 flags;      /* STREAM_F_* */
-	__u8 src_addr[16];/* the Fixed source (unless STREAM_F_LATCH) */
-	__be16 src_port;
-	__u16 pad;
-	__u32 stats_slot; /* index into stream_stats */
-	__u32 copies_base;/* first index into copies[] */
-	__u32 copies_count;
-};
+#include "stream_map.h"
 
 /* One output copy: the full rewrite. MACs and ifindex come from bpf_fib_lookup per packet. */
 struct mp_copy_rewrite {
@@ -76,16 +56,6 @@ struct mp_nh_cache {
 	__u8 smac[ETH_ALEN];
 	__u64 expires_ns;
 };
-
-/* Stream entries. No prealloc: a replaced value is freed after an RCU grace period, so a
- * program that looked up the old value keeps reading a stable copy of it. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, 65536); /* resized by the loader */
-	__type(key, struct mp_ingress_key);
-	__type(value, struct mp_stream_value);
-} streams SEC(".maps");
 
 /* Fan-out lists: ranges allocated by user space. A changed list is written to a fresh range,
  * the stream entry flipped to it, and the old range freed only after an RCU barrier. */

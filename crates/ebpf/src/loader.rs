@@ -245,7 +245,7 @@ impl FastPath {
         self.obj.progs().find(|p| p.name() == SFU_TC_PROGRAM).expect("program in the embedded object")
     }
 
-    fn map(&self, name: &str) -> libbpf_rs::Map<'_> {
+    pub(crate) fn map(&self, name: &str) -> libbpf_rs::Map<'_> {
         self.obj.maps().find(|m| m.name() == name).unwrap_or_else(|| panic!("map {name} in the embedded object"))
     }
 

@@ -72,7 +72,8 @@ fn star_every_participant_gets_exactly_its_subscriptions() {
     let dp = EbpfDataplane::new(config(&star, &fs.dir.join("star")), None).expect("ebpf data plane");
     drop(g); // its threads live in the SFU namespace; the test thread need not
     assert_eq!(dp.name(), "ebpf");
-    assert!(dp.hooks().iter().all(|(_, kind)| *kind == "tcx"), "{:?}", dp.hooks());
+    assert!(dp.hooks().iter().all(|(_, kind)| *kind == "tcx" || *kind == "xdp"), "{:?}", dp.hooks());
+    assert_eq!(dp.hooks().iter().filter(|(_, kind)| *kind == "tcx").count(), N, "{:?}", dp.hooks());
     {
         let _g = star.sfu.enter(); // the slow path binds its sockets in apply()
         dp.apply(table.clone()).unwrap();
@@ -104,21 +105,46 @@ fn star_every_participant_gets_exactly_its_subscriptions() {
     assert!(st.extra["forwarded"] > 0, "the kernel path forwarded nothing: {:?}", st.extra);
     assert!(st.copy_latency.is_some());
 
-    // A stranger (right IP, wrong port) is dropped in the kernel and counted.
+    // A stranger's flood (right IP, wrong port) is dropped by the XDP pre-filter, before TC,
+    // and counted there; not one copy leaves.
+    assert_eq!(dp.hooks().iter().filter(|(_, kind)| *kind == "xdp").count(), N, "{:?}", dp.hooks());
+    const FLOOD: u64 = 3000;
     let before = dp.stats();
-    for seq in 0..5 {
+    let tc_runs_before = before.extra["bpf_run_count"];
+    for seq in 0..FLOOD as u16 {
         stranger.send_to(&build_rtp(96, seq, 0, 99, b"evil"), Star::sfu_addr(0)).unwrap();
     }
     for (i, s) in socks.iter().enumerate() {
         assert!(received(s, Duration::from_millis(300)).is_empty(), "participant {i} got a stranger's packet");
     }
     let after = dp.stats();
-    assert_eq!(after.total.drop_stranger - before.total.drop_stranger, 5);
-    let p0_stream = table.streams.values().find(|e| e.label == "r/p0/main").unwrap().id;
-    assert_eq!(after.streams[&p0_stream].drop_stranger - before.streams.get(&p0_stream).map_or(0, |c| c.drop_stranger), 5);
+    let d = |k: &str| after.extra[k] - before.extra[k];
+    assert_eq!(d("xdp_drop_stranger"), FLOOD, "{:?}", after.extra);
+    assert_eq!(d("xdp_drop_bytes"), FLOOD * 16, "{:?}", after.extra);
+    assert!(d("xdp_run_count") >= FLOOD, "{:?}", after.extra);
+    assert!(after.extra["bpf_run_count"] - tc_runs_before < FLOOD / 10, "TC saw the flood: {:?}", after.extra);
+    assert_eq!(after.total.drop_stranger, before.total.drop_stranger, "counted once, by XDP");
+    assert_eq!(after.total.tx_copies, before.total.tx_copies, "copies went out");
+    assert_eq!(after.total.rx_packets, before.total.rx_packets);
+    // Its STUN still reaches the slow path (the user-space plane counts it).
+    let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+    stun.extend_from_slice(&[7; 12]);
+    stranger.send_to(&stun, Star::sfu_addr(0)).unwrap();
+    let start = Instant::now();
+    while dp.stats().total.slow_stun == after.total.slow_stun && start.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(dp.stats().total.slow_stun, after.total.slow_stun + 1, "the stranger's STUN was not passed up");
+    assert_eq!(dp.stats().extra["xdp_drop_stranger"], after.extra["xdp_drop_stranger"]);
 
     dp.shutdown().unwrap();
     assert!(!fs.dir.join("star").exists(), "shutdown removes the pins");
+    for ifname in &star.sfu_ifs {
+        let out = std::process::Command::new("ip").args(["-n", &star.sfu.name, "-d", "link", "show", ifname]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout);
+        assert!(out.status.success() && text.contains(ifname.as_str()), "{text}");
+        assert!(!text.contains("xdp"), "shutdown leaves an XDP program on {ifname}: {text}");
+    }
 }
 
 #[test]

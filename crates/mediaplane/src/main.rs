@@ -170,6 +170,7 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>
             ecfg.reset = reset;
             ecfg.max_streams = cfg.dataplane.max_streams;
             ecfg.max_copies = cfg.dataplane.max_copies;
+            ecfg.xdp_prefilter = cfg.dataplane.xdp_prefilter;
             let dp = mediaplane_ebpf::EbpfDataplane::new(ecfg, Some(events)).context("starting the ebpf data plane")?;
             tracing::info!(hooks = ?dp.hooks(), adopted = dp.fast_path().adopted(), "kernel fast path attached");
             Ok(Arc::new(dp))
