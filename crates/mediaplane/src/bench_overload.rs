@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
 pub struct BenchOverloadArgs {
-    /// Data planes to compare.
+    /// Data planes to compare ("ebpf-noxdp": the eBPF plane without its XDP pre-filter).
     #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
     dataplanes: Vec<String>,
     /// Conference participants with established media (voice preset).
@@ -30,6 +30,10 @@ pub struct BenchOverloadArgs {
     /// Flood rate as a multiple of the calibrated forwarding capacity.
     #[arg(long, default_value_t = 2.0)]
     factor: f64,
+    /// Publish the RTP streams without SSRC (any SSRC on their address) instead of narrowed to
+    /// their SSRC: the case the XDP pre-filter judges (it leaves SSRC-narrowed addresses to TC).
+    #[arg(long)]
+    wildcard_streams: bool,
     /// A seconds-long smoke run.
     #[arg(long)]
     quick: bool,
@@ -40,6 +44,8 @@ pub struct BenchOverloadArgs {
 #[derive(Debug, Clone, Serialize)]
 pub struct OverloadResult {
     pub dataplane: String,
+    /// "ssrc" (streams narrowed to their SSRC) or "wildcard".
+    pub streams: &'static str,
     /// Packets/s of one registered sender the data plane accepted and forwarded (each to
     /// participants-1 subscribers), measured by the daemon's counters during a 2 s flood.
     pub capacity_pps: f64,
@@ -87,17 +93,18 @@ pub fn run(a: BenchOverloadArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&a.out)?;
     let mut results = Vec::new();
     for dp in &a.dataplanes {
-        let r = one_plane(dp, a.participants, seconds, a.factor, &a.out).with_context(|| format!("overload with {dp}"))?;
+        let r = one_plane(dp, a.participants, seconds, a.factor, a.wildcard_streams, &a.out).with_context(|| format!("overload with {dp}"))?;
         results.push(r);
     }
     println!(
-        "\n{:<10} {:>12} {:>12} {:>12} {:>14} {:>10} {:>10} {:>12} {:>11} {:>11} {:>11} {:>12} {:>10} {:>10} {:>6}",
-        "dataplane", "capacity pps", "flood pps", "flood sent", "stranger drops", "xdp drops", "leaked", "est. loss %", "API p50 ms", "API p99 ms", "API max ms", "serve CPU ms", "TC ms", "XDP ms", "alive"
+        "\n{:<10} {:>8} {:>12} {:>12} {:>12} {:>14} {:>10} {:>10} {:>12} {:>11} {:>11} {:>11} {:>12} {:>10} {:>10} {:>6}",
+        "dataplane", "streams", "capacity pps", "flood pps", "flood sent", "stranger drops", "xdp drops", "leaked", "est. loss %", "API p50 ms", "API p99 ms", "API max ms", "serve CPU ms", "TC ms", "XDP ms", "alive"
     );
     for r in &results {
         println!(
-            "{:<10} {:>12.0} {:>12.0} {:>12} {:>14} {:>10} {:>10} {:>12.3} {:>11.2} {:>11.2} {:>11.2} {:>12.1} {:>10.1} {:>10.1} {:>6}",
+            "{:<10} {:>8} {:>12.0} {:>12.0} {:>12} {:>14} {:>10} {:>10} {:>12.3} {:>11.2} {:>11.2} {:>11.2} {:>12.1} {:>10.1} {:>10.1} {:>6}",
             r.dataplane,
+            r.streams,
             r.capacity_pps,
             r.flood.rate_pps,
             r.flood.sent,
@@ -120,14 +127,14 @@ pub fn run(a: BenchOverloadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, out: &std::path::Path) -> anyhow::Result<OverloadResult> {
+fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, wildcard: bool, out: &std::path::Path) -> anyhow::Result<OverloadResult> {
     // Peers 0..n are the conference; peer n is the attacker's namespace.
     let tb = Testbed::star(n + 1)?;
     let store = out.join(format!("{}-overload-{dp}.db", tb.prefix));
     let log = out.join(format!("{}-overload-{dp}.log", tb.prefix));
     let mut serve = ServeProcess::start(&tb, dp, &store, log.clone())?;
     wait_ready(&tb, &mut serve)?;
-    setup_room(&tb, n, Scenario::OneStream, true)?;
+    setup_room(&tb, n, Scenario::OneStream, true, !wildcard)?;
     let sfu0 = SocketAddr::new(tb.peers[0].sfu_ip, SFU_PORT);
     let rtp = mediaplane_core::rtp::build_rtp(0, 1, 0, crate::conference::flow_main(0), &[0; 160]);
 
@@ -196,6 +203,7 @@ fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, out: &std::path::Pat
     }
     Ok(OverloadResult {
         dataplane: dp.to_string(),
+        streams: if wildcard { "wildcard" } else { "ssrc" },
         capacity_pps,
         flood_target_pps: target,
         flood: flood_report,

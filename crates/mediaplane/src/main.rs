@@ -70,6 +70,9 @@ struct ServeArgs {
     /// Start empty: forget stored sessions (and, for eBPF, stale pinned state).
     #[arg(long)]
     reset: bool,
+    /// eBPF: no XDP pre-filter in front of the TC program (sets dataplane.xdp_prefilter = false).
+    #[arg(long)]
+    no_xdp_prefilter: bool,
 }
 
 fn parse_kind(s: &str) -> Result<DataplaneKind, String> {
@@ -132,6 +135,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     if let Some(t) = args.ng_media_timeout {
         cfg.ng.media_timeout_secs = t;
+    }
+    if args.no_xdp_prefilter {
+        cfg.dataplane.xdp_prefilter = false;
     }
     cfg.validate().map_err(anyhow::Error::msg)?;
     init_logging(&cfg);
