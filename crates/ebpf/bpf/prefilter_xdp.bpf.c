@@ -74,7 +74,9 @@ static __always_inline int rtp_valid(struct xdp_md *ctx, const __u8 *h, __u32 of
 	return 1;
 }
 
-SEC("xdp")
+/* xdp.frags: attachable to devices whose MTU needs multi-buffer XDP (jumbo frames); a frame
+ * whose IP packet does not fit its first buffer simply passes (checked against data_end). */
+SEC("xdp.frags")
 int xdp_prefilter(struct xdp_md *ctx)
 {
 	void *data = (void *)(long)ctx->data;

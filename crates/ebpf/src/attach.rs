@@ -77,7 +77,7 @@ pub fn attach_xdp(prog: &Program<'_>, ifname: &str, pin_dir: Option<&Path>) -> R
     let Some(raw) = NonNull::new(raw) else {
         let e = std::io::Error::last_os_error();
         return Err(DataplaneError::Other(format!(
-            "XDP attach on {ifname}: {e} (another XDP program there? set dataplane.xdp_prefilter = false to run without)"
+            "XDP attach on {ifname}: {e} (another XDP program there, or a driver limit? set dataplane.xdp_prefilter = false to run without)"
         )));
     };
     // SAFETY: a fresh link from libbpf, owned from here on.

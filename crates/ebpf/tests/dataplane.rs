@@ -315,3 +315,29 @@ fn hitless_restart_after_kill_9() {
     dp.shutdown().unwrap();
     assert!(!pin_dir.exists());
 }
+
+/// Native XDP on a veth with a jumbo MTU needs a multi-buffer (xdp.frags) program: the
+/// pre-filter attaches there too, and jumbo datagrams still reach their subscribers.
+#[test]
+fn xdp_prefilter_attaches_on_a_jumbo_mtu_veth() {
+    root_or_skip!("xdp_prefilter_attaches_on_a_jumbo_mtu_veth");
+    let star = Star::new(2);
+    for (i, ifname) in star.sfu_ifs.iter().enumerate() {
+        star.sfu.ip(&["link", "set", ifname, "mtu", "9000"]);
+        star.participants[i].ip(&["link", "set", &format!("{}p{i}", star.sfu.name), "mtu", "9000"]);
+    }
+    let fs = Bpffs::new();
+    let socks: Vec<UdpSocket> = (0..2).map(|i| star.socket(i, 5000)).collect();
+    let g = star.sfu.enter();
+    let dp = EbpfDataplane::new(config(&star, &fs.dir.join("jumbo")), None).expect("ebpf data plane on jumbo veths");
+    assert_eq!(dp.hooks().iter().filter(|(_, kind)| *kind == "xdp").count(), 2, "{:?}", dp.hooks());
+    dp.apply(Arc::new(ForwardingTable::compile(&star_model(2, &[(1, 0)]), 1))).unwrap();
+    drop(g);
+    for seq in 0..20u16 {
+        socks[0].send_to(&build_rtp(96, seq, 0, 1, &[5; 8000]), Star::sfu_addr(0)).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let got = received(&socks[1], Duration::from_millis(400));
+    assert_eq!(got.len(), 20, "{got:?}");
+    dp.shutdown().unwrap();
+}
