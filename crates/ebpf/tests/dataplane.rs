@@ -140,10 +140,7 @@ fn star_every_participant_gets_exactly_its_subscriptions() {
     dp.shutdown().unwrap();
     assert!(!fs.dir.join("star").exists(), "shutdown removes the pins");
     for ifname in &star.sfu_ifs {
-        let out = std::process::Command::new("ip").args(["-n", &star.sfu.name, "-d", "link", "show", ifname]).output().unwrap();
-        let text = String::from_utf8_lossy(&out.stdout);
-        assert!(out.status.success() && text.contains(ifname.as_str()), "{text}");
-        assert!(!text.contains("xdp"), "shutdown leaves an XDP program on {ifname}: {text}");
+        assert!(!link_details(&star, ifname).contains("xdp"), "shutdown left the XDP pre-filter on {ifname}");
     }
 }
 
@@ -289,6 +286,9 @@ fn hitless_restart_after_kill_9() {
     std::thread::sleep(Duration::from_millis(300));
     drop(daemon); // SIGKILL: only the pins keep the kernel path alive
     std::thread::sleep(Duration::from_millis(300));
+    for ifname in &star.sfu_ifs {
+        assert!(link_details(&star, ifname).contains("xdp"), "the pinned XDP pre-filter did not outlive the process on {ifname}");
+    }
     // Restart in this process: adopt the pins, then apply the same table (nothing to rewrite).
     let g = star.sfu.enter();
     let dp = EbpfDataplane::new(config(&star, &pin_dir), None).expect("restart");
@@ -314,6 +314,17 @@ fn hitless_restart_after_kill_9() {
     drop(g);
     dp.shutdown().unwrap();
     assert!(!pin_dir.exists());
+    for ifname in &star.sfu_ifs {
+        assert!(!link_details(&star, ifname).contains("xdp"), "shutdown left the XDP pre-filter on {ifname}");
+    }
+}
+
+/// `ip -d link show` of an SFU-side interface (shows "xdp" while an XDP program is attached).
+fn link_details(star: &Star, ifname: &str) -> String {
+    let out = std::process::Command::new("ip").args(["-n", &star.sfu.name, "-d", "link", "show", ifname]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success() && text.contains(ifname), "{text}");
+    text
 }
 
 /// Native XDP on a veth with a jumbo MTU needs a multi-buffer (xdp.frags) program: the
