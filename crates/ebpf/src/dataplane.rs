@@ -54,6 +54,13 @@ impl EbpfConfig {
 /// packet is counted once. In front of TC, the XDP pre-filter ([`Prefilter`], on by default)
 /// drops certain strangers; it counts them apart (`extra["xdp_drop_stranger"]`).
 ///
+/// The per-source limit ([`ForwardingTable::source_limit`]) has a bucket per source in the
+/// kernel, charged by the TC program for what it judges (forwarded, STUN, first packets), and
+/// one in the slow path for what reaches user space: a packet the kernel admitted and passed up
+/// (STUN, unlatched) is charged in both, so the slow path never admits more than the kernel
+/// already did; what the kernel cannot judge (fragments, unresolved neighbours) is limited by
+/// the slow path's bucket alone.
+///
 /// Dropping it without [`Dataplane::shutdown`] leaves the kernel path forwarding from its pins
 /// (that is what makes `kill -9` + restart hitless); `shutdown()` detaches and unpins.
 pub struct EbpfDataplane {
