@@ -822,6 +822,38 @@ fn xdp_prefilter_drops_only_certain_strangers() {
     assert_eq!(pf.test_run(&stranger).unwrap(), XDP_DROP);
     pf.reset_counters().unwrap();
     assert!(pf.counters().unwrap().values().all(|v| *v == 0));
+
+    // Mutated frames: whatever XDP drops, the reference calls a stranger (never the owner's
+    // media, STUN, a latching or narrowed stream's packet, or a malformed one).
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut rnd = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let (mut dropped, mut passed) = (0, 0);
+    for i in 0..3000 {
+        let (_, base, _) = &cases[i % cases.len()];
+        let mut f = base.clone();
+        for _ in 0..1 + rnd() % 3 {
+            // Mostly the IP/UDP headers and the first payload bytes.
+            let at = (14 + rnd() % 40) as usize;
+            if at < f.len() {
+                f[at] = rnd() as u8;
+            }
+        }
+        if rnd() % 8 == 0 {
+            f.truncate((rnd() as usize % f.len()).max(14));
+        }
+        if pf.test_run(&f).unwrap() == XDP_DROP {
+            dropped += 1;
+            assert_eq!(reference(&t, &f), Expect::Drop("drop_stranger"), "XDP dropped {f:02x?}");
+        } else {
+            passed += 1;
+        }
+    }
+    assert!(dropped > 100 && passed > 100, "{dropped} dropped, {passed} passed: the mutations test nothing");
 }
 
 /// A per-source limit of R packets/s: one source flooding through BPF_PROG_TEST_RUN gets R per
