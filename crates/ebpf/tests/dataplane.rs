@@ -108,6 +108,10 @@ fn star_every_participant_gets_exactly_its_subscriptions() {
     // A stranger's flood (right IP, wrong port) is dropped by the XDP pre-filter, before TC,
     // and counted there; not one copy leaves.
     assert_eq!(dp.hooks().iter().filter(|(_, kind)| *kind == "xdp").count(), N, "{:?}", dp.hooks());
+    for ifname in &star.sfu_ifs {
+        let d = link_details(&star, ifname);
+        assert!(d.contains("prog/xdp") && !d.contains("xdpgeneric"), "not native XDP on {ifname}: {d}");
+    }
     const FLOOD: u64 = 3000;
     let before = dp.stats();
     let tc_runs_before = before.extra["bpf_run_count"];
