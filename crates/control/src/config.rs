@@ -50,9 +50,27 @@ pub struct Limits {
     pub stream_pps: u32,
     pub stream_kbps: u64,
     pub stream_burst_ms: u32,
+    /// Per-source limit: one bucket per source IP address, over everything it sends to any SFU
+    /// address (media it may send, STUN, first packets), enforced in both data planes after the
+    /// source check (strangers are dropped anyway and never charged); 0 = no limit, the default:
+    /// one address legitimately carries many streams (a SIP trunk or SBC relays every call from
+    /// one address), so only the operator knows a safe value. Excess is counted as
+    /// `drop_source_limited`.
+    pub source_pps: u32,
+    pub source_kbps: u64,
+    pub source_burst_ms: u32,
 }
 
 impl Limits {
+    /// The per-source rate limit the table carries, if any is configured.
+    pub fn source_rate(&self) -> Option<mediaplane_core::RateLimit> {
+        (self.source_pps > 0 || self.source_kbps > 0).then_some(mediaplane_core::RateLimit {
+            pps: self.source_pps,
+            bps: self.source_kbps * 1000,
+            burst_ms: self.source_burst_ms,
+        })
+    }
+
     /// The per-stream rate limit the table carries, if any is configured.
     pub fn stream_rate(&self) -> Option<mediaplane_core::RateLimit> {
         (self.stream_pps > 0 || self.stream_kbps > 0).then_some(mediaplane_core::RateLimit {
@@ -65,7 +83,7 @@ impl Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_rooms: 10_000, max_participants_per_room: 256, max_streams_per_participant: 8, max_subscribers_per_stream: 256, max_relays: 1_000_000, stream_pps: 0, stream_kbps: 0, stream_burst_ms: mediaplane_core::RateLimit::DEFAULT_BURST_MS }
+        Limits { max_rooms: 10_000, max_participants_per_room: 256, max_streams_per_participant: 8, max_subscribers_per_stream: 256, max_relays: 1_000_000, stream_pps: 0, stream_kbps: 0, stream_burst_ms: mediaplane_core::RateLimit::DEFAULT_BURST_MS, source_pps: 0, source_kbps: 0, source_burst_ms: mediaplane_core::RateLimit::DEFAULT_BURST_MS }
     }
 }
 
@@ -108,6 +126,10 @@ pub struct DataplaneConfig {
     /// fan-out copy slots. Memory grows with them; a full map is a clear error.
     pub max_streams: u32,
     pub max_copies: u32,
+    /// eBPF: an XDP pre-filter on the same interfaces drops certain strangers before the TC
+    /// program sees them (native XDP where the driver has it). Off if another XDP program must
+    /// own the interfaces.
+    pub xdp_prefilter: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -152,6 +174,7 @@ impl Default for DataplaneConfig {
             adopt_live_pins: false,
             max_streams: 16384,
             max_copies: 65536,
+            xdp_prefilter: true,
         }
     }
 }
@@ -232,5 +255,15 @@ mod tests {
         let e = Config::from_toml("[ng]\nlisten = \"0.0.0.0:2223\"\n").unwrap_err();
         assert!(e.contains("ng.allow"), "{e}");
         assert!(Config::from_toml("[ng]\nlisten = \"0.0.0.0:2223\"\nallow = [\"10.1.2.3\"]\n").is_ok());
+    }
+
+    #[test]
+    fn source_limits_off_and_xdp_prefilter_on_by_default() {
+        let c = Config::default();
+        assert_eq!(c.limits.source_rate(), None);
+        assert!(c.dataplane.xdp_prefilter);
+        let c = Config::from_toml("[limits]\nsource_pps = 2000\nsource_kbps = 5000\n[dataplane]\nxdp_prefilter = false\n").unwrap();
+        assert_eq!(c.limits.source_rate(), Some(mediaplane_core::RateLimit { pps: 2000, bps: 5_000_000, burst_ms: 50 }));
+        assert!(!c.dataplane.xdp_prefilter);
     }
 }

@@ -46,7 +46,7 @@ impl SessionManager {
     /// Load the stored sessions and install them: after a restart, media flows again.
     pub fn open(store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig, limits: Limits) -> Result<SessionManager, ManagerError> {
         let model = store.load()?;
-        let table = Arc::new(ForwardingTable::compile_with_rate(&model, 1, limits.stream_rate()));
+        let table = Arc::new(compile(&model, 1, &limits));
         dataplane.apply(table.clone())?;
         Ok(SessionManager { inner: Mutex::new(Inner { model, table, store }), dataplane, media, limits })
     }
@@ -65,7 +65,7 @@ impl SessionManager {
         let changed = table.update(&inner.model, &next, changes.iter().map(Change::owner));
         #[cfg(debug_assertions)]
         if next.rooms.len() + next.relays.len() < 500 {
-            let full = ForwardingTable::compile_with_rate(&next, table.version, self.limits.stream_rate());
+            let full = compile(&next, table.version, &self.limits);
             debug_assert!(table == full, "a mutation changed a room or relay it did not name in its changes");
         }
         let table = Arc::new(table);
@@ -106,7 +106,7 @@ impl SessionManager {
     /// Forget everything (model, store, data plane tables).
     pub fn reset(&self) -> Result<(), ManagerError> {
         let mut inner = self.inner.lock();
-        let table = Arc::new(ForwardingTable { version: inner.table.version + 1, ..Default::default() });
+        let table = Arc::new(compile(&Model::new(), inner.table.version + 1, &self.limits));
         self.dataplane.apply(table.clone())?;
         inner.store.clear()?;
         inner.model = Model::new();
@@ -117,6 +117,15 @@ impl SessionManager {
 
 /// Check the caps on what changed (whole-model counts are O(1); per-room checks only for rooms
 /// this mutation touched).
+/// The table for `model` with the configured rate limits.
+/// The whole table with the configured limits (at start; changes then go through
+/// [`ForwardingTable::update`], which keeps both limits).
+fn compile(model: &Model, version: u64, limits: &Limits) -> ForwardingTable {
+    let mut table = ForwardingTable::compile_with_rate(model, version, limits.stream_rate());
+    table.set_source_limit(limits.source_rate());
+    table
+}
+
 fn check_limits(model: &Model, changes: &[Change], l: &Limits) -> Result<(), ManagerError> {
     let over = |what, max| Err(ManagerError::Limit { what, max });
     if model.rooms.len() > l.max_rooms {

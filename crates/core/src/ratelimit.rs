@@ -1,6 +1,7 @@
-//! Per-stream rate limits: an SFU multiplies what a publisher sends by its number of
-//! subscribers, so a publisher (or whoever spoofs its address) must not be able to send faster
-//! than the stream is meant to. Sans-I/O: the limit, its integer parameters and the admission
+//! Rate limits: an SFU multiplies what a publisher sends by its number of subscribers, so a
+//! publisher (or whoever spoofs its address) must not be able to send faster than the stream is
+//! meant to (per-stream limits), nor one source address across all its streams and the slow path
+//! (per-source limits, [`crate::ForwardingTable::source_limit`]). Sans-I/O: the limit, its integer parameters and the admission
 //! decision, shared by every data plane (the kernel program does the same arithmetic).
 //!
 //! Each limit is a GCRA (virtual scheduling form of a token bucket): a packet conforms when the

@@ -67,7 +67,7 @@ pub fn demux(d: &[u8]) -> MediaKind {
 
 /// STUN (RFC 5389): top two bits zero, length a multiple of 4, the magic cookie.
 pub fn is_stun(d: &[u8]) -> bool {
-    d.len() >= 20 && d[0] & 0xc0 == 0 && be16(d, 2) % 4 == 0 && be32(d, 4) == 0x2112_a442
+    d.len() >= 20 && d[0] & 0xc0 == 0 && be16(d, 2).is_multiple_of(4) && be32(d, 4) == 0x2112_a442
 }
 
 impl RtpHeader {

@@ -104,6 +104,14 @@ pub struct ForwardingTable {
     /// The per-stream limit [`ForwardingTable::update`] puts on entries it compiles.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_rate: Option<crate::ratelimit::RateLimit>,
+    /// Per-source limit: one bucket per source IP address (any port, any SFU address), set by the
+    /// control plane ([`ForwardingTable::set_source_limit`]). Data planes apply it to every packet
+    /// [`ForwardingTable::classify`] does not drop (so strangers, malformed and unknown-stream
+    /// packets are never charged: they cost nothing further), before anything costs work: before
+    /// the per-stream limit and the fan-out, and before the slow path takes STUN or a first
+    /// packet. Excess is dropped and counted as `drop_source_limited`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub source_limit: Option<crate::ratelimit::RateLimit>,
 }
 
 /// What changed between two tables, for drivers that update entries in place (kernel maps).
@@ -197,7 +205,7 @@ impl ForwardingTable {
                 streams.insert(e.key, e);
             }
         }
-        ForwardingTable { version, streams, stream_rate: rate }
+        ForwardingTable { version, streams, stream_rate: rate, source_limit: None }
     }
 
     /// Turn this table (compiled from `old`) into the table of `new`, where `new` differs from
@@ -242,6 +250,11 @@ impl ForwardingTable {
             .range(IngressKey { local, ssrc: Some(0) }..=IngressKey { local, ssrc: Some(u32::MAX) })
             .next()
             .is_some()
+    }
+
+    /// Set the per-source limit (`None` or an unlimited one removes it).
+    pub fn set_source_limit(&mut self, limit: Option<crate::ratelimit::RateLimit>) {
+        self.source_limit = limit.filter(|l| !l.is_unlimited());
     }
 
     pub fn by_id(&self, id: u32) -> Option<&StreamEntry> {

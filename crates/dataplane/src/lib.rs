@@ -55,6 +55,10 @@ pub struct Counters {
     /// From the registered source but over the stream's rate limit.
     #[serde(default)]
     pub drop_rate_limited: u64,
+    /// Over the per-source (IP address) limit ([`ForwardingTable::source_limit`]). Counted in
+    /// totals only: a source is not a stream.
+    #[serde(default)]
+    pub drop_source_limited: u64,
 }
 
 impl Counters {
@@ -70,6 +74,7 @@ impl Counters {
         self.slow_stun += o.slow_stun;
         self.slow_unlatched += o.slow_unlatched;
         self.drop_rate_limited += o.drop_rate_limited;
+        self.drop_source_limited += o.drop_source_limited;
     }
 
     pub fn count_drop(&mut self, reason: DropReason) {
@@ -88,7 +93,7 @@ impl Counters {
     }
 
     /// (name, value) pairs, for metrics exposition.
-    pub fn fields(&self) -> [(&'static str, u64); 11] {
+    pub fn fields(&self) -> [(&'static str, u64); 12] {
         [
             ("rx_packets", self.rx_packets),
             ("rx_bytes", self.rx_bytes),
@@ -101,6 +106,7 @@ impl Counters {
             ("slow_stun", self.slow_stun),
             ("slow_unlatched", self.slow_unlatched),
             ("drop_rate_limited", self.drop_rate_limited),
+            ("drop_source_limited", self.drop_source_limited),
         ]
     }
 }

@@ -16,13 +16,13 @@
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats};
 use arc_swap::ArcSwap;
-use mediaplane_core::ratelimit::{RateLimit, RateState};
+use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::table::{IngressKey, StreamEntry, Verdict};
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::collections::HashMap;
-use std::net::SocketAddr;
+use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::mpsc::Sender;
@@ -125,6 +125,61 @@ struct Shared {
     state: ArcSwap<State>,
     stop: AtomicBool,
     events: Option<Mutex<Sender<DataplaneEvent>>>,
+    /// Shared by the workers: one source may send to several SFU addresses, whose flows
+    /// SO_REUSEPORT may spread over several workers.
+    sources: Mutex<SourceBuckets>,
+}
+
+/// Per-source rate-limit buckets ([`ForwardingTable::source_limit`]), bounded: the least
+/// recently seen source is forgotten first (an idle bucket is equal to a fresh one, so only a
+/// source active while more than [`SourceBuckets::CAPACITY`] others are loses its state).
+pub struct SourceBuckets {
+    limit: Option<(RateLimit, RateParams)>,
+    buckets: hashlink::LruCache<IpAddr, RateState>,
+}
+
+impl Default for SourceBuckets {
+    fn default() -> Self {
+        Self::with_capacity(Self::CAPACITY)
+    }
+}
+
+impl SourceBuckets {
+    /// Sources whose buckets are kept (as many as the kernel plane keeps).
+    pub const CAPACITY: usize = 65536;
+
+    pub fn with_capacity(n: usize) -> Self {
+        SourceBuckets { limit: None, buckets: hashlink::LruCache::new(n.max(1)) }
+    }
+
+    /// Admit (and charge) a packet of `bytes` payload bytes from `src` at `now_ns` under `limit`.
+    /// A changed limit starts every bucket afresh.
+    pub fn admit(&mut self, limit: RateLimit, src: IpAddr, now_ns: u64, bytes: u64) -> bool {
+        let params = match self.limit {
+            Some((l, p)) if l == limit => p,
+            _ => {
+                self.buckets.clear();
+                let p = limit.params();
+                self.limit = Some((limit, p));
+                p
+            }
+        };
+        if let Some(st) = self.buckets.get_mut(&src) {
+            return params.admit(st, now_ns, bytes);
+        }
+        let mut st = RateState::default();
+        let ok = params.admit(&mut st, now_ns, bytes);
+        self.buckets.insert(src, st);
+        ok
+    }
+
+    pub fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buckets.is_empty()
+    }
 }
 
 struct Worker {
@@ -155,6 +210,7 @@ impl UserspaceDataplane {
             state: ArcSwap::from_pointee(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default() }),
             stop: AtomicBool::new(false),
             events: events.map(Mutex::new),
+            sources: Mutex::new(SourceBuckets::default()),
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
             (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer).map(Arc::new)).collect::<Result<_, _>>()?
@@ -529,7 +585,15 @@ impl WorkerCtx {
                 delta.total.drop_no_stream += 1;
                 continue;
             };
-            match state.table.classify(local, src, payload) {
+            let verdict = state.table.classify(local, src, payload);
+            // The per-source limit: on everything classify() does not drop, before any work.
+            if let (Some(limit), Verdict::Forward(_) | Verdict::SlowPath { .. }) = (state.table.source_limit, &verdict) {
+                if !self.shared.sources.lock().admit(limit, src.ip(), now, payload.len() as u64) {
+                    delta.total.drop_source_limited += 1;
+                    continue;
+                }
+            }
+            match verdict {
                 Verdict::Forward(entry) => {
                     let sc = delta.streams.entry(entry.id).or_default();
                     sc.rx_packets += 1;

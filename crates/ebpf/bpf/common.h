@@ -35,6 +35,18 @@
                                       too many copies): slow path */
 #define STREAM_F_RATE (1u << 5)     /* rate limited: stream_rate[stats_slot] */
 
+/* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
+#define MAX_SOURCES 65536
+
+/* XDP pre-filter counters (index into its `xdp_counters` per-CPU array). Rust mirror:
+ * src/prefilter.rs XDP_COUNTERS. */
+enum mp_xdp_counter {
+	XDP_CNT_DROP_STRANGER = 0, /* dropped: certainly a stranger (see prefilter_xdp.bpf.c) */
+	XDP_CNT_DROP_BYTES,        /* their UDP payload bytes */
+	XDP_CNT_PASS,              /* everything else, left to TC and the stack */
+	XDP_CNT__MAX,
+};
+
 /* Copies per stream the kernel fans out itself (size of the per-CPU next-hop scratch). */
 #define MAX_FANOUT 4096
 
@@ -84,6 +96,7 @@ enum mp_counter {
 	CNT_PASS_STALE_COPY,  /* fan-out slot did not belong to the stream (should never happen) */
 	CNT_PASS_ERROR,       /* a helper failed before any copy was sent */
 	CNT_DROP_RATE_LIMITED,/* from the registered source, over the stream's rate limit */
+	CNT_DROP_SOURCE_LIMITED,/* over the per-source (IP address) rate limit */
 	CNT__MAX,
 };
 

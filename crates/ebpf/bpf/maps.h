@@ -4,27 +4,7 @@
 #define MEDIAPLANE_MAPS_H
 
 #include "common.h"
-
-/* Where a packet enters: local address + UDP port, optionally narrowed by SSRC.
- * IPv4 addresses use addr[0..4], the rest zero. Ports in network order. */
-struct mp_ingress_key {
-	__u8 addr[16];
-	__be16 port;
-	__u8 family;   /* MP_FAMILY_V4 / MP_FAMILY_V6 */
-	__u8 has_ssrc; /* 0: the wildcard entry of this local address */
-	__u32 ssrc;    /* host order, 0 when has_ssrc == 0 */
-};
-
-struct mp_stream_value {
-	__u32 id;         /* StreamEntry::id */
-	__u32 flags;      /* STREAM_F_* */
-	__u8 src_addr[16];/* the Fixed source (unless STREAM_F_LATCH) */
-	__be16 src_port;
-	__u16 pad;
-	__u32 stats_slot; /* index into stream_stats */
-	__u32 copies_base;/* first index into copies[] */
-	__u32 copies_count;
-};
+#include "stream_map.h"
 
 /* One output copy: the full rewrite. MACs and ifindex come from bpf_fib_lookup per packet. */
 struct mp_copy_rewrite {
@@ -76,20 +56,6 @@ struct mp_nh_cache {
 	__u8 smac[ETH_ALEN];
 	__u64 expires_ns;
 };
-
-/* Programs that only borrow a map of the fast path (by fd, see the loader) define
- * MP_STRUCTS_ONLY to get the layouts without the fast path's maps. */
-#ifndef MP_STRUCTS_ONLY
-
-/* Stream entries. No prealloc: a replaced value is freed after an RCU grace period, so a
- * program that looked up the old value keeps reading a stable copy of it. */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, 65536); /* resized by the loader */
-	__type(key, struct mp_ingress_key);
-	__type(value, struct mp_stream_value);
-} streams SEC(".maps");
 
 /* Fan-out lists: ranges allocated by user space. A changed list is written to a fresh range,
  * the stream entry flipped to it, and the old range freed only after an RCU barrier. */
@@ -172,6 +138,41 @@ struct {
 	__array(values, struct barrier_inner);
 } rcu_barrier SEC(".maps");
 
+/* Per-source rate limit (mediaplane_core::ratelimit GCRA, as RateParams::admit): the limit in
+ * source_limit[0] (all zero = off, written by user space), one bucket per source IP address in
+ * an LRU hash (a forgotten idle source loses nothing: an idle bucket equals a fresh one). LRU
+ * values cannot hold a bpf_spin_lock: the buckets advance with compare-and-swap. */
+struct mp_source_key {
+	__u8 addr[16];
+	__u8 family; /* MP_FAMILY_* */
+	__u8 pad[3];
+};
+
+struct mp_source_state {
+	__u64 tat_packets;
+	__u64 tat_bytes;
+};
+
+struct mp_source_limit {
+	__u64 interval_ns;
+	__u64 byte_cost_q16;
+	__u64 tau_ns;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_LRU_HASH);
+	__uint(max_entries, MAX_SOURCES);
+	__type(key, struct mp_source_key);
+	__type(value, struct mp_source_state);
+} source_rate SEC(".maps");
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mp_source_limit);
+} source_limit SEC(".maps");
+
 static __always_inline void count(__u32 idx, __u64 n)
 {
 	__u64 *c = bpf_map_lookup_elem(&counters, &idx);
@@ -184,7 +185,5 @@ static __always_inline struct mp_stream_counters *stream_counters_of(const struc
 	__u32 slot = s->stats_slot;
 	return bpf_map_lookup_elem(&stream_stats, &slot);
 }
-
-#endif /* MP_STRUCTS_ONLY */
 
 #endif

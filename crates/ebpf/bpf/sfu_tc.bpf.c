@@ -6,6 +6,8 @@
  *   -> STUN (-> stack) -> RTP/RTCP validity if the stream(s) need RTP (bad -> drop malformed)
  *   -> SSRC-narrowed entry, else the wildcard entry (none -> drop no_stream)
  *   -> source: unlatched -> stack; not the fixed source -> drop stranger
+ *   -> per-source limit (if any), on every packet not dropped above (STUN and unlatched
+ *      included, before they go up): over it -> drop source_limited
  *   -> rate limit (if any): over it -> drop rate_limited
  *   -> resolve every copy's next hop (bpf_fib_lookup); any failure -> the whole packet to the
  *      stack, where the user-space plane sends all copies (no copy lost, none duplicated)
@@ -414,6 +416,59 @@ __noinline int rate_admit(__u32 slot, __u64 now, __u64 bytes)
 	return ok;
 }
 
+/* One GCRA bucket advanced by compare-and-swap: charged (1) or over its tolerance (0). A few
+ * lost races in a row mean a flood on this very source: refuse rather than spin. */
+static __always_inline int gcra_cas(__u64 *tat, __u64 now, __u64 cost, __u64 tau)
+{
+#pragma unroll
+	for (int i = 0; i < 3; i++) {
+		__u64 old = *(volatile __u64 *)tat;
+		__u64 t = old > now ? old : now;
+		if (t - now > tau)
+			return 0;
+		if (__sync_val_compare_and_swap(tat, old, t + cost) == old)
+			return 1;
+	}
+	return 0;
+}
+
+/* The per-source limit (RateParams::admit on the source's bucket). Off, or no bucket to be had:
+ * admit. Global: verified once on its own. */
+__noinline int source_admit_key(const struct mp_source_key *k, __u64 now, __u64 bytes)
+{
+	__u32 zero = 0;
+	const struct mp_source_limit *l = bpf_map_lookup_elem(&source_limit, &zero);
+	if (!k || !l || (l->interval_ns == 0 && l->byte_cost_q16 == 0))
+		return 1;
+	struct mp_source_state *st = bpf_map_lookup_elem(&source_rate, k);
+	if (!st) {
+		struct mp_source_state fresh = {};
+		bpf_map_update_elem(&source_rate, k, &fresh, BPF_NOEXIST);
+		st = bpf_map_lookup_elem(&source_rate, k);
+		if (!st)
+			return 1;
+	}
+	/* Both limits must hold: check the byte bucket before charging the packet bucket. */
+	if (l->byte_cost_q16) {
+		__u64 tb = *(volatile __u64 *)&st->tat_bytes;
+		if ((tb > now ? tb : now) - now > l->tau_ns)
+			return 0;
+	}
+	if (l->interval_ns && !gcra_cas(&st->tat_packets, now, l->interval_ns, l->tau_ns))
+		return 0;
+	if (l->byte_cost_q16 && !gcra_cas(&st->tat_bytes, now, (bytes * l->byte_cost_q16) >> 16, l->tau_ns))
+		return 0;
+	return 1;
+}
+
+static __always_inline int source_admit(const __u8 *saddr, __u32 family, __u64 now, __u64 bytes)
+{
+	struct mp_source_key k = {};
+	__builtin_memcpy(k.addr, saddr, 16);
+	k.family = family;
+	return source_admit_key(&k, now, bytes);
+}
+
 static __always_inline int pass_slow(struct mp_stream_counters *sc, __u32 why)
 {
 	count(why, 1);
@@ -470,8 +525,11 @@ int sfu_ingress(struct __sk_buff *skb)
 	if (load_head(skb, &p, &head))
 		return pass_slow(any_sc, CNT_PASS_ERROR);
 	enum media_kind kind = demux(&p, &head);
-	if (kind == MK_STUN)
+	if (kind == MK_STUN) {
+		if (!source_admit(p.saddr, p.family, t0, p.payload_len))
+			return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
 		return pass_slow(any_sc, CNT_PASS_STUN);
+	}
 
 	__u32 ssrc = 0;
 	int wants_rtp = narrowed || (has_any && (wildcard->flags & STREAM_F_RTP));
@@ -498,10 +556,13 @@ int sfu_ingress(struct __sk_buff *skb)
 	}
 	struct mp_stream_counters *sc = stream_counters_of(entry);
 
-	if (entry->flags & STREAM_F_LATCH)
-		return pass_slow(sc, CNT_PASS_UNLATCHED);
-	if (!same_addr(entry->src_addr, p.saddr) || entry->src_port != p.sport)
+	int latch = entry->flags & STREAM_F_LATCH;
+	if (!latch && (!same_addr(entry->src_addr, p.saddr) || entry->src_port != p.sport))
 		return drop(sc, CNT_DROP_STRANGER, p.payload_len);
+	if (!source_admit(p.saddr, p.family, t0, p.payload_len))
+		return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
+	if (latch)
+		return pass_slow(sc, CNT_PASS_UNLATCHED);
 	if ((entry->flags & STREAM_F_SLOW) || entry->copies_count > MAX_FANOUT)
 		return pass_slow(sc, CNT_PASS_SLOW_STREAM);
 	if ((entry->flags & STREAM_F_RATE) && !rate_admit(entry->stats_slot, t0, p.payload_len))

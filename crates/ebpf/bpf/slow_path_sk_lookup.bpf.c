@@ -13,21 +13,12 @@
 #include <bpf/bpf_helpers.h>
 #include <bpf/bpf_endian.h>
 
-#define MP_STRUCTS_ONLY
 #include "common.h"
-#include "maps.h"
+#include "stream_map.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
-/* The fast path's stream map: the loader replaces this one with its fd (same layout as in
- * maps.h; the kernel checks key and value sizes when the fd is reused). */
-struct {
-	__uint(type, BPF_MAP_TYPE_HASH);
-	__uint(map_flags, BPF_F_NO_PREALLOC);
-	__uint(max_entries, 1);
-	__type(key, struct mp_ingress_key);
-	__type(value, struct mp_stream_value);
-} streams SEC(".maps");
+/* `streams` (stream_map.h) is the fast path's map, shared by fd (see src/steer.rs). */
 
 /* Catch-all sockets: [0, MP_STEER_MAX) IPv4, [MP_STEER_MAX, 2 * MP_STEER_MAX) IPv6. */
 #define MP_STEER_MAX 64

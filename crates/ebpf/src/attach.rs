@@ -1,5 +1,7 @@
 //! Attaching the program at TC ingress: a tcx link (kernel >= 6.6) pinned so it outlives the
-//! process, or a clsact filter (which outlives the process by itself) as the fallback.
+//! process, or a clsact filter (which outlives the process by itself) as the fallback. The XDP
+//! pre-filter gets an XDP link (native mode where the driver has it, e.g. veth), pinned the same
+//! way.
 //!
 //! Adoption after a restart replaces the program atomically: `bpf_link_update` on the pinned
 //! tcx link, or `tc filter replace` on our clsact handle. Packets never see a detached hook.
@@ -28,6 +30,7 @@ pub const CLSACT_PRIORITY: u32 = 0x6d70;
 pub enum Attachment {
     Tcx { ifname: String, link: Link, pin: Option<PathBuf> },
     Clsact { ifname: String, hook: SendTcHook },
+    Xdp { ifname: String, link: Link, pin: Option<PathBuf> },
 }
 
 /// A [`TcHook`] that may cross threads.
@@ -42,6 +45,7 @@ impl std::fmt::Debug for Attachment {
         match self {
             Attachment::Tcx { ifname, pin, .. } => write!(f, "tcx({ifname}, pin {pin:?})"),
             Attachment::Clsact { ifname, .. } => write!(f, "clsact({ifname})"),
+            Attachment::Xdp { ifname, pin, .. } => write!(f, "xdp({ifname}, pin {pin:?})"),
         }
     }
 }
@@ -49,6 +53,39 @@ impl std::fmt::Debug for Attachment {
 /// The pin of the tcx link of `ifname` inside a pin dir.
 pub fn link_pin_path(pin_dir: &Path, ifname: &str) -> PathBuf {
     pin_dir.join(format!("link_ingress_{ifname}"))
+}
+
+/// The pin of the XDP link of `ifname` inside a pin dir.
+pub fn xdp_link_pin_path(pin_dir: &Path, ifname: &str) -> PathBuf {
+    pin_dir.join(format!("link_xdp_{ifname}"))
+}
+
+/// Attach (or adopt, replacing its program atomically) the XDP pre-filter on `ifname`. The link
+/// is created without mode flags: the kernel picks native XDP when the driver supports it
+/// (veth, most NICs) and generic XDP otherwise.
+pub fn attach_xdp(prog: &Program<'_>, ifname: &str, pin_dir: Option<&Path>) -> Result<Attachment, DataplaneError> {
+    let ifindex = ifindex_of(ifname)?;
+    let pin = pin_dir.map(|d| xdp_link_pin_path(d, ifname));
+    if let Some(p) = pin.as_deref().filter(|p| p.exists()) {
+        let mut link = Link::open(p).map_err(|e| DataplaneError::Other(format!("opening pinned link {}: {e}", p.display())))?;
+        link.update_prog(prog).map_err(|e| DataplaneError::Other(format!("replacing the XDP program on {ifname}: {e}")))?;
+        tracing::info!(ifname, "adopted pinned XDP link");
+        return Ok(Attachment::Xdp { ifname: ifname.into(), link, pin });
+    }
+    // SAFETY: the program pointer is valid while `prog` is.
+    let raw = unsafe { libbpf_rs::libbpf_sys::bpf_program__attach_xdp(prog.as_libbpf_object().as_ptr(), ifindex as i32) };
+    let Some(raw) = NonNull::new(raw) else {
+        let e = std::io::Error::last_os_error();
+        return Err(DataplaneError::Other(format!(
+            "XDP attach on {ifname}: {e} (another XDP program there, or a driver limit? set dataplane.xdp_prefilter = false to run without)"
+        )));
+    };
+    // SAFETY: a fresh link from libbpf, owned from here on.
+    let mut link = unsafe { Link::from_ptr(raw) };
+    if let Some(p) = &pin {
+        link.pin(p).map_err(|e| DataplaneError::Other(format!("pinning link {}: {e}", p.display())))?;
+    }
+    Ok(Attachment::Xdp { ifname: ifname.into(), link, pin })
 }
 
 pub fn ifindex_of(ifname: &str) -> Result<u32, DataplaneError> {
@@ -124,7 +161,7 @@ pub fn attach_ingress(prog: &Program<'_>, ifname: &str, mode: AttachMode, pin_di
 impl Attachment {
     pub fn ifname(&self) -> &str {
         match self {
-            Attachment::Tcx { ifname, .. } | Attachment::Clsact { ifname, .. } => ifname,
+            Attachment::Tcx { ifname, .. } | Attachment::Clsact { ifname, .. } | Attachment::Xdp { ifname, .. } => ifname,
         }
     }
 
@@ -132,13 +169,22 @@ impl Attachment {
         matches!(self, Attachment::Tcx { .. })
     }
 
+    /// "tcx", "clsact" or "xdp".
+    pub fn kind(&self) -> &'static str {
+        match self {
+            Attachment::Tcx { .. } => "tcx",
+            Attachment::Clsact { .. } => "clsact",
+            Attachment::Xdp { .. } => "xdp",
+        }
+    }
+
     /// Detach and remove the pin.
     pub fn detach(self) -> Result<(), DataplaneError> {
         match self {
-            Attachment::Tcx { ifname, mut link, pin } => {
+            Attachment::Tcx { ifname, mut link, pin } | Attachment::Xdp { ifname, mut link, pin } => {
                 // The interface may be gone already (netns deleted): the link is then defunct.
                 if let Err(e) = link.detach() {
-                    tracing::debug!(ifname, "tcx detach: {e}");
+                    tracing::debug!(ifname, "link detach: {e}");
                 }
                 if pin.is_some() {
                     let _ = link.unpin();

@@ -3,6 +3,7 @@
 use crate::attach::{self, AttachMode, Attachment};
 use crate::loader::{FastPath, LoadOptions};
 use crate::pinlock::{PinDirLock, PinLockError};
+use crate::prefilter::Prefilter;
 use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, UserspaceConfig, UserspaceDataplane};
 use parking_lot::Mutex;
@@ -34,6 +35,8 @@ pub struct EbpfConfig {
     /// Steer slow-path packets to a few catch-all sockets (sk_lookup) instead of binding one
     /// socket per SFU address: sessions then cost no file descriptors (see [`crate::steer`]).
     pub steer_slow_path: bool,
+    /// Put the XDP pre-filter (certain strangers dropped before TC) on the same interfaces.
+    pub xdp_prefilter: bool,
 }
 
 impl EbpfConfig {
@@ -49,6 +52,7 @@ impl EbpfConfig {
             max_streams: d.max_streams,
             max_copies: d.max_copies,
             steer_slow_path: true,
+            xdp_prefilter: true,
         }
     }
 }
@@ -58,13 +62,22 @@ impl EbpfConfig {
 /// Both get every table; packets the kernel passes up (`TC_ACT_OK`: STUN, unlatched sources,
 /// unresolved neighbours, what it cannot parse) reach the user-space plane's sockets. Stats are
 /// merged: the kernel counts only what it decided, the slow path what it received, so every
-/// packet is counted once.
+/// packet is counted once. In front of TC, the XDP pre-filter ([`Prefilter`], on by default)
+/// drops certain strangers; it counts them apart (`extra["xdp_drop_stranger"]`).
+///
+/// The per-source limit ([`ForwardingTable::source_limit`]) has a bucket per source in the
+/// kernel, charged by the TC program for what it judges (forwarded, STUN, first packets), and
+/// one in the slow path for what reaches user space: a packet the kernel admitted and passed up
+/// (STUN, unlatched) is charged in both, so the slow path never admits more than the kernel
+/// already did; what the kernel cannot judge (fragments, unresolved neighbours) is limited by
+/// the slow path's bucket alone.
 ///
 /// Dropping it without [`Dataplane::shutdown`] leaves the kernel path forwarding from its pins
 /// (that is what makes `kill -9` + restart hitless); `shutdown()` detaches and unpins. While it
 /// lives it holds the pin dir's lock ([`crate::pinlock`]): no second instance starts over it.
 pub struct EbpfDataplane {
     fast: FastPath,
+    prefilter: Option<Prefilter>,
     slow: UserspaceDataplane,
     attachments: Mutex<Vec<Attachment>>,
     pin_dir: PathBuf,
@@ -201,6 +214,18 @@ impl EbpfDataplane {
                 attach::detach_stale_clsact(&fast.program(), ifname);
             }
         }
+        let prefilter = if cfg.xdp_prefilter {
+            Some(Prefilter::load(&fast)?)
+        } else {
+            // A previous instance's pre-filter, pinned: unpinning its link detaches it.
+            for ifname in &cfg.interfaces {
+                let p = attach::xdp_link_pin_path(&cfg.pin_dir, ifname);
+                if p.exists() {
+                    std::fs::remove_file(&p).map_err(|source| DataplaneError::Io { context: format!("removing {}", p.display()), source })?;
+                }
+            }
+            None
+        };
         let mut slow_cfg = cfg.userspace.clone();
         slow_cfg.steered = cfg.steer_slow_path;
         let slow = UserspaceDataplane::new(slow_cfg, events)?;
@@ -211,8 +236,13 @@ impl EbpfDataplane {
             None => None,
         };
         let mut attachments = Vec::new();
-        for ifname in &cfg.interfaces {
-            match attach::attach_ingress(&fast.program(), ifname, cfg.attach, Some(&cfg.pin_dir)) {
+        let hooks = cfg.interfaces.iter().map(|i| (i, false)).chain(prefilter.iter().flat_map(|_| cfg.interfaces.iter().map(|i| (i, true))));
+        for (ifname, xdp) in hooks {
+            let attached = match (&prefilter, xdp) {
+                (Some(pf), true) => attach::attach_xdp(&pf.program(), ifname, Some(&cfg.pin_dir)),
+                _ => attach::attach_ingress(&fast.program(), ifname, cfg.attach, Some(&cfg.pin_dir)),
+            };
+            match attached {
                 Ok(a) => attachments.push(a),
                 Err(e) => {
                     for a in attachments {
@@ -234,6 +264,7 @@ impl EbpfDataplane {
         };
         Ok(EbpfDataplane {
             fast,
+            prefilter,
             slow,
             attachments: Mutex::new(attachments),
             pin_dir: cfg.pin_dir,
@@ -252,9 +283,14 @@ impl EbpfDataplane {
         &self.slow
     }
 
-    /// (interface, "tcx" | "clsact") of every hook.
+    /// The XDP pre-filter, when configured.
+    pub fn prefilter(&self) -> Option<&Prefilter> {
+        self.prefilter.as_ref()
+    }
+
+    /// (interface, "tcx" | "clsact" | "xdp") of every hook.
     pub fn hooks(&self) -> Vec<(String, &'static str)> {
-        self.attachments.lock().iter().map(|a| (a.ifname().to_string(), if a.is_tcx() { "tcx" } else { "clsact" })).collect()
+        self.attachments.lock().iter().map(|a| (a.ifname().to_string(), a.kind())).collect()
     }
 }
 
@@ -312,6 +348,9 @@ impl Dataplane for EbpfDataplane {
             s.extra.insert("bpf_run_time_ns".into(), run_time_ns);
             s.extra.insert("bpf_run_count".into(), run_count);
         }
+        if let Some(pf) = &self.prefilter {
+            s.extra.extend(pf.extra());
+        }
         s
     }
 
@@ -324,6 +363,9 @@ impl Dataplane for EbpfDataplane {
             }
         }
         if let Err(e) = self.fast.unpin_maps() {
+            first_err.get_or_insert(e);
+        }
+        if let Some(Err(e)) = self.prefilter.as_ref().map(Prefilter::unpin_maps) {
             first_err.get_or_insert(e);
         }
         if let Err(e) = remove_pins(&self.pin_dir) {

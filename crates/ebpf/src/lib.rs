@@ -5,7 +5,9 @@
 //! * [`maps`]: the kernel map layouts mirrored in Rust and the table -> entries compiler;
 //! * [`install`]: the update protocol that makes table changes atomic per packet (sans-I/O);
 //! * [`loader`]: [`FastPath`], the loaded program + maps (`BPF_PROG_TEST_RUN` for tests);
-//! * [`attach`]: tcx / clsact hooks, pinned for hitless restarts;
+//! * [`prefilter`]: [`Prefilter`], the XDP pre-filter (bpf/prefilter_xdp.bpf.c) that drops
+//!   certain strangers before TC, sharing the TC program's stream map;
+//! * [`attach`]: tcx / clsact / XDP hooks, pinned for hitless restarts;
 //! * [`nhwatch`]: invalidates the kernel's next-hop cache on route/neighbour changes;
 //! * [`steer`]: sk_lookup steering of slow-path packets to a few catch-all sockets;
 //! * [`pinlock`]: one live daemon per pin directory (a kill -9'd one's pins are still adopted);
@@ -19,6 +21,7 @@ pub mod maps;
 pub mod nhwatch;
 pub mod steer;
 pub mod pinlock;
+pub mod prefilter;
 
 /// The libbpf-cargo skeleton: used for the C struct layouts (BTF) in tests and test_run.
 #[allow(dead_code, clippy::all, non_camel_case_types, non_snake_case, unused_imports)]
@@ -30,4 +33,5 @@ pub use attach::AttachMode;
 pub use dataplane::{remove_pins, EbpfConfig, EbpfDataplane};
 pub use install::ApplyReport;
 pub use pinlock::{PinDirLock, PinLockError};
+pub use prefilter::{Prefilter, XDP_DROP, XDP_PASS};
 pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};

@@ -4,7 +4,7 @@
 //! with `BPF_PROG_TEST_RUN` ([`FastPath::test_run`]), [`crate::EbpfDataplane`] attaches it.
 
 use crate::install::{ApplyReport, Installer, KernelMaps};
-use crate::maps::{CopyRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, StreamCountersRaw, StreamValueRaw, GLOBAL_COUNTERS};
+use crate::maps::{CopyRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, SourceLimitRaw, StreamCountersRaw, StreamValueRaw, GLOBAL_COUNTERS};
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, Program, ProgramInput};
 use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Counters, DataplaneError, DataplaneStats, LatencySummary};
@@ -20,7 +20,8 @@ pub const SFU_TC_OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sfu_t
 pub const SFU_TC_PROGRAM: &str = "sfu_ingress";
 
 /// Maps that carry state worth keeping across a restart: pinned when a pin dir is given.
-const PINNED_MAPS: [&str; 5] = ["streams", "copies", "stream_stats", "counters", "copy_latency"];
+/// (The per-source limit and its buckets too: a restarted instance keeps limiting without a gap.)
+const PINNED_MAPS: [&str; 7] = ["streams", "copies", "stream_stats", "counters", "copy_latency", "source_limit", "source_rate"];
 
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -86,6 +87,7 @@ impl KernelStats {
             slow_stun: 0,
             slow_unlatched: 0,
             drop_rate_limited: g("drop_rate_limited"),
+            drop_source_limited: g("drop_source_limited"),
         };
         let streams = self
             .streams
@@ -105,7 +107,7 @@ impl KernelStats {
                 (*id, c)
             })
             .collect();
-        let extra = GLOBAL_COUNTERS[8..].iter().filter(|n| **n != "drop_rate_limited").map(|n| (n.to_string(), g(n))).collect();
+        let extra = GLOBAL_COUNTERS[8..].iter().filter(|n| !matches!(**n, "drop_rate_limited" | "drop_source_limited")).map(|n| (n.to_string(), g(n))).collect();
         let l = &self.latency;
         let copy_latency = (l.count > 0).then(|| LatencySummary {
             count: l.count,
@@ -147,6 +149,8 @@ pub struct FastPath {
     barrier_inner: MapHandle,
     pin_dir: Option<PathBuf>,
     adopted: bool,
+    /// The per-source limit last written to `source_limit` (None: not written yet).
+    source_limit: Mutex<Option<SourceLimitRaw>>,
 }
 
 impl std::fmt::Debug for FastPath {
@@ -222,6 +226,7 @@ impl FastPath {
             barrier_inner,
             pin_dir: opts.pin_dir.clone(),
             adopted,
+            source_limit: Mutex::new(None),
         };
         if adopted {
             let existing = me.read_installed()?;
@@ -240,7 +245,7 @@ impl FastPath {
         self.obj.progs().find(|p| p.name() == SFU_TC_PROGRAM).expect("program in the embedded object")
     }
 
-    fn map(&self, name: &str) -> libbpf_rs::Map<'_> {
+    pub(crate) fn map(&self, name: &str) -> libbpf_rs::Map<'_> {
         self.obj.maps().find(|m| m.name() == name).unwrap_or_else(|| panic!("map {name} in the embedded object"))
     }
 
@@ -283,8 +288,19 @@ impl FastPath {
 
     /// Install `table`, which differs from the last installed one only at `changed`.
     pub fn apply_changes(&self, table: Arc<ForwardingTable>, changed: Option<&[IngressKey]>) -> Result<ApplyReport, DataplaneError> {
+        let limit = SourceLimitRaw::new(table.source_limit.as_ref());
         let mut io = MapsIo { fp: self };
-        self.installer.lock().apply_changes(table, changed, &mut io)
+        let report = self.installer.lock().apply_changes(table, changed, &mut io)?;
+        // The per-source limit is one global setting: written when it changes. Buckets are kept
+        // (a bucket's state is a time, meaningful under any limit).
+        let mut cur = self.source_limit.lock();
+        if *cur != Some(limit) {
+            self.map("source_limit")
+                .update(0u32.as_bytes(), limit.as_bytes(), MapFlags::ANY)
+                .map_err(|e| bpf_err("writing the per-source limit", e))?;
+            *cur = Some(limit);
+        }
+        Ok(report)
     }
 
     pub fn table_version(&self) -> u64 {

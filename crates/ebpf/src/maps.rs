@@ -29,7 +29,7 @@ pub const MAX_FANOUT: usize = 4096;
 
 /// Global counter indices (enum mp_counter) with their names in `DataplaneStats.extra`.
 /// The first eight feed [`mediaplane_dataplane::Counters`].
-pub const GLOBAL_COUNTERS: [&str; 28] = [
+pub const GLOBAL_COUNTERS: [&str; 29] = [
     "rx_packets",
     "rx_bytes",
     "tx_copies",
@@ -58,6 +58,7 @@ pub const GLOBAL_COUNTERS: [&str; 28] = [
     "pass_stale_copy",
     "pass_error",
     "drop_rate_limited",
+    "drop_source_limited",
 ];
 
 /// Index of a global counter by name (panics on a typo: names are compile-time constants).
@@ -163,6 +164,41 @@ impl RateRaw {
     }
 }
 
+/// `struct mp_source_limit`: the per-source limit (all zero = off).
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceLimitRaw {
+    pub interval_ns: u64,
+    pub byte_cost_q16: u64,
+    pub tau_ns: u64,
+}
+
+impl SourceLimitRaw {
+    pub fn new(limit: Option<&RateLimit>) -> SourceLimitRaw {
+        let p = limit.filter(|l| !l.is_unlimited()).map(|l| l.params()).unwrap_or_default();
+        SourceLimitRaw { interval_ns: p.interval_ns, byte_cost_q16: p.byte_cost_q16, tau_ns: p.tau_ns }
+    }
+}
+
+/// `struct mp_source_key` / `struct mp_source_state`: one source address's bucket.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceKeyRaw {
+    pub addr: [u8; 16],
+    pub family: u8,
+    pub pad: [u8; 3],
+}
+
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct SourceStateRaw {
+    pub tat_packets: u64,
+    pub tat_bytes: u64,
+}
+
+/// Source addresses whose buckets the kernel keeps (MAX_SOURCES, LRU).
+pub const MAX_SOURCES: u32 = 65536;
+
 /// `struct mp_latency_hist`.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -187,6 +223,9 @@ unsafe impl Pod for CopyRaw {}
 unsafe impl Pod for StreamCountersRaw {}
 unsafe impl Pod for RateRaw {}
 unsafe impl Pod for LatencyHistRaw {}
+unsafe impl Pod for SourceLimitRaw {}
+unsafe impl Pod for SourceKeyRaw {}
+unsafe impl Pod for SourceStateRaw {}
 unsafe impl Pod for u32 {}
 unsafe impl Pod for u64 {}
 
@@ -440,6 +479,9 @@ mod tests {
         assert_eq!(size_of::<types::mp_stream_counters>(), size_of::<StreamCountersRaw>());
         assert_eq!(size_of::<types::mp_latency_hist>(), size_of::<LatencyHistRaw>());
         assert_eq!(size_of::<types::mp_rate>(), size_of::<RateRaw>());
+        assert_eq!(size_of::<types::mp_source_limit>(), size_of::<SourceLimitRaw>());
+        assert_eq!(size_of::<types::mp_source_key>(), size_of::<SourceKeyRaw>());
+        assert_eq!(size_of::<types::mp_source_state>(), size_of::<SourceStateRaw>());
     }
 
     #[test]

@@ -66,7 +66,8 @@ fn star_every_participant_gets_exactly_its_subscriptions() {
     let dp = EbpfDataplane::new(config(&star, &fs.dir.join("star")), None).expect("ebpf data plane");
     drop(g); // its threads live in the SFU namespace; the test thread need not
     assert_eq!(dp.name(), "ebpf");
-    assert!(dp.hooks().iter().all(|(_, kind)| *kind == "tcx"), "{:?}", dp.hooks());
+    assert!(dp.hooks().iter().all(|(_, kind)| *kind == "tcx" || *kind == "xdp"), "{:?}", dp.hooks());
+    assert_eq!(dp.hooks().iter().filter(|(_, kind)| *kind == "tcx").count(), N, "{:?}", dp.hooks());
     {
         let _g = star.sfu.enter(); // the slow path binds its sockets in apply()
         dp.apply(table.clone()).unwrap();
@@ -98,21 +99,47 @@ fn star_every_participant_gets_exactly_its_subscriptions() {
     assert!(st.extra["forwarded"] > 0, "the kernel path forwarded nothing: {:?}", st.extra);
     assert!(st.copy_latency.is_some());
 
-    // A stranger (right IP, wrong port) is dropped in the kernel and counted.
+    // A stranger's flood (right IP, wrong port) is dropped by the XDP pre-filter, before TC,
+    // and counted there; not one copy leaves.
+    assert_eq!(dp.hooks().iter().filter(|(_, kind)| *kind == "xdp").count(), N, "{:?}", dp.hooks());
+    for ifname in &star.sfu_ifs {
+        let d = link_details(&star, ifname);
+        assert!(d.contains("prog/xdp") && !d.contains("xdpgeneric"), "not native XDP on {ifname}: {d}");
+    }
+    const FLOOD: u64 = 3000;
     let before = dp.stats();
-    for seq in 0..5 {
+    let tc_runs_before = before.extra["bpf_run_count"];
+    for seq in 0..FLOOD as u16 {
         stranger.send_to(&build_rtp(96, seq, 0, 99, b"evil"), Star::sfu_addr(0)).unwrap();
     }
     for (i, s) in socks.iter().enumerate() {
         assert!(received(s, Duration::from_millis(300)).is_empty(), "participant {i} got a stranger's packet");
     }
     let after = dp.stats();
-    assert_eq!(after.total.drop_stranger - before.total.drop_stranger, 5);
-    let p0_stream = table.streams.values().find(|e| e.label == "r/p0/main").unwrap().id;
-    assert_eq!(after.streams[&p0_stream].drop_stranger - before.streams.get(&p0_stream).map_or(0, |c| c.drop_stranger), 5);
+    let d = |k: &str| after.extra[k] - before.extra[k];
+    assert_eq!(d("xdp_drop_stranger"), FLOOD, "{:?}", after.extra);
+    assert_eq!(d("xdp_drop_bytes"), FLOOD * 16, "{:?}", after.extra);
+    assert!(d("xdp_run_count") >= FLOOD, "{:?}", after.extra);
+    assert!(after.extra["bpf_run_count"] - tc_runs_before < FLOOD / 10, "TC saw the flood: {:?}", after.extra);
+    assert_eq!(after.total.drop_stranger, before.total.drop_stranger, "counted once, by XDP");
+    assert_eq!(after.total.tx_copies, before.total.tx_copies, "copies went out");
+    assert_eq!(after.total.rx_packets, before.total.rx_packets);
+    // Its STUN still reaches the slow path (the user-space plane counts it).
+    let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+    stun.extend_from_slice(&[7; 12]);
+    stranger.send_to(&stun, Star::sfu_addr(0)).unwrap();
+    let start = Instant::now();
+    while dp.stats().total.slow_stun == after.total.slow_stun && start.elapsed() < Duration::from_secs(3) {
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    assert_eq!(dp.stats().total.slow_stun, after.total.slow_stun + 1, "the stranger's STUN was not passed up");
+    assert_eq!(dp.stats().extra["xdp_drop_stranger"], after.extra["xdp_drop_stranger"]);
 
     dp.shutdown().unwrap();
     assert!(!fs.dir.join("star").exists(), "shutdown removes the pins");
+    for ifname in &star.sfu_ifs {
+        assert!(!link_details(&star, ifname).contains("xdp"), "shutdown left the XDP pre-filter on {ifname}");
+    }
 }
 
 #[test]
@@ -257,6 +284,9 @@ fn hitless_restart_after_kill_9() {
     std::thread::sleep(Duration::from_millis(300));
     drop(daemon); // SIGKILL: only the pins keep the kernel path alive
     std::thread::sleep(Duration::from_millis(300));
+    for ifname in &star.sfu_ifs {
+        assert!(link_details(&star, ifname).contains("xdp"), "the pinned XDP pre-filter did not outlive the process on {ifname}");
+    }
     // Restart in this process: adopt the pins, then apply the same table (nothing to rewrite).
     let g = star.sfu.enter();
     let dp = EbpfDataplane::new(config(&star, &pin_dir), None).expect("restart");
@@ -282,4 +312,41 @@ fn hitless_restart_after_kill_9() {
     drop(g);
     dp.shutdown().unwrap();
     assert!(!pin_dir.exists());
+    for ifname in &star.sfu_ifs {
+        assert!(!link_details(&star, ifname).contains("xdp"), "shutdown left the XDP pre-filter on {ifname}");
+    }
+}
+
+/// `ip -d link show` of an SFU-side interface (shows "xdp" while an XDP program is attached).
+fn link_details(star: &Star, ifname: &str) -> String {
+    let out = std::process::Command::new("ip").args(["-n", &star.sfu.name, "-d", "link", "show", ifname]).output().unwrap();
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    assert!(out.status.success() && text.contains(ifname), "{text}");
+    text
+}
+
+/// Native XDP on a veth with a jumbo MTU needs a multi-buffer (xdp.frags) program: the
+/// pre-filter attaches there too, and jumbo datagrams still reach their subscribers.
+#[test]
+fn xdp_prefilter_attaches_on_a_jumbo_mtu_veth() {
+    root_or_skip!("xdp_prefilter_attaches_on_a_jumbo_mtu_veth");
+    let star = Star::new(2);
+    for (i, ifname) in star.sfu_ifs.iter().enumerate() {
+        star.sfu.ip(&["link", "set", ifname, "mtu", "9000"]);
+        star.participants[i].ip(&["link", "set", &format!("{}p{i}", star.sfu.name), "mtu", "9000"]);
+    }
+    let fs = Bpffs::new();
+    let socks: Vec<UdpSocket> = (0..2).map(|i| star.socket(i, 5000)).collect();
+    let g = star.sfu.enter();
+    let dp = EbpfDataplane::new(config(&star, &fs.dir.join("jumbo")), None).expect("ebpf data plane on jumbo veths");
+    assert_eq!(dp.hooks().iter().filter(|(_, kind)| *kind == "xdp").count(), 2, "{:?}", dp.hooks());
+    dp.apply(Arc::new(ForwardingTable::compile(&star_model(2, &[(1, 0)]), 1))).unwrap();
+    drop(g);
+    for seq in 0..20u16 {
+        socks[0].send_to(&build_rtp(96, seq, 0, 1, &[5; 8000]), Star::sfu_addr(0)).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    let got = received(&socks[1], Duration::from_millis(400));
+    assert_eq!(got.len(), 20, "{got:?}");
+    dp.shutdown().unwrap();
 }

@@ -10,10 +10,10 @@ mod common;
 
 use common::rig::*;
 use common::*;
-use mediaplane_core::packet::{build_frame, FrameSpec};
+use mediaplane_core::packet::{build_frame, parse_frame, FrameSpec};
 use mediaplane_core::rtp::build_rtp;
 use mediaplane_core::table::SourceRule;
-use mediaplane_ebpf::{FastPath, LoadOptions, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
+use mediaplane_ebpf::{FastPath, LoadOptions, Prefilter, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS};
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -489,5 +489,243 @@ fn rate_limited_stream_forwards_its_rate_under_a_flood() {
     rig.apply(&t2);
     for _ in 0..100 {
         assert_eq!(rig.fp.test_run(&frame, Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
+    }
+}
+#[test]
+fn xdp_prefilter_drops_only_certain_strangers() {
+    root_or_skip!("xdp_prefilter_drops_only_certain_strangers");
+    let rig = Rig::new();
+    let pf = Prefilter::load(&rig.fp).expect("load the XDP pre-filter");
+    let subs = subscribers_v4(3);
+    let other = "10.200.0.8:5000";
+    let t = table(
+        1,
+        vec![
+            entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subs[..2].to_vec()),
+            entry(2, "10.200.0.1:4002", None, SourceRule::Latch, true, subs[..1].to_vec()),
+            entry(3, "10.200.0.1:4004", Some(1), SourceRule::Fixed(a(PUBLISHER)), true, subs[..1].to_vec()),
+            entry(4, "10.200.0.1:4006", None, SourceRule::Fixed(a(PUBLISHER)), true, subs[..1].to_vec()),
+            entry(5, "10.200.0.1:4006", Some(7), SourceRule::Fixed(a(other)), true, subs[1..2].to_vec()),
+            entry(6, "10.200.0.1:4008", None, SourceRule::Fixed(a(PUBLISHER)), false, subs[2..].to_vec()),
+            // Mixed families: the kernel leaves its fan-out to the slow path, not its source check.
+            entry(7, "10.200.0.1:4010", None, SourceRule::Fixed(a(PUBLISHER)), true, vec![(a("[fd00:200::1]:1"), a("[fd00:200::2]:2"))]),
+            entry(8, "[fd00:200::1]:4000", None, SourceRule::Fixed(a("[fd00:200::9]:5000")), true, vec![]),
+        ],
+    );
+    rig.apply(&t);
+    let evil = "10.200.0.66:5000";
+    let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+    stun.extend_from_slice(&[7; 12]);
+    let mut sr = vec![0x80, 200, 0, 6];
+    sr.extend_from_slice(&1u32.to_be_bytes());
+    sr.extend_from_slice(&[0; 20]);
+    let mut ext = build_rtp(96, 1, 1, 1, &[]);
+    ext[0] |= 0x10;
+    ext.extend_from_slice(&[0xbe, 0xde, 0, 1, 0x10, 0xaa, 0, 0]);
+    let mut bad_ext = ext.clone();
+    bad_ext[15] = 9;
+    let mut pad = build_rtp(96, 1, 1, 1, &[1, 2, 3, 4]);
+    pad[0] |= 0x20;
+    *pad.last_mut().unwrap() = 4;
+    let mut bad_pad = pad.clone();
+    *bad_pad.last_mut().unwrap() = 200;
+    let stranger = v4_frame(evil, LOCAL, &rtp(1));
+    let mut cases: Vec<(&str, Vec<u8>, bool)> = vec![
+        ("stranger RTP", stranger.clone(), true),
+        ("right IP, wrong port", v4_frame("10.200.0.9:5001", LOCAL, &rtp(1)), true),
+        ("stranger RTP with an extension", v4_frame(evil, LOCAL, &ext), true),
+        ("stranger RTP with padding", v4_frame(evil, LOCAL, &pad), true),
+        ("stranger on a non-RTP stream", v4_frame(evil, "10.200.0.1:4008", b"anything"), true),
+        ("stranger, empty payload, non-RTP stream", v4_frame(evil, "10.200.0.1:4008", b""), true),
+        ("stranger on a slow-path stream", v4_frame(evil, "10.200.0.1:4010", &rtp(1)), true),
+        ("owner", v4_frame(PUBLISHER, LOCAL, &rtp(1)), false),
+        ("stranger STUN", v4_frame(evil, LOCAL, &stun), false),
+        ("stranger STUN, non-RTP stream", v4_frame(evil, "10.200.0.1:4008", &stun), false),
+        ("owner STUN", v4_frame(PUBLISHER, LOCAL, &stun), false),
+        ("latching stream", v4_frame(evil, "10.200.0.1:4002", &rtp(1)), false),
+        ("SSRC-narrowed, no wildcard", v4_frame(evil, "10.200.0.1:4004", &rtp(1)), false),
+        ("SSRC-narrowed with a wildcard", v4_frame(evil, "10.200.0.1:4006", &rtp(3)), false),
+        ("narrowed stream's own source", v4_frame(other, "10.200.0.1:4006", &rtp(7)), false),
+        ("stranger garbage on an RTP stream", v4_frame(evil, LOCAL, b"garbage, not RTP"), false),
+        ("stranger bad extension", v4_frame(evil, LOCAL, &bad_ext), false),
+        ("stranger bad padding", v4_frame(evil, LOCAL, &bad_pad), false),
+        ("stranger RTCP", v4_frame(evil, LOCAL, &sr), false),
+        ("not ours: port", v4_frame(evil, "10.200.0.1:4001", &rtp(1)), false),
+        ("not ours: address", v4_frame(evil, "10.200.0.3:4000", &rtp(1)), false),
+    ];
+    let mut tcp = stranger.clone();
+    tcp[14 + 9] = 6;
+    cases.push(("non-UDP", tcp, false));
+    for (name, frag) in [("fragment MF", [0x20u8, 0]), ("fragment offset", [0, 0x10])] {
+        let mut f = stranger.clone();
+        f[14 + 6] = frag[0];
+        f[14 + 7] = frag[1];
+        cases.push((name, f, false));
+    }
+    let mut opts = stranger.clone();
+    opts[14] = 0x46;
+    opts[14 + 3] += 4;
+    opts.splice(14 + 20..14 + 20, [1, 1, 1, 0]);
+    cases.push(("IP options", opts, false));
+    cases.push(("truncated", stranger[..stranger.len() - 10].to_vec(), false));
+    let mut badlen = stranger.clone();
+    badlen[14 + 20 + 5] += 1;
+    cases.push(("bad UDP length", badlen, false));
+    let mut v6 = FrameSpec::new(a("[fd00:200::66]:5000"), a("[fd00:200::1]:4000"));
+    v6.dst_mac = MAC0;
+    cases.push(("IPv6 stranger", build_frame(&v6, &rtp(5)), false));
+    let mut tagged = FrameSpec::new(a(evil), a(LOCAL));
+    tagged.dst_mac = MAC0;
+    tagged.vlan = Some(42);
+    cases.push(("VLAN-tagged stranger", build_frame(&tagged, &rtp(5)), false));
+
+    let mut drops = 0;
+    for (name, frame, want_drop) in &cases {
+        let before = pf.counters().unwrap();
+        let verdict = pf.test_run(frame).unwrap();
+        let after = pf.counters().unwrap();
+        let d = |k: &str| after[k] - before[k];
+        if *want_drop {
+            drops += 1;
+            assert_eq!(verdict, XDP_DROP, "{name}: must be dropped");
+            // Only certain strangers: the reference and TC agree.
+            assert_eq!(reference(&t, frame), Expect::Drop("drop_stranger"), "{name}");
+            let f = parse_frame(frame).unwrap();
+            assert_eq!((d("xdp_drop_stranger"), d("xdp_pass"), d("xdp_drop_bytes")), (1, 0, f.payload_len as u64), "{name}");
+        } else {
+            assert_eq!(verdict, XDP_PASS, "{name}: must pass");
+            assert_eq!((d("xdp_drop_stranger"), d("xdp_pass")), (0, 1), "{name}");
+        }
+        // Whatever XDP passes, TC still decides as the reference says.
+        rig.check(&t, frame);
+    }
+    assert_eq!(drops, 7);
+
+    // One table for both programs: the stranger becomes the owner, XDP lets it through at once.
+    let mut t2 = t.clone();
+    t2.version = 2;
+    let keys: Vec<_> = t2.streams.iter().filter(|(_, e)| e.id == 1).map(|(k, _)| *k).collect();
+    keys.iter().for_each(|k| t2.streams.get_mut(k).unwrap().source = SourceRule::Fixed(a(evil)));
+    rig.apply(&t2);
+    assert_eq!(pf.test_run(&stranger).unwrap(), XDP_PASS);
+    rig.check(&t2, &stranger);
+    // ...and a narrowed stream appearing on the address stops its drops too.
+    let mut t3 = t.clone();
+    t3.version = 3;
+    let narrowed = entry(9, LOCAL, Some(99), SourceRule::Fixed(a(other)), true, subs[2..].to_vec());
+    t3.streams.insert(narrowed.key, narrowed);
+    rig.apply(&t3);
+    assert_eq!(pf.test_run(&stranger).unwrap(), XDP_PASS);
+    rig.apply(&t);
+    assert_eq!(pf.test_run(&stranger).unwrap(), XDP_DROP);
+    pf.reset_counters().unwrap();
+    assert!(pf.counters().unwrap().values().all(|v| *v == 0));
+
+    // Mutated frames: whatever XDP drops, the reference calls a stranger (never the owner's
+    // media, STUN, a latching or narrowed stream's packet, or a malformed one).
+    let mut seed = 0x2545_f491_4f6c_dd1du64;
+    let mut rnd = move || {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed
+    };
+    let (mut dropped, mut passed) = (0, 0);
+    for i in 0..3000 {
+        let (_, base, _) = &cases[i % cases.len()];
+        let mut f = base.clone();
+        for _ in 0..1 + rnd() % 3 {
+            // Mostly the IP/UDP headers and the first payload bytes.
+            let at = (14 + rnd() % 40) as usize;
+            if at < f.len() {
+                f[at] = rnd() as u8;
+            }
+        }
+        if rnd() % 8 == 0 {
+            f.truncate((rnd() as usize % f.len()).max(14));
+        }
+        if pf.test_run(&f).unwrap() == XDP_DROP {
+            dropped += 1;
+            assert_eq!(reference(&t, &f), Expect::Drop("drop_stranger"), "XDP dropped {f:02x?}");
+        } else {
+            passed += 1;
+        }
+    }
+    assert!(dropped > 100 && passed > 100, "{dropped} dropped, {passed} passed: the mutations test nothing");
+}
+
+/// A per-source limit of R packets/s: one source flooding through BPF_PROG_TEST_RUN gets R per
+/// second forwarded (within 5%), the rest dropped as `drop_source_limited`; another source
+/// sending beside it is not affected; the flooding source's STUN is limited too (same bucket).
+#[test]
+fn source_limit_holds_a_flooding_source_and_spares_others() {
+    root_or_skip!("source_limit_holds_a_flooding_source_and_spares_others");
+    const RATE: u32 = 1000;
+    let rig = Rig::new();
+    let other = "10.200.0.8:5000";
+    let mut t = table(
+        1,
+        vec![
+            entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(1)),
+            // The same source IP on another port and SFU address: the same bucket.
+            entry(2, "10.200.0.1:4002", None, SourceRule::Fixed(a("10.200.0.9:5002")), true, subscribers_v4(1)),
+            entry(3, "10.200.0.1:4004", None, SourceRule::Fixed(a(other)), true, subscribers_v4(1)),
+        ],
+    );
+    t.set_source_limit(Some(mediaplane_core::RateLimit { pps: RATE, bps: 0, burst_ms: 10 }));
+    rig.apply(&t);
+    let frames = [v4_frame(PUBLISHER, LOCAL, &rtp(1)), v4_frame("10.200.0.9:5002", "10.200.0.1:4002", &rtp(2))];
+    let bystander = v4_frame(other, "10.200.0.1:4004", &rtp(3));
+    let before = rig.fp.kernel_stats().unwrap();
+    let start = std::time::Instant::now();
+    let (mut runs, mut forwarded, mut others) = (0u64, 0u64, 0u64);
+    while start.elapsed() < Duration::from_secs(1) && runs < 5_000_000 {
+        let r = rig.fp.test_run(&frames[(runs % 2) as usize], Some(rig.ifindex)).unwrap();
+        runs += 1;
+        match r.retval {
+            TC_ACT_REDIRECT => forwarded += 1,
+            TC_ACT_SHOT => {}
+            v => panic!("verdict {v}"),
+        }
+        if runs % 256 == 0 {
+            // About RATE/4 per second or less: well under the limit.
+            assert_eq!(rig.fp.test_run(&bystander, Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT, "the other source was limited");
+            others += 1;
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    let want = RATE as f64 * secs;
+    assert!(runs as f64 > 4.0 * want, "flood too slow to test anything: {runs} runs");
+    assert!((forwarded as f64 - want).abs() <= 0.05 * want, "{forwarded} forwarded in {secs:.3} s, want {want:.0} ± 5%");
+    let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+    stun.extend_from_slice(&[7; 12]);
+    // STUN from the flooding source, back to back: mostly over the limit too (a burst of 50 takes
+    // a few ms here, in which the bucket lets a few through).
+    let stun_frame = v4_frame(PUBLISHER, LOCAL, &stun);
+    let t_stun = std::time::Instant::now();
+    let stun_passed = (0..50).filter(|_| rig.fp.test_run(&stun_frame, Some(rig.ifindex)).unwrap().retval == TC_ACT_OK).count() as u64;
+    let allowed = (RATE as f64 * t_stun.elapsed().as_secs_f64()).ceil() as u64 + 1;
+    assert!(stun_passed <= allowed, "{stun_passed} of 50 STUN packets passed, at most {allowed} allowed");
+    let stun_dropped = 50 - stun_passed;
+    let d = delta(&before, &rig.fp.kernel_stats().unwrap());
+    assert_eq!(d.get("drop_source_limited").copied().unwrap_or(0), runs - forwarded + stun_dropped, "{d:?}");
+    assert_eq!(d.get("pass_stun").copied().unwrap_or(0), stun_passed, "{d:?}");
+    assert_eq!(d.get("forwarded").copied().unwrap_or(0), forwarded + others, "{d:?}");
+    assert_eq!(d.get("drop_stranger"), None, "{d:?}");
+    let s = rig.fp.kernel_stats().unwrap();
+    assert_eq!(s.to_dataplane_stats(1).total.drop_source_limited, runs - forwarded + stun_dropped);
+    assert!(!s.to_dataplane_stats(1).extra.contains_key("drop_source_limited"));
+    // A stranger is a stranger, never charged: it does not eat the other source's budget.
+    for _ in 0..(2 * RATE) {
+        assert_eq!(rig.fp.test_run(&v4_frame("10.200.0.8:6666", "10.200.0.1:4004", &rtp(3)), Some(rig.ifindex)).unwrap().retval, TC_ACT_SHOT);
+    }
+    assert_eq!(rig.fp.test_run(&bystander, Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
+    // Lifting the limit lifts it at once.
+    let mut t2 = t.clone();
+    t2.version = 2;
+    t2.set_source_limit(None);
+    rig.apply(&t2);
+    for _ in 0..100 {
+        assert_eq!(rig.fp.test_run(&frames[0], Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
     }
 }

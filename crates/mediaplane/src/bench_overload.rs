@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
 pub struct BenchOverloadArgs {
-    /// Data planes to compare.
+    /// Data planes to compare ("ebpf-noxdp": the eBPF plane without its XDP pre-filter).
     #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
     dataplanes: Vec<String>,
     /// Conference participants with established media (voice preset).
@@ -30,6 +30,10 @@ pub struct BenchOverloadArgs {
     /// Flood rate as a multiple of the calibrated forwarding capacity.
     #[arg(long, default_value_t = 2.0)]
     factor: f64,
+    /// Publish the RTP streams without SSRC (any SSRC on their address) instead of narrowed to
+    /// their SSRC: the case the XDP pre-filter judges (it leaves SSRC-narrowed addresses to TC).
+    #[arg(long)]
+    wildcard_streams: bool,
     /// A seconds-long smoke run.
     #[arg(long)]
     quick: bool,
@@ -40,6 +44,8 @@ pub struct BenchOverloadArgs {
 #[derive(Debug, Clone, Serialize)]
 pub struct OverloadResult {
     pub dataplane: String,
+    /// "ssrc" (streams narrowed to their SSRC) or "wildcard".
+    pub streams: &'static str,
     /// Packets/s of one registered sender the data plane accepted and forwarded (each to
     /// participants-1 subscribers), measured by the daemon's counters during a 2 s flood.
     pub capacity_pps: f64,
@@ -56,7 +62,19 @@ pub struct OverloadResult {
     pub api_errors: u64,
     pub api_latency_ms: Summary,
     pub serve_cpu_ns: u64,
+    /// Kernel BPF run time during the flood (kernel.bpf_stats): the TC program and, when
+    /// attached, the XDP pre-filter (0 when absent, e.g. the user-space plane).
+    pub tc_run_time_ns: u64,
+    pub xdp_run_time_ns: u64,
+    /// Strangers the XDP pre-filter dropped (part of `stranger_drops`).
+    pub xdp_drops: u64,
     pub serve_alive: bool,
+}
+
+/// (TC run time ns, XDP run time ns, XDP stranger drops) as the daemon reports them.
+fn kernel_cost(stats: &Value) -> (u64, u64, u64) {
+    let g = |k: &str| stats["extra"][k].as_u64().unwrap_or(0);
+    (g("bpf_run_time_ns"), g("xdp_run_time_ns"), g("xdp_drop_stranger"))
 }
 
 fn stranger_drops(stats: &Value) -> u64 {
@@ -75,26 +93,31 @@ pub fn run(a: BenchOverloadArgs) -> anyhow::Result<()> {
     std::fs::create_dir_all(&a.out)?;
     let mut results = Vec::new();
     for dp in &a.dataplanes {
-        let r = one_plane(dp, a.participants, seconds, a.factor, &a.out).with_context(|| format!("overload with {dp}"))?;
+        let r = one_plane(dp, a.participants, seconds, a.factor, a.wildcard_streams, &a.out).with_context(|| format!("overload with {dp}"))?;
         results.push(r);
     }
     println!(
-        "\n{:<10} {:>12} {:>12} {:>12} {:>14} {:>10} {:>12} {:>11} {:>11} {:>11} {:>6}",
-        "dataplane", "capacity pps", "flood pps", "flood sent", "stranger drops", "leaked", "est. loss %", "API p50 ms", "API p99 ms", "API max ms", "alive"
+        "\n{:<10} {:>8} {:>12} {:>12} {:>12} {:>14} {:>10} {:>10} {:>12} {:>11} {:>11} {:>11} {:>12} {:>10} {:>10} {:>6}",
+        "dataplane", "streams", "capacity pps", "flood pps", "flood sent", "stranger drops", "xdp drops", "leaked", "est. loss %", "API p50 ms", "API p99 ms", "API max ms", "serve CPU ms", "TC ms", "XDP ms", "alive"
     );
     for r in &results {
         println!(
-            "{:<10} {:>12.0} {:>12.0} {:>12} {:>14} {:>10} {:>12.3} {:>11.2} {:>11.2} {:>11.2} {:>6}",
+            "{:<10} {:>8} {:>12.0} {:>12.0} {:>12} {:>14} {:>10} {:>10} {:>12.3} {:>11.2} {:>11.2} {:>11.2} {:>12.1} {:>10.1} {:>10.1} {:>6}",
             r.dataplane,
+            r.streams,
             r.capacity_pps,
             r.flood.rate_pps,
             r.flood.sent,
             r.stranger_drops,
+            r.xdp_drops,
             r.copies_to_strangers,
             r.established_loss_percent,
             r.api_latency_ms.p50,
             r.api_latency_ms.p99,
             r.api_latency_ms.max,
+            r.serve_cpu_ns as f64 / 1e6,
+            r.tc_run_time_ns as f64 / 1e6,
+            r.xdp_run_time_ns as f64 / 1e6,
             r.serve_alive
         );
     }
@@ -104,14 +127,14 @@ pub fn run(a: BenchOverloadArgs) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, out: &std::path::Path) -> anyhow::Result<OverloadResult> {
+fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, wildcard: bool, out: &std::path::Path) -> anyhow::Result<OverloadResult> {
     // Peers 0..n are the conference; peer n is the attacker's namespace.
     let tb = Testbed::star(n + 1)?;
     let store = out.join(format!("{}-overload-{dp}.db", tb.prefix));
     let log = out.join(format!("{}-overload-{dp}.log", tb.prefix));
     let mut serve = ServeProcess::start(&tb, dp, &store, log.clone())?;
     wait_ready(&tb, &mut serve)?;
-    setup_room(&tb, n, Scenario::OneStream, true)?;
+    setup_room(&tb, n, Scenario::OneStream, true, !wildcard)?;
     let sfu0 = SocketAddr::new(tb.peers[0].sfu_ip, SFU_PORT);
     let rtp = mediaplane_core::rtp::build_rtp(0, 1, 0, crate::conference::flow_main(0), &[0; 160]);
 
@@ -136,7 +159,9 @@ fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, out: &std::path::Pat
     // The attacker: right SSRC, wrong source address.
     let attacker = &tb.peers[n];
     let evil = tb.udp_socket(&attacker.ns, SocketAddr::new(attacker.ip, MEDIA_PORT))?;
-    let drops0 = stranger_drops(&api(&tb, "GET", "/v1/stats", None)?);
+    let stats0 = api(&tb, "GET", "/v1/stats", None)?;
+    let drops0 = stranger_drops(&stats0);
+    let (tc0, xdp0, xdrops0) = kernel_cost(&stats0);
     let cpu0 = process_cpu_ns(serve.pid());
     let target = capacity_pps * factor;
     let stop = AtomicBool::new(false);
@@ -165,6 +190,7 @@ fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, out: &std::path::Pat
     let serve_cpu_ns = process_cpu_ns(serve.pid()).saturating_sub(cpu0);
     let serve_alive = serve.alive();
     let stats = api(&tb, "GET", "/v1/stats", None)?;
+    let (tc1, xdp1, xdrops1) = kernel_cost(&stats);
     serve.stop()?;
     let _ = std::fs::remove_file(&log);
     let _ = std::fs::remove_file(&store);
@@ -177,6 +203,7 @@ fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, out: &std::path::Pat
     }
     Ok(OverloadResult {
         dataplane: dp.to_string(),
+        streams: if wildcard { "wildcard" } else { "ssrc" },
         capacity_pps,
         flood_target_pps: target,
         flood: flood_report,
@@ -190,6 +217,9 @@ fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, out: &std::path::Pat
         api_errors,
         api_latency_ms: Summary::of(&mut lat),
         serve_cpu_ns,
+        tc_run_time_ns: tc1.saturating_sub(tc0),
+        xdp_run_time_ns: xdp1.saturating_sub(xdp0),
+        xdp_drops: xdrops1.saturating_sub(xdrops0),
         serve_alive,
     })
 }

@@ -101,11 +101,19 @@ impl ServeProcess {
         // The pin dir is per run; `ip netns exec` gives serve a private mount namespace, where it
         // mounts its own bpffs, so nothing outlives the run.
         let pin_dir = format!("/sys/fs/bpf/{}-{dataplane}", tb.prefix);
-        cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--reset", "--dataplane", dataplane, "--pin-dir", &pin_dir])
+        // "ebpf-noxdp": the eBPF plane without its XDP pre-filter (A/B of the pre-filter).
+        let (kind, no_xdp) = match dataplane {
+            "ebpf-noxdp" => ("ebpf", true),
+            d => (d, false),
+        };
+        cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--reset", "--dataplane", kind, "--pin-dir", &pin_dir])
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(logf);
-        if dataplane == "ebpf" {
+        if no_xdp {
+            cmd.arg("--no-xdp-prefilter");
+        }
+        if kind == "ebpf" {
             for p in &tb.peers {
                 cmd.args(["--interface", &p.sfu_if]);
             }
@@ -211,7 +219,9 @@ fn flow_direct(i: usize) -> u32 {
 /// media at `ip:5004`) publish "main" (narrowed to SSRC 1000+i when RTP); in two-streams also
 /// "high" on `sfu_ip:40002`; everyone subscribes to every other's "main", the upper half also
 /// to "high".
-pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool) -> anyhow::Result<()> {
+/// `narrow`: RTP streams are narrowed to their SSRC (as a WebRTC SFU would publish them); else
+/// they take any SSRC on their address.
+pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool, narrow: bool) -> anyhow::Result<()> {
     api(tb, "POST", "/v1/rooms", Some(json!({"id": "demo"})))?;
     let high_half = |i: usize| i >= n / 2;
     for (i, p) in tb.peers.iter().take(n).enumerate() {
@@ -219,7 +229,7 @@ pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool) 
         let remote = SocketAddr::new(p.ip, MEDIA_PORT);
         api(tb, "POST", "/v1/rooms/demo/participants", Some(json!({"id": format!("p{i}"), "local": local, "remote": remote})))?;
         // RTP streams are narrowed to their SSRC; raw (thesis) streams forward any payload.
-        let ssrc = rtp.then_some(flow_main(i));
+        let ssrc = (rtp && narrow).then_some(flow_main(i));
         let streams = format!("/v1/rooms/demo/participants/p{i}/streams");
         api(tb, "POST", &streams, Some(json!({"name": "main", "ssrc": ssrc, "rtp": rtp})))?;
         if scenario == Scenario::TwoStreams {
@@ -252,7 +262,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
 
     let rtp = matches!(spec.profile.format, traffic::PayloadFormat::Rtp { .. });
     let high_half = |i: usize| i >= n / 2;
-    setup_room(tb, n, spec.scenario, rtp)?;
+    setup_room(tb, n, spec.scenario, rtp, true)?;
 
     // Traffic: one socket per participant sends and receives (symmetric RTP); a second socket
     // receives the direct-path flow from the previous participant.

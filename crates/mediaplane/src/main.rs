@@ -75,6 +75,9 @@ struct ServeArgs {
     /// Start empty: forget stored sessions (and, for eBPF, stale pinned state).
     #[arg(long)]
     reset: bool,
+    /// eBPF: no XDP pre-filter in front of the TC program (sets dataplane.xdp_prefilter = false).
+    #[arg(long)]
+    no_xdp_prefilter: bool,
 }
 
 fn parse_kind(s: &str) -> Result<DataplaneKind, String> {
@@ -141,6 +144,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(t) = args.ng_media_timeout {
         cfg.ng.media_timeout_secs = t;
     }
+    if args.no_xdp_prefilter {
+        cfg.dataplane.xdp_prefilter = false;
+    }
     cfg.validate().map_err(anyhow::Error::msg)?;
     init_logging(&cfg);
 
@@ -179,6 +185,7 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>
             ecfg.adopt_live_pins = cfg.dataplane.adopt_live_pins;
             ecfg.max_streams = cfg.dataplane.max_streams;
             ecfg.max_copies = cfg.dataplane.max_copies;
+            ecfg.xdp_prefilter = cfg.dataplane.xdp_prefilter;
             let dp = mediaplane_ebpf::EbpfDataplane::new(ecfg, Some(events)).context("starting the ebpf data plane")?;
             tracing::info!(hooks = ?dp.hooks(), adopted = dp.fast_path().adopted(), "kernel fast path attached");
             Ok(Arc::new(dp))

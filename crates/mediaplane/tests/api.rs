@@ -119,6 +119,8 @@ fn every_endpoint_success_and_error_paths() {
     let metrics = ureq::get(&format!("{}/metrics", d.api)).call().unwrap().into_string().unwrap();
     assert!(metrics.contains("mediaplane_rx_packets_total{dataplane=\"userspace\"}"), "{metrics}");
     assert!(metrics.contains("mediaplane_table_version"), "{metrics}");
+    assert!(metrics.contains("mediaplane_drop_source_limited_total{dataplane=\"userspace\"} 0"), "{metrics}");
+    assert_eq!(v["total"]["drop_source_limited"], 0, "{v}");
 
     // Unknown endpoint and wrong method are JSON errors too.
     let (s, v) = d.call("GET", "/v2/nothing", None);

@@ -24,3 +24,34 @@ fn overload_quick_strangers_are_dropped_and_counted_and_serve_survives() {
     }
     std::fs::remove_dir_all(&out_dir).unwrap();
 }
+
+/// With streams that take any SSRC, the eBPF plane's XDP pre-filter drops the whole flood (and
+/// the A/B plane without it drops it in TC).
+#[test]
+fn overload_quick_wildcard_streams_xdp_drops_the_flood() {
+    if !mediaplane_bench::require_root("bench_overload_smoke_xdp") {
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!("mp-overload-smoke-xdp-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["bench", "overload", "--quick", "--wildcard-streams", "--dataplanes", "ebpf,ebpf-noxdp", "--out"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}\n{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let v: Vec<Value> = serde_json::from_str(&std::fs::read_to_string(out_dir.join("overload.json")).unwrap()).unwrap();
+    assert_eq!(v.len(), 2);
+    for r in &v {
+        assert_eq!((r["serve_alive"].as_bool(), r["copies_to_strangers"].as_u64()), (Some(true), Some(0)), "{r}");
+        assert_eq!(r["streams"], "wildcard");
+        let (sent, dropped, xdp) = (r["flood"]["sent"].as_u64().unwrap(), r["stranger_drops"].as_u64().unwrap(), r["xdp_drops"].as_u64().unwrap());
+        assert!(sent > 0 && dropped > 0 && dropped <= sent, "{r}");
+        if r["dataplane"] == "ebpf" {
+            assert_eq!(xdp, dropped, "every stranger dropped by XDP: {r}");
+            assert!(r["xdp_run_time_ns"].as_u64().unwrap() > 0, "{r}");
+        } else {
+            assert_eq!((xdp, r["xdp_run_time_ns"].as_u64().unwrap()), (0, 0), "no pre-filter: {r}");
+        }
+    }
+    std::fs::remove_dir_all(&out_dir).unwrap();
+}
