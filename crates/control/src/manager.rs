@@ -103,6 +103,11 @@ impl SessionManager {
         self.dataplane.stats()
     }
 
+    /// Counters of just these streams (see [`Dataplane::stream_counters`]).
+    pub fn stream_counters(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, mediaplane_dataplane::Counters> {
+        self.dataplane.stream_counters(ids)
+    }
+
     /// Forget everything (model, store, data plane tables).
     pub fn reset(&self) -> Result<(), ManagerError> {
         let mut inner = self.inner.lock();

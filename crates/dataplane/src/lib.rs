@@ -155,6 +155,14 @@ pub trait Dataplane: Send + Sync {
 
     fn stats(&self) -> DataplaneStats;
 
+    /// Counters of just these streams (absent: no counters yet). Data planes whose full
+    /// [`Dataplane::stats`] costs a read per installed stream override it, so that callers
+    /// watching a few streams (the NG media timeout) do not pay for every session.
+    fn stream_counters(&self, ids: &[u32]) -> BTreeMap<u32, Counters> {
+        let s = self.stats();
+        ids.iter().filter_map(|id| s.streams.get(id).map(|c| (*id, *c))).collect()
+    }
+
     /// Stop forwarding and release everything this data plane created (sockets, programs, pins).
     fn shutdown(&self) -> Result<(), DataplaneError>;
 }

@@ -354,6 +354,17 @@ impl Dataplane for EbpfDataplane {
         s
     }
 
+    fn stream_counters(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, mediaplane_dataplane::Counters> {
+        let mut out = self.fast.kernel_stream_counters(ids).unwrap_or_else(|e| {
+            tracing::warn!("reading kernel stream counters: {e}");
+            Default::default()
+        });
+        for (id, c) in self.slow.stream_counters(ids) {
+            out.entry(id).or_default().add(&c);
+        }
+        out
+    }
+
     fn shutdown(&self) -> Result<(), DataplaneError> {
         let mut first_err = None;
         self.steering.lock().take(); // detaches the sk_lookup program

@@ -190,6 +190,11 @@ impl Installer {
         self.slots.iter().map(|(id, (slot, _))| (*id, *slot))
     }
 
+    /// The stats slot of an installed stream.
+    pub fn stats_slot(&self, id: u32) -> Option<u32> {
+        self.slots.get(&id).map(|(slot, _)| *slot)
+    }
+
     pub fn installed_keys(&self) -> impl Iterator<Item = &KeyRaw> {
         self.installed.keys()
     }

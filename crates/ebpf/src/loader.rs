@@ -89,24 +89,7 @@ impl KernelStats {
             drop_rate_limited: g("drop_rate_limited"),
             drop_source_limited: g("drop_source_limited"),
         };
-        let streams = self
-            .streams
-            .iter()
-            .map(|(id, s)| {
-                let c = Counters {
-                    rx_packets: s.rx_packets,
-                    rx_bytes: s.rx_bytes,
-                    tx_copies: s.tx_copies,
-                    tx_bytes: s.tx_bytes,
-                    tx_errors: s.tx_errors,
-                    drop_stranger: s.drop_stranger,
-                    drop_malformed: s.drop_malformed,
-                    drop_rate_limited: s.drop_rate_limited,
-                    ..Counters::default()
-                };
-                (*id, c)
-            })
-            .collect();
+        let streams = self.streams.iter().map(|(id, s)| (*id, s.to_counters())).collect();
         let extra = GLOBAL_COUNTERS[8..].iter().filter(|n| !matches!(**n, "drop_rate_limited" | "drop_source_limited")).map(|n| (n.to_string(), g(n))).collect();
         let l = &self.latency;
         let copy_latency = (l.count > 0).then(|| LatencySummary {
@@ -350,6 +333,21 @@ impl FastPath {
         // SAFETY: info is a zeroed bpf_prog_info of the size we pass.
         let r = unsafe { libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(prog.as_fd().as_raw_fd(), &mut info, &mut len) };
         (r == 0).then_some((info.run_time_ns, info.run_cnt))
+    }
+
+    /// The kernel's counters of just these streams (one map read per stream, where
+    /// [`FastPath::kernel_stats`] reads every installed stream).
+    pub fn kernel_stream_counters(&self, ids: &[u32]) -> Result<BTreeMap<u32, Counters>, DataplaneError> {
+        let stats = self.map("stream_stats");
+        let slots: Vec<(u32, u32)> = {
+            let inst = self.installer.lock();
+            ids.iter().filter_map(|id| inst.stats_slot(*id).map(|s| (*id, s))).collect()
+        };
+        let mut out = BTreeMap::new();
+        for (id, slot) in slots {
+            out.insert(id, Self::percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?.to_counters());
+        }
+        Ok(out)
     }
 
     pub fn kernel_stats(&self) -> Result<KernelStats, DataplaneError> {

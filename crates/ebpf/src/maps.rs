@@ -142,6 +142,23 @@ pub struct StreamCountersRaw {
     pub drop_rate_limited: u64,
 }
 
+impl StreamCountersRaw {
+    /// What the kernel counted for a stream, as the data planes' common counters.
+    pub fn to_counters(&self) -> mediaplane_dataplane::Counters {
+        mediaplane_dataplane::Counters {
+            rx_packets: self.rx_packets,
+            rx_bytes: self.rx_bytes,
+            tx_copies: self.tx_copies,
+            tx_bytes: self.tx_bytes,
+            tx_errors: self.tx_errors,
+            drop_stranger: self.drop_stranger,
+            drop_malformed: self.drop_malformed,
+            drop_rate_limited: self.drop_rate_limited,
+            ..Default::default()
+        }
+    }
+}
+
 /// `struct mp_rate`: a stream's limit (see [`mediaplane_core::ratelimit::RateParams`]) and state.
 #[repr(C)]
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]

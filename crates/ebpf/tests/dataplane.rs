@@ -98,6 +98,13 @@ fn star_every_participant_gets_exactly_its_subscriptions() {
     assert_eq!(st.total.rx_packets, N as u64 * PACKETS as u64, "{st:?}");
     assert!(st.extra["forwarded"] > 0, "the kernel path forwarded nothing: {:?}", st.extra);
     assert!(st.copy_latency.is_some());
+    // Reading a few streams' counters gives what the full stats say for them.
+    let some: Vec<u32> = st.streams.keys().copied().take(3).chain([u32::MAX]).collect();
+    let few = dp.stream_counters(&some);
+    assert_eq!(few.len(), 3, "{few:?}");
+    for (id, c) in &few {
+        assert_eq!(c, &st.streams[id], "stream {id}");
+    }
 
     // A stranger's flood (right IP, wrong port) is dropped by the XDP pre-filter, before TC,
     // and counted there; not one copy leaves.

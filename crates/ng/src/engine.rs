@@ -434,7 +434,13 @@ impl Engine {
     /// Media timeout: note which calls received packets since the last call, delete those idle
     /// for longer than the configured timeout. Returns the Call-IDs (or keys) deleted.
     pub fn expire(&mut self, mgr: &SessionManager, now: Instant) -> Vec<String> {
-        let stats = mgr.stats();
+        // Only the counters of NG calls' streams: the data plane may hold far more sessions
+        // (e.g. relays made over HTTP), and reading all of them would cost a map read each.
+        let ids: Vec<u32> = mgr.read(|model, _| self.registry.calls().flat_map(|c| calls::stream_ids(model, c)).collect());
+        if ids.is_empty() {
+            return Vec::new();
+        }
+        let stats = DataplaneStats { streams: mgr.stream_counters(&ids), ..Default::default() };
         self.expire_with(mgr, &stats, now)
     }
 

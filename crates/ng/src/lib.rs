@@ -74,7 +74,10 @@ pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager
     let _poller = {
         let (engine, manager) = (engine.clone(), manager.clone());
         AbortOnDrop(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(1));
+            // A quarter of the timeout (1-15 s): silent calls end within 1.25x the timeout,
+            // and the counters are not read every second when calls are many.
+            let every = (cfg.media_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(15));
+            let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {
                 tick.tick().await;
