@@ -89,24 +89,24 @@ impl Store {
                 Change::Room(id) => match model.rooms.get(id) {
                     Some(room) => {
                         let body = serde_json::to_string(room).expect("model serialises");
-                        tx.execute("INSERT OR REPLACE INTO rooms (id, body) VALUES (?1, ?2)", params![id, body])?;
+                        tx.prepare_cached("INSERT OR REPLACE INTO rooms (id, body) VALUES (?1, ?2)")?.execute(params![id, body])?;
                     }
                     None => {
-                        tx.execute("DELETE FROM rooms WHERE id = ?1", params![id])?;
+                        tx.prepare_cached("DELETE FROM rooms WHERE id = ?1")?.execute(params![id])?;
                     }
                 },
                 Change::Relay(id) => match model.relays.get(id) {
                     Some(relay) => {
                         let body = serde_json::to_string(relay).expect("model serialises");
-                        tx.execute("INSERT OR REPLACE INTO relays (id, body) VALUES (?1, ?2)", params![id, body])?;
+                        tx.prepare_cached("INSERT OR REPLACE INTO relays (id, body) VALUES (?1, ?2)")?.execute(params![id, body])?;
                     }
                     None => {
-                        tx.execute("DELETE FROM relays WHERE id = ?1", params![id])?;
+                        tx.prepare_cached("DELETE FROM relays WHERE id = ?1")?.execute(params![id])?;
                     }
                 },
             }
         }
-        tx.execute("INSERT OR REPLACE INTO meta (key, value) VALUES ('next_uid', ?1)", params![model.next_uid().to_string()])?;
+        tx.prepare_cached("INSERT OR REPLACE INTO meta (key, value) VALUES ('next_uid', ?1)")?.execute(params![model.next_uid().to_string()])?;
         tx.commit()?;
         Ok(())
     }

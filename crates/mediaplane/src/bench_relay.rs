@@ -168,6 +168,9 @@ pub struct CapacityRamp {
     pub installed: usize,
     pub seconds: f64,
     pub rate_mean: f64,
+    /// CPU time of the daemon (all threads) per installed session, ns: what a set-up costs the
+    /// server, independent of how fast the client (sharing the cores) could ask.
+    pub daemon_cpu_ns_per_session: f64,
     pub stopped_by: String,
     pub samples: Vec<CapacitySample>,
 }
@@ -748,12 +751,14 @@ struct Ramp {
     t0: Instant,
     last: (Instant, usize),
     every: usize,
+    /// The daemon's CPU time when the ramp started.
+    cpu0: (u32, u64),
 }
 
 impl Ramp {
-    fn new(every: usize) -> Ramp {
+    fn new(every: usize, pid: u32) -> Ramp {
         let now = Instant::now();
-        Ramp { samples: Vec::new(), window: ValueRecorder::new(), t0: now, last: (now, 0), every }
+        Ramp { samples: Vec::new(), window: ValueRecorder::new(), t0: now, last: (now, 0), every, cpu0: (pid, process_cpu_ns(pid)) }
     }
 
     fn record(&mut self, sessions: usize, request_ns: u64, pid: u32, force: bool) {
@@ -783,7 +788,7 @@ fn ramp_ng(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration) -> 
     let every = (target / 50).clamp(50, 5000);
     tb.in_ns(&tb.sfu_ns, move || -> anyhow::Result<CapacityRamp> {
         let mut ng = NgClient::new(NG.parse().unwrap(), &tag)?;
-        let mut ramp = Ramp::new(every);
+        let mut ramp = Ramp::new(every, pid);
         let mut sessions = 0;
         let mut stopped_by = format!("target of {target} sessions");
         let mut i = 0usize;
@@ -820,7 +825,7 @@ fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration, c
     let every = (target / 50).clamp(50, 5000);
     tb.in_ns(&tb.sfu_ns, move || -> anyhow::Result<CapacityRamp> {
         let url = format!("http://{API}/v1/relays");
-        let ramp = parking_lot::Mutex::new(Ramp::new(every));
+        let ramp = parking_lot::Mutex::new(Ramp::new(every, pid));
         let next = AtomicUsize::new(0);
         let done = AtomicUsize::new(0);
         let stopped = parking_lot::Mutex::new(None::<String>);
@@ -880,7 +885,9 @@ fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration, c
 
 fn finish_ramp(api: &str, dp: &str, target: usize, installed: usize, stopped_by: String, ramp: Ramp) -> CapacityRamp {
     let seconds = ramp.t0.elapsed().as_secs_f64();
+    let cpu_ns = process_cpu_ns(ramp.cpu0.0).saturating_sub(ramp.cpu0.1);
     CapacityRamp {
+        daemon_cpu_ns_per_session: cpu_ns as f64 / installed.max(1) as f64,
         api: api.into(),
         dataplane: dp.into(),
         target,

@@ -102,12 +102,13 @@ pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
         for r in &c.ramps {
             let last = r.samples.last();
             println!(
-                "  {:<4} {:>9} of {:>9} sessions in {:>7.1} s = {:>8.1}/s; RSS {:>7.1} MiB, BPF maps {:>6.1} MiB; stopped by {}",
+                "  {:<4} {:>9} of {:>9} sessions in {:>7.1} s = {:>8.1}/s, daemon CPU {:>6.1} µs/session; RSS {:>7.1} MiB, BPF maps {:>6.1} MiB; stopped by {}",
                 r.api,
                 r.installed,
                 r.target,
                 r.seconds,
                 r.rate_mean,
+                r.daemon_cpu_ns_per_session / 1e3,
                 last.map_or(0.0, |s| s.rss_kib as f64 / 1024.0),
                 last.map_or(0.0, |s| s.bpf_memlock_bytes as f64 / 1048576.0),
                 r.stopped_by
@@ -229,21 +230,23 @@ pub fn write_all(dir: &Path, meta: &RunMeta, setup_rate: f64, runs: &[RelayRun],
         h.push_str(
             "<h2>Capacity of the API layer (mediaplane, eBPF plane, one worker)</h2>\
              <p>NG: one client, offer + answer back to back (each call installs 2 relay sessions, RTP and RTCP). \
-             HTTP: one client, <code>POST /v1/relays</code> with explicit local addresses spread over many IPs. \
+             HTTP: several keep-alive clients (<code>--capacity-clients</code>), <code>POST /v1/relays</code> with explicit local addresses spread over many IPs. \
+             The clients share the machine's cores with the daemon; daemon CPU per session is what a set-up costs the server. \
              Memory: daemon VmRSS and the memlock of the BPF maps it holds.</p>\
-             <table><tr><th>API</th><th>target</th><th>installed</th><th>seconds</th><th>sessions/s</th><th>last request p50 ms</th><th>RSS MiB</th><th>BPF maps MiB</th><th>stopped by</th></tr>",
+             <table><tr><th>API</th><th>target</th><th>installed</th><th>seconds</th><th>sessions/s</th><th>daemon CPU µs/session</th><th>last request p50 ms</th><th>RSS MiB</th><th>BPF maps MiB</th><th>stopped by</th></tr>",
         );
         for r in &c.ramps {
             let last = r.samples.iter().rev().find(|s| s.request_ns.count > 0);
             let end = r.samples.last();
             let _ = write!(
                 h,
-                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.2}</td><td>{:.1}</td><td>{:.2}</td><td style=\"text-align:left\">{}</td></tr>",
+                "<tr><td>{}</td><td>{}</td><td>{}</td><td>{:.1}</td><td>{:.1}</td><td>{:.1}</td><td>{:.2}</td><td>{:.1}</td><td>{:.2}</td><td style=\"text-align:left\">{}</td></tr>",
                 r.api,
                 r.target,
                 r.installed,
                 r.seconds,
                 r.rate_mean,
+                r.daemon_cpu_ns_per_session / 1e3,
                 last.map_or(0.0, |s| s.request_ns.p50 / 1e6),
                 end.map_or(0.0, |s| s.rss_kib as f64 / 1024.0),
                 end.map_or(0.0, |s| s.bpf_memlock_bytes as f64 / 1048576.0),
