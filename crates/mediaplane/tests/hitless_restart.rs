@@ -28,7 +28,9 @@ fn kill9_of_serve_loses_no_packet_and_the_restart_adopts_the_pins() {
     let tb = Testbed::star(2).unwrap();
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}-hitless", tb.prefix));
     let _guard = PinGuard(pin_dir.clone());
-    let store = std::env::temp_dir().join(format!("{}-hitless.db", tb.prefix));
+    // The store (and its -wal/-shm files) lives in a directory removed on success and failure.
+    let tmp = common::TempDir::new("hitless");
+    let store = tmp.0.join("store.db");
     let extra = ["--pin-dir", pin_dir.to_str().unwrap()];
     let (p0, p1) = (&tb.peers[0], &tb.peers[1]);
     let sfu0 = SocketAddr::new(p0.sfu_ip, 40000);
@@ -93,5 +95,4 @@ fn kill9_of_serve_loses_no_packet_and_the_restart_adopts_the_pins() {
     let mut serve = serve;
     assert!(serve.terminate(), "graceful shutdown");
     assert!(!pin_dir.exists(), "a graceful shutdown removes the pins");
-    let _ = std::fs::remove_file(&store);
 }
