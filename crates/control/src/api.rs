@@ -55,6 +55,9 @@ impl From<ManagerError> for ApiError {
             },
             ManagerError::Limit { .. } => ApiError::new(StatusCode::FORBIDDEN, "limit", msg),
             ManagerError::NoFreePort { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no_free_port", msg),
+            ManagerError::Dataplane(mediaplane_dataplane::DataplaneError::Full(_)) => {
+                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "dataplane_full", msg)
+            }
             ManagerError::Dataplane(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "dataplane", msg),
             ManagerError::Store(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", msg),
         }
@@ -374,7 +377,14 @@ async fn stats(State(m): State<AppState>) -> ApiResult {
         "streams": streams,
         "copy_latency": st.copy_latency,
         "extra": st.extra,
+        "memory": memory(),
     }))
+}
+
+/// What the daemon holds: resident memory and the kernel memory of its BPF maps.
+fn memory() -> Value {
+    use mediaplane_dataplane::sys::{bpf_map_bytes, rss_bytes};
+    json!({"rss_bytes": rss_bytes(None), "bpf_map_bytes": bpf_map_bytes(None)})
 }
 
 async fn table(State(m): State<AppState>) -> ApiResult {
@@ -408,9 +418,29 @@ async fn metrics(State(m): State<AppState>) -> Response {
         let _ = writeln!(out, "mediaplane_copy_latency_ns_count{{dataplane=\"{dp}\"}} {}", l.count);
     }
     let _ = writeln!(out, "mediaplane_table_version{{dataplane=\"{dp}\"}} {}", st.table_version);
+    let mem = memory();
+    for (name, key) in [("mediaplane_memory_rss_bytes", "rss_bytes"), ("mediaplane_memory_bpf_map_bytes", "bpf_map_bytes")] {
+        let _ = writeln!(out, "# TYPE {name} gauge");
+        let _ = writeln!(out, "{name} {}", mem[key]);
+    }
     ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
 }
 
 fn escape(s: &str) -> String {
     s.replace('\\', "\\\\").replace('"', "\\\"")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mediaplane_dataplane::DataplaneError;
+
+    #[test]
+    fn a_full_kernel_map_is_a_503_with_its_own_code_other_data_plane_errors_a_500() {
+        let full: ApiError = ManagerError::Dataplane(DataplaneError::Full("kernel stats map full (4 streams)".into())).into();
+        assert_eq!((full.status, full.code), (StatusCode::SERVICE_UNAVAILABLE, "dataplane_full"));
+        assert!(full.message.contains("kernel stats map full"), "{}", full.message);
+        let other: ApiError = ManagerError::Dataplane(DataplaneError::Other("boom".into())).into();
+        assert_eq!((other.status, other.code), (StatusCode::INTERNAL_SERVER_ERROR, "dataplane"));
+    }
 }

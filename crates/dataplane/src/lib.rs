@@ -25,6 +25,10 @@ pub enum DataplaneError {
     Unsupported(String),
     #[error("{context}: {source}")]
     Io { context: String, source: std::io::Error },
+    /// A bounded table of the data plane (a kernel map) has no room for the update; nothing
+    /// was changed. Size it in the configuration (`dataplane.max_streams`, `max_copies`).
+    #[error("{0}")]
+    Full(String),
     #[error("{0}")]
     Other(String),
 }

@@ -232,3 +232,30 @@ pub fn process_cpu_ns() -> u64 {
     unsafe { libc::clock_gettime(libc::CLOCK_PROCESS_CPUTIME_ID, &mut ts) };
     ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
+
+/// Resident memory of process `pid` (None: this one), bytes (VmRSS of /proc/<pid>/status).
+pub fn rss_bytes(pid: Option<u32>) -> u64 {
+    let path = pid.map_or("/proc/self/status".to_string(), |p| format!("/proc/{p}/status"));
+    std::fs::read_to_string(path)
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok())
+        .map_or(0, |kib| kib * 1024)
+}
+
+/// Kernel memory of the BPF maps process `pid` (None: this one) holds open, bytes: the sum of
+/// their `memlock` in /proc/<pid>/fdinfo.
+pub fn bpf_map_bytes(pid: Option<u32>) -> u64 {
+    let dir = pid.map_or("/proc/self/fdinfo".to_string(), |p| format!("/proc/{p}/fdinfo"));
+    let Ok(fds) = std::fs::read_dir(dir) else { return 0 };
+    let mut total = 0;
+    for fd in fds.flatten() {
+        let Ok(info) = std::fs::read_to_string(fd.path()) else { continue };
+        if !info.contains("map_type:") {
+            continue;
+        }
+        total += info.lines().find(|l| l.starts_with("memlock:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).unwrap_or(0);
+    }
+    total
+}

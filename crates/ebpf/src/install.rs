@@ -214,7 +214,12 @@ impl Installer {
                 self.next_slot += 1;
                 self.next_slot - 1
             }
-            None => return Err(DataplaneError::Other(format!("kernel stats map full ({} streams)", self.stats_capacity))),
+            None => {
+                return Err(DataplaneError::Full(format!(
+                    "kernel stats map full ({} streams; raise dataplane.max_streams)",
+                    self.stats_capacity
+                )))
+            }
         };
         self.slots.insert(id, (slot, 1));
         fresh.push(slot);
@@ -286,8 +291,8 @@ impl Installer {
                 None => match self.ranges.alloc(d.copies.len() as u32) {
                     Some(b) => (b, true),
                     None => {
-                        failure = Some(DataplaneError::Other(format!(
-                            "kernel fan-out map full: {} copies needed for {:?}, {} free of {}",
+                        failure = Some(DataplaneError::Full(format!(
+                            "kernel fan-out map full: {} copies needed for {:?}, {} free of {} (raise dataplane.max_copies)",
                             d.copies.len(),
                             key.local(),
                             self.ranges.free_total(),
@@ -562,7 +567,7 @@ mod tests {
         }
         let t = Arc::new(ForwardingTable::compile(&m, 1));
         let e = inst.apply(t, &mut k).unwrap_err();
-        assert!(e.to_string().contains("fan-out map full"), "{e}");
+        assert!(matches!(e, DataplaneError::Full(_)) && e.to_string().contains("fan-out map full"), "{e}");
         assert!(k.streams.is_empty());
         assert_eq!(inst.free_copy_slots(), 2);
     }

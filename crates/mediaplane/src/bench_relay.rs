@@ -223,26 +223,12 @@ pub fn process_cpu_ns(pid: u32) -> u64 {
 }
 
 pub fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1)?.parse().ok())
-        .unwrap_or(0)
+    mediaplane_dataplane::sys::rss_bytes(Some(pid)) / 1024
 }
 
-/// Sum of `memlock` over the BPF maps a process holds open (/proc/<pid>/fdinfo).
+/// Sum of `memlock` over the BPF maps a process holds open.
 pub fn bpf_memlock(pid: u32) -> u64 {
-    let Ok(fds) = std::fs::read_dir(format!("/proc/{pid}/fdinfo")) else { return 0 };
-    let mut total = 0;
-    for fd in fds.flatten() {
-        let Ok(info) = std::fs::read_to_string(fd.path()) else { continue };
-        if !info.contains("map_type:") {
-            continue;
-        }
-        total += info.lines().find(|l| l.starts_with("memlock:")).and_then(|l| l.split_whitespace().nth(1)?.parse::<u64>().ok()).unwrap_or(0);
-    }
-    total
+    mediaplane_dataplane::sys::bpf_map_bytes(Some(pid))
 }
 
 fn summary(r: &ValueRecorder) -> Summary {

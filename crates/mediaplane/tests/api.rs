@@ -121,6 +121,10 @@ fn every_endpoint_success_and_error_paths() {
     assert!(metrics.contains("mediaplane_table_version"), "{metrics}");
     assert!(metrics.contains("mediaplane_drop_source_limited_total{dataplane=\"userspace\"} 0"), "{metrics}");
     assert_eq!(v["total"]["drop_source_limited"], 0, "{v}");
+    // Memory the daemon holds (the user-space plane has no BPF maps).
+    assert!(v["memory"]["rss_bytes"].as_u64().unwrap() > 1 << 20, "{v}");
+    assert_eq!(v["memory"]["bpf_map_bytes"], 0, "{v}");
+    assert!(metrics.lines().any(|l| l.starts_with("mediaplane_memory_rss_bytes ") && !l.ends_with(" 0")), "{metrics}");
 
     // Unknown endpoint and wrong method are JSON errors too.
     let (s, v) = d.call("GET", "/v2/nothing", None);

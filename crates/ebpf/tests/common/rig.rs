@@ -331,6 +331,7 @@ pub fn rtp(ssrc: u32) -> Vec<u8> {
     build_rtp(96, 7, 1234, ssrc, &[0x5a; 160])
 }
 
+#[allow(unused_macros)] // not every test file that includes common/ uses it
 macro_rules! root_or_skip {
     ($name:expr) => {
         if !require_root($name) {
@@ -338,4 +339,5 @@ macro_rules! root_or_skip {
         }
     };
 }
+#[allow(unused_imports)]
 pub(crate) use root_or_skip;
