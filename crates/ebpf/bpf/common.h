@@ -34,6 +34,11 @@
 #define STREAM_F_SLOW (1u << 4)     /* the kernel cannot fan this one out (mixed address families,
                                       too many copies): slow path */
 #define STREAM_F_RATE (1u << 5)     /* rate limited: stream_rate[stats_slot] */
+#define STREAM_F_ONE_SOURCE (1u << 6) /* (wildcard entry only) every stream on this local address
+                                        (the wildcard one, if real, and every SSRC-narrowed one)
+                                        has the same fixed source, in this entry's src_addr/src_port
+                                        (also on the placeholder): a packet from any other source is
+                                        never forwarded (read by the XDP pre-filter; TC ignores it) */
 
 /* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
 #define MAX_SOURCES 65536
