@@ -46,9 +46,11 @@
 /* XDP pre-filter counters (index into its `xdp_counters` per-CPU array). Rust mirror:
  * src/prefilter.rs XDP_COUNTERS. */
 enum mp_xdp_counter {
-	XDP_CNT_DROP_STRANGER = 0, /* dropped: certainly a stranger (see prefilter_xdp.bpf.c) */
-	XDP_CNT_DROP_BYTES,        /* their UDP payload bytes */
+	XDP_CNT_DROP_STRANGER = 0, /* dropped: classify() says Stranger (see prefilter_xdp.bpf.c) */
+	XDP_CNT_DROP_BYTES,        /* UDP payload bytes of both kinds of drop */
 	XDP_CNT_PASS,              /* everything else, left to TC and the stack */
+	XDP_CNT_DROP_NO_STREAM,    /* dropped: not the address's one source, and an SSRC no stream
+	                              there has (classify() says NoStream; TC: drop_no_stream) */
 	XDP_CNT__MAX,
 };
 
