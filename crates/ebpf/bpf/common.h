@@ -34,6 +34,11 @@
 #define STREAM_F_SLOW (1u << 4)     /* the kernel cannot fan this one out (mixed address families,
                                       too many copies): slow path */
 #define STREAM_F_RATE (1u << 5)     /* rate limited: stream_rate[stats_slot] */
+#define STREAM_F_ONE_SOURCE (1u << 6) /* (wildcard entry only) every stream on this local address
+                                        (the wildcard one, if real, and every SSRC-narrowed one)
+                                        has the same fixed source, in this entry's src_addr/src_port
+                                        (also on the placeholder): a packet from any other source is
+                                        never forwarded (read by the XDP pre-filter; TC ignores it) */
 
 /* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
 #define MAX_SOURCES 65536
@@ -41,9 +46,11 @@
 /* XDP pre-filter counters (index into its `xdp_counters` per-CPU array). Rust mirror:
  * src/prefilter.rs XDP_COUNTERS. */
 enum mp_xdp_counter {
-	XDP_CNT_DROP_STRANGER = 0, /* dropped: certainly a stranger (see prefilter_xdp.bpf.c) */
-	XDP_CNT_DROP_BYTES,        /* their UDP payload bytes */
+	XDP_CNT_DROP_STRANGER = 0, /* dropped: classify() says Stranger (see prefilter_xdp.bpf.c) */
+	XDP_CNT_DROP_BYTES,        /* UDP payload bytes of both kinds of drop */
 	XDP_CNT_PASS,              /* everything else, left to TC and the stack */
+	XDP_CNT_DROP_NO_STREAM,    /* dropped: not the address's one source, and an SSRC no stream
+	                              there has (classify() says NoStream; TC: drop_no_stream) */
 	XDP_CNT__MAX,
 };
 

@@ -1,22 +1,30 @@
 // SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause)
 /* mediaplane XDP pre-filter, in front of the TC fan-out (sfu_tc.bpf.c) on the same interfaces.
  *
- * It drops (XDP_DROP) only packets ForwardingTable::classify() would certainly drop as
- * strangers, before the kernel builds an skb for them; everything else passes (XDP_PASS) to TC,
- * which decides as before. It reads the TC program's `streams` map (shared by fd) and nothing
- * else, and writes only its own counters. A packet is dropped when all of these hold:
+ * It drops (XDP_DROP) only packets ForwardingTable::classify() would certainly drop, before the
+ * kernel builds an skb for them; everything else passes (XDP_PASS) to TC, which decides as
+ * before. It reads the TC program's `streams` map (shared by fd) and nothing else, and writes
+ * only its own counters. A packet is dropped when all of these hold:
  *   - untagged Ethernet, IPv4 without options, not a fragment, UDP, lengths consistent
  *     (what TC's parse_udp would accept); IPv6, VLAN tags and anything odd pass;
- *   - the destination (IP, port) has a wildcard stream entry that is a real stream
- *     (STREAM_F_PRESENT), with no SSRC-narrowed streams on that address (STREAM_F_NARROWED:
- *     the SSRC would pick another entry with another source) and a fixed source
- *     (no STREAM_F_LATCH: the first packet of a latching stream goes to the slow path);
- *   - the packet's source (IP and port) differs from that fixed source;
- *   - the payload is not STUN (STUN goes to the slow path whoever sends it), and on an RTP stream
- *     it is a valid RTP packet (an invalid one is classify's Malformed, TC counts it; RTCP,
- *     whose validity needs a walk over the compound, is left to TC too).
- * Those are exactly classify()'s steps before its Stranger verdict for such an entry: TC, seeing
- * the same entry, would drop the packet as a stranger (see tests/test_run.rs, xdp_*). */
+ *   - the destination (IP, port) has a wildcard entry flagged STREAM_F_ONE_SOURCE: every stream
+ *     on that address (its wildcard stream if it has one, every SSRC-narrowed one) has the same
+ *     fixed source, written in that entry (the placeholder of an address with only narrowed
+ *     streams carries it too); no stream there latches;
+ *   - the packet's source (IP and port) differs from that source;
+ *   - the payload is not STUN (STUN goes to the slow path whoever sends it), and if the address
+ *     wants RTP (an RTP wildcard stream, or any SSRC-narrowed stream) it is a valid RTP packet
+ *     (an invalid one is classify's Malformed, TC counts it; RTCP, whose validity needs a walk
+ *     over the compound, is left to TC too).
+ * Then no entry the packet can select accepts its source, and classify() drops it:
+ *   - as a Stranger when the entry exists: always with a real wildcard stream (an unknown SSRC
+ *     falls back to it), and on a narrowed-only address when the SSRC has an entry. Counted as
+ *     xdp_drop_stranger;
+ *   - as NoStream on a narrowed-only address (placeholder wildcard) when no stream there has the
+ *     packet's SSRC: one more lookup tells which. Counted as xdp_drop_no_stream (TC would count
+ *     it as drop_no_stream).
+ * Those are exactly classify()'s steps before those verdicts: TC, seeing the same entries, would
+ * drop the packet the same way (see tests/test_run.rs, xdp_*, and tests/fuzz_test_run.rs). */
 
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -109,8 +117,8 @@ int xdp_prefilter(struct xdp_md *ctx)
 	if (!s)
 		return pass(); /* not an SFU address */
 	__u32 flags = s->flags;
-	if (!(flags & STREAM_F_PRESENT) || (flags & (STREAM_F_NARROWED | STREAM_F_LATCH)))
-		return pass();
+	if (!(flags & STREAM_F_ONE_SOURCE) || (flags & STREAM_F_LATCH))
+		return pass(); /* streams with other sources (or none fixed yet) there: TC decides */
 	__u32 src_words[4] = {};
 	__builtin_memcpy(src_words, ip + 12, 4);
 	__u32 fixed[4];
@@ -120,7 +128,8 @@ int xdp_prefilter(struct xdp_md *ctx)
 	if (fixed[0] == src_words[0] && fixed[1] == 0 && fixed[2] == 0 && fixed[3] == 0 && s->src_port == sport)
 		return pass(); /* the registered source */
 
-	/* A stranger, unless the payload makes classify() decide before the source check. */
+	/* Not the source: dropped, unless the payload makes classify() decide before the source
+	 * check. */
 	__u32 len = udp_len - 8;
 	__u32 off = ETH_HLEN + 28;
 	__u8 *pl = udp + 8;
@@ -137,18 +146,28 @@ int xdp_prefilter(struct xdp_md *ctx)
 		if ((b0 & 0xc0) == 0 && (pl[3] & 3) == 0 && pl[4] == 0x21 && pl[5] == 0x12 && pl[6] == 0xa4 && pl[7] == 0x42)
 			return pass();
 	}
-	if (flags & STREAM_F_RTP) {
+	__u32 counter = XDP_CNT_DROP_STRANGER;
+	if (flags & (STREAM_F_RTP | STREAM_F_NARROWED)) {
 		/* rtp::demux: RTP/RTCP need 128 <= b0 <= 191 and a second byte; RTCP if 192..223. */
 		if (len < 12 || b0 < 128 || b0 > 191)
-			return pass(); /* malformed for an RTP stream: TC counts it */
+			return pass(); /* malformed for an RTP address: TC counts it */
 		if ((void *)(pl + 12) > end)
 			return pass();
 		if (pl[1] >= 192 && pl[1] <= 223)
 			return pass(); /* RTCP */
 		if (!rtp_valid(ctx, pl, off, len))
 			return pass();
+		if ((flags & STREAM_F_NARROWED) && !(flags & STREAM_F_PRESENT)) {
+			/* Only narrowed streams here: the SSRC's own entry, or none (NoStream). */
+			__u32 ssrc;
+			__builtin_memcpy(&ssrc, pl + 8, 4);
+			key.has_ssrc = 1;
+			key.ssrc = bpf_ntohl(ssrc);
+			if (!bpf_map_lookup_elem(&streams, &key))
+				counter = XDP_CNT_DROP_NO_STREAM;
+		}
 	}
-	xcount(XDP_CNT_DROP_STRANGER, 1);
+	xcount(counter, 1);
 	xcount(XDP_CNT_DROP_BYTES, len);
 	return XDP_DROP;
 }

@@ -63,7 +63,8 @@ impl EbpfConfig {
 /// unresolved neighbours, what it cannot parse) reach the user-space plane's sockets. Stats are
 /// merged: the kernel counts only what it decided, the slow path what it received, so every
 /// packet is counted once. In front of TC, the XDP pre-filter ([`Prefilter`], on by default)
-/// drops certain strangers; it counts them apart (`extra["xdp_drop_stranger"]`).
+/// drops certain strangers; it counts them apart (`extra["xdp_drop_stranger"]`,
+/// `extra["xdp_drop_no_stream"]`).
 ///
 /// The per-source limit ([`ForwardingTable::source_limit`]) has a bucket per source in the
 /// kernel, charged by the TC program for what it judges (forwarded, STUN, first packets), and

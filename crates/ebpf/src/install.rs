@@ -13,6 +13,11 @@
 //!
 //! So each packet sees the old or the new stream entry and that entry's own, complete fan-out:
 //! no duplicate, no copy to a removed subscriber.
+//!
+//! The wildcard entry of a local address depends on every stream there (`NARROWED`, and
+//! `ONE_SOURCE` with the source they all share, read by the XDP pre-filter): an apply compiles
+//! all entries of every local address it touches, so a change to any stream there rewrites the
+//! wildcard (or placeholder) too, after the SSRC entries.
 
 use crate::maps::{kernel_entries, CopyRaw, KernelStream, KeyRaw, RateRaw, StreamValueRaw};
 use mediaplane_core::{ForwardingTable, IngressKey};
@@ -166,7 +171,9 @@ impl Installer {
             }
             let placeholder = value.flags & crate::maps::flags::PRESENT == 0;
             let latch = value.flags & crate::maps::flags::LATCH != 0;
-            let source = (!placeholder && !latch)
+            // A placeholder carries a source only with ONE_SOURCE (the address's one source).
+            let one_source = value.flags & crate::maps::flags::ONE_SOURCE != 0;
+            let source = (!latch && (!placeholder || one_source))
                 .then(|| SocketAddr::new(KeyRaw { addr: value.src_addr, ..key }.local().ip(), u16::from_be_bytes(value.src_port)));
             if !placeholder {
                 let e = me.slots.entry(value.id).or_insert((value.stats_slot, 0));
@@ -405,6 +412,7 @@ mod tests {
     use super::*;
     use crate::maps::flags;
     use mediaplane_core::model::{Model, StreamRef, StreamSpec};
+    use mediaplane_core::SourceRule;
 
     fn a(s: &str) -> SocketAddr {
         s.parse().unwrap()
@@ -467,21 +475,30 @@ mod tests {
         }
     }
 
+    /// (id, flags, source address, source port, copies) of an entry.
+    type Entry = (u32, u32, [u8; 16], [u8; 2], Vec<CopyRaw>);
+
     impl FakeKernel {
         /// What the kernel says, in the compiler's terms.
-        fn as_entries(&self) -> BTreeMap<KeyRaw, (u32, u32, Vec<CopyRaw>)> {
+        fn as_entries(&self) -> BTreeMap<KeyRaw, Entry> {
             self.streams
                 .iter()
                 .map(|(k, v)| {
                     let copies = (0..v.copies_count).map(|i| self.copies[&(v.copies_base + i)]).collect();
-                    (*k, (v.id, v.flags, copies))
+                    (*k, (v.id, v.flags, v.src_addr, v.src_port, copies))
                 })
                 .collect()
         }
     }
 
-    fn expected(t: &ForwardingTable) -> BTreeMap<KeyRaw, (u32, u32, Vec<CopyRaw>)> {
-        kernel_entries(t, None).into_iter().map(|(k, s)| (k, (s.id, s.flags, s.copies))).collect()
+    fn expected(t: &ForwardingTable) -> BTreeMap<KeyRaw, Entry> {
+        kernel_entries(t, None)
+            .into_iter()
+            .map(|(k, s)| {
+                let v = s.value(0, 0);
+                (k, (s.id, s.flags, v.src_addr, v.src_port, s.copies))
+            })
+            .collect()
     }
 
     fn room(n: usize) -> Model {
@@ -613,13 +630,116 @@ mod tests {
         inst.apply(t2.clone(), &mut k).unwrap();
         assert_eq!(k.as_entries(), expected(&t2));
         let wild = k.streams[&KeyRaw::new(a("10.0.0.1:4000"), None)];
-        assert_eq!(wild.flags, flags::NARROWED);
+        assert_eq!(wild.flags, flags::NARROWED | flags::ONE_SOURCE);
         // And back: the placeholder becomes a real stream again, the SSRC entry goes.
         m.unpublish("r", "p0", "hi").unwrap();
         m.publish("r", "p0", "main", StreamSpec::default()).unwrap();
         let t3 = Arc::new(ForwardingTable::compile(&m, 3));
         inst.apply(t3.clone(), &mut k).unwrap();
         assert_eq!(k.as_entries(), expected(&t3));
+    }
+
+    /// The wildcard (or placeholder) entry says "one source" exactly while every stream on its
+    /// address has that fixed source, and an apply told about any one key there rewrites it.
+    #[test]
+    fn one_source_wildcard_follows_every_stream_on_its_address() {
+        let mut k = FakeKernel::default();
+        let mut inst = Installer::new(64, 16);
+        let mut m = room(2);
+        m.unpublish("r", "p0", "main").unwrap();
+        for (name, ssrc) in [("hi", 7), ("lo", 8)] {
+            m.publish("r", "p0", name, StreamSpec { ssrc: Some(ssrc), ..Default::default() }).unwrap();
+            m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: name.into() }).unwrap();
+        }
+        let local = a("10.0.0.1:4000");
+        let (owner, other) = (a("10.0.1.1:5000"), a("10.0.9.9:5000"));
+        let wild = KeyRaw::new(local, None);
+        let lo = IngressKey { local, ssrc: Some(8) };
+        let placeholder = |k: &FakeKernel| k.streams[&wild];
+        let src_of = |v: StreamValueRaw| {
+            let (ip, port) = (v.src_addr, u16::from_be_bytes(v.src_port));
+            (v.flags & flags::ONE_SOURCE != 0).then(|| SocketAddr::new(std::net::IpAddr::from([ip[0], ip[1], ip[2], ip[3]]), port))
+        };
+        let t1 = Arc::new(ForwardingTable::compile(&m, 1));
+        inst.apply(t1.clone(), &mut k).unwrap();
+        assert_eq!(k.as_entries(), expected(&t1));
+        assert_eq!(placeholder(&k).flags, flags::NARROWED | flags::ONE_SOURCE);
+        assert_eq!(src_of(placeholder(&k)), Some(owner));
+        // p1's address has one real (wildcard) stream: its own source.
+        assert_eq!(src_of(k.streams[&KeyRaw::new(a("10.0.0.1:4002"), None)]), Some(a("10.0.1.2:5000")));
+
+        // One narrowed stream gets another source; the apply is told only about that key.
+        let mut t2 = (*t1).clone();
+        t2.version = 2;
+        t2.streams.get_mut(&lo).unwrap().source = SourceRule::Fixed(other);
+        let t2 = Arc::new(t2);
+        let r = inst.apply_changes(t2.clone(), Some(&[lo]), &mut k).unwrap();
+        assert_eq!(r.streams_written, 2, "the SSRC entry and the placeholder");
+        assert_eq!(k.as_entries(), expected(&t2));
+        assert_eq!(placeholder(&k).flags, flags::NARROWED);
+        assert_eq!(placeholder(&k).src_addr, [0; 16]);
+
+        // A latching one: still no one source.
+        let mut t3 = (*t2).clone();
+        t3.version = 3;
+        t3.streams.get_mut(&lo).unwrap().source = SourceRule::Latch;
+        let t3 = Arc::new(t3);
+        inst.apply_changes(t3.clone(), Some(&[lo]), &mut k).unwrap();
+        assert_eq!(k.as_entries(), expected(&t3));
+        assert_eq!(placeholder(&k).flags, flags::NARROWED);
+
+        // It goes away: the address has one source again.
+        let mut t4 = (*t3).clone();
+        t4.version = 4;
+        t4.streams.remove(&lo);
+        let t4 = Arc::new(t4);
+        let r = inst.apply_changes(t4.clone(), Some(&[lo]), &mut k).unwrap();
+        assert_eq!((r.streams_written, r.streams_deleted), (1, 1));
+        assert_eq!(k.as_entries(), expected(&t4));
+        assert_eq!(src_of(placeholder(&k)), Some(owner));
+
+        // The owner moves (a new remote for all its streams), found by diffing the tables.
+        let mut t5 = (*t4).clone();
+        t5.version = 5;
+        let at_local: Vec<IngressKey> = t5.streams.keys().filter(|key| key.local == local).copied().collect();
+        at_local.iter().for_each(|key| t5.streams.get_mut(key).unwrap().source = SourceRule::Fixed(other));
+        let t5 = Arc::new(t5);
+        inst.apply(t5.clone(), &mut k).unwrap();
+        assert_eq!(k.as_entries(), expected(&t5));
+        assert_eq!(src_of(placeholder(&k)), Some(other));
+
+        // A real wildcard stream beside the narrowed one: one source while it has the same.
+        let mut t6 = (*t5).clone();
+        t6.version = 6;
+        let mut w = t6.streams[&IngressKey { local, ssrc: Some(7) }].clone();
+        w.key.ssrc = None;
+        w.id = 99;
+        t6.streams.insert(w.key, w.clone());
+        let t6 = Arc::new(t6);
+        inst.apply_changes(t6.clone(), Some(&[w.key]), &mut k).unwrap();
+        assert_eq!(k.as_entries(), expected(&t6));
+        assert_eq!(k.streams[&wild].flags, flags::PRESENT | flags::RTP | flags::NARROWED | flags::ONE_SOURCE);
+        assert_eq!(src_of(k.streams[&wild]), Some(other));
+        let mut t7 = (*t6).clone();
+        t7.version = 7;
+        t7.streams.get_mut(&w.key).unwrap().source = SourceRule::Fixed(owner);
+        let t7 = Arc::new(t7);
+        inst.apply_changes(t7.clone(), Some(&[w.key]), &mut k).unwrap();
+        assert_eq!(k.as_entries(), expected(&t7));
+        assert_eq!(k.streams[&wild].flags, flags::PRESENT | flags::RTP | flags::NARROWED);
+
+        // Adopting these entries (placeholder with a source included) rewrites nothing.
+        let mut t8 = (*t5).clone();
+        t8.version = 8;
+        let t8 = Arc::new(t8);
+        inst.apply(t8.clone(), &mut k).unwrap();
+        let existing = k
+            .streams
+            .iter()
+            .map(|(key, v)| (*key, *v, (0..v.copies_count).map(|i| k.copies[&(v.copies_base + i)]).collect()))
+            .collect();
+        let mut again = Installer::adopt(64, 16, existing).unwrap();
+        assert_eq!(again.apply(t8, &mut k).unwrap(), ApplyReport::default());
     }
 
     #[test]

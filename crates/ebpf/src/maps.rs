@@ -5,6 +5,12 @@
 //! address that has SSRC-narrowed streams always gets a wildcard (no SSRC) entry too: either its
 //! real wildcard stream or a placeholder, flagged `NARROWED`, so the program learns with one
 //! lookup whether it must read the SSRC (mirrors `ForwardingTable::has_ssrc_streams`).
+//!
+//! When every stream on a local address has the same fixed source (in the model: always, as
+//! each address has one owner, unless a relay leg latches), its wildcard entry — real or
+//! placeholder — says so: `ONE_SOURCE` and that source. The XDP pre-filter then drops any other
+//! source without reading the SSRC; the TC program ignores the flag (the placeholder stays a
+//! placeholder: not `PRESENT`, it forwards nothing and counts nothing).
 
 use mediaplane_core::ratelimit::RateLimit;
 use mediaplane_core::table::{ForwardingTable, IngressKey, SourceRule, StreamEntry};
@@ -22,6 +28,9 @@ pub mod flags {
     pub const LATCH: u32 = 1 << 3;
     pub const SLOW: u32 = 1 << 4;
     pub const RATE: u32 = 1 << 5;
+    /// (wildcard entry only) every stream on the local address has the same fixed source,
+    /// written in this entry (the placeholder too): the XDP pre-filter drops other sources.
+    pub const ONE_SOURCE: u32 = 1 << 6;
 }
 
 /// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
@@ -454,15 +463,30 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
     };
     let entries: Vec<(&IngressKey, &StreamEntry)> = entries.collect();
     let narrowed_locals: BTreeSet<SocketAddr> = entries.iter().filter(|(k, _)| k.ssrc.is_some()).map(|(k, _)| k.local).collect();
+    // Per local: Some(source) while every stream seen there has that fixed source, None once
+    // one latches or has another.
+    let mut one_source: BTreeMap<SocketAddr, Option<SocketAddr>> = BTreeMap::new();
+    for (k, e) in &entries {
+        let src = match e.source {
+            SourceRule::Fixed(s) => Some(s),
+            SourceRule::Latch => None,
+        };
+        one_source.entry(k.local).and_modify(|o| *o = o.filter(|s| Some(*s) == src)).or_insert(src);
+    }
     let mut out = BTreeMap::new();
     for (k, e) in entries {
-        out.insert(KeyRaw::new(k.local, k.ssrc), kernel_stream(e, narrowed_locals.contains(&k.local)));
+        let mut s = kernel_stream(e, narrowed_locals.contains(&k.local));
+        if k.ssrc.is_none() && one_source[&k.local].is_some() {
+            s.flags |= flags::ONE_SOURCE;
+        }
+        out.insert(KeyRaw::new(k.local, k.ssrc), s);
     }
     for local in narrowed_locals {
+        let source = one_source[&local];
         out.entry(KeyRaw::new(local, None)).or_insert(KernelStream {
             id: 0,
-            flags: flags::NARROWED,
-            source: None,
+            flags: flags::NARROWED | if source.is_some() { flags::ONE_SOURCE } else { 0 },
+            source,
             copies: Vec::new(),
             rate: None,
         });
@@ -525,12 +549,13 @@ mod tests {
         assert_eq!(e.len(), 3);
         let ph = &e[&KeyRaw::new(a("10.0.0.1:4000"), None)];
         assert!(ph.is_placeholder());
-        assert_eq!(ph.flags, flags::NARROWED);
+        assert_eq!(ph.flags, flags::NARROWED | flags::ONE_SOURCE);
+        assert_eq!(ph.source, Some(a("10.0.1.1:5000")), "the owner's remote");
         let low = &e[&KeyRaw::new(a("10.0.0.1:4000"), Some(1))];
         assert_eq!(low.flags, flags::PRESENT | flags::RTP);
         assert_eq!(low.copies, vec![CopyRaw::new(low.id, a("10.0.0.1:4002"), a("10.0.1.2:5000"))]);
         let main = &e[&KeyRaw::new(a("10.0.0.1:4002"), None)];
-        assert_eq!(main.flags & flags::NARROWED, 0);
+        assert_eq!(main.flags, flags::PRESENT | flags::RTP | flags::ONE_SOURCE);
         // Restricting to one local only yields its entries.
         let only: BTreeSet<_> = [a("10.0.0.1:4002")].into();
         assert_eq!(kernel_entries(&t, Some(&only)).len(), 1);

@@ -1,11 +1,15 @@
 //! The XDP pre-filter (bpf/prefilter_xdp.bpf.c): drops packets the forwarding model would
-//! certainly drop as strangers before the kernel builds an skb for them, in front of the TC fast
-//! path on the same interfaces. It shares the TC program's `streams` map (by fd: one table, no
-//! second install) and has its own per-CPU counters, reported as `xdp_*` in
+//! certainly drop — sent to an address whose streams all have one fixed source, from another
+//! source — before the kernel builds an skb for them, in front of the TC fast path on the same
+//! interfaces. It shares the TC program's `streams` map (by fd: one table, no second install)
+//! and has its own per-CPU counters, reported as `xdp_*` in
 //! [`mediaplane_dataplane::DataplaneStats::extra`]. Everything it cannot decide cheaply passes.
 //!
-//! Its drops are counted only there, not in `total.drop_stranger` (which counts what TC and
-//! the user-space plane dropped): every stranger packet is counted once, in one of the two.
+//! Its drops are counted only there, under classify()'s reason: `xdp_drop_stranger` (what TC
+//! would count as `drop_stranger`) and `xdp_drop_no_stream` (an SSRC no stream on an
+//! SSRC-narrowed address has, from a source that is not the address's one source: TC's
+//! `drop_no_stream`). Not in `total` (which counts what TC and the user-space plane dropped):
+//! every dropped packet is counted once, in one of the two.
 
 use crate::loader::FastPath;
 use libbpf_rs::{MapCore, MapFlags, Object, ObjectBuilder, Program, ProgramInput};
@@ -23,7 +27,7 @@ pub const XDP_DROP: u32 = 1;
 pub const XDP_PASS: u32 = 2;
 
 /// enum mp_xdp_counter (bpf/common.h), with their names in `DataplaneStats.extra`.
-pub const XDP_COUNTERS: [&str; 3] = ["xdp_drop_stranger", "xdp_drop_bytes", "xdp_pass"];
+pub const XDP_COUNTERS: [&str; 4] = ["xdp_drop_stranger", "xdp_drop_bytes", "xdp_pass", "xdp_drop_no_stream"];
 
 /// Pinned (kept across a restart) when a pin dir is given.
 const PINNED_MAPS: [&str; 1] = ["xdp_counters"];

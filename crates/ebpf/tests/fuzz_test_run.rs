@@ -3,7 +3,10 @@
 //! `ForwardingTable::classify()` on what `parse_frame()` makes of the frame). For every frame:
 //! the verdict (forward / drop / to the stack) and its counter match; the program never
 //! forwards what the model would not; copies go only to the model's subscribers of that
-//! stream, each once, payload unchanged, checksums as valid as the original's.
+//! stream, each once, payload unchanged, checksums as valid as the original's. Each frame also
+//! runs through the XDP pre-filter first (as on the wire): whatever it drops, the reference
+//! drops under the reason the pre-filter counts (`xdp_drop_stranger`: Stranger,
+//! `xdp_drop_no_stream`: NoStream), and it counts every frame once.
 //!
 //! Frames start valid — RTP (CSRCs, extensions, padding), RTCP compounds, STUN, other payloads,
 //! IPv4/IPv6, VLAN-tagged — to the addresses of a model with fixed-source, latching,
@@ -25,6 +28,7 @@ use common::*;
 use mediaplane_core::packet::{build_frame, internet_checksum, parse_frame, udp_checksum, FrameSpec};
 use mediaplane_core::rtp::build_rtp;
 use mediaplane_core::table::{ForwardingTable, SourceRule};
+use mediaplane_ebpf::{Prefilter, XDP_DROP, XDP_PASS};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::time::{Duration, Instant};
@@ -467,8 +471,34 @@ fn env_u64(name: &str) -> Option<u64> {
     std::env::var(name).ok().map(|v| v.trim().parse().unwrap_or_else(|_| panic!("{name}={v:?} is not a number")))
 }
 
+/// Run `f` through the XDP pre-filter: its drop counter ("xdp_drop_stranger" or
+/// "xdp_drop_no_stream") if it dropped it, None if it passed; Err if that disagrees with the
+/// reference's verdict `want` or the counters.
+fn judge_xdp(pf: &Prefilter, f: &[u8], want: &Expect) -> Result<Option<&'static str>, String> {
+    let before = pf.counters().map_err(|e| e.to_string())?;
+    let verdict = pf.test_run(f).map_err(|e| format!("XDP test run: {e}"))?;
+    let after = pf.counters().map_err(|e| e.to_string())?;
+    let d = |k: &str| after[k] - before[k];
+    let moved = (d("xdp_drop_stranger"), d("xdp_drop_no_stream"), d("xdp_pass"));
+    match verdict {
+        XDP_PASS if moved == (0, 0, 1) => Ok(None),
+        XDP_DROP => {
+            let (counter, tc) = match moved {
+                (1, 0, 0) => ("xdp_drop_stranger", "drop_stranger"),
+                (0, 1, 0) => ("xdp_drop_no_stream", "drop_no_stream"),
+                _ => return Err(format!("XDP dropped it, counters moved (stranger, no stream, pass) = {moved:?}")),
+            };
+            if *want != Expect::Drop(tc) {
+                return Err(format!("XDP dropped it as {counter}, the reference says {want:?}"));
+            }
+            Ok(Some(counter))
+        }
+        v => Err(format!("XDP verdict {v}, counters moved (stranger, no stream, pass) = {moved:?}")),
+    }
+}
+
 /// Judge `frames` frames of seed `seed`; the first mismatches, described, if any.
-fn run(rig: &Rig, t: &ForwardingTable, seed: u64, frames: u64) -> (BTreeMap<String, u64>, Vec<String>) {
+fn run(rig: &Rig, pf: &Prefilter, t: &ForwardingTable, seed: u64, frames: u64) -> (BTreeMap<String, u64>, Vec<String>) {
     let mut rng = Rng(seed);
     let mut seen: BTreeMap<String, u64> = BTreeMap::new();
     let mut failures = Vec::new();
@@ -487,6 +517,17 @@ fn run(rig: &Rig, t: &ForwardingTable, seed: u64, frames: u64) -> (BTreeMap<Stri
             Expect::Drop(c) | Expect::Pass(c) => c.to_string(),
         };
         *seen.entry(label).or_default() += 1;
+        match judge_xdp(pf, &f, &want) {
+            Ok(Some(counter)) => *seen.entry(counter.to_string()).or_default() += 1,
+            Ok(None) => {}
+            Err(e) => {
+                failures.push(format!("frame #{i}: {e}\n  made by: {}\n  frame: {}", log.join("; "), hex(&f)));
+                if failures.len() >= 5 {
+                    break;
+                }
+            }
+        }
+        // TC judges every frame, including those XDP dropped (it must still be right on its own).
         if let Err(e) = rig.judge(t, &f, Duration::ZERO, &any_copy) {
             failures.push(format!("frame #{i}: {e}\n  made by: {}\n  frame: {}", log.join("; "), hex(&f)));
             if failures.len() >= 5 {
@@ -512,15 +553,16 @@ fn random_and_mutated_frames_follow_the_reference() {
     let frames = env_u64("MEDIAPLANE_FUZZ_FRAMES").unwrap_or(10000);
     println!("fuzz seed {seed}, {frames} frames (replay: MEDIAPLANE_FUZZ_SEED={seed} MEDIAPLANE_FUZZ_FRAMES={frames})");
     let rig = Rig::new();
+    let pf = Prefilter::load(&rig.fp).expect("load the XDP pre-filter");
     let t = fuzz_table();
     rig.apply(&t);
     let start = Instant::now();
-    let (seen, failures) = run(&rig, &t, seed, frames);
+    let (seen, failures) = run(&rig, &pf, &t, seed, frames);
     println!("{:.1} s; expected verdicts: {seen:?}", start.elapsed().as_secs_f64());
     assert!(failures.is_empty(), "seed {seed}: the kernel disagrees with the reference:\n{}", failures.join("\n"));
     // The generator must keep reaching every verdict, or the run proves little.
     if frames >= 2000 {
-        for v in ["forward 1 copies", "forward 2+ copies", "drop_stranger", "drop_malformed", "drop_no_stream", "pass_not_ours", "pass_stun", "pass_unlatched", "pass_slow_stream", "pass_truncated", "pass_bad_udp_length", "pass_bad_ip_header", "pass_not_udp", "pass_vlan"] {
+        for v in ["forward 1 copies", "forward 2+ copies", "drop_stranger", "drop_malformed", "drop_no_stream", "pass_not_ours", "pass_stun", "pass_unlatched", "pass_slow_stream", "pass_truncated", "pass_bad_udp_length", "pass_bad_ip_header", "pass_not_udp", "pass_vlan", "xdp_drop_stranger", "xdp_drop_no_stream"] {
             assert!(seen.get(v).copied().unwrap_or(0) > 0, "seed {seed}: no frame reached {v}: {seen:?}");
         }
     }

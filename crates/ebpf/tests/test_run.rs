@@ -12,8 +12,9 @@ use common::rig::*;
 use common::*;
 use mediaplane_core::packet::{build_frame, parse_frame, FrameSpec};
 use mediaplane_core::rtp::build_rtp;
-use mediaplane_core::table::SourceRule;
+use mediaplane_core::table::{IngressKey, SourceRule};
 use mediaplane_ebpf::{FastPath, LoadOptions, Prefilter, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT, XDP_DROP, XDP_PASS};
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -510,6 +511,15 @@ fn xdp_prefilter_drops_only_certain_strangers() {
             // Mixed families: the kernel leaves its fan-out to the slow path, not its source check.
             entry(7, "10.200.0.1:4010", None, SourceRule::Fixed(a(PUBLISHER)), true, vec![(a("[fd00:200::1]:1"), a("[fd00:200::2]:2"))]),
             entry(8, "[fd00:200::1]:4000", None, SourceRule::Fixed(a("[fd00:200::9]:5000")), true, vec![]),
+            // SSRC-narrowed only, two SSRCs, one source (the default conference's address).
+            entry(10, "10.200.0.1:4012", Some(1), SourceRule::Fixed(a(PUBLISHER)), true, subs[..1].to_vec()),
+            entry(11, "10.200.0.1:4012", Some(2), SourceRule::Fixed(a(PUBLISHER)), true, subs[1..2].to_vec()),
+            // A non-RTP wildcard stream beside a narrowed one, one source.
+            entry(12, "10.200.0.1:4014", None, SourceRule::Fixed(a(PUBLISHER)), false, subs[..1].to_vec()),
+            entry(13, "10.200.0.1:4014", Some(5), SourceRule::Fixed(a(PUBLISHER)), true, subs[1..2].to_vec()),
+            // Narrowed, one of them latching (a relay leg would be a latching wildcard: 4002).
+            entry(14, "10.200.0.1:4016", Some(1), SourceRule::Latch, true, subs[..1].to_vec()),
+            entry(15, "10.200.0.1:4016", Some(2), SourceRule::Fixed(a(PUBLISHER)), true, subs[1..2].to_vec()),
         ],
     );
     rig.apply(&t);
@@ -530,76 +540,111 @@ fn xdp_prefilter_drops_only_certain_strangers() {
     let mut bad_pad = pad.clone();
     *bad_pad.last_mut().unwrap() = 200;
     let stranger = v4_frame(evil, LOCAL, &rtp(1));
-    let mut cases: Vec<(&str, Vec<u8>, bool)> = vec![
-        ("stranger RTP", stranger.clone(), true),
-        ("right IP, wrong port", v4_frame("10.200.0.9:5001", LOCAL, &rtp(1)), true),
-        ("stranger RTP with an extension", v4_frame(evil, LOCAL, &ext), true),
-        ("stranger RTP with padding", v4_frame(evil, LOCAL, &pad), true),
-        ("stranger on a non-RTP stream", v4_frame(evil, "10.200.0.1:4008", b"anything"), true),
-        ("stranger, empty payload, non-RTP stream", v4_frame(evil, "10.200.0.1:4008", b""), true),
-        ("stranger on a slow-path stream", v4_frame(evil, "10.200.0.1:4010", &rtp(1)), true),
-        ("owner", v4_frame(PUBLISHER, LOCAL, &rtp(1)), false),
-        ("stranger STUN", v4_frame(evil, LOCAL, &stun), false),
-        ("stranger STUN, non-RTP stream", v4_frame(evil, "10.200.0.1:4008", &stun), false),
-        ("owner STUN", v4_frame(PUBLISHER, LOCAL, &stun), false),
-        ("latching stream", v4_frame(evil, "10.200.0.1:4002", &rtp(1)), false),
-        ("SSRC-narrowed, no wildcard", v4_frame(evil, "10.200.0.1:4004", &rtp(1)), false),
-        ("SSRC-narrowed with a wildcard", v4_frame(evil, "10.200.0.1:4006", &rtp(3)), false),
-        ("narrowed stream's own source", v4_frame(other, "10.200.0.1:4006", &rtp(7)), false),
-        ("stranger garbage on an RTP stream", v4_frame(evil, LOCAL, b"garbage, not RTP"), false),
-        ("stranger bad extension", v4_frame(evil, LOCAL, &bad_ext), false),
-        ("stranger bad padding", v4_frame(evil, LOCAL, &bad_pad), false),
-        ("stranger RTCP", v4_frame(evil, LOCAL, &sr), false),
-        ("not ours: port", v4_frame(evil, "10.200.0.1:4001", &rtp(1)), false),
-        ("not ours: address", v4_frame(evil, "10.200.0.3:4000", &rtp(1)), false),
+    // The XDP counter a frame must be dropped under, or None: it must pass.
+    const STRANGER: Option<&str> = Some("xdp_drop_stranger");
+    const NO_STREAM: Option<&str> = Some("xdp_drop_no_stream");
+    let (n412, n414, n416) = ("10.200.0.1:4012", "10.200.0.1:4014", "10.200.0.1:4016");
+    let mut cases: Vec<(&str, Vec<u8>, Option<&str>)> = vec![
+        ("stranger RTP", stranger.clone(), STRANGER),
+        ("right IP, wrong port", v4_frame("10.200.0.9:5001", LOCAL, &rtp(1)), STRANGER),
+        ("stranger RTP with an extension", v4_frame(evil, LOCAL, &ext), STRANGER),
+        ("stranger RTP with padding", v4_frame(evil, LOCAL, &pad), STRANGER),
+        ("stranger on a non-RTP stream", v4_frame(evil, "10.200.0.1:4008", b"anything"), STRANGER),
+        ("stranger, empty payload, non-RTP stream", v4_frame(evil, "10.200.0.1:4008", b""), STRANGER),
+        ("stranger on a slow-path stream", v4_frame(evil, "10.200.0.1:4010", &rtp(1)), STRANGER),
+        ("owner", v4_frame(PUBLISHER, LOCAL, &rtp(1)), None),
+        ("stranger STUN", v4_frame(evil, LOCAL, &stun), None),
+        ("stranger STUN, non-RTP stream", v4_frame(evil, "10.200.0.1:4008", &stun), None),
+        ("owner STUN", v4_frame(PUBLISHER, LOCAL, &stun), None),
+        ("latching stream", v4_frame(evil, "10.200.0.1:4002", &rtp(1)), None),
+        ("SSRC-narrowed, no wildcard, known SSRC", v4_frame(evil, "10.200.0.1:4004", &rtp(1)), STRANGER),
+        ("SSRC-narrowed, no wildcard, unknown SSRC", v4_frame(evil, "10.200.0.1:4004", &rtp(2)), NO_STREAM),
+        ("SSRC-narrowed with a wildcard of another source", v4_frame(evil, "10.200.0.1:4006", &rtp(3)), None),
+        ("narrowed stream's own source (another than the wildcard's)", v4_frame(other, "10.200.0.1:4006", &rtp(7)), None),
+        ("stranger garbage on an RTP stream", v4_frame(evil, LOCAL, b"garbage, not RTP"), None),
+        ("stranger bad extension", v4_frame(evil, LOCAL, &bad_ext), None),
+        ("stranger bad padding", v4_frame(evil, LOCAL, &bad_pad), None),
+        ("stranger RTCP", v4_frame(evil, LOCAL, &sr), None),
+        ("not ours: port", v4_frame(evil, "10.200.0.1:4001", &rtp(1)), None),
+        ("not ours: address", v4_frame(evil, "10.200.0.3:4000", &rtp(1)), None),
+        // Narrowed only, one source.
+        ("narrowed: stranger, SSRC 1", v4_frame(evil, n412, &rtp(1)), STRANGER),
+        ("narrowed: stranger, SSRC 2", v4_frame(evil, n412, &rtp(2)), STRANGER),
+        ("narrowed: stranger with an extension, SSRC 2", v4_frame(evil, n412, &ext_ssrc(2)), STRANGER),
+        ("narrowed: owner's IP, wrong port, SSRC 1", v4_frame("10.200.0.9:5001", n412, &rtp(1)), STRANGER),
+        ("narrowed: stranger, unknown SSRC", v4_frame(evil, n412, &rtp(3)), NO_STREAM),
+        ("narrowed: stranger, SSRC 0 (none such)", v4_frame(evil, n412, &rtp(0)), NO_STREAM),
+        ("narrowed: owner, SSRC 1", v4_frame(PUBLISHER, n412, &rtp(1)), None),
+        ("narrowed: owner, SSRC 2", v4_frame(PUBLISHER, n412, &rtp(2)), None),
+        ("narrowed: owner, unknown SSRC", v4_frame(PUBLISHER, n412, &rtp(3)), None),
+        ("narrowed: stranger STUN", v4_frame(evil, n412, &stun), None),
+        ("narrowed: owner STUN", v4_frame(PUBLISHER, n412, &stun), None),
+        ("narrowed: stranger garbage", v4_frame(evil, n412, b"garbage, not RTP"), None),
+        ("narrowed: stranger, empty payload", v4_frame(evil, n412, b""), None),
+        ("narrowed: stranger bad padding", v4_frame(evil, n412, &bad_pad), None),
+        ("narrowed: stranger RTCP, SSRC 1", v4_frame(evil, n412, &sr), None),
+        // A non-RTP wildcard plus a narrowed stream: the address wants RTP (classify), and an
+        // unknown SSRC falls back to the wildcard stream, whose source it is not.
+        ("non-RTP wildcard + narrowed: stranger, its SSRC", v4_frame(evil, n414, &rtp(5)), STRANGER),
+        ("non-RTP wildcard + narrowed: stranger, other SSRC", v4_frame(evil, n414, &rtp(6)), STRANGER),
+        ("non-RTP wildcard + narrowed: stranger, not RTP", v4_frame(evil, n414, b"anything"), None),
+        ("non-RTP wildcard + narrowed: owner, not RTP", v4_frame(PUBLISHER, n414, b"anything"), None),
+        ("non-RTP wildcard + narrowed: owner, its SSRC", v4_frame(PUBLISHER, n414, &rtp(5)), None),
+        ("non-RTP wildcard + narrowed: owner, other SSRC", v4_frame(PUBLISHER, n414, &rtp(6)), None),
+        ("non-RTP wildcard + narrowed: stranger STUN", v4_frame(evil, n414, &stun), None),
+        // A latching stream on the address: no one source.
+        ("narrowed + latching: stranger, latching SSRC", v4_frame(evil, n416, &rtp(1)), None),
+        ("narrowed + latching: stranger, fixed SSRC", v4_frame(evil, n416, &rtp(2)), None),
+        ("narrowed + latching: stranger, unknown SSRC", v4_frame(evil, n416, &rtp(3)), None),
     ];
     let mut tcp = stranger.clone();
     tcp[14 + 9] = 6;
-    cases.push(("non-UDP", tcp, false));
+    cases.push(("non-UDP", tcp, None));
     for (name, frag) in [("fragment MF", [0x20u8, 0]), ("fragment offset", [0, 0x10])] {
         let mut f = stranger.clone();
         f[14 + 6] = frag[0];
         f[14 + 7] = frag[1];
-        cases.push((name, f, false));
+        cases.push((name, f, None));
     }
     let mut opts = stranger.clone();
     opts[14] = 0x46;
     opts[14 + 3] += 4;
     opts.splice(14 + 20..14 + 20, [1, 1, 1, 0]);
-    cases.push(("IP options", opts, false));
-    cases.push(("truncated", stranger[..stranger.len() - 10].to_vec(), false));
+    cases.push(("IP options", opts, None));
+    cases.push(("truncated", stranger[..stranger.len() - 10].to_vec(), None));
     let mut badlen = stranger.clone();
     badlen[14 + 20 + 5] += 1;
-    cases.push(("bad UDP length", badlen, false));
+    cases.push(("bad UDP length", badlen, None));
     let mut v6 = FrameSpec::new(a("[fd00:200::66]:5000"), a("[fd00:200::1]:4000"));
     v6.dst_mac = MAC0;
-    cases.push(("IPv6 stranger", build_frame(&v6, &rtp(5)), false));
+    cases.push(("IPv6 stranger", build_frame(&v6, &rtp(5)), None));
     let mut tagged = FrameSpec::new(a(evil), a(LOCAL));
     tagged.dst_mac = MAC0;
     tagged.vlan = Some(42);
-    cases.push(("VLAN-tagged stranger", build_frame(&tagged, &rtp(5)), false));
+    cases.push(("VLAN-tagged stranger", build_frame(&tagged, &rtp(5)), None));
 
-    let mut drops = 0;
-    for (name, frame, want_drop) in &cases {
+    let mut drops = BTreeMap::new();
+    for (name, frame, want) in &cases {
         let before = pf.counters().unwrap();
         let verdict = pf.test_run(frame).unwrap();
         let after = pf.counters().unwrap();
         let d = |k: &str| after[k] - before[k];
-        if *want_drop {
-            drops += 1;
+        if let Some(counter) = want {
+            *drops.entry(*counter).or_insert(0) += 1;
             assert_eq!(verdict, XDP_DROP, "{name}: must be dropped");
-            // Only certain strangers: the reference and TC agree.
-            assert_eq!(reference(&t, frame), Expect::Drop("drop_stranger"), "{name}");
+            // Only certain drops, counted under classify()'s reason: the reference and TC agree.
+            assert_eq!(reference(&t, frame), Expect::Drop(tc_counter(counter)), "{name}");
             let f = parse_frame(frame).unwrap();
-            assert_eq!((d("xdp_drop_stranger"), d("xdp_pass"), d("xdp_drop_bytes")), (1, 0, f.payload_len as u64), "{name}");
+            let other = if *counter == "xdp_drop_stranger" { "xdp_drop_no_stream" } else { "xdp_drop_stranger" };
+            assert_eq!((d(counter), d(other), d("xdp_pass"), d("xdp_drop_bytes")), (1, 0, 0, f.payload_len as u64), "{name}");
         } else {
             assert_eq!(verdict, XDP_PASS, "{name}: must pass");
-            assert_eq!((d("xdp_drop_stranger"), d("xdp_pass")), (0, 1), "{name}");
+            assert_eq!((d("xdp_drop_stranger"), d("xdp_drop_no_stream"), d("xdp_pass")), (0, 0, 1), "{name}");
         }
         // Whatever XDP passes, TC still decides as the reference says.
         rig.check(&t, frame);
     }
-    assert_eq!(drops, 7);
+    assert_eq!(drops, BTreeMap::from([("xdp_drop_stranger", 14), ("xdp_drop_no_stream", 3)]));
 
     // One table for both programs: the stranger becomes the owner, XDP lets it through at once.
     let mut t2 = t.clone();
@@ -609,7 +654,7 @@ fn xdp_prefilter_drops_only_certain_strangers() {
     rig.apply(&t2);
     assert_eq!(pf.test_run(&stranger).unwrap(), XDP_PASS);
     rig.check(&t2, &stranger);
-    // ...and a narrowed stream appearing on the address stops its drops too.
+    // ...and a narrowed stream of another source appearing on the address stops its drops too.
     let mut t3 = t.clone();
     t3.version = 3;
     let narrowed = entry(9, LOCAL, Some(99), SourceRule::Fixed(a(other)), true, subs[2..].to_vec());
@@ -618,11 +663,28 @@ fn xdp_prefilter_drops_only_certain_strangers() {
     assert_eq!(pf.test_run(&stranger).unwrap(), XDP_PASS);
     rig.apply(&t);
     assert_eq!(pf.test_run(&stranger).unwrap(), XDP_DROP);
+    // On a narrowed-only address, one SSRC entry changing its source is enough: the placeholder
+    // is rewritten, XDP passes both SSRCs' strangers and TC judges them (one is now the source).
+    let narrowed_stranger = |ssrc| v4_frame(evil, n412, &rtp(ssrc));
+    let mut t4 = t.clone();
+    t4.version = 4;
+    t4.streams.get_mut(&IngressKey { local: a(n412), ssrc: Some(2) }).unwrap().source = SourceRule::Fixed(a(evil));
+    rig.apply(&t4);
+    for ssrc in [1, 2, 3] {
+        assert_eq!(pf.test_run(&narrowed_stranger(ssrc)).unwrap(), XDP_PASS, "SSRC {ssrc}");
+        rig.check(&t4, &narrowed_stranger(ssrc));
+    }
+    rig.apply(&t);
+    for (ssrc, counter) in [(1, "xdp_drop_stranger"), (2, "xdp_drop_stranger"), (3, "xdp_drop_no_stream")] {
+        let before = pf.counters().unwrap()[counter];
+        assert_eq!(pf.test_run(&narrowed_stranger(ssrc)).unwrap(), XDP_DROP, "SSRC {ssrc}");
+        assert_eq!(pf.counters().unwrap()[counter], before + 1, "SSRC {ssrc}");
+    }
     pf.reset_counters().unwrap();
     assert!(pf.counters().unwrap().values().all(|v| *v == 0));
 
-    // Mutated frames: whatever XDP drops, the reference calls a stranger (never the owner's
-    // media, STUN, a latching or narrowed stream's packet, or a malformed one).
+    // Mutated frames: whatever XDP drops, the reference drops under the reason XDP counts
+    // (never the owner's media, STUN, a latching stream's packet, or a malformed one).
     let mut seed = 0x2545_f491_4f6c_dd1du64;
     let mut rnd = move || {
         seed ^= seed << 13;
@@ -630,8 +692,8 @@ fn xdp_prefilter_drops_only_certain_strangers() {
         seed ^= seed << 17;
         seed
     };
-    let (mut dropped, mut passed) = (0, 0);
-    for i in 0..3000 {
+    let (mut dropped, mut passed) = (BTreeMap::new(), 0);
+    for i in 0..4000 {
         let (_, base, _) = &cases[i % cases.len()];
         let mut f = base.clone();
         for _ in 0..1 + rnd() % 3 {
@@ -644,14 +706,35 @@ fn xdp_prefilter_drops_only_certain_strangers() {
         if rnd() % 8 == 0 {
             f.truncate((rnd() as usize % f.len()).max(14));
         }
+        let before = pf.counters().unwrap();
         if pf.test_run(&f).unwrap() == XDP_DROP {
-            dropped += 1;
-            assert_eq!(reference(&t, &f), Expect::Drop("drop_stranger"), "XDP dropped {f:02x?}");
+            let after = pf.counters().unwrap();
+            let counter = ["xdp_drop_stranger", "xdp_drop_no_stream"].into_iter().find(|c| after[c] > before[c]).expect("a drop is counted");
+            *dropped.entry(counter).or_insert(0) += 1;
+            assert_eq!(reference(&t, &f), Expect::Drop(tc_counter(counter)), "XDP dropped ({counter}) {f:02x?}");
         } else {
             passed += 1;
         }
     }
-    assert!(dropped > 100 && passed > 100, "{dropped} dropped, {passed} passed: the mutations test nothing");
+    let n = |c: &str| dropped.get(c).copied().unwrap_or(0);
+    assert!(n("xdp_drop_stranger") > 100 && n("xdp_drop_no_stream") > 20 && passed > 100, "{dropped:?} dropped, {passed} passed: the mutations test too little");
+}
+
+/// The TC counter of the verdict an XDP drop counter stands for.
+fn tc_counter(xdp: &str) -> &'static str {
+    match xdp {
+        "xdp_drop_stranger" => "drop_stranger",
+        "xdp_drop_no_stream" => "drop_no_stream",
+        c => panic!("no XDP drop counter {c}"),
+    }
+}
+
+/// RTP with a one-word header extension and SSRC `ssrc`.
+fn ext_ssrc(ssrc: u32) -> Vec<u8> {
+    let mut ext = build_rtp(96, 1, 1, ssrc, &[]);
+    ext[0] |= 0x10;
+    ext.extend_from_slice(&[0xbe, 0xde, 0, 1, 0x10, 0xaa, 0, 0]);
+    ext
 }
 
 /// A per-source limit of R packets/s: one source flooding through BPF_PROG_TEST_RUN gets R per

@@ -31,7 +31,8 @@ pub struct BenchOverloadArgs {
     #[arg(long, default_value_t = 2.0)]
     factor: f64,
     /// Publish the RTP streams without SSRC (any SSRC on their address) instead of narrowed to
-    /// their SSRC: the case the XDP pre-filter judges (it leaves SSRC-narrowed addresses to TC).
+    /// their SSRC (the XDP pre-filter drops the flood either way: every stream on an address
+    /// has the participant's one source).
     #[arg(long)]
     wildcard_streams: bool,
     /// A seconds-long smoke run.

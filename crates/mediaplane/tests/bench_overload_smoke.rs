@@ -21,12 +21,18 @@ fn overload_quick_strangers_are_dropped_and_counted_and_serve_survives() {
         assert!(sent > 0 && dropped > 0 && dropped <= sent, "every counted drop was sent: {r}");
         assert!(r["capacity_pps"].as_f64().unwrap() > 0.0);
         assert_eq!(r["api_errors"], 0, "the API answers during the flood: {r}");
+        // The default conference publishes SSRC-narrowed streams: the XDP pre-filter still
+        // drops the whole flood (every stream on the address has its owner as source).
+        assert_eq!(r["streams"], "ssrc");
+        if r["dataplane"] == "ebpf" {
+            assert_eq!(r["xdp_drops"].as_u64(), Some(dropped), "every stranger dropped by XDP: {r}");
+        }
     }
     std::fs::remove_dir_all(&out_dir).unwrap();
 }
 
-/// With streams that take any SSRC, the eBPF plane's XDP pre-filter drops the whole flood (and
-/// the A/B plane without it drops it in TC).
+/// With streams that take any SSRC too, the eBPF plane's XDP pre-filter drops the whole flood
+/// (and the A/B plane without it drops it in TC).
 #[test]
 fn overload_quick_wildcard_streams_xdp_drops_the_flood() {
     if !mediaplane_bench::require_root("bench_overload_smoke_xdp") {

@@ -69,6 +69,10 @@ fn traffic(tb: &Testbed) -> Vec<(usize, bool, SocketAddr, Vec<u8>)> {
     // Strangers: right IP, wrong port; and a participant injecting into someone else's stream.
     for seq in 0..5u16 {
         v.push((0, false, sfu(0, SFU_PORT), build_rtp(0, seq, 0, 1234, &[9; 20])));
+        // On the SSRC-narrowed port: with its stream's SSRC (a stranger), and with an SSRC no
+        // stream there has (no stream).
+        v.push((0, false, sfu(0, SFU_PORT + 2), build_rtp(96, seq, 0, 77, &[8; 20])));
+        v.push((0, false, sfu(0, SFU_PORT + 2), build_rtp(96, seq, 0, 79, &[8; 20])));
         v.push((2, true, sfu(3, SFU_PORT), build_rtp(0, seq, 0, 3333, &[9; 20])));
         // Wrong SSRC on the SSRC-narrowed port; garbage and a truncated RTP header on RTP streams.
         v.push((0, true, sfu(0, SFU_PORT + 2), build_rtp(96, seq, 0, 78, &[1; 20])));
@@ -162,14 +166,16 @@ fn every_data_plane_delivers_exactly_what_the_model_says() {
             assert!(g == w, "[{plane}] p{i}: copies differ from the model (source address or payload)");
         }
         let t = &stats["total"];
-        // The eBPF plane's XDP pre-filter drops these strangers before TC and counts them apart.
+        // The eBPF plane's XDP pre-filter drops these strangers before TC and counts them apart,
+        // under classify()'s reason.
         let xdp = stats["extra"]["xdp_drop_stranger"].as_u64().unwrap_or(0);
-        assert_eq!(t["drop_stranger"].as_u64().unwrap() + xdp, 10, "[{plane}] {t} {}", stats["extra"]);
+        let xdp_no_stream = stats["extra"]["xdp_drop_no_stream"].as_u64().unwrap_or(0);
+        assert_eq!(t["drop_stranger"].as_u64().unwrap() + xdp, 15, "[{plane}] {t} {}", stats["extra"]);
+        assert_eq!(t["drop_no_stream"].as_u64().unwrap() + xdp_no_stream, 10, "[{plane}] wrong SSRC, stranger's unknown SSRC: {t} {}", stats["extra"]);
         if plane == "ebpf" {
-            assert_eq!(xdp, 10, "[{plane}] the XDP pre-filter drops them: {}", stats["extra"]);
+            assert_eq!((xdp, xdp_no_stream), (15, 5), "[{plane}] the XDP pre-filter drops the strangers: {}", stats["extra"]);
         }
         assert_eq!(t["drop_malformed"], 10, "[{plane}] garbage + truncated: {t}");
-        assert_eq!(t["drop_no_stream"], 5, "[{plane}] wrong SSRC: {t}");
         per_plane.push((plane, got));
     }
     for w in per_plane.windows(2) {
