@@ -69,8 +69,13 @@ impl SteerSockets {
     fn open(buffer: usize) -> Result<SteerSockets, DataplaneError> {
         let rx = |addr: SocketAddr| -> std::io::Result<Socket> {
             let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
+            // Loopback, so the port is not reachable from outside; freebind so that a namespace
+            // whose lo is still down does not stop the daemon.
             if addr.is_ipv6() {
                 s.set_only_v6(true)?;
+                s.set_freebind_ipv6(true)?;
+            } else {
+                s.set_freebind(true)?;
             }
             let _ = s.set_recv_buffer_size(buffer);
             let _ = s.set_send_buffer_size(buffer);
