@@ -31,6 +31,7 @@ use std::net::{SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::str::FromStr;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
 use std::time::Duration;
 
 use anyhow::{bail, ensure};
@@ -301,7 +302,8 @@ pub fn decode_probe(d: &[u8]) -> Option<Probe> {
 /// `UdpSocket::try_clone`.
 #[derive(Debug)]
 pub struct SenderSpec {
-    pub socket: UdpSocket,
+    /// Shared, so one socket can send a flow and receive its peer's (one fd per party port).
+    pub socket: Arc<UdpSocket>,
     pub dest: SocketAddr,
     pub flow_id: u32,
     pub profile: Profile,
@@ -314,7 +316,7 @@ pub struct SenderSpec {
 #[derive(Debug)]
 pub struct ReceiverSpec {
     pub label: String,
-    pub socket: UdpSocket,
+    pub socket: Arc<UdpSocket>,
     pub expects: Vec<u32>,
 }
 
@@ -354,13 +356,13 @@ impl TrafficPlan {
 
     pub fn sender(
         mut self,
-        socket: UdpSocket,
+        socket: impl Into<Arc<UdpSocket>>,
         dest: SocketAddr,
         flow_id: u32,
         profile: Profile,
     ) -> TrafficPlan {
         self.senders.push(SenderSpec {
-            socket,
+            socket: socket.into(),
             dest,
             flow_id,
             profile,
@@ -371,12 +373,12 @@ impl TrafficPlan {
     pub fn receiver(
         mut self,
         label: impl Into<String>,
-        socket: UdpSocket,
+        socket: impl Into<Arc<UdpSocket>>,
         expects: impl IntoIterator<Item = u32>,
     ) -> TrafficPlan {
         self.receivers.push(ReceiverSpec {
             label: label.into(),
-            socket,
+            socket: socket.into(),
             expects: expects.into_iter().collect(),
         });
         self

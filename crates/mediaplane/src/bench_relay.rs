@@ -624,9 +624,12 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     let profile = Profile::voice();
     let mut plan = TrafficPlan::new(Duration::from_secs_f64(spec.seconds));
     plan.drain = Duration::from_secs(2);
+    // One fd per party port, shared by its sender and receiver: 5,000 calls need 10,000, not 20,000.
+    let caller_socks: Vec<std::sync::Arc<UdpSocket>> = caller_socks.into_iter().map(Into::into).collect();
+    let callee_socks: Vec<std::sync::Arc<UdpSocket>> = callee_socks.into_iter().map(Into::into).collect();
     for (k, c) in setup.up.iter().enumerate() {
-        plan = plan.sender(caller_socks[k].try_clone()?, c.to_from_caller, caller_flow(c.index), profile.clone());
-        plan = plan.sender(callee_socks[k].try_clone()?, c.to_from_callee, callee_flow(c.index), profile.clone());
+        plan = plan.sender(caller_socks[k].clone(), c.to_from_caller, caller_flow(c.index), profile.clone());
+        plan = plan.sender(callee_socks[k].clone(), c.to_from_callee, callee_flow(c.index), profile.clone());
     }
     for (k, (a, b)) in caller_socks.into_iter().zip(callee_socks).enumerate() {
         let i = setup.up[k].index;
