@@ -194,7 +194,7 @@ fn one_plane(dp: &str, n: usize, seconds: f64, factor: f64, wildcard: bool, out:
     let (tc1, xdp1, xdrops1) = kernel_cost(&stats);
     serve.stop()?;
     let _ = std::fs::remove_file(&log);
-    let _ = std::fs::remove_file(&store);
+    crate::conference::remove_store(&store);
 
     let expected = report.totals.expected_copies;
     let received = report.totals.received;

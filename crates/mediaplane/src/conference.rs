@@ -11,7 +11,7 @@ use mediaplane_bench::traffic::{self, Profile, TrafficPlan, TrafficReport};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
 
@@ -301,10 +301,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     serve.stop()?;
     // The daemon's log is kept only when something went wrong (the error names it).
     let _ = std::fs::remove_file(&log);
-    let _ = std::fs::remove_file(&store);
-    for ext in ["db-wal", "db-shm"] {
-        let _ = std::fs::remove_file(store.with_extension(ext));
-    }
+    remove_store(&store);
     Ok(summarise(spec, n, &expected, &report, serve_cpu_ns, bpf_run_ns, daemon_stats))
 }
 
@@ -404,4 +401,11 @@ fn cdf_points(h: &hdrhistogram::Histogram<u64>) -> Vec<(f64, f64)> {
     let mut qs: Vec<f64> = (0..=90).step_by(5).map(|q| q as f64 / 100.0).collect();
     qs.extend([0.95, 0.97, 0.99, 0.995, 0.999, 1.0]);
     qs.into_iter().map(|q| (h.value_at_quantile(q) as f64, q)).collect()
+}
+
+/// Remove an SQLite store and its WAL and shared-memory files.
+pub fn remove_store(store: &Path) {
+    for ext in ["db", "db-wal", "db-shm"] {
+        let _ = std::fs::remove_file(store.with_extension(ext));
+    }
 }

@@ -87,7 +87,9 @@ type Delivered = BTreeMap<usize, Vec<(SocketAddr, Vec<u8>)>>;
 /// Run the scenario through one data plane; returns what each participant received and the
 /// daemon's compiled table.
 fn run_plane(tb: &Testbed, plane: &str) -> (Delivered, ForwardingTable, Value) {
-    let store = std::env::temp_dir().join(format!("{}-conf-{plane}.db", tb.prefix));
+    // The store (and its -wal/-shm files) lives in a directory removed on success and failure.
+    let tmp = common::TempDir::new("store");
+    let store = tmp.0.join("store.db");
     let serve = NetnsServe::start(tb, plane, &store, &["--reset"]);
     setup(&serve);
     let socks: Vec<UdpSocket> = tb.peers.iter().map(|p| tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT)).unwrap()).collect();
@@ -122,7 +124,6 @@ fn run_plane(tb: &Testbed, plane: &str) -> (Delivered, ForwardingTable, Value) {
     let stats = serve.api("GET", "/v1/stats", None);
     let entries: Vec<StreamEntry> = serde_json::from_value(table_json["streams"].clone()).unwrap();
     let table = ForwardingTable { version: table_json["version"].as_u64().unwrap(), streams: entries.into_iter().map(|e| (e.key, e)).collect(), ..Default::default() };
-    let _ = std::fs::remove_file(&store);
     (got, table, stats)
 }
 

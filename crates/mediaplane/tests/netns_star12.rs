@@ -82,7 +82,9 @@ fn drain(tb: &Testbed, caps: &[OwnedFd]) -> BTreeMap<(usize, u32), u32> {
 }
 
 fn run(tb: &Testbed, plane: &str, two_streams: bool, caps: &[OwnedFd], socks: &[UdpSocket]) {
-    let store = std::env::temp_dir().join(format!("{}-star12-{plane}-{two_streams}.db", tb.prefix));
+    // The store (and its -wal/-shm files) lives in a directory removed on success and failure.
+    let tmp = common::TempDir::new("store");
+    let store = tmp.0.join("store.db");
     let s = NetnsServe::start(tb, plane, &store, &["--reset"]);
     s.api("POST", "/v1/rooms", Some(json!({"id": "t"})));
     for (i, p) in tb.peers.iter().enumerate() {
@@ -130,7 +132,6 @@ fn run(tb: &Testbed, plane: &str, two_streams: bool, caps: &[OwnedFd], socks: &[
     let copies: u64 = expected.values().map(|v| *v as u64).sum();
     assert_eq!(stats["total"]["tx_copies"].as_u64().unwrap(), copies, "[{plane}] daemon counters: {}", stats["total"]);
     drop(s);
-    let _ = std::fs::remove_file(&store);
 }
 
 #[test]
