@@ -650,7 +650,8 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
         (Some(a), Some(b)) => Some(extra(b, k).saturating_sub(extra(a, k))),
         _ => None,
     };
-    let bpf_run_ns = delta("bpf_run_time_ns").unwrap_or(0);
+    // TC and the XDP pre-filter's pass path: every relayed packet runs through both.
+    let bpf_run_ns = delta("bpf_run_time_ns").unwrap_or(0) + delta("xdp_run_time_ns").unwrap_or(0);
     let kernel_forwarded = if relay_name == "mediaplane-ebpf" { delta("forwarded") } else { None };
     let slow_path_rx = match (&stats0, &stats1) {
         (Some(a), Some(b)) if relay_name == "mediaplane-ebpf" => Some(extra(b, "userspace.rx_packets").saturating_sub(extra(a, "userspace.rx_packets"))),

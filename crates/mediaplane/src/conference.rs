@@ -291,7 +291,8 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         plan = plan.receiver(format!("p{i}-direct"), direct, [flow_direct(prev)]);
     }
 
-    let bpf_ns = |stats: &Value| stats["extra"]["bpf_run_time_ns"].as_u64().unwrap_or(0);
+    // Both programs every packet runs through: the XDP pre-filter (its pass path) and TC.
+    let bpf_ns = |stats: &Value| ["bpf_run_time_ns", "xdp_run_time_ns"].iter().map(|k| stats["extra"][k].as_u64().unwrap_or(0)).sum::<u64>();
     let bpf0 = bpf_ns(&api(tb, "GET", "/v1/stats", None)?);
     let cpu0 = process_cpu_ns(serve.pid());
     let report = traffic::run(&plan)?;

@@ -110,7 +110,7 @@ fn print_side_by_side(results: &[ConferenceResult]) {
         return;
     }
     println!("\nside by side (added delay = through the SFU minus the direct path, same run; per copy;");
-    println!("cpu/copy = serve process CPU + BPF program run time, per delivered copy; bpf ns/copy = the BPF part)");
+    println!("cpu/copy = serve process CPU + BPF program run time, per delivered copy; bpf ns/copy = the BPF part: XDP pre-filter + TC)");
     println!(
         "  {:<10} {:>9} {:>9} {:>7} {:>5} {:>16} {:>16} {:>15} {:>14} {:>13}",
         "dataplane", "copies", "expected", "loss %", "dup", "added p50 µs", "added p99 µs", "direct p50 µs", "cpu/copy ns", "bpf ns/copy"
