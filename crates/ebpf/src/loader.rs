@@ -120,6 +120,29 @@ fn route_libbpf_logs() {
     });
 }
 
+
+/// Sum a per-CPU map's value at `key` over the CPUs with `add`.
+pub(crate) fn percpu_sum<T: Pod>(map: &libbpf_rs::Map<'_>, key: u32, add: impl Fn(&mut T, &T)) -> Result<T, DataplaneError> {
+    let mut acc = T::default();
+    if let Some(per_cpu) = map.lookup_percpu(key.as_bytes(), MapFlags::ANY).map_err(|e| bpf_err("reading counters", e))? {
+        for v in per_cpu {
+            add(&mut acc, &T::from_bytes(&v));
+        }
+    }
+    Ok(acc)
+}
+
+/// (total run time ns, runs) of `prog`, as accounted by the kernel while BPF run-time statistics
+/// are enabled; `None` if the kernel does not report them.
+pub(crate) fn prog_run_stats(prog: &Program<'_>) -> Option<(u64, u64)> {
+    use std::os::fd::AsRawFd;
+    let mut info: libbpf_rs::libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
+    let mut len = std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_prog_info>() as u32;
+    // SAFETY: info is a zeroed bpf_prog_info of the size we pass.
+    let r = unsafe { libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(prog.as_fd().as_raw_fd(), &mut info, &mut len) };
+    (r == 0).then_some((info.run_time_ns, info.run_cnt))
+}
+
 pub(crate) fn bpf_err(context: impl std::fmt::Display, e: libbpf_rs::Error) -> DataplaneError {
     DataplaneError::Other(format!("{context}: {e}"))
 }
@@ -313,26 +336,11 @@ impl FastPath {
         Ok(out)
     }
 
-    fn percpu_sum<T: Pod>(map: &libbpf_rs::Map<'_>, key: u32, add: impl Fn(&mut T, &T)) -> Result<T, DataplaneError> {
-        let mut acc = T::default();
-        if let Some(per_cpu) = map.lookup_percpu(key.as_bytes(), MapFlags::ANY).map_err(|e| bpf_err("reading counters", e))? {
-            for v in per_cpu {
-                add(&mut acc, &T::from_bytes(&v));
-            }
-        }
-        Ok(acc)
-    }
 
     /// (total run time ns, runs) of the program, as accounted by the kernel while BPF run-time
     /// statistics are enabled; `None` if the kernel does not report them.
     pub fn run_stats(&self) -> Option<(u64, u64)> {
-        use std::os::fd::AsRawFd;
-        let prog = self.program();
-        let mut info: libbpf_rs::libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_prog_info>() as u32;
-        // SAFETY: info is a zeroed bpf_prog_info of the size we pass.
-        let r = unsafe { libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(prog.as_fd().as_raw_fd(), &mut info, &mut len) };
-        (r == 0).then_some((info.run_time_ns, info.run_cnt))
+        prog_run_stats(&self.program())
     }
 
     /// The kernel's counters of just these streams (one map read per stream, where
@@ -345,7 +353,7 @@ impl FastPath {
         };
         let mut out = BTreeMap::new();
         for (id, slot) in slots {
-            out.insert(id, Self::percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?.to_counters());
+            out.insert(id, percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?.to_counters());
         }
         Ok(out)
     }
@@ -354,15 +362,15 @@ impl FastPath {
         let counters = self.map("counters");
         let mut global = BTreeMap::new();
         for (i, name) in GLOBAL_COUNTERS.iter().enumerate() {
-            global.insert(*name, Self::percpu_sum::<u64>(&counters, i as u32, |a, b| *a += b)?);
+            global.insert(*name, percpu_sum::<u64>(&counters, i as u32, |a, b| *a += b)?);
         }
         let stats = self.map("stream_stats");
         let slots: Vec<(u32, u32)> = self.installer.lock().stats_slots().collect();
         let mut streams = BTreeMap::new();
         for (id, slot) in slots {
-            streams.insert(id, Self::percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?);
+            streams.insert(id, percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?);
         }
-        let latency = Self::percpu_sum::<LatencyHistRaw>(&self.map("copy_latency"), 0, |a, b| a.add(b))?;
+        let latency = percpu_sum::<LatencyHistRaw>(&self.map("copy_latency"), 0, |a, b| a.add(b))?;
         Ok(KernelStats { global, streams, latency })
     }
 

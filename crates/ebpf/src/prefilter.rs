@@ -11,11 +11,11 @@
 //! `drop_no_stream`). Not in `total` (which counts what TC and the user-space plane dropped):
 //! every dropped packet is counted once, in one of the two.
 
-use crate::loader::FastPath;
+use crate::loader::{percpu_sum, FastPath};
 use libbpf_rs::{MapCore, MapFlags, Object, ObjectBuilder, Program, ProgramInput};
 use mediaplane_dataplane::DataplaneError;
 use std::collections::BTreeMap;
-use std::os::fd::{AsFd, AsRawFd};
+use std::os::fd::AsFd;
 use std::path::{Path, PathBuf};
 
 /// The compiled pre-filter (bpf/prefilter_xdp.bpf.c), embedded.
@@ -87,21 +87,14 @@ impl Prefilter {
         let map = self.map("xdp_counters");
         let mut out = BTreeMap::new();
         for (i, name) in XDP_COUNTERS.iter().enumerate() {
-            let per_cpu = map.lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY).map_err(|e| bpf_err("reading XDP counters", e))?;
-            let sum = per_cpu.unwrap_or_default().iter().map(|v| u64::from_ne_bytes(v[..8].try_into().unwrap())).sum();
-            out.insert(*name, sum);
+            out.insert(*name, percpu_sum::<u64>(&map, i as u32, |a, b| *a += b)?);
         }
         Ok(out)
     }
 
     /// (total run time ns, runs) while BPF run-time statistics are on.
     pub fn run_stats(&self) -> Option<(u64, u64)> {
-        let prog = self.program();
-        let mut info: libbpf_rs::libbpf_sys::bpf_prog_info = unsafe { std::mem::zeroed() };
-        let mut len = std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_prog_info>() as u32;
-        // SAFETY: info is a zeroed bpf_prog_info of the size we pass.
-        let r = unsafe { libbpf_rs::libbpf_sys::bpf_prog_get_info_by_fd(prog.as_fd().as_raw_fd(), &mut info, &mut len) };
-        (r == 0).then_some((info.run_time_ns, info.run_cnt))
+        crate::loader::prog_run_stats(&self.program())
     }
 
     /// Run the program once on `frame` (`BPF_PROG_TEST_RUN`); returns the XDP verdict.

@@ -70,13 +70,7 @@ impl SlowPathSteering {
     /// (packets steered to a slow-path socket, packets that could not be assigned).
     pub fn stats(&self) -> (u64, u64) {
         let Some(map) = self.obj.maps().find(|m| m.name() == "steer_stats") else { return (0, 0) };
-        let read = |k: u32| -> u64 {
-            map.lookup_percpu(&k.to_ne_bytes(), MapFlags::ANY)
-                .ok()
-                .flatten()
-                .map(|cpus| cpus.iter().map(|v| u64::from_ne_bytes(v[..8].try_into().unwrap_or([0; 8]))).sum())
-                .unwrap_or(0)
-        };
+        let read = |k: u32| crate::loader::percpu_sum::<u64>(&map, k, |a, b| *a += b).unwrap_or(0);
         (read(0), read(1))
     }
 }
