@@ -143,6 +143,16 @@ pub(crate) fn prog_run_stats(prog: &Program<'_>) -> Option<(u64, u64)> {
     (r == 0).then_some((info.run_time_ns, info.run_cnt))
 }
 
+/// Remove the pins `names` under `dir` (the maps live on while a process holds them).
+pub(crate) fn unpin(dir: Option<&Path>, names: &[&str]) -> Result<(), DataplaneError> {
+    for p in dir.into_iter().flat_map(|d| names.iter().map(move |n| d.join(n))) {
+        if p.exists() {
+            std::fs::remove_file(&p).map_err(|source| DataplaneError::Io { context: format!("unpinning {}", p.display()), source })?;
+        }
+    }
+    Ok(())
+}
+
 pub(crate) fn bpf_err(context: impl std::fmt::Display, e: libbpf_rs::Error) -> DataplaneError {
     DataplaneError::Other(format!("{context}: {e}"))
 }
@@ -272,15 +282,7 @@ impl FastPath {
 
     /// Remove the map pins (the maps live on while this process holds them).
     pub fn unpin_maps(&self) -> Result<(), DataplaneError> {
-        if let Some(dir) = &self.pin_dir {
-            for name in PINNED_MAPS {
-                let p = dir.join(name);
-                if p.exists() {
-                    std::fs::remove_file(&p).map_err(|source| DataplaneError::Io { context: format!("unpinning {}", p.display()), source })?;
-                }
-            }
-        }
-        Ok(())
+        unpin(self.pin_dir.as_deref(), &PINNED_MAPS)
     }
 
     pub fn pin_dir(&self) -> Option<&Path> {

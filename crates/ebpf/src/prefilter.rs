@@ -120,15 +120,7 @@ impl Prefilter {
 
     /// Remove the map pins (the maps live on while this process holds them).
     pub fn unpin_maps(&self) -> Result<(), DataplaneError> {
-        if let Some(dir) = &self.pin_dir {
-            for name in PINNED_MAPS {
-                let p = dir.join(name);
-                if p.exists() {
-                    std::fs::remove_file(&p).map_err(|source| DataplaneError::Io { context: format!("unpinning {}", p.display()), source })?;
-                }
-            }
-        }
-        Ok(())
+        crate::loader::unpin(self.pin_dir.as_deref(), &PINNED_MAPS)
     }
 
     /// The counters and run time as `DataplaneStats.extra` entries.

@@ -29,6 +29,7 @@ use mediaplane_ng::protocol;
 use mediaplane_ng::sdp::{ConnAddr, Sdp};
 use serde::Serialize;
 use serde_json::{json, Value as Json};
+use crate::conference::process_cpu_ns;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
@@ -212,15 +213,6 @@ fn raise_nofile() {
     }
 }
 
-/// CPU time of all threads of a process, ns (/proc/<pid>/task/*/schedstat).
-pub fn process_cpu_ns(pid: u32) -> u64 {
-    let Ok(tasks) = std::fs::read_dir(format!("/proc/{pid}/task")) else { return 0 };
-    tasks
-        .flatten()
-        .filter_map(|t| std::fs::read_to_string(t.path().join("schedstat")).ok())
-        .filter_map(|s| s.split_whitespace().next()?.parse::<u64>().ok())
-        .sum()
-}
 
 pub fn rss_kib(pid: u32) -> u64 {
     mediaplane_dataplane::sys::rss_bytes(Some(pid)) / 1024
