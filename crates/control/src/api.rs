@@ -2,6 +2,7 @@
 //! `/metrics` endpoint. Every error is a JSON body `{"error": "...", "code": "..."}` with a
 //! 4xx/5xx status; no input reaches a panic.
 
+use crate::config::MediaConfig;
 use crate::manager::{allocate_local, ManagerError, SessionManager};
 use crate::store::Change;
 use axum::extract::rejection::JsonRejection;
@@ -10,7 +11,8 @@ use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
 use axum::{Json, Router};
-use mediaplane_core::model::{LegSpec, ModelError, StreamRef, StreamSpec};
+use mediaplane_core::model::{LegSpec, ModelError, Relay, StreamRef, StreamSpec};
+use mediaplane_core::Model;
 use mediaplane_dataplane::Counters;
 use serde::{Deserialize, Serialize};
 use serde_json::{json, Value};
@@ -60,6 +62,8 @@ impl From<ManagerError> for ApiError {
             }
             ManagerError::Dataplane(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "dataplane", msg),
             ManagerError::Store(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", msg),
+            // The failing item's status and code, with the item named in the message.
+            ManagerError::BatchItem { source, .. } => ApiError { message: msg, ..ApiError::from(*source) },
         }
     }
 }
@@ -157,8 +161,22 @@ struct CreateRelay {
     b: LegRequest,
 }
 
+/// At most this many operations in one `POST /v1/batch/relays`.
+pub const MAX_BATCH: usize = 10_000;
+
+/// Many relay operations applied as one: deletes first (so a batch can replace a relay), then
+/// creates, in order; one store transaction and one data plane update for all of them.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RelayBatch {
+    #[serde(default)]
+    delete: Vec<String>,
+    #[serde(default)]
+    create: Vec<CreateRelay>,
+}
+
 pub fn router(state: AppState, cfg: &crate::config::ApiConfig) -> Router {
-    let max_body = cfg.max_body;
+    let (max_body, max_batch_body) = (cfg.max_body, cfg.max_batch_body.max(cfg.max_body));
     let token = cfg.token.clone().filter(|t| !t.is_empty()).map(|t| Arc::new(format!("Bearer {t}")));
     let timeout = std::time::Duration::from_millis(cfg.timeout_ms.max(1));
     Router::new()
@@ -174,6 +192,7 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig) -> Router {
         .route("/v1/rooms/{room}/participants/{pid}/subscriptions/{publisher}/{stream}", delete(unsubscribe))
         .route("/v1/relays", get(list_relays).post(create_relay))
         .route("/v1/relays/{id}", get(get_relay).delete(delete_relay))
+        .route(BATCH_PATH, post(relay_batch).layer(DefaultBodyLimit::max(max_batch_body)))
         .route("/v1/stats", get(stats))
         .route("/v1/table", get(table))
         .fallback(not_found)
@@ -182,9 +201,10 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig) -> Router {
         // cross the limit.
         .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| async move {
             let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
+            let limit = if req.uri().path() == BATCH_PATH { max_batch_body } else { max_body };
             match declared {
-                Some(n) if n > max_body as u64 => {
-                    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", format!("request body of {n} bytes exceeds {max_body}")).into_response()
+                Some(n) if n > limit as u64 => {
+                    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", format!("request body of {n} bytes exceeds {limit}")).into_response()
                 }
                 _ => next.run(req).await,
             }
@@ -318,21 +338,51 @@ async fn list_relays(State(m): State<AppState>) -> ApiResult {
     ok(json!({"relays": m.read(|model, _| model.relays.keys().cloned().collect::<Vec<_>>())}))
 }
 
+/// Create one relay in `model`, allocating the local addresses not given.
+fn create_relay_in(model: &mut Model, media: &MediaConfig, req: &CreateRelay) -> Result<Relay, ManagerError> {
+    let a_local = match req.a.local {
+        Some(l) => l,
+        None => allocate_local(model, media, &[])?,
+    };
+    let b_local = match req.b.local {
+        Some(l) => l,
+        None => allocate_local(model, media, &[a_local])?,
+    };
+    let leg = |l, r: &LegRequest| LegSpec { local: l, remote: r.remote, strict: r.strict, rtp: r.rtp };
+    model.create_relay(&req.id, leg(a_local, &req.a), leg(b_local, &req.b))?;
+    Ok(model.relays[&req.id].clone())
+}
+
 async fn create_relay(State(m): State<AppState>, ApiJson(req): ApiJson<CreateRelay>) -> ApiResult {
-    let relay = m.mutate(|model, media| {
-        let a_local = match req.a.local {
-            Some(l) => l,
-            None => allocate_local(model, media, &[])?,
-        };
-        let b_local = match req.b.local {
-            Some(l) => l,
-            None => allocate_local(model, media, &[a_local])?,
-        };
-        let leg = |l, r: &LegRequest| LegSpec { local: l, remote: r.remote, strict: r.strict, rtp: r.rtp };
-        model.create_relay(&req.id, leg(a_local, &req.a), leg(b_local, &req.b))?;
-        Ok((model.relays[&req.id].clone(), vec![Change::Relay(req.id.clone())]))
-    })?;
+    let relay = m.mutate(|model, media| Ok((create_relay_in(model, media, &req)?, vec![Change::Relay(req.id.clone())])))?;
     created(json!({"id": req.id, "a": relay.a, "b": relay.b}))
+}
+
+const BATCH_PATH: &str = "/v1/batch/relays";
+
+/// All or nothing: the first failing operation fails the batch, named in the error
+/// (`create[3] (id "x"): ...`), with that operation's status and code.
+async fn relay_batch(State(m): State<AppState>, ApiJson(req): ApiJson<RelayBatch>) -> ApiResult {
+    let n = req.delete.len() + req.create.len();
+    if n == 0 || n > MAX_BATCH {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("a batch holds 1 to {MAX_BATCH} operations, this one {n}")));
+    }
+    let item = |op: &str, i: usize, id: &str, e: ManagerError| ManagerError::BatchItem { item: format!("{op}[{i}] (id {id:?})"), source: Box::new(e) };
+    let created = m.mutate(|model, media| {
+        let mut changes = Vec::with_capacity(n);
+        for (i, id) in req.delete.iter().enumerate() {
+            model.delete_relay(id).map_err(|e| item("delete", i, id, e.into()))?;
+            changes.push(Change::Relay(id.clone()));
+        }
+        let mut created = Vec::with_capacity(req.create.len());
+        for (i, r) in req.create.iter().enumerate() {
+            let relay = create_relay_in(model, media, r).map_err(|e| item("create", i, &r.id, e))?;
+            created.push(json!({"id": r.id, "a": relay.a, "b": relay.b}));
+            changes.push(Change::Relay(r.id.clone()));
+        }
+        Ok((created, changes))
+    })?;
+    ok(json!({"deleted": req.delete, "created": created}))
 }
 
 async fn get_relay(State(m): State<AppState>, Path(id): Path<String>) -> ApiResult {

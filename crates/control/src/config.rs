@@ -94,6 +94,8 @@ pub struct ApiConfig {
     pub listen: SocketAddr,
     /// Largest request body accepted, bytes.
     pub max_body: usize,
+    /// Largest body of `POST /v1/batch/relays` (thousands of relays in one request).
+    pub max_batch_body: usize,
     /// Bearer token required on every request; mandatory when `listen` is not loopback.
     pub token: Option<String>,
     /// A request taking longer than this is answered 503.
@@ -160,7 +162,7 @@ pub struct LogConfig {
 
 impl Default for ApiConfig {
     fn default() -> Self {
-        ApiConfig { listen: "127.0.0.1:7580".parse().unwrap(), max_body: 64 * 1024, token: None, timeout_ms: 5000 }
+        ApiConfig { listen: "127.0.0.1:7580".parse().unwrap(), max_body: 64 * 1024, max_batch_body: 4 << 20, token: None, timeout_ms: 5000 }
     }
 }
 impl Default for DataplaneConfig {

@@ -27,6 +27,9 @@ pub enum ManagerError {
     Limit { what: &'static str, max: usize },
     #[error("no free port left in {ip} {min}-{max}")]
     NoFreePort { ip: IpAddr, min: u16, max: u16 },
+    /// One operation of a batch failed (so the whole batch did): which one, and why.
+    #[error("{item}: {source}")]
+    BatchItem { item: String, source: Box<ManagerError> },
 }
 
 struct Inner {

@@ -47,6 +47,10 @@ impl Store {
 
     fn init(conn: Connection) -> Result<Store, StoreError> {
         // WAL keeps writers from blocking readers; NORMAL sync is durable across process crashes.
+        // One daemon owns its store: holding the lock for the connection's life saves two
+        // fcntl locks and the shared-memory index per transaction, and a second daemon on
+        // the same file fails at start ("database is locked") instead of interleaving writes.
+        conn.pragma_update(None, "locking_mode", "EXCLUSIVE")?;
         conn.pragma_update(None, "journal_mode", "WAL")?;
         conn.pragma_update(None, "synchronous", "NORMAL")?;
         conn.execute_batch(

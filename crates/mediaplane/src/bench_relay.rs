@@ -75,6 +75,9 @@ pub struct BenchRelayArgs {
     /// Concurrent HTTP clients in the capacity phase.
     #[arg(long, default_value_t = 4)]
     capacity_clients: usize,
+    /// Relays per request of the batch ramp (`POST /v1/batch/relays`); 0 or 1 skips it.
+    #[arg(long, default_value_t = 1000)]
+    capacity_batch: usize,
     /// Directory for results.json, results.csv, report.html and plots.
     #[arg(long, default_value = "bench-results/relay")]
     out: PathBuf,
@@ -162,7 +165,8 @@ pub struct CapacitySample {
 
 #[derive(Debug, Clone, Serialize)]
 pub struct CapacityRamp {
-    /// "ng" (offer + answer: 2 relay sessions, RTP and RTCP) or "http" (POST /v1/relays).
+    /// "ng" (offer + answer: 2 relay sessions, RTP and RTCP), "http" (POST /v1/relays) or
+    /// "http-batchN" (POST /v1/batch/relays, N relays per request).
     pub api: String,
     pub dataplane: String,
     pub target: usize,
@@ -798,15 +802,17 @@ fn ramp_ng(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration) -> 
     })?
 }
 
-/// HTTP `POST /v1/relays` with explicit local addresses on many IPs (10.78.x.y, bound with
-/// IP_FREEBIND by the slow path), so the port range of one media IP is no limit. `clients`
-/// keep-alive connections send requests concurrently (as a SIP server's workers would).
-fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration, clients: usize) -> anyhow::Result<CapacityRamp> {
+/// HTTP `POST /v1/relays` (`batch` = 1) or `POST /v1/batch/relays` with `batch` relays per
+/// request, with explicit local addresses on many IPs (10.78.x.y, bound with IP_FREEBIND by the
+/// slow path), so the port range of one media IP is no limit. `clients` keep-alive connections
+/// send requests concurrently (as a SIP server's workers would).
+fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration, clients: usize, batch: usize) -> anyhow::Result<CapacityRamp> {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let pid = relay.pid();
-    let every = (target / 50).clamp(50, 5000);
+    let batch = batch.max(1);
+    let every = (target / 50).clamp(50, 5000).max(batch);
     tb.in_ns(&tb.sfu_ns, move || -> anyhow::Result<CapacityRamp> {
-        let url = format!("http://{API}/v1/relays");
+        let url = if batch == 1 { format!("http://{API}/v1/relays") } else { format!("http://{API}/v1/batch/relays") };
         let ramp = parking_lot::Mutex::new(Ramp::new(every, pid));
         let next = AtomicUsize::new(0);
         let done = AtomicUsize::new(0);
@@ -815,6 +821,13 @@ fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration, c
         let local = |k: usize| {
             let ip = 0x0a4e_0000u32 + (k / 25_000) as u32 + 1;
             SocketAddr::new(IpAddr::from(ip.to_be_bytes()), 2000 + 2 * (k % 25_000) as u16)
+        };
+        let relay_body = |k: usize| {
+            json!({
+                "id": format!("cap-{k}"),
+                "a": {"local": local(2 * k), "remote": "10.77.0.2:4000"},
+                "b": {"local": local(2 * k + 1), "remote": "10.77.1.2:4000"},
+            })
         };
         // Threads spawned here inherit this thread's network namespace.
         std::thread::scope(|s| {
@@ -830,15 +843,12 @@ fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration, c
                             stopped.lock().get_or_insert(format!("time budget of {} s", budget.as_secs()));
                             return;
                         }
-                        let k = next.fetch_add(1, Ordering::Relaxed);
+                        let k = next.fetch_add(batch, Ordering::Relaxed);
                         if k >= target {
                             return;
                         }
-                        let body = json!({
-                            "id": format!("cap-{k}"),
-                            "a": {"local": local(2 * k), "remote": "10.77.0.2:4000"},
-                            "b": {"local": local(2 * k + 1), "remote": "10.77.1.2:4000"},
-                        });
+                        let n = batch.min(target - k);
+                        let body = if batch == 1 { relay_body(k) } else { json!({"create": (k..k + n).map(relay_body).collect::<Vec<_>>()}) };
                         let t = Instant::now();
                         let err = match agent.post(&url).send_json(body) {
                             Ok(_) => None,
@@ -851,8 +861,8 @@ fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration, c
                             stopped.lock().get_or_insert(e);
                             return;
                         }
-                        let n = done.fetch_add(1, Ordering::Relaxed) + 1;
-                        ramp.lock().record(n, t.elapsed().as_nanos() as u64, pid, false);
+                        let total = done.fetch_add(n, Ordering::Relaxed) + n;
+                        ramp.lock().record(total, t.elapsed().as_nanos() as u64, pid, false);
                     }
                 });
             }
@@ -861,7 +871,8 @@ fn ramp_http(tb: &Testbed, relay: &RelayProc, target: usize, budget: Duration, c
         let mut ramp = ramp.into_inner();
         ramp.record(sessions, 0, pid, true);
         let stopped_by = stopped.into_inner().unwrap_or_else(|| format!("target of {target} sessions"));
-        Ok(finish_ramp("http", "ebpf", target, sessions, stopped_by, ramp))
+        let api = if batch == 1 { "http".to_string() } else { format!("http-batch{batch}") };
+        Ok(finish_ramp(&api, "ebpf", target, sessions, stopped_by, ramp))
     })?
 }
 
@@ -943,14 +954,19 @@ fn mutation_costs(sizes: &[usize], dir: &Path) -> anyhow::Result<Vec<MutationCos
     Ok(out)
 }
 
-fn capacity(tb: &Testbed, target: usize, budget: Duration, clients: usize, dir: &Path, quick: bool, failures: &mut Vec<String>) -> Capacity {
+fn capacity(tb: &Testbed, target: usize, budget: Duration, clients: usize, batch: usize, dir: &Path, quick: bool, failures: &mut Vec<String>) -> Capacity {
     let mut ramps = Vec::new();
     // NG: at most a tenth of the target, in a third of the budget (every call = 2 sessions).
     let ng_target = (target / 10).clamp(100, 24_000);
-    for api_kind in ["ng", "http"] {
+    let apis: &[&str] = if batch > 1 { &["ng", "http", "http-batch"] } else { &["ng", "http"] };
+    for &api_kind in apis {
         let sized = if api_kind == "ng" { 2 * ng_target } else { target };
         let r = RelayProc::start(tb, "mediaplane-ebpf", dir, Some(1), Some(sized)).and_then(|mut relay| {
-            let r = if api_kind == "ng" { ramp_ng(tb, &relay, ng_target, budget / 3) } else { ramp_http(tb, &relay, target, budget, clients) };
+            let r = match api_kind {
+                "ng" => ramp_ng(tb, &relay, ng_target, budget / 3),
+                "http" => ramp_http(tb, &relay, target, budget, clients, 1),
+                _ => ramp_http(tb, &relay, target, budget, clients, batch),
+            };
             let stop = relay.stop();
             let r = r?;
             stop?;
@@ -1034,7 +1050,7 @@ pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
         None
     } else {
         eprintln!("bench relay: capacity phase (target {cap_target} sessions, {} s budget) ...", cap_budget.as_secs());
-        Some(capacity(&tb, cap_target, cap_budget, a.capacity_clients.clamp(1, 64), &dir, a.quick, &mut failures))
+        Some(capacity(&tb, cap_target, cap_budget, a.capacity_clients.clamp(1, 64), a.capacity_batch.min(10_000), &dir, a.quick, &mut failures))
     };
     drop(tb);
 

@@ -111,6 +111,30 @@ fn every_endpoint_success_and_error_paths() {
     let (s, _) = d.call("POST", "/v1/relays", Some(json!({"id": "c2", "a": {}})));
     assert_eq!(s, 422, "missing leg b");
 
+    // Relay batches: all or nothing, the failing item named with its own status and code.
+    let batch_relay = |id: &str| json!({"id": id, "a": {"remote": "127.79.1.20:7000"}, "b": {"remote": "127.79.1.21:7000"}});
+    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"create": [batch_relay("b1"), batch_relay("b2"), batch_relay("call1")]})));
+    assert_eq!((s, code(&v)), (409, "exists"), "{v}");
+    assert!(v["error"].as_str().unwrap().starts_with("create[2] (id \"call1\")"), "{v}");
+    assert_eq!(d.call("GET", "/v1/relays", None).1["relays"], json!(["call1"]), "a failed batch changes nothing");
+    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"create": [batch_relay("b1"), batch_relay("b2")]})));
+    assert_eq!(s, 200, "{v}");
+    assert_eq!(v["created"].as_array().unwrap().len(), 2, "{v}");
+    assert!(v["created"][1]["b"]["local"].is_string(), "allocated addresses are returned: {v}");
+    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"delete": ["b1", "nope"]})));
+    assert_eq!((s, code(&v)), (404, "not_found"), "{v}");
+    assert!(v["error"].as_str().unwrap().starts_with("delete[1] (id \"nope\")"), "{v}");
+    // Deletes run first, so one batch can replace a relay.
+    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"delete": ["b1", "b2"], "create": [batch_relay("b2")]})));
+    assert_eq!((s, v["deleted"].clone()), (200, json!(["b1", "b2"])), "{v}");
+    assert_eq!(d.call("GET", "/v1/relays", None).1["relays"], json!(["b2", "call1"]));
+    assert_eq!(d.call("DELETE", "/v1/relays/b2", None).0, 200);
+    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({})));
+    assert_eq!((s, code(&v)), (400, "invalid"), "an empty batch: {v}");
+    let many: Vec<Value> = (0..10_001).map(|_| json!("x")).collect();
+    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"delete": many})));
+    assert_eq!((s, code(&v)), (400, "invalid"), "more than 10,000 operations: {v}");
+
     // Stats and metrics.
     let (s, v) = d.call("GET", "/v1/stats", None);
     assert_eq!(s, 200);
@@ -206,6 +230,22 @@ fn token_and_limits_are_enforced() {
         .output()
         .unwrap();
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
+}
+
+#[test]
+fn a_second_daemon_on_the_same_store_exits_with_a_clear_error() {
+    let dir = TempDir::new("store-lock");
+    let store = dir.0.join("s.db");
+    let mut d = Daemon::start(&store, &[]);
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["serve", "--listen", "127.0.0.1:0", "--store", store.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(!out.status.success());
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("database is locked"), "{err}");
+    assert!(d.alive(), "the first daemon is untouched");
+    assert!(d.terminate().success());
 }
 
 #[test]
