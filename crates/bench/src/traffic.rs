@@ -531,6 +531,12 @@ pub struct TrafficReport {
     /// CPU time of the sender thread (CLOCK_THREAD_CPUTIME_ID), ns.
     pub generator_cpu_ns: u64,
     pub receiver_cpu_ns: u64,
+    /// Busy time of all CPUs while the plan ran (/proc/stat: everything but idle and iowait):
+    /// the generator and whatever it drives, the kernel's softirq packet work included, which
+    /// runs in whichever task raised it (mostly the sender) and so is in no process's CPU
+    /// time. Meaningful only with `spin` zero: a spinning sender is busy by construction.
+    #[serde(default)]
+    pub machine_busy_ns: u64,
 }
 
 impl TrafficReport {
@@ -569,12 +575,17 @@ pub fn run(plan: &TrafficPlan) -> anyhow::Result<TrafficReport> {
         sender_done: AtomicBool::new(false),
         sender_done_at: AtomicU64::new(0),
     };
+    // Every flow's and copy's statistics exist before the clock starts: with thousands of flows
+    // their histograms are gigabytes, and building them must not eat into the first sends.
+    let sender_accs = new_sender_accs(plan);
+    let receiver_accs = new_receiver_accs(plan, &planned);
+    let busy0 = machine_busy_ns();
     let started_unix_ns = realtime_ns();
     let t0 = monotonic_ns() + plan.lead.as_nanos() as u64;
 
     let (sender_out, receiver_out) = std::thread::scope(|scope| {
-        let receiver = scope.spawn(|| receive_loop(plan, &planned, &flow_index, &shared, t0));
-        let sender = scope.spawn(|| send_loop(plan, &shared, t0));
+        let receiver = scope.spawn(|| receive_loop(plan, receiver_accs, &flow_index, &shared, t0));
+        let sender = scope.spawn(|| send_loop(plan, sender_accs, &shared, t0));
         let sender_out = sender.join();
         // Whatever happened to the sender, let the receiver finish its drain.
         if !shared.sender_done.load(Ordering::Acquire) {
@@ -585,14 +596,37 @@ pub fn run(plan: &TrafficPlan) -> anyhow::Result<TrafficReport> {
         }
         (sender_out, receiver.join())
     });
+    let busy = machine_busy_ns().saturating_sub(busy0);
     let sender_out = sender_out.unwrap_or_else(|p| std::panic::resume_unwind(p));
     let receiver_out = receiver_out.unwrap_or_else(|p| std::panic::resume_unwind(p))?;
-    Ok(build_report(
-        plan,
-        started_unix_ns,
-        sender_out,
-        receiver_out,
-    ))
+    let mut report = build_report(plan, started_unix_ns, sender_out, receiver_out);
+    report.machine_busy_ns = busy;
+    Ok(report)
+}
+
+/// Busy time of all CPUs since boot, ns: the `cpu` line of /proc/stat without idle and iowait
+/// (guest time is inside user). 0 where /proc/stat is unreadable.
+pub fn machine_busy_ns() -> u64 {
+    let Ok(stat) = std::fs::read_to_string("/proc/stat") else {
+        return 0;
+    };
+    // cpu user nice system idle iowait irq softirq steal ...
+    let ticks: u64 = stat
+        .lines()
+        .find(|l| l.starts_with("cpu "))
+        .map(|l| {
+            l.split_whitespace()
+                .skip(1)
+                .take(8)
+                .enumerate()
+                .filter(|(i, _)| *i != 3 && *i != 4)
+                .filter_map(|(_, v)| v.parse::<u64>().ok())
+                .sum()
+        })
+        .unwrap_or(0);
+    // SAFETY: sysconf has no memory-safety preconditions.
+    let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
+    ticks * (1_000_000_000 / hz)
 }
 
 struct Shared {
@@ -616,7 +650,20 @@ struct SenderAcc {
     lateness: ValueRecorder,
 }
 
-fn send_loop(plan: &TrafficPlan, shared: &Shared, t0: u64) -> SenderOutcome {
+fn new_sender_accs(plan: &TrafficPlan) -> Vec<SenderAcc> {
+    plan.senders
+        .iter()
+        .map(|_| SenderAcc {
+            sent: 0,
+            sent_bytes: 0,
+            send_errors: 0,
+            not_sent: 0,
+            lateness: ValueRecorder::compact(),
+        })
+        .collect()
+}
+
+fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: u64) -> SenderOutcome {
     // Timer slack 1 ns: the default 50 µs slack would make every wake-up late.
     // SAFETY: prctl with integer arguments, affects this thread only.
     unsafe { libc::prctl(libc::PR_SET_TIMERSLACK, 1 as libc::c_ulong, 0, 0, 0) };
@@ -658,18 +705,6 @@ fn send_loop(plan: &TrafficPlan, shared: &Shared, t0: u64) -> SenderOutcome {
             }
         })
         .collect();
-    let mut accs: Vec<SenderAcc> = plan
-        .senders
-        .iter()
-        .map(|_| SenderAcc {
-            sent: 0,
-            sent_bytes: 0,
-            send_errors: 0,
-            not_sent: 0,
-            lateness: ValueRecorder::new(),
-        })
-        .collect();
-
     // Min-heap of (deadline, sender, burst index): bounded by the number of bursts in the plan.
     let mut heap: BinaryHeap<Reverse<(u64, usize, u64)>> = flows
         .iter()
@@ -819,15 +854,8 @@ fn prepare_receiver(socket: &UdpSocket) -> anyhow::Result<()> {
     Ok(())
 }
 
-fn receive_loop(
-    plan: &TrafficPlan,
-    planned: &HashMap<u32, u64>,
-    flow_index: &HashMap<u32, usize>,
-    shared: &Shared,
-    t0: u64,
-) -> anyhow::Result<ReceiverOutcome> {
-    let mut accs: Vec<ReceiverAcc> = plan
-        .receivers
+fn new_receiver_accs(plan: &TrafficPlan, planned: &HashMap<u32, u64>) -> Vec<ReceiverAcc> {
+    plan.receivers
         .iter()
         .map(|r| ReceiverAcc {
             copies: r
@@ -851,8 +879,16 @@ fn receive_loop(
             malformed: 0,
             user_timestamps: 0,
         })
-        .collect();
+        .collect()
+}
 
+fn receive_loop(
+    plan: &TrafficPlan,
+    mut accs: Vec<ReceiverAcc>,
+    flow_index: &HashMap<u32, usize>,
+    shared: &Shared,
+    t0: u64,
+) -> anyhow::Result<ReceiverOutcome> {
     let epoll = Epoll::new()?;
     for (i, r) in plan.receivers.iter().enumerate() {
         epoll.add(r.socket.as_raw_fd(), i as u64)?;
@@ -1048,6 +1084,7 @@ fn build_report(
         totals,
         generator_cpu_ns: s.cpu_ns,
         receiver_cpu_ns: r.cpu_ns,
+        machine_busy_ns: 0,
     }
 }
 

@@ -44,7 +44,12 @@ const RELAY_PORT_MAX: u16 = 59999;
 const PARTY_PORT_BASE: u16 = 10000;
 const MAX_CALLS: usize = 12_000;
 
-pub const RELAYS: [&str; 3] = ["mediaplane-userspace", "mediaplane-ebpf", "rtpengine"];
+/// `mediaplane-ebpf-noxdp` is the eBPF plane without its XDP pre-filter (an A/B of what the
+/// pre-filter costs relayed media: on veth, XDP copies every packet into a page first).
+/// `kernel-forward` is no relay at all: the parties send to each other through the relay
+/// namespace's IP forwarding, the floor every relay's machine CPU per packet is compared with.
+pub const RELAYS: [&str; 5] = ["mediaplane-userspace", "mediaplane-ebpf", "mediaplane-ebpf-noxdp", "rtpengine", KERNEL_FORWARD];
+pub const KERNEL_FORWARD: &str = "kernel-forward";
 
 #[derive(clap::Args)]
 pub struct BenchRelayArgs {
@@ -54,7 +59,8 @@ pub struct BenchRelayArgs {
     /// Concurrent calls per run (default 750,1500,1800,5000,10000; quick: 20,50).
     #[arg(long, value_delimiter = ',')]
     calls: Option<Vec<usize>>,
-    /// Relays to compare: mediaplane-userspace, mediaplane-ebpf, rtpengine.
+    /// Relays to compare: mediaplane-userspace, mediaplane-ebpf, mediaplane-ebpf-noxdp, rtpengine,
+    /// and kernel-forward (no relay: the baseline of machine CPU per packet).
     #[arg(long, value_delimiter = ',', default_value = "mediaplane-userspace,mediaplane-ebpf,rtpengine")]
     relays: Vec<String>,
     /// Calls set up per second over NG (the seed: 30/s; quick: 100/s).
@@ -136,6 +142,12 @@ pub struct RelayRun {
     pub cpu_pct: f64,
     /// (relay CPU + BPF run time) per relayed packet.
     pub cpu_per_packet_ns: Option<f64>,
+    /// Busy time of the whole machine per relayed packet during the media run (the sender
+    /// does not spin here): generator and receivers, the relay, and the kernel's packet work
+    /// (veth, XDP page copies, TC, skb clones and redirects, socket delivery), which runs in
+    /// whichever task raised it, mostly the sender, so the eBPF relay's share of it is in none
+    /// of the CPU columns above. The relay's whole cost is this minus `kernel-forward`'s.
+    pub machine_cpu_per_packet_ns: Option<f64>,
     /// mediaplane: packets forwarded by the kernel and packets seen by the user-space slow path
     /// during the media run.
     pub kernel_forwarded: Option<u64>,
@@ -338,8 +350,8 @@ impl RelayProc {
         let logf = std::fs::File::create(&log)?;
         let mut cmd;
         match name {
-            "mediaplane-userspace" | "mediaplane-ebpf" => {
-                let plane = name.trim_start_matches("mediaplane-");
+            "mediaplane-userspace" | "mediaplane-ebpf" | "mediaplane-ebpf-noxdp" => {
+                let plane = name.trim_start_matches("mediaplane-").trim_end_matches("-noxdp");
                 let exe = std::env::current_exe().context("locating the mediaplane binary")?;
                 let cfg = dir.join(format!("{}-{name}.toml", tb.prefix));
                 let mut toml = format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\n");
@@ -362,6 +374,9 @@ impl RelayProc {
                     for p in &tb.peers {
                         cmd.args(["--interface", &p.sfu_if]);
                     }
+                }
+                if name.ends_with("-noxdp") {
+                    cmd.arg("--no-xdp-prefilter");
                 }
             }
             "rtpengine" => {
@@ -576,12 +591,29 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     if n == 0 || n > MAX_CALLS {
         bail!("calls must be between 1 and {MAX_CALLS}");
     }
-    let mut relay = RelayProc::start(tb, relay_name, dir, None, Some(2 * n))?;
+    // The kernel-forward baseline has no relay: each party sends straight to the other, routed
+    // by the relay namespace's IP forwarding.
+    let baseline = relay_name == KERNEL_FORWARD;
+    let mut relay = if baseline { None } else { Some(RelayProc::start(tb, relay_name, dir, None, Some(2 * n))?) };
+    let mediaplane = relay.as_ref().is_some_and(|r| r.mediaplane);
     let tag = format!("{}-{relay_name}-{n}", tb.prefix);
-    let setup = setup_calls(tb, &tag, n, spec.setup_rate)?;
+    let setup = if baseline {
+        let (cip, eip) = (tb.peers[0].ip, tb.peers[1].ip);
+        let up = (0..n)
+            .map(|i| {
+                let port = PARTY_PORT_BASE + 2 * i as u16;
+                CallUp { index: i, call_id: String::new(), to_from_caller: SocketAddr::new(eip, port), to_from_callee: SocketAddr::new(cip, port) }
+            })
+            .collect();
+        Setup { up, failures: Vec::new(), offer: ValueRecorder::new(), answer: ValueRecorder::new(), seconds: f64::INFINITY }
+    } else {
+        setup_calls(tb, &tag, n, spec.setup_rate)?
+    };
     if setup.up.is_empty() {
         let first = setup.failures.first().cloned().unwrap_or_default();
-        relay.stop().ok();
+        if let Some(r) = relay.as_mut() {
+            r.stop().ok();
+        }
         bail!("no call could be set up ({} failures; first: {first})", setup.failures.len());
     }
 
@@ -602,7 +634,7 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
         }
     }
     let legs = 2 * setup.up.len();
-    let legs_latched = if relay.mediaplane {
+    let legs_latched = if mediaplane {
         let deadline = Instant::now() + Duration::from_secs_f64((30.0 + legs as f64 * 0.05).min(900.0));
         let mut left = unlatched_rtp_legs(tb)?;
         while left > 0 && Instant::now() < deadline {
@@ -620,6 +652,9 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     let profile = Profile::voice();
     let mut plan = TrafficPlan::new(Duration::from_secs_f64(spec.seconds));
     plan.drain = Duration::from_secs(2);
+    // No busy-wait before each send: the machine's busy time must be work, not waiting. Delay
+    // is stamped at the send itself, so pacing slack does not enter it.
+    plan.spin = Duration::ZERO;
     // One fd per party port, shared by its sender and receiver: 5,000 calls need 10,000, not 20,000.
     let caller_socks: Vec<std::sync::Arc<UdpSocket>> = caller_socks.into_iter().map(Into::into).collect();
     let callee_socks: Vec<std::sync::Arc<UdpSocket>> = callee_socks.into_iter().map(Into::into).collect();
@@ -632,14 +667,14 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
         plan = plan.receiver(format!("caller{i}"), a, [callee_flow(i)]);
         plan = plan.receiver(format!("callee{i}"), b, [caller_flow(i)]);
     }
-    let stats0 = if relay.mediaplane { Some(api(tb, "GET", "/v1/stats", None)?) } else { None };
-    let pid = relay.pid();
-    let cpu0 = process_cpu_ns(pid);
+    let stats0 = if mediaplane { Some(api(tb, "GET", "/v1/stats", None)?) } else { None };
+    let pid = relay.as_ref().map(RelayProc::pid);
+    let cpu0 = pid.map_or(0, process_cpu_ns);
     let report = traffic::run(&plan)?;
-    let relay_cpu_ns = process_cpu_ns(pid).saturating_sub(cpu0);
-    let stats1 = if relay.mediaplane { Some(api(tb, "GET", "/v1/stats", None)?) } else { None };
-    let rss = rss_kib(pid);
-    let memlock = bpf_memlock(pid);
+    let relay_cpu_ns = pid.map_or(0, |p| process_cpu_ns(p).saturating_sub(cpu0));
+    let stats1 = if mediaplane { Some(api(tb, "GET", "/v1/stats", None)?) } else { None };
+    let rss = pid.map_or(0, rss_kib);
+    let memlock = pid.map_or(0, bpf_memlock);
     drop(plan);
 
     let delta = |k: &str| match (&stats0, &stats1) {
@@ -648,18 +683,21 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     };
     // TC and the XDP pre-filter's pass path: every relayed packet runs through both.
     let bpf_run_ns = delta("bpf_run_time_ns").unwrap_or(0) + delta("xdp_run_time_ns").unwrap_or(0);
-    let kernel_forwarded = if relay_name == "mediaplane-ebpf" { delta("forwarded") } else { None };
+    let ebpf = relay_name.starts_with("mediaplane-ebpf");
+    let kernel_forwarded = if ebpf { delta("forwarded") } else { None };
     let slow_path_rx = match (&stats0, &stats1) {
-        (Some(a), Some(b)) if relay_name == "mediaplane-ebpf" => Some(extra(b, "userspace.rx_packets").saturating_sub(extra(a, "userspace.rx_packets"))),
+        (Some(a), Some(b)) if ebpf => Some(extra(b, "userspace.rx_packets").saturating_sub(extra(a, "userspace.rx_packets"))),
         (Some(a), Some(b)) => Some(b["total"]["rx_packets"].as_u64().unwrap_or(0).saturating_sub(a["total"]["rx_packets"].as_u64().unwrap_or(0))),
         _ => None,
     };
 
     // Delete every call, then check what is left.
     let calls: Vec<(usize, String)> = setup.up.iter().map(|c| (c.index, c.call_id.clone())).collect();
-    let (del_lat, delete_failures) = delete_calls(tb, &tag, calls)?;
-    let left_after_delete = if relay.mediaplane { api(tb, "GET", "/health", None).ok().and_then(|h| h["relays"].as_u64()) } else { None };
-    relay.stop()?;
+    let (del_lat, delete_failures) = if baseline { (ValueRecorder::new(), 0) } else { delete_calls(tb, &tag, calls)? };
+    let left_after_delete = if mediaplane { api(tb, "GET", "/health", None).ok().and_then(|h| h["relays"].as_u64()) } else { None };
+    if let Some(r) = relay.as_mut() {
+        r.stop()?;
+    }
     for ext in ["db", "db-wal", "db-shm", "toml"] {
         let _ = std::fs::remove_file(dir.join(format!("{}-{relay_name}.{ext}", tb.prefix)));
     }
@@ -715,6 +753,7 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
         bpf_run_ns,
         cpu_pct: 100.0 * cpu_total as f64 / media_ns,
         cpu_per_packet_ns: (t.received > 0).then(|| cpu_total as f64 / t.received as f64),
+        machine_cpu_per_packet_ns: (t.received > 0).then(|| report.machine_busy_ns as f64 / t.received as f64),
         kernel_forwarded,
         slow_path_rx,
         relay_rss_kib: rss,

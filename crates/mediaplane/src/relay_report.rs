@@ -15,7 +15,7 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 pub const CSV_HEADER: &str = "relay,calls,calls_up,setup_failures,setup_rate_target,setup_rate_achieved,offer_p50_ms,offer_p99_ms,answer_p50_ms,answer_p99_ms,\
 legs,legs_latched,latch_s,seconds,planned,sent,send_errors,received,lost,loss_pct,legs_with_loss,duplicates,unexpected,\
 delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,dv_p99_median_us,dv_p99_max_us,jitter_mean_us,mos_mean,mos_min,\
-relay_cpu_ms,bpf_run_ms,cpu_pct,cpu_per_packet_ns,kernel_forwarded,slow_path_rx,relay_rss_mib,bpf_memlock_mib,generator_cpu_ms,receiver_cpu_ms,\
+relay_cpu_ms,bpf_run_ms,cpu_pct,cpu_per_packet_ns,machine_cpu_per_packet_ns,kernel_forwarded,slow_path_rx,relay_rss_mib,bpf_memlock_mib,generator_cpu_ms,receiver_cpu_ms,\
 delete_failures,delete_p50_ms,left_after_delete";
 
 fn csv_row(r: &RelayRun) -> String {
@@ -58,6 +58,7 @@ fn csv_row(r: &RelayRun) -> String {
         format!("{:.1}", r.bpf_run_ns as f64 / 1e6),
         format!("{:.2}", r.cpu_pct),
         r.cpu_per_packet_ns.map(|c| format!("{c:.0}")).unwrap_or_default(),
+        r.machine_cpu_per_packet_ns.map(|c| format!("{c:.0}")).unwrap_or_default(),
         opt(r.kernel_forwarded),
         opt(r.slow_path_rx),
         format!("{:.1}", r.relay_rss_kib as f64 / 1024.0),
@@ -73,12 +74,12 @@ fn csv_row(r: &RelayRun) -> String {
 
 pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
     println!(
-        "\n{:<21} {:>6} {:>6} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>9} {:>8} {:>8}",
-        "relay", "calls", "up", "fail", "setup/s", "offer99", "sent", "loss %", "p50 µs", "p99 µs", "dv99 µs", "MOS", "CPU %", "ns/pkt", "gen CPU", "RSS MiB"
+        "\n{:<21} {:>6} {:>6} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>9} {:>11} {:>8} {:>8}",
+        "relay", "calls", "up", "fail", "setup/s", "offer99", "sent", "loss %", "p50 µs", "p99 µs", "dv99 µs", "MOS", "CPU %", "ns/pkt", "machine/pkt", "gen CPU", "RSS MiB"
     );
     for r in runs {
         println!(
-            "{:<21} {:>6} {:>6} {:>7} {:>8.1} {:>8.2} {:>9} {:>8.3} {:>8.1} {:>8.1} {:>8.1} {:>6.2} {:>7.1} {:>9} {:>7.0}% {:>8.1}",
+            "{:<21} {:>6} {:>6} {:>7} {:>8.1} {:>8.2} {:>9} {:>8.3} {:>8.1} {:>8.1} {:>8.1} {:>6.2} {:>7.1} {:>9} {:>11} {:>7.0}% {:>8.1}",
             r.relay,
             r.calls,
             r.calls_up,
@@ -93,6 +94,7 @@ pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
             r.mos_mean,
             r.cpu_pct,
             r.cpu_per_packet_ns.map(|c| format!("{c:.0}")).unwrap_or("-".into()),
+            r.machine_cpu_per_packet_ns.map(|c| format!("{c:.0}")).unwrap_or("-".into()),
             100.0 * r.generator_cpu_ns as f64 / (r.seconds * 1e9),
             r.relay_rss_kib as f64 / 1024.0
         );
@@ -154,6 +156,14 @@ fn write_plots(dir: &Path, runs: &[RelayRun], cap: Option<&Capacity>) -> anyhow:
     let calls = "concurrent calls";
     add("relay_loss.svg", "Loss vs calls", "packet loss after latching", calls, "% of packets", per_relay(runs, &|r| Some(r.loss_pct)))?;
     add("relay_cpu_per_packet.svg", "CPU per relayed packet vs calls", "relay CPU (+ BPF run time) per relayed packet", calls, "ns", per_relay(runs, &|r| r.cpu_per_packet_ns))?;
+    add(
+        "relay_machine_cpu_per_packet.svg",
+        "Machine CPU per relayed packet vs calls",
+        "busy time of all CPUs per relayed packet: generator, relay and the kernel's packet work (kernel-forward = no relay)",
+        calls,
+        "ns",
+        per_relay(runs, &|r| r.machine_cpu_per_packet_ns),
+    )?;
     add("relay_cpu_pct.svg", "Relay CPU vs calls", "relay CPU (+ BPF run time), % of one core", calls, "%", per_relay(runs, &|r| Some(r.cpu_pct)))?;
     add("relay_delay_p99.svg", "One-way delay p99 vs calls", "one-way delay p99 per packet (through the relay)", calls, "µs", per_relay(runs, &|r| Some(r.delay_ns.p99 / 1e3)))?;
     add("relay_setup_p99.svg", "NG offer latency p99 vs calls", "NG offer round trip p99", calls, "ms", per_relay(runs, &|r| Some(r.offer_ns.p99 / 1e6)))?;
