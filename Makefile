@@ -58,7 +58,8 @@ demo: release
 BENCH_DATAPLANES ?= userspace,ebpf
 bench: release
 	target/release/mediaplane bench sfu --dataplanes $(BENCH_DATAPLANES) --out bench-results
-	# Relay: 750 and 1800 calls (the seed's sizes) x 3 relays, then the install-capacity ramp;
+	# Relay: 750 and 1800 calls (the seed's sizes) x 3 relays and the no-relay baseline, then the
+	# install-capacity ramps (NG, HTTP, HTTP batches);
 	# 5000/10000 calls and 30 s runs take about an hour here: run those by hand.
 	target/release/mediaplane bench relay --calls 750,1800 --seconds 10 --capacity 1000000 --capacity-seconds 240 --out bench-results/relay
 	target/release/mediaplane bench overload --out bench-results/overload

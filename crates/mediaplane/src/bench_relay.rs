@@ -61,7 +61,7 @@ pub struct BenchRelayArgs {
     calls: Option<Vec<usize>>,
     /// Relays to compare: mediaplane-userspace, mediaplane-ebpf, mediaplane-ebpf-noxdp, rtpengine,
     /// and kernel-forward (no relay: the baseline of machine CPU per packet).
-    #[arg(long, value_delimiter = ',', default_value = "mediaplane-userspace,mediaplane-ebpf,rtpengine")]
+    #[arg(long, value_delimiter = ',', default_value = "kernel-forward,mediaplane-userspace,mediaplane-ebpf,rtpengine")]
     relays: Vec<String>,
     /// Calls set up per second over NG (the seed: 30/s; quick: 100/s).
     #[arg(long)]
@@ -142,6 +142,10 @@ pub struct RelayRun {
     pub cpu_pct: f64,
     /// (relay CPU + BPF run time) per relayed packet.
     pub cpu_per_packet_ns: Option<f64>,
+    /// Added delay (DESIGN.md): this run's one-way delay p50 / p99 minus the `kernel-forward`
+    /// run's (the same path without a relay) at the same call count in the same invocation.
+    pub added_delay_p50_ns: Option<f64>,
+    pub added_delay_p99_ns: Option<f64>,
     /// Busy time of the whole machine per relayed packet during the media run (the sender
     /// does not spin here): generator and receivers, the relay, and the kernel's packet work
     /// (veth, XDP page copies, TC, skb clones and redirects, socket delivery), which runs in
@@ -753,6 +757,8 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
         bpf_run_ns,
         cpu_pct: 100.0 * cpu_total as f64 / media_ns,
         cpu_per_packet_ns: (t.received > 0).then(|| cpu_total as f64 / t.received as f64),
+        added_delay_p50_ns: None,
+        added_delay_p99_ns: None,
         machine_cpu_per_packet_ns: (t.received > 0).then(|| report.machine_busy_ns as f64 / t.received as f64),
         kernel_forwarded,
         slow_path_rx,
@@ -1031,6 +1037,17 @@ fn capacity(tb: &Testbed, target: usize, budget: Duration, clients: usize, batch
 // Entry point
 // ---------------------------------------------------------------------------------------------
 
+/// Added delay of every run that has a `kernel-forward` run at its call count.
+fn set_added_delay(runs: &mut [RelayRun]) {
+    let floor: Vec<(usize, Summary)> = runs.iter().filter(|r| r.relay == KERNEL_FORWARD && r.received > 0).map(|r| (r.calls, r.delay_ns)).collect();
+    for r in runs.iter_mut().filter(|r| r.relay != KERNEL_FORWARD && r.received > 0) {
+        if let Some((_, f)) = floor.iter().find(|(n, _)| *n == r.calls) {
+            r.added_delay_p50_ns = Some(r.delay_ns.p50 - f.p50);
+            r.added_delay_p99_ns = Some(r.delay_ns.p99 - f.p99);
+        }
+    }
+}
+
 pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
     if unsafe { libc::geteuid() } != 0 {
         bail!("bench relay builds network namespaces and needs root");
@@ -1085,6 +1102,7 @@ pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
             }
         }
     }
+    set_added_delay(&mut runs);
     let cap = if a.skip_capacity {
         None
     } else {

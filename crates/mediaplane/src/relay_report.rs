@@ -14,7 +14,7 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 
 pub const CSV_HEADER: &str = "relay,calls,calls_up,setup_failures,setup_rate_target,setup_rate_achieved,offer_p50_ms,offer_p99_ms,answer_p50_ms,answer_p99_ms,\
 legs,legs_latched,latch_s,seconds,planned,sent,send_errors,received,lost,loss_pct,legs_with_loss,duplicates,unexpected,\
-delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,dv_p99_median_us,dv_p99_max_us,jitter_mean_us,mos_mean,mos_min,\
+delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,added_delay_p50_us,added_delay_p99_us,dv_p99_median_us,dv_p99_max_us,jitter_mean_us,mos_mean,mos_min,\
 relay_cpu_ms,bpf_run_ms,cpu_pct,cpu_per_packet_ns,machine_cpu_per_packet_ns,kernel_forwarded,slow_path_rx,relay_rss_mib,bpf_memlock_mib,generator_cpu_ms,receiver_cpu_ms,\
 delete_failures,delete_p50_ms,left_after_delete";
 
@@ -49,6 +49,8 @@ fn csv_row(r: &RelayRun) -> String {
         us(r.delay_ns.mean),
         us(r.delay_ns.p99),
         us(r.delay_ns.max),
+        r.added_delay_p50_ns.map(us).unwrap_or_default(),
+        r.added_delay_p99_ns.map(us).unwrap_or_default(),
         us(r.delay_variation_p99_median_ns),
         us(r.delay_variation_p99_max_ns),
         us(r.jitter_mean_ns),
@@ -74,12 +76,12 @@ fn csv_row(r: &RelayRun) -> String {
 
 pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
     println!(
-        "\n{:<21} {:>6} {:>6} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>9} {:>11} {:>8} {:>8}",
-        "relay", "calls", "up", "fail", "setup/s", "offer99", "sent", "loss %", "p50 µs", "p99 µs", "dv99 µs", "MOS", "CPU %", "ns/pkt", "machine/pkt", "gen CPU", "RSS MiB"
+        "\n{:<21} {:>6} {:>6} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>9} {:>11} {:>8} {:>8}",
+        "relay", "calls", "up", "fail", "setup/s", "offer99", "sent", "loss %", "p50 µs", "p99 µs", "added50", "dv99 µs", "MOS", "CPU %", "ns/pkt", "machine/pkt", "gen CPU", "RSS MiB"
     );
     for r in runs {
         println!(
-            "{:<21} {:>6} {:>6} {:>7} {:>8.1} {:>8.2} {:>9} {:>8.3} {:>8.1} {:>8.1} {:>8.1} {:>6.2} {:>7.1} {:>9} {:>11} {:>7.0}% {:>8.1}",
+            "{:<21} {:>6} {:>6} {:>7} {:>8.1} {:>8.2} {:>9} {:>8.3} {:>8.1} {:>8.1} {:>8} {:>8.1} {:>6.2} {:>7.1} {:>9} {:>11} {:>7.0}% {:>8.1}",
             r.relay,
             r.calls,
             r.calls_up,
@@ -90,6 +92,7 @@ pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
             r.loss_pct,
             r.delay_ns.p50 / 1e3,
             r.delay_ns.p99 / 1e3,
+            r.added_delay_p50_ns.map(|d| format!("{:.1}", d / 1e3)).unwrap_or("-".into()),
             r.delay_variation_p99_median_ns / 1e3,
             r.mos_mean,
             r.cpu_pct,

@@ -44,6 +44,10 @@ fn bench_relay_quick_writes_real_results() {
             continue;
         }
         assert!(r["offer_ns"]["count"].as_u64() == Some(calls), "{r:#}");
+        // Added delay = through the relay minus the kernel-forward run at the same size.
+        let floor = runs.iter().find(|b| b["relay"] == "kernel-forward" && b["calls"] == calls).unwrap();
+        let added = r["delay_ns"]["p50"].as_f64().unwrap() - floor["delay_ns"]["p50"].as_f64().unwrap();
+        assert!((r["added_delay_p50_ns"].as_f64().unwrap() - added).abs() < 1.0, "{r:#}");
         assert!(r["relay_cpu_ns"].as_u64().unwrap() > 0, "{r:#}");
         if relay.starts_with("mediaplane") {
             assert_eq!(r["lost"], 0, "mediaplane relays without loss: {r:#}");
