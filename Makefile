@@ -57,6 +57,7 @@ demo: release
 # The full sweep (N = 2..12, 16, 32, 64; both scenarios; every data plane), < 30 min here.
 BENCH_DATAPLANES ?= userspace,ebpf
 bench: release
+	@scripts/install-deps.sh --bench
 	target/release/mediaplane bench sfu --dataplanes $(BENCH_DATAPLANES) --out bench-results
 	# Relay: 750 and 1800 calls (the seed's sizes) x 3 relays and the no-relay baseline, then the
 	# install-capacity ramps (NG, HTTP, HTTP batches);

@@ -8,6 +8,11 @@ packages=(
   iproute2 ethtool                                                 # network-namespace testbed
   kamailio sip-tester                                              # SIP interop tests (Kamailio + SIPp)
 )
+# `make bench` compares the relay with rtpengine (user-space forwarding; its kernel module is
+# not needed): `install-deps.sh --bench`.
+if [ "${1:-}" = "--bench" ]; then
+  packages+=(rtpengine-daemon)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
