@@ -24,9 +24,7 @@ use anyhow::{bail, Context};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_bench::qos::{Summary, ValueRecorder};
 use mediaplane_bench::traffic::{self, Profile, TrafficPlan};
-use mediaplane_ng::bencode::Value;
-use mediaplane_ng::protocol;
-use mediaplane_ng::sdp::{ConnAddr, Sdp};
+use mediaplane_ng::client::{advertised, delete, g711_sdp, offer_answer, NgClient};
 use serde::Serialize;
 use serde_json::{json, Value as Json};
 use crate::conference::process_cpu_ns;
@@ -247,90 +245,9 @@ fn summary(r: &ValueRecorder) -> Summary {
     r.summary()
 }
 
-// ---------------------------------------------------------------------------------------------
-// NG client
-// ---------------------------------------------------------------------------------------------
-
-/// A blocking NG client with retransmission (same cookie, as Kamailio does).
-pub struct NgClient {
-    sock: UdpSocket,
-    server: SocketAddr,
-    tag: String,
-    n: u64,
-    buf: Vec<u8>,
-}
-
-impl NgClient {
-    /// Create inside the namespace the server listens in.
-    pub fn new(server: SocketAddr, tag: &str) -> std::io::Result<NgClient> {
-        let sock = UdpSocket::bind("127.0.0.1:0")?;
-        sock.set_read_timeout(Some(Duration::from_secs(2)))?;
-        Ok(NgClient { sock, server, tag: tag.to_string(), n: 0, buf: vec![0; 65536] })
-    }
-
-    /// One request; the reply dictionary (an error reply is an error).
-    pub fn request(&mut self, pairs: Vec<(&str, Value)>) -> anyhow::Result<Value> {
-        self.n += 1;
-        let cookie = format!("{}_{}", self.tag, self.n);
-        let d = protocol::frame(cookie.as_bytes(), &Value::dict(pairs));
-        for _ in 0..3 {
-            self.sock.send_to(&d, self.server)?;
-            loop {
-                match self.sock.recv_from(&mut self.buf) {
-                    Ok((n, _)) => {
-                        let Ok((c, v)) = protocol::parse_frame(&self.buf[..n]) else { continue };
-                        if c != cookie.as_bytes() {
-                            continue; // a late reply to an earlier request
-                        }
-                        let result = v.get("result").and_then(Value::as_str).unwrap_or("");
-                        if result == "ok" || result == "pong" {
-                            return Ok(v);
-                        }
-                        let reason = v.get("error-reason").and_then(Value::as_str).unwrap_or("no reason");
-                        bail!("{result}: {reason}");
-                    }
-                    Err(e) if matches!(e.kind(), std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut) => break,
-                    Err(e) => return Err(e.into()),
-                }
-            }
-        }
-        bail!("no reply after 3 tries of 2 s")
-    }
-}
-
-fn list(items: &[&str]) -> Value {
-    Value::List(items.iter().map(|s| Value::str(s)).collect())
-}
-
-fn sdp(ip: IpAddr, port: u16, sess: usize) -> String {
-    format!(
-        "v=0\r\no=- {sess} {sess} IN IP4 {ip}\r\ns=mediaplane bench\r\nc=IN IP4 {ip}\r\nt=0 0\r\nm=audio {port} RTP/AVP 0 101\r\na=rtpmap:0 PCMU/8000\r\na=rtpmap:101 telephone-event/8000\r\na=ptime:20\r\na=sendrecv\r\n"
-    )
-}
-
-fn offer_answer(cmd: &str, call: &str, from: &str, to: Option<&str>, body: &str, src: IpAddr) -> Vec<(&'static str, Value)> {
-    let mut v = vec![
-        ("command", Value::str(cmd)),
-        ("call-id", Value::str(call)),
-        ("from-tag", Value::str(from)),
-        ("sdp", Value::str(body)),
-        ("flags", list(&["trust-address"])),
-        ("replace", list(&["origin", "session-connection"])),
-        ("received-from", list(&["IP4", &src.to_string()])),
-    ];
-    if let Some(t) = to {
-        v.push(("to-tag", Value::str(t)));
-    }
-    v
-}
-
-/// The address an SDP in a reply tells its recipient to send RTP to.
-fn advertised(v: &Value) -> anyhow::Result<SocketAddr> {
-    let body = v.get("sdp").and_then(Value::as_bytes).context("reply without SDP")?;
-    let s = Sdp::parse(body).map_err(|e| anyhow::anyhow!("reply SDP: {e}"))?;
-    let Some(ConnAddr::Ip(ip)) = s.media_addr(0) else { bail!("reply SDP without a media address") };
-    let m = s.media.first().context("reply SDP without media")?;
-    Ok(SocketAddr::new(*ip, m.port))
+/// The benchmark's calls: G.711 µ-law (PCMU), as in the seed.
+fn sdp(ip: IpAddr, port: u16, session: usize) -> String {
+    g711_sdp(ip, port, session, 0)
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -419,8 +336,8 @@ impl RelayProc {
         while Instant::now() < deadline {
             let ok = tb.in_ns(&tb.sfu_ns, || -> anyhow::Result<()> {
                 let mut c = NgClient::new(NG.parse().unwrap(), "ready")?;
-                c.sock.set_read_timeout(Some(Duration::from_millis(200)))?;
-                c.request(vec![("command", "ping".into())]).map(|_| ())
+                c.socket().set_read_timeout(Some(Duration::from_millis(200)))?;
+                Ok(c.request(vec![("command", "ping".into())]).map(|_| ())?)
             })?;
             if ok.is_ok() {
                 return Ok(());
@@ -548,12 +465,7 @@ fn delete_calls(tb: &Testbed, tag: &str, calls: Vec<(usize, String)>) -> anyhow:
         let mut failures = 0;
         for (i, call_id) in calls {
             let t = Instant::now();
-            let r = ng.request(vec![
-                ("command", "delete".into()),
-                ("call-id", Value::str(&call_id)),
-                ("from-tag", Value::str(&format!("c{i}"))),
-                ("to-tag", Value::str(&format!("e{i}"))),
-            ]);
+            let r = ng.request(delete(&call_id, &format!("c{i}"), &format!("e{i}")));
             match r {
                 Ok(v) if v.get("warning").is_none() => lat.record(t.elapsed().as_nanos() as u64),
                 _ => failures += 1,

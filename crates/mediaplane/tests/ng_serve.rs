@@ -8,7 +8,7 @@ mod common;
 mod ng_common;
 
 use common::{Daemon, TempDir};
-use mediaplane_core::rtp::{build_rtp, RtpHeader};
+use mediaplane_core::rtp::build_rtp;
 use mediaplane_ng::bencode::Value;
 use ng_common::*;
 use serde_json::Value as Json;
@@ -19,22 +19,6 @@ const MEDIA_IP: &str = "127.84.0.1";
 const CALLER_IP: &str = "127.84.1.1";
 const CALLEE_IP: &str = "127.84.2.1";
 const CALL: &str = "a84b4c76e66710@ng-serve.test";
-
-fn udp(addr: &str) -> UdpSocket {
-    let s = UdpSocket::bind(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
-    s
-}
-
-/// (RTP sequence or -1, sender) of everything received until the socket stays quiet.
-fn drain(s: &UdpSocket) -> Vec<(i32, SocketAddr)> {
-    let mut buf = [0u8; 2048];
-    let mut got = Vec::new();
-    while let Ok((n, from)) = s.recv_from(&mut buf) {
-        got.push((RtpHeader::parse(&buf[..n]).map_or(-1, |h| h.sequence as i32), from));
-    }
-    got
-}
 
 fn send_rtp(from: &UdpSocket, to: SocketAddr, ssrc: u32, seqs: std::ops::Range<u16>) {
     for s in seqs {
@@ -70,7 +54,7 @@ fn ng_call_through_the_real_daemon() {
     std::fs::write(&cfg, format!("[media]\nip = \"{MEDIA_IP}\"\nport_min = 42000\nport_max = 42199\n")).unwrap();
     let ng_addr: SocketAddr = format!("127.0.0.1:{}", free_udp_port()).parse().unwrap();
     let mut d = Daemon::start(&tmp.0.join("store.db"), &["--config", cfg.to_str().unwrap(), "--ng-listen", &ng_addr.to_string(), "--reset"]);
-    let mut ng = NgClient::new("127.0.0.1:0", ng_addr);
+    let mut ng = ng_client(ng_addr);
 
     assert_eq!(text(&ng.cmd(vec![("command", "ping".into())]), "result"), "pong");
 
@@ -128,15 +112,15 @@ fn ng_call_through_the_real_daemon() {
         (b"m4 d7:command5:offere", "missing key \"call-id\""),
         (b"m5 d7:command5:offer7:call-id3:xyz8:from-tag1:a3:sdp5:helloe", "invalid SDP"),
     ] {
-        let reply = ng.raw(bad).expect("an error reply");
+        let reply = ng.reply_to(bad).expect("an error reply");
         let (_, v) = mediaplane_ng::protocol::parse_frame(&reply).unwrap();
         assert_eq!(text(&v, "result"), "error", "{v:?}");
         assert!(text(&v, "error-reason").contains(why), "{why}: {v:?}");
     }
-    ng.sock.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
-    assert!(ng.raw(b"no-cookie-no-space").is_none());
-    assert!(ng.raw(&[0xff; 3000]).is_none());
-    ng.sock.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    ng.socket().set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    assert!(ng.reply_to(b"no-cookie-no-space").is_none());
+    assert!(ng.reply_to(&[0xff; 3000]).is_none());
+    ng.socket().set_read_timeout(Some(Duration::from_secs(5))).unwrap();
     assert!(d.alive(), "the daemon survived malformed NG");
     assert_eq!(text(&ng.cmd(vec![("command", "ping".into())]), "result"), "pong");
     send_rtp(&a, to_a, 0xa11ce, 51..56);

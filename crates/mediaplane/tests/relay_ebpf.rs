@@ -32,7 +32,7 @@ const CALLEE_FLOW: u32 = 0xca1e;
 
 /// One NG request sent from inside the relay namespace.
 fn ng(tb: &Testbed, pairs: Vec<(&'static str, Value)>) -> Value {
-    tb.in_ns(&tb.sfu_ns, move || NgClient::new("127.0.0.1:0", NG.parse().unwrap()).cmd(pairs)).unwrap()
+    tb.in_ns(&tb.sfu_ns, move || ng_client(NG.parse().unwrap()).cmd(pairs)).unwrap()
 }
 
 fn api(tb: &Testbed, path: &str) -> Json {

@@ -15,6 +15,7 @@
 
 pub mod bencode;
 pub mod calls;
+pub mod client;
 pub mod engine;
 pub mod protocol;
 pub mod sdp;

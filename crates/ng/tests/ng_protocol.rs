@@ -4,59 +4,20 @@
 
 mod common;
 
-use common::{list, text, Client, Relay};
-use mediaplane_core::rtp::{build_rtp, RtpHeader};
+use common::*;
+use mediaplane_core::rtp::build_rtp;
 use mediaplane_ng::bencode::Value;
-use mediaplane_ng::sdp::{ConnAddr, Sdp};
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
 const CALL: &str = "3c26700fba4b-ng-protocol@127.82.0.1";
 
 fn sdp(ip: &str, port: u16, sess: u32) -> String {
-    format!(
-        "v=0\r\no=- {sess} {sess} IN IP4 {ip}\r\ns=ng test\r\nc=IN IP4 {ip}\r\nt=0 0\r\nm=audio {port} RTP/AVP 8 101\r\na=rtpmap:8 PCMA/8000\r\na=rtpmap:101 telephone-event/8000\r\na=ptime:20\r\na=sendrecv\r\n"
-    )
+    g711_sdp(ip, port, sess, 8)
 }
 
 fn req(cmd: &str, from: &str, to: Option<&str>, body: &str) -> Vec<(&'static str, Value)> {
-    let mut v = vec![
-        ("command", Value::str(cmd)),
-        ("call-id", Value::str(CALL)),
-        ("from-tag", Value::str(from)),
-        ("sdp", Value::str(body)),
-        ("flags", list(&["trust-address"])),
-        ("replace", list(&["origin", "session-connection"])),
-        ("received-from", list(&["IP4", "127.0.0.1"])),
-    ];
-    if let Some(t) = to {
-        v.push(("to-tag", Value::str(t)));
-    }
-    v
-}
-
-/// The address an SDP reply tells its recipient to send to.
-fn advertised(v: &Value) -> SocketAddr {
-    assert_eq!(text(v, "result"), "ok", "{v:?}");
-    let s = Sdp::parse(text(v, "sdp").as_bytes()).unwrap();
-    let Some(ConnAddr::Ip(ip)) = s.media_addr(0) else { panic!("no address in {v:?}") };
-    SocketAddr::new(*ip, s.media[0].port)
-}
-
-fn udp(addr: &str) -> UdpSocket {
-    let s = UdpSocket::bind(addr).unwrap();
-    s.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
-    s
-}
-
-/// Receive everything for a while: (payloads' sequence numbers or -1, sender).
-fn drain(s: &UdpSocket) -> Vec<(i32, SocketAddr)> {
-    let mut buf = [0u8; 2048];
-    let mut got = Vec::new();
-    while let Ok((n, from)) = s.recv_from(&mut buf) {
-        got.push((RtpHeader::parse(&buf[..n]).map_or(-1, |h| h.sequence as i32), from));
-    }
-    got
+    offer_answer(cmd, CALL, from, to, body, "127.0.0.1")
 }
 
 /// Send one packet so the relay latches the sender, and wait until it did.
@@ -89,7 +50,7 @@ fn rtcp_rr(ssrc: u32) -> Vec<u8> {
 #[test]
 fn call_flow_over_real_sockets() {
     let relay = Relay::start("127.82.0.1", 41000, 41099, Duration::from_secs(60));
-    let mut ng = Client::new(relay.ng);
+    let mut ng = ng_client(relay.ng);
     assert_eq!(text(&ng.cmd(vec![("command", "ping".into())]), "result"), "pong");
 
     // Caller A at 127.82.1.1:6000 (RTCP 6001), callee B at 127.82.2.1:7000 (RTCP 7001).
@@ -152,20 +113,20 @@ fn call_flow_over_real_sockets() {
 
     // A retransmitted request (same cookie) gets the same reply and is not executed again.
     let version = relay.mgr.read(|_, t| t.version);
-    let first = ng.raw(&reinvite).unwrap();
-    let again = ng.raw(&reinvite).unwrap();
+    let first = ng.reply_to(&reinvite).unwrap();
+    let again = ng.reply_to(&reinvite).unwrap();
     assert_eq!(first, again);
     assert_eq!(relay.mgr.read(|_, t| t.version), version);
 
     // Malformed input: error replies with reasons; no cookie, no reply; the server survives.
     for (bad, why) in [(&b"x1 d7:command"[..], "malformed bencode"), (b"x2 i5e", "not a bencoded dictionary"), (b"x3 d7:command5:xyzzye", "unknown command")] {
-        let (_, v) = mediaplane_ng::protocol::parse_frame(&ng.raw(bad).unwrap()).unwrap();
+        let (_, v) = mediaplane_ng::protocol::parse_frame(&ng.reply_to(bad).unwrap()).unwrap();
         assert_eq!(text(&v, "result"), "error");
         assert!(text(&v, "error-reason").contains(why), "{v:?}");
     }
-    ng.sock.set_read_timeout(Some(Duration::from_millis(300))).unwrap();
-    assert!(ng.raw(b"no-space-no-cookie").is_none());
-    ng.sock.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
+    ng.socket().set_read_timeout(Some(Duration::from_millis(300))).unwrap();
+    assert!(ng.reply_to(b"no-space-no-cookie").is_none());
+    ng.socket().set_read_timeout(Some(Duration::from_secs(3))).unwrap();
     assert_eq!(text(&ng.cmd(vec![("command", "ping".into())]), "result"), "pong");
 
     // delete frees everything: relays, model addresses, and the sockets themselves.
@@ -183,7 +144,7 @@ fn call_flow_over_real_sockets() {
 #[test]
 fn idle_calls_time_out() {
     let relay = Relay::start("127.82.0.2", 41100, 41199, Duration::from_secs(2));
-    let mut ng = Client::new(relay.ng);
+    let mut ng = ng_client(relay.ng);
     let o = ng.cmd(req("offer", "tagA", None, &sdp("127.82.3.1", 6000, 1)));
     assert_eq!(text(&o, "result"), "ok");
     assert_eq!(relay.relays(), 2);

@@ -1,14 +1,14 @@
 //! A real relay in-process: SessionManager + user-space data plane + serve_ng on loopback,
 //! and a small NG client.
-#![allow(dead_code)]
+// Each test binary uses a different part of this module.
+#![allow(dead_code, unused_imports)]
 
 use mediaplane_control::config::{Limits, MediaConfig};
 use mediaplane_control::manager::SessionManager;
 use mediaplane_control::store::Store;
 use mediaplane_dataplane::{Dataplane, DataplaneEvent, UserspaceConfig, UserspaceDataplane};
-use mediaplane_ng::bencode::Value;
-use mediaplane_ng::{protocol, serve_ng, NgConfig};
-use std::net::{SocketAddr, UdpSocket};
+use mediaplane_ng::{serve_ng, NgConfig};
+use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -54,49 +54,6 @@ impl Drop for Relay {
     }
 }
 
-pub struct Client {
-    pub sock: UdpSocket,
-    server: SocketAddr,
-    n: u32,
-}
-
-impl Client {
-    pub fn new(server: SocketAddr) -> Client {
-        let sock = UdpSocket::bind("127.0.0.1:0").unwrap();
-        sock.set_read_timeout(Some(Duration::from_secs(3))).unwrap();
-        Client { sock, server, n: 0 }
-    }
-
-    /// Send raw bytes; the raw reply, if any arrives within the read timeout.
-    pub fn raw(&self, datagram: &[u8]) -> Option<Vec<u8>> {
-        self.sock.send_to(datagram, self.server).unwrap();
-        let mut buf = vec![0u8; 65536];
-        match self.sock.recv_from(&mut buf) {
-            Ok((n, _)) => Some(buf[..n].to_vec()),
-            Err(_) => None,
-        }
-    }
-
-    /// One command with a fresh cookie: (the request datagram, the reply dictionary).
-    pub fn call(&mut self, pairs: Vec<(&str, Value)>) -> (Vec<u8>, Value) {
-        self.n += 1;
-        let cookie = format!("{}_{}", std::process::id(), self.n);
-        let d = protocol::frame(cookie.as_bytes(), &Value::dict(pairs));
-        let r = self.raw(&d).expect("NG reply");
-        let (c, v) = protocol::parse_frame(&r).unwrap();
-        assert_eq!(c, cookie.as_bytes());
-        (d, v)
-    }
-
-    pub fn cmd(&mut self, pairs: Vec<(&str, Value)>) -> Value {
-        self.call(pairs).1
-    }
-}
-
-pub fn text(v: &Value, k: &str) -> String {
-    v.get(k).and_then(Value::as_str).unwrap_or_default().to_string()
-}
-
-pub fn list(items: &[&str]) -> Value {
-    Value::List(items.iter().map(|s| Value::str(s)).collect())
-}
+mod ng_test;
+pub use mediaplane_ng::client::{g711_sdp, list, offer_answer, text, NgClient};
+pub use ng_test::*;
