@@ -243,7 +243,8 @@ pub fn write_all(dir: &Path, meta: &RunMeta, setup_rate: f64, runs: &[RelayRun],
         h.push_str(
             "<h2>Capacity of the API layer (mediaplane, eBPF plane, one worker)</h2>\
              <p>NG: one client, offer + answer back to back (each call installs 2 relay sessions, RTP and RTCP). \
-             HTTP: several keep-alive clients (<code>--capacity-clients</code>), <code>POST /v1/relays</code> with explicit local addresses spread over many IPs. \
+             HTTP: several keep-alive clients (<code>--capacity-clients</code>), <code>POST /v1/relays</code> with explicit local addresses spread over many IPs; \
+             http-batchN: the same clients sending N relays per <code>POST /v1/batch/relays</code> (one transaction and one data plane update per request). \
              The clients share the machine's cores with the daemon; daemon CPU per session is what a set-up costs the server. \
              Memory: daemon VmRSS and the memlock of the BPF maps it holds.</p>\
              <table><tr><th>API</th><th>target</th><th>installed</th><th>seconds</th><th>sessions/s</th><th>daemon CPU µs/session</th><th>last request p50 ms</th><th>RSS MiB</th><th>BPF maps MiB</th><th>stopped by</th></tr>",
