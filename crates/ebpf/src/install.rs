@@ -433,6 +433,16 @@ mod tests {
         a.1 > 0 && b.1 > 0 && a.0 < b.0 + b.1 && b.0 < a.0 + a.1
     }
 
+    /// An installer adopting everything in the fake kernel's maps, as a restarted daemon does.
+    fn adopt_all(k: &FakeKernel) -> Installer {
+        let existing = k
+            .streams
+            .iter()
+            .map(|(key, v)| (*key, *v, (0..v.copies_count).map(|i| k.copies[&(v.copies_base + i)]).collect()))
+            .collect();
+        Installer::adopt(64, 16, existing).unwrap()
+    }
+
     impl KernelMaps for FakeKernel {
         fn write_copies(&mut self, base: u32, copies: &[CopyRaw]) -> Result<(), DataplaneError> {
             let r = (base, copies.len() as u32);
@@ -599,12 +609,7 @@ mod tests {
         sub(&mut m, 0, 2);
         let t = Arc::new(ForwardingTable::compile(&m, 1));
         inst.apply(t.clone(), &mut k).unwrap();
-        let existing = k
-            .streams
-            .iter()
-            .map(|(key, v)| (*key, *v, (0..v.copies_count).map(|i| k.copies[&(v.copies_base + i)]).collect()))
-            .collect();
-        let mut again = Installer::adopt(64, 16, existing).unwrap();
+        let mut again = adopt_all(&k);
         let r = again.apply(t.clone(), &mut k).unwrap();
         assert_eq!(r, ApplyReport::default());
         assert_eq!(again.free_copy_slots(), inst.free_copy_slots());
@@ -733,12 +738,7 @@ mod tests {
         t8.version = 8;
         let t8 = Arc::new(t8);
         inst.apply(t8.clone(), &mut k).unwrap();
-        let existing = k
-            .streams
-            .iter()
-            .map(|(key, v)| (*key, *v, (0..v.copies_count).map(|i| k.copies[&(v.copies_base + i)]).collect()))
-            .collect();
-        let mut again = Installer::adopt(64, 16, existing).unwrap();
+        let mut again = adopt_all(&k);
         assert_eq!(again.apply(t8, &mut k).unwrap(), ApplyReport::default());
     }
 
