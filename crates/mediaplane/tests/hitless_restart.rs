@@ -7,7 +7,6 @@ mod common;
 use common::netns::NetnsServe;
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
-use serde_json::json;
 use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -36,13 +35,7 @@ fn kill9_of_serve_loses_no_packet_and_the_restart_adopts_the_pins() {
     let sfu0 = SocketAddr::new(p0.sfu_ip, 40000);
 
     let mut serve = NetnsServe::start_shared_bpffs(&tb, "ebpf", &store, &[&extra[..], &["--reset"]].concat());
-    serve.api("POST", "/v1/rooms", Some(json!({"id": "r"})));
-    for (i, p) in tb.peers.iter().enumerate() {
-        let body = json!({"id": format!("p{i}"), "local": SocketAddr::new(p.sfu_ip, 40000), "remote": SocketAddr::new(p.ip, 5004)});
-        serve.api("POST", "/v1/rooms/r/participants", Some(body));
-    }
-    serve.api("POST", "/v1/rooms/r/participants/p0/streams", Some(json!({"name": "main"})));
-    serve.api("POST", "/v1/rooms/r/participants/p1/subscriptions", Some(json!({"publisher": "p0", "stream": "main"})));
+    serve.two_party_room();
 
     let tx = tb.udp_socket(&p0.ns, SocketAddr::new(p0.ip, 5004)).unwrap();
     let rx = tb.udp_socket(&p1.ns, SocketAddr::new(p1.ip, 5004)).unwrap();

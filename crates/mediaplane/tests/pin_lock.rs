@@ -9,7 +9,6 @@ use common::netns::NetnsServe;
 use common::TempDir;
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
-use serde_json::json;
 use std::net::{SocketAddr, UdpSocket};
 use std::path::PathBuf;
 use std::time::Duration;
@@ -56,13 +55,7 @@ fn a_second_serve_on_live_pins_is_refused_unless_told_to_adopt_them() {
     let sfu0 = SocketAddr::new(p0.sfu_ip, 40000);
 
     let mut first = NetnsServe::start_shared_bpffs(&tb, "ebpf", &store, &[&pins[..], &["--reset"]].concat());
-    first.api("POST", "/v1/rooms", Some(json!({"id": "r"})));
-    for (i, p) in tb.peers.iter().enumerate() {
-        let body = json!({"id": format!("p{i}"), "local": SocketAddr::new(p.sfu_ip, 40000), "remote": SocketAddr::new(p.ip, 5004)});
-        first.api("POST", "/v1/rooms/r/participants", Some(body));
-    }
-    first.api("POST", "/v1/rooms/r/participants/p0/streams", Some(json!({"name": "main"})));
-    first.api("POST", "/v1/rooms/r/participants/p1/subscriptions", Some(json!({"publisher": "p0", "stream": "main"})));
+    first.two_party_room();
     let tx = tb.udp_socket(&p0.ns, SocketAddr::new(p0.ip, 5004)).unwrap();
     let rx = tb.udp_socket(&p1.ns, SocketAddr::new(p1.ip, 5004)).unwrap();
     // Warm-up (neighbour resolution), then the kernel path carries the stream.

@@ -1,7 +1,8 @@
 //! `mediaplane serve` running inside a testbed's SFU namespace, and API calls made from there.
 
 use mediaplane_bench::netns::Testbed;
-use serde_json::Value;
+use serde_json::{json, Value};
+use std::net::SocketAddr;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -85,6 +86,18 @@ impl<'t> NetnsServe<'t> {
 
     pub fn api(&self, method: &str, path: &str, body: Option<Value>) -> Value {
         try_api_at(self.tb, &self.listen, method, path, body).unwrap_or_else(|e| panic!("{method} {path}: {e}"))
+    }
+
+    /// Room "r": every peer `p{i}` joins at its SFU address `:40000` and receives on its own
+    /// `:5004`; p0 publishes "main" and p1 subscribes to it.
+    pub fn two_party_room(&self) {
+        self.api("POST", "/v1/rooms", Some(json!({"id": "r"})));
+        for (i, p) in self.tb.peers.iter().enumerate() {
+            let body = json!({"id": format!("p{i}"), "local": SocketAddr::new(p.sfu_ip, 40000), "remote": SocketAddr::new(p.ip, 5004)});
+            self.api("POST", "/v1/rooms/r/participants", Some(body));
+        }
+        self.api("POST", "/v1/rooms/r/participants/p0/streams", Some(json!({"name": "main"})));
+        self.api("POST", "/v1/rooms/r/participants/p1/subscriptions", Some(json!({"publisher": "p0", "stream": "main"})));
     }
 
     pub fn pid(&self) -> u32 {
