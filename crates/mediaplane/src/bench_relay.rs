@@ -148,7 +148,9 @@ pub struct RelayRun {
     /// does not spin here): generator and receivers, the relay, and the kernel's packet work
     /// (veth, XDP page copies, TC, skb clones and redirects, socket delivery), which runs in
     /// whichever task raised it, mostly the sender, so the eBPF relay's share of it is in none
-    /// of the CPU columns above. The relay's whole cost is this minus `kernel-forward`'s.
+    /// of the CPU columns above. Compare with `kernel-forward` (the same generator work, no
+    /// relay); tick-sampled, and the receivers' wake-ups depend on how bursty the relay is, so
+    /// only differences of several µs mean anything.
     pub machine_cpu_per_packet_ns: Option<f64>,
     /// mediaplane: packets forwarded by the kernel and packets seen by the user-space slow path
     /// during the media run.
