@@ -132,6 +132,15 @@ pub struct DataplaneConfig {
     /// program sees them (native XDP where the driver has it). Off if another XDP program must
     /// own the interfaces.
     pub xdp_prefilter: bool,
+    /// DSCP (0-63) of every copy on every plane; ECN is Not-ECT, TTL/hop limit the host's.
+    pub dscp: u8,
+    /// eBPF: verify the IPv4 header and UDP checksums of what the kernel forwards when the
+    /// device did not (bad ones are dropped and counted as `drop_bad_checksum`). Off only for
+    /// A/B measurements: the host drops such packets, the kernel path would fan them out.
+    pub verify_checksums: bool,
+    /// eBPF: reverse-path check of IPv6 sources ("off", "loose", "strict"); IPv4 follows each
+    /// interface's `rp_filter` sysctl as the kernel does. Spoofed sources: `drop_spoofed`.
+    pub rp_filter_v6: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -177,6 +186,9 @@ impl Default for DataplaneConfig {
             max_streams: 16384,
             max_copies: 65536,
             xdp_prefilter: true,
+            dscp: 0,
+            verify_checksums: true,
+            rp_filter_v6: "off".into(),
         }
     }
 }
@@ -222,6 +234,12 @@ impl Config {
             if !ng.ip().is_loopback() && self.ng.allow.is_empty() {
                 return Err(format!("ng.listen {ng} is not loopback: set ng.allow to the SIP servers that may send commands"));
             }
+        }
+        if self.dataplane.dscp > 63 {
+            return Err(format!("dataplane.dscp must be 0-63, not {}", self.dataplane.dscp));
+        }
+        if !matches!(self.dataplane.rp_filter_v6.as_str(), "off" | "loose" | "strict") {
+            return Err(format!("dataplane.rp_filter_v6 must be \"off\", \"loose\" or \"strict\", not {:?}", self.dataplane.rp_filter_v6));
         }
         if !matches!(self.log.format.as_str(), "text" | "json") {
             return Err(format!("log.format must be \"text\" or \"json\", not {:?}", self.log.format));

@@ -231,7 +231,10 @@ pub struct FrameSpec {
     pub vlan: Option<u16>,
     pub src: SocketAddr,
     pub dst: SocketAddr,
+    /// IPv4 TTL / IPv6 hop limit.
     pub ttl: u8,
+    /// IPv4 TOS / IPv6 traffic class (DSCP << 2 | ECN).
+    pub tos: u8,
 }
 
 impl FrameSpec {
@@ -243,6 +246,7 @@ impl FrameSpec {
             src,
             dst,
             ttl: 64,
+            tos: 0,
         }
     }
 }
@@ -263,7 +267,7 @@ pub fn build_frame(spec: &FrameSpec, payload: &[u8]) -> Vec<u8> {
             f.extend_from_slice(&ETH_P_IPV4.to_be_bytes());
             let l3 = f.len();
             let total = (20 + udp_len) as u16;
-            f.extend_from_slice(&[0x45, 0]);
+            f.extend_from_slice(&[0x45, spec.tos]);
             f.extend_from_slice(&total.to_be_bytes());
             f.extend_from_slice(&[0, 0, 0x40, 0, spec.ttl, IPPROTO_UDP, 0, 0]);
             f.extend_from_slice(&s.ip().octets());
@@ -273,7 +277,7 @@ pub fn build_frame(spec: &FrameSpec, payload: &[u8]) -> Vec<u8> {
         }
         (SocketAddr::V6(s), SocketAddr::V6(d)) => {
             f.extend_from_slice(&ETH_P_IPV6.to_be_bytes());
-            f.extend_from_slice(&[0x60, 0, 0, 0]);
+            f.extend_from_slice(&[0x60 | (spec.tos >> 4), spec.tos << 4, 0, 0]);
             f.extend_from_slice(&(udp_len as u16).to_be_bytes());
             f.extend_from_slice(&[IPPROTO_UDP, spec.ttl]);
             f.extend_from_slice(&s.ip().octets());

@@ -62,15 +62,25 @@ pub enum DropReason {
     Stranger,
     /// Not a valid RTP/RTCP packet on an RTP stream (truncated, garbage).
     Malformed,
+    /// From the stream's source, but with a wrong IPv4 header or UDP checksum (or a zero UDP
+    /// checksum over IPv6). Frame-level: the kernel path checks it after the source; the host
+    /// stack drops such packets before any socket sees them (`classify` never returns it).
+    BadChecksum,
+    /// The source fails the reverse-path check on the interface it arrived on (rp_filter).
+    /// Frame-level, like `BadChecksum`.
+    Spoofed,
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 3] = [DropReason::NoStream, DropReason::Stranger, DropReason::Malformed];
+    pub const ALL: [DropReason; 5] =
+        [DropReason::NoStream, DropReason::Stranger, DropReason::Malformed, DropReason::BadChecksum, DropReason::Spoofed];
     pub fn as_str(self) -> &'static str {
         match self {
             DropReason::NoStream => "no_stream",
             DropReason::Stranger => "stranger",
             DropReason::Malformed => "malformed",
+            DropReason::BadChecksum => "bad_checksum",
+            DropReason::Spoofed => "spoofed",
         }
     }
 }

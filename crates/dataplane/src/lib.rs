@@ -15,7 +15,7 @@ use std::collections::BTreeMap;
 use std::net::SocketAddr;
 use std::sync::Arc;
 
-pub use userspace::{UserspaceConfig, UserspaceDataplane};
+pub use userspace::{MarkAck, UserspaceConfig, UserspaceDataplane};
 
 #[derive(Debug, thiserror::Error)]
 pub enum DataplaneError {
@@ -38,6 +38,42 @@ pub enum DataplaneError {
 pub enum DataplaneEvent {
     /// The first packet of a stream with a latching source arrived from `source`.
     Unlatched { stream: u32, source: SocketAddr },
+}
+
+/// What the IP header of every copy carries, on every plane and both paths of the kernel plane
+/// (a copy is a packet the SFU itself sends): the host's TTL / hop limit, the DSCP of the policy,
+/// ECN Not-ECT, IPv4 ID 0 with DF set (as Linux sends unconnected UDP that fits the path), IPv6
+/// flow label 0.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct HeaderPolicy {
+    pub ttl: u8,
+    pub hop_limit: u8,
+    /// 0..=63.
+    pub dscp: u8,
+}
+
+impl Default for HeaderPolicy {
+    fn default() -> Self {
+        HeaderPolicy { ttl: 64, hop_limit: 64, dscp: 0 }
+    }
+}
+
+impl HeaderPolicy {
+    /// The calling thread's namespace defaults (`net.ipv4.ip_default_ttl`,
+    /// `net.ipv6.conf.all.hop_limit`) with `dscp`.
+    pub fn from_host(dscp: u8) -> HeaderPolicy {
+        let read = |path: &str| std::fs::read_to_string(path).ok().and_then(|v| v.trim().parse::<u8>().ok()).filter(|v| *v > 0);
+        HeaderPolicy {
+            ttl: read("/proc/sys/net/ipv4/ip_default_ttl").unwrap_or(64),
+            hop_limit: read("/proc/sys/net/ipv6/conf/all/hop_limit").unwrap_or(64),
+            dscp: dscp & 0x3f,
+        }
+    }
+
+    /// IPv4 TOS / IPv6 traffic class byte.
+    pub fn tos(&self) -> u8 {
+        (self.dscp & 0x3f) << 2
+    }
 }
 
 /// Packet counters. The same shape is used per stream and for a whole data plane.
@@ -63,6 +99,15 @@ pub struct Counters {
     /// totals only: a source is not a stream.
     #[serde(default)]
     pub drop_source_limited: u64,
+    /// Invalid checksums (IPv4 header, UDP; zero UDP checksum on IPv6) from a stream's source,
+    /// dropped by the kernel path. The user-space plane never sees these (the host drops them
+    /// first, counted in its own `UdpInCsumErrors`/`IpInHdrErrors`; see `extra`).
+    #[serde(default)]
+    pub drop_bad_checksum: u64,
+    /// Sources that fail the reverse-path check (rp_filter) on their ingress interface, dropped
+    /// by the kernel path (for the user-space plane the host drops them: `IPReversePathFilter`).
+    #[serde(default)]
+    pub drop_spoofed: u64,
 }
 
 impl Counters {
@@ -79,6 +124,8 @@ impl Counters {
         self.slow_unlatched += o.slow_unlatched;
         self.drop_rate_limited += o.drop_rate_limited;
         self.drop_source_limited += o.drop_source_limited;
+        self.drop_bad_checksum += o.drop_bad_checksum;
+        self.drop_spoofed += o.drop_spoofed;
     }
 
     pub fn count_drop(&mut self, reason: DropReason) {
@@ -86,6 +133,8 @@ impl Counters {
             DropReason::NoStream => self.drop_no_stream += 1,
             DropReason::Stranger => self.drop_stranger += 1,
             DropReason::Malformed => self.drop_malformed += 1,
+            DropReason::BadChecksum => self.drop_bad_checksum += 1,
+            DropReason::Spoofed => self.drop_spoofed += 1,
         }
     }
 
@@ -97,7 +146,7 @@ impl Counters {
     }
 
     /// (name, value) pairs, for metrics exposition.
-    pub fn fields(&self) -> [(&'static str, u64); 12] {
+    pub fn fields(&self) -> [(&'static str, u64); 14] {
         [
             ("rx_packets", self.rx_packets),
             ("rx_bytes", self.rx_bytes),
@@ -111,6 +160,8 @@ impl Counters {
             ("slow_unlatched", self.slow_unlatched),
             ("drop_rate_limited", self.drop_rate_limited),
             ("drop_source_limited", self.drop_source_limited),
+            ("drop_bad_checksum", self.drop_bad_checksum),
+            ("drop_spoofed", self.drop_spoofed),
         ]
     }
 }

@@ -15,8 +15,9 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-/// Control-message space per datagram: room for one IP(V6)_ORIGDSTADDR (a sockaddr_in6).
-const CTRL_LEN: usize = 64;
+/// Control-message space per datagram: room for one IP(V6)_ORIGDSTADDR (a sockaddr_in6) and
+/// one SO_MARK.
+const CTRL_LEN: usize = 128;
 
 /// Receive buffers for up to `batch` datagrams, reused across calls.
 pub struct RecvBatch {
@@ -106,6 +107,52 @@ impl RecvBatch {
         }
         None
     }
+}
+
+/// The i-th datagram's fwmark, from its SO_MARK control message (sockets with
+/// [`set_recv_mark`]; 0 when it carried none).
+impl RecvBatch {
+    pub fn mark(&self, i: usize) -> u32 {
+        let h = &self.hdrs[i].msg_hdr;
+        // SAFETY: as in orig_dst.
+        unsafe {
+            let mut c = libc::CMSG_FIRSTHDR(h);
+            while !c.is_null() {
+                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SO_MARK {
+                    return std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<u32>());
+                }
+                c = libc::CMSG_NXTHDR(h, c);
+            }
+        }
+        0
+    }
+}
+
+/// What every datagram sent from `fd` carries in its IP header (see [`crate::HeaderPolicy`]):
+/// TTL / hop limit, DSCP (ECN Not-ECT), and on IPv6 no automatic flow label.
+pub fn set_header_policy(fd: RawFd, v6: bool, p: &crate::HeaderPolicy) -> io::Result<()> {
+    const IPV6_AUTOFLOWLABEL: libc::c_int = 70;
+    let set = |level: libc::c_int, opt: libc::c_int, v: libc::c_int| {
+        // SAFETY: setsockopt with a pointer to a live c_int of the stated size.
+        cvt(unsafe { libc::setsockopt(fd, level, opt, (&v as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) }).map(drop)
+    };
+    if v6 {
+        set(libc::IPPROTO_IPV6, libc::IPV6_UNICAST_HOPS, p.hop_limit as libc::c_int)?;
+        set(libc::IPPROTO_IPV6, libc::IPV6_TCLASS, p.tos() as libc::c_int)?;
+        set(libc::IPPROTO_IPV6, IPV6_AUTOFLOWLABEL, 0)
+    } else {
+        set(libc::IPPROTO_IP, libc::IP_TTL, p.ttl as libc::c_int)?;
+        set(libc::IPPROTO_IP, libc::IP_TOS, p.tos() as libc::c_int)
+    }
+}
+
+/// Ask for each datagram's fwmark (SO_RCVMARK, Linux 5.19+).
+pub fn set_recv_mark(fd: RawFd) -> io::Result<()> {
+    const SO_RCVMARK: libc::c_int = 75;
+    let one: libc::c_int = 1;
+    // SAFETY: setsockopt with a pointer to a live c_int of the stated size.
+    cvt(unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, SO_RCVMARK, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) })
+        .map(drop)
 }
 
 /// Ask for each datagram's original destination (IP_RECVORIGDSTADDR / IPV6_RECVORIGDSTADDR).

@@ -14,7 +14,7 @@
 //! those entries use, and workers are told which sockets came and went rather than rescanning.
 
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
-use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats};
+use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy};
 use arc_swap::ArcSwap;
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::table::{IngressKey, StreamEntry, Verdict};
@@ -48,11 +48,33 @@ pub struct UserspaceConfig {
     /// steers packets to (their destination read from IP(V6)_ORIGDSTADDR), and sends copies
     /// as complete IP packets on a raw socket. Sessions then cost no file descriptors.
     pub steered: bool,
+    /// The IP header of every copy (see [`HeaderPolicy`]).
+    pub header: HeaderPolicy,
+    /// Steered mode: called with the fwmark of each received datagram that carried one, once its
+    /// copies are sent (the kernel path hands packets up in stream order and waits for these).
+    pub mark_ack: Option<MarkAck>,
+}
+
+/// See [`UserspaceConfig::mark_ack`].
+#[derive(Clone)]
+pub struct MarkAck(pub Arc<dyn Fn(u32) + Send + Sync>);
+
+impl std::fmt::Debug for MarkAck {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("MarkAck")
+    }
 }
 
 impl Default for UserspaceConfig {
     fn default() -> Self {
-        UserspaceConfig { workers: 0, batch: 32, socket_buffer: 4 << 20, steered: false }
+        UserspaceConfig {
+            workers: 0,
+            batch: 32,
+            socket_buffer: 4 << 20,
+            steered: false,
+            header: HeaderPolicy::default(),
+            mark_ack: None,
+        }
     }
 }
 
@@ -63,10 +85,12 @@ struct SteerSockets {
     rx6: Option<Socket>,
     raw4: Socket,
     raw6: Option<Socket>,
+    /// What the raw copies' headers carry.
+    header: HeaderPolicy,
 }
 
 impl SteerSockets {
-    fn open(buffer: usize) -> Result<SteerSockets, DataplaneError> {
+    fn open(buffer: usize, header: HeaderPolicy) -> Result<SteerSockets, DataplaneError> {
         let rx = |addr: SocketAddr| -> std::io::Result<Socket> {
             let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP))?;
             // Loopback, so the port is not reachable from outside; freebind so that a namespace
@@ -81,6 +105,7 @@ impl SteerSockets {
             let _ = s.set_send_buffer_size(buffer);
             s.bind(&SockAddr::from(addr))?;
             sys::set_recv_orig_dst(s.as_raw_fd(), addr.is_ipv6())?;
+            sys::set_recv_mark(s.as_raw_fd())?;
             s.set_nonblocking(true)?;
             Ok(s)
         };
@@ -99,7 +124,7 @@ impl SteerSockets {
                 (None, None)
             }
         };
-        Ok(SteerSockets { rx4, rx6, raw4, raw6 })
+        Ok(SteerSockets { rx4, rx6, raw4, raw6, header })
     }
 }
 
@@ -133,6 +158,7 @@ struct Shared {
     /// Shared by the workers: one source may send to several SFU addresses, whose flows
     /// SO_REUSEPORT may spread over several workers.
     sources: Mutex<SourceBuckets>,
+    mark_ack: Option<MarkAck>,
 }
 
 /// Per-source rate-limit buckets ([`ForwardingTable::source_limit`]), bounded: the least
@@ -216,9 +242,10 @@ impl UserspaceDataplane {
             stop: AtomicBool::new(false),
             events: events.map(Mutex::new),
             sources: Mutex::new(SourceBuckets::default()),
+            mark_ack: cfg.mark_ack.clone(),
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
-            (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer).map(Arc::new)).collect::<Result<_, _>>()?
+            (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer, cfg.header).map(Arc::new)).collect::<Result<_, _>>()?
         } else {
             Vec::new()
         };
@@ -342,7 +369,7 @@ impl UserspaceDataplane {
     }
 
     fn open_socket_group(&self, addr: SocketAddr) -> Result<Vec<Socket>, DataplaneError> {
-        (0..self.cfg.workers).map(|_| open_socket(addr, self.cfg.socket_buffer)).collect()
+        (0..self.cfg.workers).map(|_| open_socket(addr, self.cfg.socket_buffer, &self.cfg.header)).collect()
     }
 
     /// The installed table.
@@ -355,11 +382,12 @@ fn io_err(context: &str, source: std::io::Error) -> DataplaneError {
     DataplaneError::Io { context: context.to_string(), source }
 }
 
-fn open_socket(addr: SocketAddr, buffer: usize) -> Result<Socket, DataplaneError> {
+fn open_socket(addr: SocketAddr, buffer: usize, header: &HeaderPolicy) -> Result<Socket, DataplaneError> {
     let bind_err = |source| DataplaneError::Bind { addr, source };
     let s = Socket::new(Domain::for_address(addr), Type::DGRAM, Some(Protocol::UDP)).map_err(bind_err)?;
     s.set_reuse_port(true).map_err(bind_err)?;
     s.set_nonblocking(true).map_err(bind_err)?;
+    sys::set_header_policy(s.as_raw_fd(), addr.is_ipv6(), header).map_err(bind_err)?;
     if addr.is_ipv6() {
         s.set_only_v6(true).map_err(bind_err)?;
     } else {
@@ -462,7 +490,10 @@ fn send_raw_copy(steer: &SteerSockets, from: SocketAddr, to: SocketAddr, payload
     use mediaplane_core::packet::{build_frame, FrameSpec};
     let raw = if to.is_ipv4() { Some(&steer.raw4) } else { steer.raw6.as_ref() };
     let Some(raw) = raw.filter(|_| from.is_ipv4() == to.is_ipv4()) else { return false };
-    let frame = build_frame(&FrameSpec::new(from, to), payload);
+    let mut spec = FrameSpec::new(from, to);
+    spec.ttl = if to.is_ipv4() { steer.header.ttl } else { steer.header.hop_limit };
+    spec.tos = steer.header.tos();
+    let frame = build_frame(&spec, payload);
     // Raw IP sockets take the packet without its Ethernet header; the port must be 0 (IPv6).
     let dst = SockAddr::from(SocketAddr::new(to.ip(), 0));
     match sys::send_raw_ip(raw.as_raw_fd(), &frame[mediaplane_core::packet::ETH_HLEN..], &dst) {
@@ -574,7 +605,16 @@ impl WorkerCtx {
         let mut delta = WorkerCounters::default();
         // (egress fd, stream id, message) for every copy of the batch.
         let mut out: Vec<(RawFd, u32, Outgoing<'_>)> = Vec::new();
+        // Marks of datagrams the kernel handed up in stream order: acknowledged once the batch's
+        // copies are sent.
+        let mut marks: Vec<u32> = Vec::new();
         for i in 0..n {
+            if local.is_none() && self.shared.mark_ack.is_some() {
+                let m = self.batch.mark(i);
+                if m != 0 {
+                    marks.push(m);
+                }
+            }
             let (src, payload, truncated) = self.batch.get(i);
             delta.total.rx_packets += 1;
             delta.total.rx_bytes += payload.len() as u64;
@@ -682,6 +722,9 @@ impl WorkerCtx {
                 }
             }
             start = end;
+        }
+        if let Some(ack) = &self.shared.mark_ack {
+            marks.iter().for_each(|m| (ack.0)(*m));
         }
         let mut c = self.counters.lock();
         c.total.add(&delta.total);

@@ -104,8 +104,29 @@ enum mp_counter {
 	CNT_PASS_ERROR,       /* a helper failed before any copy was sent */
 	CNT_DROP_RATE_LIMITED,/* from the registered source, over the stream's rate limit */
 	CNT_DROP_SOURCE_LIMITED,/* over the per-source (IP address) rate limit */
+	CNT_DROP_BAD_CHECKSUM,/* IPv4 header or UDP checksum wrong, or a zero UDP checksum on IPv6:
+	                         what the host would drop too (it never reaches a socket) */
+	CNT_DROP_SPOOFED,     /* the source fails the reverse-path check (rp_filter) on its ingress */
+	CNT_PASS_IN_ORDER,    /* the stream still has packets in the slow path: this one follows them */
 	CNT__MAX,
 };
+
+/* fast_config.flags */
+#define MP_CFG_VERIFY_CSUM (1u << 0) /* verify IPv4 header and UDP checksums the device did not */
+#define MP_CFG_KEEP_DSCP (1u << 1)   /* copies keep the publisher's DSCP instead of fast_config.dscp */
+#define MP_CFG_HOLD_ORDER (1u << 2)  /* keep a stream in the slow path while it holds packets there */
+
+/* Reverse-path check modes (the values of net.ipv4.conf.*.rp_filter). */
+#define MP_RPF_OFF 0
+#define MP_RPF_STRICT 1
+#define MP_RPF_LOOSE 2
+
+/* Packets the fast path hands up in stream order carry this mark bit with the stream's stats
+ * slot in the low bits (the slow path reads it with SO_RCVMARK and acknowledges the slot). */
+#define MP_ORDER_MARK 0x80000000u
+/* A stream stops waiting for the slow path when it acknowledged nothing for this long (a packet
+ * lost on its way up must not pin the stream to the slow path). */
+#define MP_ORDER_HOLD_MAX_NS 50000000ull
 
 /* Per-copy latency histogram (struct mp_latency_hist): 16 exact buckets for 0..15 ns, then 8
  * linear sub-buckets per power of two up to 2^40 ns. */

@@ -26,6 +26,8 @@ struct mp_stream_counters {
 	__u64 drop_malformed;
 	__u64 pass_slow; /* handed to the slow path (STUN, unlatched, no neighbour...) */
 	__u64 drop_rate_limited;
+	__u64 drop_bad_checksum;
+	__u64 drop_spoofed;
 };
 
 /* A stream's rate limit (mediaplane_core::ratelimit: GCRA, the same integer arithmetic) and its
@@ -173,6 +175,68 @@ struct {
 	__type(value, struct mp_source_limit);
 } source_limit SEC(".maps");
 
+/* What the fast path makes of a copy's IP header, and which checks it runs. Written by user space
+ * (fast_config[0]); all zero (no entry written yet) means: no checks, TTL/hop limit 64, DSCP 0. */
+struct mp_fast_config {
+	__u32 flags;     /* MP_CFG_* */
+	__u8 ttl;        /* IPv4 TTL of every copy (the host's net.ipv4.ip_default_ttl) */
+	__u8 hop_limit;  /* IPv6 hop limit of every copy (net.ipv6.conf.all.hop_limit) */
+	__u8 dscp;       /* DSCP of every copy, unless MP_CFG_KEEP_DSCP */
+	__u8 rpf_v6;     /* MP_RPF_* for IPv6 sources (IPv6 has no rp_filter sysctl) */
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mp_fast_config);
+} fast_config SEC(".maps");
+
+/* IPv4 reverse-path mode per ingress ifindex (max of net.ipv4.conf.{all,<dev>}.rp_filter, as the
+ * kernel applies it), kept current by user space. No entry: MP_RPF_OFF. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(max_entries, 1024);
+	__type(key, __u32);
+	__type(value, __u32);
+} rpf_mode SEC(".maps");
+
+/* Per-stream path state, indexed like stream_stats; mmapped by user space, which writes `done`.
+ * - rpf_ok, rpf_src: (ingress ifindex << 32 | next-hop generation) + 1 in which the source
+ *   rpf_src passed the reverse-path check (only for fixed-source streams: one source, so the
+ *   check runs once per route change, see rpf.h).
+ * - up / done: packets of the stream the fast path handed up in order (marked MP_ORDER_MARK) /
+ *   how many of those the slow path has sent. While they differ, later packets go up too, so none
+ *   overtakes one still in the slow path.
+ * - seen_done / progress_ns: the last `done` the program saw and when it changed (or the hold
+ *   began): a hold that sees no progress for MP_ORDER_HOLD_MAX_NS ends (a packet lost on its way
+ *   up must not pin the stream to the slow path). */
+struct mp_stream_path {
+	__u64 rpf_ok;
+	__u8 rpf_src[16];
+	__u64 up;
+	__u64 done;
+	__u64 seen_done;
+	__u64 progress_ns;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_ARRAY);
+	__uint(map_flags, BPF_F_MMAPABLE);
+	__uint(max_entries, 65536); /* = streams max_entries */
+	__type(key, __u32);
+	__type(value, struct mp_stream_path);
+} stream_path SEC(".maps");
+
+/* bpf_fib_lookup parameters: in a per-CPU map rather than on the stack (the fan-out's call chain
+ * is near the 512-byte stack limit). Nothing runs between filling and reading it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct bpf_fib_lookup);
+} fib_scratch SEC(".maps");
+
 static __always_inline void count(__u32 idx, __u64 n)
 {
 	__u64 *c = bpf_map_lookup_elem(&counters, &idx);
@@ -184,6 +248,18 @@ static __always_inline struct mp_stream_counters *stream_counters_of(const struc
 {
 	__u32 slot = s->stats_slot;
 	return bpf_map_lookup_elem(&stream_stats, &slot);
+}
+
+static __always_inline struct mp_stream_path *stream_path_of(const struct mp_stream_value *s)
+{
+	__u32 slot = s->stats_slot;
+	return bpf_map_lookup_elem(&stream_path, &slot);
+}
+
+static __always_inline const struct mp_fast_config *fast_config_get(void)
+{
+	__u32 zero = 0;
+	return bpf_map_lookup_elem(&fast_config, &zero);
 }
 
 #endif

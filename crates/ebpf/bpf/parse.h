@@ -22,7 +22,8 @@ struct mp_pkt {
 	__u32 ip_len;      /* IP header + payload (IPv4 total length, IPv6 40 + payload length) */
 	__u8 family;       /* MP_FAMILY_* */
 	__u8 vlan_in_data; /* an 802.1Q/802.1ad tag sits in the frame bytes (not offloaded) */
-	__u8 pad[2];
+	__u8 ip_csum_bad;  /* IPv4: the header checksum is wrong (the stack's ip_rcv would drop it) */
+	__u8 pad;
 	__u8 saddr[16];
 	__u8 daddr[16];
 	__be16 sport;
@@ -96,6 +97,13 @@ static __noinline int parse_udp(struct __sk_buff *skb, struct mp_pkt *p)
 			return CNT_PASS_FRAGMENT;
 		if (b[9] != IPPROTO_UDP_NR)
 			return CNT_PASS_NOT_UDP;
+		__u32 hsum = 0;
+#pragma unroll
+		for (int k = 0; k < 20; k += 2)
+			hsum += rd16(b + k);
+		hsum = (hsum & 0xffff) + (hsum >> 16);
+		hsum = (hsum & 0xffff) + (hsum >> 16);
+		p->ip_csum_bad = hsum != 0xffff;
 		p->family = MP_FAMILY_V4;
 		__builtin_memcpy(p->saddr, b + 12, 4);
 		__builtin_memcpy(p->daddr, b + 16, 4);

@@ -27,6 +27,10 @@
 #include "common.h"
 #include "maps.h"
 #include "parse.h"
+#include "checksum.h"
+#include "rpf.h"
+#include "order.h"
+#include "header.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -132,15 +136,6 @@ static __always_inline int nh_matches(const struct mp_nh_cache *e, const struct 
 
 /* bpf_fib_lookup for one copy; on success the cache entry is rewritten whole. Returns 0 or the
  * CNT_PASS_* reason. */
-/* bpf_fib_lookup parameters: in a per-CPU map rather than on the stack (the fan-out's call chain
- * is near the 512-byte stack limit). Nothing runs between filling and reading it. */
-struct {
-	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
-	__uint(max_entries, 1);
-	__type(key, __u32);
-	__type(value, struct bpf_fib_lookup);
-} fib_scratch SEC(".maps");
-
 static __noinline int resolve(struct mp_fanout *f, const struct mp_copy_rewrite *c, struct mp_nh_cache *e)
 {
 	__u32 zero = 0;
@@ -477,6 +472,15 @@ static __always_inline int pass_slow(struct mp_stream_counters *sc, __u32 why)
 	return TC_ACT_OK;
 }
 
+/* To the slow path, in stream order (see order.h) when the configuration asks for it. */
+static __always_inline int pass_in_order(struct __sk_buff *skb, struct mp_stream_counters *sc, struct mp_stream_path *sp,
+					 __u32 slot, __u32 cflags, __u64 now, __u32 why)
+{
+	if (cflags & MP_CFG_HOLD_ORDER)
+		order_mark(skb, sp, slot, now);
+	return pass_slow(sc, why);
+}
+
 static __always_inline int drop(struct mp_stream_counters *sc, __u32 why, __u32 payload_len)
 {
 	count(CNT_RX_PACKETS, 1);
@@ -491,6 +495,10 @@ static __always_inline int drop(struct mp_stream_counters *sc, __u32 why, __u32 
 			sc->drop_rate_limited += 1;
 		else if (why == CNT_DROP_MALFORMED)
 			sc->drop_malformed += 1;
+		else if (why == CNT_DROP_BAD_CHECKSUM)
+			sc->drop_bad_checksum += 1;
+		else if (why == CNT_DROP_SPOOFED)
+			sc->drop_spoofed += 1;
 	}
 	return TC_ACT_SHOT;
 }
@@ -559,6 +567,28 @@ int sfu_ingress(struct __sk_buff *skb)
 	int latch = entry->flags & STREAM_F_LATCH;
 	if (!latch && (!same_addr(entry->src_addr, p.saddr) || entry->src_port != p.sport))
 		return drop(sc, CNT_DROP_STRANGER, p.payload_len);
+
+	/* Only what the host would accept, from where the source can be. */
+	const struct mp_fast_config *cfg = fast_config_get();
+	__u32 cflags = cfg ? cfg->flags : 0;
+	struct sk_buff *kskb = bpf_cast_to_kern_ctx(skb);
+	__u8 summed = BPF_CORE_READ_BITFIELD(kskb, ip_summed);
+	if (cflags & MP_CFG_VERIFY_CSUM) {
+		if (p.ip_csum_bad)
+			return drop(sc, CNT_DROP_BAD_CHECKSUM, p.payload_len);
+		int cv = udp_checksum_verdict(skb, &p, summed);
+		if (cv == CSUM_BAD)
+			return drop(sc, CNT_DROP_BAD_CHECKSUM, p.payload_len);
+		if (cv == CSUM_ERROR)
+			return pass_slow(sc, CNT_PASS_ERROR);
+	}
+	__u32 zero = 0;
+	__u32 *gen = bpf_map_lookup_elem(&nh_gen, &zero);
+	__u32 nhgen = gen ? *gen : 0;
+	struct mp_stream_path *sp = stream_path_of(entry);
+	if (!rpf_ok(skb, &p, cfg, latch ? NULL : sp, nhgen))
+		return drop(sc, CNT_DROP_SPOOFED, p.payload_len);
+
 	if (!source_admit(p.saddr, p.family, t0, p.payload_len))
 		return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
 	if (latch)
@@ -567,6 +597,9 @@ int sfu_ingress(struct __sk_buff *skb)
 		return pass_slow(sc, CNT_PASS_SLOW_STREAM);
 	if ((entry->flags & STREAM_F_RATE) && !rate_admit(entry->stats_slot, t0, p.payload_len))
 		return drop(sc, CNT_DROP_RATE_LIMITED, p.payload_len);
+	__u32 slot = entry->stats_slot;
+	if ((cflags & MP_CFG_HOLD_ORDER) && sp && order_held(sp, t0))
+		return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_IN_ORDER);
 
 	struct mp_fanout f = {
 		.skb = skb,
@@ -580,11 +613,8 @@ int sfu_ingress(struct __sk_buff *skb)
 		.l4_off = p.l4_off,
 		.payload_len = p.payload_len,
 		.family = p.family,
+		.gen = nhgen,
 	};
-	__u32 zero = 0;
-	__u32 *gen = bpf_map_lookup_elem(&nh_gen, &zero);
-	if (gen)
-		f.gen = *gen;
 	__builtin_memcpy(f.cur_addrs, p.saddr, 16);
 	if (p.family == MP_FAMILY_V4)
 		__builtin_memcpy(f.cur_addrs + 4, p.daddr, 4);
@@ -596,11 +626,11 @@ int sfu_ingress(struct __sk_buff *skb)
 	if (entry->copies_count > 0) {
 		bpf_loop(entry->copies_count, resolve_next_hop, &f, 0);
 		if (f.fail)
-			return pass_slow(sc, f.fail);
+			return pass_in_order(skb, sc, sp, slot, cflags, t0, f.fail);
 		/* Copies leave untagged: the egress device (possibly a VLAN device) tags them. */
 		if (p.vlan_in_data || skb->vlan_present) {
 			if (bpf_skb_vlan_pop(skb))
-				return pass_slow(sc, CNT_PASS_ERROR);
+				return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_ERROR);
 			if (p.vlan_in_data) {
 				f.l3_off -= 4;
 				f.l4_off -= 4;
@@ -611,11 +641,11 @@ int sfu_ingress(struct __sk_buff *skb)
 		 * trailer exceeds the egress MTU and its copies are dropped on the way out. */
 		__u32 frame_len = f.l3_off + p.ip_len;
 		if (skb->len > frame_len && bpf_skb_change_tail(skb, frame_len, 0))
-			return pass_slow(sc, CNT_PASS_ERROR);
+			return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_ERROR);
+		if (write_own_header(skb, f.l3_off, p.family, cfg))
+			return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_ERROR);
 		/* Direct packet access needs the headers in the linear part and a checksum state
 		 * it can follow: CHECKSUM_COMPLETE (skb->csum) is left to the helpers. */
-		struct sk_buff *kskb = bpf_cast_to_kern_ctx(skb);
-		__u8 summed = BPF_CORE_READ_BITFIELD(kskb, ip_summed);
 		__u32 hdr_end = ETH_HLEN + (p.family == MP_FAMILY_V4 ? 20 : 40) + 8;
 		if (summed != MP_CHECKSUM_COMPLETE) {
 			if (!linear_upto(skb, hdr_end))

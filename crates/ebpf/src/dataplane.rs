@@ -2,6 +2,7 @@
 
 use crate::attach::{self, AttachMode, Attachment};
 use crate::loader::{FastPath, LoadOptions};
+use crate::maps::{config_flags, FastConfigRaw, RpfMode};
 use crate::pinlock::{PinDirLock, PinLockError};
 use crate::prefilter::Prefilter;
 use mediaplane_core::{ForwardingTable, IngressKey};
@@ -37,6 +38,13 @@ pub struct EbpfConfig {
     pub steer_slow_path: bool,
     /// Put the XDP pre-filter (certain strangers dropped before TC) on the same interfaces.
     pub xdp_prefilter: bool,
+    /// Verify checksums the device did not (bad ones: `drop_bad_checksum`).
+    pub verify_checksums: bool,
+    /// Reverse-path check of IPv6 sources (IPv4 follows the interfaces' rp_filter).
+    pub rpf_v6: RpfMode,
+    /// Keep a stream in the slow path while packets it handed up there are not sent yet, so no
+    /// packet overtakes another (off only for A/B measurements).
+    pub hold_order: bool,
 }
 
 impl EbpfConfig {
@@ -53,6 +61,9 @@ impl EbpfConfig {
             max_copies: d.max_copies,
             steer_slow_path: true,
             xdp_prefilter: true,
+            verify_checksums: true,
+            rpf_v6: RpfMode::Off,
+            hold_order: true,
         }
     }
 }
@@ -229,6 +240,21 @@ impl EbpfDataplane {
         };
         let mut slow_cfg = cfg.userspace.clone();
         slow_cfg.steered = cfg.steer_slow_path;
+        let paths = fast.stream_paths();
+        slow_cfg.mark_ack = Some(mediaplane_dataplane::MarkAck(Arc::new(move |mark| paths.ack_mark(mark))));
+        let mut flags = 0;
+        if cfg.verify_checksums {
+            flags |= config_flags::VERIFY_CSUM;
+        }
+        if cfg.hold_order {
+            flags |= config_flags::HOLD_ORDER;
+        }
+        let h = slow_cfg.header;
+        fast.configure(&FastConfigRaw { flags, ttl: h.ttl, hop_limit: h.hop_limit, dscp: h.dscp, rpf_v6: cfg.rpf_v6 as u8 })?;
+        let ifindexes: Vec<(String, u32)> =
+            cfg.interfaces.iter().map(|i| attach::ifindex_of(i).map(|x| (i.clone(), x))).collect::<Result<_, _>>()?;
+        let mut rpf = crate::rpf::RpfSync::new(fast.rpf_mode_map()?, &ifindexes);
+        rpf.refresh()?;
         let slow = UserspaceDataplane::new(slow_cfg, events)?;
         let steering = match slow.steering_fds() {
             Some((v4, v6)) => Some(crate::steer::SlowPathSteering::attach(&fast.streams_map(), &v4, &v6).inspect_err(|_| {
@@ -256,7 +282,13 @@ impl EbpfDataplane {
         }
         tracing::info!(?attachments, adopted = fast.adopted(), "ebpf data plane attached");
         // Without the watcher cached next hops still expire on their own (NH_CACHE_TTL_NS).
-        let nh_watch = match fast.next_hop_generation_map().and_then(crate::nhwatch::NextHopWatch::start) {
+        let refresh: crate::nhwatch::Refresh = Box::new(move || {
+            rpf.refresh().unwrap_or_else(|e| {
+                tracing::warn!("updating reverse-path modes: {e}");
+                false
+            })
+        });
+        let nh_watch = match fast.next_hop_generation_map().and_then(|m| crate::nhwatch::NextHopWatch::start(m, Some(refresh))) {
             Ok(w) => Some(w),
             Err(e) => {
                 tracing::warn!("no rtnetlink watcher ({e}): cached next hops are only renewed by expiry");
@@ -350,7 +382,15 @@ impl Dataplane for EbpfDataplane {
             s.extra.insert("bpf_run_count".into(), run_count);
         }
         if let Some(pf) = &self.prefilter {
-            s.extra.extend(pf.extra());
+            // One set of counters: the pre-filter's drops are the model's drops, counted once
+            // in `total` (received and dropped there); `extra` keeps the breakdown by hook.
+            let x = pf.extra();
+            let get = |k: &str| x.get(k).copied().unwrap_or(0);
+            s.total.rx_packets += get("xdp_drop_stranger") + get("xdp_drop_no_stream");
+            s.total.rx_bytes += get("xdp_drop_bytes");
+            s.total.drop_stranger += get("xdp_drop_stranger");
+            s.total.drop_no_stream += get("xdp_drop_no_stream");
+            s.extra.extend(x);
         }
         s
     }

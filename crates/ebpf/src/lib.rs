@@ -9,6 +9,8 @@
 //!   certain strangers before TC, sharing the TC program's stream map;
 //! * [`attach`]: tcx / clsact / XDP hooks, pinned for hitless restarts;
 //! * [`nhwatch`]: invalidates the kernel's next-hop cache on route/neighbour changes;
+//! * [`path`]: the per-stream path state shared with the program (order acknowledgements);
+//! * [`rpf`]: keeps the program's reverse-path modes equal to the interfaces' rp_filter;
 //! * [`steer`]: sk_lookup steering of slow-path packets to a few catch-all sockets;
 //! * [`pinlock`]: one live daemon per pin directory (a kill -9'd one's pins are still adopted);
 //! * [`dataplane`]: [`EbpfDataplane`], the [`mediaplane_dataplane::Dataplane`] named "ebpf".
@@ -19,9 +21,11 @@ pub mod install;
 pub mod loader;
 pub mod maps;
 pub mod nhwatch;
+pub mod path;
 pub mod steer;
 pub mod pinlock;
 pub mod prefilter;
+pub mod rpf;
 
 /// The libbpf-cargo skeleton: used for the C struct layouts (BTF) in tests and test_run.
 #[allow(dead_code, clippy::all, non_camel_case_types, non_snake_case, unused_imports)]

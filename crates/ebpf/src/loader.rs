@@ -4,7 +4,11 @@
 //! with `BPF_PROG_TEST_RUN` ([`FastPath::test_run`]), [`crate::EbpfDataplane`] attaches it.
 
 use crate::install::{ApplyReport, Installer, KernelMaps};
-use crate::maps::{CopyRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, SourceLimitRaw, StreamCountersRaw, StreamValueRaw, GLOBAL_COUNTERS};
+use crate::maps::{
+    CopyRaw, FastConfigRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, RpfMode, SourceLimitRaw, StreamCountersRaw, StreamPathRaw, StreamValueRaw,
+    GLOBAL_COUNTERS,
+};
+use crate::path::StreamPaths;
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, Program, ProgramInput};
 use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Counters, DataplaneError, DataplaneStats, LatencySummary};
@@ -51,6 +55,8 @@ pub struct TestRun {
     /// Run time of the program as measured by the kernel (includes the helpers it called,
     /// e.g. every `bpf_clone_redirect` transmission).
     pub duration_ns: u64,
+    /// skb->mark as the program left it (packets handed up in stream order carry one).
+    pub mark: u32,
 }
 
 pub const TC_ACT_OK: u32 = 0;
@@ -88,9 +94,12 @@ impl KernelStats {
             slow_unlatched: 0,
             drop_rate_limited: g("drop_rate_limited"),
             drop_source_limited: g("drop_source_limited"),
+            drop_bad_checksum: g("drop_bad_checksum"),
+            drop_spoofed: g("drop_spoofed"),
         };
         let streams = self.streams.iter().map(|(id, s)| (*id, s.to_counters())).collect();
-        let extra = GLOBAL_COUNTERS[8..].iter().filter(|n| !matches!(**n, "drop_rate_limited" | "drop_source_limited")).map(|n| (n.to_string(), g(n))).collect();
+        let in_total = ["drop_rate_limited", "drop_source_limited", "drop_bad_checksum", "drop_spoofed"];
+        let extra = GLOBAL_COUNTERS[8..].iter().filter(|n| !in_total.contains(*n)).map(|n| (n.to_string(), g(n))).collect();
         let l = &self.latency;
         let copy_latency = (l.count > 0).then(|| LatencySummary {
             count: l.count,
@@ -167,6 +176,8 @@ pub struct FastPath {
     adopted: bool,
     /// The per-source limit last written to `source_limit` (None: not written yet).
     source_limit: Mutex<Option<SourceLimitRaw>>,
+    /// `stream_path`, mapped: the slow path acknowledges packets handed up in order.
+    paths: Arc<StreamPaths>,
 }
 
 impl std::fmt::Debug for FastPath {
@@ -193,7 +204,7 @@ impl FastPath {
         for mut m in open.maps_mut() {
             let name = m.name().to_string_lossy().into_owned();
             let entries = match name.as_str() {
-                "streams" | "stream_stats" | "stream_rate" => Some(opts.max_streams),
+                "streams" | "stream_stats" | "stream_rate" | "stream_path" => Some(opts.max_streams),
                 "copies" => Some(opts.max_copies),
                 _ => None,
             };
@@ -236,7 +247,9 @@ impl FastPath {
                 GLOBAL_COUNTERS.len()
             )));
         }
+        let paths = Arc::new(StreamPaths::map(&obj.maps().find(|m| m.name() == "stream_path").expect("stream_path map"))?);
         let mut me = FastPath {
+            paths,
             obj,
             installer: Mutex::new(Installer::new(opts.max_copies, opts.max_streams)),
             barrier_inner,
@@ -278,6 +291,32 @@ impl FastPath {
     /// Make the program resolve every next hop again (after a route or neighbour change).
     pub fn invalidate_next_hops(&self) -> Result<(), DataplaneError> {
         crate::nhwatch::bump(&self.next_hop_generation_map()?).map(|_| ())
+    }
+
+    /// Set what copies' headers carry and which checks the program runs (fast_config[0]).
+    pub fn configure(&self, cfg: &FastConfigRaw) -> Result<(), DataplaneError> {
+        self.map("fast_config").update(0u32.as_bytes(), cfg.as_bytes(), MapFlags::ANY).map_err(|e| bpf_err("writing fast_config", e))
+    }
+
+    /// The reverse-path mode for IPv4 packets arriving on `ifindex` (Off removes the entry).
+    /// Cached passes are renewed only when the next-hop generation changes: bump it after.
+    pub fn set_rpf_mode(&self, ifindex: u32, mode: RpfMode) -> Result<(), DataplaneError> {
+        crate::rpf::write_mode(&self.map("rpf_mode"), ifindex, mode)
+    }
+
+    /// A handle on `rpf_mode` (for [`crate::rpf::RpfSync`]).
+    pub fn rpf_mode_map(&self) -> Result<MapHandle, DataplaneError> {
+        MapHandle::try_from(&self.map("rpf_mode")).map_err(|e| bpf_err("rpf_mode handle", e))
+    }
+
+    /// The mapped per-stream path state (order acknowledgements).
+    pub fn stream_paths(&self) -> Arc<StreamPaths> {
+        self.paths.clone()
+    }
+
+    /// The stats slot of an installed stream (index into the per-stream maps).
+    pub fn stats_slot(&self, stream_id: u32) -> Option<u32> {
+        self.installer.lock().stats_slot(stream_id)
     }
 
     /// Remove the map pins (the maps live on while this process holds them).
@@ -389,15 +428,19 @@ impl FastPath {
         }
         // Room for what the program may do to the frame (it only ever shrinks it: VLAN pop).
         let mut out = vec![0u8; frame.len() + 64];
+        let mut ctx_out = vec![0u8; ctx.len()];
         let mut input = ProgramInput::default();
         input.data_in = Some(frame);
         input.data_out = Some(&mut out);
         input.context_in = Some(&mut ctx);
+        input.context_out = Some(&mut ctx_out);
         let prog = self.obj.progs_mut().find(|p| p.name() == SFU_TC_PROGRAM).expect("program in the embedded object");
         let res = prog.test_run(input).map_err(|e| bpf_err("BPF_PROG_TEST_RUN", e))?;
         let (retval, duration_ns) = (res.return_value, res.duration.as_nanos() as u64);
         let data_out = res.data.map(|d| d.to_vec()).unwrap_or_default();
-        Ok(TestRun { retval, data_out, duration_ns })
+        let mark_at = std::mem::offset_of!(crate::skel::types::__sk_buff, mark);
+        let mark = u32::from_ne_bytes(ctx_out[mark_at..mark_at + 4].try_into().expect("4 bytes"));
+        Ok(TestRun { retval, data_out, duration_ns, mark })
     }
 
     /// Zero every counter and the latency histogram (tests, benchmarks).
@@ -454,7 +497,12 @@ impl KernelMaps for MapsIo<'_> {
         self.fp
             .map("stream_stats")
             .update_percpu(slot.as_bytes(), &vec![zero.as_bytes().to_vec(); ncpu], MapFlags::ANY)
-            .map_err(|e| bpf_err("zeroing stream counters", e))
+            .map_err(|e| bpf_err("zeroing stream counters", e))?;
+        // A fresh slot has no cached reverse-path pass and no order hold of a previous owner.
+        self.fp
+            .map("stream_path")
+            .update(slot.as_bytes(), StreamPathRaw::default().as_bytes(), MapFlags::ANY)
+            .map_err(|e| bpf_err("zeroing stream path state", e))
     }
 
     fn write_rate(&mut self, slot: u32, rate: &RateRaw) -> Result<(), DataplaneError> {

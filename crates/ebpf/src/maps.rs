@@ -38,7 +38,7 @@ pub const MAX_FANOUT: usize = 4096;
 
 /// Global counter indices (enum mp_counter) with their names in `DataplaneStats.extra`.
 /// The first eight feed [`mediaplane_dataplane::Counters`].
-pub const GLOBAL_COUNTERS: [&str; 29] = [
+pub const GLOBAL_COUNTERS: [&str; 32] = [
     "rx_packets",
     "rx_bytes",
     "tx_copies",
@@ -68,6 +68,9 @@ pub const GLOBAL_COUNTERS: [&str; 29] = [
     "pass_error",
     "drop_rate_limited",
     "drop_source_limited",
+    "drop_bad_checksum",
+    "drop_spoofed",
+    "pass_in_order",
 ];
 
 /// Index of a global counter by name (panics on a typo: names are compile-time constants).
@@ -149,6 +152,8 @@ pub struct StreamCountersRaw {
     pub drop_malformed: u64,
     pub pass_slow: u64,
     pub drop_rate_limited: u64,
+    pub drop_bad_checksum: u64,
+    pub drop_spoofed: u64,
 }
 
 impl StreamCountersRaw {
@@ -163,9 +168,64 @@ impl StreamCountersRaw {
             drop_stranger: self.drop_stranger,
             drop_malformed: self.drop_malformed,
             drop_rate_limited: self.drop_rate_limited,
+            drop_bad_checksum: self.drop_bad_checksum,
+            drop_spoofed: self.drop_spoofed,
             ..Default::default()
         }
     }
+}
+
+/// `struct mp_fast_config` (fast_config[0]): what copies' IP headers carry and which checks run.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FastConfigRaw {
+    pub flags: u32,
+    pub ttl: u8,
+    pub hop_limit: u8,
+    pub dscp: u8,
+    pub rpf_v6: u8,
+}
+
+/// `fast_config.flags` (MP_CFG_* in bpf/common.h).
+pub mod config_flags {
+    pub const VERIFY_CSUM: u32 = 1 << 0;
+    pub const KEEP_DSCP: u32 = 1 << 1;
+    pub const HOLD_ORDER: u32 = 1 << 2;
+}
+
+/// Reverse-path check modes (MP_RPF_*: the values of `net.ipv4.conf.*.rp_filter`).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum RpfMode {
+    #[default]
+    Off = 0,
+    Strict = 1,
+    Loose = 2,
+}
+
+impl RpfMode {
+    /// The mode an rp_filter sysctl value means (the kernel treats anything above 2 as loose).
+    pub fn from_sysctl(v: u32) -> RpfMode {
+        match v {
+            0 => RpfMode::Off,
+            1 => RpfMode::Strict,
+            _ => RpfMode::Loose,
+        }
+    }
+}
+
+/// Marks the fast path puts on packets it hands up in stream order (MP_ORDER_MARK | stats slot).
+pub const ORDER_MARK: u32 = 0x8000_0000;
+
+/// `struct mp_stream_path` (see bpf/maps.h): the reverse-path cache and the order hold.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct StreamPathRaw {
+    pub rpf_ok: u64,
+    pub rpf_src: [u8; 16],
+    pub up: u64,
+    pub done: u64,
+    pub seen_done: u64,
+    pub progress_ns: u64,
 }
 
 /// `struct mp_rate`: a stream's limit (see [`mediaplane_core::ratelimit::RateParams`]) and state.
@@ -252,6 +312,8 @@ unsafe impl Pod for LatencyHistRaw {}
 unsafe impl Pod for SourceLimitRaw {}
 unsafe impl Pod for SourceKeyRaw {}
 unsafe impl Pod for SourceStateRaw {}
+unsafe impl Pod for FastConfigRaw {}
+unsafe impl Pod for StreamPathRaw {}
 unsafe impl Pod for u32 {}
 unsafe impl Pod for u64 {}
 
@@ -266,6 +328,8 @@ impl StreamCountersRaw {
         self.drop_malformed += o.drop_malformed;
         self.pass_slow += o.pass_slow;
         self.drop_rate_limited += o.drop_rate_limited;
+        self.drop_bad_checksum += o.drop_bad_checksum;
+        self.drop_spoofed += o.drop_spoofed;
     }
 }
 
@@ -509,7 +573,7 @@ mod tests {
         assert_eq!(size_of::<KeyRaw>(), 24);
         assert_eq!(size_of::<StreamValueRaw>(), 40);
         assert_eq!(size_of::<CopyRaw>(), 40);
-        assert_eq!(size_of::<StreamCountersRaw>(), 72);
+        assert_eq!(size_of::<StreamCountersRaw>(), 88);
         assert_eq!(size_of::<RateRaw>(), 48);
         assert_eq!(size_of::<LatencyHistRaw>(), (LAT_BUCKETS + 4) * 8);
         // The generated skeleton carries the C layout (from BTF): compare.
@@ -523,6 +587,9 @@ mod tests {
         assert_eq!(size_of::<types::mp_source_limit>(), size_of::<SourceLimitRaw>());
         assert_eq!(size_of::<types::mp_source_key>(), size_of::<SourceKeyRaw>());
         assert_eq!(size_of::<types::mp_source_state>(), size_of::<SourceStateRaw>());
+        assert_eq!(size_of::<types::mp_fast_config>(), size_of::<FastConfigRaw>());
+        assert_eq!(size_of::<types::mp_stream_path>(), size_of::<StreamPathRaw>());
+        assert_eq!(std::mem::offset_of!(types::mp_stream_path, done), std::mem::offset_of!(StreamPathRaw, done));
     }
 
     #[test]

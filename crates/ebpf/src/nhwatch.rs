@@ -68,6 +68,11 @@ fn open_socket() -> std::io::Result<OwnedFd> {
     }
 }
 
+/// Something to re-check about once a second beside netlink (e.g. the rp_filter sysctls, which
+/// netlink does not announce to this group): true when it changed something the cached next hops
+/// and reverse-path passes depend on.
+pub type Refresh = Box<dyn FnMut() -> bool + Send>;
+
 /// The listener thread; stops (and is joined) on drop.
 pub struct NextHopWatch {
     stop: Arc<AtomicBool>,
@@ -76,7 +81,7 @@ pub struct NextHopWatch {
 
 impl NextHopWatch {
     /// Start listening in the calling thread's network namespace.
-    pub fn start(gen_map: MapHandle) -> Result<NextHopWatch, DataplaneError> {
+    pub fn start(gen_map: MapHandle, refresh: Option<Refresh>) -> Result<NextHopWatch, DataplaneError> {
         let fd = open_socket().map_err(|source| DataplaneError::Io { context: "rtnetlink socket".into(), source })?;
         // A change may have happened between the program's first lookups and now.
         bump(&gen_map)?;
@@ -84,23 +89,33 @@ impl NextHopWatch {
         let stop2 = stop.clone();
         let thread = std::thread::Builder::new()
             .name("mp-nh-watch".into())
-            .spawn(move || run(fd, gen_map, stop2))
+            .spawn(move || run(fd, gen_map, stop2, refresh))
             .map_err(|source| DataplaneError::Io { context: "spawning the next-hop watcher".into(), source })?;
         Ok(NextHopWatch { stop, thread: Some(thread) })
     }
 }
 
-fn run(fd: OwnedFd, gen_map: MapHandle, stop: Arc<AtomicBool>) {
+fn run(fd: OwnedFd, gen_map: MapHandle, stop: Arc<AtomicBool>, mut refresh: Option<Refresh>) {
     let mut buf = vec![0u8; 64 * 1024];
+    let mut last_refresh = std::time::Instant::now();
     while !stop.load(Ordering::Relaxed) {
         let mut pfd = libc::pollfd { fd: fd.as_raw_fd(), events: libc::POLLIN, revents: 0 };
         // SAFETY: one valid pollfd.
         let n = unsafe { libc::poll(&mut pfd, 1, 200) };
+        let mut changed = false;
+        if last_refresh.elapsed() >= std::time::Duration::from_secs(1) {
+            last_refresh = std::time::Instant::now();
+            changed |= refresh.as_mut().is_some_and(|r| r());
+        }
         if n <= 0 {
+            if changed {
+                if let Err(e) = bump(&gen_map) {
+                    tracing::warn!("next-hop cache invalidation failed: {e}");
+                }
+            }
             continue;
         }
         // Drain everything queued, then bump once: a burst of changes costs one map update.
-        let mut changed = false;
         for _ in 0..1024 {
             // SAFETY: buf is valid for its length.
             let r = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT) };

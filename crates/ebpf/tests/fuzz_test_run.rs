@@ -449,7 +449,8 @@ fn fuzz_frame(rng: &mut Rng, t: &ForwardingTable) -> (Vec<u8>, Vec<String>) {
             log.push("fix checksums".into());
         }
     } else if rng.chance(10) {
-        // Valid frames with a broken checksum: forwarded as they are, never "repaired".
+        // Valid frames with a broken checksum: dropped (bad_checksum) where the source is right,
+        // never forwarded, never "repaired".
         let l = layout(&f);
         if let Some(b) = f.get_mut(l.l4 + 6) {
             *b ^= 0x5a;

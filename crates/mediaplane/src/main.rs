@@ -175,7 +175,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
 }
 
 fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>, reset: bool) -> anyhow::Result<Arc<dyn Dataplane>> {
-    let us = UserspaceConfig { workers: cfg.dataplane.workers, batch: cfg.dataplane.batch, ..Default::default() };
+    let us = UserspaceConfig {
+        workers: cfg.dataplane.workers,
+        batch: cfg.dataplane.batch,
+        header: mediaplane_dataplane::HeaderPolicy::from_host(cfg.dataplane.dscp),
+        ..Default::default()
+    };
     match cfg.dataplane.kind {
         DataplaneKind::Userspace => Ok(Arc::new(UserspaceDataplane::new(us, Some(events)).context("starting the user-space data plane")?)),
         DataplaneKind::Ebpf => {
@@ -186,6 +191,12 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>
             ecfg.max_streams = cfg.dataplane.max_streams;
             ecfg.max_copies = cfg.dataplane.max_copies;
             ecfg.xdp_prefilter = cfg.dataplane.xdp_prefilter;
+            ecfg.verify_checksums = cfg.dataplane.verify_checksums;
+            ecfg.rpf_v6 = match cfg.dataplane.rp_filter_v6.as_str() {
+                "strict" => mediaplane_ebpf::maps::RpfMode::Strict,
+                "loose" => mediaplane_ebpf::maps::RpfMode::Loose,
+                _ => mediaplane_ebpf::maps::RpfMode::Off,
+            };
             let dp = mediaplane_ebpf::EbpfDataplane::new(ecfg, Some(events)).context("starting the ebpf data plane")?;
             tracing::info!(hooks = ?dp.hooks(), adopted = dp.fast_path().adopted(), "kernel fast path attached");
             Ok(Arc::new(dp))

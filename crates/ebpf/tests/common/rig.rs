@@ -7,7 +7,7 @@ use super::*;
 use mediaplane_core::packet::{build_frame, parse_frame, verify_checksums, FrameError, FrameSpec};
 use mediaplane_core::rtp::build_rtp;
 use mediaplane_core::table::{Copy, DropReason, ForwardingTable, IngressKey, SlowReason, SourceRule, StreamEntry, Verdict};
-use mediaplane_ebpf::maps::{flags, kernel_entries};
+use mediaplane_ebpf::maps::{config_flags, flags, kernel_entries, FastConfigRaw};
 use mediaplane_ebpf::{FastPath, KernelStats, LoadOptions, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -137,7 +137,13 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         return Expect::Pass("pass_not_ours");
     }
     let payload = &frame[f.payload..f.payload + f.payload_len];
-    match t.classify(f.dst, f.src, payload) {
+    let verdict = t.classify(f.dst, f.src, payload);
+    // Frame-level, after the source check: only what the host would accept (RIG_CONFIG
+    // verifies checksums; no interface of the lab has a reverse-path mode).
+    if matches!(verdict, Verdict::Forward(_) | Verdict::SlowPath { reason: SlowReason::Unlatched, .. }) && !verify_checksums(frame, &f).ok() {
+        return Expect::Drop("drop_bad_checksum");
+    }
+    match verdict {
         Verdict::Forward(e) => {
             let slow = kernel_entries(t, None)[&mediaplane_ebpf::maps::KeyRaw::new(e.key.local, e.key.ssrc)].flags & flags::SLOW != 0;
             let ip_len = f.payload + f.payload_len - f.l3;
@@ -153,6 +159,7 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         Verdict::Drop { reason: DropReason::NoStream, .. } => Expect::Drop("drop_no_stream"),
         Verdict::Drop { reason: DropReason::Stranger, .. } => Expect::Drop("drop_stranger"),
         Verdict::Drop { reason: DropReason::Malformed, .. } => Expect::Drop("drop_malformed"),
+        Verdict::Drop { reason: DropReason::BadChecksum | DropReason::Spoofed, .. } => unreachable!("classify() judges payloads, not frames"),
         Verdict::SlowPath { reason: SlowReason::Stun, .. } => Expect::Pass("pass_stun"),
         Verdict::SlowPath { reason: SlowReason::Unlatched, .. } => Expect::Pass("pass_unlatched"),
     }
@@ -194,12 +201,19 @@ macro_rules! ensure {
     };
 }
 
+/// The fast path as the daemon configures it (the host's TTL and hop limit are 64 in the lab's
+/// fresh namespace; DSCP 0), except the order hold: nothing acknowledges packets handed up
+/// here, so it is tested on its own (test_run.rs, order_*).
+pub const RIG_CONFIG: FastConfigRaw = FastConfigRaw { flags: config_flags::VERIFY_CSUM, ttl: 64, hop_limit: 64, dscp: 0, rpf_v6: 0 };
+
 /// A loaded program in the lab's namespace, with a capture on v1.
 pub struct Rig {
     pub lab: Lab,
     pub fp: FastPath,
     pub cap: Capture,
     pub ifindex: u32,
+    /// What the program was last configured with (the copies are judged by it).
+    pub config: std::cell::Cell<FastConfigRaw>,
     _g: NetnsGuard,
 }
 
@@ -208,10 +222,17 @@ impl Rig {
         let lab = Lab::new();
         let g = lab.ns.enter();
         let fp = FastPath::load(&LoadOptions::default()).expect("load");
+        fp.configure(&RIG_CONFIG).expect("configure");
         let v1 = lab.v1.clone();
         let cap = lab.peer.run(move || Capture::new(&v1));
         let ifindex = ifindex(&lab.v0);
-        Rig { lab, fp, cap, ifindex, _g: g }
+        Rig { lab, fp, cap, ifindex, config: std::cell::Cell::new(RIG_CONFIG), _g: g }
+    }
+
+    /// Configure the program (fast_config) and judge copies by it from now on.
+    pub fn configure(&self, cfg: FastConfigRaw) {
+        self.fp.configure(&cfg).expect("configure");
+        self.config.set(cfg);
     }
 
     pub fn apply(&self, t: &ForwardingTable) {
@@ -255,7 +276,7 @@ impl Rig {
                 if !copies.is_empty() {
                     got.push(run.data_out.clone());
                 }
-                verify_copies(frame, copies, &got)?;
+                verify_copies(frame, copies, &got, &self.config.get())?;
                 Ok(got)
             }
             Expect::Drop(counter) => {
@@ -292,7 +313,7 @@ pub fn hex(b: &[u8]) -> String {
 /// Exactly the expected copies (each once), correct headers and MACs, payload unchanged, no
 /// bytes after the IP packet, checksums valid exactly when the original's were (never broken,
 /// never laundered: a valid packet's copies are valid).
-pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got: &[Vec<u8>]) -> Result<(), String> {
+pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got: &[Vec<u8>], cfg: &FastConfigRaw) -> Result<(), String> {
     let of = parse_frame(original).map_err(|e| format!("forwarded an unparsable frame: {e}"))?;
     let payload = &original[of.payload..of.payload + of.payload_len];
     let want_ck = verify_checksums(original, &of);
@@ -303,6 +324,7 @@ pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got
         ensure!(fr[0..6] == MAC1, "dst MAC from the neighbour table: {}", hex(fr));
         ensure!(fr[6..12] == MAC0, "src MAC of the egress device: {}", hex(fr));
         ensure!(fr.len() == f.payload + f.payload_len, "copies carry no bytes after the IP packet: {} -> {} is {} bytes", f.src, f.dst, fr.len());
+        own_header(fr, &f, cfg, original)?;
         ensure!(&fr[f.payload..f.payload + f.payload_len] == payload, "payload changed on {} -> {}", f.src, f.dst);
         let c = verify_checksums(fr, &f);
         ensure!(
@@ -318,6 +340,27 @@ pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got
     seen.sort();
     want.sort();
     ensure!(seen == want, "copies differ from the fan-out list: got {seen:?}, want {want:?}");
+    Ok(())
+}
+
+/// A copy's IP header is the SFU's own (bpf/header.h): TTL / hop limit and DSCP of the
+/// configuration, ECN Not-ECT, IPv4 ID 0 with DF, IPv6 flow label 0.
+pub fn own_header(fr: &[u8], f: &mediaplane_core::packet::UdpFrame, cfg: &FastConfigRaw, original: &[u8]) -> Result<(), String> {
+    let ip = &fr[f.l3..];
+    let o = parse_frame(original).map_err(|e| e.to_string())?;
+    let oip = &original[o.l3..];
+    let orig_tclass = if o.src.is_ipv4() { oip[1] } else { (oip[0] << 4) | (oip[1] >> 4) };
+    let want_tclass = if cfg.flags & config_flags::KEEP_DSCP != 0 { orig_tclass & 0xfc } else { cfg.dscp << 2 };
+    if f.src.is_ipv4() {
+        ensure!(ip[8] == cfg.ttl, "TTL {} on copy {} -> {}, want {}", ip[8], f.src, f.dst, cfg.ttl);
+        ensure!(ip[1] == want_tclass, "TOS {:#x} on copy {} -> {}, want {want_tclass:#x}", ip[1], f.src, f.dst);
+        ensure!(ip[4..8] == [0, 0, 0x40, 0], "ID/flags {:02x?} on copy {} -> {}, want ID 0 and DF", &ip[4..8], f.src, f.dst);
+    } else {
+        let tclass = (ip[0] << 4) | (ip[1] >> 4);
+        let flow = u32::from_be_bytes([0, ip[1] & 0x0f, ip[2], ip[3]]);
+        ensure!(ip[7] == cfg.hop_limit, "hop limit {} on copy {} -> {}, want {}", ip[7], f.src, f.dst, cfg.hop_limit);
+        ensure!(tclass == want_tclass && flow == 0, "traffic class {tclass:#x} / flow label {flow:#x} on copy {} -> {}", f.src, f.dst);
+    }
     Ok(())
 }
 
