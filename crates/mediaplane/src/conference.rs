@@ -87,6 +87,9 @@ pub struct ConferenceResult {
     /// `delay_ns` minus `direct_delay_ns` (the direct path pays the plane's hooks too, so this
     /// flatters a plane whose hooks slow plain forwarding); what `demo` shows.
     pub added_delay_vs_direct_ns: Option<AddedDelay>,
+    /// BPF programs attached in the SFU namespace during the run (XDP, TC, tcx on its
+    /// interfaces; sk_lookup on the namespace), as `bpftool` lists them; None if it could not run.
+    pub hooks_attached: Option<Vec<String>>,
     /// RFC 3550 jitter (mean over copies) and RFC 4689 delay variation p99 (worst copy), ns.
     pub jitter_ns_mean: f64,
     pub delay_variation_p99_ns: f64,
@@ -241,6 +244,86 @@ fn flow_mesh_high(i: usize, j: usize) -> u32 {
     20000 + (MAX_KERNEL_FORWARD * i + j) as u32
 }
 
+/// BPF programs attached in the SFU namespace, as "hook program@where": XDP and clsact TC on
+/// its interfaces (`bpftool net`), tcx on them (a `BPF_PROG_QUERY` per interface and direction:
+/// this bpftool may not list tcx) and the namespace's own links, e.g. sk_lookup (`bpftool link`).
+pub(crate) fn attached_hooks(tb: &Testbed) -> anyhow::Result<Vec<String>> {
+    let json = |out: std::process::Output| -> anyhow::Result<Value> {
+        if !out.status.success() {
+            bail!("bpftool: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    let net = json(tb.command(&tb.sfu_ns, "bpftool").args(["-j", "net", "show"]).output().context("running bpftool")?)?;
+    let mut hooks = Vec::new();
+    for section in net.as_array().into_iter().flatten().filter_map(Value::as_object) {
+        for (hook, entries) in section {
+            for e in entries.as_array().into_iter().flatten() {
+                let kind = e["kind"].as_str().or(e["mode"].as_str()).map(|k| format!("/{k}")).unwrap_or_default();
+                let prog = e["name"].as_str().map(str::to_string).unwrap_or_else(|| format!("id {}", e["id"]));
+                hooks.push(format!("{hook}{kind} {prog}@{}", e["devname"].as_str().unwrap_or("?")));
+            }
+        }
+    }
+    let ifs: Vec<String> = tb.peers.iter().map(|p| p.sfu_if.clone()).collect();
+    let tcx = tb.in_ns(&tb.sfu_ns, move || -> std::io::Result<Vec<String>> {
+        let mut found = Vec::new();
+        for dev in ifs {
+            let name = std::ffi::CString::new(dev.as_str()).expect("interface names have no NUL");
+            // SAFETY: `name` is a valid NUL-terminated string.
+            let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+            for (dir, attach_type) in [("ingress", BPF_TCX_INGRESS), ("egress", BPF_TCX_EGRESS)] {
+                let count = tcx_count(ifindex, attach_type)?;
+                if count > 0 {
+                    found.push(format!("tcx/{dir} {count} program(s)@{dev}"));
+                }
+            }
+        }
+        Ok(found)
+    })??;
+    hooks.extend(tcx);
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata(Path::new(mediaplane_bench::netns::NETNS_DIR).join(&tb.sfu_ns))?.ino();
+    let links = json(std::process::Command::new("bpftool").args(["-j", "link", "show"]).output().context("running bpftool")?)?;
+    for l in links.as_array().into_iter().flatten().filter(|l| l["netns_ino"].as_u64() == Some(ino)) {
+        hooks.push(format!("{} id {}@netns", l["attach_type"].as_str().unwrap_or("netns"), l["prog_id"]));
+    }
+    Ok(hooks)
+}
+
+const BPF_PROG_QUERY: libc::c_long = 16;
+const BPF_TCX_INGRESS: u32 = 46;
+const BPF_TCX_EGRESS: u32 = 47;
+
+/// How many programs tcx has at `ifindex` (in this thread's network namespace) for
+/// `attach_type`; 0 on a kernel without tcx.
+fn tcx_count(ifindex: u32, attach_type: u32) -> std::io::Result<u32> {
+    /// The BPF_PROG_QUERY part of `union bpf_attr`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct Query {
+        target_ifindex: u32,
+        attach_type: u32,
+        query_flags: u32,
+        attach_flags: u32,
+        prog_ids: u64,
+        count: u32,
+        _pad: u32,
+        prog_attach_flags: u64,
+        link_ids: u64,
+        link_attach_flags: u64,
+        revision: u64,
+    }
+    let mut q = Query { target_ifindex: ifindex, attach_type, ..Default::default() };
+    // SAFETY: bpf(2) reads and writes `q` only, within the size given.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, &mut q as *mut Query, std::mem::size_of::<Query>()) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::EINVAL) { Ok(0) } else { Err(e) };
+    }
+    Ok(q.count)
+}
+
 /// The session on a running daemon: participants p0..p(n-1) (SFU address `sfu_ip:40000`,
 /// media at `ip:5004`) publish "main" (narrowed to SSRC 1000+i when RTP); in two-streams also
 /// "high" on `sfu_ip:40002`; everyone subscribes to every other's "main", the upper half also
@@ -294,6 +377,13 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         wait_ready(tb, s)?;
         setup_room(tb, n, spec.scenario, rtp, true)?;
     }
+    let hooks = attached_hooks(tb).inspect_err(|e| tracing::warn!("listing the SFU namespace's BPF programs: {e:#}")).ok();
+    if floor {
+        match &hooks {
+            Some(h) if !h.is_empty() => bail!("{KERNEL_FORWARD}: BPF programs still attached in the SFU namespace: {}", h.join(", ")),
+            _ => {}
+        }
+    }
 
     // Traffic: one socket per participant sends and receives (symmetric RTP); a second socket
     // receives the direct-path flow from the previous participant. kernel-forward: each
@@ -337,7 +427,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
 
     let Some(serve) = serve.as_mut() else {
         let report = traffic::run(&plan)?;
-        return Ok(summarise(spec, n, &expected, &report, None, Value::Null));
+        return Ok(summarise(spec, n, &expected, &report, None, Value::Null, hooks));
     };
     // Both programs every packet runs through: the XDP pre-filter (its pass path) and TC.
     let bpf_ns = |stats: &Value| ["bpf_run_time_ns", "xdp_run_time_ns"].iter().map(|k| stats["extra"][k].as_u64().unwrap_or(0)).sum::<u64>();
@@ -351,7 +441,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     // The daemon's log is kept only when something went wrong (the error names it).
     let _ = std::fs::remove_file(&log);
     remove_store(&store);
-    Ok(summarise(spec, n, &expected, &report, Some((serve_cpu_ns, bpf_run_ns)), daemon_stats))
+    Ok(summarise(spec, n, &expected, &report, Some((serve_cpu_ns, bpf_run_ns)), daemon_stats, hooks))
 }
 
 fn summarise(
@@ -361,6 +451,7 @@ fn summarise(
     report: &TrafficReport,
     serve_cpu: Option<(u64, u64)>,
     daemon_stats: Value,
+    hooks_attached: Option<Vec<String>>,
 ) -> ConferenceResult {
     let (serve_cpu_ns, bpf_run_ns) = serve_cpu.unwrap_or_default();
     let mut participants = Vec::new();
@@ -425,6 +516,7 @@ fn summarise(
         floor_delay_ns: None,
         added_delay_ns: None,
         added_delay_vs_direct_ns: added_delay(&delay, &direct_delay, AddedDelayMethod::QuantileDifference),
+        hooks_attached,
         jitter_ns_mean: if copies > 0 { jitter_sum / copies as f64 } else { 0.0 },
         delay_variation_p99_ns: dv_p99,
         mos_mean: if copies > 0 { mos_sum / copies as f64 } else { 0.0 },

@@ -79,14 +79,14 @@ fn loss_pct(r: &ConferenceResult) -> f64 {
 
 const CSV_HEADER: &str = "scenario,n,dataplane,copies_expected,copies_received,bytes_received,lost,loss_pct,duplicates,unexpected,\
 delay_min_us,delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,added_min_us,added_p50_us,added_mean_us,added_p99_us,added_max_us,\
-floor_p50_us,floor_p99_us,direct_with_hooks_p50_us,jitter_us,delay_variation_p99_us,mos_mean,mos_min,cpu_per_copy_ns,bpf_ns_per_copy,serve_cpu_ms,generator_cpu_ms";
+floor_p50_us,floor_p99_us,direct_with_hooks_p50_us,hooks_attached,jitter_us,delay_variation_p99_us,mos_mean,mos_min,cpu_per_copy_ns,bpf_ns_per_copy,serve_cpu_ms,generator_cpu_ms";
 
 fn csv_row(r: &ConferenceResult) -> String {
     let d = &r.delay_ns;
     let a = r.added_delay_ns;
     let af = |f: fn(&mediaplane_bench::added_delay::AddedDelay) -> f64| a.map(|x| format!("{:.2}", f(&x) / 1e3)).unwrap_or_default();
     format!(
-        "{},{},{},{},{},{},{},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{},{},{},{:.2},{:.2},{:.2},{:.3},{:.3},{},{},{:.1},{:.1}",
+        "{},{},{},{},{},{},{},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{},{},{},{:.2},{},{:.2},{:.2},{:.3},{:.3},{},{},{:.1},{:.1}",
         scen(r.scenario),
         r.participants.len(),
         r.dataplane,
@@ -110,6 +110,7 @@ fn csv_row(r: &ConferenceResult) -> String {
         r.floor_delay_ns.map(|f| format!("{:.2}", f.p50 / 1e3)).unwrap_or_default(),
         r.floor_delay_ns.map(|f| format!("{:.2}", f.p99 / 1e3)).unwrap_or_default(),
         r.direct_delay_ns.p50 / 1e3,
+        r.hooks_attached.as_ref().map(|h| h.len().to_string()).unwrap_or_default(),
         r.jitter_ns_mean / 1e3,
         r.delay_variation_p99_ns / 1e3,
         r.mos_mean,
@@ -123,8 +124,8 @@ fn csv_row(r: &ConferenceResult) -> String {
 
 /// What added delay is measured against, in words (every report says it).
 pub const FLOOR_TEXT: &str = "Added delay = one-way delay through the SFU minus the floor, quantile by quantile (min, p50, mean, p99, max), per copy. \
-The floor is the `kernel-forward` run at the same N and scenario in the same invocation: no mediaplane process and no BPF program attached, \
-every copy sent by its publisher straight to its subscriber, routed by the SFU namespace's IP forwarding. \
+The floor is the `kernel-forward` run at the same N and scenario in the same invocation: no mediaplane process and no BPF program attached \
+(hooks_attached = 0), every copy sent by its publisher straight to its subscriber, routed by the SFU namespace's IP forwarding. \
 \"direct with hooks\" is the direct path measured inside each plane's own run, with that plane's XDP/TC programs attached: a diagnostic only.";
 
 /// BPF program run time per delivered copy (eBPF plane only).

@@ -35,10 +35,12 @@ fn bench_sfu_quick_writes_its_report() {
         assert_eq!(r["copies_received"], r["copies_expected"]);
         assert!(r["copies_received"].as_u64().unwrap() > 0);
         assert!(r["delay_ns"]["p50"].as_f64().unwrap() > 0.0);
+        assert!(r["hooks_attached"].is_array(), "the SFU namespace's BPF programs were listed: {r}");
     }
     // The floor: measured with no program attached in the SFU namespace, and every data plane's
     // added delay is against it (same N, same scenario), not against its own hooked direct path.
     for floor in results.iter().filter(|r| r["dataplane"] == "kernel-forward") {
+        assert_eq!(floor["hooks_attached"].as_array().unwrap().len(), 0, "{floor}");
         assert_eq!(floor["serve_cpu_ns"], 0);
         assert!(floor["delay_ns"]["count"].as_u64().unwrap() > 0);
         assert!(floor["added_delay_ns"].is_null());
@@ -53,6 +55,8 @@ fn bench_sfu_quick_writes_its_report() {
             assert!((r["added_delay_ns"]["p50"].as_f64().unwrap() - added).abs() < 1.0, "{r}");
         }
     }
+    // ... while the eBPF plane's hooks were there during its own run.
+    assert!(results.iter().filter(|r| r["dataplane"] == "ebpf").all(|r| !r["hooks_attached"].as_array().unwrap().is_empty()));
     let md = std::fs::read_to_string(out_dir.join("results.md")).unwrap();
     assert!(md.contains("kernel-forward") && md.contains("no BPF program attached"), "results.md says what the floor is");
     let html = std::fs::read_to_string(out_dir.join("report.html")).unwrap();
