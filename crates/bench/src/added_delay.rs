@@ -1,6 +1,9 @@
 //! **added delay** (DESIGN.md): one-way delay sender→receiver through the SFU minus the same
 //! path without the SFU (the *direct path*, routed by the SFU namespace's kernel), measured in
-//! the same run, per copy (one copy = one (flow, receiver) pair through the SFU).
+//! the same run, per copy (one copy = one (flow, receiver) pair through the SFU). `mediaplane
+//! bench sfu` passes its `kernel-forward` floor as the direct path (the same copies sent
+//! participant to participant with no SFU and no BPF program attached, same invocation); the
+//! demo passes the direct path of the plane's own run, which pays that plane's hooks.
 //!
 //! The two delays come from different packets, so they cannot be subtracted packet by packet;
 //! we compare distributions. Two methods, both from the distributions' summaries:

@@ -1,12 +1,20 @@
 //! `mediaplane bench sfu`: the thesis experiment, side by side for every data plane, in one run.
 //! For each participant count N one namespace testbed is built and every (data plane, scenario)
 //! runs on it in turn, so the planes share the same machine state.
+//!
+//! Each (N, scenario) starts with a `kernel-forward` run on the same testbed: no `serve`, so none
+//! of mediaplane's programs attached, every copy sent by its publisher straight to its subscriber
+//! through the SFU namespace's IP forwarding (see [`conference`]). That run's delay is the floor:
+//! every data plane's added delay is its delay minus the floor's, quantile by quantile. The
+//! direct path measured inside each plane's own run pays that plane's hooks (XDP on veth copies
+//! every packet into a page, TC runs on every packet), so it is reported only as a diagnostic.
 
-use crate::conference::{self, ConferenceResult, ConferenceSpec, Scenario};
+use crate::conference::{self, ConferenceResult, ConferenceSpec, Scenario, KERNEL_FORWARD};
 use crate::demo::profile_named;
 use crate::report;
 use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
+use mediaplane_bench::added_delay::{added_delay, AddedDelayMethod};
 use mediaplane_bench::netns::Testbed;
 use std::path::PathBuf;
 use std::time::Duration;
@@ -16,7 +24,8 @@ pub struct BenchSfuArgs {
     /// A seconds-long smoke run: N = 2 and 4, one second each.
     #[arg(long)]
     quick: bool,
-    /// Data planes to compare.
+    /// Data planes to compare (userspace, ebpf, ebpf-noxdp). The kernel-forward floor always
+    /// runs first at each N and scenario.
     #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
     dataplanes: Vec<String>,
     /// one-stream, two-streams.
@@ -72,9 +81,14 @@ fn sfu(a: BenchSfuArgs) -> anyhow::Result<()> {
     if sizes.iter().any(|n| !(2..=64).contains(n)) {
         bail!("sizes must be between 2 and 64");
     }
+    if a.dataplanes.iter().any(|d| d == KERNEL_FORWARD) {
+        bail!("{KERNEL_FORWARD} is the floor and always runs: leave it out of --dataplanes");
+    }
     let seconds = a.seconds.unwrap_or(if a.quick { 1.0 } else { 10.0 });
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
-    let runs = sizes.len() * scenarios.len() * a.dataplanes.len();
+    // The floor first, then every data plane.
+    let planes: Vec<String> = std::iter::once(KERNEL_FORWARD.to_string()).chain(a.dataplanes.iter().cloned()).collect();
+    let runs = sizes.len() * scenarios.len() * planes.len();
     let bar = ProgressBar::new(runs as u64);
     bar.set_style(ProgressStyle::with_template("{elapsed_precise} [{bar:30}] {pos}/{len} {msg}").unwrap().progress_chars("=> "));
     let mut results: Vec<ConferenceResult> = Vec::new();
@@ -85,10 +99,10 @@ fn sfu(a: BenchSfuArgs) -> anyhow::Result<()> {
         for &scenario in &scenarios {
             // Like the thesis, the default sweep runs two-streams for even N only (halves).
             if scenario == Scenario::TwoStreams && n % 2 == 1 && a.sizes.is_none() {
-                bar.inc(a.dataplanes.len() as u64);
+                bar.inc(planes.len() as u64);
                 continue;
             }
-            for dp in &a.dataplanes {
+            for dp in &planes {
                 bar.set_message(format!("N={n} {scenario:?} {dp}"));
                 let spec = ConferenceSpec { dataplane: dp.clone(), scenario, profile: profile.clone(), duration: Duration::from_secs_f64(seconds) };
                 match conference::run(&tb, &spec, &a.out) {
@@ -103,6 +117,7 @@ fn sfu(a: BenchSfuArgs) -> anyhow::Result<()> {
         }
     }
     bar.finish_with_message("done");
+    set_added_delay(&mut results);
     report::print_table(&results);
     let meta = report::RunMeta::collect(&format!("mediaplane bench sfu {}", std::env::args().skip(3).collect::<Vec<_>>().join(" ")), &profile, seconds);
     report::write_all(&a.out, &meta, &results, &failures)?;
@@ -111,4 +126,16 @@ fn sfu(a: BenchSfuArgs) -> anyhow::Result<()> {
         bail!("{} run(s) failed:\n{}", failures.len(), failures.join("\n"));
     }
     Ok(())
+}
+
+/// Added delay of every data plane run against the `kernel-forward` run at its N and scenario.
+fn set_added_delay(results: &mut [ConferenceResult]) {
+    let key = |r: &ConferenceResult| (r.participants.len(), r.scenario);
+    let floors: Vec<_> = results.iter().filter(|r| r.dataplane == KERNEL_FORWARD && r.copies_received > 0).map(|r| (key(r), r.delay_ns)).collect();
+    for r in results.iter_mut().filter(|r| r.dataplane != KERNEL_FORWARD) {
+        if let Some((_, floor)) = floors.iter().find(|(k, _)| *k == key(r)) {
+            r.floor_delay_ns = Some(*floor);
+            r.added_delay_ns = added_delay(&r.delay_ns, floor, AddedDelayMethod::QuantileDifference);
+        }
+    }
 }

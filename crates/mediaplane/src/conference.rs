@@ -1,7 +1,13 @@
 //! A real conference through a real `mediaplane serve`: participants in network namespaces
 //! around an SFU namespace, native RTP senders and receivers, and the direct path (the SFU
-//! namespace's kernel routing participant to participant) measured in the same run as the
-//! baseline for *added delay*.
+//! namespace's kernel routing participant to participant) measured in the same run, with the
+//! data plane's hooks attached.
+//!
+//! The `kernel-forward` run ([`KERNEL_FORWARD`]) is the same conference without an SFU: no
+//! `serve`, so no XDP, TC or sk_lookup program in the SFU namespace; every copy the SFU would
+//! deliver (publisher i's stream to subscriber j) is sent by i straight to j and routed by the
+//! SFU namespace's IP forwarding. Its delay is the floor `bench sfu` computes added delay
+//! against.
 
 use anyhow::{bail, Context};
 use mediaplane_bench::added_delay::{added_delay, AddedDelay, AddedDelayMethod};
@@ -14,6 +20,8 @@ use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
 use std::time::{Duration, Instant};
+
+pub use crate::bench_relay::KERNEL_FORWARD;
 
 /// SFU port of each participant's transport, and of its optional "high" stream.
 pub(crate) const SFU_PORT: u16 = 40000;
@@ -64,12 +72,24 @@ pub struct ConferenceResult {
     pub lost: u64,
     pub duplicates: u64,
     pub unexpected: u64,
-    /// One-way delay over all copies through the SFU, and over the direct path.
+    /// One-way delay over all copies through the SFU (`kernel-forward`: sent directly).
     pub delay_ns: Summary,
+    /// One-way delay of the direct path in this run (participant to participant through the SFU
+    /// namespace's router), with the data plane's hooks attached: a diagnostic, not the floor.
     pub direct_delay_ns: Summary,
     /// (delay ns, cumulative fraction) points of the delay distribution through the SFU.
     pub delay_cdf: Vec<(f64, f64)>,
+    /// The floor: `delay_ns` of the `kernel-forward` run at the same N and scenario in the same
+    /// invocation (set by `bench sfu`; None for the floor itself and outside `bench sfu`).
+    pub floor_delay_ns: Option<Summary>,
+    /// Added delay (DESIGN.md): `delay_ns` minus `floor_delay_ns`, quantile by quantile.
     pub added_delay_ns: Option<AddedDelay>,
+    /// `delay_ns` minus `direct_delay_ns` (the direct path pays the plane's hooks too, so this
+    /// flatters a plane whose hooks slow plain forwarding); what `demo` shows.
+    pub added_delay_vs_direct_ns: Option<AddedDelay>,
+    /// BPF programs attached in the SFU namespace during the run (XDP, TC, tcx on its
+    /// interfaces; sk_lookup on the namespace), as `bpftool` lists them; None if it could not run.
+    pub hooks_attached: Option<Vec<String>>,
     /// RFC 3550 jitter (mean over copies) and RFC 4689 delay variation p99 (worst copy), ns.
     pub jitter_ns_mean: f64,
     pub delay_variation_p99_ns: f64,
@@ -214,6 +234,95 @@ fn flow_high(i: usize) -> u32 {
 fn flow_direct(i: usize) -> u32 {
     9000 + i as u32
 }
+/// `kernel-forward`: the copy of i's "main" (or "high") stream sent by i straight to j. Raw flow
+/// ids are 16-bit: 10000..=29999 for up to 100 participants.
+const MAX_KERNEL_FORWARD: usize = 100;
+fn flow_mesh_main(i: usize, j: usize) -> u32 {
+    10000 + (MAX_KERNEL_FORWARD * i + j) as u32
+}
+fn flow_mesh_high(i: usize, j: usize) -> u32 {
+    20000 + (MAX_KERNEL_FORWARD * i + j) as u32
+}
+
+/// BPF programs attached in the SFU namespace, as "hook program@where": XDP and clsact TC on
+/// its interfaces (`bpftool net`), tcx on them (a `BPF_PROG_QUERY` per interface and direction:
+/// this bpftool may not list tcx) and the namespace's own links, e.g. sk_lookup (`bpftool link`).
+pub(crate) fn attached_hooks(tb: &Testbed) -> anyhow::Result<Vec<String>> {
+    let json = |out: std::process::Output| -> anyhow::Result<Value> {
+        if !out.status.success() {
+            bail!("bpftool: {}", String::from_utf8_lossy(&out.stderr).trim());
+        }
+        Ok(serde_json::from_slice(&out.stdout)?)
+    };
+    let net = json(tb.command(&tb.sfu_ns, "bpftool").args(["-j", "net", "show"]).output().context("running bpftool")?)?;
+    let mut hooks = Vec::new();
+    for section in net.as_array().into_iter().flatten().filter_map(Value::as_object) {
+        for (hook, entries) in section {
+            for e in entries.as_array().into_iter().flatten() {
+                let kind = e["kind"].as_str().or(e["mode"].as_str()).map(|k| format!("/{k}")).unwrap_or_default();
+                let prog = e["name"].as_str().map(str::to_string).unwrap_or_else(|| format!("id {}", e["id"]));
+                hooks.push(format!("{hook}{kind} {prog}@{}", e["devname"].as_str().unwrap_or("?")));
+            }
+        }
+    }
+    let ifs: Vec<String> = tb.peers.iter().map(|p| p.sfu_if.clone()).collect();
+    let tcx = tb.in_ns(&tb.sfu_ns, move || -> std::io::Result<Vec<String>> {
+        let mut found = Vec::new();
+        for dev in ifs {
+            let name = std::ffi::CString::new(dev.as_str()).expect("interface names have no NUL");
+            // SAFETY: `name` is a valid NUL-terminated string.
+            let ifindex = unsafe { libc::if_nametoindex(name.as_ptr()) };
+            for (dir, attach_type) in [("ingress", BPF_TCX_INGRESS), ("egress", BPF_TCX_EGRESS)] {
+                let count = tcx_count(ifindex, attach_type)?;
+                if count > 0 {
+                    found.push(format!("tcx/{dir} {count} program(s)@{dev}"));
+                }
+            }
+        }
+        Ok(found)
+    })??;
+    hooks.extend(tcx);
+    use std::os::unix::fs::MetadataExt;
+    let ino = std::fs::metadata(Path::new(mediaplane_bench::netns::NETNS_DIR).join(&tb.sfu_ns))?.ino();
+    let links = json(std::process::Command::new("bpftool").args(["-j", "link", "show"]).output().context("running bpftool")?)?;
+    for l in links.as_array().into_iter().flatten().filter(|l| l["netns_ino"].as_u64() == Some(ino)) {
+        hooks.push(format!("{} id {}@netns", l["attach_type"].as_str().unwrap_or("netns"), l["prog_id"]));
+    }
+    Ok(hooks)
+}
+
+const BPF_PROG_QUERY: libc::c_long = 16;
+const BPF_TCX_INGRESS: u32 = 46;
+const BPF_TCX_EGRESS: u32 = 47;
+
+/// How many programs tcx has at `ifindex` (in this thread's network namespace) for
+/// `attach_type`; 0 on a kernel without tcx.
+fn tcx_count(ifindex: u32, attach_type: u32) -> std::io::Result<u32> {
+    /// The BPF_PROG_QUERY part of `union bpf_attr`.
+    #[repr(C)]
+    #[derive(Default)]
+    struct Query {
+        target_ifindex: u32,
+        attach_type: u32,
+        query_flags: u32,
+        attach_flags: u32,
+        prog_ids: u64,
+        count: u32,
+        _pad: u32,
+        prog_attach_flags: u64,
+        link_ids: u64,
+        link_attach_flags: u64,
+        revision: u64,
+    }
+    let mut q = Query { target_ifindex: ifindex, attach_type, ..Default::default() };
+    // SAFETY: bpf(2) reads and writes `q` only, within the size given.
+    let r = unsafe { libc::syscall(libc::SYS_bpf, BPF_PROG_QUERY, &mut q as *mut Query, std::mem::size_of::<Query>()) };
+    if r < 0 {
+        let e = std::io::Error::last_os_error();
+        return if e.raw_os_error() == Some(libc::EINVAL) { Ok(0) } else { Err(e) };
+    }
+    Ok(q.count)
+}
 
 /// The session on a running daemon: participants p0..p(n-1) (SFU address `sfu_ip:40000`,
 /// media at `ip:5004`) publish "main" (narrowed to SSRC 1000+i when RTP); in two-streams also
@@ -249,38 +358,63 @@ pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool, 
     Ok(())
 }
 
-/// Run one conference on an existing testbed through one data plane.
+/// Run one conference on an existing testbed through one data plane, or `kernel-forward`.
 pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> anyhow::Result<ConferenceResult> {
     let n = tb.peers.len();
     if n < 2 {
         bail!("a conference needs at least 2 participants");
     }
+    let floor = spec.dataplane == KERNEL_FORWARD;
+    if floor && n > MAX_KERNEL_FORWARD {
+        bail!("{KERNEL_FORWARD} takes at most {MAX_KERNEL_FORWARD} participants");
+    }
     let store = workdir.join(format!("{}-{}.db", tb.prefix, spec.dataplane));
     let log = workdir.join(format!("{}-{}.log", tb.prefix, spec.dataplane));
-    let mut serve = ServeProcess::start(tb, &spec.dataplane, &store, log.clone())?;
-    wait_ready(tb, &mut serve)?;
-
     let rtp = matches!(spec.profile.format, traffic::PayloadFormat::Rtp { .. });
-    let high_half = |i: usize| i >= n / 2;
-    setup_room(tb, n, spec.scenario, rtp, true)?;
+    let mut serve = None;
+    if !floor {
+        let s = serve.insert(ServeProcess::start(tb, &spec.dataplane, &store, log.clone())?);
+        wait_ready(tb, s)?;
+        setup_room(tb, n, spec.scenario, rtp, true)?;
+    }
+    let hooks = attached_hooks(tb).inspect_err(|e| tracing::warn!("listing the SFU namespace's BPF programs: {e:#}")).ok();
+    if floor {
+        match &hooks {
+            Some(h) if !h.is_empty() => bail!("{KERNEL_FORWARD}: BPF programs still attached in the SFU namespace: {}", h.join(", ")),
+            _ => {}
+        }
+    }
 
     // Traffic: one socket per participant sends and receives (symmetric RTP); a second socket
-    // receives the direct-path flow from the previous participant.
+    // receives the direct-path flow from the previous participant. kernel-forward: each
+    // participant sends every copy itself, straight to its subscriber.
+    let high_half = |i: usize| i >= n / 2;
+    let two = spec.scenario == Scenario::TwoStreams;
     let mut plan = TrafficPlan::new(spec.duration);
     let mut expected: Vec<Vec<u32>> = vec![Vec::new(); n];
     for (i, p) in tb.peers.iter().enumerate() {
         let sock = tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT))?;
         let profile = spec.profile.clone();
-        plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_main(i), profile.clone());
-        if spec.scenario == Scenario::TwoStreams {
-            plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_HIGH_PORT), flow_high(i), profile.clone());
+        if floor {
+            for (j, q) in tb.peers.iter().enumerate().filter(|(j, _)| *j != i) {
+                let to = SocketAddr::new(q.ip, MEDIA_PORT);
+                plan = plan.sender(sock.try_clone()?, to, flow_mesh_main(i, j), profile.clone());
+                if two && high_half(j) {
+                    plan = plan.sender(sock.try_clone()?, to, flow_mesh_high(i, j), profile.clone());
+                }
+            }
+        } else {
+            plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_main(i), profile.clone());
+            if two {
+                plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_HIGH_PORT), flow_high(i), profile.clone());
+            }
         }
         let next = &tb.peers[(i + 1) % n];
         plan = plan.sender(sock.try_clone()?, SocketAddr::new(next.ip, DIRECT_PORT), flow_direct(i), profile);
         for j in (0..n).filter(|j| *j != i) {
-            expected[i].push(flow_main(j));
-            if spec.scenario == Scenario::TwoStreams && high_half(i) {
-                expected[i].push(flow_high(j));
+            expected[i].push(if floor { flow_mesh_main(j, i) } else { flow_main(j) });
+            if two && high_half(i) {
+                expected[i].push(if floor { flow_mesh_high(j, i) } else { flow_high(j) });
             }
         }
         plan = plan.receiver(format!("p{i}"), sock, expected[i].clone());
@@ -291,6 +425,10 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         plan = plan.receiver(format!("p{i}-direct"), direct, [flow_direct(prev)]);
     }
 
+    let Some(serve) = serve.as_mut() else {
+        let report = traffic::run(&plan)?;
+        return Ok(summarise(spec, n, &expected, &report, None, Value::Null, hooks));
+    };
     // Both programs every packet runs through: the XDP pre-filter (its pass path) and TC.
     let bpf_ns = |stats: &Value| ["bpf_run_time_ns", "xdp_run_time_ns"].iter().map(|k| stats["extra"][k].as_u64().unwrap_or(0)).sum::<u64>();
     let bpf0 = bpf_ns(&api(tb, "GET", "/v1/stats", None)?);
@@ -303,7 +441,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     // The daemon's log is kept only when something went wrong (the error names it).
     let _ = std::fs::remove_file(&log);
     remove_store(&store);
-    Ok(summarise(spec, n, &expected, &report, serve_cpu_ns, bpf_run_ns, daemon_stats))
+    Ok(summarise(spec, n, &expected, &report, Some((serve_cpu_ns, bpf_run_ns)), daemon_stats, hooks))
 }
 
 fn summarise(
@@ -311,10 +449,11 @@ fn summarise(
     n: usize,
     expected: &[Vec<u32>],
     report: &TrafficReport,
-    serve_cpu_ns: u64,
-    bpf_run_ns: u64,
+    serve_cpu: Option<(u64, u64)>,
     daemon_stats: Value,
+    hooks_attached: Option<Vec<String>>,
 ) -> ConferenceResult {
+    let (serve_cpu_ns, bpf_run_ns) = serve_cpu.unwrap_or_default();
     let mut participants = Vec::new();
     let mut all = empty_histogram();
     let mut direct = empty_histogram();
@@ -374,7 +513,10 @@ fn summarise(
         lost,
         duplicates: dups,
         unexpected,
-        added_delay_ns: added_delay(&delay, &direct_delay, AddedDelayMethod::QuantileDifference),
+        floor_delay_ns: None,
+        added_delay_ns: None,
+        added_delay_vs_direct_ns: added_delay(&delay, &direct_delay, AddedDelayMethod::QuantileDifference),
+        hooks_attached,
         jitter_ns_mean: if copies > 0 { jitter_sum / copies as f64 } else { 0.0 },
         delay_variation_p99_ns: dv_p99,
         mos_mean: if copies > 0 { mos_sum / copies as f64 } else { 0.0 },
@@ -384,7 +526,7 @@ fn summarise(
         direct_delay_ns: direct_delay,
         serve_cpu_ns,
         bpf_run_ns,
-        cpu_per_copy_ns: (recv_total > 0).then(|| (serve_cpu_ns + bpf_run_ns) as f64 / recv_total as f64),
+        cpu_per_copy_ns: serve_cpu.filter(|_| recv_total > 0).map(|(s, b)| (s + b) as f64 / recv_total as f64),
         daemon_stats,
         generator_cpu_ns: report.generator_cpu_ns,
     }

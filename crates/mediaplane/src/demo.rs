@@ -117,7 +117,7 @@ fn print_side_by_side(results: &[ConferenceResult]) {
     );
     for r in results {
         let loss = if r.copies_expected > 0 { 100.0 * r.lost as f64 / r.copies_expected as f64 } else { 0.0 };
-        let (a50, a99) = r.added_delay_ns.map(|a| (us(a.p50), us(a.p99))).unwrap_or(("-".into(), "-".into()));
+        let (a50, a99) = r.added_delay_vs_direct_ns.map(|a| (us(a.p50), us(a.p99))).unwrap_or(("-".into(), "-".into()));
         let bpf = if r.bpf_run_ns > 0 && r.copies_received > 0 { format!("{:.0}", r.bpf_run_ns as f64 / r.copies_received as f64) } else { "-".into() };
         println!(
             "  {:<10} {:>9} {:>9} {:>7.3} {:>5} {:>16} {:>16} {:>15} {:>14} {:>13}",
@@ -136,7 +136,7 @@ fn print_side_by_side(results: &[ConferenceResult]) {
     if results.len() >= 2 {
         let base = &results[0];
         for r in &results[1..] {
-            if let (Some(a), Some(b)) = (base.added_delay_ns, r.added_delay_ns) {
+            if let (Some(a), Some(b)) = (base.added_delay_vs_direct_ns, r.added_delay_vs_direct_ns) {
                 if b.p50 > 0.0 {
                     println!("  added delay p50 ratio {} / {}: {:.1}x", base.dataplane, r.dataplane, a.p50 / b.p50);
                 }

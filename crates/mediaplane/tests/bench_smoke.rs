@@ -1,5 +1,6 @@
 //! A seconds-long run of `mediaplane bench sfu --quick` so the harness never rots: it must
-//! produce every output file, with real data, and no loss.
+//! produce every output file, with real data, no loss, and a kernel-forward floor measured
+//! without any BPF program attached that every data plane's added delay is computed against.
 
 use serde_json::Value;
 use std::process::Command;
@@ -23,8 +24,8 @@ fn bench_sfu_quick_writes_its_report() {
     }
     let v: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap()).unwrap();
     let results = v["results"].as_array().unwrap();
-    assert_eq!(results.len(), 8, "2 sizes x 2 scenarios x 2 data planes");
-    for plane in ["userspace", "ebpf"] {
+    assert_eq!(results.len(), 12, "2 sizes x 2 scenarios x (the kernel-forward floor + 2 data planes)");
+    for plane in ["kernel-forward", "userspace", "ebpf"] {
         assert_eq!(results.iter().filter(|r| r["dataplane"] == plane).count(), 4, "{plane}");
     }
     // The kernel path reports its BPF run time.
@@ -34,7 +35,30 @@ fn bench_sfu_quick_writes_its_report() {
         assert_eq!(r["copies_received"], r["copies_expected"]);
         assert!(r["copies_received"].as_u64().unwrap() > 0);
         assert!(r["delay_ns"]["p50"].as_f64().unwrap() > 0.0);
+        assert!(r["hooks_attached"].is_array(), "the SFU namespace's BPF programs were listed: {r}");
     }
+    // The floor: measured with no program attached in the SFU namespace, and every data plane's
+    // added delay is against it (same N, same scenario), not against its own hooked direct path.
+    for floor in results.iter().filter(|r| r["dataplane"] == "kernel-forward") {
+        assert_eq!(floor["hooks_attached"].as_array().unwrap().len(), 0, "{floor}");
+        assert_eq!(floor["serve_cpu_ns"], 0);
+        assert!(floor["delay_ns"]["count"].as_u64().unwrap() > 0);
+        assert!(floor["added_delay_ns"].is_null());
+        let same = |r: &&Value| {
+            r["dataplane"] != "kernel-forward"
+                && r["scenario"] == floor["scenario"]
+                && r["participants"].as_array().unwrap().len() == floor["participants"].as_array().unwrap().len()
+        };
+        for r in results.iter().filter(same) {
+            assert_eq!(r["floor_delay_ns"], floor["delay_ns"], "{r}");
+            let added = r["delay_ns"]["p50"].as_f64().unwrap() - floor["delay_ns"]["p50"].as_f64().unwrap();
+            assert!((r["added_delay_ns"]["p50"].as_f64().unwrap() - added).abs() < 1.0, "{r}");
+        }
+    }
+    // ... while the eBPF plane's hooks were there during its own run.
+    assert!(results.iter().filter(|r| r["dataplane"] == "ebpf").all(|r| !r["hooks_attached"].as_array().unwrap().is_empty()));
+    let md = std::fs::read_to_string(out_dir.join("results.md")).unwrap();
+    assert!(md.contains("kernel-forward") && md.contains("no BPF program attached"), "results.md says what the floor is");
     let html = std::fs::read_to_string(out_dir.join("report.html")).unwrap();
     assert!(html.contains("Against the thesis") && html.contains("3986.195"), "thesis numbers shown");
     std::fs::remove_dir_all(&out_dir).unwrap();
