@@ -141,6 +141,10 @@ pub struct DataplaneConfig {
     /// eBPF: reverse-path check of IPv6 sources ("off", "loose", "strict"); IPv4 follows each
     /// interface's `rp_filter` sysctl as the kernel does. Spoofed sources: `drop_spoofed`.
     pub rp_filter_v6: String,
+    /// eBPF: while packets of a stream the kernel handed to the slow path (unresolved neighbour,
+    /// copy over the MTU) are not sent yet, hand its later packets up too, so none overtakes
+    /// another. Off only for A/B measurements (`pass_in_order` counts what it held).
+    pub hold_order: bool,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -189,6 +193,7 @@ impl Default for DataplaneConfig {
             dscp: 0,
             verify_checksums: true,
             rp_filter_v6: "off".into(),
+            hold_order: true,
         }
     }
 }

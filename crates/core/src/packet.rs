@@ -235,6 +235,8 @@ pub struct FrameSpec {
     pub ttl: u8,
     /// IPv4 TOS / IPv6 traffic class (DSCP << 2 | ECN).
     pub tos: u8,
+    /// IPv4 identification (DF is always set).
+    pub ident: u16,
 }
 
 impl FrameSpec {
@@ -247,6 +249,7 @@ impl FrameSpec {
             dst,
             ttl: 64,
             tos: 0,
+            ident: 0,
         }
     }
 }
@@ -269,7 +272,8 @@ pub fn build_frame(spec: &FrameSpec, payload: &[u8]) -> Vec<u8> {
             let total = (20 + udp_len) as u16;
             f.extend_from_slice(&[0x45, spec.tos]);
             f.extend_from_slice(&total.to_be_bytes());
-            f.extend_from_slice(&[0, 0, 0x40, 0, spec.ttl, IPPROTO_UDP, 0, 0]);
+            f.extend_from_slice(&spec.ident.to_be_bytes());
+            f.extend_from_slice(&[0x40, 0, spec.ttl, IPPROTO_UDP, 0, 0]);
             f.extend_from_slice(&s.ip().octets());
             f.extend_from_slice(&d.ip().octets());
             let c = internet_checksum(&f[l3..l3 + 20]);

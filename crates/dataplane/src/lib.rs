@@ -42,8 +42,8 @@ pub enum DataplaneEvent {
 
 /// What the IP header of every copy carries, on every plane and both paths of the kernel plane
 /// (a copy is a packet the SFU itself sends): the host's TTL / hop limit, the DSCP of the policy,
-/// ECN Not-ECT, IPv4 ID 0 with DF set (as Linux sends unconnected UDP that fits the path), IPv6
-/// flow label 0.
+/// ECN Not-ECT, IPv4 DF set with an ID of the SFU's own (as a Linux UDP socket sends what fits
+/// the path: DF, and an ID from its generator), IPv6 flow label 0.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeaderPolicy {
     pub ttl: u8,

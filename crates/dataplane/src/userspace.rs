@@ -493,6 +493,7 @@ fn send_raw_copy(steer: &SteerSockets, from: SocketAddr, to: SocketAddr, payload
     let mut spec = FrameSpec::new(from, to);
     spec.ttl = if to.is_ipv4() { steer.header.ttl } else { steer.header.hop_limit };
     spec.tos = steer.header.tos();
+    spec.ident = next_ip_id();
     let frame = build_frame(&spec, payload);
     // Raw IP sockets take the packet without its Ethernet header; the port must be 0 (IPv6).
     let dst = SockAddr::from(SocketAddr::new(to.ip(), 0));
@@ -503,6 +504,21 @@ fn send_raw_copy(steer: &SteerSockets, from: SocketAddr, to: SocketAddr, payload
             false
         }
     }
+}
+
+/// An IPv4 ID for a raw copy, as the kernel path and the host's UDP sockets give one (DF is set:
+/// an atomic datagram's ID means nothing, but a constant one would set the slow path apart).
+fn next_ip_id() -> u16 {
+    thread_local!(static STATE: std::cell::Cell<u32> = std::cell::Cell::new(mono_ns() as u32 | 1));
+    STATE.with(|s| {
+        // xorshift32
+        let mut x = s.get();
+        x ^= x << 13;
+        x ^= x >> 17;
+        x ^= x << 5;
+        s.set(x);
+        (x >> 16) as u16
+    })
 }
 
 /// Monotonic nanoseconds (the buckets' clock).

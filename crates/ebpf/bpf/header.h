@@ -1,8 +1,9 @@
 /* SPDX-License-Identifier: (LGPL-2.1 OR BSD-2-Clause) */
 /* Copies are the SFU's own packets, the same on every plane and both paths of the kernel plane:
  * IPv4 TTL / IPv6 hop limit as the host sends (fast_config.ttl / hop_limit), DSCP from the
- * policy (fast_config.dscp, or the publisher's with MP_CFG_KEEP_DSCP), ECN Not-ECT, IPv4 ID 0
- * with DF set (an atomic datagram, RFC 6864, as Linux sends unconnected UDP that fits the path),
+ * policy (fast_config.dscp, or the publisher's with MP_CFG_KEEP_DSCP), ECN Not-ECT, IPv4 DF set
+ * with an ID of the SFU's own (random; a Linux UDP socket with the default IP_PMTUDISC_WANT sets
+ * DF and still draws an ID from its generator; an atomic datagram's ID means nothing, RFC 6864),
  * IPv6 flow label 0. Written once per packet, before the per-copy address rewrite. */
 #ifndef MEDIAPLANE_HEADER_H
 #define MEDIAPLANE_HEADER_H
@@ -31,9 +32,8 @@ static __noinline int write_own_header(struct __sk_buff *skb, __u32 l3_off, __u3
 		__u8 tos = policy_tclass(cfg, h[1]);
 		/* The 16-bit words that change: (version/IHL, TOS), ID, flags/fragment, (TTL, protocol). */
 		__u16 old[4] = { rd16(h), rd16(h + 4), rd16(h + 6), rd16(h + 8) };
-		__u16 new[4] = { (__u16)(((__u16)h[0] << 8) | tos), 0, 0x4000, (__u16)(((__u16)ttl << 8) | h[9]) };
-		if (old[0] == new[0] && old[1] == new[1] && old[2] == new[2] && old[3] == new[3])
-			return 0;
+		__u16 id = (__u16)bpf_get_prandom_u32();
+		__u16 new[4] = { (__u16)(((__u16)h[0] << 8) | tos), id, 0x4000, (__u16)(((__u16)ttl << 8) | h[9]) };
 		__u32 sum = (__u16)~rd16(h + 10);
 #pragma unroll
 		for (int k = 0; k < 4; k++)
@@ -42,8 +42,8 @@ static __noinline int write_own_header(struct __sk_buff *skb, __u32 l3_off, __u3
 		sum = (sum & 0xffff) + (sum >> 16);
 		__u16 check = ~sum;
 		h[1] = tos;
-		h[4] = 0;
-		h[5] = 0;
+		h[4] = id >> 8;
+		h[5] = id & 0xff;
 		h[6] = 0x40;
 		h[7] = 0;
 		h[8] = ttl;

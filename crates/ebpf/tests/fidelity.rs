@@ -3,7 +3,7 @@
 //! - only packets the host's stack would accept: IPv4 header and UDP checksums verified (zero
 //!   accepted on IPv4 only), the rest dropped and counted as `drop_bad_checksum`;
 //! - only sources that pass the reverse-path check of their ingress (`drop_spoofed`);
-//! - copies carry the SFU's own IP header (TTL/hop limit, DSCP policy, ECN, ID, DF, flow label);
+//! - copies carry the SFU's own IP header (TTL/hop limit, DSCP policy, ECN, DF and ID, flow label);
 //! - a stream handed to the slow path stays there until the slow path has sent what it holds
 //!   (no packet overtakes another), and returns once it has.
 //!
@@ -220,6 +220,7 @@ fn copies_carry_the_sfus_own_ip_header() {
     let mut f6 = v6_frame(V6_PUBLISHER, V6_LOCAL, &rtp(9));
     f6[14..18].copy_from_slice(&[0x6b, 0x8a, 0xbc, 0xde]); // traffic class 0xb8 (EF), flow label 0xabcde
     f6[14 + 7] = 1; // hop limit 1
+    let mut ids = Vec::new();
     for (cfg, what) in [
         (RIG_CONFIG, "DSCP 0"),
         (FastConfigRaw { dscp: 34, ttl: 77, hop_limit: 99, ..RIG_CONFIG }, "DSCP AF41, the host's TTL 77 / hop limit 99"),
@@ -235,13 +236,15 @@ fn copies_carry_the_sfus_own_ip_header() {
                 let p = parse_frame(c).unwrap();
                 let ip = &c[p.l3..];
                 if p.src.is_ipv4() {
-                    assert_eq!((ip[1], &ip[4..8], ip[8]), (want_tclass, &[0u8, 0, 0x40, 0][..], cfg.ttl), "{what}");
+                    assert_eq!((ip[1], &ip[6..8], ip[8]), (want_tclass, &[0x40u8, 0][..], cfg.ttl), "{what}");
+                    ids.push(u16::from_be_bytes([ip[4], ip[5]]));
                 } else {
                     assert_eq!(((ip[0] << 4) | (ip[1] >> 4), ip[1] & 0x0f, ip[2], ip[3], ip[7]), (want_tclass, 0, 0, 0, cfg.hop_limit), "{what}");
                 }
             }
         }
     }
+    assert!(ids.iter().any(|id| *id != 0x1234), "the IPv4 ID is the SFU's, not the publisher's: {ids:?}");
 }
 
 /// The order hold (bpf/order.h): a packet handed up for want of a neighbour is marked and

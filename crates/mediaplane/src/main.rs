@@ -192,6 +192,7 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>
             ecfg.max_copies = cfg.dataplane.max_copies;
             ecfg.xdp_prefilter = cfg.dataplane.xdp_prefilter;
             ecfg.verify_checksums = cfg.dataplane.verify_checksums;
+            ecfg.hold_order = cfg.dataplane.hold_order;
             ecfg.rpf_v6 = match cfg.dataplane.rp_filter_v6.as_str() {
                 "strict" => mediaplane_ebpf::maps::RpfMode::Strict,
                 "loose" => mediaplane_ebpf::maps::RpfMode::Loose,

@@ -7,13 +7,14 @@
 mod common;
 
 use common::netns::NetnsServe;
+use common::wire::{capture, ethtool_tx_off, frames};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::packet::{parse_frame, verify_checksums};
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, UdpSocket};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::OwnedFd;
 use std::time::Duration;
 
 const N: usize = 12;
@@ -29,49 +30,17 @@ fn high(i: usize) -> u32 {
     2000 + i as u32
 }
 
-/// A raw AF_PACKET socket on `ifname` inside namespace `ns`, non-blocking.
-fn capture(tb: &Testbed, ns: &str, ifname: &str) -> OwnedFd {
-    let ifname = std::ffi::CString::new(ifname).unwrap();
-    tb.in_ns(ns, move || unsafe {
-        let proto = (libc::ETH_P_ALL as u16).to_be();
-        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK, proto as i32);
-        assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
-        // Every frame on the link is queued here until drained: make room for all of them.
-        let size: libc::c_int = 32 << 20;
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, (&size as *const libc::c_int).cast(), 4);
-        let mut sll: libc::sockaddr_ll = std::mem::zeroed();
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = proto;
-        sll.sll_ifindex = libc::if_nametoindex(ifname.as_ptr()) as i32;
-        let r = libc::bind(fd, (&sll as *const libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32);
-        assert_eq!(r, 0, "bind AF_PACKET: {}", std::io::Error::last_os_error());
-        OwnedFd::from_raw_fd(fd)
-    })
-    .unwrap()
-}
-
-fn ethtool_tx_off(tb: &Testbed, ns: &str, ifname: &str) {
-    let st = tb.command(ns, "ethtool").args(["-K", ifname, "tx", "off"]).stdout(std::process::Stdio::null()).status().unwrap();
-    assert!(st.success(), "ethtool -K {ifname} tx off");
-}
-
 /// (receiver, ssrc) -> copies seen on the wire; panics on a bad checksum.
 fn drain(tb: &Testbed, caps: &[OwnedFd]) -> BTreeMap<(usize, u32), u32> {
     let mut seen = BTreeMap::new();
-    let mut buf = vec![0u8; 2048];
-    for (i, fd) in caps.iter().enumerate() {
+    for (i, cap) in caps.iter().enumerate() {
         let me = SocketAddr::new(tb.peers[i].ip, MEDIA_PORT);
-        loop {
-            let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-            if n <= 0 {
-                break;
-            }
-            let frame = &buf[..n as usize];
-            let Ok(f) = parse_frame(frame) else { continue };
+        for frame in frames(cap) {
+            let Ok(f) = parse_frame(&frame) else { continue };
             if f.dst != me {
                 continue; // our own outgoing media, ARP, ...
             }
-            let sums = verify_checksums(frame, &f);
+            let sums = verify_checksums(&frame, &f);
             assert!(sums.ok(), "p{i}: bad checksum {sums:?} on a copy from {}", f.src);
             assert_eq!(f.src, SocketAddr::new(tb.peers[i].sfu_ip, SFU_PORT), "p{i}: copies come from its SFU address");
             let h = RtpHeader::parse(&frame[f.payload..f.payload + f.payload_len]).unwrap();

@@ -344,7 +344,7 @@ pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got
 }
 
 /// A copy's IP header is the SFU's own (bpf/header.h): TTL / hop limit and DSCP of the
-/// configuration, ECN Not-ECT, IPv4 ID 0 with DF, IPv6 flow label 0.
+/// configuration, ECN Not-ECT, IPv4 DF (with an ID of the SFU's), IPv6 flow label 0.
 pub fn own_header(fr: &[u8], f: &mediaplane_core::packet::UdpFrame, cfg: &FastConfigRaw, original: &[u8]) -> Result<(), String> {
     let ip = &fr[f.l3..];
     let o = parse_frame(original).map_err(|e| e.to_string())?;
@@ -354,7 +354,7 @@ pub fn own_header(fr: &[u8], f: &mediaplane_core::packet::UdpFrame, cfg: &FastCo
     if f.src.is_ipv4() {
         ensure!(ip[8] == cfg.ttl, "TTL {} on copy {} -> {}, want {}", ip[8], f.src, f.dst, cfg.ttl);
         ensure!(ip[1] == want_tclass, "TOS {:#x} on copy {} -> {}, want {want_tclass:#x}", ip[1], f.src, f.dst);
-        ensure!(ip[4..8] == [0, 0, 0x40, 0], "ID/flags {:02x?} on copy {} -> {}, want ID 0 and DF", &ip[4..8], f.src, f.dst);
+        ensure!(ip[6..8] == [0x40, 0], "flags {:02x?} on copy {} -> {}, want DF", &ip[6..8], f.src, f.dst);
     } else {
         let tclass = (ip[0] << 4) | (ip[1] >> 4);
         let flow = u32::from_be_bytes([0, ip[1] & 0x0f, ip[2], ip[3]]);

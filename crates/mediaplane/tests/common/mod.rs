@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod netns;
+pub mod wire;
 
 use serde_json::Value;
 use std::net::{SocketAddr, TcpListener};
