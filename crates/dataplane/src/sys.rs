@@ -306,3 +306,33 @@ pub fn bpf_map_bytes(pid: Option<u32>) -> u64 {
     }
     total
 }
+
+/// The host's own counters of packets it drops before any socket sees them, for the causes the
+/// kernel path counts itself (`drop_bad_checksum`, `drop_spoofed`): the socket plane cannot see
+/// those packets, the namespace's stack counts them (nstat's IpInHdrErrors, UdpInCsumErrors,
+/// Udp6InCsumErrors, TcpExtIPReversePathFilter). Namespace-wide: other traffic counts too.
+pub fn host_drop_counters() -> Vec<(&'static str, u64)> {
+    fn field(text: &str, prefix: &str, name: &str) -> Option<u64> {
+        // Pairs of lines "Prefix: names..." / "Prefix: values...".
+        let mut lines = text.lines().filter(|l| l.starts_with(prefix));
+        while let (Some(names), Some(values)) = (lines.next(), lines.next()) {
+            if let Some(i) = names.split_whitespace().position(|n| n == name) {
+                return values.split_whitespace().nth(i)?.parse().ok();
+            }
+        }
+        None
+    }
+    let snmp = std::fs::read_to_string("/proc/net/snmp").unwrap_or_default();
+    let netstat = std::fs::read_to_string("/proc/net/netstat").unwrap_or_default();
+    let snmp6 = std::fs::read_to_string("/proc/net/snmp6").unwrap_or_default();
+    let udp6 = snmp6.lines().find_map(|l| l.strip_prefix("Udp6InCsumErrors")).and_then(|v| v.trim().parse().ok());
+    [
+        ("host_ip_in_hdr_errors", field(&snmp, "Ip:", "InHdrErrors")),
+        ("host_udp_in_csum_errors", field(&snmp, "Udp:", "InCsumErrors")),
+        ("host_udp6_in_csum_errors", udp6),
+        ("host_ip_reverse_path_filter", field(&netstat, "TcpExt:", "IPReversePathFilter")),
+    ]
+    .into_iter()
+    .filter_map(|(k, v)| Some((k, v?)))
+    .collect()
+}

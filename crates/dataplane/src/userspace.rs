@@ -427,6 +427,7 @@ impl Dataplane for UserspaceDataplane {
                 st.streams.entry(*id).or_default().add(sc);
             }
         }
+        st.extra.extend(sys::host_drop_counters().into_iter().map(|(k, v)| (k.to_string(), v)));
         st
     }
 

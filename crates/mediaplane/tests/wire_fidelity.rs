@@ -225,3 +225,98 @@ fn no_packet_overtakes_another_when_neighbours_are_flushed() {
     eprintln!("[ebpf, hold_order = false] {ROUNDS} flushed starts: {reorders} reorders, {losses} lost, {dups} duplicates");
     drop(s);
 }
+
+/// An AF_PACKET socket bound to `ifname` in `ns`, to put crafted frames on the wire.
+fn injector(tb: &Testbed, ns: &str, ifname: &str) -> (OwnedFd, i32) {
+    let name = std::ffi::CString::new(ifname).unwrap();
+    tb.in_ns(ns, move || unsafe {
+        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW, 0);
+        assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
+        (std::os::fd::FromRawFd::from_raw_fd(fd), libc::if_nametoindex(name.as_ptr()) as i32)
+    })
+    .unwrap()
+}
+
+fn inject(sock: &(OwnedFd, i32), frame: &[u8]) {
+    // SAFETY: a sockaddr_ll naming the interface; the frame outlives the call.
+    unsafe {
+        let mut sll: libc::sockaddr_ll = std::mem::zeroed();
+        sll.sll_family = libc::AF_PACKET as u16;
+        sll.sll_ifindex = sock.1;
+        sll.sll_halen = 6;
+        let r = libc::sendto(sock.0.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0, (&sll as *const libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32);
+        assert_eq!(r, frame.len() as isize, "inject: {}", std::io::Error::last_os_error());
+    }
+}
+
+fn mac_of(tb: &Testbed, ns: &str, ifname: &str) -> [u8; 6] {
+    let out = tb.command(ns, "cat").arg(format!("/sys/class/net/{ifname}/address")).output().unwrap();
+    let text = String::from_utf8(out.stdout).unwrap();
+    let b: Vec<u8> = text.trim().split(':').map(|x| u8::from_str_radix(x, 16).unwrap()).collect();
+    b.try_into().unwrap()
+}
+
+/// From the publisher's own address and port, on the publisher's own link: datagrams with a
+/// bad UDP checksum, a bad IPv4 header checksum; and from a stranger's link, valid RTP carrying
+/// the publisher's source address with the SFU namespace's rp_filter strict. No plane fans out
+/// any of them; the kernel path counts them under their reasons, the socket plane's host under
+/// its own counters (it never sees them).
+#[test]
+fn bad_checksums_and_spoofed_sources_are_never_fanned_out() {
+    if !mediaplane_bench::require_root("bad_checksums_and_spoofed_sources_are_never_fanned_out") {
+        return;
+    }
+    let st = star();
+    let dir = common::TempDir::new("wire-invalid");
+    let tb = &st.tb;
+    for key in ["net.ipv4.conf.all.rp_filter=1", "net.ipv4.conf.default.rp_filter=1"] {
+        assert!(tb.command(&tb.sfu_ns, "sysctl").args(["-qw", key]).status().unwrap().success());
+    }
+    let (p0, p1) = (&tb.peers[0], &tb.peers[1]);
+    let publisher = SocketAddr::new(p0.ip, MEDIA_PORT);
+    let sfu = SocketAddr::new(p0.sfu_ip, SFU_PORT);
+    let on_p0 = injector(tb, &p0.ns, &p0.peer_if);
+    let on_p1 = injector(tb, &p1.ns, &p1.peer_if);
+    let frame = |to_mac: [u8; 6], from_mac: [u8; 6], seq: u16| {
+        let mut spec = mediaplane_core::packet::FrameSpec::new(publisher, sfu);
+        (spec.dst_mac, spec.src_mac) = (to_mac, from_mac);
+        mediaplane_core::packet::build_frame(&spec, &build_rtp(96, seq, 0, SSRC, &[7; 300]))
+    };
+    const EACH: u64 = 10;
+    for plane in ["userspace", "ebpf"] {
+        let s = serve(&st, plane, &dir, "");
+        let before = stats(&s);
+        let (sfu0, sfu1) = (mac_of(tb, &tb.sfu_ns, &p0.sfu_if), mac_of(tb, &tb.sfu_ns, &p1.sfu_if));
+        let (mac0, mac1) = (mac_of(tb, &p0.ns, &p0.peer_if), mac_of(tb, &p1.ns, &p1.peer_if));
+        for seq in 0..EACH as u16 {
+            let mut f = frame(sfu0, mac0, seq);
+            f[14 + 20 + 6] ^= 0x33; // UDP checksum
+            inject(&on_p0, &f);
+            let mut f = frame(sfu0, mac0, seq);
+            f[14 + 10] ^= 0x33; // IPv4 header checksum
+            inject(&on_p0, &f);
+            inject(&on_p1, &frame(sfu1, mac1, seq)); // spoofed: p0's address from p1's link
+        }
+        // And the real publisher still gets through, on both.
+        for seq in 0..5u16 {
+            st.socks[0].send_to(&build_rtp(96, 100 + seq, 0, SSRC, &[1; 300]), sfu).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(300));
+        let got = copies(&st);
+        let seqs: Vec<u16> = got.iter().map(|(_, f)| rtp_seq(f)).collect();
+        assert!(seqs.iter().all(|s| *s >= 100), "[{plane}] an invalid or spoofed packet was fanned out: {seqs:?}");
+        assert_eq!(got.len(), 5 * (N - 1), "[{plane}] the publisher's valid packets");
+        let after = stats(&s);
+        let d = |sec: &str, k: &str| after[sec][k].as_u64().unwrap_or(0) - before[sec][k].as_u64().unwrap_or(0);
+        if plane == "ebpf" {
+            assert_eq!(d("total", "drop_bad_checksum"), 2 * EACH, "[{plane}] {}", after["total"]);
+            assert_eq!(d("total", "drop_spoofed"), EACH, "[{plane}] {}", after["total"]);
+        } else {
+            // The host dropped them before the plane's sockets: its counters say so.
+            assert_eq!(d("extra", "host_udp_in_csum_errors"), EACH, "[{plane}] {}", after["extra"]);
+            assert_eq!(d("extra", "host_ip_in_hdr_errors"), EACH, "[{plane}] {}", after["extra"]);
+            assert_eq!(d("extra", "host_ip_reverse_path_filter"), EACH, "[{plane}] {}", after["extra"]);
+        }
+        drop(s);
+    }
+}
