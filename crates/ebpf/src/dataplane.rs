@@ -95,6 +95,8 @@ pub struct EbpfDataplane {
     pin_dir: PathBuf,
     /// Bumps the next-hop cache generation on every route/neighbour/link change.
     _nh_watch: Option<crate::nhwatch::NextHopWatch>,
+    /// Resolves new copies' next hops when they are installed.
+    resolver: Option<crate::neigh::NeighbourResolver>,
     /// Slow-path steering (sk_lookup), detached when dropped.
     steering: Mutex<Option<crate::steer::SlowPathSteering>>,
     /// Holding this fd keeps the kernel's BPF run-time accounting on (BPF_ENABLE_STATS): it is
@@ -295,7 +297,11 @@ impl EbpfDataplane {
                 None
             }
         };
+        let resolver = crate::neigh::NeighbourResolver::start()
+            .inspect_err(|e| tracing::warn!("no next-hop resolver ({e}): new subscribers' first packets take the slow path"))
+            .ok();
         Ok(EbpfDataplane {
+            resolver,
             fast,
             prefilter,
             slow,
@@ -327,6 +333,16 @@ impl EbpfDataplane {
     }
 }
 
+impl EbpfDataplane {
+    /// Have the next hops of these entries' copies resolved now (in the background), before
+    /// their first packets need them.
+    fn resolve_next_hops<'a>(&self, entries: impl Iterator<Item = &'a mediaplane_core::StreamEntry>) {
+        if let Some(r) = &self.resolver {
+            r.resolve(entries.flat_map(|e| e.copies.iter().map(|c| c.to.ip())));
+        }
+    }
+}
+
 impl Dataplane for EbpfDataplane {
     fn name(&self) -> &'static str {
         "ebpf"
@@ -335,14 +351,15 @@ impl Dataplane for EbpfDataplane {
     fn apply(&self, table: Arc<ForwardingTable>) -> Result<(), DataplaneError> {
         // Slow path first: its sockets must be bound before the kernel hands packets up.
         self.slow.apply(table.clone())?;
-        self.fast.apply(table)?;
+        self.fast.apply(table.clone())?;
+        self.resolve_next_hops(table.streams.values());
         Ok(())
     }
 
     fn apply_changes(&self, table: Arc<ForwardingTable>, changed: &[IngressKey]) -> Result<(), DataplaneError> {
         let before = self.slow.table();
         self.slow.apply_changes(table.clone(), changed)?;
-        if let Err(e) = self.fast.apply_changes(table, Some(changed)) {
+        if let Err(e) = self.fast.apply_changes(table.clone(), Some(changed)) {
             // The kernel kept its table (the installer writes nothing unless everything fits):
             // put the slow path back on it too.
             if let Err(e2) = self.slow.apply_changes(before, changed) {
@@ -350,6 +367,7 @@ impl Dataplane for EbpfDataplane {
             }
             return Err(e);
         }
+        self.resolve_next_hops(changed.iter().filter_map(|k| table.streams.get(k)));
         Ok(())
     }
 
@@ -376,6 +394,9 @@ impl Dataplane for EbpfDataplane {
             let (steered, failed) = st.stats();
             s.extra.insert("slow_path_steered".into(), steered);
             s.extra.insert("slow_path_steer_failed".into(), failed);
+        }
+        if let Some(r) = &self.resolver {
+            s.extra.extend(r.stats().into_iter().map(|(k, v)| (k.to_string(), v)));
         }
         if let Some((run_time_ns, run_count)) = self.fast.run_stats() {
             s.extra.insert("bpf_run_time_ns".into(), run_time_ns);

@@ -320,3 +320,49 @@ fn bad_checksums_and_spoofed_sources_are_never_fanned_out() {
         drop(s);
     }
 }
+
+/// On the kernel path, a subscriber's next hop is resolved when its subscription is installed:
+/// with every neighbour of the SFU flushed before the room is set up, the stream's very first
+/// packets are forwarded in the kernel (none waits for a neighbour in the slow path).
+#[test]
+fn next_hops_are_resolved_when_subscriptions_are_installed() {
+    if !mediaplane_bench::require_root("next_hops_are_resolved_when_subscriptions_are_installed") {
+        return;
+    }
+    let st = star();
+    let tb = &st.tb;
+    let dir = common::TempDir::new("wire-neigh");
+    let s = NetnsServe::start(tb, "ebpf", &dir.0.join("n.db"), &["--reset"]);
+    assert!(tb.command(&tb.sfu_ns, "ip").args(["neigh", "flush", "all"]).status().unwrap().success());
+    room(&s);
+    let subscribers: Vec<String> = tb.peers[1..].iter().map(|p| p.ip.to_string()).collect();
+    let resolved = || {
+        let out = tb.command(&tb.sfu_ns, "ip").args(["neigh", "show"]).output().unwrap();
+        let text = String::from_utf8_lossy(&out.stdout).to_string();
+        let ok = subscribers.iter().all(|ip| {
+            text.lines().any(|l| l.starts_with(&format!("{ip} ")) && ["REACHABLE", "STALE", "DELAY", "PROBE"].iter().any(|s| l.contains(s)))
+        });
+        (ok, text)
+    };
+    let deadline = Instant::now() + Duration::from_secs(3);
+    while !resolved().0 && Instant::now() < deadline {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    let (ok, table) = resolved();
+    assert!(ok, "subscribers' neighbours not resolved after set-up: {table}");
+    copies(&st);
+    let before = stats(&s);
+    let to = SocketAddr::new(tb.peers[0].sfu_ip, SFU_PORT);
+    for seq in 0..10u16 {
+        st.socks[0].send_to(&build_rtp(96, seq, 0, SSRC, &[3; 200]), to).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    assert_eq!(copies(&st).len(), 10 * (N - 1));
+    let after = stats(&s);
+    let d = |k: &str| after["extra"][k].as_u64().unwrap_or(0) - before["extra"][k].as_u64().unwrap_or(0);
+    assert_eq!((d("pass_no_neigh"), d("pass_in_order")), (0, 0), "the first packets waited for neighbours: {}", after["extra"]);
+    assert_eq!(d("forwarded"), 10, "{}", after["extra"]);
+    assert!(after["extra"]["neigh_resolve_requested"].as_u64().unwrap() >= (N - 1) as u64, "{}", after["extra"]);
+    assert_eq!(after["extra"]["neigh_resolve_failed"], 0, "{}", after["extra"]);
+}
