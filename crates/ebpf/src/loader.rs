@@ -337,7 +337,15 @@ impl FastPath {
     pub fn apply_changes(&self, table: Arc<ForwardingTable>, changed: Option<&[IngressKey]>) -> Result<ApplyReport, DataplaneError> {
         let limit = SourceLimitRaw::new(table.source_limit.as_ref());
         let mut io = MapsIo { fp: self };
-        let report = self.installer.lock().apply_changes(table, changed, &mut io)?;
+        let report = {
+            let mut inst = self.installer.lock();
+            let report = inst.apply_changes(table, changed, &mut io)?;
+            if let Some(mark) = inst.reclaim_mark() {
+                io.rcu_barrier()?;
+                inst.reclaim(mark);
+            }
+            report
+        };
         // The per-source limit is one global setting: written when it changes. Buckets are kept
         // (a bucket's state is a time, meaningful under any limit).
         let mut cur = self.source_limit.lock();
