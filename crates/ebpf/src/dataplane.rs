@@ -435,6 +435,8 @@ impl Dataplane for EbpfDataplane {
                 first_err.get_or_insert(e);
             }
         }
+        // Nothing left to reclaim for: the maps go when the last holder does.
+        self.fast.stop_reclaimer();
         if let Err(e) = self.fast.unpin_maps() {
             first_err.get_or_insert(e);
         }

@@ -8,8 +8,12 @@
 //!    the old value keeps a stable copy until it is done), SSRC entries before the wildcard
 //!    entry of their local, so the "narrowed" flag never points at entries not yet there;
 //! 3. removed entries are deleted, SSRC entries first;
-//! 4. an RCU barrier (see [`KernelMaps::rcu_barrier`]) waits until no program run can still hold
-//!    an old value, and only then are old ranges and stats slots freed for reuse.
+//! 4. old ranges and stats slots are *retired*, not freed: the apply returns with the new table
+//!    live. They are freed for reuse ([`Installer::reclaim`]) only after an RCU barrier (see
+//!    [`KernelMaps::rcu_barrier`]) that started after they were retired, once no program run can
+//!    still hold an old value. The caller runs that barrier off the apply path (one barrier frees
+//!    every batch retired before it); an apply that finds no room but retired space waits for
+//!    one itself ([`Installer::apply_changes`]).
 //!
 //! So each packet sees the old or the new stream entry and that entry's own, complete fan-out:
 //! no duplicate, no copy to a removed subscriber.
@@ -22,7 +26,7 @@
 use crate::maps::{kernel_entries, CopyRaw, KernelStream, KeyRaw, RateRaw, StreamValueRaw};
 use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::DataplaneError;
-use std::collections::{BTreeMap, BTreeSet, HashMap};
+use std::collections::{BTreeMap, BTreeSet, HashMap, VecDeque};
 use std::net::SocketAddr;
 use std::sync::Arc;
 
@@ -122,7 +126,38 @@ pub struct ApplyReport {
     pub streams_written: usize,
     pub streams_deleted: usize,
     pub copies_written: usize,
+    /// Copy ranges and stats slots retired: free once an RCU barrier has passed ([`Installer::reclaim`]).
+    pub retired: usize,
+    /// The apply waited for an RCU barrier itself: it needed room that was only retired.
     pub barrier: bool,
+}
+
+/// Copy ranges and stats slots no entry refers to any more, which a program run that started
+/// before the change may still read: free for reuse only after an RCU barrier.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+struct Retired {
+    ranges: Vec<(u32, u32)>,
+    slots: Vec<u32>,
+}
+
+/// Everything retired up to a point (see [`Installer::reclaim_mark`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ReclaimMark(u64);
+
+/// An apply's plan: entries to write (ranges and slots assigned), fresh slots, what it retires.
+struct Plan {
+    writes: Vec<Write>,
+    fresh_slots: Vec<u32>,
+    retire_ranges: Vec<(u32, u32)>,
+    /// Stream ids whose slot an old entry held.
+    retire_ids: Vec<u32>,
+}
+
+struct Write {
+    key: KeyRaw,
+    stream: KernelStream,
+    value: StreamValueRaw,
+    new_range: bool,
 }
 
 /// The user-space mirror of what is installed, plus the allocators.
@@ -136,6 +171,10 @@ pub struct Installer {
     slots: HashMap<u32, (u32, u32)>,
     installed: BTreeMap<KeyRaw, Installed>,
     prev: Option<Arc<ForwardingTable>>,
+    /// Retired batches, oldest first, with their sequence numbers.
+    pending: VecDeque<(u64, Retired)>,
+    /// Sequence number of the next retired batch.
+    next_batch: u64,
 }
 
 impl Installer {
@@ -148,6 +187,8 @@ impl Installer {
             slots: HashMap::new(),
             installed: BTreeMap::new(),
             prev: None,
+            pending: VecDeque::new(),
+            next_batch: 0,
         }
     }
 
@@ -206,8 +247,32 @@ impl Installer {
         self.installed.keys()
     }
 
+    /// Free entries of the copies array (retired ranges not included).
     pub fn free_copy_slots(&self) -> u32 {
         self.ranges.free_total()
+    }
+
+    /// Whether retired ranges or slots wait for an RCU barrier.
+    pub fn has_retired(&self) -> bool {
+        !self.pending.is_empty()
+    }
+
+    /// Everything retired so far (None: nothing): once an RCU barrier that started after this
+    /// call has returned, [`Installer::reclaim`] with it frees all of it.
+    pub fn reclaim_mark(&self) -> Option<ReclaimMark> {
+        self.has_retired().then_some(ReclaimMark(self.next_batch))
+    }
+
+    /// Free for reuse what was retired before `mark` was taken (and is not freed yet). Only
+    /// after an RCU barrier that started after [`Installer::reclaim_mark`] returned `mark`.
+    pub fn reclaim(&mut self, mark: ReclaimMark) {
+        while self.pending.front().is_some_and(|(seq, _)| *seq < mark.0) {
+            let (_, r) = self.pending.pop_front().expect("front");
+            for (b, l) in r.ranges {
+                self.ranges.free(b, l);
+            }
+            self.free_slots.extend(r.slots);
+        }
     }
 
     fn acquire_slot(&mut self, id: u32, fresh: &mut Vec<u32>) -> Result<u32, DataplaneError> {
@@ -233,14 +298,11 @@ impl Installer {
         Ok(slot)
     }
 
-    fn release_slot(&mut self, id: u32) {
-        if let Some(e) = self.slots.get_mut(&id) {
-            e.1 -= 1;
-            if e.1 == 0 {
-                self.free_slots.push(e.0);
-                self.slots.remove(&id);
-            }
-        }
+    /// One entry less uses stream `id`'s slot: the slot, when that was the last one.
+    fn release_slot(&mut self, id: u32) -> Option<u32> {
+        let e = self.slots.get_mut(&id)?;
+        e.1 -= 1;
+        (e.1 == 0).then(|| self.slots.remove(&id).expect("present").0)
     }
 
     /// Install `table`, touching only the entries that differ from what is installed.
@@ -251,6 +313,10 @@ impl Installer {
     /// [`Installer::apply`] for a table that differs from the last one installed only at
     /// `changed` (None: find out by comparing the tables). Only the addresses of those keys are
     /// looked at, so the cost is what changed, not the table size.
+    ///
+    /// Returns once the new entries are written (live): what they replaced is retired, for
+    /// [`Installer::reclaim`] after the caller's next RCU barrier. Only when the apply needs room
+    /// that is retired but not free yet does it run the barrier itself (and reclaim everything).
     pub fn apply_changes(
         &mut self,
         table: Arc<ForwardingTable>,
@@ -275,76 +341,17 @@ impl Installer {
         let mut report = ApplyReport::default();
 
         // Plan: assign ranges and slots; nothing is written until everything fits.
-        struct Write {
-            key: KeyRaw,
-            stream: KernelStream,
-            value: StreamValueRaw,
-            new_range: bool,
-        }
-        let mut writes = Vec::new();
-        let mut fresh_slots = Vec::new();
-        let mut retire_ranges: Vec<(u32, u32)> = Vec::new();
-        let mut retire_slots: Vec<u32> = Vec::new();
-        let mut failure = None;
-        for (key, d) in &desired {
-            let cur = self.installed.get(key);
-            if cur.is_some_and(|c| c.stream == *d) {
-                continue;
+        let plan = match self.plan(&desired) {
+            Err(DataplaneError::Full(_)) if self.has_retired() => {
+                // Maybe only retired space is missing: wait for the grace period here, then retry.
+                maps.rcu_barrier()?;
+                report.barrier = true;
+                self.reclaim(ReclaimMark(self.next_batch));
+                self.plan(&desired)?
             }
-            let reuse = cur.filter(|c| c.stream.copies == d.copies);
-            let (base, new_range) = match reuse {
-                Some(c) => (c.value.copies_base, false),
-                None if d.copies.is_empty() => (0, false),
-                None => match self.ranges.alloc(d.copies.len() as u32) {
-                    Some(b) => (b, true),
-                    None => {
-                        failure = Some(DataplaneError::Full(format!(
-                            "kernel fan-out map full: {} copies needed for {:?}, {} free of {} (raise dataplane.max_copies)",
-                            d.copies.len(),
-                            key.local(),
-                            self.ranges.free_total(),
-                            self.ranges.capacity()
-                        )));
-                        break;
-                    }
-                },
-            };
-            if let Some(c) = cur {
-                if reuse.is_none() {
-                    retire_ranges.push((c.value.copies_base, c.value.copies_count));
-                }
-                if !c.stream.is_placeholder() {
-                    retire_slots.push(c.stream.id);
-                }
-            }
-            let slot = if d.is_placeholder() {
-                0
-            } else {
-                match self.acquire_slot(d.id, &mut fresh_slots) {
-                    Ok(s) => s,
-                    Err(e) => {
-                        if new_range {
-                            self.ranges.free(base, d.copies.len() as u32);
-                        }
-                        failure = Some(e);
-                        break;
-                    }
-                }
-            };
-            writes.push(Write { key: *key, value: d.value(slot, base), stream: d.clone(), new_range });
-        }
-        if let Some(e) = failure {
-            // Undo the plan: nothing was written.
-            for w in &writes {
-                if w.new_range {
-                    self.ranges.free(w.value.copies_base, w.value.copies_count);
-                }
-                if !w.stream.is_placeholder() {
-                    self.release_slot(w.stream.id);
-                }
-            }
-            return Err(e);
-        }
+            p => p?,
+        };
+        let Plan { mut writes, fresh_slots, mut retire_ranges, retire_ids } = plan;
         let deletes: Vec<KeyRaw> = match &locals {
             Some(ls) => ls
                 .iter()
@@ -377,6 +384,7 @@ impl Installer {
             report.streams_written += 1;
         }
         // 3. deletions, SSRC entries first.
+        let mut retire_ids = retire_ids;
         let mut deletes = deletes;
         deletes.sort_by_key(|k| (k.is_wildcard(), *k));
         for key in deletes {
@@ -384,26 +392,89 @@ impl Installer {
             if let Some(old) = self.installed.remove(&key) {
                 retire_ranges.push((old.value.copies_base, old.value.copies_count));
                 if !old.stream.is_placeholder() {
-                    retire_slots.push(old.stream.id);
+                    retire_ids.push(old.stream.id);
                 }
             }
             report.streams_deleted += 1;
         }
-        // 4. free what old entries used, once no program can still be reading them.
+        // 4. retire what old entries used: free once no program can still be reading them.
         retire_ranges.retain(|r| r.1 > 0);
-        let slot_freed = retire_slots.iter().any(|id| self.slots.get(id).is_some_and(|e| e.1 == 1));
-        if !retire_ranges.is_empty() || slot_freed {
-            maps.rcu_barrier()?;
-            report.barrier = true;
-        }
-        for (b, l) in retire_ranges {
-            self.ranges.free(b, l);
-        }
-        for id in retire_slots {
-            self.release_slot(id);
+        let slots = retire_ids.into_iter().filter_map(|id| self.release_slot(id)).collect();
+        let retired = Retired { ranges: retire_ranges, slots };
+        report.retired = retired.ranges.len() + retired.slots.len();
+        if report.retired > 0 {
+            self.pending.push_back((self.next_batch, retired));
+            self.next_batch += 1;
         }
         self.prev = Some(table);
         Ok(report)
+    }
+
+    /// Assign ranges and slots to the entries of `desired` that differ from what is installed,
+    /// or undo every assignment and fail.
+    fn plan(&mut self, desired: &BTreeMap<KeyRaw, KernelStream>) -> Result<Plan, DataplaneError> {
+        let mut plan = Plan { writes: Vec::new(), fresh_slots: Vec::new(), retire_ranges: Vec::new(), retire_ids: Vec::new() };
+        let mut failure = None;
+        for (key, d) in desired {
+            let cur = self.installed.get(key);
+            if cur.is_some_and(|c| c.stream == *d) {
+                continue;
+            }
+            let reuse = cur.filter(|c| c.stream.copies == d.copies);
+            let (base, new_range) = match reuse {
+                Some(c) => (c.value.copies_base, false),
+                None if d.copies.is_empty() => (0, false),
+                None => match self.ranges.alloc(d.copies.len() as u32) {
+                    Some(b) => (b, true),
+                    None => {
+                        failure = Some(DataplaneError::Full(format!(
+                            "kernel fan-out map full: {} copies needed for {:?}, {} free of {} (raise dataplane.max_copies)",
+                            d.copies.len(),
+                            key.local(),
+                            self.ranges.free_total(),
+                            self.ranges.capacity()
+                        )));
+                        break;
+                    }
+                },
+            };
+            if let Some(c) = cur {
+                if reuse.is_none() {
+                    plan.retire_ranges.push((c.value.copies_base, c.value.copies_count));
+                }
+                if !c.stream.is_placeholder() {
+                    plan.retire_ids.push(c.stream.id);
+                }
+            }
+            let slot = if d.is_placeholder() {
+                0
+            } else {
+                match self.acquire_slot(d.id, &mut plan.fresh_slots) {
+                    Ok(s) => s,
+                    Err(e) => {
+                        if new_range {
+                            self.ranges.free(base, d.copies.len() as u32);
+                        }
+                        failure = Some(e);
+                        break;
+                    }
+                }
+            };
+            plan.writes.push(Write { key: *key, value: d.value(slot, base), stream: d.clone(), new_range });
+        }
+        let Some(e) = failure else { return Ok(plan) };
+        // Undo the plan: nothing was written, so nothing needs a barrier.
+        for w in &plan.writes {
+            if w.new_range {
+                self.ranges.free(w.value.copies_base, w.value.copies_count);
+            }
+            if !w.stream.is_placeholder() {
+                if let Some(slot) = self.release_slot(w.stream.id) {
+                    self.free_slots.push(slot);
+                }
+            }
+        }
+        Err(e)
     }
 }
 
@@ -418,15 +489,34 @@ mod tests {
         s.parse().unwrap()
     }
 
-    /// A kernel that checks the protocol: a copy range is never written while a stream entry
-    /// refers to it or while a replaced entry may still be read (no barrier since).
+    /// A kernel that checks the protocol: a copy range is never written, nor a stats slot
+    /// zeroed for reuse, while a stream entry refers to it or while a replaced entry that did
+    /// may still be read (no barrier since).
     #[derive(Default)]
     struct FakeKernel {
         streams: BTreeMap<KeyRaw, StreamValueRaw>,
         copies: BTreeMap<u32, CopyRaw>,
         /// Ranges referenced by values replaced or deleted since the last barrier.
         retired: Vec<(u32, u32)>,
+        /// Stats slots of (non-placeholder) values replaced or deleted since the last barrier.
+        retired_slots: Vec<u32>,
         barriers: usize,
+    }
+
+    impl FakeKernel {
+        fn retire(&mut self, old: StreamValueRaw) {
+            self.retired.push((old.copies_base, old.copies_count));
+            if old.flags & flags::PRESENT != 0 {
+                self.retired_slots.push(old.stats_slot);
+            }
+        }
+    }
+
+    /// The caller's side of step 4 (the background reclaimer): barrier, then reclaim.
+    fn barrier_and_reclaim(inst: &mut Installer, k: &mut FakeKernel) {
+        let mark = inst.reclaim_mark().expect("something retired");
+        k.rcu_barrier().unwrap();
+        inst.reclaim(mark);
     }
 
     fn overlaps(a: (u32, u32), b: (u32, u32)) -> bool {
@@ -463,16 +553,19 @@ mod tests {
                 assert_eq!(self.copies[&(value.copies_base + i)].stream_id, value.id);
             }
             if let Some(old) = self.streams.insert(*key, *value) {
-                self.retired.push((old.copies_base, old.copies_count));
+                self.retire(old);
             }
             Ok(())
         }
         fn delete_stream(&mut self, key: &KeyRaw) -> Result<(), DataplaneError> {
             let old = self.streams.remove(key).expect("deleting a missing entry");
-            self.retired.push((old.copies_base, old.copies_count));
+            self.retire(old);
             Ok(())
         }
-        fn zero_stats(&mut self, _slot: u32) -> Result<(), DataplaneError> {
+        fn zero_stats(&mut self, slot: u32) -> Result<(), DataplaneError> {
+            let live = self.streams.values().any(|v| v.flags & flags::PRESENT != 0 && v.stats_slot == slot);
+            assert!(!live, "zeroed the stats slot {slot} of a live entry");
+            assert!(!self.retired_slots.contains(&slot), "reused stats slot {slot} before the RCU barrier");
             Ok(())
         }
         fn write_rate(&mut self, _slot: u32, _rate: &RateRaw) -> Result<(), DataplaneError> {
@@ -480,6 +573,7 @@ mod tests {
         }
         fn rcu_barrier(&mut self) -> Result<(), DataplaneError> {
             self.retired.clear();
+            self.retired_slots.clear();
             self.barriers += 1;
             Ok(())
         }
@@ -536,19 +630,23 @@ mod tests {
         }
         let t1 = Arc::new(ForwardingTable::compile(&m, 1));
         let r = inst.apply(t1.clone(), &mut k).unwrap();
-        assert_eq!((r.streams_written, r.copies_written, r.barrier), (4, 3, false));
+        assert_eq!((r.streams_written, r.copies_written, r.retired, r.barrier), (4, 3, 0, false));
         assert_eq!(k.as_entries(), expected(&t1));
 
         // Same table: nothing written.
         assert_eq!(inst.apply(t1.clone(), &mut k).unwrap(), ApplyReport::default());
 
-        // Remove a subscriber: one entry rewritten to a fresh range, barrier, old range freed.
+        // Remove a subscriber: one entry rewritten to a fresh range, the old one retired (not
+        // waited for) and freed by reclaim after a barrier.
         m.unsubscribe("r", "p2", &StreamRef { publisher: "p0".into(), stream: "main".into() }).unwrap();
         let t2 = Arc::new(ForwardingTable::compile(&m, 2));
         let r = inst.apply(t2.clone(), &mut k).unwrap();
-        assert_eq!((r.streams_written, r.copies_written, r.barrier), (1, 2, true));
+        assert_eq!((r.streams_written, r.copies_written, r.retired, r.barrier), (1, 2, 1, false));
         assert_eq!(k.as_entries(), expected(&t2));
+        assert_eq!((inst.free_copy_slots(), k.barriers), (64 - 3 - 2, 0));
+        barrier_and_reclaim(&mut inst, &mut k);
         assert_eq!(inst.free_copy_slots(), 64 - 2);
+        assert!(!inst.has_retired());
 
         // Remove a participant (and its stream), add another.
         m.remove_participant("r", "p3").unwrap();
@@ -560,7 +658,8 @@ mod tests {
         let r = inst.apply(t3.clone(), &mut k).unwrap();
         assert_eq!(r.streams_deleted, 1);
         assert_eq!(k.as_entries(), expected(&t3));
-        assert!(k.barriers >= 2);
+        assert!(r.retired >= 2, "p3's range and stats slot, p0's old range");
+        assert!(!r.barrier);
     }
 
     #[test]
@@ -578,7 +677,7 @@ mod tests {
         e.source = mediaplane_core::SourceRule::Latch;
         let t2 = Arc::new(t2);
         let r = inst.apply(t2.clone(), &mut k).unwrap();
-        assert_eq!((r.streams_written, r.copies_written, r.barrier), (1, 0, false));
+        assert_eq!((r.streams_written, r.copies_written, r.retired, r.barrier), (1, 0, 0, false));
         assert_eq!(k.as_entries(), expected(&t2));
         let latch = k.streams.values().find(|v| v.flags & flags::LATCH != 0);
         assert!(latch.is_some());
@@ -597,6 +696,104 @@ mod tests {
         assert!(matches!(e, DataplaneError::Full(_)) && e.to_string().contains("fan-out map full"), "{e}");
         assert!(k.streams.is_empty());
         assert_eq!(inst.free_copy_slots(), 2);
+    }
+
+    /// However many applies retire, nothing retired is reused before reclaim; reclaim after a
+    /// barrier frees what was retired before its mark, and only that.
+    #[test]
+    fn retired_space_is_reused_only_after_reclaim() {
+        let mut k = FakeKernel::default();
+        let mut inst = Installer::new(64, 16);
+        let mut m = room(5);
+        for s in 1..5 {
+            sub(&mut m, s, 0);
+        }
+        inst.apply(Arc::new(ForwardingTable::compile(&m, 1)), &mut k).unwrap();
+        let p0 = StreamRef { publisher: "p0".into(), stream: "main".into() };
+        let mut version = 1;
+        let mut toggle = |m: &mut Model, inst: &mut Installer, k: &mut FakeKernel| {
+            match m.unsubscribe("r", "p4", &p0) {
+                Ok(_) => {}
+                Err(_) => sub(m, 4, 0),
+            }
+            version += 1;
+            let t = Arc::new(ForwardingTable::compile(m, version));
+            let r = inst.apply(t.clone(), k).unwrap();
+            assert_eq!((r.retired, r.barrier), (1, false));
+            assert_eq!(k.as_entries(), expected(&t));
+        };
+        // p0's fan-out alternates 3 and 4 copies, each time in a fresh range (FakeKernel checks).
+        for _ in 0..10 {
+            toggle(&mut m, &mut inst, &mut k);
+        }
+        assert_eq!(k.barriers, 0);
+        assert_eq!(inst.free_copy_slots(), 64 - 4 - 5 * 3 - 5 * 4);
+        let mark = inst.reclaim_mark().unwrap();
+        // Retired after the mark: not freed by it.
+        toggle(&mut m, &mut inst, &mut k);
+        k.rcu_barrier().unwrap();
+        inst.reclaim(mark);
+        assert_eq!(inst.free_copy_slots(), 64 - 4 - 3);
+        assert!(inst.has_retired());
+        barrier_and_reclaim(&mut inst, &mut k);
+        assert_eq!(inst.free_copy_slots(), 64 - 3);
+        assert_eq!(inst.reclaim_mark(), None);
+    }
+
+    /// An apply that needs room which is only retired waits for the barrier itself and
+    /// succeeds; one that does not fit even then still fails with Full, writing nothing.
+    #[test]
+    fn full_with_retired_room_waits_for_the_barrier() {
+        let mut k = FakeKernel::default();
+        let mut inst = Installer::new(6, 16);
+        let mut m = room(5);
+        for s in 1..4 {
+            sub(&mut m, s, 0);
+        }
+        inst.apply(Arc::new(ForwardingTable::compile(&m, 1)), &mut k).unwrap();
+        let p0 = StreamRef { publisher: "p0".into(), stream: "main".into() };
+        // Another 3 copies: the last free ones; the first 3 retired.
+        m.unsubscribe("r", "p3", &p0).unwrap();
+        sub(&mut m, 4, 0);
+        let t2 = Arc::new(ForwardingTable::compile(&m, 2));
+        let r = inst.apply(t2, &mut k).unwrap();
+        assert_eq!((r.retired, r.barrier, inst.free_copy_slots(), k.barriers), (1, false, 0, 0));
+        // And back: no free room, but retired room.
+        m.unsubscribe("r", "p4", &p0).unwrap();
+        sub(&mut m, 3, 0);
+        let t3 = Arc::new(ForwardingTable::compile(&m, 3));
+        let r = inst.apply(t3.clone(), &mut k).unwrap();
+        assert_eq!((r.copies_written, r.retired, r.barrier, k.barriers), (3, 1, true, 1));
+        assert_eq!(k.as_entries(), expected(&t3));
+        assert!(inst.has_retired(), "what this apply retired waits for the next barrier");
+        // 4 copies for p1 never fit (3 in use): Full after the barrier, nothing written.
+        for s in [0, 2, 3, 4] {
+            sub(&mut m, s, 1);
+        }
+        let e = inst.apply(Arc::new(ForwardingTable::compile(&m, 4)), &mut k).unwrap_err();
+        assert!(matches!(e, DataplaneError::Full(_)), "{e}");
+        assert_eq!((k.barriers, inst.free_copy_slots()), (2, 3));
+        assert_eq!(k.as_entries(), expected(&t3));
+    }
+
+    /// The same for stats slots: a slot is zeroed for a new stream only after the barrier.
+    #[test]
+    fn full_stats_with_a_retired_slot_waits_for_the_barrier() {
+        let mut k = FakeKernel::default();
+        let mut inst = Installer::new(64, 2);
+        let mut m = room(2);
+        inst.apply(Arc::new(ForwardingTable::compile(&m, 1)), &mut k).unwrap();
+        let slot1 = inst.stats_slot(k.streams[&KeyRaw::new(a("10.0.0.1:4002"), None)].id).unwrap();
+        m.remove_participant("r", "p1").unwrap();
+        let r = inst.apply(Arc::new(ForwardingTable::compile(&m, 2)), &mut k).unwrap();
+        assert_eq!((r.streams_deleted, r.retired, r.barrier), (1, 1, false));
+        m.add_participant("r", "p9", a("10.0.0.1:4100"), a("10.0.1.9:5000")).unwrap();
+        m.publish("r", "p9", "main", StreamSpec::default()).unwrap();
+        let t3 = Arc::new(ForwardingTable::compile(&m, 3));
+        let r = inst.apply(t3.clone(), &mut k).unwrap();
+        assert_eq!((r.streams_written, r.barrier, k.barriers), (1, true, 1));
+        assert_eq!(k.as_entries(), expected(&t3));
+        assert_eq!(inst.stats_slot(k.streams[&KeyRaw::new(a("10.0.0.1:4100"), None)].id), Some(slot1));
     }
 
     #[test]

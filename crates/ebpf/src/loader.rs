@@ -16,7 +16,8 @@ use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
-use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{mpsc, Arc};
 
 /// The compiled BPF object (bpf/sfu_tc.bpf.c), embedded.
 pub const SFU_TC_OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/sfu_tc.bpf.o"));
@@ -166,18 +167,88 @@ pub(crate) fn bpf_err(context: impl std::fmt::Display, e: libbpf_rs::Error) -> D
     DataplaneError::Other(format!("{context}: {e}"))
 }
 
+/// The RCU barrier (see bpf/maps.h `rcu_barrier`): updating a map-in-map waits for an RCU
+/// grace period before returning.
+struct RcuBarrier {
+    /// `rcu_barrier`, the map-in-map.
+    outer: MapHandle,
+    /// An inner map to put in it.
+    inner: MapHandle,
+}
+
+impl RcuBarrier {
+    /// Return once no program run that started before the call is still running.
+    fn wait(&self) -> Result<(), DataplaneError> {
+        let fd = self.inner.as_fd().as_raw_fd() as u32;
+        self.outer.update(0u32.as_bytes(), fd.as_bytes(), MapFlags::ANY).map_err(|e| bpf_err("RCU barrier", e))
+    }
+}
+
+/// Frees what applies retired (see [`crate::install`]) off the apply path: woken after an apply
+/// that retired something, it runs one RCU barrier for everything retired so far (applies in
+/// the meantime add to the next batch) and then reclaims it.
+struct Reclaimer {
+    wake: mpsc::Sender<()>,
+    stop: Arc<AtomicBool>,
+    thread: std::thread::JoinHandle<()>,
+}
+
+impl Reclaimer {
+    fn start(installer: Arc<Mutex<Installer>>, barrier: Arc<RcuBarrier>) -> Result<Reclaimer, DataplaneError> {
+        let (wake, woken) = mpsc::channel::<()>();
+        let stop = Arc::new(AtomicBool::new(false));
+        let stopped = stop.clone();
+        let thread = std::thread::Builder::new()
+            .name("mp-rcu-reclaim".into())
+            .spawn(move || {
+                while woken.recv().is_ok() && !stopped.load(Ordering::Relaxed) {
+                    while woken.try_recv().is_ok() {}
+                    let Some(mark) = installer.lock().reclaim_mark() else { continue };
+                    match barrier.wait() {
+                        Ok(()) => installer.lock().reclaim(mark),
+                        // Kept retired: the next wake-up (or an apply short of room) tries again.
+                        Err(e) => tracing::warn!("freeing retired fan-out ranges: {e}"),
+                    }
+                }
+            })
+            .map_err(|source| DataplaneError::Io { context: "starting the RCU reclaim thread".into(), source })?;
+        Ok(Reclaimer { wake, stop, thread })
+    }
+
+    fn wake(&self) {
+        let _ = self.wake.send(());
+    }
+
+    /// Stop and join the thread (after the barrier it may be waiting for). What is still
+    /// retired stays so: applies short of room reclaim it themselves.
+    fn stop(self) {
+        self.stop.store(true, Ordering::Relaxed);
+        drop(self.wake);
+        if self.thread.join().is_err() {
+            tracing::error!("the RCU reclaim thread panicked");
+        }
+    }
+}
+
 /// The loaded program and maps, and the mirror of what is installed in them.
 pub struct FastPath {
     obj: Object,
-    installer: Mutex<Installer>,
-    /// An inner map for the RCU barrier (see bpf/maps.h `rcu_barrier`).
-    barrier_inner: MapHandle,
+    installer: Arc<Mutex<Installer>>,
+    barrier: Arc<RcuBarrier>,
+    /// Frees retired ranges and slots after the grace period (None once stopped).
+    reclaimer: Mutex<Option<Reclaimer>>,
     pin_dir: Option<PathBuf>,
     adopted: bool,
     /// The per-source limit last written to `source_limit` (None: not written yet).
     source_limit: Mutex<Option<SourceLimitRaw>>,
     /// `stream_path`, mapped: the slow path acknowledges packets handed up in order.
     paths: Arc<StreamPaths>,
+}
+
+impl Drop for FastPath {
+    fn drop(&mut self) {
+        self.stop_reclaimer();
+    }
 }
 
 impl std::fmt::Debug for FastPath {
@@ -248,11 +319,14 @@ impl FastPath {
             )));
         }
         let paths = Arc::new(StreamPaths::map(&obj.maps().find(|m| m.name() == "stream_path").expect("stream_path map"))?);
-        let mut me = FastPath {
+        let outer = obj.maps().find(|m| m.name() == "rcu_barrier").expect("rcu_barrier map");
+        let barrier = Arc::new(RcuBarrier { outer: MapHandle::try_from(&outer).map_err(|e| bpf_err("rcu_barrier handle", e))?, inner: barrier_inner });
+        let me = FastPath {
             paths,
             obj,
-            installer: Mutex::new(Installer::new(opts.max_copies, opts.max_streams)),
-            barrier_inner,
+            installer: Arc::new(Mutex::new(Installer::new(opts.max_copies, opts.max_streams))),
+            barrier,
+            reclaimer: Mutex::new(None),
             pin_dir: opts.pin_dir.clone(),
             adopted,
             source_limit: Mutex::new(None),
@@ -260,8 +334,9 @@ impl FastPath {
         if adopted {
             let existing = me.read_installed()?;
             tracing::info!(streams = existing.len(), "adopted pinned kernel forwarding state");
-            me.installer = Mutex::new(Installer::adopt(opts.max_copies, opts.max_streams, existing)?);
+            *me.installer.lock() = Installer::adopt(opts.max_copies, opts.max_streams, existing)?;
         }
+        *me.reclaimer.lock() = Some(Reclaimer::start(me.installer.clone(), me.barrier.clone())?);
         Ok(me)
     }
 
@@ -328,7 +403,21 @@ impl FastPath {
         self.pin_dir.as_deref()
     }
 
-    /// Install `table` (atomically per packet, see [`crate::install`]).
+    /// Stop the thread that frees retired fan-out ranges and stats slots (done on drop). Applies
+    /// still work: one short of room waits for the grace period itself.
+    pub fn stop_reclaimer(&self) {
+        if let Some(r) = self.reclaimer.lock().take() {
+            r.stop();
+        }
+    }
+
+    /// Whether fan-out ranges or stats slots wait to be freed after a grace period.
+    pub fn has_retired(&self) -> bool {
+        self.installer.lock().has_retired()
+    }
+
+    /// Install `table` (atomically per packet, see [`crate::install`]). Returns once the new
+    /// entries are live; what they replaced is freed in the background after an RCU grace period.
     pub fn apply(&self, table: Arc<ForwardingTable>) -> Result<ApplyReport, DataplaneError> {
         self.apply_changes(table, None)
     }
@@ -338,6 +427,12 @@ impl FastPath {
         let limit = SourceLimitRaw::new(table.source_limit.as_ref());
         let mut io = MapsIo { fp: self };
         let report = self.installer.lock().apply_changes(table, changed, &mut io)?;
+        // The new table is live: what it replaced is freed after the grace period, meanwhile.
+        if report.retired > 0 {
+            if let Some(r) = &*self.reclaimer.lock() {
+                r.wake();
+            }
+        }
         // The per-source limit is one global setting: written when it changes. Buckets are kept
         // (a bucket's state is a time, meaningful under any limit).
         let mut cur = self.source_limit.lock();
@@ -521,11 +616,6 @@ impl KernelMaps for MapsIo<'_> {
     }
 
     fn rcu_barrier(&mut self) -> Result<(), DataplaneError> {
-        // Updating a map-in-map waits for an RCU grace period before returning.
-        let fd = self.fp.barrier_inner.as_fd().as_raw_fd() as u32;
-        self.fp
-            .map("rcu_barrier")
-            .update(0u32.as_bytes(), fd.as_bytes(), MapFlags::ANY)
-            .map_err(|e| bpf_err("RCU barrier", e))
+        self.fp.barrier.wait()
     }
 }

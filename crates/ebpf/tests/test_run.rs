@@ -816,3 +816,41 @@ fn source_limit_holds_a_flooding_source_and_spares_others() {
         assert_eq!(rig.fp.test_run(&frames[0], Some(rig.ifindex)).unwrap().retval, TC_ACT_REDIRECT);
     }
 }
+
+/// A table change returns once the new entries are live: the fan-out range it replaced is
+/// freed in the background after a grace period, and a change that finds only retired room
+/// waits for that itself instead of failing. Copies stay exactly the table's throughout.
+#[test]
+fn replaced_fan_out_ranges_are_freed_in_the_background() {
+    root_or_skip!("replaced_fan_out_ranges_are_freed_in_the_background");
+    // Room for two fan-outs of 4: every change needs the room the one before it retired.
+    let rig = Rig::with(&LoadOptions { max_copies: 8, max_streams: 16, pin_dir: None });
+    let subs = subscribers_v4(5);
+    let t = |v: u64| {
+        let copies = if v.is_multiple_of(2) { subs[..4].to_vec() } else { subs[1..].to_vec() };
+        Arc::new(table(v, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, copies)]))
+    };
+    let frame = v4_frame(PUBLISHER, LOCAL, &rtp(1));
+    rig.fp.apply(t(1)).unwrap();
+    // Back to back: an apply may find the room still retired and wait; none fails.
+    for v in 2..40 {
+        rig.fp.apply(t(v)).expect("apply with retired room");
+    }
+    rig.check(&t(39), &frame);
+    // Given the time, the background thread frees the room: no apply waits.
+    for v in 40..50 {
+        let start = std::time::Instant::now();
+        while rig.fp.has_retired() {
+            assert!(start.elapsed() < Duration::from_secs(5), "retired range not freed in the background");
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        let r = rig.fp.apply(t(v)).unwrap();
+        assert_eq!((r.retired, r.barrier), (1, false), "{r:?}");
+    }
+    rig.check(&t(49), &frame);
+    // Without the thread, applies still succeed (each waits for the barrier it needs).
+    rig.fp.stop_reclaimer();
+    let waited = (50..53).filter(|v| rig.fp.apply(t(*v)).unwrap().barrier).count();
+    assert!(waited >= 2, "{waited}");
+    rig.check(&t(52), &frame);
+}

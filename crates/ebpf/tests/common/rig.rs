@@ -219,9 +219,14 @@ pub struct Rig {
 
 impl Rig {
     pub fn new() -> Rig {
+        Rig::with(&LoadOptions::default())
+    }
+
+    /// A rig whose program has maps of other sizes.
+    pub fn with(opts: &LoadOptions) -> Rig {
         let lab = Lab::new();
         let g = lab.ns.enter();
-        let fp = FastPath::load(&LoadOptions::default()).expect("load");
+        let fp = FastPath::load(opts).expect("load");
         fp.configure(&RIG_CONFIG).expect("configure");
         let v1 = lab.v1.clone();
         let cap = lab.peer.run(move || Capture::new(&v1));
