@@ -44,6 +44,9 @@ pub enum DataplaneEvent {
 /// (a copy is a packet the SFU itself sends): the host's TTL / hop limit, the DSCP of the policy,
 /// ECN Not-ECT, IPv4 DF set with an ID of the SFU's own (as a Linux UDP socket sends what fits
 /// the path: DF, and an ID from its generator), IPv6 flow label 0.
+///
+/// A copy larger than its path MTU is fragmented by the kernel as it fragments UDP: its
+/// fragments carry no DF (the same on both planes).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct HeaderPolicy {
     pub ttl: u8,

@@ -174,6 +174,67 @@ pub fn send_raw_ip(fd: RawFd, packet: &[u8], to: &SockAddr) -> io::Result<()> {
     }
 }
 
+/// Send one UDP datagram (`udp`: header and payload, checksum filled in) from local address
+/// `from` (as IP_PKTINFO / IPV6_PKTINFO) on a raw `IPPROTO_UDP` socket without header inclusion:
+/// the kernel builds the IP header from the socket's options and, like for a UDP socket,
+/// fragments the packet to the path MTU.
+pub fn send_raw_udp(fd: RawFd, from: std::net::IpAddr, udp: &[u8], to: &SockAddr) -> io::Result<()> {
+    let mut ctrl = [0u64; 8];
+    let mut iov = libc::iovec { iov_base: udp.as_ptr() as *mut _, iov_len: udp.len() };
+    let mut h: libc::msghdr = unsafe { zeroed() };
+    h.msg_name = to.as_ptr() as *mut _;
+    h.msg_namelen = to.len();
+    h.msg_iov = &mut iov;
+    h.msg_iovlen = 1;
+    h.msg_control = ctrl.as_mut_ptr().cast();
+    let (level, kind, len) = match from {
+        std::net::IpAddr::V4(_) => (libc::SOL_IP, libc::IP_PKTINFO, size_of::<libc::in_pktinfo>()),
+        std::net::IpAddr::V6(_) => (libc::SOL_IPV6, libc::IPV6_PKTINFO, size_of::<libc::in6_pktinfo>()),
+    };
+    // SAFETY: the control buffer (64 bytes, u64-aligned) holds one cmsghdr with either pktinfo;
+    // the payload is written unaligned; every buffer outlives the call.
+    let r = unsafe {
+        h.msg_controllen = libc::CMSG_SPACE(len as u32) as usize;
+        let c = libc::CMSG_FIRSTHDR(&h);
+        (*c).cmsg_level = level;
+        (*c).cmsg_type = kind;
+        (*c).cmsg_len = libc::CMSG_LEN(len as u32) as usize;
+        match from {
+            std::net::IpAddr::V4(ip) => {
+                let info =
+                    libc::in_pktinfo { ipi_ifindex: 0, ipi_spec_dst: libc::in_addr { s_addr: u32::from(ip).to_be() }, ipi_addr: libc::in_addr { s_addr: 0 } };
+                std::ptr::write_unaligned(libc::CMSG_DATA(c).cast(), info);
+            }
+            std::net::IpAddr::V6(ip) => {
+                let info = libc::in6_pktinfo { ipi6_addr: libc::in6_addr { s6_addr: ip.octets() }, ipi6_ifindex: 0 };
+                std::ptr::write_unaligned(libc::CMSG_DATA(c).cast(), info);
+            }
+        }
+        libc::sendmsg(fd, &h, libc::MSG_DONTWAIT)
+    };
+    if r < 0 {
+        Err(io::Error::last_os_error())
+    } else {
+        Ok(())
+    }
+}
+
+/// Make a send-only socket of a raw one: a raw `IPPROTO_UDP` socket is handed a clone of every
+/// UDP packet the host receives; a filter that accepts nothing drops them before they queue.
+pub fn drop_all_input(fd: RawFd) -> io::Result<()> {
+    let reject = [libc::sock_filter { code: (libc::BPF_RET | libc::BPF_K) as u16, jt: 0, jf: 0, k: 0 }];
+    let prog = libc::sock_fprog { len: 1, filter: reject.as_ptr() as *mut _ };
+    // SAFETY: setsockopt with a pointer to a live sock_fprog of the stated size (the kernel copies the program).
+    cvt(unsafe {
+        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, (&prog as *const libc::sock_fprog).cast(), size_of::<libc::sock_fprog>() as u32)
+    })?;
+    // What arrived before the filter.
+    let mut buf = [0u8; 64];
+    // SAFETY: recv into a live buffer of the stated size.
+    while unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_TRUNC) } >= 0 {}
+    Ok(())
+}
+
 /// One outgoing datagram: payload borrowed from a receive buffer.
 pub struct Outgoing<'a> {
     pub to: SockAddr,

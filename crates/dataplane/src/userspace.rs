@@ -85,6 +85,10 @@ struct SteerSockets {
     rx6: Option<Socket>,
     raw4: Socket,
     raw6: Option<Socket>,
+    /// Raw `IPPROTO_UDP` senders without header inclusion, for copies too large for their path:
+    /// the kernel never fragments a header-included packet, but fragments these as it does UDP.
+    big4: Socket,
+    big6: Option<Socket>,
     /// What the raw copies' headers carry.
     header: HeaderPolicy,
 }
@@ -114,9 +118,28 @@ impl SteerSockets {
             let _ = s.set_send_buffer_size(buffer);
             Ok(s)
         };
+        // The kernel builds these packets' headers: the policy goes in socket options. The
+        // default path-MTU discovery, the plain plane's UDP sockets' too (IP_PMTUDISC_WANT, or
+        // DONT with ip_no_pmtu_disc; IPV6_DONTFRAG off), lets it fragment. Freebind: the source
+        // address (IP(V6)_PKTINFO) is checked as a UDP socket's bind would be.
+        let big = |domain: Domain| -> std::io::Result<Socket> {
+            let s = Socket::new(domain, Type::RAW, Some(Protocol::UDP))?;
+            let v6 = domain == Domain::IPV6;
+            sys::drop_all_input(s.as_raw_fd())?;
+            let _ = s.set_recv_buffer_size(0);
+            sys::set_header_policy(s.as_raw_fd(), v6, &header)?;
+            if v6 {
+                s.set_freebind_ipv6(true)?;
+            } else {
+                s.set_freebind(true)?;
+            }
+            let _ = s.set_send_buffer_size(buffer);
+            Ok(s)
+        };
         let ctx = |what: &'static str| move |e| io_err(&format!("slow-path {what} socket"), e);
         let rx4 = rx("127.0.0.1:0".parse().unwrap()).map_err(ctx("IPv4 catch-all"))?;
         let raw4 = raw(Domain::IPV4).map_err(ctx("raw IPv4"))?;
+        let big4 = big(Domain::IPV4).map_err(ctx("raw IPv4 UDP"))?;
         let (rx6, raw6) = match (rx("[::1]:0".parse().unwrap()), raw(Domain::IPV6)) {
             (Ok(r), Ok(w)) => (Some(r), Some(w)),
             (r, w) => {
@@ -124,7 +147,10 @@ impl SteerSockets {
                 (None, None)
             }
         };
-        Ok(SteerSockets { rx4, rx6, raw4, raw6, header })
+        let big6 = raw6
+            .as_ref()
+            .and_then(|_| big(Domain::IPV6).map_err(|e| tracing::warn!(error = %e, "no raw IPv6 UDP socket: IPv6 copies larger than their path fail")).ok());
+        Ok(SteerSockets { rx4, rx6, raw4, raw6, big4, big6, header })
     }
 }
 
@@ -486,10 +512,16 @@ struct WorkerCtx {
 }
 
 /// Steered mode: send one copy from `from` as a complete IP packet on the raw socket (the slow
-/// path is rare traffic: the first packet of a relay leg, STUN, unresolved next hops).
+/// path is rare traffic: the first packet of a relay leg, STUN, unresolved next hops, copies
+/// larger than their path MTU, fragmented datagrams).
+///
+/// A header-included packet is never fragmented: the kernel refuses one larger than the egress
+/// link or route MTU (EMSGSIZE, DF set). Such a copy goes, UDP header and payload, to the
+/// family's raw UDP socket, where the kernel builds the IP header (same policy, from socket
+/// options) and fragments it as the host fragments UDP; its fragments carry a non-zero IPv4 ID.
 fn send_raw_copy(steer: &SteerSockets, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> bool {
-    use mediaplane_core::packet::{build_frame, FrameSpec};
-    let raw = if to.is_ipv4() { Some(&steer.raw4) } else { steer.raw6.as_ref() };
+    use mediaplane_core::packet::{build_frame, FrameSpec, ETH_HLEN};
+    let (raw, big, ip_hlen) = if to.is_ipv4() { (Some(&steer.raw4), Some(&steer.big4), 20) } else { (steer.raw6.as_ref(), steer.big6.as_ref(), 40) };
     let Some(raw) = raw.filter(|_| from.is_ipv4() == to.is_ipv4()) else { return false };
     let mut spec = FrameSpec::new(from, to);
     spec.ttl = if to.is_ipv4() { steer.header.ttl } else { steer.header.hop_limit };
@@ -498,13 +530,21 @@ fn send_raw_copy(steer: &SteerSockets, from: SocketAddr, to: SocketAddr, payload
     let frame = build_frame(&spec, payload);
     // Raw IP sockets take the packet without its Ethernet header; the port must be 0 (IPv6).
     let dst = SockAddr::from(SocketAddr::new(to.ip(), 0));
-    match sys::send_raw_ip(raw.as_raw_fd(), &frame[mediaplane_core::packet::ETH_HLEN..], &dst) {
-        Ok(()) => true,
-        Err(e) => {
-            tracing::debug!(%from, %to, error = %e, "raw send failed");
-            false
-        }
-    }
+    let packet = &frame[ETH_HLEN..];
+    let err = match sys::send_raw_ip(raw.as_raw_fd(), packet, &dst) {
+        Ok(()) => return true,
+        Err(e) => e,
+    };
+    let err = match big {
+        // The UDP header and payload, checksum included (build_frame filled it in).
+        Some(big) if err.raw_os_error() == Some(libc::EMSGSIZE) => match sys::send_raw_udp(big.as_raw_fd(), from.ip(), &packet[ip_hlen..], &dst) {
+            Ok(()) => return true,
+            Err(e) => e,
+        },
+        _ => err,
+    };
+    tracing::debug!(%from, %to, len = packet.len(), error = %err, "raw send failed");
+    false
 }
 
 /// An IPv4 ID for a raw copy, as the kernel path and the host's UDP sockets give one (DF is set:

@@ -96,3 +96,56 @@ fn slow_path_is_steered_and_sends_from_the_sfu_address_v4_and_v6() {
         slow.shutdown().unwrap();
     });
 }
+
+/// Copies larger than their path (here `lo` at MTU 1500): a header-included raw packet is never
+/// fragmented (EMSGSIZE), so the slow path sends them on a raw UDP socket where the kernel
+/// fragments them, as for a UDP socket. IPv4 and IPv6; small and large datagrams interleaved.
+#[test]
+fn slow_path_fragments_copies_larger_than_the_path_v4_and_v6() {
+    if !require_root("slow_path_fragments_copies_larger_than_the_path_v4_and_v6") {
+        return;
+    }
+    let ns = Netns::new("sf");
+    ns.ip(&["link", "set", "dev", "lo", "mtu", "1500"]);
+    for addr in ["10.202.0.1/32", "10.202.0.2/32", "10.202.0.3/32"] {
+        ns.ip(&["addr", "add", addr, "dev", "lo"]);
+    }
+    for addr in ["fd00:202::1/128", "fd00:202::2/128", "fd00:202::3/128"] {
+        ns.ip(&["addr", "add", addr, "dev", "lo", "nodad"]);
+    }
+    ns.run(|| {
+        let (pub4, sub4) = (a("10.202.0.2:5000"), a("10.202.0.3:6000"));
+        let (pub6, sub6) = (a("[fd00:202::2]:5000"), a("[fd00:202::3]:6000"));
+        let mut m = Model::new();
+        room(&mut m, "v4", "10.202.0.1", pub4, sub4);
+        room(&mut m, "v6", "[fd00:202::1]", pub6, sub6);
+        let table = Arc::new(ForwardingTable::compile(&m, 1));
+        let fast = FastPath::load(&LoadOptions::default()).unwrap();
+        let slow = UserspaceDataplane::new(UserspaceConfig { workers: 1, steered: true, ..Default::default() }, None).unwrap();
+        let (v4, v6) = slow.steering_fds().expect("steered mode");
+        let _steering = SlowPathSteering::attach(&fast.streams_map(), &v4, &v6).unwrap();
+        fast.apply(table.clone()).unwrap();
+        slow.apply(table).unwrap();
+
+        const SIZES: [usize; 4] = [200, 9000, 1473, 3000];
+        let datagram = |seq: u16| {
+            let body: Vec<u8> = (0..SIZES[seq as usize % SIZES.len()] - 12).map(|k| (k * 3 + seq as usize) as u8).collect();
+            build_rtp(0, seq, 0, 7, &body)
+        };
+        for (publisher, subscriber, sfu) in [(pub4, sub4, "10.202.0.1"), (pub6, sub6, "[fd00:202::1]")] {
+            let tx = UdpSocket::bind(publisher).unwrap();
+            let rx = UdpSocket::bind(subscriber).unwrap();
+            rx.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+            let mut buf = vec![0u8; 65536];
+            for seq in 0..2 * SIZES.len() as u16 {
+                tx.send_to(&datagram(seq), a(&format!("{sfu}:4000"))).unwrap();
+                let (n, src) = rx.recv_from(&mut buf).unwrap_or_else(|e| panic!("copy {seq} ({} bytes) via {sfu}: {e}", datagram(seq).len()));
+                assert_eq!(src, a(&format!("{sfu}:4002")), "the copy leaves from the subscriber's SFU address");
+                assert!(buf[..n] == datagram(seq)[..], "copy {seq} via {sfu}: payload intact ({n} bytes)");
+            }
+        }
+        let st = slow.stats();
+        assert_eq!((st.total.tx_copies, st.total.tx_errors), (4 * SIZES.len() as u64, 0), "{st:?}");
+        slow.shutdown().unwrap();
+    });
+}
