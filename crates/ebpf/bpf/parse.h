@@ -23,7 +23,8 @@ struct mp_pkt {
 	__u8 family;       /* MP_FAMILY_* */
 	__u8 vlan_in_data; /* an 802.1Q/802.1ad tag sits in the frame bytes (not offloaded) */
 	__u8 ip_csum_bad;  /* IPv4: the header checksum is wrong (the stack's ip_rcv would drop it) */
-	__u8 pad;
+	__u8 first_fragment; /* CNT_PASS_FRAGMENT of an IPv4 datagram's first fragment: family,
+	                        addresses and ports are filled in (order.h holds its stream) */
 	__u8 saddr[16];
 	__u8 daddr[16];
 	__be16 sport;
@@ -93,8 +94,20 @@ static __noinline int parse_udp(struct __sk_buff *skb, struct mp_pkt *p)
 			return CNT_PASS_BAD_IP_HEADER;
 		if (ihl > 20)
 			return CNT_PASS_IP_OPTIONS;
-		if (rd16(b + 6) & 0x3fff) /* MF or a fragment offset */
+		if (rd16(b + 6) & 0x3fff) { /* MF or a fragment offset */
+			__u8 u[4];
+			if ((rd16(b + 6) & 0x1fff) == 0 && b[9] == IPPROTO_UDP_NR && ihl == 20 && total >= 28 &&
+			    !bpf_skb_load_bytes(skb, l3 + 20, u, 4)) {
+				p->first_fragment = 1;
+				p->l4_off = l3 + 20;
+				p->family = MP_FAMILY_V4;
+				__builtin_memcpy(p->saddr, b + 12, 4);
+				__builtin_memcpy(p->daddr, b + 16, 4);
+				__builtin_memcpy(&p->sport, u, 2);
+				__builtin_memcpy(&p->dport, u + 2, 2);
+			}
 			return CNT_PASS_FRAGMENT;
+		}
 		if (b[9] != IPPROTO_UDP_NR)
 			return CNT_PASS_NOT_UDP;
 		__u32 hsum = 0;

@@ -503,6 +503,41 @@ static __always_inline int drop(struct mp_stream_counters *sc, __u32 why, __u32 
 	return TC_ACT_SHOT;
 }
 
+/* A fragmented datagram goes up to be reassembled: its first fragment (the one with the UDP
+ * header, and the RTP header after it) holds its stream in the slow path like any packet handed
+ * up (order.h), and its mark carries over to the reassembled datagram, which the slow path
+ * acknowledges. Latching streams are not held (nothing of theirs is forwarded in the kernel). */
+static __noinline void hold_first_fragment(struct __sk_buff *skb, const struct mp_pkt *p, __u64 now)
+{
+	const struct mp_fast_config *cfg = fast_config_get();
+	if (!cfg || !(cfg->flags & MP_CFG_HOLD_ORDER))
+		return;
+	struct mp_ingress_key key = {};
+	__builtin_memcpy(key.addr, p->daddr, 16);
+	key.port = p->dport;
+	key.family = p->family;
+	struct mp_stream_value *e = bpf_map_lookup_elem(&streams, &key);
+	if (!e)
+		return;
+	if (e->flags & STREAM_F_NARROWED) {
+		/* The SSRC of the RTP header after the UDP header (a fragmented datagram is media, not
+		 * RTCP). */
+		__u8 rtp[12];
+		if (bpf_skb_load_bytes(skb, p->l4_off + 8, rtp, 12) || rtp[0] >> 6 != 2)
+			return;
+		key.has_ssrc = 1;
+		key.ssrc = rd32(rtp + 8);
+		struct mp_stream_value *n = bpf_map_lookup_elem(&streams, &key);
+		if (n)
+			e = n;
+	}
+	if ((e->flags & (STREAM_F_LATCH | STREAM_F_PRESENT)) != STREAM_F_PRESENT)
+		return;
+	if (!same_addr(e->src_addr, p->saddr) || e->src_port != p->sport)
+		return;
+	order_mark(skb, stream_path_of(e), e->stats_slot, now);
+}
+
 SEC("tc")
 int sfu_ingress(struct __sk_buff *skb)
 {
@@ -510,6 +545,8 @@ int sfu_ingress(struct __sk_buff *skb)
 	struct mp_pkt p = {};
 	int rc = parse_udp(skb, &p);
 	if (rc != PARSE_OK) {
+		if (p.first_fragment)
+			hold_first_fragment(skb, &p, t0);
 		count(rc, 1);
 		return TC_ACT_OK;
 	}

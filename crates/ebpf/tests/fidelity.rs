@@ -363,3 +363,51 @@ fn checks_cost_microbench() {
         }
     }
 }
+
+/// The first fragment of a fragmented datagram (UDP and RTP headers inside) holds its stream
+/// like any packet handed up, SSRC-narrowed addresses included; later fragments carry nothing
+/// to look up and are not counted.
+#[test]
+fn a_fragmented_datagram_holds_its_stream_in_order() {
+    root_or_skip!("a_fragmented_datagram_holds_its_stream_in_order");
+    let rig = Rig::new();
+    rig.configure(FastConfigRaw { flags: RIG_CONFIG.flags | config_flags::HOLD_ORDER, ..RIG_CONFIG });
+    let t = table(
+        1,
+        vec![
+            entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(1)),
+            entry(2, "10.200.0.1:4002", Some(77), SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(1)),
+        ],
+    );
+    rig.apply(&t);
+    let paths = rig.fp.stream_paths();
+    for (stream, local, ssrc) in [(1u32, LOCAL, 5u32), (2, "10.200.0.1:4002", 77)] {
+        let slot = rig.fp.stats_slot(stream).unwrap();
+        let whole = v4_frame(PUBLISHER, local, &mediaplane_core::rtp::build_rtp(96, 1, 1, ssrc, &[1; 1400]));
+        // The first 8 * 100 bytes of the datagram, MF set; then the rest at offset 800.
+        let mut first = whole[..14 + 20 + 800].to_vec();
+        first[14 + 2..14 + 4].copy_from_slice(&(20u16 + 800).to_be_bytes());
+        first[14 + 6] = 0x20; // MF
+        let mut later = whole[..14 + 20].to_vec();
+        later.extend_from_slice(&whole[14 + 20 + 800..]);
+        let len = (later.len() - 14) as u16;
+        later[14 + 2..14 + 4].copy_from_slice(&len.to_be_bytes());
+        later[14 + 6..14 + 8].copy_from_slice(&(800u16 / 8).to_be_bytes());
+        for f in [&mut first, &mut later] {
+            f[14 + 10..14 + 12].copy_from_slice(&[0, 0]);
+            let c = internet_checksum(&f[14..34]);
+            f[14 + 10..14 + 12].copy_from_slice(&c.to_be_bytes());
+        }
+        let r = rig.fp.test_run(&first, Some(rig.ifindex)).unwrap();
+        assert_eq!((r.retval, r.mark), (TC_ACT_OK, mediaplane_ebpf::maps::ORDER_MARK | slot), "stream {stream}: first fragment");
+        let r = rig.fp.test_run(&later, Some(rig.ifindex)).unwrap();
+        assert_eq!((r.retval, r.mark), (TC_ACT_OK, 0), "stream {stream}: a later fragment");
+        assert_eq!(paths.order_counts(slot), Some((1, 0)), "stream {stream}");
+        let (v, d) = run(&rig, &v4_frame(PUBLISHER, local, &mediaplane_core::rtp::build_rtp(96, 2, 2, ssrc, &[2; 100])));
+        assert_eq!((v, d.get("pass_in_order")), (TC_ACT_OK, Some(&1)), "stream {stream}: the next packet follows the datagram up");
+        paths.ack_mark(mediaplane_ebpf::maps::ORDER_MARK | slot);
+        paths.ack_mark(mediaplane_ebpf::maps::ORDER_MARK | slot);
+        assert_eq!(run(&rig, &v4_frame(PUBLISHER, local, &mediaplane_core::rtp::build_rtp(96, 3, 3, ssrc, &[3; 100]))).0, TC_ACT_REDIRECT);
+    }
+}
+
