@@ -128,10 +128,10 @@ pub struct DataplaneConfig {
     /// fan-out copy slots. Memory grows with them; a full map is a clear error.
     pub max_streams: u32,
     pub max_copies: u32,
-    /// eBPF: an XDP pre-filter on the same interfaces drops certain strangers before the TC
-    /// program sees them (native XDP where the driver has it). Off if another XDP program must
-    /// own the interfaces.
-    pub xdp_prefilter: bool,
+    /// eBPF: an XDP pre-filter drops certain strangers before the TC program sees them:
+    /// "auto" (every interface but veth, where it makes the driver copy every packet), "on",
+    /// "off" (e.g. when another XDP program must own the interfaces); true/false mean on/off.
+    pub xdp_prefilter: XdpPrefilterMode,
     /// DSCP (0-63) of every copy on every plane; ECN is Not-ECT, TTL/hop limit the host's.
     pub dscp: u8,
     /// eBPF: verify the IPv4 header and UDP checksums of what the kernel forwards when the
@@ -145,6 +145,39 @@ pub struct DataplaneConfig {
     /// copy over the MTU) are not sent yet, hand its later packets up too, so none overtakes
     /// another. Off only for A/B measurements (`pass_in_order` counts what it held).
     pub hold_order: bool,
+}
+
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase", try_from = "XdpPrefilterRepr")]
+pub enum XdpPrefilterMode {
+    #[default]
+    Auto,
+    On,
+    Off,
+}
+
+/// What the key may say: a mode, or the boolean older configurations used.
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum XdpPrefilterRepr {
+    Bool(bool),
+    Text(String),
+}
+
+impl TryFrom<XdpPrefilterRepr> for XdpPrefilterMode {
+    type Error = String;
+    fn try_from(r: XdpPrefilterRepr) -> Result<Self, String> {
+        match r {
+            XdpPrefilterRepr::Bool(true) => Ok(XdpPrefilterMode::On),
+            XdpPrefilterRepr::Bool(false) => Ok(XdpPrefilterMode::Off),
+            XdpPrefilterRepr::Text(t) => match t.as_str() {
+                "auto" => Ok(XdpPrefilterMode::Auto),
+                "on" => Ok(XdpPrefilterMode::On),
+                "off" => Ok(XdpPrefilterMode::Off),
+                _ => Err(format!("dataplane.xdp_prefilter must be \"auto\", \"on\" or \"off\", not {t:?}")),
+            },
+        }
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -189,7 +222,7 @@ impl Default for DataplaneConfig {
             adopt_live_pins: false,
             max_streams: 16384,
             max_copies: 65536,
-            xdp_prefilter: true,
+            xdp_prefilter: XdpPrefilterMode::Auto,
             dscp: 0,
             verify_checksums: true,
             rp_filter_v6: "off".into(),
@@ -283,12 +316,17 @@ mod tests {
     }
 
     #[test]
-    fn source_limits_off_and_xdp_prefilter_on_by_default() {
+    fn source_limits_off_and_xdp_prefilter_auto_by_default() {
         let c = Config::default();
         assert_eq!(c.limits.source_rate(), None);
-        assert!(c.dataplane.xdp_prefilter);
+        assert_eq!(c.dataplane.xdp_prefilter, XdpPrefilterMode::Auto);
         let c = Config::from_toml("[limits]\nsource_pps = 2000\nsource_kbps = 5000\n[dataplane]\nxdp_prefilter = false\n").unwrap();
         assert_eq!(c.limits.source_rate(), Some(mediaplane_core::RateLimit { pps: 2000, bps: 5_000_000, burst_ms: 50 }));
-        assert!(!c.dataplane.xdp_prefilter);
+        assert_eq!(c.dataplane.xdp_prefilter, XdpPrefilterMode::Off);
+        for (text, want) in [("true", XdpPrefilterMode::On), ("\"on\"", XdpPrefilterMode::On), ("\"auto\"", XdpPrefilterMode::Auto), ("\"off\"", XdpPrefilterMode::Off)] {
+            assert_eq!(Config::from_toml(&format!("[dataplane]\nxdp_prefilter = {text}\n")).unwrap().dataplane.xdp_prefilter, want);
+        }
+        let e = Config::from_toml("[dataplane]\nxdp_prefilter = \"maybe\"\n").unwrap_err();
+        assert!(e.contains("auto"), "{e}");
     }
 }

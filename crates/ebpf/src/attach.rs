@@ -77,7 +77,7 @@ pub fn attach_xdp(prog: &Program<'_>, ifname: &str, pin_dir: Option<&Path>) -> R
     let Some(raw) = NonNull::new(raw) else {
         let e = std::io::Error::last_os_error();
         return Err(DataplaneError::Other(format!(
-            "XDP attach on {ifname}: {e} (another XDP program there, or a driver limit? set dataplane.xdp_prefilter = false to run without)"
+            "XDP attach on {ifname}: {e} (another XDP program there, or a driver limit? set dataplane.xdp_prefilter = \"off\" to run without)"
         )));
     };
     // SAFETY: a fresh link from libbpf, owned from here on.
@@ -86,6 +86,40 @@ pub fn attach_xdp(prog: &Program<'_>, ifname: &str, pin_dir: Option<&Path>) -> R
         link.pin(p).map_err(|e| DataplaneError::Other(format!("pinning link {}: {e}", p.display())))?;
     }
     Ok(Attachment::Xdp { ifname: ifname.into(), link, pin })
+}
+
+/// The driver of `ifname` as `ethtool -i` names it (ETHTOOL_GDRVINFO), in the calling thread's
+/// network namespace; None if the device does not say.
+pub fn driver_of(ifname: &str) -> Option<String> {
+    const SIOCETHTOOL: libc::c_ulong = 0x8946;
+    const ETHTOOL_GDRVINFO: u32 = 0x3;
+    #[repr(C)]
+    struct DrvInfo {
+        cmd: u32,
+        driver: [u8; 32],
+        rest: [u8; 196 - 36],
+    }
+    let mut info = DrvInfo { cmd: ETHTOOL_GDRVINFO, driver: [0; 32], rest: [0; 160] };
+    // SAFETY: an ifreq naming the device and pointing at `info`, which outlives the ioctl; the
+    // socket is closed before returning.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return None;
+        }
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (d, s) in ifr.ifr_name.iter_mut().zip(ifname.bytes().take(libc::IFNAMSIZ - 1)) {
+            *d = s as libc::c_char;
+        }
+        ifr.ifr_ifru.ifru_data = (&mut info as *mut DrvInfo).cast();
+        let r = libc::ioctl(fd, SIOCETHTOOL, &mut ifr);
+        libc::close(fd);
+        if r != 0 {
+            return None;
+        }
+    }
+    let end = info.driver.iter().position(|b| *b == 0).unwrap_or(32);
+    Some(String::from_utf8_lossy(&info.driver[..end]).into_owned()).filter(|d| !d.is_empty())
 }
 
 pub fn ifindex_of(ifname: &str) -> Result<u32, DataplaneError> {

@@ -36,8 +36,8 @@ pub struct EbpfConfig {
     /// Steer slow-path packets to a few catch-all sockets (sk_lookup) instead of binding one
     /// socket per SFU address: sessions then cost no file descriptors (see [`crate::steer`]).
     pub steer_slow_path: bool,
-    /// Put the XDP pre-filter (certain strangers dropped before TC) on the same interfaces.
-    pub xdp_prefilter: bool,
+    /// Where the XDP pre-filter (certain strangers dropped before TC) goes.
+    pub xdp_prefilter: XdpPrefilter,
     /// Verify checksums the device did not (bad ones: `drop_bad_checksum`).
     pub verify_checksums: bool,
     /// Reverse-path check of IPv6 sources (IPv4 follows the interfaces' rp_filter).
@@ -60,10 +60,33 @@ impl EbpfConfig {
             max_streams: d.max_streams,
             max_copies: d.max_copies,
             steer_slow_path: true,
-            xdp_prefilter: true,
+            xdp_prefilter: XdpPrefilter::Auto,
             verify_checksums: true,
             rpf_v6: RpfMode::Off,
             hold_order: true,
+        }
+    }
+}
+
+/// Where the XDP pre-filter goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum XdpPrefilter {
+    /// On every interface whose driver is not veth. An XDP program on a veth makes it copy every
+    /// packet it passes into a page of its own first: measured on this path, about 0.5-4 µs of
+    /// added delay per packet (BENCHMARKS.md), paid by all media to save work only under a
+    /// stranger flood. A NIC with native XDP runs it before any skb exists, at no such cost.
+    Auto,
+    On,
+    Off,
+}
+
+impl XdpPrefilter {
+    /// Does `ifname` get the pre-filter?
+    pub fn wants(self, ifname: &str) -> bool {
+        match self {
+            XdpPrefilter::On => true,
+            XdpPrefilter::Off => false,
+            XdpPrefilter::Auto => attach::driver_of(ifname).is_none_or(|d| d != "veth"),
         }
     }
 }
@@ -228,18 +251,16 @@ impl EbpfDataplane {
                 attach::detach_stale_clsact(&fast.program(), ifname);
             }
         }
-        let prefilter = if cfg.xdp_prefilter {
-            Some(Prefilter::load(&fast)?)
-        } else {
-            // A previous instance's pre-filter, pinned: unpinning its link detaches it.
-            for ifname in &cfg.interfaces {
-                let p = attach::xdp_link_pin_path(&cfg.pin_dir, ifname);
-                if p.exists() {
-                    std::fs::remove_file(&p).map_err(|source| DataplaneError::Io { context: format!("removing {}", p.display()), source })?;
-                }
+        let xdp_ifs: Vec<&String> = cfg.interfaces.iter().filter(|i| cfg.xdp_prefilter.wants(i)).collect();
+        // A previous instance's pre-filter where this one puts none, pinned: unpinning its link
+        // detaches it.
+        for ifname in cfg.interfaces.iter().filter(|i| !xdp_ifs.contains(i)) {
+            let p = attach::xdp_link_pin_path(&cfg.pin_dir, ifname);
+            if p.exists() {
+                std::fs::remove_file(&p).map_err(|source| DataplaneError::Io { context: format!("removing {}", p.display()), source })?;
             }
-            None
-        };
+        }
+        let prefilter = if xdp_ifs.is_empty() { None } else { Some(Prefilter::load(&fast)?) };
         let mut slow_cfg = cfg.userspace.clone();
         slow_cfg.steered = cfg.steer_slow_path;
         let paths = fast.stream_paths();
@@ -265,7 +286,7 @@ impl EbpfDataplane {
             None => None,
         };
         let mut attachments = Vec::new();
-        let hooks = cfg.interfaces.iter().map(|i| (i, false)).chain(prefilter.iter().flat_map(|_| cfg.interfaces.iter().map(|i| (i, true))));
+        let hooks = cfg.interfaces.iter().map(|i| (i, false)).chain(prefilter.iter().flat_map(|_| xdp_ifs.iter().map(|i| (*i, true))));
         for (ifname, xdp) in hooks {
             let attached = match (&prefilter, xdp) {
                 (Some(pf), true) => attach::attach_xdp(&pf.program(), ifname, Some(&cfg.pin_dir)),

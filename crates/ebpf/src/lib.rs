@@ -36,7 +36,7 @@ mod skel {
 }
 
 pub use attach::AttachMode;
-pub use dataplane::{remove_pins, EbpfConfig, EbpfDataplane};
+pub use dataplane::{remove_pins, EbpfConfig, EbpfDataplane, XdpPrefilter};
 pub use install::ApplyReport;
 pub use pinlock::{PinDirLock, PinLockError};
 pub use prefilter::{Prefilter, XDP_DROP, XDP_PASS};

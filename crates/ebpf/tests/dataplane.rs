@@ -11,7 +11,7 @@ use mediaplane_core::model::{Model, StreamRef, StreamSpec};
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
 use mediaplane_core::ForwardingTable;
 use mediaplane_dataplane::{Dataplane, DataplaneError, UserspaceConfig};
-use mediaplane_ebpf::{EbpfConfig, EbpfDataplane};
+use mediaplane_ebpf::{XdpPrefilter, EbpfConfig, EbpfDataplane};
 use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::path::Path;
@@ -33,9 +33,12 @@ fn star_model(n: usize, subs: &[(usize, usize)]) -> Model {
     m
 }
 
+/// The pre-filter forced on: these tests hold it to its behaviour on veth, where "auto" (the
+/// default) leaves it off (auto_xdp_prefilter_leaves_veth_alone).
 fn config(star: &Star, pin_dir: &Path) -> EbpfConfig {
     let mut cfg = EbpfConfig::new(star.sfu_ifs.clone(), pin_dir);
     cfg.userspace = UserspaceConfig { workers: 1, ..UserspaceConfig::default() };
+    cfg.xdp_prefilter = XdpPrefilter::On;
     cfg
 }
 
@@ -234,6 +237,7 @@ fn hitless_restart_after_kill_9() {
         std::mem::forget(ns);
         let mut cfg = EbpfConfig::new(parts[2].split(',').map(String::from).collect(), parts[1]);
         cfg.userspace = UserspaceConfig { workers: 1, ..UserspaceConfig::default() };
+        cfg.xdp_prefilter = XdpPrefilter::On;
         let dp = EbpfDataplane::new(cfg, None).expect("daemon start");
         dp.apply(Arc::new(ForwardingTable::compile(&star_model(2, &[(1, 0)]), 1))).unwrap();
         println!("DAEMON-READY");
@@ -358,5 +362,25 @@ fn xdp_prefilter_attaches_on_a_jumbo_mtu_veth() {
     }
     let got = received(&socks[1], Duration::from_millis(400));
     assert_eq!(got.len(), 20, "{got:?}");
+    dp.shutdown().unwrap();
+}
+
+/// By default ("auto") the pre-filter goes on every interface but veth, where it would make
+/// the driver copy every packet (media included) into a page of its own first.
+#[test]
+fn auto_xdp_prefilter_leaves_veth_alone() {
+    root_or_skip!("auto_xdp_prefilter_leaves_veth_alone");
+    let star = Star::new(2);
+    let fs = Bpffs::new();
+    let _g = star.sfu.enter();
+    assert_eq!(mediaplane_ebpf::attach::driver_of(&star.sfu_ifs[0]).as_deref(), Some("veth"));
+    let mut cfg = config(&star, &fs.dir.join("auto"));
+    cfg.xdp_prefilter = XdpPrefilter::Auto;
+    let dp = EbpfDataplane::new(cfg, None).expect("ebpf data plane");
+    assert!(dp.hooks().iter().all(|(_, kind)| *kind != "xdp"), "{:?}", dp.hooks());
+    assert!(dp.prefilter().is_none());
+    for ifname in &star.sfu_ifs {
+        assert!(!link_details(&star, ifname).contains("xdp"), "{ifname}");
+    }
     dp.shutdown().unwrap();
 }

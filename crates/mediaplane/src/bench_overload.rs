@@ -18,8 +18,9 @@ use std::time::{Duration, Instant};
 
 #[derive(clap::Args)]
 pub struct BenchOverloadArgs {
-    /// Data planes to compare ("ebpf-noxdp": the eBPF plane without its XDP pre-filter).
-    #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
+    /// Data planes to compare: userspace, ebpf (its default: no XDP pre-filter on veth),
+    /// ebpf-xdp (the pre-filter on, as for a flood), ebpf-noxdp (off).
+    #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf-xdp")]
     dataplanes: Vec<String>,
     /// Conference participants with established media (voice preset).
     #[arg(long, default_value_t = 4)]

@@ -42,11 +42,12 @@ const RELAY_PORT_MAX: u16 = 59999;
 const PARTY_PORT_BASE: u16 = 10000;
 const MAX_CALLS: usize = 12_000;
 
-/// `mediaplane-ebpf-noxdp` is the eBPF plane without its XDP pre-filter (an A/B of what the
-/// pre-filter costs relayed media: on veth, XDP copies every packet into a page first).
+/// `mediaplane-ebpf` is the eBPF plane as it starts by default (no XDP pre-filter on veth);
+/// `mediaplane-ebpf-xdp` has the pre-filter on and `mediaplane-ebpf-noxdp` off (an A/B of what
+/// the pre-filter costs relayed media: on veth, XDP copies every packet into a page first).
 /// `kernel-forward` is no relay at all: the parties send to each other through the relay
 /// namespace's IP forwarding, the floor every relay's machine CPU per packet is compared with.
-pub const RELAYS: [&str; 5] = ["mediaplane-userspace", "mediaplane-ebpf", "mediaplane-ebpf-noxdp", "rtpengine", KERNEL_FORWARD];
+pub const RELAYS: [&str; 6] = ["mediaplane-userspace", "mediaplane-ebpf", "mediaplane-ebpf-xdp", "mediaplane-ebpf-noxdp", "rtpengine", KERNEL_FORWARD];
 pub const KERNEL_FORWARD: &str = "kernel-forward";
 
 #[derive(clap::Args)]
@@ -57,7 +58,7 @@ pub struct BenchRelayArgs {
     /// Concurrent calls per run (default 750,1500,1800,5000,10000; quick: 20,50).
     #[arg(long, value_delimiter = ',')]
     calls: Option<Vec<usize>>,
-    /// Relays to compare: mediaplane-userspace, mediaplane-ebpf, mediaplane-ebpf-noxdp, rtpengine,
+    /// Relays to compare: mediaplane-userspace, mediaplane-ebpf, mediaplane-ebpf-xdp, mediaplane-ebpf-noxdp, rtpengine,
     /// and kernel-forward (no relay: the baseline of machine CPU per packet).
     #[arg(long, value_delimiter = ',', default_value = "kernel-forward,mediaplane-userspace,mediaplane-ebpf,rtpengine")]
     relays: Vec<String>,
@@ -273,8 +274,8 @@ impl RelayProc {
         let logf = std::fs::File::create(&log)?;
         let mut cmd;
         match name {
-            "mediaplane-userspace" | "mediaplane-ebpf" | "mediaplane-ebpf-noxdp" => {
-                let plane = name.trim_start_matches("mediaplane-").trim_end_matches("-noxdp");
+            "mediaplane-userspace" | "mediaplane-ebpf" | "mediaplane-ebpf-noxdp" | "mediaplane-ebpf-xdp" => {
+                let (plane, xdp) = crate::conference::plane_variant(name.trim_start_matches("mediaplane-"));
                 let exe = std::env::current_exe().context("locating the mediaplane binary")?;
                 let cfg = dir.join(format!("{}-{name}.toml", tb.prefix));
                 let mut toml = format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\n");
@@ -298,8 +299,8 @@ impl RelayProc {
                         cmd.args(["--interface", &p.sfu_if]);
                     }
                 }
-                if name.ends_with("-noxdp") {
-                    cmd.arg("--no-xdp-prefilter");
+                if let Some(x) = xdp {
+                    cmd.args(["--xdp-prefilter", x]);
                 }
             }
             "rtpengine" => {

@@ -24,7 +24,8 @@ pub struct BenchSfuArgs {
     /// A seconds-long smoke run: N = 2 and 4, one second each.
     #[arg(long)]
     quick: bool,
-    /// Data planes to compare (userspace, ebpf, ebpf-noxdp). The kernel-forward floor always
+    /// Data planes to compare (userspace, ebpf, ebpf-xdp, ebpf-noxdp: the eBPF plane as it starts
+    /// by default, with its XDP pre-filter forced on, off). The kernel-forward floor always
     /// runs first at each N and scenario.
     #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
     dataplanes: Vec<String>,

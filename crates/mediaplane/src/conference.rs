@@ -121,17 +121,13 @@ impl ServeProcess {
         // The pin dir is per run; `ip netns exec` gives serve a private mount namespace, where it
         // mounts its own bpffs, so nothing outlives the run.
         let pin_dir = format!("/sys/fs/bpf/{}-{dataplane}", tb.prefix);
-        // "ebpf-noxdp": the eBPF plane without its XDP pre-filter (A/B of the pre-filter).
-        let (kind, no_xdp) = match dataplane {
-            "ebpf-noxdp" => ("ebpf", true),
-            d => (d, false),
-        };
+        let (kind, xdp) = plane_variant(dataplane);
         cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--reset", "--dataplane", kind, "--pin-dir", &pin_dir])
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(logf);
-        if no_xdp {
-            cmd.arg("--no-xdp-prefilter");
+        if let Some(x) = xdp {
+            cmd.args(["--xdp-prefilter", x]);
         }
         if kind == "ebpf" {
             for p in &tb.peers {
@@ -178,6 +174,17 @@ impl Drop for ServeProcess {
 }
 
 /// One API call made from inside the SFU namespace (the daemon listens on its loopback).
+/// A data plane as the benchmarks name it: (`serve --dataplane`, `--xdp-prefilter`). "ebpf"
+/// takes the default (auto: no pre-filter on veth, where it makes veth copy every packet),
+/// "ebpf-xdp" puts it on, "ebpf-noxdp" leaves it off (A/Bs of the pre-filter).
+pub(crate) fn plane_variant(name: &str) -> (&str, Option<&'static str>) {
+    match name {
+        "ebpf-xdp" => ("ebpf", Some("on")),
+        "ebpf-noxdp" => ("ebpf", Some("off")),
+        d => (d, None),
+    }
+}
+
 pub(crate) fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
     api_with_timeout(tb, method, path, body, Duration::from_secs(5))
 }

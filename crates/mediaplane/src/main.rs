@@ -75,8 +75,12 @@ struct ServeArgs {
     /// Start empty: forget stored sessions (and, for eBPF, stale pinned state).
     #[arg(long)]
     reset: bool,
-    /// eBPF: no XDP pre-filter in front of the TC program (sets dataplane.xdp_prefilter = false).
-    #[arg(long)]
+    /// eBPF: where the XDP pre-filter goes: auto (every interface but veth), on, off (sets
+    /// dataplane.xdp_prefilter).
+    #[arg(long, value_parser = ["auto", "on", "off"])]
+    xdp_prefilter: Option<String>,
+    /// eBPF: no XDP pre-filter (the same as --xdp-prefilter off).
+    #[arg(long, conflicts_with = "xdp_prefilter")]
     no_xdp_prefilter: bool,
 }
 
@@ -144,8 +148,12 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(t) = args.ng_media_timeout {
         cfg.ng.media_timeout_secs = t;
     }
-    if args.no_xdp_prefilter {
-        cfg.dataplane.xdp_prefilter = false;
+    use mediaplane_control::config::XdpPrefilterMode;
+    match (args.xdp_prefilter.as_deref(), args.no_xdp_prefilter) {
+        (_, true) | (Some("off"), _) => cfg.dataplane.xdp_prefilter = XdpPrefilterMode::Off,
+        (Some("on"), _) => cfg.dataplane.xdp_prefilter = XdpPrefilterMode::On,
+        (Some(_), _) => cfg.dataplane.xdp_prefilter = XdpPrefilterMode::Auto,
+        (None, false) => {}
     }
     cfg.validate().map_err(anyhow::Error::msg)?;
     init_logging(&cfg);
@@ -190,7 +198,11 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>
             ecfg.adopt_live_pins = cfg.dataplane.adopt_live_pins;
             ecfg.max_streams = cfg.dataplane.max_streams;
             ecfg.max_copies = cfg.dataplane.max_copies;
-            ecfg.xdp_prefilter = cfg.dataplane.xdp_prefilter;
+            ecfg.xdp_prefilter = match cfg.dataplane.xdp_prefilter {
+                mediaplane_control::config::XdpPrefilterMode::Auto => mediaplane_ebpf::XdpPrefilter::Auto,
+                mediaplane_control::config::XdpPrefilterMode::On => mediaplane_ebpf::XdpPrefilter::On,
+                mediaplane_control::config::XdpPrefilterMode::Off => mediaplane_ebpf::XdpPrefilter::Off,
+            };
             ecfg.verify_checksums = cfg.dataplane.verify_checksums;
             ecfg.hold_order = cfg.dataplane.hold_order;
             ecfg.rpf_v6 = match cfg.dataplane.rp_filter_v6.as_str() {

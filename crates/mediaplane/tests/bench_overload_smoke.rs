@@ -24,7 +24,7 @@ fn overload_quick_strangers_are_dropped_and_counted_and_serve_survives() {
         // The default conference publishes SSRC-narrowed streams: the XDP pre-filter still
         // drops the whole flood (every stream on the address has its owner as source).
         assert_eq!(r["streams"], "ssrc");
-        if r["dataplane"] == "ebpf" {
+        if r["dataplane"] == "ebpf-xdp" {
             assert_eq!(r["xdp_drops"].as_u64(), Some(dropped), "every stranger dropped by XDP: {r}");
         }
     }
@@ -40,7 +40,7 @@ fn overload_quick_wildcard_streams_xdp_drops_the_flood() {
     }
     let out_dir = std::env::temp_dir().join(format!("mp-overload-smoke-xdp-{}", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
-        .args(["bench", "overload", "--quick", "--wildcard-streams", "--dataplanes", "ebpf,ebpf-noxdp", "--out"])
+        .args(["bench", "overload", "--quick", "--wildcard-streams", "--dataplanes", "ebpf-xdp,ebpf-noxdp", "--out"])
         .arg(&out_dir)
         .output()
         .unwrap();
@@ -52,7 +52,7 @@ fn overload_quick_wildcard_streams_xdp_drops_the_flood() {
         assert_eq!(r["streams"], "wildcard");
         let (sent, dropped, xdp) = (r["flood"]["sent"].as_u64().unwrap(), r["stranger_drops"].as_u64().unwrap(), r["xdp_drops"].as_u64().unwrap());
         assert!(sent > 0 && dropped > 0 && dropped <= sent, "{r}");
-        if r["dataplane"] == "ebpf" {
+        if r["dataplane"] == "ebpf-xdp" {
             assert_eq!(xdp, dropped, "every stranger dropped by XDP: {r}");
             assert!(r["xdp_run_time_ns"].as_u64().unwrap() > 0, "{r}");
         } else {

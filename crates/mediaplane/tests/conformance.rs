@@ -21,7 +21,7 @@ const N: usize = 5;
 
 /// Data planes under test; `MEDIAPLANE_CONFORMANCE_PLANES` narrows it (e.g. "userspace").
 fn planes() -> Vec<String> {
-    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf".into()).split(',').map(String::from).collect()
+    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
 }
 
 /// The session: p0 publishes "main" (RTP, any SSRC) and "hi" (its own port, SSRC 77);
@@ -174,7 +174,7 @@ fn every_data_plane_delivers_exactly_what_the_model_says() {
         let xdp_no_stream = stats["extra"]["xdp_drop_no_stream"].as_u64().unwrap_or(0);
         assert_eq!(t["drop_stranger"], 15, "[{plane}] {t} {}", stats["extra"]);
         assert_eq!(t["drop_no_stream"], 10, "[{plane}] wrong SSRC, stranger's unknown SSRC: {t} {}", stats["extra"]);
-        if plane == "ebpf" {
+        if plane == "ebpf-xdp" {
             assert_eq!((xdp, xdp_no_stream), (15, 5), "[{plane}] the XDP pre-filter drops the strangers: {}", stats["extra"]);
         }
         assert_eq!(t["drop_malformed"], 10, "[{plane}] garbage + truncated: {t}");

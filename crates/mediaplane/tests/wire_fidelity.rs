@@ -113,7 +113,7 @@ fn copies_carry_the_sfus_own_header_on_every_plane() {
     // No DF, so Linux gives each datagram an IP ID.
     setsockopt(publisher, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DONT);
     let to = SocketAddr::new(st.tb.peers[0].sfu_ip, SFU_PORT);
-    for plane in ["userspace", "ebpf"] {
+    for plane in ["userspace", "ebpf", "ebpf-xdp"] {
         let s = serve(&st, plane, &dir, "");
         for seq in 0..20u16 {
             publisher.send_to(&build_rtp(111, seq, 0, SSRC, &[seq as u8; 200]), to).unwrap();
@@ -206,13 +206,13 @@ fn no_packet_overtakes_another_when_neighbours_are_flushed() {
     const GAP: Duration = Duration::from_micros(100);
     let st = star();
     let dir = common::TempDir::new("wire-order");
-    for plane in ["userspace", "ebpf"] {
+    for plane in ["userspace", "ebpf", "ebpf-xdp"] {
         let s = serve(&st, plane, &dir, "");
         let (reorders, losses, dups) = flush_and_send(&st, ROUNDS, BURST, GAP);
         let t = stats(&s);
         eprintln!("[{plane}] {ROUNDS} flushed starts: {reorders} reorders, {losses} lost, {dups} duplicates; extra {}", t["extra"]);
         assert_eq!((reorders, losses, dups), (0, 0, 0), "[{plane}] order, loss, duplicates; extra {}", t["extra"]);
-        if plane == "ebpf" {
+        if plane.starts_with("ebpf") {
             let x = |k: &str| t["extra"][k].as_u64().unwrap_or(0);
             assert!(x("pass_no_neigh") >= ROUNDS as u64, "[{plane}] the slow path took the unresolved starts: {}", t["extra"]);
         }
@@ -283,7 +283,7 @@ fn bad_checksums_and_spoofed_sources_are_never_fanned_out() {
         mediaplane_core::packet::build_frame(&spec, &build_rtp(96, seq, 0, SSRC, &[7; 300]))
     };
     const EACH: u64 = 10;
-    for plane in ["userspace", "ebpf"] {
+    for plane in ["userspace", "ebpf", "ebpf-xdp"] {
         let s = serve(&st, plane, &dir, "");
         let before = stats(&s);
         let (sfu0, sfu1) = (mac_of(tb, &tb.sfu_ns, &p0.sfu_if), mac_of(tb, &tb.sfu_ns, &p1.sfu_if));
@@ -308,7 +308,7 @@ fn bad_checksums_and_spoofed_sources_are_never_fanned_out() {
         assert_eq!(got.len(), 5 * (N - 1), "[{plane}] the publisher's valid packets");
         let after = stats(&s);
         let d = |sec: &str, k: &str| after[sec][k].as_u64().unwrap_or(0) - before[sec][k].as_u64().unwrap_or(0);
-        if plane == "ebpf" {
+        if plane.starts_with("ebpf") {
             assert_eq!(d("total", "drop_bad_checksum"), 2 * EACH, "[{plane}] {}", after["total"]);
             assert_eq!(d("total", "drop_spoofed"), EACH, "[{plane}] {}", after["total"]);
         } else {

@@ -63,8 +63,15 @@ impl<'t> NetnsServe<'t> {
         cmd
     }
 
+    /// `plane`: userspace, ebpf (its defaults: no XDP pre-filter on veth), or ebpf-xdp (the
+    /// pre-filter on).
     fn args(cmd: &mut Command, tb: &Testbed, plane: &str, store: &std::path::Path, listen: &str, extra: &[&str]) {
+        let (plane, xdp) = match plane {
+            "ebpf-xdp" => ("ebpf", Some("on")),
+            p => (p, None),
+        };
         cmd.args(["serve", "--listen", listen, "--store", store.to_str().unwrap(), "--dataplane", plane, "--workers", "1"])
+            .args(xdp.map(|x| ["--xdp-prefilter", x]).into_iter().flatten())
             .args(extra)
             .env("RUST_LOG", "warn")
             .stdout(Stdio::null());
