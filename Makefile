@@ -54,11 +54,13 @@ fuzz-cargo:
 demo: release
 	target/release/mediaplane demo
 
-# The full sweep (N = 2..12, 16, 32, 64; both scenarios; every data plane), < 30 min here.
-BENCH_DATAPLANES ?= userspace,ebpf
+# The full sweep (N = 2..12, 16, 32, 64; both scenarios; every data plane), about 40 min here.
+BENCH_DATAPLANES ?= userspace,ebpf,ebpf-xdp
 bench: release
 	@scripts/install-deps.sh --bench
 	target/release/mediaplane bench sfu --dataplanes $(BENCH_DATAPLANES) --out bench-results
+	# What checksum verification and the reverse-path check cost per packet (BPF run time, A/B).
+	$(CARGO) test --release -p mediaplane-ebpf --test fidelity checks_cost -- --ignored --nocapture
 	# Relay: 750 and 1800 calls (the seed's sizes) x 3 relays and the no-relay baseline, then the
 	# install-capacity ramps (NG, HTTP, HTTP batches);
 	# 5000/10000 calls and 30 s runs take about an hour here: run those by hand.

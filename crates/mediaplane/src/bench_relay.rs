@@ -60,7 +60,7 @@ pub struct BenchRelayArgs {
     calls: Option<Vec<usize>>,
     /// Relays to compare: mediaplane-userspace, mediaplane-ebpf, mediaplane-ebpf-xdp, mediaplane-ebpf-noxdp, rtpengine,
     /// and kernel-forward (no relay: the baseline of machine CPU per packet).
-    #[arg(long, value_delimiter = ',', default_value = "kernel-forward,mediaplane-userspace,mediaplane-ebpf,rtpengine")]
+    #[arg(long, value_delimiter = ',', default_value = "kernel-forward,mediaplane-userspace,mediaplane-ebpf,mediaplane-ebpf-xdp,rtpengine")]
     relays: Vec<String>,
     /// Calls set up per second over NG (the seed: 30/s; quick: 100/s).
     #[arg(long)]
