@@ -41,6 +41,15 @@ static __always_inline __u32 rd32(const __u8 *b)
 	return ((__u32)b[0] << 24) | ((__u32)b[1] << 16) | ((__u32)b[2] << 8) | b[3];
 }
 
+/* No memcmp in BPF: compare 16-byte addresses word by word. */
+static __always_inline int same_addr(const __u8 *a, const __u8 *b)
+{
+	__u32 x[4], y[4];
+	__builtin_memcpy(x, a, 16);
+	__builtin_memcpy(y, b, 16);
+	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3];
+}
+
 static __always_inline int is_ipv6_ext_header(__u8 nexthdr)
 {
 	switch (nexthdr) {

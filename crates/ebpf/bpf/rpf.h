@@ -53,14 +53,6 @@ static __noinline int rpf_lookup(struct __sk_buff *skb, const struct mp_pkt *p, 
 	return mode != MP_RPF_STRICT || fib->ifindex == skb->ifindex;
 }
 
-static __always_inline int same16(const __u8 *a, const __u8 *b)
-{
-	__u32 x[4], y[4];
-	__builtin_memcpy(x, a, 16);
-	__builtin_memcpy(y, b, 16);
-	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3];
-}
-
 /* 1 if the packet's source passes the reverse-path check on its ingress. `sp` caches a pass for
  * a fixed-source stream (NULL: no cache). */
 static __always_inline int rpf_ok(struct __sk_buff *skb, const struct mp_pkt *p, const struct mp_fast_config *cfg,
@@ -68,7 +60,7 @@ static __always_inline int rpf_ok(struct __sk_buff *skb, const struct mp_pkt *p,
 {
 	__u32 ifindex = skb->ifindex;
 	__u64 key = (((__u64)ifindex << 32) | gen) + 1;
-	if (sp && sp->rpf_ok == key && same16(sp->rpf_src, p->saddr))
+	if (sp && sp->rpf_ok == key && same_addr(sp->rpf_src, p->saddr))
 		return 1;
 	__u32 mode = rpf_mode_for(p, ifindex, cfg);
 	if (mode != MP_RPF_OFF && !rpf_lookup(skb, p, mode))

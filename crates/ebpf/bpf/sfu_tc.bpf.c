@@ -371,15 +371,6 @@ static long send_copy_helpers(__u32 i, void *ctx)
 	return send_copy(i, ctx, 0);
 }
 
-/* No memcmp in BPF: compare 16-byte addresses word by word. */
-static __always_inline int same_addr(const __u8 *a, const __u8 *b)
-{
-	__u32 x[4], y[4];
-	__builtin_memcpy(x, a, 16);
-	__builtin_memcpy(y, b, 16);
-	return x[0] == y[0] && x[1] == y[1] && x[2] == y[2] && x[3] == y[3];
-}
-
 /* The first n bytes are in the linear part (direct packet access reaches them). The loads are
  * spelled out: the verifier wants each context field read at its own constant offset, and clang
  * would otherwise share one computed address between them. */

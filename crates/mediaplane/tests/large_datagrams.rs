@@ -13,13 +13,15 @@
 
 mod common;
 
+use common::wire::{capture, frames};
+
 use common::netns::NetnsServe;
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
-use std::os::fd::{AsRawFd, FromRawFd, OwnedFd};
+use std::os::fd::{AsRawFd, OwnedFd};
 use std::time::{Duration, Instant};
 
 const N: usize = 4;
@@ -46,39 +48,13 @@ fn datagram(publisher: usize, seq: u16) -> Vec<u8> {
     build_rtp(96, seq, 90 * seq as u32, ssrc(publisher), &payload)
 }
 
-/// A raw AF_PACKET socket on `ifname` inside namespace `ns`, non-blocking.
-fn capture(tb: &Testbed, ns: &str, ifname: &str) -> OwnedFd {
-    let ifname = std::ffi::CString::new(ifname).unwrap();
-    tb.in_ns(ns, move || unsafe {
-        let proto = (libc::ETH_P_ALL as u16).to_be();
-        let fd = libc::socket(libc::AF_PACKET, libc::SOCK_RAW | libc::SOCK_NONBLOCK, proto as i32);
-        assert!(fd >= 0, "AF_PACKET socket: {}", std::io::Error::last_os_error());
-        let size: libc::c_int = 16 << 20;
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, (&size as *const libc::c_int).cast(), 4);
-        let mut sll: libc::sockaddr_ll = std::mem::zeroed();
-        sll.sll_family = libc::AF_PACKET as u16;
-        sll.sll_protocol = proto;
-        sll.sll_ifindex = libc::if_nametoindex(ifname.as_ptr()) as i32;
-        let r = libc::bind(fd, (&sll as *const libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32);
-        assert_eq!(r, 0, "bind AF_PACKET: {}", std::io::Error::last_os_error());
-        OwnedFd::from_raw_fd(fd)
-    })
-    .unwrap()
-}
-
 /// One IPv4 frame as the wire shows it: (total length, fragment offset, MF, DF, TTL, TOS, ID != 0).
 type FrameShape = (u16, u16, bool, bool, u8, u8, bool);
 
 /// The shapes of the IPv4 frames from `src` to `dst` captured so far, in order.
 fn drain_shapes(fd: &OwnedFd, src: IpAddr, dst: IpAddr) -> Vec<FrameShape> {
     let mut out = Vec::new();
-    let mut buf = vec![0u8; 65536];
-    loop {
-        let n = unsafe { libc::recv(fd.as_raw_fd(), buf.as_mut_ptr().cast(), buf.len(), 0) };
-        if n <= 0 {
-            break;
-        }
-        let f = &buf[..n as usize];
+    for f in frames(fd) {
         if f.len() < 34 || f[12..14] != [0x08, 0x00] {
             continue;
         }
