@@ -72,9 +72,10 @@ impl EbpfConfig {
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum XdpPrefilter {
     /// On every interface whose driver is not veth. An XDP program on a veth makes it copy every
-    /// packet it passes into a page of its own first: measured on this path, about 0.5-4 µs of
-    /// added delay per packet (BENCHMARKS.md), paid by all media to save work only under a
-    /// stranger flood. A NIC with native XDP runs it before any skb exists, at no such cost.
+    /// packet it passes into a page of its own first: measured on this path, +0.4 µs of added
+    /// delay per packet at the median and up to +4 µs (BENCHMARKS.md), paid by all media to save
+    /// work only under a stranger flood. A NIC with native XDP runs it before any skb exists, at
+    /// no such cost.
     Auto,
     On,
     Off,
