@@ -133,6 +133,11 @@ impl SteerSockets {
             } else {
                 s.set_freebind(true)?;
             }
+            // A raw UDP socket is handed a clone of every UDP packet the host delivers unless it
+            // is bound: bound to an address nothing is sent to (documentation ranges, RFC 5737 /
+            // RFC 3849), it gets none. The source of each send comes from IP(V6)_PKTINFO.
+            let nowhere: SocketAddr = if v6 { "[2001:db8::1]:0".parse().unwrap() } else { "192.0.2.1:0".parse().unwrap() };
+            s.bind(&SockAddr::from(nowhere))?;
             let _ = s.set_send_buffer_size(buffer);
             Ok(s)
         };

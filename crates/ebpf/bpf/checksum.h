@@ -4,7 +4,8 @@
  * is checked in parse_udp). The device's verdict is used where it gave one (CHECKSUM_UNNECESSARY;
  * CHECKSUM_PARTIAL: a local sender, the checksum is not computed yet); otherwise the sum is
  * computed here, in 512-byte chunks (bpf_csum_diff's limit). Mirrors
- * mediaplane_core::packet::verify_checksums. */
+ * mediaplane_core::packet::verify_checksums. Also the one's complement helpers the per-copy
+ * rewrite and the header policy update checksums with. */
 #ifndef MEDIAPLANE_CHECKSUM_H
 #define MEDIAPLANE_CHECKSUM_H
 
@@ -98,13 +99,31 @@ static __noinline int csum_tail(struct mp_csum_walk *w)
 	return 0;
 }
 
-static __always_inline __u16 fold32x(__u64 x)
+/* ---- one's complement arithmetic (RFC 1624), on words as they lie in the packet ---- */
+
+static __always_inline __u16 csum_fold64(__u64 x)
 {
 	x = (x & 0xffffffff) + (x >> 32);
 	x = (x & 0xffff) + (x >> 16);
 	x = (x & 0xffff) + (x >> 16);
 	x = (x & 0xffff) + (x >> 16);
 	return (__u16)x;
+}
+
+/* Sum of (new - old) over n 32-bit words. */
+static __always_inline __u64 csum_delta(const __u32 *old, const __u32 *new, int n)
+{
+	__u64 acc = 0;
+#pragma unroll
+	for (int k = 0; k < n; k++)
+		acc += (__u64)new[k] + (__u32)~old[k];
+	return acc;
+}
+
+/* A checksum field (the complement of a sum) after the covered data changed by `delta`. */
+static __always_inline __u16 csum_replace(__u16 check, __u64 delta)
+{
+	return ~csum_fold64((__u64)(__u16)~check + delta);
 }
 
 enum mp_csum_verdict { CSUM_OK, CSUM_BAD, CSUM_ERROR };
@@ -155,7 +174,7 @@ static __noinline int udp_checksum_verdict(struct __sk_buff *skb, const struct m
 	bpf_loop(128, csum_step, &w, 0);
 	if (w.err || csum_tail(&w) || w.off != w.end)
 		return CSUM_ERROR;
-	return fold32x(w.sum) == 0xffff ? CSUM_OK : CSUM_BAD;
+	return csum_fold64(w.sum) == 0xffff ? CSUM_OK : CSUM_BAD;
 }
 
 #endif

@@ -121,9 +121,13 @@ enum mp_counter {
 #define MP_RPF_STRICT 1
 #define MP_RPF_LOOSE 2
 
-/* Packets the fast path hands up in stream order carry this mark bit with the stream's stats
- * slot in the low bits (the slow path reads it with SO_RCVMARK and acknowledges the slot). */
+/* Packets the fast path hands up in stream order carry a mark (the slow path reads it with
+ * SO_RCVMARK and acknowledges it): MP_ORDER_MARK | seq << MP_ORDER_SLOT_BITS | stats slot, with a
+ * per-stream sequence number of MP_ORDER_SEQ_MASK bits. Streams whose slot needs more bits are
+ * not held. */
 #define MP_ORDER_MARK 0x80000000u
+#define MP_ORDER_SLOT_BITS 21
+#define MP_ORDER_SEQ_MASK 0x3ffu
 /* A stream stops waiting for the slow path when it acknowledged nothing for this long (a packet
  * lost on its way up must not pin the stream to the slow path). */
 #define MP_ORDER_HOLD_MAX_NS 50000000ull

@@ -11,6 +11,7 @@
 #include "common.h"
 #include "maps.h"
 #include "parse.h"
+#include "checksum.h"
 
 #define MP_DEFAULT_TTL 64
 
@@ -34,13 +35,12 @@ static __noinline int write_own_header(struct __sk_buff *skb, __u32 l3_off, __u3
 		__u16 old[4] = { rd16(h), rd16(h + 4), rd16(h + 6), rd16(h + 8) };
 		__u16 id = (__u16)bpf_get_prandom_u32();
 		__u16 new[4] = { (__u16)(((__u16)h[0] << 8) | tos), id, 0x4000, (__u16)(((__u16)ttl << 8) | h[9]) };
-		__u32 sum = (__u16)~rd16(h + 10);
+		/* RFC 1624, in host order like the words. */
+		__u64 delta = 0;
 #pragma unroll
 		for (int k = 0; k < 4; k++)
-			sum += (__u16)~old[k] + (__u32)new[k];
-		sum = (sum & 0xffff) + (sum >> 16);
-		sum = (sum & 0xffff) + (sum >> 16);
-		__u16 check = ~sum;
+			delta += (__u16)~old[k] + (__u32)new[k];
+		__u16 check = csum_replace(rd16(h + 10), delta);
 		h[1] = tos;
 		h[4] = id >> 8;
 		h[5] = id & 0xff;

@@ -205,12 +205,14 @@ struct {
  * - rpf_ok, rpf_src: (ingress ifindex << 32 | next-hop generation) + 1 in which the source
  *   rpf_src passed the reverse-path check (only for fixed-source streams: one source, so the
  *   check runs once per route change, see rpf.h).
- * - up / done: packets of the stream the fast path handed up in order (marked MP_ORDER_MARK) /
- *   how many of those the slow path has sent. While they differ, later packets go up too, so none
- *   overtakes one still in the slow path.
+ * - up / done: the sequence number of the last packet of the stream the fast path handed up in
+ *   order (marked, see MP_ORDER_MARK) / the sequence number of the last one the slow path has
+ *   sent (written by user space; MP_ORDER_SEQ_MASK bits). While they differ, later packets go up
+ *   too, so none overtakes one still in the slow path. The slow path serves a stream first in,
+ *   first out: its newest acknowledgement covers every earlier packet, sent or lost.
  * - seen_done / progress_ns: the last `done` the program saw and when it changed (or the hold
- *   began): a hold that sees no progress for MP_ORDER_HOLD_MAX_NS ends (a packet lost on its way
- *   up must not pin the stream to the slow path). */
+ *   began): a hold that sees no progress for MP_ORDER_HOLD_MAX_NS ends (what went up last was
+ *   lost: it must not pin the stream to the slow path). */
 struct mp_stream_path {
 	__u64 rpf_ok;
 	__u8 rpf_src[16];

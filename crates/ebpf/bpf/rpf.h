@@ -45,8 +45,8 @@ static __noinline int rpf_lookup(struct __sk_buff *skb, const struct mp_pkt *p, 
 	long rc = bpf_fib_lookup(skb, fib, sizeof(*fib), BPF_FIB_LOOKUP_SKIP_NEIGH);
 	/* Forwarding off on the ingress: no lookup can say anything (and the fast path forwards
 	 * nothing there); the host's own check applies on the way up. */
-	if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED)
-		return 1;
+	if (rc == BPF_FIB_LKUP_RET_FWD_DISABLED || rc < 0)
+		return 1; /* (rc < 0: the helper failed, which says nothing about the source) */
 	/* No route back, a blackhole or prohibit route, or a local/broadcast source: spoofed. */
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
 		return 0;

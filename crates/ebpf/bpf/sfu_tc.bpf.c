@@ -201,33 +201,6 @@ static long resolve_next_hop(__u32 i, void *ctx)
 	return 0;
 }
 
-/* ---- one's complement arithmetic (RFC 1624), on words as they lie in the packet ---- */
-
-static __always_inline __u16 csum_fold64(__u64 x)
-{
-	x = (x & 0xffffffff) + (x >> 32);
-	x = (x & 0xffff) + (x >> 16);
-	x = (x & 0xffff) + (x >> 16);
-	x = (x & 0xffff) + (x >> 16);
-	return (__u16)x;
-}
-
-/* Sum of (new - old) over n 32-bit words. */
-static __always_inline __u64 csum_delta(const __u32 *old, const __u32 *new, int n)
-{
-	__u64 acc = 0;
-#pragma unroll
-	for (int k = 0; k < n; k++)
-		acc += (__u64)new[k] + (__u32)~old[k];
-	return acc;
-}
-
-/* A checksum field (the complement of a sum) after the covered data changed by `delta`. */
-static __always_inline __u16 csum_replace(__u16 check, __u64 delta)
-{
-	return ~csum_fold64((__u64)(__u16)~check + delta);
-}
-
 /* The UDP checksum after addresses changed by `da` and ports by `dp`. IPv4 zero means "none"
  * and stays; a computed zero is sent as 0xffff (RFC 768, RFC 8200). Under CHECKSUM_PARTIAL the
  * field holds the (uncomplemented) pseudo-header sum: only the addresses enter it. */
@@ -608,7 +581,7 @@ int sfu_ingress(struct __sk_buff *skb)
 		if (cv == CSUM_BAD)
 			return drop(sc, CNT_DROP_BAD_CHECKSUM, p.payload_len);
 		if (cv == CSUM_ERROR)
-			return pass_slow(sc, CNT_PASS_ERROR);
+			return pass_in_order(skb, sc, stream_path_of(entry), entry->stats_slot, cflags, t0, CNT_PASS_ERROR);
 	}
 	__u32 zero = 0;
 	__u32 *gen = bpf_map_lookup_elem(&nh_gen, &zero);

@@ -270,7 +270,9 @@ impl EbpfDataplane {
         if cfg.verify_checksums {
             flags |= config_flags::VERIFY_CSUM;
         }
-        if cfg.hold_order {
+        // The hold waits for the steered slow path's acknowledgements: without steering
+        // nothing would acknowledge, and every hold would last its full timeout.
+        if cfg.hold_order && cfg.steer_slow_path {
             flags |= config_flags::HOLD_ORDER;
         }
         let h = slow_cfg.header;

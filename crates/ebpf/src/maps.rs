@@ -213,8 +213,16 @@ impl RpfMode {
     }
 }
 
-/// Marks the fast path puts on packets it hands up in stream order (MP_ORDER_MARK | stats slot).
+/// Marks the fast path puts on packets it hands up in stream order (MP_ORDER_* in bpf/common.h):
+/// `ORDER_MARK | seq << ORDER_SLOT_BITS | stats slot`.
 pub const ORDER_MARK: u32 = 0x8000_0000;
+pub const ORDER_SLOT_BITS: u32 = 21;
+pub const ORDER_SEQ_MASK: u32 = 0x3ff;
+
+/// The mark of the packet numbered `seq` of the stream in `slot`.
+pub fn order_mark(slot: u32, seq: u32) -> u32 {
+    ORDER_MARK | (seq & ORDER_SEQ_MASK) << ORDER_SLOT_BITS | slot
+}
 
 /// `struct mp_stream_path` (see bpf/maps.h): the reverse-path cache and the order hold.
 #[repr(C)]

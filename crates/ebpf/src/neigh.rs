@@ -45,6 +45,8 @@ pub struct ResolveStats {
 /// The resolver thread; stops (and is joined) on drop.
 pub struct NeighbourResolver {
     tx: Option<SyncSender<IpAddr>>,
+    /// Set on drop: the thread leaves what is still queued.
+    stop: Arc<std::sync::atomic::AtomicBool>,
     thread: Option<JoinHandle<()>>,
     stats: Arc<ResolveStats>,
 }
@@ -56,8 +58,10 @@ impl NeighbourResolver {
         let (tx, rx) = sync_channel(QUEUE);
         let stats = Arc::new(ResolveStats::default());
         let st = stats.clone();
-        let thread = std::thread::Builder::new().name("mp-neigh".into()).spawn(move || run(sock, rx, st))?;
-        Ok(NeighbourResolver { tx: Some(tx), thread: Some(thread), stats })
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop2 = stop.clone();
+        let thread = std::thread::Builder::new().name("mp-neigh".into()).spawn(move || run(sock, rx, st, stop2))?;
+        Ok(NeighbourResolver { tx: Some(tx), stop, thread: Some(thread), stats })
     }
 
     /// Queue destinations (duplicates in one call are sent once). Never blocks.
@@ -86,6 +90,7 @@ impl NeighbourResolver {
 
 impl Drop for NeighbourResolver {
     fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
         self.tx.take(); // the thread's recv fails: it ends
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -93,9 +98,12 @@ impl Drop for NeighbourResolver {
     }
 }
 
-fn run(sock: OwnedFd, rx: Receiver<IpAddr>, stats: Arc<ResolveStats>) {
+fn run(sock: OwnedFd, rx: Receiver<IpAddr>, stats: Arc<ResolveStats>, stop: Arc<std::sync::atomic::AtomicBool>) {
     let mut seq = 1u32;
     while let Ok(dst) = rx.recv() {
+        if stop.load(Ordering::Relaxed) {
+            return;
+        }
         stats.requested.fetch_add(1, Ordering::Relaxed);
         if let Err(e) = resolve_one(&sock, dst, &mut seq) {
             stats.failed.fetch_add(1, Ordering::Relaxed);
@@ -165,6 +173,9 @@ fn request(sock: &OwnedFd, kind: u16, flags: u16, seq: &mut u32, body: &[u8]) ->
             return Err(io::Error::other("short netlink reply"));
         }
         let len = (u32::from_ne_bytes(buf[0..4].try_into().unwrap()) as usize).min(n);
+        if len < 16 {
+            return Err(io::Error::other("malformed netlink reply"));
+        }
         let rkind = u16::from_ne_bytes(buf[4..6].try_into().unwrap());
         let rseq = u32::from_ne_bytes(buf[8..12].try_into().unwrap());
         if rseq != *seq {

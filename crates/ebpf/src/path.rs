@@ -1,9 +1,9 @@
 //! The per-stream path state the fast path shares with user space (`stream_path`, bpf/maps.h),
 //! mapped into this process: the slow path acknowledges, without a syscall, each packet the
-//! kernel handed up in stream order (bpf/order.h), so the kernel knows when a stream holds no
-//! packet in the slow path any more and may forward it itself again.
+//! kernel handed up in stream order (bpf/order.h), so the kernel knows when the slow path has sent
+//! the last packet of a stream it handed up and may forward the stream itself again.
 
-use crate::maps::{StreamPathRaw, ORDER_MARK};
+use crate::maps::{StreamPathRaw, ORDER_MARK, ORDER_SEQ_MASK, ORDER_SLOT_BITS};
 use libbpf_rs::MapCore;
 use mediaplane_dataplane::DataplaneError;
 use std::os::fd::{AsFd, AsRawFd};
@@ -59,18 +59,23 @@ impl StreamPaths {
     }
 
     /// The slow path has sent the copies of a packet the kernel marked `mark` (see
-    /// [`crate::maps::ORDER_MARK`]). Marks without the order bit are not ours: ignored.
+    /// [`crate::maps::ORDER_MARK`]): its sequence number becomes the stream's last one sent (a
+    /// stream is served first in, first out, so this covers every earlier one). Marks without
+    /// the order bit are not ours: ignored.
     pub fn ack_mark(&self, mark: u32) {
         if mark & ORDER_MARK != 0 {
-            if let Some(done) = self.word(mark & !ORDER_MARK, DONE) {
-                done.fetch_add(1, Ordering::Release);
+            let slot = mark & ((1 << ORDER_SLOT_BITS) - 1);
+            if let Some(done) = self.word(slot, DONE) {
+                done.store(((mark >> ORDER_SLOT_BITS) & ORDER_SEQ_MASK) as u64, Ordering::Release);
             }
         }
     }
 
-    /// (handed up in order, acknowledged) of a stats slot.
-    pub fn order_counts(&self, slot: u32) -> Option<(u64, u64)> {
-        Some((self.word(slot, UP)?.load(Ordering::Acquire), self.word(slot, DONE)?.load(Ordering::Acquire)))
+    /// (sequence number of the last packet handed up in order, of the last one acknowledged)
+    /// of a stats slot, both as the marks carry them (ORDER_SEQ_MASK bits).
+    pub fn order_seqs(&self, slot: u32) -> Option<(u32, u32)> {
+        let seq = |w: &AtomicU64| (w.load(Ordering::Acquire) as u32) & ORDER_SEQ_MASK;
+        Some((seq(self.word(slot, UP)?), seq(self.word(slot, DONE)?)))
     }
 }
 

@@ -173,7 +173,6 @@ impl Drop for ServeProcess {
     }
 }
 
-/// One API call made from inside the SFU namespace (the daemon listens on its loopback).
 /// A data plane as the benchmarks name it: (`serve --dataplane`, `--xdp-prefilter`). "ebpf"
 /// takes the default (auto: no pre-filter on veth, where it makes veth copy every packet),
 /// "ebpf-xdp" puts it on, "ebpf-noxdp" leaves it off (A/Bs of the pre-filter).
@@ -185,6 +184,7 @@ pub(crate) fn plane_variant(name: &str) -> (&str, Option<&'static str>) {
     }
 }
 
+/// One API call made from inside the SFU namespace (the daemon listens on its loopback).
 pub(crate) fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> anyhow::Result<Value> {
     api_with_timeout(tb, method, path, body, Duration::from_secs(5))
 }
