@@ -97,9 +97,9 @@ impl XdpPrefilter {
 /// Both get every table; packets the kernel passes up (`TC_ACT_OK`: STUN, unlatched sources,
 /// unresolved neighbours, what it cannot parse) reach the user-space plane's sockets. Stats are
 /// merged: the kernel counts only what it decided, the slow path what it received, so every
-/// packet is counted once. In front of TC, the XDP pre-filter ([`Prefilter`], on by default)
-/// drops certain strangers; it counts them apart (`extra["xdp_drop_stranger"]`,
-/// `extra["xdp_drop_no_stream"]`).
+/// packet is counted once. In front of TC, the XDP pre-filter ([`Prefilter`], where
+/// [`XdpPrefilter`] puts it) drops certain strangers; its drops are in the totals too, with the
+/// breakdown in `extra["xdp_drop_stranger"]` and `extra["xdp_drop_no_stream"]`.
 ///
 /// The per-source limit ([`ForwardingTable::source_limit`]) has a bucket per source in the
 /// kernel, charged by the TC program for what it judges (forwarded, STUN, first packets), and
