@@ -108,11 +108,40 @@ fn main() {
 
 fn init_logging(cfg: &Config) {
     let filter = tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(&cfg.log.level));
-    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr);
+    // Colour only for a person at a terminal: never into a file, a pipe or the journal.
+    use std::io::IsTerminal;
+    let builder = tracing_subscriber::fmt().with_env_filter(filter).with_writer(std::io::stderr).with_ansi(std::io::stderr().is_terminal());
     if cfg.log.format == "json" {
         builder.json().init();
     } else {
         builder.init();
+    }
+}
+
+/// Raise the soft RLIMIT_NOFILE to the hard limit (what a service manager's LimitNOFILE allows)
+/// and say what the data plane can hold with it: the user-space plane keeps one socket per SFU
+/// address per worker; the eBPF plane's sessions cost no file descriptors.
+fn raise_fd_limit(cfg: &Config) {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    let raised = unsafe {
+        libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) == 0 && {
+            let soft = r.rlim_cur;
+            r.rlim_cur = r.rlim_max;
+            soft != r.rlim_max && libc::setrlimit(libc::RLIMIT_NOFILE, &r) == 0
+        }
+    };
+    // SAFETY: as above.
+    unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut r) };
+    let limit = r.rlim_cur;
+    match cfg.dataplane.kind {
+        DataplaneKind::Userspace => {
+            let workers = if cfg.dataplane.workers == 0 { std::thread::available_parallelism().map_or(1, |n| n.get()) } else { cfg.dataplane.workers };
+            // A few hundred descriptors for the store, the API, epoll and eventfds.
+            let addresses = limit.saturating_sub(256) / workers as u64;
+            tracing::info!(fd_limit = limit, raised, workers, "the user-space plane can hold about {addresses} SFU addresses (one socket per address per worker): a relay leg or a participant is one, an NG call two to four");
+        }
+        DataplaneKind::Ebpf => tracing::info!(fd_limit = limit, raised, "the ebpf plane's sessions cost no file descriptors (kernel map entries: dataplane.max_streams)"),
     }
 }
 
@@ -157,6 +186,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }
     cfg.validate().map_err(anyhow::Error::msg)?;
     init_logging(&cfg);
+    raise_fd_limit(&cfg);
 
     let (tx, rx) = std::sync::mpsc::channel::<DataplaneEvent>();
     let dataplane = build_dataplane(&cfg, tx, args.reset)?;
