@@ -219,22 +219,6 @@ pub fn send_raw_udp(fd: RawFd, from: std::net::IpAddr, udp: &[u8], to: &SockAddr
     }
 }
 
-/// Make a send-only socket of a raw one: a raw `IPPROTO_UDP` socket is handed a clone of every
-/// UDP packet the host receives; a filter that accepts nothing drops them before they queue.
-pub fn drop_all_input(fd: RawFd) -> io::Result<()> {
-    let reject = [libc::sock_filter { code: (libc::BPF_RET | libc::BPF_K) as u16, jt: 0, jf: 0, k: 0 }];
-    let prog = libc::sock_fprog { len: 1, filter: reject.as_ptr() as *mut _ };
-    // SAFETY: setsockopt with a pointer to a live sock_fprog of the stated size (the kernel copies the program).
-    cvt(unsafe {
-        libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_ATTACH_FILTER, (&prog as *const libc::sock_fprog).cast(), size_of::<libc::sock_fprog>() as u32)
-    })?;
-    // What arrived before the filter.
-    let mut buf = [0u8; 64];
-    // SAFETY: recv into a live buffer of the stated size.
-    while unsafe { libc::recv(fd, buf.as_mut_ptr().cast(), buf.len(), libc::MSG_DONTWAIT | libc::MSG_TRUNC) } >= 0 {}
-    Ok(())
-}
-
 /// One outgoing datagram: payload borrowed from a receive buffer.
 pub struct Outgoing<'a> {
     pub to: SockAddr,

@@ -125,9 +125,6 @@ impl SteerSockets {
         let big = |domain: Domain| -> std::io::Result<Socket> {
             let s = Socket::new(domain, Type::RAW, Some(Protocol::UDP))?;
             let v6 = domain == Domain::IPV6;
-            sys::drop_all_input(s.as_raw_fd())?;
-            let _ = s.set_recv_buffer_size(0);
-            sys::set_header_policy(s.as_raw_fd(), v6, &header)?;
             if v6 {
                 s.set_freebind_ipv6(true)?;
             } else {
@@ -135,9 +132,12 @@ impl SteerSockets {
             }
             // A raw UDP socket is handed a clone of every UDP packet the host delivers unless it
             // is bound: bound to an address nothing is sent to (documentation ranges, RFC 5737 /
-            // RFC 3849), it gets none. The source of each send comes from IP(V6)_PKTINFO.
+            // RFC 3849), it gets none. The source of each send comes from IP(V6)_PKTINFO. The
+            // smallest receive buffer bounds what arrived before the bind (never read).
             let nowhere: SocketAddr = if v6 { "[2001:db8::1]:0".parse().unwrap() } else { "192.0.2.1:0".parse().unwrap() };
             s.bind(&SockAddr::from(nowhere))?;
+            let _ = s.set_recv_buffer_size(0);
+            sys::set_header_policy(s.as_raw_fd(), v6, &header)?;
             let _ = s.set_send_buffer_size(buffer);
             Ok(s)
         };

@@ -572,6 +572,7 @@ int sfu_ingress(struct __sk_buff *skb)
 	/* Only what the host would accept, from where the source can be. */
 	const struct mp_fast_config *cfg = fast_config_get();
 	__u32 cflags = cfg ? cfg->flags : 0;
+	struct mp_stream_path *sp = stream_path_of(entry);
 	struct sk_buff *kskb = bpf_cast_to_kern_ctx(skb);
 	__u8 summed = BPF_CORE_READ_BITFIELD(kskb, ip_summed);
 	if (cflags & MP_CFG_VERIFY_CSUM) {
@@ -581,12 +582,11 @@ int sfu_ingress(struct __sk_buff *skb)
 		if (cv == CSUM_BAD)
 			return drop(sc, CNT_DROP_BAD_CHECKSUM, p.payload_len);
 		if (cv == CSUM_ERROR)
-			return pass_in_order(skb, sc, stream_path_of(entry), entry->stats_slot, cflags, t0, CNT_PASS_ERROR);
+			return pass_in_order(skb, sc, sp, entry->stats_slot, cflags, t0, CNT_PASS_ERROR);
 	}
 	__u32 zero = 0;
 	__u32 *gen = bpf_map_lookup_elem(&nh_gen, &zero);
 	__u32 nhgen = gen ? *gen : 0;
-	struct mp_stream_path *sp = stream_path_of(entry);
 	if (!rpf_ok(skb, &p, cfg, latch ? NULL : sp, nhgen))
 		return drop(sc, CNT_DROP_SPOOFED, p.payload_len);
 

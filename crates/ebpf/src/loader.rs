@@ -516,13 +516,6 @@ impl FastPath {
     // ProgramInput is non-exhaustive: no struct literal possible.
     #[allow(clippy::field_reassign_with_default)]
     pub fn test_run(&self, frame: &[u8], ifindex: Option<u32>) -> Result<TestRun, DataplaneError> {
-        self.test_run_repeat(frame, ifindex, 1)
-    }
-
-    /// [`FastPath::test_run`] `repeat` times in the kernel (microbenchmarks): `duration_ns` is
-    /// the mean run time, the rest is the last run's.
-    #[allow(clippy::field_reassign_with_default)]
-    pub fn test_run_repeat(&self, frame: &[u8], ifindex: Option<u32>, repeat: u32) -> Result<TestRun, DataplaneError> {
         // struct __sk_buff: only ifindex (offset 40) may be set besides mark/priority.
         let mut ctx = vec![0u8; std::mem::size_of::<crate::skel::types::__sk_buff>()];
         if let Some(i) = ifindex {
@@ -536,7 +529,6 @@ impl FastPath {
         input.data_out = Some(&mut out);
         input.context_in = Some(&mut ctx);
         input.context_out = Some(&mut ctx_out);
-        input.repeat = repeat;
         let prog = self.obj.progs_mut().find(|p| p.name() == SFU_TC_PROGRAM).expect("program in the embedded object");
         let res = prog.test_run(input).map_err(|e| bpf_err("BPF_PROG_TEST_RUN", e))?;
         let (retval, duration_ns) = (res.return_value, res.duration.as_nanos() as u64);
