@@ -140,11 +140,21 @@ pub struct DataplaneConfig {
     pub verify_checksums: bool,
     /// eBPF: reverse-path check of IPv6 sources ("off", "loose", "strict"); IPv4 follows each
     /// interface's `rp_filter` sysctl as the kernel does. Spoofed sources: `drop_spoofed`.
-    pub rp_filter_v6: String,
+    pub rp_filter_v6: RpFilterMode,
     /// eBPF: while packets of a stream the kernel handed to the slow path (unresolved neighbour,
     /// copy over the MTU) are not sent yet, hand its later packets up too, so none overtakes
     /// another. Off only for A/B measurements (`pass_in_order` counts what it held).
     pub hold_order: bool,
+}
+
+/// A reverse-path check mode, as rp_filter names them.
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum RpFilterMode {
+    #[default]
+    Off,
+    Loose,
+    Strict,
 }
 
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
@@ -225,7 +235,7 @@ impl Default for DataplaneConfig {
             xdp_prefilter: XdpPrefilterMode::Auto,
             dscp: 0,
             verify_checksums: true,
-            rp_filter_v6: "off".into(),
+            rp_filter_v6: RpFilterMode::Off,
             hold_order: true,
         }
     }
@@ -276,9 +286,6 @@ impl Config {
         if self.dataplane.dscp > 63 {
             return Err(format!("dataplane.dscp must be 0-63, not {}", self.dataplane.dscp));
         }
-        if !matches!(self.dataplane.rp_filter_v6.as_str(), "off" | "loose" | "strict") {
-            return Err(format!("dataplane.rp_filter_v6 must be \"off\", \"loose\" or \"strict\", not {:?}", self.dataplane.rp_filter_v6));
-        }
         if !matches!(self.log.format.as_str(), "text" | "json") {
             return Err(format!("log.format must be \"text\" or \"json\", not {:?}", self.log.format));
         }
@@ -328,5 +335,7 @@ mod tests {
         }
         let e = Config::from_toml("[dataplane]\nxdp_prefilter = \"maybe\"\n").unwrap_err();
         assert!(e.contains("auto"), "{e}");
+        assert_eq!(Config::from_toml("[dataplane]\nrp_filter_v6 = \"strict\"\n").unwrap().dataplane.rp_filter_v6, RpFilterMode::Strict);
+        assert!(Config::from_toml("[dataplane]\nrp_filter_v6 = \"yes\"\n").is_err());
     }
 }

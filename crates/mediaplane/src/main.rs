@@ -235,10 +235,10 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>
             };
             ecfg.verify_checksums = cfg.dataplane.verify_checksums;
             ecfg.hold_order = cfg.dataplane.hold_order;
-            ecfg.rpf_v6 = match cfg.dataplane.rp_filter_v6.as_str() {
-                "strict" => mediaplane_ebpf::maps::RpfMode::Strict,
-                "loose" => mediaplane_ebpf::maps::RpfMode::Loose,
-                _ => mediaplane_ebpf::maps::RpfMode::Off,
+            ecfg.rpf_v6 = match cfg.dataplane.rp_filter_v6 {
+                mediaplane_control::config::RpFilterMode::Strict => mediaplane_ebpf::maps::RpfMode::Strict,
+                mediaplane_control::config::RpFilterMode::Loose => mediaplane_ebpf::maps::RpfMode::Loose,
+                mediaplane_control::config::RpFilterMode::Off => mediaplane_ebpf::maps::RpfMode::Off,
             };
             let dp = mediaplane_ebpf::EbpfDataplane::new(ecfg, Some(events)).context("starting the ebpf data plane")?;
             tracing::info!(hooks = ?dp.hooks(), adopted = dp.fast_path().adopted(), "kernel fast path attached");
