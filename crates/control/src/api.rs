@@ -3,10 +3,10 @@
 //! 4xx/5xx status; no input reaches a panic.
 
 use crate::config::MediaConfig;
-use crate::manager::{allocate_local, ManagerError, SessionManager};
+use crate::manager::{allocate_local, ManagerError, SessionManager, Ticket};
 use crate::store::Change;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, FromRequest, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, Extension, FromRequest, Path, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
@@ -15,9 +15,11 @@ use mediaplane_core::model::{LegSpec, ModelError, Relay, StreamRef, StreamSpec};
 use mediaplane_core::Model;
 use mediaplane_dataplane::Counters;
 use serde::{Deserialize, Serialize};
+use serde_json::value::RawValue;
 use serde_json::{json, Value};
 use std::fmt::Write as _;
 use std::net::SocketAddr;
+use parking_lot::Mutex;
 use std::sync::Arc;
 
 pub type AppState = Arc<SessionManager>;
@@ -64,6 +66,7 @@ impl From<ManagerError> for ApiError {
             ManagerError::Store(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", msg),
             // The failing item's status and code, with the item named in the message.
             ManagerError::BatchItem { source, .. } => ApiError { message: msg, ..ApiError::from(*source) },
+            ManagerError::Abandoned => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", msg),
         }
     }
 }
@@ -101,8 +104,119 @@ type ApiResult = Result<(StatusCode, Json<Value>), ApiError>;
 fn ok(v: Value) -> ApiResult {
     Ok((StatusCode::OK, Json(v)))
 }
-fn created(v: Value) -> ApiResult {
-    Ok((StatusCode::CREATED, Json(v)))
+
+/// A mutating handler's answer, serialized where it was made (off the async runtime: a batch's
+/// answer is megabytes).
+type Answer = Result<(StatusCode, Box<RawValue>), ApiError>;
+
+/// A request's stake in its mutation, put in every request by the timeout layer: the
+/// [`Ticket`] that decides whether the change may still commit, and the handler's answer once
+/// it is known (the handler may have been dropped at the deadline by then).
+#[derive(Clone, Default)]
+pub struct Pending(Arc<PendingInner>);
+
+#[derive(Default)]
+struct PendingInner {
+    ticket: Ticket,
+    answer: Mutex<Option<Answer>>,
+    answered: tokio::sync::Notify,
+}
+
+impl Pending {
+    fn answer(&self, a: Answer) {
+        *self.0.answer.lock() = Some(a);
+        self.0.answered.notify_one();
+    }
+
+    async fn wait_answer(&self) -> Answer {
+        loop {
+            if let Some(a) = self.0.answer.lock().take() {
+                return a;
+            }
+            self.0.answered.notified().await;
+        }
+    }
+
+    /// The answer to a request past its deadline: 503 `timeout`, saying whether its change was
+    /// applied. A change not yet committing is abandoned (nothing applied); one already
+    /// committing runs to its end, and the 503 waits for it and carries its result.
+    async fn timed_out(&self, timeout: std::time::Duration) -> Response {
+        let late = |what: &str| format!("request took longer than {timeout:?}; {what}");
+        let body = if self.0.ticket.abandon() {
+            json!({"error": late("nothing was applied"), "code": "timeout", "applied": false})
+        } else {
+            match self.wait_answer().await {
+                Ok((_, result)) => json!({"error": late("its change was applied"), "code": "timeout", "applied": true, "result": result}),
+                Err(e) => json!({"error": late(&format!("its change failed and was rolled back: {}", e.message)), "code": "timeout", "applied": false}),
+            }
+        };
+        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+    }
+}
+
+/// Run a mutating handler's work (`f`: mutate through [`SessionManager::mutate_for`] with the
+/// ticket it is given, and say what to answer) on the blocking pool, off the async runtime: the
+/// runtime keeps answering reads while a big change compiles, installs and commits.
+async fn commit(
+    m: AppState,
+    pending: Pending,
+    f: impl FnOnce(&SessionManager, &Ticket) -> Result<(StatusCode, Value), ApiError> + Send + 'static,
+) -> Result<Response, ApiError> {
+    let p = pending.clone();
+    let joined = tokio::task::spawn_blocking(move || {
+        let answer = f(&m, &p.0.ticket).and_then(|(status, v)| {
+            let raw = serde_json::value::to_raw_value(&v).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+            Ok((status, raw))
+        });
+        p.answer(answer);
+    })
+    .await;
+    if let Err(e) = joined {
+        return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("mutation failed: {e}")));
+    }
+    let (status, raw) = pending.wait_answer().await?;
+    Ok((status, [(header::CONTENT_TYPE, "application/json")], String::from(Box::<str>::from(raw))).into_response())
+}
+
+/// A JSON body read but not yet parsed: parsed by [`JsonBody::parse`] where the work runs (a
+/// batch's body is megabytes, too much to parse on the async runtime). Rejections are those of
+/// [`ApiJson`].
+pub struct JsonBody(axum::body::Bytes);
+
+impl<S: Send + Sync> FromRequest<S> for JsonBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
+        let json = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).is_some_and(|ct| {
+            let ct = ct.split(';').next().unwrap_or("").trim();
+            ct == "application/json" || (ct.starts_with("application/") && ct.ends_with("+json"))
+        });
+        if !json {
+            return Err(ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "bad_request", "Expected request with `Content-Type: application/json`"));
+        }
+        match axum::body::Bytes::from_request(req, state).await {
+            Ok(b) => Ok(JsonBody(b)),
+            Err(rej) => {
+                let status = rej.status();
+                let code = if status == StatusCode::PAYLOAD_TOO_LARGE { "too_large" } else { "bad_request" };
+                Err(ApiError::new(status, code, rej.body_text()))
+            }
+        }
+    }
+}
+
+impl JsonBody {
+    /// Parse as `T`: a syntax error is a 400, a well-formed body of the wrong shape a 422, as
+    /// [`ApiJson`] answers.
+    fn parse<T: serde::de::DeserializeOwned>(&self) -> Result<T, ApiError> {
+        serde_json::from_slice(&self.0).map_err(|e| {
+            use serde_json::error::Category;
+            match e.classify() {
+                Category::Data => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_request", format!("Failed to deserialize the JSON body into the target type: {e}")),
+                _ => ApiError::new(StatusCode::BAD_REQUEST, "bad_request", format!("Failed to parse the request body as JSON: {e}")),
+            }
+        })
+    }
 }
 
 #[derive(Deserialize)]
@@ -210,11 +324,14 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig) -> Router {
             }
         }))
         .layer(DefaultBodyLimit::max(max_body))
-        // A handler stuck (e.g. on a slow store) answers 503 instead of holding the client.
-        .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| async move {
+        // A request past its deadline answers 503, and says whether its change was applied
+        // (see [`Pending::timed_out`]).
+        .layer(axum::middleware::from_fn(move |mut req: Request, next: axum::middleware::Next| async move {
+            let pending = Pending::default();
+            req.extensions_mut().insert(pending.clone());
             match tokio::time::timeout(timeout, next.run(req)).await {
                 Ok(resp) => resp,
-                Err(_) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", format!("request took longer than {timeout:?}")).into_response(),
+                Err(_) => pending.timed_out(timeout).await,
             }
         }))
         // Outermost: unauthenticated requests are refused before anything else runs.
@@ -250,12 +367,15 @@ async fn list_rooms(State(m): State<AppState>) -> ApiResult {
     ok(json!({"rooms": m.read(|model, _| model.rooms.keys().cloned().collect::<Vec<_>>())}))
 }
 
-async fn create_room(State(m): State<AppState>, ApiJson(req): ApiJson<CreateRoom>) -> ApiResult {
-    m.mutate(|model, _| {
-        model.create_room(&req.id)?;
-        Ok(((), vec![Change::Room(req.id.clone())]))
-    })?;
-    created(json!({"id": req.id}))
+async fn create_room(State(m): State<AppState>, Extension(p): Extension<Pending>, ApiJson(req): ApiJson<CreateRoom>) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        m.mutate_for(t, |model, _| {
+            model.create_room(&req.id)?;
+            Ok(((), vec![Change::Room(req.id.clone())]))
+        })?;
+        Ok((StatusCode::CREATED, json!({"id": req.id})))
+    })
+    .await
 }
 
 async fn get_room(State(m): State<AppState>, Path(room): Path<String>) -> ApiResult {
@@ -263,24 +383,35 @@ async fn get_room(State(m): State<AppState>, Path(room): Path<String>) -> ApiRes
     ok(json!({"id": room, "participants": r["participants"]}))
 }
 
-async fn delete_room(State(m): State<AppState>, Path(room): Path<String>) -> ApiResult {
-    m.mutate(|model, _| {
-        model.delete_room(&room)?;
-        Ok(((), vec![Change::Room(room.clone())]))
-    })?;
-    ok(json!({"deleted": room}))
+async fn delete_room(State(m): State<AppState>, Extension(p): Extension<Pending>, Path(room): Path<String>) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        m.mutate_for(t, |model, _| {
+            model.delete_room(&room)?;
+            Ok(((), vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::OK, json!({"deleted": room})))
+    })
+    .await
 }
 
-async fn add_participant(State(m): State<AppState>, Path(room): Path<String>, ApiJson(req): ApiJson<AddParticipant>) -> ApiResult {
-    let local = m.mutate(|model, media| {
-        let local = match req.local {
-            Some(l) => l,
-            None => allocate_local(model, media, &[])?,
-        };
-        model.add_participant(&room, &req.id, local, req.remote)?;
-        Ok((local, vec![Change::Room(room.clone())]))
-    })?;
-    created(json!({"id": req.id, "local": local, "remote": req.remote}))
+async fn add_participant(
+    State(m): State<AppState>,
+    Extension(p): Extension<Pending>,
+    Path(room): Path<String>,
+    ApiJson(req): ApiJson<AddParticipant>,
+) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        let local = m.mutate_for(t, |model, media| {
+            let local = match req.local {
+                Some(l) => l,
+                None => allocate_local(model, media, &[])?,
+            };
+            model.add_participant(&room, &req.id, local, req.remote)?;
+            Ok((local, vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::CREATED, json!({"id": req.id, "local": local, "remote": req.remote})))
+    })
+    .await
 }
 
 async fn get_participant(State(m): State<AppState>, Path((room, pid)): Path<(String, String)>) -> ApiResult {
@@ -288,50 +419,80 @@ async fn get_participant(State(m): State<AppState>, Path((room, pid)): Path<(Str
     ok(p)
 }
 
-async fn remove_participant(State(m): State<AppState>, Path((room, pid)): Path<(String, String)>) -> ApiResult {
-    m.mutate(|model, _| {
-        model.remove_participant(&room, &pid)?;
-        Ok(((), vec![Change::Room(room.clone())]))
-    })?;
-    ok(json!({"deleted": pid}))
+async fn remove_participant(State(m): State<AppState>, Extension(p): Extension<Pending>, Path((room, pid)): Path<(String, String)>) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        m.mutate_for(t, |model, _| {
+            model.remove_participant(&room, &pid)?;
+            Ok(((), vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::OK, json!({"deleted": pid})))
+    })
+    .await
 }
 
-async fn publish(State(m): State<AppState>, Path((room, pid)): Path<(String, String)>, ApiJson(req): ApiJson<Publish>) -> ApiResult {
+async fn publish(
+    State(m): State<AppState>,
+    Extension(p): Extension<Pending>,
+    Path((room, pid)): Path<(String, String)>,
+    ApiJson(req): ApiJson<Publish>,
+) -> Result<Response, ApiError> {
     let spec = StreamSpec { local: req.local, ssrc: req.ssrc, rtp: req.rtp };
-    let uid = m.mutate(|model, _| {
-        let uid = model.publish(&room, &pid, &req.name, spec)?;
-        Ok((uid, vec![Change::Room(room.clone())]))
-    })?;
-    created(json!({"name": req.name, "id": uid}))
+    commit(m, p, move |m, t| {
+        let uid = m.mutate_for(t, |model, _| {
+            let uid = model.publish(&room, &pid, &req.name, spec)?;
+            Ok((uid, vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::CREATED, json!({"name": req.name, "id": uid})))
+    })
+    .await
 }
 
-async fn unpublish(State(m): State<AppState>, Path((room, pid, stream)): Path<(String, String, String)>) -> ApiResult {
-    m.mutate(|model, _| {
-        model.unpublish(&room, &pid, &stream)?;
-        Ok(((), vec![Change::Room(room.clone())]))
-    })?;
-    ok(json!({"deleted": stream}))
+async fn unpublish(
+    State(m): State<AppState>,
+    Extension(p): Extension<Pending>,
+    Path((room, pid, stream)): Path<(String, String, String)>,
+) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        m.mutate_for(t, |model, _| {
+            model.unpublish(&room, &pid, &stream)?;
+            Ok(((), vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::OK, json!({"deleted": stream})))
+    })
+    .await
 }
 
-async fn subscribe(State(m): State<AppState>, Path((room, pid)): Path<(String, String)>, ApiJson(req): ApiJson<Subscribe>) -> ApiResult {
+async fn subscribe(
+    State(m): State<AppState>,
+    Extension(p): Extension<Pending>,
+    Path((room, pid)): Path<(String, String)>,
+    ApiJson(req): ApiJson<Subscribe>,
+) -> Result<Response, ApiError> {
     let sref = StreamRef { publisher: req.publisher, stream: req.stream };
-    m.mutate(|model, _| {
-        model.subscribe(&room, &pid, sref.clone())?;
-        Ok(((), vec![Change::Room(room.clone())]))
-    })?;
-    created(json!({"subscriber": pid, "publisher": sref.publisher, "stream": sref.stream}))
+    commit(m, p, move |m, t| {
+        m.mutate_for(t, |model, _| {
+            model.subscribe(&room, &pid, sref.clone())?;
+            Ok(((), vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::CREATED, json!({"subscriber": pid, "publisher": sref.publisher, "stream": sref.stream})))
+    })
+    .await
 }
 
 async fn unsubscribe(
     State(m): State<AppState>,
+    Extension(p): Extension<Pending>,
     Path((room, pid, publisher, stream)): Path<(String, String, String, String)>,
-) -> ApiResult {
+) -> Result<Response, ApiError> {
     let sref = StreamRef { publisher, stream };
-    m.mutate(|model, _| {
-        model.unsubscribe(&room, &pid, &sref)?;
-        Ok(((), vec![Change::Room(room.clone())]))
-    })?;
-    ok(json!({"deleted": sref}))
+    commit(m, p, move |m, t| {
+        m.mutate_for(t, |model, _| {
+            model.unsubscribe(&room, &pid, &sref)?;
+            Ok(((), vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::OK, json!({"deleted": sref})))
+    })
+    .await
 }
 
 async fn list_relays(State(m): State<AppState>) -> ApiResult {
@@ -353,36 +514,51 @@ fn create_relay_in(model: &mut Model, media: &MediaConfig, req: &CreateRelay) ->
     Ok(model.relays[&req.id].clone())
 }
 
-async fn create_relay(State(m): State<AppState>, ApiJson(req): ApiJson<CreateRelay>) -> ApiResult {
-    let relay = m.mutate(|model, media| Ok((create_relay_in(model, media, &req)?, vec![Change::Relay(req.id.clone())])))?;
-    created(json!({"id": req.id, "a": relay.a, "b": relay.b}))
+async fn create_relay(State(m): State<AppState>, Extension(p): Extension<Pending>, ApiJson(req): ApiJson<CreateRelay>) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        let relay = m.mutate_for(t, |model, media| Ok((create_relay_in(model, media, &req)?, vec![Change::Relay(req.id.clone())])))?;
+        Ok((StatusCode::CREATED, json!({"id": req.id, "a": relay.a, "b": relay.b})))
+    })
+    .await
 }
 
 const BATCH_PATH: &str = "/v1/batch/relays";
 
 /// All or nothing: the first failing operation fails the batch, named in the error
 /// (`create[3] (id "x"): ...`), with that operation's status and code.
-async fn relay_batch(State(m): State<AppState>, ApiJson(req): ApiJson<RelayBatch>) -> ApiResult {
-    let n = req.delete.len() + req.create.len();
-    if n == 0 || n > MAX_BATCH {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("a batch holds 1 to {MAX_BATCH} operations, this one {n}")));
-    }
-    let item = |op: &str, i: usize, id: &str, e: ManagerError| ManagerError::BatchItem { item: format!("{op}[{i}] (id {id:?})"), source: Box::new(e) };
-    let created = m.mutate(|model, media| {
-        let mut changes = Vec::with_capacity(n);
-        for (i, id) in req.delete.iter().enumerate() {
-            model.delete_relay(id).map_err(|e| item("delete", i, id, e.into()))?;
-            changes.push(Change::Relay(id.clone()));
+async fn relay_batch(State(m): State<AppState>, Extension(p): Extension<Pending>, body: JsonBody) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        let req: RelayBatch = body.parse()?;
+        let n = req.delete.len() + req.create.len();
+        if n == 0 || n > MAX_BATCH {
+            return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("a batch holds 1 to {MAX_BATCH} operations, this one {n}")));
         }
-        let mut created = Vec::with_capacity(req.create.len());
-        for (i, r) in req.create.iter().enumerate() {
-            let relay = create_relay_in(model, media, r).map_err(|e| item("create", i, &r.id, e))?;
-            created.push(json!({"id": r.id, "a": relay.a, "b": relay.b}));
-            changes.push(Change::Relay(r.id.clone()));
-        }
-        Ok((created, changes))
-    })?;
-    ok(json!({"deleted": req.delete, "created": created}))
+        let item = |op: &str, i: usize, id: &str, e: ManagerError| ManagerError::BatchItem { item: format!("{op}[{i}] (id {id:?})"), source: Box::new(e) };
+        // A big batch gives up as soon as its request has (the writer is free sooner).
+        let gave_up = |i: usize| i % 256 == 0 && t.is_abandoned();
+        let created = m.mutate_for(t, |model, media| {
+            let mut changes = Vec::with_capacity(n);
+            for (i, id) in req.delete.iter().enumerate() {
+                if gave_up(i) {
+                    return Err(ManagerError::Abandoned);
+                }
+                model.delete_relay(id).map_err(|e| item("delete", i, id, e.into()))?;
+                changes.push(Change::Relay(id.clone()));
+            }
+            let mut created = Vec::with_capacity(req.create.len());
+            for (i, r) in req.create.iter().enumerate() {
+                if gave_up(i) {
+                    return Err(ManagerError::Abandoned);
+                }
+                let relay = create_relay_in(model, media, r).map_err(|e| item("create", i, &r.id, e))?;
+                created.push(json!({"id": r.id, "a": relay.a, "b": relay.b}));
+                changes.push(Change::Relay(r.id.clone()));
+            }
+            Ok((created, changes))
+        })?;
+        Ok((StatusCode::OK, json!({"deleted": req.delete, "created": created})))
+    })
+    .await
 }
 
 async fn get_relay(State(m): State<AppState>, Path(id): Path<String>) -> ApiResult {
@@ -393,12 +569,15 @@ async fn get_relay(State(m): State<AppState>, Path(id): Path<String>) -> ApiResu
     }
 }
 
-async fn delete_relay(State(m): State<AppState>, Path(id): Path<String>) -> ApiResult {
-    m.mutate(|model, _| {
-        model.delete_relay(&id)?;
-        Ok(((), vec![Change::Relay(id.clone())]))
-    })?;
-    ok(json!({"deleted": id}))
+async fn delete_relay(State(m): State<AppState>, Extension(p): Extension<Pending>, Path(id): Path<String>) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        m.mutate_for(t, |model, _| {
+            model.delete_relay(&id)?;
+            Ok(((), vec![Change::Relay(id.clone())]))
+        })?;
+        Ok((StatusCode::OK, json!({"deleted": id})))
+    })
+    .await
 }
 
 #[derive(Serialize)]

@@ -5,14 +5,20 @@
 //! A mutation costs what it touches, not the number of sessions: the model and table are
 //! persistent maps (O(1) copies), only the rooms and relays a mutation names in its [`Change`]s
 //! are recompiled, and the data plane is handed just the keys that changed.
+//!
+//! One writer at a time (a mutex held across compile, data plane apply and store commit);
+//! readers take the last committed [`Snapshot`] without a lock, so a big mutation never makes a
+//! read wait.
 
 use crate::config::{Limits, MediaConfig};
 use crate::store::{Change, Store, StoreError};
 use mediaplane_core::model::{ModelError, Side};
 use mediaplane_core::{ForwardingTable, Model};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneStats};
+use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use std::net::{IpAddr, SocketAddr};
+use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
 
 #[derive(Debug, thiserror::Error)]
@@ -30,16 +36,58 @@ pub enum ManagerError {
     /// One operation of a batch failed (so the whole batch did): which one, and why.
     #[error("{item}: {source}")]
     BatchItem { item: String, source: Box<ManagerError> },
+    /// The request gave up (its deadline passed) before the change began to commit: nothing
+    /// of it was applied.
+    #[error("abandoned before it was applied")]
+    Abandoned,
 }
 
-struct Inner {
-    model: Model,
-    table: Arc<ForwardingTable>,
-    store: Store,
+/// The fate of one request's mutation, shared by the request (which may give up at its
+/// deadline) and the writer (which commits only if the request has not given up). Exactly one
+/// of the two wins; the loser learns it from the state.
+#[derive(Debug, Default)]
+pub struct Ticket(AtomicU8);
+
+const PENDING: u8 = 0;
+const COMMITTING: u8 = 1;
+const ABANDONED: u8 = 2;
+
+impl Ticket {
+    pub fn new() -> Ticket {
+        Ticket(AtomicU8::new(PENDING))
+    }
+
+    /// The requester gives up: true if nothing was or will be applied, false if the change
+    /// was already committing (it then runs to its end).
+    pub fn abandon(&self) -> bool {
+        match self.0.compare_exchange(PENDING, ABANDONED, Ordering::AcqRel, Ordering::Acquire) {
+            Ok(_) => true,
+            Err(state) => state == ABANDONED,
+        }
+    }
+
+    pub fn is_abandoned(&self) -> bool {
+        self.0.load(Ordering::Acquire) == ABANDONED
+    }
+
+    /// The writer reaches the point of no return: false if the requester gave up first.
+    fn begin_commit(&self) -> bool {
+        self.0.compare_exchange(PENDING, COMMITTING, Ordering::AcqRel, Ordering::Acquire).is_ok()
+    }
+}
+
+/// What readers see: the model and the table installed with it, swapped whole after each
+/// committed mutation. Readers clone an `Arc` and never wait for a writer.
+#[derive(Debug)]
+pub struct Snapshot {
+    pub model: Model,
+    pub table: Arc<ForwardingTable>,
 }
 
 pub struct SessionManager {
-    inner: Mutex<Inner>,
+    /// Held by the one writer for a whole mutation; readers never take it.
+    store: Mutex<Store>,
+    current: ArcSwap<Snapshot>,
     dataplane: Arc<dyn Dataplane>,
     media: MediaConfig,
     limits: Limits,
@@ -51,7 +99,7 @@ impl SessionManager {
         let model = store.load()?;
         let table = Arc::new(compile(&model, 1, &limits));
         dataplane.apply(table.clone())?;
-        Ok(SessionManager { inner: Mutex::new(Inner { model, table, store }), dataplane, media, limits })
+        Ok(SessionManager { store: Mutex::new(store), current: ArcSwap::from_pointee(Snapshot { model, table }), dataplane, media, limits })
     }
 
     pub fn dataplane(&self) -> &Arc<dyn Dataplane> {
@@ -60,34 +108,60 @@ impl SessionManager {
 
     /// Apply `f` to a copy of the model; install and persist the result, or change nothing.
     pub fn mutate<R>(&self, f: impl FnOnce(&mut Model, &MediaConfig) -> Result<(R, Vec<Change>), ManagerError>) -> Result<R, ManagerError> {
-        let mut inner = self.inner.lock();
-        let mut next = inner.model.clone();
+        self.mutate_for(&Ticket::new(), f)
+    }
+
+    /// [`Self::mutate`] for a request that may be abandoned: the change commits only if
+    /// `ticket` can be moved to committing once it is computed; an abandoned ticket changes
+    /// nothing ([`ManagerError::Abandoned`]).
+    pub fn mutate_for<R>(
+        &self,
+        ticket: &Ticket,
+        f: impl FnOnce(&mut Model, &MediaConfig) -> Result<(R, Vec<Change>), ManagerError>,
+    ) -> Result<R, ManagerError> {
+        let mut store = self.store.lock();
+        if ticket.is_abandoned() {
+            return Err(ManagerError::Abandoned);
+        }
+        let current = self.current.load_full();
+        let mut next = current.model.clone();
         let (out, changes) = f(&mut next, &self.media)?;
         check_limits(&next, &changes, &self.limits)?;
-        let mut table = (*inner.table).clone();
-        let changed = table.update(&inner.model, &next, changes.iter().map(Change::owner));
+        let mut table = (*current.table).clone();
+        let changed = table.update(&current.model, &next, changes.iter().map(Change::owner));
         #[cfg(debug_assertions)]
         if next.rooms.len() + next.relays.len() < 500 {
             let full = compile(&next, table.version, &self.limits);
             debug_assert!(table == full, "a mutation changed a room or relay it did not name in its changes");
         }
+        // The point of no return: from here the change is applied unless the data plane or the
+        // store refuses it (and then it is rolled back).
+        if !ticket.begin_commit() {
+            return Err(ManagerError::Abandoned);
+        }
         let table = Arc::new(table);
         self.dataplane.apply_changes(table.clone(), &changed)?;
-        if let Err(e) = inner.store.save(&next, &changes) {
+        if let Err(e) = store.save(&next, &changes) {
             // Not persisted, so not accepted: put the previous table back.
-            if let Err(e2) = self.dataplane.apply_changes(inner.table.clone(), &changed) {
+            if let Err(e2) = self.dataplane.apply_changes(current.table.clone(), &changed) {
                 tracing::error!(error = %e2, "could not restore the previous table after a store failure");
             }
             return Err(e.into());
         }
-        inner.model = next;
-        inner.table = table;
+        self.current.store(Arc::new(Snapshot { model: next, table }));
         Ok(out)
     }
 
+    /// Read the current model and table. Never waits for a mutation in progress: it sees the
+    /// state before it until it commits.
     pub fn read<R>(&self, f: impl FnOnce(&Model, &ForwardingTable) -> R) -> R {
-        let inner = self.inner.lock();
-        f(&inner.model, &inner.table)
+        let s = self.current.load();
+        f(&s.model, &s.table)
+    }
+
+    /// The current model and table, to read (and serialize) at leisure.
+    pub fn snapshot(&self) -> Arc<Snapshot> {
+        self.current.load_full()
     }
 
     /// The slow path saw the first packet of a latching stream: learn its source.
@@ -113,12 +187,11 @@ impl SessionManager {
 
     /// Forget everything (model, store, data plane tables).
     pub fn reset(&self) -> Result<(), ManagerError> {
-        let mut inner = self.inner.lock();
-        let table = Arc::new(compile(&Model::new(), inner.table.version + 1, &self.limits));
+        let mut store = self.store.lock();
+        let table = Arc::new(compile(&Model::new(), self.current.load().table.version + 1, &self.limits));
         self.dataplane.apply(table.clone())?;
-        inner.store.clear()?;
-        inner.model = Model::new();
-        inner.table = table;
+        store.clear()?;
+        self.current.store(Arc::new(Snapshot { model: Model::new(), table }));
         Ok(())
     }
 }

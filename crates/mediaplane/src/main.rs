@@ -190,7 +190,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
 
     let (tx, rx) = std::sync::mpsc::channel::<DataplaneEvent>();
     let dataplane = build_dataplane(&cfg, tx, args.reset)?;
-    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build()?;
+    let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let ng = match cfg.ng.listen {
         Some(listen) => Some(rt.block_on(tokio::net::UdpSocket::bind(listen)).with_context(|| format!("binding NG on {listen}"))?),
         None => None,
