@@ -395,16 +395,22 @@ enum Num {
     F(f64),
 }
 
-/// Samples grouped by family, so every family is written once with all its series.
+struct Samples {
+    help: &'static str,
+    kind: MetricType,
+    series: Vec<(Labels, Num)>,
+}
+
+/// Samples grouped by family name, so every family is written once with all its series.
 #[derive(Default)]
-struct Families(BTreeMap<&'static str, (&'static str, MetricType, Vec<(Labels, Num)>)>);
+struct Families(BTreeMap<&'static str, Samples>);
 
 impl Families {
     fn add(&mut self, name: &'static str, help: &'static str, kind: MetricType, labels: Labels, v: Num) {
-        let e = self.0.entry(name).or_insert_with(|| (help, kind, Vec::new()));
+        let e = self.0.entry(name).or_insert_with(|| Samples { help, kind, series: Vec::new() });
         // The same series twice (e.g. one host counter under two names) would be invalid.
-        if !e.2.iter().any(|(l, _)| *l == labels) {
-            e.2.push((labels, v));
+        if !e.series.iter().any(|(l, _)| *l == labels) {
+            e.series.push((labels, v));
         }
     }
 
@@ -434,7 +440,7 @@ impl Families {
     }
 
     fn encode(&self, enc: &mut DescriptorEncoder) -> std::fmt::Result {
-        for (name, (help, kind, samples)) in &self.0 {
+        for (name, Samples { help, kind, series: samples }) in &self.0 {
             let metric = |v: &Num| -> Box<dyn EncodeMetric> {
                 match (kind, *v) {
                     (MetricType::Counter, Num::U(v)) => Box::new(ConstCounter::new(v)),
