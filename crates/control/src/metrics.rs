@@ -163,9 +163,17 @@ impl NgMetrics {
         NG_COMMANDS[..7].iter().find(|c| **c == command).copied().unwrap_or("unknown")
     }
 
-    /// One request handled: `command` as the client sent it (or `invalid`).
+    /// One request handled: `command` as the client sent it.
     pub fn request(&self, command: &str, ok: bool, elapsed: Duration) {
-        let command = if command == "invalid" { "invalid" } else { Self::command_label(command) };
+        self.count(Self::command_label(command), ok, elapsed);
+    }
+
+    /// A datagram that is no request (not bencode, no dictionary, no command).
+    pub fn invalid(&self, elapsed: Duration) {
+        self.count("invalid", false, elapsed);
+    }
+
+    fn count(&self, command: &'static str, ok: bool, elapsed: Duration) {
         self.requests.get_or_create(&NgLabels { command, result: if ok { "ok" } else { "error" } }).inc();
         self.duration.get_or_create(&NgCommandLabels { command }).observe(elapsed.as_secs_f64());
     }
@@ -264,8 +272,7 @@ pub fn openmetrics_to_prometheus(om: &str) -> String {
     out
 }
 
-/// Resident memory and the kernel memory of the BPF maps the daemon holds, bytes; its file
-/// descriptors (the user-space plane holds one socket per SFU address per worker).
+/// Resident memory and the kernel memory of the BPF maps the daemon holds, bytes.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct Memory {
     pub rss_bytes: u64,
@@ -667,12 +674,15 @@ mod tests {
         let ng = NgMetrics::default();
         ng.request("offer", true, Duration::from_millis(2));
         ng.request("frobnicate", false, Duration::from_millis(1));
-        ng.request("invalid", false, Duration::ZERO);
+        ng.invalid(Duration::ZERO);
+        ng.request("invalid", false, Duration::ZERO); // a command of that name is just unknown
         ng.call_created();
         ng.call_ended(CallEnd::Timeout);
         ng.set_calls(0);
         let t = ng.totals();
-        assert_eq!((t.requests, t.errors, t.calls_created, t.calls_timed_out, t.calls_deleted), (3, 2, 1, 1, 0));
+        assert_eq!((t.requests, t.errors, t.calls_created, t.calls_timed_out, t.calls_deleted), (4, 3, 1, 1, 0));
+        let count = |command, result| ng.requests.get(&NgLabels { command, result }).map_or(0, |c| c.get());
+        assert_eq!((count("unknown", "error"), count("invalid", "error"), count("offer", "ok")), (2, 1, 1));
         assert_eq!(NgMetrics::command_label("frobnicate"), "unknown");
     }
 

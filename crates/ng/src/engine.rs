@@ -137,11 +137,11 @@ impl Engine {
             Ok(x) => x,
             Err((None, e)) => {
                 tracing::warn!(%client, error = %e, "NG datagram ignored");
-                self.metrics.request("invalid", false, Duration::ZERO);
+                self.metrics.invalid(Duration::ZERO);
                 return None;
             }
             Err((Some(cookie), e)) => {
-                self.metrics.request("invalid", false, Duration::ZERO);
+                self.metrics.invalid(Duration::ZERO);
                 return Some(protocol::frame(cookie, &error_reply(e.to_string())));
             }
         };
@@ -165,7 +165,7 @@ impl Engine {
         let command = match req.str("command") {
             Ok(c) => c.to_string(),
             Err(e) => {
-                self.metrics.request("invalid", false, start.elapsed());
+                self.metrics.invalid(start.elapsed());
                 return error_reply(e.to_string());
             }
         };
@@ -622,6 +622,23 @@ mod tests {
 
     fn text(v: &Value, k: &str) -> String {
         v.get(k).and_then(Value::as_str).unwrap_or_default().to_string()
+    }
+
+    #[test]
+    fn requests_and_calls_are_counted_in_the_shared_metrics_and_statistics_reads_them() {
+        let metrics = NgMetrics::default();
+        let (m, mut e) = (manager(), Engine::with_metrics(EngineConfig::default(), metrics.clone()));
+        send(&mut e, &m, "p1", vec![("command", "ping".into())]);
+        let d = req("p1", vec![("command", "ping".into())]);
+        e.handle_datagram(&m, CLIENT.parse().unwrap(), &d, Instant::now()).unwrap(); // a retransmission
+        assert!(e.handle_datagram(&m, CLIENT.parse().unwrap(), b"nothing", Instant::now()).is_none());
+        send(&mut e, &m, "x1", vec![("command", "frobnicate".into())]);
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        let t = metrics.totals();
+        assert_eq!((t.requests, t.errors, t.calls, t.calls_created), (4, 2, 1, 1), "{t:?}");
+        let s = send(&mut e, &m, "s1", vec![("command", "statistics".into())]);
+        let total = |k: &str| s.get("statistics").unwrap().get("totalstatistics").unwrap().get(k).cloned();
+        assert_eq!((total("controlerrors"), total("managedsessions")), (Some(Value::Int(2)), Some(Value::Int(1))), "{s:?}");
     }
 
     #[test]
