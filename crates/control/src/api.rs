@@ -1,26 +1,31 @@
 //! The HTTP/JSON API (see the README for every endpoint with examples) and the Prometheus
 //! `/metrics` endpoint. Every error is a JSON body `{"error": "...", "code": "..."}` with a
-//! 4xx/5xx status; no input reaches a panic.
+//! 4xx/5xx status; no input reaches a panic. Every request carries an `x-request-id` (the
+//! client's, or a new UUID), echoed in the response and logged with method, route, status and
+//! latency.
 
 use crate::config::MediaConfig;
 use crate::manager::{allocate_local, ManagerError, SessionManager, Ticket};
+use crate::metrics::{Metrics, Snapshot};
 use crate::store::Change;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, Extension, FromRequest, Path, Request, State};
-use axum::http::{header, StatusCode};
+use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Request, State};
+use axum::http::{header, HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use mediaplane_core::model::{LegSpec, ModelError, Relay, StreamRef, StreamSpec};
 use mediaplane_core::Model;
 use mediaplane_dataplane::Counters;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use std::fmt::Write as _;
-use std::net::SocketAddr;
 use parking_lot::Mutex;
+use std::net::SocketAddr;
 use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tower_http::request_id::{MakeRequestUuid, PropagateRequestIdLayer, SetRequestIdLayer};
+use tower_http::trace::TraceLayer;
 
 pub type AppState = Arc<SessionManager>;
 
@@ -289,13 +294,20 @@ struct RelayBatch {
     create: Vec<CreateRelay>,
 }
 
-pub fn router(state: AppState, cfg: &crate::config::ApiConfig) -> Router {
+const REQUEST_ID: HeaderName = HeaderName::from_static("x-request-id");
+
+/// The matched route pattern (bounded: never the raw path), `unmatched` for the fallback.
+fn route_of(req: &Request) -> &str {
+    req.extensions().get::<MatchedPath>().map_or("unmatched", MatchedPath::as_str)
+}
+
+pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metrics>) -> Router {
     let (max_body, max_batch_body) = (cfg.max_body, cfg.max_batch_body.max(cfg.max_body));
     let token = cfg.token.clone().filter(|t| !t.is_empty()).map(|t| Arc::new(format!("Bearer {t}")));
     let timeout = std::time::Duration::from_millis(cfg.timeout_ms.max(1));
     Router::new()
         .route("/health", get(health))
-        .route("/metrics", get(metrics))
+        .route("/metrics", get(metrics_text))
         .route("/v1/rooms", get(list_rooms).post(create_room))
         .route("/v1/rooms/{room}", get(get_room).delete(delete_room))
         .route("/v1/rooms/{room}/participants", post(add_participant))
@@ -334,7 +346,7 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig) -> Router {
                 Err(_) => pending.timed_out(timeout).await,
             }
         }))
-        // Outermost: unauthenticated requests are refused before anything else runs.
+        // Unauthenticated requests are refused before any handler or limit runs.
         .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| {
             let token = token.clone();
             async move {
@@ -347,6 +359,34 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig) -> Router {
                 next.run(req).await
             }
         }))
+        .layer(Extension(metrics.clone()))
+        // Outside the token check, so refused requests are counted and logged too.
+        .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| {
+            let metrics = metrics.clone();
+            async move {
+                let (method, route, start) = (req.method().clone(), route_of(&req).to_string(), Instant::now());
+                let resp = next.run(req).await;
+                metrics.http.record(method.as_str(), &route, resp.status().as_u16(), start.elapsed());
+                resp
+            }
+        }))
+        .layer(PropagateRequestIdLayer::new(REQUEST_ID))
+        .layer(
+            TraceLayer::new_for_http()
+                .make_span_with(|req: &Request| {
+                    // Only visible ASCII (what to_str accepts), and not without bound, goes to the log.
+                    let id = req.headers().get(&REQUEST_ID).and_then(|v| v.to_str().ok()).unwrap_or("");
+                    let id = &id[..id.len().min(128)];
+                    tracing::info_span!("http", id, method = %req.method(), route = route_of(req), path = %req.uri().path())
+                })
+                .on_request(())
+                .on_response(|resp: &Response, latency: Duration, _: &tracing::Span| {
+                    tracing::info!(status = resp.status().as_u16(), latency_us = latency.as_micros() as u64, "request")
+                })
+                .on_failure(()),
+        )
+        // Outermost: the id exists before the span and every other layer.
+        .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
         .with_state(state)
 }
 
@@ -588,75 +628,65 @@ struct StreamStatsOut<'a> {
     counters: Counters,
 }
 
-async fn stats(State(m): State<AppState>) -> ApiResult {
-    let st = m.stats();
-    let streams: Vec<Value> = m.read(|_, t| {
-        t.streams
-            .values()
-            .map(|e| {
-                let c = st.streams.get(&e.id).copied().unwrap_or_default();
-                serde_json::to_value(StreamStatsOut { id: e.id, label: &e.label, counters: c }).unwrap()
-            })
-            .collect()
-    });
-    ok(json!({
-        "dataplane": st.dataplane,
-        "table_version": st.table_version,
-        "total": st.total,
-        "streams": streams,
-        "copy_latency": st.copy_latency,
-        "extra": st.extra,
-        "memory": memory(),
-    }))
+/// The same snapshot `/metrics` encodes, plus every stream and the NG totals of the registry.
+/// Work a read does per installed stream (reading kernel maps, serializing thousands of
+/// entries) runs on the blocking pool, not on the runtime that answers `/health`.
+async fn read_blocking(f: impl FnOnce() -> Value + Send + 'static) -> Result<Response, ApiError> {
+    match tokio::task::spawn_blocking(move || serde_json::to_vec(&f())).await {
+        Ok(Ok(body)) => Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response()),
+        Ok(Err(e)) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("serializing failed: {e}"))),
+        Err(e) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("read failed: {e}"))),
+    }
 }
 
-/// What the daemon holds: resident memory and the kernel memory of its BPF maps.
-fn memory() -> Value {
-    use mediaplane_dataplane::sys::{bpf_map_bytes, rss_bytes};
-    json!({"rss_bytes": rss_bytes(None), "bpf_map_bytes": bpf_map_bytes(None)})
+async fn stats(State(m): State<AppState>, Extension(mx): Extension<Arc<Metrics>>) -> Result<Response, ApiError> {
+    read_blocking(move || {
+        let snap = Snapshot::take(&m);
+        let st = &snap.stats;
+        let streams: Vec<Value> = m.read(|_, t| {
+            t.streams
+                .values()
+                .map(|e| {
+                    let c = st.streams.get(&e.id).copied().unwrap_or_default();
+                    serde_json::to_value(StreamStatsOut { id: e.id, label: &e.label, counters: c }).unwrap()
+                })
+                .collect()
+        });
+        json!({
+            "dataplane": st.dataplane,
+            "table_version": st.table_version,
+            "total": st.total,
+            "streams": streams,
+            "copy_latency": st.copy_latency,
+            "extra": st.extra,
+            "maps": st.maps,
+            "memory": snap.memory,
+            "ng": mx.ng.totals(),
+        })
+    })
+    .await
 }
 
-async fn table(State(m): State<AppState>) -> ApiResult {
-    let t = m.read(|_, t| json!({"version": t.version, "streams": t.streams.values().collect::<Vec<_>>()}));
-    ok(t)
+async fn table(State(m): State<AppState>) -> Result<Response, ApiError> {
+    read_blocking(move || {
+        let snap = m.snapshot();
+        json!({"version": snap.table.version, "streams": snap.table.streams.values().collect::<Vec<_>>()})
+    })
+    .await
 }
 
-/// Prometheus text exposition of the data plane's counters, totals and per stream.
-async fn metrics(State(m): State<AppState>) -> Response {
-    let st = m.stats();
-    let labels = m.read(|_, t| t.streams.values().map(|e| (e.id, e.label.clone())).collect::<std::collections::HashMap<_, _>>());
-    let dp = &st.dataplane;
-    let mut out = String::new();
-    let per_stream: Vec<_> = st.streams.iter().map(|(id, c)| (id, c.fields())).collect();
-    for (i, (name, total)) in st.total.fields().into_iter().enumerate() {
-        let _ = writeln!(out, "# TYPE mediaplane_{name}_total counter");
-        let _ = writeln!(out, "mediaplane_{name}_total{{dataplane=\"{dp}\"}} {total}");
-        for (id, fields) in &per_stream {
-            let label = labels.get(id).map(String::as_str).unwrap_or("removed");
-            let _ = writeln!(out, "mediaplane_stream_{name}_total{{dataplane=\"{dp}\",stream=\"{}\",id=\"{id}\"}} {}", escape(label), fields[i].1);
-        }
+/// The registry's exposition: OpenMetrics when the scraper asks for it (Prometheus does), the
+/// Prometheus text format otherwise.
+async fn metrics_text(Extension(mx): Extension<Arc<Metrics>>, headers: HeaderMap) -> Response {
+    let accept = headers.get(header::ACCEPT).and_then(|v| v.to_str().ok()).unwrap_or("");
+    let openmetrics = accept.contains("application/openmetrics-text");
+    // Reading the data plane is blocking work (map reads, /proc).
+    let body = tokio::task::spawn_blocking(move || if openmetrics { mx.encode_openmetrics() } else { mx.encode_prometheus() }).await;
+    let ctype = if openmetrics { "application/openmetrics-text; version=1.0.0; charset=utf-8" } else { "text/plain; version=0.0.4; charset=utf-8" };
+    match body {
+        Ok(body) => ([(header::CONTENT_TYPE, ctype)], body).into_response(),
+        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "metrics", format!("collecting metrics failed: {e}")).into_response(),
     }
-    for (k, v) in &st.extra {
-        let _ = writeln!(out, "mediaplane_{k}{{dataplane=\"{dp}\"}} {v}");
-    }
-    if let Some(l) = st.copy_latency {
-        let _ = writeln!(out, "# TYPE mediaplane_copy_latency_ns summary");
-        for (q, v) in [("0.5", l.p50_ns), ("0.99", l.p99_ns)] {
-            let _ = writeln!(out, "mediaplane_copy_latency_ns{{dataplane=\"{dp}\",quantile=\"{q}\"}} {v}");
-        }
-        let _ = writeln!(out, "mediaplane_copy_latency_ns_count{{dataplane=\"{dp}\"}} {}", l.count);
-    }
-    let _ = writeln!(out, "mediaplane_table_version{{dataplane=\"{dp}\"}} {}", st.table_version);
-    let mem = memory();
-    for (name, key) in [("mediaplane_memory_rss_bytes", "rss_bytes"), ("mediaplane_memory_bpf_map_bytes", "bpf_map_bytes")] {
-        let _ = writeln!(out, "# TYPE {name} gauge");
-        let _ = writeln!(out, "{name} {}", mem[key]);
-    }
-    ([(header::CONTENT_TYPE, "text/plain; version=0.0.4")], out).into_response()
-}
-
-fn escape(s: &str) -> String {
-    s.replace('\\', "\\\\").replace('"', "\\\"")
 }
 
 #[cfg(test)]

@@ -15,6 +15,16 @@ pub struct Config {
     pub log: LogConfig,
     pub limits: Limits,
     pub ng: NgSection,
+    pub metrics: MetricsSection,
+}
+
+/// What `/metrics` exports beyond the per-plane totals.
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct MetricsSection {
+    /// Series per stream (`mediaplane_stream_*`, labelled with the stream's id and label): off
+    /// by default, as they are several series per session (millions at scale).
+    pub per_stream: bool,
 }
 
 /// The rtpengine NG protocol listener (SIP servers drive calls through it).
@@ -337,5 +347,12 @@ mod tests {
         assert!(e.contains("auto"), "{e}");
         assert_eq!(Config::from_toml("[dataplane]\nrp_filter_v6 = \"strict\"\n").unwrap().dataplane.rp_filter_v6, RpFilterMode::Strict);
         assert!(Config::from_toml("[dataplane]\nrp_filter_v6 = \"yes\"\n").is_err());
+    }
+
+    #[test]
+    fn per_stream_metrics_are_opt_in() {
+        assert!(!Config::default().metrics.per_stream);
+        assert!(Config::from_toml("[metrics]\nper_stream = true\n").unwrap().metrics.per_stream);
+        assert!(Config::from_toml("[metrics]\nper_streams = true\n").is_err());
     }
 }

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod config;
 pub mod manager;
+pub mod metrics;
 pub mod store;
 
 use anyhow::Context;
@@ -25,18 +26,18 @@ pub async fn serve(
     reset: bool,
     shutdown: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    serve_with(cfg, dataplane, events, reset, shutdown, |_| {}).await
+    serve_with(cfg, dataplane, events, reset, shutdown, |_, _| {}).await
 }
 
-/// [`serve`], handing the session manager to `start` once sessions are restored (e.g. to run
-/// the NG protocol listener beside the HTTP API).
+/// [`serve`], handing the session manager and the metrics registry to `start` once sessions
+/// are restored (e.g. to run the NG protocol listener beside the HTTP API).
 pub async fn serve_with(
     cfg: Config,
     dataplane: Arc<dyn Dataplane>,
     events: Option<Receiver<DataplaneEvent>>,
     reset: bool,
     shutdown: impl Future<Output = ()> + Send + 'static,
-    start: impl FnOnce(Arc<manager::SessionManager>),
+    start: impl FnOnce(Arc<manager::SessionManager>, Arc<metrics::Metrics>),
 ) -> anyhow::Result<()> {
     let mut store = store::Store::open(&cfg.store.path).with_context(|| format!("opening store {}", cfg.store.path.display()))?;
     if reset {
@@ -64,10 +65,11 @@ pub async fn serve_with(
         })?;
     }
 
-    start(manager.clone());
+    let metrics = metrics::Metrics::new(manager.clone(), &cfg.metrics);
+    start(manager.clone(), metrics.clone());
     let listener = tokio::net::TcpListener::bind(cfg.api.listen).await.with_context(|| format!("binding API on {}", cfg.api.listen))?;
     tracing::info!(listen = %listener.local_addr()?, "API listening");
-    let app = api::router(manager.clone(), &cfg.api);
+    let app = api::router(manager.clone(), &cfg.api, metrics);
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
     tracing::info!("shutting down data plane");
     dataplane.shutdown()?;

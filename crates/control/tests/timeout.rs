@@ -5,7 +5,8 @@
 //! cue: it wraps the real user-space plane and only adds the delay.
 
 use mediaplane_control::api::router;
-use mediaplane_control::config::{ApiConfig, Limits, MediaConfig};
+use mediaplane_control::config::{ApiConfig, Limits, MediaConfig, MetricsSection};
+use mediaplane_control::metrics::Metrics;
 use mediaplane_control::manager::SessionManager;
 use mediaplane_control::store::Store;
 use mediaplane_core::ForwardingTable;
@@ -52,7 +53,8 @@ fn serve() -> String {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         rt.block_on(async move {
             let listener = tokio::net::TcpListener::from_std(listener).unwrap();
-            axum::serve(listener, router(mgr, &cfg)).await.unwrap();
+            let metrics = Metrics::new(mgr.clone(), &MetricsSection::default());
+            axum::serve(listener, router(mgr, &cfg, metrics)).await.unwrap();
         });
     });
     url

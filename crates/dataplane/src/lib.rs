@@ -180,6 +180,36 @@ pub struct LatencySummary {
     pub max_ns: u64,
 }
 
+/// Cumulative latency histogram: `cumulative[i]` observations took less than `bounds_ns[i]`
+/// (a Prometheus histogram's buckets, `+Inf` being `count`).
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct LatencyHistogram {
+    pub bounds_ns: Vec<u64>,
+    pub cumulative: Vec<u64>,
+    pub count: u64,
+    pub sum_ns: u64,
+}
+
+/// Bucket bounds of [`DataplaneStats::copy_latency_histogram`]: powers of two from 64 ns to
+/// about 4 ms, which are also bucket bounds of the kernel's log-linear histogram (so the
+/// coarser buckets are exact sums of its buckets).
+pub const COPY_LATENCY_BOUNDS_NS: [u64; 17] = {
+    let mut b = [0u64; 17];
+    let mut i = 0;
+    while i < 17 {
+        b[i] = 64 << i;
+        i += 1;
+    }
+    b
+};
+
+/// How full one bounded table of a data plane is (a kernel map, as Katran reports them).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MapFill {
+    pub entries: u64,
+    pub capacity: u64,
+}
+
 #[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
 pub struct DataplaneStats {
     pub dataplane: String,
@@ -190,8 +220,14 @@ pub struct DataplaneStats {
     pub streams: BTreeMap<u32, Counters>,
     /// Per-copy processing time inside the data plane, where it measures it.
     pub copy_latency: Option<LatencySummary>,
+    /// The same measurements in buckets, where the data plane keeps them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub copy_latency_histogram: Option<LatencyHistogram>,
     /// Counters particular to one data plane (e.g. kernel verdicts), by name.
     pub extra: BTreeMap<String, u64>,
+    /// Fill of the data plane's bounded tables, by table name (none for a plane without any).
+    #[serde(default)]
+    pub maps: BTreeMap<String, MapFill>,
 }
 
 /// A forwarding path. Implementations must be safe to call from any thread.
@@ -212,6 +248,14 @@ pub trait Dataplane: Send + Sync {
     }
 
     fn stats(&self) -> DataplaneStats;
+
+    /// [`Dataplane::stats`] without the per-stream counters (`streams` empty), for readers of
+    /// totals only (`/metrics`); data planes that read those per stream override it.
+    fn stats_totals(&self) -> DataplaneStats {
+        let mut s = self.stats();
+        s.streams.clear();
+        s
+    }
 
     /// Counters of just these streams (absent: no counters yet). Data planes whose full
     /// [`Dataplane::stats`] costs a read per installed stream override it, so that callers

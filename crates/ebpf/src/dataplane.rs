@@ -396,48 +396,11 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn stats(&self) -> DataplaneStats {
-        let mut s = match self.fast.kernel_stats() {
-            Ok(k) => k.to_dataplane_stats(self.fast.table_version()),
-            Err(e) => {
-                tracing::warn!("reading kernel counters: {e}");
-                DataplaneStats { dataplane: "ebpf".into(), table_version: self.fast.table_version(), ..Default::default() }
-            }
-        };
-        let u = self.slow.stats();
-        s.total.add(&u.total);
-        for (id, c) in &u.streams {
-            s.streams.entry(*id).or_default().add(c);
-        }
-        if s.copy_latency.is_none() {
-            s.copy_latency = u.copy_latency;
-        }
-        for (k, v) in u.extra {
-            s.extra.insert(format!("userspace.{k}"), v);
-        }
-        if let Some(st) = &*self.steering.lock() {
-            let (steered, failed) = st.stats();
-            s.extra.insert("slow_path_steered".into(), steered);
-            s.extra.insert("slow_path_steer_failed".into(), failed);
-        }
-        if let Some(r) = &self.resolver {
-            s.extra.extend(r.stats().into_iter().map(|(k, v)| (k.to_string(), v)));
-        }
-        if let Some((run_time_ns, run_count)) = self.fast.run_stats() {
-            s.extra.insert("bpf_run_time_ns".into(), run_time_ns);
-            s.extra.insert("bpf_run_count".into(), run_count);
-        }
-        if let Some(pf) = &self.prefilter {
-            // One set of counters: the pre-filter's drops are the model's drops, counted once
-            // in `total` (received and dropped there); `extra` keeps the breakdown by hook.
-            let x = pf.extra();
-            let get = |k: &str| x.get(k).copied().unwrap_or(0);
-            s.total.rx_packets += get("xdp_drop_stranger") + get("xdp_drop_no_stream");
-            s.total.rx_bytes += get("xdp_drop_bytes");
-            s.total.drop_stranger += get("xdp_drop_stranger");
-            s.total.drop_no_stream += get("xdp_drop_no_stream");
-            s.extra.extend(x);
-        }
-        s
+        self.stats_with(true)
+    }
+
+    fn stats_totals(&self) -> DataplaneStats {
+        self.stats_with(false)
     }
 
     fn stream_counters(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, mediaplane_dataplane::Counters> {
@@ -474,5 +437,54 @@ impl Dataplane for EbpfDataplane {
             first_err.get_or_insert(e);
         }
         first_err.map_or(Ok(()), Err)
+    }
+}
+
+impl EbpfDataplane {
+    fn stats_with(&self, per_stream: bool) -> DataplaneStats {
+        let mut s = match self.fast.kernel_stats_with(per_stream) {
+            Ok(k) => k.to_dataplane_stats(self.fast.table_version()),
+            Err(e) => {
+                tracing::warn!("reading kernel counters: {e}");
+                DataplaneStats { dataplane: "ebpf".into(), table_version: self.fast.table_version(), ..Default::default() }
+            }
+        };
+        let u = if per_stream { self.slow.stats() } else { self.slow.stats_totals() };
+        s.total.add(&u.total);
+        for (id, c) in &u.streams {
+            s.streams.entry(*id).or_default().add(c);
+        }
+        if s.copy_latency.is_none() {
+            s.copy_latency = u.copy_latency;
+            s.copy_latency_histogram = u.copy_latency_histogram;
+        }
+        s.maps = self.fast.map_fill();
+        for (k, v) in u.extra {
+            s.extra.insert(format!("userspace.{k}"), v);
+        }
+        if let Some(st) = &*self.steering.lock() {
+            let (steered, failed) = st.stats();
+            s.extra.insert("slow_path_steered".into(), steered);
+            s.extra.insert("slow_path_steer_failed".into(), failed);
+        }
+        if let Some(r) = &self.resolver {
+            s.extra.extend(r.stats().into_iter().map(|(k, v)| (k.to_string(), v)));
+        }
+        if let Some((run_time_ns, run_count)) = self.fast.run_stats() {
+            s.extra.insert("bpf_run_time_ns".into(), run_time_ns);
+            s.extra.insert("bpf_run_count".into(), run_count);
+        }
+        if let Some(pf) = &self.prefilter {
+            // One set of counters: the pre-filter's drops are the model's drops, counted once
+            // in `total` (received and dropped there); `extra` keeps the breakdown by hook.
+            let x = pf.extra();
+            let get = |k: &str| x.get(k).copied().unwrap_or(0);
+            s.total.rx_packets += get("xdp_drop_stranger") + get("xdp_drop_no_stream");
+            s.total.rx_bytes += get("xdp_drop_bytes");
+            s.total.drop_stranger += get("xdp_drop_stranger");
+            s.total.drop_no_stream += get("xdp_drop_no_stream");
+            s.extra.extend(x);
+        }
+        s
     }
 }

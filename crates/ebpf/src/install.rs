@@ -243,6 +243,15 @@ impl Installer {
         self.slots.get(&id).map(|(slot, _)| *slot)
     }
 
+    /// Entries of the stream map / stats slots in use.
+    pub fn installed_len(&self) -> usize {
+        self.installed.len()
+    }
+
+    pub fn slots_len(&self) -> usize {
+        self.slots.len()
+    }
+
     pub fn installed_keys(&self) -> impl Iterator<Item = &KeyRaw> {
         self.installed.keys()
     }

@@ -11,7 +11,7 @@ use crate::maps::{
 use crate::path::StreamPaths;
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, Program, ProgramInput};
 use mediaplane_core::{ForwardingTable, IngressKey};
-use mediaplane_dataplane::{Counters, DataplaneError, DataplaneStats, LatencySummary};
+use mediaplane_dataplane::{Counters, DataplaneError, DataplaneStats, LatencySummary, MapFill};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
 use std::os::fd::{AsFd, AsRawFd};
@@ -110,7 +110,8 @@ impl KernelStats {
             p99_ns: l.quantile(0.99),
             max_ns: l.max,
         });
-        DataplaneStats { dataplane: "ebpf".into(), table_version, total, streams, copy_latency, extra }
+        let copy_latency_histogram = (l.count > 0).then(|| l.cumulative(&mediaplane_dataplane::COPY_LATENCY_BOUNDS_NS));
+        DataplaneStats { dataplane: "ebpf".into(), table_version, total, streams, copy_latency, copy_latency_histogram, extra, maps: BTreeMap::new() }
     }
 }
 
@@ -494,17 +495,40 @@ impl FastPath {
         Ok(out)
     }
 
+    /// Fill of the maps that bound what can be installed: entries in use and capacity. Copies
+    /// retired but not yet reclaimed (waiting for a grace period) count as in use.
+    pub fn map_fill(&self) -> BTreeMap<String, MapFill> {
+        let inst = self.installer.lock();
+        let cap = |name: &str| u64::from(self.map(name).max_entries());
+        let copies = cap("copies");
+        [
+            ("streams", inst.installed_len() as u64, cap("streams")),
+            ("stream_stats", inst.slots_len() as u64, cap("stream_stats")),
+            ("copies", copies.saturating_sub(u64::from(inst.free_copy_slots())), copies),
+        ]
+        .into_iter()
+        .map(|(n, entries, capacity)| (n.to_string(), MapFill { entries, capacity }))
+        .collect()
+    }
+
     pub fn kernel_stats(&self) -> Result<KernelStats, DataplaneError> {
+        self.kernel_stats_with(true)
+    }
+
+    /// [`FastPath::kernel_stats`]; `per_stream` false leaves `streams` empty (no read per stream).
+    pub fn kernel_stats_with(&self, per_stream: bool) -> Result<KernelStats, DataplaneError> {
         let counters = self.map("counters");
         let mut global = BTreeMap::new();
         for (i, name) in GLOBAL_COUNTERS.iter().enumerate() {
             global.insert(*name, percpu_sum::<u64>(&counters, i as u32, |a, b| *a += b)?);
         }
-        let stats = self.map("stream_stats");
-        let slots: Vec<(u32, u32)> = self.installer.lock().stats_slots().collect();
         let mut streams = BTreeMap::new();
-        for (id, slot) in slots {
-            streams.insert(id, percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?);
+        if per_stream {
+            let stats = self.map("stream_stats");
+            let slots: Vec<(u32, u32)> = self.installer.lock().stats_slots().collect();
+            for (id, slot) in slots {
+                streams.insert(id, percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?);
+            }
         }
         let latency = percpu_sum::<LatencyHistRaw>(&self.map("copy_latency"), 0, |a, b| a.add(b))?;
         Ok(KernelStats { global, streams, latency })

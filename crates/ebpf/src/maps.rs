@@ -373,6 +373,25 @@ impl LatencyHistRaw {
     }
 }
 
+impl LatencyHistRaw {
+    /// Cumulative counts at `bounds_ns` (each a bucket bound of this histogram: the powers of two
+    /// from 16 ns on are), for a Prometheus histogram.
+    pub fn cumulative(&self, bounds_ns: &[u64]) -> mediaplane_dataplane::LatencyHistogram {
+        let mut cumulative = vec![0u64; bounds_ns.len()];
+        for (i, n) in self.buckets.iter().enumerate() {
+            let lo = latency_bucket_bounds(i).0;
+            for (c, b) in cumulative.iter_mut().zip(bounds_ns) {
+                if lo < *b {
+                    *c += n;
+                }
+            }
+        }
+        // Per-CPU values are read one by one: never let +Inf fall below a finite bucket.
+        let count = self.count.max(self.buckets.iter().sum());
+        mediaplane_dataplane::LatencyHistogram { bounds_ns: bounds_ns.to_vec(), cumulative, count, sum_ns: self.sum }
+    }
+}
+
 /// Bucket index of `ns`, as the BPF program computes it (latency_bucket in sfu_tc.bpf.c).
 pub fn latency_bucket(ns: u64) -> usize {
     if ns < LAT_EXACT as u64 {
@@ -573,6 +592,26 @@ mod tests {
 
     fn a(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn latency_buckets_sum_exactly_into_power_of_two_bounds() {
+        let bounds = mediaplane_dataplane::COPY_LATENCY_BOUNDS_NS;
+        for b in bounds {
+            assert_eq!(latency_bucket_bounds(latency_bucket(b)).0, b, "{b} ns is a bucket bound");
+        }
+        let mut h = LatencyHistRaw::default();
+        for ns in [10u64, 63, 64, 100, 127, 128, 5_000, 10_000_000] {
+            h.buckets[latency_bucket(ns)] += 1;
+            h.count += 1;
+            h.sum += ns;
+        }
+        let c = h.cumulative(&bounds);
+        // < 64 ns: 10, 63; < 128: also 64, 100, 127; < 8192: also 128, 5000; 10 ms: +Inf only.
+        assert_eq!((c.cumulative[0], c.cumulative[1], c.cumulative[7]), (2, 5, 7));
+        assert_eq!(*c.cumulative.last().unwrap(), 7);
+        assert_eq!((c.count, c.sum_ns), (8, h.sum));
+        assert!(c.cumulative.windows(2).all(|w| w[0] <= w[1]));
     }
 
     #[test]

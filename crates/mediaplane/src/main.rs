@@ -200,11 +200,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         media_timeout: std::time::Duration::from_secs(cfg.ng.media_timeout_secs),
         allow: cfg.ng.allow.clone(),
     };
-    rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager| {
+    rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager, metrics| {
         if let Some(socket) = ng {
             tracing::info!(listen = %ng_cfg.listen, "NG protocol listening");
             tokio::spawn(async move {
-                if let Err(e) = mediaplane_ng::serve_ng(socket, manager, ng_cfg).await {
+                if let Err(e) = mediaplane_ng::serve_ng(socket, manager, ng_cfg, metrics.ng.clone()).await {
                     tracing::error!(error = %e, "NG listener stopped");
                 }
             });

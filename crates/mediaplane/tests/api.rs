@@ -141,14 +141,24 @@ fn every_endpoint_success_and_error_paths() {
     assert_eq!(v["dataplane"], "userspace");
     assert!(v["streams"].as_array().unwrap().iter().any(|x| x["label"] == "relay:call1/a"), "{v}");
     let metrics = ureq::get(&format!("{}/metrics", d.api)).call().unwrap().into_string().unwrap();
-    assert!(metrics.contains("mediaplane_rx_packets_total{dataplane=\"userspace\"}"), "{metrics}");
+    assert!(metrics.contains("\nmediaplane_received_packets_total "), "{metrics}");
     assert!(metrics.contains("mediaplane_table_version"), "{metrics}");
-    assert!(metrics.contains("mediaplane_drop_source_limited_total{dataplane=\"userspace\"} 0"), "{metrics}");
+    assert!(metrics.contains("mediaplane_build_info{version=\"0.1.0\",dataplane=\"userspace\"} 1"), "{metrics}");
+    assert!(metrics.contains("mediaplane_dropped_packets_total{reason=\"source_limited\"} 0"), "{metrics}");
+    assert!(!metrics.contains("mediaplane_stream_"), "per-stream series are opt-in: {metrics}");
     assert_eq!(v["total"]["drop_source_limited"], 0, "{v}");
     // Memory the daemon holds (the user-space plane has no BPF maps).
     assert!(v["memory"]["rss_bytes"].as_u64().unwrap() > 1 << 20, "{v}");
     assert_eq!(v["memory"]["bpf_map_bytes"], 0, "{v}");
-    assert!(metrics.lines().any(|l| l.starts_with("mediaplane_memory_rss_bytes ") && !l.ends_with(" 0")), "{metrics}");
+    assert!(metrics.lines().any(|l| l.starts_with("mediaplane_resident_memory_bytes ") && !l.ends_with(" 0")), "{metrics}");
+    // HTTP requests by matched route (the pattern, not the path), method and status.
+    assert!(metrics.contains("mediaplane_http_requests_total{method=\"POST\",route=\"/v1/batch/relays\",status=\"400\"} 2"), "{metrics}");
+    assert!(metrics.contains("mediaplane_http_requests_total{method=\"GET\",route=\"/v1/relays/{id}\",status=\"200\"}"), "{metrics}");
+    // Request ids: the client's is kept, else one is made; either is echoed.
+    let r = ureq::get(&format!("{}/health", d.api)).set("x-request-id", "client-id-42").call().unwrap();
+    assert_eq!(r.header("x-request-id"), Some("client-id-42"));
+    let r = ureq::get(&format!("{}/health", d.api)).call().unwrap();
+    assert_eq!(r.header("x-request-id").map(str::len), Some(36), "a UUID");
 
     // Unknown endpoint and wrong method are JSON errors too.
     let (s, v) = d.call("GET", "/v2/nothing", None);

@@ -7,6 +7,7 @@ use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Registry
 use crate::protocol::{self, error_reply, normalize, ReplyCache, Request, RequestError};
 use crate::sdp::{MediaRewrite, Rewrite, Sdp, SdpError};
 use mediaplane_control::manager::{ManagerError, SessionManager};
+use mediaplane_control::metrics::{CallEnd, NgMetrics};
 use mediaplane_core::model::Side;
 use mediaplane_core::Model;
 use mediaplane_dataplane::{Counters, DataplaneStats};
@@ -42,7 +43,7 @@ enum NgError {
     Call(String),
 }
 
-/// Totals since start, for `statistics`.
+/// Totals since start, for `statistics`: read from the metrics registry's counters.
 #[derive(Debug, Default, Clone, Copy)]
 pub struct Totals {
     pub managed: u64,
@@ -55,7 +56,7 @@ pub struct Engine {
     cfg: EngineConfig,
     registry: Registry,
     cache: ReplyCache,
-    totals: Totals,
+    metrics: NgMetrics,
     started: Instant,
 }
 
@@ -101,9 +102,15 @@ fn options(req: &Request) -> Result<Options, RequestError> {
 }
 
 impl Engine {
+    /// An engine counting into metrics of its own.
     pub fn new(cfg: EngineConfig) -> Engine {
+        Self::with_metrics(cfg, NgMetrics::default())
+    }
+
+    /// An engine counting into `metrics` (the daemon's registry's).
+    pub fn with_metrics(cfg: EngineConfig, metrics: NgMetrics) -> Engine {
         let cache = ReplyCache::new(cfg.reply_ttl, cfg.reply_cache_entries);
-        Engine { cfg, registry: Registry::default(), cache, totals: Totals::default(), started: Instant::now() }
+        Engine { cfg, registry: Registry::default(), cache, metrics, started: Instant::now() }
     }
 
     pub fn registry(&self) -> &Registry {
@@ -111,13 +118,16 @@ impl Engine {
     }
 
     pub fn totals(&self) -> Totals {
-        self.totals
+        let t = self.metrics.totals();
+        Totals { managed: t.calls_created, deleted: t.calls_deleted, timed_out: t.calls_timed_out, errors: t.errors }
     }
 
     /// Take over relays of this crate found in the model (after a restart). Returns how many
     /// calls were adopted.
     pub fn adopt(&mut self, mgr: &SessionManager, now: Instant) -> usize {
-        mgr.read(|m, _| self.registry.adopt(m, now))
+        let n = mgr.read(|m, _| self.registry.adopt(m, now));
+        self.metrics.set_calls(self.registry.len());
+        n
     }
 
     /// One request datagram from `client`; the reply datagram, if one is due (a datagram without
@@ -127,16 +137,17 @@ impl Engine {
             Ok(x) => x,
             Err((None, e)) => {
                 tracing::warn!(%client, error = %e, "NG datagram ignored");
-                self.totals.errors += 1;
+                self.metrics.invalid(Duration::ZERO);
                 return None;
             }
             Err((Some(cookie), e)) => {
-                self.totals.errors += 1;
+                self.metrics.invalid(Duration::ZERO);
                 return Some(protocol::frame(cookie, &error_reply(e.to_string())));
             }
         };
         if let Some(r) = self.cache.get(now, client, cookie) {
             tracing::debug!(%client, cookie = %String::from_utf8_lossy(cookie), "retransmission: cached reply");
+            self.metrics.retransmission();
             return Some(r.to_vec());
         }
         let reply = self.handle(mgr, &dict, now);
@@ -145,13 +156,18 @@ impl Engine {
         Some(bytes)
     }
 
-    /// Execute one request dictionary; always returns a reply dictionary.
+    /// Execute one request dictionary; always returns a reply dictionary. Counted in the
+    /// metrics by command and result, with the time it took.
     pub fn handle(&mut self, mgr: &SessionManager, dict: &Value, now: Instant) -> Value {
         tracing::debug!(request = ?dict, "NG request");
+        let start = Instant::now();
         let req = Request::new(dict);
         let command = match req.str("command") {
             Ok(c) => c.to_string(),
-            Err(e) => return self.fail(e.to_string()),
+            Err(e) => {
+                self.metrics.invalid(start.elapsed());
+                return error_reply(e.to_string());
+            }
         };
         let result = match command.as_str() {
             "ping" => Ok(Value::dict([("result", "pong".into())])),
@@ -164,6 +180,8 @@ impl Engine {
             other => Err(NgError::Call(format!("unknown command {other:?}"))),
         };
         let call_id = req.opt_str("call-id").ok().flatten().unwrap_or("");
+        self.metrics.request(&command, result.is_ok(), start.elapsed());
+        self.metrics.set_calls(self.registry.len());
         match result {
             Ok(v) => {
                 tracing::info!(command, call_id, "NG request done");
@@ -171,14 +189,9 @@ impl Engine {
             }
             Err(e) => {
                 tracing::warn!(command, call_id, error = %e, "NG request failed");
-                self.fail(e.to_string())
+                error_reply(e.to_string())
             }
         }
-    }
-
-    fn fail(&mut self, reason: String) -> Value {
-        self.totals.errors += 1;
-        error_reply(reason)
     }
 
     fn offer_answer(&mut self, mgr: &SessionManager, req: &Request, phase: Phase, now: Instant) -> Result<Value, NgError> {
@@ -274,7 +287,7 @@ impl Engine {
             call.answered = true;
         }
         if existing.is_none() {
-            self.totals.managed += 1;
+            self.metrics.call_created();
             call.last_activity = now;
         }
         tracing::debug!(call_id, relays = ?call.relay_ids(), "call updated");
@@ -311,7 +324,7 @@ impl Engine {
         let stats = self.call_stats(mgr, &call);
         mgr.mutate(|model, _| Ok(((), calls::delete_call(model, &call)?)))?;
         self.registry.remove(&call.key);
-        self.totals.deleted += 1;
+        self.metrics.call_ended(CallEnd::Deleted);
         let mut reply = vec![
             ("result", Value::str("ok")),
             ("created", Value::Int(unix(call.created))),
@@ -404,7 +417,7 @@ impl Engine {
             }
         });
         let n = self.registry.len() as i64;
-        let t = self.totals;
+        let t = self.totals();
         Value::dict([
             ("result", "ok".into()),
             (
@@ -477,9 +490,10 @@ impl Engine {
         for c in idle {
             tracing::info!(call_id = %c.call_id, key = %c.key, "media timeout: call deleted");
             self.registry.remove(&c.key);
-            self.totals.timed_out += 1;
+            self.metrics.call_ended(CallEnd::Timeout);
             gone.push(if c.call_id.is_empty() { c.key } else { c.call_id });
         }
+        self.metrics.set_calls(self.registry.len());
         gone
     }
 }
@@ -608,6 +622,23 @@ mod tests {
 
     fn text(v: &Value, k: &str) -> String {
         v.get(k).and_then(Value::as_str).unwrap_or_default().to_string()
+    }
+
+    #[test]
+    fn requests_and_calls_are_counted_in_the_shared_metrics_and_statistics_reads_them() {
+        let metrics = NgMetrics::default();
+        let (m, mut e) = (manager(), Engine::with_metrics(EngineConfig::default(), metrics.clone()));
+        send(&mut e, &m, "p1", vec![("command", "ping".into())]);
+        let d = req("p1", vec![("command", "ping".into())]);
+        e.handle_datagram(&m, CLIENT.parse().unwrap(), &d, Instant::now()).unwrap(); // a retransmission
+        assert!(e.handle_datagram(&m, CLIENT.parse().unwrap(), b"nothing", Instant::now()).is_none());
+        send(&mut e, &m, "x1", vec![("command", "frobnicate".into())]);
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        let t = metrics.totals();
+        assert_eq!((t.requests, t.errors, t.calls, t.calls_created), (4, 2, 1, 1), "{t:?}");
+        let s = send(&mut e, &m, "s1", vec![("command", "statistics".into())]);
+        let total = |k: &str| s.get("statistics").unwrap().get("totalstatistics").unwrap().get(k).cloned();
+        assert_eq!((total("controlerrors"), total("managedsessions")), (Some(Value::Int(2)), Some(Value::Int(1))), "{s:?}");
     }
 
     #[test]

@@ -23,6 +23,7 @@ pub mod sdp;
 pub use engine::{Engine, EngineConfig};
 
 use mediaplane_control::manager::SessionManager;
+use mediaplane_control::metrics::NgMetrics;
 use parking_lot::Mutex;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::Arc;
@@ -62,9 +63,11 @@ impl Drop for AbortOnDrop {
 ///
 /// Requests are executed one at a time, in arrival order, on the blocking pool (a request
 /// mutates the model, which persists to the store). Relays this crate created before a
-/// restart are adopted so they still time out and can still be deleted.
-pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager>, cfg: NgConfig) -> anyhow::Result<()> {
-    let engine = Arc::new(Mutex::new(Engine::new(EngineConfig { media_timeout: cfg.media_timeout, ..Default::default() })));
+/// restart are adopted so they still time out and can still be deleted. Requests and calls
+/// are counted in `metrics` (the daemon's registry's: `Metrics::ng`).
+pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager>, cfg: NgConfig, metrics: NgMetrics) -> anyhow::Result<()> {
+    let engine_cfg = EngineConfig { media_timeout: cfg.media_timeout, ..Default::default() };
+    let engine = Arc::new(Mutex::new(Engine::with_metrics(engine_cfg, metrics)));
     let adopted = engine.lock().adopt(&manager, Instant::now());
     let local = socket.local_addr()?;
     if !local.ip().is_loopback() && cfg.allow.is_empty() {

@@ -36,7 +36,7 @@ impl Relay {
         let sock = rt.block_on(tokio::net::UdpSocket::bind("127.0.0.1:0")).unwrap();
         let ng = sock.local_addr().unwrap();
         let cfg = NgConfig { listen: ng, media_timeout, allow: vec!["127.0.0.1".parse().unwrap()] };
-        rt.spawn(serve_ng(sock, mgr.clone(), cfg));
+        rt.spawn(serve_ng(sock, mgr.clone(), cfg, Default::default()));
         Relay { mgr, ng, dp, rt: Some(rt) }
     }
 
