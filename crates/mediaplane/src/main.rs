@@ -1,13 +1,6 @@
-//! `mediaplane`: serve | ctl | demo.
+//! `mediaplane`: serve | ctl | demo | bench (the last two: the `mediaplane-harness` crate).
 
-mod bench_relay;
-mod bench_overload;
-mod bench_sfu;
-mod conference;
 mod ctl;
-mod demo;
-mod relay_report;
-mod report;
 
 use anyhow::Context;
 use clap::{Parser, Subcommand};
@@ -31,10 +24,10 @@ enum Command {
     /// Talk to a running daemon's API.
     Ctl(ctl::CtlArgs),
     /// Run a real multi-party conference in network namespaces and print what everyone received.
-    Demo(demo::DemoArgs),
+    Demo(mediaplane_harness::DemoArgs),
     /// Benchmarks: every data plane side by side in one run; writes JSON, CSV and an HTML report.
     #[command(subcommand)]
-    Bench(bench_sfu::BenchCommand),
+    Bench(mediaplane_harness::BenchCommand),
 }
 
 #[derive(clap::Args)]
@@ -97,8 +90,8 @@ fn main() {
     let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::Ctl(args) => ctl::run(args),
-        Command::Demo(args) => demo::run(args),
-        Command::Bench(cmd) => bench_sfu::run(cmd),
+        Command::Demo(args) => mediaplane_harness::demo(args),
+        Command::Bench(cmd) => mediaplane_harness::bench(cmd),
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");

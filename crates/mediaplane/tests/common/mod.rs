@@ -8,12 +8,13 @@ pub mod wire;
 use serde_json::Value;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use mediaplane_bench::process::Supervised;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct Daemon {
     pub token: Option<String>,
-    pub child: Child,
+    pub proc: Supervised,
     pub api: String,
     pub listen: SocketAddr,
     pub store: PathBuf,
@@ -53,14 +54,13 @@ impl Daemon {
 
     fn spawn(port: u16, store: &Path, extra: &[&str], token: Option<String>) -> Daemon {
         let listen: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
-            .args(["serve", "--listen", &listen.to_string(), "--store", store.to_str().unwrap(), "--workers", "1"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_mediaplane"));
+        cmd.args(["serve", "--listen", &listen.to_string(), "--store", store.to_str().unwrap(), "--workers", "1"])
             .args(extra)
             .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("spawn mediaplane serve");
-        let d = Daemon { token, child, api: format!("http://{listen}"), listen, store: store.to_path_buf() };
+            .stdout(Stdio::null());
+        let proc = Supervised::spawn("mediaplane serve", &mut cmd).expect("spawn mediaplane serve");
+        let d = Daemon { token, proc, api: format!("http://{listen}"), listen, store: store.to_path_buf() };
         d.wait_ready();
         d
     }
@@ -99,36 +99,15 @@ impl Daemon {
     }
 
     pub fn alive(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
+        self.proc.alive()
     }
 
     pub fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.proc.kill();
     }
 
     /// SIGTERM and wait for a clean exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            if Instant::now() > deadline {
-                self.kill9();
-                panic!("serve did not exit within 10 s of SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-    }
-}
-
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        self.proc.terminate(Duration::from_secs(10)).unwrap_or_else(|e| panic!("{e}"))
     }
 }
