@@ -32,8 +32,10 @@ enum Command {
 
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// TOML configuration file; every key has a default (see README).
-    #[arg(long, short)]
+    /// TOML configuration file; every key has a default, and every key can be set from the
+    /// environment as MEDIAPLANE_<SECTION>_<KEY> (e.g. MEDIAPLANE_API_LISTEN), over the file and
+    /// under these flags (see README).
+    #[arg(long, short, env = "MEDIAPLANE_CONFIG")]
     config: Option<PathBuf>,
     /// API listen address (overrides api.listen).
     #[arg(long)]
@@ -139,10 +141,16 @@ fn raise_fd_limit(cfg: &Config) {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut cfg = match &args.config {
-        Some(p) => Config::load(p).map_err(anyhow::Error::msg)?,
-        None => Config::default(),
-    };
+    // Defaults < file < MEDIAPLANE_<SECTION>_<KEY> variables < the flags below.
+    let mut env = Vec::new();
+    for (k, v) in std::env::vars_os() {
+        match (k.into_string(), v.into_string()) {
+            (Ok(k), Ok(v)) => env.push((k, v)),
+            (Ok(k), Err(_)) if k.starts_with("MEDIAPLANE_") => anyhow::bail!("{k} is not UTF-8"),
+            _ => {}
+        }
+    }
+    let mut cfg = Config::resolve(args.config.as_deref(), env).map_err(anyhow::Error::msg)?;
     if let Some(l) = args.listen {
         cfg.api.listen = l;
     }
