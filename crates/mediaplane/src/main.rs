@@ -3,7 +3,7 @@
 mod ctl;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use mediaplane_control::{Config, DataplaneKind};
 use mediaplane_dataplane::{Dataplane, DataplaneEvent, UserspaceConfig, UserspaceDataplane};
 use std::net::SocketAddr;
@@ -28,6 +28,19 @@ enum Command {
     /// Benchmarks: every data plane side by side in one run; writes JSON, CSV and an HTML report.
     #[command(subcommand)]
     Bench(mediaplane_harness::BenchCommand),
+    /// Write the man pages (roff): mediaplane.1 to standard output, or it and one page per
+    /// subcommand (mediaplane-serve.1, ...) into --out-dir.
+    #[command(hide = true)]
+    Man {
+        #[arg(long)]
+        out_dir: Option<PathBuf>,
+    },
+    /// Write a shell completion script to standard output.
+    #[command(hide = true)]
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(clap::Args)]
@@ -94,11 +107,40 @@ fn main() {
         Command::Ctl(args) => ctl::run(args),
         Command::Demo(args) => mediaplane_harness::demo(args),
         Command::Bench(cmd) => mediaplane_harness::bench(cmd),
+        Command::Man { out_dir } => man(out_dir),
+        Command::Completions { shell } => {
+            // Into memory first: clap_complete panics on a failed write (a closed pipe).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "mediaplane", &mut script);
+            std::io::Write::write_all(&mut std::io::stdout(), &script).map_err(Into::into)
+        }
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// The man pages, from the same clap definitions as `--help`.
+fn man(out_dir: Option<PathBuf>) -> anyhow::Result<()> {
+    let cmd = Cli::command();
+    let Some(dir) = out_dir else {
+        clap_mangen::Man::new(cmd).render(&mut std::io::stdout())?;
+        return Ok(());
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let write = |name: &str, c: clap::Command| -> anyhow::Result<()> {
+        let path = dir.join(format!("{name}.1"));
+        let mut out = Vec::new();
+        clap_mangen::Man::new(c).title(name.to_string()).render(&mut out)?;
+        std::fs::write(&path, out).with_context(|| format!("writing {}", path.display()))
+    };
+    for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+        // clap takes a command's name as &'static str; this runs once, then the process exits.
+        let name: &'static str = Box::leak(format!("mediaplane-{}", sub.get_name()).into_boxed_str());
+        write(name, sub.clone().name(name))?;
+    }
+    write("mediaplane", cmd)
 }
 
 fn init_logging(cfg: &Config) {
@@ -201,7 +243,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         media_timeout: std::time::Duration::from_secs(cfg.ng.media_timeout_secs),
         allow: cfg.ng.allow.clone(),
     };
+    let api_listen = cfg.api.listen;
     rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager| {
+        // The data plane is up and NG bound; READY=1 once the API accepts connections.
+        tokio::spawn(notify_ready_when_listening(api_listen));
         if let Some(socket) = ng {
             tracing::info!(listen = %ng_cfg.listen, "NG protocol listening");
             tokio::spawn(async move {
@@ -257,4 +302,44 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
     }
     tracing::info!("shutdown requested");
+    sd_notify("STOPPING=1");
+}
+
+/// systemd's readiness protocol (Type=notify): one datagram to `$NOTIFY_SOCKET` (a path, or
+/// `@name` in the abstract namespace). Without the variable (not under systemd) it does nothing.
+fn sd_notify(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let sent = (|| -> std::io::Result<()> {
+        use std::os::unix::ffi::OsStrExt;
+        let sock = std::os::unix::net::UnixDatagram::unbound()?;
+        let bytes = path.as_bytes();
+        let addr = match bytes.strip_prefix(b"@") {
+            Some(name) => <std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(name)?,
+            None => std::os::unix::net::SocketAddr::from_pathname(std::path::Path::new(&path))?,
+        };
+        sock.send_to_addr(state.as_bytes(), &addr).map(drop)
+    })();
+    if let Err(e) = sent {
+        tracing::warn!(error = %e, state, "sd_notify failed");
+    }
+}
+
+/// READY=1 once the API accepts a connection: the store is open, sessions restored, the data
+/// plane up, NG bound and the API listening (it is bound right after the start hook runs). Given
+/// up after 60 s (a bind failure ends the process first).
+async fn notify_ready_when_listening(listen: SocketAddr) {
+    let mut probe = listen;
+    if probe.ip().is_unspecified() {
+        probe.set_ip(if probe.is_ipv4() { std::net::Ipv4Addr::LOCALHOST.into() } else { std::net::Ipv6Addr::LOCALHOST.into() });
+    }
+    let deadline = tokio::time::Instant::now() + std::time::Duration::from_secs(60);
+    while tokio::time::Instant::now() < deadline {
+        if tokio::net::TcpStream::connect(probe).await.is_ok() {
+            tracing::info!("ready");
+            sd_notify(&format!("READY=1\nSTATUS=serving the API on {listen}\nMAINPID={}", std::process::id()));
+            return;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    tracing::error!(%listen, "the API did not accept connections within 60 s: not telling systemd we are ready");
 }
