@@ -7,6 +7,7 @@ packages=(
   clang llvm libelf-dev zlib1g-dev pkg-config bpftool libbpf-dev   # BPF programs + libbpf-rs
   iproute2 ethtool                                                 # network-namespace testbed
   kamailio sip-tester                                              # SIP interop tests (Kamailio + SIPp)
+  systemd man-db util-linux                                        # unit verification (systemd-analyze, man pages), setpriv
 )
 # `make bench` compares the relay with rtpengine (user-space forwarding; its kernel module is
 # not needed): `install-deps.sh --bench`.

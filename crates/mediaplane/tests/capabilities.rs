@@ -19,8 +19,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-/// What the unit grants, and why (README "Capabilities").
-pub const CAPS: [&str; 4] = ["bpf", "net_admin", "perfmon", "net_raw"];
 const API: &str = "127.0.0.1:7580";
 const PACKETS: u64 = 200;
 
@@ -51,13 +49,12 @@ fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> Value {
 }
 
 /// Start serve as `uid` with `caps`, wait for READY=1, and push a stream through it.
-fn attempt(tb: &Testbed, dir: &Path, bin: &Path, uid: u32, caps: &[&str]) -> Outcome {
-    let tag = if caps.len() == CAPS.len() { "all".to_string() } else { format!("no-{}", CAPS.iter().find(|c| !caps.contains(c)).unwrap()) };
+fn attempt(tb: &Testbed, dir: &Path, bin: &Path, uid: u32, caps: &[String], tag: &str) -> Outcome {
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}-caps-{tag}", tb.prefix));
     let _pins = PinGuard(pin_dir.clone());
     std::fs::create_dir(&pin_dir).unwrap();
     std::os::unix::fs::chown(&pin_dir, Some(uid), Some(uid)).unwrap();
-    let run = dir.join(&tag);
+    let run = dir.join(tag);
     std::fs::create_dir(&run).unwrap();
     std::os::unix::fs::chown(&run, Some(uid), Some(uid)).unwrap();
     let notify_path = run.join("notify");
@@ -178,19 +175,22 @@ fn serve_forwards_through_the_kernel_with_exactly_the_units_capabilities() {
     std::fs::copy(env!("CARGO_BIN_EXE_mediaplane"), &bin).unwrap();
     std::fs::set_permissions(&bin, std::fs::Permissions::from_mode(0o755)).unwrap();
     let uid = unused_uid();
+    // What the unit grants (README "Capabilities" says why each).
+    let caps = common::unit_capabilities();
+    assert_eq!(caps, ["bpf", "net_admin", "perfmon", "net_raw"], "the set this test and the README describe");
 
-    match attempt(&tb, &tmp.0, &bin, uid, &CAPS) {
+    match attempt(&tb, &tmp.0, &bin, uid, &caps, "all") {
         Outcome::Forwarded { uid: u, cap_eff, received, kernel_forwarded } => {
             assert_eq!(u, uid, "not root");
-            assert_eq!(cap_eff, CAPS.iter().map(|c| cap_bit(c)).sum::<u64>(), "exactly the unit's capabilities, effective");
+            assert_eq!(cap_eff, caps.iter().map(|c| cap_bit(c)).sum::<u64>(), "exactly the unit's capabilities, effective");
             assert_eq!(received, PACKETS, "the subscriber received every packet");
             assert_eq!(kernel_forwarded, PACKETS, "every one forwarded by the kernel program");
         }
-        refused => panic!("with {CAPS:?}: {refused:?}"),
+        refused => panic!("with {caps:?}: {refused:?}"),
     }
-    for drop in CAPS {
-        let fewer: Vec<&str> = CAPS.iter().copied().filter(|c| *c != drop).collect();
-        let outcome = attempt(&tb, &tmp.0, &bin, uid, &fewer);
+    for drop in &caps {
+        let fewer: Vec<String> = caps.iter().filter(|c| *c != drop).cloned().collect();
+        let outcome = attempt(&tb, &tmp.0, &bin, uid, &fewer, &format!("no-{drop}"));
         if let Outcome::Refused(log) = &outcome {
             let last = log.lines().last().unwrap_or("");
             eprintln!("without {drop}: {last}");

@@ -5,6 +5,7 @@
 mod common;
 
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -104,4 +105,31 @@ fn configuration_from_the_environment_and_the_token_from_a_file() {
         let err = String::from_utf8_lossy(&out.stderr);
         assert!(!out.status.success() && err.contains(says), "{var}={value}: {err}");
     }
+}
+
+/// `systemd-analyze verify` of the repository's unit, its ExecStart pointed at the binary just
+/// built (the installed unit, man pages included, is verified by scripts/deb-test.sh). Any
+/// message, even a warning such as an unknown key, fails.
+#[test]
+fn the_systemd_unit_verifies() {
+    let analyze = ["/usr/bin/systemd-analyze", "/bin/systemd-analyze"].into_iter().find(|p| Path::new(p).exists());
+    let Some(analyze) = analyze else {
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "systemd-analyze missing under CI (scripts/install-deps.sh installs systemd)");
+        eprintln!("SKIP the_systemd_unit_verifies: no systemd-analyze");
+        return;
+    };
+    let unit = std::fs::read_to_string(common::unit_path()).unwrap();
+    assert!(unit.contains("\nExecStart=/usr/bin/mediaplane serve --config /etc/mediaplane/mediaplane.toml\n"), "{unit}");
+    assert!(unit.contains("\nType=notify\n"));
+    let tmp = common::TempDir::new("unit");
+    let copy = tmp.0.join("mediaplane.service");
+    std::fs::write(&copy, unit.replace("ExecStart=/usr/bin/mediaplane", &format!("ExecStart={}", env!("CARGO_BIN_EXE_mediaplane")))).unwrap();
+    let out = Command::new(analyze).args(["verify", "--man=no"]).arg(&copy).output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && said.trim().is_empty(), "systemd-analyze verify: {said}");
+    // And it does catch a mistake.
+    std::fs::write(&copy, unit.replace("Type=notify", "Type=notifyy")).unwrap();
+    let out = Command::new(analyze).args(["verify", "--man=no"]).arg(&copy).output().unwrap();
+    assert!(!String::from_utf8_lossy(&out.stderr).trim().is_empty(), "a bad Type= goes unnoticed");
+    assert_eq!(common::unit_capabilities().len(), 4);
 }

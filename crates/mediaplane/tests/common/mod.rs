@@ -111,3 +111,21 @@ impl Daemon {
         self.proc.terminate(Duration::from_secs(10)).unwrap_or_else(|e| panic!("{e}"))
     }
 }
+
+/// The repository's systemd unit.
+pub fn unit_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/systemd/mediaplane.service")
+}
+
+/// The values of `key=` in a unit's text (space-separated words of every such line).
+pub fn unit_values(unit: &str, key: &str) -> Vec<String> {
+    unit.lines().filter_map(|l| l.trim().strip_prefix(key)?.strip_prefix('=')).flat_map(|v| v.split_whitespace().map(String::from)).collect()
+}
+
+/// The capabilities the unit grants, lower case without `CAP_` (as setpriv names them).
+pub fn unit_capabilities() -> Vec<String> {
+    let unit = std::fs::read_to_string(unit_path()).unwrap();
+    let ambient = unit_values(&unit, "AmbientCapabilities");
+    assert_eq!(ambient, unit_values(&unit, "CapabilityBoundingSet"), "the unit bounds the process to the capabilities it grants");
+    ambient.iter().map(|c| c.strip_prefix("CAP_").unwrap_or_else(|| panic!("{c}")).to_lowercase()).collect()
+}
