@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: all deps build release test demo bench fuzz fuzz-smoke fuzz-cargo fuzz-bpf clean
+.PHONY: all deps build release test demo bench fuzz fuzz-smoke fuzz-cargo fuzz-bpf clean deb deb-tools deb-assets
 
 all: build
 
@@ -18,7 +18,9 @@ release: deps
 
 # Unit, loopback, kernel (BPF_PROG_TEST_RUN, network namespaces) and interop tests.
 # Privileged tests fail rather than skip when CI=true.
-test: deps
+# The .deb test (crates/mediaplane/tests/deb_package.rs) packages the debug build with cargo-deb,
+# installs it, starts it as the unit would and removes it.
+test: deps deb-tools
 	$(CARGO) test --workspace --no-fail-fast
 	$(MAKE) fuzz-smoke
 
@@ -66,6 +68,25 @@ bench: release
 	# 5000/10000 calls and 30 s runs take about an hour here: run those by hand.
 	target/release/mediaplane bench relay --calls 750,1800 --seconds 10 --capacity 1000000 --capacity-seconds 240 --out bench-results/relay
 	target/release/mediaplane bench overload --out bench-results/overload
+
+# The Debian package: target/debian/mediaplane_<version>_<arch>.deb (release build; binary,
+# systemd unit, default configuration as a conffile, man pages, bash/zsh/fish completions).
+TARGET_DIR ?= $(or $(CARGO_TARGET_DIR),target)
+deb: release deb-tools
+	$(MAKE) deb-assets BIN=$(TARGET_DIR)/release/mediaplane
+	$(CARGO) deb -p mediaplane --no-build
+
+deb-tools:
+	@$(CARGO) deb --version >/dev/null 2>&1 || $(CARGO) install --locked cargo-deb
+
+# Man pages and completions, generated from the clap definitions by the binary itself.
+BIN ?= $(TARGET_DIR)/release/mediaplane
+deb-assets:
+	rm -rf deploy/gen && mkdir -p deploy/gen/man deploy/gen/completions
+	$(BIN) man --out-dir deploy/gen/man && gzip -9n deploy/gen/man/*.1
+	$(BIN) completions bash > deploy/gen/completions/mediaplane.bash
+	$(BIN) completions zsh > deploy/gen/completions/_mediaplane
+	$(BIN) completions fish > deploy/gen/completions/mediaplane.fish
 
 clean:
 	$(CARGO) clean

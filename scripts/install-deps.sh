@@ -8,6 +8,7 @@ packages=(
   iproute2 ethtool                                                 # network-namespace testbed
   kamailio sip-tester                                              # SIP interop tests (Kamailio + SIPp)
   prometheus                                                       # promtool: the /metrics test lints the exposition
+  systemd man-db util-linux                                        # unit verification (systemd-analyze, man pages), setpriv
 )
 # `make bench` compares the relay with rtpengine (user-space forwarding; its kernel module is
 # not needed): `install-deps.sh --bench`.

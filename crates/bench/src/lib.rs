@@ -11,6 +11,7 @@
 pub mod added_delay;
 pub mod flood;
 pub mod netns;
+pub mod process;
 pub mod qos;
 pub mod traffic;
 
@@ -23,8 +24,7 @@ pub use traffic::{run, Preset, Profile, TrafficPlan, TrafficReport};
 /// (CI runs as root, so a privileged test must never silently skip there), otherwise prints
 /// "skipped: needs root" and returns false.
 pub fn require_root(test: &str) -> bool {
-    // SAFETY: geteuid has no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
+    if is_root() {
         return true;
     }
     if std::env::var("CI").is_ok_and(|v| v == "true") {
@@ -32,4 +32,19 @@ pub fn require_root(test: &str) -> bool {
     }
     eprintln!("{test}: skipped: needs root");
     false
+}
+
+/// True when this process runs as root.
+pub fn is_root() -> bool {
+    // SAFETY: geteuid has no preconditions.
+    unsafe { libc::geteuid() == 0 }
+}
+
+/// For the commands that build namespaces (`demo`, `bench`): an error saying so unless root.
+pub fn ensure_root(what: &str) -> anyhow::Result<()> {
+    if is_root() {
+        Ok(())
+    } else {
+        anyhow::bail!("{what} builds network namespaces and needs root")
+    }
 }

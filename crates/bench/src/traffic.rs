@@ -39,6 +39,7 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 use socket2::{SockAddr, SockRef};
 
+use mediaplane_dataplane::sys::Epoll;
 use crate::qos::{DelayVariation, EModel, Rfc3550Jitter, SeqTracker, Summary, ValueRecorder};
 
 pub const RTP_HEADER_LEN: usize = 12;
@@ -898,7 +899,7 @@ fn receive_loop(
     // Hard stop even if the sender never reports done.
     let hard_stop = t0 + (plan.duration + MAX_LATENESS + plan.drain).as_nanos() as u64;
     let mut buf = vec![0u8; MAX_PACKET + 1];
-    let mut events = [libc::epoll_event { events: 0, u64: 0 }; 64];
+    let mut ready = Vec::with_capacity(64);
 
     loop {
         let now = monotonic_ns();
@@ -915,9 +916,9 @@ fn receive_loop(
         }
         // Wake at least every 10 ms to notice the sender finishing.
         let timeout_ms = ((stop_at - now) / 1_000_000).clamp(1, 10) as i32;
-        let ready = epoll.wait(&mut events, timeout_ms)?;
-        for ev in &events[..ready] {
-            let i = ev.u64 as usize;
+        epoll.wait(&mut ready, timeout_ms)?;
+        for &token in &ready {
+            let i = token as usize;
             let fd = plan.receivers[i].socket.as_raw_fd();
             // Bounded per wake-up so one busy socket cannot starve the others or the clock.
             for _ in 0..256 {
@@ -1184,54 +1185,6 @@ fn recv_timestamped(fd: libc::c_int, buf: &mut [u8]) -> io::Result<(usize, bool,
         }
     }
     Ok((n as usize, truncated, stamp))
-}
-
-struct Epoll(libc::c_int);
-
-impl Epoll {
-    fn new() -> io::Result<Epoll> {
-        // SAFETY: plain syscall.
-        let fd = unsafe { libc::epoll_create1(libc::EPOLL_CLOEXEC) };
-        if fd < 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(Epoll(fd))
-    }
-
-    fn add(&self, fd: libc::c_int, token: u64) -> io::Result<()> {
-        let mut ev = libc::epoll_event {
-            events: libc::EPOLLIN as u32,
-            u64: token,
-        };
-        // SAFETY: valid epoll and socket fds, valid event pointer.
-        if unsafe { libc::epoll_ctl(self.0, libc::EPOLL_CTL_ADD, fd, &mut ev) } != 0 {
-            return Err(io::Error::last_os_error());
-        }
-        Ok(())
-    }
-
-    fn wait(&self, events: &mut [libc::epoll_event], timeout_ms: i32) -> io::Result<usize> {
-        // SAFETY: events buffer valid for its length.
-        let n = unsafe {
-            libc::epoll_wait(self.0, events.as_mut_ptr(), events.len() as i32, timeout_ms)
-        };
-        if n < 0 {
-            let e = io::Error::last_os_error();
-            return if e.kind() == io::ErrorKind::Interrupted {
-                Ok(0)
-            } else {
-                Err(e)
-            };
-        }
-        Ok(n as usize)
-    }
-}
-
-impl Drop for Epoll {
-    fn drop(&mut self) {
-        // SAFETY: we own this fd.
-        unsafe { libc::close(self.0) };
-    }
 }
 
 #[cfg(test)]

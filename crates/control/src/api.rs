@@ -308,6 +308,7 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
+        .route("/openapi.json", get(openapi))
         .route("/v1/rooms", get(list_rooms).post(create_room))
         .route("/v1/rooms/{room}", get(get_room).delete(delete_room))
         .route("/v1/rooms/{room}/participants", post(add_participant))
@@ -388,6 +389,14 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         // Outermost: the id exists before the span and every other layer.
         .layer(SetRequestIdLayer::new(REQUEST_ID, MakeRequestUuid))
         .with_state(state)
+}
+
+/// The OpenAPI 3 description of this router (`crates/control/openapi.json`; the test
+/// `crates/mediaplane/tests/openapi.rs` checks it against the real routes).
+pub const OPENAPI: &str = include_str!("../openapi.json");
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
 }
 
 async fn not_found() -> ApiError {

@@ -1,5 +1,10 @@
 //! `serve` configuration: a TOML file whose every key has a default, so an empty file (or none)
 //! is a working configuration.
+//!
+//! Every key can also be set from the environment as `MEDIAPLANE_<SECTION>_<KEY>` (upper case:
+//! `MEDIAPLANE_API_LISTEN`, `MEDIAPLANE_DATAPLANE_PIN_DIR`), derived from the structure below so a
+//! new key is covered without more code ([`Config::resolve`]). Precedence: defaults < file <
+//! environment < command-line flags. The API token can come from a file (`api.token_file`).
 
 use serde::{Deserialize, Serialize};
 use std::net::{IpAddr, SocketAddr};
@@ -108,6 +113,9 @@ pub struct ApiConfig {
     pub max_batch_body: usize,
     /// Bearer token required on every request; mandatory when `listen` is not loopback.
     pub token: Option<String>,
+    /// A file holding the token instead (one line; a trailing newline is not part of it), so the
+    /// secret stays out of the configuration and the environment. Not both.
+    pub token_file: Option<PathBuf>,
     /// A request taking longer than this is answered 503.
     pub timeout_ms: u64,
 }
@@ -228,7 +236,7 @@ pub struct LogConfig {
 
 impl Default for ApiConfig {
     fn default() -> Self {
-        ApiConfig { listen: "127.0.0.1:7580".parse().unwrap(), max_body: 64 * 1024, max_batch_body: 4 << 20, token: None, timeout_ms: 5000 }
+        ApiConfig { listen: "127.0.0.1:7580".parse().unwrap(), max_body: 64 * 1024, max_batch_body: 4 << 20, token: None, token_file: None, timeout_ms: 5000 }
     }
 }
 impl Default for DataplaneConfig {
@@ -273,6 +281,41 @@ impl Config {
         Ok(c)
     }
 
+    /// The configuration `serve` runs with before its command-line flags: the defaults, the file
+    /// (if any) over them, `MEDIAPLANE_<SECTION>_<KEY>` variables of `env` over that, and the
+    /// token read from `api.token_file`. Not validated: the caller applies its flags, then
+    /// [`Config::validate`].
+    ///
+    /// A value is read as TOML (`8`, `true`, `["eth1", "eth2"]`), else as a string, else as a
+    /// comma-separated list (`MEDIAPLANE_DATAPLANE_INTERFACES=eth1,eth2`), whichever the key
+    /// takes. A variable naming a section but no key of it (`MEDIAPLANE_API_LISTN`) is an error;
+    /// other `MEDIAPLANE_*` variables (the client's `MEDIAPLANE_API`, `MEDIAPLANE_TOKEN`) are not
+    /// configuration and are left alone.
+    pub fn resolve(file: Option<&Path>, env: impl IntoIterator<Item = (String, String)>) -> Result<Config, String> {
+        let mut table = match file {
+            Some(path) => {
+                let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
+                text.parse::<toml::Table>().map_err(|e| format!("{}: {e}", path.display()))?
+            }
+            None => toml::Table::new(),
+        };
+        // Check the file alone first, so its errors name it.
+        if let Some(path) = file {
+            table_to_config(&table).map_err(|e| format!("{}: {e}", path.display()))?;
+        }
+        let keys = config_keys();
+        let mut env: Vec<(String, String)> = env.into_iter().filter(|(k, _)| k.starts_with(ENV_PREFIX)).collect();
+        env.sort();
+        for (var, value) in env {
+            let Some((section, key)) = env_key(&keys, &var)? else { continue };
+            let v = env_value(section, key, &value).map_err(|e| format!("{var}={value:?}: {e}"))?;
+            table.entry(section).or_insert_with(|| toml::Value::Table(toml::Table::new())).as_table_mut().ok_or_else(|| format!("[{section}] is not a table"))?.insert(key.to_string(), v);
+        }
+        let mut cfg = table_to_config(&table)?;
+        cfg.api.read_token_file()?;
+        Ok(cfg)
+    }
+
     pub fn load(path: &Path) -> Result<Config, String> {
         let text = std::fs::read_to_string(path).map_err(|e| format!("cannot read {}: {e}", path.display()))?;
         Config::from_toml(&text).map_err(|e| format!("{}: {e}", path.display()))
@@ -286,7 +329,7 @@ impl Config {
             return Err("media.ip must be a concrete address, not 0.0.0.0 or ::".into());
         }
         if !self.api.listen.ip().is_loopback() && self.api.token.as_deref().is_none_or(str::is_empty) {
-            return Err(format!("api.listen {} is not loopback: set api.token (clients send it as a bearer token)", self.api.listen));
+            return Err(format!("api.listen {} is not loopback: set api.token or api.token_file (clients send it as a bearer token)", self.api.listen));
         }
         if let Some(ng) = self.ng.listen {
             if !ng.ip().is_loopback() && self.ng.allow.is_empty() {
@@ -303,9 +346,199 @@ impl Config {
     }
 }
 
+impl ApiConfig {
+    /// Read `token_file` into `token`: one trailing newline (`\n` or `\r\n`) is dropped, an
+    /// unreadable or empty file, or a token set both ways, is an error.
+    pub fn read_token_file(&mut self) -> Result<(), String> {
+        let Some(path) = &self.token_file else { return Ok(()) };
+        if self.token.is_some() {
+            return Err("api.token and api.token_file are both set: use one".into());
+        }
+        let text = std::fs::read_to_string(path).map_err(|e| format!("api.token_file {}: {e}", path.display()))?;
+        let token = text.strip_suffix('\n').map(|t| t.strip_suffix('\r').unwrap_or(t)).unwrap_or(&text);
+        if token.is_empty() {
+            return Err(format!("api.token_file {} is empty", path.display()));
+        }
+        if token.contains(['\n', '\r']) {
+            return Err(format!("api.token_file {}: the token must be one line", path.display()));
+        }
+        self.token = Some(token.to_string());
+        Ok(())
+    }
+}
+
+const ENV_PREFIX: &str = "MEDIAPLANE_";
+
+fn table_to_config(table: &toml::Table) -> Result<Config, String> {
+    Config::deserialize(toml::Value::Table(table.clone())).map_err(|e| e.to_string())
+}
+
+/// (section, keys) of the configuration, from the defaults serialized (JSON keeps the `None`s of
+/// optional keys as nulls, where TOML would drop them).
+fn config_keys() -> Vec<(String, Vec<String>)> {
+    let v = serde_json::to_value(Config::default()).expect("the default configuration serializes");
+    let serde_json::Value::Object(sections) = v else { unreachable!("Config is a struct") };
+    sections
+        .into_iter()
+        .map(|(name, section)| {
+            let serde_json::Value::Object(keys) = section else { unreachable!("every section is a struct") };
+            (name, keys.into_iter().map(|(k, _)| k).collect())
+        })
+        .collect()
+}
+
+/// The (section, key) a `MEDIAPLANE_*` variable names; None for one that names no section.
+fn env_key<'k>(keys: &'k [(String, Vec<String>)], var: &str) -> Result<Option<(&'k str, &'k str)>, String> {
+    let rest = &var[ENV_PREFIX.len()..];
+    for (section, section_keys) in keys {
+        let Some(key) = rest.strip_prefix(&section.to_uppercase()).and_then(|r| r.strip_prefix('_')) else { continue };
+        return match section_keys.iter().find(|k| k.to_uppercase() == key) {
+            Some(k) => Ok(Some((section, k))),
+            None => Err(format!(
+                "{var}: [{section}] has no key {:?} (its keys: {})",
+                key.to_lowercase(),
+                section_keys.iter().map(|k| format!("{ENV_PREFIX}{}_{}", section.to_uppercase(), k.to_uppercase())).collect::<Vec<_>>().join(", ")
+            )),
+        };
+    }
+    Ok(None)
+}
+
+/// `value` as the TOML value `section.key` takes: TOML, a string, or a comma-separated list.
+fn env_value(section: &str, key: &str, value: &str) -> Result<toml::Value, String> {
+    let fits = |v: &toml::Value| {
+        let mut t = toml::Table::new();
+        t.insert(section.to_string(), toml::Value::Table(toml::Table::from_iter([(key.to_string(), v.clone())])));
+        table_to_config(&t)
+    };
+    let parsed = format!("v = {value}").parse::<toml::Table>().ok().and_then(|mut t| t.remove("v"));
+    let mut first_error = None;
+    let list = toml::Value::Array(value.split(',').map(|s| toml::Value::String(s.trim().to_string())).filter(|v| v.as_str() != Some("")).collect());
+    for candidate in parsed.into_iter().chain([toml::Value::String(value.to_string()), list]) {
+        match fits(&candidate) {
+            Ok(_) => return Ok(candidate),
+            Err(e) => {
+                first_error.get_or_insert(e);
+            }
+        }
+    }
+    Err(first_error.unwrap_or_default())
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn env(vars: &[(&str, &str)]) -> Vec<(String, String)> {
+        vars.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    }
+
+    #[test]
+    fn every_key_has_an_environment_variable() {
+        // Set every key of every section from the environment to its default's value written
+        // as TOML: the result is the default, so each variable was recognised and parsed.
+        let defaults = serde_json::to_value(Config::default()).unwrap();
+        let mut vars = Vec::new();
+        for (section, keys) in config_keys() {
+            for key in keys {
+                let v = &defaults[&section][&key];
+                assert!(!v.is_object(), "{section}.{key} is a nested table: extend env_key to nested keys");
+                if v.is_null() {
+                    continue;
+                }
+                let toml_value: toml::Value = serde_json::from_value(v.clone()).unwrap();
+                vars.push((format!("MEDIAPLANE_{}_{}", section.to_uppercase(), key.to_uppercase()), toml_value.to_string()));
+            }
+        }
+        assert!(vars.len() > 30, "{vars:?}");
+        assert_eq!(Config::resolve(None, vars).unwrap(), Config::default());
+    }
+
+    #[test]
+    fn environment_over_file_over_defaults() {
+        let dir = std::env::temp_dir().join(format!("mp-config-{}-{}", std::process::id(), line!()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let file = dir.join("c.toml");
+        std::fs::write(&file, "[api]\nlisten = \"127.0.0.1:9000\"\n[dataplane]\nworkers = 3\nbatch = 8\n").unwrap();
+        let c = Config::resolve(
+            Some(&file),
+            env(&[
+                ("MEDIAPLANE_DATAPLANE_WORKERS", "5"),
+                ("MEDIAPLANE_DATAPLANE_KIND", "ebpf"),
+                ("MEDIAPLANE_DATAPLANE_INTERFACES", "eth1, eth2"),
+                ("MEDIAPLANE_DATAPLANE_PIN_DIR", "/sys/fs/bpf/x"),
+                ("MEDIAPLANE_DATAPLANE_XDP_PREFILTER", "off"),
+                ("MEDIAPLANE_NG_LISTEN", "127.0.0.1:2223"),
+                ("MEDIAPLANE_NG_ALLOW", "[\"10.0.0.1\", \"10.0.0.2\"]"),
+                ("MEDIAPLANE_LOG_LEVEL", "debug"),
+                ("MEDIAPLANE_API_TOKEN", "12345"),
+                ("MEDIAPLANE_LIMITS_SOURCE_PPS", "2000"),
+                // The client's variables and others that name no section are not configuration.
+                ("MEDIAPLANE_API", "http://127.0.0.1:7580"),
+                ("MEDIAPLANE_TOKEN", "x"),
+                ("MEDIAPLANE_FUZZ_SEED", "1"),
+                ("PATH", "/usr/bin"),
+            ]),
+        )
+        .unwrap();
+        let _ = std::fs::remove_dir_all(&dir);
+        assert_eq!(c.api.listen, "127.0.0.1:9000".parse().unwrap(), "file over default");
+        assert_eq!(c.dataplane.batch, 8);
+        assert_eq!(c.dataplane.workers, 5, "environment over file");
+        assert_eq!(c.dataplane.kind, DataplaneKind::Ebpf);
+        assert_eq!(c.dataplane.interfaces, ["eth1", "eth2"]);
+        assert_eq!(c.dataplane.pin_dir, PathBuf::from("/sys/fs/bpf/x"));
+        assert_eq!(c.dataplane.xdp_prefilter, XdpPrefilterMode::Off);
+        assert_eq!(c.ng.listen, Some("127.0.0.1:2223".parse().unwrap()));
+        assert_eq!(c.ng.allow.len(), 2);
+        assert_eq!(c.log.level, "debug");
+        assert_eq!(c.api.token.as_deref(), Some("12345"), "a number where a string goes is the string");
+        assert_eq!(c.limits.source_pps, 2000);
+    }
+
+    #[test]
+    fn bad_environment_variables_are_errors() {
+        let e = Config::resolve(None, env(&[("MEDIAPLANE_API_LISTN", "127.0.0.1:1")])).unwrap_err();
+        assert!(e.contains("MEDIAPLANE_API_LISTN") && e.contains("MEDIAPLANE_API_LISTEN"), "{e}");
+        let e = Config::resolve(None, env(&[("MEDIAPLANE_DATAPLANE_WORKERS", "many")])).unwrap_err();
+        assert!(e.contains("MEDIAPLANE_DATAPLANE_WORKERS"), "{e}");
+        let e = Config::resolve(None, env(&[("MEDIAPLANE_DATAPLANE_KIND", "dpdk")])).unwrap_err();
+        assert!(e.contains("dpdk"), "{e}");
+        let e = Config::resolve(None, env(&[("MEDIAPLANE_API_LISTEN", "")])).unwrap_err();
+        assert!(e.contains("MEDIAPLANE_API_LISTEN"), "{e}");
+        let missing = std::path::Path::new("/nonexistent/mediaplane.toml");
+        assert!(Config::resolve(Some(missing), env(&[])).unwrap_err().contains("/nonexistent/mediaplane.toml"));
+    }
+
+    #[test]
+    fn token_from_a_file() {
+        let dir = std::env::temp_dir().join(format!("mp-token-{}-{}", std::process::id(), line!()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let f = dir.join("token");
+        let with = |text: &str, extra: &[(&str, &str)]| {
+            std::fs::write(&f, text).unwrap();
+            let mut vars = env(extra);
+            vars.push(("MEDIAPLANE_API_TOKEN_FILE".into(), f.display().to_string()));
+            Config::resolve(None, vars)
+        };
+        assert_eq!(with("s3cret\n", &[]).unwrap().api.token.as_deref(), Some("s3cret"));
+        assert_eq!(with("s3cret\r\n", &[]).unwrap().api.token.as_deref(), Some("s3cret"));
+        assert_eq!(with("s3cret", &[]).unwrap().api.token.as_deref(), Some("s3cret"));
+        assert!(with("", &[]).unwrap_err().contains("empty"));
+        assert!(with("\n", &[]).unwrap_err().contains("empty"));
+        assert!(with("a\nb\n", &[]).unwrap_err().contains("one line"));
+        assert!(with("s3cret\n", &[("MEDIAPLANE_API_TOKEN", "x")]).unwrap_err().contains("both"));
+        let token_file = f.display().to_string();
+        let _ = std::fs::remove_dir_all(&dir);
+        let e = Config::resolve(None, env(&[("MEDIAPLANE_API_TOKEN_FILE", &token_file)])).unwrap_err();
+        assert!(e.contains("api.token_file"), "{e}");
+        // A non-loopback API with the token from a file is a valid configuration.
+        let mut c = Config::default();
+        c.api.listen = "0.0.0.0:7580".parse().unwrap();
+        assert!(c.validate().unwrap_err().contains("api.token_file"));
+        c.api.token = Some("t".into());
+        c.validate().unwrap();
+    }
 
     #[test]
     fn empty_file_is_the_default() {

@@ -66,9 +66,11 @@ pub async fn serve_with(
     }
 
     let metrics = metrics::Metrics::new(manager.clone(), &cfg.metrics);
-    start(manager.clone(), metrics.clone());
     let listener = tokio::net::TcpListener::bind(cfg.api.listen).await.with_context(|| format!("binding API on {}", cfg.api.listen))?;
     tracing::info!(listen = %listener.local_addr()?, "API listening");
+    // The API is bound (connections queue from here) before the hook runs, so a hook that tells
+    // a service manager "ready" tells the truth.
+    start(manager.clone(), metrics.clone());
     let app = api::router(manager.clone(), &cfg.api, metrics);
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
     tracing::info!("shutting down data plane");

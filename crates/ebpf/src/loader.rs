@@ -295,7 +295,7 @@ impl FastPath {
         }
         let obj = open.load().map_err(|e| {
             bpf_err(
-                "loading the BPF program (needs root/CAP_BPF+CAP_NET_ADMIN and a kernel >= 6.6 with BTF; \
+                "loading the BPF program (needs CAP_BPF, CAP_PERFMON and CAP_NET_ADMIN, and a kernel >= 6.6 with BTF; \
                  pinned maps from an incompatible version need a reset)",
                 e,
             )

@@ -7,6 +7,7 @@ mod common;
 
 use common::rig::root_or_skip;
 use common::*;
+use mediaplane_bench::process::Supervised;
 use mediaplane_core::model::{Model, StreamRef, StreamSpec};
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
 use mediaplane_core::ForwardingTable;
@@ -252,13 +253,13 @@ fn hitless_restart_after_kill_9() {
     let table = Arc::new(ForwardingTable::compile(&star_model(2, &[(1, 0)]), 1));
 
     let spawn = || {
-        let mut child = std::process::Command::new(std::env::current_exe().unwrap())
-            .args(["--exact", "hitless_restart_after_kill_9", "--nocapture", "--test-threads=1"])
+        let mut cmd = std::process::Command::new(std::env::current_exe().unwrap());
+        cmd.args(["--exact", "hitless_restart_after_kill_9", "--nocapture", "--test-threads=1"])
             .env(DAEMON_ENV, format!("{}|{}|{}", star.sfu.name, pin_dir.display(), star.sfu_ifs.join(",")))
-            .stdout(std::process::Stdio::piped())
-            .spawn()
-            .expect("spawn daemon");
-        let mut out = std::io::BufReader::new(child.stdout.take().unwrap());
+            .stdout(std::process::Stdio::piped());
+        // Dropped: SIGKILL, and reaped.
+        let mut daemon = Supervised::spawn("daemon", &mut cmd).expect("spawn daemon");
+        let mut out = std::io::BufReader::new(daemon.child_mut().stdout.take().unwrap());
         let deadline = Instant::now() + Duration::from_secs(20);
         let mut line = String::new();
         while Instant::now() < deadline {
@@ -267,21 +268,12 @@ fn hitless_restart_after_kill_9() {
                 break;
             }
             if line.contains("DAEMON-READY") {
-                return child;
+                return daemon;
             }
         }
-        let _ = child.kill();
-        let _ = child.wait();
         panic!("daemon did not start");
     };
-    struct KillOnDrop(std::process::Child);
-    impl Drop for KillOnDrop {
-        fn drop(&mut self) {
-            let _ = self.0.kill();
-            let _ = self.0.wait();
-        }
-    }
-    let daemon = KillOnDrop(spawn());
+    let daemon = spawn();
     // Resolve neighbours, then stream p0 -> p1 across a kill -9 and a restart.
     socks[1].send_to(b"warm-up", Star::sfu_addr(1)).unwrap();
     socks[0].send_to(b"warm-up", Star::sfu_addr(0)).unwrap();

@@ -1,16 +1,9 @@
-//! `mediaplane`: serve | ctl | demo.
+//! `mediaplane`: serve | ctl | demo | bench (the last two: the `mediaplane-harness` crate).
 
-mod bench_relay;
-mod bench_overload;
-mod bench_sfu;
-mod conference;
 mod ctl;
-mod demo;
-mod relay_report;
-mod report;
 
 use anyhow::Context;
-use clap::{Parser, Subcommand};
+use clap::{CommandFactory, Parser, Subcommand};
 use mediaplane_control::{Config, DataplaneKind};
 use mediaplane_dataplane::{Dataplane, DataplaneEvent, UserspaceConfig, UserspaceDataplane};
 use std::net::SocketAddr;
@@ -31,16 +24,31 @@ enum Command {
     /// Talk to a running daemon's API.
     Ctl(ctl::CtlArgs),
     /// Run a real multi-party conference in network namespaces and print what everyone received.
-    Demo(demo::DemoArgs),
+    Demo(mediaplane_harness::DemoArgs),
     /// Benchmarks: every data plane side by side in one run; writes JSON, CSV and an HTML report.
     #[command(subcommand)]
-    Bench(bench_sfu::BenchCommand),
+    Bench(mediaplane_harness::BenchCommand),
+    /// Write the man pages (roff): mediaplane.1 to standard output, or it and one page per
+    /// subcommand (mediaplane-serve.1, ...) into --out-dir.
+    #[command(hide = true)]
+    Man {
+        #[arg(long)]
+        out_dir: Option<PathBuf>,
+    },
+    /// Write a shell completion script to standard output.
+    #[command(hide = true)]
+    Completions {
+        #[arg(value_enum)]
+        shell: clap_complete::Shell,
+    },
 }
 
 #[derive(clap::Args)]
 struct ServeArgs {
-    /// TOML configuration file; every key has a default (see README).
-    #[arg(long, short)]
+    /// TOML configuration file; every key has a default, and every key can be set from the
+    /// environment as MEDIAPLANE_<SECTION>_<KEY> (e.g. MEDIAPLANE_API_LISTEN), over the file and
+    /// under these flags (see README).
+    #[arg(long, short, env = "MEDIAPLANE_CONFIG")]
     config: Option<PathBuf>,
     /// API listen address (overrides api.listen).
     #[arg(long)]
@@ -97,13 +105,42 @@ fn main() {
     let result = match cli.command {
         Command::Serve(args) => serve(args),
         Command::Ctl(args) => ctl::run(args),
-        Command::Demo(args) => demo::run(args),
-        Command::Bench(cmd) => bench_sfu::run(cmd),
+        Command::Demo(args) => mediaplane_harness::demo(args),
+        Command::Bench(cmd) => mediaplane_harness::bench(cmd),
+        Command::Man { out_dir } => man(out_dir),
+        Command::Completions { shell } => {
+            // Into memory first: clap_complete panics on a failed write (a closed pipe).
+            let mut script = Vec::new();
+            clap_complete::generate(shell, &mut Cli::command(), "mediaplane", &mut script);
+            std::io::Write::write_all(&mut std::io::stdout(), &script).map_err(Into::into)
+        }
     };
     if let Err(e) = result {
         eprintln!("error: {e:#}");
         std::process::exit(1);
     }
+}
+
+/// The man pages, from the same clap definitions as `--help`.
+fn man(out_dir: Option<PathBuf>) -> anyhow::Result<()> {
+    let cmd = Cli::command();
+    let Some(dir) = out_dir else {
+        clap_mangen::Man::new(cmd).render(&mut std::io::stdout())?;
+        return Ok(());
+    };
+    std::fs::create_dir_all(&dir).with_context(|| format!("creating {}", dir.display()))?;
+    let write = |name: &str, c: clap::Command| -> anyhow::Result<()> {
+        let path = dir.join(format!("{name}.1"));
+        let mut out = Vec::new();
+        clap_mangen::Man::new(c).title(name.to_string()).render(&mut out)?;
+        std::fs::write(&path, out).with_context(|| format!("writing {}", path.display()))
+    };
+    for sub in cmd.get_subcommands().filter(|s| !s.is_hide_set()) {
+        // clap takes a command's name as &'static str; this runs once, then the process exits.
+        let name: &'static str = Box::leak(format!("mediaplane-{}", sub.get_name()).into_boxed_str());
+        write(name, sub.clone().name(name))?;
+    }
+    write("mediaplane", cmd)
 }
 
 fn init_logging(cfg: &Config) {
@@ -146,10 +183,16 @@ fn raise_fd_limit(cfg: &Config) {
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
-    let mut cfg = match &args.config {
-        Some(p) => Config::load(p).map_err(anyhow::Error::msg)?,
-        None => Config::default(),
-    };
+    // Defaults < file < MEDIAPLANE_<SECTION>_<KEY> variables < the flags below.
+    let mut env = Vec::new();
+    for (k, v) in std::env::vars_os() {
+        match (k.into_string(), v.into_string()) {
+            (Ok(k), Ok(v)) => env.push((k, v)),
+            (Ok(k), Err(_)) if k.starts_with("MEDIAPLANE_") => anyhow::bail!("{k} is not UTF-8"),
+            _ => {}
+        }
+    }
+    let mut cfg = Config::resolve(args.config.as_deref(), env).map_err(anyhow::Error::msg)?;
     if let Some(l) = args.listen {
         cfg.api.listen = l;
     }
@@ -200,6 +243,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         media_timeout: std::time::Duration::from_secs(cfg.ng.media_timeout_secs),
         allow: cfg.ng.allow.clone(),
     };
+    let api_listen = cfg.api.listen;
     rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager, metrics| {
         if let Some(socket) = ng {
             tracing::info!(listen = %ng_cfg.listen, "NG protocol listening");
@@ -209,6 +253,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
                 }
             });
         }
+        // Store open, sessions restored, data plane up, NG and the API bound.
+        tracing::info!("ready");
+        sd_notify(&format!("READY=1\nSTATUS=serving the API on {api_listen}\nMAINPID={}", std::process::id()));
     }))
 }
 
@@ -256,4 +303,25 @@ async fn shutdown_signal() {
         _ = term.recv() => {}
     }
     tracing::info!("shutdown requested");
+    sd_notify("STOPPING=1");
 }
+
+/// systemd's readiness protocol (Type=notify): one datagram to `$NOTIFY_SOCKET` (a path, or
+/// `@name` in the abstract namespace). Without the variable (not under systemd) it does nothing.
+fn sd_notify(state: &str) {
+    let Some(path) = std::env::var_os("NOTIFY_SOCKET") else { return };
+    let sent = (|| -> std::io::Result<()> {
+        use std::os::unix::ffi::OsStrExt;
+        let sock = std::os::unix::net::UnixDatagram::unbound()?;
+        let bytes = path.as_bytes();
+        let addr = match bytes.strip_prefix(b"@") {
+            Some(name) => <std::os::unix::net::SocketAddr as std::os::linux::net::SocketAddrExt>::from_abstract_name(name)?,
+            None => std::os::unix::net::SocketAddr::from_pathname(std::path::Path::new(&path))?,
+        };
+        sock.send_to_addr(state.as_bytes(), &addr).map(drop)
+    })();
+    if let Err(e) = sent {
+        tracing::warn!(error = %e, state, "sd_notify failed");
+    }
+}
+

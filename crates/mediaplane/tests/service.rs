@@ -5,6 +5,7 @@
 mod common;
 
 use std::os::unix::process::CommandExt;
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -53,4 +54,82 @@ fn serve_logs_without_colour_off_a_terminal_and_raises_its_fd_limit() {
     assert!(text.contains("SFU addresses") && text.contains("fd_limit"), "says what the plane can hold: {text}");
     assert!(!text.contains('\u{1b}'), "no ANSI escape codes in a log file: {text:?}");
     assert_eq!(soft, Some(hard.rlim_max), "the soft fd limit (was 256) raised to the hard one");
+}
+
+fn status(url: &str, token: Option<&str>) -> Option<u16> {
+    let mut r = ureq::get(url).timeout(Duration::from_millis(500));
+    if let Some(t) = token {
+        r = r.set("authorization", &format!("Bearer {t}"));
+    }
+    match r.call() {
+        Ok(resp) => Some(resp.status()),
+        Err(ureq::Error::Status(c, _)) => Some(c),
+        Err(_) => None,
+    }
+}
+
+#[test]
+fn configuration_from_the_environment_and_the_token_from_a_file() {
+    let tmp = common::TempDir::new("envcfg");
+    let token_file = tmp.0.join("token");
+    std::fs::write(&token_file, "env-s3cret\n").unwrap();
+    let port = common::free_port();
+    let mut cmd = Command::new(env!("CARGO_BIN_EXE_mediaplane"));
+    // No flags at all: everything from the environment.
+    cmd.arg("serve")
+        .env("MEDIAPLANE_API_LISTEN", format!("127.0.0.1:{port}"))
+        .env("MEDIAPLANE_API_TOKEN_FILE", &token_file)
+        .env("MEDIAPLANE_STORE_PATH", tmp.0.join("s.db"))
+        .env("MEDIAPLANE_DATAPLANE_WORKERS", "1")
+        .env("RUST_LOG", "warn")
+        .stdout(Stdio::null());
+    let mut p = mediaplane_bench::process::Supervised::spawn("serve", &mut cmd).unwrap();
+    let url = format!("http://127.0.0.1:{port}/health");
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while status(&url, Some("env-s3cret")) != Some(200) {
+        assert!(Instant::now() < deadline && p.alive(), "serve did not come up on the port MEDIAPLANE_API_LISTEN names");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(status(&url, None), Some(401), "the token from the file is required");
+    assert_eq!(status(&url, Some("env-s3cre")), Some(401), "and only that token");
+    assert!(p.terminate(Duration::from_secs(10)).unwrap().success());
+    assert!(tmp.0.join("s.db").exists(), "store where MEDIAPLANE_STORE_PATH says");
+
+    // A misspelt key and an empty token file: refused at start, saying why.
+    for (var, value, says) in [("MEDIAPLANE_API_LISTN", "127.0.0.1:1", "MEDIAPLANE_API_LISTEN"), ("MEDIAPLANE_API_TOKEN_FILE", "/dev/null", "empty")] {
+        let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+            .args(["serve", "--listen", &format!("127.0.0.1:{}", common::free_port()), "--store", tmp.0.join("t.db").to_str().unwrap()])
+            .env(var, value)
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&out.stderr);
+        assert!(!out.status.success() && err.contains(says), "{var}={value}: {err}");
+    }
+}
+
+/// `systemd-analyze verify` of the repository's unit, its ExecStart pointed at the binary just
+/// built (the installed unit, man pages included, is verified by scripts/deb-test.sh). Any
+/// message, even a warning such as an unknown key, fails.
+#[test]
+fn the_systemd_unit_verifies() {
+    let analyze = ["/usr/bin/systemd-analyze", "/bin/systemd-analyze"].into_iter().find(|p| Path::new(p).exists());
+    let Some(analyze) = analyze else {
+        assert!(std::env::var("CI").as_deref() != Ok("true"), "systemd-analyze missing under CI (scripts/install-deps.sh installs systemd)");
+        eprintln!("SKIP the_systemd_unit_verifies: no systemd-analyze");
+        return;
+    };
+    let unit = std::fs::read_to_string(common::unit_path()).unwrap();
+    assert!(unit.contains("\nExecStart=/usr/bin/mediaplane serve --config /etc/mediaplane/mediaplane.toml\n"), "{unit}");
+    assert!(unit.contains("\nType=notify\n"));
+    let tmp = common::TempDir::new("unit");
+    let copy = tmp.0.join("mediaplane.service");
+    std::fs::write(&copy, unit.replace("ExecStart=/usr/bin/mediaplane", &format!("ExecStart={}", env!("CARGO_BIN_EXE_mediaplane")))).unwrap();
+    let out = Command::new(analyze).args(["verify", "--man=no"]).arg(&copy).output().unwrap();
+    let said = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    assert!(out.status.success() && said.trim().is_empty(), "systemd-analyze verify: {said}");
+    // And it does catch a mistake.
+    std::fs::write(&copy, unit.replace("Type=notify", "Type=notifyy")).unwrap();
+    let out = Command::new(analyze).args(["verify", "--man=no"]).arg(&copy).output().unwrap();
+    assert!(!String::from_utf8_lossy(&out.stderr).trim().is_empty(), "a bad Type= goes unnoticed");
+    assert_eq!(common::unit_capabilities().len(), 4);
 }

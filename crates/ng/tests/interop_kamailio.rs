@@ -13,9 +13,9 @@ use common::Relay;
 use mediaplane_ng::calls::parse_relay_id;
 use std::collections::BTreeMap;
 use std::net::UdpSocket;
-use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitStatus, Stdio};
+use mediaplane_bench::process::Supervised;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const MEDIA_IP: &str = "127.83.0.1";
@@ -36,7 +36,7 @@ fn module_dir() -> Option<PathBuf> {
 
 /// Why this test cannot run here, if it cannot.
 fn missing() -> Option<String> {
-    if unsafe { libc::geteuid() } != 0 {
+    if !mediaplane_bench::is_root() {
         return Some("not root".into());
     }
     for bin in ["kamailio", "sipp"] {
@@ -57,50 +57,12 @@ fn free_udp_port() -> u16 {
     UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// A child in its own process group; terminated (then killed) by PID on drop.
-struct Proc {
-    name: &'static str,
-    child: Child,
-}
+/// A child in its own process group (the signals reach what it forks, kamailio's children);
+/// terminated (then killed) on drop.
+type Proc = Supervised;
 
-impl Proc {
-    fn spawn(name: &'static str, cmd: &mut Command) -> Proc {
-        let child = cmd.process_group(0).stdin(Stdio::null()).spawn().unwrap_or_else(|e| panic!("spawn {name}: {e}"));
-        Proc { name, child }
-    }
-
-    fn wait_timeout(&mut self, t: Duration) -> Option<ExitStatus> {
-        let deadline = Instant::now() + t;
-        loop {
-            if let Some(s) = self.child.try_wait().unwrap() {
-                return Some(s);
-            }
-            if Instant::now() > deadline {
-                return None;
-            }
-            std::thread::sleep(Duration::from_millis(50));
-        }
-    }
-
-    fn stop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_some() {
-            return;
-        }
-        let pgid = self.child.id() as i32;
-        // Its own group: the signal reaches the processes it forked (kamailio's children) too.
-        unsafe { libc::kill(-pgid, libc::SIGTERM) };
-        if self.wait_timeout(Duration::from_secs(3)).is_none() {
-            eprintln!("{} did not stop on SIGTERM; killing", self.name);
-            unsafe { libc::kill(-pgid, libc::SIGKILL) };
-            let _ = self.child.wait();
-        }
-    }
-}
-
-impl Drop for Proc {
-    fn drop(&mut self) {
-        self.stop();
-    }
+fn spawn(name: &'static str, cmd: &mut Command) -> Proc {
+    Supervised::spawn_group(name, cmd.stdin(Stdio::null())).unwrap_or_else(|e| panic!("{e}")).terminate_on_drop(Duration::from_secs(3))
 }
 
 struct TempDir(PathBuf);
@@ -254,8 +216,8 @@ const UAS_XML: &str = r#"<?xml version="1.0" encoding="ISO-8859-1" ?>
 fn wait_listening(port: u16, p: &mut Proc, t: Duration) {
     let deadline = Instant::now() + t;
     while Instant::now() < deadline {
-        if let Some(s) = p.child.try_wait().unwrap() {
-            panic!("{} exited early: {s}", p.name);
+        if let Some(s) = p.exited().unwrap() {
+            panic!("{} exited early: {s}", p.name());
         }
         if UdpSocket::bind(("127.0.0.1", port)).is_err() {
             // Give its workers a moment to finish child_init (the rtpengine ping).
@@ -264,7 +226,7 @@ fn wait_listening(port: u16, p: &mut Proc, t: Duration) {
         }
         std::thread::sleep(Duration::from_millis(100));
     }
-    panic!("{} not listening on {port} after {t:?}", p.name);
+    panic!("{} not listening on {port} after {t:?}", p.name());
 }
 
 fn log_tail(path: &Path) -> String {
@@ -292,7 +254,7 @@ fn kamailio_sipp_calls_through_mediaplane() {
     let cfg = dir.0.join("kamailio.cfg");
     std::fs::write(&cfg, kamailio_cfg(sip_port, relay.ng.port(), uas_port, &module_dir().unwrap())).unwrap();
     let klog = dir.0.join("kamailio.log");
-    let mut kam = Proc::spawn(
+    let mut kam = spawn(
         "kamailio",
         Command::new(which("kamailio").unwrap())
             .args(["-DD", "-E", "-m", "32", "-M", "8", "-f"])
@@ -310,7 +272,7 @@ fn kamailio_sipp_calls_through_mediaplane() {
 
     let sipp = which("sipp").unwrap();
     let timeout = "60s";
-    let mut uas = Proc::spawn(
+    let mut uas = spawn(
         "sipp uas",
         Command::new(&sipp)
             .current_dir(&dir.0)
@@ -320,7 +282,7 @@ fn kamailio_sipp_calls_through_mediaplane() {
             .stderr(std::fs::File::create(dir.0.join("uas.err")).unwrap()),
     );
     wait_listening(uas_port, &mut uas, Duration::from_secs(10));
-    let mut uac = Proc::spawn(
+    let mut uac = spawn(
         "sipp uac",
         Command::new(&sipp)
             .current_dir(&dir.0)
@@ -349,13 +311,13 @@ fn kamailio_sipp_calls_through_mediaplane() {
                 }
             }
         });
-        if let Some(s) = uac.child.try_wait().unwrap() {
+        if let Some(s) = uac.exited().unwrap() {
             break s;
         }
         assert!(Instant::now() < deadline, "UAC still running after 90 s");
         std::thread::sleep(Duration::from_millis(200));
     };
-    let uas_status = uas.wait_timeout(Duration::from_secs(15));
+    let uas_status = uas.wait_timeout(Duration::from_secs(15)).unwrap();
     let diag = || {
         format!(
             "\n--- kamailio ---\n{}\n--- uac ---\n{}\n--- uas ---\n{}",
@@ -381,5 +343,7 @@ fn kamailio_sipp_calls_through_mediaplane() {
     assert_eq!(relay.relays(), 0, "relays left after BYE{}", diag());
     assert_eq!(relay.mgr.read(|m, _| m.local_addresses().count()), 0);
     eprintln!("interop: {} calls, copies per relay (caller→callee, callee→caller): {copies:?}", copies.len());
-    kam.stop();
+    if let Err(e) = kam.terminate(Duration::from_secs(3)) {
+        eprintln!("{e}");
+    }
 }

@@ -13,17 +13,7 @@ use std::sync::atomic::{AtomicU32, Ordering};
 use std::time::{Duration, Instant};
 
 /// True when the test may run. Not root: fail under CI=true, else skip with a message.
-pub fn require_root(test: &str) -> bool {
-    // SAFETY: no preconditions.
-    if unsafe { libc::geteuid() } == 0 {
-        return true;
-    }
-    if std::env::var("CI").as_deref() == Ok("true") {
-        panic!("{test}: kernel tests need root and CI=true: failing instead of skipping");
-    }
-    eprintln!("SKIP {test}: needs root (BPF, netns)");
-    false
-}
+pub use mediaplane_bench::require_root;
 
 /// A short name unique to this process and call: "mp" + 4 hex of the pid/time + a counter.
 /// Interface names built from it stay within 15 characters.

@@ -8,12 +8,13 @@ pub mod wire;
 use serde_json::Value;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
+use mediaplane_bench::process::Supervised;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub struct Daemon {
     pub token: Option<String>,
-    pub child: Child,
+    pub proc: Supervised,
     pub api: String,
     pub listen: SocketAddr,
     pub store: PathBuf,
@@ -53,14 +54,13 @@ impl Daemon {
 
     fn spawn(port: u16, store: &Path, extra: &[&str], token: Option<String>) -> Daemon {
         let listen: SocketAddr = format!("127.0.0.1:{port}").parse().unwrap();
-        let child = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
-            .args(["serve", "--listen", &listen.to_string(), "--store", store.to_str().unwrap(), "--workers", "1"])
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_mediaplane"));
+        cmd.args(["serve", "--listen", &listen.to_string(), "--store", store.to_str().unwrap(), "--workers", "1"])
             .args(extra)
             .env("RUST_LOG", "warn")
-            .stdout(Stdio::null())
-            .spawn()
-            .expect("spawn mediaplane serve");
-        let d = Daemon { token, child, api: format!("http://{listen}"), listen, store: store.to_path_buf() };
+            .stdout(Stdio::null());
+        let proc = Supervised::spawn("mediaplane serve", &mut cmd).expect("spawn mediaplane serve");
+        let d = Daemon { token, proc, api: format!("http://{listen}"), listen, store: store.to_path_buf() };
         d.wait_ready();
         d
     }
@@ -99,36 +99,33 @@ impl Daemon {
     }
 
     pub fn alive(&mut self) -> bool {
-        self.child.try_wait().unwrap().is_none()
+        self.proc.alive()
     }
 
     pub fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.proc.kill();
     }
 
     /// SIGTERM and wait for a clean exit.
     pub fn terminate(&mut self) -> std::process::ExitStatus {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        loop {
-            if let Some(st) = self.child.try_wait().unwrap() {
-                return st;
-            }
-            if Instant::now() > deadline {
-                self.kill9();
-                panic!("serve did not exit within 10 s of SIGTERM");
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
+        self.proc.terminate(Duration::from_secs(10)).unwrap_or_else(|e| panic!("{e}"))
     }
 }
 
-impl Drop for Daemon {
-    fn drop(&mut self) {
-        if self.child.try_wait().ok().flatten().is_none() {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
-    }
+/// The repository's systemd unit.
+pub fn unit_path() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("../../deploy/systemd/mediaplane.service")
+}
+
+/// The values of `key=` in a unit's text (space-separated words of every such line).
+pub fn unit_values(unit: &str, key: &str) -> Vec<String> {
+    unit.lines().filter_map(|l| l.trim().strip_prefix(key)?.strip_prefix('=')).flat_map(|v| v.split_whitespace().map(String::from)).collect()
+}
+
+/// The capabilities the unit grants, lower case without `CAP_` (as setpriv names them).
+pub fn unit_capabilities() -> Vec<String> {
+    let unit = std::fs::read_to_string(unit_path()).unwrap();
+    let ambient = unit_values(&unit, "AmbientCapabilities");
+    assert_eq!(ambient, unit_values(&unit, "CapabilityBoundingSet"), "the unit bounds the process to the capabilities it grants");
+    ambient.iter().map(|c| c.strip_prefix("CAP_").unwrap_or_else(|| panic!("{c}")).to_lowercase()).collect()
 }

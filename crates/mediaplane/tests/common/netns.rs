@@ -3,14 +3,15 @@
 use mediaplane_bench::netns::Testbed;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
-use std::process::{Child, Command, Stdio};
+use mediaplane_bench::process::Supervised;
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 pub const API: &str = "127.0.0.1:7580";
 
 pub struct NetnsServe<'t> {
     pub tb: &'t Testbed,
-    pub child: Child,
+    pub proc: Supervised,
     /// Its API address (inside the SFU namespace).
     pub listen: String,
 }
@@ -38,21 +39,13 @@ impl<'t> NetnsServe<'t> {
     /// start: its exit status and stderr (killed, and a panic, if it is still up after `timeout`).
     pub fn run_to_exit(tb: &Testbed, listen: &str, plane: &str, store: &std::path::Path, extra: &[&str], timeout: Duration) -> (std::process::ExitStatus, String) {
         let mut cmd = Self::shared_bpffs_command(tb, listen, plane, store, extra);
-        let mut child = cmd.stderr(Stdio::piped()).spawn().unwrap();
-        let deadline = Instant::now() + timeout;
-        let status = loop {
-            if let Some(st) = child.try_wait().unwrap() {
-                break st;
-            }
-            if Instant::now() > deadline {
-                let _ = child.kill();
-                let _ = child.wait();
-                panic!("serve was expected to exit but still ran after {timeout:?}");
-            }
-            std::thread::sleep(Duration::from_millis(20));
+        let mut p = Supervised::spawn("mediaplane serve", cmd.stderr(Stdio::piped())).unwrap();
+        let Some(status) = p.wait_timeout(timeout).unwrap() else {
+            p.kill();
+            panic!("serve was expected to exit but still ran after {timeout:?}");
         };
         let mut err = String::new();
-        std::io::Read::read_to_string(child.stderr.as_mut().unwrap(), &mut err).unwrap();
+        std::io::Read::read_to_string(p.child_mut().stderr.as_mut().unwrap(), &mut err).unwrap();
         (status, err)
     }
 
@@ -81,11 +74,13 @@ impl<'t> NetnsServe<'t> {
     }
 
     fn spawn(tb: &'t Testbed, mut cmd: Command, listen: &str) -> NetnsServe<'t> {
-        let mut s = NetnsServe { tb, child: cmd.spawn().unwrap(), listen: listen.to_string() };
+        // Dropped alive: SIGTERM first, so an eBPF plane detaches cleanly.
+        let proc = Supervised::spawn("mediaplane serve", &mut cmd).unwrap().terminate_on_drop(Duration::from_secs(10));
+        let mut s = NetnsServe { tb, proc, listen: listen.to_string() };
         let deadline = Instant::now() + Duration::from_secs(20);
         while try_api_at(tb, listen, "GET", "/health", None).is_err() {
             assert!(Instant::now() < deadline, "serve did not start");
-            assert!(matches!(s.child.try_wait(), Ok(None)), "serve exited instead of starting");
+            assert!(s.proc.alive(), "serve exited instead of starting");
             std::thread::sleep(Duration::from_millis(50));
         }
         s
@@ -108,34 +103,16 @@ impl<'t> NetnsServe<'t> {
     }
 
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.proc.pid()
     }
 
     pub fn kill9(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
+        self.proc.kill();
     }
 
     /// SIGTERM and wait; true when it exited 0.
     pub fn terminate(&mut self) -> bool {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Ok(Some(st)) = self.child.try_wait() {
-                return st.success();
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        self.kill9();
-        false
-    }
-}
-
-impl Drop for NetnsServe<'_> {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            self.terminate();
-        }
+        self.proc.terminate(Duration::from_secs(10)).is_ok_and(|st| st.success())
     }
 }
 

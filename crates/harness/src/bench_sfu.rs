@@ -73,9 +73,7 @@ fn parse_scenario(s: &str) -> anyhow::Result<Scenario> {
 }
 
 fn sfu(a: BenchSfuArgs) -> anyhow::Result<()> {
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("bench sfu builds network namespaces and needs root");
-    }
+    mediaplane_bench::ensure_root("bench sfu")?;
     let profile = profile_named(&a.preset)?;
     let scenarios: Vec<Scenario> = a.scenarios.iter().map(|s| parse_scenario(s)).collect::<anyhow::Result<_>>()?;
     let sizes = a.sizes.clone().unwrap_or_else(|| if a.quick { vec![2, 4] } else { (2..=12).chain([16, 32, 64]).collect() });

@@ -18,10 +18,13 @@ use serde::Serialize;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use mediaplane_bench::process::Supervised;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-pub use crate::bench_relay::KERNEL_FORWARD;
+/// The conference (or relay run) without mediaplane: copies go through the SFU namespace's IP
+/// forwarding, the floor the data planes are compared with.
+pub const KERNEL_FORWARD: &str = "kernel-forward";
 
 /// SFU port of each participant's transport, and of its optional "high" stream.
 pub(crate) const SFU_PORT: u16 = 40000;
@@ -107,9 +110,9 @@ pub struct ConferenceResult {
     pub generator_cpu_ns: u64,
 }
 
-/// `mediaplane serve` running inside the SFU namespace; stopped (SIGTERM, then SIGKILL) on drop.
+/// `mediaplane serve` running inside the SFU namespace; killed on drop if still up.
 pub(crate) struct ServeProcess {
-    child: Child,
+    proc: Supervised,
     log: PathBuf,
 }
 
@@ -134,42 +137,25 @@ impl ServeProcess {
                 cmd.args(["--interface", &p.sfu_if]);
             }
         }
-        let child = cmd.spawn().context("starting mediaplane serve in the SFU namespace")?;
-        Ok(ServeProcess { child, log })
+        let proc = Supervised::spawn("mediaplane serve", &mut cmd).context("starting mediaplane serve in the SFU namespace")?;
+        Ok(ServeProcess { proc, log })
     }
 
     pub(crate) fn alive(&mut self) -> bool {
-        matches!(self.child.try_wait(), Ok(None))
-    }
-
-    pub(crate) fn pid(&self) -> u32 {
-        self.child.id()
+        self.proc.alive()
     }
 
     /// The `ip netns exec` wrapper execs mediaplane, so the child pid is the daemon's.
-    pub(crate) fn stop(&mut self) -> anyhow::Result<()> {
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(10);
-        while Instant::now() < deadline {
-            if let Some(st) = self.child.try_wait()? {
-                if !st.success() {
-                    bail!("serve exited with {st}; log: {}", self.log.display());
-                }
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        bail!("serve did not stop within 10 s of SIGTERM")
+    pub(crate) fn pid(&self) -> u32 {
+        self.proc.pid()
     }
-}
 
-impl Drop for ServeProcess {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
+    pub(crate) fn stop(&mut self) -> anyhow::Result<()> {
+        let st = self.proc.terminate(Duration::from_secs(10))?;
+        if !st.success() {
+            bail!("serve exited with {st}; log: {}", self.log.display());
         }
+        Ok(())
     }
 }
 
@@ -213,7 +199,7 @@ pub(crate) fn wait_ready(tb: &Testbed, serve: &mut ServeProcess) -> anyhow::Resu
         if api(tb, "GET", "/health", None).is_ok() {
             return Ok(());
         }
-        if let Some(st) = serve.child.try_wait()? {
+        if let Some(st) = serve.proc.exited()? {
             let log = std::fs::read_to_string(&serve.log).unwrap_or_default();
             bail!("serve exited at start ({st}):\n{log}");
         }

@@ -42,9 +42,7 @@ pub fn profile_named(name: &str) -> anyhow::Result<Profile> {
 }
 
 pub fn run(args: DemoArgs) -> anyhow::Result<()> {
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("the demo builds network namespaces and needs root");
-    }
+    mediaplane_bench::ensure_root("the demo")?;
     if !(2..=64).contains(&args.participants) {
         bail!("--participants must be between 2 and 64");
     }

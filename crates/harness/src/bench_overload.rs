@@ -85,9 +85,7 @@ fn stranger_drops(stats: &Value) -> u64 {
 }
 
 pub fn run(a: BenchOverloadArgs) -> anyhow::Result<()> {
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("bench overload builds network namespaces and needs root");
-    }
+    mediaplane_bench::ensure_root("bench overload")?;
     if !(2..=16).contains(&a.participants) {
         bail!("--participants must be between 2 and 16");
     }

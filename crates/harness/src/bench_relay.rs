@@ -19,18 +19,19 @@
 //! way, and an in-process breakdown of what one mutation costs (model clone, table compile,
 //! store write) at growing model sizes.
 
+use crate::conference::KERNEL_FORWARD;
 use crate::relay_report;
 use anyhow::{bail, Context};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_bench::qos::{Summary, ValueRecorder};
 use mediaplane_bench::traffic::{self, Profile, TrafficPlan};
 use mediaplane_ng::client::{advertised, delete, g711_sdp, offer_answer, NgClient};
-use serde::Serialize;
 use serde_json::{json, Value as Json};
 use crate::conference::process_cpu_ns;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Stdio};
+use mediaplane_bench::process::Supervised;
+use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const NG: &str = "127.0.0.1:2223";
@@ -48,7 +49,6 @@ const MAX_CALLS: usize = 12_000;
 /// `kernel-forward` is no relay at all: the parties send to each other through the relay
 /// namespace's IP forwarding, the floor every relay's machine CPU per packet is compared with.
 pub const RELAYS: [&str; 6] = ["mediaplane-userspace", "mediaplane-ebpf", "mediaplane-ebpf-xdp", "mediaplane-ebpf-noxdp", "rtpengine", KERNEL_FORWARD];
-pub const KERNEL_FORWARD: &str = "kernel-forward";
 
 #[derive(clap::Args)]
 pub struct BenchRelayArgs {
@@ -92,128 +92,7 @@ pub struct BenchRelayArgs {
 // Results
 // ---------------------------------------------------------------------------------------------
 
-/// One (relay, N calls) run.
-#[derive(Debug, Clone, Serialize)]
-pub struct RelayRun {
-    pub relay: String,
-    pub calls: usize,
-    pub calls_up: usize,
-    pub setup_failures: usize,
-    /// The first few set-up errors, verbatim.
-    pub setup_errors: Vec<String>,
-    pub setup_rate_target: f64,
-    /// Calls set up per second, measured (first offer to last answer).
-    pub setup_rate_achieved: f64,
-    /// NG round trip of offers and answers, ns.
-    pub offer_ns: Summary,
-    pub answer_ns: Summary,
-    pub legs: usize,
-    /// Legs the relay had latched before media started (mediaplane only; rtpengine: None).
-    pub legs_latched: Option<usize>,
-    pub latch_seconds: f64,
-    pub seconds: f64,
-    /// Packets the generator planned and sent; the difference is generator shortfall (it fell
-    /// more than 1 s behind, or its socket buffer was full), not relay loss.
-    pub planned: u64,
-    pub sent: u64,
-    pub send_errors: u64,
-    pub received: u64,
-    pub lost: u64,
-    pub loss_pct: f64,
-    pub duplicates: u64,
-    pub unexpected: u64,
-    /// Legs with any loss.
-    pub legs_with_loss: usize,
-    /// One-way delay over all packets of all legs, ns.
-    pub delay_ns: Summary,
-    /// RFC 4689 delay variation: p99 per leg, then median and worst over legs, ns.
-    pub delay_variation_p99_median_ns: f64,
-    pub delay_variation_p99_max_ns: f64,
-    /// RFC 3550 jitter, mean over legs, ns.
-    pub jitter_mean_ns: f64,
-    /// G.107 MOS (G.711, Ie = 0, Bpl = 4.3; measured delay and loss): mean and worst leg.
-    pub mos_mean: f64,
-    pub mos_min: f64,
-    /// CPU of the relay process during the media run (all threads), ns; BPF program run time.
-    pub relay_cpu_ns: u64,
-    pub bpf_run_ns: u64,
-    /// (relay CPU + BPF run time) as % of one core over the media run.
-    pub cpu_pct: f64,
-    /// (relay CPU + BPF run time) per relayed packet.
-    pub cpu_per_packet_ns: Option<f64>,
-    /// Added delay (DESIGN.md): this run's one-way delay p50 / p99 minus the `kernel-forward`
-    /// run's (the same path without a relay) at the same call count in the same invocation.
-    pub added_delay_p50_ns: Option<f64>,
-    pub added_delay_p99_ns: Option<f64>,
-    /// Busy time of the whole machine per relayed packet during the media run (the sender
-    /// does not spin here): generator and receivers, the relay, and the kernel's packet work
-    /// (veth, XDP page copies, TC, skb clones and redirects, socket delivery), which runs in
-    /// whichever task raised it, mostly the sender, so the eBPF relay's share of it is in none
-    /// of the CPU columns above. Compare with `kernel-forward` (the same generator work, no
-    /// relay); tick-sampled, and the receivers' wake-ups depend on how bursty the relay is, so
-    /// only differences of several µs mean anything.
-    pub machine_cpu_per_packet_ns: Option<f64>,
-    /// mediaplane: packets forwarded by the kernel and packets seen by the user-space slow path
-    /// during the media run.
-    pub kernel_forwarded: Option<u64>,
-    pub slow_path_rx: Option<u64>,
-    pub relay_rss_kib: u64,
-    pub relay_bpf_memlock_bytes: u64,
-    pub generator_cpu_ns: u64,
-    pub receiver_cpu_ns: u64,
-    pub delete_failures: usize,
-    pub delete_ns: Summary,
-    /// What the relay still held after every delete (mediaplane: relays in the model).
-    pub left_after_delete: Option<u64>,
-}
-
-/// One sample of a capacity ramp.
-#[derive(Debug, Clone, Serialize)]
-pub struct CapacitySample {
-    pub sessions: usize,
-    pub elapsed_s: f64,
-    /// Sessions per second over the last window.
-    pub rate: f64,
-    /// Latency of one install request over the last window, ns.
-    pub request_ns: Summary,
-    pub rss_kib: u64,
-    pub bpf_memlock_bytes: u64,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct CapacityRamp {
-    /// "ng" (offer + answer: 2 relay sessions, RTP and RTCP), "http" (POST /v1/relays) or
-    /// "http-batchN" (POST /v1/batch/relays, N relays per request).
-    pub api: String,
-    pub dataplane: String,
-    pub target: usize,
-    pub installed: usize,
-    pub seconds: f64,
-    pub rate_mean: f64,
-    /// CPU time of the daemon (all threads) per installed session, ns: what a set-up costs the
-    /// server, independent of how fast the client (sharing the cores) could ask.
-    pub daemon_cpu_ns_per_session: f64,
-    pub stopped_by: String,
-    pub samples: Vec<CapacitySample>,
-}
-
-/// What one mutation of the session manager costs in-process at a model size.
-#[derive(Debug, Clone, Serialize)]
-pub struct MutationCost {
-    pub relays: usize,
-    pub model_clone_ns: f64,
-    /// Recompiling what one relay creation touched ([`mediaplane_core::ForwardingTable::update`]).
-    pub table_update_ns: f64,
-    /// Compiling the whole table (what every mutation cost before updates were incremental).
-    pub table_compile_ns: f64,
-    pub store_save_ns: f64,
-}
-
-#[derive(Debug, Clone, Serialize)]
-pub struct Capacity {
-    pub ramps: Vec<CapacityRamp>,
-    pub mutation_cost: Vec<MutationCost>,
-}
+pub use crate::relay_results::{Capacity, CapacityRamp, CapacitySample, MutationCost, RelayRun};
 
 // ---------------------------------------------------------------------------------------------
 // Small system helpers
@@ -257,10 +136,10 @@ fn sdp(ip: IpAddr, port: u16, session: usize) -> String {
 // Relay processes
 // ---------------------------------------------------------------------------------------------
 
-/// A relay running in the relay namespace; SIGTERM then SIGKILL by PID on stop or drop.
+/// A relay running in the relay namespace; SIGTERM then SIGKILL by PID on stop, SIGKILL on drop.
 pub struct RelayProc {
     pub name: String,
-    child: Child,
+    proc: Supervised,
     log: PathBuf,
     pub mediaplane: bool,
 }
@@ -323,15 +202,15 @@ impl RelayProc {
             }
             other => bail!("unknown relay {other:?}: use {}", RELAYS.join(", ")),
         }
-        let child = cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(logf).spawn().with_context(|| format!("starting {name}"))?;
-        let mut me = RelayProc { name: name.to_string(), child, log, mediaplane: name.starts_with("mediaplane") };
+        let proc = Supervised::spawn(name, cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(logf))?;
+        let mut me = RelayProc { name: name.to_string(), proc, log, mediaplane: name.starts_with("mediaplane") };
         me.wait_ready(tb)?;
         Ok(me)
     }
 
     /// `ip netns exec` execs the relay: the child's pid is the relay's.
     pub fn pid(&self) -> u32 {
-        self.child.id()
+        self.proc.pid()
     }
 
     fn wait_ready(&mut self, tb: &Testbed) -> anyhow::Result<()> {
@@ -345,7 +224,7 @@ impl RelayProc {
             if ok.is_ok() {
                 return Ok(());
             }
-            if let Some(st) = self.child.try_wait()? {
+            if let Some(st) = self.proc.exited()? {
                 bail!("{} exited at start ({st}): {}", self.name, self.log_tail());
             }
             std::thread::sleep(Duration::from_millis(100));
@@ -360,31 +239,12 @@ impl RelayProc {
     }
 
     pub fn stop(&mut self) -> anyhow::Result<()> {
-        if self.child.try_wait()?.is_some() {
+        if self.proc.exited()?.is_some() {
             bail!("{} died during the run: {}", self.name, self.log_tail());
         }
-        // SAFETY: signalling our own child by pid.
-        unsafe { libc::kill(self.child.id() as i32, libc::SIGTERM) };
-        let deadline = Instant::now() + Duration::from_secs(15);
-        while Instant::now() < deadline {
-            if self.child.try_wait()?.is_some() {
-                let _ = std::fs::remove_file(&self.log);
-                return Ok(());
-            }
-            std::thread::sleep(Duration::from_millis(20));
-        }
-        let _ = self.child.kill();
-        let _ = self.child.wait();
-        bail!("{} did not stop within 15 s of SIGTERM (killed)", self.name)
-    }
-}
-
-impl Drop for RelayProc {
-    fn drop(&mut self) {
-        if matches!(self.child.try_wait(), Ok(None)) {
-            let _ = self.child.kill();
-            let _ = self.child.wait();
-        }
+        self.proc.terminate(Duration::from_secs(15))?;
+        let _ = std::fs::remove_file(&self.log);
+        Ok(())
     }
 }
 
@@ -964,9 +824,7 @@ fn set_added_delay(runs: &mut [RelayRun]) {
 }
 
 pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
-    if unsafe { libc::geteuid() } != 0 {
-        bail!("bench relay builds network namespaces and needs root");
-    }
+    mediaplane_bench::ensure_root("bench relay")?;
     raise_nofile();
     let calls = a.calls.clone().unwrap_or_else(|| if a.quick { vec![20, 50] } else { vec![750, 1500, 1800, 5000, 10000] });
     if calls.iter().any(|&n| n == 0 || n > MAX_CALLS) {

@@ -2,7 +2,7 @@
 //! plots (loss, CPU per packet, CPU %, set-up latency and delay vs concurrent calls per relay;
 //! install rate and memory vs sessions installed).
 
-use crate::bench_relay::{Capacity, RelayRun};
+use crate::relay_results::{Capacity, RelayRun};
 use crate::report::{esc, html_table, line_chart, RunMeta};
 use std::fmt::Write as _;
 use std::path::Path;

@@ -1,0 +1,92 @@
+//! The OpenAPI description (`crates/control/openapi.json`, served at `GET /openapi.json`)
+//! against the real daemon: the spec's operations and the router's routes (read from
+//! `crates/control/src/api.rs`) are the same set, and every operation, called on a running
+//! `mediaplane serve` with the spec's example body, answers the spec's success status (so no
+//! path is missing, no method wrong, no example rejected).
+
+mod common;
+
+use serde_json::{json, Value};
+use std::collections::BTreeSet;
+
+const SPEC: &str = include_str!("../../control/openapi.json");
+const API_RS: &str = include_str!("../../control/src/api.rs");
+const METHODS: [&str; 5] = ["get", "post", "put", "patch", "delete"];
+
+/// (METHOD, path) of every `.route(...)` of the router, from its source.
+fn router_routes() -> BTreeSet<(String, String)> {
+    let batch = API_RS.lines().find_map(|l| l.trim().strip_prefix("const BATCH_PATH: &str = \"")?.strip_suffix("\";")).expect("BATCH_PATH");
+    let mut out = BTreeSet::new();
+    for line in API_RS.lines().map(str::trim).filter(|l| l.starts_with(".route(")) {
+        let rest = &line[".route(".len()..];
+        let (path, handlers) = match rest.strip_prefix('"') {
+            Some(r) => r.split_once('"').unwrap(),
+            None => (batch, rest.strip_prefix("BATCH_PATH").unwrap_or_else(|| panic!("unknown route path in {line}"))),
+        };
+        let methods: Vec<&str> = METHODS.iter().copied().filter(|m| handlers.contains(&format!("{m}(")) || handlers.contains(&format!(".{m}("))).collect();
+        assert!(!methods.is_empty(), "no method in {line}");
+        for m in methods {
+            out.insert((m.to_uppercase(), path.to_string()));
+        }
+    }
+    assert!(out.len() > 15, "{out:?}");
+    out
+}
+
+fn spec_operations(spec: &Value) -> BTreeSet<(String, String)> {
+    let mut out = BTreeSet::new();
+    for (path, item) in spec["paths"].as_object().unwrap() {
+        for m in METHODS.iter().filter(|m| item.get(**m).is_some()) {
+            out.insert((m.to_uppercase(), path.clone()));
+        }
+    }
+    out
+}
+
+#[test]
+fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
+    let spec: Value = serde_json::from_str(SPEC).expect("openapi.json is JSON");
+    assert!(spec["openapi"].as_str().unwrap().starts_with("3."));
+    let routes = router_routes();
+    let ops = spec_operations(&spec);
+    assert_eq!(routes.difference(&ops).collect::<Vec<_>>(), Vec::<&(String, String)>::new(), "routes missing from the spec");
+    assert_eq!(ops.difference(&routes).collect::<Vec<_>>(), Vec::<&(String, String)>::new(), "spec operations the router does not have");
+
+    let tmp = common::TempDir::new("openapi");
+    let d = common::Daemon::start(&tmp.0.join("s.db"), &[]);
+    let (status, served) = d.call("GET", "/openapi.json", None);
+    assert_eq!((status, &served), (200, &spec), "the daemon serves the spec");
+    // What the probes below must not see.
+    assert_eq!(d.call("GET", "/v1/nope", None).0, 404);
+    assert_eq!(d.call("PUT", "/v1/rooms", None).0, 405);
+
+    // POSTs first (shortest path first: a room before its participants), then GETs, then
+    // DELETEs (longest path first). Path parameters: bob subscribes to alice's "main".
+    let mut order: Vec<(String, String)> = ops.into_iter().collect();
+    let rank = |m: &str| ["POST", "GET", "DELETE"].iter().position(|x| *x == m).unwrap();
+    order.sort_by_key(|(m, p)| (rank(m), if m == "DELETE" { usize::MAX - p.len() } else { p.len() }, p.clone()));
+    let mut setup_done = false;
+    for (method, path) in order {
+        let op = &spec["paths"][&path][method.to_lowercase()];
+        let success: u16 = op["responses"].as_object().unwrap().keys().find(|k| k.starts_with('2')).expect("a success response").parse().unwrap();
+        let url = path.replace("{room}", "r1").replace("{pid}", "bob").replace("{stream}", "main").replace("{publisher}", "alice").replace("{id}", "call1");
+        if method == "POST" && path == "/v1/rooms/{room}/participants/{pid}/streams" && !setup_done {
+            // Beside the examples: bob, and alice's stream for bob to subscribe to.
+            assert_eq!(d.call("POST", "/v1/rooms/r1/participants", Some(json!({"id": "bob", "remote": "127.0.0.1:5006"}))).0, 201);
+            assert_eq!(d.call("POST", "/v1/rooms/r1/participants/alice/streams", Some(json!({"name": "main"}))).0, 201);
+            setup_done = true;
+        }
+        let body = op["requestBody"]["content"]["application/json"]["example"].clone();
+        assert_eq!(op.get("requestBody").is_some(), !body.is_null(), "{method} {path}: a body needs an example");
+        let (status, answer) = match &method[..] {
+            "GET" if path == "/metrics" => {
+                let r = ureq::get(&format!("{}{url}", d.api)).call().unwrap();
+                (r.status(), Value::Null)
+            }
+            _ => d.call(&method, &url, if body.is_null() { None } else { Some(body) }),
+        };
+        assert_eq!(status, success, "{method} {url}: {answer}");
+    }
+    assert!(setup_done);
+    assert_eq!(d.call("GET", "/health", None).1["rooms"], 0, "everything the probes made, they deleted");
+}
