@@ -48,9 +48,7 @@ fn generate_vmlinux_h(dst: &Path) {
     let output = Command::new("bpftool")
         .args(["btf", "dump", "file", BTF, "format", "c"])
         .output()
-        .unwrap_or_else(|e| {
-            panic!("mediaplane-ebpf: cannot run bpftool ({e}); install it (Debian: apt-get install bpftool)")
-        });
+        .unwrap_or_else(|e| panic!("mediaplane-ebpf: cannot run bpftool ({e}); install it (Debian: apt-get install bpftool)"));
     if !output.status.success() {
         panic!("mediaplane-ebpf: bpftool btf dump failed: {}", String::from_utf8_lossy(&output.stderr));
     }

@@ -11,7 +11,9 @@ fuzz_target!(|data: &[u8]| {
         origin: data.len() % 2 == 0,
         session_connection: data.len() % 3 == 0,
         remove_ice: true,
-        media: (0..sdp.media.len()).map(|i| MediaRewrite { port: Some(30000 + 2 * i as u16), rtcp_port: 30001 + 2 * i as u16, strip_rtcp_mux: i % 2 == 1 }).collect(),
+        media: (0..sdp.media.len())
+            .map(|i| MediaRewrite { port: Some(30000 + 2 * i as u16), rtcp_port: 30001 + 2 * i as u16, strip_rtcp_mux: i % 2 == 1 })
+            .collect(),
     };
     let out = sdp.rewrite(&rw);
     let back = Sdp::parse(&out).expect("a rewritten SDP parses");

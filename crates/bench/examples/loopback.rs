@@ -17,24 +17,12 @@ fn main() -> anyhow::Result<()> {
     let dest = rx.local_addr()?;
     let mut plan = TrafficPlan::new(Duration::from_secs_f64(seconds));
     for flow in 1..=flows {
-        plan = plan.sender(
-            UdpSocket::bind("127.0.0.1:0")?,
-            dest,
-            flow,
-            preset.profile(),
-        );
+        plan = plan.sender(UdpSocket::bind("127.0.0.1:0")?, dest, flow, preset.profile());
     }
     plan = plan.receiver("rx", rx, 1..=flows);
     let report = run(&plan)?;
-    let worst = report
-        .copies
-        .iter()
-        .max_by(|a, b| a.delay_ns.p99.total_cmp(&b.delay_ns.p99));
-    let lateness_p99 = report
-        .senders
-        .iter()
-        .map(|s| s.lateness_ns.p99)
-        .fold(0.0, f64::max);
+    let worst = report.copies.iter().max_by(|a, b| a.delay_ns.p99.total_cmp(&b.delay_ns.p99));
+    let lateness_p99 = report.senders.iter().map(|s| s.lateness_ns.p99).fold(0.0, f64::max);
     println!(
         "{}",
         serde_json::json!({

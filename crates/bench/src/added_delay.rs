@@ -46,11 +46,7 @@ pub struct AddedDelay {
 
 /// Added delay from the delay summaries (ns) of a copy through the SFU and of the direct path.
 /// `None` when either side has no packets.
-pub fn added_delay(
-    through_sfu: &Summary,
-    direct: &Summary,
-    method: AddedDelayMethod,
-) -> Option<AddedDelay> {
+pub fn added_delay(through_sfu: &Summary, direct: &Summary, method: AddedDelayMethod) -> Option<AddedDelay> {
     if through_sfu.count == 0 || direct.count == 0 {
         return None;
     }
@@ -58,14 +54,7 @@ pub fn added_delay(
         AddedDelayMethod::QuantileDifference => *direct,
         AddedDelayMethod::SubtractDirectMedian => {
             let m = direct.p50;
-            Summary {
-                count: direct.count,
-                min: m,
-                p50: m,
-                mean: m,
-                p99: m,
-                max: m,
-            }
+            Summary { count: direct.count, min: m, p50: m, mean: m, p99: m, max: m }
         }
     };
     Some(AddedDelay {
@@ -81,16 +70,8 @@ pub fn added_delay(
 }
 
 /// [`added_delay`] from two histograms (precision of the histograms' 3 significant digits).
-pub fn added_delay_from_histograms(
-    through_sfu: &Histogram<u64>,
-    direct: &Histogram<u64>,
-    method: AddedDelayMethod,
-) -> Option<AddedDelay> {
-    added_delay(
-        &Summary::of_histogram(through_sfu),
-        &Summary::of_histogram(direct),
-        method,
-    )
+pub fn added_delay_from_histograms(through_sfu: &Histogram<u64>, direct: &Histogram<u64>, method: AddedDelayMethod) -> Option<AddedDelay> {
+    added_delay(&Summary::of_histogram(through_sfu), &Summary::of_histogram(direct), method)
 }
 
 #[cfg(test)]
@@ -107,12 +88,7 @@ mod tests {
         let direct: Vec<f64> = (10..110).map(f64::from).collect();
         let mut sfu: Vec<f64> = direct.iter().map(|d| d + 30.0).collect();
         sfu[99] = 500.0; // one outlier (was 139)
-        let a = added_delay(
-            &summary(&sfu),
-            &summary(&direct),
-            AddedDelayMethod::QuantileDifference,
-        )
-        .unwrap();
+        let a = added_delay(&summary(&sfu), &summary(&direct), AddedDelayMethod::QuantileDifference).unwrap();
         assert_eq!((a.min, a.p50, a.p99), (30.0, 30.0, 30.0));
         assert_eq!(a.max, 500.0 - 109.0);
         assert!((a.mean - (30.0 + (500.0 - 139.0) / 100.0)).abs() < 1e-9);
@@ -124,10 +100,7 @@ mod tests {
         let direct = summary(&[10.0, 20.0, 30.0]); // median 20
         let sfu = summary(&[15.0, 40.0, 65.0]);
         let a = added_delay(&sfu, &direct, AddedDelayMethod::SubtractDirectMedian).unwrap();
-        assert_eq!(
-            (a.min, a.p50, a.mean, a.p99, a.max),
-            (-5.0, 20.0, 20.0, 45.0, 45.0)
-        );
+        assert_eq!((a.min, a.p50, a.mean, a.p99, a.max), (-5.0, 20.0, 20.0, 45.0, 45.0));
     }
 
     #[test]

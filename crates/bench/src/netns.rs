@@ -79,12 +79,7 @@ impl Testbed {
             bail!("star({n}): at most {MAX_PEERS} participants");
         }
         let prefix = unused_prefix()?;
-        let mut bed = Testbed {
-            sfu_ns: format!("{prefix}-sfu"),
-            prefix,
-            peers: Vec::new(),
-            created: Vec::new(),
-        };
+        let mut bed = Testbed { sfu_ns: format!("{prefix}-sfu"), prefix, peers: Vec::new(), created: Vec::new() };
         // From here on, an early return drops `bed`, which deletes whatever was created.
         bed.add_netns(&bed.sfu_ns.clone())?;
         for i in 0..n {
@@ -95,10 +90,7 @@ impl Testbed {
                 sfu_if: format!("{}s{i}", bed.prefix),
                 peer_if: format!("{}p{i}", bed.prefix),
             };
-            debug_assert!(
-                peer.sfu_if.len() <= 15 && peer.peer_if.len() <= 15,
-                "IFNAMSIZ"
-            );
+            debug_assert!(peer.sfu_if.len() <= 15 && peer.peer_if.len() <= 15, "IFNAMSIZ");
             bed.add_netns(&peer.ns)?;
             bed.peers.push(peer);
         }
@@ -107,10 +99,7 @@ impl Testbed {
         let mut sfu_batch = String::from("link set lo up\n");
         for p in &bed.peers {
             // Create the pair directly in its two namespaces: nothing ever appears in the root ns.
-            sfu_batch += &format!(
-                "link add {} type veth peer name {} netns {}\n",
-                p.sfu_if, p.peer_if, p.ns
-            );
+            sfu_batch += &format!("link add {} type veth peer name {} netns {}\n", p.sfu_if, p.peer_if, p.ns);
             sfu_batch += &format!("addr add {}/24 dev {}\n", p.sfu_ip, p.sfu_if);
             sfu_batch += &format!("link set {} up\n", p.sfu_if);
         }
@@ -126,10 +115,7 @@ impl Testbed {
         }
         // /proc/sys/net is per network namespace: opened from inside the SFU namespace, it is
         // the SFU namespace's.
-        bed.in_ns(&bed.sfu_ns, || {
-            std::fs::write("/proc/sys/net/ipv4/ip_forward", "1")
-        })?
-        .context("enabling ip_forward in the SFU namespace")?;
+        bed.in_ns(&bed.sfu_ns, || std::fs::write("/proc/sys/net/ipv4/ip_forward", "1"))?.context("enabling ip_forward in the SFU namespace")?;
         tracing::debug!(prefix = %bed.prefix, peers = n, "testbed up");
         Ok(bed)
     }
@@ -139,10 +125,7 @@ impl Testbed {
         let Ok(dir) = std::fs::read_dir(NETNS_DIR) else {
             return Vec::new();
         };
-        let mut names: Vec<String> = dir
-            .filter_map(|e| e.ok()?.file_name().into_string().ok())
-            .filter(|name| name.starts_with(prefix))
-            .collect();
+        let mut names: Vec<String> = dir.filter_map(|e| e.ok()?.file_name().into_string().ok()).filter(|name| name.starts_with(prefix)).collect();
         names.sort();
         names
     }
@@ -184,22 +167,13 @@ impl Testbed {
     /// path packets took.
     pub fn link_counters(&self, ns: &str, dev: &str) -> anyhow::Result<LinkCounters> {
         self.check_ours(ns)?;
-        let out = Command::new("ip")
-            .args(["-n", ns, "-s", "-j", "link", "show", "dev", dev])
-            .output()?;
+        let out = Command::new("ip").args(["-n", ns, "-s", "-j", "link", "show", "dev", dev]).output()?;
         if !out.status.success() {
-            bail!(
-                "ip -n {ns} -s link show dev {dev}: {}",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
+            bail!("ip -n {ns} -s link show dev {dev}: {}", String::from_utf8_lossy(&out.stderr).trim());
         }
         let json: serde_json::Value = serde_json::from_slice(&out.stdout)?;
         let stats = &json[0]["stats64"];
-        let get = |dir: &str, key: &str| {
-            stats[dir][key]
-                .as_u64()
-                .with_context(|| format!("no stats64.{dir}.{key} for {dev}"))
-        };
+        let get = |dir: &str, key: &str| stats[dir][key].as_u64().with_context(|| format!("no stats64.{dir}.{key} for {dev}"));
         Ok(LinkCounters {
             rx_packets: get("rx", "packets")?,
             rx_bytes: get("rx", "bytes")?,
@@ -217,10 +191,7 @@ impl Testbed {
 
     fn check_ours(&self, ns: &str) -> anyhow::Result<()> {
         if !self.created.iter().any(|c| c == ns) {
-            bail!(
-                "namespace {ns:?} does not belong to testbed {}",
-                self.prefix
-            );
+            bail!("namespace {ns:?} does not belong to testbed {}", self.prefix);
         }
         Ok(())
     }
@@ -255,8 +226,7 @@ pub(crate) fn in_netns<T: Send>(ns: &str, f: impl FnOnce() -> T + Send) -> anyho
                 // setns(CLONE_NEWNET) affects only the calling thread; the thread ends after `f`.
                 // SAFETY: plain syscall on a valid open fd.
                 if unsafe { libc::setns(ns_file.as_raw_fd(), libc::CLONE_NEWNET) } != 0 {
-                    return Err(io::Error::last_os_error())
-                        .with_context(|| format!("setns into {ns}"));
+                    return Err(io::Error::last_os_error()).with_context(|| format!("setns into {ns}"));
                 }
                 Ok(f())
             })
@@ -273,15 +243,8 @@ fn unused_prefix() -> anyhow::Result<String> {
         let mut random = [0u8; 4];
         // SAFETY: writes at most 4 bytes into `random`.
         let got = unsafe { libc::getrandom(random.as_mut_ptr().cast(), random.len(), 0) };
-        let mut x = if got == 4 {
-            u32::from_ne_bytes(random)
-        } else {
-            0
-        };
-        x ^= std::process::id().wrapping_mul(0x9e37_79b9)
-            ^ COUNTER
-                .fetch_add(1, Ordering::Relaxed)
-                .wrapping_mul(0x85eb_ca6b);
+        let mut x = if got == 4 { u32::from_ne_bytes(random) } else { 0 };
+        x ^= std::process::id().wrapping_mul(0x9e37_79b9) ^ COUNTER.fetch_add(1, Ordering::Relaxed).wrapping_mul(0x85eb_ca6b);
         let prefix = format!("mp{:06x}", x & 0xff_ffff);
         if Testbed::leftovers(&prefix).is_empty() {
             return Ok(prefix);
@@ -291,16 +254,9 @@ fn unused_prefix() -> anyhow::Result<String> {
 }
 
 fn run_ip(args: &[&str]) -> anyhow::Result<()> {
-    let out = Command::new("ip")
-        .args(args)
-        .output()
-        .context("running ip (iproute2)")?;
+    let out = Command::new("ip").args(args).output().context("running ip (iproute2)")?;
     if !out.status.success() {
-        bail!(
-            "ip {}: {}",
-            args.join(" "),
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        bail!("ip {}: {}", args.join(" "), String::from_utf8_lossy(&out.stderr).trim());
     }
     Ok(())
 }
@@ -314,17 +270,10 @@ fn ip_batch(ns: &str, batch: &str) -> anyhow::Result<()> {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .context("running ip (iproute2)")?;
-    child
-        .stdin
-        .take()
-        .expect("piped stdin")
-        .write_all(batch.as_bytes())?;
+    child.stdin.take().expect("piped stdin").write_all(batch.as_bytes())?;
     let out = child.wait_with_output()?;
     if !out.status.success() {
-        bail!(
-            "ip -n {ns} -batch failed: {}\nbatch:\n{batch}",
-            String::from_utf8_lossy(&out.stderr).trim()
-        );
+        bail!("ip -n {ns} -batch failed: {}\nbatch:\n{batch}", String::from_utf8_lossy(&out.stderr).trim());
     }
     Ok(())
 }

@@ -96,13 +96,7 @@ impl ValueRecorder {
     }
 
     fn with_digits(digits: u8) -> ValueRecorder {
-        ValueRecorder {
-            histogram: Histogram::new_with_bounds(1, Self::HIGHEST_NS, digits)
-                .expect("static histogram bounds"),
-            min: u64::MAX,
-            max: 0,
-            sum: 0,
-        }
+        ValueRecorder { histogram: Histogram::new_with_bounds(1, Self::HIGHEST_NS, digits).expect("static histogram bounds"), min: u64::MAX, max: 0, sum: 0 }
     }
 
     /// Values above 100 s saturate (a delay that large is a bug elsewhere, not a measurement).
@@ -125,20 +119,8 @@ impl ValueRecorder {
         }
         // Histogram quantiles are bucket values (up to 0.1 % off); clamping them into the exact
         // [min, max] keeps the summary ordered (p99 <= max).
-        let quantile = |q: f64| {
-            (self
-                .histogram
-                .value_at_quantile(q)
-                .clamp(self.min, self.max)) as f64
-        };
-        Summary {
-            count: n,
-            min: self.min as f64,
-            p50: quantile(0.50),
-            mean: self.sum as f64 / n as f64,
-            p99: quantile(0.99),
-            max: self.max as f64,
-        }
+        let quantile = |q: f64| (self.histogram.value_at_quantile(q).clamp(self.min, self.max)) as f64;
+        Summary { count: n, min: self.min as f64, p50: quantile(0.50), mean: self.sum as f64 / n as f64, p99: quantile(0.99), max: self.max as f64 }
     }
 }
 
@@ -184,10 +166,7 @@ pub struct DelayVariation {
 
 impl Default for DelayVariation {
     fn default() -> Self {
-        DelayVariation {
-            previous_delay: None,
-            values: ValueRecorder::compact(),
-        }
+        DelayVariation { previous_delay: None, values: ValueRecorder::compact() }
     }
 }
 
@@ -242,11 +221,7 @@ pub struct SeqTracker {
 
 impl SeqTracker {
     pub fn new(limit: u64) -> SeqTracker {
-        SeqTracker {
-            seen: vec![0; limit.div_ceil(64) as usize],
-            limit,
-            ..Default::default()
-        }
+        SeqTracker { seen: vec![0; limit.div_ceil(64) as usize], limit, ..Default::default() }
     }
 
     pub fn record(&mut self, seq: u64) -> SeqOutcome {
@@ -285,8 +260,7 @@ impl SeqTracker {
     /// Loss without the sender's count, RFC 3550 style: expected = highest + 1. Blind to
     /// losses at the tail.
     pub fn lost_by_highest(&self) -> u64 {
-        self.highest
-            .map_or(0, |h| (h + 1).saturating_sub(self.unique))
+        self.highest.map_or(0, |h| (h + 1).saturating_sub(self.unique))
     }
 
     /// G.113 burst ratio of the loss pattern over sequence numbers 0..sent (see [`burst_ratio`]).
@@ -376,11 +350,7 @@ impl Default for EModel {
 
 impl EModel {
     /// G.711, no PLC: Ie = 0, Bpl = 4.3, R0 = 93.2.
-    pub const G711: EModel = EModel {
-        r0: 93.2,
-        ie: 0.0,
-        bpl: 4.3,
-    };
+    pub const G711: EModel = EModel { r0: 93.2, ie: 0.0, bpl: 4.3 };
 
     /// Delay impairment Id for a one-way delay in ms.
     pub fn delay_impairment(one_way_delay_ms: f64) -> f64 {
@@ -391,19 +361,13 @@ impl EModel {
     /// Ie-eff for a loss in percent (0..=100) and a burst ratio (1.0 = random loss).
     pub fn effective_equipment_impairment(&self, loss_percent: f64, burst_ratio: f64) -> f64 {
         let ppl = loss_percent.clamp(0.0, 100.0);
-        let burst_ratio = if burst_ratio.is_finite() && burst_ratio > 0.0 {
-            burst_ratio
-        } else {
-            1.0
-        };
+        let burst_ratio = if burst_ratio.is_finite() && burst_ratio > 0.0 { burst_ratio } else { 1.0 };
         self.ie + (95.0 - self.ie) * ppl / (ppl / burst_ratio + self.bpl)
     }
 
     /// Rating factor R.
     pub fn r_factor(&self, one_way_delay_ms: f64, loss_percent: f64, burst_ratio: f64) -> f64 {
-        self.r0
-            - Self::delay_impairment(one_way_delay_ms)
-            - self.effective_equipment_impairment(loss_percent, burst_ratio)
+        self.r0 - Self::delay_impairment(one_way_delay_ms) - self.effective_equipment_impairment(loss_percent, burst_ratio)
     }
 
     /// MOS-CQE for the given conditions (see [`mos_from_r`]).
@@ -435,23 +399,10 @@ mod tests {
     fn summary_nearest_rank() {
         let mut v: Vec<f64> = (1..=100).rev().map(f64::from).collect();
         let s = Summary::of(&mut v);
-        assert_eq!(
-            s,
-            Summary {
-                count: 100,
-                min: 1.0,
-                p50: 50.0,
-                mean: 50.5,
-                p99: 99.0,
-                max: 100.0
-            }
-        );
+        assert_eq!(s, Summary { count: 100, min: 1.0, p50: 50.0, mean: 50.5, p99: 99.0, max: 100.0 });
 
         let s = Summary::of(&mut [7.0]);
-        assert_eq!(
-            (s.min, s.p50, s.p99, s.max, s.mean),
-            (7.0, 7.0, 7.0, 7.0, 7.0)
-        );
+        assert_eq!((s.min, s.p50, s.p99, s.max, s.mean), (7.0, 7.0, 7.0, 7.0, 7.0));
 
         // n = 3: p50 is the 2nd value (ceil(1.5)), p99 the 3rd (ceil(2.97)).
         let s = Summary::of(&mut [3.0, 1.0, 2.0]);
@@ -468,20 +419,13 @@ mod tests {
         }
         let s = r.summary();
         assert_eq!((s.count, s.min, s.max), (4, 1_000.0, 123_457.0));
-        assert!(close(
-            s.mean,
-            (1_000.0 + 2_000.0 + 3_000.0 + 123_457.0) / 4.0,
-            1e-9
-        ));
+        assert!(close(s.mean, (1_000.0 + 2_000.0 + 3_000.0 + 123_457.0) / 4.0, 1e-9));
         assert!(close(s.p50, 2_000.0, 2.0), "{s:?}"); // histogram precision: 3 digits
         for v in [31_032, 31_032] {
             r.record(v);
         }
         let s = r.summary();
-        assert!(
-            s.p99 <= s.max && s.p50 >= s.min,
-            "quantiles clamped into [min, max]: {s:?}"
-        );
+        assert!(s.p99 <= s.max && s.p50 >= s.min, "quantiles clamped into [min, max]: {s:?}");
         r.record(0); // zero is recordable (below the histogram's lowest bucket)
         assert_eq!(r.summary().min, 0.0);
         assert_eq!(ValueRecorder::new().summary(), Summary::default());
@@ -496,11 +440,7 @@ mod tests {
         for (send, recv) in [(0, 100), (20, 130), (40, 140), (60, 190)] {
             j.on_packet(send, recv);
         }
-        assert!(
-            close(j.jitter_ns(), 3.010_253_906_25, 1e-9),
-            "{}",
-            j.jitter_ns()
-        );
+        assert!(close(j.jitter_ns(), 3.010_253_906_25, 1e-9), "{}", j.jitter_ns());
 
         let mut constant = Rfc3550Jitter::default();
         for i in 0..100 {
@@ -524,19 +464,10 @@ mod tests {
     #[test]
     fn seq_tracker_loss_duplicates_reorder() {
         let mut t = SeqTracker::new(10);
-        let outcomes: Vec<_> = [0, 1, 3, 2, 3, 5, 9, 10]
-            .into_iter()
-            .map(|s| t.record(s))
-            .collect();
+        let outcomes: Vec<_> = [0, 1, 3, 2, 3, 5, 9, 10].into_iter().map(|s| t.record(s)).collect();
         use SeqOutcome::*;
-        assert_eq!(
-            outcomes,
-            [InOrder, InOrder, InOrder, Reordered, Duplicate, InOrder, InOrder, OutOfRange]
-        );
-        assert_eq!(
-            (t.unique, t.duplicates, t.reordered, t.out_of_range),
-            (6, 1, 1, 1)
-        );
+        assert_eq!(outcomes, [InOrder, InOrder, InOrder, Reordered, Duplicate, InOrder, InOrder, OutOfRange]);
+        assert_eq!((t.unique, t.duplicates, t.reordered, t.out_of_range), (6, 1, 1, 1));
         // sent 0..10: missing 4, 6, 7, 8
         assert_eq!(t.lost(10), 4);
         assert_eq!(t.lost_by_highest(), 4);
@@ -550,11 +481,7 @@ mod tests {
         assert_eq!(burst_ratio([false, false]), None);
         assert_eq!(burst_ratio([true, true]), None);
         // isolated losses at rate 1/4: mean run 1, expected run 1/(1-0.25) -> BurstR 0.75
-        assert!(close(
-            burst_ratio([true, false, false, false]).unwrap(),
-            0.75,
-            1e-12
-        ));
+        assert!(close(burst_ratio([true, false, false, false]).unwrap(), 0.75, 1e-12));
     }
 
     #[test]
@@ -565,11 +492,7 @@ mod tests {
         assert_eq!(e.extend(65535), base + 65535);
         assert_eq!(e.extend(0), base + 65536);
         assert_eq!(e.extend(1), base + 65537);
-        assert_eq!(
-            e.extend(65533),
-            base + 65533,
-            "late packet from before the wrap"
-        );
+        assert_eq!(e.extend(65533), base + 65533, "late packet from before the wrap");
         assert_eq!(e.extend(2), base + 65538);
         // a first packet followed by a slightly older one
         let mut e = RtpSeqExtender::default();
@@ -582,28 +505,16 @@ mod tests {
         let g711 = EModel::G711;
         // no loss, 0 ms: R = 93.2, MOS = 1 + 3.262 + 93.2*33.2*6.8*7e-6 = 4.4093...
         assert!(close(g711.r_factor(0.0, 0.0, 1.0), 93.2, 1e-12));
-        assert!(
-            close(mos_from_r(93.2), 4.409_285_824, 1e-9),
-            "{}",
-            mos_from_r(93.2)
-        );
+        assert!(close(mos_from_r(93.2), 4.409_285_824, 1e-9), "{}", mos_from_r(93.2));
         // small delay (1 ms): Id = 0.024 -> R = 93.176, MOS still ~4.41
         assert!(close(g711.r_factor(1.0, 0.0, 1.0), 93.176, 1e-12));
         assert!(close(g711.mos(1.0, 0.0, 1.0), 4.41, 0.005));
         // 200 ms: Id = 4.8 + 0.11 * 22.7 = 7.297
         assert!(close(EModel::delay_impairment(200.0), 7.297, 1e-9));
         // 1 % random loss: Ie-eff = 95 * 1/(1 + 4.3) = 17.9245...
-        assert!(close(
-            g711.effective_equipment_impairment(1.0, 1.0),
-            95.0 / 5.3,
-            1e-12
-        ));
+        assert!(close(g711.effective_equipment_impairment(1.0, 1.0), 95.0 / 5.3, 1e-12));
         // burstier loss hurts more: BurstR 2 -> 95 * 1/(0.5 + 4.3)
-        assert!(close(
-            g711.effective_equipment_impairment(1.0, 2.0),
-            95.0 / 4.8,
-            1e-12
-        ));
+        assert!(close(g711.effective_equipment_impairment(1.0, 2.0), 95.0 / 4.8, 1e-12));
         // MOS clamps
         assert_eq!(mos_from_r(-5.0), 1.0);
         assert_eq!(mos_from_r(120.0), 4.5);

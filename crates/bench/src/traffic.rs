@@ -39,8 +39,8 @@ use hdrhistogram::Histogram;
 use serde::{Deserialize, Serialize};
 use socket2::{SockAddr, SockRef};
 
-use mediaplane_dataplane::sys::Epoll;
 use crate::qos::{DelayVariation, EModel, Rfc3550Jitter, SeqTracker, Summary, ValueRecorder};
+use mediaplane_dataplane::sys::Epoll;
 
 pub const RTP_HEADER_LEN: usize = 12;
 /// Harness sequence + send time.
@@ -88,23 +88,14 @@ impl Profile {
     /// The thesis' probe: 25 packets/s of the smallest frame carrying sequence and timestamp
     /// (18-byte raw UDP payload, 46-byte IP packet), non-RTP.
     pub fn thesis() -> Profile {
-        Profile {
-            name: "thesis".into(),
-            format: PayloadFormat::Raw,
-            packet_size: RAW_PROBE_LEN,
-            packets_per_sec: 25.0,
-            bursts_per_sec: 25.0,
-        }
+        Profile { name: "thesis".into(), format: PayloadFormat::Raw, packet_size: RAW_PROBE_LEN, packets_per_sec: 25.0, bursts_per_sec: 25.0 }
     }
 
     /// G.711 µ-law, 20 ms packetization: 50 packets/s of 172 bytes (12 RTP + 160 payload), PT 0.
     pub fn voice() -> Profile {
         Profile {
             name: "voice".into(),
-            format: PayloadFormat::Rtp {
-                payload_type: 0,
-                clock_rate: 8000,
-            },
+            format: PayloadFormat::Rtp { payload_type: 0, clock_rate: 8000 },
             packet_size: RTP_HEADER_LEN + 160,
             packets_per_sec: 50.0,
             bursts_per_sec: 50.0,
@@ -116,10 +107,7 @@ impl Profile {
     pub fn video() -> Profile {
         Profile {
             name: "video".into(),
-            format: PayloadFormat::Rtp {
-                payload_type: 96,
-                clock_rate: 90_000,
-            },
+            format: PayloadFormat::Rtp { payload_type: 96, clock_rate: 90_000 },
             packet_size: 1200,
             packets_per_sec: 0.0,
             bursts_per_sec: 30.0,
@@ -150,9 +138,7 @@ impl Profile {
     /// Bursts sent in `duration` (burst k leaves at k / bursts_per_sec, all before `duration`).
     pub fn burst_count(&self, duration: Duration) -> u64 {
         // The epsilon keeps e.g. 0.29 s × 100/s from flooring to 28.
-        (duration.as_secs_f64() * self.bursts_per_sec + 1e-6)
-            .floor()
-            .max(0.0) as u64
+        (duration.as_secs_f64() * self.bursts_per_sec + 1e-6).floor().max(0.0) as u64
     }
 
     fn packets_per_burst(&self) -> f64 {
@@ -175,24 +161,15 @@ impl Profile {
             PayloadFormat::Raw => RAW_PROBE_LEN,
             PayloadFormat::Rtp { .. } => MIN_RTP_PACKET,
         };
+        ensure!((min..=MAX_PACKET).contains(&self.packet_size), "profile {}: packet_size {} outside {min}..={MAX_PACKET}", self.name, self.packet_size);
         ensure!(
-            (min..=MAX_PACKET).contains(&self.packet_size),
-            "profile {}: packet_size {} outside {min}..={MAX_PACKET}",
-            self.name,
-            self.packet_size
-        );
-        ensure!(
-            self.packets_per_sec.is_finite()
-                && self.packets_per_sec > 0.0
-                && self.packets_per_sec <= MAX_PACKETS_PER_SEC,
+            self.packets_per_sec.is_finite() && self.packets_per_sec > 0.0 && self.packets_per_sec <= MAX_PACKETS_PER_SEC,
             "profile {}: packets_per_sec {} outside (0, {MAX_PACKETS_PER_SEC}]",
             self.name,
             self.packets_per_sec
         );
         ensure!(
-            self.bursts_per_sec.is_finite()
-                && self.bursts_per_sec > 0.0
-                && self.bursts_per_sec <= self.packets_per_sec,
+            self.bursts_per_sec.is_finite() && self.bursts_per_sec > 0.0 && self.bursts_per_sec <= self.packets_per_sec,
             "profile {}: bursts_per_sec {} outside (0, packets_per_sec]",
             self.name,
             self.bursts_per_sec
@@ -279,18 +256,10 @@ pub fn decode_probe(d: &[u8]) -> Option<Probe> {
     if d.first()? >> 6 == 2 {
         let h = mediaplane_core::rtp::RtpHeader::parse(d).ok()?;
         let p = d.get(h.payload_offset..h.payload_offset + PROBE_LEN)?;
-        Some(Probe {
-            flow_id: h.ssrc,
-            seq: be64(&p[0..8]),
-            send_ns: be64(&p[8..16]) as i64,
-        })
+        Some(Probe { flow_id: h.ssrc, seq: be64(&p[0..8]), send_ns: be64(&p[8..16]) as i64 })
     } else {
         let p = d.get(..RAW_PROBE_LEN)?;
-        Some(Probe {
-            flow_id: u16::from_be_bytes([p[16], p[17]]) as u32,
-            seq: be64(&p[0..8]),
-            send_ns: be64(&p[8..16]) as i64,
-        })
+        Some(Probe { flow_id: u16::from_be_bytes([p[16], p[17]]) as u32, seq: be64(&p[0..8]), send_ns: be64(&p[8..16]) as i64 })
     }
 }
 
@@ -355,81 +324,35 @@ impl TrafficPlan {
         }
     }
 
-    pub fn sender(
-        mut self,
-        socket: impl Into<Arc<UdpSocket>>,
-        dest: SocketAddr,
-        flow_id: u32,
-        profile: Profile,
-    ) -> TrafficPlan {
-        self.senders.push(SenderSpec {
-            socket: socket.into(),
-            dest,
-            flow_id,
-            profile,
-        });
+    pub fn sender(mut self, socket: impl Into<Arc<UdpSocket>>, dest: SocketAddr, flow_id: u32, profile: Profile) -> TrafficPlan {
+        self.senders.push(SenderSpec { socket: socket.into(), dest, flow_id, profile });
         self
     }
 
-    pub fn receiver(
-        mut self,
-        label: impl Into<String>,
-        socket: impl Into<Arc<UdpSocket>>,
-        expects: impl IntoIterator<Item = u32>,
-    ) -> TrafficPlan {
-        self.receivers.push(ReceiverSpec {
-            label: label.into(),
-            socket: socket.into(),
-            expects: expects.into_iter().collect(),
-        });
+    pub fn receiver(mut self, label: impl Into<String>, socket: impl Into<Arc<UdpSocket>>, expects: impl IntoIterator<Item = u32>) -> TrafficPlan {
+        self.receivers.push(ReceiverSpec { label: label.into(), socket: socket.into(), expects: expects.into_iter().collect() });
         self
     }
 
     fn validate(&self) -> anyhow::Result<HashMap<u32, u64>> {
-        ensure!(
-            !self.duration.is_zero() && self.duration <= MAX_DURATION,
-            "duration {:?} outside (0, {MAX_DURATION:?}]",
-            self.duration
-        );
-        ensure!(
-            self.drain <= MAX_DRAIN,
-            "drain {:?} above {MAX_DRAIN:?}",
-            self.drain
-        );
-        ensure!(
-            self.spin <= Duration::from_millis(1) && self.lead <= Duration::from_secs(1),
-            "spin at most 1 ms, lead at most 1 s"
-        );
+        ensure!(!self.duration.is_zero() && self.duration <= MAX_DURATION, "duration {:?} outside (0, {MAX_DURATION:?}]", self.duration);
+        ensure!(self.drain <= MAX_DRAIN, "drain {:?} above {MAX_DRAIN:?}", self.drain);
+        ensure!(self.spin <= Duration::from_millis(1) && self.lead <= Duration::from_secs(1), "spin at most 1 ms, lead at most 1 s");
         let mut planned = HashMap::new();
         let mut total = 0u64;
         for s in &self.senders {
             s.profile.validate()?;
             if s.profile.format == PayloadFormat::Raw {
-                ensure!(
-                    s.flow_id <= u16::MAX as u32,
-                    "flow {}: raw flows need 16-bit flow ids",
-                    s.flow_id
-                );
+                ensure!(s.flow_id <= u16::MAX as u32, "flow {}: raw flows need 16-bit flow ids", s.flow_id);
             }
             let n = s.profile.planned_packets(self.duration);
-            ensure!(
-                planned.insert(s.flow_id, n).is_none(),
-                "flow id {} used twice",
-                s.flow_id
-            );
+            ensure!(planned.insert(s.flow_id, n).is_none(), "flow id {} used twice", s.flow_id);
             total += n;
         }
-        ensure!(
-            total <= MAX_PLANNED_PACKETS,
-            "plan sends {total} packets, limit {MAX_PLANNED_PACKETS}"
-        );
+        ensure!(total <= MAX_PLANNED_PACKETS, "plan sends {total} packets, limit {MAX_PLANNED_PACKETS}");
         for r in &self.receivers {
             for f in &r.expects {
-                ensure!(
-                    planned.contains_key(f),
-                    "receiver {} expects flow {f}, which no sender sends",
-                    r.label
-                );
+                ensure!(planned.contains_key(f), "receiver {} expects flow {f}, which no sender sends", r.label);
             }
         }
         Ok(planned)
@@ -542,15 +465,11 @@ pub struct TrafficReport {
 
 impl TrafficReport {
     pub fn copy(&self, flow_id: u32, receiver: usize) -> Option<&CopyReport> {
-        self.copies
-            .iter()
-            .find(|c| c.flow_id == flow_id && c.receiver == receiver)
+        self.copies.iter().find(|c| c.flow_id == flow_id && c.receiver == receiver)
     }
 
     pub fn copy_by_label(&self, flow_id: u32, receiver_label: &str) -> Option<&CopyReport> {
-        self.copies
-            .iter()
-            .find(|c| c.flow_id == flow_id && c.receiver_label == receiver_label)
+        self.copies.iter().find(|c| c.flow_id == flow_id && c.receiver_label == receiver_label)
     }
 }
 
@@ -565,17 +484,9 @@ pub fn run(plan: &TrafficPlan) -> anyhow::Result<TrafficReport> {
     for r in &plan.receivers {
         prepare_receiver(&r.socket)?;
     }
-    let flow_index: HashMap<u32, usize> = plan
-        .senders
-        .iter()
-        .enumerate()
-        .map(|(i, s)| (s.flow_id, i))
-        .collect();
-    let shared = Shared {
-        sent: plan.senders.iter().map(|_| AtomicU64::new(0)).collect(),
-        sender_done: AtomicBool::new(false),
-        sender_done_at: AtomicU64::new(0),
-    };
+    let flow_index: HashMap<u32, usize> = plan.senders.iter().enumerate().map(|(i, s)| (s.flow_id, i)).collect();
+    let shared =
+        Shared { sent: plan.senders.iter().map(|_| AtomicU64::new(0)).collect(), sender_done: AtomicBool::new(false), sender_done_at: AtomicU64::new(0) };
     // Every flow's and copy's statistics exist before the clock starts: with thousands of flows
     // their histograms are gigabytes, and building them must not eat into the first sends.
     let sender_accs = new_sender_accs(plan);
@@ -590,9 +501,7 @@ pub fn run(plan: &TrafficPlan) -> anyhow::Result<TrafficReport> {
         let sender_out = sender.join();
         // Whatever happened to the sender, let the receiver finish its drain.
         if !shared.sender_done.load(Ordering::Acquire) {
-            shared
-                .sender_done_at
-                .store(monotonic_ns(), Ordering::Release);
+            shared.sender_done_at.store(monotonic_ns(), Ordering::Release);
             shared.sender_done.store(true, Ordering::Release);
         }
         (sender_out, receiver.join())
@@ -615,15 +524,7 @@ pub fn machine_busy_ns() -> u64 {
     let ticks: u64 = stat
         .lines()
         .find(|l| l.starts_with("cpu "))
-        .map(|l| {
-            l.split_whitespace()
-                .skip(1)
-                .take(8)
-                .enumerate()
-                .filter(|(i, _)| *i != 3 && *i != 4)
-                .filter_map(|(_, v)| v.parse::<u64>().ok())
-                .sum()
-        })
+        .map(|l| l.split_whitespace().skip(1).take(8).enumerate().filter(|(i, _)| *i != 3 && *i != 4).filter_map(|(_, v)| v.parse::<u64>().ok()).sum())
         .unwrap_or(0);
     // SAFETY: sysconf has no memory-safety preconditions.
     let hz = unsafe { libc::sysconf(libc::_SC_CLK_TCK) }.max(1) as u64;
@@ -652,16 +553,7 @@ struct SenderAcc {
 }
 
 fn new_sender_accs(plan: &TrafficPlan) -> Vec<SenderAcc> {
-    plan.senders
-        .iter()
-        .map(|_| SenderAcc {
-            sent: 0,
-            sent_bytes: 0,
-            send_errors: 0,
-            not_sent: 0,
-            lateness: ValueRecorder::compact(),
-        })
-        .collect()
+    plan.senders.iter().map(|_| SenderAcc { sent: 0, sent_bytes: 0, send_errors: 0, not_sent: 0, lateness: ValueRecorder::compact() }).collect()
 }
 
 fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: u64) -> SenderOutcome {
@@ -687,11 +579,7 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
         .enumerate()
         .map(|(j, s)| {
             let interval_ns = 1e9 / s.profile.bursts_per_sec;
-            let offset_ns = if plan.stagger {
-                (j as f64 * interval_ns / n as f64) as u64
-            } else {
-                0
-            };
+            let offset_ns = if plan.stagger { (j as f64 * interval_ns / n as f64) as u64 } else { 0 };
             // Deterministic but flow-specific RTP bases (RFC 3550 wants them random-looking).
             let mix = s.flow_id.wrapping_mul(0x9e37_79b1);
             FlowState {
@@ -707,12 +595,8 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
         })
         .collect();
     // Min-heap of (deadline, sender, burst index): bounded by the number of bursts in the plan.
-    let mut heap: BinaryHeap<Reverse<(u64, usize, u64)>> = flows
-        .iter()
-        .enumerate()
-        .filter(|(_, f)| f.bursts > 0)
-        .map(|(j, f)| Reverse((t0 + f.offset_ns, j, 0)))
-        .collect();
+    let mut heap: BinaryHeap<Reverse<(u64, usize, u64)>> =
+        flows.iter().enumerate().filter(|(_, f)| f.bursts > 0).map(|(j, f)| Reverse((t0 + f.offset_ns, j, 0))).collect();
     let give_up_at = t0 + (plan.duration + MAX_LATENESS).as_nanos() as u64;
     let mut last_send = t0;
 
@@ -735,20 +619,12 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
             let send_ns = realtime_ns();
             match spec.profile.format {
                 PayloadFormat::Raw => encode_raw(&mut flow.buf, spec.flow_id as u16, seq, send_ns),
-                PayloadFormat::Rtp {
-                    payload_type,
-                    clock_rate,
-                } => {
-                    let media_time =
-                        (k as f64 * clock_rate as f64 / spec.profile.bursts_per_sec).round() as u64;
+                PayloadFormat::Rtp { payload_type, clock_rate } => {
+                    let media_time = (k as f64 * clock_rate as f64 / spec.profile.bursts_per_sec).round() as u64;
                     let rtp = RtpFields {
                         payload_type,
                         // Video: last packet of a frame; voice: first packet of the talkspurt.
-                        marker: if in_burst > 1 {
-                            p == in_burst - 1
-                        } else {
-                            seq == 0
-                        },
+                        marker: if in_burst > 1 { p == in_burst - 1 } else { seq == 0 },
                         sequence: flow.rtp_seq_base.wrapping_add(seq as u16),
                         timestamp: flow.rtp_ts_base.wrapping_add(media_time as u32),
                         ssrc: spec.flow_id,
@@ -772,36 +648,19 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
             heap.push(Reverse((next, j, k + 1)));
         }
     }
-    shared
-        .sender_done_at
-        .store(monotonic_ns(), Ordering::Release);
+    shared.sender_done_at.store(monotonic_ns(), Ordering::Release);
     shared.sender_done.store(true, Ordering::Release);
-    SenderOutcome {
-        per_sender: accs,
-        send_duration_ns: last_send.saturating_sub(t0),
-        cpu_ns: thread_cpu_ns(),
-    }
+    SenderOutcome { per_sender: accs, send_duration_ns: last_send.saturating_sub(t0), cpu_ns: thread_cpu_ns() }
 }
 
 /// Sleep (absolute, CLOCK_MONOTONIC) until `spin_ns` before `deadline`, then busy-wait.
 fn sleep_until(deadline: u64, spin_ns: u64) {
     let wake = deadline.saturating_sub(spin_ns);
     if monotonic_ns() < wake {
-        let ts = libc::timespec {
-            tv_sec: (wake / 1_000_000_000) as libc::time_t,
-            tv_nsec: (wake % 1_000_000_000) as libc::c_long,
-        };
+        let ts = libc::timespec { tv_sec: (wake / 1_000_000_000) as libc::time_t, tv_nsec: (wake % 1_000_000_000) as libc::c_long };
         // Absolute deadline: EINTR just retries to the same instant (bounded by the deadline).
         // SAFETY: valid timespec pointer; remaining-time pointer unused with TIMER_ABSTIME.
-        while unsafe {
-            libc::clock_nanosleep(
-                libc::CLOCK_MONOTONIC,
-                libc::TIMER_ABSTIME,
-                &ts,
-                std::ptr::null_mut(),
-            )
-        } == libc::EINTR
-        {}
+        while unsafe { libc::clock_nanosleep(libc::CLOCK_MONOTONIC, libc::TIMER_ABSTIME, &ts, std::ptr::null_mut()) } == libc::EINTR {}
     }
     while monotonic_ns() < deadline {
         std::hint::spin_loop();
@@ -845,10 +704,7 @@ fn prepare_receiver(socket: &UdpSocket) -> anyhow::Result<()> {
     // Discard anything queued before the run (bounded).
     let mut buf = [0u8; 2048];
     for _ in 0..100_000 {
-        if SockRef::from(socket)
-            .recv_with_flags(as_uninit(&mut buf), libc::MSG_DONTWAIT)
-            .is_err()
-        {
+        if SockRef::from(socket).recv_with_flags(as_uninit(&mut buf), libc::MSG_DONTWAIT).is_err() {
             break;
         }
     }
@@ -883,13 +739,7 @@ fn new_receiver_accs(plan: &TrafficPlan, planned: &HashMap<u32, u64>) -> Vec<Rec
         .collect()
 }
 
-fn receive_loop(
-    plan: &TrafficPlan,
-    mut accs: Vec<ReceiverAcc>,
-    flow_index: &HashMap<u32, usize>,
-    shared: &Shared,
-    t0: u64,
-) -> anyhow::Result<ReceiverOutcome> {
+fn receive_loop(plan: &TrafficPlan, mut accs: Vec<ReceiverAcc>, flow_index: &HashMap<u32, usize>, shared: &Shared, t0: u64) -> anyhow::Result<ReceiverOutcome> {
     let epoll = Epoll::new()?;
     for (i, r) in plan.receivers.iter().enumerate() {
         epoll.add(r.socket.as_raw_fd(), i as u64)?;
@@ -925,13 +775,7 @@ fn receive_loop(
                 match recv_timestamped(fd, &mut buf) {
                     Ok((len, truncated, kernel_ns)) => {
                         let recv_ns = kernel_ns.unwrap_or_else(realtime_ns);
-                        on_datagram(
-                            &mut accs[i],
-                            &buf[..len],
-                            truncated,
-                            recv_ns,
-                            kernel_ns.is_none(),
-                        );
+                        on_datagram(&mut accs[i], &buf[..len], truncated, recv_ns, kernel_ns.is_none());
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -941,18 +785,11 @@ fn receive_loop(
             }
         }
     }
-    Ok(ReceiverOutcome {
-        per_receiver: accs,
-        cpu_ns: thread_cpu_ns(),
-    })
+    Ok(ReceiverOutcome { per_receiver: accs, cpu_ns: thread_cpu_ns() })
 }
 
 fn all_complete(accs: &[ReceiverAcc], flow_index: &HashMap<u32, usize>, shared: &Shared) -> bool {
-    accs.iter().all(|r| {
-        r.copies
-            .iter()
-            .all(|(flow, c)| c.seq.unique >= shared.sent[flow_index[flow]].load(Ordering::Acquire))
-    })
+    accs.iter().all(|r| r.copies.iter().all(|(flow, c)| c.seq.unique >= shared.sent[flow_index[flow]].load(Ordering::Acquire)))
 }
 
 fn on_datagram(acc: &mut ReceiverAcc, d: &[u8], truncated: bool, recv_ns: i64, user_stamped: bool) {
@@ -985,12 +822,7 @@ fn on_datagram(acc: &mut ReceiverAcc, d: &[u8], truncated: bool, recv_ns: i64, u
     copy.variation.on_delay(delay);
 }
 
-fn build_report(
-    plan: &TrafficPlan,
-    started_unix_ns: i64,
-    s: SenderOutcome,
-    r: ReceiverOutcome,
-) -> TrafficReport {
+fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: ReceiverOutcome) -> TrafficReport {
     let senders: Vec<SenderReport> = plan
         .senders
         .iter()
@@ -1020,11 +852,7 @@ fn build_report(
             };
             let sent = sent_by_flow[flow];
             let lost = c.seq.lost(sent);
-            let loss_percent = if sent > 0 {
-                100.0 * lost as f64 / sent as f64
-            } else {
-                0.0
-            };
+            let loss_percent = if sent > 0 { 100.0 * lost as f64 / sent as f64 } else { 0.0 };
             let delay = c.delays.summary();
             let burst_ratio = c.seq.burst_ratio(sent);
             copies.push(CopyReport {
@@ -1043,11 +871,7 @@ fn build_report(
                 jitter_ns: c.jitter.jitter_ns(),
                 delay_variation_ns: c.variation.summary(),
                 burst_ratio,
-                mos_g711: EModel::G711.mos(
-                    delay.mean / 1e6,
-                    loss_percent,
-                    burst_ratio.unwrap_or(1.0),
-                ),
+                mos_g711: EModel::G711.mos(delay.mean / 1e6, loss_percent, burst_ratio.unwrap_or(1.0)),
                 negative_delays: c.negative_delays,
                 delay_histogram: c.delays.histogram,
             });
@@ -1094,10 +918,7 @@ fn build_report(
 // ---------------------------------------------------------------------------------------------
 
 fn clock_ns(clock: libc::clockid_t) -> i64 {
-    let mut ts = libc::timespec {
-        tv_sec: 0,
-        tv_nsec: 0,
-    };
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
     // SAFETY: valid timespec pointer; these clocks always exist on Linux.
     unsafe { libc::clock_gettime(clock, &mut ts) };
     timespec_ns(&ts)
@@ -1123,22 +944,9 @@ fn thread_cpu_ns() -> u64 {
     clock_ns(libc::CLOCK_THREAD_CPUTIME_ID) as u64
 }
 
-fn setsockopt_int(
-    fd: libc::c_int,
-    level: libc::c_int,
-    name: libc::c_int,
-    value: libc::c_int,
-) -> io::Result<()> {
+fn setsockopt_int(fd: libc::c_int, level: libc::c_int, name: libc::c_int, value: libc::c_int) -> io::Result<()> {
     // SAFETY: pointer and length describe a live c_int.
-    let rc = unsafe {
-        libc::setsockopt(
-            fd,
-            level,
-            name,
-            (&value as *const libc::c_int).cast(),
-            std::mem::size_of::<libc::c_int>() as libc::socklen_t,
-        )
-    };
+    let rc = unsafe { libc::setsockopt(fd, level, name, (&value as *const libc::c_int).cast(), std::mem::size_of::<libc::c_int>() as libc::socklen_t) };
     if rc == 0 {
         Ok(())
     } else {
@@ -1155,10 +963,7 @@ fn as_uninit(buf: &mut [u8]) -> &mut [std::mem::MaybeUninit<u8>] {
 fn recv_timestamped(fd: libc::c_int, buf: &mut [u8]) -> io::Result<(usize, bool, Option<i64>)> {
     // u64 array: cmsg buffers must be aligned for cmsghdr.
     let mut control = [0u64; 16];
-    let mut iov = libc::iovec {
-        iov_base: buf.as_mut_ptr().cast(),
-        iov_len: buf.len(),
-    };
+    let mut iov = libc::iovec { iov_base: buf.as_mut_ptr().cast(), iov_len: buf.len() };
     // SAFETY: zeroed msghdr is valid; all pointers below outlive the call.
     let mut msg: libc::msghdr = unsafe { std::mem::zeroed() };
     msg.msg_iov = &mut iov;
@@ -1176,8 +981,7 @@ fn recv_timestamped(fd: libc::c_int, buf: &mut [u8]) -> io::Result<(usize, bool,
     unsafe {
         let mut cmsg = libc::CMSG_FIRSTHDR(&msg);
         while !cmsg.is_null() {
-            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_TIMESTAMPNS
-            {
+            if (*cmsg).cmsg_level == libc::SOL_SOCKET && (*cmsg).cmsg_type == libc::SCM_TIMESTAMPNS {
                 let ts: libc::timespec = std::ptr::read_unaligned(libc::CMSG_DATA(cmsg).cast());
                 stamp = Some(timespec_ns(&ts));
             }
@@ -1208,74 +1012,30 @@ mod tests {
         // 156.25 packets/s in 30 bursts: 5 or 6 per burst, 156 in one second.
         let per_burst: Vec<u64> = (0..30).map(|k| video.packets_in_burst(k)).collect();
         assert!(per_burst.iter().all(|&n| n == 5 || n == 6), "{per_burst:?}");
-        assert_eq!(
-            per_burst.iter().sum::<u64>(),
-            video.planned_packets(Duration::from_secs(1))
-        );
+        assert_eq!(per_burst.iter().sum::<u64>(), video.planned_packets(Duration::from_secs(1)));
         assert_eq!(video.planned_packets(Duration::from_secs(1)), 156);
 
-        assert_eq!(
-            Profile::voice()
-                .with_rate(100.0)
-                .planned_packets(Duration::from_millis(290)),
-            29
-        );
-        assert_eq!(
-            "video".parse::<Preset>().unwrap().profile(),
-            Profile::video()
-        );
+        assert_eq!(Profile::voice().with_rate(100.0).planned_packets(Duration::from_millis(290)), 29);
+        assert_eq!("video".parse::<Preset>().unwrap().profile(), Profile::video());
         assert!("nope".parse::<Preset>().is_err());
     }
 
     #[test]
     fn probe_roundtrip() {
         let mut buf = vec![0u8; 172];
-        let rtp = RtpFields {
-            payload_type: 0,
-            marker: true,
-            sequence: 65535,
-            timestamp: 7,
-            ssrc: 0xdead_beef,
-        };
+        let rtp = RtpFields { payload_type: 0, marker: true, sequence: 65535, timestamp: 7, ssrc: 0xdead_beef };
         encode_rtp(&mut buf, rtp, 42, 1_700_000_000_123_456_789);
         let h = mediaplane_core::rtp::RtpHeader::parse(&buf).unwrap();
-        assert_eq!(
-            (h.payload_type, h.marker, h.sequence, h.timestamp, h.ssrc),
-            (0, true, 65535, 7, 0xdead_beef)
-        );
-        assert_eq!(
-            mediaplane_core::rtp::demux(&buf),
-            mediaplane_core::rtp::MediaKind::Rtp
-        );
-        assert_eq!(
-            decode_probe(&buf),
-            Some(Probe {
-                flow_id: 0xdead_beef,
-                seq: 42,
-                send_ns: 1_700_000_000_123_456_789
-            })
-        );
+        assert_eq!((h.payload_type, h.marker, h.sequence, h.timestamp, h.ssrc), (0, true, 65535, 7, 0xdead_beef));
+        assert_eq!(mediaplane_core::rtp::demux(&buf), mediaplane_core::rtp::MediaKind::Rtp);
+        assert_eq!(decode_probe(&buf), Some(Probe { flow_id: 0xdead_beef, seq: 42, send_ns: 1_700_000_000_123_456_789 }));
 
         let mut raw = [0u8; RAW_PROBE_LEN];
         encode_raw(&mut raw, 513, 9, 123);
-        assert_eq!(
-            mediaplane_core::rtp::demux(&raw),
-            mediaplane_core::rtp::MediaKind::Other
-        );
-        assert_eq!(
-            decode_probe(&raw),
-            Some(Probe {
-                flow_id: 513,
-                seq: 9,
-                send_ns: 123
-            })
-        );
+        assert_eq!(mediaplane_core::rtp::demux(&raw), mediaplane_core::rtp::MediaKind::Other);
+        assert_eq!(decode_probe(&raw), Some(Probe { flow_id: 513, seq: 9, send_ns: 123 }));
 
-        assert_eq!(
-            decode_probe(&buf[..20]),
-            None,
-            "RTP too short for the probe"
-        );
+        assert_eq!(decode_probe(&buf[..20]), None, "RTP too short for the probe");
         assert_eq!(decode_probe(&raw[..10]), None);
         assert_eq!(decode_probe(&[]), None);
     }
@@ -1284,16 +1044,9 @@ mod tests {
     fn plan_validation() {
         let sock = || UdpSocket::bind("127.0.0.1:0").unwrap();
         let dest: SocketAddr = "127.0.0.1:9".parse().unwrap();
-        let dup = TrafficPlan::new(Duration::from_millis(10))
-            .sender(sock(), dest, 1, Profile::voice())
-            .sender(sock(), dest, 1, Profile::voice());
+        let dup = TrafficPlan::new(Duration::from_millis(10)).sender(sock(), dest, 1, Profile::voice()).sender(sock(), dest, 1, Profile::voice());
         assert!(run(&dup).is_err());
-        let raw_big_id = TrafficPlan::new(Duration::from_millis(10)).sender(
-            sock(),
-            dest,
-            70_000,
-            Profile::thesis(),
-        );
+        let raw_big_id = TrafficPlan::new(Duration::from_millis(10)).sender(sock(), dest, 70_000, Profile::thesis());
         assert!(run(&raw_big_id).is_err());
         let unknown = TrafficPlan::new(Duration::from_millis(10)).receiver("r", sock(), [5]);
         assert!(run(&unknown).is_err());
@@ -1314,47 +1067,24 @@ mod tests {
             .sender(tx.try_clone().unwrap(), to_rx, 10, Profile::voice())
             .sender(tx.try_clone().unwrap(), to_rx, 11, Profile::video())
             .sender(tx, to_rx2, 12, Profile::thesis())
-            .sender(
-                UdpSocket::bind("127.0.0.1:0").unwrap(),
-                to_rx,
-                13,
-                Profile::thesis(),
-            )
+            .sender(UdpSocket::bind("127.0.0.1:0").unwrap(), to_rx, 13, Profile::thesis())
             .receiver("rx", rx, [10, 11])
             .receiver("rx2", rx2, [12]);
         let report = run(&plan).unwrap();
         let json = serde_json::to_string_pretty(&report).unwrap();
 
         let voice = report.copy(10, 0).unwrap();
-        assert_eq!(
-            (voice.sent, voice.received, voice.lost, voice.duplicates),
-            (20, 20, 0, 0),
-            "{json}"
-        );
+        assert_eq!((voice.sent, voice.received, voice.lost, voice.duplicates), (20, 20, 0, 0), "{json}");
         let video = report.copy_by_label(11, "rx").unwrap();
-        assert_eq!(
-            video.sent,
-            Profile::video().planned_packets(Duration::from_millis(400))
-        );
+        assert_eq!(video.sent, Profile::video().planned_packets(Duration::from_millis(400)));
         assert_eq!(video.received, video.sent, "{json}");
         assert_eq!(video.bytes, video.sent * 1200);
         let thesis = report.copy(12, 1).unwrap();
         assert_eq!((thesis.sent, thesis.received), (10, 10), "{json}");
-        assert_eq!(
-            report.receivers[0].unexpected, 10,
-            "flow 13 is a stray at rx: {json}"
-        );
+        assert_eq!(report.receivers[0].unexpected, 10, "flow 13 is a stray at rx: {json}");
         assert_eq!(report.receivers[0].unexpected_flows, vec![13]);
         assert_eq!(report.totals.expected_copies, report.totals.received);
-        assert_eq!(
-            report
-                .receivers
-                .iter()
-                .map(|r| r.user_timestamps)
-                .sum::<u64>(),
-            0,
-            "kernel timestamps"
-        );
+        assert_eq!(report.receivers.iter().map(|r| r.user_timestamps).sum::<u64>(), 0, "kernel timestamps");
         for c in &report.copies {
             // Loopback on an idle machine: µs; allow a loaded CI box plenty.
             assert!(c.delay_ns.max < 50e6, "{json}");

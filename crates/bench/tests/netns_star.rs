@@ -22,10 +22,7 @@ fn star_direct_path_voice() {
     let bed = Testbed::star(3).unwrap();
     let prefix = bed.prefix.clone();
     assert_eq!(Testbed::leftovers(&prefix).len(), 4, "sfu + 3 participants");
-    assert!(bed
-        .peers
-        .iter()
-        .all(|p| p.sfu_if.len() <= 15 && p.peer_if.len() <= 15));
+    assert!(bed.peers.iter().all(|p| p.sfu_if.len() <= 15 && p.peer_if.len() <= 15));
     let (p0, p1, p2) = (&bed.peers[0], &bed.peers[1], &bed.peers[2]);
 
     let tx = bed.udp_socket(&p0.ns, addr(p0.ip, 0)).unwrap();
@@ -33,44 +30,23 @@ fn star_direct_path_voice() {
     let bystander = bed.udp_socket(&p2.ns, addr(p2.ip, 5004)).unwrap();
     let before = bed.link_counters(&bed.sfu_ns, &p1.sfu_if).unwrap();
 
-    let plan = TrafficPlan::new(Duration::from_secs(1))
-        .sender(tx, addr(p1.ip, 5004), 0x1111, Profile::voice())
-        .receiver("p1", rx, [0x1111])
-        .receiver("p2", bystander, []);
+    let plan = TrafficPlan::new(Duration::from_secs(1)).sender(tx, addr(p1.ip, 5004), 0x1111, Profile::voice()).receiver("p1", rx, [0x1111]).receiver(
+        "p2",
+        bystander,
+        [],
+    );
     let report = run(&plan).unwrap();
     let json = serde_json::to_string_pretty(&report).unwrap();
 
     let copy = report.copy_by_label(0x1111, "p1").unwrap();
-    assert_eq!(
-        (
-            copy.sent,
-            copy.received,
-            copy.lost,
-            copy.duplicates,
-            copy.reordered
-        ),
-        (50, 50, 0, 0, 0),
-        "{json}"
-    );
+    assert_eq!((copy.sent, copy.received, copy.lost, copy.duplicates, copy.reordered), (50, 50, 0, 0, 0), "{json}");
     assert_eq!(copy.bytes, 50 * 172);
-    assert!(
-        copy.delay_ns.min > 0.0 && copy.delay_ns.max < 20e6,
-        "delay outside (0, 20 ms): {json}"
-    );
-    assert_eq!(
-        report.receivers[0].user_timestamps, 0,
-        "kernel timestamps: {json}"
-    );
-    assert_eq!(
-        report.receivers[1].datagrams, 0,
-        "nothing leaks to p2: {json}"
-    );
+    assert!(copy.delay_ns.min > 0.0 && copy.delay_ns.max < 20e6, "delay outside (0, 20 ms): {json}");
+    assert_eq!(report.receivers[0].user_timestamps, 0, "kernel timestamps: {json}");
+    assert_eq!(report.receivers[1].datagrams, 0, "nothing leaks to p2: {json}");
 
     let after = bed.link_counters(&bed.sfu_ns, &p1.sfu_if).unwrap();
-    assert!(
-        after.tx_packets - before.tx_packets >= 50,
-        "the SFU namespace forwarded the flow: {before:?} {after:?}"
-    );
+    assert!(after.tx_packets - before.tx_packets >= 50, "the SFU namespace forwarded the flow: {before:?} {after:?}");
 
     drop(bed);
     assert_eq!(Testbed::leftovers(&prefix), Vec::<String>::new());
@@ -89,41 +65,22 @@ fn star_isolation_and_teardown_on_panic() {
         let p0 = &bed.peers[0];
 
         // The participant address exists only inside its namespace.
-        assert!(
-            UdpSocket::bind(addr(p0.ip, 0)).is_err(),
-            "10.77.0.2 must not exist in the root namespace"
-        );
+        assert!(UdpSocket::bind(addr(p0.ip, 0)).is_err(), "10.77.0.2 must not exist in the root namespace");
         let s = bed.udp_socket(&p0.ns, addr(p0.ip, 0)).unwrap();
         assert_eq!(s.local_addr().unwrap().ip(), p0.ip);
 
-        let out = bed
-            .command(&p0.ns, "ip")
-            .args(["-br", "addr", "show", "dev", &p0.peer_if])
-            .output()
-            .unwrap();
+        let out = bed.command(&p0.ns, "ip").args(["-br", "addr", "show", "dev", &p0.peer_if]).output().unwrap();
         assert!(String::from_utf8_lossy(&out.stdout).contains("10.77.0.2/24"));
-        let forward = bed
-            .in_ns(&bed.sfu_ns, || {
-                std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")
-            })
-            .unwrap()
-            .unwrap();
+        let forward = bed.in_ns(&bed.sfu_ns, || std::fs::read_to_string("/proc/sys/net/ipv4/ip_forward")).unwrap().unwrap();
         assert_eq!(forward.trim(), "1");
 
-        assert!(
-            bed.in_ns("not-ours", || ()).is_err(),
-            "refuses namespaces it did not create"
-        );
+        assert!(bed.in_ns("not-ours", || ()).is_err(), "refuses namespaces it did not create");
         panic!("deliberate");
     });
     assert!(result.is_err());
     let prefix = prefix.into_inner().unwrap();
     assert!(!prefix.is_empty());
-    assert_eq!(
-        Testbed::leftovers(&prefix),
-        Vec::<String>::new(),
-        "Drop ran during unwinding"
-    );
+    assert_eq!(Testbed::leftovers(&prefix), Vec::<String>::new(), "Drop ran during unwinding");
 }
 
 /// The added-delay pipeline end to end with a toy user-space relay in the SFU namespace:
@@ -137,9 +94,7 @@ fn star_added_delay_through_toy_relay() {
     let bed = Testbed::star(3).unwrap();
     let (p0, p1, p2) = (&bed.peers[0], &bed.peers[1], &bed.peers[2]);
     let relay_in = bed.udp_socket(&bed.sfu_ns, addr(p0.sfu_ip, 4000)).unwrap();
-    relay_in
-        .set_read_timeout(Some(Duration::from_millis(20)))
-        .unwrap();
+    relay_in.set_read_timeout(Some(Duration::from_millis(20))).unwrap();
     let subscribers = [addr(p1.ip, 5006), addr(p2.ip, 5006)];
     let stop = AtomicBool::new(false);
 
@@ -161,33 +116,11 @@ fn star_added_delay_through_toy_relay() {
             forwarded
         });
         let plan = TrafficPlan::new(Duration::from_secs(1))
-            .sender(
-                bed.udp_socket(&p0.ns, addr(p0.ip, 0)).unwrap(),
-                addr(p1.ip, 5004),
-                1,
-                Profile::voice(),
-            )
-            .sender(
-                bed.udp_socket(&p0.ns, addr(p0.ip, 0)).unwrap(),
-                addr(p0.sfu_ip, 4000),
-                2,
-                Profile::voice(),
-            )
-            .receiver(
-                "p1-direct",
-                bed.udp_socket(&p1.ns, addr(p1.ip, 5004)).unwrap(),
-                [1],
-            )
-            .receiver(
-                "p1",
-                bed.udp_socket(&p1.ns, addr(p1.ip, 5006)).unwrap(),
-                [2],
-            )
-            .receiver(
-                "p2",
-                bed.udp_socket(&p2.ns, addr(p2.ip, 5006)).unwrap(),
-                [2],
-            );
+            .sender(bed.udp_socket(&p0.ns, addr(p0.ip, 0)).unwrap(), addr(p1.ip, 5004), 1, Profile::voice())
+            .sender(bed.udp_socket(&p0.ns, addr(p0.ip, 0)).unwrap(), addr(p0.sfu_ip, 4000), 2, Profile::voice())
+            .receiver("p1-direct", bed.udp_socket(&p1.ns, addr(p1.ip, 5004)).unwrap(), [1])
+            .receiver("p1", bed.udp_socket(&p1.ns, addr(p1.ip, 5006)).unwrap(), [2])
+            .receiver("p2", bed.udp_socket(&p2.ns, addr(p2.ip, 5006)).unwrap(), [2]);
         let report = run(&plan);
         stop.store(true, Ordering::Relaxed);
         assert_eq!(relay.join().unwrap(), 100);
@@ -200,12 +133,7 @@ fn star_added_delay_through_toy_relay() {
     let direct = report.copy_by_label(1, "p1-direct").unwrap();
     for label in ["p1", "p2"] {
         let copy = report.copy_by_label(2, label).unwrap();
-        let added = added_delay(
-            &copy.delay_ns,
-            &direct.delay_ns,
-            AddedDelayMethod::QuantileDifference,
-        )
-        .unwrap();
+        let added = added_delay(&copy.delay_ns, &direct.delay_ns, AddedDelayMethod::QuantileDifference).unwrap();
         eprintln!("added delay {label}: {added:?}");
         // A user-space hop (wake-up, two syscalls per copy) costs more than kernel forwarding.
         assert!(added.p50 > 0.0, "added delay {label}: {added:?}\n{json}");

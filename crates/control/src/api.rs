@@ -17,10 +17,10 @@ use axum::{Extension, Json, Router};
 use mediaplane_core::model::{LegSpec, ModelError, Relay, StreamRef, StreamSpec};
 use mediaplane_core::Model;
 use mediaplane_dataplane::Counters;
+use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 use serde_json::value::RawValue;
 use serde_json::{json, Value};
-use parking_lot::Mutex;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -55,18 +55,14 @@ impl From<ManagerError> for ApiError {
             ManagerError::Model(m) => match m {
                 ModelError::NotFound { .. } => ApiError::new(StatusCode::NOT_FOUND, "not_found", msg),
                 ModelError::Exists { .. } => ApiError::new(StatusCode::CONFLICT, "exists", msg),
-                ModelError::AddressInUse { .. } | ModelError::IngressInUse { .. } => {
-                    ApiError::new(StatusCode::CONFLICT, "address_in_use", msg)
-                }
+                ModelError::AddressInUse { .. } | ModelError::IngressInUse { .. } => ApiError::new(StatusCode::CONFLICT, "address_in_use", msg),
                 ModelError::InvalidId(_) | ModelError::BadAddress(_) | ModelError::FamilyMismatch(_) | ModelError::SelfSubscription => {
                     ApiError::new(StatusCode::BAD_REQUEST, "invalid", msg)
                 }
             },
             ManagerError::Limit { .. } => ApiError::new(StatusCode::FORBIDDEN, "limit", msg),
             ManagerError::NoFreePort { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no_free_port", msg),
-            ManagerError::Dataplane(mediaplane_dataplane::DataplaneError::Full(_)) => {
-                ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "dataplane_full", msg)
-            }
+            ManagerError::Dataplane(mediaplane_dataplane::DataplaneError::Full(_)) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "dataplane_full", msg),
             ManagerError::Dataplane(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "dataplane", msg),
             ManagerError::Store(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", msg),
             // The failing item's status and code, with the item named in the message.
@@ -217,7 +213,9 @@ impl JsonBody {
         serde_json::from_slice(&self.0).map_err(|e| {
             use serde_json::error::Category;
             match e.classify() {
-                Category::Data => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_request", format!("Failed to deserialize the JSON body into the target type: {e}")),
+                Category::Data => {
+                    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_request", format!("Failed to deserialize the JSON body into the target type: {e}"))
+                }
                 _ => ApiError::new(StatusCode::BAD_REQUEST, "bad_request", format!("Failed to parse the request body as JSON: {e}")),
             }
         })
@@ -468,7 +466,11 @@ async fn get_participant(State(m): State<AppState>, Path((room, pid)): Path<(Str
     ok(p)
 }
 
-async fn remove_participant(State(m): State<AppState>, Extension(p): Extension<Pending>, Path((room, pid)): Path<(String, String)>) -> Result<Response, ApiError> {
+async fn remove_participant(
+    State(m): State<AppState>,
+    Extension(p): Extension<Pending>,
+    Path((room, pid)): Path<(String, String)>,
+) -> Result<Response, ApiError> {
     commit(m, p, move |m, t| {
         m.mutate_for(t, |model, _| {
             model.remove_participant(&room, &pid)?;

@@ -98,7 +98,19 @@ impl Limits {
 
 impl Default for Limits {
     fn default() -> Self {
-        Limits { max_rooms: 10_000, max_participants_per_room: 256, max_streams_per_participant: 8, max_subscribers_per_stream: 256, max_relays: 1_000_000, stream_pps: 0, stream_kbps: 0, stream_burst_ms: mediaplane_core::RateLimit::DEFAULT_BURST_MS, source_pps: 0, source_kbps: 0, source_burst_ms: mediaplane_core::RateLimit::DEFAULT_BURST_MS }
+        Limits {
+            max_rooms: 10_000,
+            max_participants_per_room: 256,
+            max_streams_per_participant: 8,
+            max_subscribers_per_stream: 256,
+            max_relays: 1_000_000,
+            stream_pps: 0,
+            stream_kbps: 0,
+            stream_burst_ms: mediaplane_core::RateLimit::DEFAULT_BURST_MS,
+            source_pps: 0,
+            source_kbps: 0,
+            source_burst_ms: mediaplane_core::RateLimit::DEFAULT_BURST_MS,
+        }
     }
 }
 
@@ -309,7 +321,12 @@ impl Config {
         for (var, value) in env {
             let Some((section, key)) = env_key(&keys, &var)? else { continue };
             let v = env_value(section, key, &value).map_err(|e| format!("{var}={value:?}: {e}"))?;
-            table.entry(section).or_insert_with(|| toml::Value::Table(toml::Table::new())).as_table_mut().ok_or_else(|| format!("[{section}] is not a table"))?.insert(key.to_string(), v);
+            table
+                .entry(section)
+                .or_insert_with(|| toml::Value::Table(toml::Table::new()))
+                .as_table_mut()
+                .ok_or_else(|| format!("[{section}] is not a table"))?
+                .insert(key.to_string(), v);
         }
         let mut cfg = table_to_config(&table)?;
         cfg.api.read_token_file()?;
@@ -573,7 +590,9 @@ mod tests {
         let c = Config::from_toml("[limits]\nsource_pps = 2000\nsource_kbps = 5000\n[dataplane]\nxdp_prefilter = false\n").unwrap();
         assert_eq!(c.limits.source_rate(), Some(mediaplane_core::RateLimit { pps: 2000, bps: 5_000_000, burst_ms: 50 }));
         assert_eq!(c.dataplane.xdp_prefilter, XdpPrefilterMode::Off);
-        for (text, want) in [("true", XdpPrefilterMode::On), ("\"on\"", XdpPrefilterMode::On), ("\"auto\"", XdpPrefilterMode::Auto), ("\"off\"", XdpPrefilterMode::Off)] {
+        for (text, want) in
+            [("true", XdpPrefilterMode::On), ("\"on\"", XdpPrefilterMode::On), ("\"auto\"", XdpPrefilterMode::Auto), ("\"off\"", XdpPrefilterMode::Off)]
+        {
             assert_eq!(Config::from_toml(&format!("[dataplane]\nxdp_prefilter = {text}\n")).unwrap().dataplane.xdp_prefilter, want);
         }
         let e = Config::from_toml("[dataplane]\nxdp_prefilter = \"maybe\"\n").unwrap_err();

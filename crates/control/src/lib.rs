@@ -44,9 +44,8 @@ pub async fn serve_with(
         store.clear()?;
         tracing::warn!(path = %cfg.store.path.display(), "store cleared (--reset)");
     }
-    let manager = Arc::new(
-        manager::SessionManager::open(store, dataplane.clone(), cfg.media.clone(), cfg.limits.clone()).context("restoring stored sessions")?,
-    );
+    let manager =
+        Arc::new(manager::SessionManager::open(store, dataplane.clone(), cfg.media.clone(), cfg.limits.clone()).context("restoring stored sessions")?);
     let (rooms, relays) = manager.read(|m, _| (m.rooms.len(), m.relays.len()));
     tracing::info!(rooms, relays, dataplane = dataplane.name(), "sessions restored");
 

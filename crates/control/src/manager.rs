@@ -12,10 +12,10 @@
 
 use crate::config::{Limits, MediaConfig};
 use crate::store::{Change, Store, StoreError};
+use arc_swap::ArcSwap;
 use mediaplane_core::model::{ModelError, Side};
 use mediaplane_core::{ForwardingTable, Model};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneStats};
-use arc_swap::ArcSwap;
 use parking_lot::Mutex;
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU8, Ordering};
@@ -293,8 +293,10 @@ mod tests {
         // A freed port is found again after the search wraps around.
         m.remove_participant("r", "x").unwrap();
         assert_eq!(allocate_local(&m, &media(), &[]).unwrap().port(), 40002);
-        assert_eq!(allocate_local(&m, &media(), &[a1, SocketAddr::new(a1.ip(), 40003)]).map_err(|e| e.to_string()).unwrap_err(),
-            "no free port left in 127.78.0.1 40001-40006");
+        assert_eq!(
+            allocate_local(&m, &media(), &[a1, SocketAddr::new(a1.ip(), 40003)]).map_err(|e| e.to_string()).unwrap_err(),
+            "no free port left in 127.78.0.1 40001-40006"
+        );
     }
 
     #[test]

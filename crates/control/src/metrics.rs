@@ -249,8 +249,7 @@ impl Metrics {
 /// OpenMetrics text to Prometheus text: a counter family is named without `_total` in
 /// OpenMetrics' HELP/TYPE lines but with it in Prometheus', and there is no `# UNIT`/`# EOF`.
 pub fn openmetrics_to_prometheus(om: &str) -> String {
-    let counters: std::collections::HashSet<&str> =
-        om.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
+    let counters: std::collections::HashSet<&str> = om.lines().filter_map(|l| l.strip_prefix("# TYPE ")?.strip_suffix(" counter")).collect();
     let mut out = String::with_capacity(om.len() + 16 * counters.len());
     for line in om.lines() {
         if line.starts_with("# UNIT ") || line == "# EOF" {
@@ -335,13 +334,17 @@ pub const SLOW_PATH: CounterFamily = fam("mediaplane_slow_path_packets", "Packet
 pub const KERNEL_FORWARDED: CounterFamily = fam("mediaplane_kernel_forwarded_packets", "Packets the kernel fast path forwarded entirely", None);
 pub const PASSED: CounterFamily =
     fam("mediaplane_passed_packets", "Packets the kernel fast path handed to the network stack (and so the slow path), by reason", Some("reason"));
-pub const XDP_DROPPED: CounterFamily = fam("mediaplane_xdp_dropped_packets", "Packets the XDP pre-filter dropped, by reason (included in mediaplane_dropped_packets_total)", Some("reason"));
+pub const XDP_DROPPED: CounterFamily =
+    fam("mediaplane_xdp_dropped_packets", "Packets the XDP pre-filter dropped, by reason (included in mediaplane_dropped_packets_total)", Some("reason"));
 pub const XDP_DROPPED_BYTES: CounterFamily = fam("mediaplane_xdp_dropped_bytes", "UDP payload bytes of the packets the XDP pre-filter dropped", None);
 pub const XDP_PASSED: CounterFamily = fam("mediaplane_xdp_passed_packets", "Packets the XDP pre-filter let through", None);
-pub const BPF_RUN_SECONDS: CounterFamily =
-    CounterFamily { nanoseconds: true, ..fam("mediaplane_bpf_run_seconds", "Time the kernel spent running the program (kernel.bpf_stats_enabled), by program", Some("program")) };
+pub const BPF_RUN_SECONDS: CounterFamily = CounterFamily {
+    nanoseconds: true,
+    ..fam("mediaplane_bpf_run_seconds", "Time the kernel spent running the program (kernel.bpf_stats_enabled), by program", Some("program"))
+};
 pub const BPF_RUNS: CounterFamily = fam("mediaplane_bpf_runs", "Runs of the program (kernel.bpf_stats_enabled), by program", Some("program"));
-pub const STEERING: CounterFamily = fam("mediaplane_slow_path_steering", "Packets the socket-lookup program steered to the slow path, by result", Some("result"));
+pub const STEERING: CounterFamily =
+    fam("mediaplane_slow_path_steering", "Packets the socket-lookup program steered to the slow path, by result", Some("result"));
 pub const NEIGHBOUR: CounterFamily = fam("mediaplane_neighbour_resolutions", "Neighbour resolutions the fast path asked for, by result", Some("result"));
 pub const HOST_DROPPED: CounterFamily =
     fam("mediaplane_host_dropped_packets", "The host's own drop counters of its network namespace (/proc/net/snmp, netstat), by reason", Some("reason"));
@@ -505,11 +508,8 @@ impl Collector for DataplaneCollector {
         // read per stream on the eBPF plane).
         let stats = if self.per_stream { m.stats() } else { m.dataplane().stats_totals() };
         let snap = Snapshot::from_stats(m, stats);
-        let labels = if self.per_stream {
-            m.read(|_, t| t.streams.values().map(|e| (e.id, e.label.clone())).collect::<HashMap<_, _>>())
-        } else {
-            HashMap::new()
-        };
+        let labels =
+            if self.per_stream { m.read(|_, t| t.streams.values().map(|e| (e.id, e.label.clone())).collect::<HashMap<_, _>>()) } else { HashMap::new() };
         let mut fams = families(&snap, &labels);
         if let Some((open, max)) = fds() {
             fams.gauge("mediaplane_open_fds", "Open file descriptors (the user-space plane holds one socket per SFU address per worker)", vec![], open);
@@ -689,6 +689,9 @@ mod tests {
     #[test]
     fn openmetrics_counters_are_renamed_for_the_prometheus_format() {
         let om = "# HELP a_b Things.\n# TYPE a_b counter\na_b_total{x=\"1\"} 2\n# HELP g A gauge.\n# TYPE g gauge\n# UNIT g bytes\ng 1\n# EOF\n";
-        assert_eq!(openmetrics_to_prometheus(om), "# HELP a_b_total Things.\n# TYPE a_b_total counter\na_b_total{x=\"1\"} 2\n# HELP g A gauge.\n# TYPE g gauge\ng 1\n");
+        assert_eq!(
+            openmetrics_to_prometheus(om),
+            "# HELP a_b_total Things.\n# TYPE a_b_total counter\na_b_total{x=\"1\"} 2\n# HELP g A gauge.\n# TYPE g gauge\ng 1\n"
+        );
     }
 }

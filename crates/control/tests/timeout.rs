@@ -6,11 +6,11 @@
 
 use mediaplane_control::api::router;
 use mediaplane_control::config::{ApiConfig, Limits, MediaConfig, MetricsSection};
-use mediaplane_control::metrics::Metrics;
 use mediaplane_control::manager::SessionManager;
+use mediaplane_control::metrics::Metrics;
 use mediaplane_control::store::Store;
-use mediaplane_core::ForwardingTable;
 use mediaplane_core::table::IngressKey;
+use mediaplane_core::ForwardingTable;
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneStats, UserspaceConfig, UserspaceDataplane};
 use serde_json::{json, Value};
 use std::sync::Arc;

@@ -32,9 +32,7 @@ pub enum ModelError {
 }
 
 fn check_id(id: &str) -> Result<(), ModelError> {
-    let ok = !id.is_empty()
-        && id.len() <= MAX_ID_LEN
-        && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
+    let ok = !id.is_empty() && id.len() <= MAX_ID_LEN && id.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.');
     if ok {
         Ok(())
     } else {
@@ -345,10 +343,7 @@ impl Model {
         }
         self.check_free(local, &owner)?;
         self.claim(local, owner)?;
-        self.room_mut(room)?.participants.insert(
-            pid.into(),
-            Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeSet::new() },
-        );
+        self.room_mut(room)?.participants.insert(pid.into(), Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeSet::new() });
         Ok(())
     }
 
@@ -370,10 +365,7 @@ impl Model {
     /// The stream of `p` already using this ingress. Only `p`'s streams can: the ingress
     /// address is `p`'s transport address or one that is free or owned by `p` (checked before).
     fn find_ingress(room: &str, pid: &str, p: &Participant, addr: SocketAddr, ssrc: Option<u32>) -> Option<String> {
-        p.streams
-            .iter()
-            .find(|(_, s)| Self::ingress_of(p, s) == (addr, ssrc))
-            .map(|(sid, _)| format!("stream {room}/{pid}/{sid}"))
+        p.streams.iter().find(|(_, s)| Self::ingress_of(p, s) == (addr, ssrc)).map(|(sid, _)| format!("stream {room}/{pid}/{sid}"))
     }
 
     pub fn publish(&mut self, room: &str, pid: &str, name: &str, spec: StreamSpec) -> Result<u32, ModelError> {

@@ -215,11 +215,7 @@ pub fn verify_checksums(frame: &[u8], f: &UdpFrame) -> ChecksumReport {
     };
     let udp = &frame[f.l4..f.payload + f.payload_len];
     let stored = be16(udp, 6);
-    let udp_ok = if stored == 0 {
-        f.src.is_ipv4()
-    } else {
-        udp_checksum(f.src.ip(), f.dst.ip(), udp) == stored
-    };
+    let udp_ok = if stored == 0 { f.src.is_ipv4() } else { udp_checksum(f.src.ip(), f.dst.ip(), udp) == stored };
     ChecksumReport { ip_ok, udp_ok }
 }
 
@@ -241,16 +237,7 @@ pub struct FrameSpec {
 
 impl FrameSpec {
     pub fn new(src: SocketAddr, dst: SocketAddr) -> Self {
-        FrameSpec {
-            src_mac: [0x02, 0, 0, 0, 0, 1],
-            dst_mac: [0x02, 0, 0, 0, 0, 2],
-            vlan: None,
-            src,
-            dst,
-            ttl: 64,
-            tos: 0,
-            ident: 0,
-        }
+        FrameSpec { src_mac: [0x02, 0, 0, 0, 0, 1], dst_mac: [0x02, 0, 0, 0, 0, 2], vlan: None, src, dst, ttl: 64, tos: 0, ident: 0 }
     }
 }
 

@@ -199,12 +199,7 @@ pub fn parse_rtcp_compound(d: &[u8]) -> Result<Vec<RtcpPacket<'_>>, RtpError> {
         if i + len > d.len() || len < 8 {
             return Err(RtpError::BadRtcpLength);
         }
-        out.push(RtcpPacket {
-            packet_type: d[i + 1],
-            count: d[i] & 0x1f,
-            sender_ssrc: be32(d, i + 4),
-            bytes: &d[i..i + len],
-        });
+        out.push(RtcpPacket { packet_type: d[i + 1], count: d[i] & 0x1f, sender_ssrc: be32(d, i + 4), bytes: &d[i..i + len] });
         i += len;
     }
     Ok(out)
@@ -239,7 +234,7 @@ mod tests {
     fn parses_csrcs_one_byte_extension_and_padding() {
         let mut p = vec![0x80 | 0x20 | 0x10 | 2, 0x80 | 96, 0, 7, 0, 0, 0, 1, 0, 0, 0, 9];
         p.extend_from_slice(&[0, 0, 0, 1, 0, 0, 0, 2]); // two CSRCs
-        // 0xBEDE, length 1 word: element id 1, len 2 (0x11), data aa bb, one padding byte.
+                                                        // 0xBEDE, length 1 word: element id 1, len 2 (0x11), data aa bb, one padding byte.
         p.extend_from_slice(&[0xbe, 0xde, 0, 1, 0x11, 0xaa, 0xbb, 0]);
         p.extend_from_slice(&[1, 2, 3]); // payload
         p.extend_from_slice(&[0, 0, 3]); // 3 bytes padding

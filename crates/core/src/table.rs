@@ -72,8 +72,7 @@ pub enum DropReason {
 }
 
 impl DropReason {
-    pub const ALL: [DropReason; 5] =
-        [DropReason::NoStream, DropReason::Stranger, DropReason::Malformed, DropReason::BadChecksum, DropReason::Spoofed];
+    pub const ALL: [DropReason; 5] = [DropReason::NoStream, DropReason::Stranger, DropReason::Malformed, DropReason::BadChecksum, DropReason::Spoofed];
     pub fn as_str(self) -> &'static str {
         match self {
             DropReason::NoStream => "no_stream",
@@ -148,21 +147,11 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             let mut copies: Vec<Copy> = room
                 .participants
                 .iter()
-                .filter(|(sub_id, sub)| {
-                    *sub_id != pid && sub.subscriptions.iter().any(|r| r.publisher == *pid && r.stream == *sid)
-                })
+                .filter(|(sub_id, sub)| *sub_id != pid && sub.subscriptions.iter().any(|r| r.publisher == *pid && r.stream == *sid))
                 .map(|(sub_id, sub)| Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote })
                 .collect();
             copies.sort();
-            out.push(StreamEntry {
-                id: s.uid,
-                label: format!("{rid}/{pid}/{sid}"),
-                key,
-                source: SourceRule::Fixed(p.remote),
-                rtp: s.rtp,
-                copies,
-                rate,
-            });
+            out.push(StreamEntry { id: s.uid, label: format!("{rid}/{pid}/{sid}"), key, source: SourceRule::Fixed(p.remote), rtp: s.rtp, copies, rate });
         }
     }
     out
@@ -172,19 +161,8 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
 fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 2] {
     [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
-        let copies = to_leg
-            .peer()
-            .map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to }])
-            .unwrap_or_default();
-        StreamEntry {
-            id: from_leg.uid,
-            label: format!("relay:{id}/{side}"),
-            key,
-            source: relay_source(from_leg),
-            rtp: from_leg.rtp,
-            copies,
-            rate,
-        }
+        let copies = to_leg.peer().map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to }]).unwrap_or_default();
+        StreamEntry { id: from_leg.uid, label: format!("relay:{id}/{side}"), key, source: relay_source(from_leg), rtp: from_leg.rtp, copies, rate }
     })
 }
 
@@ -247,8 +225,7 @@ impl ForwardingTable {
     /// Every SFU address a data plane uses: ingress addresses and the addresses copies are sent
     /// from (a subscriber that publishes nothing still receives from its own SFU address).
     pub fn local_addresses(&self) -> Vec<SocketAddr> {
-        let mut v: Vec<SocketAddr> =
-            self.streams.values().flat_map(|e| std::iter::once(e.key.local).chain(e.copies.iter().map(|c| c.from))).collect();
+        let mut v: Vec<SocketAddr> = self.streams.values().flat_map(|e| std::iter::once(e.key.local).chain(e.copies.iter().map(|c| c.from))).collect();
         v.sort();
         v.dedup();
         v
@@ -256,10 +233,7 @@ impl ForwardingTable {
 
     /// True when some stream on `local` is narrowed by SSRC (the packet's SSRC must be read).
     pub fn has_ssrc_streams(&self, local: SocketAddr) -> bool {
-        self.streams
-            .range(IngressKey { local, ssrc: Some(0) }..=IngressKey { local, ssrc: Some(u32::MAX) })
-            .next()
-            .is_some()
+        self.streams.range(IngressKey { local, ssrc: Some(0) }..=IngressKey { local, ssrc: Some(u32::MAX) }).next().is_some()
     }
 
     /// Set the per-source limit (`None` or an unlimited one removes it).
@@ -294,10 +268,7 @@ impl ForwardingTable {
         } else {
             None
         };
-        let entry = ssrc
-            .filter(|_| narrowed)
-            .and_then(|ssrc| self.streams.get(&IngressKey { local, ssrc: Some(ssrc) }))
-            .or(any);
+        let entry = ssrc.filter(|_| narrowed).and_then(|ssrc| self.streams.get(&IngressKey { local, ssrc: Some(ssrc) })).or(any);
         let Some(entry) = entry else {
             return Verdict::Drop { reason: DropReason::NoStream, stream: None };
         };
@@ -348,8 +319,7 @@ mod tests {
         let mut m = Model::new();
         m.create_room("r").unwrap();
         for i in 0..n {
-            m.add_participant("r", &format!("p{i}"), a(&format!("10.0.0.1:{}", 4000 + 2 * i)), a(&format!("10.0.1.{}:5000", i + 1)))
-                .unwrap();
+            m.add_participant("r", &format!("p{i}"), a(&format!("10.0.0.1:{}", 4000 + 2 * i)), a(&format!("10.0.1.{}:5000", i + 1))).unwrap();
             m.publish("r", &format!("p{i}"), "main", StreamSpec::default()).unwrap();
         }
         for i in 0..n {
@@ -479,8 +449,7 @@ mod tests {
     fn relay_pairs_are_fan_outs_of_one_and_latch() {
         let mut m = Model::new();
         let leg = |l, r| LegSpec { local: a(l), remote: r, strict: false, rtp: true };
-        m.create_relay("call", leg("10.0.0.1:30000", Some(a("10.0.2.1:7000"))), leg("10.0.0.1:30002", Some(a("10.0.3.1:8000"))))
-            .unwrap();
+        m.create_relay("call", leg("10.0.0.1:30000", Some(a("10.0.2.1:7000"))), leg("10.0.0.1:30002", Some(a("10.0.3.1:8000")))).unwrap();
         let t = ForwardingTable::compile(&m, 1);
         let rtp = build_rtp(8, 1, 1, 1, &[0; 160]);
         let v = t.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &rtp);

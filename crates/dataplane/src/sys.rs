@@ -151,8 +151,7 @@ pub fn set_recv_mark(fd: RawFd) -> io::Result<()> {
     const SO_RCVMARK: libc::c_int = 75;
     let one: libc::c_int = 1;
     // SAFETY: setsockopt with a pointer to a live c_int of the stated size.
-    cvt(unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, SO_RCVMARK, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) })
-        .map(drop)
+    cvt(unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, SO_RCVMARK, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) }).map(drop)
 }
 
 /// Ask for each datagram's original destination (IP_RECVORIGDSTADDR / IPV6_RECVORIGDSTADDR).
@@ -229,8 +228,7 @@ pub struct Outgoing<'a> {
 /// of the messages the kernel refused (full buffer, no route...): each is skipped and counted
 /// by the caller, never retried forever.
 pub fn send_batch(fd: RawFd, msgs: &[&Outgoing<'_>]) -> Vec<usize> {
-    let mut iovs: Vec<libc::iovec> =
-        msgs.iter().map(|m| libc::iovec { iov_base: m.payload.as_ptr() as *mut _, iov_len: m.payload.len() }).collect();
+    let mut iovs: Vec<libc::iovec> = msgs.iter().map(|m| libc::iovec { iov_base: m.payload.as_ptr() as *mut _, iov_len: m.payload.len() }).collect();
     let mut hdrs: Vec<libc::mmsghdr> = msgs
         .iter()
         .zip(iovs.iter_mut())

@@ -67,14 +67,7 @@ impl std::fmt::Debug for MarkAck {
 
 impl Default for UserspaceConfig {
     fn default() -> Self {
-        UserspaceConfig {
-            workers: 0,
-            batch: 32,
-            socket_buffer: 4 << 20,
-            steered: false,
-            header: HeaderPolicy::default(),
-            mark_ack: None,
-        }
+        UserspaceConfig { workers: 0, batch: 32, socket_buffer: 4 << 20, steered: false, header: HeaderPolicy::default(), mark_ack: None }
     }
 }
 
@@ -308,10 +301,7 @@ impl UserspaceDataplane {
                 free_slots: Vec::new(),
                 rates: HashMap::new(),
             };
-            let thread = std::thread::Builder::new()
-                .name(format!("mp-worker-{id}"))
-                .spawn(move || ctx.run())
-                .map_err(|e| io_err("spawn worker", e))?;
+            let thread = std::thread::Builder::new().name(format!("mp-worker-{id}")).spawn(move || ctx.run()).map_err(|e| io_err("spawn worker", e))?;
             workers.push(Worker { thread: Some(thread), wake, counters, changes });
         }
         Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(HashMap::new()), steer })
@@ -446,11 +436,7 @@ impl Dataplane for UserspaceDataplane {
     }
 
     fn stats(&self) -> DataplaneStats {
-        let mut st = DataplaneStats {
-            dataplane: self.name().into(),
-            table_version: self.shared.state.load().table.version,
-            ..Default::default()
-        };
+        let mut st = DataplaneStats { dataplane: self.name().into(), table_version: self.shared.state.load().table.version, ..Default::default() };
         for w in self.workers.lock().iter() {
             let c = w.counters.lock();
             st.total.add(&c.total);

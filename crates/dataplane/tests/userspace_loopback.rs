@@ -231,15 +231,7 @@ fn rate_limited_stream_forwards_its_rate_under_a_flood() {
     p1.set_read_timeout(Some(Duration::from_millis(10))).unwrap();
     let big: libc::c_int = 8 << 20;
     // SAFETY: valid fd and option buffer.
-    unsafe {
-        libc::setsockopt(
-            std::os::fd::AsRawFd::as_raw_fd(&p1),
-            libc::SOL_SOCKET,
-            libc::SO_RCVBUF,
-            &big as *const _ as *const libc::c_void,
-            4,
-        )
-    };
+    unsafe { libc::setsockopt(std::os::fd::AsRawFd::as_raw_fd(&p1), libc::SOL_SOCKET, libc::SO_RCVBUF, &big as *const _ as *const libc::c_void, 4) };
     let pkt = build_rtp(0, 1, 160, 1000, &payload_for(1000, 1));
     // Flood (bounded in count and time) while receiving.
     let start = Instant::now();
@@ -297,9 +289,7 @@ fn source_limit_holds_a_flooding_source_and_spares_others() {
     let big: libc::c_int = 8 << 20;
     for s in &socks {
         // SAFETY: valid fd and option buffer.
-        unsafe {
-            libc::setsockopt(std::os::fd::AsRawFd::as_raw_fd(s), libc::SOL_SOCKET, libc::SO_RCVBUF, &big as *const _ as *const libc::c_void, 4)
-        };
+        unsafe { libc::setsockopt(std::os::fd::AsRawFd::as_raw_fd(s), libc::SOL_SOCKET, libc::SO_RCVBUF, &big as *const _ as *const libc::c_void, 4) };
         s.set_nonblocking(true).unwrap();
     }
     let flood = build_rtp(0, 1, 160, 1000, &payload_for(1000, 1));

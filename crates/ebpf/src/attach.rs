@@ -225,15 +225,13 @@ impl Attachment {
                 }
                 Ok(())
             }
-            Attachment::Clsact { ifname, mut hook } => {
-                hook.0.detach().or_else(|e| {
-                    if e.kind() == libbpf_rs::ErrorKind::NotFound {
-                        Ok(())
-                    } else {
-                        Err(DataplaneError::Other(format!("clsact detach on {ifname}: {e}")))
-                    }
-                })
-            }
+            Attachment::Clsact { ifname, mut hook } => hook.0.detach().or_else(|e| {
+                if e.kind() == libbpf_rs::ErrorKind::NotFound {
+                    Ok(())
+                } else {
+                    Err(DataplaneError::Other(format!("clsact detach on {ifname}: {e}")))
+                }
+            }),
         }
     }
 }

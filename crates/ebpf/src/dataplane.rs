@@ -264,11 +264,7 @@ impl EbpfDataplane {
             remove_pin_files(&cfg.pin_dir)?;
         }
 
-        let fast = FastPath::load(&LoadOptions {
-            max_streams: cfg.max_streams,
-            max_copies: cfg.max_copies,
-            pin_dir: Some(cfg.pin_dir.clone()),
-        })?;
+        let fast = FastPath::load(&LoadOptions { max_streams: cfg.max_streams, max_copies: cfg.max_copies, pin_dir: Some(cfg.pin_dir.clone()) })?;
         if cfg.reset {
             for ifname in &cfg.interfaces {
                 attach::detach_stale_clsact(&fast.program(), ifname);
@@ -299,8 +295,7 @@ impl EbpfDataplane {
         }
         let h = slow_cfg.header;
         fast.configure(&FastConfigRaw { flags, ttl: h.ttl, hop_limit: h.hop_limit, dscp: h.dscp, rpf_v6: cfg.rpf_v6 as u8 })?;
-        let ifindexes: Vec<(String, u32)> =
-            cfg.interfaces.iter().map(|i| attach::ifindex_of(i).map(|x| (i.clone(), x))).collect::<Result<_, _>>()?;
+        let ifindexes: Vec<(String, u32)> = cfg.interfaces.iter().map(|i| attach::ifindex_of(i).map(|x| (i.clone(), x))).collect::<Result<_, _>>()?;
         let mut rpf = crate::rpf::RpfSync::new(fast.rpf_mode_map()?, &ifindexes);
         rpf.refresh()?;
         let slow = UserspaceDataplane::new(slow_cfg, events)?;

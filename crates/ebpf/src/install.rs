@@ -194,11 +194,7 @@ impl Installer {
 
     /// Rebuild the mirror from entries read back from (pinned) kernel maps. The first apply
     /// afterwards compares every entry and rewrites only what differs.
-    pub fn adopt(
-        copies_capacity: u32,
-        stats_capacity: u32,
-        existing: Vec<(KeyRaw, StreamValueRaw, Vec<CopyRaw>)>,
-    ) -> Result<Self, DataplaneError> {
+    pub fn adopt(copies_capacity: u32, stats_capacity: u32, existing: Vec<(KeyRaw, StreamValueRaw, Vec<CopyRaw>)>) -> Result<Self, DataplaneError> {
         let mut me = Installer::new(copies_capacity, stats_capacity);
         let mut used_slots = BTreeSet::new();
         for (key, value, copies) in existing {
@@ -295,12 +291,7 @@ impl Installer {
                 self.next_slot += 1;
                 self.next_slot - 1
             }
-            None => {
-                return Err(DataplaneError::Full(format!(
-                    "kernel stats map full ({} streams; raise dataplane.max_streams)",
-                    self.stats_capacity
-                )))
-            }
+            None => return Err(DataplaneError::Full(format!("kernel stats map full ({} streams; raise dataplane.max_streams)", self.stats_capacity))),
         };
         self.slots.insert(id, (slot, 1));
         fresh.push(slot);
@@ -534,11 +525,7 @@ mod tests {
 
     /// An installer adopting everything in the fake kernel's maps, as a restarted daemon does.
     fn adopt_all(k: &FakeKernel) -> Installer {
-        let existing = k
-            .streams
-            .iter()
-            .map(|(key, v)| (*key, *v, (0..v.copies_count).map(|i| k.copies[&(v.copies_base + i)]).collect()))
-            .collect();
+        let existing = k.streams.iter().map(|(key, v)| (*key, *v, (0..v.copies_count).map(|i| k.copies[&(v.copies_base + i)]).collect())).collect();
         Installer::adopt(64, 16, existing).unwrap()
     }
 
@@ -618,8 +605,7 @@ mod tests {
         let mut m = Model::new();
         m.create_room("r").unwrap();
         for i in 0..n {
-            m.add_participant("r", &format!("p{i}"), a(&format!("10.0.0.1:{}", 4000 + 2 * i)), a(&format!("10.0.1.{}:5000", i + 1)))
-                .unwrap();
+            m.add_participant("r", &format!("p{i}"), a(&format!("10.0.0.1:{}", 4000 + 2 * i)), a(&format!("10.0.1.{}:5000", i + 1))).unwrap();
             m.publish("r", &format!("p{i}"), "main", StreamSpec::default()).unwrap();
         }
         m

@@ -24,10 +24,10 @@ pub mod maps;
 pub mod neigh;
 pub mod nhwatch;
 pub mod path;
-pub mod steer;
 pub mod pinlock;
 pub mod prefilter;
 pub mod rpf;
+pub mod steer;
 
 /// The libbpf-cargo skeleton: used for the C struct layouts (BTF) in tests and test_run.
 #[allow(dead_code, clippy::all, non_camel_case_types, non_snake_case, unused_imports)]
@@ -38,6 +38,6 @@ mod skel {
 pub use attach::AttachMode;
 pub use dataplane::{remove_pins, EbpfConfig, EbpfDataplane, XdpPrefilter};
 pub use install::ApplyReport;
+pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
 pub use pinlock::{PinDirLock, PinLockError};
 pub use prefilter::{Prefilter, XDP_DROP, XDP_PASS};
-pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};

@@ -5,8 +5,7 @@
 
 use crate::install::{ApplyReport, Installer, KernelMaps};
 use crate::maps::{
-    CopyRaw, FastConfigRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, RpfMode, SourceLimitRaw, StreamCountersRaw, StreamPathRaw, StreamValueRaw,
-    GLOBAL_COUNTERS,
+    CopyRaw, FastConfigRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, RpfMode, SourceLimitRaw, StreamCountersRaw, StreamPathRaw, StreamValueRaw, GLOBAL_COUNTERS,
 };
 use crate::path::StreamPaths;
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, Program, ProgramInput};
@@ -130,7 +129,6 @@ fn route_libbpf_logs() {
         libbpf_rs::set_print(Some((libbpf_rs::PrintLevel::Info, log)));
     });
 }
-
 
 /// Sum a per-CPU map's value at `key` over the CPUs with `add`.
 pub(crate) fn percpu_sum<T: Pod>(map: &libbpf_rs::Map<'_>, key: u32, add: impl Fn(&mut T, &T)) -> Result<T, DataplaneError> {
@@ -270,9 +268,7 @@ impl FastPath {
     pub fn load_object(opts: &LoadOptions, object: &[u8]) -> Result<FastPath, DataplaneError> {
         route_libbpf_logs();
         let adopted = opts.pin_dir.as_ref().is_some_and(|d| d.join("streams").exists());
-        let mut open = ObjectBuilder::default()
-            .open_memory(object)
-            .map_err(|e| bpf_err("opening the BPF object", e))?;
+        let mut open = ObjectBuilder::default().open_memory(object).map_err(|e| bpf_err("opening the BPF object", e))?;
         for mut m in open.maps_mut() {
             let name = m.name().to_string_lossy().into_owned();
             let entries = match name.as_str() {
@@ -306,18 +302,12 @@ impl FastPath {
             4,
             4,
             1,
-            &libbpf_rs::libbpf_sys::bpf_map_create_opts {
-                sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _,
-                ..Default::default()
-            },
+            &libbpf_rs::libbpf_sys::bpf_map_create_opts { sz: std::mem::size_of::<libbpf_rs::libbpf_sys::bpf_map_create_opts>() as _, ..Default::default() },
         )
         .map_err(|e| bpf_err("creating the RCU barrier map", e))?;
         let counters_len = obj.maps().find(|m| m.name() == "counters").map(|m| m.max_entries());
         if counters_len != Some(GLOBAL_COUNTERS.len() as u32) {
-            return Err(DataplaneError::Other(format!(
-                "BPF counter enum ({counters_len:?}) and maps::GLOBAL_COUNTERS ({}) disagree",
-                GLOBAL_COUNTERS.len()
-            )));
+            return Err(DataplaneError::Other(format!("BPF counter enum ({counters_len:?}) and maps::GLOBAL_COUNTERS ({}) disagree", GLOBAL_COUNTERS.len())));
         }
         let paths = Arc::new(StreamPaths::map(&obj.maps().find(|m| m.name() == "stream_path").expect("stream_path map"))?);
         let outer = obj.maps().find(|m| m.name() == "rcu_barrier").expect("rcu_barrier map");
@@ -438,9 +428,7 @@ impl FastPath {
         // (a bucket's state is a time, meaningful under any limit).
         let mut cur = self.source_limit.lock();
         if *cur != Some(limit) {
-            self.map("source_limit")
-                .update(0u32.as_bytes(), limit.as_bytes(), MapFlags::ANY)
-                .map_err(|e| bpf_err("writing the per-source limit", e))?;
+            self.map("source_limit").update(0u32.as_bytes(), limit.as_bytes(), MapFlags::ANY).map_err(|e| bpf_err("writing the per-source limit", e))?;
             *cur = Some(limit);
         }
         Ok(report)
@@ -472,7 +460,6 @@ impl FastPath {
         }
         Ok(out)
     }
-
 
     /// (total run time ns, runs) of the program, as accounted by the kernel while BPF run-time
     /// statistics are enabled; `None` if the kernel does not report them.
@@ -567,9 +554,7 @@ impl FastPath {
         let ncpu = libbpf_rs::num_possible_cpus().map_err(|e| bpf_err("counting CPUs", e))?;
         let counters = self.map("counters");
         for i in 0..GLOBAL_COUNTERS.len() as u32 {
-            counters
-                .update_percpu(i.as_bytes(), &vec![0u64.as_bytes().to_vec(); ncpu], MapFlags::ANY)
-                .map_err(|e| bpf_err("zeroing counters", e))?;
+            counters.update_percpu(i.as_bytes(), &vec![0u64.as_bytes().to_vec(); ncpu], MapFlags::ANY).map_err(|e| bpf_err("zeroing counters", e))?;
         }
         let z = LatencyHistRaw::default();
         self.map("copy_latency")
@@ -600,10 +585,7 @@ impl KernelMaps for MapsIo<'_> {
     }
 
     fn write_stream(&mut self, key: &KeyRaw, value: &StreamValueRaw) -> Result<(), DataplaneError> {
-        self.fp
-            .map("streams")
-            .update(key.as_bytes(), value.as_bytes(), MapFlags::ANY)
-            .map_err(|e| bpf_err(format!("writing stream {:?}", key.local()), e))
+        self.fp.map("streams").update(key.as_bytes(), value.as_bytes(), MapFlags::ANY).map_err(|e| bpf_err(format!("writing stream {:?}", key.local()), e))
     }
 
     fn delete_stream(&mut self, key: &KeyRaw) -> Result<(), DataplaneError> {
@@ -625,10 +607,7 @@ impl KernelMaps for MapsIo<'_> {
     }
 
     fn write_rate(&mut self, slot: u32, rate: &RateRaw) -> Result<(), DataplaneError> {
-        self.fp
-            .map("stream_rate")
-            .update(slot.as_bytes(), rate.as_bytes(), MapFlags::LOCK)
-            .map_err(|e| bpf_err("writing a rate limit", e))
+        self.fp.map("stream_rate").update(slot.as_bytes(), rate.as_bytes(), MapFlags::LOCK).map_err(|e| bpf_err("writing a rate limit", e))
     }
 
     fn rcu_barrier(&mut self) -> Result<(), DataplaneError> {

@@ -429,13 +429,7 @@ fn addr_bytes(ip: IpAddr) -> ([u8; 16], u8) {
 impl KeyRaw {
     pub fn new(local: SocketAddr, ssrc: Option<u32>) -> KeyRaw {
         let (addr, family) = addr_bytes(local.ip());
-        KeyRaw {
-            addr,
-            port: local.port().to_be_bytes(),
-            family,
-            has_ssrc: ssrc.is_some() as u8,
-            ssrc: ssrc.unwrap_or(0),
-        }
+        KeyRaw { addr, port: local.port().to_be_bytes(), family, has_ssrc: ssrc.is_some() as u8, ssrc: ssrc.unwrap_or(0) }
     }
 
     pub fn local(&self) -> SocketAddr {
@@ -495,16 +489,7 @@ impl KernelStream {
             Some(s) => (addr_bytes(s.ip()).0, s.port().to_be_bytes()),
             None => ([0; 16], [0; 2]),
         };
-        StreamValueRaw {
-            id: self.id,
-            flags: self.flags,
-            src_addr,
-            src_port,
-            pad: 0,
-            stats_slot,
-            copies_base,
-            copies_count: self.copies.len() as u32,
-        }
+        StreamValueRaw { id: self.id, flags: self.flags, src_addr, src_port, pad: 0, stats_slot, copies_base, copies_count: self.copies.len() as u32 }
     }
 }
 
@@ -526,8 +511,7 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     let v4 = e.key.local.is_ipv4();
     // The kernel rewrites headers in place: it cannot turn IPv4 into IPv6. Such streams (and
     // fan-outs bigger than its scratch space) are left whole to the slow path.
-    let mixed = source.is_some_and(|s| s.is_ipv4() != v4)
-        || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
+    let mixed = source.is_some_and(|s| s.is_ipv4() != v4) || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
     if mixed || e.copies.len() > MAX_FANOUT {
         f |= flags::SLOW;
     }
@@ -535,11 +519,7 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     if rate.is_some() {
         f |= flags::RATE;
     }
-    let copies = if f & flags::SLOW != 0 {
-        Vec::new()
-    } else {
-        e.copies.iter().map(|c| CopyRaw::new(e.id, c.from, c.to)).collect()
-    };
+    let copies = if f & flags::SLOW != 0 { Vec::new() } else { e.copies.iter().map(|c| CopyRaw::new(e.id, c.from, c.to)).collect() };
     KernelStream { id: e.id, flags: f, source, copies, rate }
 }
 
@@ -548,9 +528,9 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
     // Only the entries at the wanted addresses: a range per address, not a pass over the table.
     let entries: Box<dyn Iterator<Item = (&IngressKey, &StreamEntry)>> = match locals {
         None => Box::new(table.streams.iter()),
-        Some(ls) => Box::new(ls.iter().flat_map(|l| {
-            table.streams.range(IngressKey { local: *l, ssrc: None }..=IngressKey { local: *l, ssrc: Some(u32::MAX) })
-        })),
+        Some(ls) => {
+            Box::new(ls.iter().flat_map(|l| table.streams.range(IngressKey { local: *l, ssrc: None }..=IngressKey { local: *l, ssrc: Some(u32::MAX) })))
+        }
     };
     let entries: Vec<(&IngressKey, &StreamEntry)> = entries.collect();
     let narrowed_locals: BTreeSet<SocketAddr> = entries.iter().filter(|(k, _)| k.ssrc.is_some()).map(|(k, _)| k.local).collect();

@@ -122,7 +122,13 @@ fn open() -> io::Result<OwnedFd> {
         let fd = OwnedFd::from_raw_fd(fd);
         // A reply that never comes must not hang the thread.
         let tv = libc::timeval { tv_sec: 1, tv_usec: 0 };
-        libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, (&tv as *const libc::timeval).cast(), std::mem::size_of::<libc::timeval>() as u32);
+        libc::setsockopt(
+            fd.as_raw_fd(),
+            libc::SOL_SOCKET,
+            libc::SO_RCVTIMEO,
+            (&tv as *const libc::timeval).cast(),
+            std::mem::size_of::<libc::timeval>() as u32,
+        );
         Ok(fd)
     }
 }
@@ -156,7 +162,14 @@ fn request(sock: &OwnedFd, kind: u16, flags: u16, seq: &mut u32, body: &[u8]) ->
     let r = unsafe {
         let mut sa: libc::sockaddr_nl = std::mem::zeroed();
         sa.nl_family = libc::AF_NETLINK as u16;
-        libc::sendto(sock.as_raw_fd(), msg.as_ptr().cast(), msg.len(), 0, (&sa as *const libc::sockaddr_nl).cast(), std::mem::size_of::<libc::sockaddr_nl>() as u32)
+        libc::sendto(
+            sock.as_raw_fd(),
+            msg.as_ptr().cast(),
+            msg.len(),
+            0,
+            (&sa as *const libc::sockaddr_nl).cast(),
+            std::mem::size_of::<libc::sockaddr_nl>() as u32,
+        )
     };
     if r < 0 {
         return Err(io::Error::last_os_error());

@@ -33,9 +33,7 @@ pub fn bump(gen_map: &MapHandle) -> Result<u32, DataplaneError> {
         .map(|v| u32::from_ne_bytes(v[..4].try_into().unwrap()))
         .unwrap_or(0);
     let next = cur.wrapping_add(1);
-    gen_map
-        .update(&key, &next.to_ne_bytes(), MapFlags::ANY)
-        .map_err(|e| DataplaneError::Other(format!("writing nh_gen: {e}")))?;
+    gen_map.update(&key, &next.to_ne_bytes(), MapFlags::ANY).map_err(|e| DataplaneError::Other(format!("writing nh_gen: {e}")))?;
     Ok(next)
 }
 

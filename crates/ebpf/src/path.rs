@@ -40,9 +40,7 @@ impl StreamPaths {
         let page = unsafe { libc::sysconf(libc::_SC_PAGESIZE) } as usize;
         let len = (STRIDE * entries as usize).div_ceil(page) * page;
         // SAFETY: a shared read-write mapping of an mmapable array map's fd; checked below.
-        let base = unsafe {
-            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, map.as_fd().as_raw_fd(), 0)
-        };
+        let base = unsafe { libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_SHARED, map.as_fd().as_raw_fd(), 0) };
         if base == libc::MAP_FAILED {
             return Err(DataplaneError::Io { context: "mapping stream_path".into(), source: std::io::Error::last_os_error() });
         }

@@ -53,9 +53,7 @@ impl Prefilter {
     /// pinned in (or adopted from) `fast`'s pin dir.
     pub fn load(fast: &FastPath) -> Result<Prefilter, DataplaneError> {
         let streams = fast.map("streams");
-        let mut open = ObjectBuilder::default()
-            .open_memory(PREFILTER_OBJECT)
-            .map_err(|e| bpf_err("opening the XDP pre-filter object", e))?;
+        let mut open = ObjectBuilder::default().open_memory(PREFILTER_OBJECT).map_err(|e| bpf_err("opening the XDP pre-filter object", e))?;
         for mut m in open.maps_mut() {
             let name = m.name().to_string_lossy().into_owned();
             if name == "streams" {
@@ -112,8 +110,7 @@ impl Prefilter {
         let ncpu = libbpf_rs::num_possible_cpus().map_err(|e| bpf_err("counting CPUs", e))?;
         let map = self.map("xdp_counters");
         for i in 0..XDP_COUNTERS.len() as u32 {
-            map.update_percpu(&i.to_ne_bytes(), &vec![0u64.to_ne_bytes().to_vec(); ncpu], MapFlags::ANY)
-                .map_err(|e| bpf_err("zeroing XDP counters", e))?;
+            map.update_percpu(&i.to_ne_bytes(), &vec![0u64.to_ne_bytes().to_vec(); ncpu], MapFlags::ANY).map_err(|e| bpf_err("zeroing XDP counters", e))?;
         }
         Ok(())
     }

@@ -24,9 +24,8 @@ pub fn host_mode(ifname: &str) -> RpfMode {
     if ifname == "lo" {
         return RpfMode::Off;
     }
-    let read = |dev: &str| {
-        std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{dev}/rp_filter")).ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(0)
-    };
+    let read =
+        |dev: &str| std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{dev}/rp_filter")).ok().and_then(|v| v.trim().parse::<u32>().ok()).unwrap_or(0);
     RpfMode::from_sysctl(read("all").max(read(ifname)))
 }
 

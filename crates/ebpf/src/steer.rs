@@ -46,15 +46,11 @@ impl SlowPathSteering {
             for (base, fds) in [(0, v4), (MAX_SOCKETS, v6)] {
                 for (i, fd) in fds.iter().enumerate() {
                     let key = ((base + i) as u32).to_ne_bytes();
-                    sockets
-                        .update(&key, &(*fd as u64).to_ne_bytes(), MapFlags::ANY)
-                        .map_err(|e| bpf_err("adding a slow-path socket to the sockmap", e))?;
+                    sockets.update(&key, &(*fd as u64).to_ne_bytes(), MapFlags::ANY).map_err(|e| bpf_err("adding a slow-path socket to the sockmap", e))?;
                 }
             }
             for (fam, n) in [(0u32, v4.len()), (1, v6.len())] {
-                count
-                    .update(&fam.to_ne_bytes(), &(n as u32).to_ne_bytes(), MapFlags::ANY)
-                    .map_err(|e| bpf_err("writing the slow-path socket count", e))?;
+                count.update(&fam.to_ne_bytes(), &(n as u32).to_ne_bytes(), MapFlags::ANY).map_err(|e| bpf_err("writing the slow-path socket count", e))?;
             }
         }
         // This thread's namespace: the daemon (or a test thread) may have entered another one.

@@ -12,13 +12,12 @@ use mediaplane_core::model::{Model, StreamRef, StreamSpec};
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
 use mediaplane_core::ForwardingTable;
 use mediaplane_dataplane::{Dataplane, DataplaneError, UserspaceConfig};
-use mediaplane_ebpf::{XdpPrefilter, EbpfConfig, EbpfDataplane};
+use mediaplane_ebpf::{EbpfConfig, EbpfDataplane, XdpPrefilter};
 use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::path::Path;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
 
 /// Participants p0..p(n-1) on the star, each publishing "main"; `subs` lists (subscriber, publisher).
 fn star_model(n: usize, subs: &[(usize, usize)]) -> Model {
@@ -162,9 +161,7 @@ fn refuses_to_start_without_interface_or_bpffs() {
     let fs = Bpffs::new();
     let e = EbpfDataplane::new(EbpfConfig::new(vec!["mp-no-such-if".into()], fs.dir.join("x")), None).err().expect("must fail");
     assert!(e.to_string().contains("mp-no-such-if not found"), "{e}");
-    let e = EbpfDataplane::new(EbpfConfig::new(vec!["lo".into()], std::env::temp_dir().join(unique("nobpffs"))), None)
-        .err()
-        .expect("must fail");
+    let e = EbpfDataplane::new(EbpfConfig::new(vec!["lo".into()], std::env::temp_dir().join(unique("nobpffs"))), None).err().expect("must fail");
     assert!(matches!(e, DataplaneError::Unsupported(_)) && e.to_string().contains("bpffs"), "{e}");
 }
 

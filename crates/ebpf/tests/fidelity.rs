@@ -415,4 +415,3 @@ fn a_fragmented_datagram_holds_its_stream_in_order() {
         assert_eq!(run(&rig, &v4_frame(PUBLISHER, local, &mediaplane_core::rtp::build_rtp(96, 3, 3, ssrc, &[3; 100]))).0, TC_ACT_REDIRECT);
     }
 }
-

@@ -563,7 +563,24 @@ fn random_and_mutated_frames_follow_the_reference() {
     assert!(failures.is_empty(), "seed {seed}: the kernel disagrees with the reference:\n{}", failures.join("\n"));
     // The generator must keep reaching every verdict, or the run proves little.
     if frames >= 2000 {
-        for v in ["forward 1 copies", "forward 2+ copies", "drop_stranger", "drop_malformed", "drop_no_stream", "pass_not_ours", "pass_stun", "pass_unlatched", "pass_slow_stream", "pass_truncated", "pass_bad_udp_length", "pass_bad_ip_header", "pass_not_udp", "pass_vlan", "xdp_drop_stranger", "xdp_drop_no_stream"] {
+        for v in [
+            "forward 1 copies",
+            "forward 2+ copies",
+            "drop_stranger",
+            "drop_malformed",
+            "drop_no_stream",
+            "pass_not_ours",
+            "pass_stun",
+            "pass_unlatched",
+            "pass_slow_stream",
+            "pass_truncated",
+            "pass_bad_udp_length",
+            "pass_bad_ip_header",
+            "pass_not_udp",
+            "pass_vlan",
+            "xdp_drop_stranger",
+            "xdp_drop_no_stream",
+        ] {
             assert!(seen.get(v).copied().unwrap_or(0) > 0, "seed {seed}: no frame reached {v}: {seen:?}");
         }
     }

@@ -88,7 +88,7 @@ fn malformed_rtp_variants_follow_the_reference() {
     *pad.last_mut().unwrap() = 200; // longer than the packet
     cases.push(pad);
     cases.push(vec![0x40; 20]); // version 1
-    // RTCP: SR alone, SR + PLI compound, bad length inside the compound, too short.
+                                // RTCP: SR alone, SR + PLI compound, bad length inside the compound, too short.
     let mut sr = vec![0x80, 200, 0, 6];
     sr.extend_from_slice(&0x1111_1111u32.to_be_bytes());
     sr.extend_from_slice(&[0; 20]);
@@ -248,7 +248,7 @@ fn ssrc_narrowed_streams_and_rtcp_demux() {
     sr.extend_from_slice(&2u32.to_be_bytes());
     sr.extend_from_slice(&[0; 20]);
     rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &sr)); // RTCP follows SSRC 2
-    // With a wildcard stream too, unknown SSRCs fall back to it.
+                                                     // With a wildcard stream too, unknown SSRCs fall back to it.
     let mut t2 = t.clone();
     t2.version = 2;
     let w = entry(3, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), false, subs[2..].to_vec());
@@ -370,38 +370,38 @@ fn copy_cost_microbench() {
     }
     let ifx = ifindex(&v0);
     for round in 0..2 {
-    for (name, fp) in &planes {
-    println!("{name} (round {round})");
-    for n in [11usize, 63] {
-        let subs: Vec<_> = (0..n).map(|i| (a(&format!("10.201.0.1:{}", 30000 + i)), a(&format!("10.201.0.2:{}", 40000 + i)))).collect();
-        let t = table(n as u64, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subs)]);
-        fp.apply(Arc::new(t)).unwrap();
-        let frame = v4_frame(PUBLISHER, LOCAL, &rtp(1));
-        for (label, gap) in [("warm", Duration::ZERO), ("1ms apart", Duration::from_millis(1))] {
-            let mut d: Vec<u64> = Vec::new();
-            let runs = if gap.is_zero() { 5000 } else { 500 };
-            for _ in 0..runs {
-                let r = fp.test_run(&frame, Some(ifx)).unwrap();
-                assert!(r.retval == TC_ACT_REDIRECT || r.retval == TC_ACT_SHOT, "{}", r.retval);
-                d.push(r.duration_ns);
-                if !gap.is_zero() {
-                    std::thread::sleep(gap);
+        for (name, fp) in &planes {
+            println!("{name} (round {round})");
+            for n in [11usize, 63] {
+                let subs: Vec<_> = (0..n).map(|i| (a(&format!("10.201.0.1:{}", 30000 + i)), a(&format!("10.201.0.2:{}", 40000 + i)))).collect();
+                let t = table(n as u64, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subs)]);
+                fp.apply(Arc::new(t)).unwrap();
+                let frame = v4_frame(PUBLISHER, LOCAL, &rtp(1));
+                for (label, gap) in [("warm", Duration::ZERO), ("1ms apart", Duration::from_millis(1))] {
+                    let mut d: Vec<u64> = Vec::new();
+                    let runs = if gap.is_zero() { 5000 } else { 500 };
+                    for _ in 0..runs {
+                        let r = fp.test_run(&frame, Some(ifx)).unwrap();
+                        assert!(r.retval == TC_ACT_REDIRECT || r.retval == TC_ACT_SHOT, "{}", r.retval);
+                        d.push(r.duration_ns);
+                        if !gap.is_zero() {
+                            std::thread::sleep(gap);
+                        }
+                    }
+                    d.sort();
+                    let per = |x: u64| x as f64 / n as f64;
+                    println!(
+                        "copies {n:3} {label:10}: ns/copy p50 {:7.1}  p10 {:7.1}  p90 {:7.1}  mean {:7.1}",
+                        per(d[d.len() / 2]),
+                        per(d[d.len() / 10]),
+                        per(d[d.len() * 9 / 10]),
+                        d.iter().sum::<u64>() as f64 / d.len() as f64 / n as f64
+                    );
                 }
+                let s = fp.kernel_stats().unwrap();
+                assert_eq!(s.get("tx_errors"), 0, "{:?}", s.global);
             }
-            d.sort();
-            let per = |x: u64| x as f64 / n as f64;
-            println!(
-                "copies {n:3} {label:10}: ns/copy p50 {:7.1}  p10 {:7.1}  p90 {:7.1}  mean {:7.1}",
-                per(d[d.len() / 2]),
-                per(d[d.len() / 10]),
-                per(d[d.len() * 9 / 10]),
-                d.iter().sum::<u64>() as f64 / d.len() as f64 / n as f64
-            );
         }
-        let s = fp.kernel_stats().unwrap();
-        assert_eq!(s.get("tx_errors"), 0, "{:?}", s.global);
-    }
-    }
     }
 }
 
@@ -717,7 +717,10 @@ fn xdp_prefilter_drops_only_certain_strangers() {
         }
     }
     let n = |c: &str| dropped.get(c).copied().unwrap_or(0);
-    assert!(n("xdp_drop_stranger") > 100 && n("xdp_drop_no_stream") > 20 && passed > 100, "{dropped:?} dropped, {passed} passed: the mutations test too little");
+    assert!(
+        n("xdp_drop_stranger") > 100 && n("xdp_drop_no_stream") > 20 && passed > 100,
+        "{dropped:?} dropped, {passed} passed: the mutations test too little"
+    );
 }
 
 /// The TC counter of the verdict an XDP drop counter stands for.
@@ -776,7 +779,13 @@ fn source_limit_holds_a_flooding_source_and_spares_others() {
             last_bystander = std::time::Instant::now();
             let b0 = rig.fp.kernel_stats().unwrap();
             let rv = rig.fp.test_run(&bystander, Some(rig.ifindex)).unwrap().retval;
-            assert_eq!(rv, TC_ACT_REDIRECT, "the other source was limited after {runs} runs in {:?}: {:?}", start.elapsed(), delta(&b0, &rig.fp.kernel_stats().unwrap()));
+            assert_eq!(
+                rv,
+                TC_ACT_REDIRECT,
+                "the other source was limited after {runs} runs in {:?}: {:?}",
+                start.elapsed(),
+                delta(&b0, &rig.fp.kernel_stats().unwrap())
+            );
             others += 1;
         }
     }

@@ -98,7 +98,22 @@ pub fn run(a: BenchOverloadArgs) -> anyhow::Result<()> {
     }
     println!(
         "\n{:<10} {:>8} {:>12} {:>12} {:>12} {:>14} {:>10} {:>10} {:>12} {:>11} {:>11} {:>11} {:>12} {:>10} {:>10} {:>6}",
-        "dataplane", "streams", "capacity pps", "flood pps", "flood sent", "stranger drops", "xdp drops", "leaked", "est. loss %", "API p50 ms", "API p99 ms", "API max ms", "serve CPU ms", "TC ms", "XDP ms", "alive"
+        "dataplane",
+        "streams",
+        "capacity pps",
+        "flood pps",
+        "flood sent",
+        "stranger drops",
+        "xdp drops",
+        "leaked",
+        "est. loss %",
+        "API p50 ms",
+        "API p99 ms",
+        "API max ms",
+        "serve CPU ms",
+        "TC ms",
+        "XDP ms",
+        "alive"
     );
     for r in &results {
         println!(

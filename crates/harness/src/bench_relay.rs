@@ -19,18 +19,18 @@
 //! way, and an in-process breakdown of what one mutation costs (model clone, table compile,
 //! store write) at growing model sizes.
 
+use crate::conference::process_cpu_ns;
 use crate::conference::KERNEL_FORWARD;
 use crate::relay_report;
 use anyhow::{bail, Context};
 use mediaplane_bench::netns::Testbed;
+use mediaplane_bench::process::Supervised;
 use mediaplane_bench::qos::{Summary, ValueRecorder};
 use mediaplane_bench::traffic::{self, Profile, TrafficPlan};
 use mediaplane_ng::client::{advertised, delete, g711_sdp, offer_answer, NgClient};
 use serde_json::{json, Value as Json};
-use crate::conference::process_cpu_ns;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
-use mediaplane_bench::process::Supervised;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
@@ -112,7 +112,6 @@ fn raise_nofile() {
         }
     }
 }
-
 
 pub fn rss_kib(pid: u32) -> u64 {
     mediaplane_dataplane::sys::rss_bytes(Some(pid)) / 1024
@@ -303,9 +302,8 @@ fn setup_calls(tb: &Testbed, tag: &str, n: usize, rate: f64) -> anyhow::Result<S
             };
             s.offer.record(offer_ns);
             let t = Instant::now();
-            let answer = ng
-                .request(offer_answer("answer", &call_id, &format!("c{i}"), Some(&format!("e{i}")), &sdp(eip, port, i), eip))
-                .and_then(|v| advertised(&v));
+            let answer =
+                ng.request(offer_answer("answer", &call_id, &format!("c{i}"), Some(&format!("e{i}")), &sdp(eip, port, i), eip)).and_then(|v| advertised(&v));
             let answer_ns = t.elapsed().as_nanos() as u64;
             match answer {
                 Ok(to_from_caller) => {
@@ -340,7 +338,8 @@ fn delete_calls(tb: &Testbed, tag: &str, calls: Vec<(usize, String)>) -> anyhow:
 
 /// Bind `ports` on `ip` inside namespace `ns`, in one thread.
 fn bind_many(tb: &Testbed, ns: &str, ip: IpAddr, ports: Vec<u16>) -> anyhow::Result<Vec<UdpSocket>> {
-    tb.in_ns(ns, move || ports.into_iter().map(|p| UdpSocket::bind(SocketAddr::new(ip, p))).collect::<std::io::Result<Vec<_>>>())?.context("binding party sockets")
+    tb.in_ns(ns, move || ports.into_iter().map(|p| UdpSocket::bind(SocketAddr::new(ip, p))).collect::<std::io::Result<Vec<_>>>())?
+        .context("binding party sockets")
 }
 
 fn caller_flow(i: usize) -> u32 {
@@ -885,7 +884,11 @@ pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
     drop(tb);
 
     relay_report::print_table(&runs, cap.as_ref());
-    let meta = crate::report::RunMeta::collect(&format!("mediaplane bench relay {}", std::env::args().skip(3).collect::<Vec<_>>().join(" ")), &Profile::voice(), seconds);
+    let meta = crate::report::RunMeta::collect(
+        &format!("mediaplane bench relay {}", std::env::args().skip(3).collect::<Vec<_>>().join(" ")),
+        &Profile::voice(),
+        seconds,
+    );
     relay_report::write_all(&a.out, &meta, setup_rate, &runs, cap.as_ref(), &failures)?;
     println!("\nresults: {0}/results.json, {0}/results.csv, report: {0}/report.html", a.out.display());
     if !failures.is_empty() {

@@ -12,13 +12,13 @@
 use anyhow::{bail, Context};
 use mediaplane_bench::added_delay::{added_delay, AddedDelay, AddedDelayMethod};
 use mediaplane_bench::netns::Testbed;
+use mediaplane_bench::process::Supervised;
 use mediaplane_bench::qos::Summary;
 use mediaplane_bench::traffic::{self, Profile, TrafficPlan, TrafficReport};
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
-use mediaplane_bench::process::Supervised;
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 

@@ -94,11 +94,22 @@ fn us(ns: f64) -> String {
 
 fn print_participants(r: &ConferenceResult) {
     println!("\n[{}] what each participant received", r.dataplane);
-    println!("  {:<12} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10} {:>14} {:>14}", "participant", "streams", "expected", "received", "lost", "dup", "unexpected", "delay p50 µs", "delay p99 µs");
+    println!(
+        "  {:<12} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10} {:>14} {:>14}",
+        "participant", "streams", "expected", "received", "lost", "dup", "unexpected", "delay p50 µs", "delay p99 µs"
+    );
     for p in &r.participants {
         println!(
             "  {:<12} {:>7} {:>9} {:>9} {:>6} {:>5} {:>10} {:>14} {:>14}",
-            p.participant, p.streams, p.expected, p.received, p.lost, p.duplicates, p.unexpected, us(p.delay_ns.p50), us(p.delay_ns.p99)
+            p.participant,
+            p.streams,
+            p.expected,
+            p.received,
+            p.lost,
+            p.duplicates,
+            p.unexpected,
+            us(p.delay_ns.p50),
+            us(p.delay_ns.p99)
         );
     }
 }

@@ -7,7 +7,6 @@ use crate::report::{esc, html_table, line_chart, RunMeta};
 use std::fmt::Write as _;
 use std::path::Path;
 
-
 fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map(|x| x.to_string()).unwrap_or_default()
 }
@@ -77,7 +76,24 @@ fn csv_row(r: &RelayRun) -> String {
 pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
     println!(
         "\n{:<21} {:>6} {:>6} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>9} {:>11} {:>8} {:>8}",
-        "relay", "calls", "up", "fail", "setup/s", "offer99", "sent", "loss %", "p50 µs", "p99 µs", "added50", "dv99 µs", "MOS", "CPU %", "ns/pkt", "machine/pkt", "gen CPU", "RSS MiB"
+        "relay",
+        "calls",
+        "up",
+        "fail",
+        "setup/s",
+        "offer99",
+        "sent",
+        "loss %",
+        "p50 µs",
+        "p99 µs",
+        "added50",
+        "dv99 µs",
+        "MOS",
+        "CPU %",
+        "ns/pkt",
+        "machine/pkt",
+        "gen CPU",
+        "RSS MiB"
     );
     for r in runs {
         println!(
@@ -158,7 +174,14 @@ fn write_plots(dir: &Path, runs: &[RelayRun], cap: Option<&Capacity>) -> anyhow:
     };
     let calls = "concurrent calls";
     add("relay_loss.svg", "Loss vs calls", "packet loss after latching", calls, "% of packets", per_relay(runs, &|r| Some(r.loss_pct)))?;
-    add("relay_cpu_per_packet.svg", "CPU per relayed packet vs calls", "relay CPU (+ BPF run time) per relayed packet", calls, "ns", per_relay(runs, &|r| r.cpu_per_packet_ns))?;
+    add(
+        "relay_cpu_per_packet.svg",
+        "CPU per relayed packet vs calls",
+        "relay CPU (+ BPF run time) per relayed packet",
+        calls,
+        "ns",
+        per_relay(runs, &|r| r.cpu_per_packet_ns),
+    )?;
     add(
         "relay_machine_cpu_per_packet.svg",
         "Machine CPU per relayed packet vs calls",
@@ -168,13 +191,22 @@ fn write_plots(dir: &Path, runs: &[RelayRun], cap: Option<&Capacity>) -> anyhow:
         per_relay(runs, &|r| r.machine_cpu_per_packet_ns),
     )?;
     add("relay_cpu_pct.svg", "Relay CPU vs calls", "relay CPU (+ BPF run time), % of one core", calls, "%", per_relay(runs, &|r| Some(r.cpu_pct)))?;
-    add("relay_delay_p99.svg", "One-way delay p99 vs calls", "one-way delay p99 per packet (through the relay)", calls, "µs", per_relay(runs, &|r| Some(r.delay_ns.p99 / 1e3)))?;
+    add(
+        "relay_delay_p99.svg",
+        "One-way delay p99 vs calls",
+        "one-way delay p99 per packet (through the relay)",
+        calls,
+        "µs",
+        per_relay(runs, &|r| Some(r.delay_ns.p99 / 1e3)),
+    )?;
     add("relay_setup_p99.svg", "NG offer latency p99 vs calls", "NG offer round trip p99", calls, "ms", per_relay(runs, &|r| Some(r.offer_ns.p99 / 1e6)))?;
     add("relay_mos.svg", "MOS vs calls", "G.107 MOS (G.711), worst leg", calls, "MOS", per_relay(runs, &|r| Some(r.mos_min)))?;
     if let Some(c) = cap {
-        let s: Series = c.ramps.iter().map(|r| (format!("{} ({})", r.api, r.dataplane), r.samples.iter().map(|s| (s.sessions as f64, s.rate)).collect())).collect();
+        let s: Series =
+            c.ramps.iter().map(|r| (format!("{} ({})", r.api, r.dataplane), r.samples.iter().map(|s| (s.sessions as f64, s.rate)).collect())).collect();
         add("capacity_rate.svg", "Install rate vs sessions installed", "relay sessions installed per second", "relay sessions installed", "sessions/s", s)?;
-        let s: Series = c.ramps.iter().map(|r| (format!("{} RSS", r.api), r.samples.iter().map(|s| (s.sessions as f64, s.rss_kib as f64 / 1024.0)).collect())).collect();
+        let s: Series =
+            c.ramps.iter().map(|r| (format!("{} RSS", r.api), r.samples.iter().map(|s| (s.sessions as f64, s.rss_kib as f64 / 1024.0)).collect())).collect();
         add("capacity_rss.svg", "Daemon memory vs sessions", "daemon VmRSS", "relay sessions installed", "MiB", s)?;
     }
     Ok(out)
@@ -229,7 +261,15 @@ pub fn write_all(dir: &Path, meta: &RunMeta, setup_rate: f64, runs: &[RelayRun],
     if !with_setup_errors.is_empty() {
         h.push_str("<h2>Set-up failures</h2><ul>");
         for r in with_setup_errors {
-            let _ = write!(h, "<li>{} N={}: {} of {} calls failed; first: <code>{}</code></li>", esc(&r.relay), r.calls, r.setup_failures, r.calls, esc(&r.setup_errors.join(" | ")));
+            let _ = write!(
+                h,
+                "<li>{} N={}: {} of {} calls failed; first: <code>{}</code></li>",
+                esc(&r.relay),
+                r.calls,
+                r.setup_failures,
+                r.calls,
+                esc(&r.setup_errors.join(" | "))
+            );
         }
         h.push_str("</ul>");
     }

@@ -24,8 +24,13 @@ pub const THESIS_P4_ONE: &[(usize, f64, f64, f64)] = &[
     (11, 0.000514, 0.989098, 0.267746),
     (12, 0.000523, 5.958905, 3.986195),
 ];
-pub const THESIS_P4_TWO: &[(usize, f64, f64, f64)] =
-    &[(2, 0.000515, 0.002859, 0.000834), (4, 0.000484, 0.014854, 0.001210), (6, 0.000476, 0.018257, 0.001987), (8, 0.000457, 0.051833, 0.003915), (10, 0.000486, 0.141570, 0.015084)];
+pub const THESIS_P4_TWO: &[(usize, f64, f64, f64)] = &[
+    (2, 0.000515, 0.002859, 0.000834),
+    (4, 0.000484, 0.014854, 0.001210),
+    (6, 0.000476, 0.018257, 0.001987),
+    (8, 0.000457, 0.051833, 0.003915),
+    (10, 0.000486, 0.141570, 0.015084),
+];
 pub const THESIS_PYTHON_ONE: &[(usize, f64, f64, f64)] = &[(2, 0.010961, 10.913122, 7.860589), (3, 0.015288, 32.523685, 23.351614)];
 pub const THESIS_PYTHON_TWO: &[(usize, f64, f64, f64)] = &[(2, 0.013842, 6.811303, 4.585829), (4, 0.019133, 53.473191, 34.797006)];
 
@@ -217,16 +222,25 @@ fn target_checks(results: &[ConferenceResult]) -> Vec<(String, Option<bool>, Str
         e12.map(|a| format!("{:.1} µs", a.p99 / 1e3)).unwrap_or("not run".into()),
     ));
     let ratio = e12.zip(u12).map(|(e, u)| u.p50 / e.p50.max(1.0));
-    v.push(("eBPF p50 at least 5x below user space (N = 12, same run)".into(), ratio.map(|r| r >= 5.0), ratio.map(|r| format!("{r:.1}x")).unwrap_or("not run".into())));
+    v.push((
+        "eBPF p50 at least 5x below user space (N = 12, same run)".into(),
+        ratio.map(|r| r >= 5.0),
+        ratio.map(|r| format!("{r:.1}x")).unwrap_or("not run".into()),
+    ));
     let nmax = results.iter().map(|r| r.participants.len()).max().unwrap_or(0);
-    let lossy: Vec<String> = results.iter().filter(|r| r.lost > 0 || r.duplicates > 0).map(|r| format!("{} {} N={}", r.dataplane, scen(r.scenario), r.participants.len())).collect();
+    let lossy: Vec<String> =
+        results.iter().filter(|r| r.lost > 0 || r.duplicates > 0).map(|r| format!("{} {} N={}", r.dataplane, scen(r.scenario), r.participants.len())).collect();
     v.push((
         format!("no loss and no duplicate, every run (floor included), up to N = {nmax}"),
         Some(lossy.is_empty()),
         if lossy.is_empty() { "none".into() } else { lossy.join(", ") },
     ));
     let worst_bpf = results.iter().filter(|r| r.dataplane == "ebpf").filter_map(bpf_per_copy).fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
-    v.push(("eBPF cost per copy (BPF run time) <= 1 µs".into(), worst_bpf.map(|w| w <= 1000.0), worst_bpf.map(|w| format!("worst {w:.0} ns")).unwrap_or("not run".into())));
+    v.push((
+        "eBPF cost per copy (BPF run time) <= 1 µs".into(),
+        worst_bpf.map(|w| w <= 1000.0),
+        worst_bpf.map(|w| format!("worst {w:.0} ns")).unwrap_or("not run".into()),
+    ));
     let flat = find(results, "ebpf", one, 2).and_then(|r| r.added_delay_ns).zip(e12).map(|(a2, a12)| (a2.mean, a12.mean));
     v.push((
         "stays flat in N (thesis P4/BMv2 averaged 3.99 s at N = 12; its Python SFU collapsed at N = 3)".into(),
@@ -243,7 +257,15 @@ fn markdown(meta: &RunMeta, results: &[ConferenceResult], failures: &[String]) -
     let _ = writeln!(
         m,
         "Machine: {} cores, {:.1} GiB, {}, kernel {}; commit {}. Preset {} ({} packets/s per sender, {} B UDP payload), {} s per run.\n",
-        meta.cores, meta.memory_gib, meta.cpu, meta.kernel, meta.git_commit, meta.profile.name, meta.profile.packets_per_sec, meta.profile.packet_size, meta.seconds
+        meta.cores,
+        meta.memory_gib,
+        meta.cpu,
+        meta.kernel,
+        meta.git_commit,
+        meta.profile.name,
+        meta.profile.packets_per_sec,
+        meta.profile.packet_size,
+        meta.seconds
     );
     let _ = writeln!(m, "{FLOOR_TEXT}\n");
     let _ = writeln!(m, "| target | met | measured |\n| --- | --- | --- |");
@@ -409,7 +431,9 @@ fn write_plots(dir: &Path, results: &[ConferenceResult]) -> anyhow::Result<Vec<(
     out.push(("added_p50.svg".into(), "Added delay p50 vs N".into()));
     plot_vs_n(&dir.join("added_p99.svg"), "added delay p99 per copy (one stream)", "µs", results, &|r| r.added_delay_ns.map(|a| a.p99 / 1e3))?;
     out.push(("added_p99.svg".into(), "Added delay p99 vs N".into()));
-    plot_vs_n(&dir.join("cpu_per_copy.svg"), "cost per copy (one stream): serve CPU + BPF run time", "CPU ns per delivered copy", results, &|r| r.cpu_per_copy_ns)?;
+    plot_vs_n(&dir.join("cpu_per_copy.svg"), "cost per copy (one stream): serve CPU + BPF run time", "CPU ns per delivered copy", results, &|r| {
+        r.cpu_per_copy_ns
+    })?;
     out.push(("cpu_per_copy.svg".into(), "Cost per copy vs N".into()));
     plot_vs_n(&dir.join("loss.svg"), "loss (one stream)", "% of copies", results, &|r| Some(loss_pct(r)))?;
     out.push(("loss.svg".into(), "Loss vs N".into()));

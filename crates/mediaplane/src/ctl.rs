@@ -43,10 +43,24 @@ enum CtlCommand {
         #[arg(long)]
         raw: bool,
     },
-    Unpublish { room: String, participant: String, name: String },
+    Unpublish {
+        room: String,
+        participant: String,
+        name: String,
+    },
     /// Subscribe a participant to another participant's stream.
-    Subscribe { room: String, participant: String, publisher: String, stream: String },
-    Unsubscribe { room: String, participant: String, publisher: String, stream: String },
+    Subscribe {
+        room: String,
+        participant: String,
+        publisher: String,
+        stream: String,
+    },
+    Unsubscribe {
+        room: String,
+        participant: String,
+        publisher: String,
+        stream: String,
+    },
     /// SIP-style relay pairs.
     #[command(subcommand)]
     Relay(RelayCmd),
@@ -76,8 +90,14 @@ enum ParticipantCmd {
         #[arg(long)]
         local: Option<SocketAddr>,
     },
-    Show { room: String, id: String },
-    Remove { room: String, id: String },
+    Show {
+        room: String,
+        id: String,
+    },
+    Remove {
+        room: String,
+        id: String,
+    },
 }
 
 #[derive(Subcommand)]
@@ -97,8 +117,12 @@ enum RelayCmd {
         #[arg(long)]
         strict: bool,
     },
-    Show { id: String },
-    Delete { id: String },
+    Show {
+        id: String,
+    },
+    Delete {
+        id: String,
+    },
 }
 
 pub fn run(args: CtlArgs) -> anyhow::Result<()> {
@@ -118,19 +142,13 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
             ParticipantCmd::Show { room, id } => ("GET", format!("/v1/rooms/{room}/participants/{id}"), None),
             ParticipantCmd::Remove { room, id } => ("DELETE", format!("/v1/rooms/{room}/participants/{id}"), None),
         },
-        CtlCommand::Publish { room, participant, name, local, ssrc, raw } => (
-            "POST",
-            format!("/v1/rooms/{room}/participants/{participant}/streams"),
-            Some(json!({"name": name, "local": local, "ssrc": ssrc, "rtp": !raw})),
-        ),
-        CtlCommand::Unpublish { room, participant, name } => {
-            ("DELETE", format!("/v1/rooms/{room}/participants/{participant}/streams/{name}"), None)
+        CtlCommand::Publish { room, participant, name, local, ssrc, raw } => {
+            ("POST", format!("/v1/rooms/{room}/participants/{participant}/streams"), Some(json!({"name": name, "local": local, "ssrc": ssrc, "rtp": !raw})))
         }
-        CtlCommand::Subscribe { room, participant, publisher, stream } => (
-            "POST",
-            format!("/v1/rooms/{room}/participants/{participant}/subscriptions"),
-            Some(json!({"publisher": publisher, "stream": stream})),
-        ),
+        CtlCommand::Unpublish { room, participant, name } => ("DELETE", format!("/v1/rooms/{room}/participants/{participant}/streams/{name}"), None),
+        CtlCommand::Subscribe { room, participant, publisher, stream } => {
+            ("POST", format!("/v1/rooms/{room}/participants/{participant}/subscriptions"), Some(json!({"publisher": publisher, "stream": stream})))
+        }
         CtlCommand::Unsubscribe { room, participant, publisher, stream } => {
             ("DELETE", format!("/v1/rooms/{room}/participants/{participant}/subscriptions/{publisher}/{stream}"), None)
         }

@@ -178,7 +178,9 @@ fn raise_fd_limit(cfg: &Config) {
             let addresses = limit.saturating_sub(256) / workers as u64;
             tracing::info!(fd_limit = limit, raised, workers, "the user-space plane can hold about {addresses} SFU addresses (one socket per address per worker): a relay leg or a participant is one, an NG call two to four");
         }
-        DataplaneKind::Ebpf => tracing::info!(fd_limit = limit, raised, "the ebpf plane's sessions cost no file descriptors (kernel map entries: dataplane.max_streams)"),
+        DataplaneKind::Ebpf => {
+            tracing::info!(fd_limit = limit, raised, "the ebpf plane's sessions cost no file descriptors (kernel map entries: dataplane.max_streams)")
+        }
     }
 }
 
@@ -324,4 +326,3 @@ fn sd_notify(state: &str) {
         tracing::warn!(error = %e, state, "sd_notify failed");
     }
 }
-

@@ -182,9 +182,7 @@ fn every_endpoint_success_and_error_paths() {
 fn ctl_prints_results_and_api_errors() {
     let dir = TempDir::new("ctl");
     let d = Daemon::start(&dir.0.join("s.db"), &[]);
-    let ctl = |args: &[&str]| {
-        std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane")).arg("ctl").arg("--api").arg(&d.api).args(args).output().unwrap()
-    };
+    let ctl = |args: &[&str]| std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane")).arg("ctl").arg("--api").arg(&d.api).args(args).output().unwrap();
     let out = ctl(&["room", "create", "r1"]);
     assert!(out.status.success(), "{}", String::from_utf8_lossy(&out.stderr));
     let out = ctl(&["participant", "add", "r1", "p", "--remote", "127.79.2.10:5000"]);
@@ -195,10 +193,7 @@ fn ctl_prints_results_and_api_errors() {
     assert!(!out.status.success());
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("409") && err.contains("already exists"), "{err}");
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane"))
-        .args(["ctl", "--api", "http://127.0.0.1:1", "health"])
-        .output()
-        .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane")).args(["ctl", "--api", "http://127.0.0.1:1", "health"]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("cannot reach"));
 }
@@ -208,10 +203,7 @@ fn bad_config_is_a_clear_startup_error() {
     let dir = TempDir::new("cfg");
     let cfg = dir.0.join("bad.toml");
     std::fs::write(&cfg, "[media]\nport_min = 9\nport_max = 2\n").unwrap();
-    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane"))
-        .args(["serve", "--config", cfg.to_str().unwrap()])
-        .output()
-        .unwrap();
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane")).args(["serve", "--config", cfg.to_str().unwrap()]).output().unwrap();
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("port range"));
 }

@@ -23,9 +23,8 @@ const NG: &str = "127.0.0.1:2223";
 static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
 
 fn batch(prefix: &str, n: usize) -> Value {
-    let create: Vec<Value> = (0..n)
-        .map(|i| json!({"id": format!("{prefix}{i}"), "a": {"remote": "10.99.1.1:7000"}, "b": {"remote": "10.99.2.1:7000"}}))
-        .collect();
+    let create: Vec<Value> =
+        (0..n).map(|i| json!({"id": format!("{prefix}{i}"), "a": {"remote": "10.99.1.1:7000"}, "b": {"remote": "10.99.2.1:7000"}})).collect();
     json!({"create": create})
 }
 

@@ -14,11 +14,8 @@ fn bench_relay_quick_writes_real_results() {
     let out = std::env::temp_dir().join(format!("mp-bench-relay-{}", std::process::id()));
     let _ = std::fs::remove_dir_all(&out);
     let have_rtpengine = Command::new("rtpengine").arg("--version").output().is_ok();
-    let relays = if have_rtpengine {
-        "mediaplane-userspace,mediaplane-ebpf,rtpengine,kernel-forward"
-    } else {
-        "mediaplane-userspace,mediaplane-ebpf,kernel-forward"
-    };
+    let relays =
+        if have_rtpengine { "mediaplane-userspace,mediaplane-ebpf,rtpengine,kernel-forward" } else { "mediaplane-userspace,mediaplane-ebpf,kernel-forward" };
     let st = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
         .args(["bench", "relay", "--quick", "--relays", relays, "--out", out.to_str().unwrap()])
         .status()

@@ -11,11 +11,7 @@ fn bench_sfu_quick_writes_its_report() {
         return;
     }
     let out_dir = std::env::temp_dir().join(format!("mp-bench-smoke-{}", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
-        .args(["bench", "sfu", "--quick", "--sizes", "2,3", "--out"])
-        .arg(&out_dir)
-        .output()
-        .unwrap();
+    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane")).args(["bench", "sfu", "--quick", "--sizes", "2,3", "--out"]).arg(&out_dir).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
     for f in ["results.json", "results.csv", "report.html", "delay_cdf.svg", "added_p50.svg", "added_p99.svg", "cpu_per_copy.svg", "loss.svg"] {

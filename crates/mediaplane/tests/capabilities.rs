@@ -158,7 +158,13 @@ fn unused_uid() -> u32 {
     (0..1000)
         .map(|i| 61000 + (std::process::id() + i) % 4000)
         // SAFETY: getpwuid with any uid; only the null check is read.
-        .find(|&u| unsafe { libc::getpwuid(u) }.is_null() && !std::fs::read_dir("/proc").unwrap().flatten().any(|e| status_field(e.file_name().to_str().unwrap_or("x").parse().unwrap_or(0), "Uid:").split_whitespace().next() == Some(&u.to_string())))
+        .find(|&u| {
+            unsafe { libc::getpwuid(u) }.is_null()
+                && !std::fs::read_dir("/proc")
+                    .unwrap()
+                    .flatten()
+                    .any(|e| status_field(e.file_name().to_str().unwrap_or("x").parse().unwrap_or(0), "Uid:").split_whitespace().next() == Some(&u.to_string()))
+        })
         .expect("a free uid")
 }
 

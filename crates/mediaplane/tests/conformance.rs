@@ -7,8 +7,8 @@ mod common;
 
 use common::netns::NetnsServe;
 use mediaplane_bench::netns::Testbed;
-use mediaplane_core::table::{ForwardingTable, StreamEntry, Verdict};
 use mediaplane_core::rtp::build_rtp;
+use mediaplane_core::table::{ForwardingTable, StreamEntry, Verdict};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, UdpSocket};
@@ -123,7 +123,8 @@ fn run_plane(tb: &Testbed, plane: &str) -> (Delivered, ForwardingTable, Value) {
     let table_json = serve.api("GET", "/v1/table", None);
     let stats = serve.api("GET", "/v1/stats", None);
     let entries: Vec<StreamEntry> = serde_json::from_value(table_json["streams"].clone()).unwrap();
-    let table = ForwardingTable { version: table_json["version"].as_u64().unwrap(), streams: entries.into_iter().map(|e| (e.key, e)).collect(), ..Default::default() };
+    let table =
+        ForwardingTable { version: table_json["version"].as_u64().unwrap(), streams: entries.into_iter().map(|e| (e.key, e)).collect(), ..Default::default() };
     (got, table, stats)
 }
 

@@ -58,7 +58,10 @@ fn the_deb_installs_and_its_unit_starts_the_daemon() {
         eprintln!("SKIP deb_package: no cargo-deb (make deb-tools)");
         return;
     }
-    assert!(!installed("mediaplane"), "a mediaplane package is installed on this machine already: this test installs and purges its own (dpkg --purge mediaplane first)");
+    assert!(
+        !installed("mediaplane"),
+        "a mediaplane package is installed on this machine already: this test installs and purges its own (dpkg --purge mediaplane first)"
+    );
     let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..").canonicalize().unwrap();
     let bin = env!("CARGO_BIN_EXE_mediaplane");
     let tmp = common::TempDir::new("deb");

@@ -53,11 +53,7 @@ fn promtool_check(text: &str) -> Result<(), String> {
 
 /// Family name → type, from the `# TYPE` lines of a Prometheus text exposition.
 fn families(text: &str) -> HashMap<String, String> {
-    text.lines()
-        .filter_map(|l| l.strip_prefix("# TYPE "))
-        .filter_map(|l| l.split_once(' '))
-        .map(|(n, t)| (n.to_string(), t.to_string()))
-        .collect()
+    text.lines().filter_map(|l| l.strip_prefix("# TYPE ")).filter_map(|l| l.split_once(' ')).map(|(n, t)| (n.to_string(), t.to_string())).collect()
 }
 
 /// The value of the one sample line `series` (name and labels as written), if present.
@@ -78,11 +74,7 @@ fn sum(text: &str, name: &str, having: &[&str]) -> f64 {
 /// literals (label values such as `"$instance"` are not names).
 fn metric_names(expr: &str) -> Vec<String> {
     let outside_strings: String = expr.split('"').step_by(2).collect::<Vec<_>>().join(" ");
-    outside_strings
-        .split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':'))
-        .filter(|t| t.starts_with("mediaplane_"))
-        .map(str::to_string)
-        .collect()
+    outside_strings.split(|c: char| !(c.is_ascii_alphanumeric() || c == '_' || c == ':')).filter(|t| t.starts_with("mediaplane_")).map(str::to_string).collect()
 }
 
 /// The exported family a name of a query refers to: itself, or the histogram whose
@@ -160,7 +152,8 @@ fn check_dashboard(scrape: &str, absent_ok: &[&str]) -> Result<usize, String> {
 
 #[test]
 fn query_parsing_and_the_checks_themselves_can_fail() {
-    let q = r#"histogram_quantile(0.99, sum by (le, route) (rate(mediaplane_http_request_duration_seconds_bucket{instance=~"mediaplane_x"}[$__rate_interval])))"#;
+    let q =
+        r#"histogram_quantile(0.99, sum by (le, route) (rate(mediaplane_http_request_duration_seconds_bucket{instance=~"mediaplane_x"}[$__rate_interval])))"#;
     assert_eq!(metric_names(q), vec!["mediaplane_http_request_duration_seconds_bucket"]);
     assert_eq!(metric_names("mediaplane_map_entries / mediaplane_map_capacity"), vec!["mediaplane_map_entries", "mediaplane_map_capacity"]);
     let exported = families("# TYPE h histogram\n# TYPE c_total counter\n# TYPE g_count gauge\n");

@@ -244,7 +244,14 @@ fn inject(sock: &(OwnedFd, i32), frame: &[u8]) {
         sll.sll_family = libc::AF_PACKET as u16;
         sll.sll_ifindex = sock.1;
         sll.sll_halen = 6;
-        let r = libc::sendto(sock.0.as_raw_fd(), frame.as_ptr().cast(), frame.len(), 0, (&sll as *const libc::sockaddr_ll).cast(), std::mem::size_of::<libc::sockaddr_ll>() as u32);
+        let r = libc::sendto(
+            sock.0.as_raw_fd(),
+            frame.as_ptr().cast(),
+            frame.len(),
+            0,
+            (&sll as *const libc::sockaddr_ll).cast(),
+            std::mem::size_of::<libc::sockaddr_ll>() as u32,
+        );
         assert_eq!(r, frame.len() as isize, "inject: {}", std::io::Error::last_os_error());
     }
 }
@@ -339,9 +346,9 @@ fn next_hops_are_resolved_when_subscriptions_are_installed() {
     let resolved = || {
         let out = tb.command(&tb.sfu_ns, "ip").args(["neigh", "show"]).output().unwrap();
         let text = String::from_utf8_lossy(&out.stdout).to_string();
-        let ok = subscribers.iter().all(|ip| {
-            text.lines().any(|l| l.starts_with(&format!("{ip} ")) && ["REACHABLE", "STALE", "DELAY", "PROBE"].iter().any(|s| l.contains(s)))
-        });
+        let ok = subscribers
+            .iter()
+            .all(|ip| text.lines().any(|l| l.starts_with(&format!("{ip} ")) && ["REACHABLE", "STALE", "DELAY", "PROBE"].iter().any(|s| l.contains(s))));
         (ok, text)
     };
     let deadline = Instant::now() + Duration::from_secs(3);

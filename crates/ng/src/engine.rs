@@ -273,13 +273,7 @@ impl Engine {
                 MediaRewrite { port: Some(port), rtcp_port: if m.rtcp { port + 1 } else { port }, strip_rtcp_mux: opt.strip_mux }
             })
             .collect();
-        let rewritten = sdp.rewrite(&Rewrite {
-            addr: ip,
-            origin: opt.replace_origin,
-            session_connection: opt.replace_session_connection,
-            remove_ice,
-            media,
-        });
+        let rewritten = sdp.rewrite(&Rewrite { addr: ip, origin: opt.replace_origin, session_connection: opt.replace_session_connection, remove_ice, media });
 
         let mut call = call;
         call.last_signal = SystemTime::now();
@@ -325,11 +319,7 @@ impl Engine {
         mgr.mutate(|model, _| Ok(((), calls::delete_call(model, &call)?)))?;
         self.registry.remove(&call.key);
         self.metrics.call_ended(CallEnd::Deleted);
-        let mut reply = vec![
-            ("result", Value::str("ok")),
-            ("created", Value::Int(unix(call.created))),
-            ("last signal", Value::Int(unix(call.last_signal))),
-        ];
+        let mut reply = vec![("result", Value::str("ok")), ("created", Value::Int(unix(call.created))), ("last signal", Value::Int(unix(call.last_signal)))];
         reply.push(("totals", stats));
         Ok(Value::dict(reply))
     }
@@ -379,11 +369,7 @@ impl Engine {
                     Side::B => (call.tag_b.clone().unwrap_or_default(), call.tag_a.clone()),
                 };
                 let medias = call.media.iter().enumerate().map(|(i, m)| media_value(model, &stats, call, i, m, side)).collect();
-                let mut d = vec![
-                    ("tag", Value::from(tag.clone())),
-                    ("created", Value::Int(unix(call.created))),
-                    ("medias", Value::List(medias)),
-                ];
+                let mut d = vec![("tag", Value::from(tag.clone())), ("created", Value::Int(unix(call.created))), ("medias", Value::List(medias))];
                 if let Some(p) = peer_tag {
                     d.push(("in dialogue with", Value::from(p)));
                 }
@@ -425,7 +411,12 @@ impl Engine {
                 Value::dict([
                     (
                         "currentstatistics",
-                        Value::dict([("sessionsown", Value::Int(n)), ("sessionsforeign", Value::Int(0)), ("sessionstotal", Value::Int(n)), ("transcodedmedia", Value::Int(0))]),
+                        Value::dict([
+                            ("sessionsown", Value::Int(n)),
+                            ("sessionsforeign", Value::Int(0)),
+                            ("sessionstotal", Value::Int(n)),
+                            ("transcodedmedia", Value::Int(0)),
+                        ]),
                     ),
                     (
                         "totalstatistics",
@@ -586,7 +577,8 @@ mod tests {
 
     const CLIENT: &str = "127.0.0.1:5060";
     const OFFER_SDP: &str = "v=0\r\no=alice 2890844526 2890844526 IN IP4 198.51.100.1\r\ns=-\r\nc=IN IP4 198.51.100.1\r\nt=0 0\r\nm=audio 49170 RTP/AVP 8 101\r\na=rtpmap:8 PCMA/8000\r\na=rtpmap:101 telephone-event/8000\r\na=sendrecv\r\n";
-    const ANSWER_SDP: &str = "v=0\r\no=bob 2808844564 2808844564 IN IP4 198.51.100.2\r\ns=-\r\nc=IN IP4 198.51.100.2\r\nt=0 0\r\nm=audio 3456 RTP/AVP 8\r\na=rtpmap:8 PCMA/8000\r\n";
+    const ANSWER_SDP: &str =
+        "v=0\r\no=bob 2808844564 2808844564 IN IP4 198.51.100.2\r\ns=-\r\nc=IN IP4 198.51.100.2\r\nt=0 0\r\nm=audio 3456 RTP/AVP 8\r\na=rtpmap:8 PCMA/8000\r\n";
 
     fn req(cookie: &str, pairs: Vec<(&str, Value)>) -> Vec<u8> {
         protocol::frame(cookie.as_bytes(), &Value::dict(pairs))
@@ -656,12 +648,7 @@ mod tests {
         let sdp = text(&r, "sdp");
         // What B is told: the relay's address and leg B's port; everything else as sent.
         let lb = e.registry().get("cfBXzDSZqhYNcXM").unwrap().media[0].local_of(Side::B);
-        assert_eq!(
-            sdp,
-            OFFER_SDP
-                .replace("IN IP4 198.51.100.1", "IN IP4 203.0.113.5")
-                .replace("m=audio 49170", &format!("m=audio {}", lb.port()))
-        );
+        assert_eq!(sdp, OFFER_SDP.replace("IN IP4 198.51.100.1", "IN IP4 203.0.113.5").replace("m=audio 49170", &format!("m=audio {}", lb.port())));
         assert_eq!(m.read(|md, _| md.relays.len()), 2, "RTP and RTCP relays");
 
         let r = send(&mut e, &m, "a1", answer(ANSWER_SDP));
@@ -812,7 +799,10 @@ mod tests {
     #[test]
     fn ice_removed_on_request_and_media_timeout() {
         let (m, mut e) = (manager(), Engine::new(EngineConfig { media_timeout: Duration::from_secs(5), ..Default::default() }));
-        let ice = OFFER_SDP.replace("a=sendrecv\r\n", "a=ice-ufrag:abcd\r\na=ice-pwd:0123456789abcdef01234567\r\na=candidate:1 1 UDP 2130706431 198.51.100.1 49170 typ host\r\na=sendrecv\r\n");
+        let ice = OFFER_SDP.replace(
+            "a=sendrecv\r\n",
+            "a=ice-ufrag:abcd\r\na=ice-pwd:0123456789abcdef01234567\r\na=candidate:1 1 UDP 2130706431 198.51.100.1 49170 typ host\r\na=sendrecv\r\n",
+        );
         let r = send(&mut e, &m, "o1", offer(&ice));
         assert!(text(&r, "sdp").contains("a=candidate"), "kept without ICE=remove");
         assert!(text(&r, "warning").contains("ICE"));

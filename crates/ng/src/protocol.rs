@@ -84,10 +84,7 @@ pub enum RequestError {
 
 impl<'a> Request<'a> {
     pub fn new(dict: &'a Value) -> Request<'a> {
-        let keys = dict
-            .as_dict()
-            .map(|d| d.iter().filter_map(|(k, v)| Some((normalize(std::str::from_utf8(k).ok()?), v))).collect())
-            .unwrap_or_default();
+        let keys = dict.as_dict().map(|d| d.iter().filter_map(|(k, v)| Some((normalize(std::str::from_utf8(k).ok()?), v))).collect()).unwrap_or_default();
         Request { dict, keys }
     }
 

@@ -115,7 +115,8 @@ pub struct MediaRewrite {
     pub strip_rtcp_mux: bool,
 }
 
-const ICE_ATTRS: &[&str] = &["candidate", "ice-ufrag", "ice-pwd", "ice-options", "ice-lite", "ice-mismatch", "remote-candidates", "end-of-candidates", "ice-pacing"];
+const ICE_ATTRS: &[&str] =
+    &["candidate", "ice-ufrag", "ice-pwd", "ice-options", "ice-lite", "ice-mismatch", "remote-candidates", "end-of-candidates", "ice-pacing"];
 
 /// Byte range of the `n`-th token of `s`, tokens separated by ASCII whitespace (the same
 /// tokenisation the parser uses, so a rewrite touches exactly the field the parser read).
@@ -146,8 +147,7 @@ fn split_lines(body: &[u8]) -> Vec<Line> {
     while !rest.is_empty() {
         match rest.iter().position(|&b| b == b'\n') {
             Some(i) => {
-                let (text, eol): (&[u8], &'static [u8]) =
-                    if i > 0 && rest[i - 1] == b'\r' { (&rest[..i - 1], b"\r\n") } else { (&rest[..i], b"\n") };
+                let (text, eol): (&[u8], &'static [u8]) = if i > 0 && rest[i - 1] == b'\r' { (&rest[..i - 1], b"\r\n") } else { (&rest[..i], b"\n") };
                 lines.push(Line { text: text.to_vec(), eol });
                 rest = &rest[i + 1..];
             }
@@ -314,11 +314,13 @@ impl Sdp {
                 None => session_conn_needed = true,
             }
             if let Some(r) = &m.rtcp {
-                edits[r.line] = Edit::Replace(match r.addr {
-                    Some(_) => format!("a=rtcp:{} IN {family} {}", mr.rtcp_port, rw.addr),
-                    None => format!("a=rtcp:{}", mr.rtcp_port),
-                }
-                .into_bytes());
+                edits[r.line] = Edit::Replace(
+                    match r.addr {
+                        Some(_) => format!("a=rtcp:{} IN {family} {}", mr.rtcp_port, rw.addr),
+                        None => format!("a=rtcp:{}", mr.rtcp_port),
+                    }
+                    .into_bytes(),
+                );
             }
             if mr.strip_rtcp_mux {
                 for &l in &m.rtcp_mux_lines {
@@ -478,7 +480,8 @@ a=rtpmap:96 VP8/90000\r\n";
 
     #[test]
     fn disabled_media_lf_endings_and_port_counts() {
-        let body = "v=0\no=- 1 1 IN IP4 10.0.0.1\ns=x\nc=IN IP4 10.0.0.1\nt=0 0\nm=audio 4000/2 RTP/AVP 0\na=rtcp:4001\nm=video 0 RTP/AVP 96\nc=IN IP4 10.0.0.1\n";
+        let body =
+            "v=0\no=- 1 1 IN IP4 10.0.0.1\ns=x\nc=IN IP4 10.0.0.1\nt=0 0\nm=audio 4000/2 RTP/AVP 0\na=rtcp:4001\nm=video 0 RTP/AVP 96\nc=IN IP4 10.0.0.1\n";
         let s = Sdp::parse(body.as_bytes()).unwrap();
         assert_eq!(s.media[1].port, 0);
         let rw = Rewrite {
@@ -528,13 +531,15 @@ a=rtpmap:96 VP8/90000\r\n";
         assert_eq!(s.media_addr(0), Some(&ConnAddr::Other("host.example".into())));
         // Garbage never panics.
         for i in 0..WEBRTC.len() {
-            let _ = Sdp::parse(&WEBRTC.as_bytes()[..i]).map(|s| s.rewrite(&Rewrite {
-                addr: ip("::1"),
-                origin: true,
-                session_connection: true,
-                remove_ice: true,
-                media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true }; 2],
-            }));
+            let _ = Sdp::parse(&WEBRTC.as_bytes()[..i]).map(|s| {
+                s.rewrite(&Rewrite {
+                    addr: ip("::1"),
+                    origin: true,
+                    session_connection: true,
+                    remove_ice: true,
+                    media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true }; 2],
+                })
+            });
         }
     }
 }

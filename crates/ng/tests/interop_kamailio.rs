@@ -10,11 +10,11 @@
 mod common;
 
 use common::Relay;
+use mediaplane_bench::process::Supervised;
 use mediaplane_ng::calls::parse_relay_id;
 use std::collections::BTreeMap;
 use std::net::UdpSocket;
 use std::path::{Path, PathBuf};
-use mediaplane_bench::process::Supervised;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -24,7 +24,12 @@ const UAS_MEDIA_IP: &str = "127.83.2.1";
 const CALLS: u32 = 3;
 
 fn which(bin: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?.to_str()?.split(':').map(|d| Path::new(d).join(bin)).chain(["/usr/sbin", "/sbin"].map(|d| Path::new(d).join(bin))).find(|p| p.is_file())
+    std::env::var_os("PATH")?
+        .to_str()?
+        .split(':')
+        .map(|d| Path::new(d).join(bin))
+        .chain(["/usr/sbin", "/sbin"].map(|d| Path::new(d).join(bin)))
+        .find(|p| p.is_file())
 }
 
 fn module_dir() -> Option<PathBuf> {
@@ -319,12 +324,7 @@ fn kamailio_sipp_calls_through_mediaplane() {
     };
     let uas_status = uas.wait_timeout(Duration::from_secs(15)).unwrap();
     let diag = || {
-        format!(
-            "\n--- kamailio ---\n{}\n--- uac ---\n{}\n--- uas ---\n{}",
-            log_tail(&klog),
-            log_tail(&dir.0.join("uac.err")),
-            log_tail(&dir.0.join("uas.err"))
-        )
+        format!("\n--- kamailio ---\n{}\n--- uac ---\n{}\n--- uas ---\n{}", log_tail(&klog), log_tail(&dir.0.join("uac.err")), log_tail(&dir.0.join("uas.err")))
     };
     assert!(uac_status.success(), "UAC failed: {uac_status}{}", diag());
     assert!(uas_status.is_some_and(|s| s.success()), "UAS failed: {uas_status:?}{}", diag());

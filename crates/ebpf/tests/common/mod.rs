@@ -148,7 +148,13 @@ impl Capture {
             let rc = libc::bind(fd.as_raw_fd(), &sll as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_ll>() as u32);
             assert_eq!(rc, 0, "bind AF_PACKET: {}", std::io::Error::last_os_error());
             let tv = libc::timeval { tv_sec: 0, tv_usec: 50_000 };
-            libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVTIMEO, &tv as *const _ as *const libc::c_void, std::mem::size_of::<libc::timeval>() as u32);
+            libc::setsockopt(
+                fd.as_raw_fd(),
+                libc::SOL_SOCKET,
+                libc::SO_RCVTIMEO,
+                &tv as *const _ as *const libc::c_void,
+                std::mem::size_of::<libc::timeval>() as u32,
+            );
             let big: libc::c_int = 8 << 20;
             libc::setsockopt(fd.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &big as *const _ as *const libc::c_void, 4);
             Capture { fd }
@@ -252,9 +258,7 @@ impl Star {
             // Tests read after sending everything: room for thousands of datagrams.
             let big: libc::c_int = 32 << 20;
             // SAFETY: valid fd and option buffer.
-            unsafe {
-                libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &big as *const _ as *const libc::c_void, 4)
-            };
+            unsafe { libc::setsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_RCVBUFFORCE, &big as *const _ as *const libc::c_void, 4) };
             s
         })
     }

@@ -5,10 +5,10 @@
 pub mod netns;
 pub mod wire;
 
+use mediaplane_bench::process::Supervised;
 use serde_json::Value;
 use std::net::{SocketAddr, TcpListener};
 use std::path::{Path, PathBuf};
-use mediaplane_bench::process::Supervised;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 

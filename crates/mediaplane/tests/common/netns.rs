@@ -1,9 +1,9 @@
 //! `mediaplane serve` running inside a testbed's SFU namespace, and API calls made from there.
 
 use mediaplane_bench::netns::Testbed;
+use mediaplane_bench::process::Supervised;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
-use mediaplane_bench::process::Supervised;
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
@@ -37,7 +37,14 @@ impl<'t> NetnsServe<'t> {
 
     /// Run a daemon like [`NetnsServe::start_shared_bpffs_on`] that is expected to refuse to
     /// start: its exit status and stderr (killed, and a panic, if it is still up after `timeout`).
-    pub fn run_to_exit(tb: &Testbed, listen: &str, plane: &str, store: &std::path::Path, extra: &[&str], timeout: Duration) -> (std::process::ExitStatus, String) {
+    pub fn run_to_exit(
+        tb: &Testbed,
+        listen: &str,
+        plane: &str,
+        store: &std::path::Path,
+        extra: &[&str],
+        timeout: Duration,
+    ) -> (std::process::ExitStatus, String) {
         let mut cmd = Self::shared_bpffs_command(tb, listen, plane, store, extra);
         let mut p = Supervised::spawn("mediaplane serve", cmd.stderr(Stdio::piped())).unwrap();
         let Some(status) = p.wait_timeout(timeout).unwrap() else {
