@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: all deps build release test demo bench fuzz fuzz-smoke fuzz-cargo fuzz-bpf clean deb deb-tools deb-assets
+.PHONY: all deps build release test lint demo bench fuzz fuzz-smoke fuzz-cargo fuzz-bpf clean deb deb-tools deb-assets
 
 all: build
 
@@ -20,9 +20,18 @@ release: deps
 # Privileged tests fail rather than skip when CI=true.
 # The .deb test (crates/mediaplane/tests/deb_package.rs) packages the debug build with cargo-deb,
 # installs it, starts it as the unit would and removes it.
-test: deps deb-tools
+test: deps deb-tools lint
 	$(CARGO) test --workspace --no-fail-fast
 	$(MAKE) fuzz-smoke
+
+# Formatting (rustfmt.toml) and clippy with warnings as errors, on every target; first in `make
+# test`, so a style slip fails in seconds rather than after the tests.
+lint: deps
+	@rustup component list --installed 2>/dev/null | grep -q '^rustfmt' || rustup component add rustfmt
+	@rustup component list --installed 2>/dev/null | grep -q '^clippy' || rustup component add clippy
+	$(CARGO) fmt --all --check
+	cd fuzz && $(CARGO) fmt --check
+	$(CARGO) clippy --workspace --all-targets -- -D warnings
 
 # Coverage-guided fuzzing (cargo-fuzz, nightly): a seconds-long run of every target in
 # `make test`, longer runs with `make fuzz` (FUZZ_SECONDS per target). `make fuzz` also runs the

@@ -586,7 +586,7 @@ async fn relay_batch(State(m): State<AppState>, Extension(p): Extension<Pending>
         }
         let item = |op: &str, i: usize, id: &str, e: ManagerError| ManagerError::BatchItem { item: format!("{op}[{i}] (id {id:?})"), source: Box::new(e) };
         // A big batch gives up as soon as its request has (the writer is free sooner).
-        let gave_up = |i: usize| i % 256 == 0 && t.is_abandoned();
+        let gave_up = |i: usize| i.is_multiple_of(256) && t.is_abandoned();
         let created = m.mutate_for(t, |model, media| {
             let mut changes = Vec::with_capacity(n);
             for (i, id) in req.delete.iter().enumerate() {

@@ -773,7 +773,18 @@ fn mutation_costs(sizes: &[usize], dir: &Path) -> anyhow::Result<Vec<MutationCos
     Ok(out)
 }
 
-fn capacity(tb: &Testbed, target: usize, budget: Duration, clients: usize, batch: usize, dir: &Path, quick: bool, failures: &mut Vec<String>) -> Capacity {
+/// How the install-capacity ramps are run (`--capacity*` options).
+#[derive(Clone, Copy)]
+struct CapacityPlan {
+    target: usize,
+    budget: Duration,
+    clients: usize,
+    batch: usize,
+    quick: bool,
+}
+
+fn capacity(tb: &Testbed, plan: &CapacityPlan, dir: &Path, failures: &mut Vec<String>) -> Capacity {
+    let CapacityPlan { target, budget, clients, batch, quick } = *plan;
     let mut ramps = Vec::new();
     // NG: at most a tenth of the target, in a third of the budget (every call = 2 sessions).
     let ng_target = (target / 10).clamp(100, 24_000);
@@ -879,7 +890,18 @@ pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
         None
     } else {
         eprintln!("bench relay: capacity phase (target {cap_target} sessions, {} s budget) ...", cap_budget.as_secs());
-        Some(capacity(&tb, cap_target, cap_budget, a.capacity_clients.clamp(1, 64), a.capacity_batch.min(10_000), &dir, a.quick, &mut failures))
+        Some(capacity(
+            &tb,
+            &CapacityPlan {
+                target: cap_target,
+                budget: cap_budget,
+                clients: a.capacity_clients.clamp(1, 64),
+                batch: a.capacity_batch.min(10_000),
+                quick: a.quick,
+            },
+            &dir,
+            &mut failures,
+        ))
     };
     drop(tb);
 

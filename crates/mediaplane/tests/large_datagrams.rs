@@ -118,7 +118,7 @@ fn run(tb: &Testbed, plane: &str, socks: &[UdpSocket], cap: &OwnedFd) -> Vec<Fra
         for (i, sock) in socks.iter().enumerate().take(2) {
             sock.send_to(&datagram(i, seq), SocketAddr::new(tb.peers[i].sfu_ip, SFU_PORT)).unwrap();
         }
-        if (seq as usize + 1) % SIZES.len() == 0 {
+        if (seq as usize + 1).is_multiple_of(SIZES.len()) {
             std::thread::sleep(Duration::from_millis(5));
         }
     }
