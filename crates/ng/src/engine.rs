@@ -101,6 +101,90 @@ fn options(req: &Request) -> Result<Options, RequestError> {
     })
 }
 
+/// The keys each command acts on (normalized spelling), besides `command`.
+fn keys_acted_on(command: &str) -> &'static [&'static str] {
+    match command {
+        // via-branch tells rtpengine a forked branch's answers apart; here the to-tag does.
+        "offer" | "answer" => &["call-id", "from-tag", "to-tag", "via-branch", "sdp", "flags", "replace", "rtcp-mux", "ice", "received-from", "media-address"],
+        "delete" => &["call-id", "from-tag", "to-tag", "via-branch", "flags"],
+        "query" => &["call-id", "from-tag", "to-tag"],
+        "list" => &["limit"],
+        _ => &[],
+    }
+}
+
+/// The flags each command acts on. `symmetric` is what every leg does anyway; `asymmetric` has
+/// a warning of its own in [`options`].
+fn flags_acted_on(command: &str) -> &'static [&'static str] {
+    match command {
+        "offer" | "answer" => {
+            &["strict-source", "sip-source-address", "sip-source", "trust-address", "replace-origin", "replace-session-connection", "symmetric", "asymmetric"]
+        }
+        "delete" => &["fatal"],
+        _ => &[],
+    }
+}
+
+/// What happens instead, for keys and flags SIP servers commonly send that mediaplane does not
+/// act on yet.
+fn consequence(name: &str) -> Option<&'static str> {
+    Some(match name {
+        "transport-protocol" | "rtp/avp" | "rtp/savp" | "rtp/avpf" | "rtp/savpf" | "udp/tls/rtp/savp" | "udp/tls/rtp/savpf" => {
+            "the SDP keeps its transport protocol and media is relayed as received (no SRTP/DTLS termination)"
+        }
+        "address-family" => "media stays in the address family of the media address (no IPv4/IPv6 bridging)",
+        "direction" | "from-interface" | "to-interface" | "interface" => "media uses the one configured media address (no named interfaces)",
+        "codec" | "codec-strip" | "codec-mask" | "codec-except" => "the SDP's codecs are passed through unfiltered",
+        "media-handover" => "a latched leg keeps its source: a new source is dropped as a stranger",
+        "record-call" | "start-recording" | "record" => "nothing is recorded",
+        "loop-protect" => "the SDP is not marked, so a looped request is processed again",
+        "sdes" | "dtls" | "osrtp" | "generate-mid" | "rtcp-mux-require" | "trickle-ice" => "no SRTP, DTLS or ICE is terminated",
+        "port-latching" | "no-port-latching" => "local ports are allocated per call as usual",
+        "delete-delay" => "the call is deleted at once",
+        _ => return None,
+    })
+}
+
+/// One warning naming every key and flag of `req` that `command` does not act on, with what
+/// happens instead where that is known: a flag is never accepted in silence.
+fn not_acted_on(req: &Request, command: &str) -> Option<String> {
+    let keys = keys_acted_on(command);
+    let flags_ok = flags_acted_on(command);
+    let mut ignored: Vec<String> = req.keys().into_iter().filter(|k| !matches!(*k, "command" | "flags") && !keys.contains(k)).map(str::to_string).collect();
+    // Malformed lists are the command's own error to report.
+    if let Ok(flags) = req.list("flags") {
+        ignored.extend(flags.into_iter().filter(|f| !flags_ok.contains(&f.as_str())));
+    }
+    if keys.contains(&"replace") {
+        if let Ok(replace) = req.list("replace") {
+            ignored.extend(replace.into_iter().filter(|r| !matches!(r.as_str(), "origin" | "session-connection")).map(|r| format!("replace={r}")));
+        }
+    }
+    ignored.dedup();
+    if ignored.is_empty() {
+        return None;
+    }
+    let described: Vec<String> = ignored
+        .iter()
+        .map(|name| match consequence(name) {
+            Some(c) => format!("{name} (not supported: {c})"),
+            None => name.clone(),
+        })
+        .collect();
+    Some(format!("not acted on by {command}: {}", described.join(", ")))
+}
+
+/// `reply` with `warning` added (joined to one it already has).
+fn with_warning(reply: Value, warning: String) -> Value {
+    let Value::Dict(mut d) = reply else { return reply };
+    let joined = match d.get(b"warning".as_slice()).and_then(Value::as_str) {
+        Some(w) => format!("{w}; {warning}"),
+        None => warning,
+    };
+    d.insert(b"warning".to_vec(), Value::from(joined));
+    Value::Dict(d)
+}
+
 impl Engine {
     /// An engine counting into metrics of its own.
     pub fn new(cfg: EngineConfig) -> Engine {
@@ -179,6 +263,10 @@ impl Engine {
             "statistics" => Ok(self.statistics(mgr)),
             other => Err(NgError::Call(format!("unknown command {other:?}"))),
         };
+        let result = result.map(|v| match not_acted_on(&req, &command) {
+            Some(w) => with_warning(v, w),
+            None => v,
+        });
         let call_id = req.opt_str("call-id").ok().flatten().unwrap_or("");
         self.metrics.request(&command, result.is_ok(), start.elapsed());
         self.metrics.set_calls(self.registry.len());
@@ -312,7 +400,8 @@ impl Engine {
         let adopted = call.tag_a.is_none();
         let tag_ok = |t: Option<&str>| t.is_none_or(|t| adopted || call.has_tag(t) || call.tag_b.is_none());
         if !(tag_ok(from_tag) && tag_ok(to_tag)) {
-            return not_found(format!("tags {from_tag:?}/{to_tag:?} are not in dialogue in call {call_id:?}"));
+            let tag = |t: Option<&str>| t.map_or_else(|| "none".to_string(), |t| format!("{t:?}"));
+            return not_found(format!("tags {}/{} are not in dialogue in call {call_id:?}", tag(from_tag), tag(to_tag)));
         }
         let call = call.clone();
         let stats = self.call_stats(mgr, &call);
@@ -631,6 +720,50 @@ mod tests {
         let s = send(&mut e, &m, "s1", vec![("command", "statistics".into())]);
         let total = |k: &str| s.get("statistics").unwrap().get("totalstatistics").unwrap().get(k).cloned();
         assert_eq!((total("controlerrors"), total("managedsessions")), (Some(Value::Int(2)), Some(Value::Int(1))), "{s:?}");
+    }
+
+    #[test]
+    fn every_key_and_flag_not_acted_on_is_named_in_a_warning() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        // What Kamailio's module sends for a plain call: acted on, no warning.
+        let r = send(&mut e, &m, "o0", offer(OFFER_SDP));
+        assert_eq!((text(&r, "result"), text(&r, "warning")), ("ok".into(), String::new()), "{r:?}");
+        send(&mut e, &m, "d0", vec![("command", "delete".into()), ("call-id", "cfBXzDSZqhYNcXM".into())]);
+
+        let mut o = offer(OFFER_SDP);
+        o[5].1 = Value::List(vec!["trust address".into(), "media-handover".into(), "loop-protect".into(), "frobnicate".into()]);
+        o[6].1 = Value::List(vec!["origin".into(), "zero-address".into()]);
+        o.push(("transport-protocol", "RTP/SAVP".into()));
+        o.push(("address family", "IP6".into()));
+        o.push(("codec", Value::dict([("strip", Value::List(vec!["PCMU".into()]))])));
+        o.push(("record call", "yes".into()));
+        let r = send(&mut e, &m, "o1", o);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let w = text(&r, "warning");
+        for named in [
+            "media-handover (not supported: a latched leg keeps its source",
+            "loop-protect (not supported",
+            "frobnicate",
+            "replace=zero-address",
+            "transport-protocol (not supported: the SDP keeps its transport protocol",
+            "address-family (not supported",
+            "codec (not supported: the SDP's codecs are passed through",
+            "record-call (not supported: nothing is recorded)",
+        ] {
+            assert!(w.contains(named), "{named:?} not in the warning {w:?}");
+        }
+        for acted in ["trust-address", "replace=origin", "call-id", "sdp"] {
+            assert!(!w.contains(acted), "{acted:?} is acted on but named in {w:?}");
+        }
+        // Commands without flags name theirs; errors carry the error only.
+        let q = send(&mut e, &m, "q1", vec![("command", "query".into()), ("call-id", "cfBXzDSZqhYNcXM".into()), ("flags", Value::List(vec!["all".into()]))]);
+        assert_eq!(text(&q, "warning"), "not acted on by query: all", "{q:?}");
+        let bad = send(&mut e, &m, "q2", vec![("command", "query".into()), ("call-id", "nope".into()), ("frob", "1".into())]);
+        assert_eq!((text(&bad, "result"), text(&bad, "warning")), ("error".into(), String::new()), "{bad:?}");
+        // A wrong tag is named as sent, not as Rust's Option.
+        assert_eq!(text(&send(&mut e, &m, "a1", answer(ANSWER_SDP)), "result"), "ok");
+        let d = send(&mut e, &m, "d1", vec![("command", "delete".into()), ("call-id", "cfBXzDSZqhYNcXM".into()), ("from-tag", "nobody".into())]);
+        assert_eq!(text(&d, "warning"), "tags \"nobody\"/none are not in dialogue in call \"cfBXzDSZqhYNcXM\"", "{d:?}");
     }
 
     #[test]

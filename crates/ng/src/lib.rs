@@ -78,9 +78,11 @@ pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager
     let _poller = {
         let (engine, manager) = (engine.clone(), manager.clone());
         AbortOnDrop(tokio::spawn(async move {
-            // A quarter of the timeout (1-15 s): silent calls end within 1.25x the timeout,
-            // and the counters are not read every second when calls are many.
-            let every = (cfg.media_timeout / 4).clamp(Duration::from_secs(1), Duration::from_secs(15));
+            // Every second (a quarter of a timeout under 4 s), as rtpengine sweeps: activity is
+            // seen within one sweep of the last packet and silence acted on within one sweep of
+            // the timeout, so a call ends at most two sweeps late. A sweep reads the counters of
+            // NG calls' streams only.
+            let every = (cfg.media_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
             loop {

@@ -92,6 +92,13 @@ impl<'a> Request<'a> {
         self.dict
     }
 
+    /// The request's keys, in their normalized spelling ([`normalize`]), sorted.
+    pub fn keys(&self) -> Vec<&str> {
+        let mut keys: Vec<&str> = self.keys.keys().map(String::as_str).collect();
+        keys.sort_unstable();
+        keys
+    }
+
     pub fn get(&self, key: &str) -> Option<&'a Value> {
         self.keys.get(&normalize(key)).copied()
     }

@@ -145,14 +145,18 @@ fn call_flow_over_real_sockets() {
 fn idle_calls_time_out() {
     let relay = Relay::start("127.82.0.2", 41100, 41199, Duration::from_secs(2));
     let mut ng = ng_client(relay.ng);
+    let created = Instant::now();
     let o = ng.cmd(req("offer", "tagA", None, &sdp("127.82.3.1", 6000, 1)));
     assert_eq!(text(&o, "result"), "ok");
     assert_eq!(relay.relays(), 2);
     let deadline = Instant::now() + Duration::from_secs(8);
     while relay.relays() > 0 && Instant::now() < deadline {
-        std::thread::sleep(Duration::from_millis(100));
+        std::thread::sleep(Duration::from_millis(20));
     }
+    let took = created.elapsed();
     assert_eq!(relay.relays(), 0, "deleted after 2 s without media");
+    // Never early; late by at most two sweeps (2 x 500 ms for a 2 s timeout) and some slack.
+    assert!(took >= Duration::from_secs(2) && took < Duration::from_millis(3500), "a 2 s media timeout fired after {took:?}");
     let s = ng.cmd(vec![("command", "statistics".into())]);
     let total = s.get("statistics").unwrap().get("totalstatistics").unwrap();
     assert_eq!(total.get("timeoutsessions"), Some(&Value::Int(1)), "{s:?}");
