@@ -263,8 +263,12 @@ impl Engine {
             "statistics" => Ok(self.statistics(mgr)),
             other => Err(NgError::Call(format!("unknown command {other:?}"))),
         };
+        // Also in our own log: Kamailio's module does not log a reply's warning.
         let result = result.map(|v| match not_acted_on(&req, &command) {
-            Some(w) => with_warning(v, w),
+            Some(w) => {
+                tracing::warn!(command, warning = %w, "NG request carried what mediaplane does not act on");
+                with_warning(v, w)
+            }
             None => v,
         });
         let call_id = req.opt_str("call-id").ok().flatten().unwrap_or("");
