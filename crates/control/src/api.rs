@@ -165,7 +165,10 @@ async fn commit(
 ) -> Result<Response, ApiError> {
     let p = pending.clone();
     let joined = tokio::task::spawn_blocking(move || {
-        let answer = f(&m, &p.0.ticket).and_then(|(status, v)| {
+        // A panic still answers: a request past its deadline waits for this answer.
+        let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&m, &p.0.ticket)));
+        let done = done.unwrap_or_else(|_| Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "the change failed inside the daemon")));
+        let answer = done.and_then(|(status, v)| {
             let raw = serde_json::value::to_raw_value(&v).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
             Ok((status, raw))
         });
@@ -302,7 +305,7 @@ fn route_of(req: &Request) -> &str {
 pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metrics>) -> Router {
     let (max_body, max_batch_body) = (cfg.max_body, cfg.max_batch_body.max(cfg.max_body));
     let token = cfg.token.clone().filter(|t| !t.is_empty()).map(|t| Arc::new(format!("Bearer {t}")));
-    let timeout = std::time::Duration::from_millis(cfg.timeout_ms.max(1));
+    let timeout = std::time::Duration::from_millis(cfg.timeout_ms);
     Router::new()
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))

@@ -339,6 +339,9 @@ impl Config {
     }
 
     pub fn validate(&self) -> Result<(), String> {
+        if self.api.timeout_ms == 0 {
+            return Err("api.timeout_ms must be at least 1 (every request would time out)".into());
+        }
         if self.media.port_min == 0 || self.media.port_min > self.media.port_max {
             return Err(format!("media port range {}-{} is empty or starts at 0", self.media.port_min, self.media.port_max));
         }
@@ -555,6 +558,12 @@ mod tests {
         assert!(c.validate().unwrap_err().contains("api.token_file"));
         c.api.token = Some("t".into());
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn a_zero_request_timeout_is_refused() {
+        let e = Config::from_toml("[api]\ntimeout_ms = 0\n").and_then(|c| c.validate()).unwrap_err();
+        assert!(e.contains("api.timeout_ms"), "{e}");
     }
 
     #[test]

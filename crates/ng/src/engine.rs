@@ -101,6 +101,11 @@ fn options(req: &Request) -> Result<Options, RequestError> {
     })
 }
 
+/// Keys Kamailio's rtpengine module adds to every request, that change nothing asked of the
+/// relay: what it supports (`load limit` replies, which mediaplane never sends), which SIP
+/// message carried the request, and where from.
+const INFORMATIONAL: &[&str] = &["supports", "sip-message-type", "sip-code", "via-branch", "received-from"];
+
 /// The keys each command acts on (normalized spelling), besides `command`.
 fn keys_acted_on(command: &str) -> &'static [&'static str] {
     match command {
@@ -150,7 +155,8 @@ fn consequence(name: &str) -> Option<&'static str> {
 fn not_acted_on(req: &Request, command: &str) -> Option<String> {
     let keys = keys_acted_on(command);
     let flags_ok = flags_acted_on(command);
-    let mut ignored: Vec<String> = req.keys().into_iter().filter(|k| !matches!(*k, "command" | "flags") && !keys.contains(k)).map(str::to_string).collect();
+    let mut ignored: Vec<String> =
+        req.keys().into_iter().filter(|k| !matches!(*k, "command" | "flags") && !keys.contains(k) && !INFORMATIONAL.contains(k)).map(str::to_string).collect();
     // Malformed lists are the command's own error to report.
     if let Ok(flags) = req.list("flags") {
         ignored.extend(flags.into_iter().filter(|f| !flags_ok.contains(&f.as_str())));
@@ -695,6 +701,8 @@ mod tests {
             ("flags", Value::List(vec!["trust address".into()])),
             ("replace", Value::List(vec!["origin".into(), "session connection".into()])),
             ("received-from", Value::List(vec!["IP4".into(), "10.65.31.43".into()])),
+            ("supports", Value::List(vec!["load limit".into()])),
+            ("sip-message-type", "sip-request".into()),
         ]
     }
 

@@ -102,7 +102,14 @@ pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager
         }
         let datagram = buf[..n].to_vec();
         let (e, m) = (engine.clone(), manager.clone());
-        let reply = tokio::task::spawn_blocking(move || e.lock().handle_datagram(&m, client, &datagram, Instant::now())).await?;
+        let reply = match tokio::task::spawn_blocking(move || e.lock().handle_datagram(&m, client, &datagram, Instant::now())).await {
+            Ok(reply) => reply,
+            // A bug met by one request must not end the listener for every call.
+            Err(err) => {
+                tracing::error!(%client, error = %err, "NG request failed inside the engine; no reply");
+                continue;
+            }
+        };
         if let Some(reply) = reply {
             if let Err(e) = socket.send_to(&reply, client).await {
                 tracing::warn!(%client, error = %e, "NG reply not sent");
