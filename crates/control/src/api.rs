@@ -6,7 +6,7 @@
 
 use crate::config::MediaConfig;
 use crate::manager::{allocate_local, ManagerError, SessionManager, Ticket};
-use crate::metrics::{Metrics, Snapshot};
+use crate::metrics::{Metrics, StatsReading};
 use crate::store::Change;
 use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Request, State};
@@ -78,6 +78,12 @@ impl From<ModelError> for ApiError {
     }
 }
 
+/// A body axum refused (too large, unreadable, not the expected JSON), as this API's error.
+fn body_rejected(status: StatusCode, text: String) -> ApiError {
+    let code = if status == StatusCode::PAYLOAD_TOO_LARGE { "too_large" } else { "bad_request" };
+    ApiError::new(status, code, text)
+}
+
 /// `Json` whose rejections (bad syntax, wrong types, missing fields, wrong content type) are
 /// JSON errors like every other error of this API.
 pub struct ApiJson<T>(pub T);
@@ -91,11 +97,7 @@ where
     async fn from_request(req: Request, state: &S) -> Result<Self, Self::Rejection> {
         match Json::<T>::from_request(req, state).await {
             Ok(Json(v)) => Ok(ApiJson(v)),
-            Err(rej) => {
-                let status = rej.status();
-                let code = if status == StatusCode::PAYLOAD_TOO_LARGE { "too_large" } else { "bad_request" };
-                Err(ApiError::new(status, code, rej.body_text()))
-            }
+            Err(rej) => Err(body_rejected(rej.status(), rej.body_text())),
         }
     }
 }
@@ -200,11 +202,7 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
         }
         match axum::body::Bytes::from_request(req, state).await {
             Ok(b) => Ok(JsonBody(b)),
-            Err(rej) => {
-                let status = rej.status();
-                let code = if status == StatusCode::PAYLOAD_TOO_LARGE { "too_large" } else { "bad_request" };
-                Err(ApiError::new(status, code, rej.body_text()))
-            }
+            Err(rej) => Err(body_rejected(rej.status(), rej.body_text())),
         }
     }
 }
@@ -655,7 +653,7 @@ async fn read_blocking(f: impl FnOnce() -> Value + Send + 'static) -> Result<Res
 
 async fn stats(State(m): State<AppState>, Extension(mx): Extension<Arc<Metrics>>) -> Result<Response, ApiError> {
     read_blocking(move || {
-        let snap = Snapshot::take(&m);
+        let snap = StatsReading::take(&m);
         let st = &snap.stats;
         let streams: Vec<Value> = m.read(|_, t| {
             t.streams

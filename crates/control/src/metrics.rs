@@ -1,5 +1,5 @@
 //! The daemon's one metrics registry (`prometheus-client`): it feeds `/metrics`, and the same
-//! sources feed `/v1/stats` ([`Snapshot`]) and NG `statistics` ([`NgMetrics`]), so the three
+//! sources feed `/v1/stats` ([`StatsReading`]) and NG `statistics` ([`NgMetrics`]), so the three
 //! cannot disagree.
 //!
 //! Data-plane counters are not copied into the registry: a [`Collector`] reads them at scrape
@@ -278,9 +278,10 @@ pub struct Memory {
     pub bpf_map_bytes: u64,
 }
 
-/// Everything `/v1/stats` and `/metrics` report about the data plane, read once.
+/// Everything `/v1/stats` and `/metrics` report about the data plane, read once (not to be
+/// confused with [`crate::manager::Snapshot`], the committed model and table).
 #[derive(Debug, Clone)]
-pub struct Snapshot {
+pub struct StatsReading {
     pub stats: DataplaneStats,
     pub memory: Memory,
     pub rooms: usize,
@@ -289,15 +290,15 @@ pub struct Snapshot {
     pub streams: usize,
 }
 
-impl Snapshot {
-    pub fn take(m: &SessionManager) -> Snapshot {
+impl StatsReading {
+    pub fn take(m: &SessionManager) -> StatsReading {
         Self::from_stats(m, m.stats())
     }
 
-    fn from_stats(m: &SessionManager, stats: DataplaneStats) -> Snapshot {
+    fn from_stats(m: &SessionManager, stats: DataplaneStats) -> StatsReading {
         use mediaplane_dataplane::sys::{bpf_map_bytes, rss_bytes};
         let (rooms, relays, streams) = m.read(|model, t| (model.rooms.len(), model.relays.len(), t.streams.len()));
-        Snapshot { stats, memory: Memory { rss_bytes: rss_bytes(None), bpf_map_bytes: bpf_map_bytes(None) }, rooms, relays, streams }
+        StatsReading { stats, memory: Memory { rss_bytes: rss_bytes(None), bpf_map_bytes: bpf_map_bytes(None) }, rooms, relays, streams }
     }
 }
 
@@ -507,7 +508,7 @@ impl Collector for DataplaneCollector {
         // Without per-stream series the per-stream counters are not even read (a kernel map
         // read per stream on the eBPF plane).
         let stats = if self.per_stream { m.stats() } else { m.dataplane().stats_totals() };
-        let snap = Snapshot::from_stats(m, stats);
+        let snap = StatsReading::from_stats(m, stats);
         let labels =
             if self.per_stream { m.read(|_, t| t.streams.values().map(|e| (e.id, e.label.clone())).collect::<HashMap<_, _>>()) } else { HashMap::new() };
         let mut fams = families(&snap, &labels);
@@ -525,7 +526,7 @@ impl Collector for DataplaneCollector {
 
 /// Every family of a snapshot (but the latency histogram). `labels`: per-stream series for
 /// the streams in it (empty: none).
-fn families(snap: &Snapshot, labels: &HashMap<u32, String>) -> Families {
+fn families(snap: &StatsReading, labels: &HashMap<u32, String>) -> Families {
     let st = &snap.stats;
     let mut f = Families::default();
     f.counters(&st.total, &vec![], false);
@@ -597,7 +598,7 @@ mod tests {
         assert_eq!(extra_family("userspace.rx_packets"), None);
     }
 
-    fn stats() -> Snapshot {
+    fn stats() -> StatsReading {
         let mut st = DataplaneStats { dataplane: "test".into(), table_version: 3, ..Default::default() };
         st.total.rx_packets = 10;
         st.total.drop_stranger = 2;
@@ -607,12 +608,12 @@ mod tests {
         st.extra.insert("bpf_run_time_ns".into(), 1_500_000_000);
         st.extra.insert("brand_new".into(), 1);
         st.maps.insert("streams".into(), MapFill { entries: 2, capacity: 16 });
-        Snapshot { stats: st, memory: Memory { rss_bytes: 1 << 20, bpf_map_bytes: 0 }, rooms: 1, relays: 0, streams: 2 }
+        StatsReading { stats: st, memory: Memory { rss_bytes: 1 << 20, bpf_map_bytes: 0 }, rooms: 1, relays: 0, streams: 2 }
     }
 
-    fn text(snap: &Snapshot, labels: &HashMap<u32, String>, hist: Option<&LatencyHistogram>) -> String {
+    fn text(snap: &StatsReading, labels: &HashMap<u32, String>, hist: Option<&LatencyHistogram>) -> String {
         #[derive(Debug)]
-        struct C(Snapshot, HashMap<u32, String>, Option<LatencyHistogram>);
+        struct C(StatsReading, HashMap<u32, String>, Option<LatencyHistogram>);
         impl Collector for C {
             fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
                 families(&self.0, &self.1).encode(&mut enc)?;
