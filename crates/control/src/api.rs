@@ -269,6 +269,8 @@ struct LegRequest {
     strict: bool,
     #[serde(default = "yes")]
     rtp: bool,
+    #[serde(default)]
+    follow: mediaplane_core::model::Follow,
 }
 
 #[derive(Deserialize)]
@@ -561,7 +563,7 @@ fn create_relay_in(model: &mut Model, media: &MediaConfig, req: &CreateRelay) ->
         Some(l) => l,
         None => allocate_local(model, media, &[a_local])?,
     };
-    let leg = |l, r: &LegRequest| LegSpec { local: l, remote: r.remote, strict: r.strict, rtp: r.rtp };
+    let leg = |l, r: &LegRequest| LegSpec { local: l, remote: r.remote, strict: r.strict, rtp: r.rtp, follow: r.follow };
     model.create_relay(&req.id, leg(a_local, &req.a), leg(b_local, &req.b))?;
     Ok(model.relays[&req.id].clone())
 }

@@ -228,6 +228,9 @@ pub struct MediaConfig {
     /// Port range for allocated local addresses (RTP even; the odd port above is kept for RTCP).
     pub port_min: u16,
     pub port_max: u16,
+    /// How long a relay leg follows new sources of its party after each signal (offer,
+    /// answer), in milliseconds, before it locks the last one (rtpengine: 3 s).
+    pub learning_ms: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -272,7 +275,7 @@ impl Default for DataplaneConfig {
 }
 impl Default for MediaConfig {
     fn default() -> Self {
-        MediaConfig { ip: "127.0.0.1".parse().unwrap(), port_min: 30000, port_max: 39999 }
+        MediaConfig { ip: "127.0.0.1".parse().unwrap(), port_min: 30000, port_max: 39999, learning_ms: 3000 }
     }
 }
 impl Default for StoreConfig {

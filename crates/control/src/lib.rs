@@ -29,6 +29,43 @@ pub async fn serve(
     serve_with(cfg, dataplane, events, reset, shutdown, |_, _| {}).await
 }
 
+/// Run endpoint learning on a thread of its own: the sources the slow path reports
+/// ([`DataplaneEvent::Unlatched`]) go to [`manager::SessionManager::latch`], and every 100 ms the
+/// legs whose learning window has ended lock their source
+/// ([`manager::SessionManager::close_learning`]). Ends when the data plane's sender is gone
+/// (with no events at all, it runs for the life of the process).
+pub fn learn_sources(manager: Arc<manager::SessionManager>, events: Option<Receiver<DataplaneEvent>>) -> std::io::Result<std::thread::JoinHandle<()>> {
+    const TICK: std::time::Duration = std::time::Duration::from_millis(100);
+    std::thread::Builder::new().name("mp-learning".into()).spawn(move || {
+        let mut next_close = std::time::Instant::now() + TICK;
+        loop {
+            let wait = next_close.saturating_duration_since(std::time::Instant::now());
+            let ev = match &events {
+                Some(rx) => match rx.recv_timeout(wait) {
+                    Ok(ev) => Some(ev),
+                    Err(std::sync::mpsc::RecvTimeoutError::Timeout) => None,
+                    Err(std::sync::mpsc::RecvTimeoutError::Disconnected) => return,
+                },
+                None => {
+                    std::thread::sleep(wait);
+                    None
+                }
+            };
+            if let Some(DataplaneEvent::Unlatched { stream, source }) = ev {
+                if let Err(e) = manager.latch(stream, source) {
+                    tracing::warn!(stream, %source, error = %e, "following a source failed");
+                }
+            }
+            if std::time::Instant::now() >= next_close {
+                if let Err(e) = manager.close_learning() {
+                    tracing::warn!(error = %e, "locking learnt sources failed");
+                }
+                next_close = std::time::Instant::now() + TICK;
+            }
+        }
+    })
+}
+
 /// [`serve`], handing the session manager and the metrics registry to `start` once sessions
 /// are restored (e.g. to run the NG protocol listener beside the HTTP API).
 pub async fn serve_with(
@@ -49,20 +86,7 @@ pub async fn serve_with(
     let (rooms, relays) = manager.read(|m, _| (m.rooms.len(), m.relays.len()));
     tracing::info!(rooms, relays, dataplane = dataplane.name(), "sessions restored");
 
-    if let Some(events) = events {
-        let m = manager.clone();
-        std::thread::Builder::new().name("mp-slowpath".into()).spawn(move || {
-            for ev in events {
-                match ev {
-                    DataplaneEvent::Unlatched { stream, source } => {
-                        if let Err(e) = m.latch(stream, source) {
-                            tracing::warn!(stream, %source, error = %e, "latch failed");
-                        }
-                    }
-                }
-            }
-        })?;
-    }
+    learn_sources(manager.clone(), events)?;
 
     let metrics = metrics::Metrics::new(manager.clone(), &cfg.metrics);
     let listener = tokio::net::TcpListener::bind(cfg.api.listen).await.with_context(|| format!("binding API on {}", cfg.api.listen))?;

@@ -164,15 +164,43 @@ impl SessionManager {
         self.current.load_full()
     }
 
-    /// The slow path saw the first packet of a latching stream: learn its source.
+    /// The slow path relayed a packet from `source` to a leg that is learning its source:
+    /// follow it if the leg's rules say so ([`Model::latch`]). Nothing is written when nothing
+    /// changes (most reports: a straggler, a source after the window).
     pub fn latch(&self, stream: u32, source: SocketAddr) -> Result<bool, ManagerError> {
+        let now = unix_ms();
+        let follows = |m: &Model| {
+            let (id, side) = m.relay_leg_by_uid(stream).map(|(id, s)| (id.to_string(), s))?;
+            m.clone().latch(&id, side, source, now).ok()
+        };
+        // Most reports change nothing (a straggler, a stranger during the window): decide that
+        // on a copy of the snapshot (O(1)), without the writer's lock.
+        if self.read(|m, _| follows(m)) != Some(true) {
+            return Ok(false);
+        }
         self.mutate(|m, _| {
             let Some((id, side)) = m.relay_leg_by_uid(stream).map(|(id, s)| (id.to_string(), s)) else {
                 return Ok((false, vec![]));
             };
-            let changed = m.latch(&id, side, source)?;
-            tracing::info!(relay = %id, side = ?side, %source, changed, "latched");
-            Ok((changed, vec![Change::Relay(id)]))
+            let changed = m.latch(&id, side, source, now)?;
+            if changed {
+                tracing::info!(relay = %id, side = ?side, %source, "following a new source");
+            }
+            Ok((changed, if changed { vec![Change::Relay(id)] } else { vec![] }))
+        })
+    }
+
+    /// Lock the source of every relay leg whose learning window has ended. Returns how many
+    /// relays changed.
+    pub fn close_learning(&self) -> Result<usize, ManagerError> {
+        let now = unix_ms();
+        let due = |l: &mediaplane_core::model::Leg| l.learning.open && l.latched.is_some() && now >= l.learning.until_ms;
+        if !self.read(|m, _| m.relays.values().any(|r| due(&r.a) || due(&r.b))) {
+            return Ok(0);
+        }
+        self.mutate(|m, _| {
+            let ids = m.close_learning(now);
+            Ok((ids.len(), ids.into_iter().map(Change::Relay).collect()))
         })
     }
 
@@ -194,6 +222,12 @@ impl SessionManager {
         self.current.store(Arc::new(Snapshot { model: Model::new(), table }));
         Ok(())
     }
+}
+
+/// Now on the wall clock, in milliseconds since the Unix epoch: the time learning windows are
+/// kept in (they are stored, and must mean the same after a restart).
+pub fn unix_ms() -> u64 {
+    std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64)
 }
 
 /// Check the caps on what changed (whole-model counts are O(1); per-room checks only for rooms
@@ -276,7 +310,7 @@ mod tests {
     use mediaplane_dataplane::{UserspaceConfig, UserspaceDataplane};
 
     fn media() -> MediaConfig {
-        MediaConfig { ip: "127.78.0.1".parse().unwrap(), port_min: 40001, port_max: 40006 }
+        MediaConfig { ip: "127.78.0.1".parse().unwrap(), port_min: 40001, port_max: 40006, ..Default::default() }
     }
 
     #[test]

@@ -20,7 +20,7 @@ pub struct Store {
 }
 
 /// One change to persist, produced by the session manager for each mutation.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Change {
     Room(String),
     Relay(String),
@@ -140,7 +140,7 @@ mod tests {
             m.add_participant("r", "b", "10.0.0.1:4002".parse().unwrap(), "10.0.1.2:5000".parse().unwrap()).unwrap();
             m.publish("r", "a", "main", StreamSpec::default()).unwrap();
             m.subscribe("r", "b", StreamRef { publisher: "a".into(), stream: "main".into() }).unwrap();
-            let leg = |p: &str| LegSpec { local: p.parse().unwrap(), remote: None, strict: false, rtp: true };
+            let leg = |p: &str| LegSpec { local: p.parse().unwrap(), remote: None, strict: false, rtp: true, follow: Default::default() };
             m.create_relay("call", leg("10.0.0.1:30000"), leg("10.0.0.1:30002")).unwrap();
             st.save(&m, &[Change::Room("r".into()), Change::Relay("call".into())]).unwrap();
         }

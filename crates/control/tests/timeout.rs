@@ -43,7 +43,7 @@ impl Dataplane for SlowInstall {
 /// The real router on a loopback port, its runtime on a thread of its own; the base URL.
 fn serve() -> String {
     let dp = UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap();
-    let media = MediaConfig { ip: "127.87.0.1".parse().unwrap(), port_min: 40000, port_max: 40999 };
+    let media = MediaConfig { ip: "127.87.0.1".parse().unwrap(), port_min: 40000, port_max: 40999, ..Default::default() };
     let mgr = Arc::new(SessionManager::open(Store::in_memory().unwrap(), Arc::new(SlowInstall(dp)), media, Limits::default()).unwrap());
     let cfg = ApiConfig { timeout_ms: TIMEOUT_MS, ..ApiConfig::default() };
     let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();

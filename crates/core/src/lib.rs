@@ -18,5 +18,6 @@ pub mod rtp;
 pub mod table;
 
 pub use model::{Model, ModelError};
+pub use model_ng::LegSignal;
 pub use ratelimit::RateLimit;
 pub use table::{Copy, DropReason, ForwardingTable, IngressKey, SlowReason, SourceRule, StreamEntry, Verdict};

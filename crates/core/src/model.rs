@@ -116,20 +116,71 @@ pub struct Leg {
     pub local: SocketAddr,
     /// The peer address signalled (e.g. from SDP); may be absent until media arrives.
     pub remote: Option<SocketAddr>,
-    /// The peer's real source, learned from its first packet (NAT traversal).
+    /// The peer's real source, learnt from its packets (NAT traversal): see [`Follow`].
     pub latched: Option<SocketAddr>,
     /// Only `remote` may send; no latching.
     pub strict: bool,
     pub rtp: bool,
+    #[serde(default)]
+    pub follow: Follow,
+    #[serde(default)]
+    pub learning: Learning,
+    /// The party put itself on hold (a zero connection address): nothing is sent to it until
+    /// it signals an address again. What it sends (music on hold) is still relayed.
+    #[serde(default)]
+    pub held: bool,
+}
+
+/// How a leg follows its peer's source address (rtpengine's endpoint learning).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Follow {
+    /// For a window after every signal (offer, answer, re-INVITE) the leg follows the newest
+    /// source, then locks it; after that other sources are still relayed but not followed.
+    #[default]
+    Window,
+    /// Follows every new source at once, window or not (rtpengine's `media-handover`).
+    Handover,
+    /// Never learns: media goes to the signalled address; any source is relayed
+    /// (rtpengine's `asymmetric`).
+    Asymmetric,
+}
+
+/// The learning window of a [`Follow::Window`] leg.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Learning {
+    /// The leg still follows new sources (until `until_ms`, or until the first packet when
+    /// none came during the window).
+    pub open: bool,
+    /// End of the window, in Unix milliseconds (a wall clock: it survives a restart).
+    pub until_ms: u64,
+    /// A packet from the signalled address arrived since it was signalled.
+    pub heard_signalled: bool,
+    /// Where the leg sent before a signal moved it: once the new signalled address has been
+    /// heard from, a late packet from the old one (a UA keeps sending from its old port until
+    /// the answer) does not win it back.
+    pub superseded: Option<SocketAddr>,
 }
 
 impl Leg {
     /// Where packets for this leg's peer go: the latched source wins over the signalled one.
     pub fn peer(&self) -> Option<SocketAddr> {
-        if self.strict {
+        if self.held {
+            None
+        } else if self.strict || self.follow == Follow::Asymmetric {
             self.remote
         } else {
             self.latched.or(self.remote)
+        }
+    }
+
+    /// True while the leg follows a new source (see [`Follow`]).
+    pub fn learns(&self) -> bool {
+        match self.follow {
+            _ if self.strict && self.remote.is_some() => false,
+            Follow::Asymmetric => false,
+            Follow::Handover => true,
+            Follow::Window => self.learning.open || self.latched.is_none(),
         }
     }
 }
@@ -143,6 +194,8 @@ pub struct LegSpec {
     pub strict: bool,
     #[serde(default = "default_true")]
     pub rtp: bool,
+    #[serde(default)]
+    pub follow: Follow,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -457,7 +510,17 @@ impl Model {
         }
         self.claim(a.local, format!("relay {id}/a"))?;
         self.claim(b.local, format!("relay {id}/b"))?;
-        let mk = |m: &mut Model, s: LegSpec| Leg { uid: m.uid(), local: s.local, remote: s.remote, latched: None, strict: s.strict, rtp: s.rtp };
+        let mk = |m: &mut Model, s: LegSpec| Leg {
+            uid: m.uid(),
+            local: s.local,
+            remote: s.remote,
+            latched: None,
+            strict: s.strict,
+            rtp: s.rtp,
+            follow: s.follow,
+            learning: Learning::default(),
+            held: false,
+        };
         let a = mk(self, a);
         let b = mk(self, b);
         self.legs.insert(a.uid, (id.into(), Side::A));
@@ -475,19 +538,69 @@ impl Model {
         Ok(r)
     }
 
-    /// Record the real source of a relay leg's peer, learned from its first packet.
-    /// Returns false when nothing changed (already latched there, or strict).
-    pub fn latch(&mut self, id: &str, side: Side, source: SocketAddr) -> Result<bool, ModelError> {
+    fn leg_mut(&mut self, id: &str, side: Side) -> Result<&mut Leg, ModelError> {
         let r = self.relays.get_mut(id).ok_or_else(|| not_found("relay", id))?;
-        let leg = match side {
+        Ok(match side {
             Side::A => &mut r.a,
             Side::B => &mut r.b,
-        };
-        if leg.strict || leg.latched == Some(source) || source.is_ipv4() != leg.local.is_ipv4() {
+        })
+    }
+
+    /// A packet from `source` reached a learning leg (the data plane relayed it already):
+    /// follow it if the leg's rules say so. `now_ms`: Unix milliseconds. Returns true when the
+    /// leg changed (its peer, or it locked).
+    ///
+    /// A [`Follow::Window`] leg follows the newest source while its window is open, except the
+    /// address a signal moved it away from once the newly signalled one has been heard; the
+    /// first packet after a window that saw none locks its source at once. A leg that never
+    /// had a window (created outside signalling) locks its first source.
+    pub fn latch(&mut self, id: &str, side: Side, source: SocketAddr, now_ms: u64) -> Result<bool, ModelError> {
+        let leg = self.leg_mut(id, side)?;
+        if !leg.learns() || source.port() == 0 || source.is_ipv4() != leg.local.is_ipv4() {
             return Ok(false);
         }
+        let l = &mut leg.learning;
+        if leg.follow == Follow::Window && l.open && l.heard_signalled && Some(source) == l.superseded {
+            return Ok(false);
+        }
+        if Some(source) == leg.remote {
+            l.heard_signalled = true;
+        }
+        let mut changed = leg.latched != Some(source);
         leg.latched = Some(source);
-        Ok(true)
+        if l.open && now_ms >= l.until_ms {
+            l.open = false;
+            changed = true;
+        }
+        Ok(changed)
+    }
+
+    /// A signal (offer, answer) for the call this leg belongs to: open its learning window
+    /// until `until_ms`. A signal does not re-open learning on strict or asymmetric legs.
+    pub fn open_learning(&mut self, id: &str, side: Side, until_ms: u64) -> Result<(), ModelError> {
+        let leg = self.leg_mut(id, side)?;
+        if leg.follow == Follow::Window && !(leg.strict && leg.remote.is_some()) {
+            leg.learning.open = true;
+            leg.learning.until_ms = until_ms;
+        }
+        Ok(())
+    }
+
+    /// Lock the source of every leg whose window ended by `now_ms` and that has heard one.
+    /// Returns the relays that changed.
+    pub fn close_learning(&mut self, now_ms: u64) -> Vec<String> {
+        let due = |l: &Leg| l.follow == Follow::Window && l.learning.open && l.latched.is_some() && now_ms >= l.learning.until_ms;
+        let ids: Vec<String> = self.relays.iter().filter(|(_, r)| due(&r.a) || due(&r.b)).map(|(id, _)| id.clone()).collect();
+        for id in &ids {
+            if let Some(r) = self.relays.get_mut(id) {
+                for leg in [&mut r.a, &mut r.b] {
+                    if due(leg) {
+                        leg.learning.open = false;
+                    }
+                }
+            }
+        }
+        ids
     }
 }
 
@@ -531,7 +644,7 @@ mod tests {
         assert!(matches!(e, Err(ModelError::AddressInUse { .. })));
         let spec = StreamSpec { local: Some(a("10.0.0.1:4002")), ssrc: None, rtp: true };
         assert!(matches!(m.publish("r", "alice", "s", spec), Err(ModelError::AddressInUse { .. })));
-        let leg = |p| LegSpec { local: a(p), remote: None, strict: false, rtp: true };
+        let leg = |p| LegSpec { local: a(p), remote: None, strict: false, rtp: true, follow: Default::default() };
         assert!(matches!(m.create_relay("c", leg("10.0.0.1:4000"), leg("10.0.0.1:9000")), Err(ModelError::AddressInUse { .. })));
         m.create_relay("c", leg("10.0.0.1:9000"), leg("10.0.0.1:9002")).unwrap();
         // Deleting frees the addresses for reuse.
@@ -581,12 +694,107 @@ mod tests {
     #[test]
     fn latching_respects_strict_legs() {
         let mut m = Model::new();
-        let leg = |p, strict| LegSpec { local: a(p), remote: Some(a("10.0.2.1:7000")), strict, rtp: true };
+        let leg = |p, strict| LegSpec { local: a(p), remote: Some(a("10.0.2.1:7000")), strict, rtp: true, follow: Default::default() };
         m.create_relay("c", leg("10.0.0.1:9000", false), leg("10.0.0.1:9002", true)).unwrap();
-        assert!(m.latch("c", Side::A, a("10.0.2.9:7777")).unwrap());
-        assert!(!m.latch("c", Side::A, a("10.0.2.9:7777")).unwrap());
-        assert!(!m.latch("c", Side::B, a("10.0.2.9:7777")).unwrap());
+        assert!(m.latch("c", Side::A, a("10.0.2.9:7777"), 0).unwrap());
+        assert!(!m.latch("c", Side::A, a("10.0.2.9:7777"), 0).unwrap());
+        assert!(!m.latch("c", Side::B, a("10.0.2.9:7777"), 0).unwrap());
         assert_eq!(m.relays["c"].a.peer(), Some(a("10.0.2.9:7777")));
         assert_eq!(m.relays["c"].b.peer(), Some(a("10.0.2.1:7000")));
+        // No window was ever opened (a relay made outside signalling): the first source locks.
+        assert!(!m.latch("c", Side::A, a("10.0.2.9:8888"), 0).unwrap());
+        assert_eq!(m.relays["c"].a.peer(), Some(a("10.0.2.9:7777")));
+    }
+
+    /// One relay whose leg A (the caller) signalled `p1` and opened its window at t=0 (3 s).
+    fn signalled_call(p1: &str) -> Model {
+        let mut m = Model::new();
+        let leg = |p, r: Option<&str>| LegSpec { local: a(p), remote: r.map(a), strict: false, rtp: true, follow: Follow::Window };
+        m.create_relay("c", leg("10.0.0.1:9000", Some(p1)), leg("10.0.0.1:9002", Some("10.0.3.1:8000"))).unwrap();
+        m.open_learning("c", Side::A, 3_000).unwrap();
+        m
+    }
+
+    fn move_to(m: &mut Model, remote: &str, now: u64) {
+        m.set_leg_signal("c", Side::A, crate::LegSignal { remote: Some(a(remote)), ..Default::default() }).unwrap();
+        m.open_learning("c", Side::A, now + 3_000).unwrap();
+    }
+
+    #[test]
+    fn the_window_follows_the_newest_source_then_locks() {
+        let mut m = signalled_call("10.0.2.1:7000");
+        // A NAT binding, then a rebinding inside the window: followed.
+        assert!(m.latch("c", Side::A, a("192.0.2.7:40000"), 100).unwrap());
+        assert!(m.latch("c", Side::A, a("192.0.2.7:40002"), 1_000).unwrap());
+        assert_eq!(m.relays["c"].a.peer(), Some(a("192.0.2.7:40002")));
+        // The window ends: locked. A later rebinding is relayed (SourceRule::Any), not followed.
+        assert!(m.close_learning(2_999).is_empty());
+        assert_eq!(m.close_learning(3_000), vec!["c".to_string()]);
+        assert!(!m.relays["c"].a.learns());
+        assert!(!m.latch("c", Side::A, a("192.0.2.7:40004"), 6_000).unwrap());
+        assert_eq!(m.relays["c"].a.peer(), Some(a("192.0.2.7:40002")));
+        // A signal with the same address (a session refresh) keeps what was learnt and learns again.
+        move_to(&mut m, "10.0.2.1:7000", 7_000);
+        assert_eq!(m.relays["c"].a.peer(), Some(a("192.0.2.7:40002")));
+        assert!(m.latch("c", Side::A, a("192.0.2.7:40004"), 7_500).unwrap());
+        assert_eq!(m.relays["c"].a.peer(), Some(a("192.0.2.7:40004")));
+    }
+
+    #[test]
+    fn a_moved_port_wins_over_old_port_stragglers() {
+        let mut m = signalled_call("10.0.2.1:7000");
+        assert!(m.latch("c", Side::A, a("10.0.2.1:7000"), 100).unwrap());
+        m.close_learning(3_000);
+        // re-INVITE at t=10 s: the caller moves to port 7002 but sends from 7000 until the
+        // answer. The new address is sent to at once; a straggler wins it back only until the
+        // new port is heard from.
+        move_to(&mut m, "10.0.2.1:7002", 10_000);
+        assert_eq!(m.relays["c"].a.peer(), Some(a("10.0.2.1:7002")));
+        assert!(m.latch("c", Side::A, a("10.0.2.1:7000"), 10_020).unwrap());
+        assert_eq!(m.relays["c"].a.peer(), Some(a("10.0.2.1:7000")), "the UA still listens on its old port until the answer");
+        // The answer (200 ms late) re-opens the window; the caller switches to 7002.
+        m.open_learning("c", Side::A, 13_200).unwrap();
+        assert!(!m.latch("c", Side::A, a("10.0.2.1:7000"), 10_210).unwrap(), "already there");
+        assert!(m.latch("c", Side::A, a("10.0.2.1:7002"), 10_220).unwrap());
+        assert!(!m.latch("c", Side::A, a("10.0.2.1:7000"), 10_240).unwrap(), "a straggler after the new port was heard");
+        assert_eq!(m.relays["c"].a.peer(), Some(a("10.0.2.1:7002")));
+        m.close_learning(13_200);
+        assert_eq!(m.relays["c"].a.peer(), Some(a("10.0.2.1:7002")));
+    }
+
+    #[test]
+    fn a_window_without_packets_locks_the_first_source_after_it() {
+        let mut m = signalled_call("10.0.2.1:7000");
+        assert!(m.close_learning(5_000).is_empty(), "nothing heard: stays open");
+        assert!(m.latch("c", Side::A, a("192.0.2.7:40000"), 5_000).unwrap());
+        assert!(!m.relays["c"].a.learns());
+        assert!(!m.latch("c", Side::A, a("192.0.2.7:40002"), 5_020).unwrap());
+    }
+
+    #[test]
+    fn handover_follows_always_and_asymmetric_never() {
+        let mut m = signalled_call("10.0.2.1:7000");
+        let signal = |follow| crate::LegSignal { remote: Some(a("10.0.2.1:7000")), follow, ..Default::default() };
+        m.set_leg_signal("c", Side::A, signal(Follow::Handover)).unwrap();
+        m.latch("c", Side::A, a("192.0.2.7:40000"), 100).unwrap();
+        m.close_learning(10_000);
+        assert!(m.latch("c", Side::A, a("192.0.2.7:40002"), 60_000).unwrap());
+        assert_eq!(m.relays["c"].a.peer(), Some(a("192.0.2.7:40002")));
+        m.set_leg_signal("c", Side::A, signal(Follow::Asymmetric)).unwrap();
+        assert!(!m.relays["c"].a.learns());
+        assert!(!m.latch("c", Side::A, a("192.0.2.7:40004"), 60_100).unwrap());
+        assert_eq!(m.relays["c"].a.peer(), Some(a("10.0.2.1:7000")), "asymmetric: the signalled address");
+    }
+
+    #[test]
+    fn hold_sends_nothing_to_the_holder_and_keeps_its_address() {
+        let mut m = signalled_call("10.0.2.1:7000");
+        m.latch("c", Side::A, a("192.0.2.7:40000"), 100).unwrap();
+        m.set_leg_signal("c", Side::A, crate::LegSignal { remote: None, held: true, ..Default::default() }).unwrap();
+        assert_eq!(m.relays["c"].a.peer(), None);
+        assert_eq!(m.relays["c"].a.remote, Some(a("10.0.2.1:7000")));
+        // Unhold with the same address: back to what was learnt.
+        m.set_leg_signal("c", Side::A, crate::LegSignal { remote: Some(a("10.0.2.1:7000")), ..Default::default() }).unwrap();
+        assert_eq!(m.relays["c"].a.peer(), Some(a("192.0.2.7:40000")));
     }
 }

@@ -1,27 +1,47 @@
 //! Model operations the SIP relay (NG protocol) needs beyond the basic ones in `model.rs`.
 
-use crate::model::{Model, ModelError, Side};
+use crate::model::{Follow, Model, ModelError, Side};
 use std::net::SocketAddr;
 
 impl Model {
-    /// Change what is signalled for one leg of a relay (a re-INVITE's new SDP): its peer
-    /// address and strictness. A changed address forgets what was latched.
-    pub fn set_leg_remote(&mut self, id: &str, side: Side, remote: Option<SocketAddr>, strict: bool) -> Result<(), ModelError> {
+    /// Change what is signalled for one leg of a relay (a re-INVITE's new SDP). A moved
+    /// address is sent to at once (what was latched is forgotten, and the old address only
+    /// wins back while the new one has not been heard: see [`Model::latch`]). `remote: None`
+    /// with `held`: the party is on hold; its address stays for when it comes back.
+    pub fn set_leg_signal(&mut self, id: &str, side: Side, signal: LegSignal) -> Result<(), ModelError> {
         let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
         let leg = match side {
             Side::A => &mut r.a,
             Side::B => &mut r.b,
         };
-        if let Some(addr) = remote {
+        if let Some(addr) = signal.remote {
             if addr.is_ipv4() != leg.local.is_ipv4() {
                 return Err(ModelError::FamilyMismatch(format!("relay {id}")));
             }
         }
-        if leg.remote != remote {
-            leg.latched = None;
+        leg.held = signal.held;
+        leg.strict = signal.strict && signal.remote.or(leg.remote).is_some();
+        leg.follow = signal.follow;
+        if signal.held || leg.remote == signal.remote {
+            return Ok(());
         }
-        leg.remote = remote;
-        leg.strict = strict;
+        if leg.remote.is_some() || leg.latched.is_some() {
+            leg.learning.superseded = leg.latched.or(leg.remote);
+        }
+        leg.learning.heard_signalled = false;
+        leg.latched = None;
+        leg.remote = signal.remote;
         Ok(())
     }
+}
+
+/// What one SDP says of the party that sent it, for its leg.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LegSignal {
+    pub remote: Option<SocketAddr>,
+    /// `strict-source`: only `remote` may send.
+    pub strict: bool,
+    pub follow: Follow,
+    /// A zero connection address: on hold.
+    pub held: bool,
 }

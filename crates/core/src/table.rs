@@ -2,8 +2,8 @@
 //! rewrite", and the reference per-packet decision ([`ForwardingTable::classify`]).
 //!
 //! Invariants hold by construction here, so every data plane inherits them:
-//! a copy never goes back to its publisher, only subscribers get copies, and a stream has exactly
-//! one allowed source (fixed, or latched by the control plane from the first packet).
+//! a copy never goes back to its publisher, only subscribers get copies, and a stream says who may
+//! inject into it ([`SourceRule`]: one fixed source; a relay leg learning its peer's; anyone).
 
 use crate::model::{Leg, Model, Relay, Room};
 use crate::ratelimit::RateLimit;
@@ -23,9 +23,14 @@ pub struct IngressKey {
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "snake_case")]
 pub enum SourceRule {
+    /// Only this source; any other is dropped as a stranger.
     Fixed(SocketAddr),
-    /// Not yet known: the first packet goes to the slow path, which latches it.
-    Latch,
+    /// A relay leg learning its peer's source: packets from the source followed so far (if
+    /// any) are relayed; any other source's are relayed too, by the slow path, which reports
+    /// the source so the control plane can follow it ([`Verdict::Learn`]).
+    Learn(Option<SocketAddr>),
+    /// Any source is relayed (a relay leg that locked its source, or an asymmetric one).
+    Any,
 }
 
 /// One output copy: sent from `from` (the SFU address for that subscriber) to `to`.
@@ -90,15 +95,25 @@ impl DropReason {
 pub enum SlowReason {
     /// STUN/ICE connectivity checks.
     Stun,
-    /// First packet of a stream whose source is not latched yet.
+    /// A relay leg that is learning its source heard a source it does not follow (yet).
     Unlatched,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict<'t> {
     Forward(&'t StreamEntry),
-    Drop { reason: DropReason, stream: Option<u32> },
-    SlowPath { reason: SlowReason, stream: Option<u32> },
+    /// Relay it like [`Verdict::Forward`], and report its source to the control plane, which
+    /// decides whether the leg follows it ([`SourceRule::Learn`]). The kernel path hands these
+    /// to the slow path ([`SlowReason::Unlatched`]).
+    Learn(&'t StreamEntry),
+    Drop {
+        reason: DropReason,
+        stream: Option<u32>,
+    },
+    SlowPath {
+        reason: SlowReason,
+        stream: Option<u32>,
+    },
 }
 
 /// The compiled tables. `version` increases with every change so drivers can tell updates apart.
@@ -275,7 +290,9 @@ impl ForwardingTable {
         match entry.source {
             SourceRule::Fixed(allowed) if allowed == src => Verdict::Forward(entry),
             SourceRule::Fixed(_) => Verdict::Drop { reason: DropReason::Stranger, stream: Some(entry.id) },
-            SourceRule::Latch => Verdict::SlowPath { reason: SlowReason::Unlatched, stream: Some(entry.id) },
+            SourceRule::Learn(Some(followed)) if followed == src => Verdict::Forward(entry),
+            SourceRule::Learn(_) => Verdict::Learn(entry),
+            SourceRule::Any => Verdict::Forward(entry),
         }
     }
 
@@ -288,10 +305,10 @@ impl ForwardingTable {
 }
 
 fn relay_source(leg: &Leg) -> SourceRule {
-    match (leg.strict, leg.remote, leg.latched) {
-        (true, Some(r), _) => SourceRule::Fixed(r),
-        (false, _, Some(l)) => SourceRule::Fixed(l),
-        _ => SourceRule::Latch,
+    match leg.remote {
+        Some(r) if leg.strict => SourceRule::Fixed(r),
+        _ if leg.learns() => SourceRule::Learn(leg.latched),
+        _ => SourceRule::Any,
     }
 }
 
@@ -446,19 +463,19 @@ mod tests {
     }
 
     #[test]
-    fn relay_pairs_are_fan_outs_of_one_and_latch() {
+    fn relay_pairs_are_fan_outs_of_one_and_learn() {
         let mut m = Model::new();
-        let leg = |l, r| LegSpec { local: a(l), remote: r, strict: false, rtp: true };
+        let leg = |l, r| LegSpec { local: a(l), remote: r, strict: false, rtp: true, follow: Default::default() };
         m.create_relay("call", leg("10.0.0.1:30000", Some(a("10.0.2.1:7000"))), leg("10.0.0.1:30002", Some(a("10.0.3.1:8000")))).unwrap();
+        m.open_learning("call", crate::model::Side::A, 3_000).unwrap();
         let t = ForwardingTable::compile(&m, 1);
         let rtp = build_rtp(8, 1, 1, 1, &[0; 160]);
+        // Nothing learnt yet: relayed, and reported.
         let v = t.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &rtp);
-        assert!(matches!(v, Verdict::SlowPath { reason: SlowReason::Unlatched, .. }));
+        assert!(matches!(v, Verdict::Learn(e) if e.copies[0].to == a("10.0.3.1:8000")), "{v:?}");
         // Behind a NAT: the real source differs from the signalled address.
-        m.latch("call", crate::model::Side::A, a("10.0.2.9:7777")).unwrap();
+        assert!(m.latch("call", crate::model::Side::A, a("10.0.2.9:7777"), 1_000).unwrap());
         let t2 = ForwardingTable::compile(&m, 2);
-        let v = t2.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &rtp);
-        assert!(matches!(v, Verdict::Drop { reason: DropReason::Stranger, .. }));
         let back = &t2.streams[&IngressKey { local: a("10.0.0.1:30002"), ssrc: None }];
         assert_eq!(back.copies[0].to, a("10.0.2.9:7777"), "b's media goes to a's latched source");
         match t2.classify(a("10.0.0.1:30000"), a("10.0.2.9:7777"), &rtp) {
@@ -467,12 +484,23 @@ mod tests {
             }
             v => panic!("{v:?}"),
         }
+        // Still learning: another source is relayed and reported.
+        assert!(matches!(t2.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &rtp), Verdict::Learn(_)));
         let d = t2.diff(&t);
         assert_eq!(d.upserts.len(), 2, "a's source and b's destination both changed");
         assert!(d.removals.is_empty());
-        m.delete_relay("call").unwrap();
+        // The window closes: any source is relayed, none followed.
+        assert_eq!(m.close_learning(3_000), vec!["call".to_string()]);
         let t3 = ForwardingTable::compile(&m, 3);
-        assert_eq!(t3.diff(&t2).removals.len(), 2);
+        assert!(matches!(t3.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &rtp), Verdict::Forward(_)));
+        assert_eq!(t3.streams[&IngressKey { local: a("10.0.0.1:30002"), ssrc: None }].copies[0].to, a("10.0.2.9:7777"));
+        // strict-source: only the signalled address, as before.
+        m.set_leg_signal("call", crate::model::Side::A, crate::LegSignal { remote: Some(a("10.0.2.1:7000")), strict: true, ..Default::default() }).unwrap();
+        let t4 = ForwardingTable::compile(&m, 4);
+        assert!(matches!(t4.classify(a("10.0.0.1:30000"), a("10.0.2.9:7777"), &rtp), Verdict::Drop { reason: DropReason::Stranger, .. }));
+        m.delete_relay("call").unwrap();
+        let t5 = ForwardingTable::compile(&m, 5);
+        assert_eq!(t5.diff(&t4).removals.len(), 2);
     }
 
     /// Random mutations applied incrementally give exactly the table a full compile gives, and
@@ -489,9 +517,12 @@ mod tests {
         let rate = Some(crate::RateLimit::packets(50));
         let mut model = Model::new();
         let mut table = ForwardingTable::compile_with_rate(&model, 0, rate);
-        let leg = |port: u64| LegSpec { local: a(&format!("10.0.0.1:{}", 30000 + 2 * port)), remote: None, strict: false, rtp: true };
+        let leg =
+            |port: u64| LegSpec { local: a(&format!("10.0.0.1:{}", 30000 + 2 * port)), remote: None, strict: false, rtp: true, follow: Default::default() };
         for step in 0..3000 {
             let mut next = model.clone();
+            // Relays whose learning window closed this step (any relay: it is a sweep).
+            let mut closed = Vec::new();
             let room = format!("r{}", rnd(4));
             let relay = format!("c{}", rnd(40));
             let p = |i: u64| format!("p{i}");
@@ -531,7 +562,15 @@ mod tests {
                 }
                 7 => {
                     let side = if rnd(2) == 0 { crate::model::Side::A } else { crate::model::Side::B };
-                    let _ = next.latch(&relay, side, a(&format!("10.0.2.{}:7000", rnd(3) + 1)));
+                    let now = step as u64;
+                    let _ = match rnd(4) {
+                        0 => next.open_learning(&relay, side, now + rnd(20)),
+                        1 => {
+                            closed = next.close_learning(now);
+                            Ok(())
+                        }
+                        _ => next.latch(&relay, side, a(&format!("10.0.2.{}:7000", rnd(3) + 1)), now).map(|_| ()),
+                    };
                     Owner::Relay(&relay)
                 }
                 _ => {
@@ -540,7 +579,7 @@ mod tests {
                 }
             };
             let before = table.clone();
-            let changed = table.update(&model, &next, [owner]);
+            let changed = table.update(&model, &next, std::iter::once(owner).chain(closed.iter().map(|id| Owner::Relay(id))));
             let full = ForwardingTable::compile_with_rate(&next, table.version, rate);
             assert_eq!(table, full, "step {step}");
             let d = full.diff(&before);

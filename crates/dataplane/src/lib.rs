@@ -36,7 +36,8 @@ pub enum DataplaneError {
 /// Something the slow path learned that the control plane must decide on.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum DataplaneEvent {
-    /// The first packet of a stream with a latching source arrived from `source`.
+    /// A relay leg learning its source heard `source`, which it does not follow yet (the packet
+    /// was relayed).
     Unlatched { stream: u32, source: SocketAddr },
 }
 

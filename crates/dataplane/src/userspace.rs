@@ -17,7 +17,7 @@ use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy};
 use arc_swap::ArcSwap;
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
-use mediaplane_core::table::{IngressKey, StreamEntry, Verdict};
+use mediaplane_core::table::{IngressKey, SlowReason, StreamEntry, Verdict};
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
@@ -680,15 +680,24 @@ impl WorkerCtx {
             };
             let verdict = state.table.classify(local, src, payload);
             // The per-source limit: on everything classify() does not drop, before any work.
-            if let (Some(limit), Verdict::Forward(_) | Verdict::SlowPath { .. }) = (state.table.source_limit, &verdict) {
+            if let (Some(limit), Verdict::Forward(_) | Verdict::Learn(_) | Verdict::SlowPath { .. }) = (state.table.source_limit, &verdict) {
                 if !self.shared.sources.lock().admit(limit, src.ip(), now, payload.len() as u64) {
                     delta.total.drop_source_limited += 1;
                     continue;
                 }
             }
             match verdict {
-                Verdict::Forward(entry) => {
+                Verdict::Forward(entry) | Verdict::Learn(entry) => {
                     let sc = delta.streams.entry(entry.id).or_default();
+                    if matches!(verdict, Verdict::Learn(_)) {
+                        // Relayed like any packet; its source goes to the control plane, which
+                        // decides whether the leg follows it.
+                        sc.count_slow(SlowReason::Unlatched);
+                        delta.total.count_slow(SlowReason::Unlatched);
+                        if let Some(ev) = &self.shared.events {
+                            let _ = ev.lock().send(DataplaneEvent::Unlatched { stream: entry.id, source: src });
+                        }
+                    }
                     sc.rx_packets += 1;
                     sc.rx_bytes += payload.len() as u64;
                     if let Some(limit) = entry.rate.filter(|l| !l.is_unlimited()) {
@@ -740,11 +749,6 @@ impl WorkerCtx {
                     delta.total.count_slow(reason);
                     if let Some(id) = stream {
                         delta.streams.entry(id).or_default().count_slow(reason);
-                        if reason == mediaplane_core::SlowReason::Unlatched {
-                            if let Some(ev) = &self.shared.events {
-                                let _ = ev.lock().send(DataplaneEvent::Unlatched { stream: id, source: src });
-                            }
-                        }
                     }
                 }
             }

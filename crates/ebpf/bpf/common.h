@@ -30,7 +30,9 @@
                                       only says "this local address has SSRC-narrowed streams" */
 #define STREAM_F_RTP (1u << 1)      /* payload must be valid RTP/RTCP */
 #define STREAM_F_NARROWED (1u << 2) /* (wildcard entry only) some stream on this local has an SSRC */
-#define STREAM_F_LATCH (1u << 3)    /* source not latched yet: slow path */
+#define STREAM_F_LATCH (1u << 3)    /* a relay leg learning its source: packets from src_addr/src_port
+                                      (when src_port is set) are forwarded, others go to the slow
+                                      path, which relays them and reports the source */
 #define STREAM_F_SLOW (1u << 4)     /* the kernel cannot fan this one out (mixed address families,
                                       too many copies): slow path */
 #define STREAM_F_RATE (1u << 5)     /* rate limited: stream_rate[stats_slot] */
@@ -39,6 +41,8 @@
                                         has the same fixed source, in this entry's src_addr/src_port
                                         (also on the placeholder): a packet from any other source is
                                         never forwarded (read by the XDP pre-filter; TC ignores it) */
+#define STREAM_F_ANY_SOURCE (1u << 7) /* any source is forwarded (a relay leg that locked its
+                                        source, or an asymmetric one): no source check */
 
 /* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
 #define MAX_SOURCES 65536

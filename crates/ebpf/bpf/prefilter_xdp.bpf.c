@@ -117,7 +117,7 @@ int xdp_prefilter(struct xdp_md *ctx)
 	if (!s)
 		return pass(); /* not an SFU address */
 	__u32 flags = s->flags;
-	if (!(flags & STREAM_F_ONE_SOURCE) || (flags & STREAM_F_LATCH))
+	if (!(flags & STREAM_F_ONE_SOURCE) || (flags & (STREAM_F_LATCH | STREAM_F_ANY_SOURCE)))
 		return pass(); /* streams with other sources (or none fixed yet) there: TC decides */
 	__u32 src_words[4] = {};
 	__builtin_memcpy(src_words, ip + 12, 4);

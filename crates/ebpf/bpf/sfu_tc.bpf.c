@@ -5,8 +5,9 @@
  *   parse (cannot judge -> stack) -> stream on (dst ip, dst port)? (no -> stack, not ours)
  *   -> STUN (-> stack) -> RTP/RTCP validity if the stream(s) need RTP (bad -> drop malformed)
  *   -> SSRC-narrowed entry, else the wildcard entry (none -> drop no_stream)
- *   -> source: unlatched -> stack; not the fixed source -> drop stranger
- *   -> per-source limit (if any), on every packet not dropped above (STUN and unlatched
+ *   -> source: the stream's source, or any if it takes any -> on; a learning relay leg's other
+ *      sources -> stack (relayed and reported there); otherwise -> drop stranger
+ *   -> per-source limit (if any), on every packet not dropped above (STUN and learnt sources
  *      included, before they go up): over it -> drop source_limited
  *   -> rate limit (if any): over it -> drop rate_limited
  *   -> resolve every copy's next hop (bpf_fib_lookup); any failure -> the whole packet to the
@@ -467,10 +468,18 @@ static __always_inline int drop(struct mp_stream_counters *sc, __u32 why, __u32 
 	return TC_ACT_SHOT;
 }
 
+/* The packet comes from the source the stream names. Never from a zero port: a learning stream
+ * that follows no source yet has none. */
+static __always_inline int from_source(const struct mp_stream_value *e, const struct mp_pkt *p)
+{
+	return e->src_port && e->src_port == p->sport && same_addr(e->src_addr, p->saddr);
+}
+
 /* A fragmented datagram goes up to be reassembled: its first fragment (the one with the UDP
  * header, and the RTP header after it) holds its stream in the slow path like any packet handed
  * up (order.h), and its mark carries over to the reassembled datagram, which the slow path
- * acknowledges. Latching streams are not held (nothing of theirs is forwarded in the kernel). */
+ * acknowledges. A learning stream is held only for the source it follows (the kernel forwards
+ * nothing else of it). */
 static __noinline void hold_first_fragment(struct __sk_buff *skb, const struct mp_pkt *p, __u64 now)
 {
 	const struct mp_fast_config *cfg = fast_config_get();
@@ -495,9 +504,9 @@ static __noinline void hold_first_fragment(struct __sk_buff *skb, const struct m
 		if (n)
 			e = n;
 	}
-	if ((e->flags & (STREAM_F_LATCH | STREAM_F_PRESENT)) != STREAM_F_PRESENT)
+	if (!(e->flags & STREAM_F_PRESENT))
 		return;
-	if (!same_addr(e->src_addr, p->saddr) || e->src_port != p->sport)
+	if (!(e->flags & STREAM_F_ANY_SOURCE) && !from_source(e, p))
 		return;
 	order_mark(skb, stream_path_of(e), e->stats_slot, now);
 }
@@ -565,9 +574,17 @@ int sfu_ingress(struct __sk_buff *skb)
 	}
 	struct mp_stream_counters *sc = stream_counters_of(entry);
 
-	int latch = entry->flags & STREAM_F_LATCH;
-	if (!latch && (!same_addr(entry->src_addr, p.saddr) || entry->src_port != p.sport))
-		return drop(sc, CNT_DROP_STRANGER, p.payload_len);
+	/* Not the stream's source: a stranger, unless the stream takes any source, or is learning
+	 * its source (then the slow path relays the packet and reports the source). */
+	int any_source = entry->flags & STREAM_F_ANY_SOURCE;
+	int learn = 0;
+	if (!any_source && !from_source(entry, &p)) {
+		if (!(entry->flags & STREAM_F_LATCH))
+			return drop(sc, CNT_DROP_STRANGER, p.payload_len);
+		learn = 1;
+	}
+	/* The reverse-path result is cached per stream for its one source only. */
+	int one_source = !any_source && !learn;
 
 	/* Only what the host would accept, from where the source can be. */
 	const struct mp_fast_config *cfg = fast_config_get();
@@ -587,13 +604,13 @@ int sfu_ingress(struct __sk_buff *skb)
 	__u32 zero = 0;
 	__u32 *gen = bpf_map_lookup_elem(&nh_gen, &zero);
 	__u32 nhgen = gen ? *gen : 0;
-	if (!rpf_ok(skb, &p, cfg, latch ? NULL : sp, nhgen))
+	if (!rpf_ok(skb, &p, cfg, one_source ? sp : NULL, nhgen))
 		return drop(sc, CNT_DROP_SPOOFED, p.payload_len);
 
 	if (!source_admit(p.saddr, p.family, t0, p.payload_len))
 		return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
-	if (latch)
-		return pass_slow(sc, CNT_PASS_UNLATCHED);
+	if (learn)
+		return pass_in_order(skb, sc, sp, entry->stats_slot, cflags, t0, CNT_PASS_UNLATCHED);
 	if ((entry->flags & STREAM_F_SLOW) || entry->copies_count > MAX_FANOUT)
 		return pass_slow(sc, CNT_PASS_SLOW_STREAM);
 	if ((entry->flags & STREAM_F_RATE) && !rate_admit(entry->stats_slot, t0, p.payload_len))

@@ -208,9 +208,12 @@ impl Installer {
             }
             let placeholder = value.flags & crate::maps::flags::PRESENT == 0;
             let latch = value.flags & crate::maps::flags::LATCH != 0;
-            // A placeholder carries a source only with ONE_SOURCE (the address's one source).
+            let any = value.flags & crate::maps::flags::ANY_SOURCE != 0;
+            // A placeholder carries a source only with ONE_SOURCE (the address's one source); a
+            // learning stream only once it follows one (a source port is never 0).
             let one_source = value.flags & crate::maps::flags::ONE_SOURCE != 0;
-            let source = (!latch && (!placeholder || one_source))
+            let followed = latch && value.src_port != [0, 0];
+            let source = (followed || (!latch && !any && (!placeholder || one_source)))
                 .then(|| SocketAddr::new(KeyRaw { addr: value.src_addr, ..key }.local().ip(), u16::from_be_bytes(value.src_port)));
             if !placeholder {
                 let e = me.slots.entry(value.id).or_insert((value.stats_slot, 0));
@@ -669,7 +672,7 @@ mod tests {
         t2.version = 2;
         let first = *t2.streams.keys().next().unwrap();
         let e = t2.streams.get_mut(&first).unwrap();
-        e.source = mediaplane_core::SourceRule::Latch;
+        e.source = mediaplane_core::SourceRule::Learn(None);
         let t2 = Arc::new(t2);
         let r = inst.apply(t2.clone(), &mut k).unwrap();
         assert_eq!((r.streams_written, r.copies_written, r.retired, r.barrier), (1, 0, 0, false));
@@ -879,7 +882,7 @@ mod tests {
         // A latching one: still no one source.
         let mut t3 = (*t2).clone();
         t3.version = 3;
-        t3.streams.get_mut(&lo).unwrap().source = SourceRule::Latch;
+        t3.streams.get_mut(&lo).unwrap().source = SourceRule::Learn(None);
         let t3 = Arc::new(t3);
         inst.apply_changes(t3.clone(), Some(&[lo]), &mut k).unwrap();
         assert_eq!(k.as_entries(), expected(&t3));

@@ -7,7 +7,7 @@
 //! lookup whether it must read the SSRC (mirrors `ForwardingTable::has_ssrc_streams`).
 //!
 //! When every stream on a local address has the same fixed source (in the model: always, as
-//! each address has one owner, unless a relay leg latches), its wildcard entry — real or
+//! each address has one owner, unless a relay leg learns or takes any source), its wildcard entry — real or
 //! placeholder — says so: `ONE_SOURCE` and that source. The XDP pre-filter then drops any other
 //! source without reading the SSRC; the TC program ignores the flag (the placeholder stays a
 //! placeholder: not `PRESENT`, it forwards nothing and counts nothing).
@@ -25,12 +25,16 @@ pub mod flags {
     pub const PRESENT: u32 = 1 << 0;
     pub const RTP: u32 = 1 << 1;
     pub const NARROWED: u32 = 1 << 2;
+    /// Learning its source: packets from `src` (when set) are forwarded, others go to the
+    /// slow path, which relays them and reports the source.
     pub const LATCH: u32 = 1 << 3;
     pub const SLOW: u32 = 1 << 4;
     pub const RATE: u32 = 1 << 5;
     /// (wildcard entry only) every stream on the local address has the same fixed source,
     /// written in this entry (the placeholder too): the XDP pre-filter drops other sources.
     pub const ONE_SOURCE: u32 = 1 << 6;
+    /// Any source is forwarded (no source check).
+    pub const ANY_SOURCE: u32 = 1 << 7;
 }
 
 /// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
@@ -503,8 +507,12 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     }
     let source = match e.source {
         SourceRule::Fixed(s) => Some(s),
-        SourceRule::Latch => {
+        SourceRule::Learn(followed) => {
             f |= flags::LATCH;
+            followed
+        }
+        SourceRule::Any => {
+            f |= flags::ANY_SOURCE;
             None
         }
     };
@@ -540,7 +548,7 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
     for (k, e) in &entries {
         let src = match e.source {
             SourceRule::Fixed(s) => Some(s),
-            SourceRule::Latch => None,
+            SourceRule::Learn(_) | SourceRule::Any => None,
         };
         one_source.entry(k.local).and_modify(|o| *o = o.filter(|s| Some(*s) == src)).or_insert(src);
     }

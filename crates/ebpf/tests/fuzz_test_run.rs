@@ -52,15 +52,21 @@ fn fuzz_table() -> ForwardingTable {
             // Narrowed beside a non-RTP wildcard of another publisher.
             entry(4, "10.200.0.1:4004", Some(SSRCS[2]), fixed(PUBLISHER2), true, v4(1, 40300)),
             entry(5, "10.200.0.1:4004", None, fixed(PUBLISHER2), false, v4(2, 40400)),
-            entry(6, "10.200.0.1:4006", None, SourceRule::Latch, true, v4(1, 40500)),
+            // A relay leg learning its source, following none yet.
+            entry(6, "10.200.0.1:4006", None, SourceRule::Learn(None), true, v4(1, 40500)),
             entry(7, "10.200.0.1:4008", None, fixed(PUBLISHER), false, v4(2, 40600)),
             entry(8, "10.200.0.1:4010", None, fixed(PUBLISHER), true, vec![]),
             // Mixed address families: the kernel leaves the stream to the slow path.
             entry(9, "10.200.0.1:4012", None, fixed(PUBLISHER), true, v6(1, 41900)),
             entry(10, "[fd00:200::1]:4000", None, fixed(PUBLISHER6), true, v6(2, 41000)),
             entry(11, "[fd00:200::1]:4002", Some(SSRCS[3]), fixed(PUBLISHER6), true, v6(1, 41100)),
-            entry(12, "[fd00:200::1]:4004", None, SourceRule::Latch, false, v6(1, 41200)),
+            entry(12, "[fd00:200::1]:4004", None, SourceRule::Learn(None), false, v6(1, 41200)),
             entry(13, "[fd00:200::1]:4006", None, fixed(PUBLISHER6), false, v6(3, 41300)),
+            // Learning and following a source; taking any source.
+            entry(14, "10.200.0.1:4014", None, SourceRule::Learn(Some(a(PUBLISHER))), true, v4(1, 40700)),
+            entry(15, "10.200.0.1:4016", None, SourceRule::Any, true, v4(1, 40800)),
+            entry(16, "[fd00:200::1]:4008", None, SourceRule::Learn(Some(a(PUBLISHER6))), true, v6(1, 41400)),
+            entry(17, "[fd00:200::1]:4010", None, SourceRule::Any, false, v6(1, 41500)),
         ],
     )
 }
@@ -327,7 +333,7 @@ fn mutate(rng: &mut Rng, f: &mut Vec<u8>) -> String {
             "remove the VLAN tag".into()
         }
         15 => {
-            let p = rng.pick(&[4000u16, 4001, 4002, 4004, 4006, 4008, 4010, 4012, 0, r as u16]);
+            let p = rng.pick(&[4000u16, 4001, 4002, 4004, 4006, 4008, 4010, 4012, 4014, 4016, 0, r as u16]);
             put16(f, l.l4 + 2, p);
             format!("dst port = {p}")
         }

@@ -203,14 +203,16 @@ fn bytes_after_the_ip_packet_are_trimmed_before_the_fan_out() {
 }
 
 #[test]
-fn stranger_stun_and_unlatched() {
-    root_or_skip!("stranger_stun_and_unlatched");
+fn stranger_stun_and_learning() {
+    root_or_skip!("stranger_stun_and_learning");
     let rig = Rig::new();
     let t = table(
         1,
         vec![
             entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(2)),
-            entry(2, "10.200.0.1:4002", None, SourceRule::Latch, true, subscribers_v4(1)),
+            entry(2, "10.200.0.1:4002", None, SourceRule::Learn(None), true, subscribers_v4(1)),
+            entry(3, "10.200.0.1:4004", None, SourceRule::Learn(Some(a(PUBLISHER))), true, subscribers_v4(1)),
+            entry(4, "10.200.0.1:4006", None, SourceRule::Any, true, subscribers_v4(1)),
         ],
     );
     rig.apply(&t);
@@ -221,10 +223,19 @@ fn stranger_stun_and_unlatched() {
     rig.check(&t, &v4_frame("10.200.0.66:5000", LOCAL, &stun));
     rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &stun));
     rig.check(&t, &v4_frame(PUBLISHER, "10.200.0.1:4002", &rtp(1)));
+    // Learning, following PUBLISHER: its packets are forwarded here, another source's go up.
+    rig.check(&t, &v4_frame(PUBLISHER, "10.200.0.1:4004", &rtp(1)));
+    rig.check(&t, &v4_frame("10.200.0.66:5000", "10.200.0.1:4004", &rtp(1)));
+    rig.check(&t, &v4_frame("10.200.0.9:5001", "10.200.0.1:4004", &rtp(1)));
+    // Any source.
+    rig.check(&t, &v4_frame(PUBLISHER, "10.200.0.1:4006", &rtp(1)));
+    rig.check(&t, &v4_frame("10.200.0.66:5000", "10.200.0.1:4006", &rtp(1)));
     let s = rig.fp.kernel_stats().unwrap();
     assert_eq!(s.streams[&1].drop_stranger, 2);
     assert_eq!(s.streams[&1].pass_slow, 2); // the two STUN packets
     assert_eq!(s.streams[&2].pass_slow, 1);
+    assert_eq!((s.streams[&3].pass_slow, s.streams[&3].tx_copies), (2, 1));
+    assert_eq!((s.streams[&4].drop_stranger, s.streams[&4].tx_copies), (0, 2));
 }
 
 #[test]
@@ -503,7 +514,7 @@ fn xdp_prefilter_drops_only_certain_strangers() {
         1,
         vec![
             entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subs[..2].to_vec()),
-            entry(2, "10.200.0.1:4002", None, SourceRule::Latch, true, subs[..1].to_vec()),
+            entry(2, "10.200.0.1:4002", None, SourceRule::Learn(None), true, subs[..1].to_vec()),
             entry(3, "10.200.0.1:4004", Some(1), SourceRule::Fixed(a(PUBLISHER)), true, subs[..1].to_vec()),
             entry(4, "10.200.0.1:4006", None, SourceRule::Fixed(a(PUBLISHER)), true, subs[..1].to_vec()),
             entry(5, "10.200.0.1:4006", Some(7), SourceRule::Fixed(a(other)), true, subs[1..2].to_vec()),
@@ -517,9 +528,12 @@ fn xdp_prefilter_drops_only_certain_strangers() {
             // A non-RTP wildcard stream beside a narrowed one, one source.
             entry(12, "10.200.0.1:4014", None, SourceRule::Fixed(a(PUBLISHER)), false, subs[..1].to_vec()),
             entry(13, "10.200.0.1:4014", Some(5), SourceRule::Fixed(a(PUBLISHER)), true, subs[1..2].to_vec()),
-            // Narrowed, one of them latching (a relay leg would be a latching wildcard: 4002).
-            entry(14, "10.200.0.1:4016", Some(1), SourceRule::Latch, true, subs[..1].to_vec()),
+            // Narrowed, one of them learning (a relay leg would be a learning wildcard: 4002).
+            entry(14, "10.200.0.1:4016", Some(1), SourceRule::Learn(None), true, subs[..1].to_vec()),
             entry(15, "10.200.0.1:4016", Some(2), SourceRule::Fixed(a(PUBLISHER)), true, subs[1..2].to_vec()),
+            // A learning leg that follows a source already; one that takes any source.
+            entry(16, "10.200.0.1:4018", None, SourceRule::Learn(Some(a(PUBLISHER))), true, subs[..1].to_vec()),
+            entry(17, "10.200.0.1:4020", None, SourceRule::Any, true, subs[..1].to_vec()),
         ],
     );
     rig.apply(&t);
@@ -557,6 +571,8 @@ fn xdp_prefilter_drops_only_certain_strangers() {
         ("stranger STUN, non-RTP stream", v4_frame(evil, "10.200.0.1:4008", &stun), None),
         ("owner STUN", v4_frame(PUBLISHER, LOCAL, &stun), None),
         ("latching stream", v4_frame(evil, "10.200.0.1:4002", &rtp(1)), None),
+        ("learning stream following another source", v4_frame(evil, "10.200.0.1:4018", &rtp(1)), None),
+        ("stream taking any source", v4_frame(evil, "10.200.0.1:4020", &rtp(1)), None),
         ("SSRC-narrowed, no wildcard, known SSRC", v4_frame(evil, "10.200.0.1:4004", &rtp(1)), STRANGER),
         ("SSRC-narrowed, no wildcard, unknown SSRC", v4_frame(evil, "10.200.0.1:4004", &rtp(2)), NO_STREAM),
         ("SSRC-narrowed with a wildcard of another source", v4_frame(evil, "10.200.0.1:4006", &rtp(3)), None),

@@ -349,12 +349,19 @@ fn callee_flow(i: usize) -> u32 {
     0x2000_0000 + i as u32
 }
 
-/// Legs of mediaplane RTP relays still waiting for their first packet (`/v1/table`).
+/// Legs of mediaplane RTP relays still waiting for their first packet (`/v1/table`: a learning
+/// source rule that follows no source yet, `{"learn": null}`).
 fn unlatched_rtp_legs(tb: &Testbed) -> anyhow::Result<usize> {
     let t = api(tb, "GET", "/v1/table", None)?;
     Ok(t["streams"]
         .as_array()
-        .map(|a| a.iter().filter(|s| s["source"] == "latch" && s["label"].as_str().is_some_and(|l| l.ends_with("-0/a") || l.ends_with("-0/b"))).count())
+        .map(|a| {
+            a.iter()
+                .filter(|s| {
+                    s["source"] == serde_json::json!({ "learn": null }) && s["label"].as_str().is_some_and(|l| l.ends_with("-0/a") || l.ends_with("-0/b"))
+                })
+                .count()
+        })
         .unwrap_or(0))
 }
 
@@ -730,7 +737,7 @@ fn mutation_costs(sizes: &[usize], dir: &Path) -> anyhow::Result<Vec<MutationCos
     let mut have = 0;
     for &n in sizes {
         while have < n {
-            let leg = |k| LegSpec { local: local(k), remote: Some("10.77.0.2:4000".parse().unwrap()), strict: false, rtp: true };
+            let leg = |k| LegSpec { local: local(k), remote: Some("10.77.0.2:4000".parse().unwrap()), strict: false, rtp: true, follow: Default::default() };
             model.create_relay(&format!("r{have}"), leg(2 * have), leg(2 * have + 1)).map_err(|e| anyhow::anyhow!("{e}"))?;
             have += 1;
         }
@@ -745,7 +752,8 @@ fn mutation_costs(sizes: &[usize], dir: &Path) -> anyhow::Result<Vec<MutationCos
         let t = Instant::now();
         for k in 0..update_reps {
             let mut next = model.clone();
-            let leg = |p| LegSpec { local: local(2 * n + p), remote: Some("10.77.0.2:4000".parse().unwrap()), strict: false, rtp: true };
+            let leg =
+                |p| LegSpec { local: local(2 * n + p), remote: Some("10.77.0.2:4000".parse().unwrap()), strict: false, rtp: true, follow: Default::default() };
             let id = format!("new{k}");
             next.create_relay(&id, leg(0), leg(1)).map_err(|e| anyhow::anyhow!("{e}"))?;
             let mut t2 = table.clone();

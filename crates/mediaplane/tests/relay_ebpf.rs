@@ -1,9 +1,10 @@
 //! The SIP relay through the kernel fast path: `serve --dataplane ebpf --ng-listen` in a relay
 //! namespace, the caller and the callee in namespaces of their own (a star of 2). A call is set
 //! up over NG from inside the relay namespace, as a SIP proxy there would; the first packet of
-//! each leg goes to the slow path and latches the leg; after that every packet must be forwarded
-//! by the BPF program: the daemon's `extra.forwarded` grows by exactly the packets sent, the slow
-//! path saw only the two latching packets, and nothing is lost.
+//! each leg goes to the slow path, which relays it and latches the leg; after that every packet
+//! must be forwarded by the BPF program: the daemon's `extra.forwarded` grows by exactly the
+//! packets sent, the slow path saw only the two latching packets, and nothing is lost. Then the
+//! caller's NAT binding moves during a learning window: the leg follows it without a loss.
 //!
 //! The NG engine advertises one media address (`[media] ip`) to both parties: here the relay's
 //! address on the caller's link (10.77.0.1). The callee reaches it through the relay namespace's
@@ -16,7 +17,7 @@ mod ng_common;
 use common::netns::{try_api, NetnsServe};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_bench::traffic::{self, Profile, TrafficPlan};
-use mediaplane_core::rtp::build_rtp;
+use mediaplane_core::rtp::{build_rtp, RtpHeader};
 use mediaplane_ng::bencode::Value;
 use ng_common::*;
 use serde_json::Value as Json;
@@ -44,7 +45,7 @@ fn counter(stats: &Json, path: &[&str]) -> u64 {
 }
 
 #[test]
-fn relay_call_is_forwarded_by_the_kernel_after_latching() {
+fn relay_call_is_forwarded_by_the_kernel_and_follows_a_new_binding() {
     if !mediaplane_bench::require_root("relay_ebpf") {
         return;
     }
@@ -91,6 +92,13 @@ fn relay_call_is_forwarded_by_the_kernel_after_latching() {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
+    // The latching packets were relayed (by the slow path), not consumed.
+    for (sock, name) in [(&callee_sock, "callee"), (&caller_sock, "caller")] {
+        sock.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+        let mut buf = [0u8; 2048];
+        let (n, _) = sock.recv_from(&mut buf).unwrap_or_else(|e| panic!("the {name} never got the other leg's first packet: {e}"));
+        assert_eq!(RtpHeader::parse(&buf[..n]).unwrap().ssrc, 0x1a7c4);
+    }
     let s0 = api(&tb, "/v1/stats");
     assert_eq!(counter(&s0, &["total", "slow_unlatched"]) - counter(&before_latch, &["total", "slow_unlatched"]), 2, "{s0}");
     let steered = |s: &Json| counter(s, &["extra", "slow_path_steered"]);
@@ -102,8 +110,8 @@ fn relay_call_is_forwarded_by_the_kernel_after_latching() {
     let plan = TrafficPlan::new(Duration::from_secs(2))
         .sender(caller_sock.try_clone().unwrap(), to_caller, CALLER_FLOW, profile.clone())
         .sender(callee_sock.try_clone().unwrap(), to_callee, CALLEE_FLOW, profile)
-        .receiver("caller", caller_sock, [CALLEE_FLOW])
-        .receiver("callee", callee_sock, [CALLER_FLOW]);
+        .receiver("caller", caller_sock.try_clone().unwrap(), [CALLEE_FLOW])
+        .receiver("callee", callee_sock.try_clone().unwrap(), [CALLER_FLOW]);
     let report = traffic::run(&plan).unwrap();
     let s1 = api(&tb, "/v1/stats");
 
@@ -121,11 +129,98 @@ fn relay_call_is_forwarded_by_the_kernel_after_latching() {
         assert!(c.delay_ns.p50 < 5e6, "{c:?}");
     }
 
-    // query counts the relayed packets; delete removes everything.
+    // query counts the relayed packets (the two latching ones too); delete removes everything.
     let q = ng(&tb, vec![("command", "query".into()), ("call-id", CALL.into())]);
     let rtp = q.get("totals").and_then(|t| t.get("RTP")).and_then(|r| r.get("packets")).and_then(Value::as_int);
-    assert_eq!(rtp, Some(sent as i64), "{q:?}");
+    assert_eq!(rtp, Some(sent as i64 + 2), "{q:?}");
+
+    // A session refresh (re-offer, same SDP) re-opens learning; the caller's NAT binding then
+    // moves to another port. The leg follows it with one update of the kernel's entries, and
+    // nothing is lost on the way: each callee packet reaches the old port or the new one, all
+    // the old ones before all the new ones, and every packet from the new port is relayed.
+    let s2 = api(&tb, "/v1/stats");
+    ng(&tb, offer_answer("offer", CALL, "caller-tag", None, &sdp(&cip, CALLER_PORT, 1), &cip));
+    let rebound = tb.udp_socket(&caller.ns, SocketAddr::new(caller.ip, CALLER_PORT + 2)).unwrap();
+    let (to_old, to_new, to_callee_side) =
+        (Collector::start(&caller_sock, REBIND_B), Collector::start(&rebound, REBIND_B), Collector::start(&callee_sock, REBIND_A));
+    let from_callee = paced(callee_sock.try_clone().unwrap(), to_callee, REBIND_B, Duration::ZERO);
+    let from_rebound = paced(rebound.try_clone().unwrap(), to_caller, REBIND_A, Duration::from_millis(200));
+    from_callee.join().unwrap();
+    from_rebound.join().unwrap();
+    let (old_seqs, new_seqs, a_seqs) = (to_old.finish(), to_new.finish(), to_callee_side.finish());
+    let s3 = api(&tb, "/v1/stats");
+    assert_eq!(a_seqs, (0..REBIND_PACKETS).collect::<Vec<_>>(), "every packet from the new binding relayed, the first included");
+    let mut all: Vec<u16> = old_seqs.iter().chain(&new_seqs).copied().collect();
+    all.sort();
+    assert_eq!(all, (0..REBIND_PACKETS).collect::<Vec<_>>(), "callee→caller: lost or duplicated around the switch (old port {old_seqs:?}, new {new_seqs:?})");
+    assert!(old_seqs.iter().max() < new_seqs.iter().min(), "a clean switch: old port {old_seqs:?}, new {new_seqs:?}");
+    assert!(new_seqs.len() as u16 >= REBIND_PACKETS / 2, "the leg followed the new binding: {} of {REBIND_PACKETS} there", new_seqs.len());
+    let pass_up = counter(&s3, &["extra", "pass_unlatched"]) - counter(&s2, &["extra", "pass_unlatched"]);
+    let kernel = counter(&s3, &["extra", "forwarded"]) - counter(&s2, &["extra", "forwarded"]);
+    eprintln!(
+        "rebinding: {} to the old port, {} to the new; {pass_up} packets via the slow path until the entry changed, {kernel} by the kernel",
+        old_seqs.len(),
+        new_seqs.len()
+    );
+    assert!((1..20).contains(&pass_up), "only the new binding's first packets go up: {pass_up}");
+    assert_eq!(kernel + pass_up, 2 * REBIND_PACKETS as u64, "{s3}");
     assert_eq!(text(&ng(&tb, delete(CALL, "caller-tag", "callee-tag")), "result"), "ok");
     assert_eq!(api(&tb, "/v1/relays")["relays"], serde_json::json!([]));
     assert!(serve.terminate(), "serve exits cleanly");
+}
+
+const REBIND_A: u32 = 0xb1d0;
+const REBIND_B: u32 = 0xb1d1;
+const REBIND_PACKETS: u16 = 300;
+
+/// `REBIND_PACKETS` RTP packets of SSRC `ssrc` (sequence 0..), one every 4 ms, after `delay`.
+fn paced(sock: std::net::UdpSocket, to: SocketAddr, ssrc: u32, delay: Duration) -> std::thread::JoinHandle<()> {
+    std::thread::spawn(move || {
+        std::thread::sleep(delay);
+        let start = Instant::now();
+        for seq in 0..REBIND_PACKETS {
+            let due = start + Duration::from_millis(4) * seq as u32;
+            std::thread::sleep(due.saturating_duration_since(Instant::now()));
+            sock.send_to(&build_rtp(8, seq, seq as u32 * 160, ssrc, &[0xd5; 160]), to).unwrap();
+        }
+    })
+}
+
+/// The sequence numbers of SSRC `ssrc` arriving at a socket, until 500 ms of silence after
+/// `finish`.
+struct Collector(std::thread::JoinHandle<Vec<u16>>, std::sync::Arc<std::sync::atomic::AtomicBool>);
+
+impl Collector {
+    fn start(sock: &std::net::UdpSocket, ssrc: u32) -> Collector {
+        let sock = sock.try_clone().unwrap();
+        sock.set_read_timeout(Some(Duration::from_millis(500))).unwrap();
+        let done = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let d = done.clone();
+        Collector(
+            std::thread::spawn(move || {
+                let (mut seqs, mut buf) = (Vec::new(), [0u8; 2048]);
+                let deadline = Instant::now() + Duration::from_secs(10);
+                while Instant::now() < deadline {
+                    match sock.recv_from(&mut buf) {
+                        Ok((n, _)) => {
+                            if let Ok(h) = RtpHeader::parse(&buf[..n]) {
+                                if h.ssrc == ssrc {
+                                    seqs.push(h.sequence);
+                                }
+                            }
+                        }
+                        Err(_) if d.load(std::sync::atomic::Ordering::Relaxed) => break,
+                        Err(_) => {}
+                    }
+                }
+                seqs
+            }),
+            done,
+        )
+    }
+
+    fn finish(self) -> Vec<u16> {
+        self.1.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.0.join().unwrap()
+    }
 }

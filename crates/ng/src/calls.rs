@@ -15,7 +15,8 @@ use crate::sdp::{ConnAddr, Sdp};
 use mediaplane_control::config::MediaConfig;
 use mediaplane_control::manager::{allocate_local, ManagerError};
 use mediaplane_control::store::Change;
-use mediaplane_core::model::{LegSpec, Side};
+use mediaplane_core::model::{Follow, LegSpec, Side};
+use mediaplane_core::LegSignal;
 use mediaplane_core::Model;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
@@ -235,8 +236,10 @@ pub fn apply_signal(
     from: Side,
     phase: Phase,
     signals: &[MediaSignal],
-    strict: bool,
+    opts: SignalOptions,
 ) -> Result<Vec<Change>, ManagerError> {
+    // What this SDP says of its sender's leg. No address (c=0.0.0.0): on hold.
+    let signal = |remote: Option<SocketAddr>, held: bool| LegSignal { remote, strict: opts.strict && remote.is_some(), follow: opts.follow, held };
     let mut changes = Vec::new();
     let s = ix(from);
     // Sections the new SDP no longer has (not allowed by RFC 3264, handled anyway).
@@ -271,14 +274,14 @@ pub fn apply_signal(
             m.peer = [None, None];
             m.peer_rtcp = [None, None];
             m.peer[s] = sig.rtp;
-            let leg = |local, remote, strict| LegSpec { local, remote, strict: strict && remote.is_some(), rtp: true };
-            let (a, b) = if from == Side::A { (leg(la, sig.rtp, strict), leg(lb, None, false)) } else { (leg(la, None, false), leg(lb, sig.rtp, strict)) };
-            model.create_relay(&rtp_id, a, b)?;
+            let blank = |local| LegSpec { local, remote: None, strict: false, rtp: true, follow: Follow::default() };
+            model.create_relay(&rtp_id, blank(la), blank(lb))?;
+            model.set_leg_signal(&rtp_id, from, signal(sig.rtp, sig.rtp.is_none()))?;
             m.active = true;
             m.rtcp = false;
             changes.push(Change::Relay(rtp_id.clone()));
         } else {
-            model.set_leg_remote(&rtp_id, from, sig.rtp, strict && sig.rtp.is_some())?;
+            model.set_leg_signal(&rtp_id, from, signal(sig.rtp, sig.rtp.is_none()))?;
             m.peer[s] = sig.rtp;
             changes.push(Change::Relay(rtp_id.clone()));
         }
@@ -302,18 +305,20 @@ pub fn apply_signal(
         match (want_rtcp, m.rtcp) {
             (true, false) => {
                 let [pa, pb] = m.peer_rtcp;
-                let spec = |local: SocketAddr, remote: Option<SocketAddr>, me: bool| LegSpec {
+                let spec = |local: SocketAddr, remote: Option<SocketAddr>| LegSpec {
                     local: rtcp_addr(local),
                     remote,
-                    strict: me && strict && remote.is_some(),
+                    strict: false,
                     rtp: true,
+                    follow: Follow::default(),
                 };
-                model.create_relay(&rtcp_id, spec(m.local[0], pa, from == Side::A), spec(m.local[1], pb, from == Side::B))?;
+                model.create_relay(&rtcp_id, spec(m.local[0], pa), spec(m.local[1], pb))?;
+                model.set_leg_signal(&rtcp_id, from, signal(m.peer_rtcp[s], sig.rtp.is_none()))?;
                 m.rtcp = true;
                 changes.push(Change::Relay(rtcp_id));
             }
             (true, true) => {
-                model.set_leg_remote(&rtcp_id, from, m.peer_rtcp[s], strict && m.peer_rtcp[s].is_some())?;
+                model.set_leg_signal(&rtcp_id, from, signal(m.peer_rtcp[s], sig.rtp.is_none()))?;
                 changes.push(Change::Relay(rtcp_id));
             }
             (false, true) => {
@@ -324,7 +329,31 @@ pub fn apply_signal(
             (false, false) => {}
         }
     }
+    // Every offer and answer re-opens learning on both parties' legs (rtpengine does the same):
+    // a re-INVITE may move either, and NAT bindings change with them.
+    let until = opts.at_ms + media_cfg.learning_ms;
+    for (i, m) in call.media.iter().enumerate().filter(|(_, m)| m.active) {
+        let ids = std::iter::once(rtp_relay_id(&call.key, i)).chain(m.rtcp.then(|| rtcp_relay_id(&call.key, i)));
+        for id in ids {
+            model.open_learning(&id, Side::A, until)?;
+            model.open_learning(&id, Side::B, until)?;
+            if !changes.contains(&Change::Relay(id.clone())) {
+                changes.push(Change::Relay(id));
+            }
+        }
+    }
     Ok(changes)
+}
+
+/// The flags of an offer or answer that shape its sender's leg, and when it came.
+#[derive(Debug, Clone, Copy, Default)]
+pub struct SignalOptions {
+    /// `strict-source`: only the signalled address may send.
+    pub strict: bool,
+    /// `media-handover`, `asymmetric`, or the default learning window.
+    pub follow: Follow,
+    /// Unix milliseconds: the learning windows it opens start here.
+    pub at_ms: u64,
 }
 
 fn inactive(sig: &MediaSignal) -> MediaState {
@@ -468,7 +497,7 @@ mod tests {
     use super::*;
 
     fn media() -> MediaConfig {
-        MediaConfig { ip: "127.80.0.1".parse().unwrap(), port_min: 30000, port_max: 30100 }
+        MediaConfig { ip: "127.80.0.1".parse().unwrap(), port_min: 30000, port_max: 30100, ..Default::default() }
     }
 
     fn sig(rtp: &str, mux: bool) -> MediaSignal {
@@ -494,7 +523,7 @@ mod tests {
         let mut call = Call::new("c1", t);
         // Offer from A with one audio and one video section.
         let offer = vec![sig("10.1.0.1:6000", false), MediaSignal { kind: "video".into(), ..sig("10.1.0.1:6002", false) }];
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &offer, false).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &offer, SignalOptions::default()).unwrap();
         assert_eq!(model.relays.len(), 4, "RTP and RTCP for each section");
         let m0 = call.media[0].clone();
         assert_eq!(m0.local[0].port() % 2, 0);
@@ -509,14 +538,14 @@ mod tests {
 
         // Answer from B rejects video.
         let answer = vec![sig("10.2.0.1:7000", false), MediaSignal { disabled: true, rtp: None, rtcp: None, ..sig("10.2.0.1:7002", false) }];
-        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &answer, false).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &answer, SignalOptions::default()).unwrap();
         assert_eq!(model.relays.len(), 2);
         assert_eq!(model.relays[&rtp_relay_id(&call.key, 0)].b.remote, Some("10.2.0.1:7000".parse().unwrap()));
         assert!(!call.media[1].active);
 
         // Re-INVITE from B moves its media; the ports stay.
         let before = call.media[0].local;
-        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Offer, &[sig("10.2.0.9:7100", false)], false).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Offer, &[sig("10.2.0.9:7100", false)], SignalOptions::default()).unwrap();
         assert_eq!(call.media.len(), 1);
         assert_eq!(call.media[0].local, before);
         assert_eq!(model.relays[&rtp_relay_id(&call.key, 0)].b.remote, Some("10.2.0.9:7100".parse().unwrap()));
@@ -531,15 +560,15 @@ mod tests {
     fn rtcp_mux_accepted_drops_the_rtcp_relay() {
         let mut model = Model::new();
         let mut call = Call::new("c2", Instant::now());
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], false).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], SignalOptions::default()).unwrap();
         assert!(call.media[0].rtcp, "until the answer accepts mux, RTCP gets its own relay");
-        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &[sig("10.2.0.1:7000", true)], false).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &[sig("10.2.0.1:7000", true)], SignalOptions::default()).unwrap();
         assert!(call.media[0].mux && !call.media[0].rtcp);
         assert_eq!(model.relays.len(), 1);
         // A re-offer with mux keeps it muxed; one without brings the RTCP relay back.
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], false).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], SignalOptions::default()).unwrap();
         assert_eq!(model.relays.len(), 1);
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], false).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], SignalOptions::default()).unwrap();
         assert_eq!(model.relays.len(), 2);
     }
 
@@ -547,7 +576,16 @@ mod tests {
     fn strict_source_pins_the_signalled_peer() {
         let mut model = Model::new();
         let mut call = Call::new("c3", Instant::now());
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], true).unwrap();
+        apply_signal(
+            &mut model,
+            &media(),
+            &mut call,
+            Side::A,
+            Phase::Offer,
+            &[sig("10.1.0.1:6000", false)],
+            SignalOptions { strict: true, ..Default::default() },
+        )
+        .unwrap();
         let r = &model.relays[&rtp_relay_id(&call.key, 0)];
         assert!(r.a.strict && !r.b.strict);
     }
@@ -556,7 +594,7 @@ mod tests {
     fn adopt_rebuilds_calls_from_relays() {
         let mut model = Model::new();
         let mut call = Call::new("c4", Instant::now());
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], false).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], SignalOptions::default()).unwrap();
         let mut reg = Registry::default();
         assert_eq!(reg.adopt(&model, Instant::now()), 1);
         let adopted = reg.get("c4").unwrap();

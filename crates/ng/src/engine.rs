@@ -3,12 +3,12 @@
 //! datagrams and calls [`Engine::handle_datagram`], and calls [`Engine::expire`] every second.
 
 use crate::bencode::Value;
-use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Registry};
+use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Registry, SignalOptions};
 use crate::protocol::{self, error_reply, normalize, ReplyCache, Request, RequestError};
 use crate::sdp::{MediaRewrite, Rewrite, Sdp, SdpError};
 use mediaplane_control::manager::{ManagerError, SessionManager};
 use mediaplane_control::metrics::{CallEnd, NgMetrics};
-use mediaplane_core::model::Side;
+use mediaplane_core::model::{Follow, Side};
 use mediaplane_core::Model;
 use mediaplane_dataplane::{Counters, DataplaneStats};
 use std::net::SocketAddr;
@@ -67,9 +67,11 @@ fn unix(t: SystemTime) -> i64 {
 /// The flags and options of an offer or answer that this relay acts on.
 struct Options {
     policy: AddressPolicy,
-    strict: bool,
+    leg: SignalOptions,
     replace_origin: bool,
     replace_session_connection: bool,
+    /// Advertise the relay's address even for a party on hold (rtpengine's `zero address`).
+    replace_zero_address: bool,
     ice: Option<String>,
     strip_mux: bool,
     warnings: Vec<String>,
@@ -81,9 +83,6 @@ fn options(req: &Request) -> Result<Options, RequestError> {
     let mux = req.list("rtcp-mux")?;
     let has = |f: &str| flags.iter().any(|x| x == f);
     let mut warnings = Vec::new();
-    if has("asymmetric") {
-        warnings.push("asymmetric RTP is not supported; the relay latches symmetric RTP".to_string());
-    }
     for m in &mux {
         if matches!(m.as_str(), "offer" | "require" | "demux") {
             warnings.push(format!("rtcp-mux {m} is not supported; rtcp-mux is passed through as offered"));
@@ -92,9 +91,20 @@ fn options(req: &Request) -> Result<Options, RequestError> {
     let sip_source = (has("sip-source-address") || has("sip-source")) && !has("trust-address");
     Ok(Options {
         policy: AddressPolicy { media_address: req.media_address()?, sip_source, received_from: req.received_from()? },
-        strict: has("strict-source"),
+        leg: SignalOptions {
+            strict: has("strict-source"),
+            follow: if has("asymmetric") {
+                Follow::Asymmetric
+            } else if has("media-handover") {
+                Follow::Handover
+            } else {
+                Follow::Window
+            },
+            at_ms: 0,
+        },
         replace_origin: replace.iter().any(|r| r == "origin") || has("replace-origin"),
         replace_session_connection: replace.iter().any(|r| r == "session-connection") || has("replace-session-connection"),
+        replace_zero_address: replace.iter().any(|r| r == "zero-address"),
         ice: req.opt_str("ICE")?.map(normalize),
         strip_mux: mux.iter().any(|m| m == "reject"),
         warnings,
@@ -118,13 +128,20 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
     }
 }
 
-/// The flags each command acts on. `symmetric` is what every leg does anyway; `asymmetric` has
-/// a warning of its own in [`options`].
+/// The flags each command acts on. `symmetric` is what every leg does anyway.
 fn flags_acted_on(command: &str) -> &'static [&'static str] {
     match command {
-        "offer" | "answer" => {
-            &["strict-source", "sip-source-address", "sip-source", "trust-address", "replace-origin", "replace-session-connection", "symmetric", "asymmetric"]
-        }
+        "offer" | "answer" => &[
+            "strict-source",
+            "media-handover",
+            "sip-source-address",
+            "sip-source",
+            "trust-address",
+            "replace-origin",
+            "replace-session-connection",
+            "symmetric",
+            "asymmetric",
+        ],
         "delete" => &["fatal"],
         _ => &[],
     }
@@ -140,7 +157,6 @@ fn consequence(name: &str) -> Option<&'static str> {
         "address-family" => "media stays in the address family of the media address (no IPv4/IPv6 bridging)",
         "direction" | "from-interface" | "to-interface" | "interface" => "media uses the one configured media address (no named interfaces)",
         "codec" | "codec-strip" | "codec-mask" | "codec-except" => "the SDP's codecs are passed through unfiltered",
-        "media-handover" => "a latched leg keeps its source: a new source is dropped as a stranger",
         "record-call" | "start-recording" | "record" => "nothing is recorded",
         "loop-protect" => "the SDP is not marked, so a looped request is processed again",
         "sdes" | "dtls" | "osrtp" | "generate-mid" | "rtcp-mux-require" | "trickle-ice" => "no SRTP, DTLS or ICE is terminated",
@@ -163,7 +179,9 @@ fn not_acted_on(req: &Request, command: &str) -> Option<String> {
     }
     if keys.contains(&"replace") {
         if let Ok(replace) = req.list("replace") {
-            ignored.extend(replace.into_iter().filter(|r| !matches!(r.as_str(), "origin" | "session-connection")).map(|r| format!("replace={r}")));
+            ignored.extend(
+                replace.into_iter().filter(|r| !matches!(r.as_str(), "origin" | "session-connection" | "zero-address")).map(|r| format!("replace={r}")),
+            );
         }
     }
     ignored.dedup();
@@ -351,10 +369,10 @@ impl Engine {
         }
         let remove_ice = opt.ice.is_some();
 
-        let strict = opt.strict;
+        let leg = SignalOptions { at_ms: mediaplane_control::manager::unix_ms(), ..opt.leg };
         let (call, ip) = mgr.mutate(|model, media| {
             let mut next = call;
-            let changes = calls::apply_signal(model, media, &mut next, sender, phase, &signals, strict)?;
+            let changes = calls::apply_signal(model, media, &mut next, sender, phase, &signals, leg)?;
             Ok(((next, media.ip), changes))
         })?;
 
@@ -363,12 +381,14 @@ impl Engine {
         let media: Vec<MediaRewrite> = call
             .media
             .iter()
-            .map(|m| {
+            .zip(&signals)
+            .map(|(m, sig)| {
                 if !m.active {
-                    return MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: opt.strip_mux };
+                    return MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: opt.strip_mux, hold: false };
                 }
                 let port = m.local_of(to).port();
-                MediaRewrite { port: Some(port), rtcp_port: if m.rtcp { port + 1 } else { port }, strip_rtcp_mux: opt.strip_mux }
+                let hold = sig.rtp.is_none() && !opt.replace_zero_address;
+                MediaRewrite { port: Some(port), rtcp_port: if m.rtcp { port + 1 } else { port }, strip_rtcp_mux: opt.strip_mux, hold }
             })
             .collect();
         let rewritten = sdp.rewrite(&Rewrite { addr: ip, origin: opt.replace_origin, session_connection: opt.replace_session_connection, remove_ice, media });
@@ -670,7 +690,7 @@ mod tests {
     }
 
     fn manager() -> SessionManager {
-        let media = MediaConfig { ip: "203.0.113.5".parse().unwrap(), port_min: 30000, port_max: 30019 };
+        let media = MediaConfig { ip: "203.0.113.5".parse().unwrap(), port_min: 30000, port_max: 30019, ..Default::default() };
         SessionManager::open(Store::in_memory().unwrap(), Arc::new(NullDataplane), media, Limits::default()).unwrap()
     }
 
@@ -744,7 +764,7 @@ mod tests {
 
         let mut o = offer(OFFER_SDP);
         o[5].1 = Value::List(vec!["trust address".into(), "media-handover".into(), "loop-protect".into(), "frobnicate".into()]);
-        o[6].1 = Value::List(vec!["origin".into(), "zero-address".into()]);
+        o[6].1 = Value::List(vec!["origin".into(), "zero-address".into(), "username".into()]);
         o.push(("transport-protocol", "RTP/SAVP".into()));
         o.push(("address family", "IP6".into()));
         o.push(("codec", Value::dict([("strip", Value::List(vec!["PCMU".into()]))])));
@@ -753,10 +773,9 @@ mod tests {
         assert_eq!(text(&r, "result"), "ok", "{r:?}");
         let w = text(&r, "warning");
         for named in [
-            "media-handover (not supported: a latched leg keeps its source",
             "loop-protect (not supported",
             "frobnicate",
-            "replace=zero-address",
+            "replace=username",
             "transport-protocol (not supported: the SDP keeps its transport protocol",
             "address-family (not supported",
             "codec (not supported: the SDP's codecs are passed through",
@@ -764,7 +783,7 @@ mod tests {
         ] {
             assert!(w.contains(named), "{named:?} not in the warning {w:?}");
         }
-        for acted in ["trust-address", "replace=origin", "call-id", "sdp"] {
+        for acted in ["trust-address", "media-handover", "replace=origin", "replace=zero-address", "call-id", "sdp"] {
             assert!(!w.contains(acted), "{acted:?} is acted on but named in {w:?}");
         }
         // Commands without flags name theirs; errors carry the error only.

@@ -113,6 +113,9 @@ pub struct MediaRewrite {
     pub rtcp_port: u16,
     /// Drop `a=rtcp-mux` (the relay does not offer it onward).
     pub strip_rtcp_mux: bool,
+    /// The sender is on hold (a zero connection address): the zero address is passed through,
+    /// so the other party sends nothing, as rtpengine does.
+    pub hold: bool,
 }
 
 const ICE_ATTRS: &[&str] =
@@ -295,9 +298,13 @@ impl Sdp {
         let conn_line = format!("c=IN {family} {}", rw.addr);
 
         let mut session_conn_needed = rw.session_connection;
+        // Whether some rewritten section is not on hold: if none is, a rewritten session-level
+        // c= carries the zero address too.
+        let mut any_live = false;
         for (i, m) in self.media.iter().enumerate() {
             let Some(mr) = rw.media.get(i) else { continue };
             let Some(port) = mr.port else { continue };
+            any_live |= !mr.hold;
             // m=<media> <port>[/<count>] <proto> <fmt>...: splice the new port into the port
             // token, found with the parser's own tokenisation; every other byte stays.
             let text = &self.lines[m.line].text;
@@ -309,9 +316,13 @@ impl Sdp {
                 line.extend_from_slice(&text[count_at..]);
                 edits[m.line] = Edit::Replace(line);
             }
-            match &m.connection {
-                Some(c) => edits[c.line] = Edit::Replace(conn_line.clone().into_bytes()),
-                None => session_conn_needed = true,
+            match (&m.connection, mr.hold) {
+                (Some(_), true) => {}
+                (Some(c), false) => edits[c.line] = Edit::Replace(conn_line.clone().into_bytes()),
+                // On hold through the session-level zero address: left as it is, unless a live
+                // section needs the session line.
+                (None, true) => {}
+                (None, false) => session_conn_needed = true,
             }
             if let Some(r) = &m.rtcp {
                 edits[r.line] = Edit::Replace(
@@ -346,7 +357,10 @@ impl Sdp {
         }
         if session_conn_needed {
             if let Some(c) = &self.session_connection {
-                edits[c.line] = Edit::Replace(conn_line.clone().into_bytes());
+                let all_held = !any_live && rw.media.iter().any(|m| m.port.is_some());
+                let zero = if rw.addr.is_ipv4() { "0.0.0.0" } else { "::" };
+                let line = if all_held { format!("c=IN {family} {zero}") } else { conn_line.clone() };
+                edits[c.line] = Edit::Replace(line.into_bytes());
             }
         }
         if rw.origin {
@@ -427,7 +441,7 @@ a=rtpmap:96 VP8/90000\r\n";
             origin: false,
             session_connection: false,
             remove_ice: false,
-            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false }],
+            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false }],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
         // The media relies on the session c=, so it is rewritten even without the replace flag.
@@ -450,8 +464,8 @@ a=rtpmap:96 VP8/90000\r\n";
             session_connection: true,
             remove_ice: true,
             media: vec![
-                MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false },
-                MediaRewrite { port: Some(30002), rtcp_port: 30003, strip_rtcp_mux: false },
+                MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false },
+                MediaRewrite { port: Some(30002), rtcp_port: 30003, strip_rtcp_mux: false, hold: false },
             ],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
@@ -490,8 +504,8 @@ a=rtpmap:96 VP8/90000\r\n";
             session_connection: false,
             remove_ice: false,
             media: vec![
-                MediaRewrite { port: Some(30010), rtcp_port: 30011, strip_rtcp_mux: false },
-                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false },
+                MediaRewrite { port: Some(30010), rtcp_port: 30011, strip_rtcp_mux: false, hold: false },
+                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false, hold: false },
             ],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
@@ -516,7 +530,7 @@ a=rtpmap:96 VP8/90000\r\n";
             origin: false,
             session_connection: false,
             remove_ice: false,
-            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false }],
+            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false }],
         };
         let out = sdp.rewrite(&rw);
         assert_eq!(out, b"v=0\r\nc=IN IP4 192.0.2.7\r\nm=audio 30000\x0cRTP/AVP\t0\r\n");
@@ -537,7 +551,7 @@ a=rtpmap:96 VP8/90000\r\n";
                     origin: true,
                     session_connection: true,
                     remove_ice: true,
-                    media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true }; 2],
+                    media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true, hold: false }; 2],
                 })
             });
         }

@@ -140,7 +140,7 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
     let verdict = t.classify(f.dst, f.src, payload);
     // Frame-level, after the source check: only what the host would accept (RIG_CONFIG
     // verifies checksums; no interface of the lab has a reverse-path mode).
-    if matches!(verdict, Verdict::Forward(_) | Verdict::SlowPath { reason: SlowReason::Unlatched, .. }) && !verify_checksums(frame, &f).ok() {
+    if matches!(verdict, Verdict::Forward(_) | Verdict::Learn(_)) && !verify_checksums(frame, &f).ok() {
         return Expect::Drop("drop_bad_checksum");
     }
     match verdict {
@@ -161,7 +161,9 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         Verdict::Drop { reason: DropReason::Malformed, .. } => Expect::Drop("drop_malformed"),
         Verdict::Drop { reason: DropReason::BadChecksum | DropReason::Spoofed, .. } => unreachable!("classify() judges payloads, not frames"),
         Verdict::SlowPath { reason: SlowReason::Stun, .. } => Expect::Pass("pass_stun"),
-        Verdict::SlowPath { reason: SlowReason::Unlatched, .. } => Expect::Pass("pass_unlatched"),
+        // The kernel hands a learning leg's other sources up; the slow path relays them.
+        Verdict::Learn(_) => Expect::Pass("pass_unlatched"),
+        Verdict::SlowPath { reason: SlowReason::Unlatched, .. } => unreachable!("classify() relays what a learning leg hears"),
     }
 }
 
@@ -172,7 +174,7 @@ pub fn reference_stream(t: &ForwardingTable, frame: &[u8]) -> Option<u32> {
         return None;
     }
     match t.classify(f.dst, f.src, &frame[f.payload..f.payload + f.payload_len]) {
-        Verdict::Forward(e) => Some(e.id),
+        Verdict::Forward(e) | Verdict::Learn(e) => Some(e.id),
         Verdict::Drop { stream, .. } | Verdict::SlowPath { stream, .. } => stream,
     }
 }

@@ -21,17 +21,15 @@ pub struct Relay {
 
 impl Relay {
     pub fn start(media_ip: &str, port_min: u16, port_max: u16, media_timeout: Duration) -> Relay {
+        Self::start_with(MediaConfig { ip: media_ip.parse().unwrap(), port_min, port_max, ..Default::default() }, media_timeout)
+    }
+
+    pub fn start_with(media: MediaConfig, media_timeout: Duration) -> Relay {
         let (tx, rx) = std::sync::mpsc::channel::<DataplaneEvent>();
         let dp = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, Some(tx)).unwrap());
-        let media = MediaConfig { ip: media_ip.parse().unwrap(), port_min, port_max };
         let mgr = Arc::new(SessionManager::open(Store::in_memory().unwrap(), dp.clone(), media, Limits::default()).unwrap());
-        // The slow path's latch events, as `mediaplane serve` wires them.
-        let m = mgr.clone();
-        std::thread::spawn(move || {
-            for DataplaneEvent::Unlatched { stream, source } in rx {
-                let _ = m.latch(stream, source);
-            }
-        });
+        // The slow path's reports and the learning windows, as `mediaplane serve` runs them.
+        mediaplane_control::learn_sources(mgr.clone(), Some(rx)).unwrap();
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let sock = rt.block_on(tokio::net::UdpSocket::bind("127.0.0.1:0")).unwrap();
         let ng = sock.local_addr().unwrap();
