@@ -139,6 +139,9 @@ pub enum Follow {
     /// source, then locks it; after that other sources are still relayed but not followed.
     #[default]
     Window,
+    /// Learns in the window like [`Follow::Window`]; after it only the locked source may send,
+    /// others are dropped as strangers (rtpengine's `strict-source`).
+    Strict,
     /// Follows every new source at once, window or not (rtpengine's `media-handover`).
     Handover,
     /// Never learns: media goes to the signalled address; any source is relayed
@@ -146,7 +149,7 @@ pub enum Follow {
     Asymmetric,
 }
 
-/// The learning window of a [`Follow::Window`] leg.
+/// The learning window of a [`Follow::Window`] or [`Follow::Strict`] leg.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Learning {
     /// The leg still follows new sources (until `until_ms`, or until the first packet when
@@ -180,8 +183,13 @@ impl Leg {
             _ if self.strict && self.remote.is_some() => false,
             Follow::Asymmetric => false,
             Follow::Handover => true,
-            Follow::Window => self.learning.open || self.latched.is_none(),
+            Follow::Window | Follow::Strict => self.learning.open || self.latched.is_none(),
         }
+    }
+
+    /// Learns in windows opened by signals.
+    pub fn has_window(&self) -> bool {
+        matches!(self.follow, Follow::Window | Follow::Strict) && !(self.strict && self.remote.is_some())
     }
 }
 
@@ -560,7 +568,7 @@ impl Model {
             return Ok(false);
         }
         let l = &mut leg.learning;
-        if leg.follow == Follow::Window && l.open && l.heard_signalled && Some(source) == l.superseded {
+        if leg.has_window() && l.open && l.heard_signalled && Some(source) == l.superseded {
             return Ok(false);
         }
         if Some(source) == leg.remote {
@@ -579,7 +587,7 @@ impl Model {
     /// until `until_ms`. A signal does not re-open learning on strict or asymmetric legs.
     pub fn open_learning(&mut self, id: &str, side: Side, until_ms: u64) -> Result<(), ModelError> {
         let leg = self.leg_mut(id, side)?;
-        if leg.follow == Follow::Window && !(leg.strict && leg.remote.is_some()) {
+        if leg.has_window() {
             leg.learning.open = true;
             leg.learning.until_ms = until_ms;
         }
@@ -589,7 +597,7 @@ impl Model {
     /// Lock the source of every leg whose window ended by `now_ms` and that has heard one.
     /// Returns the relays that changed.
     pub fn close_learning(&mut self, now_ms: u64) -> Vec<String> {
-        let due = |l: &Leg| l.follow == Follow::Window && l.learning.open && l.latched.is_some() && now_ms >= l.learning.until_ms;
+        let due = |l: &Leg| l.has_window() && l.learning.open && l.latched.is_some() && now_ms >= l.learning.until_ms;
         let ids: Vec<String> = self.relays.iter().filter(|(_, r)| due(&r.a) || due(&r.b)).map(|(id, _)| id.clone()).collect();
         for id in &ids {
             if let Some(r) = self.relays.get_mut(id) {

@@ -308,7 +308,10 @@ fn relay_source(leg: &Leg) -> SourceRule {
     match leg.remote {
         Some(r) if leg.strict => SourceRule::Fixed(r),
         _ if leg.learns() => SourceRule::Learn(leg.latched),
-        _ => SourceRule::Any,
+        _ => match (leg.follow, leg.latched.or(leg.remote)) {
+            (crate::model::Follow::Strict, Some(locked)) => SourceRule::Fixed(locked),
+            _ => SourceRule::Any,
+        },
     }
 }
 
@@ -494,10 +497,12 @@ mod tests {
         let t3 = ForwardingTable::compile(&m, 3);
         assert!(matches!(t3.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &rtp), Verdict::Forward(_)));
         assert_eq!(t3.streams[&IngressKey { local: a("10.0.0.1:30002"), ssrc: None }].copies[0].to, a("10.0.2.9:7777"));
-        // strict-source: only the signalled address, as before.
-        m.set_leg_signal("call", crate::model::Side::A, crate::LegSignal { remote: Some(a("10.0.2.1:7000")), strict: true, ..Default::default() }).unwrap();
+        // strict-source: after the window, only the locked source may send.
+        let strict = crate::LegSignal { remote: Some(a("10.0.2.1:7000")), follow: crate::model::Follow::Strict, ..Default::default() };
+        m.set_leg_signal("call", crate::model::Side::A, strict).unwrap();
         let t4 = ForwardingTable::compile(&m, 4);
-        assert!(matches!(t4.classify(a("10.0.0.1:30000"), a("10.0.2.9:7777"), &rtp), Verdict::Drop { reason: DropReason::Stranger, .. }));
+        assert!(matches!(t4.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &rtp), Verdict::Drop { reason: DropReason::Stranger, .. }));
+        assert!(matches!(t4.classify(a("10.0.0.1:30000"), a("10.0.2.9:7777"), &rtp), Verdict::Forward(_)));
         m.delete_relay("call").unwrap();
         let t5 = ForwardingTable::compile(&m, 5);
         assert_eq!(t5.diff(&t4).removals.len(), 2);

@@ -239,7 +239,7 @@ pub fn apply_signal(
     opts: SignalOptions,
 ) -> Result<Vec<Change>, ManagerError> {
     // What this SDP says of its sender's leg. No address (c=0.0.0.0): on hold.
-    let signal = |remote: Option<SocketAddr>, held: bool| LegSignal { remote, strict: opts.strict && remote.is_some(), follow: opts.follow, held };
+    let signal = |remote: Option<SocketAddr>, held: bool| LegSignal { remote, strict: false, follow: opts.follow, held };
     let mut changes = Vec::new();
     let s = ix(from);
     // Sections the new SDP no longer has (not allowed by RFC 3264, handled anyway).
@@ -348,9 +348,7 @@ pub fn apply_signal(
 /// The flags of an offer or answer that shape its sender's leg, and when it came.
 #[derive(Debug, Clone, Copy, Default)]
 pub struct SignalOptions {
-    /// `strict-source`: only the signalled address may send.
-    pub strict: bool,
-    /// `media-handover`, `asymmetric`, or the default learning window.
+    /// `strict-source`, `media-handover`, `asymmetric`, or the default learning window.
     pub follow: Follow,
     /// Unix milliseconds: the learning windows it opens start here.
     pub at_ms: u64,
@@ -583,11 +581,11 @@ mod tests {
             Side::A,
             Phase::Offer,
             &[sig("10.1.0.1:6000", false)],
-            SignalOptions { strict: true, ..Default::default() },
+            SignalOptions { follow: Follow::Strict, ..Default::default() },
         )
         .unwrap();
         let r = &model.relays[&rtp_relay_id(&call.key, 0)];
-        assert!(r.a.strict && !r.b.strict);
+        assert_eq!((r.a.follow, r.b.follow), (Follow::Strict, Follow::Window));
     }
 
     #[test]

@@ -92,11 +92,13 @@ fn options(req: &Request) -> Result<Options, RequestError> {
     Ok(Options {
         policy: AddressPolicy { media_address: req.media_address()?, sip_source, received_from: req.received_from()? },
         leg: SignalOptions {
-            strict: has("strict-source"),
+            // With both media-handover and strict-source, rtpengine hands over.
             follow: if has("asymmetric") {
                 Follow::Asymmetric
             } else if has("media-handover") {
                 Follow::Handover
+            } else if has("strict-source") {
+                Follow::Strict
             } else {
                 Follow::Window
             },

@@ -1,6 +1,7 @@
 //! Endpoint learning through real calls over NG (the user-space plane, in-process, loopback):
 //! a re-INVITE that moves the caller's port while it still sends from the old one, NAT
-//! rebinding inside and after the learning window, `media-handover`, `strict-source`, and hold
+//! rebinding inside and after the learning window, `media-handover`, `strict-source` (learns in
+//! the window, then drops other sources), and hold
 //! with `c=0.0.0.0`. Every packet carries its own sequence number and is looked for at the
 //! socket it must reach (and only there). The learning window is 600 ms here (3 s by default).
 
@@ -188,15 +189,17 @@ fn nat_rebinding_is_followed_in_the_window_and_with_media_handover_only() {
     assert_eq!(seqs(&c.callee), vec![a as i32]);
     assert_eq!(seqs(&n4), vec![b as i32], "media-handover follows a new source after the window");
 
-    // strict-source: only the signalled address may send, and media goes there.
-    let signalled = nat(6100);
+    // strict-source: learns in the window (rtpengine does too), then drops any other source.
+    let n5 = nat(6109);
     c.reoffer(&sdp(CALLER_IP, 6100), &["strict-source"]);
+    let a = c.caller_sends(&n5);
+    std::thread::sleep(WINDOW + SETTLE);
     c.caller_sends(&n4);
-    let ok = c.caller_sends(&signalled);
+    let ok = c.caller_sends(&n5);
     std::thread::sleep(SETTLE);
     let b = c.callee_sends();
-    assert_eq!(seqs(&c.callee), vec![ok as i32], "strict-source drops the NAT binding's packets");
-    assert_eq!(seqs(&signalled), vec![b as i32]);
+    assert_eq!(seqs(&c.callee), vec![a as i32, ok as i32], "strict-source drops other sources once locked");
+    assert_eq!(seqs(&n5), vec![b as i32]);
     let stats = c.relay.mgr.stats();
     let id = mediaplane_ng::calls::rtp_relay_id(&mediaplane_ng::calls::call_key(c.id), 0);
     let uid = c.relay.mgr.read(|m, _| m.relays[&id].a.uid);
