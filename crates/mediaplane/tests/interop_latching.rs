@@ -26,10 +26,19 @@
 //!   packets are relayed but the return path stays on N1: one-way audio), `media-handover` (it
 //!   follows), `strict-source` (N2's packets are dropped).
 //! * S4: hold with `c=IN IP4 0.0.0.0` + `a=sendonly` (the UAS checks the relay passed the zero
-//!   address through and answers `a=recvonly`), then unhold.
+//!   address through and answers `a=recvonly`), then unhold. S4b: the same hold with the real
+//!   address: rtpengine does not gate media by direction attributes, only the zero address stops
+//!   what goes to the held party.
 //!
 //! rtpengine's default endpoint learning ("delayed"): for 3 s after every offer or answer the
-//! relay sends to the newest source of the party's packets, then locks it.
+//! relay sends to the newest source of the party's packets, then locks it. What rtpengine 10.5
+//! does here, beyond that (the expectations follow it):
+//! * S1: the re-INVITE that moves the caller's port also gets the callee a new relay port in the
+//!   forwarded offer (no `port-latching` flag); the callee follows its SDP, as a phone does.
+//! * S3c: `strict-source` still learns in the window: the caller's packets from N1 (not its SDP
+//!   port) are relayed and N1 locked; only after that are N2's dropped.
+//! * S4/S4b: `a=sendonly`/`a=recvonly` do not gate media; `c=0.0.0.0` stops what goes to the held
+//!   party although it keeps sending from its old port (not learned back until the unhold).
 //!
 //! Needs root, kamailio (+ its rtpengine module), sipp, and for the baseline rtpengine; skipped
 //! otherwise, except under CI=true, where that is a failure. The three tests run one at a time.
@@ -113,13 +122,21 @@ impl Dir {
     }
 }
 
+/// How an INVITE puts the call on hold, if it does; the UAS answers a hold with `a=recvonly`.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Hold {
+    No,
+    /// `c=IN IP4 0.0.0.0` and `a=sendonly` (the UAS checks it still sees 0.0.0.0).
+    ZeroAddress,
+    /// `a=sendonly` with the caller's real address.
+    SendOnly,
+}
+
 /// One INVITE of a call (the first or a re-INVITE), as the UAC sends it and the UAS answers it.
 struct Invite {
     /// The caller's m= port.
     sdp_port: Port,
-    /// Hold: `c=IN IP4 0.0.0.0` and `a=sendonly`; the UAS checks it still sees 0.0.0.0 and answers
-    /// `a=recvonly`.
-    hold: bool,
+    hold: Hold,
     /// The UAS pauses this long before its 200 OK.
     answer_delay_ms: u64,
     /// The UAC pauses this long after its ACK (then the next INVITE, or the BYE).
@@ -128,7 +145,7 @@ struct Invite {
 
 impl Invite {
     fn plain(sdp_port: Port, then_ms: u64) -> Invite {
-        Invite { sdp_port, hold: false, answer_delay_ms: 0, then_ms }
+        Invite { sdp_port, hold: Hold::No, answer_delay_ms: 0, then_ms }
     }
 }
 
@@ -159,7 +176,7 @@ fn scenarios() -> Vec<Scenario> {
             id: "S1",
             title: "re-INVITE moves the caller's RTP port P1 → P2, callee answers 200 ms late",
             flags: "",
-            invites: vec![Invite::plain(Port::P1, 2000), Invite { sdp_port: Port::P2, hold: false, answer_delay_ms: 200, then_ms: 3600 }],
+            invites: vec![Invite::plain(Port::P1, 2000), Invite { sdp_port: Port::P2, hold: Hold::No, answer_delay_ms: 200, then_ms: 3600 }],
             caller_sends_from: Port::P1,
             moves: vec![Move { after_answer: 2, delay_ms: 50, to: Port::P2 }],
             check: check_s1,
@@ -176,20 +193,24 @@ fn scenarios() -> Vec<Scenario> {
         rebinding_after_lock("S3a", "", check_s3a),
         rebinding_after_lock("S3b", "media-handover", check_s3b),
         rebinding_after_lock("S3c", "strict-source", check_s3c),
-        Scenario {
-            id: "S4",
-            title: "hold (c=0.0.0.0, sendonly / recvonly) for 2 s, then unhold",
-            flags: "",
-            invites: vec![
-                Invite::plain(Port::P1, 2000),
-                Invite { sdp_port: Port::P1, hold: true, answer_delay_ms: 0, then_ms: 2000 },
-                Invite::plain(Port::P1, 2500),
-            ],
-            caller_sends_from: Port::P1,
-            moves: vec![],
-            check: check_s4,
-        },
+        hold_and_unhold("S4", Hold::ZeroAddress, check_s4),
+        hold_and_unhold("S4b", Hold::SendOnly, check_s4b),
     ]
+}
+
+fn hold_and_unhold(id: &'static str, hold: Hold, check: fn(Relay, &CallRecord, &mut Checks)) -> Scenario {
+    Scenario {
+        id,
+        title: match hold {
+            Hold::ZeroAddress => "hold (c=0.0.0.0, sendonly / recvonly) for 2 s, then unhold",
+            _ => "hold (real address, sendonly / recvonly) for 2 s, then unhold",
+        },
+        flags: "",
+        invites: vec![Invite::plain(Port::P1, 2000), Invite { sdp_port: Port::P1, hold, answer_delay_ms: 0, then_ms: 2000 }, Invite::plain(Port::P1, 2500)],
+        caller_sends_from: Port::P1,
+        moves: vec![],
+        check,
+    }
 }
 
 fn rebinding_after_lock(id: &'static str, flags: &'static str, check: fn(Relay, &CallRecord, &mut Checks)) -> Scenario {
@@ -273,6 +294,15 @@ fn check_s3c(_: Relay, r: &CallRecord, c: &mut Checks) {
 }
 
 fn check_s4(_: Relay, r: &CallRecord, c: &mut Checks) {
+    check_hold(r, c, false);
+}
+
+/// rtpengine does not gate media by direction attributes: only the zero address stops it.
+fn check_s4b(_: Relay, r: &CallRecord, c: &mut Checks) {
+    check_hold(r, c, true);
+}
+
+fn check_hold(r: &CallRecord, c: &mut Checks, caller_hears_on_hold: bool) {
     let (Some(a1), Some(hold), Some(held), Some(unhold), Some(resumed), Some(end)) =
         (r.at("answered 1"), r.at("inviting 2"), r.at("answered 2"), r.at("inviting 3"), r.at("answered 3"), r.at("end"))
     else {
@@ -281,7 +311,11 @@ fn check_s4(_: Relay, r: &CallRecord, c: &mut Checks) {
     c.delivered(r, Dir::Up, a1..hold, &[Port::Callee], MAX_LOST, "before the hold");
     c.delivered(r, Dir::Down, a1 + FIRST_SETTLE..hold, &[Port::P1], MAX_MISSING, "before the hold");
     c.delivered(r, Dir::Up, held + SETTLE..unhold, &[Port::Callee], MAX_MISSING, "on hold: the caller's music on hold reaches the callee");
-    c.at_most(r, Dir::Down, held + SETTLE..unhold, &[Port::P1], 0, "on hold (c=0.0.0.0): nothing reaches the caller");
+    if caller_hears_on_hold {
+        c.delivered(r, Dir::Down, held + SETTLE..unhold, &[Port::P1], MAX_MISSING, "on hold (sendonly, real address): still relayed to the caller");
+    } else {
+        c.at_most(r, Dir::Down, held + SETTLE..unhold, &[Port::P1], 0, "on hold (c=0.0.0.0): nothing reaches the caller");
+    }
     c.delivered(r, Dir::Up, resumed + SETTLE..end, &[Port::Callee], MAX_MISSING, "after the unhold");
     c.delivered(r, Dir::Down, resumed + SETTLE..end, &[Port::P1], MAX_MISSING, "after the unhold");
 }
@@ -652,7 +686,11 @@ fn uac_xml(plan: &CallPlan) -> String {
     for (i, inv) in sc.invites.iter().enumerate() {
         let n = i + 1;
         let to_tag = if n == 1 { "" } else { "[peer_tag_param]" };
-        let (conn, direction) = if inv.hold { ("0.0.0.0".to_string(), "sendonly") } else { (plan.caller_ip.to_string(), "sendrecv") };
+        let (conn, direction) = match inv.hold {
+            Hold::No => (plan.caller_ip.to_string(), "sendrecv"),
+            Hold::ZeroAddress => ("0.0.0.0".to_string(), "sendonly"),
+            Hold::SendOnly => (plan.caller_ip.to_string(), "sendonly"),
+        };
         let _ = write!(
             x,
             r#"  <nop><action><log message="inviting {n}"/></action></nop>
@@ -728,7 +766,7 @@ fn uas_xml(plan: &CallPlan) -> String {
     let mut references = vec!["c_line", "m_line"];
     for (i, inv) in sc.invites.iter().enumerate() {
         let n = i + 1;
-        let hold_check = if inv.hold {
+        let hold_check = if inv.hold == Hold::ZeroAddress {
             references.push("zero_address");
             "\n      <ereg regexp=\"c=IN IP4 0\\.0\\.0\\.0\" search_in=\"body\" check_it=\"true\" assign_to=\"zero_address\"/>"
         } else {
@@ -774,7 +812,7 @@ fn uas_xml(plan: &CallPlan) -> String {
 "#,
             ip = plan.callee_ip,
             port = plan.port(Port::Callee),
-            direction = if inv.hold { "recvonly" } else { "sendrecv" },
+            direction = if inv.hold == Hold::No { "sendrecv" } else { "recvonly" },
         );
     }
     let _ = write!(
