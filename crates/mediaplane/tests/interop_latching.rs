@@ -513,13 +513,15 @@ fn sipp_command(tb: &Testbed, dir: &Path, role: &str, plan: &CallPlan, port: u16
         .args(["-sf", &format!("{id}-{role}.xml"), "-i", "127.0.0.1", "-p", &port.to_string(), "-cp", &(port + 5).to_string()])
         .args(["-m", "1", "-nostdin", "-trace_err", "-trace_logs", "-timeout", "40s", "-timeout_error"])
         .args(["-log_file", &format!("{id}-{role}.log"), "-error_file", &format!("{id}-{role}-errors.log")])
+        .args(["-trace_msg", "-message_file", &format!("{id}-{role}-messages.log")])
         .stdout(Stdio::null())
         .stderr(std::fs::File::create(dir.join(format!("{id}-{role}.stderr"))).unwrap());
     cmd
 }
 
 fn sipp_result(p: &mut Supervised, dir: &Path, id: &str, role: &str) -> Result<(), String> {
-    let why = match p.wait_timeout(Duration::from_secs(5)) {
+    // SIPp can take seconds to exit after its last message when the machine is busy.
+    let why = match p.wait_timeout(Duration::from_secs(15)) {
         Ok(Some(st)) if st.success() => return Ok(()),
         Ok(Some(st)) => format!("exited {st}"),
         Ok(None) => {
