@@ -166,8 +166,9 @@ struct Scenario {
     /// The caller's first sending socket.
     caller_sends_from: Port,
     moves: Vec<Move>,
-    /// Expectations for this relay, given what happened.
-    check: fn(Relay, &CallRecord, &mut Checks),
+    /// Expectations, given what happened: the same for every relay (mediaplane's are what
+    /// rtpengine does).
+    check: fn(&CallRecord, &mut Checks),
 }
 
 fn scenarios() -> Vec<Scenario> {
@@ -198,7 +199,7 @@ fn scenarios() -> Vec<Scenario> {
     ]
 }
 
-fn hold_and_unhold(id: &'static str, hold: Hold, check: fn(Relay, &CallRecord, &mut Checks)) -> Scenario {
+fn hold_and_unhold(id: &'static str, hold: Hold, check: fn(&CallRecord, &mut Checks)) -> Scenario {
     Scenario {
         id,
         title: match hold {
@@ -213,7 +214,7 @@ fn hold_and_unhold(id: &'static str, hold: Hold, check: fn(Relay, &CallRecord, &
     }
 }
 
-fn rebinding_after_lock(id: &'static str, flags: &'static str, check: fn(Relay, &CallRecord, &mut Checks)) -> Scenario {
+fn rebinding_after_lock(id: &'static str, flags: &'static str, check: fn(&CallRecord, &mut Checks)) -> Scenario {
     Scenario {
         id,
         title: match flags {
@@ -242,7 +243,7 @@ const SETTLE: Duration = Duration::from_millis(100);
 /// Before the first window: the first packets latch the relay.
 const FIRST_SETTLE: Duration = Duration::from_millis(200);
 
-fn check_s1(_: Relay, r: &CallRecord, c: &mut Checks) {
+fn check_s1(r: &CallRecord, c: &mut Checks) {
     let (Some(a1), Some(i2), Some(moved), Some(end)) = (r.at("answered 1"), r.at("inviting 2"), r.at("moved 1"), r.at("end")) else {
         return c.incomplete(r);
     };
@@ -252,7 +253,7 @@ fn check_s1(_: Relay, r: &CallRecord, c: &mut Checks) {
     c.check(end - moved >= Duration::from_secs(3), format!("the call ran {:.1} s after the move (≥ 3 s)", (end - moved).as_secs_f64()));
 }
 
-fn check_s2(_: Relay, r: &CallRecord, c: &mut Checks) {
+fn check_s2(r: &CallRecord, c: &mut Checks) {
     let (Some(a1), Some(moved), Some(end)) = (r.at("answered 1"), r.at("moved 1"), r.at("end")) else {
         return c.incomplete(r);
     };
@@ -271,20 +272,20 @@ fn check_s3_before_move(r: &CallRecord, c: &mut Checks) -> Option<(Instant, Inst
     Some((a1, moved, end))
 }
 
-fn check_s3a(_: Relay, r: &CallRecord, c: &mut Checks) {
+fn check_s3a(r: &CallRecord, c: &mut Checks) {
     let Some((a1, moved, end)) = check_s3_before_move(r, c) else { return };
     c.delivered(r, Dir::Up, a1..end, &[Port::Callee], MAX_LOST, "the whole call: N2's packets are still relayed to the callee");
     c.delivered(r, Dir::Down, moved + SETTLE..end, &[Port::N1], MAX_MISSING, "after the rebinding: the return path stays on the locked N1 (one-way audio)");
     c.at_most(r, Dir::Down, a1..end, &[Port::N2], MAX_MISSING, "N2 (the new binding) hears ~nothing");
 }
 
-fn check_s3b(_: Relay, r: &CallRecord, c: &mut Checks) {
+fn check_s3b(r: &CallRecord, c: &mut Checks) {
     let Some((a1, moved, end)) = check_s3_before_move(r, c) else { return };
     c.delivered(r, Dir::Up, a1..end, &[Port::Callee], MAX_LOST, "the whole call (from N1, then N2)");
     c.delivered(r, Dir::Down, moved + SETTLE..end, &[Port::N2], MAX_MISSING, "from 100 ms after the rebinding: media-handover follows to N2");
 }
 
-fn check_s3c(_: Relay, r: &CallRecord, c: &mut Checks) {
+fn check_s3c(r: &CallRecord, c: &mut Checks) {
     let Some((a1, moved, end)) = check_s3_before_move(r, c) else { return };
     c.delivered(r, Dir::Up, a1..moved, &[Port::Callee], MAX_LOST, "before the rebinding (from N1)");
     let from_n2 = r.sent.iter().filter(|s| s.dir == Dir::Up && s.from == Port::N2).count();
@@ -293,12 +294,12 @@ fn check_s3c(_: Relay, r: &CallRecord, c: &mut Checks) {
     c.delivered(r, Dir::Down, moved + SETTLE..end, &[Port::N1], MAX_MISSING, "after the rebinding: the return path stays on the locked N1");
 }
 
-fn check_s4(_: Relay, r: &CallRecord, c: &mut Checks) {
+fn check_s4(r: &CallRecord, c: &mut Checks) {
     check_hold(r, c, false);
 }
 
 /// rtpengine does not gate media by direction attributes: only the zero address stops it.
-fn check_s4b(_: Relay, r: &CallRecord, c: &mut Checks) {
+fn check_s4b(r: &CallRecord, c: &mut Checks) {
     check_hold(r, c, true);
 }
 
@@ -495,8 +496,9 @@ impl LogTail {
     }
 }
 
-/// "answered 2 10.77.0.1 10004" → ("answered 2", address).
-fn parse_sdp_event(line: &str) -> Option<(String, Option<SocketAddr>)> {
+/// A line a SIPp scenario logged: "answered 2 10.77.0.1 10004" → ("answered 2", the address);
+/// "inviting 2" → ("inviting 2", None).
+fn parse_sipp_event(line: &str) -> Option<(String, Option<SocketAddr>)> {
     let mut w = line.split_whitespace();
     let (kind, n) = (w.next()?, w.next()?);
     let addr = match (w.next(), w.next()) {
@@ -587,7 +589,7 @@ fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
     loop {
         let now = Instant::now();
         for line in uas_log.lines() {
-            if let Some((event, addr)) = parse_sdp_event(&line) {
+            if let Some((event, addr)) = parse_sipp_event(&line) {
                 if let Some(a) = addr.filter(|a| !a.ip().is_unspecified()) {
                     callee_target = Some(a);
                 }
@@ -595,7 +597,7 @@ fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
             }
         }
         for line in uac_log.lines() {
-            if let Some((event, addr)) = parse_sdp_event(&line) {
+            if let Some((event, addr)) = parse_sipp_event(&line) {
                 if event.starts_with("answered") {
                     caller_target = addr.or(caller_target);
                     // Media starts with the first answer; stops before the BYE that follows the last.
@@ -878,7 +880,7 @@ fn run_scenarios(relay: Relay) {
         for (role, result) in [("UAC", &record.uac), ("UAS", &record.uas)] {
             checks.check(result.is_ok(), format!("SIPp {role} completed the call{}", result.as_ref().err().map(|e| format!(": {e}")).unwrap_or_default()));
         }
-        (plan.scenario.check)(relay, record, &mut checks);
+        (plan.scenario.check)(record, &mut checks);
         report += &record.table(plan);
         for (ok, what) in &checks.results {
             let _ = writeln!(report, "  {} {what}", if *ok { "ok  " } else { "FAIL" });
