@@ -7,14 +7,12 @@ packages=(
   clang llvm libelf-dev zlib1g-dev pkg-config bpftool libbpf-dev   # BPF programs + libbpf-rs
   iproute2 ethtool                                                 # network-namespace testbed
   kamailio sip-tester                                              # SIP interop tests (Kamailio + SIPp)
+  rtpengine-daemon                                                 # the latching interop test's baseline, and make bench's
   prometheus                                                       # promtool: the /metrics test lints the exposition
   systemd man-db util-linux                                        # unit verification (systemd-analyze, man pages), setpriv
 )
-# `make bench` compares the relay with rtpengine (user-space forwarding; its kernel module is
-# not needed): `install-deps.sh --bench`.
-if [ "${1:-}" = "--bench" ]; then
-  packages+=(rtpengine-daemon)
-fi
+# rtpengine runs in user space, started by the tests and benchmarks themselves (its kernel module
+# is not needed). `--bench` (make bench) needs nothing more.
 
 missing=()
 for p in "${packages[@]}"; do
@@ -30,6 +28,11 @@ if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # Under systemd the package's own service starts (any interface, NG on localhost:2223, which the
+  # tests' relays use): stop and disable the one this script just installed.
+  if [[ " ${missing[*]} " == *" rtpengine-daemon "* ]] && [ -d /run/systemd/system ]; then
+    systemctl disable --now rtpengine-daemon.service >/dev/null 2>&1 || true
+  fi
 fi
 
 if ! command -v cargo >/dev/null 2>&1; then

@@ -6,13 +6,16 @@
 //!   `thesis`, `voice`, `video`, and a per-copy report;
 //! * [`qos`]: the metrics of DESIGN.md "Measurement definitions" as pure functions (RFC 3550
 //!   jitter, RFC 4689 delay variation, loss/duplicates/reordering, summaries, G.107 E-model);
-//! * [`added_delay`]: through-SFU delay minus direct-path delay, per copy.
+//! * [`added_delay`]: through-SFU delay minus direct-path delay, per copy;
+//! * [`sip`]: Kamailio and SIPp for the interop tests (finding them, Kamailio's configuration,
+//!   starting them, waiting until they listen).
 
 pub mod added_delay;
 pub mod flood;
 pub mod netns;
 pub mod process;
 pub mod qos;
+pub mod sip;
 pub mod traffic;
 
 pub use added_delay::{added_delay, AddedDelay, AddedDelayMethod};

@@ -34,7 +34,8 @@ use std::path::{Path, PathBuf};
 use std::process::Stdio;
 use std::time::{Duration, Instant};
 
-const NG: &str = "127.0.0.1:2223";
+/// The relay's NG address inside the relay namespace (where a SIP proxy there reaches it).
+pub const NG: &str = "127.0.0.1:2223";
 const API: &str = "127.0.0.1:7580";
 /// Relay media ports (4 per call: two RTP legs and their RTCP neighbours): 12,500 calls.
 const RELAY_PORT_MIN: u16 = 10000;
@@ -147,6 +148,13 @@ impl RelayProc {
     /// `name`: one of [`RELAYS`]. `workers`: mediaplane worker threads (None = default).
     /// `sessions`: size mediaplane's kernel maps and relay limit for that many relay sessions.
     pub fn start(tb: &Testbed, name: &str, dir: &Path, workers: Option<usize>, sessions: Option<usize>) -> anyhow::Result<RelayProc> {
+        let exe = std::env::current_exe().context("locating the mediaplane binary")?;
+        Self::start_binary(tb, name, dir, &exe, workers, sessions)
+    }
+
+    /// [`RelayProc::start`] with `mediaplane` as the mediaplane binary (a test passes
+    /// `CARGO_BIN_EXE_mediaplane`: its own executable is not the daemon).
+    pub fn start_binary(tb: &Testbed, name: &str, dir: &Path, mediaplane: &Path, workers: Option<usize>, sessions: Option<usize>) -> anyhow::Result<RelayProc> {
         let media_ip = tb.peers[0].sfu_ip;
         let log = dir.join(format!("{}-{name}.log", tb.prefix));
         let logf = std::fs::File::create(&log)?;
@@ -154,7 +162,6 @@ impl RelayProc {
         match name {
             "mediaplane-userspace" | "mediaplane-ebpf" | "mediaplane-ebpf-noxdp" | "mediaplane-ebpf-xdp" => {
                 let (plane, xdp) = crate::conference::plane_variant(name.trim_start_matches("mediaplane-"));
-                let exe = std::env::current_exe().context("locating the mediaplane binary")?;
                 let cfg = dir.join(format!("{}-{name}.toml", tb.prefix));
                 let mut toml = format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\n");
                 if let Some(n) = sessions {
@@ -164,7 +171,7 @@ impl RelayProc {
                 }
                 std::fs::write(&cfg, toml)?;
                 let store = dir.join(format!("{}-{name}.db", tb.prefix));
-                cmd = tb.command(&tb.sfu_ns, exe.to_str().unwrap());
+                cmd = tb.command(&tb.sfu_ns, mediaplane.to_str().context("mediaplane binary path")?);
                 let pin = format!("/sys/fs/bpf/{}-relay", tb.prefix);
                 cmd.args(["serve", "--config", cfg.to_str().unwrap(), "--listen", API, "--store", store.to_str().unwrap(), "--reset"])
                     .args(["--dataplane", plane, "--pin-dir", &pin, "--ng-listen", NG, "--ng-media-timeout", "86400"])
@@ -229,6 +236,11 @@ impl RelayProc {
             std::thread::sleep(Duration::from_millis(100));
         }
         bail!("{} did not answer NG ping within 20 s: {}", self.name, self.log_tail())
+    }
+
+    /// The relay's stderr log (removed by a clean [`RelayProc::stop`]).
+    pub fn log_path(&self) -> &Path {
+        &self.log
     }
 
     pub fn log_tail(&self) -> String {

@@ -11,9 +11,10 @@ mod common;
 
 use common::Relay;
 use mediaplane_bench::process::Supervised;
+use mediaplane_bench::sip::{self, Kamailio, KamailioConfig};
 use mediaplane_ng::calls::parse_relay_id;
 use std::collections::BTreeMap;
-use std::net::UdpSocket;
+use std::net::{SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -23,34 +24,10 @@ const UAC_MEDIA_IP: &str = "127.83.1.1";
 const UAS_MEDIA_IP: &str = "127.83.2.1";
 const CALLS: u32 = 3;
 
-fn which(bin: &str) -> Option<PathBuf> {
-    std::env::var_os("PATH")?
-        .to_str()?
-        .split(':')
-        .map(|d| Path::new(d).join(bin))
-        .chain(["/usr/sbin", "/sbin"].map(|d| Path::new(d).join(bin)))
-        .find(|p| p.is_file())
-}
-
-fn module_dir() -> Option<PathBuf> {
-    ["/usr/lib/x86_64-linux-gnu/kamailio/modules", "/usr/lib/aarch64-linux-gnu/kamailio/modules", "/usr/lib/kamailio/modules", "/usr/lib64/kamailio/modules"]
-        .iter()
-        .map(PathBuf::from)
-        .find(|d| d.join("rtpengine.so").is_file())
-}
-
 /// Why this test cannot run here, if it cannot.
 fn missing() -> Option<String> {
-    if !mediaplane_bench::is_root() {
-        return Some("not root".into());
-    }
-    for bin in ["kamailio", "sipp"] {
-        if which(bin).is_none() {
-            return Some(format!("{bin} not installed (apt-get install -y kamailio sip-tester)"));
-        }
-    }
-    if module_dir().is_none() {
-        return Some("kamailio rtpengine module not found".into());
+    if let Some(why) = sip::missing(&["kamailio", "sipp"]) {
+        return Some(why);
     }
     if !Path::new("/usr/share/sip-tester/g711a.pcap").is_file() {
         return Some("/usr/share/sip-tester/g711a.pcap not found".into());
@@ -62,12 +39,11 @@ fn free_udp_port() -> u16 {
     UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// A child in its own process group (the signals reach what it forks, kamailio's children);
-/// terminated (then killed) on drop.
+/// A child in its own process group, terminated (then killed) on drop.
 type Proc = Supervised;
 
 fn spawn(name: &'static str, cmd: &mut Command) -> Proc {
-    Supervised::spawn_group(name, cmd.stdin(Stdio::null())).unwrap_or_else(|e| panic!("{e}")).terminate_on_drop(Duration::from_secs(3))
+    sip::spawn_group(name, cmd).unwrap_or_else(|e| panic!("{e}"))
 }
 
 struct TempDir(PathBuf);
@@ -87,62 +63,6 @@ impl Drop for TempDir {
             let _ = std::fs::remove_dir_all(&self.0);
         }
     }
-}
-
-fn kamailio_cfg(sip_port: u16, ng_port: u16, uas_port: u16, modules: &Path) -> String {
-    let flags = "trust-address replace-origin replace-session-connection ICE=remove";
-    format!(
-        r#"#!KAMAILIO
-debug=2
-log_stderror=yes
-children=1
-disable_tcp=yes
-auto_aliases=no
-listen=udp:127.0.0.1:{sip_port}
-mpath="{modules}/"
-loadmodule "tm.so"
-loadmodule "sl.so"
-loadmodule "pv.so"
-loadmodule "maxfwd.so"
-loadmodule "textops.so"
-loadmodule "siputils.so"
-loadmodule "xlog.so"
-loadmodule "rtpengine.so"
-modparam("rtpengine", "rtpengine_sock", "udp:127.0.0.1:{ng_port}")
-
-# Every request goes to the UAS; media is anchored on mediaplane.
-request_route {{
-    if (!mf_process_maxfwd_header("10")) {{
-        sl_send_reply("483", "Too Many Hops");
-        exit;
-    }}
-    if (is_method("INVITE") && !has_totag()) {{
-        if (!rtpengine_offer("{flags}")) {{
-            sl_send_reply("500", "Media relay failed");
-            exit;
-        }}
-        t_on_reply("MEDIA");
-    }}
-    if (is_method("BYE")) {{
-        rtpengine_delete();
-    }}
-    $du = "sip:127.0.0.1:{uas_port}";
-    if (!t_relay()) {{
-        sl_reply_error();
-    }}
-    exit;
-}}
-
-onreply_route[MEDIA] {{
-    if (status =~ "^2[0-9][0-9]$" && has_body("application/sdp")) {{
-        if (!rtpengine_answer("{flags}")) {{
-            xlog("L_ERR", "rtpengine_answer failed\n");
-        }}
-    }}
-}}
-"#,
-        modules = modules.display()
-    )
 }
 
 /// Answers the INVITE with PCMA (failing the call if PCMA was not offered) and plays the pcap
@@ -219,25 +139,11 @@ const UAS_XML: &str = r#"<?xml version="1.0" encoding="ISO-8859-1" ?>
 "#;
 
 fn wait_listening(port: u16, p: &mut Proc, t: Duration) {
-    let deadline = Instant::now() + t;
-    while Instant::now() < deadline {
-        if let Some(s) = p.exited().unwrap() {
-            panic!("{} exited early: {s}", p.name());
-        }
-        if UdpSocket::bind(("127.0.0.1", port)).is_err() {
-            // Give its workers a moment to finish child_init (the rtpengine ping).
-            std::thread::sleep(Duration::from_millis(500));
-            return;
-        }
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    panic!("{} not listening on {port} after {t:?}", p.name());
+    sip::wait_udp_bound(p, port, t).unwrap_or_else(|e| panic!("{e}"));
 }
 
 fn log_tail(path: &Path) -> String {
-    let s = std::fs::read_to_string(path).unwrap_or_default();
-    let lines: Vec<&str> = s.lines().collect();
-    lines[lines.len().saturating_sub(40)..].join("\n")
+    sip::log_tail(path, 40)
 }
 
 #[test]
@@ -256,26 +162,18 @@ fn kamailio_sipp_calls_through_mediaplane() {
     let relay = Relay::start(MEDIA_IP, 42000, 42199, std::time::Duration::from_secs(60));
     let (sip_port, uas_port, uac_port) = (free_udp_port(), free_udp_port(), free_udp_port());
     let (uas_cp, uac_cp) = (free_udp_port(), free_udp_port());
-    let cfg = dir.0.join("kamailio.cfg");
-    std::fs::write(&cfg, kamailio_cfg(sip_port, relay.ng.port(), uas_port, &module_dir().unwrap())).unwrap();
-    let klog = dir.0.join("kamailio.log");
-    let mut kam = spawn(
-        "kamailio",
-        Command::new(which("kamailio").unwrap())
-            .args(["-DD", "-E", "-m", "32", "-M", "8", "-f"])
-            .arg(&cfg)
-            .arg("-Y")
-            .arg(&dir.0)
-            .arg("-P")
-            .arg(dir.0.join("kamailio.pid"))
-            .arg("-w")
-            .arg(&dir.0)
-            .stdout(Stdio::null())
-            .stderr(std::fs::File::create(&klog).unwrap()),
-    );
-    wait_listening(sip_port, &mut kam, Duration::from_secs(10));
+    let modules = sip::kamailio_module_dir().unwrap();
+    let cfg = KamailioConfig {
+        listen: SocketAddr::from(([127, 0, 0, 1], sip_port)),
+        ng: relay.ng,
+        next_hop: Some(SocketAddr::from(([127, 0, 0, 1], uas_port))),
+        flags: "trust-address replace-origin replace-session-connection ICE=remove",
+        modules: &modules,
+    };
+    let mut kam = Kamailio::start(Command::new(sip::which("kamailio").unwrap()), &cfg, &dir.0).unwrap_or_else(|e| panic!("{e}"));
+    let klog = kam.log.clone();
 
-    let sipp = which("sipp").unwrap();
+    let sipp = sip::which("sipp").unwrap();
     let timeout = "60s";
     let mut uas = spawn(
         "sipp uas",
@@ -343,7 +241,7 @@ fn kamailio_sipp_calls_through_mediaplane() {
     assert_eq!(relay.relays(), 0, "relays left after BYE{}", diag());
     assert_eq!(relay.mgr.read(|m, _| m.local_addresses().count()), 0);
     eprintln!("interop: {} calls, copies per relay (caller→callee, callee→caller): {copies:?}", copies.len());
-    if let Err(e) = kam.terminate(Duration::from_secs(3)) {
+    if let Err(e) = kam.proc.terminate(Duration::from_secs(3)) {
         eprintln!("{e}");
     }
 }
