@@ -567,8 +567,9 @@ impl Model {
         if !leg.learns() || source.port() == 0 || source.is_ipv4() != leg.local.is_ipv4() {
             return Ok(false);
         }
+        let windowed = leg.has_window();
         let l = &mut leg.learning;
-        if leg.has_window() && l.open && l.heard_signalled && Some(source) == l.superseded {
+        if windowed && l.open && l.heard_signalled && Some(source) == l.superseded {
             return Ok(false);
         }
         if Some(source) == leg.remote {
