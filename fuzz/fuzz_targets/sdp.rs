@@ -12,7 +12,7 @@ fuzz_target!(|data: &[u8]| {
         session_connection: data.len() % 3 == 0,
         remove_ice: true,
         media: (0..sdp.media.len())
-            .map(|i| MediaRewrite { port: Some(30000 + 2 * i as u16), rtcp_port: 30001 + 2 * i as u16, strip_rtcp_mux: i % 2 == 1 })
+            .map(|i| MediaRewrite { port: Some(30000 + 2 * i as u16), rtcp_port: 30001 + 2 * i as u16, strip_rtcp_mux: i % 2 == 1, hold: i % 3 == 2 })
             .collect(),
     };
     let out = sdp.rewrite(&rw);
