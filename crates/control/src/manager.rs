@@ -194,8 +194,7 @@ impl SessionManager {
     /// relays changed.
     pub fn close_learning(&self) -> Result<usize, ManagerError> {
         let now = unix_ms();
-        let due = |l: &mediaplane_core::model::Leg| l.learning.open && l.latched.is_some() && now >= l.learning.until_ms;
-        if !self.read(|m, _| m.relays.values().any(|r| due(&r.a) || due(&r.b))) {
+        if !self.read(|m, _| m.relays.values().any(|r| r.a.window_due(now) || r.b.window_due(now))) {
             return Ok(0);
         }
         self.mutate(|m, _| {

@@ -180,7 +180,7 @@ impl Leg {
     /// True while the leg follows a new source (see [`Follow`]).
     pub fn learns(&self) -> bool {
         match self.follow {
-            _ if self.strict && self.remote.is_some() => false,
+            _ if self.pinned() => false,
             Follow::Asymmetric => false,
             Follow::Handover => true,
             Follow::Window | Follow::Strict => self.learning.open || self.latched.is_none(),
@@ -189,7 +189,17 @@ impl Leg {
 
     /// Learns in windows opened by signals.
     pub fn has_window(&self) -> bool {
-        matches!(self.follow, Follow::Window | Follow::Strict) && !(self.strict && self.remote.is_some())
+        matches!(self.follow, Follow::Window | Follow::Strict) && !self.pinned()
+    }
+
+    /// Only the signalled address may send (a `strict` leg with a `remote`): it never learns.
+    pub fn pinned(&self) -> bool {
+        self.strict && self.remote.is_some()
+    }
+
+    /// Its learning window ended by `now_ms` and it heard a source to lock.
+    pub fn window_due(&self, now_ms: u64) -> bool {
+        self.has_window() && self.learning.open && self.latched.is_some() && now_ms >= self.learning.until_ms
     }
 }
 
@@ -598,12 +608,11 @@ impl Model {
     /// Lock the source of every leg whose window ended by `now_ms` and that has heard one.
     /// Returns the relays that changed.
     pub fn close_learning(&mut self, now_ms: u64) -> Vec<String> {
-        let due = |l: &Leg| l.has_window() && l.learning.open && l.latched.is_some() && now_ms >= l.learning.until_ms;
-        let ids: Vec<String> = self.relays.iter().filter(|(_, r)| due(&r.a) || due(&r.b)).map(|(id, _)| id.clone()).collect();
+        let ids: Vec<String> = self.relays.iter().filter(|(_, r)| r.a.window_due(now_ms) || r.b.window_due(now_ms)).map(|(id, _)| id.clone()).collect();
         for id in &ids {
             if let Some(r) = self.relays.get_mut(id) {
                 for leg in [&mut r.a, &mut r.b] {
-                    if due(leg) {
+                    if leg.window_due(now_ms) {
                         leg.learning.open = false;
                     }
                 }

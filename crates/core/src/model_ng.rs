@@ -20,7 +20,9 @@ impl Model {
             }
         }
         leg.held = signal.held;
-        leg.strict = signal.strict && signal.remote.or(leg.remote).is_some();
+        // Signalling expresses strict-source as Follow::Strict; `strict` (only `remote` may
+        // send) is the API's, and a signal ends it (a leg stored by an older version had it).
+        leg.strict = false;
         leg.follow = signal.follow;
         if signal.held || leg.remote == signal.remote {
             return Ok(());
@@ -39,8 +41,6 @@ impl Model {
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct LegSignal {
     pub remote: Option<SocketAddr>,
-    /// `strict-source`: only `remote` may send.
-    pub strict: bool,
     pub follow: Follow,
     /// A zero connection address: on hold.
     pub held: bool,

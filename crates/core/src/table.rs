@@ -306,7 +306,7 @@ impl ForwardingTable {
 
 fn relay_source(leg: &Leg) -> SourceRule {
     match leg.remote {
-        Some(r) if leg.strict => SourceRule::Fixed(r),
+        Some(r) if leg.pinned() => SourceRule::Fixed(r),
         _ if leg.learns() => SourceRule::Learn(leg.latched),
         _ => match (leg.follow, leg.latched.or(leg.remote)) {
             (crate::model::Follow::Strict, Some(locked)) => SourceRule::Fixed(locked),

@@ -239,7 +239,7 @@ pub fn apply_signal(
     opts: SignalOptions,
 ) -> Result<Vec<Change>, ManagerError> {
     // What this SDP says of its sender's leg. No address (c=0.0.0.0): on hold.
-    let signal = |remote: Option<SocketAddr>, held: bool| LegSignal { remote, strict: false, follow: opts.follow, held };
+    let signal = |remote: Option<SocketAddr>, held: bool| LegSignal { remote, follow: opts.follow, held };
     let mut changes = Vec::new();
     let s = ix(from);
     // Sections the new SDP no longer has (not allowed by RFC 3264, handled anyway).
