@@ -61,6 +61,7 @@ impl From<ManagerError> for ApiError {
                 }
             },
             ManagerError::Limit { .. } => ApiError::new(StatusCode::FORBIDDEN, "limit", msg),
+            ManagerError::Interface(_) => ApiError::new(StatusCode::BAD_REQUEST, "invalid", msg),
             ManagerError::NoFreePort { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no_free_port", msg),
             ManagerError::Dataplane(mediaplane_dataplane::DataplaneError::Full(_)) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "dataplane_full", msg),
             ManagerError::Dataplane(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "dataplane", msg),

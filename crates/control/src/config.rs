@@ -231,6 +231,111 @@ pub struct MediaConfig {
     /// How long a relay leg follows new sources of its party after each signal (offer,
     /// answer), in milliseconds, before it locks the last one (rtpengine: 3 s).
     pub learning_ms: u64,
+    /// Named media interfaces for relays, in rtpengine's `interface=` notation: `name/address`
+    /// or `name/address!advertised` (behind a 1:1 NAT), or a bare address (named `default`).
+    /// A name may be listed once per address family (`external/203.0.113.7`,
+    /// `external/2001:db8::7`): NG's `direction`/`from-interface`/`to-interface` pick the
+    /// interface of each party, `address-family` the family. Empty: one interface, `default`,
+    /// on `ip`. The NG default is the one named `default`, else the first listed.
+    pub interfaces: Vec<MediaInterface>,
+}
+
+/// One address of a named media interface (see [`MediaConfig::interfaces`]).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "String", into = "String")]
+pub struct MediaInterface {
+    pub name: String,
+    /// Where the relay's sockets are bound.
+    pub ip: IpAddr,
+    /// What the SDP advertises, when it is not `ip` (the public side of a NAT).
+    pub advertise: Option<IpAddr>,
+}
+
+impl MediaInterface {
+    /// The address the SDP carries.
+    pub fn advertised(&self) -> IpAddr {
+        self.advertise.unwrap_or(self.ip)
+    }
+}
+
+impl TryFrom<String> for MediaInterface {
+    type Error = String;
+    fn try_from(s: String) -> Result<Self, String> {
+        let (name, rest) = s.split_once('/').unwrap_or(("default", &s));
+        let (ip, advertise) = match rest.split_once('!') {
+            Some((ip, adv)) => (ip, Some(adv)),
+            None => (rest, None),
+        };
+        let addr = |a: &str| a.trim().parse::<IpAddr>().map_err(|e| format!("media interface {s:?}: {a:?} is not an IP address ({e})"));
+        let iface = MediaInterface { name: name.trim().to_string(), ip: addr(ip)?, advertise: advertise.map(addr).transpose()? };
+        if iface.name.is_empty() || !iface.name.chars().all(|c| c.is_ascii_alphanumeric() || "-_.".contains(c)) {
+            return Err(format!("media interface {s:?}: the name must be letters, digits, '-', '_' or '.'"));
+        }
+        if iface.ip.is_unspecified() {
+            return Err(format!("media interface {s:?}: the address must be concrete, not 0.0.0.0 or ::"));
+        }
+        if iface.advertise.is_some_and(|a| a.is_ipv4() != iface.ip.is_ipv4()) {
+            return Err(format!("media interface {s:?}: the advertised address is of another family"));
+        }
+        Ok(iface)
+    }
+}
+
+impl From<MediaInterface> for String {
+    fn from(i: MediaInterface) -> String {
+        match i.advertise {
+            Some(a) => format!("{}/{}!{}", i.name, i.ip, a),
+            None => format!("{}/{}", i.name, i.ip),
+        }
+    }
+}
+
+/// Why no relay address could be chosen on a media interface.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InterfaceError {
+    #[error("no media interface is named {0:?} (configured: {1})")]
+    Unknown(String, String),
+    #[error("media interface {0:?} has no IPv{1} address")]
+    NoFamily(String, u8),
+    /// An answer would move its sender's leg, whose address the sender already has.
+    #[error("the answer asks for {0}, but its sender was offered {1}; only an offer can move a party")]
+    AnswerMoves(String, String),
+}
+
+impl MediaConfig {
+    /// The relay interfaces: the configured ones, or `default` on `ip`.
+    pub fn relay_interfaces(&self) -> Vec<MediaInterface> {
+        if self.interfaces.is_empty() {
+            vec![MediaInterface { name: "default".into(), ip: self.ip, advertise: None }]
+        } else {
+            self.interfaces.clone()
+        }
+    }
+
+    /// The address to bind on interface `name` (the default one when `None`), in family `v4`
+    /// (true: IPv4) when given, else the interface's first address.
+    pub fn interface_address(&self, name: Option<&str>, v4: Option<bool>) -> Result<MediaInterface, InterfaceError> {
+        let all = self.relay_interfaces();
+        let name = match name {
+            Some(n) => n.to_string(),
+            None => all.iter().find(|i| i.name == "default").unwrap_or(&all[0]).name.clone(),
+        };
+        let named: Vec<&MediaInterface> = all.iter().filter(|i| i.name == name).collect();
+        if named.is_empty() {
+            let mut names: Vec<&str> = all.iter().map(|i| i.name.as_str()).collect();
+            names.dedup();
+            return Err(InterfaceError::Unknown(name, names.join(", ")));
+        }
+        match v4 {
+            None => Ok(named[0].clone()),
+            Some(v4) => named.iter().find(|i| i.ip.is_ipv4() == v4).map(|i| (*i).clone()).ok_or(InterfaceError::NoFamily(name, if v4 { 4 } else { 6 })),
+        }
+    }
+
+    /// The interface whose address `ip` is (to find what to advertise for a relay socket).
+    pub fn interface_of(&self, ip: IpAddr) -> Option<MediaInterface> {
+        self.relay_interfaces().into_iter().find(|i| i.ip == ip)
+    }
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -275,7 +380,7 @@ impl Default for DataplaneConfig {
 }
 impl Default for MediaConfig {
     fn default() -> Self {
-        MediaConfig { ip: "127.0.0.1".parse().unwrap(), port_min: 30000, port_max: 39999, learning_ms: 3000 }
+        MediaConfig { ip: "127.0.0.1".parse().unwrap(), port_min: 30000, port_max: 39999, learning_ms: 3000, interfaces: Vec::new() }
     }
 }
 impl Default for StoreConfig {
@@ -350,6 +455,13 @@ impl Config {
         }
         if self.media.ip.is_unspecified() {
             return Err("media.ip must be a concrete address, not 0.0.0.0 or ::".into());
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for i in &self.media.interfaces {
+            if !seen.insert((i.name.as_str(), i.ip.is_ipv4())) {
+                let family = if i.ip.is_ipv4() { 4 } else { 6 };
+                return Err(format!("media.interfaces: {:?} has more than one IPv{family} address (one per family)", i.name));
+            }
         }
         if !self.api.listen.ip().is_loopback() && self.api.token.as_deref().is_none_or(str::is_empty) {
             return Err(format!("api.listen {} is not loopback: set api.token or api.token_file (clients send it as a bearer token)", self.api.listen));
@@ -618,5 +730,41 @@ mod tests {
         assert!(!Config::default().metrics.per_stream);
         assert!(Config::from_toml("[metrics]\nper_stream = true\n").unwrap().metrics.per_stream);
         assert!(Config::from_toml("[metrics]\nper_streams = true\n").is_err());
+    }
+
+    #[test]
+    fn media_interfaces_in_rtpengine_notation() {
+        let c = Config::from_toml("[media]\ninterfaces = [\"internal/10.0.0.1\", \"external/203.0.113.7!198.51.100.7\", \"external/fd00::7\"]\n").unwrap();
+        let m = &c.media;
+        assert_eq!(m.interfaces[1].advertised(), "198.51.100.7".parse::<IpAddr>().unwrap());
+        // No `default`: the first listed is the default.
+        assert_eq!(m.interface_address(None, None).unwrap().name, "internal");
+        assert_eq!(m.interface_address(Some("external"), Some(false)).unwrap().ip, "fd00::7".parse::<IpAddr>().unwrap());
+        assert_eq!(m.interface_address(Some("external"), None).unwrap().ip, "203.0.113.7".parse::<IpAddr>().unwrap());
+        assert_eq!(m.interface_address(Some("internal"), Some(false)), Err(InterfaceError::NoFamily("internal".into(), 6)));
+        let unknown = m.interface_address(Some("dmz"), None).unwrap_err().to_string();
+        assert_eq!(unknown, "no media interface is named \"dmz\" (configured: internal, external)");
+        assert_eq!(m.interface_of("fd00::7".parse().unwrap()).unwrap().name, "external");
+        // Written back as it was read; from the environment as a comma-separated list.
+        assert_eq!(String::from(m.interfaces[1].clone()), "external/203.0.113.7!198.51.100.7");
+        let e = Config::resolve(None, env(&[("MEDIAPLANE_MEDIA_INTERFACES", "a/10.0.0.1, 10.0.0.2")])).unwrap();
+        assert_eq!(e.media.interfaces.iter().map(|i| i.name.as_str()).collect::<Vec<_>>(), ["a", "default"]);
+        // None configured: `default` on media.ip.
+        assert_eq!(MediaConfig::default().interface_address(None, Some(true)).unwrap().ip, MediaConfig::default().ip);
+    }
+
+    #[test]
+    fn bad_media_interfaces_are_refused_with_a_reason() {
+        for (text, why) in [
+            ("x/300.0.0.1", "is not an IP address"),
+            ("x/0.0.0.0", "must be concrete"),
+            ("x/10.0.0.1!fd00::1", "another family"),
+            ("a b/10.0.0.1", "the name must be"),
+        ] {
+            let e = Config::from_toml(&format!("[media]\ninterfaces = [{text:?}]\n")).unwrap_err();
+            assert!(e.contains(why), "{text}: {e}");
+        }
+        let twice = Config::from_toml("[media]\ninterfaces = [\"x/10.0.0.1\", \"x/10.0.0.2\"]\n").unwrap_err();
+        assert!(twice.contains("more than one IPv4 address"), "{twice}");
     }
 }

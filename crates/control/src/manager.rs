@@ -33,6 +33,8 @@ pub enum ManagerError {
     Limit { what: &'static str, max: usize },
     #[error("no free port left in {ip} {min}-{max}")]
     NoFreePort { ip: IpAddr, min: u16, max: u16 },
+    #[error(transparent)]
+    Interface(#[from] crate::config::InterfaceError),
     /// One operation of a batch failed (so the whole batch did): which one, and why.
     #[error("{item}: {source}")]
     BatchItem { item: String, source: Box<ManagerError> },
@@ -276,6 +278,11 @@ fn check_limits(model: &Model, changes: &[Change], l: &Limits) -> Result<(), Man
 /// resumes after the last port claimed and wraps around, so allocating is O(1) amortised
 /// however many ports are in use.
 pub fn allocate_local(model: &Model, media: &MediaConfig, exclude: &[SocketAddr]) -> Result<SocketAddr, ManagerError> {
+    allocate_on(model, media, media.ip, exclude)
+}
+
+/// [`allocate_local`] on address `ip` (a relay interface's), in the same port range.
+pub fn allocate_on(model: &Model, media: &MediaConfig, ip: IpAddr, exclude: &[SocketAddr]) -> Result<SocketAddr, ManagerError> {
     let first = media.port_min as u32 + (media.port_min % 2) as u32;
     let last = media.port_max as u32; // the RTCP port must stay <= port_max
     if first < last {
@@ -284,14 +291,14 @@ pub fn allocate_local(model: &Model, media: &MediaConfig, exclude: &[SocketAddr]
         let start = if (first..last).contains(&hint) { hint } else { first };
         let free = |a: &SocketAddr| model.owner_of(a).is_none() && !exclude.contains(a);
         for port in (start..last).step_by(2).chain((first..start).step_by(2)) {
-            let rtp = SocketAddr::new(media.ip, port as u16);
-            let rtcp = SocketAddr::new(media.ip, port as u16 + 1);
+            let rtp = SocketAddr::new(ip, port as u16);
+            let rtcp = SocketAddr::new(ip, port as u16 + 1);
             if free(&rtp) && free(&rtcp) {
                 return Ok(rtp);
             }
         }
     }
-    Err(ManagerError::NoFreePort { ip: media.ip, min: media.port_min, max: media.port_max })
+    Err(ManagerError::NoFreePort { ip, min: media.port_min, max: media.port_max })
 }
 
 /// The relay side named in an API path.

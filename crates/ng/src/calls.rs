@@ -12,8 +12,8 @@
 //! Everything here is a function of the model and the registry: no sockets, no clock reads.
 
 use crate::sdp::{ConnAddr, Sdp};
-use mediaplane_control::config::MediaConfig;
-use mediaplane_control::manager::{allocate_local, ManagerError};
+use mediaplane_control::config::{InterfaceError, MediaConfig};
+use mediaplane_control::manager::{allocate_on, ManagerError};
 use mediaplane_control::store::Change;
 use mediaplane_core::model::{Follow, LegSpec, Side};
 use mediaplane_core::LegSignal;
@@ -64,6 +64,11 @@ pub fn other(side: Side) -> Side {
         Side::A => Side::B,
         Side::B => Side::A,
     }
+}
+
+/// A side's index in the per-side arrays `[A, B]`.
+pub fn side_index(side: Side) -> usize {
+    ix(side)
 }
 
 fn ix(side: Side) -> usize {
@@ -236,7 +241,7 @@ pub fn apply_signal(
     from: Side,
     phase: Phase,
     signals: &[MediaSignal],
-    opts: SignalOptions,
+    opts: &SignalOptions,
 ) -> Result<Vec<Change>, ManagerError> {
     // What this SDP says of its sender's leg. No address (c=0.0.0.0): on hold.
     let signal = |remote: Option<SocketAddr>, held: bool| LegSignal { remote, follow: opts.follow, held };
@@ -265,18 +270,67 @@ pub fn apply_signal(
         if i >= call.media.len() {
             call.media.push(inactive(sig));
         }
+        // Where each party's leg lives: its interface, and its address family (the sender's
+        // leg speaks its SDP's family; the other leg `address-family`'s or keeps its own).
+        let (from_v4, current) = {
+            let m = &call.media[i];
+            (sig.rtp.map(|a| a.ip().is_ipv4()), m.active.then_some(m.local))
+        };
+        let want = |x: Side| -> Result<IpAddr, ManagerError> {
+            let cur = current.map(|l| l[ix(x)].ip());
+            let name = opts.placement.interface[ix(x)].as_deref();
+            if x == from {
+                leg_ip(media_cfg, name, from_v4, true, cur)
+            } else {
+                match opts.placement.out_v4 {
+                    Some(v4) => leg_ip(media_cfg, name, Some(v4), true, cur),
+                    None if cur.is_some() => leg_ip(media_cfg, name, None, false, cur),
+                    None => leg_ip(media_cfg, name, from_v4, false, cur),
+                }
+            }
+        };
+        let wanted = [want(Side::A)?, want(Side::B)?];
+        if let (Phase::Answer, Some(cur)) = (phase, current) {
+            // The answer's sender already has its address in the offer: its leg cannot move.
+            let (was, now) = (cur[s].ip(), wanted[s]);
+            if was != now {
+                let describe = |ip: IpAddr| match media_cfg.interface_of(ip) {
+                    Some(i) => format!("{} on interface {:?}", i.advertised(), i.name),
+                    None => ip.to_string(),
+                };
+                return Err(InterfaceError::AnswerMoves(describe(now), describe(was)).into());
+            }
+        }
         let m = &mut call.media[i];
+        // A party that moved interface or family gets a new socket: the section's relays are
+        // made again, the other party keeping its port and signalled address.
+        let moved = m.active && (m.local[0].ip() != wanted[0] || m.local[1].ip() != wanted[1]);
+        if moved {
+            model.delete_relay(&rtp_id)?;
+            if m.rtcp {
+                model.delete_relay(&rtcp_id)?;
+                m.rtcp = false;
+            }
+            m.active = false;
+        }
         if !m.active {
             // New section: two RTP locals (their odd neighbours are free for RTCP).
-            let la = allocate_local(model, media_cfg, &[])?;
-            let lb = allocate_local(model, media_cfg, &[la, rtcp_addr(la)])?;
+            let keep = |x: usize| moved && m.local[x].ip() == wanted[x];
+            let la = if keep(0) { m.local[0] } else { allocate_on(model, media_cfg, wanted[0], &[])? };
+            let lb = if keep(1) { m.local[1] } else { allocate_on(model, media_cfg, wanted[1], &[la, rtcp_addr(la)])? };
             m.local = [la, lb];
-            m.peer = [None, None];
-            m.peer_rtcp = [None, None];
+            if !moved {
+                m.peer = [None, None];
+                m.peer_rtcp = [None, None];
+            }
             m.peer[s] = sig.rtp;
             let blank = |local| LegSpec { local, remote: None, strict: false, rtp: true, follow: Follow::default() };
             model.create_relay(&rtp_id, blank(la), blank(lb))?;
             model.set_leg_signal(&rtp_id, from, signal(sig.rtp, sig.rtp.is_none()))?;
+            let o = ix(other(from));
+            if moved && m.peer[o].is_some() {
+                model.set_leg_signal(&rtp_id, other(from), signal(m.peer[o], false))?;
+            }
             m.active = true;
             m.rtcp = false;
             changes.push(Change::Relay(rtp_id.clone()));
@@ -314,6 +368,10 @@ pub fn apply_signal(
                 };
                 model.create_relay(&rtcp_id, spec(m.local[0], pa), spec(m.local[1], pb))?;
                 model.set_leg_signal(&rtcp_id, from, signal(m.peer_rtcp[s], sig.rtp.is_none()))?;
+                let o = ix(other(from));
+                if moved && m.peer_rtcp[o].is_some() {
+                    model.set_leg_signal(&rtcp_id, other(from), signal(m.peer_rtcp[o], false))?;
+                }
                 m.rtcp = true;
                 changes.push(Change::Relay(rtcp_id));
             }
@@ -346,12 +404,43 @@ pub fn apply_signal(
 }
 
 /// The flags of an offer or answer that shape its sender's leg, and when it came.
-#[derive(Debug, Clone, Copy, Default)]
+#[derive(Debug, Clone, Default)]
 pub struct SignalOptions {
     /// `strict-source`, `media-handover`, `asymmetric`, or the default learning window.
     pub follow: Follow,
     /// Unix milliseconds: the learning windows it opens start here.
     pub at_ms: u64,
+    pub placement: Placement,
+}
+
+/// Where the parties' legs live (rtpengine's `direction`, `from-interface`/`to-interface`,
+/// `address-family`).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Placement {
+    /// The media interface facing each party [A, B]; `None`: where its leg already is, or the
+    /// default interface for a new one.
+    pub interface: [Option<String>; 2],
+    /// `address-family` (true: IPv4) of the SDP going out, so of the receiving party's leg;
+    /// `None`: that leg keeps its family, or a new one takes the sender's.
+    pub out_v4: Option<bool>,
+}
+
+/// The address of a leg on interface `name` (`None`: the one it is on, or the default) in
+/// family `v4` when given. `hard`: the family is required (it is the party's own, or asked
+/// for); otherwise an interface without it gives what it has.
+fn leg_ip(cfg: &MediaConfig, name: Option<&str>, v4: Option<bool>, hard: bool, current: Option<IpAddr>) -> Result<IpAddr, ManagerError> {
+    if let Some(cur) = current {
+        let same_interface = name.is_none_or(|n| cfg.interface_of(cur).is_some_and(|i| i.name == n));
+        if same_interface && v4.is_none_or(|v4| cur.is_ipv4() == v4) {
+            return Ok(cur);
+        }
+    }
+    let name = name.map(str::to_string).or_else(|| current.and_then(|c| cfg.interface_of(c)).map(|i| i.name));
+    match cfg.interface_address(name.as_deref(), v4) {
+        Ok(i) => Ok(i.ip),
+        Err(InterfaceError::NoFamily(..)) if !hard => Ok(cfg.interface_address(name.as_deref(), None)?.ip),
+        Err(e) => Err(e.into()),
+    }
 }
 
 fn inactive(sig: &MediaSignal) -> MediaState {
@@ -521,7 +610,7 @@ mod tests {
         let mut call = Call::new("c1", t);
         // Offer from A with one audio and one video section.
         let offer = vec![sig("10.1.0.1:6000", false), MediaSignal { kind: "video".into(), ..sig("10.1.0.1:6002", false) }];
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &offer, SignalOptions::default()).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &offer, &SignalOptions::default()).unwrap();
         assert_eq!(model.relays.len(), 4, "RTP and RTCP for each section");
         let m0 = call.media[0].clone();
         assert_eq!(m0.local[0].port() % 2, 0);
@@ -536,14 +625,14 @@ mod tests {
 
         // Answer from B rejects video.
         let answer = vec![sig("10.2.0.1:7000", false), MediaSignal { disabled: true, rtp: None, rtcp: None, ..sig("10.2.0.1:7002", false) }];
-        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &answer, SignalOptions::default()).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &answer, &SignalOptions::default()).unwrap();
         assert_eq!(model.relays.len(), 2);
         assert_eq!(model.relays[&rtp_relay_id(&call.key, 0)].b.remote, Some("10.2.0.1:7000".parse().unwrap()));
         assert!(!call.media[1].active);
 
         // Re-INVITE from B moves its media; the ports stay.
         let before = call.media[0].local;
-        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Offer, &[sig("10.2.0.9:7100", false)], SignalOptions::default()).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Offer, &[sig("10.2.0.9:7100", false)], &SignalOptions::default()).unwrap();
         assert_eq!(call.media.len(), 1);
         assert_eq!(call.media[0].local, before);
         assert_eq!(model.relays[&rtp_relay_id(&call.key, 0)].b.remote, Some("10.2.0.9:7100".parse().unwrap()));
@@ -558,15 +647,15 @@ mod tests {
     fn rtcp_mux_accepted_drops_the_rtcp_relay() {
         let mut model = Model::new();
         let mut call = Call::new("c2", Instant::now());
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], SignalOptions::default()).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], &SignalOptions::default()).unwrap();
         assert!(call.media[0].rtcp, "until the answer accepts mux, RTCP gets its own relay");
-        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &[sig("10.2.0.1:7000", true)], SignalOptions::default()).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::B, Phase::Answer, &[sig("10.2.0.1:7000", true)], &SignalOptions::default()).unwrap();
         assert!(call.media[0].mux && !call.media[0].rtcp);
         assert_eq!(model.relays.len(), 1);
         // A re-offer with mux keeps it muxed; one without brings the RTCP relay back.
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], SignalOptions::default()).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", true)], &SignalOptions::default()).unwrap();
         assert_eq!(model.relays.len(), 1);
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], SignalOptions::default()).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], &SignalOptions::default()).unwrap();
         assert_eq!(model.relays.len(), 2);
     }
 
@@ -581,7 +670,7 @@ mod tests {
             Side::A,
             Phase::Offer,
             &[sig("10.1.0.1:6000", false)],
-            SignalOptions { follow: Follow::Strict, ..Default::default() },
+            &SignalOptions { follow: Follow::Strict, ..Default::default() },
         )
         .unwrap();
         let r = &model.relays[&rtp_relay_id(&call.key, 0)];
@@ -592,7 +681,7 @@ mod tests {
     fn adopt_rebuilds_calls_from_relays() {
         let mut model = Model::new();
         let mut call = Call::new("c4", Instant::now());
-        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], SignalOptions::default()).unwrap();
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], &SignalOptions::default()).unwrap();
         let mut reg = Registry::default();
         assert_eq!(reg.adopt(&model, Instant::now()), 1);
         let adopted = reg.get("c4").unwrap();
@@ -619,5 +708,122 @@ mod tests {
         assert_eq!(media_signals(&sdp, &p, false).unwrap()[0].rtp, Some("192.0.2.9:6000".parse().unwrap()));
         let bad = Sdp::parse(b"v=0\r\nm=audio 6000 RTP/AVP 0\r\n").unwrap();
         assert_eq!(media_signals(&bad, &AddressPolicy::default(), false), Err(SignalError::NoAddress(0)));
+    }
+
+    fn two_interfaces() -> MediaConfig {
+        let interfaces = ["internal/10.0.0.1", "external/203.0.113.1!198.51.100.1", "external/2001:db8::1"];
+        MediaConfig { interfaces: interfaces.iter().map(|i| i.to_string().try_into().unwrap()).collect(), ..media() }
+    }
+
+    fn placed(from: Option<&str>, to: Option<&str>, out_v4: Option<bool>, sender: Side) -> SignalOptions {
+        let mut interface: [Option<String>; 2] = Default::default();
+        interface[ix(sender)] = from.map(str::to_string);
+        interface[ix(other(sender))] = to.map(str::to_string);
+        SignalOptions { placement: Placement { interface, out_v4 }, ..Default::default() }
+    }
+
+    fn ips(call: &Call) -> [IpAddr; 2] {
+        [call.media[0].local[0].ip(), call.media[0].local[1].ip()]
+    }
+
+    #[test]
+    fn each_party_gets_a_leg_on_its_interface_and_family() {
+        let cfg = two_interfaces();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let mut model = Model::new();
+        let mut call = Call::new("if1", Instant::now());
+        // The caller is inside, the callee outside on IPv6 (address-family=IP6).
+        let opts = placed(Some("internal"), Some("external"), Some(false), Side::A);
+        apply_signal(&mut model, &cfg, &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], &opts).unwrap();
+        assert_eq!(ips(&call), [ip("10.0.0.1"), ip("2001:db8::1")]);
+        let rtcp = &model.relays[&rtcp_relay_id(&call.key, 0)];
+        assert_eq!((rtcp.a.local.ip(), rtcp.b.local.ip()), (ip("10.0.0.1"), ip("2001:db8::1")));
+        // The answer names the interfaces the other way round (its sender first).
+        let answer = placed(Some("external"), Some("internal"), None, Side::B);
+        apply_signal(&mut model, &cfg, &mut call, Side::B, Phase::Answer, &[sig("[2001:db8::9]:7000", false)], &answer).unwrap();
+        assert_eq!(model.relays[&rtp_relay_id(&call.key, 0)].b.remote, Some("[2001:db8::9]:7000".parse().unwrap()));
+        // A re-INVITE without interfaces keeps both legs where they are.
+        let before = call.media[0].local;
+        apply_signal(&mut model, &cfg, &mut call, Side::A, Phase::Offer, &[sig("10.1.0.1:6002", false)], &SignalOptions::default()).unwrap();
+        assert_eq!(call.media[0].local, before);
+        // Without address-family, a new callee leg takes the caller's family; an interface
+        // without it gives what it has.
+        let mut c2 = Call::new("if2", Instant::now());
+        apply_signal(
+            &mut model,
+            &cfg,
+            &mut c2,
+            Side::A,
+            Phase::Offer,
+            &[sig("10.1.0.2:6000", false)],
+            &placed(Some("internal"), Some("external"), None, Side::A),
+        )
+        .unwrap();
+        assert_eq!(ips(&c2), [ip("10.0.0.1"), ip("203.0.113.1")]);
+        let mut c3 = Call::new("if3", Instant::now());
+        apply_signal(
+            &mut model,
+            &cfg,
+            &mut c3,
+            Side::A,
+            Phase::Offer,
+            &[sig("[2001:db8::5]:6000", false)],
+            &placed(Some("external"), Some("internal"), None, Side::A),
+        )
+        .unwrap();
+        assert_eq!(ips(&c3), [ip("2001:db8::1"), ip("10.0.0.1")]);
+    }
+
+    #[test]
+    fn an_offer_moves_a_party_and_an_answer_cannot() {
+        let cfg = two_interfaces();
+        let ip = |s: &str| s.parse::<IpAddr>().unwrap();
+        let mut model = Model::new();
+        let mut call = Call::new("mv", Instant::now());
+        apply_signal(
+            &mut model,
+            &cfg,
+            &mut call,
+            Side::A,
+            Phase::Offer,
+            &[sig("10.1.0.1:6000", false)],
+            &placed(Some("internal"), Some("external"), None, Side::A),
+        )
+        .unwrap();
+        apply_signal(&mut model, &cfg, &mut call, Side::B, Phase::Answer, &[sig("10.2.0.1:7000", false)], &SignalOptions::default()).unwrap();
+        let callee_port = call.media[0].local[1];
+        // The caller re-INVITEs from IPv6: its leg moves to the external IPv6 address; the
+        // callee keeps its port and its signalled address, RTCP included.
+        apply_signal(&mut model, &cfg, &mut call, Side::A, Phase::Offer, &[sig("[2001:db8::7]:6000", false)], &placed(Some("external"), None, None, Side::A))
+            .unwrap();
+        assert_eq!(ips(&call), [ip("2001:db8::1"), ip("203.0.113.1")]);
+        assert_eq!(call.media[0].local[1], callee_port);
+        let r = &model.relays[&rtp_relay_id(&call.key, 0)];
+        assert_eq!((r.a.remote, r.b.remote), (Some("[2001:db8::7]:6000".parse().unwrap()), Some("10.2.0.1:7000".parse().unwrap())));
+        let c = &model.relays[&rtcp_relay_id(&call.key, 0)];
+        assert_eq!(c.b.remote, Some("10.2.0.1:7001".parse().unwrap()));
+        // An answer from IPv6 to the IPv4 address it was offered: refused, nothing changes.
+        let mut copy = model.clone();
+        let mut call2 = call.clone();
+        apply_signal(&mut copy, &cfg, &mut call2, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], &placed(Some("internal"), None, None, Side::A))
+            .unwrap();
+        let e = apply_signal(&mut copy, &cfg, &mut call2, Side::B, Phase::Answer, &[sig("[2001:db8::9]:7000", false)], &SignalOptions::default()).unwrap_err();
+        assert!(e.to_string().contains("its sender was offered 198.51.100.1 on interface \"external\""), "{e}");
+        // Unknown interfaces and missing families are errors naming them.
+        let mut c = Call::new("bad", Instant::now());
+        let e = apply_signal(&mut model, &cfg, &mut c, Side::A, Phase::Offer, &[sig("10.1.0.1:6000", false)], &placed(Some("dmz"), None, None, Side::A))
+            .unwrap_err();
+        assert_eq!(e.to_string(), "no media interface is named \"dmz\" (configured: internal, external)");
+        let e = apply_signal(
+            &mut model,
+            &cfg,
+            &mut c,
+            Side::A,
+            Phase::Offer,
+            &[sig("10.1.0.1:6000", false)],
+            &placed(None, Some("internal"), Some(false), Side::A),
+        )
+        .unwrap_err();
+        assert_eq!(e.to_string(), "media interface \"internal\" has no IPv6 address");
     }
 }

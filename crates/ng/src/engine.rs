@@ -3,7 +3,7 @@
 //! datagrams and calls [`Engine::handle_datagram`], and calls [`Engine::expire`] every second.
 
 use crate::bencode::Value;
-use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Registry, SignalOptions};
+use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Placement, Registry, SignalOptions};
 use crate::protocol::{self, error_reply, normalize, ReplyCache, Request, RequestError};
 use crate::sdp::{MediaRewrite, Rewrite, Sdp, SdpError};
 use mediaplane_control::manager::{ManagerError, SessionManager};
@@ -74,6 +74,10 @@ struct Options {
     replace_zero_address: bool,
     ice: Option<String>,
     strip_mux: bool,
+    /// The media interfaces facing the SDP's sender and its receiver (`direction`,
+    /// `from-interface`, `to-interface`), and `address-family`.
+    interfaces: [Option<String>; 2],
+    out_v4: Option<bool>,
     warnings: Vec<String>,
 }
 
@@ -89,6 +93,16 @@ fn options(req: &Request) -> Result<Options, RequestError> {
         }
     }
     let sip_source = (has("sip-source-address") || has("sip-source")) && !has("trust-address");
+    // `direction`: the sender's interface, then the receiver's (an answer names them the other
+    // way round from its offer); `from-interface`/`to-interface` say the same one at a time.
+    let direction = req.names("direction")?;
+    if direction.len() > 2 {
+        return Err(RequestError::Invalid("direction", format!("names two interfaces (the sender's, the receiver's), not {}", direction.len())));
+    }
+    let pick = |key: &'static str, i: usize| -> Result<Option<String>, RequestError> {
+        Ok(req.opt_nonempty(key)?.map(str::to_string).or_else(|| direction.get(i).cloned().filter(|d| !d.is_empty())))
+    };
+    let interfaces = [pick("from-interface", 0)?, pick("to-interface", 1)?];
     Ok(Options {
         policy: AddressPolicy { media_address: req.media_address()?, sip_source, received_from: req.received_from()? },
         leg: SignalOptions {
@@ -102,13 +116,15 @@ fn options(req: &Request) -> Result<Options, RequestError> {
             } else {
                 Follow::Window
             },
-            at_ms: 0,
+            ..Default::default()
         },
         replace_origin: replace.iter().any(|r| r == "origin") || has("replace-origin"),
         replace_session_connection: replace.iter().any(|r| r == "session-connection") || has("replace-session-connection"),
         replace_zero_address: replace.iter().any(|r| r == "zero-address"),
         ice: req.opt_str("ICE")?.map(normalize),
         strip_mux: mux.iter().any(|m| m == "reject"),
+        interfaces,
+        out_v4: req.address_family()?,
         warnings,
     })
 }
@@ -122,7 +138,23 @@ const INFORMATIONAL: &[&str] = &["supports", "sip-message-type", "sip-code", "vi
 fn keys_acted_on(command: &str) -> &'static [&'static str] {
     match command {
         // via-branch tells rtpengine a forked branch's answers apart; here the to-tag does.
-        "offer" | "answer" => &["call-id", "from-tag", "to-tag", "via-branch", "sdp", "flags", "replace", "rtcp-mux", "ice", "received-from", "media-address"],
+        "offer" | "answer" => &[
+            "call-id",
+            "from-tag",
+            "to-tag",
+            "via-branch",
+            "sdp",
+            "flags",
+            "replace",
+            "rtcp-mux",
+            "ice",
+            "received-from",
+            "media-address",
+            "direction",
+            "from-interface",
+            "to-interface",
+            "address-family",
+        ],
         "delete" => &["call-id", "from-tag", "to-tag", "via-branch", "flags"],
         "query" => &["call-id", "from-tag", "to-tag"],
         "list" => &["limit"],
@@ -156,8 +188,7 @@ fn consequence(name: &str) -> Option<&'static str> {
         "transport-protocol" | "rtp/avp" | "rtp/savp" | "rtp/avpf" | "rtp/savpf" | "udp/tls/rtp/savp" | "udp/tls/rtp/savpf" => {
             "the SDP keeps its transport protocol and media is relayed as received (no SRTP/DTLS termination)"
         }
-        "address-family" => "media stays in the address family of the media address (no IPv4/IPv6 bridging)",
-        "direction" | "from-interface" | "to-interface" | "interface" => "media uses the one configured media address (no named interfaces)",
+        "interface" => "interfaces are chosen with direction, from-interface and to-interface",
         "codec" | "codec-strip" | "codec-mask" | "codec-except" => "the SDP's codecs are passed through unfiltered",
         "record-call" | "start-recording" | "record" => "nothing is recorded",
         "loop-protect" => "the SDP is not marked, so a looped request is processed again",
@@ -371,15 +402,33 @@ impl Engine {
         }
         let remove_ice = opt.ice.is_some();
 
-        let leg = SignalOptions { at_ms: mediaplane_control::manager::unix_ms(), ..opt.leg };
-        let (call, ip) = mgr.mutate(|model, media| {
+        let mut interface: [Option<String>; 2] = Default::default();
+        let [mut to_sender, to_receiver] = opt.interfaces.clone();
+        // An answer's sender already has its relay address (from the offer): its leg stays on
+        // the interface the offer chose; a different name gets a warning, not a move.
+        let answer_names = if phase == Phase::Answer { to_sender.take() } else { None };
+        interface[calls::side_index(sender)] = to_sender;
+        interface[calls::side_index(other(sender))] = to_receiver;
+        let leg = SignalOptions { at_ms: mediaplane_control::manager::unix_ms(), placement: Placement { interface, out_v4: opt.out_v4 }, ..opt.leg.clone() };
+        let (call, media_cfg) = mgr.mutate(|model, media| {
             let mut next = call;
-            let changes = calls::apply_signal(model, media, &mut next, sender, phase, &signals, leg)?;
-            Ok(((next, media.ip), changes))
+            let changes = calls::apply_signal(model, media, &mut next, sender, phase, &signals, &leg)?;
+            Ok(((next, media.clone()), changes))
         })?;
 
-        // The SDP goes to the other party: advertise the relay side facing it.
+        if let Some(name) = answer_names {
+            let on = |m: &MediaState| media_cfg.interface_of(m.local_of(sender).ip()).map(|i| i.name);
+            if let Some(other_name) = call.media.iter().filter(|m| m.active).filter_map(on).find(|n| *n != name) {
+                opt.warnings.push(format!(
+                    "the answer names interface {name:?} for its sender, whose leg is on {other_name:?} since the offer: kept (direction lists the sender's interface first)"
+                ));
+            }
+        }
+        // The SDP goes to the other party: advertise the relay side facing it (the address of
+        // its interface, or what that interface advertises).
         let to = other(sender);
+        let ip = call.media.iter().find(|m| m.active).map_or(media_cfg.ip, |m| m.local_of(to).ip());
+        let ip = media_cfg.interface_of(ip).map_or(ip, |i| i.advertised());
         let media: Vec<MediaRewrite> = call
             .media
             .iter()
@@ -692,7 +741,10 @@ mod tests {
     }
 
     fn manager() -> SessionManager {
-        let media = MediaConfig { ip: "203.0.113.5".parse().unwrap(), port_min: 30000, port_max: 30019, ..Default::default() };
+        manager_with(MediaConfig { ip: "203.0.113.5".parse().unwrap(), port_min: 30000, port_max: 30019, ..Default::default() })
+    }
+
+    fn manager_with(media: MediaConfig) -> SessionManager {
         SessionManager::open(Store::in_memory().unwrap(), Arc::new(NullDataplane), media, Limits::default()).unwrap()
     }
 
@@ -757,6 +809,53 @@ mod tests {
     }
 
     #[test]
+    fn address_family_and_direction_bridge_ipv4_to_ipv6() {
+        let interfaces = ["internal/10.0.0.1", "external/203.0.113.1!198.51.100.7", "external/2001:db8::1"];
+        let media = MediaConfig { interfaces: interfaces.iter().map(|i| i.to_string().try_into().unwrap()).collect(), ..MediaConfig::default() };
+        let (m, mut e) = (manager_with(media), Engine::new(EngineConfig::default()));
+        let mut o = offer(OFFER_SDP);
+        o[6].1 = Value::List(vec!["origin".into(), "session connection".into()]);
+        o.push(("direction", Value::List(vec!["internal".into(), "external".into()])));
+        o.push(("address family", "IP6".into()));
+        let r = send(&mut e, &m, "o1", o);
+        assert_eq!((text(&r, "result"), text(&r, "warning")), ("ok".into(), String::new()), "{r:?}");
+        let sdp = text(&r, "sdp");
+        assert!(sdp.contains("o=alice 2890844526 2890844526 IN IP6 2001:db8::1\r\n"), "{sdp}");
+        assert!(sdp.contains("c=IN IP6 2001:db8::1\r\n") && !sdp.contains("IP4"), "{sdp}");
+        // The IPv6 callee answers; the caller, inside, is told the internal IPv4 address.
+        let v6_answer = ANSWER_SDP.replace("IN IP4 198.51.100.2", "IN IP6 2001:db8::9");
+        let mut a = answer(&v6_answer);
+        a.push(("direction", Value::List(vec!["external".into(), "internal".into()])));
+        let r = send(&mut e, &m, "a1", a);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        assert!(text(&r, "sdp").contains("c=IN IP4 10.0.0.1\r\n"), "{r:?}");
+        let relay = m.read(|model, _| model.relays.values().find(|r| r.a.rtp).cloned()).unwrap();
+        assert_eq!((relay.a.local.ip().to_string(), relay.b.remote), ("10.0.0.1".into(), Some("[2001:db8::9]:3456".parse().unwrap())));
+        // What an interface advertises behind NAT is what the SDP carries.
+        let mut o = offer(OFFER_SDP);
+        o[1].1 = "second".into();
+        o.push(("to-interface", "external".into()));
+        let r = send(&mut e, &m, "o2", o);
+        assert!(text(&r, "sdp").contains("c=IN IP4 198.51.100.7\r\n"), "{r:?}");
+        // An answer naming the interfaces in the offer's order (rtpengine reads the first as
+        // the SDP sender's): the answerer stays where its offer put it, with a warning.
+        let mut a = answer(ANSWER_SDP);
+        a[1].1 = "second".into();
+        a.push(("direction", Value::List(vec!["internal".into(), "external".into()])));
+        let r = send(&mut e, &m, "a2", a);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        assert!(text(&r, "warning").contains("names interface \"internal\" for its sender, whose leg is on \"external\" since the offer: kept"), "{r:?}");
+        // Bad values are errors that say why.
+        for (k, v, why) in [("address-family", "IPX", "\"IPX\" is neither IP4 nor IP6"), ("from-interface", "dmz", "no media interface is named \"dmz\"")] {
+            let mut o = offer(OFFER_SDP);
+            o[1].1 = "third".into();
+            o.push((k, v.into()));
+            let r = send(&mut e, &m, k, o);
+            assert!(text(&r, "error-reason").contains(why), "{r:?}");
+        }
+    }
+
+    #[test]
     fn every_key_and_flag_not_acted_on_is_named_in_a_warning() {
         let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
         // What Kamailio's module sends for a plain call: acted on, no warning.
@@ -768,7 +867,7 @@ mod tests {
         o[5].1 = Value::List(vec!["trust address".into(), "media-handover".into(), "loop-protect".into(), "frobnicate".into()]);
         o[6].1 = Value::List(vec!["origin".into(), "zero-address".into(), "username".into()]);
         o.push(("transport-protocol", "RTP/SAVP".into()));
-        o.push(("address family", "IP6".into()));
+        o.push(("interface", "internal".into()));
         o.push(("codec", Value::dict([("strip", Value::List(vec!["PCMU".into()]))])));
         o.push(("record call", "yes".into()));
         let r = send(&mut e, &m, "o1", o);
@@ -779,7 +878,7 @@ mod tests {
             "frobnicate",
             "replace=username",
             "transport-protocol (not supported: the SDP keeps its transport protocol",
-            "address-family (not supported",
+            "interface (not supported: interfaces are chosen with direction",
             "codec (not supported: the SDP's codecs are passed through",
             "record-call (not supported: nothing is recorded)",
         ] {

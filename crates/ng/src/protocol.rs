@@ -136,6 +136,27 @@ impl<'a> Request<'a> {
         }
     }
 
+    /// A list of names as given (interface names are not normalised: they match the
+    /// configuration exactly); a single string is taken as a one-element list.
+    pub fn names(&self, key: &'static str) -> Result<Vec<String>, RequestError> {
+        match self.get(key) {
+            None => Ok(Vec::new()),
+            Some(Value::Bytes(_)) => Ok(vec![self.str(key)?.to_string()]),
+            Some(Value::List(l)) => l.iter().map(|v| v.as_str().map(str::to_string).ok_or(RequestError::NotList(key))).collect(),
+            Some(_) => Err(RequestError::NotList(key)),
+        }
+    }
+
+    /// `address-family`: `IP4` (true) or `IP6` (false).
+    pub fn address_family(&self) -> Result<Option<bool>, RequestError> {
+        match self.opt_nonempty("address-family")? {
+            None => Ok(None),
+            Some(f) if f.eq_ignore_ascii_case("IP4") => Ok(Some(true)),
+            Some(f) if f.eq_ignore_ascii_case("IP6") => Ok(Some(false)),
+            Some(f) => Err(RequestError::Invalid("address-family", format!("{f:?} is neither IP4 nor IP6"))),
+        }
+    }
+
     pub fn sdp(&self) -> Result<&'a [u8], RequestError> {
         self.get("sdp").ok_or(RequestError::Missing("sdp"))?.as_bytes().ok_or(RequestError::NotString("sdp"))
     }

@@ -48,7 +48,8 @@ fn with_flags(mut req: Vec<(&'static str, Value)>, flags: &[&str]) -> Vec<(&'sta
 impl Call {
     /// Caller signals `caller_sdp_port`, the callee 127.85.2.1:7000.
     fn start(id: &'static str, caller_sdp_port: u16, ports: (u16, u16)) -> Call {
-        let media = MediaConfig { ip: MEDIA_IP.parse().unwrap(), port_min: ports.0, port_max: ports.1, learning_ms: WINDOW.as_millis() as u64 };
+        let media =
+            MediaConfig { ip: MEDIA_IP.parse().unwrap(), port_min: ports.0, port_max: ports.1, learning_ms: WINDOW.as_millis() as u64, ..Default::default() };
         let relay = Relay::start_with(media, Duration::from_secs(60));
         let mut ng = ng_client(relay.ng);
         let callee = media_socket(&format!("{CALLEE_IP}:{}", ports.0 - 1000));
