@@ -17,7 +17,7 @@
 
 use std::fs::File;
 use std::io;
-use std::net::{IpAddr, Ipv4Addr, SocketAddr, UdpSocket};
+use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr, UdpSocket};
 use std::os::fd::AsRawFd;
 use std::path::Path;
 use std::process::Command;
@@ -45,6 +45,10 @@ pub struct Peer {
     pub sfu_if: String,
     /// The veth name inside the participant namespace.
     pub peer_if: String,
+    /// IPv6 on the link, after [`Testbed::add_ipv6`]: the participant's (fd77:i::2) and the SFU
+    /// side's (fd77:i::1).
+    pub ip6: Option<IpAddr>,
+    pub sfu_ip6: Option<IpAddr>,
 }
 
 /// Interface counters (see [`Testbed::link_counters`]).
@@ -89,6 +93,8 @@ impl Testbed {
                 sfu_ip: IpAddr::V4(Ipv4Addr::new(10, 77, i as u8, 1)),
                 sfu_if: format!("{}s{i}", bed.prefix),
                 peer_if: format!("{}p{i}", bed.prefix),
+                ip6: None,
+                sfu_ip6: None,
             };
             debug_assert!(peer.sfu_if.len() <= 15 && peer.peer_if.len() <= 15, "IFNAMSIZ");
             bed.add_netns(&peer.ns)?;
@@ -118,6 +124,22 @@ impl Testbed {
         bed.in_ns(&bed.sfu_ns, || std::fs::write("/proc/sys/net/ipv4/ip_forward", "1"))?.context("enabling ip_forward in the SFU namespace")?;
         tracing::debug!(prefix = %bed.prefix, peers = n, "testbed up");
         Ok(bed)
+    }
+
+    /// Give every link IPv6 as well: fd77:i::1/64 on the SFU side, fd77:i::2/64 in participant
+    /// i, routed via the SFU side, which forwards IPv6 too. Without duplicate address detection,
+    /// so the addresses can be bound at once.
+    pub fn add_ipv6(&mut self) -> anyhow::Result<()> {
+        let mut sfu_batch = String::new();
+        for (i, p) in self.peers.iter_mut().enumerate() {
+            let (peer, sfu) = (IpAddr::V6(Ipv6Addr::new(0xfd77, i as u16, 0, 0, 0, 0, 0, 2)), IpAddr::V6(Ipv6Addr::new(0xfd77, i as u16, 0, 0, 0, 0, 0, 1)));
+            sfu_batch += &format!("addr add {sfu}/64 dev {} nodad\n", p.sfu_if);
+            ip_batch(&p.ns, &format!("addr add {peer}/64 dev {dev} nodad\nroute add default via {sfu} dev {dev}\n", dev = p.peer_if))?;
+            (p.ip6, p.sfu_ip6) = (Some(peer), Some(sfu));
+        }
+        ip_batch(&self.sfu_ns, &sfu_batch)?;
+        self.in_ns(&self.sfu_ns, || std::fs::write("/proc/sys/net/ipv6/conf/all/forwarding", "1"))?.context("enabling IPv6 forwarding in the SFU namespace")?;
+        Ok(())
     }
 
     /// Names of namespaces whose name starts with `prefix` (for tests: expect none after drop).

@@ -3,7 +3,9 @@
 //! INVITE's media on an NG relay), starting a process in a process group of its own, waiting
 //! until it has bound its SIP port, and log tails for assertion messages.
 
+use crate::netns::Testbed;
 use crate::process::Supervised;
+use std::io::{Read, Seek, SeekFrom};
 use std::net::SocketAddr;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
@@ -60,14 +62,16 @@ pub struct KamailioConfig<'a> {
     /// Where every request goes; None: to its Request-URI (one UAS per call, each on its port).
     pub next_hop: Option<SocketAddr>,
     /// rtpengine flags of every offer and answer; a request's `X-RTP-Flags` header is appended,
-    /// so the scenario chooses a call's flags and one Kamailio serves them all.
+    /// so the scenario chooses a call's flags and one Kamailio serves them all. An
+    /// `X-RTP-Answer-Flags` header replaces them for the answer (e.g. `direction` names the SDP
+    /// sender's interface first, so an answer names them the other way round).
     pub flags: &'a str,
     pub modules: &'a Path,
 }
 
 impl KamailioConfig<'_> {
     /// Every INVITE with SDP (initial or re-INVITE) → rtpengine_offer; its 2xx with SDP →
-    /// rtpengine_answer with the same flags (kept in an AVP of the transaction); BYE →
+    /// rtpengine_answer with the same flags or the answer's (kept in AVPs of the transaction); BYE →
     /// rtpengine_delete. No record-routing: only the UAC sends requests, always to Kamailio.
     pub fn render(&self) -> String {
         let next_hop = self.next_hop.map(|a| format!("$du = \"sip:{a}\";")).unwrap_or_default();
@@ -97,8 +101,13 @@ request_route {{
     }}
     if (is_method("INVITE") && has_body("application/sdp")) {{
         $avp(rtp_flags) = "{flags}";
+        $avp(rtp_answer_flags) = $avp(rtp_flags);
         if (is_present_hf("X-RTP-Flags")) {{
             $avp(rtp_flags) = $avp(rtp_flags) + " " + $hdr(X-RTP-Flags);
+            $avp(rtp_answer_flags) = $avp(rtp_flags);
+        }}
+        if (is_present_hf("X-RTP-Answer-Flags")) {{
+            $avp(rtp_answer_flags) = "{flags}" + " " + $hdr(X-RTP-Answer-Flags);
         }}
         if (!rtpengine_offer("$avp(rtp_flags)")) {{
             sl_send_reply("500", "Media relay failed");
@@ -118,7 +127,7 @@ request_route {{
 
 onreply_route[MEDIA] {{
     if (status =~ "^2[0-9][0-9]$" && has_body("application/sdp")) {{
-        if (!rtpengine_answer("$avp(rtp_flags)")) {{
+        if (!rtpengine_answer("$avp(rtp_answer_flags)")) {{
             xlog("L_ERR", "rtpengine_answer failed\n");
         }}
     }}
@@ -197,4 +206,80 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     let s = std::fs::read_to_string(path).unwrap_or_default();
     let all: Vec<&str> = s.lines().collect();
     all[all.len().saturating_sub(lines)..].join("\n")
+}
+
+/// New lines of a log file another process appends to (SIPp's `<log>` messages, read as a call
+/// goes on).
+pub struct LogTail {
+    path: PathBuf,
+    offset: u64,
+    partial: String,
+}
+
+impl LogTail {
+    pub fn new(path: PathBuf) -> LogTail {
+        LogTail { path, offset: 0, partial: String::new() }
+    }
+
+    /// The complete lines appended since the last call.
+    pub fn lines(&mut self) -> Vec<String> {
+        let Ok(mut f) = std::fs::File::open(&self.path) else { return Vec::new() };
+        let mut buf = String::new();
+        if f.seek(SeekFrom::Start(self.offset)).is_err() || f.read_to_string(&mut buf).is_err() {
+            return Vec::new();
+        }
+        self.offset += buf.len() as u64;
+        self.partial.push_str(&buf);
+        let Some(last_newline) = self.partial.rfind('\n') else { return Vec::new() };
+        let complete: String = self.partial.drain(..=last_newline).collect();
+        complete.lines().map(str::to_string).collect()
+    }
+}
+
+/// A line a SIPp scenario logged: "answered 2 10.77.0.1 10004" → ("answered 2", the address);
+/// "inviting 2" → ("inviting 2", None).
+pub fn parse_sipp_event(line: &str) -> Option<(String, Option<SocketAddr>)> {
+    let mut w = line.split_whitespace();
+    let (kind, n) = (w.next()?, w.next()?);
+    let addr = match (w.next(), w.next()) {
+        (Some(ip), Some(port)) => Some(SocketAddr::new(ip.parse().ok()?, port.parse().ok()?)),
+        _ => None,
+    };
+    Some((format!("{kind} {n}"), addr))
+}
+
+/// SIPp in the testbed's relay namespace running `<id>-<role>.xml` from `dir` for one call on SIP
+/// port `port` (its control port next to it), logging to `<id>-<role>*.log` there.
+pub fn sipp_command(tb: &Testbed, dir: &Path, id: &str, role: &str, port: u16) -> Command {
+    let mut cmd = tb.command(&tb.sfu_ns, which("sipp").expect("sipp").to_str().unwrap());
+    cmd.current_dir(dir)
+        .args(["-sf", &format!("{id}-{role}.xml"), "-i", "127.0.0.1", "-p", &port.to_string(), "-cp", &(port + 5).to_string()])
+        .args(["-m", "1", "-nostdin", "-trace_err", "-trace_logs", "-timeout", "40s", "-timeout_error"])
+        .args(["-log_file", &format!("{id}-{role}.log"), "-error_file", &format!("{id}-{role}-errors.log")])
+        .args(["-trace_msg", "-message_file", &format!("{id}-{role}-messages.log")])
+        .stdout(Stdio::null());
+    if let Ok(f) = std::fs::File::create(dir.join(format!("{id}-{role}.stderr"))) {
+        cmd.stderr(f);
+    }
+    cmd
+}
+
+/// How a SIPp process of [`sipp_command`] ended: Ok if it completed its call, else why (with
+/// the first of its error log).
+pub fn sipp_result(p: &mut Supervised, dir: &Path, id: &str, role: &str) -> Result<(), String> {
+    // SIPp can take seconds to exit after its last message when the machine is busy.
+    let why = match p.wait_timeout(Duration::from_secs(15)) {
+        Ok(Some(st)) if st.success() => return Ok(()),
+        Ok(Some(st)) => format!("exited {st}"),
+        Ok(None) => {
+            p.kill();
+            "still running (killed)".to_string()
+        }
+        Err(e) => e.to_string(),
+    };
+    // SIPp's error log quotes whole SDP bodies: one line, cut short, is enough to tell why.
+    let errors = std::fs::read_to_string(dir.join(format!("{id}-{role}-errors.log"))).unwrap_or_default();
+    let errors: String = errors.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("The following events")).collect::<Vec<_>>().join(" | ");
+    let errors: String = errors.chars().take(300).collect();
+    Err(format!("SIPp {role} of {id} {why}: {errors} (see {id}-{role}-errors.log, MP_KEEP_TMP=1 keeps it)"))
 }

@@ -136,6 +136,18 @@ fn sdp(ip: IpAddr, port: u16, session: usize) -> String {
 // Relay processes
 // ---------------------------------------------------------------------------------------------
 
+/// How a relay is started beyond its name.
+#[derive(Debug, Clone, Default)]
+pub struct RelaySetup {
+    /// mediaplane worker threads (None = default).
+    pub workers: Option<usize>,
+    /// Size mediaplane's kernel maps and relay limit for that many relay sessions.
+    pub sessions: Option<usize>,
+    /// Media interfaces in rtpengine's `--interface` notation (`name/address[!advertised]`),
+    /// given to either relay; empty: one, on peer 0's link.
+    pub interfaces: Vec<String>,
+}
+
 /// A relay running in the relay namespace; SIGTERM then SIGKILL by PID on stop, SIGKILL on drop.
 pub struct RelayProc {
     pub name: String,
@@ -149,13 +161,17 @@ impl RelayProc {
     /// `sessions`: size mediaplane's kernel maps and relay limit for that many relay sessions.
     pub fn start(tb: &Testbed, name: &str, dir: &Path, workers: Option<usize>, sessions: Option<usize>) -> anyhow::Result<RelayProc> {
         let exe = std::env::current_exe().context("locating the mediaplane binary")?;
-        Self::start_binary(tb, name, dir, &exe, workers, sessions)
+        Self::start_binary(tb, name, dir, &exe, &RelaySetup { workers, sessions, ..Default::default() })
     }
 
     /// [`RelayProc::start`] with `mediaplane` as the mediaplane binary (a test passes
     /// `CARGO_BIN_EXE_mediaplane`: its own executable is not the daemon).
-    pub fn start_binary(tb: &Testbed, name: &str, dir: &Path, mediaplane: &Path, workers: Option<usize>, sessions: Option<usize>) -> anyhow::Result<RelayProc> {
+    pub fn start_binary(tb: &Testbed, name: &str, dir: &Path, mediaplane: &Path, setup: &RelaySetup) -> anyhow::Result<RelayProc> {
+        let RelaySetup { workers, sessions, interfaces } = setup;
+        let (workers, sessions) = (*workers, *sessions);
         let media_ip = tb.peers[0].sfu_ip;
+        // rtpengine's notation, which mediaplane's media.interfaces takes too.
+        let interfaces = if interfaces.is_empty() { vec![media_ip.to_string()] } else { interfaces.clone() };
         let log = dir.join(format!("{}-{name}.log", tb.prefix));
         let logf = std::fs::File::create(&log)?;
         let mut cmd;
@@ -163,7 +179,10 @@ impl RelayProc {
             "mediaplane-userspace" | "mediaplane-ebpf" | "mediaplane-ebpf-noxdp" | "mediaplane-ebpf-xdp" => {
                 let (plane, xdp) = crate::conference::plane_variant(name.trim_start_matches("mediaplane-"));
                 let cfg = dir.join(format!("{}-{name}.toml", tb.prefix));
-                let mut toml = format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\n");
+                // Debug quoting is a TOML basic string for these (ASCII, no control characters).
+                let quoted: Vec<String> = interfaces.iter().map(|i| format!("{i:?}")).collect();
+                let mut toml =
+                    format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\ninterfaces = [{}]\n", quoted.join(", "));
                 if let Some(n) = sessions {
                     // Two stream entries and two copies per relay session, plus headroom.
                     let entries = (2 * n + 1024).min(u32::MAX as usize);
@@ -201,7 +220,7 @@ impl RelayProc {
                     "--silent-timeout=86400",
                     "--offer-timeout=86400",
                 ])
-                .arg(format!("--interface={media_ip}"))
+                .args(interfaces.iter().map(|i| format!("--interface={i}")))
                 .arg(format!("--listen-ng={NG}"))
                 .arg(format!("--port-min={RELAY_PORT_MIN}"))
                 .arg(format!("--port-max={RELAY_PORT_MAX}"));

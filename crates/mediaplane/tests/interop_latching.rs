@@ -47,16 +47,14 @@
 mod common;
 
 use mediaplane_bench::netns::Testbed;
-use mediaplane_bench::process::Supervised;
 use mediaplane_bench::sip::{self, Kamailio, KamailioConfig};
 use mediaplane_core::rtp::build_rtp;
-use mediaplane_harness::bench_relay::{RelayProc, NG};
+use mediaplane_harness::bench_relay::{RelayProc, RelaySetup, NG};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::io::{ErrorKind, Read, Seek, SeekFrom};
+use std::io::ErrorKind;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
+use std::path::Path;
 use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
 
@@ -470,75 +468,6 @@ impl CallRecord {
     }
 }
 
-/// New lines of a log file another process appends to.
-struct LogTail {
-    path: PathBuf,
-    offset: u64,
-    partial: String,
-}
-
-impl LogTail {
-    fn new(path: PathBuf) -> LogTail {
-        LogTail { path, offset: 0, partial: String::new() }
-    }
-
-    fn lines(&mut self) -> Vec<String> {
-        let Ok(mut f) = std::fs::File::open(&self.path) else { return Vec::new() };
-        let mut buf = String::new();
-        if f.seek(SeekFrom::Start(self.offset)).is_err() || f.read_to_string(&mut buf).is_err() {
-            return Vec::new();
-        }
-        self.offset += buf.len() as u64;
-        self.partial.push_str(&buf);
-        let Some(last_newline) = self.partial.rfind('\n') else { return Vec::new() };
-        let complete: String = self.partial.drain(..=last_newline).collect();
-        complete.lines().map(str::to_string).collect()
-    }
-}
-
-/// A line a SIPp scenario logged: "answered 2 10.77.0.1 10004" → ("answered 2", the address);
-/// "inviting 2" → ("inviting 2", None).
-fn parse_sipp_event(line: &str) -> Option<(String, Option<SocketAddr>)> {
-    let mut w = line.split_whitespace();
-    let (kind, n) = (w.next()?, w.next()?);
-    let addr = match (w.next(), w.next()) {
-        (Some(ip), Some(port)) => Some(SocketAddr::new(ip.parse().ok()?, port.parse().ok()?)),
-        _ => None,
-    };
-    Some((format!("{kind} {n}"), addr))
-}
-
-fn sipp_command(tb: &Testbed, dir: &Path, role: &str, plan: &CallPlan, port: u16) -> std::process::Command {
-    let id = plan.scenario.id;
-    let mut cmd = tb.command(&tb.sfu_ns, sip::which("sipp").unwrap().to_str().unwrap());
-    cmd.current_dir(dir)
-        .args(["-sf", &format!("{id}-{role}.xml"), "-i", "127.0.0.1", "-p", &port.to_string(), "-cp", &(port + 5).to_string()])
-        .args(["-m", "1", "-nostdin", "-trace_err", "-trace_logs", "-timeout", "40s", "-timeout_error"])
-        .args(["-log_file", &format!("{id}-{role}.log"), "-error_file", &format!("{id}-{role}-errors.log")])
-        .args(["-trace_msg", "-message_file", &format!("{id}-{role}-messages.log")])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join(format!("{id}-{role}.stderr"))).unwrap());
-    cmd
-}
-
-fn sipp_result(p: &mut Supervised, dir: &Path, id: &str, role: &str) -> Result<(), String> {
-    // SIPp can take seconds to exit after its last message when the machine is busy.
-    let why = match p.wait_timeout(Duration::from_secs(15)) {
-        Ok(Some(st)) if st.success() => return Ok(()),
-        Ok(Some(st)) => format!("exited {st}"),
-        Ok(None) => {
-            p.kill();
-            "still running (killed)".to_string()
-        }
-        Err(e) => e.to_string(),
-    };
-    // SIPp's error log quotes whole SDP bodies: one line, cut short, is enough to tell why.
-    let errors = std::fs::read_to_string(dir.join(format!("{id}-{role}-errors.log"))).unwrap_or_default();
-    let errors: String = errors.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("The following events")).collect::<Vec<_>>().join(" | ");
-    let errors: String = errors.chars().take(300).collect();
-    Err(format!("SIPp {role} of {id} {why}: {errors} (see {id}-{role}-errors.log, MP_KEEP_TMP=1 keeps it)"))
-}
-
 /// Run one call: its SIPp UAS and UAC, and both media endpoints, until the caller stopped
 /// sending before its BYE and SIPp finished.
 fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
@@ -566,15 +495,15 @@ fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
         uas: Ok(()),
     };
     let uas_port = plan.uas_sip_port();
-    let mut uas = sip::spawn_group("sipp uas", &mut sipp_command(tb, dir, "uas", plan, uas_port)).unwrap();
+    let mut uas = sip::spawn_group("sipp uas", &mut sip::sipp_command(tb, dir, sc.id, "uas", uas_port)).unwrap();
     if let Err(e) = sip::wait_udp_bound(&mut uas, uas_port, Duration::from_secs(10)) {
         record.uas = Err(e);
         return record;
     }
-    let mut uac_cmd = sipp_command(tb, dir, "uac", plan, uas_port + 1);
+    let mut uac_cmd = sip::sipp_command(tb, dir, sc.id, "uac", uas_port + 1);
     let mut uac = sip::spawn_group("sipp uac", uac_cmd.arg(KAMAILIO)).unwrap();
 
-    let (mut uac_log, mut uas_log) = (LogTail::new(dir.join(format!("{}-uac.log", sc.id))), LogTail::new(dir.join(format!("{}-uas.log", sc.id))));
+    let (mut uac_log, mut uas_log) = (sip::LogTail::new(dir.join(format!("{}-uac.log", sc.id))), sip::LogTail::new(dir.join(format!("{}-uas.log", sc.id))));
     // Where each party sends: the relay's address from the latest SDP it received (the callee
     // keeps its last real one when an offer says 0.0.0.0, as a phone on hold keeps talking).
     let (mut caller_target, mut callee_target): (Option<SocketAddr>, Option<SocketAddr>) = (None, None);
@@ -589,7 +518,7 @@ fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
     loop {
         let now = Instant::now();
         for line in uas_log.lines() {
-            if let Some((event, addr)) = parse_sipp_event(&line) {
+            if let Some((event, addr)) = sip::parse_sipp_event(&line) {
                 if let Some(a) = addr.filter(|a| !a.ip().is_unspecified()) {
                     callee_target = Some(a);
                 }
@@ -597,7 +526,7 @@ fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
             }
         }
         for line in uac_log.lines() {
-            if let Some((event, addr)) = parse_sipp_event(&line) {
+            if let Some((event, addr)) = sip::parse_sipp_event(&line) {
                 if event.starts_with("answered") {
                     caller_target = addr.or(caller_target);
                     // Media starts with the first answer; stops before the BYE that follows the last.
@@ -659,8 +588,8 @@ fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
         }
         std::thread::sleep(POLL);
     }
-    record.uac = sipp_result(&mut uac, dir, sc.id, "uac");
-    record.uas = sipp_result(&mut uas, dir, sc.id, "uas");
+    record.uac = sip::sipp_result(&mut uac, dir, sc.id, "uac");
+    record.uas = sip::sipp_result(&mut uas, dir, sc.id, "uas");
     record
 }
 
@@ -858,7 +787,7 @@ fn run_scenarios(relay: Relay) {
     let tmp = common::TempDir::new("latching");
     let keep = std::env::var_os("MP_KEEP_TMP").is_some();
     let tb = Testbed::star(2).expect("testbed");
-    let mut relay_proc = RelayProc::start_binary(&tb, relay.name(), &tmp.0, Path::new(env!("CARGO_BIN_EXE_mediaplane")), None, None)
+    let mut relay_proc = RelayProc::start_binary(&tb, relay.name(), &tmp.0, Path::new(env!("CARGO_BIN_EXE_mediaplane")), &RelaySetup::default())
         .unwrap_or_else(|e| panic!("starting {}: {e:#}", relay.name()));
     let modules = sip::kamailio_module_dir().unwrap();
     let kamailio_cfg = KamailioConfig { listen: KAMAILIO.parse().unwrap(), ng: NG.parse().unwrap(), next_hop: None, flags: BASE_FLAGS, modules: &modules };
