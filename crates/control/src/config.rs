@@ -42,11 +42,14 @@ pub struct NgSection {
     pub media_timeout_secs: u64,
     /// SIP servers allowed to send commands (the protocol has no authentication).
     pub allow: Vec<IpAddr>,
+    /// Where recorded calls (`record-call`, `start recording`) go: a pcap and a metadata file
+    /// per call. None: nothing is recorded, and a request asking for it is told so.
+    pub recording_dir: Option<PathBuf>,
 }
 
 impl Default for NgSection {
     fn default() -> Self {
-        NgSection { listen: None, media_timeout_secs: 60, allow: Vec::new() }
+        NgSection { listen: None, media_timeout_secs: 60, allow: Vec::new(), recording_dir: None }
     }
 }
 

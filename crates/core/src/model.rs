@@ -220,6 +220,9 @@ pub struct LegSpec {
 pub struct Relay {
     pub a: Leg,
     pub b: Leg,
+    /// Both directions are recorded ([`crate::StreamEntry::record`]).
+    #[serde(default)]
+    pub record: bool,
 }
 
 /// Which side of a relay.
@@ -543,7 +546,7 @@ impl Model {
         let b = mk(self, b);
         self.legs.insert(a.uid, (id.into(), Side::A));
         self.legs.insert(b.uid, (id.into(), Side::B));
-        self.relays.insert(id.into(), Relay { a, b });
+        self.relays.insert(id.into(), Relay { a, b, record: false });
         Ok(())
     }
 

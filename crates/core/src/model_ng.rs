@@ -35,6 +35,14 @@ impl Model {
         leg.remote = signal.remote;
         Ok(())
     }
+
+    /// Record a relay's packets (both directions) or stop; true if that changed anything.
+    pub fn set_relay_record(&mut self, id: &str, record: bool) -> Result<bool, ModelError> {
+        let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
+        let changed = r.record != record;
+        r.record = record;
+        Ok(changed)
+    }
 }
 
 /// What one SDP says of the party that sent it, for its leg.

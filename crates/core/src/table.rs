@@ -55,6 +55,11 @@ pub struct StreamEntry {
     /// fan-out; excess is dropped and counted as `drop_rate_limited`). Set by the control plane.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub rate: Option<crate::ratelimit::RateLimit>,
+    /// Its packets are recorded (a relay of a call with `record-call`): the data plane hands
+    /// each one it forwards to the recording tap; the kernel path leaves such streams to the slow
+    /// path, which does.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub record: bool,
 }
 
 /// Why a packet was dropped; every drop is counted under one of these.
@@ -166,7 +171,16 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                 .map(|(sub_id, sub)| Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote })
                 .collect();
             copies.sort();
-            out.push(StreamEntry { id: s.uid, label: format!("{rid}/{pid}/{sid}"), key, source: SourceRule::Fixed(p.remote), rtp: s.rtp, copies, rate });
+            out.push(StreamEntry {
+                id: s.uid,
+                label: format!("{rid}/{pid}/{sid}"),
+                key,
+                source: SourceRule::Fixed(p.remote),
+                rtp: s.rtp,
+                copies,
+                rate,
+                record: false,
+            });
         }
     }
     out
@@ -177,7 +191,16 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
     [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
         let copies = to_leg.peer().map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to }]).unwrap_or_default();
-        StreamEntry { id: from_leg.uid, label: format!("relay:{id}/{side}"), key, source: relay_source(from_leg), rtp: from_leg.rtp, copies, rate }
+        StreamEntry {
+            id: from_leg.uid,
+            label: format!("relay:{id}/{side}"),
+            key,
+            source: relay_source(from_leg),
+            rtp: from_leg.rtp,
+            copies,
+            rate,
+            record: r.record,
+        }
     })
 }
 

@@ -445,6 +445,9 @@ impl Dataplane for UserspaceDataplane {
             }
         }
         st.extra.extend(sys::host_drop_counters().into_iter().map(|(k, v)| (k.to_string(), v)));
+        // Process-wide (one recorder per daemon): recorded streams' packets relayed but not
+        // recorded because the writer fell behind.
+        st.extra.insert("not_recorded".into(), crate::record::not_recorded());
         st
     }
 
@@ -711,6 +714,9 @@ impl WorkerCtx {
                             delta.total.drop_rate_limited += 1;
                             continue;
                         }
+                    }
+                    if entry.record {
+                        crate::record::tap(entry.id, &entry.label, src, local, payload);
                     }
                     for copy in &entry.copies {
                         if copy.to == src {

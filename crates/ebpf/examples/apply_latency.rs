@@ -26,6 +26,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         rtp: true,
         copies: (0..subs).map(|j| Copy { subscriber: format!("sub{j}"), from: local, to: a(format!("127.0.0.3:{}", 40000 + j)) }).collect(),
         rate: None,
+        record: false,
     }
 }
 

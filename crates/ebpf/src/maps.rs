@@ -520,7 +520,8 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     // The kernel rewrites headers in place: it cannot turn IPv4 into IPv6. Such streams (and
     // fan-outs bigger than its scratch space) are left whole to the slow path.
     let mixed = source.is_some_and(|s| s.is_ipv4() != v4) || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
-    if mixed || e.copies.len() > MAX_FANOUT {
+    // Recorded streams too: the slow path hands what it forwards to the recording tap.
+    if mixed || e.record || e.copies.len() > MAX_FANOUT {
         f |= flags::SLOW;
     }
     let rate = e.rate.filter(|r| !r.is_unlimited());

@@ -146,6 +146,8 @@ pub struct RelaySetup {
     /// Media interfaces in rtpengine's `--interface` notation (`name/address[!advertised]`),
     /// given to either relay; empty: one, on peer 0's link.
     pub interfaces: Vec<String>,
+    /// Record calls that ask for it into this directory (rtpengine: pcap, Ethernet frames).
+    pub recording_dir: Option<PathBuf>,
 }
 
 /// A relay running in the relay namespace; SIGTERM then SIGKILL by PID on stop, SIGKILL on drop.
@@ -167,7 +169,7 @@ impl RelayProc {
     /// [`RelayProc::start`] with `mediaplane` as the mediaplane binary (a test passes
     /// `CARGO_BIN_EXE_mediaplane`: its own executable is not the daemon).
     pub fn start_binary(tb: &Testbed, name: &str, dir: &Path, mediaplane: &Path, setup: &RelaySetup) -> anyhow::Result<RelayProc> {
-        let RelaySetup { workers, sessions, interfaces } = setup;
+        let RelaySetup { workers, sessions, interfaces, recording_dir } = setup;
         let (workers, sessions) = (*workers, *sessions);
         let media_ip = tb.peers[0].sfu_ip;
         // rtpengine's notation, which mediaplane's media.interfaces takes too.
@@ -183,6 +185,9 @@ impl RelayProc {
                 let quoted: Vec<String> = interfaces.iter().map(|i| format!("{i:?}")).collect();
                 let mut toml =
                     format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\ninterfaces = [{}]\n", quoted.join(", "));
+                if let Some(dir) = recording_dir {
+                    toml += &format!("[ng]\nrecording_dir = {:?}\n", dir.display().to_string());
+                }
                 if let Some(n) = sessions {
                     // Two stream entries and two copies per relay session, plus headroom.
                     let entries = (2 * n + 1024).min(u32::MAX as usize);
@@ -221,6 +226,11 @@ impl RelayProc {
                     "--offer-timeout=86400",
                 ])
                 .args(interfaces.iter().map(|i| format!("--interface={i}")))
+                .args(
+                    recording_dir
+                        .iter()
+                        .flat_map(|d| [format!("--recording-dir={}", d.display()), "--recording-method=pcap".into(), "--recording-format=eth".into()]),
+                )
                 .arg(format!("--listen-ng={NG}"))
                 .arg(format!("--port-min={RELAY_PORT_MIN}"))
                 .arg(format!("--port-max={RELAY_PORT_MAX}"));

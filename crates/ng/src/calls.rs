@@ -114,6 +114,10 @@ pub struct Call {
     pub last_signal: SystemTime,
     pub media: Vec<MediaState>,
     pub answered: bool,
+    /// Its relays are recorded now; `recorded`: they were at some point (its metadata is kept up
+    /// to date until it ends).
+    pub recording: bool,
+    pub recorded: bool,
     /// Media activity: received packets on all its legs at the last poll, and when it moved.
     pub last_rx: u64,
     pub last_activity: Instant,
@@ -131,6 +135,8 @@ impl Call {
             last_signal: t,
             media: Vec::new(),
             answered: false,
+            recording: false,
+            recorded: false,
             last_rx: 0,
             last_activity: now,
         }

@@ -5,9 +5,11 @@
 use crate::bencode::Value;
 use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Placement, Registry, SignalOptions};
 use crate::protocol::{self, error_reply, normalize, ReplyCache, Request, RequestError};
+use crate::recording::{self, Recordings};
 use crate::sdp::{MediaRewrite, Rewrite, Sdp, SdpError};
 use mediaplane_control::manager::{ManagerError, SessionManager};
 use mediaplane_control::metrics::{CallEnd, NgMetrics};
+use mediaplane_control::store::Change;
 use mediaplane_core::model::{Follow, Side};
 use mediaplane_core::Model;
 use mediaplane_dataplane::{Counters, DataplaneStats};
@@ -58,6 +60,8 @@ pub struct Engine {
     cache: ReplyCache,
     metrics: NgMetrics,
     started: Instant,
+    /// Where recorded calls go; None: `record-call` records nothing (and says so).
+    recordings: Option<Recordings>,
 }
 
 fn unix(t: SystemTime) -> i64 {
@@ -78,6 +82,8 @@ struct Options {
     /// `from-interface`, `to-interface`), and `address-family`.
     interfaces: [Option<String>; 2],
     out_v4: Option<bool>,
+    /// `record-call` (`yes`/`on` or the flag; `no`/`off`).
+    record: Option<bool>,
     warnings: Vec<String>,
 }
 
@@ -125,6 +131,12 @@ fn options(req: &Request) -> Result<Options, RequestError> {
         strip_mux: mux.iter().any(|m| m == "reject"),
         interfaces,
         out_v4: req.address_family()?,
+        record: match req.opt_nonempty("record-call")?.map(normalize).as_deref() {
+            Some("yes" | "on" | "true") => Some(true),
+            Some("no" | "off" | "false") => Some(false),
+            Some(v) => return Err(RequestError::Invalid("record-call", format!("{v:?} is not yes, no, on or off"))),
+            None => has("record-call").then_some(true),
+        },
         warnings,
     })
 }
@@ -154,9 +166,12 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
             "from-interface",
             "to-interface",
             "address-family",
+            "record-call",
         ],
         "delete" => &["call-id", "from-tag", "to-tag", "via-branch", "flags"],
         "query" => &["call-id", "from-tag", "to-tag"],
+        // The whole call is recorded, whichever of its parties the tags name.
+        "start recording" | "stop recording" | "start-recording" | "stop-recording" => &["call-id", "from-tag", "to-tag", "via-branch"],
         "list" => &["limit"],
         _ => &[],
     }
@@ -175,6 +190,7 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
             "replace-session-connection",
             "symmetric",
             "asymmetric",
+            "record-call",
         ],
         "delete" => &["fatal"],
         _ => &[],
@@ -190,7 +206,7 @@ fn consequence(name: &str) -> Option<&'static str> {
         }
         "interface" => "interfaces are chosen with direction, from-interface and to-interface",
         "codec" | "codec-strip" | "codec-mask" | "codec-except" => "the SDP's codecs are passed through unfiltered",
-        "record-call" | "start-recording" | "record" => "nothing is recorded",
+        "record" => "record-call records a call",
         "loop-protect" => "the SDP is not marked, so a looped request is processed again",
         "sdes" | "dtls" | "osrtp" | "generate-mid" | "rtcp-mux-require" | "trickle-ice" => "no SRTP, DTLS or ICE is terminated",
         "port-latching" | "no-port-latching" => "local ports are allocated per call as usual",
@@ -251,7 +267,80 @@ impl Engine {
     /// An engine counting into `metrics` (the daemon's registry's).
     pub fn with_metrics(cfg: EngineConfig, metrics: NgMetrics) -> Engine {
         let cache = ReplyCache::new(cfg.reply_ttl, cfg.reply_cache_entries);
-        Engine { cfg, registry: Registry::default(), cache, metrics, started: Instant::now() }
+        Engine { cfg, registry: Registry::default(), cache, metrics, started: Instant::now(), recordings: None }
+    }
+
+    /// Record calls that ask for it (`record-call`, `start recording`) with `recordings`.
+    pub fn record_with(&mut self, recordings: Recordings) {
+        self.recordings = Some(recordings);
+    }
+
+    pub fn recordings(&self) -> Option<&Recordings> {
+        self.recordings.as_ref()
+    }
+
+    /// Mark every relay of `call` recorded or not, as `call.recording` says (inside a mutation).
+    fn mark_recorded(model: &mut Model, call: &Call, changes: &mut Vec<Change>) -> Result<(), ManagerError> {
+        for id in call.relay_ids() {
+            if model.set_relay_record(&id, call.recording)? && !changes.contains(&Change::Relay(id.clone())) {
+                changes.push(Change::Relay(id));
+            }
+        }
+        Ok(())
+    }
+
+    /// Write a recorded call's metadata; `ended`: it is over (its pcap is closed too).
+    fn recording_metadata(&self, call: &Call, ended: Option<SystemTime>) {
+        let Some(rec) = &self.recordings else { return };
+        if !call.recorded {
+            return;
+        }
+        let media: Vec<serde_json::Value> = call
+            .media
+            .iter()
+            .enumerate()
+            .filter(|(_, m)| m.active)
+            .map(|(i, m)| {
+                serde_json::json!({
+                    "index": i + 1, "type": m.kind, "protocol": m.proto, "rtcp-mux": m.mux,
+                    "local": [m.local[0].to_string(), m.local[1].to_string()],
+                    "peer": [m.peer[0].map(|a| a.to_string()), m.peer[1].map(|a| a.to_string())],
+                })
+            })
+            .collect();
+        let meta = serde_json::json!({
+            "call-id": call.call_id, "from-tag": call.tag_a, "to-tag": call.tag_b, "key": call.key,
+            "created": recording::unix_secs(call.created), "ended": ended.map(recording::unix_secs),
+            "recording": call.recording, "pcap": format!("{}.pcap", call.key),
+            "pcap-format": "Ethernet/IP/UDP frames as each packet arrived at the relay (source: the party, destination: the relay)",
+            "media": media,
+        });
+        rec.write_metadata(&call.key, &meta);
+        if ended.is_some() {
+            rec.close(&call.key);
+        }
+    }
+
+    /// `start recording` / `stop recording`: the call's relays are (no longer) recorded.
+    fn set_recording(&mut self, mgr: &SessionManager, req: &Request, on: bool) -> Result<Value, NgError> {
+        let call_id = req.nonempty("call-id")?;
+        let Some(call) = self.registry.get(call_id).filter(|c| c.call_id == call_id) else {
+            return Err(NgError::Call(format!("unknown call-id {call_id:?}")));
+        };
+        if self.recordings.is_none() {
+            return Err(NgError::Call("recording is not configured (ng.recording_dir)".into()));
+        }
+        let mut call = call.clone();
+        call.recording = on;
+        call.recorded |= on;
+        mgr.mutate(|model, _| {
+            let mut changes = Vec::new();
+            Self::mark_recorded(model, &call, &mut changes)?;
+            Ok(((), changes))
+        })?;
+        self.recording_metadata(&call, None);
+        self.registry.insert(call);
+        Ok(Value::dict([("result", Value::str("ok"))]))
     }
 
     pub fn registry(&self) -> &Registry {
@@ -318,6 +407,8 @@ impl Engine {
             "query" => self.query(mgr, &req),
             "list" => self.list(&req),
             "statistics" => Ok(self.statistics(mgr)),
+            "start recording" | "start-recording" => self.set_recording(mgr, &req, true),
+            "stop recording" | "stop-recording" => self.set_recording(mgr, &req, false),
             other => Err(NgError::Call(format!("unknown command {other:?}"))),
         };
         // Also in our own log: Kamailio's module does not log a reply's warning.
@@ -410,9 +501,18 @@ impl Engine {
         interface[calls::side_index(sender)] = to_sender;
         interface[calls::side_index(other(sender))] = to_receiver;
         let leg = SignalOptions { at_ms: mediaplane_control::manager::unix_ms(), placement: Placement { interface, out_v4: opt.out_v4 }, ..opt.leg.clone() };
+        if let Some(on) = opt.record {
+            if self.recordings.is_some() {
+                call.recording = on;
+                call.recorded |= on;
+            } else if on {
+                opt.warnings.push("record-call: nothing is recorded (no ng.recording_dir configured)".into());
+            }
+        }
         let (call, media_cfg) = mgr.mutate(|model, media| {
             let mut next = call;
-            let changes = calls::apply_signal(model, media, &mut next, sender, phase, &signals, &leg)?;
+            let mut changes = calls::apply_signal(model, media, &mut next, sender, phase, &signals, &leg)?;
+            Self::mark_recorded(model, &next, &mut changes)?;
             Ok(((next, media.clone()), changes))
         })?;
 
@@ -454,6 +554,7 @@ impl Engine {
             call.last_activity = now;
         }
         tracing::debug!(call_id, relays = ?call.relay_ids(), "call updated");
+        self.recording_metadata(&call, None);
         self.registry.insert(call);
 
         let mut reply = vec![("result", Value::str("ok")), ("sdp", Value::Bytes(rewritten))];
@@ -487,6 +588,7 @@ impl Engine {
         let call = call.clone();
         let stats = self.call_stats(mgr, &call);
         mgr.mutate(|model, _| Ok(((), calls::delete_call(model, &call)?)))?;
+        self.recording_metadata(&call, Some(SystemTime::now()));
         self.registry.remove(&call.key);
         self.metrics.call_ended(CallEnd::Deleted);
         let mut reply = vec![("result", Value::str("ok")), ("created", Value::Int(unix(call.created))), ("last signal", Value::Int(unix(call.last_signal)))];
@@ -650,6 +752,7 @@ impl Engine {
         let mut gone = Vec::new();
         for c in idle {
             tracing::info!(call_id = %c.call_id, key = %c.key, "media timeout: call deleted");
+            self.recording_metadata(&c, Some(SystemTime::now()));
             self.registry.remove(&c.key);
             self.metrics.call_ended(CallEnd::Timeout);
             gone.push(if c.call_id.is_empty() { c.key } else { c.call_id });
@@ -856,6 +959,34 @@ mod tests {
     }
 
     #[test]
+    fn start_and_stop_recording_mark_the_calls_relays() {
+        let recorded = |m: &SessionManager| m.read(|model, _| model.relays.values().filter(|r| r.record).count());
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        let start = |call: &str| vec![("command", "start recording".into()), ("call-id", call.into())];
+        let r = send(&mut e, &m, "r0", start("cfBXzDSZqhYNcXM"));
+        assert_eq!(text(&r, "error-reason"), "recording is not configured (ng.recording_dir)", "{r:?}");
+        let dir = std::env::temp_dir().join(format!("mp-rec-{}-{}", std::process::id(), line!()));
+        e.record_with(Recordings::start(&dir).unwrap());
+        let r = send(&mut e, &m, "r1", start("cfBXzDSZqhYNcXM"));
+        assert_eq!((text(&r, "result"), text(&r, "warning")), ("ok".into(), String::new()), "{r:?}");
+        assert_eq!(recorded(&m), 2, "the RTP and RTCP relays");
+        let meta: serde_json::Value =
+            serde_json::from_slice(&std::fs::read(e.recordings().unwrap().metadata_path(&calls::call_key("cfBXzDSZqhYNcXM"))).unwrap()).unwrap();
+        assert_eq!((meta["call-id"].as_str(), meta["ended"].is_null()), (Some("cfBXzDSZqhYNcXM"), true));
+        // A re-INVITE keeps recording; stop recording ends it; an unknown call is an error.
+        send(&mut e, &m, "o2", offer(OFFER_SDP));
+        assert_eq!(recorded(&m), 2);
+        let r = send(&mut e, &m, "r2", vec![("command", "stop recording".into()), ("call-id", "cfBXzDSZqhYNcXM".into())]);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        assert_eq!(recorded(&m), 0);
+        let r = send(&mut e, &m, "r3", start("nope"));
+        assert_eq!(text(&r, "error-reason"), "unknown call-id \"nope\"", "{r:?}");
+        drop(e);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
     fn every_key_and_flag_not_acted_on_is_named_in_a_warning() {
         let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
         // What Kamailio's module sends for a plain call: acted on, no warning.
@@ -880,7 +1011,7 @@ mod tests {
             "transport-protocol (not supported: the SDP keeps its transport protocol",
             "interface (not supported: interfaces are chosen with direction",
             "codec (not supported: the SDP's codecs are passed through",
-            "record-call (not supported: nothing is recorded)",
+            "record-call: nothing is recorded (no ng.recording_dir configured)",
         ] {
             assert!(w.contains(named), "{named:?} not in the warning {w:?}");
         }

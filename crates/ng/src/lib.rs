@@ -18,6 +18,7 @@ pub mod calls;
 pub mod client;
 pub mod engine;
 pub mod protocol;
+pub mod recording;
 pub mod sdp;
 
 pub use engine::{Engine, EngineConfig};
@@ -39,11 +40,13 @@ pub struct NgConfig {
     /// Clients allowed to send commands; empty allows any (the protocol has no authentication:
     /// keep `listen` on loopback or a private network, or list the SIP proxies here).
     pub allow: Vec<IpAddr>,
+    /// Where recorded calls go (see [`recording`]); None: nothing is recorded.
+    pub recording_dir: Option<std::path::PathBuf>,
 }
 
 impl Default for NgConfig {
     fn default() -> Self {
-        NgConfig { listen: "127.0.0.1:2223".parse().unwrap(), media_timeout: Duration::from_secs(60), allow: Vec::new() }
+        NgConfig { listen: "127.0.0.1:2223".parse().unwrap(), media_timeout: Duration::from_secs(60), allow: Vec::new(), recording_dir: None }
     }
 }
 
@@ -67,7 +70,13 @@ impl Drop for AbortOnDrop {
 /// are counted in `metrics` (the daemon's registry's: `Metrics::ng`).
 pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager>, cfg: NgConfig, metrics: NgMetrics) -> anyhow::Result<()> {
     let engine_cfg = EngineConfig { media_timeout: cfg.media_timeout, ..Default::default() };
-    let engine = Arc::new(Mutex::new(Engine::with_metrics(engine_cfg, metrics)));
+    let mut engine = Engine::with_metrics(engine_cfg, metrics);
+    if let Some(dir) = &cfg.recording_dir {
+        let r = recording::Recordings::start(dir).map_err(|e| anyhow::anyhow!("recording directory {}: {e}", dir.display()))?;
+        tracing::info!(dir = %dir.display(), "calls asking for it are recorded");
+        engine.record_with(r);
+    }
+    let engine = Arc::new(Mutex::new(engine));
     let adopted = engine.lock().adopt(&manager, Instant::now());
     let local = socket.local_addr()?;
     if !local.ip().is_loopback() && cfg.allow.is_empty() {

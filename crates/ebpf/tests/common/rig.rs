@@ -65,6 +65,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         rtp,
         copies: copies.into_iter().enumerate().map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to }).collect(),
         rate: None,
+        record: false,
     }
 }
 

@@ -1,6 +1,7 @@
-//! Interop, media interfaces: Kamailio's rtpengine module puts each party of a call on a named
-//! interface of the relay (`direction`) and bridges an IPv4 caller to an IPv6 callee
-//! (`address-family`), while SIPp does the SIP signalling and this test is both media endpoints.
+//! Interop, SIP relay features: Kamailio's rtpengine module puts each party of a call on a named
+//! interface of the relay (`direction`), bridges an IPv4 caller to an IPv6 callee
+//! (`address-family`) and records a call (`record-call=yes`), while SIPp does the SIP signalling
+//! and this test is both media endpoints.
 //!
 //! Testbed: the star of two namespaces around a relay namespace (as `interop_latching`), with
 //! IPv6 on every link too. The relay has three addresses, in rtpengine's `--interface` notation
@@ -13,6 +14,10 @@
 //!   offered the external address, the caller answered with the internal one.
 //! * I2: the same, with `address-family=IP6` on the offer: the callee is on IPv6 and must be
 //!   offered the external IPv6 address; the caller stays on IPv4. Media crosses families.
+//! * R1: I1 with `record-call=yes`: after the BYE, the relay's pcap files (read with the
+//!   `pcap-file` crate) hold every RTP packet of R1 that reached the other party, both ways, with
+//!   its SSRC, sequence number and payload, and nothing of I1 and I2 (not recorded); mediaplane's
+//!   metadata file names the call and its end.
 //!
 //! Both directions must arrive complete (≤ 2 packets lost, no duplicates) at the party's own
 //! socket. rtpengine 10.5 is run first, as the reference; then `mediaplane serve` on the
@@ -54,15 +59,17 @@ struct Scenario {
     answer_flags: &'static str,
     /// The callee speaks IPv6.
     callee_v6: bool,
+    record: bool,
 }
 
-const SCENARIOS: [Scenario; 2] = [
+const SCENARIOS: [Scenario; 3] = [
     Scenario {
         id: "I1",
         title: "caller on interface internal, callee on external (both IPv4)",
         offer_flags: "direction=internal direction=external",
         answer_flags: "direction=external direction=internal",
         callee_v6: false,
+        record: false,
     },
     Scenario {
         id: "I2",
@@ -70,6 +77,15 @@ const SCENARIOS: [Scenario; 2] = [
         offer_flags: "direction=internal direction=external address-family=IP6",
         answer_flags: "direction=external direction=internal address-family=IP4",
         callee_v6: true,
+        record: false,
+    },
+    Scenario {
+        id: "R1",
+        title: "I1, recorded (record-call=yes)",
+        offer_flags: "direction=internal direction=external record-call=yes",
+        answer_flags: "direction=external direction=internal",
+        callee_v6: false,
+        record: true,
     },
 ];
 
@@ -338,20 +354,117 @@ fn check(p: &Plan, o: &Outcome, report: &mut String) -> Vec<String> {
     results.into_iter().filter(|(ok, _)| !ok).map(|(_, what)| format!("{}: {what}", p.sc.id)).collect()
 }
 
+/// Every pcap under `dir` (rtpengine writes into `pcaps/`).
+fn pcaps(dir: &Path) -> Vec<std::path::PathBuf> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir(dir).into_iter().flatten().flatten() {
+        let path = e.path();
+        if path.is_dir() {
+            out.extend(pcaps(&path));
+        } else if path.extension().is_some_and(|x| x == "pcap") {
+            out.push(path);
+        }
+    }
+    out
+}
+
+/// The RTP in the recordings, keyed by (SSRC, sequence number), with its payload.
+fn recorded_rtp(dir: &Path) -> Result<HashMap<(u32, u16), Vec<u8>>, String> {
+    let mut rtp = HashMap::new();
+    for path in pcaps(dir) {
+        let f = std::fs::File::open(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let mut reader = pcap_file::pcap::PcapReader::new(f).map_err(|e| format!("{}: {e}", path.display()))?;
+        if reader.header().datalink != pcap_file::DataLink::ETHERNET {
+            return Err(format!("{}: link type {:?}, not Ethernet", path.display(), reader.header().datalink));
+        }
+        while let Some(packet) = reader.next_packet() {
+            let packet = packet.map_err(|e| format!("{}: {e}", path.display()))?;
+            // Ethernet, then IPv4 (IHL) or IPv6 (40 bytes, UDP next), then UDP's 8 bytes.
+            let ip = packet.data.get(14..).ok_or("short frame")?;
+            let udp = match ip.first().map(|b| b >> 4) {
+                Some(4) => (ip[0] & 0x0f) as usize * 4,
+                Some(6) => 40,
+                _ => return Err(format!("{}: a frame that is neither IPv4 nor IPv6", path.display())),
+            };
+            let payload = ip.get(udp + 8..).ok_or("short UDP")?;
+            if payload.len() >= 12 {
+                let (seq, ssrc) = (u16::from_be_bytes([payload[2], payload[3]]), u32::from_be_bytes([payload[8], payload[9], payload[10], payload[11]]));
+                rtp.insert((ssrc, seq), payload[12..].to_vec());
+            }
+        }
+    }
+    Ok(rtp)
+}
+
+/// R1's packets are all in the recordings (those that reached the other party, at least), the
+/// others' are not; mediaplane's metadata says which call it was and that it ended.
+fn check_recordings(dir: &Path, plans: &[Plan], outcomes: &[Outcome], relay: &str, report: &mut String) -> Vec<String> {
+    // The relay writes when the call ends (the BYE): give it a moment.
+    std::thread::sleep(Duration::from_millis(500));
+    let mut results = Vec::new();
+    match recorded_rtp(dir) {
+        Err(e) => results.push((false, format!("the recordings could not be read: {e}"))),
+        Ok(rtp) => {
+            for (p, o) in plans.iter().zip(outcomes) {
+                for (dir_ix, up) in [(0, true), (1, false)] {
+                    let (ssrc, way) = (p.ssrc(up), if up { "up" } else { "down" });
+                    let in_pcap = rtp.keys().filter(|(s, _)| *s == ssrc).count();
+                    if p.sc.record {
+                        let intact = |seq: &u16| rtp.get(&(ssrc, *seq)).is_some_and(|pl| pl[..] == [0xd5u8; 160][..]);
+                        let missing = o.arrived[dir_ix].keys().filter(|seq| !intact(seq)).count();
+                        let delivered = o.arrived[dir_ix].len();
+                        results.push((
+                            missing == 0 && in_pcap > 0,
+                            format!("{} {way}: {in_pcap} packets recorded, {missing} of the {delivered} delivered missing or altered", p.sc.id),
+                        ));
+                    } else {
+                        results.push((in_pcap == 0, format!("{} {way}: not recorded ({in_pcap} packets in the recordings)", p.sc.id)));
+                    }
+                }
+            }
+        }
+    }
+    if relay.starts_with("mediaplane") {
+        let metas: Vec<serde_json::Value> = std::fs::read_dir(dir)
+            .into_iter()
+            .flatten()
+            .flatten()
+            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+            .filter_map(|e| serde_json::from_slice(&std::fs::read(e.path()).ok()?).ok())
+            .collect();
+        let one = metas.len() == 1;
+        let ok = one
+            && metas[0]["call-id"].as_str().is_some_and(|c| !c.is_empty())
+            && metas[0]["ended"].is_u64()
+            && metas[0]["media"].as_array().is_some_and(|m| m.len() == 1);
+        let seen = if ok { String::new() } else { format!(": {metas:?}") };
+        results.push((ok, format!("one metadata file, for R1's call, ended, one media section{seen}")));
+    }
+    let _ = writeln!(report, "recordings ({}):", dir.display());
+    for (ok, what) in &results {
+        let _ = writeln!(report, "  {} {what}", if *ok { "ok  " } else { "FAIL" });
+    }
+    results.into_iter().filter(|(ok, _)| !ok).map(|(_, what)| format!("recording: {what}")).collect()
+}
+
 fn run(relay: &str) {
-    let test = format!("interfaces_{}", relay.replace('-', "_"));
+    let test = format!("sip_relay_{}", relay.replace('-', "_"));
     let tools: &[&str] = if relay == "rtpengine" { &["kamailio", "sipp", "rtpengine"] } else { &["kamailio", "sipp"] };
     if !sip::ready(&test, tools) {
         return;
     }
     let _one_at_a_time = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    let tmp = common::TempDir::new("interfaces");
+    let tmp = common::TempDir::new("sip-relay");
     let mut tb = Testbed::star(2).expect("testbed");
     tb.add_ipv6().expect("IPv6 on the testbed's links");
     let (caller_link, callee_link) = (&tb.peers[0], &tb.peers[1]);
     let (internal, external, external6) = (caller_link.sfu_ip, callee_link.sfu_ip, callee_link.sfu_ip6.unwrap());
-    let setup =
-        RelaySetup { interfaces: vec![format!("internal/{internal}"), format!("external/{external}"), format!("external/{external6}")], ..Default::default() };
+    let recordings = tmp.0.join("recordings");
+    let setup = RelaySetup {
+        interfaces: vec![format!("internal/{internal}"), format!("external/{external}"), format!("external/{external6}")],
+        recording_dir: Some(recordings.clone()),
+        ..Default::default()
+    };
     let mut relay_proc =
         RelayProc::start_binary(&tb, relay, &tmp.0, Path::new(env!("CARGO_BIN_EXE_mediaplane")), &setup).unwrap_or_else(|e| panic!("starting {relay}: {e:#}"));
     let modules = sip::kamailio_module_dir().unwrap();
@@ -381,6 +494,7 @@ fn run(relay: &str) {
     });
     let mut report = String::new();
     let mut failures: Vec<String> = plans.iter().zip(&outcomes).flat_map(|(p, o)| check(p, o, &mut report)).collect();
+    failures.extend(check_recordings(&recordings, &plans, &outcomes, relay, &mut report));
     if relay == "mediaplane-ebpf" {
         // I1 stays in one family: its media crosses the TC programs; I2's goes up (mixed family).
         let stats = common::netns::try_api(&tb, "GET", "/v1/stats", None).unwrap_or_else(|e| panic!("GET /v1/stats: {e}"));
@@ -408,16 +522,16 @@ fn run(relay: &str) {
 }
 
 #[test]
-fn interfaces_rtpengine() {
+fn sip_relay_rtpengine() {
     run("rtpengine");
 }
 
 #[test]
-fn interfaces_mediaplane_userspace() {
+fn sip_relay_mediaplane_userspace() {
     run("mediaplane-userspace");
 }
 
 #[test]
-fn interfaces_mediaplane_ebpf() {
+fn sip_relay_mediaplane_ebpf() {
     run("mediaplane-ebpf");
 }
