@@ -650,6 +650,8 @@ impl WorkerCtx {
     fn forward_batch(&mut self, local: Option<SocketAddr>, n: usize) {
         let state = self.shared.state.load();
         let now = mono_ns();
+        // One reading per batch: its datagrams were all waiting in the socket by now.
+        let received_at = crate::monotonic_ns();
         let mut delta = WorkerCounters::default();
         // (egress fd, stream id, message) for every copy of the batch.
         let mut out: Vec<(RawFd, u32, Outgoing<'_>)> = Vec::new();
@@ -712,6 +714,7 @@ impl WorkerCtx {
                             continue;
                         }
                     }
+                    sc.last_rx_ns = received_at;
                     for copy in &entry.copies {
                         if copy.to == src {
                             continue; // never back to the sender, whatever the table says

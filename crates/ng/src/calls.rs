@@ -109,7 +109,8 @@ pub struct Call {
     pub last_signal: SystemTime,
     pub media: Vec<MediaState>,
     pub answered: bool,
-    /// Media activity: received packets on all its legs at the last poll, and when it moved.
+    /// Media activity: the latest packet time (`Counters::last_rx_ns`, CLOCK_MONOTONIC) seen on
+    /// its legs at the last sweep, and when the call last had media or was created.
     pub last_rx: u64,
     pub last_activity: Instant,
 }

@@ -556,8 +556,10 @@ impl Engine {
         ])
     }
 
-    /// Media timeout: note which calls received packets since the last call, delete those idle
-    /// for longer than the configured timeout. Returns the Call-IDs (or keys) deleted.
+    /// Media timeout: delete the calls whose last packet (or creation, before any) is older
+    /// than the configured timeout, by the data planes' per-stream last-packet times. Called
+    /// once per sweep interval, a call ends within one interval of `last packet + timeout`.
+    /// Returns the Call-IDs (or keys) deleted.
     pub fn expire(&mut self, mgr: &SessionManager, now: Instant) -> Vec<String> {
         // Only the counters of NG calls' streams: the data plane may hold far more sessions
         // (e.g. relays made over HTTP), and reading all of them would cost a map read each.
@@ -566,19 +568,23 @@ impl Engine {
             return Vec::new();
         }
         let stats = DataplaneStats { streams: mgr.stream_counters(&ids), ..Default::default() };
-        self.expire_with(mgr, &stats, now)
+        self.expire_with(mgr, &stats, now, mediaplane_dataplane::monotonic_ns())
     }
 
-    pub fn expire_with(&mut self, mgr: &SessionManager, stats: &DataplaneStats, now: Instant) -> Vec<String> {
+    /// [`Engine::expire`] with the counters read and the time given: `now` and `now_mono_ns`
+    /// ([`mediaplane_dataplane::monotonic_ns`]) are the same instant on the two clocks.
+    pub fn expire_with(&mut self, mgr: &SessionManager, stats: &DataplaneStats, now: Instant, now_mono_ns: u64) -> Vec<String> {
         let timeout = self.cfg.media_timeout;
         let idle: Vec<Call> = mgr.read(|model, _| {
             let mut idle = Vec::new();
             for call in self.registry.calls_mut() {
-                let rx: u64 = calls::stream_ids(model, call).iter().filter_map(|u| stats.streams.get(u)).map(|c| c.rx_packets).sum();
-                if rx != call.last_rx {
-                    call.last_rx = rx;
-                    call.last_activity = now;
-                } else if now.saturating_duration_since(call.last_activity) >= timeout {
+                let last = calls::stream_ids(model, call).iter().filter_map(|u| stats.streams.get(u)).map(|c| c.last_rx_ns).max().unwrap_or(0);
+                if last > call.last_rx {
+                    call.last_rx = last;
+                    let packet_at = now.checked_sub(Duration::from_nanos(now_mono_ns.saturating_sub(last))).unwrap_or(now);
+                    call.last_activity = call.last_activity.max(packet_at);
+                }
+                if now.saturating_duration_since(call.last_activity) >= timeout {
                     idle.push(call.clone());
                 }
             }
@@ -978,15 +984,23 @@ mod tests {
         assert!(!text(&r, "sdp").contains("a=ice") && !text(&r, "sdp").contains("a=candidate"), "{r:?}");
         assert!(r.get("warning").is_none());
 
-        let t0 = Instant::now();
+        // The call was created at t0 (mono 100 s); A's stream last heard a packet at mono 103.5 s.
+        let t0 = e.registry().get("cfBXzDSZqhYNcXM").unwrap().last_activity;
+        let (mono0, s) = (100_000_000_000u64, |secs: f64| Duration::from_secs_f64(secs));
+        let at = |secs: f64| (t0 + s(secs), mono0 + s(secs).as_nanos() as u64);
         let uids: Vec<u32> = m.read(|md, _| md.relays.values().flat_map(|r| [r.a.uid, r.b.uid]).collect());
         let mut stats = DataplaneStats::default();
-        stats.streams.insert(uids[0], Counters { rx_packets: 1, ..Default::default() });
-        assert!(e.expire_with(&m, &stats, t0 + Duration::from_secs(4)).is_empty());
-        stats.streams.insert(uids[0], Counters { rx_packets: 2, ..Default::default() });
-        assert!(e.expire_with(&m, &stats, t0 + Duration::from_secs(8)).is_empty(), "media moved");
-        assert!(e.expire_with(&m, &stats, t0 + Duration::from_secs(12)).is_empty());
-        assert_eq!(e.expire_with(&m, &stats, t0 + Duration::from_secs(13)), vec!["cfBXzDSZqhYNcXM".to_string()]);
+        // Strangers and counters without a packet time are no media.
+        stats.streams.insert(uids[1], Counters { rx_packets: 50, drop_stranger: 50, ..Default::default() });
+        let (now, mono) = at(3.0);
+        assert!(e.expire_with(&m, &stats, now, mono).is_empty());
+        stats.streams.insert(uids[0], Counters { rx_packets: 1, last_rx_ns: mono0 + s(3.5).as_nanos() as u64, ..Default::default() });
+        for t in [4.0, 5.0, 8.0, 8.4] {
+            let (now, mono) = at(t);
+            assert!(e.expire_with(&m, &stats, now, mono).is_empty(), "media at 3.5 s, a 5 s timeout: alive at {t} s");
+        }
+        let (now, mono) = at(8.5);
+        assert_eq!(e.expire_with(&m, &stats, now, mono), vec!["cfBXzDSZqhYNcXM".to_string()], "deleted at last packet + timeout");
         assert_eq!(m.read(|md, _| md.relays.len()), 0);
         assert_eq!(e.totals().timed_out, 1);
     }

@@ -78,10 +78,9 @@ pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager
     let _poller = {
         let (engine, manager) = (engine.clone(), manager.clone());
         AbortOnDrop(tokio::spawn(async move {
-            // Every second (a quarter of a timeout under 4 s), as rtpengine sweeps: activity is
-            // seen within one sweep of the last packet and silence acted on within one sweep of
-            // the timeout, so a call ends at most two sweeps late. A sweep reads the counters of
-            // NG calls' streams only.
+            // Every second (a quarter of a timeout under 4 s), as rtpengine sweeps: the data
+            // planes report each stream's last packet time, so a call ends within one sweep of
+            // `last packet + timeout`. A sweep reads the counters of NG calls' streams only.
             let every = (cfg.media_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
