@@ -8,6 +8,7 @@
 //!   other bytes kept;
 //! * [`calls`] — the call registry and what offer/answer/delete do to the model (one relay pair
 //!   per media section for RTP, one for RTCP unless muxed);
+//! * [`stats`] — rtpengine's reply key sets for `query`, `delete` and `statistics`;
 //! * [`engine`] — command handling: datagram in, datagram out, against a `SessionManager`;
 //! * [`serve_ng`] — the thin UDP driver and the media-timeout poller.
 //!
@@ -19,6 +20,7 @@ pub mod client;
 pub mod engine;
 pub mod protocol;
 pub mod sdp;
+pub mod stats;
 
 pub use engine::{Engine, EngineConfig};
 
