@@ -198,7 +198,7 @@ fn run(relay: &str, tmp: &Path) -> Run {
 }
 
 fn int_at(v: &Value, keys: &[&str]) -> i64 {
-    keys.iter().fold(Some(v), |v, k| v.and_then(|v| v.get(k))).and_then(Value::as_int).unwrap_or_else(|| panic!("no integer at {keys:?} in {v:?}"))
+    keys.iter().try_fold(v, |v, k| v.get(k)).and_then(Value::as_int).unwrap_or_else(|| panic!("no integer at {keys:?} in {v:?}"))
 }
 
 /// The key paths of `reply` with their types, as strings (the shape of the reference).
