@@ -108,6 +108,11 @@ impl SessionManager {
         &self.dataplane
     }
 
+    /// The media address and port range new relay legs get their local addresses from.
+    pub fn media_config(&self) -> &MediaConfig {
+        &self.media
+    }
+
     /// Apply `f` to a copy of the model; install and persist the result, or change nothing.
     pub fn mutate<R>(&self, f: impl FnOnce(&mut Model, &MediaConfig) -> Result<(R, Vec<Change>), ManagerError>) -> Result<R, ManagerError> {
         self.mutate_for(&Ticket::new(), f)

@@ -113,6 +113,20 @@ pub struct Counters {
     /// by the kernel path (for the user-space plane the host drops them: `IPReversePathFilter`).
     #[serde(default)]
     pub drop_spoofed: u64,
+    /// Per stream (0 in totals): when the stream last accepted a packet from its source (or from
+    /// a source it is learning): [`monotonic_ns`] nanoseconds, the kernel's `bpf_ktime_get_ns` clock; 0 =
+    /// never. A time, not a counter: [`Counters::add`] keeps the later of two. Strangers and
+    /// rate-limited packets do not move it, so they cannot keep an idle call alive.
+    #[serde(default)]
+    pub last_rx_ns: u64,
+}
+
+/// CLOCK_MONOTONIC in nanoseconds: the clock of [`Counters::last_rx_ns`] on every data plane.
+pub fn monotonic_ns() -> u64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: a valid timespec to fill; CLOCK_MONOTONIC always exists on Linux.
+    unsafe { libc::clock_gettime(libc::CLOCK_MONOTONIC, &mut ts) };
+    ts.tv_sec as u64 * 1_000_000_000 + ts.tv_nsec as u64
 }
 
 impl Counters {
@@ -131,6 +145,7 @@ impl Counters {
         self.drop_source_limited += o.drop_source_limited;
         self.drop_bad_checksum += o.drop_bad_checksum;
         self.drop_spoofed += o.drop_spoofed;
+        self.last_rx_ns = self.last_rx_ns.max(o.last_rx_ns);
     }
 
     pub fn count_drop(&mut self, reason: DropReason) {
@@ -150,7 +165,7 @@ impl Counters {
         }
     }
 
-    /// (name, value) pairs, for metrics exposition.
+    /// (name, value) pairs of the counters (not [`Counters::last_rx_ns`]), for metrics exposition.
     pub fn fields(&self) -> [(&'static str, u64); 14] {
         [
             ("rx_packets", self.rx_packets),

@@ -653,6 +653,8 @@ impl WorkerCtx {
     fn forward_batch(&mut self, local: Option<SocketAddr>, n: usize) {
         let state = self.shared.state.load();
         let now = mono_ns();
+        // One reading per batch: its datagrams were all waiting in the socket by now.
+        let received_at = crate::monotonic_ns();
         let mut delta = WorkerCounters::default();
         // (egress fd, stream id, message) for every copy of the batch.
         let mut out: Vec<(RawFd, u32, Outgoing<'_>)> = Vec::new();
@@ -715,6 +717,7 @@ impl WorkerCtx {
                             continue;
                         }
                     }
+                    sc.last_rx_ns = received_at;
                     if entry.record {
                         crate::record::tap(entry.id, &entry.label, src, local, payload);
                     }

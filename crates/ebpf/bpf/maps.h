@@ -28,6 +28,7 @@ struct mp_stream_counters {
 	__u64 drop_rate_limited;
 	__u64 drop_bad_checksum;
 	__u64 drop_spoofed;
+	__u64 last_rx_ns; /* bpf_ktime_get_ns() of the last packet forwarded (0 = none); not summed */
 };
 
 /* A stream's rate limit (mediaplane_core::ratelimit: GCRA, the same integer arithmetic) and its

@@ -96,6 +96,7 @@ impl KernelStats {
             drop_source_limited: g("drop_source_limited"),
             drop_bad_checksum: g("drop_bad_checksum"),
             drop_spoofed: g("drop_spoofed"),
+            last_rx_ns: 0, // kept per stream only
         };
         let streams = self.streams.iter().map(|(id, s)| (*id, s.to_counters())).collect();
         let in_total = ["drop_rate_limited", "drop_source_limited", "drop_bad_checksum", "drop_spoofed"];

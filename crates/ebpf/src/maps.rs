@@ -158,6 +158,9 @@ pub struct StreamCountersRaw {
     pub drop_rate_limited: u64,
     pub drop_bad_checksum: u64,
     pub drop_spoofed: u64,
+    /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the last packet forwarded; the maximum over
+    /// CPUs, not a sum.
+    pub last_rx_ns: u64,
 }
 
 impl StreamCountersRaw {
@@ -174,6 +177,8 @@ impl StreamCountersRaw {
             drop_rate_limited: self.drop_rate_limited,
             drop_bad_checksum: self.drop_bad_checksum,
             drop_spoofed: self.drop_spoofed,
+            // Both CLOCK_MONOTONIC: the kernel's bpf_ktime_get_ns is the clock of monotonic_ns.
+            last_rx_ns: self.last_rx_ns,
             ..Default::default()
         }
     }
@@ -342,6 +347,7 @@ impl StreamCountersRaw {
         self.drop_rate_limited += o.drop_rate_limited;
         self.drop_bad_checksum += o.drop_bad_checksum;
         self.drop_spoofed += o.drop_spoofed;
+        self.last_rx_ns = self.last_rx_ns.max(o.last_rx_ns);
     }
 }
 
@@ -609,7 +615,7 @@ mod tests {
         assert_eq!(size_of::<KeyRaw>(), 24);
         assert_eq!(size_of::<StreamValueRaw>(), 40);
         assert_eq!(size_of::<CopyRaw>(), 40);
-        assert_eq!(size_of::<StreamCountersRaw>(), 88);
+        assert_eq!(size_of::<StreamCountersRaw>(), 96);
         assert_eq!(size_of::<RateRaw>(), 48);
         assert_eq!(size_of::<LatencyHistRaw>(), (LAT_BUCKETS + 4) * 8);
         // The generated skeleton carries the C layout (from BTF): compare.

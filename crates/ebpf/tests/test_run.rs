@@ -24,9 +24,14 @@ fn valid_rtp_fans_out_to_every_subscriber() {
     let rig = Rig::new();
     let t = table(1, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(3))]);
     rig.apply(&t);
+    let before = mediaplane_dataplane::monotonic_ns();
     rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &rtp(42)));
+    let after = mediaplane_dataplane::monotonic_ns();
     let s = rig.fp.kernel_stats().unwrap();
     assert_eq!(s.streams[&1].tx_copies, 3);
+    // The kernel's last-packet time is on the clock of monotonic_ns (the media timeout's).
+    let last = s.streams[&1].to_counters().last_rx_ns;
+    assert!((before..=after).contains(&last), "last_rx_ns {last} outside the run [{before}, {after}]");
     assert_eq!(s.latency.count, 3, "one latency sample per copy");
     let ds = s.to_dataplane_stats(1);
     assert!(ds.copy_latency.is_some_and(|l| l.count == 3 && l.min_ns > 0 && l.max_ns >= l.p50_ns));

@@ -118,7 +118,8 @@ pub struct Call {
     /// to date until it ends).
     pub recording: bool,
     pub recorded: bool,
-    /// Media activity: received packets on all its legs at the last poll, and when it moved.
+    /// Media activity: the latest packet time (`Counters::last_rx_ns`, CLOCK_MONOTONIC) seen on
+    /// its legs at the last sweep, and when the call last had media or was created.
     pub last_rx: u64,
     pub last_activity: Instant,
 }

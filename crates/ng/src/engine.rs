@@ -7,14 +7,16 @@ use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Placemen
 use crate::protocol::{self, error_reply, normalize, ReplyCache, Request, RequestError};
 use crate::recording::{self, Recordings};
 use crate::sdp::{MediaRewrite, Rewrite, Sdp, SdpError};
+use crate::stats::{self as ngstats, CallView, Clock, ControlStats, StatisticsInput, Traffic, TrafficTotals};
 use mediaplane_control::manager::{ManagerError, SessionManager};
 use mediaplane_control::metrics::{CallEnd, NgMetrics};
 use mediaplane_control::store::Change;
 use mediaplane_core::model::{Follow, Side};
 use mediaplane_core::Model;
 use mediaplane_dataplane::{Counters, DataplaneStats};
+use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+use std::time::{Duration, Instant, SystemTime};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -62,10 +64,14 @@ pub struct Engine {
     started: Instant,
     /// Where recorded calls go; None: `record-call` records nothing (and says so).
     recordings: Option<Recordings>,
-}
-
-fn unix(t: SystemTime) -> i64 {
-    t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64)
+    /// Per-command counts and times, per client (`statistics`).
+    control: ControlStats,
+    /// What ended calls relayed, and the sampled rates (`statistics`).
+    traffic: TrafficTotals,
+    /// The codec of each media section as last signalled, by call key (`query`).
+    codecs: HashMap<String, Vec<Option<String>>>,
+    /// The most calls held at once (`statistics`).
+    peak_sessions: u64,
 }
 
 /// The flags and options of an offer or answer that this relay acts on.
@@ -267,7 +273,18 @@ impl Engine {
     /// An engine counting into `metrics` (the daemon's registry's).
     pub fn with_metrics(cfg: EngineConfig, metrics: NgMetrics) -> Engine {
         let cache = ReplyCache::new(cfg.reply_ttl, cfg.reply_cache_entries);
-        Engine { cfg, registry: Registry::default(), cache, metrics, started: Instant::now(), recordings: None }
+        Engine {
+            cfg,
+            registry: Registry::default(),
+            cache,
+            metrics,
+            started: Instant::now(),
+            control: ControlStats::default(),
+            traffic: TrafficTotals::default(),
+            codecs: HashMap::new(),
+            peak_sessions: 0,
+            recordings: None,
+        }
     }
 
     /// Record calls that ask for it (`record-call`, `start recording`) with `recordings`.
@@ -380,7 +397,11 @@ impl Engine {
             self.metrics.retransmission();
             return Some(r.to_vec());
         }
+        let start = Instant::now();
         let reply = self.handle(mgr, &dict, now);
+        let command = dict.get("command").and_then(Value::as_str).unwrap_or("");
+        let ok = reply.get("result").and_then(Value::as_str) != Some("error");
+        self.control.record(client.ip(), command, start.elapsed(), ok);
         let bytes = protocol::frame(cookie, &reply);
         self.cache.insert(now, client, cookie, bytes.clone());
         Some(bytes)
@@ -422,6 +443,7 @@ impl Engine {
         let call_id = req.opt_str("call-id").ok().flatten().unwrap_or("");
         self.metrics.request(&command, result.is_ok(), start.elapsed());
         self.metrics.set_calls(self.registry.len());
+        self.peak_sessions = self.peak_sessions.max(self.registry.len() as u64);
         match result {
             Ok(v) => {
                 tracing::info!(command, call_id, "NG request done");
@@ -554,6 +576,13 @@ impl Engine {
             call.last_activity = now;
         }
         tracing::debug!(call_id, relays = ?call.relay_ids(), "call updated");
+        let codecs = self.codecs.entry(call.key.clone()).or_default();
+        for (i, c) in ngstats::first_codecs(body).into_iter().enumerate() {
+            match codecs.get_mut(i) {
+                Some(slot) => *slot = c.or(slot.take()),
+                None => codecs.push(c),
+            }
+        }
         self.recording_metadata(&call, None);
         self.registry.insert(call);
 
@@ -586,13 +615,14 @@ impl Engine {
             return not_found(format!("tags {}/{} are not in dialogue in call {call_id:?}", tag(from_tag), tag(to_tag)));
         }
         let call = call.clone();
-        let stats = self.call_stats(mgr, &call);
+        // rtpengine replies to delete with the call's final statistics, as to query.
+        let mut reply = self.call_reply(mgr, &call, |totals, model, streams| totals.call_ended(&call, model, streams, SystemTime::now()));
         mgr.mutate(|model, _| Ok(((), calls::delete_call(model, &call)?)))?;
         self.recording_metadata(&call, Some(SystemTime::now()));
         self.registry.remove(&call.key);
+        self.codecs.remove(&call.key);
         self.metrics.call_ended(CallEnd::Deleted);
-        let mut reply = vec![("result", Value::str("ok")), ("created", Value::Int(unix(call.created))), ("last signal", Value::Int(unix(call.last_signal)))];
-        reply.push(("totals", stats));
+        reply.insert(0, ("result", Value::str("ok")));
         Ok(Value::dict(reply))
     }
 
@@ -607,129 +637,105 @@ impl Engine {
         Ok(Value::dict([("result", "ok".into()), ("calls", Value::List(ids.into_iter().map(Value::str).collect()))]))
     }
 
-    /// `{"RTP": {...}, "RTCP": {...}}` packet/byte/error totals received on a call's relays.
-    fn call_stats(&self, mgr: &SessionManager, call: &Call) -> Value {
-        let stats = mgr.stats();
-        let (rtp, rtcp) = mgr.read(|model, _| {
-            let mut rtp = Counters::default();
-            let mut rtcp = Counters::default();
-            for (i, m) in call.media.iter().enumerate() {
-                for (id, acc) in [(calls::rtp_relay_id(&call.key, i), &mut rtp), (calls::rtcp_relay_id(&call.key, i), &mut rtcp)] {
-                    if let Some(r) = model.relays.get(&id).filter(|_| m.active) {
-                        for uid in [r.a.uid, r.b.uid] {
-                            if let Some(c) = stats.streams.get(&uid) {
-                                acc.add(c);
-                            }
-                        }
-                    }
-                }
-            }
-            (rtp, rtcp)
-        });
-        Value::dict([("RTP", counters_value(&rtp)), ("RTCP", counters_value(&rtcp))])
+    /// rtpengine's per-call reply keys (see [`ngstats::call_reply`]), read from the counters of
+    /// the call's streams; `also` sees the same counters (the delete records them).
+    fn call_reply(
+        &mut self,
+        mgr: &SessionManager,
+        call: &Call,
+        also: impl FnOnce(&mut TrafficTotals, &Model, &BTreeMap<u32, Counters>),
+    ) -> Vec<(&'static str, Value)> {
+        let kernel = mgr.dataplane().name() == "ebpf";
+        let none = Vec::new();
+        let view = CallView { call, codecs: self.codecs.get(&call.key).unwrap_or(&none), kernel, clock: Clock::now() };
+        let traffic = &mut self.traffic;
+        mgr.read(|model, _| {
+            let streams = mgr.stream_counters(&calls::stream_ids(model, call));
+            also(traffic, model, &streams);
+            ngstats::call_reply(model, &streams, &view)
+        })
     }
 
-    fn query(&self, mgr: &SessionManager, req: &Request) -> Result<Value, NgError> {
+    fn query(&mut self, mgr: &SessionManager, req: &Request) -> Result<Value, NgError> {
         let call_id = req.nonempty("call-id")?;
-        let call = self.registry.get(call_id).ok_or_else(|| NgError::Call(format!("unknown call-id {call_id:?}")))?;
-        let stats = mgr.stats();
-        let tags = mgr.read(|model, _| {
-            let mut tags = Vec::new();
-            for side in [Side::A, Side::B] {
-                let (tag, peer_tag) = match side {
-                    Side::A => (call.tag_a.clone().unwrap_or_default(), call.tag_b.clone()),
-                    Side::B => (call.tag_b.clone().unwrap_or_default(), call.tag_a.clone()),
-                };
-                let medias = call.media.iter().enumerate().map(|(i, m)| media_value(model, &stats, call, i, m, side)).collect();
-                let mut d = vec![("tag", Value::from(tag.clone())), ("created", Value::Int(unix(call.created))), ("medias", Value::List(medias))];
-                if let Some(p) = peer_tag {
-                    d.push(("in dialogue with", Value::from(p)));
-                }
-                tags.push((tag, Value::dict(d)));
-            }
-            tags
-        });
-        let tags = Value::Dict(tags.into_iter().map(|(k, v)| (k.into_bytes(), v)).collect());
-        Ok(Value::dict([
-            ("result", "ok".into()),
-            ("created", Value::Int(unix(call.created))),
-            ("last signal", Value::Int(unix(call.last_signal))),
-            ("tags", tags),
-            ("totals", self.call_stats(mgr, call)),
-        ]))
+        let call = self.registry.get(call_id).ok_or_else(|| NgError::Call(format!("unknown call-id {call_id:?}")))?.clone();
+        let mut reply = self.call_reply(mgr, &call, |_, _, _| {});
+        reply.insert(0, ("result", Value::str("ok")));
+        Ok(Value::dict(reply))
     }
 
     fn statistics(&self, mgr: &SessionManager) -> Value {
-        let stats = mgr.stats();
-        let (mut copies, mut errors) = (0u64, 0u64);
-        mgr.read(|model, _| {
-            for id in self.registry.calls().flat_map(Call::relay_ids) {
-                if let Some(r) = model.relays.get(&id) {
-                    for uid in [r.a.uid, r.b.uid] {
-                        if let Some(c) = stats.streams.get(&uid) {
-                            copies += c.tx_copies;
-                            errors += c.tx_errors + c.drop_stranger + c.drop_malformed;
-                        }
-                    }
-                }
+        let (live, media, ports_used, last_port) = mgr.read(|model, _| {
+            let mut live = Traffic::default();
+            let mut media = 0u64;
+            let mc = mgr.media_config();
+            for call in self.registry.calls() {
+                let streams = mgr.stream_counters(&calls::stream_ids(model, call));
+                let (rtp, rtcp) = ngstats::call_traffic(call, model, &streams, Traffic::relayed);
+                live.add(rtp);
+                live.add(rtcp);
+                media += call.media.iter().filter(|m| m.active).count() as u64;
             }
+            let in_range = |a: &&SocketAddr| a.ip() == mc.ip && (mc.port_min..=mc.port_max).contains(&a.port());
+            (live, media, model.local_addresses().filter(in_range).count() as u64, model.last_claimed_port())
         });
-        let n = self.registry.len() as i64;
         let t = self.totals();
-        Value::dict([
-            ("result", "ok".into()),
-            (
-                "statistics",
-                Value::dict([
-                    (
-                        "currentstatistics",
-                        Value::dict([
-                            ("sessionsown", Value::Int(n)),
-                            ("sessionsforeign", Value::Int(0)),
-                            ("sessionstotal", Value::Int(n)),
-                            ("transcodedmedia", Value::Int(0)),
-                        ]),
-                    ),
-                    (
-                        "totalstatistics",
-                        Value::dict([
-                            ("uptime", Value::from(self.started.elapsed().as_secs().to_string())),
-                            ("managedsessions", Value::Int(t.managed as i64)),
-                            ("regularterminatedsessions", Value::Int(t.deleted as i64)),
-                            ("timeoutsessions", Value::Int(t.timed_out as i64)),
-                            ("relayedpackets", Value::Int(copies as i64)),
-                            ("relayedpacketerrors", Value::Int(errors as i64)),
-                            ("controlerrors", Value::Int(t.errors as i64)),
-                        ]),
-                    ),
-                ]),
-            ),
-        ])
+        let input = StatisticsInput {
+            sessions: self.registry.len() as u64,
+            uptime: self.started.elapsed(),
+            managed: t.managed,
+            deleted: t.deleted,
+            timed_out: t.timed_out,
+            control_errors: t.errors,
+            peak_sessions: self.peak_sessions,
+            live,
+            media,
+            kernel: mgr.dataplane().name() == "ebpf",
+            media_config: mgr.media_config(),
+            ports_used,
+            last_port,
+        };
+        Value::dict([("result", "ok".into()), ("statistics", ngstats::statistics(&input, &self.traffic, &self.control))])
     }
 
-    /// Media timeout: note which calls received packets since the last call, delete those idle
-    /// for longer than the configured timeout. Returns the Call-IDs (or keys) deleted.
+    /// Media timeout: delete the calls whose last packet (or creation, before any) is older
+    /// than the configured timeout, by the data planes' per-stream last-packet times. Called
+    /// once per sweep interval, a call ends within one interval of `last packet + timeout`.
+    /// Returns the Call-IDs (or keys) deleted.
     pub fn expire(&mut self, mgr: &SessionManager, now: Instant) -> Vec<String> {
         // Only the counters of NG calls' streams: the data plane may hold far more sessions
         // (e.g. relays made over HTTP), and reading all of them would cost a map read each.
         let ids: Vec<u32> = mgr.read(|model, _| self.registry.calls().flat_map(|c| calls::stream_ids(model, c)).collect());
-        if ids.is_empty() {
-            return Vec::new();
-        }
-        let stats = DataplaneStats { streams: mgr.stream_counters(&ids), ..Default::default() };
-        self.expire_with(mgr, &stats, now)
+        let streams = if ids.is_empty() { BTreeMap::new() } else { mgr.stream_counters(&ids) };
+        let stats = DataplaneStats { streams, ..Default::default() };
+        self.expire_with(mgr, &stats, now, mediaplane_dataplane::monotonic_ns())
     }
 
-    pub fn expire_with(&mut self, mgr: &SessionManager, stats: &DataplaneStats, now: Instant) -> Vec<String> {
+    /// [`Engine::expire`] with the counters read and the time given: `now` and `now_mono_ns`
+    /// ([`mediaplane_dataplane::monotonic_ns`]) are the same instant on the two clocks.
+    pub fn expire_with(&mut self, mgr: &SessionManager, stats: &DataplaneStats, now: Instant, now_mono_ns: u64) -> Vec<String> {
         let timeout = self.cfg.media_timeout;
+        // The sweep also samples the rates `statistics` reports.
+        self.control.sample(now);
+        let traffic = &mut self.traffic;
         let idle: Vec<Call> = mgr.read(|model, _| {
+            let mut live = Traffic::default();
+            for call in self.registry.calls() {
+                let (rtp, rtcp) = ngstats::call_traffic(call, model, &stats.streams, Traffic::relayed);
+                live.add(rtp);
+                live.add(rtcp);
+            }
+            traffic.sample(now, live);
             let mut idle = Vec::new();
             for call in self.registry.calls_mut() {
-                let rx: u64 = calls::stream_ids(model, call).iter().filter_map(|u| stats.streams.get(u)).map(|c| c.rx_packets).sum();
-                if rx != call.last_rx {
-                    call.last_rx = rx;
-                    call.last_activity = now;
-                } else if now.saturating_duration_since(call.last_activity) >= timeout {
+                let last = calls::stream_ids(model, call).iter().filter_map(|u| stats.streams.get(u)).map(|c| c.last_rx_ns).max().unwrap_or(0);
+                if last > call.last_rx {
+                    call.last_rx = last;
+                    let packet_at = now.checked_sub(Duration::from_nanos(now_mono_ns.saturating_sub(last))).unwrap_or(now);
+                    call.last_activity = call.last_activity.max(packet_at);
+                }
+                if now.saturating_duration_since(call.last_activity) >= timeout {
+                    traffic.call_ended(call, model, &stats.streams, SystemTime::now());
                     idle.push(call.clone());
                 }
             }
@@ -754,67 +760,13 @@ impl Engine {
             tracing::info!(call_id = %c.call_id, key = %c.key, "media timeout: call deleted");
             self.recording_metadata(&c, Some(SystemTime::now()));
             self.registry.remove(&c.key);
+            self.codecs.remove(&c.key);
             self.metrics.call_ended(CallEnd::Timeout);
             gone.push(if c.call_id.is_empty() { c.key } else { c.call_id });
         }
         self.metrics.set_calls(self.registry.len());
         gone
     }
-}
-
-fn counters_value(c: &Counters) -> Value {
-    Value::dict([
-        ("packets", Value::Int(c.rx_packets as i64)),
-        ("bytes", Value::Int(c.rx_bytes as i64)),
-        ("errors", Value::Int((c.drop_stranger + c.drop_malformed + c.tx_errors) as i64)),
-        ("relayed", Value::Int(c.tx_copies as i64)),
-    ])
-}
-
-fn endpoint(a: SocketAddr) -> Value {
-    Value::dict([
-        ("family", Value::str(if a.is_ipv4() { "IPv4" } else { "IPv6" })),
-        ("address", Value::from(a.ip().to_string())),
-        ("port", Value::Int(a.port() as i64)),
-    ])
-}
-
-/// One media of one side in a `query` reply: where that party sends (local port), where the
-/// relay sends to it (endpoint), what it signalled (advertised endpoint), what it sent (stats).
-fn media_value(model: &Model, stats: &DataplaneStats, call: &Call, i: usize, m: &MediaState, side: Side) -> Value {
-    let mut streams = Vec::new();
-    if m.active {
-        for (id, label) in [(calls::rtp_relay_id(&call.key, i), "RTP"), (calls::rtcp_relay_id(&call.key, i), "RTCP")] {
-            let Some(r) = model.relays.get(&id) else { continue };
-            let leg = if side == Side::A { &r.a } else { &r.b };
-            let mut d = vec![
-                ("local port", Value::Int(leg.local.port() as i64)),
-                ("flags", Value::List(vec![Value::str(label)])),
-                ("stats", counters_value(&stats.streams.get(&leg.uid).copied().unwrap_or_default())),
-            ];
-            if let Some(p) = leg.peer() {
-                d.push(("endpoint", endpoint(p)));
-            }
-            if let Some(p) = leg.remote {
-                d.push(("advertised endpoint", endpoint(p)));
-            }
-            streams.push(Value::dict(d));
-        }
-    }
-    let mut flags = vec![];
-    if m.active {
-        flags.push(Value::str("initialized"));
-    }
-    if m.mux {
-        flags.push(Value::str("rtcp-mux"));
-    }
-    Value::dict([
-        ("index", Value::Int(i as i64 + 1)),
-        ("type", Value::from(m.kind.clone())),
-        ("protocol", Value::from(m.proto.clone())),
-        ("flags", Value::List(flags)),
-        ("streams", Value::List(streams)),
-    ])
 }
 
 #[cfg(test)]
@@ -1208,15 +1160,23 @@ mod tests {
         assert!(!text(&r, "sdp").contains("a=ice") && !text(&r, "sdp").contains("a=candidate"), "{r:?}");
         assert!(r.get("warning").is_none());
 
-        let t0 = Instant::now();
+        // The call was created at t0 (mono 100 s); A's stream last heard a packet at mono 103.5 s.
+        let t0 = e.registry().get("cfBXzDSZqhYNcXM").unwrap().last_activity;
+        let (mono0, s) = (100_000_000_000u64, |secs: f64| Duration::from_secs_f64(secs));
+        let at = |secs: f64| (t0 + s(secs), mono0 + s(secs).as_nanos() as u64);
         let uids: Vec<u32> = m.read(|md, _| md.relays.values().flat_map(|r| [r.a.uid, r.b.uid]).collect());
         let mut stats = DataplaneStats::default();
-        stats.streams.insert(uids[0], Counters { rx_packets: 1, ..Default::default() });
-        assert!(e.expire_with(&m, &stats, t0 + Duration::from_secs(4)).is_empty());
-        stats.streams.insert(uids[0], Counters { rx_packets: 2, ..Default::default() });
-        assert!(e.expire_with(&m, &stats, t0 + Duration::from_secs(8)).is_empty(), "media moved");
-        assert!(e.expire_with(&m, &stats, t0 + Duration::from_secs(12)).is_empty());
-        assert_eq!(e.expire_with(&m, &stats, t0 + Duration::from_secs(13)), vec!["cfBXzDSZqhYNcXM".to_string()]);
+        // Strangers and counters without a packet time are no media.
+        stats.streams.insert(uids[1], Counters { rx_packets: 50, drop_stranger: 50, ..Default::default() });
+        let (now, mono) = at(3.0);
+        assert!(e.expire_with(&m, &stats, now, mono).is_empty());
+        stats.streams.insert(uids[0], Counters { rx_packets: 1, last_rx_ns: mono0 + s(3.5).as_nanos() as u64, ..Default::default() });
+        for t in [4.0, 5.0, 8.0, 8.4] {
+            let (now, mono) = at(t);
+            assert!(e.expire_with(&m, &stats, now, mono).is_empty(), "media at 3.5 s, a 5 s timeout: alive at {t} s");
+        }
+        let (now, mono) = at(8.5);
+        assert_eq!(e.expire_with(&m, &stats, now, mono), vec!["cfBXzDSZqhYNcXM".to_string()], "deleted at last packet + timeout");
         assert_eq!(m.read(|md, _| md.relays.len()), 0);
         assert_eq!(e.totals().timed_out, 1);
     }

@@ -8,6 +8,7 @@
 //!   other bytes kept;
 //! * [`calls`] — the call registry and what offer/answer/delete do to the model (one relay pair
 //!   per media section for RTP, one for RTCP unless muxed);
+//! * [`stats`] — rtpengine's reply key sets for `query`, `delete` and `statistics`;
 //! * [`engine`] — command handling: datagram in, datagram out, against a `SessionManager`;
 //! * [`serve_ng`] — the thin UDP driver and the media-timeout poller.
 //!
@@ -20,6 +21,7 @@ pub mod engine;
 pub mod protocol;
 pub mod recording;
 pub mod sdp;
+pub mod stats;
 
 pub use engine::{Engine, EngineConfig};
 
@@ -87,10 +89,9 @@ pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager
     let _poller = {
         let (engine, manager) = (engine.clone(), manager.clone());
         AbortOnDrop(tokio::spawn(async move {
-            // Every second (a quarter of a timeout under 4 s), as rtpengine sweeps: activity is
-            // seen within one sweep of the last packet and silence acted on within one sweep of
-            // the timeout, so a call ends at most two sweeps late. A sweep reads the counters of
-            // NG calls' streams only.
+            // Every second (a quarter of a timeout under 4 s), as rtpengine sweeps: the data
+            // planes report each stream's last packet time, so a call ends within one sweep of
+            // `last packet + timeout`. A sweep reads the counters of NG calls' streams only.
             let every = (cfg.media_timeout / 4).clamp(Duration::from_millis(100), Duration::from_secs(1));
             let mut tick = tokio::time::interval(every);
             tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);

@@ -1,0 +1,242 @@
+//! Interop, NG statistics: the same call through rtpengine 10.5 and through `mediaplane serve`
+//! on each data plane, in a namespace testbed (caller and callee in namespaces of their own):
+//! G.711 RTP both ways for 4 s, and every 500 ms an RTCP SR each way whose report block echoes
+//! the last SR the party heard (LSR/DLSR), so that rtpengine computes a MOS. Then:
+//!
+//! * `query` and `statistics` of each relay: mediaplane's carry every key path of rtpengine's
+//!   live replies, with the same types, except what mediaplane does not know yet (`NOT_YET`);
+//!   rtpengine's live replies carry the reference paths the unit tests hold mediaplane to
+//!   (tests/data), so that reference cannot go stale; the counts agree between the relays.
+//! * Kamailio's rtpengine module reads a BYE's `delete` reply into its MOS AVPs (`mos_*_pv`) and
+//!   `$rtpstat` (a `query`): its log lines are compared between rtpengine and mediaplane.
+//!
+//! Needs root, kamailio (+ its rtpengine module) and rtpengine; skipped otherwise, except under
+//! CI=true, where that is a failure. MP_KEEP_TMP=1 keeps the run's directory.
+
+mod common;
+mod ng_common;
+
+use mediaplane_bench::netns::Testbed;
+use mediaplane_bench::process::Supervised;
+use mediaplane_bench::sip;
+use mediaplane_core::rtp::build_rtp;
+use mediaplane_harness::bench_relay::{RelayProc, RelaySetup, NG};
+use mediaplane_ng::bencode::Value;
+use ng_common::*;
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, UdpSocket};
+use std::path::Path;
+use std::process::Stdio;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+const CALL: &str = "ng-stats-interop@interop_ng_stats.test";
+const KAMAILIO: &str = "127.0.0.1:5060";
+const PACKETS: u16 = 200;
+const SSRC_CALLER: u32 = 0x11111111;
+const SSRC_CALLEE: u32 = 0x22222222;
+
+fn kamailio_cfg(modules: &Path) -> String {
+    format!(
+        r#"#!KAMAILIO
+debug=2
+log_stderror=yes
+children=1
+disable_tcp=yes
+auto_aliases=no
+listen=udp:{KAMAILIO}
+mpath="{modules}/"
+loadmodule "sl.so"
+loadmodule "textops.so"
+loadmodule "siputils.so"
+loadmodule "pv.so"
+loadmodule "xlog.so"
+loadmodule "rtpengine.so"
+modparam("rtpengine", "rtpengine_sock", "udp:{NG}")
+modparam("rtpengine", "mos_min_pv", "$avp(mos_min)")
+modparam("rtpengine", "mos_max_pv", "$avp(mos_max)")
+modparam("rtpengine", "mos_average_pv", "$avp(mos_average)")
+modparam("rtpengine", "mos_average_packetloss_pv", "$avp(mos_average_packetloss)")
+modparam("rtpengine", "mos_average_jitter_pv", "$avp(mos_average_jitter)")
+modparam("rtpengine", "mos_average_roundtrip_pv", "$avp(mos_average_roundtrip)")
+modparam("rtpengine", "mos_average_samples_pv", "$avp(mos_average_samples)")
+
+request_route {{
+    if (is_method("BYE")) {{
+        xlog("L_NOTICE", "NGSTATS rtpstat=[$rtpstat]\n");
+        rtpengine_delete();
+        xlog("L_NOTICE", "NGSTATS mos min=[$avp(mos_min)] max=[$avp(mos_max)] average=[$avp(mos_average)] packetloss=[$avp(mos_average_packetloss)] jitter=[$avp(mos_average_jitter)] roundtrip=[$avp(mos_average_roundtrip)] samples=[$avp(mos_average_samples)]\n");
+        sl_send_reply("200", "OK");
+    }}
+    exit;
+}}
+"#,
+        modules = modules.display()
+    )
+}
+
+/// An RTCP SR of `ssrc` with one report block about `about`, echoing `lsr` (the middle 32 bits
+/// of the NTP time of the last SR heard from `about`) and the delay since then.
+fn sender_report(ssrc: u32, about: u32, sent: u32, heard: Option<(u32, Instant)>) -> Vec<u8> {
+    let now = SystemTime::now().duration_since(UNIX_EPOCH).unwrap() + Duration::from_secs(2_208_988_800);
+    let (lsr, dlsr) = heard.map_or((0, 0), |(lsr, at)| (lsr, (at.elapsed().as_secs_f64() * 65536.0) as u32));
+    let frac = ((now.subsec_nanos() as u64) << 32) / 1_000_000_000;
+    let mut p = vec![0x81, 200, 0, 12];
+    for w in [ssrc, now.as_secs() as u32, frac as u32, sent * 160, sent, sent * 172, about, 0, sent, 20, lsr, dlsr] {
+        p.extend_from_slice(&w.to_be_bytes());
+    }
+    p
+}
+
+/// The LSR of a received SR (the middle 32 bits of its NTP time).
+fn lsr_of(p: &[u8]) -> Option<u32> {
+    (p.len() >= 28 && p[1] == 200).then(|| u32::from_be_bytes([p[10], p[11], p[12], p[13]]))
+}
+
+/// RTP both ways at 50 packets/s and an SR each way every 25 packets.
+fn media(rtp: [(&UdpSocket, SocketAddr, u32); 2], rtcp: [(&UdpSocket, SocketAddr, u32); 2]) {
+    for (s, _, _) in rtp.iter().chain(rtcp.iter()) {
+        s.set_nonblocking(true).unwrap();
+    }
+    let mut heard: [Option<(u32, Instant)>; 2] = [None, None];
+    let start = Instant::now();
+    let mut buf = [0u8; 2048];
+    for seq in 0..PACKETS {
+        std::thread::sleep((start + Duration::from_millis(20) * seq as u32).saturating_duration_since(Instant::now()));
+        for (s, to, ssrc) in rtp {
+            s.send_to(&build_rtp(8, seq, seq as u32 * 160, ssrc, &[0xd5; 160]), to).unwrap();
+        }
+        if seq % 25 == 10 {
+            for (i, (s, to, ssrc)) in rtcp.iter().enumerate() {
+                let about = rtcp[1 - i].2;
+                s.send_to(&sender_report(*ssrc, about, seq as u32, heard[i]), *to).unwrap();
+            }
+        }
+        for (s, _, _) in rtp {
+            while s.recv_from(&mut buf).is_ok() {}
+        }
+        for (i, (s, _, _)) in rtcp.iter().enumerate() {
+            while let Ok((n, _)) = s.recv_from(&mut buf) {
+                if let Some(lsr) = lsr_of(&buf[..n]) {
+                    heard[i] = Some((lsr, Instant::now()));
+                }
+            }
+        }
+    }
+}
+
+struct Run {
+    query: Value,
+    statistics: Value,
+    /// Kamailio's `$rtpstat` and its MOS AVPs after `rtpengine_delete`, as it logged them.
+    rtpstat: String,
+    mos: String,
+}
+
+fn ng(tb: &Testbed, pairs: Vec<(&'static str, Value)>) -> Value {
+    tb.in_ns(&tb.sfu_ns, move || ng_client(NG.parse().unwrap()).cmd(pairs)).unwrap()
+}
+
+fn run(relay: &str, tmp: &Path) -> Run {
+    let tb = Testbed::star(2).expect("testbed");
+    let (caller, callee) = (&tb.peers[0], &tb.peers[1]);
+    let mut relay_proc = RelayProc::start_binary(&tb, relay, tmp, Path::new(env!("CARGO_BIN_EXE_mediaplane")), &RelaySetup::default())
+        .unwrap_or_else(|e| panic!("starting {relay}: {e:#}"));
+    let dir = tmp.join(relay);
+    std::fs::create_dir_all(&dir).unwrap();
+    let cfg = dir.join("kamailio.cfg");
+    std::fs::write(&cfg, kamailio_cfg(&sip::kamailio_module_dir().unwrap())).unwrap();
+    let log = dir.join("kamailio.log");
+    let mut launcher = tb.command(&tb.sfu_ns, sip::which("kamailio").unwrap().to_str().unwrap());
+    launcher.args(["-DD", "-E", "-m", "32", "-M", "8", "-f"]).arg(&cfg).arg("-Y").arg(&dir).arg("-P").arg(dir.join("kamailio.pid")).arg("-w").arg(&dir);
+    let mut kamailio: Supervised = sip::spawn_group("kamailio", launcher.stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()))
+        .unwrap_or_else(|e| panic!("starting kamailio: {e}"));
+    sip::wait_udp_bound(&mut kamailio, 5060, Duration::from_secs(10)).unwrap_or_else(|e| panic!("{e}\n{}", sip::log_tail(&log, 20)));
+    std::thread::sleep(Duration::from_millis(500)); // its worker pings the relay in child_init
+
+    let (cip, eip) = (caller.ip.to_string(), callee.ip.to_string());
+    let offer = ng(&tb, offer_answer("offer", CALL, "caller-tag", None, &sdp(&cip, 6000, 1), &cip));
+    let to_callee = advertised(&offer);
+    let answer = ng(&tb, offer_answer("answer", CALL, "caller-tag", Some("callee-tag"), &sdp(&eip, 7000, 2), &eip));
+    let to_caller = advertised(&answer);
+    let rtcp = |a: SocketAddr| SocketAddr::new(a.ip(), a.port() + 1);
+    let sock = |ns: &str, ip, port| tb.udp_socket(ns, SocketAddr::new(ip, port)).unwrap();
+    let (a, a_rtcp) = (sock(&caller.ns, caller.ip, 6000), sock(&caller.ns, caller.ip, 6001));
+    let (b, b_rtcp) = (sock(&callee.ns, callee.ip, 7000), sock(&callee.ns, callee.ip, 7001));
+    media([(&a, to_caller, SSRC_CALLER), (&b, to_callee, SSRC_CALLEE)], [(&a_rtcp, rtcp(to_caller), SSRC_CALLER), (&b_rtcp, rtcp(to_callee), SSRC_CALLEE)]);
+    std::thread::sleep(Duration::from_millis(300));
+    let query = ng(&tb, vec![("command", "query".into()), ("call-id", CALL.into())]);
+    let statistics = ng(&tb, vec![("command", "statistics".into())]);
+
+    // The BYE, as a SIP UA sends it through the proxy: Kamailio deletes the call over NG.
+    let bye = tb
+        .in_ns(&tb.sfu_ns, || {
+            let s = UdpSocket::bind("127.0.0.1:0").unwrap();
+            s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+            let port = s.local_addr().unwrap().port();
+            let msg = format!(
+                "BYE sip:callee@{KAMAILIO} SIP/2.0\r\nVia: SIP/2.0/UDP 127.0.0.1:{port};branch=z9hG4bK-ngstats-1\r\nMax-Forwards: 70\r\n\
+                 From: <sip:caller@127.0.0.1>;tag=caller-tag\r\nTo: <sip:callee@127.0.0.1>;tag=callee-tag\r\nCall-ID: {CALL}\r\n\
+                 CSeq: 2 BYE\r\nContent-Length: 0\r\n\r\n"
+            );
+            s.send_to(msg.as_bytes(), KAMAILIO).unwrap();
+            let mut buf = [0u8; 4096];
+            s.recv_from(&mut buf).map(|(n, _)| String::from_utf8_lossy(&buf[..n]).to_string())
+        })
+        .unwrap();
+    let bye = bye.unwrap_or_else(|e| panic!("[{relay}] no reply to the BYE: {e}\n{}", sip::log_tail(&log, 20)));
+    assert!(bye.starts_with("SIP/2.0 200"), "[{relay}] {bye}");
+    let list = ng(&tb, vec![("command", "list".into())]);
+    assert_eq!(list.get("calls").and_then(Value::as_list).map(<[Value]>::len), Some(0), "[{relay}] the BYE deleted the call: {list:?}");
+
+    let logged = std::fs::read_to_string(&log).unwrap_or_default();
+    let line = |tag: &str| logged.lines().find_map(|l| l.split_once(tag).map(|(_, rest)| rest.to_string())).unwrap_or_default();
+    let (rtpstat, mos) = (line("NGSTATS rtpstat="), line("NGSTATS mos "));
+    assert!(!rtpstat.is_empty() && !mos.is_empty(), "[{relay}] Kamailio logged no statistics:\n{}", sip::log_tail(&log, 30));
+    let _ = kamailio.terminate(Duration::from_secs(3));
+    relay_proc.stop().unwrap_or_else(|e| panic!("{e:#}"));
+    Run { query, statistics, rtpstat, mos }
+}
+
+fn int_at(v: &Value, keys: &[&str]) -> i64 {
+    keys.iter().try_fold(v, |v, k| v.get(k)).and_then(Value::as_int).unwrap_or_else(|| panic!("no integer at {keys:?} in {v:?}"))
+}
+
+/// The key paths of `reply` with their types, as strings (the shape of the reference).
+fn paths_of(reply: &Value) -> BTreeMap<String, String> {
+    key_paths(reply).into_iter().filter(|(k, _)| k != "result").map(|(k, v)| (k, v.to_string())).collect()
+}
+
+#[test]
+fn ng_statistics_match_rtpengine_and_feed_kamailio() {
+    if !sip::ready("ng_statistics_match_rtpengine_and_feed_kamailio", &["kamailio", "rtpengine"]) {
+        return;
+    }
+    let tmp = common::TempDir::new("ng-stats");
+    let runs: Vec<(&str, Run)> = ["rtpengine", "mediaplane-userspace", "mediaplane-ebpf"].into_iter().map(|r| (r, run(r, &tmp.0))).collect();
+    let rtpe = &runs[0].1;
+
+    // rtpengine's live replies still carry the reference mediaplane's unit tests hold it to.
+    for (command, reply) in [("query", &rtpe.query), ("statistics", &rtpe.statistics)] {
+        let stale = missing_key_paths(&rtpengine_key_paths(command), reply, &[]);
+        assert!(stale.is_empty(), "rtpengine's live {command} reply lacks reference paths {stale:#?}: regenerate tests/data");
+    }
+    let mut report = String::new();
+    for (relay, r) in &runs {
+        report += &format!("[{relay}] Kamailio: $rtpstat=[{}\n[{relay}] Kamailio: MOS AVPs {}\n", r.rtpstat, r.mos);
+    }
+    eprintln!("{report}");
+    for (relay, r) in &runs[1..] {
+        for (command, theirs, ours) in [("query", &rtpe.query, &r.query), ("statistics", &rtpe.statistics, &r.statistics)] {
+            let missing = missing_key_paths(&paths_of(theirs), ours, NOT_YET);
+            assert!(missing.is_empty(), "[{relay}] {command} lacks rtpengine's {missing:#?}");
+        }
+        // The same traffic, counted the same way (RTP and RTCP received, UDP payload bytes).
+        for keys in [["totals", "RTP", "packets"], ["totals", "RTP", "bytes"], ["totals", "RTCP", "packets"], ["totals", "RTCP", "bytes"]] {
+            assert_eq!(int_at(&r.query, &keys), int_at(&rtpe.query, &keys), "[{relay}] {keys:?}");
+        }
+        assert_eq!(r.rtpstat, rtpe.rtpstat, "[{relay}] Kamailio's $rtpstat differs from rtpengine's");
+    }
+    // The RTCP of the test is good enough for rtpengine to compute a MOS (else the comparison
+    // of the MOS AVPs above says nothing).
+    assert!(!rtpe.mos.contains("average=[<null>]") && !rtpe.mos.contains("average=[]"), "rtpengine computed no MOS: {}", rtpe.mos);
+}
