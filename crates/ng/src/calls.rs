@@ -11,6 +11,7 @@
 //!
 //! Everything here is a function of the model and the registry: no sockets, no clock reads.
 
+use crate::codecs::CodecSpec;
 use crate::sdp::{ConnAddr, Sdp};
 use mediaplane_control::config::MediaConfig;
 use mediaplane_control::manager::{allocate_local, ManagerError};
@@ -112,6 +113,9 @@ pub struct Call {
     /// Media activity: received packets on all its legs at the last poll, and when it moved.
     pub last_rx: u64,
     pub last_activity: Instant,
+    /// Per media section, the codecs the last offer's codec filter removed: its answer loses
+    /// them too.
+    pub codecs_removed: Vec<Vec<CodecSpec>>,
 }
 
 impl Call {
@@ -128,6 +132,7 @@ impl Call {
             answered: false,
             last_rx: 0,
             last_activity: now,
+            codecs_removed: Vec::new(),
         }
     }
 
