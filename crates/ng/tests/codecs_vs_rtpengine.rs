@@ -177,11 +177,11 @@ fn loop_protect(ng: &mut NgClient, tag: &str) -> String {
     // Without the flag the marked SDP is processed like any other (the mark passes through).
     let r = ng.cmd(offer_answer("offer", "loop-no-flag", "caller", None, &first, "127.86.1.1"));
     assert_ne!(text(&r, "sdp"), first, "{tag}: processed without loop-protect");
-    assert_eq!(marks(&text(&r, "sdp")), [mark.clone()], "{tag}");
+    assert_eq!(marks(&text(&r, "sdp")), [mark.as_str()], "{tag}");
     // The answer is marked, and comes back unchanged too.
     let r = ng.cmd(protect(offer_answer("answer", &call, "caller", Some("callee"), &answer_sdp(&[0]), "127.86.2.1")));
     let answered = text(&r, "sdp");
-    assert_eq!(marks(&answered), [mark.clone()], "{tag}: {answered}");
+    assert_eq!(marks(&answered), [mark.as_str()], "{tag}: {answered}");
     let r = ng.cmd(protect(offer_answer("answer", &call, "caller", Some("callee"), &answered, "127.86.2.1")));
     assert_eq!(text(&r, "sdp"), answered, "{tag}: the marked answer comes back unchanged");
     for c in [call.as_str(), "loop-no-flag"] {
