@@ -46,22 +46,16 @@
 
 mod common;
 
+use common::sipp::{parse_sipp_event, recv_answer, recv_offer, sipp_command, sipp_completed, sipp_result, Bed, LogTail, Relay, KAMAILIO};
 use mediaplane_bench::netns::Testbed;
-use mediaplane_bench::process::Supervised;
-use mediaplane_bench::sip::{self, Kamailio, KamailioConfig};
+use mediaplane_bench::sip;
 use mediaplane_core::rtp::build_rtp;
-use mediaplane_harness::bench_relay::{RelayProc, NG};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
-use std::io::{ErrorKind, Read, Seek, SeekFrom};
+use std::io::ErrorKind;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
-use std::path::{Path, PathBuf};
-use std::process::Stdio;
-use std::sync::{Mutex, PoisonError};
+use std::path::Path;
 use std::time::{Duration, Instant};
-
-/// Kamailio's SIP address in the relay namespace.
-const KAMAILIO: &str = "127.0.0.1:5060";
 /// What every offer and answer carries; a scenario's `X-RTP-Flags` are appended.
 const BASE_FLAGS: &str = "trust-address replace-origin replace-session-connection ICE=remove";
 const PACKET_INTERVAL: Duration = Duration::from_millis(20);
@@ -72,27 +66,6 @@ const STOP_BEFORE_BYE: Duration = Duration::from_millis(300);
 /// After the last packet: time for it to arrive.
 const DRAIN: Duration = Duration::from_millis(200);
 const CALL_DEADLINE: Duration = Duration::from_secs(40);
-
-/// The three tests share the machine's two cores and time-sensitive windows: one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Relay {
-    Rtpengine,
-    MediaplaneUserspace,
-    MediaplaneEbpf,
-}
-
-impl Relay {
-    /// Its name for [`RelayProc`].
-    fn name(self) -> &'static str {
-        match self {
-            Relay::Rtpengine => "rtpengine",
-            Relay::MediaplaneUserspace => "mediaplane-userspace",
-            Relay::MediaplaneEbpf => "mediaplane-ebpf",
-        }
-    }
-}
 
 /// A media socket of the call: the caller's SDP ports (P1, P2), the caller's "NAT bindings" (N1,
 /// N2: same address, other ports, never in SDP), and the callee's one socket.
@@ -470,75 +443,6 @@ impl CallRecord {
     }
 }
 
-/// New lines of a log file another process appends to.
-struct LogTail {
-    path: PathBuf,
-    offset: u64,
-    partial: String,
-}
-
-impl LogTail {
-    fn new(path: PathBuf) -> LogTail {
-        LogTail { path, offset: 0, partial: String::new() }
-    }
-
-    fn lines(&mut self) -> Vec<String> {
-        let Ok(mut f) = std::fs::File::open(&self.path) else { return Vec::new() };
-        let mut buf = String::new();
-        if f.seek(SeekFrom::Start(self.offset)).is_err() || f.read_to_string(&mut buf).is_err() {
-            return Vec::new();
-        }
-        self.offset += buf.len() as u64;
-        self.partial.push_str(&buf);
-        let Some(last_newline) = self.partial.rfind('\n') else { return Vec::new() };
-        let complete: String = self.partial.drain(..=last_newline).collect();
-        complete.lines().map(str::to_string).collect()
-    }
-}
-
-/// A line a SIPp scenario logged: "answered 2 10.77.0.1 10004" → ("answered 2", the address);
-/// "inviting 2" → ("inviting 2", None).
-fn parse_sipp_event(line: &str) -> Option<(String, Option<SocketAddr>)> {
-    let mut w = line.split_whitespace();
-    let (kind, n) = (w.next()?, w.next()?);
-    let addr = match (w.next(), w.next()) {
-        (Some(ip), Some(port)) => Some(SocketAddr::new(ip.parse().ok()?, port.parse().ok()?)),
-        _ => None,
-    };
-    Some((format!("{kind} {n}"), addr))
-}
-
-fn sipp_command(tb: &Testbed, dir: &Path, role: &str, plan: &CallPlan, port: u16) -> std::process::Command {
-    let id = plan.scenario.id;
-    let mut cmd = tb.command(&tb.sfu_ns, sip::which("sipp").unwrap().to_str().unwrap());
-    cmd.current_dir(dir)
-        .args(["-sf", &format!("{id}-{role}.xml"), "-i", "127.0.0.1", "-p", &port.to_string(), "-cp", &(port + 5).to_string()])
-        .args(["-m", "1", "-nostdin", "-trace_err", "-trace_logs", "-timeout", "40s", "-timeout_error"])
-        .args(["-log_file", &format!("{id}-{role}.log"), "-error_file", &format!("{id}-{role}-errors.log")])
-        .args(["-trace_msg", "-message_file", &format!("{id}-{role}-messages.log")])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(dir.join(format!("{id}-{role}.stderr"))).unwrap());
-    cmd
-}
-
-fn sipp_result(p: &mut Supervised, dir: &Path, id: &str, role: &str) -> Result<(), String> {
-    // SIPp can take seconds to exit after its last message when the machine is busy.
-    let why = match p.wait_timeout(Duration::from_secs(15)) {
-        Ok(Some(st)) if st.success() => return Ok(()),
-        Ok(Some(st)) => format!("exited {st}"),
-        Ok(None) => {
-            p.kill();
-            "still running (killed)".to_string()
-        }
-        Err(e) => e.to_string(),
-    };
-    // SIPp's error log quotes whole SDP bodies: one line, cut short, is enough to tell why.
-    let errors = std::fs::read_to_string(dir.join(format!("{id}-{role}-errors.log"))).unwrap_or_default();
-    let errors: String = errors.lines().map(str::trim).filter(|l| !l.is_empty() && !l.starts_with("The following events")).collect::<Vec<_>>().join(" | ");
-    let errors: String = errors.chars().take(300).collect();
-    Err(format!("SIPp {role} of {id} {why}: {errors} (see {id}-{role}-errors.log, MP_KEEP_TMP=1 keeps it)"))
-}
-
 /// Run one call: its SIPp UAS and UAC, and both media endpoints, until the caller stopped
 /// sending before its BYE and SIPp finished.
 fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
@@ -566,12 +470,12 @@ fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
         uas: Ok(()),
     };
     let uas_port = plan.uas_sip_port();
-    let mut uas = sip::spawn_group("sipp uas", &mut sipp_command(tb, dir, "uas", plan, uas_port)).unwrap();
+    let mut uas = sip::spawn_group("sipp uas", &mut sipp_command(tb, dir, sc.id, "uas", uas_port)).unwrap();
     if let Err(e) = sip::wait_udp_bound(&mut uas, uas_port, Duration::from_secs(10)) {
         record.uas = Err(e);
         return record;
     }
-    let mut uac_cmd = sipp_command(tb, dir, "uac", plan, uas_port + 1);
+    let mut uac_cmd = sipp_command(tb, dir, sc.id, "uac", uas_port + 1);
     let mut uac = sip::spawn_group("sipp uac", uac_cmd.arg(KAMAILIO)).unwrap();
 
     let (mut uac_log, mut uas_log) = (LogTail::new(dir.join(format!("{}-uac.log", sc.id))), LogTail::new(dir.join(format!("{}-uas.log", sc.id))));
@@ -717,16 +621,7 @@ fn uac_xml(plan: &CallPlan) -> String {
 
     ]]>
   </send>
-  <recv response="100" optional="true"/>
-  <recv response="180" optional="true"/>
-  <recv response="200">
-    <action>
-      <ereg regexp="c=IN IP4 ([0-9.]+)" search_in="body" check_it="true" assign_to="c_line,answer_ip"/>
-      <ereg regexp="m=audio ([0-9]+)" search_in="body" check_it="true" assign_to="m_line,answer_port"/>
-      <log message="answered {n} [$answer_ip] [$answer_port]"/>
-    </action>
-  </recv>
-  <send>
+{answer}  <send>
     <![CDATA[
 
       {ack}
@@ -737,6 +632,7 @@ fn uac_xml(plan: &CallPlan) -> String {
   <pause milliseconds="{then}"/>
 "#,
             head = dialog(n, "INVITE", to_tag),
+            answer = recv_answer(n, "m=audio ([0-9]+)"),
             ip = plan.caller_ip,
             port = plan.port(inv.sdp_port),
             ack = dialog(n, "ACK", "[peer_tag_param]"),
@@ -780,14 +676,7 @@ fn uas_xml(plan: &CallPlan) -> String {
         let to_tag = if n == 1 { ";tag=callee[pid]-[call_number]" } else { "" };
         let _ = write!(
             x,
-            r#"  <recv request="INVITE" crlf="true">
-    <action>
-      <ereg regexp="c=IN IP4 ([0-9.]+)" search_in="body" check_it="true" assign_to="c_line,offer_ip"/>
-      <ereg regexp="m=audio ([0-9]+)" search_in="body" check_it="true" assign_to="m_line,offer_port"/>{hold_check}
-      <log message="offered {n} [$offer_ip] [$offer_port]"/>
-    </action>
-  </recv>
-{delay}  <send retrans="500">
+            r#"{offer}{delay}  <send retrans="500">
     <![CDATA[
 
       SIP/2.0 200 OK
@@ -814,6 +703,7 @@ fn uas_xml(plan: &CallPlan) -> String {
   </send>
   <recv request="ACK" crlf="true"/>
 "#,
+            offer = recv_offer(n, "m=audio ([0-9]+)", hold_check),
             ip = plan.callee_ip,
             port = plan.port(Port::Callee),
             direction = if inv.hold == Hold::No { "sendrecv" } else { "recvonly" },
@@ -848,37 +738,20 @@ fn uas_xml(plan: &CallPlan) -> String {
 // ---------------------------------------------------------------------------------------------
 
 fn run_scenarios(relay: Relay) {
-    let test = format!("latching_{}", relay.name().replace('-', "_"));
-    let tools: &[&str] = if relay == Relay::Rtpengine { &["kamailio", "sipp", "rtpengine"] } else { &["kamailio", "sipp"] };
-    if !sip::ready(&test, tools) {
-        return;
-    }
-    let _one_at_a_time = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    let started = Instant::now();
-    let tmp = common::TempDir::new("latching");
-    let keep = std::env::var_os("MP_KEEP_TMP").is_some();
-    let tb = Testbed::star(2).expect("testbed");
-    let mut relay_proc = RelayProc::start_binary(&tb, relay.name(), &tmp.0, Path::new(env!("CARGO_BIN_EXE_mediaplane")), None, None)
-        .unwrap_or_else(|e| panic!("starting {}: {e:#}", relay.name()));
-    let modules = sip::kamailio_module_dir().unwrap();
-    let kamailio_cfg = KamailioConfig { listen: KAMAILIO.parse().unwrap(), ng: NG.parse().unwrap(), next_hop: None, flags: BASE_FLAGS, modules: &modules };
-    let kamailio = Kamailio::start(tb.command(&tb.sfu_ns, sip::which("kamailio").unwrap().to_str().unwrap()), &kamailio_cfg, &tmp.0)
-        .unwrap_or_else(|e| panic!("starting kamailio: {e}"));
+    let Some(bed) = Bed::start("latching", relay, BASE_FLAGS) else { return };
+    let tb = &bed.tb;
 
     let scenarios = scenarios();
     let plans: Vec<CallPlan> =
         scenarios.iter().enumerate().map(|(index, scenario)| CallPlan { index, scenario, caller_ip: tb.peers[0].ip, callee_ip: tb.peers[1].ip }).collect();
-    let records: Vec<CallRecord> = std::thread::scope(|s| {
-        let handles: Vec<_> = plans.iter().map(|plan| s.spawn(|| run_call(&tb, &tmp.0, plan))).collect();
-        handles.into_iter().map(|h| h.join().expect("call thread panicked")).collect()
-    });
+    let records = bed.run_calls(&plans, run_call);
 
     let mut report = String::new();
     let mut failures = Vec::new();
     for (plan, record) in plans.iter().zip(&records) {
         let mut checks = Checks::default();
-        for (role, result) in [("UAC", &record.uac), ("UAS", &record.uas)] {
-            checks.check(result.is_ok(), format!("SIPp {role} completed the call{}", result.as_ref().err().map(|e| format!(": {e}")).unwrap_or_default()));
+        for (ok, what) in sipp_completed(&record.uac, &record.uas) {
+            checks.check(ok, what);
         }
         (plan.scenario.check)(record, &mut checks);
         report += &record.table(plan);
@@ -887,44 +760,8 @@ fn run_scenarios(relay: Relay) {
         }
         failures.extend(checks.failed().map(|f| format!("{}: {f}", record.id)));
     }
-    if relay == Relay::MediaplaneEbpf {
-        // The media crossed the TC programs: most of what arrived was forwarded in the kernel.
-        let stats = common::netns::try_api(&tb, "GET", "/v1/stats", None).unwrap_or_else(|e| panic!("GET /v1/stats: {e}"));
-        let forwarded = stats["extra"]["forwarded"].as_u64().unwrap_or(0) as usize;
-        let received: usize = records.iter().map(|r| r.arrivals.values().map(Vec::len).sum::<usize>()).sum();
-        let ok = forwarded * 2 >= received && received > 0;
-        let _ = writeln!(
-            report,
-            "  {} kernel path: {forwarded} packets forwarded by the BPF program, {received} received by the endpoints",
-            if ok { "ok  " } else { "FAIL" }
-        );
-        if !ok {
-            failures.push(format!("only {forwarded} of {received} received packets were forwarded by the BPF program"));
-        }
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    eprintln!("=== {} ({seconds:.1} s, testbed {}) ===\n{report}", relay.name(), tb.prefix);
-    let diag = || format!("\n--- kamailio ---\n{}\n--- {} ---\n{}", kamailio.log_tail(15), relay.name(), sip::log_tail(relay_proc.log_path(), 15));
-    if keep {
-        eprintln!("kept {}", tmp.0.display());
-        std::mem::forget(tmp);
-    }
-    assert!(failures.is_empty(), "{}: {} expectation(s) failed:\n{}{}", relay.name(), failures.len(), failures.join("\n"), diag());
-    drop(kamailio);
-    relay_proc.stop().unwrap_or_else(|e| panic!("{e:#}"));
+    let received = records.iter().map(|r| r.arrivals.values().map(Vec::len).sum::<usize>()).sum();
+    bed.finish(received, report, failures);
 }
 
-#[test]
-fn latching_rtpengine() {
-    run_scenarios(Relay::Rtpengine);
-}
-
-#[test]
-fn latching_mediaplane_userspace() {
-    run_scenarios(Relay::MediaplaneUserspace);
-}
-
-#[test]
-fn latching_mediaplane_ebpf() {
-    run_scenarios(Relay::MediaplaneEbpf);
-}
+relay_tests!(run_scenarios, latching_rtpengine, latching_mediaplane_userspace, latching_mediaplane_ebpf);
