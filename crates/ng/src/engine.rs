@@ -225,6 +225,9 @@ fn not_acted_on(req: &Request, command: &str) -> Option<String> {
     Some(format!("not acted on by {command}: {}", described.join(", ")))
 }
 
+/// Per media section: the payload types to advertise (None: as offered), and the codecs removed.
+type SectionCodecs = (Vec<Option<Vec<u8>>>, Vec<Vec<CodecSpec>>);
+
 /// `reply` with `warning` added (joined to one it already has).
 fn with_warning(reply: Value, warning: String) -> Value {
     let Value::Dict(mut d) = reply else { return reply };
@@ -405,7 +408,7 @@ impl Engine {
             }
         }
         let remove_ice = opt.ice.is_some();
-        let (formats, codecs_removed) = self.filter_codecs(req, phase, &sdp, &call, &mut opt.warnings)?;
+        let (formats, codecs_removed) = Self::filter_codecs(req, phase, &sdp, &call, &mut opt.warnings)?;
 
         let leg = SignalOptions { at_ms: mediaplane_control::manager::unix_ms(), ..opt.leg };
         let (call, ip) = mgr.mutate(|model, media| {
@@ -460,15 +463,7 @@ impl Engine {
     /// The payload types each media section of `sdp` keeps under the request's codec filter (an
     /// answer also loses what the call's last offer removed), and what was removed, per section.
     /// A section the filter would leave without a codec keeps its list, with a warning.
-    #[allow(clippy::type_complexity)]
-    fn filter_codecs(
-        &self,
-        req: &Request,
-        phase: Phase,
-        sdp: &Sdp,
-        call: &Call,
-        warnings: &mut Vec<String>,
-    ) -> Result<(Vec<Option<Vec<u8>>>, Vec<Vec<CodecSpec>>), NgError> {
+    fn filter_codecs(req: &Request, phase: Phase, sdp: &Sdp, call: &Call, warnings: &mut Vec<String>) -> Result<SectionCodecs, NgError> {
         let (filter, w) = CodecFilter::from_request(req, phase == Phase::Offer)?;
         warnings.extend(w);
         let mut formats = Vec::with_capacity(sdp.media.len());
