@@ -1,21 +1,54 @@
-//! SDP parsing and rewriting: never panic; a rewritten SDP parses again with the same number of
-//! media sections.
+//! SDP parsing and rewriting (codec filtering and the loop-protection mark included): never
+//! panic; a rewritten SDP parses again with the same number of media sections, every payload
+//! type it advertises is one the filter kept, and the mark is there once.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
+use mediaplane_ng::codecs::{CodecFilter, CodecSpec, Filtered};
 use mediaplane_ng::sdp::{MediaRewrite, Rewrite, Sdp};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(sdp) = Sdp::parse(data) else { return };
+    // Strip by name, by payload type or all (then keep one by name), chosen by the input.
+    let spec = |s: &str| CodecSpec::parse(s).unwrap();
+    let filter = match data.len() % 4 {
+        0 => CodecFilter { strip: vec![spec("PCMA"), spec("telephone-event/8000")], ..Default::default() },
+        1 => CodecFilter { strip: vec![spec("all")], except: vec![spec("pcmu")], offer: vec![spec("opus")] },
+        2 => CodecFilter { strip: vec![CodecSpec::Pt(data.first().map_or(0, |b| b % 128))], ..Default::default() },
+        _ => CodecFilter::default(),
+    };
+    let formats: Vec<Option<Vec<u8>>> = sdp
+        .media
+        .iter()
+        .map(|m| match filter.apply(&m.formats) {
+            Filtered::Narrowed { keep, .. } => Some(keep),
+            Filtered::Unchanged | Filtered::Refused => None,
+        })
+        .collect();
     let rw = Rewrite {
         addr: "203.0.113.7".parse().unwrap(),
         origin: data.len() % 2 == 0,
         session_connection: data.len() % 3 == 0,
         remove_ice: true,
         media: (0..sdp.media.len())
-            .map(|i| MediaRewrite { port: Some(30000 + 2 * i as u16), rtcp_port: 30001 + 2 * i as u16, strip_rtcp_mux: i % 2 == 1, hold: i % 3 == 2 })
+            .map(|i| MediaRewrite {
+                port: Some(30000 + 2 * i as u16),
+                rtcp_port: 30001 + 2 * i as u16,
+                strip_rtcp_mux: i % 2 == 1,
+                hold: i % 3 == 2,
+                formats: formats[i].clone(),
+            })
             .collect(),
+        mark: Some("fuzz1".into()),
     };
     let out = sdp.rewrite(&rw);
     let back = Sdp::parse(&out).expect("a rewritten SDP parses");
     assert_eq!(back.media.len(), sdp.media.len());
+    assert!(back.marked("fuzz1"));
+    let marks = |b: &[u8]| b.split(|&c| c == b'\n').filter(|l| l.strip_suffix(b"\r").unwrap_or(l) == b"a=rtpengine:fuzz1").count();
+    assert_eq!(marks(&out), marks(data) + usize::from(!sdp.marked("fuzz1")), "marked once");
+    for (i, m) in back.media.iter().enumerate() {
+        if let (Some(keep), false) = (&formats[i], sdp.media[i].formats.is_empty()) {
+            assert_eq!(m.formats.iter().map(|f| f.pt).collect::<Vec<_>>(), *keep, "section {i} advertises what the filter kept");
+        }
+    }
 });

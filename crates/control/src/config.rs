@@ -45,11 +45,14 @@ pub struct NgSection {
     /// Where recorded calls (`record-call`, `start recording`) go: a pcap and a metadata file
     /// per call. None: nothing is recorded, and a request asking for it is told so.
     pub recording_dir: Option<PathBuf>,
+    /// This relay's mark in SDP it produces with the `loop-protect` flag (`a=rtpengine:<id>`);
+    /// none: 12 random hex digits chosen at start (as rtpengine does), stable until a restart.
+    pub instance_id: Option<String>,
 }
 
 impl Default for NgSection {
     fn default() -> Self {
-        NgSection { listen: None, media_timeout_secs: 60, allow: Vec::new(), recording_dir: None }
+        NgSection { listen: None, media_timeout_secs: 60, allow: Vec::new(), recording_dir: None, instance_id: None }
     }
 }
 
@@ -474,6 +477,12 @@ impl Config {
                 return Err(format!("ng.listen {ng} is not loopback: set ng.allow to the SIP servers that may send commands"));
             }
         }
+        if let Some(id) = &self.ng.instance_id {
+            // It becomes an SDP attribute value: one token.
+            if id.is_empty() || id.len() > 64 || !id.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
+                return Err(format!("ng.instance_id {id:?} must be 1-64 letters, digits, '-', '_' or '.'"));
+            }
+        }
         if self.dataplane.dscp > 63 {
             return Err(format!("dataplane.dscp must be 0-63, not {}", self.dataplane.dscp));
         }
@@ -707,6 +716,9 @@ mod tests {
         let e = Config::from_toml("[ng]\nlisten = \"0.0.0.0:2223\"\n").unwrap_err();
         assert!(e.contains("ng.allow"), "{e}");
         assert!(Config::from_toml("[ng]\nlisten = \"0.0.0.0:2223\"\nallow = [\"10.1.2.3\"]\n").is_ok());
+        assert_eq!(Config::from_toml("[ng]\ninstance_id = \"mp-1\"\n").unwrap().ng.instance_id.as_deref(), Some("mp-1"));
+        let e = Config::from_toml("[ng]\ninstance_id = \"a b\"\n").unwrap_err();
+        assert!(e.contains("ng.instance_id"), "{e}");
     }
 
     #[test]

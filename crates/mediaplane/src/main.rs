@@ -245,6 +245,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         media_timeout: std::time::Duration::from_secs(cfg.ng.media_timeout_secs),
         allow: cfg.ng.allow.clone(),
         recording_dir: cfg.ng.recording_dir.clone(),
+        instance_id: cfg.ng.instance_id.clone(),
     };
     let api_listen = cfg.api.listen;
     rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager, metrics| {

@@ -46,20 +46,16 @@
 
 mod common;
 
+use common::sipp::{recv_answer, recv_offer, sipp_command, sipp_completed, Bed, Relay, KAMAILIO};
 use mediaplane_bench::netns::Testbed;
-use mediaplane_bench::sip::{self, Kamailio, KamailioConfig};
+use mediaplane_bench::sip;
 use mediaplane_core::rtp::build_rtp;
-use mediaplane_harness::bench_relay::{RelayProc, RelaySetup, NG};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::io::ErrorKind;
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::Path;
-use std::sync::{Mutex, PoisonError};
 use std::time::{Duration, Instant};
-
-/// Kamailio's SIP address in the relay namespace.
-const KAMAILIO: &str = "127.0.0.1:5060";
 /// What every offer and answer carries; a scenario's `X-RTP-Flags` are appended.
 const BASE_FLAGS: &str = "trust-address replace-origin replace-session-connection ICE=remove";
 const PACKET_INTERVAL: Duration = Duration::from_millis(20);
@@ -70,27 +66,6 @@ const STOP_BEFORE_BYE: Duration = Duration::from_millis(300);
 /// After the last packet: time for it to arrive.
 const DRAIN: Duration = Duration::from_millis(200);
 const CALL_DEADLINE: Duration = Duration::from_secs(40);
-
-/// The three tests share the machine's two cores and time-sensitive windows: one at a time.
-static SERIAL: Mutex<()> = Mutex::new(());
-
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum Relay {
-    Rtpengine,
-    MediaplaneUserspace,
-    MediaplaneEbpf,
-}
-
-impl Relay {
-    /// Its name for [`RelayProc`].
-    fn name(self) -> &'static str {
-        match self {
-            Relay::Rtpengine => "rtpengine",
-            Relay::MediaplaneUserspace => "mediaplane-userspace",
-            Relay::MediaplaneEbpf => "mediaplane-ebpf",
-        }
-    }
-}
 
 /// A media socket of the call: the caller's SDP ports (P1, P2), the caller's "NAT bindings" (N1,
 /// N2: same address, other ports, never in SDP), and the callee's one socket.
@@ -495,12 +470,12 @@ fn run_call(tb: &Testbed, dir: &Path, plan: &CallPlan) -> CallRecord {
         uas: Ok(()),
     };
     let uas_port = plan.uas_sip_port();
-    let mut uas = sip::spawn_group("sipp uas", &mut sip::sipp_command(tb, dir, sc.id, "uas", uas_port)).unwrap();
+    let mut uas = sip::spawn_group("sipp uas", &mut sipp_command(tb, dir, sc.id, "uas", uas_port)).unwrap();
     if let Err(e) = sip::wait_udp_bound(&mut uas, uas_port, Duration::from_secs(10)) {
         record.uas = Err(e);
         return record;
     }
-    let mut uac_cmd = sip::sipp_command(tb, dir, sc.id, "uac", uas_port + 1);
+    let mut uac_cmd = sipp_command(tb, dir, sc.id, "uac", uas_port + 1);
     let mut uac = sip::spawn_group("sipp uac", uac_cmd.arg(KAMAILIO)).unwrap();
 
     let (mut uac_log, mut uas_log) = (sip::LogTail::new(dir.join(format!("{}-uac.log", sc.id))), sip::LogTail::new(dir.join(format!("{}-uas.log", sc.id))));
@@ -646,16 +621,7 @@ fn uac_xml(plan: &CallPlan) -> String {
 
     ]]>
   </send>
-  <recv response="100" optional="true"/>
-  <recv response="180" optional="true"/>
-  <recv response="200">
-    <action>
-      <ereg regexp="c=IN IP4 ([0-9.]+)" search_in="body" check_it="true" assign_to="c_line,answer_ip"/>
-      <ereg regexp="m=audio ([0-9]+)" search_in="body" check_it="true" assign_to="m_line,answer_port"/>
-      <log message="answered {n} [$answer_ip] [$answer_port]"/>
-    </action>
-  </recv>
-  <send>
+{answer}  <send>
     <![CDATA[
 
       {ack}
@@ -666,6 +632,7 @@ fn uac_xml(plan: &CallPlan) -> String {
   <pause milliseconds="{then}"/>
 "#,
             head = dialog(n, "INVITE", to_tag),
+            answer = recv_answer(n, "m=audio ([0-9]+)"),
             ip = plan.caller_ip,
             port = plan.port(inv.sdp_port),
             ack = dialog(n, "ACK", "[peer_tag_param]"),
@@ -709,14 +676,7 @@ fn uas_xml(plan: &CallPlan) -> String {
         let to_tag = if n == 1 { ";tag=callee[pid]-[call_number]" } else { "" };
         let _ = write!(
             x,
-            r#"  <recv request="INVITE" crlf="true">
-    <action>
-      <ereg regexp="c=IN IP4 ([0-9.]+)" search_in="body" check_it="true" assign_to="c_line,offer_ip"/>
-      <ereg regexp="m=audio ([0-9]+)" search_in="body" check_it="true" assign_to="m_line,offer_port"/>{hold_check}
-      <log message="offered {n} [$offer_ip] [$offer_port]"/>
-    </action>
-  </recv>
-{delay}  <send retrans="500">
+            r#"{offer}{delay}  <send retrans="500">
     <![CDATA[
 
       SIP/2.0 200 OK
@@ -743,6 +703,7 @@ fn uas_xml(plan: &CallPlan) -> String {
   </send>
   <recv request="ACK" crlf="true"/>
 "#,
+            offer = recv_offer(n, "m=audio ([0-9]+)", hold_check),
             ip = plan.callee_ip,
             port = plan.port(Port::Callee),
             direction = if inv.hold == Hold::No { "sendrecv" } else { "recvonly" },
@@ -777,37 +738,20 @@ fn uas_xml(plan: &CallPlan) -> String {
 // ---------------------------------------------------------------------------------------------
 
 fn run_scenarios(relay: Relay) {
-    let test = format!("latching_{}", relay.name().replace('-', "_"));
-    let tools: &[&str] = if relay == Relay::Rtpengine { &["kamailio", "sipp", "rtpengine"] } else { &["kamailio", "sipp"] };
-    if !sip::ready(&test, tools) {
-        return;
-    }
-    let _one_at_a_time = SERIAL.lock().unwrap_or_else(PoisonError::into_inner);
-    let started = Instant::now();
-    let tmp = common::TempDir::new("latching");
-    let keep = std::env::var_os("MP_KEEP_TMP").is_some();
-    let tb = Testbed::star(2).expect("testbed");
-    let mut relay_proc = RelayProc::start_binary(&tb, relay.name(), &tmp.0, Path::new(env!("CARGO_BIN_EXE_mediaplane")), &RelaySetup::default())
-        .unwrap_or_else(|e| panic!("starting {}: {e:#}", relay.name()));
-    let modules = sip::kamailio_module_dir().unwrap();
-    let kamailio_cfg = KamailioConfig { listen: KAMAILIO.parse().unwrap(), ng: NG.parse().unwrap(), next_hop: None, flags: BASE_FLAGS, modules: &modules };
-    let kamailio = Kamailio::start(tb.command(&tb.sfu_ns, sip::which("kamailio").unwrap().to_str().unwrap()), &kamailio_cfg, &tmp.0)
-        .unwrap_or_else(|e| panic!("starting kamailio: {e}"));
+    let Some(bed) = Bed::start("latching", relay, BASE_FLAGS) else { return };
+    let tb = &bed.tb;
 
     let scenarios = scenarios();
     let plans: Vec<CallPlan> =
         scenarios.iter().enumerate().map(|(index, scenario)| CallPlan { index, scenario, caller_ip: tb.peers[0].ip, callee_ip: tb.peers[1].ip }).collect();
-    let records: Vec<CallRecord> = std::thread::scope(|s| {
-        let handles: Vec<_> = plans.iter().map(|plan| s.spawn(|| run_call(&tb, &tmp.0, plan))).collect();
-        handles.into_iter().map(|h| h.join().expect("call thread panicked")).collect()
-    });
+    let records = bed.run_calls(&plans, run_call);
 
     let mut report = String::new();
     let mut failures = Vec::new();
     for (plan, record) in plans.iter().zip(&records) {
         let mut checks = Checks::default();
-        for (role, result) in [("UAC", &record.uac), ("UAS", &record.uas)] {
-            checks.check(result.is_ok(), format!("SIPp {role} completed the call{}", result.as_ref().err().map(|e| format!(": {e}")).unwrap_or_default()));
+        for (ok, what) in sipp_completed(&record.uac, &record.uas) {
+            checks.check(ok, what);
         }
         (plan.scenario.check)(record, &mut checks);
         report += &record.table(plan);
@@ -816,44 +760,8 @@ fn run_scenarios(relay: Relay) {
         }
         failures.extend(checks.failed().map(|f| format!("{}: {f}", record.id)));
     }
-    if relay == Relay::MediaplaneEbpf {
-        // The media crossed the TC programs: most of what arrived was forwarded in the kernel.
-        let stats = common::netns::try_api(&tb, "GET", "/v1/stats", None).unwrap_or_else(|e| panic!("GET /v1/stats: {e}"));
-        let forwarded = stats["extra"]["forwarded"].as_u64().unwrap_or(0) as usize;
-        let received: usize = records.iter().map(|r| r.arrivals.values().map(Vec::len).sum::<usize>()).sum();
-        let ok = forwarded * 2 >= received && received > 0;
-        let _ = writeln!(
-            report,
-            "  {} kernel path: {forwarded} packets forwarded by the BPF program, {received} received by the endpoints",
-            if ok { "ok  " } else { "FAIL" }
-        );
-        if !ok {
-            failures.push(format!("only {forwarded} of {received} received packets were forwarded by the BPF program"));
-        }
-    }
-    let seconds = started.elapsed().as_secs_f64();
-    eprintln!("=== {} ({seconds:.1} s, testbed {}) ===\n{report}", relay.name(), tb.prefix);
-    let diag = || format!("\n--- kamailio ---\n{}\n--- {} ---\n{}", kamailio.log_tail(15), relay.name(), sip::log_tail(relay_proc.log_path(), 15));
-    if keep {
-        eprintln!("kept {}", tmp.0.display());
-        std::mem::forget(tmp);
-    }
-    assert!(failures.is_empty(), "{}: {} expectation(s) failed:\n{}{}", relay.name(), failures.len(), failures.join("\n"), diag());
-    drop(kamailio);
-    relay_proc.stop().unwrap_or_else(|e| panic!("{e:#}"));
+    let received = records.iter().map(|r| r.arrivals.values().map(Vec::len).sum::<usize>()).sum();
+    bed.finish(received, report, failures);
 }
 
-#[test]
-fn latching_rtpengine() {
-    run_scenarios(Relay::Rtpengine);
-}
-
-#[test]
-fn latching_mediaplane_userspace() {
-    run_scenarios(Relay::MediaplaneUserspace);
-}
-
-#[test]
-fn latching_mediaplane_ebpf() {
-    run_scenarios(Relay::MediaplaneEbpf);
-}
+relay_tests!(run_scenarios, latching_rtpengine, latching_mediaplane_userspace, latching_mediaplane_ebpf);

@@ -11,6 +11,7 @@
 //!
 //! Everything here is a function of the model and the registry: no sockets, no clock reads.
 
+use crate::codecs::CodecSpec;
 use crate::sdp::{ConnAddr, Sdp};
 use mediaplane_control::config::{InterfaceError, MediaConfig};
 use mediaplane_control::manager::{allocate_on, ManagerError};
@@ -122,6 +123,9 @@ pub struct Call {
     /// its legs at the last sweep, and when the call last had media or was created.
     pub last_rx: u64,
     pub last_activity: Instant,
+    /// Per media section, the codecs the last offer's codec filter removed: its answer loses
+    /// them too.
+    pub codecs_removed: Vec<Vec<CodecSpec>>,
 }
 
 impl Call {
@@ -140,6 +144,7 @@ impl Call {
             recorded: false,
             last_rx: 0,
             last_activity: now,
+            codecs_removed: Vec::new(),
         }
     }
 

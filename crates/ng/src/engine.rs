@@ -4,6 +4,7 @@
 
 use crate::bencode::Value;
 use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Placement, Registry, SignalOptions};
+use crate::codecs::{self, CodecFilter, CodecSpec, Filtered};
 use crate::protocol::{self, error_reply, normalize, ReplyCache, Request, RequestError};
 use crate::recording::{self, Recordings};
 use crate::sdp::{MediaRewrite, Rewrite, Sdp, SdpError};
@@ -16,7 +17,7 @@ use mediaplane_core::Model;
 use mediaplane_dataplane::{Counters, DataplaneStats};
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
-use std::time::{Duration, Instant, SystemTime};
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 #[derive(Debug, Clone)]
 pub struct EngineConfig {
@@ -25,12 +26,27 @@ pub struct EngineConfig {
     /// How long a reply is kept for retransmissions of its request.
     pub reply_ttl: Duration,
     pub reply_cache_entries: usize,
+    /// This relay's mark in the SDP it produces with `loop-protect` (`a=rtpengine:<id>`).
+    pub instance_id: String,
 }
 
 impl Default for EngineConfig {
     fn default() -> Self {
-        EngineConfig { media_timeout: Duration::from_secs(60), reply_ttl: Duration::from_secs(30), reply_cache_entries: 65_536 }
+        EngineConfig {
+            media_timeout: Duration::from_secs(60),
+            reply_ttl: Duration::from_secs(30),
+            reply_cache_entries: 65_536,
+            instance_id: generate_instance_id(),
+        }
     }
+}
+
+/// 12 random hex digits (from std's randomly keyed hasher), as rtpengine's instance ids.
+pub fn generate_instance_id() -> String {
+    use std::hash::{BuildHasher, Hasher};
+    let mut h = std::collections::hash_map::RandomState::new().build_hasher();
+    h.write_u128(SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_nanos()));
+    format!("{:012x}", h.finish() & 0xffff_ffff_ffff)
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -90,6 +106,8 @@ struct Options {
     out_v4: Option<bool>,
     /// `record-call` (`yes`/`on` or the flag; `no`/`off`).
     record: Option<bool>,
+    /// Mark the SDP, and return an SDP this relay marked unchanged.
+    loop_protect: bool,
     warnings: Vec<String>,
 }
 
@@ -143,6 +161,7 @@ fn options(req: &Request) -> Result<Options, RequestError> {
             Some(v) => return Err(RequestError::Invalid("record-call", format!("{v:?} is not yes, no, on or off"))),
             None => has("record-call").then_some(true),
         },
+        loop_protect: has("loop-protect"),
         warnings,
     })
 }
@@ -168,6 +187,7 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
             "ice",
             "received-from",
             "media-address",
+            "codec",
             "direction",
             "from-interface",
             "to-interface",
@@ -197,6 +217,7 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
             "symmetric",
             "asymmetric",
             "record-call",
+            "loop-protect",
         ],
         "delete" => &["fatal"],
         _ => &[],
@@ -211,13 +232,11 @@ fn consequence(name: &str) -> Option<&'static str> {
             "the SDP keeps its transport protocol and media is relayed as received (no SRTP/DTLS termination)"
         }
         "interface" => "interfaces are chosen with direction, from-interface and to-interface",
-        "codec" | "codec-strip" | "codec-mask" | "codec-except" => "the SDP's codecs are passed through unfiltered",
         "record" => "record-call records a call",
-        "loop-protect" => "the SDP is not marked, so a looped request is processed again",
         "sdes" | "dtls" | "osrtp" | "generate-mid" | "rtcp-mux-require" | "trickle-ice" => "no SRTP, DTLS or ICE is terminated",
         "port-latching" | "no-port-latching" => "local ports are allocated per call as usual",
         "delete-delay" => "the call is deleted at once",
-        _ => return None,
+        _ => return codecs::consequence(name),
     })
 }
 
@@ -229,8 +248,13 @@ fn not_acted_on(req: &Request, command: &str) -> Option<String> {
     let mut ignored: Vec<String> =
         req.keys().into_iter().filter(|k| !matches!(*k, "command" | "flags") && !keys.contains(k) && !INFORMATIONAL.contains(k)).map(str::to_string).collect();
     // Malformed lists are the command's own error to report.
+    let filters_codecs = keys.contains(&"codec");
     if let Ok(flags) = req.list("flags") {
-        ignored.extend(flags.into_iter().filter(|f| !flags_ok.contains(&f.as_str())));
+        let acted_on = |f: &str| flags_ok.contains(&f) || (filters_codecs && codecs::flag_acted_on(f));
+        ignored.extend(flags.into_iter().filter(|f| !acted_on(f)));
+    }
+    if filters_codecs {
+        ignored.extend(codecs::dictionary_keys_not_acted_on(req));
     }
     if keys.contains(&"replace") {
         if let Ok(replace) = req.list("replace") {
@@ -252,6 +276,9 @@ fn not_acted_on(req: &Request, command: &str) -> Option<String> {
         .collect();
     Some(format!("not acted on by {command}: {}", described.join(", ")))
 }
+
+/// Per media section: the payload types to advertise (None: as offered), and the codecs removed.
+type SectionCodecs = (Vec<Option<Vec<u8>>>, Vec<Vec<CodecSpec>>);
 
 /// `reply` with `warning` added (joined to one it already has).
 fn with_warning(reply: Value, warning: String) -> Value {
@@ -360,6 +387,11 @@ impl Engine {
         Ok(Value::dict([("result", Value::str("ok"))]))
     }
 
+    /// The `loop-protect` mark this engine puts in SDP.
+    pub fn instance_id(&self) -> &str {
+        &self.cfg.instance_id
+    }
+
     pub fn registry(&self) -> &Registry {
         &self.registry
     }
@@ -466,6 +498,11 @@ impl Engine {
         let body = req.sdp()?;
         let mut opt = options(req)?;
         let sdp = Sdp::parse(body)?;
+        if opt.loop_protect && sdp.marked(&self.cfg.instance_id) {
+            // This relay's own SDP came back (a signalling loop): it is not relayed twice.
+            tracing::info!(call_id, "SDP carries this relay's loop-protect mark: returned unchanged");
+            return Ok(Value::dict([("result", "ok".into()), ("sdp", Value::Bytes(body.to_vec()))]));
+        }
         let signals = calls::media_signals(&sdp, &opt.policy, opt.strip_mux)?;
 
         // Which call, and whose SDP this is.
@@ -514,6 +551,7 @@ impl Engine {
             }
         }
         let remove_ice = opt.ice.is_some();
+        let (formats, codecs_removed) = Self::filter_codecs(req, phase, &sdp, &call, &mut opt.warnings)?;
 
         let mut interface: [Option<String>; 2] = Default::default();
         let [mut to_sender, to_receiver] = opt.interfaces.clone();
@@ -555,18 +593,25 @@ impl Engine {
             .media
             .iter()
             .zip(&signals)
-            .map(|(m, sig)| {
+            .enumerate()
+            .map(|(i, (m, sig))| {
                 if !m.active {
-                    return MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: opt.strip_mux, hold: false };
+                    return MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: opt.strip_mux, hold: false, formats: None };
                 }
                 let port = m.local_of(to).port();
                 let hold = sig.rtp.is_none() && !opt.replace_zero_address;
-                MediaRewrite { port: Some(port), rtcp_port: if m.rtcp { port + 1 } else { port }, strip_rtcp_mux: opt.strip_mux, hold }
+                let formats = formats.get(i).cloned().flatten();
+                MediaRewrite { port: Some(port), rtcp_port: if m.rtcp { port + 1 } else { port }, strip_rtcp_mux: opt.strip_mux, hold, formats }
             })
             .collect();
-        let rewritten = sdp.rewrite(&Rewrite { addr: ip, origin: opt.replace_origin, session_connection: opt.replace_session_connection, remove_ice, media });
+        let mark = opt.loop_protect.then(|| self.cfg.instance_id.clone());
+        let rewritten =
+            sdp.rewrite(&Rewrite { addr: ip, origin: opt.replace_origin, session_connection: opt.replace_session_connection, remove_ice, media, mark });
 
         let mut call = call;
+        if phase == Phase::Offer {
+            call.codecs_removed = codecs_removed;
+        }
         call.last_signal = SystemTime::now();
         if phase == Phase::Answer {
             call.answered = true;
@@ -591,6 +636,43 @@ impl Engine {
             reply.push(("warning", Value::from(opt.warnings.join("; "))));
         }
         Ok(Value::dict(reply))
+    }
+
+    /// The payload types each media section of `sdp` keeps under the request's codec filter (an
+    /// answer also loses what the call's last offer removed), and what was removed, per section.
+    /// A section the filter would leave without a codec keeps its list, with a warning.
+    fn filter_codecs(req: &Request, phase: Phase, sdp: &Sdp, call: &Call, warnings: &mut Vec<String>) -> Result<SectionCodecs, NgError> {
+        let (filter, w) = CodecFilter::from_request(req, phase == Phase::Offer)?;
+        warnings.extend(w);
+        let mut formats = Vec::with_capacity(sdp.media.len());
+        let mut removed = Vec::with_capacity(sdp.media.len());
+        for (i, m) in sdp.media.iter().enumerate() {
+            let from_offer = match phase {
+                Phase::Answer => call.codecs_removed.get(i).map_or(&[][..], Vec::as_slice),
+                Phase::Offer => &[],
+            };
+            let outcome = if m.port == 0 { Filtered::Unchanged } else { filter.clone().and_strip(from_offer).apply(&m.formats) };
+            match outcome {
+                Filtered::Unchanged => {
+                    formats.push(None);
+                    removed.push(Vec::new());
+                }
+                Filtered::Narrowed { keep, removed: r } => {
+                    formats.push(Some(keep));
+                    removed.push(r.iter().map(CodecSpec::exact).collect());
+                }
+                Filtered::Refused => {
+                    warnings.push(format!(
+                        "the codec filter would remove every codec of media section {} ({}): its codecs are passed through unchanged",
+                        i + 1,
+                        m.kind
+                    ));
+                    formats.push(None);
+                    removed.push(Vec::new());
+                }
+            }
+        }
+        Ok((formats, removed))
     }
 
     fn delete(&mut self, mgr: &SessionManager, req: &Request) -> Result<Value, NgError> {
@@ -947,27 +1029,36 @@ mod tests {
         send(&mut e, &m, "d0", vec![("command", "delete".into()), ("call-id", "cfBXzDSZqhYNcXM".into())]);
 
         let mut o = offer(OFFER_SDP);
-        o[5].1 = Value::List(vec!["trust address".into(), "media-handover".into(), "loop-protect".into(), "frobnicate".into()]);
         o[6].1 = Value::List(vec!["origin".into(), "zero-address".into(), "username".into()]);
         o.push(("transport-protocol", "RTP/SAVP".into()));
         o.push(("interface", "internal".into()));
-        o.push(("codec", Value::dict([("strip", Value::List(vec!["PCMU".into()]))])));
+        o.push(("codec", Value::dict([("strip", Value::List(vec!["PCMU".into()])), ("transcode", Value::List(vec!["G729".into()]))])));
+        o[5].1 = Value::List(vec![
+            "trust address".into(),
+            "media-handover".into(),
+            "loop-protect".into(),
+            "frobnicate".into(),
+            "codec-strip-PCMA".into(),
+            "codec-accept-PCMU".into(),
+        ]);
         o.push(("record call", "yes".into()));
         let r = send(&mut e, &m, "o1", o);
         assert_eq!(text(&r, "result"), "ok", "{r:?}");
         let w = text(&r, "warning");
         for named in [
-            "loop-protect (not supported",
             "frobnicate",
+            "codec-accept-pcmu (not supported: no transcoding",
+            "codec.transcode (not supported: no transcoding",
             "replace=username",
             "transport-protocol (not supported: the SDP keeps its transport protocol",
             "interface (not supported: interfaces are chosen with direction",
-            "codec (not supported: the SDP's codecs are passed through",
             "record-call: nothing is recorded (no ng.recording_dir configured)",
         ] {
             assert!(w.contains(named), "{named:?} not in the warning {w:?}");
         }
-        for acted in ["trust-address", "media-handover", "replace=origin", "replace=zero-address", "call-id", "sdp"] {
+        for acted in
+            ["trust-address", "media-handover", "replace=origin", "replace=zero-address", "call-id", "sdp", "loop-protect", "codec-strip", "codec.strip"]
+        {
             assert!(!w.contains(acted), "{acted:?} is acted on but named in {w:?}");
         }
         // Commands without flags name theirs; errors carry the error only.
@@ -979,6 +1070,107 @@ mod tests {
         assert_eq!(text(&send(&mut e, &m, "a1", answer(ANSWER_SDP)), "result"), "ok");
         let d = send(&mut e, &m, "d1", vec![("command", "delete".into()), ("call-id", "cfBXzDSZqhYNcXM".into()), ("from-tag", "nobody".into())]);
         assert_eq!(text(&d, "warning"), "tags \"nobody\"/none are not in dialogue in call \"cfBXzDSZqhYNcXM\"", "{d:?}");
+    }
+
+    /// The m= line and the rtpmap/fmtp/rtcp-fb lines of an SDP.
+    fn codec_lines(sdp: &str) -> Vec<String> {
+        let m_port = m_port(sdp);
+        sdp.lines()
+            .filter(|l| l.starts_with("m=") || l.starts_with("a=rtpmap") || l.starts_with("a=fmtp") || l.starts_with("a=rtcp-fb"))
+            .map(|l| l.replace(&m_port, "P"))
+            .collect()
+    }
+
+    fn m_port(sdp: &str) -> String {
+        sdp.lines().find_map(|l| l.strip_prefix("m=audio ")).and_then(|r| r.split(' ').next()).unwrap_or("").to_string()
+    }
+
+    const FOUR_CODECS: &str = "v=0\r\no=alice 1 1 IN IP4 198.51.100.1\r\ns=-\r\nc=IN IP4 198.51.100.1\r\nt=0 0\r\nm=audio 49170 RTP/AVP 0 8 9 101\r\na=rtpmap:0 PCMU/8000\r\na=rtpmap:8 PCMA/8000\r\na=rtcp-fb:8 nack\r\na=rtpmap:9 G722/8000\r\na=rtpmap:101 telephone-event/8000\r\na=fmtp:101 0-16\r\na=sendrecv\r\n";
+
+    fn with_flags(mut req: Vec<(&'static str, Value)>, flags: &[&str]) -> Vec<(&'static str, Value)> {
+        req[5].1 = list(flags);
+        req
+    }
+
+    #[test]
+    fn codec_strip_narrows_the_offer_and_its_answer() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let r = send(&mut e, &m, "o1", with_flags(offer(FOUR_CODECS), &["codec-strip-PCMA"]));
+        assert_eq!((text(&r, "result"), text(&r, "warning")), ("ok".into(), String::new()), "{r:?}");
+        assert_eq!(
+            codec_lines(&text(&r, "sdp")),
+            ["m=audio P RTP/AVP 0 9 101", "a=rtpmap:0 PCMU/8000", "a=rtpmap:9 G722/8000", "a=rtpmap:101 telephone-event/8000", "a=fmtp:101 0-16"]
+        );
+        // The answerer answers with the codec it was not offered: it goes from the answer too.
+        let ans = ANSWER_SDP.replace("RTP/AVP 8\r\n", "RTP/AVP 8 0\r\n");
+        let r = send(&mut e, &m, "a1", answer(&ans));
+        assert_eq!(codec_lines(&text(&r, "sdp")), ["m=audio P RTP/AVP 0"], "{r:?}");
+        // A re-offer without filter forgets it.
+        let r = send(&mut e, &m, "o2", offer(FOUR_CODECS));
+        assert_eq!(codec_lines(&text(&r, "sdp"))[0], "m=audio P RTP/AVP 0 8 9 101");
+        assert_eq!(codec_lines(&text(&send(&mut e, &m, "a2", answer(&ans)), "sdp")), ["m=audio P RTP/AVP 8 0", "a=rtpmap:8 PCMA/8000"]);
+
+        // strip all but the except list, mask, the dictionary form, offer's order.
+        let cases: &[(&[&str], Option<Value>, &str)] = &[
+            (&["codec-strip-all", "codec-except-PCMU"], None, "m=audio P RTP/AVP 0"),
+            (&["codec-mask-PCMA", "codec-mask-g722"], None, "m=audio P RTP/AVP 0 101"),
+            (&[], Some(Value::dict([("strip", list(&["all"])), ("offer", list(&["G722", "PCMU"]))])), "m=audio P RTP/AVP 9 0"),
+            (&["codec-strip-8"], None, "m=audio P RTP/AVP 0 9 101"),
+        ];
+        for (i, (flags, dict, want)) in cases.iter().enumerate() {
+            let mut o = with_flags(offer(FOUR_CODECS), flags);
+            o[1].1 = format!("call-{i}").into();
+            if let Some(d) = dict {
+                o.push(("codec", d.clone()));
+            }
+            let r = send(&mut e, &m, &format!("c{i}"), o);
+            assert_eq!(codec_lines(&text(&r, "sdp"))[0], *want, "{flags:?} {dict:?}: {r:?}");
+            assert_eq!(text(&r, "warning"), "", "{r:?}");
+        }
+    }
+
+    #[test]
+    fn stripping_every_codec_keeps_the_list_with_a_warning() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let r = send(&mut e, &m, "o1", with_flags(offer(FOUR_CODECS), &["codec-strip-all", "codec-strip-opus/1/2/3"]));
+        assert_eq!(text(&r, "result"), "ok");
+        assert_eq!(text(&r, "sdp"), FOUR_CODECS.replace("IN IP4 198.51.100.1", "IN IP4 203.0.113.5").replace("49170", &m_port(&text(&r, "sdp"))));
+        let w = text(&r, "warning");
+        assert!(w.contains("would remove every codec of media section 1 (audio): its codecs are passed through unchanged"), "{w}");
+        assert!(w.contains("codec-strip-opus/1/2/3 is not acted on"), "{w}");
+    }
+
+    #[test]
+    fn loop_protect_marks_the_sdp_and_returns_its_own_unchanged() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig { instance_id: "mp-test-1".into(), ..Default::default() }));
+        let r = send(&mut e, &m, "o1", with_flags(offer(OFFER_SDP), &["loop-protect"]));
+        let marked = text(&r, "sdp");
+        assert!(marked.contains("t=0 0\r\na=rtpengine:mp-test-1\r\nm=audio "), "{marked}");
+        assert_eq!(text(&r, "warning"), "");
+        let relays = m.read(|md, _| md.relays.len());
+        let version = m.read(|_, t| t.version);
+        // The SDP comes back (a spiral through the same proxy, or another call): unchanged, and
+        // nothing is created or changed.
+        for (cookie, call_id) in [("o2", "cfBXzDSZqhYNcXM"), ("o3", "another-call")] {
+            let mut o = with_flags(offer(&marked), &["loop-protect"]);
+            o[1].1 = call_id.into();
+            let r = send(&mut e, &m, cookie, o);
+            assert_eq!((text(&r, "result"), text(&r, "sdp")), ("ok".into(), marked.clone()), "{r:?}");
+        }
+        assert_eq!((m.read(|md, _| md.relays.len()), m.read(|_, t| t.version), e.registry().len()), (relays, version, 1));
+        // Without the flag, or with another relay's mark, it is processed (and marked once).
+        let mut o = offer(&marked);
+        o[1].1 = "third".into();
+        assert_ne!(text(&send(&mut e, &m, "o4", o), "sdp"), marked);
+        let foreign = OFFER_SDP.replace("t=0 0\r\n", "t=0 0\r\na=rtpengine:someone-else\r\n");
+        let mut o = with_flags(offer(&foreign), &["loop-protect"]);
+        o[1].1 = "fourth".into();
+        let out = text(&send(&mut e, &m, "o5", o), "sdp");
+        assert!(out.contains("a=rtpengine:someone-else\r\na=rtpengine:mp-test-1\r\nm=audio"), "{out}");
+        assert_eq!(e.registry().len(), 3);
+        // The answer is marked too.
+        let a = send(&mut e, &m, "a1", with_flags(answer(ANSWER_SDP), &["loop-protect"]));
+        assert!(text(&a, "sdp").contains("a=rtpengine:mp-test-1\r\n"), "{a:?}");
     }
 
     #[test]

@@ -4,8 +4,9 @@
 //! * [`bencode`] — the codec (strict, bounded, never panics);
 //! * [`protocol`] — `<cookie> <dict>` framing, option spelling variants, the reply cache that
 //!   answers retransmissions;
-//! * [`sdp`] — SDP parsing and the relay rewrite (c=, o=, m= ports, a=rtcp, ICE removal), all
-//!   other bytes kept;
+//! * [`sdp`] — SDP parsing and the relay rewrite (c=, o=, m= ports, a=rtcp, ICE removal, codec
+//!   filtering, the loop-protection mark), all other bytes kept;
+//! * [`codecs`] — which payload types the `codec-…` flags keep (no transcoding);
 //! * [`calls`] — the call registry and what offer/answer/delete do to the model (one relay pair
 //!   per media section for RTP, one for RTCP unless muxed);
 //! * [`stats`] — rtpengine's reply key sets for `query`, `delete` and `statistics`;
@@ -17,6 +18,7 @@
 pub mod bencode;
 pub mod calls;
 pub mod client;
+pub mod codecs;
 pub mod engine;
 pub mod protocol;
 pub mod recording;
@@ -44,11 +46,19 @@ pub struct NgConfig {
     pub allow: Vec<IpAddr>,
     /// Where recorded calls go (see [`recording`]); None: nothing is recorded.
     pub recording_dir: Option<std::path::PathBuf>,
+    /// The `loop-protect` mark (`a=rtpengine:<id>`); None: generated at start.
+    pub instance_id: Option<String>,
 }
 
 impl Default for NgConfig {
     fn default() -> Self {
-        NgConfig { listen: "127.0.0.1:2223".parse().unwrap(), media_timeout: Duration::from_secs(60), allow: Vec::new(), recording_dir: None }
+        NgConfig {
+            listen: "127.0.0.1:2223".parse().unwrap(),
+            media_timeout: Duration::from_secs(60),
+            allow: Vec::new(),
+            recording_dir: None,
+            instance_id: None,
+        }
     }
 }
 
@@ -71,7 +81,10 @@ impl Drop for AbortOnDrop {
 /// restart are adopted so they still time out and can still be deleted. Requests and calls
 /// are counted in `metrics` (the daemon's registry's: `Metrics::ng`).
 pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager>, cfg: NgConfig, metrics: NgMetrics) -> anyhow::Result<()> {
-    let engine_cfg = EngineConfig { media_timeout: cfg.media_timeout, ..Default::default() };
+    let mut engine_cfg = EngineConfig { media_timeout: cfg.media_timeout, ..Default::default() };
+    if let Some(id) = cfg.instance_id.clone() {
+        engine_cfg.instance_id = id;
+    }
     let mut engine = Engine::with_metrics(engine_cfg, metrics);
     if let Some(dir) = &cfg.recording_dir {
         let r = recording::Recordings::start(dir).map_err(|e| anyhow::anyhow!("recording directory {}: {e}", dir.display()))?;
@@ -84,7 +97,7 @@ pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager
     if !local.ip().is_loopback() && cfg.allow.is_empty() {
         tracing::warn!(%local, "NG listens beyond loopback and accepts commands from anyone: set an allow list");
     }
-    tracing::info!(%local, adopted, timeout_s = cfg.media_timeout.as_secs(), "NG listening");
+    tracing::info!(%local, adopted, timeout_s = cfg.media_timeout.as_secs(), instance_id = %engine.lock().instance_id(), "NG listening");
 
     let _poller = {
         let (engine, manager) = (engine.clone(), manager.clone());

@@ -1,7 +1,10 @@
 //! SDP (RFC 4566) parsing and the rewrite a media relay needs: connection addresses (`c=`,
 //! session and media level), the origin address (`o=`, on request), media ports (`m=`), the RTCP
-//! port attribute (`a=rtcp`, RFC 3605) and, on request, removal of ICE attributes. Every other
-//! byte — attribute order, unknown lines, line endings (CRLF or LF, per line) — is kept as is.
+//! port attribute (`a=rtcp`, RFC 3605), and on request: removal of ICE attributes, a narrower
+//! list of payload types (codec filtering: the `m=` format list and the `a=rtpmap`/`a=fmtp`/
+//! `a=rtcp-fb` lines of the formats removed) and the relay's loop-protection mark
+//! (`a=rtpengine:<instance>`). Every other byte — attribute order, unknown lines, line endings
+//! (CRLF or LF, per line) — is kept as is.
 //!
 //! Works on bytes: only the lines it rewrites must be ASCII text.
 
@@ -56,6 +59,78 @@ pub struct RtcpAttr {
     pub addr: Option<ConnAddr>,
 }
 
+/// A codec as SDP names it: `a=rtpmap:<pt> <name>/<clock>[/<channels>]`, or RFC 3551's
+/// static assignment for a payload type listed without `a=rtpmap`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Codec {
+    pub name: String,
+    pub clock: u32,
+    /// 1 when the rtpmap gives none.
+    pub channels: u16,
+}
+
+/// One payload type of an RTP media section's format list.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Format {
+    pub pt: u8,
+    /// None for a dynamic payload type without a (readable) `a=rtpmap`.
+    pub codec: Option<Codec>,
+}
+
+/// RFC 3551's static audio and video payload types (name, clock rate, channels).
+fn static_codec(pt: u8) -> Option<Codec> {
+    let (name, clock, channels) = match pt {
+        0 => ("PCMU", 8000, 1),
+        3 => ("GSM", 8000, 1),
+        4 => ("G723", 8000, 1),
+        5 => ("DVI4", 8000, 1),
+        6 => ("DVI4", 16000, 1),
+        7 => ("LPC", 8000, 1),
+        8 => ("PCMA", 8000, 1),
+        9 => ("G722", 8000, 1),
+        10 => ("L16", 44100, 2),
+        11 => ("L16", 44100, 1),
+        12 => ("QCELP", 8000, 1),
+        13 => ("CN", 8000, 1),
+        14 => ("MPA", 90000, 1),
+        15 => ("G728", 8000, 1),
+        16 => ("DVI4", 11025, 1),
+        17 => ("DVI4", 22050, 1),
+        18 => ("G729", 8000, 1),
+        25 => ("CelB", 90000, 1),
+        26 => ("JPEG", 90000, 1),
+        28 => ("nv", 90000, 1),
+        31 => ("H261", 90000, 1),
+        32 => ("MPV", 90000, 1),
+        33 => ("MP2T", 90000, 1),
+        34 => ("H263", 90000, 1),
+        _ => return None,
+    };
+    Some(Codec { name: name.to_string(), clock, channels })
+}
+
+/// `<name>/<clock>[/<channels>]` of an `a=rtpmap` value.
+fn parse_encoding(s: &str) -> Option<Codec> {
+    let mut parts = s.split('/');
+    let name = parts.next().filter(|n| !n.is_empty())?;
+    let clock = parts.next()?.parse().ok()?;
+    let channels = match parts.next() {
+        Some(c) => c.parse().ok().filter(|&c| c > 0)?,
+        None => 1,
+    };
+    parts.next().is_none().then(|| Codec { name: name.to_string(), clock, channels })
+}
+
+/// Attributes whose value starts with the payload type they describe.
+const FORMAT_ATTRS: &[&str] = &["rtpmap", "fmtp", "rtcp-fb"];
+
+/// The payload type an `a=<name>:<pt> ...` attribute of [`FORMAT_ATTRS`] describes (None for
+/// `a=rtcp-fb:*` and anything unreadable).
+fn attr_pt(value: &[u8]) -> Option<u8> {
+    let end = value.iter().position(|b| b.is_ascii_whitespace()).unwrap_or(value.len());
+    std::str::from_utf8(&value[..end]).ok()?.parse::<u8>().ok().filter(|&pt| pt < 128)
+}
+
 /// One media section (`m=` line up to the next one).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Media {
@@ -72,6 +147,11 @@ pub struct Media {
     pub rtcp_mux: bool,
     rtcp_mux_lines: Vec<usize>,
     ice_lines: Vec<usize>,
+    /// The format list as payload types, for an RTP section whose formats all are payload
+    /// types (empty otherwise: nothing to filter).
+    pub formats: Vec<Format>,
+    /// `a=rtpmap`/`a=fmtp`/`a=rtcp-fb` lines and the payload type each describes.
+    format_lines: Vec<(usize, u8)>,
 }
 
 impl Media {
@@ -87,6 +167,8 @@ pub struct Sdp {
     origin: Option<usize>,
     pub session_connection: Option<Connection>,
     session_ice_lines: Vec<usize>,
+    /// Values of session-level `a=rtpengine:` attributes (loop-protection marks).
+    marks: Vec<String>,
     pub media: Vec<Media>,
 }
 
@@ -103,9 +185,12 @@ pub struct Rewrite {
     pub remove_ice: bool,
     /// One per media section, in order; sections beyond the list are left untouched.
     pub media: Vec<MediaRewrite>,
+    /// Add the session-level attribute `a=rtpengine:<mark>` (NG `loop-protect`), unless the SDP
+    /// carries it already.
+    pub mark: Option<String>,
 }
 
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct MediaRewrite {
     /// The relay port to advertise; `None` leaves the section untouched (e.g. a disabled one).
     pub port: Option<u16>,
@@ -116,6 +201,11 @@ pub struct MediaRewrite {
     /// The sender is on hold (a zero connection address): the zero address is passed through,
     /// so the other party sends nothing, as rtpengine does.
     pub hold: bool,
+    /// The payload types to advertise, in this order (codec filtering): the `m=` format list
+    /// becomes this list and the `a=rtpmap`/`a=fmtp`/`a=rtcp-fb` lines of the section's other
+    /// formats go. None keeps the format list and its attributes. Only for a section with
+    /// [`Media::formats`]; ignored for a section left untouched (`port: None`).
+    pub formats: Option<Vec<u8>>,
 }
 
 const ICE_ATTRS: &[&str] =
@@ -190,7 +280,7 @@ impl Sdp {
         if !lines.first().is_some_and(|l| l.text.starts_with(b"v=")) {
             return Err(SdpError::NoVersion);
         }
-        let mut sdp = Sdp { lines: Vec::new(), origin: None, session_connection: None, session_ice_lines: Vec::new(), media: Vec::new() };
+        let mut sdp = Sdp { lines: Vec::new(), origin: None, session_connection: None, session_ice_lines: Vec::new(), marks: Vec::new(), media: Vec::new() };
         for (n, line) in lines.iter().enumerate() {
             let t = &line.text;
             if t.len() < 2 || t[1] != b'=' {
@@ -209,6 +299,10 @@ impl Sdp {
                     }
                     let port_str = f[1].split('/').next().unwrap_or("");
                     let port = port_str.parse::<u16>().map_err(|_| SdpError::Malformed { line: n + 1, why: "bad m= port" })?;
+                    // An RTP profile's formats are payload types; anything else is not filtered.
+                    let pts: Option<Vec<u8>> =
+                        if f[2].contains("RTP/") { f[3..].iter().map(|t| t.parse::<u8>().ok().filter(|&pt| pt < 128)).collect() } else { None };
+                    let formats = pts.unwrap_or_default().into_iter().map(|pt| Format { pt, codec: static_codec(pt) }).collect();
                     sdp.media.push(Media {
                         line: n,
                         kind: f[0].to_string(),
@@ -219,6 +313,8 @@ impl Sdp {
                         rtcp_mux: false,
                         rtcp_mux_lines: Vec::new(),
                         ice_lines: Vec::new(),
+                        formats,
+                        format_lines: Vec::new(),
                     });
                 }
                 b'c' => {
@@ -234,13 +330,28 @@ impl Sdp {
                     let name_end = attr.iter().position(|&b| b == b':').unwrap_or(attr.len());
                     let name = &attr[..name_end];
                     let is_ice = ICE_ATTRS.iter().any(|a| a.as_bytes() == name);
+                    let value = &attr[(name_end + 1).min(attr.len())..];
                     match sdp.media.last_mut() {
                         None => {
                             if is_ice {
                                 sdp.session_ice_lines.push(n);
+                            } else if name == b"rtpengine" {
+                                sdp.marks.push(String::from_utf8_lossy(value).trim().to_string());
                             }
                         }
                         Some(m) => {
+                            if let Some(pt) = FORMAT_ATTRS.iter().any(|a| a.as_bytes() == name).then(|| attr_pt(value)).flatten() {
+                                m.format_lines.push((n, pt));
+                                if name == b"rtpmap" {
+                                    // A dynamic type's codec, or a static one's (re)statement.
+                                    let encoding = std::str::from_utf8(value).ok().and_then(|v| v.split_ascii_whitespace().nth(1)).and_then(parse_encoding);
+                                    if let Some(codec) = encoding {
+                                        for f in m.formats.iter_mut().filter(|f| f.pt == pt) {
+                                            f.codec = Some(codec.clone());
+                                        }
+                                    }
+                                }
+                            }
                             if is_ice {
                                 m.ice_lines.push(n);
                             } else if name == b"rtcp-mux" {
@@ -271,6 +382,11 @@ impl Sdp {
     /// True when any ICE attribute is present.
     pub fn has_ice(&self) -> bool {
         !self.session_ice_lines.is_empty() || self.media.iter().any(Media::has_ice)
+    }
+
+    /// True when the session carries the loop-protection mark `a=rtpengine:<mark>`.
+    pub fn marked(&self, mark: &str) -> bool {
+        self.marks.iter().any(|m| m == mark)
     }
 
     /// The connection address that applies to media section `i` (its own or the session's).
@@ -308,13 +424,30 @@ impl Sdp {
             // m=<media> <port>[/<count>] <proto> <fmt>...: splice the new port into the port
             // token, found with the parser's own tokenisation; every other byte stays.
             let text = &self.lines[m.line].text;
-            if let Some(r) = token_range(&text[2..], 1) {
+            // A format list only replaces one the parser read as payload types.
+            let formats = mr.formats.as_ref().filter(|_| !m.formats.is_empty());
+            if let (Some(r), Some(proto)) = (token_range(&text[2..], 1), token_range(&text[2..], 2)) {
                 let (start, end) = (r.start + 2, r.end + 2);
                 let count_at = text[start..end].iter().position(|&b| b == b'/').map_or(end, |i| start + i);
                 let mut line = text[..start].to_vec();
                 line.extend_from_slice(port.to_string().as_bytes());
-                line.extend_from_slice(&text[count_at..]);
+                match formats {
+                    None => line.extend_from_slice(&text[count_at..]),
+                    Some(pts) => {
+                        line.extend_from_slice(&text[count_at..proto.end + 2]);
+                        for pt in pts {
+                            line.extend_from_slice(format!(" {pt}").as_bytes());
+                        }
+                    }
+                }
                 edits[m.line] = Edit::Replace(line);
+            }
+            if let Some(pts) = formats {
+                for &(l, pt) in &m.format_lines {
+                    if !pts.contains(&pt) && m.formats.iter().any(|f| f.pt == pt) {
+                        edits[l] = Edit::Drop;
+                    }
+                }
             }
             match (&m.connection, mr.hold) {
                 (Some(_), true) => {}
@@ -374,14 +507,39 @@ impl Sdp {
             }
         }
 
-        let mut out = Vec::with_capacity(self.lines.iter().map(|l| l.text.len() + 2).sum());
-        for (line, edit) in self.lines.iter().zip(edits) {
+        // The mark goes last among the session-level lines, ended like the line before it.
+        let mark = rw.mark.as_ref().filter(|m| !self.marked(m)).map(|m| {
+            let at = self.media.first().map_or(self.lines.len(), |m| m.line);
+            let eol: &[u8] = match at.checked_sub(1).map(|i| self.lines[i].eol) {
+                Some(e) if !e.is_empty() => e,
+                _ => b"\r\n",
+            };
+            (at, format!("a=rtpengine:{m}").into_bytes(), eol)
+        });
+        let mut out = Vec::with_capacity(self.lines.iter().map(|l| l.text.len() + 2).sum::<usize>() + 64);
+        for (i, (line, edit)) in self.lines.iter().zip(edits).enumerate() {
+            if let Some((at, text, eol)) = &mark {
+                if *at == i {
+                    out.extend_from_slice(text);
+                    out.extend_from_slice(eol);
+                }
+            }
             match edit {
                 Edit::Keep => out.extend_from_slice(&line.text),
                 Edit::Drop => continue,
                 Edit::Replace(s) => out.extend_from_slice(&s),
             }
             out.extend_from_slice(line.eol);
+        }
+        if let Some((at, text, eol)) = &mark {
+            if *at == self.lines.len() {
+                // After a last line without terminator, the mark needs a line of its own.
+                if self.lines.last().is_some_and(|l| l.eol.is_empty()) {
+                    out.extend_from_slice(eol);
+                }
+                out.extend_from_slice(text);
+                out.extend_from_slice(eol);
+            }
         }
         out
     }
@@ -441,7 +599,8 @@ a=rtpmap:96 VP8/90000\r\n";
             origin: false,
             session_connection: false,
             remove_ice: false,
-            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false }],
+            mark: None,
+            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None }],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
         // The media relies on the session c=, so it is rewritten even without the replace flag.
@@ -463,9 +622,10 @@ a=rtpmap:96 VP8/90000\r\n";
             origin: true,
             session_connection: true,
             remove_ice: true,
+            mark: None,
             media: vec![
-                MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false },
-                MediaRewrite { port: Some(30002), rtcp_port: 30003, strip_rtcp_mux: false, hold: false },
+                MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None },
+                MediaRewrite { port: Some(30002), rtcp_port: 30003, strip_rtcp_mux: false, hold: false, formats: None },
             ],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
@@ -503,9 +663,10 @@ a=rtpmap:96 VP8/90000\r\n";
             origin: false,
             session_connection: false,
             remove_ice: false,
+            mark: None,
             media: vec![
-                MediaRewrite { port: Some(30010), rtcp_port: 30011, strip_rtcp_mux: false, hold: false },
-                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false, hold: false },
+                MediaRewrite { port: Some(30010), rtcp_port: 30011, strip_rtcp_mux: false, hold: false, formats: None },
+                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false, hold: false, formats: None },
             ],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
@@ -513,6 +674,36 @@ a=rtpmap:96 VP8/90000\r\n";
             out,
             "v=0\no=- 1 1 IN IP4 10.0.0.1\ns=x\nc=IN IP4 192.0.2.7\nt=0 0\nm=audio 30010/2 RTP/AVP 0\na=rtcp:30011\nm=video 0 RTP/AVP 96\nc=IN IP4 10.0.0.1\n"
         );
+    }
+
+    #[test]
+    fn formats_are_filtered_with_their_attributes_and_the_mark_is_added_once() {
+        let body = "v=0\nc=IN IP4 10.0.0.1\nt=0 0\nm=audio 4000 RTP/AVP 0 8 101\na=rtpmap:8 PCMA/8000\na=fmtp:8 x\na=rtcp-fb:8 nack\na=rtcp-fb:* ccm fir\na=rtpmap:101 telephone-event/8000\na=rtpmap:96 unused/8000\nm=image 4002 udptl t38\n";
+        let s = Sdp::parse(body.as_bytes()).unwrap();
+        let pts: Vec<(u8, Option<&str>)> = s.media[0].formats.iter().map(|f| (f.pt, f.codec.as_ref().map(|c| c.name.as_str()))).collect();
+        assert_eq!(pts, [(0, Some("PCMU")), (8, Some("PCMA")), (101, Some("telephone-event"))]);
+        assert!(s.media[1].formats.is_empty(), "not RTP: no payload types");
+        let section = |port, formats| MediaRewrite { port: Some(port), rtcp_port: port + 1, strip_rtcp_mux: false, hold: false, formats };
+        let rw = Rewrite {
+            addr: ip("192.0.2.7"),
+            origin: false,
+            session_connection: false,
+            remove_ice: false,
+            media: vec![section(30000, Some(vec![101, 0])), section(30002, Some(vec![]))],
+            mark: Some("abc".into()),
+        };
+        let out = String::from_utf8(s.rewrite(&rw)).unwrap();
+        assert_eq!(
+            out,
+            "v=0\nc=IN IP4 192.0.2.7\nt=0 0\na=rtpengine:abc\nm=audio 30000 RTP/AVP 101 0\na=rtcp-fb:* ccm fir\na=rtpmap:101 telephone-event/8000\na=rtpmap:96 unused/8000\nm=image 30002 udptl t38\n"
+        );
+        let again = Sdp::parse(out.as_bytes()).unwrap();
+        assert!(again.marked("abc") && !again.marked("ab"));
+        assert_eq!(again.rewrite(&rw), out.as_bytes(), "marked once; filtering is idempotent");
+        // No media section and no final line ending: the mark gets a line of its own.
+        let bare = Sdp::parse(b"v=0\r\ns=-").unwrap();
+        let out = bare.rewrite(&Rewrite { media: vec![], ..rw });
+        assert_eq!(out, b"v=0\r\ns=-\r\na=rtpengine:abc\r\n");
     }
 
     #[test]
@@ -530,7 +721,8 @@ a=rtpmap:96 VP8/90000\r\n";
             origin: false,
             session_connection: false,
             remove_ice: false,
-            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false }],
+            mark: None,
+            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None }],
         };
         let out = sdp.rewrite(&rw);
         assert_eq!(out, b"v=0\r\nc=IN IP4 192.0.2.7\r\nm=audio 30000\x0cRTP/AVP\t0\r\n");
@@ -551,7 +743,8 @@ a=rtpmap:96 VP8/90000\r\n";
                     origin: true,
                     session_connection: true,
                     remove_ice: true,
-                    media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true, hold: false }; 2],
+                    mark: None,
+                    media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true, hold: false, formats: None }; 2],
                 })
             });
         }

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod netns;
+pub mod sipp;
 pub mod wire;
 
 use mediaplane_bench::process::Supervised;
