@@ -349,6 +349,8 @@ pub const STEERING: CounterFamily =
 pub const NEIGHBOUR: CounterFamily = fam("mediaplane_neighbour_resolutions", "Neighbour resolutions the fast path asked for, by result", Some("result"));
 pub const HOST_DROPPED: CounterFamily =
     fam("mediaplane_host_dropped_packets", "The host's own drop counters of its network namespace (/proc/net/snmp, netstat), by reason", Some("reason"));
+pub const NOT_RECORDED: CounterFamily =
+    fam("mediaplane_not_recorded_packets", "Packets of recorded calls relayed but not recorded (the recording writer fell behind)", None);
 /// Where a counter nobody classified goes: still exported, and visible as such.
 pub const OTHER: CounterFamily = fam("mediaplane_dataplane_other", "Data-plane counters without a family of their own, by name", Some("counter"));
 
@@ -378,8 +380,9 @@ const TOTALS_ONLY: [&str; 2] = ["drop_no_stream", "drop_source_limited"];
 
 /// The family and label value of a [`DataplaneStats::extra`] counter; None: not classified.
 pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
-    // The eBPF plane's slow path reports the host counters under its own prefix.
-    let name = name.strip_prefix("userspace.").filter(|n| n.starts_with("host_")).unwrap_or(name);
+    // The eBPF plane's slow path reports the host counters (and the process-wide recording
+    // tap's) under its own prefix.
+    let name = name.strip_prefix("userspace.").filter(|n| n.starts_with("host_") || *n == "not_recorded").unwrap_or(name);
     Some(match name {
         "forwarded" => (KERNEL_FORWARDED, None),
         "xdp_drop_bytes" => (XDP_DROPPED_BYTES, None),
@@ -390,6 +393,7 @@ pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
         "xdp_run_count" => (BPF_RUNS, Some("xdp")),
         "slow_path_steered" => (STEERING, Some("steered")),
         "slow_path_steer_failed" => (STEERING, Some("failed")),
+        "not_recorded" => (NOT_RECORDED, None),
         n => {
             let prefixed = [("pass_", PASSED), ("xdp_drop_", XDP_DROPPED), ("neigh_resolve_", NEIGHBOUR), ("host_", HOST_DROPPED)];
             let (r, f) = prefixed.into_iter().find_map(|(p, f)| Some((n.strip_prefix(p)?, f)))?;
@@ -594,6 +598,7 @@ mod tests {
         assert_eq!(extra_family("userspace.host_udp_in_csum_errors"), Some((HOST_DROPPED, Some("udp_in_csum_errors"))));
         assert_eq!(extra_family("xdp_drop_stranger"), Some((XDP_DROPPED, Some("stranger"))));
         assert_eq!(extra_family("xdp_drop_bytes"), Some((XDP_DROPPED_BYTES, None)));
+        assert_eq!(extra_family("userspace.not_recorded"), Some((NOT_RECORDED, None)));
         assert_eq!(extra_family("bpf_run_time_ns").map(|(f, _)| f.nanoseconds), Some(true));
         assert_eq!(extra_family("userspace.rx_packets"), None);
     }
