@@ -208,6 +208,23 @@ pub fn log_tail(path: &Path, lines: usize) -> String {
     all[all.len().saturating_sub(lines)..].join("\n")
 }
 
+/// The end of a SIPp callee scenario: wait (up to 30 s) for the caller's BYE and answer it 200 OK.
+pub const UAS_BYE_OK: &str = r#"  <recv request="BYE" timeout="30000"/>
+  <send>
+    <![CDATA[
+
+      SIP/2.0 200 OK
+      [last_Via:]
+      [last_From:]
+      [last_To:]
+      [last_Call-ID:]
+      [last_CSeq:]
+      Content-Length: 0
+
+    ]]>
+  </send>
+"#;
+
 /// New lines of a log file another process appends to (SIPp's `<log>` messages, read as a call
 /// goes on).
 pub struct LogTail {

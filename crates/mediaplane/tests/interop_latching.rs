@@ -709,27 +709,7 @@ fn uas_xml(plan: &CallPlan) -> String {
             direction = if inv.hold == Hold::No { "sendrecv" } else { "recvonly" },
         );
     }
-    let _ = write!(
-        x,
-        r#"  <recv request="BYE" timeout="30000"/>
-  <send>
-    <![CDATA[
-
-      SIP/2.0 200 OK
-      [last_Via:]
-      [last_From:]
-      [last_To:]
-      [last_Call-ID:]
-      [last_CSeq:]
-      Content-Length: 0
-
-    ]]>
-  </send>
-  <Reference variables="{}"/>
-</scenario>
-"#,
-        references.join(",")
-    );
+    let _ = write!(x, "{}  <Reference variables=\"{}\"/>\n</scenario>\n", sip::UAS_BYE_OK, references.join(","));
     x
 }
 

@@ -239,26 +239,13 @@ fn uas_xml(p: &Plan) -> String {
     ]]>
   </send>
   <recv request="ACK" crlf="true"/>
-  <recv request="BYE" timeout="30000"/>
-  <send>
-    <![CDATA[
-
-      SIP/2.0 200 OK
-      [last_Via:]
-      [last_From:]
-      [last_To:]
-      [last_Call-ID:]
-      [last_CSeq:]
-      Content-Length: 0
-
-    ]]>
-  </send>
-  <Reference variables="c_line,m_line"/>
+{bye}  <Reference variables="c_line,m_line"/>
 </scenario>
 "#,
         id = p.sc.id,
         capture = capture("offered 1"),
         sdp = sdp("callee", p.callee),
+        bye = sip::UAS_BYE_OK,
     )
 }
 
