@@ -351,6 +351,11 @@ pub const HOST_DROPPED: CounterFamily =
     fam("mediaplane_host_dropped_packets", "The host's own drop counters of its network namespace (/proc/net/snmp, netstat), by reason", Some("reason"));
 pub const NOT_RECORDED: CounterFamily =
     fam("mediaplane_not_recorded_packets", "Packets of recorded calls relayed but not recorded (the recording writer fell behind)", None);
+pub const SRTP_DROPPED: CounterFamily = fam(
+    "mediaplane_srtp_dropped_packets",
+    "Packets of SRTP legs dropped: on arrival (no_key yet, auth_failed, replayed, invalid) or as copies (protect_failed)",
+    Some("reason"),
+);
 /// Where a counter nobody classified goes: still exported, and visible as such.
 pub const OTHER: CounterFamily = fam("mediaplane_dataplane_other", "Data-plane counters without a family of their own, by name", Some("counter"));
 
@@ -382,7 +387,7 @@ const TOTALS_ONLY: [&str; 2] = ["drop_no_stream", "drop_source_limited"];
 pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
     // The eBPF plane's slow path reports the host counters (and the process-wide recording
     // tap's) under its own prefix.
-    let name = name.strip_prefix("userspace.").filter(|n| n.starts_with("host_") || *n == "not_recorded").unwrap_or(name);
+    let name = name.strip_prefix("userspace.").filter(|n| n.starts_with("host_") || n.starts_with("srtp_") || *n == "not_recorded").unwrap_or(name);
     Some(match name {
         "forwarded" => (KERNEL_FORWARDED, None),
         "xdp_drop_bytes" => (XDP_DROPPED_BYTES, None),
@@ -395,7 +400,7 @@ pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
         "slow_path_steer_failed" => (STEERING, Some("failed")),
         "not_recorded" => (NOT_RECORDED, None),
         n => {
-            let prefixed = [("pass_", PASSED), ("xdp_drop_", XDP_DROPPED), ("neigh_resolve_", NEIGHBOUR), ("host_", HOST_DROPPED)];
+            let prefixed = [("pass_", PASSED), ("xdp_drop_", XDP_DROPPED), ("neigh_resolve_", NEIGHBOUR), ("host_", HOST_DROPPED), ("srtp_", SRTP_DROPPED)];
             let (r, f) = prefixed.into_iter().find_map(|(p, f)| Some((n.strip_prefix(p)?, f)))?;
             (f, Some(r))
         }
@@ -599,6 +604,8 @@ mod tests {
         assert_eq!(extra_family("xdp_drop_stranger"), Some((XDP_DROPPED, Some("stranger"))));
         assert_eq!(extra_family("xdp_drop_bytes"), Some((XDP_DROPPED_BYTES, None)));
         assert_eq!(extra_family("userspace.not_recorded"), Some((NOT_RECORDED, None)));
+        assert_eq!(extra_family("userspace.srtp_replayed"), Some((SRTP_DROPPED, Some("replayed"))));
+        assert_eq!(extra_family("srtp_auth_failed"), Some((SRTP_DROPPED, Some("auth_failed"))));
         assert_eq!(extra_family("bpf_run_time_ns").map(|(f, _)| f.nanoseconds), Some(true));
         assert_eq!(extra_family("userspace.rx_packets"), None);
     }

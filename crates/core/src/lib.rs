@@ -3,6 +3,7 @@
 //! * [`packet`] parses and builds Ethernet/IPv4/IPv6/UDP frames and checks checksums;
 //! * [`rtp`] parses RTP (RFC 3550, RFC 8285 extensions) and RTCP compound packets, detects STUN;
 //! * [`model`] holds rooms, participants, published streams, subscriptions and SIP relay pairs;
+//! * [`srtp`] SRTP key material of relay legs (suites, keys; the ciphers are libsrtp's);
 //! * [`ratelimit`] per-stream packet/bit-rate limits (token buckets), shared by the data planes;
 //! * [`table`] compiles a model into forwarding tables and holds [`table::ForwardingTable::classify`],
 //!   the reference decision every data plane must reproduce packet for packet.
@@ -15,6 +16,7 @@ mod model_ng;
 pub mod packet;
 pub mod ratelimit;
 pub mod rtp;
+pub mod srtp;
 pub mod table;
 
 pub use model::{Model, ModelError};

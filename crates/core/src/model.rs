@@ -129,6 +129,9 @@ pub struct Leg {
     /// it signals an address again. What it sends (music on hold) is still relayed.
     #[serde(default)]
     pub held: bool,
+    /// SRTP the relay terminates on this leg (its peer speaks SRTP, the other leg's may not).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub srtp: Option<crate::srtp::LegSrtp>,
 }
 
 /// How a leg follows its peer's source address (rtpengine's endpoint learning).
@@ -541,6 +544,7 @@ impl Model {
             follow: s.follow,
             learning: Learning::default(),
             held: false,
+            srtp: None,
         };
         let a = mk(self, a);
         let b = mk(self, b);

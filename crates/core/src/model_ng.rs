@@ -1,6 +1,7 @@
 //! Model operations the SIP relay (NG protocol) needs beyond the basic ones in `model.rs`.
 
 use crate::model::{Follow, Model, ModelError, Side};
+use crate::srtp::LegSrtp;
 use std::net::SocketAddr;
 
 impl Model {
@@ -41,6 +42,19 @@ impl Model {
         let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
         let changed = r.record != record;
         r.record = record;
+        Ok(changed)
+    }
+
+    /// The SRTP the relay terminates on one leg (None: the leg's media passes as it is); true if
+    /// that changed anything.
+    pub fn set_leg_srtp(&mut self, id: &str, side: Side, srtp: Option<LegSrtp>) -> Result<bool, ModelError> {
+        let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
+        let leg = match side {
+            Side::A => &mut r.a,
+            Side::B => &mut r.b,
+        };
+        let changed = leg.srtp != srtp;
+        leg.srtp = srtp;
         Ok(changed)
     }
 }

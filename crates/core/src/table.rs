@@ -8,6 +8,7 @@
 use crate::model::{Leg, Model, Relay, Room};
 use crate::ratelimit::RateLimit;
 use crate::rtp::{self, MediaKind, RtpHeader};
+use crate::srtp::Protection;
 use imbl::OrdMap;
 use serde::{Deserialize, Serialize};
 use std::net::SocketAddr;
@@ -39,6 +40,9 @@ pub struct Copy {
     pub subscriber: String,
     pub from: SocketAddr,
     pub to: SocketAddr,
+    /// SRTP the copy is protected with on its way out (a relay leg terminating SDES).
+    #[serde(default, skip_serializing_if = "Protection::is_clear")]
+    pub outbound: Protection,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -60,6 +64,18 @@ pub struct StreamEntry {
     /// path, which does.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub record: bool,
+    /// SRTP the stream's packets arrive in (a relay leg terminating SDES): unprotected before
+    /// anything else reads them, so RTCP is checked only as far as SRTCP leaves it readable.
+    /// The kernel path leaves such streams, and those with a protected copy, to the slow path.
+    #[serde(default, skip_serializing_if = "Protection::is_clear")]
+    pub inbound: Protection,
+}
+
+impl StreamEntry {
+    /// Some packet of this stream needs SRTP work (unprotecting it, or protecting a copy).
+    pub fn has_srtp(&self) -> bool {
+        !self.inbound.is_clear() || self.copies.iter().any(|c| !c.outbound.is_clear())
+    }
 }
 
 /// Why a packet was dropped; every drop is counted under one of these.
@@ -168,7 +184,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                 .participants
                 .iter()
                 .filter(|(sub_id, sub)| *sub_id != pid && sub.subscriptions.iter().any(|r| r.publisher == *pid && r.stream == *sid))
-                .map(|(sub_id, sub)| Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote })
+                .map(|(sub_id, sub)| Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote, outbound: Protection::Clear })
                 .collect();
             copies.sort();
             out.push(StreamEntry {
@@ -180,6 +196,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                 copies,
                 rate,
                 record: false,
+                inbound: Protection::Clear,
             });
         }
     }
@@ -190,7 +207,8 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
 fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 2] {
     [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
-        let copies = to_leg.peer().map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to }]).unwrap_or_default();
+        let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
+        let copies = to_leg.peer().map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to, outbound }]).unwrap_or_default();
         StreamEntry {
             id: from_leg.uid,
             label: format!("relay:{id}/{side}"),
@@ -200,6 +218,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             copies,
             rate,
             record: r.record,
+            inbound: from_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.inbound.clone())),
         }
     })
 }
@@ -298,8 +317,11 @@ impl ForwardingTable {
             return Verdict::SlowPath { reason: SlowReason::Stun, stream: any.map(|s| s.id) };
         }
         let wants_rtp = narrowed || any.is_some_and(|s| s.rtp);
+        // SRTCP encrypts all but the first packet's header: only that much can be checked here
+        // (its authentication tag decides the rest, when it is unprotected).
+        let srtcp = any.is_some_and(|s| !s.inbound.is_clear());
         let ssrc = if wants_rtp {
-            match rtp_ssrc(kind, payload) {
+            match rtp_ssrc(kind, payload, srtcp) {
                 Some(ssrc) => Some(ssrc),
                 None => return Verdict::Drop { reason: DropReason::Malformed, stream: any.map(|s| s.id) },
             }
@@ -338,10 +360,15 @@ fn relay_source(leg: &Leg) -> SourceRule {
     }
 }
 
-/// The SSRC of a valid RTP packet, or of the sender of a valid RTCP compound packet.
-fn rtp_ssrc(kind: MediaKind, payload: &[u8]) -> Option<u32> {
+/// The SSRC of a valid RTP packet, or of the sender of a valid RTCP compound packet (`srtcp`:
+/// of one whose first header is valid).
+fn rtp_ssrc(kind: MediaKind, payload: &[u8], srtcp: bool) -> Option<u32> {
     match kind {
         MediaKind::Rtp => RtpHeader::parse(payload).ok().map(|h| h.ssrc),
+        MediaKind::Rtcp if srtcp => {
+            let first_len = (u16::from_be_bytes([*payload.get(2)?, *payload.get(3)?]) as usize + 1) * 4;
+            (payload[0] >> 6 == 2 && first_len >= 8 && first_len <= payload.len()).then(|| u32::from_be_bytes(payload[4..8].try_into().unwrap()))
+        }
         MediaKind::Rtcp => rtp::parse_rtcp_compound(payload).ok().map(|p| p[0].sender_ssrc),
         _ => None,
     }
@@ -489,6 +516,39 @@ mod tests {
     }
 
     #[test]
+    fn an_srtp_leg_is_unprotected_on_arrival_and_protected_on_the_way_back() {
+        use crate::srtp::{LegSrtp, SrtpKey, SrtpSuite};
+        let mut m = Model::new();
+        let leg = |l, r| LegSpec { local: a(l), remote: r, strict: false, rtp: true, follow: Default::default() };
+        m.create_relay("call", leg("10.0.0.1:30000", Some(a("10.0.2.1:7000"))), leg("10.0.0.1:30002", Some(a("10.0.3.1:8000")))).unwrap();
+        let (theirs, ours) =
+            (SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, vec![1; 30]).unwrap(), SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, vec![2; 30]).unwrap());
+        assert!(m.set_leg_srtp("call", crate::model::Side::A, Some(LegSrtp { inbound: Some(theirs.clone()), outbound: Some(ours.clone()) })).unwrap());
+        assert!(!m.set_leg_srtp("call", crate::model::Side::A, Some(LegSrtp { inbound: Some(theirs.clone()), outbound: Some(ours.clone()) })).unwrap());
+        let t = ForwardingTable::compile(&m, 1);
+        let from_a = &t.streams[&IngressKey { local: a("10.0.0.1:30000"), ssrc: None }];
+        let from_b = &t.streams[&IngressKey { local: a("10.0.0.1:30002"), ssrc: None }];
+        assert_eq!((&from_a.inbound, &from_a.copies[0].outbound), (&Protection::Srtp(Some(theirs)), &Protection::Clear));
+        assert_eq!((&from_b.inbound, &from_b.copies[0].outbound), (&Protection::Clear, &Protection::Srtp(Some(ours))));
+        assert!(from_a.has_srtp() && from_b.has_srtp());
+        // SRTCP: the first header is clear, the rest encrypted; only the header is checked.
+        let mut srtcp = vec![0x81, 201, 0, 7];
+        srtcp.extend_from_slice(&0xfeed_u32.to_be_bytes());
+        srtcp.extend_from_slice(&[0xa5; 24 + 4 + 10]);
+        assert!(matches!(t.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &srtcp), Verdict::Learn(_)));
+        assert!(
+            matches!(t.classify(a("10.0.0.1:30002"), a("10.0.3.1:8000"), &srtcp), Verdict::Drop { reason: DropReason::Malformed, .. }),
+            "plain RTCP is checked whole"
+        );
+        let mut bad = srtcp.clone();
+        bad[0] = 0x41;
+        assert!(matches!(t.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &bad), Verdict::Drop { reason: DropReason::Malformed, .. }));
+        bad[0] = 0x81;
+        bad[3] = 200; // longer than the datagram
+        assert!(matches!(t.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &bad), Verdict::Drop { reason: DropReason::Malformed, .. }));
+    }
+
+    #[test]
     fn relay_pairs_are_fan_outs_of_one_and_learn() {
         let mut m = Model::new();
         let leg = |l, r| LegSpec { local: a(l), remote: r, strict: false, rtp: true, follow: Default::default() };
@@ -506,7 +566,10 @@ mod tests {
         assert_eq!(back.copies[0].to, a("10.0.2.9:7777"), "b's media goes to a's latched source");
         match t2.classify(a("10.0.0.1:30000"), a("10.0.2.9:7777"), &rtp) {
             Verdict::Forward(e) => {
-                assert_eq!(e.copies, vec![Copy { subscriber: "relay:call/b".into(), from: a("10.0.0.1:30002"), to: a("10.0.3.1:8000") }])
+                assert_eq!(
+                    e.copies,
+                    vec![Copy { subscriber: "relay:call/b".into(), from: a("10.0.0.1:30002"), to: a("10.0.3.1:8000"), outbound: Protection::Clear }]
+                )
             }
             v => panic!("{v:?}"),
         }

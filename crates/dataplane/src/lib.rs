@@ -6,6 +6,7 @@
 //! not say. Slow-path events (a source to latch) go back to the control plane as [`DataplaneEvent`]s.
 
 pub mod record;
+pub mod srtp;
 pub mod sys;
 pub mod userspace;
 

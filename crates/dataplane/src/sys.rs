@@ -221,7 +221,8 @@ pub fn send_raw_udp(fd: RawFd, from: std::net::IpAddr, udp: &[u8], to: &SockAddr
 /// One outgoing datagram: payload borrowed from a receive buffer.
 pub struct Outgoing<'a> {
     pub to: SockAddr,
-    pub payload: &'a [u8],
+    /// Borrowed from the receive batch, or owned (an SRTP leg's copy, protected or unprotected).
+    pub payload: std::borrow::Cow<'a, [u8]>,
 }
 
 /// Send `msgs` from socket `fd` with as few `sendmmsg` calls as possible and return the indexes

@@ -13,14 +13,17 @@
 //! an update with its changed keys ([`Dataplane::apply_changes`]) only counts the addresses
 //! those entries use, and workers are told which sockets came and went rather than rescanning.
 
+use crate::srtp::SrtpSlot;
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy};
 use arc_swap::ArcSwap;
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
+use mediaplane_core::srtp::Protection;
 use mediaplane_core::table::{IngressKey, SlowReason, StreamEntry, Verdict};
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, RawFd};
@@ -156,6 +159,8 @@ impl SteerSockets {
 struct State {
     table: Arc<ForwardingTable>,
     sockets: imbl::HashMap<SocketAddr, Arc<Vec<Socket>>>,
+    /// The SRTP sessions of the table's SRTP legs.
+    srtp: crate::srtp::Contexts,
 }
 
 /// A change to the socket set, queued for each worker's epoll set.
@@ -262,7 +267,7 @@ impl UserspaceDataplane {
         }
         cfg.batch = cfg.batch.clamp(1, 1024);
         let shared = Arc::new(Shared {
-            state: ArcSwap::from_pointee(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default() }),
+            state: ArcSwap::from_pointee(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default(), srtp: Default::default() }),
             stop: AtomicBool::new(false),
             events: events.map(Mutex::new),
             sources: Mutex::new(SourceBuckets::default()),
@@ -323,13 +328,13 @@ impl UserspaceDataplane {
     /// those that fall out of use; if a bind fails nothing changes.
     fn install(&self, table: Arc<ForwardingTable>, changed: Option<&[IngressKey]>) -> Result<(), DataplaneError> {
         let mut refs = self.apply_lock.lock();
+        let old = self.shared.state.load_full();
+        let srtp = old.srtp.update(&old.table, &table, changed);
         if self.cfg.steered {
             // No per-address sockets: packets are steered to us, copies leave on raw sockets.
-            let sockets = self.shared.state.load().sockets.clone();
-            self.shared.state.store(Arc::new(State { table, sockets }));
+            self.shared.state.store(Arc::new(State { table, sockets: old.sockets.clone(), srtp }));
             return Ok(());
         }
-        let old = self.shared.state.load_full();
         let mut delta: HashMap<SocketAddr, i64> = HashMap::new();
         let mut count = |e: &StreamEntry, d: i64| {
             for a in addresses_of(e) {
@@ -376,7 +381,7 @@ impl UserspaceDataplane {
                 refs.insert(addr, n);
             }
         }
-        self.shared.state.store(Arc::new(State { table, sockets }));
+        self.shared.state.store(Arc::new(State { table, sockets, srtp }));
         if !changes.is_empty() {
             for w in self.workers.lock().iter() {
                 w.changes.lock().extend(changes.iter().map(|c| match c {
@@ -448,6 +453,7 @@ impl Dataplane for UserspaceDataplane {
         // Process-wide (one recorder per daemon): recorded streams' packets relayed but not
         // recorded because the writer fell behind.
         st.extra.insert("not_recorded".into(), crate::record::not_recorded());
+        st.extra.extend(crate::srtp::failures().into_iter().map(|(k, v)| (k.to_string(), v)));
         st
     }
 
@@ -462,7 +468,7 @@ impl Dataplane for UserspaceDataplane {
                 let _ = t.join();
             }
         }
-        self.shared.state.store(Arc::new(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default() }));
+        self.shared.state.store(Arc::new(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default(), srtp: Default::default() }));
         self.apply_lock.lock().clear();
         Ok(())
     }
@@ -705,6 +711,20 @@ impl WorkerCtx {
                     }
                     sc.rx_packets += 1;
                     sc.rx_bytes += payload.len() as u64;
+                    // An SRTP leg's packets are unprotected before anything else: what fails
+                    // (no key yet, authentication, replay) goes no further, counted per stream
+                    // as malformed and process-wide by reason.
+                    let payload: Cow<'_, [u8]> = match &entry.inbound {
+                        Protection::Clear => Cow::Borrowed(payload),
+                        Protection::Srtp(_) => match crate::srtp::unprotect(state.srtp.get(SrtpSlot { stream: entry.id, copy: None }), payload) {
+                            Ok(clear) => Cow::Owned(clear),
+                            Err(_) => {
+                                sc.drop_malformed += 1;
+                                delta.total.drop_malformed += 1;
+                                continue;
+                            }
+                        },
+                    };
                     if let Some(limit) = entry.rate.filter(|l| !l.is_unlimited()) {
                         let (l, st) = self.rates.entry(entry.id).or_insert((limit, RateState::default()));
                         if *l != limit {
@@ -719,16 +739,28 @@ impl WorkerCtx {
                     }
                     sc.last_rx_ns = received_at;
                     if entry.record {
-                        crate::record::tap(entry.id, &entry.label, src, local, payload);
+                        // SRTP legs are recorded decrypted.
+                        crate::record::tap(entry.id, &entry.label, src, local, &payload);
                     }
-                    for copy in &entry.copies {
+                    for (i, copy) in entry.copies.iter().enumerate() {
                         if copy.to == src {
                             continue; // never back to the sender, whatever the table says
                         }
+                        let payload: Cow<'_, [u8]> = match &copy.outbound {
+                            Protection::Clear => payload.clone(),
+                            Protection::Srtp(_) => match crate::srtp::protect(state.srtp.get(SrtpSlot { stream: entry.id, copy: Some(i as u32) }), &payload) {
+                                Some(sealed) => Cow::Owned(sealed),
+                                None => {
+                                    sc.tx_errors += 1;
+                                    delta.total.tx_errors += 1;
+                                    continue;
+                                }
+                            },
+                        };
                         match (state.sockets.get(&copy.from), &self.steer) {
                             (Some(group), _) => out.push((group[self.id].as_raw_fd(), entry.id, Outgoing { to: SockAddr::from(copy.to), payload })),
                             (None, Some(steer)) => {
-                                if send_raw_copy(steer, copy.from, copy.to, payload) {
+                                if send_raw_copy(steer, copy.from, copy.to, &payload) {
                                     sc.tx_copies += 1;
                                     sc.tx_bytes += payload.len() as u64;
                                     delta.total.tx_copies += 1;

@@ -24,9 +24,12 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         key: IngressKey { local, ssrc: None },
         source: SourceRule::Fixed(a(format!("127.0.0.2:{}", 30000 + i))),
         rtp: true,
-        copies: (0..subs).map(|j| Copy { subscriber: format!("sub{j}"), from: local, to: a(format!("127.0.0.3:{}", 40000 + j)) }).collect(),
+        copies: (0..subs)
+            .map(|j| Copy { subscriber: format!("sub{j}"), from: local, to: a(format!("127.0.0.3:{}", 40000 + j)), outbound: Default::default() })
+            .collect(),
         rate: None,
         record: false,
+        inbound: Default::default(),
     }
 }
 

@@ -505,7 +505,9 @@ impl KernelStream {
 
 fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     let mut f = flags::PRESENT;
-    if e.rtp {
+    // SRTCP is encrypted past its first header: the slow path checks what it can (see
+    // `ForwardingTable::classify`) and the authentication tag the rest.
+    if e.rtp && e.inbound.is_clear() {
         f |= flags::RTP;
     }
     if narrowed && e.key.ssrc.is_none() {
@@ -526,8 +528,9 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     // The kernel rewrites headers in place: it cannot turn IPv4 into IPv6. Such streams (and
     // fan-outs bigger than its scratch space) are left whole to the slow path.
     let mixed = source.is_some_and(|s| s.is_ipv4() != v4) || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
-    // Recorded streams too: the slow path hands what it forwards to the recording tap.
-    if mixed || e.record || e.copies.len() > MAX_FANOUT {
+    // Recorded streams too: the slow path hands what it forwards to the recording tap. And SRTP
+    // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI.
+    if mixed || e.record || e.has_srtp() || e.copies.len() > MAX_FANOUT {
         f |= flags::SLOW;
     }
     let rate = e.rate.filter(|r| !r.is_unlimited());

@@ -96,6 +96,10 @@ pub struct MediaState {
     /// The last offer proposed rtcp-mux; the answer accepted it.
     pub mux_offered: bool,
     pub mux: bool,
+    /// The protocol each party's last SDP spoke [A, B] (an answer goes back in the offerer's).
+    pub proto_of: [Option<String>; 2],
+    /// The SRTP the relay terminates toward each party [A, B] (SDES).
+    pub sdes: [Option<crate::sdes::SdesSide>; 2],
 }
 
 impl MediaState {
@@ -467,6 +471,8 @@ fn inactive(sig: &MediaSignal) -> MediaState {
         peer_rtcp: [None; 2],
         mux_offered: false,
         mux: false,
+        proto_of: Default::default(),
+        sdes: Default::default(),
     }
 }
 

@@ -7,6 +7,7 @@ use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Placemen
 use crate::codecs::{self, CodecFilter, CodecSpec, Filtered};
 use crate::protocol::{self, error_reply, normalize, ReplyCache, Request, RequestError};
 use crate::recording::{self, Recordings};
+use crate::sdes;
 use crate::sdp::{MediaRewrite, Rewrite, Sdp, SdpError};
 use crate::stats::{self as ngstats, CallView, Clock, ControlStats, StatisticsInput, Traffic, TrafficTotals};
 use mediaplane_control::manager::{ManagerError, SessionManager};
@@ -59,6 +60,8 @@ enum NgError {
     Signal(#[from] calls::SignalError),
     #[error(transparent)]
     Manager(#[from] ManagerError),
+    #[error(transparent)]
+    Sdes(#[from] sdes::SdesError),
     #[error("{0}")]
     Call(String),
 }
@@ -108,6 +111,8 @@ struct Options {
     record: Option<bool>,
     /// Mark the SDP, and return an SDP this relay marked unchanged.
     loop_protect: bool,
+    /// `transport-protocol` (or a flag naming one): what the offer's receiver is to speak.
+    transport: Option<String>,
     warnings: Vec<String>,
 }
 
@@ -162,8 +167,21 @@ fn options(req: &Request) -> Result<Options, RequestError> {
             None => has("record-call").then_some(true),
         },
         loop_protect: has("loop-protect"),
+        transport: transport(req, &flags)?,
         warnings,
     })
+}
+
+/// `transport-protocol`, or the flag naming a protocol (Kamailio passes `RTP/AVP` as a flag); in
+/// rtpengine's spelling.
+fn transport(req: &Request, flags: &[String]) -> Result<Option<String>, RequestError> {
+    let canonical = |v: &str| sdes::PROTOCOLS.iter().find(|p| p.eq_ignore_ascii_case(v)).map(|p| p.to_string());
+    if let Some(v) = req.opt_nonempty("transport-protocol")? {
+        return canonical(v)
+            .map(Some)
+            .ok_or_else(|| RequestError::Invalid("transport-protocol", format!("{v:?} is not one of {}", sdes::PROTOCOLS.join(", "))));
+    }
+    Ok(flags.iter().find_map(|f| canonical(f)))
 }
 
 /// Keys Kamailio's rtpengine module adds to every request, that change nothing asked of the
@@ -193,6 +211,7 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
             "to-interface",
             "address-family",
             "record-call",
+            "transport-protocol",
         ],
         "delete" => &["call-id", "from-tag", "to-tag", "via-branch", "flags"],
         "query" => &["call-id", "from-tag", "to-tag"],
@@ -218,6 +237,12 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
             "asymmetric",
             "record-call",
             "loop-protect",
+            "rtp/avp",
+            "rtp/avpf",
+            "rtp/savp",
+            "rtp/savpf",
+            "udp/tls/rtp/savp",
+            "udp/tls/rtp/savpf",
         ],
         "delete" => &["fatal"],
         _ => &[],
@@ -228,12 +253,10 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
 /// act on yet.
 fn consequence(name: &str) -> Option<&'static str> {
     Some(match name {
-        "transport-protocol" | "rtp/avp" | "rtp/savp" | "rtp/avpf" | "rtp/savpf" | "udp/tls/rtp/savp" | "udp/tls/rtp/savpf" => {
-            "the SDP keeps its transport protocol and media is relayed as received (no SRTP/DTLS termination)"
-        }
         "interface" => "interfaces are chosen with direction, from-interface and to-interface",
         "record" => "record-call records a call",
-        "sdes" | "dtls" | "osrtp" | "generate-mid" | "rtcp-mux-require" | "trickle-ice" => "no SRTP, DTLS or ICE is terminated",
+        "sdes" | "osrtp" => "SDES keys are chosen as documented (the first usable a=crypto; every suite mediaplane speaks when offering)",
+        "dtls" | "generate-mid" | "rtcp-mux-require" | "trickle-ice" => "no DTLS or ICE is terminated",
         "port-latching" | "no-port-latching" => "local ports are allocated per call as usual",
         "delete-delay" => "the call is deleted at once",
         _ => return codecs::consequence(name),
@@ -552,6 +575,9 @@ impl Engine {
         }
         let remove_ice = opt.ice.is_some();
         let (formats, codecs_removed) = Self::filter_codecs(req, phase, &sdp, &call, &mut opt.warnings)?;
+        let transport = if phase == Phase::Offer { opt.transport.as_deref() } else { None };
+        let secure = sdes::plan(&call, sender, phase, &sdp, transport, &mut opt.warnings)?;
+        let outgoing: Vec<(Option<String>, Option<Vec<String>>)> = secure.iter().map(|p| (p.proto.clone(), p.crypto.clone())).collect();
 
         let mut interface: [Option<String>; 2] = Default::default();
         let [mut to_sender, to_receiver] = opt.interfaces.clone();
@@ -572,6 +598,7 @@ impl Engine {
         let (call, media_cfg) = mgr.mutate(|model, media| {
             let mut next = call;
             let mut changes = calls::apply_signal(model, media, &mut next, sender, phase, &signals, &leg)?;
+            sdes::install(model, &mut next, sender, secure, &mut changes)?;
             Self::mark_recorded(model, &next, &mut changes)?;
             Ok(((next, media.clone()), changes))
         })?;
@@ -596,12 +623,13 @@ impl Engine {
             .enumerate()
             .map(|(i, (m, sig))| {
                 if !m.active {
-                    return MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: opt.strip_mux, hold: false, formats: None };
+                    return MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: opt.strip_mux, hold: false, formats: None, proto: None, crypto: None };
                 }
                 let port = m.local_of(to).port();
                 let hold = sig.rtp.is_none() && !opt.replace_zero_address;
                 let formats = formats.get(i).cloned().flatten();
-                MediaRewrite { port: Some(port), rtcp_port: if m.rtcp { port + 1 } else { port }, strip_rtcp_mux: opt.strip_mux, hold, formats }
+                let (proto, crypto) = outgoing.get(i).cloned().unwrap_or_default();
+                MediaRewrite { port: Some(port), rtcp_port: if m.rtcp { port + 1 } else { port }, strip_rtcp_mux: opt.strip_mux, hold, formats, proto, crypto }
             })
             .collect();
         let mark = opt.loop_protect.then(|| self.cfg.instance_id.clone());
@@ -1030,7 +1058,7 @@ mod tests {
 
         let mut o = offer(OFFER_SDP);
         o[6].1 = Value::List(vec!["origin".into(), "zero-address".into(), "username".into()]);
-        o.push(("transport-protocol", "RTP/SAVP".into()));
+        o.push(("transport-protocol", "RTP/AVPF".into()));
         o.push(("interface", "internal".into()));
         o.push(("codec", Value::dict([("strip", Value::List(vec!["PCMU".into()])), ("transcode", Value::List(vec!["G729".into()]))])));
         o[5].1 = Value::List(vec![
@@ -1050,15 +1078,23 @@ mod tests {
             "codec-accept-pcmu (not supported: no transcoding",
             "codec.transcode (not supported: no transcoding",
             "replace=username",
-            "transport-protocol (not supported: the SDP keeps its transport protocol",
             "interface (not supported: interfaces are chosen with direction",
             "record-call: nothing is recorded (no ng.recording_dir configured)",
         ] {
             assert!(w.contains(named), "{named:?} not in the warning {w:?}");
         }
-        for acted in
-            ["trust-address", "media-handover", "replace=origin", "replace=zero-address", "call-id", "sdp", "loop-protect", "codec-strip", "codec.strip"]
-        {
+        for acted in [
+            "trust-address",
+            "media-handover",
+            "replace=origin",
+            "replace=zero-address",
+            "call-id",
+            "sdp",
+            "loop-protect",
+            "codec-strip",
+            "codec.strip",
+            "transport-protocol",
+        ] {
             assert!(!w.contains(acted), "{acted:?} is acted on but named in {w:?}");
         }
         // Commands without flags name theirs; errors carry the error only.
@@ -1090,6 +1126,145 @@ mod tests {
     fn with_flags(mut req: Vec<(&'static str, Value)>, flags: &[&str]) -> Vec<(&'static str, Value)> {
         req[5].1 = list(flags);
         req
+    }
+
+    const SRTP_OFFER: &str = "v=0\r\no=alice 1 1 IN IP4 198.51.100.1\r\ns=-\r\nc=IN IP4 198.51.100.1\r\nt=0 0\r\nm=audio 49170 RTP/SAVP 0\r\n\
+a=rtpmap:0 PCMU/8000\r\n\
+a=crypto:1 F8_128_HMAC_SHA1_80 inline:MTIzNDU2Nzg5MEFCQ0RFRjEyMzQ1Njc4OTBBQkNE\r\n\
+a=crypto:2 AES_CM_128_HMAC_SHA1_80 inline:QUJDREVGR0hJSktMTU5PUFFSU1RVVldYWVoxMjM0|2^31\r\n\
+a=crypto:3 AES_CM_128_HMAC_SHA1_32 inline:YWJjZGVmZ2hpamtsbW5vcHFyc3R1dnd4eXoxMjM0\r\n\
+a=sendrecv\r\n";
+
+    fn crypto_lines(sdp: &str) -> Vec<String> {
+        sdp.lines().filter(|l| l.starts_with("a=crypto:")).map(str::to_string).collect()
+    }
+
+    fn m_line(sdp: &str) -> String {
+        sdp.lines().find(|l| l.starts_with("m=")).unwrap().to_string()
+    }
+
+    /// The SRTP of the call's RTP relay legs [A, B].
+    fn leg_srtp(m: &SessionManager) -> [Option<mediaplane_core::srtp::LegSrtp>; 2] {
+        m.read(|model, _| {
+            let r = model.relays.values().next().expect("a relay");
+            [r.a.srtp.clone(), r.b.srtp.clone()]
+        })
+    }
+
+    fn inline_key(line: &str) -> Vec<u8> {
+        use base64::Engine as _;
+        let b64 = line.split("inline:").nth(1).unwrap().split(['|', ' ']).next().unwrap();
+        base64::engine::general_purpose::STANDARD.decode(b64).unwrap()
+    }
+
+    #[test]
+    fn sdes_caller_bridged_to_a_plain_callee() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(SRTP_OFFER);
+        o.push(("transport-protocol", "RTP/AVP".into()));
+        let r = send(&mut e, &m, "o1", o);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let to_callee = text(&r, "sdp");
+        assert_eq!(m_line(&to_callee), "m=audio 30002 RTP/AVP 0");
+        assert!(crypto_lines(&to_callee).is_empty(), "{to_callee}");
+        assert!(to_callee.contains("a=sendrecv\r\n"), "other lines stay");
+        // The first line with a suite mediaplane speaks (tag 2, its lifetime ignored) is the caller's key.
+        let caller_key = b"ABCDEFGHIJKLMNOPQRSTUVWXYZ1234".to_vec();
+        let [a, b] = leg_srtp(&m);
+        let a = a.expect("SRTP terminated toward the caller");
+        assert_eq!(a.inbound.as_ref().map(|k| (&k.master, k.suite.name())), Some((&caller_key, "AES_CM_128_HMAC_SHA1_80")));
+        assert!(b.is_none(), "the callee's leg is plain");
+
+        let r = send(&mut e, &m, "a1", answer(ANSWER_SDP));
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let to_caller = text(&r, "sdp");
+        assert_eq!(m_line(&to_caller), "m=audio 30000 RTP/SAVP 8", "back in the protocol the caller offered");
+        let lines = crypto_lines(&to_caller);
+        assert_eq!(lines.len(), 1, "{to_caller}");
+        assert!(lines[0].starts_with("a=crypto:2 AES_CM_128_HMAC_SHA1_80 inline:"), "{lines:?}");
+        let ours = inline_key(&lines[0]);
+        assert_eq!(ours.len(), 30);
+        assert_ne!(ours, caller_key);
+        let [a, _] = leg_srtp(&m);
+        assert_eq!(a.unwrap().outbound.map(|k| k.master), Some(ours.clone()), "what the relay sends the caller is protected with the key it answered");
+        // The table: the caller's packets are unprotected, the copies to it protected.
+        m.read(|_, t| {
+            let protections: Vec<_> = t.streams.values().map(|e| (e.inbound.is_clear(), e.copies.iter().all(|c| c.outbound.is_clear()))).collect();
+            assert!(protections.contains(&(false, true)) && protections.contains(&(true, false)), "{protections:?}");
+        });
+
+        // A re-INVITE with the same key keeps the relay's key (and so the SRTP sessions).
+        let mut o = offer(SRTP_OFFER);
+        o.push(("transport-protocol", "RTP/AVP".into()));
+        send(&mut e, &m, "o2", o);
+        let r = send(&mut e, &m, "a2", answer(ANSWER_SDP));
+        assert_eq!(inline_key(&crypto_lines(&text(&r, "sdp"))[0]), ours);
+    }
+
+    #[test]
+    fn plain_caller_bridged_to_an_sdes_callee() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(OFFER_SDP);
+        o[5].1 = Value::List(vec!["trust address".into(), "RTP/SAVP".into()]);
+        let r = send(&mut e, &m, "o1", o);
+        assert_eq!((text(&r, "result"), text(&r, "warning")), ("ok".into(), String::new()), "{r:?}");
+        let to_callee = text(&r, "sdp");
+        assert_eq!(m_line(&to_callee), "m=audio 30002 RTP/SAVP 8 101");
+        let offered = crypto_lines(&to_callee);
+        assert_eq!(offered.len(), 2, "{to_callee}");
+        assert!(offered[0].starts_with("a=crypto:1 AES_CM_128_HMAC_SHA1_80 inline:") && offered[1].starts_with("a=crypto:2 AES_CM_128_HMAC_SHA1_32 inline:"));
+        assert!(to_callee.ends_with(&format!("{}\r\n", offered[1])), "added at the end of the section");
+
+        // The callee accepts tag 2 with its own key.
+        let callee_key = b"zyxwvutsrqponmlkjihgfedcba0987".to_vec();
+        let answer_sdp = ANSWER_SDP.replace("RTP/AVP 8", "RTP/SAVP 8")
+            + &format!("a=crypto:2 AES_CM_128_HMAC_SHA1_32 inline:{}\r\n", {
+                use base64::Engine as _;
+                base64::engine::general_purpose::STANDARD.encode(&callee_key)
+            });
+        let r = send(&mut e, &m, "a1", answer(&answer_sdp));
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let to_caller = text(&r, "sdp");
+        assert_eq!(m_line(&to_caller), "m=audio 30000 RTP/AVP 8");
+        assert!(crypto_lines(&to_caller).is_empty(), "{to_caller}");
+        let [a, b] = leg_srtp(&m);
+        assert!(a.is_none());
+        let b = b.unwrap();
+        assert_eq!(b.inbound.map(|k| k.master), Some(callee_key));
+        assert_eq!(b.outbound.map(|k| k.master), Some(inline_key(&offered[1])), "the relay's key under the accepted tag");
+
+        // An answer accepting no offered tag is refused, and changes nothing.
+        let bad = answer_sdp.replace("a=crypto:2", "a=crypto:7");
+        let r = send(&mut e, &m, "a2", answer(&bad));
+        assert_eq!(text(&r, "error-reason"), "media section 1: the answer accepts none of the a=crypto keys offered to it (tags 1, 2)", "{r:?}");
+        let r = send(&mut e, &m, "a3", answer(ANSWER_SDP));
+        assert!(text(&r, "error-reason").contains("refuses SRTP (RTP/AVP)"), "{r:?}");
+        assert!(leg_srtp(&m)[1].is_some());
+    }
+
+    #[test]
+    fn sdes_offers_without_a_usable_key_are_refused_and_dtls_is_said_to_pass_through() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let unusable = SRTP_OFFER
+            .replace("a=crypto:2 AES_CM_128_HMAC_SHA1_80", "a=crypto:2 AES_256_CM_HMAC_SHA1_80")
+            .replace("AES_CM_128_HMAC_SHA1_32 inline:YWJjZGVmZ2hpamtsbW5vcHFyc3R1dnd4eXoxMjM0", "AES_CM_128_HMAC_SHA1_32 inline:YWJj|2^20|1:4");
+        let mut o = offer(&unusable);
+        o.push(("transport-protocol", "RTP/AVP".into()));
+        let r = send(&mut e, &m, "o1", o);
+        assert!(text(&r, "error-reason").starts_with("media section 1: no a=crypto line offers a suite and key mediaplane speaks"), "{r:?}");
+        assert_eq!(m.read(|model, _| model.relays.len()), 0, "nothing created");
+        // SRTP passthrough (no transport-protocol): untouched.
+        let r = send(&mut e, &m, "o2", offer(SRTP_OFFER));
+        assert_eq!(crypto_lines(&text(&r, "sdp")).len(), 3);
+        assert_eq!(leg_srtp(&m), [None, None]);
+        let mut o = offer(OFFER_SDP);
+        o.push(("transport-protocol", "UDP/TLS/RTP/SAVPF".into()));
+        let r = send(&mut e, &m, "o3", o);
+        assert!(text(&r, "warning").contains("needs DTLS-SRTP, which is not terminated yet"), "{r:?}");
+        assert_eq!(m_line(&text(&r, "sdp")), "m=audio 30002 RTP/AVP 8 101");
+        let mut o = offer(OFFER_SDP);
+        o.push(("transport-protocol", "RTP/XYZ".into()));
+        assert!(text(&send(&mut e, &m, "o4", o), "error-reason").contains("is not one of RTP/AVP"));
     }
 
     #[test]

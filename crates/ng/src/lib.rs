@@ -22,6 +22,7 @@ pub mod codecs;
 pub mod engine;
 pub mod protocol;
 pub mod recording;
+pub mod sdes;
 pub mod sdp;
 pub mod stats;
 

@@ -152,6 +152,46 @@ pub struct Media {
     pub formats: Vec<Format>,
     /// `a=rtpmap`/`a=fmtp`/`a=rtcp-fb` lines and the payload type each describes.
     format_lines: Vec<(usize, u8)>,
+    /// SDES `a=crypto` lines (RFC 4568), in order.
+    pub crypto: Vec<CryptoAttr>,
+    /// The section's last line: new attributes go after it.
+    last_line: usize,
+}
+
+/// One SDES `a=crypto:<tag> <suite> inline:<key||salt base64>[|lifetime][|MKI:len] [<session params>]`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CryptoAttr {
+    line: usize,
+    pub tag: u32,
+    pub suite: String,
+    /// The master key and salt, when the line has exactly one inline key without an MKI and no
+    /// session parameters (what a relay can terminate); None otherwise.
+    pub key: Option<Vec<u8>>,
+}
+
+/// Parse an `a=crypto` value; None when it is not even tag, suite and key parameters.
+fn parse_crypto(line: usize, value: &str) -> Option<CryptoAttr> {
+    use base64::Engine as _;
+    let f: Vec<&str> = value.split_ascii_whitespace().collect();
+    let (tag, suite, params) = (f.first()?.parse::<u32>().ok()?, f.get(1)?, f.get(2)?);
+    let session_params = f.len() > 3;
+    let mut keys = params.split(';');
+    let first = keys.next()?;
+    let more_keys = keys.next().is_some();
+    let mut parts = first.strip_prefix("inline:")?.split('|');
+    let encoded = parts.next()?;
+    // A lifetime (a number or 2^n) is fine: keys are not re-negotiated by count here. An MKI is not.
+    let has_mki = parts.any(|p| p.contains(':'));
+    let key = (!session_params && !more_keys && !has_mki)
+        .then(|| base64::engine::general_purpose::STANDARD.decode(encoded).or_else(|_| base64::engine::general_purpose::STANDARD_NO_PAD.decode(encoded)).ok())
+        .flatten();
+    Some(CryptoAttr { line, tag, suite: suite.to_string(), key })
+}
+
+/// The `a=crypto` value offering `key` under `tag`.
+pub fn crypto_line(tag: u32, suite: &str, key: &[u8]) -> String {
+    use base64::Engine as _;
+    format!("crypto:{tag} {suite} inline:{}", base64::engine::general_purpose::STANDARD.encode(key))
 }
 
 impl Media {
@@ -206,6 +246,11 @@ pub struct MediaRewrite {
     /// formats go. None keeps the format list and its attributes. Only for a section with
     /// [`Media::formats`]; ignored for a section left untouched (`port: None`).
     pub formats: Option<Vec<u8>>,
+    /// A new transport protocol for the `m=` line (SRTP terminated or added by the relay).
+    pub proto: Option<String>,
+    /// SDES: Some replaces the section's `a=crypto` lines with these values (after `a=`), added
+    /// at the end of the section; an empty list drops them. None keeps them.
+    pub crypto: Option<Vec<String>>,
 }
 
 const ICE_ATTRS: &[&str] =
@@ -315,6 +360,8 @@ impl Sdp {
                         ice_lines: Vec::new(),
                         formats,
                         format_lines: Vec::new(),
+                        crypto: Vec::new(),
+                        last_line: n,
                     });
                 }
                 b'c' => {
@@ -340,6 +387,11 @@ impl Sdp {
                             }
                         }
                         Some(m) => {
+                            if name == b"crypto" {
+                                if let Some(c) = std::str::from_utf8(value).ok().and_then(|v| parse_crypto(n, v)) {
+                                    m.crypto.push(c);
+                                }
+                            }
                             if let Some(pt) = FORMAT_ATTRS.iter().any(|a| a.as_bytes() == name).then(|| attr_pt(value)).flatten() {
                                 m.format_lines.push((n, pt));
                                 if name == b"rtpmap" {
@@ -373,6 +425,9 @@ impl Sdp {
                     }
                 }
                 _ => {}
+            }
+            if let Some(m) = sdp.media.last_mut() {
+                m.last_line = n;
             }
         }
         sdp.lines = lines;
@@ -414,6 +469,8 @@ impl Sdp {
         let conn_line = format!("c=IN {family} {}", rw.addr);
 
         let mut session_conn_needed = rw.session_connection;
+        // Lines added after a line: (index, lines).
+        let mut appended: Vec<(usize, Vec<Vec<u8>>)> = Vec::new();
         // Whether some rewritten section is not on hold: if none is, a rewritten session-level
         // c= carries the zero address too.
         let mut any_live = false;
@@ -429,12 +486,14 @@ impl Sdp {
             if let (Some(r), Some(proto)) = (token_range(&text[2..], 1), token_range(&text[2..], 2)) {
                 let (start, end) = (r.start + 2, r.end + 2);
                 let count_at = text[start..end].iter().position(|&b| b == b'/').map_or(end, |i| start + i);
+                let (proto_start, proto_end) = (proto.start + 2, proto.end + 2);
                 let mut line = text[..start].to_vec();
                 line.extend_from_slice(port.to_string().as_bytes());
+                line.extend_from_slice(&text[count_at..proto_start]);
+                line.extend_from_slice(mr.proto.as_ref().map_or(&text[proto_start..proto_end], |p| p.as_bytes()));
                 match formats {
-                    None => line.extend_from_slice(&text[count_at..]),
+                    None => line.extend_from_slice(&text[proto_end..]),
                     Some(pts) => {
-                        line.extend_from_slice(&text[count_at..proto.end + 2]);
                         for pt in pts {
                             line.extend_from_slice(format!(" {pt}").as_bytes());
                         }
@@ -465,6 +524,18 @@ impl Sdp {
                     }
                     .into_bytes(),
                 );
+            }
+            if let Some(lines) = &mr.crypto {
+                for c in &m.crypto {
+                    edits[c.line] = Edit::Drop;
+                }
+                // Also lines the parser could not read as SDES: none of the old keys stay.
+                for (l, line) in self.lines.iter().enumerate().take(m.last_line + 1).skip(m.line) {
+                    if line.text.starts_with(b"a=crypto:") {
+                        edits[l] = Edit::Drop;
+                    }
+                }
+                appended.push((m.last_line, lines.iter().map(|v| format!("a={v}").into_bytes()).collect()));
             }
             if mr.strip_rtcp_mux {
                 for &l in &m.rtcp_mux_lines {
@@ -524,12 +595,31 @@ impl Sdp {
                     out.extend_from_slice(eol);
                 }
             }
-            match edit {
-                Edit::Keep => out.extend_from_slice(&line.text),
-                Edit::Drop => continue,
-                Edit::Replace(s) => out.extend_from_slice(&s),
+            let kept = match edit {
+                Edit::Keep => {
+                    out.extend_from_slice(&line.text);
+                    true
+                }
+                Edit::Drop => false,
+                Edit::Replace(s) => {
+                    out.extend_from_slice(&s);
+                    true
+                }
+            };
+            if kept {
+                out.extend_from_slice(line.eol);
             }
-            out.extend_from_slice(line.eol);
+            for (_, added) in appended.iter().filter(|(at, _)| *at == i) {
+                // Ended like the section's lines; after a last line without one, on a line of their own.
+                let eol: &[u8] = if line.eol.is_empty() { b"\r\n" } else { line.eol };
+                if kept && line.eol.is_empty() {
+                    out.extend_from_slice(eol);
+                }
+                for a in added {
+                    out.extend_from_slice(a);
+                    out.extend_from_slice(eol);
+                }
+            }
         }
         if let Some((at, text, eol)) = &mark {
             if *at == self.lines.len() {
@@ -600,7 +690,7 @@ a=rtpmap:96 VP8/90000\r\n";
             session_connection: false,
             remove_ice: false,
             mark: None,
-            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None }],
+            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None }],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
         // The media relies on the session c=, so it is rewritten even without the replace flag.
@@ -624,8 +714,8 @@ a=rtpmap:96 VP8/90000\r\n";
             remove_ice: true,
             mark: None,
             media: vec![
-                MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None },
-                MediaRewrite { port: Some(30002), rtcp_port: 30003, strip_rtcp_mux: false, hold: false, formats: None },
+                MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None },
+                MediaRewrite { port: Some(30002), rtcp_port: 30003, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None },
             ],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
@@ -665,8 +755,8 @@ a=rtpmap:96 VP8/90000\r\n";
             remove_ice: false,
             mark: None,
             media: vec![
-                MediaRewrite { port: Some(30010), rtcp_port: 30011, strip_rtcp_mux: false, hold: false, formats: None },
-                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false, hold: false, formats: None },
+                MediaRewrite { port: Some(30010), rtcp_port: 30011, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None },
+                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None },
             ],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
@@ -683,7 +773,8 @@ a=rtpmap:96 VP8/90000\r\n";
         let pts: Vec<(u8, Option<&str>)> = s.media[0].formats.iter().map(|f| (f.pt, f.codec.as_ref().map(|c| c.name.as_str()))).collect();
         assert_eq!(pts, [(0, Some("PCMU")), (8, Some("PCMA")), (101, Some("telephone-event"))]);
         assert!(s.media[1].formats.is_empty(), "not RTP: no payload types");
-        let section = |port, formats| MediaRewrite { port: Some(port), rtcp_port: port + 1, strip_rtcp_mux: false, hold: false, formats };
+        let section =
+            |port, formats| MediaRewrite { port: Some(port), rtcp_port: port + 1, strip_rtcp_mux: false, hold: false, formats, proto: None, crypto: None };
         let rw = Rewrite {
             addr: ip("192.0.2.7"),
             origin: false,
@@ -722,7 +813,7 @@ a=rtpmap:96 VP8/90000\r\n";
             session_connection: false,
             remove_ice: false,
             mark: None,
-            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None }],
+            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None }],
         };
         let out = sdp.rewrite(&rw);
         assert_eq!(out, b"v=0\r\nc=IN IP4 192.0.2.7\r\nm=audio 30000\x0cRTP/AVP\t0\r\n");
@@ -744,7 +835,7 @@ a=rtpmap:96 VP8/90000\r\n";
                     session_connection: true,
                     remove_ice: true,
                     mark: None,
-                    media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true, hold: false, formats: None }; 2],
+                    media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true, hold: false, formats: None, proto: None, crypto: None }; 2],
                 })
             });
         }

@@ -63,9 +63,10 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         key,
         source,
         rtp,
-        copies: copies.into_iter().enumerate().map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to }).collect(),
+        copies: copies.into_iter().enumerate().map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to, outbound: Default::default() }).collect(),
         rate: None,
         record: false,
+        inbound: Default::default(),
     }
 }
 

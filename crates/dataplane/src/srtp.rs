@@ -1,0 +1,332 @@
+//! SRTP on relay legs, with libsrtp: one session per stream, direction and key, kept across
+//! table updates (its rollover counters and replay windows must outlive them), replaced when
+//! the key changes (a re-INVITE with new keys starts a new session, as RFC 4568 §7.1.4 says).
+//!
+//! Packets are unprotected once on arrival and protected once per copy; failures are dropped
+//! and counted process-wide (see [`failures`]).
+
+use mediaplane_core::rtp::{self, MediaKind};
+use mediaplane_core::srtp::{Protection, SrtpKey, SrtpSuite};
+use mediaplane_core::table::StreamEntry;
+use mediaplane_core::ForwardingTable;
+use parking_lot::Mutex;
+use srtp::{CryptoPolicy, Session, StreamPolicy};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
+/// Why a packet of an SRTP leg was dropped.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SrtpDrop {
+    /// The leg speaks SRTP but its key is not negotiated yet (e.g. before the answer).
+    NoKey,
+    /// Authentication failed: not from the holder of the key, or altered.
+    Auth,
+    /// A replay, or older than the replay window.
+    Replay,
+    /// Neither RTP nor RTCP, or libsrtp refused it otherwise (e.g. too short).
+    Invalid,
+}
+
+static NO_KEY: AtomicU64 = AtomicU64::new(0);
+static AUTH: AtomicU64 = AtomicU64::new(0);
+static REPLAY: AtomicU64 = AtomicU64::new(0);
+static INVALID: AtomicU64 = AtomicU64::new(0);
+static PROTECT_FAILED: AtomicU64 = AtomicU64::new(0);
+
+impl SrtpDrop {
+    fn count(self) {
+        let c = match self {
+            SrtpDrop::NoKey => &NO_KEY,
+            SrtpDrop::Auth => &AUTH,
+            SrtpDrop::Replay => &REPLAY,
+            SrtpDrop::Invalid => &INVALID,
+        };
+        c.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn of(e: srtp::Error) -> SrtpDrop {
+        match e {
+            srtp::Error::AUTH_FAIL => SrtpDrop::Auth,
+            srtp::Error::REPLAY_FAIL | srtp::Error::REPLAY_OLD => SrtpDrop::Replay,
+            _ => SrtpDrop::Invalid,
+        }
+    }
+}
+
+/// Process-wide SRTP failure counts, as `DataplaneStats.extra` names them: packets dropped
+/// on arrival (no key yet, failed authentication, replays, invalid) and copies not sent
+/// because protecting them failed.
+pub fn failures() -> [(&'static str, u64); 5] {
+    [
+        ("srtp_no_key", NO_KEY.load(Ordering::Relaxed)),
+        ("srtp_auth_failed", AUTH.load(Ordering::Relaxed)),
+        ("srtp_replayed", REPLAY.load(Ordering::Relaxed)),
+        ("srtp_invalid", INVALID.load(Ordering::Relaxed)),
+        ("srtp_protect_failed", PROTECT_FAILED.load(Ordering::Relaxed)),
+    ]
+}
+
+fn policy(suite: SrtpSuite) -> (CryptoPolicy, CryptoPolicy) {
+    match suite {
+        // RFC 4568 §6.2: SRTCP is always authenticated with the 80-bit tag.
+        SrtpSuite::AesCm128HmacSha1_80 => (CryptoPolicy::aes_cm_128_hmac_sha1_80(), CryptoPolicy::aes_cm_128_hmac_sha1_80()),
+        SrtpSuite::AesCm128HmacSha1_32 => (CryptoPolicy::aes_cm_128_hmac_sha1_32(), CryptoPolicy::aes_cm_128_hmac_sha1_80()),
+    }
+}
+
+/// One libsrtp session: every SSRC a leg's peer sends (inbound) or the relay sends it
+/// (outbound), RTP and RTCP.
+pub struct Context {
+    key: SrtpKey,
+    session: Mutex<Session>,
+}
+
+impl Context {
+    pub fn new(key: &SrtpKey, outbound: bool) -> Result<Context, String> {
+        let (rtp, rtcp) = policy(key.suite);
+        let p = StreamPolicy { rtp, rtcp, key: &key.master, ..Default::default() };
+        let session = if outbound { Session::with_outbound_template(p) } else { Session::with_inbound_template(p) };
+        let session = session.map_err(|e| format!("libsrtp refused a {} session: {e}", key.suite.name()))?;
+        Ok(Context { key: key.clone(), session: Mutex::new(session) })
+    }
+
+    /// Turn the SRTP or SRTCP packet in `buf` into RTP or RTCP.
+    pub fn unprotect(&self, buf: &mut Vec<u8>) -> Result<(), SrtpDrop> {
+        let r = match rtp::demux(buf) {
+            MediaKind::Rtp => self.session.lock().unprotect(buf),
+            MediaKind::Rtcp => self.session.lock().unprotect_rtcp(buf),
+            _ => return Err(SrtpDrop::Invalid),
+        };
+        r.map_err(SrtpDrop::of)
+    }
+
+    /// Turn the RTP or RTCP packet in `buf` into SRTP or SRTCP.
+    pub fn protect(&self, buf: &mut Vec<u8>) -> Result<(), srtp::Error> {
+        match rtp::demux(buf) {
+            MediaKind::Rtcp => self.session.lock().protect_rtcp(buf),
+            // Anything else a plain leg may relay (it checks RTP only when asked) is protected
+            // as RTP, which fails for what is not RTP.
+            _ => self.session.lock().protect(buf),
+        }
+    }
+}
+
+/// Unprotect `payload` with the stream's inbound context: the clear packet, or why it is dropped
+/// (counted).
+pub fn unprotect(ctx: Option<&Arc<Context>>, payload: &[u8]) -> Result<Vec<u8>, SrtpDrop> {
+    let r = match ctx {
+        None => Err(SrtpDrop::NoKey),
+        Some(c) => {
+            let mut buf = payload.to_vec();
+            c.unprotect(&mut buf).map(|_| buf)
+        }
+    };
+    if let Err(d) = r {
+        d.count();
+    }
+    r
+}
+
+/// Protect a copy of `clear` with `ctx`; None (counted) when there is no key yet or it fails.
+pub fn protect(ctx: Option<&Arc<Context>>, clear: &[u8]) -> Option<Vec<u8>> {
+    let Some(c) = ctx else {
+        NO_KEY.fetch_add(1, Ordering::Relaxed);
+        return None;
+    };
+    let mut buf = Vec::with_capacity(clear.len() + srtp::sys::SRTP_MAX_TRAILER_LEN as usize);
+    buf.extend_from_slice(clear);
+    match c.protect(&mut buf) {
+        Ok(()) => Some(buf),
+        Err(_) => {
+            PROTECT_FAILED.fetch_add(1, Ordering::Relaxed);
+            None
+        }
+    }
+}
+
+/// Which context: a stream's inbound one, or the outbound one of its copy number `copy`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct SrtpSlot {
+    pub stream: u32,
+    pub copy: Option<u32>,
+}
+
+/// The contexts a table needs, looked up without locks by the workers (a snapshot swapped with
+/// the table).
+#[derive(Clone, Default)]
+pub struct Contexts(imbl::HashMap<SrtpSlot, Arc<Context>>);
+
+impl Contexts {
+    pub fn get(&self, slot: SrtpSlot) -> Option<&Arc<Context>> {
+        self.0.get(&slot)
+    }
+
+    pub fn len(&self) -> usize {
+        self.0.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.0.is_empty()
+    }
+
+    /// The contexts for `table`, keeping every one of `self` whose slot and key are unchanged.
+    /// `changed`: only the entries at these keys differ from the table `self` was made for.
+    pub fn update(&self, old: &ForwardingTable, table: &ForwardingTable, changed: Option<&[mediaplane_core::IngressKey]>) -> Contexts {
+        let mut next = match changed {
+            Some(_) => self.0.clone(),
+            None => imbl::HashMap::new(),
+        };
+        let add = |next: &mut imbl::HashMap<SrtpSlot, Arc<Context>>, e: &StreamEntry| {
+            for (slot, key, outbound) in slots(e) {
+                let kept = self.0.get(&slot).filter(|c| c.key == *key).cloned();
+                let ctx = match kept {
+                    Some(c) => c,
+                    None => match Context::new(key, outbound) {
+                        Ok(c) => Arc::new(c),
+                        Err(error) => {
+                            // Its packets are then dropped as having no key, and counted.
+                            tracing::error!(stream = %e.label, %error, "no SRTP context");
+                            continue;
+                        }
+                    },
+                };
+                next.insert(slot, ctx);
+            }
+        };
+        match changed {
+            Some(keys) => {
+                for k in keys {
+                    if let Some(e) = old.streams.get(k) {
+                        for (slot, _, _) in slots(e) {
+                            next.remove(&slot);
+                        }
+                    }
+                    if let Some(e) = table.streams.get(k) {
+                        add(&mut next, e);
+                    }
+                }
+            }
+            None => table.streams.values().filter(|e| e.has_srtp()).for_each(|e| add(&mut next, e)),
+        }
+        Contexts(next)
+    }
+}
+
+/// Every context an entry needs: (slot, key, outbound).
+fn slots(e: &StreamEntry) -> impl Iterator<Item = (SrtpSlot, &SrtpKey, bool)> {
+    let inbound = match &e.inbound {
+        Protection::Srtp(Some(k)) => Some((SrtpSlot { stream: e.id, copy: None }, k, false)),
+        _ => None,
+    };
+    let copies = e.copies.iter().enumerate().filter_map(move |(i, c)| match &c.outbound {
+        Protection::Srtp(Some(k)) => Some((SrtpSlot { stream: e.id, copy: Some(i as u32) }, k, true)),
+        _ => None,
+    });
+    inbound.into_iter().chain(copies)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mediaplane_core::rtp::build_rtp;
+
+    fn key(byte: u8, suite: SrtpSuite) -> SrtpKey {
+        SrtpKey::new(suite, (0..30).map(|i| byte.wrapping_add(i)).collect()).unwrap()
+    }
+
+    /// An RTCP receiver report with one report block, then an SDES packet (a real compound).
+    fn rtcp_rr(ssrc: u32) -> Vec<u8> {
+        let mut p = vec![0x81, 201, 0, 7];
+        p.extend_from_slice(&ssrc.to_be_bytes());
+        p.extend_from_slice(&[0; 24]);
+        p.extend_from_slice(&[0x81, 202, 0, 2]);
+        p.extend_from_slice(&ssrc.to_be_bytes());
+        p.extend_from_slice(&[1, 2, b'm', b'p']);
+        p
+    }
+
+    #[test]
+    fn what_one_side_protects_the_other_unprotects_rtp_and_rtcp() {
+        for suite in SrtpSuite::ALL {
+            let k = key(1, suite);
+            let (tx, rx) = (Arc::new(Context::new(&k, true).unwrap()), Arc::new(Context::new(&k, false).unwrap()));
+            for clear in [build_rtp(0, 100, 160, 0x1234, &[9; 160]), rtcp_rr(0x1234), build_rtp(0, 101, 320, 0x1234, &[8; 160])] {
+                let sealed = protect(Some(&tx), &clear).unwrap();
+                assert_ne!(sealed, clear, "{suite:?}: protected");
+                assert_eq!(&sealed[..8], &clear[..8], "headers stay readable");
+                let tag = if rtp::demux(&clear) == MediaKind::Rtcp {
+                    4 + 10
+                } else if suite == SrtpSuite::AesCm128HmacSha1_32 {
+                    4
+                } else {
+                    10
+                };
+                assert_eq!(sealed.len(), clear.len() + tag, "{suite:?}: the suite's tag (and SRTCP's index)");
+                assert_eq!(unprotect(Some(&rx), &sealed).unwrap(), clear);
+            }
+        }
+    }
+
+    #[test]
+    fn wrong_keys_altered_packets_and_replays_are_refused_and_told_apart() {
+        let k = key(1, SrtpSuite::AesCm128HmacSha1_80);
+        let tx = Context::new(&k, true).unwrap();
+        let rx = Context::new(&k, false).unwrap();
+        let stranger = Context::new(&key(2, SrtpSuite::AesCm128HmacSha1_80), false).unwrap();
+        let mut sealed = build_rtp(0, 7, 0, 42, &[5; 20]);
+        tx.protect(&mut sealed).unwrap();
+        assert_eq!(stranger.unprotect(&mut sealed.clone()), Err(SrtpDrop::Auth));
+        let mut altered = sealed.clone();
+        altered[14] ^= 1;
+        assert_eq!(rx.unprotect(&mut altered), Err(SrtpDrop::Auth));
+        rx.unprotect(&mut sealed.clone()).unwrap();
+        assert_eq!(rx.unprotect(&mut sealed.clone()), Err(SrtpDrop::Replay));
+        assert_eq!(rx.unprotect(&mut vec![1, 2, 3]), Err(SrtpDrop::Invalid));
+        assert_eq!(unprotect(None, &sealed), Err(SrtpDrop::NoKey));
+        assert!(protect(None, &sealed).is_none());
+    }
+
+    fn entry(id: u32, inbound: Protection, outbound: Protection) -> StreamEntry {
+        let a = |s: &str| s.parse().unwrap();
+        StreamEntry {
+            id,
+            label: format!("relay:r/{id}"),
+            key: mediaplane_core::IngressKey { local: a(&format!("127.0.0.1:{}", 20000 + id)), ssrc: None },
+            source: mediaplane_core::SourceRule::Any,
+            rtp: true,
+            copies: vec![mediaplane_core::Copy { subscriber: "s".into(), from: a("127.0.0.1:30000"), to: a("127.0.0.2:30000"), outbound }],
+            rate: None,
+            record: false,
+            inbound,
+        }
+    }
+
+    fn table(entries: Vec<StreamEntry>) -> ForwardingTable {
+        ForwardingTable { streams: entries.into_iter().map(|e| (e.key, e)).collect(), ..Default::default() }
+    }
+
+    #[test]
+    fn contexts_survive_updates_that_keep_their_key_and_are_replaced_or_dropped_otherwise() {
+        let (k1, k2) = (key(1, SrtpSuite::AesCm128HmacSha1_80), key(9, SrtpSuite::AesCm128HmacSha1_32));
+        let srtp = |k: &SrtpKey| Protection::Srtp(Some(k.clone()));
+        let t1 =
+            table(vec![entry(1, srtp(&k1), Protection::Clear), entry(2, Protection::Clear, srtp(&k2)), entry(3, Protection::Srtp(None), Protection::Clear)]);
+        let c1 = Contexts::default().update(&ForwardingTable::default(), &t1, None);
+        assert_eq!(c1.len(), 2, "no context without a key");
+        let inbound = SrtpSlot { stream: 1, copy: None };
+        let outbound = SrtpSlot { stream: 2, copy: Some(0) };
+        assert!(c1.get(SrtpSlot { stream: 3, copy: None }).is_none());
+
+        // Entry 1 unchanged, entry 2 re-keyed: only its context is new.
+        let t2 = table(vec![entry(1, srtp(&k1), Protection::Clear), entry(2, Protection::Clear, srtp(&k1))]);
+        let changed = [t1.streams.values().nth(1).unwrap().key, t1.streams.values().nth(2).unwrap().key];
+        let c2 = c1.update(&t1, &t2, Some(&changed));
+        assert!(Arc::ptr_eq(c1.get(inbound).unwrap(), c2.get(inbound).unwrap()), "kept: its replay window and ROC live on");
+        assert!(!Arc::ptr_eq(c1.get(outbound).unwrap(), c2.get(outbound).unwrap()), "new key, new session");
+        assert_eq!(c2.get(outbound).unwrap().key, k1);
+        // A full rebuild keeps the same ones; a table without SRTP has none.
+        let c3 = c2.update(&t2, &t2, None);
+        assert!(Arc::ptr_eq(c2.get(inbound).unwrap(), c3.get(inbound).unwrap()));
+        assert!(c3.update(&t2, &table(vec![entry(1, Protection::Clear, Protection::Clear)]), None).is_empty());
+    }
+}

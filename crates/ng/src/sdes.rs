@@ -1,0 +1,213 @@
+//! SDES-SRTP (RFC 4568) terminated per leg: a party speaking `RTP/SAVP` with `a=crypto` keys
+//! bridged to one speaking plain `RTP/AVP`, as rtpengine does when asked with
+//! `transport-protocol` (or the `RTP/AVP`, `RTP/SAVP`... flags).
+//!
+//! An offer whose sender speaks SRTP and whose receiver is to get plain RTP terminates SRTP
+//! toward the sender: the relay takes the first `a=crypto` line it can speak as the sender's
+//! key, and answers it later with a key of its own under the same tag. The other way round the
+//! relay offers the receiver one key per suite it speaks and takes the one the answer accepts.
+//! Both legs speaking SRTP is passthrough: nothing to translate, the kernel path keeps it.
+//! Keys are kept across re-INVITEs, so an unchanged key keeps its SRTP session (RFC 4568 §7.1.4).
+//!
+//! [`plan`] decides from the SDP and the call (no side effects, so errors change nothing);
+//! [`install`] writes the decision into the call and the relay legs inside the model mutation.
+
+use crate::calls::{rtcp_relay_id, rtp_relay_id, side_index, Call, Phase};
+use crate::sdp::{crypto_line, Sdp};
+use mediaplane_control::manager::ManagerError;
+use mediaplane_control::store::Change;
+use mediaplane_core::model::Side;
+use mediaplane_core::srtp::{LegSrtp, SrtpKey, SrtpSuite};
+use mediaplane_core::Model;
+
+/// SRTP the relay terminates toward one party of a media section.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SdesSide {
+    /// The keys the relay gave this party, by `a=crypto` tag: one per suite in an offer, the
+    /// accepted one in an answer.
+    pub ours: Vec<(u32, SrtpKey)>,
+    /// The party's own key and its tag (None until it has sent one: the answer to our offer).
+    pub theirs: Option<(u32, SrtpKey)>,
+}
+
+impl SdesSide {
+    /// The leg's keys: the party's, and ours under the same tag (before its answer, the first
+    /// one offered).
+    fn leg(&self) -> LegSrtp {
+        let tag = self.theirs.as_ref().map(|(t, _)| *t);
+        let ours = self.ours.iter().find(|(t, _)| Some(*t) == tag).or(self.ours.first());
+        LegSrtp { inbound: self.theirs.as_ref().map(|(_, k)| k.clone()), outbound: ours.map(|(_, k)| k.clone()) }
+    }
+}
+
+/// `RTP/SAVP` and `RTP/SAVPF`: SRTP keyed by SDES (DTLS-SRTP's protocols start `UDP/TLS/`).
+pub fn is_sdes(proto: &str) -> bool {
+    proto.eq_ignore_ascii_case("RTP/SAVP") || proto.eq_ignore_ascii_case("RTP/SAVPF")
+}
+
+/// DTLS-SRTP, which mediaplane does not terminate yet.
+pub fn is_dtls(proto: &str) -> bool {
+    proto.to_ascii_uppercase().starts_with("UDP/TLS/")
+}
+
+/// The protocols `transport-protocol` takes (and the flags naming them).
+pub const PROTOCOLS: [&str; 6] = ["RTP/AVP", "RTP/AVPF", "RTP/SAVP", "RTP/SAVPF", "UDP/TLS/RTP/SAVP", "UDP/TLS/RTP/SAVPF"];
+
+#[derive(Debug, thiserror::Error)]
+pub enum SdesError {
+    #[error(
+        "media section {section}: no a=crypto line offers a suite and key mediaplane speaks ({}; a single inline key, no MKI, no session parameters)",
+        speaks()
+    )]
+    NoUsableKey { section: usize },
+    #[error("media section {section}: the answer accepts none of the a=crypto keys offered to it (tags {offered})")]
+    NotAccepted { section: usize, offered: String },
+    #[error("media section {section}: the answer refuses SRTP ({proto}) though the relay offered it RTP/SAVP keys")]
+    Refused { section: usize, proto: String },
+    #[error("no randomness for SRTP keys: {0}")]
+    Random(String),
+}
+
+fn speaks() -> String {
+    SrtpSuite::ALL.iter().map(|s| s.name()).collect::<Vec<_>>().join(", ")
+}
+
+fn generate(suite: SrtpSuite) -> Result<SrtpKey, SdesError> {
+    let mut master = vec![0u8; suite.master_len()];
+    getrandom::getrandom(&mut master).map_err(|e| SdesError::Random(e.to_string()))?;
+    SrtpKey::new(suite, master).map_err(SdesError::Random)
+}
+
+/// What one media section becomes: the parties' SRTP state, and the SDP going out.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SectionPlan {
+    /// Per side [A, B]: the SRTP the relay terminates toward that party.
+    pub sdes: [Option<SdesSide>; 2],
+    /// The protocol the sender's SDP spoke.
+    pub sender_proto: String,
+    /// For the outgoing SDP: a new `m=` protocol, and `a=crypto` values replacing the section's
+    /// (None: kept).
+    pub proto: Option<String>,
+    pub crypto: Option<Vec<String>>,
+}
+
+/// Decide the SRTP of every section of `sdp`, sent by `sender` in `phase`, with the offer's
+/// `transport` protocol for the receiver. Warnings for what is passed through instead.
+pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, transport: Option<&str>, warnings: &mut Vec<String>) -> Result<Vec<SectionPlan>, SdesError> {
+    let (s, r) = (side_index(sender), 1 - side_index(sender));
+    let mut out = Vec::with_capacity(sdp.media.len());
+    for (i, sm) in sdp.media.iter().enumerate() {
+        let section = i + 1;
+        let prev = call.media.get(i);
+        let prev_side = |x: usize| prev.and_then(|m| m.sdes[x].clone());
+        let mut p = SectionPlan { sender_proto: sm.proto.clone(), ..Default::default() };
+        if sm.port == 0 {
+            out.push(p);
+            continue;
+        }
+        match phase {
+            Phase::Offer => {
+                let target = transport.unwrap_or(&sm.proto);
+                if !target.eq_ignore_ascii_case(&sm.proto) {
+                    p.proto = Some(target.to_string());
+                }
+                if (is_dtls(target) || is_dtls(&sm.proto)) && p.proto.is_some() {
+                    warnings.push(format!(
+                        "media section {section}: {} to {target} needs DTLS-SRTP, which is not terminated yet: the section keeps {}",
+                        sm.proto, sm.proto
+                    ));
+                    p.proto = None;
+                    out.push(p);
+                    continue;
+                }
+                match (is_sdes(&sm.proto), is_sdes(target)) {
+                    (true, false) => {
+                        let (tag, key) = sm
+                            .crypto
+                            .iter()
+                            .find_map(|c| {
+                                let suite = SrtpSuite::from_name(&c.suite)?;
+                                Some((c.tag, SrtpKey::new(suite, c.key.clone()?).ok()?))
+                            })
+                            .ok_or(SdesError::NoUsableKey { section })?;
+                        let kept = prev_side(s).and_then(|old| old.ours.into_iter().find(|(_, k)| k.suite == key.suite)).map(|(_, k)| k);
+                        let ours = match kept {
+                            Some(k) => k,
+                            None => generate(key.suite)?,
+                        };
+                        p.sdes[s] = Some(SdesSide { ours: vec![(tag, ours)], theirs: Some((tag, key)) });
+                        p.crypto = Some(Vec::new());
+                    }
+                    (false, true) => {
+                        let old = prev_side(r).unwrap_or_default();
+                        let ours = if old.ours.len() == SrtpSuite::ALL.len() {
+                            old.ours
+                        } else {
+                            SrtpSuite::ALL.iter().zip(1..).map(|(suite, tag)| Ok((tag, generate(*suite)?))).collect::<Result<_, SdesError>>()?
+                        };
+                        p.crypto = Some(ours.iter().map(|(tag, k)| crypto_line(*tag, k.suite.name(), &k.master)).collect());
+                        // The party's key from its last answer serves until the new answer.
+                        p.sdes[r] = Some(SdesSide { ours, theirs: old.theirs });
+                    }
+                    _ => {}
+                }
+            }
+            Phase::Answer => {
+                // Back to the offerer in the protocol it offered.
+                let offerer_proto = prev.and_then(|m| m.proto_of[r].clone()).unwrap_or_else(|| sm.proto.clone());
+                if !offerer_proto.eq_ignore_ascii_case(&sm.proto) {
+                    p.proto = Some(offerer_proto);
+                }
+                if let Some(mut ours) = prev_side(s) {
+                    // The relay offered this party keys: its answer picks one and gives its own.
+                    if !is_sdes(&sm.proto) {
+                        return Err(SdesError::Refused { section, proto: sm.proto.clone() });
+                    }
+                    let accepted = sm.crypto.iter().find_map(|c| {
+                        let (tag, offered) = ours.ours.iter().find(|(t, k)| *t == c.tag && k.suite.name().eq_ignore_ascii_case(&c.suite))?;
+                        Some((*tag, SrtpKey::new(offered.suite, c.key.clone()?).ok()?))
+                    });
+                    let Some((tag, theirs)) = accepted else {
+                        let offered = ours.ours.iter().map(|(t, _)| t.to_string()).collect::<Vec<_>>().join(", ");
+                        return Err(SdesError::NotAccepted { section, offered });
+                    };
+                    ours.theirs = Some((tag, theirs));
+                    p.sdes[s] = Some(ours);
+                    p.crypto = Some(Vec::new());
+                } else if let Some(offerer) = prev_side(r) {
+                    // The offerer spoke SRTP, terminated here: our key, under its tag.
+                    let line = offerer.ours.first().map(|(tag, k)| crypto_line(*tag, k.suite.name(), &k.master));
+                    p.crypto = Some(line.into_iter().collect());
+                    p.sdes[r] = Some(offerer);
+                }
+            }
+        }
+        out.push(p);
+    }
+    Ok(out)
+}
+
+/// Write `plans` into `call` and its relays' legs (after [`crate::calls::apply_signal`] made
+/// them): every leg of every active section gets its SRTP, or none.
+pub fn install(model: &mut Model, call: &mut Call, sender: Side, plans: Vec<SectionPlan>, changes: &mut Vec<Change>) -> Result<(), ManagerError> {
+    let s = side_index(sender);
+    for (i, p) in plans.into_iter().enumerate() {
+        let Some(m) = call.media.get_mut(i) else { continue };
+        m.proto_of[s] = Some(p.sender_proto);
+        m.sdes = p.sdes;
+        if !m.active {
+            continue;
+        }
+        let ids = std::iter::once(rtp_relay_id(&call.key, i)).chain(m.rtcp.then(|| rtcp_relay_id(&call.key, i)));
+        for id in ids {
+            let mut changed = false;
+            for (x, side) in [(0, Side::A), (1, Side::B)] {
+                changed |= model.set_leg_srtp(&id, side, m.sdes[x].as_ref().map(SdesSide::leg))?;
+            }
+            if changed && !changes.contains(&Change::Relay(id.clone())) {
+                changes.push(Change::Relay(id));
+            }
+        }
+    }
+    Ok(())
+}
