@@ -4,7 +4,7 @@
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use mediaplane_ng::codecs::{CodecFilter, CodecSpec, Filtered};
-use mediaplane_ng::sdp::{MediaRewrite, Rewrite, Sdp};
+use mediaplane_ng::sdp::{crypto_line, MediaRewrite, Rewrite, Sdp};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(sdp) = Sdp::parse(data) else { return };
@@ -36,6 +36,9 @@ fuzz_target!(|data: &[u8]| {
                 strip_rtcp_mux: i % 2 == 1,
                 hold: i % 3 == 2,
                 formats: formats[i].clone(),
+                // Every fourth section turns SDES: a new protocol and one key line.
+                proto: (i % 4 == 1).then(|| "RTP/SAVP".to_string()),
+                crypto: (i % 4 == 1).then(|| vec![crypto_line(1, "AES_CM_128_HMAC_SHA1_80", &[7; 30])]),
             })
             .collect(),
         mark: Some("fuzz1".into()),
@@ -46,6 +49,10 @@ fuzz_target!(|data: &[u8]| {
     assert!(back.marked("fuzz1"));
     let marks = |b: &[u8]| b.split(|&c| c == b'\n').filter(|l| l.strip_suffix(b"\r").unwrap_or(l) == b"a=rtpengine:fuzz1").count();
     assert_eq!(marks(&out), marks(data) + usize::from(!sdp.marked("fuzz1")), "marked once");
+    for (i, m) in back.media.iter().enumerate().filter(|(i, _)| i % 4 == 1) {
+        assert_eq!(m.proto, "RTP/SAVP", "section {i}");
+        assert_eq!(m.crypto.iter().map(|c| (c.tag, c.key.clone())).collect::<Vec<_>>(), vec![(1, Some(vec![7; 30]))], "section {i}: only the new key");
+    }
     for (i, m) in back.media.iter().enumerate() {
         if let (Some(keep), false) = (&formats[i], sdp.media[i].formats.is_empty()) {
             assert_eq!(m.formats.iter().map(|f| f.pt).collect::<Vec<_>>(), *keep, "section {i} advertises what the filter kept");
