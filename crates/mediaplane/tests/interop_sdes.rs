@@ -46,11 +46,11 @@ use std::time::{Duration, Instant};
 
 /// Packets each party sends, one per 20 ms.
 const PACKETS: u16 = 100;
-/// Packets a direction must deliver (95 %).
-const MIN_DELIVERED: usize = PACKETS as usize * 95 / 100;
 const SSRC: [u32; 2] = [0x5d35_0a0a, 0x5d35_0b0b];
 const PT_PCMU: u8 = 0;
 const PAYLOAD_LEN: usize = 160;
+/// RTCP compound packets each party sends where a scenario has RTCP: one per 10 RTP packets.
+const RTCP_PACKETS: u16 = PACKETS / 10;
 /// The whole media phase of a scenario, with the pipeline's start.
 const MEDIA_DEADLINE: Duration = Duration::from_secs(15);
 /// Loopback ports of the SRTP party's GStreamer pipeline (in its namespace): plain RTP into
@@ -196,17 +196,20 @@ struct Scenario {
     srtp_party: usize,
     /// The offer's `transport-protocol`: the other leg's.
     transport_protocol: &'static str,
+    /// RTCP (on the RTP port + 1) both ways as well.
+    rtcp: bool,
 }
 
-const SCENARIOS: [Scenario; 2] = [
-    Scenario { id: "S1 SRTP caller, plain callee", srtp_party: 0, transport_protocol: "RTP/AVP" },
-    Scenario { id: "S2 plain caller, SRTP callee", srtp_party: 1, transport_protocol: "RTP/SAVP" },
+const SCENARIOS: [Scenario; 3] = [
+    Scenario { id: "S1 SRTP caller, plain callee", srtp_party: 0, transport_protocol: "RTP/AVP", rtcp: false },
+    Scenario { id: "S2 plain caller, SRTP callee", srtp_party: 1, transport_protocol: "RTP/SAVP", rtcp: false },
+    Scenario { id: "S3 SRTP caller, plain callee, RTCP both ways (SRTCP)", srtp_party: 0, transport_protocol: "RTP/AVP", rtcp: true },
 ];
 
 /// What the signalling settled: where each party sends, and the SRTP party's keys.
 struct Negotiated {
-    /// The relay's address for party 0 (A) and 1 (B), from the SDP each received.
-    relay: [SocketAddr; 2],
+    /// The relay's RTP and RTCP address for party 0 (A) and 1 (B), from the SDP each received.
+    relay: [[SocketAddr; 2]; 2],
     suite: Suite,
     /// The SRTP party encrypts with this key (the one it signalled).
     send_key: Vec<u8>,
@@ -275,7 +278,7 @@ fn negotiate(tb: &Testbed, sc: &Scenario, index: u32, checks: &mut Checks) -> Op
     let to_a = reply_sdp(checks, id, "answer", &reply)?;
     let _ = writeln!(checks.report, "  --- answer B sent ---\n{}  --- answer A received ---\n{}", indent(&b_sdp), indent(&to_a));
     let relay = match (advertised(&reply), advertised(&offer_reply)) {
-        (Ok(a), Ok(b)) => [a, b],
+        (Ok(a), Ok(b)) => [(a, &to_a), (b, &to_b)].map(|(rtp, sdp)| [rtp, SocketAddr::new(rtp.ip(), rtcp_port(sdp, rtp.port()))]),
         other => {
             checks.check(id, false, format!("the relay's SDPs name its media addresses: {other:?}"));
             return None;
@@ -289,7 +292,11 @@ fn negotiate(tb: &Testbed, sc: &Scenario, index: u32, checks: &mut Checks) -> Op
             checks.check(id, m_proto(&to_a) == "RTP/SAVP", format!("A is answered RTP/SAVP (got {:?})", m_proto(&to_a)));
             checks.check(id, answered_to_a.len() == 1, format!("A's answer carries exactly one a=crypto (got {})", answered_to_a.len()));
             let answered = answered_to_a.into_iter().next()?;
-            checks.check(id, answered.is_ok(), format!("A's a=crypto parses ({answered:?})"));
+            checks.check(
+                id,
+                answered.is_ok(),
+                format!("A's a=crypto parses{}", answered.as_ref().err().map(|l| format!(" (malformed: {l})")).unwrap_or_default()),
+            );
             let answered = answered.ok()?;
             let _ = writeln!(
                 checks.report,
@@ -322,42 +329,91 @@ fn media_ports(index: u32) -> [u16; 2] {
     [6000 + 100 * index as u16, 7000 + 100 * index as u16]
 }
 
+/// The media components, indexes of the per-component arrays.
+const RTP: usize = 0;
+const RTCP: usize = 1;
+
+/// The plain packets party `from` sends of `component`: RTP, one per 20 ms; RTCP (a compound
+/// RR + SDES about the other party), one per 10 RTP packets.
+fn packets(component: usize, from: usize) -> Vec<Vec<u8>> {
+    if component == RTP {
+        (0..PACKETS).map(|seq| build_rtp(PT_PCMU, seq, u32::from(seq) * 160, SSRC[from], &payload(from, seq))).collect()
+    } else {
+        (0..RTCP_PACKETS).map(|k| receiver_report(from, k)).collect()
+    }
+}
+
 /// The payload of packet `seq` from party `from`: distinct per packet and direction.
 fn payload(from: usize, seq: u16) -> Vec<u8> {
     (0..PAYLOAD_LEN).map(|i| (seq as u8).wrapping_mul(7).wrapping_add(i as u8) ^ (0x5a * from as u8)).collect()
 }
 
-/// The SRTP party's GStreamer: plain RTP on ENC_IN → srtpenc (`send_key`) → ENC_OUT, and SRTP
-/// on DEC_IN → srtpdec (`recv_key`, for the SSRC `recv_ssrc`) → DEC_OUT, all on its loopback.
-fn gst_srtp_args(n: &Negotiated, recv_ssrc: u32) -> Vec<String> {
+/// RTCP compound number `k` of party `from`: an RR with one report block about the other party
+/// (its extended highest sequence number field is `k`), and an SDES with a CNAME.
+fn receiver_report(from: usize, k: u16) -> Vec<u8> {
+    let mut p = vec![0x81, 201, 0, 7];
+    for word in [SSRC[from], SSRC[1 - from], 0, u32::from(k), 0, 0, 0] {
+        p.extend_from_slice(&word.to_be_bytes());
+    }
+    p.extend_from_slice(&[0x81, 202, 0, 2]);
+    p.extend_from_slice(&SSRC[from].to_be_bytes());
+    p.extend_from_slice(&[1, 1, b"ab"[from], 0]);
+    p
+}
+
+/// The RTCP port of the SDP's first media section: its `a=rtcp`, or the RTP port + 1.
+fn rtcp_port(sdp: &str, rtp_port: u16) -> u16 {
+    let attr = sdp.lines().find_map(|l| l.strip_prefix("a=rtcp:")).and_then(|v| v.split_whitespace().next()?.parse().ok());
+    attr.unwrap_or(rtp_port + 1)
+}
+
+/// The SRTP party's GStreamer, all on its loopback: per component (RTP, and RTCP when `rtcp`),
+/// plain packets on ENC_IN → srtpenc (`send_key`) → ENC_OUT, and protected ones on DEC_IN →
+/// srtpdec (`recv_key`, for the SSRC `recv_ssrc`) → DEC_OUT; RTCP's ports are RTP's + 4.
+fn gst_srtp_args(n: &Negotiated, recv_ssrc: u32, rtcp: bool) -> Vec<String> {
     let auth = n.suite.gst_auth;
     // RFC 4568: both AES_CM_128 suites protect SRTCP with an 80-bit tag.
-    let dec_caps = format!(
-        "application/x-srtp,ssrc=(uint){recv_ssrc},srtp-key=(buffer){},srtp-cipher=(string)aes-128-icm,srtp-auth=(string){auth},\
+    let keys = format!(
+        "ssrc=(uint){recv_ssrc},srtp-key=(buffer){},srtp-cipher=(string)aes-128-icm,srtp-auth=(string){auth},\
          srtcp-cipher=(string)aes-128-icm,srtcp-auth=(string)hmac-sha1-80",
         hex(&n.recv_key)
     );
-    let udpsink = |port: u16| ["!", "udpsink", "host=127.0.0.1", &format!("port={port}"), "sync=false", "async=false"].map(String::from);
-    let mut args: Vec<String> =
-        ["-q", "udpsrc", "address=127.0.0.1", &format!("port={ENC_IN}"), "caps=application/x-rtp", "!", "srtpenc"].map(String::from).into();
-    args.extend([format!("key={}", hex(&n.send_key)), "rtp-cipher=aes-128-icm".into(), format!("rtp-auth={auth}")]);
-    args.extend(udpsink(ENC_OUT));
-    args.extend(["udpsrc", "address=127.0.0.1", &format!("port={DEC_IN}"), &format!("caps={dec_caps}"), "!", "srtpdec"].map(String::from));
-    args.extend(udpsink(DEC_OUT));
+    let mut args = vec!["-q".to_string(), "srtpenc".into(), "name=enc".into(), format!("key={}", hex(&n.send_key))];
+    args.extend(["rtp-cipher=aes-128-icm".into(), format!("rtp-auth={auth}"), "rtcp-cipher=aes-128-icm".into(), "rtcp-auth=hmac-sha1-80".into()]);
+    args.extend(["srtpdec".into(), "name=dec".into()]);
+    let mut chain = |(input, output): (u16, u16), caps: &str, sink_pad: &str, src_pad: &str| {
+        args.extend(["udpsrc".into(), "address=127.0.0.1".into(), format!("port={input}"), format!("caps={caps}"), "!".into(), sink_pad.into()]);
+        args.extend([
+            src_pad.into(),
+            "!".into(),
+            "udpsink".into(),
+            "host=127.0.0.1".into(),
+            format!("port={output}"),
+            "sync=false".into(),
+            "async=false".into(),
+        ]);
+    };
+    chain((ENC_IN, ENC_OUT), "application/x-rtp", "enc.rtp_sink_0", "enc.rtp_src_0");
+    chain((DEC_IN, DEC_OUT), &format!("application/x-srtp,{keys}"), "dec.rtp_sink", "dec.rtp_src");
+    if rtcp {
+        chain((ENC_IN + 4, ENC_OUT + 4), "application/x-rtcp", "enc.rtcp_sink_0", "enc.rtcp_src_0");
+        chain((DEC_IN + 4, DEC_OUT + 4), &format!("application/x-srtcp,{keys}"), "dec.rtcp_sink", "dec.rtcp_src");
+    }
     args
 }
 
-/// What the media phase saw.
+/// What the media phase saw of one component (RTP or RTCP).
 #[derive(Default)]
-struct Media {
-    /// Per receiving party: the sequence numbers of its valid packets, in arrival order.
+struct Flow {
+    /// Per receiving party: the indexes (RTP: sequence numbers) of the other party's packets
+    /// that arrived exactly as sent, in arrival order.
     arrivals: [Vec<u16>; 2],
-    /// Per receiving party: datagrams that are not the other party's RTP as sent.
+    /// Per receiving party: datagrams that are none of the other party's packets as sent.
     strays: [Vec<String>; 2],
-    /// SRTP srtpenc produced (and the test forwarded to the relay).
+    /// Packets srtpenc protected (and the test forwarded to the relay).
     encrypted: usize,
-    /// SRTP the relay sent the SRTP party: datagrams, of them with the suite's tag length, of
-    /// them with the payload in the clear.
+    /// What the relay sent the SRTP party: datagrams, of them with the length of SRTP(C) of the
+    /// suite, of them with the payload in the clear.
     wire: usize,
     wire_tagged: usize,
     wire_clear: usize,
@@ -382,43 +438,58 @@ fn drain(s: &UdpSocket, mut each: impl FnMut(&[u8])) {
     }
 }
 
-/// Record a datagram party `to` received: valid RTP of the other party, as sent, or a stray.
-fn arrival(media: &mut Media, to: usize, d: &[u8]) {
-    let from = 1 - to;
-    match RtpHeader::parse(d) {
-        Ok(h)
-            if h.ssrc == SSRC[from]
-                && h.payload_type == PT_PCMU
-                && d.get(h.payload_offset..h.payload_offset + h.payload_len) == Some(&payload(from, h.sequence)[..]) =>
-        {
-            media.arrivals[to].push(h.sequence)
-        }
-        Ok(h) => media.strays[to].push(format!("RTP SSRC {:#x} PT {} seq {} ({} bytes)", h.ssrc, h.payload_type, h.sequence, d.len())),
-        Err(e) => media.strays[to].push(format!("not RTP ({e:?}, {} bytes)", d.len())),
+/// Record a datagram party `to` received of a component whose packets the other party sent
+/// as `sent`: which one it is, or a stray.
+fn arrival(flow: &mut Flow, to: usize, sent: &[Vec<u8>], d: &[u8]) {
+    match sent.iter().position(|x| x == d) {
+        Some(k) => flow.arrivals[to].push(k as u16),
+        None => flow.strays[to].push(match RtpHeader::parse(d) {
+            Ok(h) if !(192..=223).contains(&d[1]) => format!("RTP SSRC {:#x} PT {} seq {} ({} bytes)", h.ssrc, h.payload_type, h.sequence, d.len()),
+            _ => format!("{} bytes starting {}", d.len(), hex(&d[..d.len().min(12)])),
+        }),
     }
 }
 
-/// 2 s of RTP both ways: the plain party on its media socket, the SRTP party through its
-/// GStreamer pipeline (started here, stopped before returning).
-fn media(tb: &Testbed, dir: &Path, sc: &Scenario, index: u32, n: &Negotiated, checks: &mut Checks) -> Media {
+/// The SRTP(C) packets the relay sends the SRTP party: their length is the plain packet's plus
+/// the suite's tag (SRTCP: plus its 4-byte index and an 80-bit tag); the header (SRTCP: the
+/// first 8 bytes) is in the clear, the rest must not be.
+fn protected_len(component: usize, suite: Suite, plain_len: usize) -> usize {
+    if component == RTP {
+        plain_len + suite.tag_len
+    } else {
+        plain_len + 4 + 10
+    }
+}
+
+/// 2 s of RTP (and RTCP when the scenario has it) both ways: the plain party on its media
+/// sockets, the SRTP party through its GStreamer pipeline (started here, stopped before
+/// returning).
+fn media(tb: &Testbed, dir: &Path, sc: &Scenario, index: u32, n: &Negotiated, checks: &mut Checks) -> Vec<Flow> {
     let (s, p) = (sc.srtp_party, 1 - sc.srtp_party);
+    let components = if sc.rtcp { 2 } else { 1 };
     let ns = [&tb.peers[0].ns, &tb.peers[1].ns];
     let ports = media_ports(index);
-    let party = |i: usize| SocketAddr::new(tb.peers[i].ip, ports[i]);
-    let lo = |port| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port);
-    let plain = bind(tb, ns[p], party(p));
-    let wire = bind(tb, ns[s], party(s));
-    let (enc_out, dec_out) = (bind(tb, ns[s], lo(ENC_OUT)), bind(tb, ns[s], lo(DEC_OUT)));
+    let party = |i: usize, c: usize| SocketAddr::new(tb.peers[i].ip, ports[i] + c as u16);
+    let lo = |port: u16, c: usize| SocketAddr::new(IpAddr::V4(Ipv4Addr::LOCALHOST), port + 4 * c as u16);
+    // Per component: the plain party's socket, the SRTP party's, and its two loopback sockets
+    // (srtpenc's and srtpdec's output).
+    let plain: Vec<UdpSocket> = (0..components).map(|c| bind(tb, ns[p], party(p, c))).collect();
+    let wire: Vec<UdpSocket> = (0..components).map(|c| bind(tb, ns[s], party(s, c))).collect();
+    let enc_out: Vec<UdpSocket> = (0..components).map(|c| bind(tb, ns[s], lo(ENC_OUT, c))).collect();
+    let dec_out: Vec<UdpSocket> = (0..components).map(|c| bind(tb, ns[s], lo(DEC_OUT, c))).collect();
+    let sent: Vec<[Vec<Vec<u8>>; 2]> = (0..components).map(|c| [packets(c, 0), packets(c, 1)]).collect();
+    let mut flows: Vec<Flow> = (0..components).map(|_| Flow::default()).collect();
 
     let log = dir.join(format!("gst-{index}.log"));
     let mut cmd = tb.command(ns[s], "gst-launch-1.0");
-    cmd.args(gst_srtp_args(n, SSRC[p])).stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap());
+    cmd.args(gst_srtp_args(n, SSRC[p], sc.rtcp)).stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap());
     let mut gst = sip::spawn_group("gst-launch-1.0", &mut cmd).unwrap_or_else(|e| panic!("{e}"));
-    let mut m = Media::default();
-    for port in [ENC_IN, DEC_IN] {
-        if let Err(e) = sip::wait_udp_bound(&mut gst, port, Duration::from_secs(10)) {
-            checks.check(sc.id, false, format!("GStreamer's pipeline started: {e}\n{}", sip::log_tail(&log, 10)));
-            return m;
+    for c in 0..components {
+        for port in [lo(ENC_IN, c).port(), lo(DEC_IN, c).port()] {
+            if let Err(e) = sip::wait_udp_bound(&mut gst, port, Duration::from_secs(10)) {
+                checks.check(sc.id, false, format!("GStreamer's pipeline started: {e}\n{}", sip::log_tail(&log, 10)));
+                return flows;
+            }
         }
     }
 
@@ -428,25 +499,31 @@ fn media(tb: &Testbed, dir: &Path, sc: &Scenario, index: u32, n: &Negotiated, ch
     loop {
         let now = Instant::now();
         if seq < PACKETS && now >= start + Duration::from_millis(20) * u32::from(seq) {
-            let rtp = |from: usize| build_rtp(PT_PCMU, seq, u32::from(seq) * 160, SSRC[from], &payload(from, seq));
-            plain.send_to(&rtp(p), n.relay[p]).unwrap();
-            enc_out.send_to(&rtp(s), lo(ENC_IN)).unwrap();
+            let mut due = vec![(RTP, usize::from(seq))];
+            if sc.rtcp && seq % 10 == 5 {
+                due.push((RTCP, usize::from(seq / 10)));
+            }
+            for (c, k) in due {
+                plain[c].send_to(&sent[c][p][k], n.relay[p][c]).unwrap();
+                enc_out[c].send_to(&sent[c][s][k], lo(ENC_IN, c)).unwrap();
+            }
             seq += 1;
         }
-        drain(&plain, |d| arrival(&mut m, p, d));
-        drain(&enc_out, |d| {
-            m.encrypted += 1;
-            wire.send_to(d, n.relay[s]).unwrap();
-        });
-        drain(&wire, |d| {
-            m.wire += 1;
-            let plain_len = 12 + PAYLOAD_LEN;
-            m.wire_tagged += usize::from(d.len() == plain_len + n.suite.tag_len);
-            let clear = RtpHeader::parse(d).is_ok_and(|h| d.len() >= plain_len && d[12..plain_len] == payload(p, h.sequence)[..]);
-            m.wire_clear += usize::from(clear);
-            enc_out.send_to(d, lo(DEC_IN)).unwrap();
-        });
-        drain(&dec_out, |d| arrival(&mut m, s, d));
+        for (c, flow) in flows.iter_mut().enumerate() {
+            drain(&plain[c], |d| arrival(flow, p, &sent[c][s], d));
+            drain(&enc_out[c], |d| {
+                flow.encrypted += 1;
+                wire[c].send_to(d, n.relay[s][c]).unwrap();
+            });
+            drain(&wire[c], |d| {
+                flow.wire += 1;
+                let clear_from = if c == RTP { 12 } else { 8 };
+                flow.wire_tagged += usize::from(sent[c][p].iter().any(|x| d.len() == protected_len(c, n.suite, x.len())));
+                flow.wire_clear += usize::from(sent[c][p].iter().any(|x| d.len() >= x.len() && d[clear_from..x.len()] == x[clear_from..]));
+                enc_out[c].send_to(d, lo(DEC_IN, c)).unwrap();
+            });
+            drain(&dec_out[c], |d| arrival(flow, s, &sent[c][p], d));
+        }
         // After the last packet, 300 ms for the stragglers.
         if seq == PACKETS && now >= start + Duration::from_millis(20) * u32::from(PACKETS) + Duration::from_millis(300) || now >= deadline {
             break;
@@ -457,35 +534,40 @@ fn media(tb: &Testbed, dir: &Path, sc: &Scenario, index: u32, n: &Negotiated, ch
         checks.check(sc.id, false, format!("GStreamer ran through the media ({status}):\n{}", sip::log_tail(&log, 10)));
     }
     let _ = gst.terminate(Duration::from_secs(3));
-    m
+    flows
 }
 
 /// The media expectations of one scenario.
-fn check_media(sc: &Scenario, n: &Negotiated, m: &Media, checks: &mut Checks) {
+fn check_media(sc: &Scenario, n: &Negotiated, flows: &[Flow], checks: &mut Checks) {
     let id = sc.id;
     let name = ["A", "B"];
     let (s, p) = (sc.srtp_party, 1 - sc.srtp_party);
-    checks.check(id, m.encrypted == PACKETS as usize, format!("GStreamer's srtpenc protected {} of {PACKETS} packets of {}", m.encrypted, name[s]));
-    for (to, how) in [(p, "SRTP → plain RTP"), (s, "plain RTP → SRTP, decrypted by srtpdec")] {
-        let got = &m.arrivals[to];
-        let label = format!("{} → {} ({how})", name[1 - to], name[to]);
+    for (c, flow) in flows.iter().enumerate() {
+        let (what, protected, count) = if c == RTP { ("RTP", "SRTP", PACKETS) } else { ("RTCP", "SRTCP", RTCP_PACKETS) };
+        let min = usize::from(count) * 95 / 100;
         checks.check(
             id,
-            got.len() >= MIN_DELIVERED,
-            format!("{label}: {} of {PACKETS} packets arrived, SSRC and payload as sent (≥ {MIN_DELIVERED})", got.len()),
+            flow.encrypted == usize::from(count),
+            format!("GStreamer's srtpenc protected {} of {count} {what} packets of {}", flow.encrypted, name[s]),
         );
-        checks.check(id, got.windows(2).all(|w| w[0] < w[1]), format!("{label}: in order, no duplicates"));
-        let strays = &m.strays[to];
-        checks.check(id, strays.is_empty(), format!("{label}: {} other datagrams {:?}", strays.len(), &strays[..strays.len().min(3)]));
+        for (to, how) in [(p, format!("{protected} → plain {what}")), (s, format!("plain {what} → {protected}, decrypted by srtpdec"))] {
+            let got = &flow.arrivals[to];
+            let label = format!("{} → {} ({how})", name[1 - to], name[to]);
+            checks.check(id, got.len() >= min, format!("{label}: {} of {count} packets arrived exactly as sent (≥ {min})", got.len()));
+            checks.check(id, got.windows(2).all(|w| w[0] < w[1]), format!("{label}: in order, no duplicates"));
+            let strays = &flow.strays[to];
+            checks.check(id, strays.is_empty(), format!("{label}: {} other datagrams {:?}", strays.len(), &strays[..strays.len().min(3)]));
+        }
+        let tag = if c == RTP { format!("the {}-byte tag of {}", n.suite.tag_len, n.suite.name) } else { "the SRTCP index and 10-byte tag".into() };
+        checks.check(
+            id,
+            flow.wire > 0 && flow.wire_tagged == flow.wire && flow.wire_clear == 0,
+            format!(
+                "the relay sends {} {protected}: {} datagrams, {} with {tag}, {} with the payload in the clear",
+                name[s], flow.wire, flow.wire_tagged, flow.wire_clear
+            ),
+        );
     }
-    checks.check(
-        id,
-        m.wire > 0 && m.wire_tagged == m.wire && m.wire_clear == 0,
-        format!(
-            "the relay sends {} SRTP: {} datagrams, {} with the {}-byte tag of {}, {} with the payload in the clear",
-            name[s], m.wire, m.wire_tagged, n.suite.tag_len, n.suite.name, m.wire_clear
-        ),
-    );
 }
 
 /// Why GStreamer cannot be the SRTP peer here, if it cannot.
@@ -522,8 +604,8 @@ fn run(relay: Relay) {
             let _ = writeln!(checks.report, "  (no media: the SDPs failed)");
             continue;
         }
-        let m = media(&tb, &tmp.0, sc, index as u32, &n, &mut checks);
-        check_media(sc, &n, &m, &mut checks);
+        let flows = media(&tb, &tmp.0, sc, index as u32, &n, &mut checks);
+        check_media(sc, &n, &flows, &mut checks);
     }
     eprintln!("=== {} ({:.1} s, testbed {}) ===\n{}", relay.name(), started.elapsed().as_secs_f64(), tb.prefix, checks.report);
     let relay_log = sip::log_tail(relay_proc.log_path(), 15);
