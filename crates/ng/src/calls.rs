@@ -100,6 +100,8 @@ pub struct MediaState {
     pub proto_of: [Option<String>; 2],
     /// The SRTP the relay terminates toward each party [A, B] (SDES).
     pub sdes: [Option<crate::sdes::SdesSide>; 2],
+    /// The last offer went on in another protocol than its sender's (`transport-protocol`).
+    pub translated: bool,
 }
 
 impl MediaState {
@@ -473,6 +475,7 @@ fn inactive(sig: &MediaSignal) -> MediaState {
         mux: false,
         proto_of: Default::default(),
         sdes: Default::default(),
+        translated: false,
     }
 }
 

@@ -1265,6 +1265,14 @@ a=sendrecv\r\n";
         let mut o = offer(OFFER_SDP);
         o.push(("transport-protocol", "RTP/XYZ".into()));
         assert!(text(&send(&mut e, &m, "o4", o), "error-reason").contains("is not one of RTP/AVP"));
+        // A translated profile comes back translated; an untranslated answer is left as answered.
+        let mut o = offer(OFFER_SDP);
+        o.push(("transport-protocol", "RTP/AVPF".into()));
+        assert_eq!(m_line(&text(&send(&mut e, &m, "o5", o), "sdp")), "m=audio 30002 RTP/AVPF 8 101");
+        let avpf_answer = ANSWER_SDP.replace("RTP/AVP 8", "RTP/AVPF 8");
+        assert_eq!(m_line(&text(&send(&mut e, &m, "a5", answer(&avpf_answer)), "sdp")), "m=audio 30000 RTP/AVP 8", "in the offerer's profile");
+        send(&mut e, &m, "o6", offer(OFFER_SDP));
+        assert_eq!(m_line(&text(&send(&mut e, &m, "a6", answer(&avpf_answer)), "sdp")), "m=audio 30000 RTP/AVPF 8", "left as answered");
     }
 
     #[test]

@@ -89,6 +89,9 @@ pub struct SectionPlan {
     /// (None: kept).
     pub proto: Option<String>,
     pub crypto: Option<Vec<String>>,
+    /// An offer: whether it goes on in another protocol than its sender's (so the answer comes
+    /// back translated). None for an answer.
+    pub translated: Option<bool>,
 }
 
 /// Decide the SRTP of every section of `sdp`, sent by `sender` in `phase`, with the offer's
@@ -111,12 +114,14 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, transport: Optio
                 if !target.eq_ignore_ascii_case(&sm.proto) {
                     p.proto = Some(target.to_string());
                 }
+                p.translated = Some(p.proto.is_some());
                 if (is_dtls(target) || is_dtls(&sm.proto)) && p.proto.is_some() {
                     warnings.push(format!(
                         "media section {section}: {} to {target} needs DTLS-SRTP, which is not terminated yet: the section keeps {}",
                         sm.proto, sm.proto
                     ));
                     p.proto = None;
+                    p.translated = Some(false);
                     out.push(p);
                     continue;
                 }
@@ -153,11 +158,10 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, transport: Optio
                 }
             }
             Phase::Answer => {
-                // Back to the offerer in the protocol it offered.
-                let offerer_proto = prev.and_then(|m| m.proto_of[r].clone()).unwrap_or_else(|| sm.proto.clone());
-                if !offerer_proto.eq_ignore_ascii_case(&sm.proto) {
-                    p.proto = Some(offerer_proto);
-                }
+                // Back to the offerer in the protocol it offered, if the offer went on in another
+                // (an answer in another protocol than its offer is otherwise left as it is).
+                let offerer_proto = prev.filter(|m| m.translated).and_then(|m| m.proto_of[r].clone());
+                p.proto = offerer_proto.filter(|o| !o.eq_ignore_ascii_case(&sm.proto));
                 if let Some(mut ours) = prev_side(s) {
                     // The relay offered this party keys: its answer picks one and gives its own.
                     if !is_sdes(&sm.proto) {
@@ -195,6 +199,9 @@ pub fn install(model: &mut Model, call: &mut Call, sender: Side, plans: Vec<Sect
         let Some(m) = call.media.get_mut(i) else { continue };
         m.proto_of[s] = Some(p.sender_proto);
         m.sdes = p.sdes;
+        if let Some(t) = p.translated {
+            m.translated = t;
+        }
         if !m.active {
             continue;
         }
