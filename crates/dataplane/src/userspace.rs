@@ -700,20 +700,12 @@ impl WorkerCtx {
             match verdict {
                 Verdict::Forward(entry) | Verdict::Learn(entry) => {
                     let sc = delta.streams.entry(entry.id).or_default();
-                    if matches!(verdict, Verdict::Learn(_)) {
-                        // Relayed like any packet; its source goes to the control plane, which
-                        // decides whether the leg follows it.
-                        sc.count_slow(SlowReason::Unlatched);
-                        delta.total.count_slow(SlowReason::Unlatched);
-                        if let Some(ev) = &self.shared.events {
-                            let _ = ev.lock().send(DataplaneEvent::Unlatched { stream: entry.id, source: src });
-                        }
-                    }
                     sc.rx_packets += 1;
                     sc.rx_bytes += payload.len() as u64;
                     // An SRTP leg's packets are unprotected before anything else: what fails
                     // (no key yet, authentication, replay) goes no further, counted per stream
-                    // as malformed and process-wide by reason.
+                    // as malformed and process-wide by reason. So only the key's holder can
+                    // move an SRTP leg's latch.
                     let payload: Cow<'_, [u8]> = match &entry.inbound {
                         Protection::Clear => Cow::Borrowed(payload),
                         Protection::Srtp(_) => match crate::srtp::unprotect(state.srtp.get(SrtpSlot { stream: entry.id, copy: None }), payload) {
@@ -725,6 +717,15 @@ impl WorkerCtx {
                             }
                         },
                     };
+                    if matches!(verdict, Verdict::Learn(_)) {
+                        // Relayed like any packet; its source goes to the control plane, which
+                        // decides whether the leg follows it.
+                        sc.count_slow(SlowReason::Unlatched);
+                        delta.total.count_slow(SlowReason::Unlatched);
+                        if let Some(ev) = &self.shared.events {
+                            let _ = ev.lock().send(DataplaneEvent::Unlatched { stream: entry.id, source: src });
+                        }
+                    }
                     if let Some(limit) = entry.rate.filter(|l| !l.is_unlimited()) {
                         let (l, st) = self.rates.entry(entry.id).or_insert((limit, RateState::default()));
                         if *l != limit {

@@ -346,3 +346,60 @@ fn source_limit_holds_a_flooding_source_and_spares_others() {
     assert_eq!(st.total.rx_packets, st.total.drop_source_limited + got[0] + 2 * p1_sent);
     dp.shutdown().unwrap();
 }
+
+/// A relay whose leg A speaks SRTP (SDES terminated): A's packets reach B unprotected, B's reach
+/// A protected with the relay's key; a stranger's forged packets fail authentication, are
+/// dropped and counted, and are never reported as a source to follow.
+#[test]
+fn srtp_leg_is_unprotected_protected_and_only_its_key_holder_is_learnt() {
+    use mediaplane_core::model::{LegSpec, Side};
+    use mediaplane_core::srtp::{LegSrtp, SrtpKey, SrtpSuite};
+    use mediaplane_dataplane::srtp::{protect, unprotect, Context};
+    use mediaplane_dataplane::DataplaneEvent;
+    const NET: u8 = 6;
+    let (la, lb) = (a(&format!("127.77.{NET}.1:42000")), a(&format!("127.77.{NET}.1:42002")));
+    let (pa, pb, stranger) = (peer_addr(NET, 0), peer_addr(NET, 1), peer_addr(NET, 2));
+    let theirs = SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, (0..30).collect()).unwrap();
+    let ours = SrtpKey::new(SrtpSuite::AesCm128HmacSha1_32, (100..130).collect()).unwrap();
+    let mut m = Model::new();
+    let leg = |local, remote| LegSpec { local, remote: Some(remote), strict: false, rtp: true, follow: Default::default() };
+    m.create_relay("call", leg(la, pa), leg(lb, pb)).unwrap();
+    m.open_learning("call", Side::A, u64::MAX).unwrap();
+    m.set_leg_srtp("call", Side::A, Some(LegSrtp { inbound: Some(theirs.clone()), outbound: Some(ours.clone()) })).unwrap();
+    let (tx, events) = std::sync::mpsc::channel();
+    let dp = UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, Some(tx)).unwrap();
+    dp.apply(Arc::new(ForwardingTable::compile(&m, 1))).unwrap();
+    let (sa, sb, ss) = (UdpSocket::bind(pa).unwrap(), UdpSocket::bind(pb).unwrap(), UdpSocket::bind(stranger).unwrap());
+    let before = |name: &str| dp.stats().extra.get(name).copied().unwrap_or(0);
+    let auth_failed = before("srtp_auth_failed");
+
+    // The stranger forges 20 packets with A's SSRC: none passes, none is reported.
+    send(&ss, la, 0xa, 20);
+    assert!(drain(&sb, 0, Duration::from_millis(300)).is_empty(), "forged SRTP reached B");
+    assert_eq!(before("srtp_auth_failed") - auth_failed, 20);
+    assert!(events.try_iter().all(|e| !matches!(e, DataplaneEvent::Unlatched { source, .. } if source == stranger)), "a forger was reported as a source");
+
+    // A's own packets, protected with its key, reach B as RTP; A is reported (learning).
+    let a_tx = Arc::new(Context::new(&theirs, true).unwrap());
+    for seq in 0..20u16 {
+        let clear = build_rtp(0, seq, seq as u32 * 160, 0xa, &payload_for(0xa, seq));
+        sa.send_to(&protect(Some(&a_tx), &clear).unwrap(), la).unwrap();
+    }
+    let got = drain(&sb, 20, Duration::from_millis(300));
+    assert_eq!(got.iter().map(|(_, ssrc, seq)| (*ssrc, *seq)).collect::<Vec<_>>(), (0..20).map(|s| (0xa, s)).collect::<Vec<_>>());
+    assert!(events.try_iter().any(|e| matches!(e, DataplaneEvent::Unlatched { source, .. } if source == pa)));
+
+    // B's RTP reaches A protected with the relay's key (the 4-byte tag of _32).
+    send(&sb, lb, 0xb, 10);
+    let a_rx = Arc::new(Context::new(&ours, false).unwrap());
+    sa.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let mut buf = [0u8; 2048];
+    for seq in 0..10u16 {
+        let (n, from) = sa.recv_from(&mut buf).expect("B's copy reaches A");
+        assert_eq!(from, la);
+        let clear = build_rtp(0, seq, seq as u32 * 160, 0xb, &payload_for(0xb, seq));
+        assert_eq!(n, clear.len() + 4);
+        assert_eq!(unprotect(Some(&a_rx), &buf[..n]).expect("authenticates with the relay's key"), clear);
+    }
+    dp.shutdown().unwrap();
+}
