@@ -1199,6 +1199,30 @@ a=sendrecv\r\n";
         send(&mut e, &m, "o2", o);
         let r = send(&mut e, &m, "a2", answer(ANSWER_SDP));
         assert_eq!(inline_key(&crypto_lines(&text(&r, "sdp"))[0]), ours);
+        let legs = leg_srtp(&m);
+
+        // A re-INVITE from the plain callee, without transport-protocol: the call stays bridged.
+        // The caller is offered SRTP again, with the relay's key under its tag.
+        let mut re = offer(&ANSWER_SDP.replace("o=bob 2808844564 2808844564", "o=bob 2808844564 2808844565"));
+        re[2].1 = "8fa3b2".into();
+        re.push(("to-tag", "mS9rSAn0Cr".into()));
+        let r = send(&mut e, &m, "o3", re);
+        let to_caller = text(&r, "sdp");
+        assert_eq!(m_line(&to_caller), "m=audio 30000 RTP/SAVP 8", "{r:?}");
+        let lines = crypto_lines(&to_caller);
+        assert_eq!(lines.len(), 1);
+        assert!(lines[0].starts_with("a=crypto:2 AES_CM_128_HMAC_SHA1_80 inline:"));
+        assert_eq!(inline_key(&lines[0]), ours);
+        // The caller answers with its key: back to the callee as plain RTP, the legs unchanged.
+        let caller_answer = SRTP_OFFER.replace("a=crypto:1 F8_128_HMAC_SHA1_80 inline:MTIzNDU2Nzg5MEFCQ0RFRjEyMzQ1Njc4OTBBQkNE\r\n", "");
+        let caller_answer = caller_answer.replace("a=crypto:3 AES_CM_128_HMAC_SHA1_32 inline:YWJjZGVmZ2hpamtsbW5vcHFyc3R1dnd4eXoxMjM0\r\n", "");
+        let mut ans = answer(&caller_answer);
+        ans[2].1 = "8fa3b2".into();
+        ans.last_mut().unwrap().1 = "mS9rSAn0Cr".into();
+        let r = send(&mut e, &m, "a3", ans);
+        assert_eq!(m_line(&text(&r, "sdp")), "m=audio 30002 RTP/AVP 0", "{r:?}");
+        assert!(crypto_lines(&text(&r, "sdp")).is_empty());
+        assert_eq!(leg_srtp(&m), legs, "same keys, same SRTP sessions");
     }
 
     #[test]
@@ -1271,8 +1295,16 @@ a=sendrecv\r\n";
         assert_eq!(m_line(&text(&send(&mut e, &m, "o5", o), "sdp")), "m=audio 30002 RTP/AVPF 8 101");
         let avpf_answer = ANSWER_SDP.replace("RTP/AVP 8", "RTP/AVPF 8");
         assert_eq!(m_line(&text(&send(&mut e, &m, "a5", answer(&avpf_answer)), "sdp")), "m=audio 30000 RTP/AVP 8", "in the offerer's profile");
-        send(&mut e, &m, "o6", offer(OFFER_SDP));
-        assert_eq!(m_line(&text(&send(&mut e, &m, "a6", answer(&avpf_answer)), "sdp")), "m=audio 30000 RTP/AVPF 8", "left as answered");
+        // A re-INVITE without transport-protocol stays translated.
+        assert_eq!(m_line(&text(&send(&mut e, &m, "o6", offer(OFFER_SDP)), "sdp")), "m=audio 30002 RTP/AVPF 8 101");
+        assert_eq!(m_line(&text(&send(&mut e, &m, "a6", answer(&avpf_answer)), "sdp")), "m=audio 30000 RTP/AVP 8");
+        let other_call = |mut req: Vec<(&'static str, Value)>| {
+            req[1].1 = "another-call".into();
+            req
+        };
+        send(&mut e, &m, "o7", other_call(offer(OFFER_SDP)));
+        let r = send(&mut e, &m, "a7", other_call(answer(&avpf_answer)));
+        assert!(m_line(&text(&r, "sdp")).ends_with(" RTP/AVPF 8"), "never translated: left as answered {r:?}");
     }
 
     #[test]

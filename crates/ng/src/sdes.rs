@@ -110,7 +110,11 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, transport: Optio
         }
         match phase {
             Phase::Offer => {
-                let target = transport.unwrap_or(&sm.proto);
+                // Without transport-protocol, a section the relay translated keeps its receiver's
+                // protocol (a re-INVITE from the plain side of a bridged call stays bridged, as
+                // in rtpengine); any other goes on as its sender spoke.
+                let remembered = prev.filter(|m| m.translated || m.sdes.iter().any(Option::is_some)).and_then(|m| m.proto_of[r].clone());
+                let target = transport.or(remembered.as_deref()).unwrap_or(&sm.proto);
                 if !target.eq_ignore_ascii_case(&sm.proto) {
                     p.proto = Some(target.to_string());
                 }
@@ -144,8 +148,9 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, transport: Optio
                         p.crypto = Some(Vec::new());
                     }
                     (false, true) => {
+                        // The keys it was given before, if any (a re-INVITE keeps them).
                         let old = prev_side(r).unwrap_or_default();
-                        let ours = if old.ours.len() == SrtpSuite::ALL.len() {
+                        let ours = if !old.ours.is_empty() {
                             old.ours
                         } else {
                             SrtpSuite::ALL.iter().zip(1..).map(|(suite, tag)| Ok((tag, generate(*suite)?))).collect::<Result<_, SdesError>>()?
