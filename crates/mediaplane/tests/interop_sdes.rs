@@ -28,6 +28,7 @@
 mod common;
 mod ng_common;
 
+use base64::Engine as _;
 use common::sipp::Relay;
 use mediaplane_bench::netns::Testbed;
 use mediaplane_bench::sip;
@@ -130,34 +131,14 @@ fn party_sdp(ip: IpAddr, port: u16, session: u32, proto: &str, crypto: &[Crypto]
     )
 }
 
-const B64: &[u8; 64] = b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/";
-
+/// Standard base64, padded (what SDP carries).
 fn base64_encode(data: &[u8]) -> String {
-    let mut out = String::new();
-    for chunk in data.chunks(3) {
-        let n = chunk.iter().enumerate().fold(0u32, |n, (i, &b)| n | u32::from(b) << (16 - 8 * i));
-        for i in 0..4 {
-            out.push(if i <= chunk.len() { B64[(n >> (18 - 6 * i) & 63) as usize] as char } else { '=' });
-        }
-    }
-    out
+    base64::engine::general_purpose::STANDARD.encode(data)
 }
 
-/// Standard base64, padding optional; None if not base64.
+/// Standard base64, padding optional (rtpengine sends keys unpadded); None if not base64.
 fn base64_decode(s: &str) -> Option<Vec<u8>> {
-    let s = s.trim_end_matches('=');
-    let mut bits = 0u32;
-    let mut n = 0;
-    let mut out = Vec::new();
-    for c in s.bytes() {
-        bits = bits << 6 | B64.iter().position(|&b| b == c)? as u32;
-        n += 6;
-        if n >= 8 {
-            n -= 8;
-            out.push((bits >> n) as u8);
-        }
-    }
-    Some(out)
+    base64::engine::general_purpose::STANDARD_NO_PAD.decode(s.trim_end_matches('=')).ok()
 }
 
 fn hex(data: &[u8]) -> String {
@@ -643,4 +624,5 @@ fn base64_round_trips_and_rejects_garbage() {
     );
     assert!(parse_crypto("x AES_CM_128_HMAC_SHA1_80 inline:Zm9v").is_none());
     assert!(parse_crypto("1 AES_CM_128_HMAC_SHA1_80 Zm9v").is_none());
+    assert!(parse_crypto("1 AES_CM_128_HMAC_SHA1_80 inline:Zm9v!").is_none(), "not base64");
 }

@@ -255,7 +255,8 @@ fn consequence(name: &str) -> Option<&'static str> {
     Some(match name {
         "interface" => "interfaces are chosen with direction, from-interface and to-interface",
         "record" => "record-call records a call",
-        "sdes" | "osrtp" => "SDES keys are chosen as documented (the first usable a=crypto; every suite mediaplane speaks when offering)",
+        "sdes" => "SDES keys are chosen as documented (the first usable a=crypto; every suite mediaplane speaks when offering)",
+        "osrtp" => "opportunistic SRTP is neither offered nor accepted",
         "dtls" | "generate-mid" | "rtcp-mux-require" | "trickle-ice" => "no DTLS or ICE is terminated",
         "port-latching" | "no-port-latching" => "local ports are allocated per call as usual",
         "delete-delay" => "the call is deleted at once",
