@@ -248,6 +248,7 @@ struct Publish {
     ssrc: Option<u32>,
     #[serde(default = "yes")]
     rtp: bool,
+    clock_rate: Option<u32>,
 }
 
 fn yes() -> bool {
@@ -491,7 +492,10 @@ async fn publish(
     Path((room, pid)): Path<(String, String)>,
     ApiJson(req): ApiJson<Publish>,
 ) -> Result<Response, ApiError> {
-    let spec = StreamSpec { local: req.local, ssrc: req.ssrc, rtp: req.rtp };
+    if req.clock_rate.is_some_and(|c| !(1..=1_000_000).contains(&c)) {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", "clock_rate must be 1 to 1000000 Hz"));
+    }
+    let spec = StreamSpec { local: req.local, ssrc: req.ssrc, rtp: req.rtp, clock_rate: req.clock_rate };
     commit(m, p, move |m, t| {
         let uid = m.mutate_for(t, |model, _| {
             let uid = model.publish(&room, &pid, &req.name, spec)?;

@@ -4,6 +4,7 @@
 //! * [`rtp`] parses RTP (RFC 3550, RFC 8285 extensions) and RTCP compound packets, detects STUN;
 //! * [`model`] holds rooms, participants, published streams, subscriptions and SIP relay pairs;
 //! * [`srtp`] SRTP key material of relay legs (suites, keys; the ciphers are libsrtp's);
+//! * [`reception`] in-path reception quality of an RTP stream (loss, duplicates, reordering, jitter);
 //! * [`ratelimit`] per-stream packet/bit-rate limits (token buckets), shared by the data planes;
 //! * [`table`] compiles a model into forwarding tables and holds [`table::ForwardingTable::classify`],
 //!   the reference decision every data plane must reproduce packet for packet.
@@ -15,6 +16,7 @@ pub mod model;
 mod model_ng;
 pub mod packet;
 pub mod ratelimit;
+pub mod reception;
 pub mod rtp;
 pub mod srtp;
 pub mod table;

@@ -64,6 +64,9 @@ pub struct Stream {
     pub ssrc: Option<u32>,
     /// RTP-aware checks (header validity, SSRC) apply only to RTP streams.
     pub rtp: bool,
+    /// RTP clock rate (Hz) of its payload, for the jitter the data planes measure.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_rate: Option<u32>,
 }
 
 /// What a caller gives to publish a stream.
@@ -73,6 +76,9 @@ pub struct StreamSpec {
     pub ssrc: Option<u32>,
     #[serde(default = "default_true")]
     pub rtp: bool,
+    /// RTP clock rate (Hz): jitter is measured only where it is known.
+    #[serde(default)]
+    pub clock_rate: Option<u32>,
 }
 
 fn default_true() -> bool {
@@ -82,7 +88,7 @@ fn default_true() -> bool {
 impl Default for StreamSpec {
     /// RTP on the participant's transport address, any SSRC.
     fn default() -> Self {
-        StreamSpec { local: None, ssrc: None, rtp: true }
+        StreamSpec { local: None, ssrc: None, rtp: true, clock_rate: None }
     }
 }
 
@@ -132,6 +138,9 @@ pub struct Leg {
     /// SRTP the relay terminates on this leg (its peer speaks SRTP, the other leg's may not).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub srtp: Option<crate::srtp::LegSrtp>,
+    /// RTP clock rate (Hz) of what its peer sends (from its SDP), for the measured jitter.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub clock_rate: Option<u32>,
 }
 
 /// How a leg follows its peer's source address (rtpengine's endpoint learning).
@@ -467,7 +476,7 @@ impl Model {
             self.claim(l, owner)?;
         }
         let uid = self.uid();
-        let stream = Stream { uid, local: spec.local, ssrc: spec.ssrc, rtp: spec.rtp || spec.ssrc.is_some() };
+        let stream = Stream { uid, local: spec.local, ssrc: spec.ssrc, rtp: spec.rtp || spec.ssrc.is_some(), clock_rate: spec.clock_rate };
         self.room_mut(room)?.participants.get_mut(pid).unwrap().streams.insert(name.into(), stream);
         Ok(uid)
     }
@@ -545,6 +554,7 @@ impl Model {
             learning: Learning::default(),
             held: false,
             srtp: None,
+            clock_rate: None,
         };
         let a = mk(self, a);
         let b = mk(self, b);
@@ -667,7 +677,7 @@ mod tests {
         let mut m = room_of_two();
         let e = m.add_participant("r", "carol", a("10.0.0.1:4000"), a("10.0.1.3:5000"));
         assert!(matches!(e, Err(ModelError::AddressInUse { .. })));
-        let spec = StreamSpec { local: Some(a("10.0.0.1:4002")), ssrc: None, rtp: true };
+        let spec = StreamSpec { local: Some(a("10.0.0.1:4002")), ssrc: None, rtp: true, clock_rate: None };
         assert!(matches!(m.publish("r", "alice", "s", spec), Err(ModelError::AddressInUse { .. })));
         let leg = |p| LegSpec { local: a(p), remote: None, strict: false, rtp: true, follow: Default::default() };
         assert!(matches!(m.create_relay("c", leg("10.0.0.1:4000"), leg("10.0.0.1:9000")), Err(ModelError::AddressInUse { .. })));
@@ -705,7 +715,7 @@ mod tests {
     #[test]
     fn serde_roundtrip_then_reindex_keeps_ownership() {
         let mut m = room_of_two();
-        m.publish("r", "alice", "hi", StreamSpec { local: Some(a("10.0.0.1:4100")), ssrc: None, rtp: true }).unwrap();
+        m.publish("r", "alice", "hi", StreamSpec { local: Some(a("10.0.0.1:4100")), ssrc: None, rtp: true, clock_rate: None }).unwrap();
         let json = serde_json::to_string(&m).unwrap();
         let mut back: Model = serde_json::from_str(&json).unwrap();
         back.reindex().unwrap();

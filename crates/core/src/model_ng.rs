@@ -21,6 +21,9 @@ impl Model {
             }
         }
         leg.held = signal.held;
+        if signal.clock_rate.is_some() {
+            leg.clock_rate = signal.clock_rate;
+        }
         // Signalling expresses strict-source as Follow::Strict; `strict` (only `remote` may
         // send) is the API's, and a signal ends it (a leg stored by an older version had it).
         leg.strict = false;
@@ -66,4 +69,6 @@ pub struct LegSignal {
     pub follow: Follow,
     /// A zero connection address: on hold.
     pub held: bool,
+    /// Clock rate of the first codec the party offers or answers (None: unknown, keep).
+    pub clock_rate: Option<u32>,
 }

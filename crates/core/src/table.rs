@@ -69,6 +69,14 @@ pub struct StreamEntry {
     /// The kernel path leaves such streams, and those with a protected copy, to the slow path.
     #[serde(default, skip_serializing_if = "Protection::is_clear")]
     pub inbound: Protection,
+    /// RTP clock rate (Hz) of the stream's payload, 0 = unknown: the data planes measure its
+    /// interarrival jitter (see [`crate::reception`]) only when known.
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub clock_rate: u32,
+}
+
+fn is_zero(v: &u32) -> bool {
+    *v == 0
 }
 
 impl StreamEntry {
@@ -197,6 +205,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                 rate,
                 record: false,
                 inbound: Protection::Clear,
+                clock_rate: s.clock_rate.unwrap_or(0),
             });
         }
     }
@@ -219,6 +228,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             rate,
             record: r.record,
             inbound: from_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.inbound.clone())),
+            clock_rate: from_leg.clock_rate.unwrap_or(0),
         }
     })
 }

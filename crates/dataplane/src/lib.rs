@@ -10,6 +10,7 @@ pub mod srtp;
 pub mod sys;
 pub mod userspace;
 
+use mediaplane_core::reception::ReceptionReport;
 use mediaplane_core::table::{DropReason, IngressKey, SlowReason};
 use mediaplane_core::ForwardingTable;
 use serde::{Deserialize, Serialize};
@@ -246,6 +247,12 @@ pub struct DataplaneStats {
     /// Fill of the data plane's bounded tables, by table name (none for a plane without any).
     #[serde(default)]
     pub maps: BTreeMap<String, MapFill>,
+    /// In-path reception quality of each RTP stream (by stream id) that has had a packet
+    /// accepted: loss, duplicates, reordering, jitter ([`mediaplane_core::reception`]). Where a
+    /// stream's packets took two paths (the kernel's and the slow path), the one that carried
+    /// more of them.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub reception: BTreeMap<u32, ReceptionReport>,
 }
 
 /// A forwarding path. Implementations must be safe to call from any thread.
@@ -272,7 +279,16 @@ pub trait Dataplane: Send + Sync {
     fn stats_totals(&self) -> DataplaneStats {
         let mut s = self.stats();
         s.streams.clear();
+        s.reception.clear();
         s
+    }
+
+    /// Reception quality of just these streams (absent: no RTP packet accepted yet); the
+    /// per-stream counterpart of [`DataplaneStats::reception`], overridden as
+    /// [`Dataplane::stream_counters`] is.
+    fn stream_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
+        let s = self.stats();
+        ids.iter().filter_map(|id| s.reception.get(id).map(|r| (*id, *r))).collect()
     }
 
     /// Counters of just these streams (absent: no counters yet). Data planes whose full

@@ -298,6 +298,7 @@ mod tests {
             rate: None,
             record: false,
             inbound,
+            clock_rate: 0,
         }
     }
 

@@ -18,13 +18,15 @@ use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy};
 use arc_swap::ArcSwap;
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
+use mediaplane_core::reception::{ReceptionReport, RtpReception};
+use mediaplane_core::rtp::{demux, MediaKind, RtpHeader};
 use mediaplane_core::srtp::Protection;
 use mediaplane_core::table::{IngressKey, SlowReason, StreamEntry, Verdict};
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
 use std::borrow::Cow;
-use std::collections::HashMap;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, RawFd};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -188,6 +190,9 @@ struct Shared {
     /// SO_REUSEPORT may spread over several workers.
     sources: Mutex<SourceBuckets>,
     mark_ack: Option<MarkAck>,
+    /// In-path reception quality per RTP stream. Shared: a stream's packets normally reach one
+    /// worker, but a new source may land on another; one lock per batch.
+    reception: Mutex<HashMap<u32, RtpReception>>,
 }
 
 /// Per-source rate-limit buckets ([`ForwardingTable::source_limit`]), bounded: the least
@@ -272,6 +277,7 @@ impl UserspaceDataplane {
             events: events.map(Mutex::new),
             sources: Mutex::new(SourceBuckets::default()),
             mark_ack: cfg.mark_ack.clone(),
+            reception: Mutex::new(HashMap::new()),
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
             (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer, cfg.header).map(Arc::new)).collect::<Result<_, _>>()?
@@ -330,6 +336,7 @@ impl UserspaceDataplane {
         let mut refs = self.apply_lock.lock();
         let old = self.shared.state.load_full();
         let srtp = old.srtp.update(&old.table, &table, changed);
+        self.forget_reception(&old.table, &table, changed);
         if self.cfg.steered {
             // No per-address sockets: packets are steered to us, copies leave on raw sockets.
             self.shared.state.store(Arc::new(State { table, sockets: old.sockets.clone(), srtp }));
@@ -394,6 +401,27 @@ impl UserspaceDataplane {
         Ok(())
     }
 
+    /// Streams that left the table lose their reception state (a stream id is never reused, so
+    /// this only bounds memory).
+    fn forget_reception(&self, old: &ForwardingTable, new: &ForwardingTable, changed: Option<&[IngressKey]>) {
+        let mut reception = self.shared.reception.lock();
+        match changed {
+            Some(keys) => {
+                for k in keys {
+                    if let Some(e) = old.streams.get(k) {
+                        if new.streams.get(k).map(|n| n.id) != Some(e.id) {
+                            reception.remove(&e.id);
+                        }
+                    }
+                }
+            }
+            None => {
+                let ids: std::collections::HashSet<u32> = new.streams.values().map(|e| e.id).collect();
+                reception.retain(|id, _| ids.contains(id));
+            }
+        }
+    }
+
     fn open_socket_group(&self, addr: SocketAddr) -> Result<Vec<Socket>, DataplaneError> {
         (0..self.cfg.workers).map(|_| open_socket(addr, self.cfg.socket_buffer, &self.cfg.header)).collect()
     }
@@ -454,7 +482,13 @@ impl Dataplane for UserspaceDataplane {
         // recorded because the writer fell behind.
         st.extra.insert("not_recorded".into(), crate::record::not_recorded());
         st.extra.extend(crate::srtp::failures().into_iter().map(|(k, v)| (k.to_string(), v)));
+        st.reception = self.shared.reception.lock().iter().map(|(id, r)| (*id, r.report())).collect();
         st
+    }
+
+    fn stream_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
+        let r = self.shared.reception.lock();
+        ids.iter().filter_map(|id| r.get(id).map(|s| (*id, s.report()))).collect()
     }
 
     fn shutdown(&self) -> Result<(), DataplaneError> {
@@ -667,6 +701,8 @@ impl WorkerCtx {
         // Marks of datagrams the kernel handed up in stream order: acknowledged once the batch's
         // copies are sent.
         let mut marks: Vec<u32> = Vec::new();
+        // (stream id, header, clock rate) of every RTP packet accepted, in arrival order.
+        let mut arrivals: Vec<(u32, RtpHeader, u32)> = Vec::new();
         for i in 0..n {
             if local.is_none() && self.shared.mark_ack.is_some() {
                 let m = self.batch.mark(i);
@@ -739,6 +775,11 @@ impl WorkerCtx {
                         }
                     }
                     sc.last_rx_ns = received_at;
+                    if entry.rtp && demux(&payload) == MediaKind::Rtp {
+                        if let Ok(h) = RtpHeader::parse(&payload) {
+                            arrivals.push((entry.id, h, entry.clock_rate));
+                        }
+                    }
                     if entry.record {
                         // SRTP legs are recorded decrypted.
                         crate::record::tap(entry.id, &entry.label, src, local, &payload);
@@ -819,6 +860,13 @@ impl WorkerCtx {
         }
         if let Some(ack) = &self.shared.mark_ack {
             marks.iter().for_each(|m| (ack.0)(*m));
+        }
+        if !arrivals.is_empty() {
+            // One time for the batch: its datagrams were all waiting by `received_at`.
+            let mut reception = self.shared.reception.lock();
+            for (id, h, rate) in arrivals {
+                reception.entry(id).or_default().on_packet(h.ssrc, h.sequence, h.timestamp, received_at, rate);
+            }
         }
         let mut c = self.counters.lock();
         c.total.add(&delta.total);

@@ -16,6 +16,7 @@
  *   -> pop a VLAN tag, trim bytes after the IP packet (Ethernet padding/trailer)
  *   -> per copy: rewrite addresses/ports/MACs with incremental checksums (direct packet access,
  *      plain arithmetic; the checksum helpers under CHECKSUM_COMPLETE), bpf_clone_redirect
+ *   -> an RTP packet updates its stream's reception quality (reception.h)
  *   -> the last copy is the original itself: bpf_redirect (TC_ACT_REDIRECT); no copies at all:
  *      consume it (TC_ACT_SHOT). Both count as forwarded.
  * "To the stack" is TC_ACT_OK: the user-space data plane's sockets are the slow path. */
@@ -32,6 +33,7 @@
 #include "rpf.h"
 #include "order.h"
 #include "header.h"
+#include "reception.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -676,6 +678,10 @@ int sfu_ingress(struct __sk_buff *skb)
 		else
 			bpf_loop(entry->copies_count, send_copy_helpers, &f, 0);
 	}
+
+	/* In-path QoS of what the kernel forwarded (the slow path accounts for what it does). */
+	reception_account((__u64)slot << 32 | entry->flags, (__u64)head.have << 32 | entry->clock_rate, rd32(head.b),
+			  (__u64)rd32(head.b + 4) << 32 | rd32(head.b + 8), t0);
 
 	count(CNT_RX_PACKETS, 1);
 	count(CNT_RX_BYTES, p.payload_len);

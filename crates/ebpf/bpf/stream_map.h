@@ -25,6 +25,7 @@ struct mp_stream_value {
 	__u32 stats_slot; /* index into stream_stats */
 	__u32 copies_base;/* first index into copies[] */
 	__u32 copies_count;
+	__u32 clock_rate; /* RTP clock rate (Hz) of the payload, 0 = unknown: no jitter measured */
 };
 
 /* Stream entries. No prealloc: a replaced value is freed after an RCU grace period, so a

@@ -30,6 +30,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         rate: None,
         record: false,
         inbound: Default::default(),
+        clock_rate: 0,
     }
 }
 

@@ -5,6 +5,7 @@ use crate::loader::{FastPath, LoadOptions};
 use crate::maps::{config_flags, FastConfigRaw, RpfMode};
 use crate::pinlock::{PinDirLock, PinLockError};
 use crate::prefilter::Prefilter;
+use mediaplane_core::reception::ReceptionReport;
 use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, UserspaceConfig, UserspaceDataplane};
 use parking_lot::Mutex;
@@ -431,6 +432,21 @@ impl Dataplane for EbpfDataplane {
         out
     }
 
+    fn stream_reception(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, ReceptionReport> {
+        let mut out: std::collections::BTreeMap<u32, ReceptionReport> = self
+            .fast
+            .kernel_stream_reception(ids)
+            .unwrap_or_else(|e| {
+                tracing::warn!("reading kernel reception state: {e}");
+                Default::default()
+            })
+            .into_iter()
+            .map(|(id, r)| (id, r.report()))
+            .collect();
+        merge_reception(&mut out, self.slow.stream_reception(ids));
+        out
+    }
+
     fn shutdown(&self) -> Result<(), DataplaneError> {
         let mut first_err = None;
         self.steering.lock().take(); // detaches the sk_lookup program
@@ -471,6 +487,7 @@ impl EbpfDataplane {
         for (id, c) in &u.streams {
             s.streams.entry(*id).or_default().add(c);
         }
+        merge_reception(&mut s.reception, u.reception);
         if s.copy_latency.is_none() {
             s.copy_latency = u.copy_latency;
             s.copy_latency_histogram = u.copy_latency_histogram;
@@ -503,5 +520,17 @@ impl EbpfDataplane {
             s.extra.extend(x);
         }
         s
+    }
+}
+
+/// A stream whose packets took both paths (the slow path's while it learnt its source or its
+/// next hop, the kernel's after) has two partial views of its reception: the one that saw more
+/// packets is reported (sequence state cannot be summed).
+fn merge_reception(into: &mut std::collections::BTreeMap<u32, ReceptionReport>, slow: std::collections::BTreeMap<u32, ReceptionReport>) {
+    for (id, r) in slow {
+        let e = into.entry(id).or_insert(r);
+        if r.packets > e.packets {
+            *e = r;
+        }
     }
 }

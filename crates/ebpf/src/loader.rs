@@ -5,14 +5,17 @@
 
 use crate::install::{ApplyReport, Installer, KernelMaps};
 use crate::maps::{
-    CopyRaw, FastConfigRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, RpfMode, SourceLimitRaw, StreamCountersRaw, StreamPathRaw, StreamValueRaw, GLOBAL_COUNTERS,
+    CopyRaw, FastConfigRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, ReceptionRaw, RpfMode, SourceLimitRaw, StreamCountersRaw, StreamPathRaw, StreamValueRaw,
+    GLOBAL_COUNTERS,
 };
 use crate::path::StreamPaths;
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, Program, ProgramInput};
+use mediaplane_core::reception::RtpReception;
 use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Counters, DataplaneError, DataplaneStats, LatencySummary, MapFill};
 use parking_lot::Mutex;
 use std::collections::BTreeMap;
+use std::mem::size_of;
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -71,6 +74,8 @@ pub struct KernelStats {
     /// Per stream id.
     pub streams: BTreeMap<u32, StreamCountersRaw>,
     pub latency: LatencyHistRaw,
+    /// Per stream id, of the RTP streams the kernel forwarded packets of.
+    pub reception: BTreeMap<u32, RtpReception>,
 }
 
 impl KernelStats {
@@ -111,7 +116,18 @@ impl KernelStats {
             max_ns: l.max,
         });
         let copy_latency_histogram = (l.count > 0).then(|| l.cumulative(&mediaplane_dataplane::COPY_LATENCY_BOUNDS_NS));
-        DataplaneStats { dataplane: "ebpf".into(), table_version, total, streams, copy_latency, copy_latency_histogram, extra, maps: BTreeMap::new() }
+        let reception = self.reception.iter().map(|(id, r)| (*id, r.report())).collect();
+        DataplaneStats {
+            dataplane: "ebpf".into(),
+            table_version,
+            total,
+            streams,
+            copy_latency,
+            copy_latency_histogram,
+            extra,
+            maps: BTreeMap::new(),
+            reception,
+        }
     }
 }
 
@@ -273,7 +289,7 @@ impl FastPath {
         for mut m in open.maps_mut() {
             let name = m.name().to_string_lossy().into_owned();
             let entries = match name.as_str() {
-                "streams" | "stream_stats" | "stream_rate" | "stream_path" => Some(opts.max_streams),
+                "streams" | "stream_stats" | "stream_rate" | "stream_path" | "stream_reception" => Some(opts.max_streams),
                 "copies" => Some(opts.max_copies),
                 _ => None,
             };
@@ -511,15 +527,41 @@ impl FastPath {
             global.insert(*name, percpu_sum::<u64>(&counters, i as u32, |a, b| *a += b)?);
         }
         let mut streams = BTreeMap::new();
+        let mut reception = BTreeMap::new();
         if per_stream {
             let stats = self.map("stream_stats");
             let slots: Vec<(u32, u32)> = self.installer.lock().stats_slots().collect();
             for (id, slot) in slots {
                 streams.insert(id, percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?);
+                if let Some(r) = self.reception_of(slot)? {
+                    reception.insert(id, r);
+                }
             }
         }
         let latency = percpu_sum::<LatencyHistRaw>(&self.map("copy_latency"), 0, |a, b| a.add(b))?;
-        Ok(KernelStats { global, streams, latency })
+        Ok(KernelStats { global, streams, latency, reception })
+    }
+
+    /// The reception state in `stream_reception[slot]`, read whole under its lock; None until
+    /// the kernel forwarded an RTP packet of the stream.
+    fn reception_of(&self, slot: u32) -> Result<Option<RtpReception>, DataplaneError> {
+        let raw = self.map("stream_reception").lookup(slot.as_bytes(), MapFlags::LOCK).map_err(|e| bpf_err("reading reception state", e))?;
+        Ok(raw.filter(|b| b.len() == size_of::<ReceptionRaw>()).map(|b| ReceptionRaw::from_bytes(&b).to_reception()).filter(|r| r.started))
+    }
+
+    /// The kernel's reception state of just these streams.
+    pub fn kernel_stream_reception(&self, ids: &[u32]) -> Result<BTreeMap<u32, RtpReception>, DataplaneError> {
+        let slots: Vec<(u32, u32)> = {
+            let inst = self.installer.lock();
+            ids.iter().filter_map(|id| inst.stats_slot(*id).map(|s| (*id, s))).collect()
+        };
+        let mut out = BTreeMap::new();
+        for (id, slot) in slots {
+            if let Some(r) = self.reception_of(slot)? {
+                out.insert(id, r);
+            }
+        }
+        Ok(out)
     }
 
     /// Run the program once on `frame` with `BPF_PROG_TEST_RUN`. `ifindex` is the device the
@@ -600,6 +642,11 @@ impl KernelMaps for MapsIo<'_> {
             .map("stream_stats")
             .update_percpu(slot.as_bytes(), &vec![zero.as_bytes().to_vec(); ncpu], MapFlags::ANY)
             .map_err(|e| bpf_err("zeroing stream counters", e))?;
+        // Nor the reception state of a previous owner.
+        self.fp
+            .map("stream_reception")
+            .update(slot.as_bytes(), ReceptionRaw::default().as_bytes(), MapFlags::LOCK)
+            .map_err(|e| bpf_err("zeroing reception state", e))?;
         // A fresh slot has no cached reverse-path pass and no order hold of a previous owner.
         self.fp
             .map("stream_path")

@@ -13,6 +13,7 @@
 //! placeholder: not `PRESENT`, it forwards nothing and counts nothing).
 
 use mediaplane_core::ratelimit::RateLimit;
+use mediaplane_core::reception::RtpReception;
 use mediaplane_core::table::{ForwardingTable, IngressKey, SourceRule, StreamEntry};
 use std::collections::{BTreeMap, BTreeSet};
 use std::net::{IpAddr, SocketAddr};
@@ -130,6 +131,8 @@ pub struct StreamValueRaw {
     pub stats_slot: u32,
     pub copies_base: u32,
     pub copies_count: u32,
+    /// RTP clock rate (Hz), 0 = unknown.
+    pub clock_rate: u32,
 }
 
 /// `struct mp_copy_rewrite`.
@@ -320,7 +323,60 @@ impl Default for LatencyHistRaw {
     }
 }
 
+/// `struct mp_reception` (bpf/reception.h): a stream's reception state, the kernel's
+/// [`RtpReception`]. Read and written with BPF_F_LOCK.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ReceptionRaw {
+    /// struct bpf_spin_lock (user space never touches it).
+    pub lock: u32,
+    pub started: u32,
+    pub ssrc: u32,
+    pub clock_rate: u32,
+    pub max_ext: u32,
+    pub base_ext: u32,
+    pub window: u64,
+    pub probation: u32,
+    pub has_transit: u32,
+    pub received: u64,
+    pub expected_prior: u64,
+    pub received_prior: u64,
+    pub duplicates: u64,
+    pub reordered: u64,
+    pub jumps: u64,
+    pub resyncs: u64,
+    pub ssrc_changes: u64,
+    pub transit: u32,
+    pub jitter_q4: u32,
+}
+
+impl ReceptionRaw {
+    pub fn to_reception(&self) -> RtpReception {
+        RtpReception {
+            started: self.started != 0,
+            ssrc: self.ssrc,
+            clock_rate: self.clock_rate,
+            max_ext: self.max_ext,
+            base_ext: self.base_ext,
+            window: self.window,
+            probation: self.probation,
+            received: self.received,
+            expected_prior: self.expected_prior,
+            received_prior: self.received_prior,
+            duplicates: self.duplicates,
+            reordered: self.reordered,
+            jumps: self.jumps,
+            resyncs: self.resyncs,
+            ssrc_changes: self.ssrc_changes,
+            transit: self.transit,
+            has_transit: self.has_transit != 0,
+            jitter_q4: self.jitter_q4,
+        }
+    }
+}
+
 unsafe impl Pod for KeyRaw {}
+unsafe impl Pod for ReceptionRaw {}
 unsafe impl Pod for StreamValueRaw {}
 unsafe impl Pod for CopyRaw {}
 unsafe impl Pod for StreamCountersRaw {}
@@ -486,6 +542,7 @@ pub struct KernelStream {
     /// With `flags::RATE`: the limit to write to `stream_rate[stats slot]`. `None` with the flag
     /// set means "unknown" (adopted from pins): the next apply rewrites it.
     pub rate: Option<RateLimit>,
+    pub clock_rate: u32,
 }
 
 impl KernelStream {
@@ -499,7 +556,17 @@ impl KernelStream {
             Some(s) => (addr_bytes(s.ip()).0, s.port().to_be_bytes()),
             None => ([0; 16], [0; 2]),
         };
-        StreamValueRaw { id: self.id, flags: self.flags, src_addr, src_port, pad: 0, stats_slot, copies_base, copies_count: self.copies.len() as u32 }
+        StreamValueRaw {
+            id: self.id,
+            flags: self.flags,
+            src_addr,
+            src_port,
+            pad: 0,
+            stats_slot,
+            copies_base,
+            copies_count: self.copies.len() as u32,
+            clock_rate: self.clock_rate,
+        }
     }
 }
 
@@ -538,7 +605,7 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
         f |= flags::RATE;
     }
     let copies = if f & flags::SLOW != 0 { Vec::new() } else { e.copies.iter().map(|c| CopyRaw::new(e.id, c.from, c.to)).collect() };
-    KernelStream { id: e.id, flags: f, source, copies, rate }
+    KernelStream { id: e.id, flags: f, source, copies, rate, clock_rate: if e.rtp { e.clock_rate } else { 0 } }
 }
 
 /// Kernel entries of the streams on `locals` (all locals when `None`).
@@ -578,6 +645,7 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
             source,
             copies: Vec::new(),
             rate: None,
+            clock_rate: 0,
         });
     }
     out
@@ -616,7 +684,8 @@ mod tests {
     fn layouts_match_the_c_structs() {
         use std::mem::size_of;
         assert_eq!(size_of::<KeyRaw>(), 24);
-        assert_eq!(size_of::<StreamValueRaw>(), 40);
+        assert_eq!(size_of::<StreamValueRaw>(), 44);
+        assert_eq!(size_of::<ReceptionRaw>(), 104);
         assert_eq!(size_of::<CopyRaw>(), 40);
         assert_eq!(size_of::<StreamCountersRaw>(), 96);
         assert_eq!(size_of::<RateRaw>(), 48);
@@ -629,6 +698,9 @@ mod tests {
         assert_eq!(size_of::<types::mp_stream_counters>(), size_of::<StreamCountersRaw>());
         assert_eq!(size_of::<types::mp_latency_hist>(), size_of::<LatencyHistRaw>());
         assert_eq!(size_of::<types::mp_rate>(), size_of::<RateRaw>());
+        assert_eq!(size_of::<types::mp_reception>(), size_of::<ReceptionRaw>());
+        assert_eq!(std::mem::offset_of!(types::mp_reception, window), std::mem::offset_of!(ReceptionRaw, window));
+        assert_eq!(std::mem::offset_of!(types::mp_reception, jitter_q4), std::mem::offset_of!(ReceptionRaw, jitter_q4));
         assert_eq!(size_of::<types::mp_source_limit>(), size_of::<SourceLimitRaw>());
         assert_eq!(size_of::<types::mp_source_key>(), size_of::<SourceKeyRaw>());
         assert_eq!(size_of::<types::mp_source_state>(), size_of::<SourceStateRaw>());

@@ -196,6 +196,8 @@ pub struct MediaSignal {
     pub rtp: Option<SocketAddr>,
     pub rtcp: Option<SocketAddr>,
     pub mux: bool,
+    /// Clock rate of the section's first payload type (what the party sends first), if known.
+    pub clock_rate: Option<u32>,
 }
 
 /// How the media address of a party is found (rtpengine's `trust address`,
@@ -219,8 +221,9 @@ pub fn media_signals(sdp: &Sdp, policy: &AddressPolicy, strip_mux: bool) -> Resu
     let mut out = Vec::with_capacity(sdp.media.len());
     for (i, m) in sdp.media.iter().enumerate() {
         let mux = m.rtcp_mux && !strip_mux;
+        let clock_rate = m.formats.first().and_then(|f| f.codec.as_ref()).map(|c| c.clock).filter(|c| *c > 0);
         if m.port == 0 {
-            out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: true, rtp: None, rtcp: None, mux });
+            out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: true, rtp: None, rtcp: None, mux, clock_rate });
             continue;
         }
         let sdp_ip = sdp.media_addr(i).and_then(ConnAddr::ip);
@@ -234,7 +237,7 @@ pub fn media_signals(sdp: &Sdp, policy: &AddressPolicy, strip_mux: bool) -> Resu
             };
             (rport != 0 && !rip.is_unspecified()).then_some(SocketAddr::new(rip, rport))
         });
-        out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: false, rtp, rtcp, mux });
+        out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: false, rtp, rtcp, mux, clock_rate });
     }
     Ok(out)
 }
@@ -262,7 +265,7 @@ pub fn apply_signal(
     opts: &SignalOptions,
 ) -> Result<Vec<Change>, ManagerError> {
     // What this SDP says of its sender's leg. No address (c=0.0.0.0): on hold.
-    let signal = |remote: Option<SocketAddr>, held: bool| LegSignal { remote, follow: opts.follow, held };
+    let signal = |remote: Option<SocketAddr>, held: bool| LegSignal { remote, follow: opts.follow, held, clock_rate: None };
     let mut changes = Vec::new();
     let s = ix(from);
     // Sections the new SDP no longer has (not allowed by RFC 3264, handled anyway).
@@ -344,7 +347,7 @@ pub fn apply_signal(
             m.peer[s] = sig.rtp;
             let blank = |local| LegSpec { local, remote: None, strict: false, rtp: true, follow: Follow::default() };
             model.create_relay(&rtp_id, blank(la), blank(lb))?;
-            model.set_leg_signal(&rtp_id, from, signal(sig.rtp, sig.rtp.is_none()))?;
+            model.set_leg_signal(&rtp_id, from, LegSignal { clock_rate: sig.clock_rate, ..signal(sig.rtp, sig.rtp.is_none()) })?;
             let o = ix(other(from));
             if moved && m.peer[o].is_some() {
                 model.set_leg_signal(&rtp_id, other(from), signal(m.peer[o], false))?;
@@ -353,7 +356,7 @@ pub fn apply_signal(
             m.rtcp = false;
             changes.push(Change::Relay(rtp_id.clone()));
         } else {
-            model.set_leg_signal(&rtp_id, from, signal(sig.rtp, sig.rtp.is_none()))?;
+            model.set_leg_signal(&rtp_id, from, LegSignal { clock_rate: sig.clock_rate, ..signal(sig.rtp, sig.rtp.is_none()) })?;
             m.peer[s] = sig.rtp;
             changes.push(Change::Relay(rtp_id.clone()));
         }
@@ -578,7 +581,7 @@ impl Registry {
             call.answered = true;
             let len = medias.keys().max().map_or(0, |m| m + 1);
             for i in 0..len {
-                let sig = MediaSignal { kind: "audio".into(), proto: "RTP/AVP".into(), disabled: true, rtp: None, rtcp: None, mux: false };
+                let sig = MediaSignal { kind: "audio".into(), proto: "RTP/AVP".into(), disabled: true, rtp: None, rtcp: None, mux: false, clock_rate: None };
                 let mut m = inactive(&sig);
                 if let Some(&(true, rtcp)) = medias.get(&i) {
                     let r = &model.relays[&rtp_relay_id(&key, i)];
@@ -610,7 +613,7 @@ mod tests {
 
     fn sig(rtp: &str, mux: bool) -> MediaSignal {
         let rtp: SocketAddr = rtp.parse().unwrap();
-        MediaSignal { kind: "audio".into(), proto: "RTP/AVP".into(), disabled: false, rtp: Some(rtp), rtcp: Some(rtcp_addr(rtp)), mux }
+        MediaSignal { kind: "audio".into(), proto: "RTP/AVP".into(), disabled: false, rtp: Some(rtp), rtcp: Some(rtcp_addr(rtp)), mux, clock_rate: None }
     }
 
     #[test]

@@ -67,6 +67,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         rate: None,
         record: false,
         inbound: Default::default(),
+        clock_rate: if rtp { 8000 } else { 0 },
     }
 }
 
