@@ -645,6 +645,9 @@ struct StreamStatsOut<'a> {
     label: &'a str,
     #[serde(flatten)]
     counters: Counters,
+    /// In-path reception quality, for an RTP stream that has had a packet accepted.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    reception: Option<mediaplane_core::reception::ReceptionReport>,
 }
 
 /// The same snapshot `/metrics` encodes, plus every stream and the NG totals of the registry.
@@ -667,7 +670,8 @@ async fn stats(State(m): State<AppState>, Extension(mx): Extension<Arc<Metrics>>
                 .values()
                 .map(|e| {
                     let c = st.streams.get(&e.id).copied().unwrap_or_default();
-                    serde_json::to_value(StreamStatsOut { id: e.id, label: &e.label, counters: c }).unwrap()
+                    let reception = st.reception.get(&e.id).copied();
+                    serde_json::to_value(StreamStatsOut { id: e.id, label: &e.label, counters: c, reception }).unwrap()
                 })
                 .collect()
         });

@@ -219,6 +219,11 @@ impl SessionManager {
         self.dataplane.stream_counters(ids)
     }
 
+    /// Reception quality of just these streams (see [`mediaplane_dataplane::Dataplane::stream_reception`]).
+    pub fn stream_reception(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, mediaplane_core::reception::ReceptionReport> {
+        self.dataplane.stream_reception(ids)
+    }
+
     /// Forget everything (model, store, data plane tables).
     pub fn reset(&self) -> Result<(), ManagerError> {
         let mut store = self.store.lock();

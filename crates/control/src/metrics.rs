@@ -8,6 +8,7 @@
 
 use crate::config::MetricsSection;
 use crate::manager::SessionManager;
+use mediaplane_core::reception::ReceptionReport;
 use mediaplane_dataplane::{Counters, DataplaneStats, LatencyHistogram, MapFill};
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeLabelSet, EncodeMetric};
@@ -455,6 +456,33 @@ impl Families {
         }
     }
 
+    /// A stream's in-path reception quality (per-stream series only).
+    fn reception(&mut self, r: &ReceptionReport, labels: &Labels) {
+        let l = || labels.clone();
+        let c = MetricType::Counter;
+        self.add(
+            "mediaplane_stream_rtp_expected_packets",
+            "RTP packets expected from the sequence numbers received (RFC 3550 A.3)",
+            c,
+            l(),
+            Num::U(r.expected),
+        );
+        self.add("mediaplane_stream_rtp_received_packets", "Distinct RTP packets received (duplicates not counted)", c, l(), Num::U(r.packets));
+        self.add("mediaplane_stream_rtp_duplicate_packets", "RTP packets received again", c, l(), Num::U(r.duplicates));
+        self.add("mediaplane_stream_rtp_reordered_packets", "RTP packets that arrived after a later one of their stream", c, l(), Num::U(r.reordered));
+        let g = MetricType::Gauge;
+        self.add(
+            "mediaplane_stream_rtp_lost_packets",
+            "Cumulative RTP loss: expected - received (RFC 3550 A.3; negative after old duplicates)",
+            g,
+            l(),
+            Num::F(r.lost as f64),
+        );
+        if let Some(ms) = r.jitter_ms {
+            self.add("mediaplane_stream_rtp_jitter_seconds", "RFC 3550 interarrival jitter of the RTP stream as received", g, l(), Num::F(ms / 1000.0));
+        }
+    }
+
     fn gauge(&mut self, name: &'static str, help: &'static str, labels: Labels, v: u64) {
         self.add(name, help, MetricType::Gauge, labels, Num::U(v));
     }
@@ -550,6 +578,10 @@ fn families(snap: &StatsReading, labels: &HashMap<u32, String>) -> Families {
             let label = labels.get(id).map_or("removed", String::as_str);
             f.counters(c, &vec![("id", id.to_string()), ("stream", label.to_string())], true);
         }
+        for (id, r) in &st.reception {
+            let label = labels.get(id).map_or("removed", String::as_str);
+            f.reception(r, &vec![("id", id.to_string()), ("stream", label.to_string())]);
+        }
     }
     for (map, MapFill { entries, capacity }) in &st.maps {
         f.gauge("mediaplane_map_entries", "Entries in use in a bounded data-plane table (kernel map)", vec![("map", map.clone())], *entries);
@@ -620,6 +652,11 @@ mod tests {
         st.extra.insert("bpf_run_time_ns".into(), 1_500_000_000);
         st.extra.insert("brand_new".into(), 1);
         st.maps.insert("streams".into(), MapFill { entries: 2, capacity: 16 });
+        let mut r = mediaplane_core::reception::RtpReception::default();
+        for (seq, at_ms) in [(1u16, 0u64), (2, 30), (4, 40)] {
+            r.on_packet(9, seq, seq as u32 * 160, at_ms * 1_000_000, 8000);
+        }
+        st.reception.insert(7, r.report());
         StatsReading { stats: st, memory: Memory { rss_bytes: 1 << 20, bpf_map_bytes: 0 }, rooms: 1, relays: 0, streams: 2 }
     }
 
@@ -668,6 +705,13 @@ mod tests {
         let t = text(&stats(), &labels, None);
         assert!(t.contains("mediaplane_stream_received_packets_total{id=\"7\",stream=\"r/p\\\"0\\\"/main\"} 4\n"), "{t}");
         assert!(!t.contains("mediaplane_stream_dropped_packets_total{id=\"7\",stream=\"r/p\\\"0\\\"/main\",reason=\"no_stream\"}"), "{t}");
+        // Reception quality: 3 of 4 received, one lost; jitter (×16, 8 kHz units): 80 after the
+        // packet 10 ms late, then + 240 - 5 for the one 20 ms early = 315 / 16 / 8000 s.
+        let sel = "{id=\"7\",stream=\"r/p\\\"0\\\"/main\"}";
+        assert!(t.contains(&format!("mediaplane_stream_rtp_expected_packets_total{sel} 4\n")), "{t}");
+        assert!(t.contains(&format!("mediaplane_stream_rtp_received_packets_total{sel} 3\n")), "{t}");
+        assert!(t.contains(&format!("mediaplane_stream_rtp_lost_packets{sel} 1.0\n")), "{t}");
+        assert!(t.contains(&format!("mediaplane_stream_rtp_jitter_seconds{sel} 0.0024609375\n")), "{t}");
     }
 
     #[test]

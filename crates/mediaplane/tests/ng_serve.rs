@@ -104,8 +104,18 @@ fn ng_call_through_the_real_daemon() {
     assert!(tags.contains_key(&b"tagA"[..]) && tags.contains_key(&b"tagB"[..]), "{q:?}");
     let rtp = q.get("totals").unwrap().get("RTP").unwrap();
     assert_eq!(rtp.get("packets").and_then(Value::as_int), Some(102), "{q:?}");
+    // Per SSRC, what the relay measured in the path: A sent 0..=50 in order; B sent 0, then
+    // 101..=150, so 100 sequence numbers never arrived.
+    let ssrc = |id: u32, key: &str| q.get("SSRC").and_then(|d| d.get(&id.to_string())).and_then(|s| s.get(key)).and_then(Value::as_int);
+    assert_eq!((ssrc(0xa11ce, "packets"), ssrc(0xa11ce, "cumulative loss"), ssrc(0xa11ce, "expected packets")), (Some(51), Some(0), Some(51)), "{q:?}");
+    assert_eq!((ssrc(0xb0b, "packets"), ssrc(0xb0b, "cumulative loss"), ssrc(0xb0b, "expected packets")), (Some(51), Some(100), Some(151)), "{q:?}");
+    assert!(ssrc(0xa11ce, "jitter").is_some(), "PCMA/8000 gives the clock rate: {q:?}");
+    let a_stream = tags[&b"tagA"[..]].get("medias").and_then(|m| m.as_list()).and_then(|m| m[0].get("streams")).and_then(|s| s.as_list()).map(|s| s[0].clone());
+    assert_eq!(a_stream.as_ref().and_then(|s| s.get("SSRC")).and_then(Value::as_int), Some(0xa11ce), "{q:?}");
     let (_, stats) = d.call("GET", "/v1/stats", None);
     assert_eq!(stats["total"]["slow_unlatched"], 2, "{stats}");
+    let rx = stats["streams"].as_array().unwrap().iter().find_map(|s| s.get("reception").filter(|r| r["ssrc"] == 0xb0b)).cloned();
+    assert_eq!(rx.as_ref().map(|r| (r["packets"].clone(), r["lost"].clone())), Some((51.into(), 100.into())), "{stats}");
     assert_eq!(stats["total"]["tx_copies"], 102, "{stats}");
 
     // Malformed requests: error replies with a reason; no cookie, no reply; the daemon lives on.

@@ -133,6 +133,16 @@ fn relay_call_is_forwarded_by_the_kernel_and_follows_a_new_binding() {
     let q = ng(&tb, vec![("command", "query".into()), ("call-id", CALL.into())]);
     let rtp = q.get("totals").and_then(|t| t.get("RTP")).and_then(|r| r.get("packets")).and_then(Value::as_int);
     assert_eq!(rtp, Some(sent as i64 + 2), "{q:?}");
+    // Reception quality as the kernel measured it in the path: per SSRC in `query` (the flow's
+    // SSRC took over from the latching packet's), loss-free, with jitter (PCMA/8000 signalled).
+    for flow in [CALLER_FLOW, CALLEE_FLOW] {
+        let s = q.get("SSRC").and_then(|d| d.get(&flow.to_string())).unwrap_or_else(|| panic!("no SSRC {flow} in {q:?}"));
+        let get = |k: &str| s.get(k).and_then(Value::as_int).unwrap_or_else(|| panic!("no {k:?} in {s:?}"));
+        assert_eq!((get("packets"), get("expected packets"), get("cumulative loss"), get("duplicates")), (500, 500, 0, 0), "{s:?}");
+        assert!(get("jitter (timestamp units)") >= 0, "{s:?}");
+    }
+    let rx: Vec<&Json> = s1["streams"].as_array().unwrap().iter().filter_map(|s| s.get("reception")).collect();
+    assert!(rx.iter().any(|r| r["ssrc"] == CALLER_FLOW && r["packets"] == 500 && r["lost"] == 0 && r["clock_rate"] == 8000), "{s1}");
 
     // A session refresh (re-offer, same SDP) re-opens learning; the caller's NAT binding then
     // moves to another port. The leg follows it with one update of the kernel's entries, and

@@ -761,9 +761,11 @@ impl Engine {
         let view = CallView { call, codecs: self.codecs.get(&call.key).unwrap_or(&none), kernel, clock: Clock::now() };
         let traffic = &mut self.traffic;
         mgr.read(|model, _| {
-            let streams = mgr.stream_counters(&calls::stream_ids(model, call));
+            let ids = calls::stream_ids(model, call);
+            let streams = mgr.stream_counters(&ids);
+            let reception = mgr.stream_reception(&ids);
             also(traffic, model, &streams);
-            ngstats::call_reply(model, &streams, &view)
+            ngstats::call_reply(model, &streams, &reception, &view)
         })
     }
 

@@ -10,6 +10,7 @@ use crate::bencode::Value;
 use crate::calls::{self, Call, MediaState};
 use mediaplane_control::config::MediaConfig;
 use mediaplane_core::model::{Follow, Side};
+use mediaplane_core::reception::ReceptionReport;
 use mediaplane_core::Model;
 use mediaplane_dataplane::Counters;
 use std::collections::BTreeMap;
@@ -284,7 +285,12 @@ pub struct CallView<'a> {
 /// The keys of a `query` reply, which rtpengine also sends in reply to `delete`: `created`,
 /// `created_us`, `last signal`, `SSRC`, `tags` (per tag its `medias`, per media its `streams`)
 /// and `totals`.
-pub fn call_reply(model: &Model, streams: &BTreeMap<u32, Counters>, v: &CallView<'_>) -> Vec<(&'static str, Value)> {
+pub fn call_reply(
+    model: &Model,
+    streams: &BTreeMap<u32, Counters>,
+    reception: &BTreeMap<u32, ReceptionReport>,
+    v: &CallView<'_>,
+) -> Vec<(&'static str, Value)> {
     let call = v.call;
     let created = call.created.duration_since(UNIX_EPOCH).unwrap_or_default();
     let mut tags = BTreeMap::new();
@@ -293,7 +299,7 @@ pub fn call_reply(model: &Model, streams: &BTreeMap<u32, Counters>, v: &CallView
             Side::A => (call.tag_a.clone().unwrap_or_default(), call.tag_b.clone()),
             Side::B => (call.tag_b.clone().unwrap_or_default(), call.tag_a.clone()),
         };
-        let medias = call.media.iter().enumerate().map(|(i, m)| media_value(model, streams, v, i, m, side)).collect();
+        let medias = call.media.iter().enumerate().map(|(i, m)| media_value(model, streams, reception, v, i, m, side)).collect();
         let mut d = vec![("tag", Value::from(tag.clone())), ("created", Value::Int(created.as_secs() as i64))];
         if let Some(p) = peer {
             // rtpengine up to 10.x before subscriptions said "in dialogue with"; 10.5 lists both ways.
@@ -310,17 +316,54 @@ pub fn call_reply(model: &Model, streams: &BTreeMap<u32, Counters>, v: &CallView
         ("created", Value::Int(created.as_secs() as i64)),
         ("created_us", Value::Int(created.subsec_micros() as i64)),
         ("last signal", Value::Int(unix_secs(call.last_signal))),
-        // Per-SSRC MOS blocks come from RTCP, which mediaplane does not evaluate yet; rtpengine
-        // leaves an SSRC out until it has a MOS for it.
-        ("SSRC", Value::Dict(BTreeMap::new())),
+        ("SSRC", Value::Dict(ssrc_stats(call, model, reception))),
         ("tags", Value::Dict(tags)),
         ("totals", Value::dict([("RTP", traffic_value(rtp)), ("RTCP", traffic_value(rtcp))])),
     ]
 }
 
+/// Per SSRC received on the call's RTP legs, keyed by the SSRC in decimal as rtpengine keys
+/// it: its `cumulative loss` (rtpengine's key) and what mediaplane measures in the path
+/// (`mediaplane_core::reception`). rtpengine's MOS blocks (`average MOS`, …) need RTCP
+/// round-trip times, which mediaplane does not evaluate yet: they are absent, as rtpengine
+/// leaves them out until it has one.
+fn ssrc_stats(call: &Call, model: &Model, reception: &BTreeMap<u32, ReceptionReport>) -> BTreeMap<Vec<u8>, Value> {
+    let mut out = BTreeMap::new();
+    for i in 0..call.media.len() {
+        let Some(r) = model.relays.get(&calls::rtp_relay_id(&call.key, i)) else { continue };
+        for leg in [&r.a, &r.b] {
+            let Some(rep) = reception.get(&leg.uid) else { continue };
+            let mut d = vec![
+                ("cumulative loss", Value::Int(rep.lost)),
+                ("packets", int(rep.packets)),
+                ("expected packets", int(rep.expected)),
+                ("duplicates", int(rep.duplicates)),
+                ("reordered", int(rep.reordered)),
+                ("highest sequence number", int(rep.highest_seq as u64)),
+            ];
+            if let Some(ms) = rep.jitter_ms {
+                // Milliseconds, as rtpengine's MOS blocks give jitter.
+                d.push(("jitter", Value::Int(ms.round() as i64)));
+                d.push(("jitter (timestamp units)", int(rep.jitter as u64)));
+            }
+            out.insert(rep.ssrc.to_string().into_bytes(), Value::dict(d));
+        }
+    }
+    out
+}
+
 /// One media of one side: where that party sends (local port), where the relay sends to it
 /// (endpoint), what it signalled (advertised endpoint), what it sent (stats).
-fn media_value(model: &Model, streams: &BTreeMap<u32, Counters>, v: &CallView<'_>, i: usize, m: &MediaState, side: Side) -> Value {
+#[allow(clippy::too_many_arguments)]
+fn media_value(
+    model: &Model,
+    streams: &BTreeMap<u32, Counters>,
+    reception: &BTreeMap<u32, ReceptionReport>,
+    v: &CallView<'_>,
+    i: usize,
+    m: &MediaState,
+    side: Side,
+) -> Value {
     let call = v.call;
     let mut list = Vec::new();
     if m.active {
@@ -358,6 +401,9 @@ fn media_value(model: &Model, streams: &BTreeMap<u32, Counters>, v: &CallView<'_
                 d.push(("advertised endpoint", endpoint(p)));
             }
             d.push(("last packet", Value::Int(last)));
+            if let Some(r) = reception.get(&leg.uid) {
+                d.push(("SSRC", int(r.ssrc as u64)));
+            }
             d.push(("flags", Value::List(flags)));
             let mut stats = vec![("packets", int(c.rx_packets)), ("bytes", int(c.rx_bytes)), ("errors", int(errors(&c)))];
             // mediaplane's own: copies sent on (rtpengine counts what it received).
