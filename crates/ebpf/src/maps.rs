@@ -685,7 +685,7 @@ mod tests {
         use std::mem::size_of;
         assert_eq!(size_of::<KeyRaw>(), 24);
         assert_eq!(size_of::<StreamValueRaw>(), 44);
-        assert_eq!(size_of::<ReceptionRaw>(), 104);
+        assert_eq!(size_of::<ReceptionRaw>(), 112);
         assert_eq!(size_of::<CopyRaw>(), 40);
         assert_eq!(size_of::<StreamCountersRaw>(), 96);
         assert_eq!(size_of::<RateRaw>(), 48);
