@@ -4,6 +4,7 @@
 //! * [`rtp`] parses RTP (RFC 3550, RFC 8285 extensions) and RTCP compound packets, detects STUN;
 //! * [`model`] holds rooms, participants, published streams, subscriptions and SIP relay pairs;
 //! * [`srtp`] SRTP key material of relay legs (suites, keys; the ciphers are libsrtp's);
+//! * [`call_quality`] round-trip times and MOS from the RTCP reports a relay passes (as rtpengine);
 //! * [`reception`] in-path reception quality of an RTP stream (loss, duplicates, reordering, jitter);
 //! * [`ratelimit`] per-stream packet/bit-rate limits (token buckets), shared by the data planes;
 //! * [`table`] compiles a model into forwarding tables and holds [`table::ForwardingTable::classify`],
@@ -12,6 +13,7 @@
 //! Data planes (crates `mediaplane-dataplane`, `mediaplane-ebpf`) are drivers that install tables
 //! and move packets; they never re-derive forwarding decisions from the model.
 
+pub mod call_quality;
 pub mod model;
 mod model_ng;
 pub mod packet;
