@@ -32,12 +32,16 @@ pub async fn serve(
 /// Run endpoint learning on a thread of its own: the sources the slow path reports
 /// ([`DataplaneEvent::Unlatched`]) go to [`manager::SessionManager::latch`], and every 100 ms the
 /// legs whose learning window has ended lock their source
-/// ([`manager::SessionManager::close_learning`]). Ends when the data plane's sender is gone
+/// ([`manager::SessionManager::close_learning`]). Relayed RTCP ([`DataplaneEvent::Rtcp`]) goes
+/// to [`manager::SessionManager::on_rtcp`]. Ends when the data plane's sender is gone
 /// (with no events at all, it runs for the life of the process).
 pub fn learn_sources(manager: Arc<manager::SessionManager>, events: Option<Receiver<DataplaneEvent>>) -> std::io::Result<std::thread::JoinHandle<()>> {
     const TICK: std::time::Duration = std::time::Duration::from_millis(100);
+    // Every 10 s: the RTCP evaluation of deleted relays is forgotten.
+    const PRUNE_TICKS: u64 = 100;
     std::thread::Builder::new().name("mp-learning".into()).spawn(move || {
         let mut next_close = std::time::Instant::now() + TICK;
+        let mut ticks = 0u64;
         loop {
             let wait = next_close.saturating_duration_since(std::time::Instant::now());
             let ev = match &events {
@@ -51,16 +55,24 @@ pub fn learn_sources(manager: Arc<manager::SessionManager>, events: Option<Recei
                     None
                 }
             };
-            if let Some(DataplaneEvent::Unlatched { stream, source }) = ev {
-                if let Err(e) = manager.latch(stream, source) {
-                    tracing::warn!(stream, %source, error = %e, "following a source failed");
+            match ev {
+                Some(DataplaneEvent::Unlatched { stream, source }) => {
+                    if let Err(e) = manager.latch(stream, source) {
+                        tracing::warn!(stream, %source, error = %e, "following a source failed");
+                    }
                 }
+                Some(DataplaneEvent::Rtcp { stream, at_ns, wall_us, packet }) => manager.on_rtcp(stream, at_ns, wall_us, &packet),
+                None => {}
             }
             if std::time::Instant::now() >= next_close {
                 if let Err(e) = manager.close_learning() {
                     tracing::warn!(error = %e, "locking learnt sources failed");
                 }
                 next_close = std::time::Instant::now() + TICK;
+                ticks += 1;
+                if ticks.is_multiple_of(PRUNE_TICKS) {
+                    manager.prune_quality();
+                }
             }
         }
     })

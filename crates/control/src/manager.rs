@@ -13,10 +13,12 @@
 use crate::config::{Limits, MediaConfig};
 use crate::store::{Change, Store, StoreError};
 use arc_swap::ArcSwap;
+use mediaplane_core::call_quality::{CallQuality, QualitySummary};
 use mediaplane_core::model::{ModelError, Side};
 use mediaplane_core::{ForwardingTable, Model};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneStats};
 use parking_lot::Mutex;
+use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::sync::Arc;
@@ -93,6 +95,10 @@ pub struct SessionManager {
     dataplane: Arc<dyn Dataplane>,
     media: MediaConfig,
     limits: Limits,
+    /// RTCP evaluation (round-trip times, MOS) per relay, from the reports its legs relay
+    /// ([`DataplaneEvent::Rtcp`](mediaplane_dataplane::DataplaneEvent::Rtcp)). Not stored: a
+    /// restart starts it over.
+    quality: Mutex<HashMap<String, CallQuality>>,
 }
 
 impl SessionManager {
@@ -101,7 +107,14 @@ impl SessionManager {
         let model = store.load()?;
         let table = Arc::new(compile(&model, 1, &limits));
         dataplane.apply(table.clone())?;
-        Ok(SessionManager { store: Mutex::new(store), current: ArcSwap::from_pointee(Snapshot { model, table }), dataplane, media, limits })
+        Ok(SessionManager {
+            store: Mutex::new(store),
+            current: ArcSwap::from_pointee(Snapshot { model, table }),
+            dataplane,
+            media,
+            limits,
+            quality: Mutex::new(HashMap::new()),
+        })
     }
 
     pub fn dataplane(&self) -> &Arc<dyn Dataplane> {
@@ -222,6 +235,41 @@ impl SessionManager {
     /// Reception quality of just these streams (see [`mediaplane_dataplane::Dataplane::stream_reception`]).
     pub fn stream_reception(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, mediaplane_core::reception::ReceptionReport> {
         self.dataplane.stream_reception(ids)
+    }
+
+    /// RTCP that relay leg `stream` relayed: evaluated with the clock rate of the media its
+    /// sender receives (the other leg's). RTCP of anything but a relay leg is ignored.
+    pub fn on_rtcp(&self, stream: u32, at_ns: u64, wall_us: u64, packet: &[u8]) {
+        let Some((id, clock_rate)) = self.read(|m, _| {
+            let (id, side) = m.relay_leg_by_uid(stream)?;
+            let relay = m.relays.get(id)?;
+            let receives = if side == Side::A { &relay.b } else { &relay.a };
+            Some((id.to_string(), receives.clock_rate))
+        }) else {
+            return;
+        };
+        self.quality.lock().entry(id).or_default().on_rtcp(packet, at_ns, wall_us, clock_rate);
+    }
+
+    /// The MOS summaries (by reporting SSRC) of these relays' RTCP. An SSRC reported on in two
+    /// of them (RTCP moved between ports) keeps the summary with more samples.
+    pub fn relay_quality(&self, relays: &[String]) -> BTreeMap<u32, QualitySummary> {
+        let quality = self.quality.lock();
+        let mut out: BTreeMap<u32, QualitySummary> = BTreeMap::new();
+        for q in relays.iter().filter_map(|id| quality.get(id)) {
+            for (ssrc, s) in q.summaries() {
+                if out.get(&ssrc).is_none_or(|o| o.samples < s.samples) {
+                    out.insert(ssrc, s);
+                }
+            }
+        }
+        out
+    }
+
+    /// Forget the RTCP evaluation of relays that no longer exist.
+    pub fn prune_quality(&self) {
+        let snapshot = self.snapshot();
+        self.quality.lock().retain(|id, _| snapshot.model.relays.contains_key(id));
     }
 
     /// Forget everything (model, store, data plane tables).

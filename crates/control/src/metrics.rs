@@ -352,6 +352,11 @@ pub const HOST_DROPPED: CounterFamily =
     fam("mediaplane_host_dropped_packets", "The host's own drop counters of its network namespace (/proc/net/snmp, netstat), by reason", Some("reason"));
 pub const NOT_RECORDED: CounterFamily =
     fam("mediaplane_not_recorded_packets", "Packets of recorded calls relayed but not recorded (the recording writer fell behind)", None);
+pub const EVENTS_DROPPED: CounterFamily = fam(
+    "mediaplane_dataplane_events_dropped",
+    "Reports of the data plane to the control plane (sources heard, relayed RTCP) dropped because the control plane was behind",
+    None,
+);
 pub const SRTP_DROPPED: CounterFamily = fam(
     "mediaplane_srtp_dropped_packets",
     "Packets of SRTP legs dropped: on arrival (no_key yet, auth_failed, replayed, invalid) or as copies (protect_failed)",
@@ -388,7 +393,10 @@ const TOTALS_ONLY: [&str; 2] = ["drop_no_stream", "drop_source_limited"];
 pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
     // The eBPF plane's slow path reports the host counters (and the process-wide recording
     // tap's) under its own prefix.
-    let name = name.strip_prefix("userspace.").filter(|n| n.starts_with("host_") || n.starts_with("srtp_") || *n == "not_recorded").unwrap_or(name);
+    let name = name
+        .strip_prefix("userspace.")
+        .filter(|n| n.starts_with("host_") || n.starts_with("srtp_") || ["not_recorded", "events_dropped"].contains(n))
+        .unwrap_or(name);
     Some(match name {
         "forwarded" => (KERNEL_FORWARDED, None),
         "xdp_drop_bytes" => (XDP_DROPPED_BYTES, None),
@@ -400,6 +408,7 @@ pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
         "slow_path_steered" => (STEERING, Some("steered")),
         "slow_path_steer_failed" => (STEERING, Some("failed")),
         "not_recorded" => (NOT_RECORDED, None),
+        "events_dropped" => (EVENTS_DROPPED, None),
         n => {
             let prefixed = [("pass_", PASSED), ("xdp_drop_", XDP_DROPPED), ("neigh_resolve_", NEIGHBOUR), ("host_", HOST_DROPPED), ("srtp_", SRTP_DROPPED)];
             let (r, f) = prefixed.into_iter().find_map(|(p, f)| Some((n.strip_prefix(p)?, f)))?;
@@ -636,6 +645,7 @@ mod tests {
         assert_eq!(extra_family("xdp_drop_stranger"), Some((XDP_DROPPED, Some("stranger"))));
         assert_eq!(extra_family("xdp_drop_bytes"), Some((XDP_DROPPED_BYTES, None)));
         assert_eq!(extra_family("userspace.not_recorded"), Some((NOT_RECORDED, None)));
+        assert_eq!(extra_family("userspace.events_dropped"), Some((EVENTS_DROPPED, None)));
         assert_eq!(extra_family("userspace.srtp_replayed"), Some((SRTP_DROPPED, Some("replayed"))));
         assert_eq!(extra_family("srtp_auth_failed"), Some((SRTP_DROPPED, Some("auth_failed"))));
         assert_eq!(extra_family("bpf_run_time_ns").map(|(f, _)| f.nanoseconds), Some(true));

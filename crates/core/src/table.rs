@@ -73,6 +73,11 @@ pub struct StreamEntry {
     /// interarrival jitter (see [`crate::reception`]) only when known.
     #[serde(default, skip_serializing_if = "is_zero")]
     pub clock_rate: u32,
+    /// Its RTCP is handed to the control plane, which evaluates the reports (a relay leg's:
+    /// round-trip times and MOS, see [`crate::call_quality`]). The kernel path leaves such RTCP
+    /// to the slow path, which does.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub evaluate_rtcp: bool,
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -206,6 +211,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                 record: false,
                 inbound: Protection::Clear,
                 clock_rate: s.clock_rate.unwrap_or(0),
+                evaluate_rtcp: false,
             });
         }
     }
@@ -229,6 +235,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             record: r.record,
             inbound: from_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.inbound.clone())),
             clock_rate: from_leg.clock_rate.unwrap_or(0),
+            evaluate_rtcp: from_leg.rtp,
         }
     })
 }

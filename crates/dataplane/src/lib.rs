@@ -16,6 +16,7 @@ use mediaplane_core::ForwardingTable;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
+use std::sync::mpsc::{Receiver, SyncSender};
 use std::sync::Arc;
 
 pub use userspace::{MarkAck, UserspaceConfig, UserspaceDataplane};
@@ -42,6 +43,19 @@ pub enum DataplaneEvent {
     /// A relay leg learning its source heard `source`, which it does not follow yet (the packet
     /// was relayed).
     Unlatched { stream: u32, source: SocketAddr },
+    /// RTCP of a stream with [`mediaplane_core::StreamEntry::evaluate_rtcp`], as relayed (clear,
+    /// after SRTCP), for the control plane's report evaluation. `at_ns`: when it arrived
+    /// ([`monotonic_ns`]); `wall_us`: the same on the wall clock (µs since the Unix epoch).
+    Rtcp { stream: u32, at_ns: u64, wall_us: u64, packet: Vec<u8> },
+}
+
+/// Events queued for the control plane before the data plane drops new ones (counted as
+/// `events_dropped`): a flood of reports must not grow memory without bound.
+pub const EVENT_QUEUE: usize = 4096;
+
+/// The channel a data plane reports [`DataplaneEvent`]s on, bounded by [`EVENT_QUEUE`].
+pub fn event_channel() -> (SyncSender<DataplaneEvent>, Receiver<DataplaneEvent>) {
+    std::sync::mpsc::sync_channel(EVENT_QUEUE)
 }
 
 /// What the IP header of every copy carries, on every plane and both paths of the kernel plane

@@ -299,6 +299,7 @@ mod tests {
             record: false,
             inbound,
             clock_rate: 0,
+            evaluate_rtcp: false,
         }
     }
 

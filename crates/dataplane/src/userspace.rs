@@ -29,8 +29,8 @@ use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::net::{IpAddr, SocketAddr};
 use std::os::fd::{AsRawFd, RawFd};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::mpsc::Sender;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::mpsc::{SyncSender, TrySendError};
 use std::sync::Arc;
 use std::thread::JoinHandle;
 
@@ -185,7 +185,9 @@ struct WorkerCounters {
 struct Shared {
     state: ArcSwap<State>,
     stop: AtomicBool,
-    events: Option<Mutex<Sender<DataplaneEvent>>>,
+    events: Option<SyncSender<DataplaneEvent>>,
+    /// Events not queued because the control plane was behind ([`crate::EVENT_QUEUE`]).
+    events_dropped: AtomicU64,
     /// Shared by the workers: one source may send to several SFU addresses, whose flows
     /// SO_REUSEPORT may spread over several workers.
     sources: Mutex<SourceBuckets>,
@@ -265,8 +267,19 @@ pub struct UserspaceDataplane {
     steer: Vec<Arc<SteerSockets>>,
 }
 
+impl Shared {
+    /// Queue an event for the control plane; never blocks a worker (a full queue drops it).
+    fn report(&self, ev: DataplaneEvent) {
+        if let Some(tx) = &self.events {
+            if let Err(TrySendError::Full(_)) = tx.try_send(ev) {
+                self.events_dropped.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
 impl UserspaceDataplane {
-    pub fn new(mut cfg: UserspaceConfig, events: Option<Sender<DataplaneEvent>>) -> Result<Self, DataplaneError> {
+    pub fn new(mut cfg: UserspaceConfig, events: Option<SyncSender<DataplaneEvent>>) -> Result<Self, DataplaneError> {
         if cfg.workers == 0 {
             cfg.workers = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
         }
@@ -274,7 +287,8 @@ impl UserspaceDataplane {
         let shared = Arc::new(Shared {
             state: ArcSwap::from_pointee(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default(), srtp: Default::default() }),
             stop: AtomicBool::new(false),
-            events: events.map(Mutex::new),
+            events,
+            events_dropped: AtomicU64::new(0),
             sources: Mutex::new(SourceBuckets::default()),
             mark_ack: cfg.mark_ack.clone(),
             reception: Mutex::new(HashMap::new()),
@@ -481,6 +495,7 @@ impl Dataplane for UserspaceDataplane {
         // Process-wide (one recorder per daemon): recorded streams' packets relayed but not
         // recorded because the writer fell behind.
         st.extra.insert("not_recorded".into(), crate::record::not_recorded());
+        st.extra.insert("events_dropped".into(), self.shared.events_dropped.load(Ordering::Relaxed));
         st.extra.extend(crate::srtp::failures().into_iter().map(|(k, v)| (k.to_string(), v)));
         st.reception = self.shared.reception.lock().iter().map(|(id, r)| (*id, r.report())).collect();
         st
@@ -703,6 +718,8 @@ impl WorkerCtx {
         let mut marks: Vec<u32> = Vec::new();
         // (stream id, header, clock rate) of every RTP packet accepted, in arrival order.
         let mut arrivals: Vec<(u32, RtpHeader, u32)> = Vec::new();
+        // (stream id, clear RTCP) for the control plane's report evaluation.
+        let mut rtcp_reports: Vec<(u32, Vec<u8>)> = Vec::new();
         for i in 0..n {
             if local.is_none() && self.shared.mark_ack.is_some() {
                 let m = self.batch.mark(i);
@@ -758,9 +775,7 @@ impl WorkerCtx {
                         // decides whether the leg follows it.
                         sc.count_slow(SlowReason::Unlatched);
                         delta.total.count_slow(SlowReason::Unlatched);
-                        if let Some(ev) = &self.shared.events {
-                            let _ = ev.lock().send(DataplaneEvent::Unlatched { stream: entry.id, source: src });
-                        }
+                        self.shared.report(DataplaneEvent::Unlatched { stream: entry.id, source: src });
                     }
                     if let Some(limit) = entry.rate.filter(|l| !l.is_unlimited()) {
                         let (l, st) = self.rates.entry(entry.id).or_insert((limit, RateState::default()));
@@ -779,6 +794,9 @@ impl WorkerCtx {
                         if let Ok(h) = RtpHeader::parse(&payload) {
                             arrivals.push((entry.id, h, entry.clock_rate));
                         }
+                    }
+                    if entry.evaluate_rtcp && self.shared.events.is_some() && demux(&payload) == MediaKind::Rtcp {
+                        rtcp_reports.push((entry.id, payload.to_vec()));
                     }
                     if entry.record {
                         // SRTP legs are recorded decrypted.
@@ -860,6 +878,12 @@ impl WorkerCtx {
         }
         if let Some(ack) = &self.shared.mark_ack {
             marks.iter().for_each(|m| (ack.0)(*m));
+        }
+        if !rtcp_reports.is_empty() {
+            let wall_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+            for (stream, packet) in rtcp_reports {
+                self.shared.report(DataplaneEvent::Rtcp { stream, at_ns: received_at, wall_us, packet });
+            }
         }
         if !arrivals.is_empty() {
             // One time for the batch: its datagrams were all waiting by `received_at`.

@@ -366,7 +366,7 @@ fn srtp_leg_is_unprotected_protected_and_only_its_key_holder_is_learnt() {
     m.create_relay("call", leg(la, pa), leg(lb, pb)).unwrap();
     m.open_learning("call", Side::A, u64::MAX).unwrap();
     m.set_leg_srtp("call", Side::A, Some(LegSrtp { inbound: Some(theirs.clone()), outbound: Some(ours.clone()) })).unwrap();
-    let (tx, events) = std::sync::mpsc::channel();
+    let (tx, events) = mediaplane_dataplane::event_channel();
     let dp = UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, Some(tx)).unwrap();
     dp.apply(Arc::new(ForwardingTable::compile(&m, 1))).unwrap();
     let (sa, sb, ss) = (UdpSocket::bind(pa).unwrap(), UdpSocket::bind(pb).unwrap(), UdpSocket::bind(stranger).unwrap());

@@ -43,6 +43,8 @@
                                         never forwarded (read by the XDP pre-filter; TC ignores it) */
 #define STREAM_F_ANY_SOURCE (1u << 7) /* any source is forwarded (a relay leg that locked its
                                         source, or an asymmetric one): no source check */
+#define STREAM_F_RTCP_UP (1u << 8)  /* its RTCP goes to the slow path, which relays it and hands it
+                                      to the control plane (a relay's reports: RTT, MOS) */
 
 /* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
 #define MAX_SOURCES 65536
@@ -112,6 +114,7 @@ enum mp_counter {
 	                         what the host would drop too (it never reaches a socket) */
 	CNT_DROP_SPOOFED,     /* the source fails the reverse-path check (rp_filter) on its ingress */
 	CNT_PASS_IN_ORDER,    /* the stream still has packets in the slow path: this one follows them */
+	CNT_PASS_RTCP,        /* STREAM_F_RTCP_UP and RTCP */
 	CNT__MAX,
 };
 

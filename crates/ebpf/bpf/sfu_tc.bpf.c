@@ -615,6 +615,9 @@ int sfu_ingress(struct __sk_buff *skb)
 		return pass_in_order(skb, sc, sp, entry->stats_slot, cflags, t0, CNT_PASS_UNLATCHED);
 	if ((entry->flags & STREAM_F_SLOW) || entry->copies_count > MAX_FANOUT)
 		return pass_slow(sc, CNT_PASS_SLOW_STREAM);
+	/* A few packets per second, not held in order: RTP does not wait for them. */
+	if ((entry->flags & STREAM_F_RTCP_UP) && kind == MK_RTCP)
+		return pass_slow(sc, CNT_PASS_RTCP);
 	if ((entry->flags & STREAM_F_RATE) && !rate_admit(entry->stats_slot, t0, p.payload_len))
 		return drop(sc, CNT_DROP_RATE_LIMITED, p.payload_len);
 	__u32 slot = entry->stats_slot;

@@ -31,6 +31,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         record: false,
         inbound: Default::default(),
         clock_rate: 0,
+        evaluate_rtcp: false,
     }
 }
 

@@ -10,7 +10,7 @@ use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, UserspaceConfig, UserspaceDataplane};
 use parking_lot::Mutex;
 use std::path::{Path, PathBuf};
-use std::sync::mpsc::Sender;
+use std::sync::mpsc::SyncSender;
 use std::sync::Arc;
 
 const BPF_FS_MAGIC: i64 = 0xcafe4a11;
@@ -226,7 +226,7 @@ fn lock_pin_dir(pin_dir: &Path, adopt_live: bool) -> Result<Option<PinDirLock>, 
 }
 
 impl EbpfDataplane {
-    pub fn new(cfg: EbpfConfig, events: Option<Sender<DataplaneEvent>>) -> Result<Self, DataplaneError> {
+    pub fn new(cfg: EbpfConfig, events: Option<SyncSender<DataplaneEvent>>) -> Result<Self, DataplaneError> {
         // Said, not enforced: the kernel's refusal follows (and a kernel that needs less, or a
         // capability granted some other way, is not second-guessed).
         let missing = missing_capabilities();

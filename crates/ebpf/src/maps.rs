@@ -36,6 +36,8 @@ pub mod flags {
     pub const ONE_SOURCE: u32 = 1 << 6;
     /// Any source is forwarded (no source check).
     pub const ANY_SOURCE: u32 = 1 << 7;
+    /// Its RTCP goes to the slow path, which relays it and hands it to the control plane.
+    pub const RTCP_UP: u32 = 1 << 8;
 }
 
 /// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
@@ -43,7 +45,7 @@ pub const MAX_FANOUT: usize = 4096;
 
 /// Global counter indices (enum mp_counter) with their names in `DataplaneStats.extra`.
 /// The first eight feed [`mediaplane_dataplane::Counters`].
-pub const GLOBAL_COUNTERS: [&str; 32] = [
+pub const GLOBAL_COUNTERS: [&str; 33] = [
     "rx_packets",
     "rx_bytes",
     "tx_copies",
@@ -76,6 +78,7 @@ pub const GLOBAL_COUNTERS: [&str; 32] = [
     "drop_bad_checksum",
     "drop_spoofed",
     "pass_in_order",
+    "pass_rtcp",
 ];
 
 /// Index of a global counter by name (panics on a typo: names are compile-time constants).
@@ -576,6 +579,9 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     // `ForwardingTable::classify`) and the authentication tag the rest.
     if e.rtp && e.inbound.is_clear() {
         f |= flags::RTP;
+        if e.evaluate_rtcp {
+            f |= flags::RTCP_UP;
+        }
     }
     if narrowed && e.key.ssrc.is_none() {
         f |= flags::NARROWED;

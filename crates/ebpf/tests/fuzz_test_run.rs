@@ -27,7 +27,7 @@ use common::rig::*;
 use common::*;
 use mediaplane_core::packet::{build_frame, internet_checksum, parse_frame, udp_checksum, FrameSpec};
 use mediaplane_core::rtp::build_rtp;
-use mediaplane_core::table::{ForwardingTable, SourceRule};
+use mediaplane_core::table::{ForwardingTable, SourceRule, StreamEntry};
 use mediaplane_ebpf::{Prefilter, XDP_DROP, XDP_PASS};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -63,9 +63,10 @@ fn fuzz_table() -> ForwardingTable {
             entry(12, "[fd00:200::1]:4004", None, SourceRule::Learn(None), false, v6(1, 41200)),
             entry(13, "[fd00:200::1]:4006", None, fixed(PUBLISHER6), false, v6(3, 41300)),
             // Learning and following a source; taking any source.
-            entry(14, "10.200.0.1:4014", None, SourceRule::Learn(Some(a(PUBLISHER))), true, v4(1, 40700)),
+            // (Relay legs: their RTCP goes up for the control plane's report evaluation.)
+            StreamEntry { evaluate_rtcp: true, ..entry(14, "10.200.0.1:4014", None, SourceRule::Learn(Some(a(PUBLISHER))), true, v4(1, 40700)) },
             entry(15, "10.200.0.1:4016", None, SourceRule::Any, true, v4(1, 40800)),
-            entry(16, "[fd00:200::1]:4008", None, SourceRule::Learn(Some(a(PUBLISHER6))), true, v6(1, 41400)),
+            StreamEntry { evaluate_rtcp: true, ..entry(16, "[fd00:200::1]:4008", None, SourceRule::Learn(Some(a(PUBLISHER6))), true, v6(1, 41400)) },
             entry(17, "[fd00:200::1]:4010", None, SourceRule::Any, false, v6(1, 41500)),
         ],
     )
@@ -579,6 +580,7 @@ fn random_and_mutated_frames_follow_the_reference() {
             "pass_stun",
             "pass_unlatched",
             "pass_slow_stream",
+            "pass_rtcp",
             "pass_truncated",
             "pass_bad_udp_length",
             "pass_bad_ip_header",

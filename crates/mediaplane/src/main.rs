@@ -233,7 +233,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     init_logging(&cfg);
     raise_fd_limit(&cfg);
 
-    let (tx, rx) = std::sync::mpsc::channel::<DataplaneEvent>();
+    let (tx, rx) = mediaplane_dataplane::event_channel();
     let dataplane = build_dataplane(&cfg, tx, args.reset)?;
     let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(2).enable_all().build()?;
     let ng = match cfg.ng.listen {
@@ -263,7 +263,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     }))
 }
 
-fn build_dataplane(cfg: &Config, events: std::sync::mpsc::Sender<DataplaneEvent>, reset: bool) -> anyhow::Result<Arc<dyn Dataplane>> {
+fn build_dataplane(cfg: &Config, events: std::sync::mpsc::SyncSender<DataplaneEvent>, reset: bool) -> anyhow::Result<Arc<dyn Dataplane>> {
     let us = UserspaceConfig {
         workers: cfg.dataplane.workers,
         batch: cfg.dataplane.batch,

@@ -388,7 +388,12 @@ pub fn apply_signal(
                     follow: Follow::default(),
                 };
                 model.create_relay(&rtcp_id, spec(m.local[0], pa), spec(m.local[1], pb))?;
-                model.set_leg_signal(&rtcp_id, from, signal(m.peer_rtcp[s], sig.rtp.is_none()))?;
+                // The RTCP legs know their media's clock rates too: the reports' jitter is in
+                // timestamp units (see `SessionManager::on_rtcp`).
+                if let (Some(rtp), Some(rtcp)) = (model.relays.get(&rtp_id).cloned(), model.relays.get_mut(&rtcp_id)) {
+                    (rtcp.a.clock_rate, rtcp.b.clock_rate) = (rtp.a.clock_rate, rtp.b.clock_rate);
+                }
+                model.set_leg_signal(&rtcp_id, from, LegSignal { clock_rate: sig.clock_rate, ..signal(m.peer_rtcp[s], sig.rtp.is_none()) })?;
                 let o = ix(other(from));
                 if moved && m.peer_rtcp[o].is_some() {
                     model.set_leg_signal(&rtcp_id, other(from), signal(m.peer_rtcp[o], false))?;
@@ -397,7 +402,7 @@ pub fn apply_signal(
                 changes.push(Change::Relay(rtcp_id));
             }
             (true, true) => {
-                model.set_leg_signal(&rtcp_id, from, signal(m.peer_rtcp[s], sig.rtp.is_none()))?;
+                model.set_leg_signal(&rtcp_id, from, LegSignal { clock_rate: sig.clock_rate, ..signal(m.peer_rtcp[s], sig.rtp.is_none()) })?;
                 changes.push(Change::Relay(rtcp_id));
             }
             (false, true) => {

@@ -764,8 +764,9 @@ impl Engine {
             let ids = calls::stream_ids(model, call);
             let streams = mgr.stream_counters(&ids);
             let reception = mgr.stream_reception(&ids);
+            let quality = mgr.relay_quality(&call.relay_ids());
             also(traffic, model, &streams);
-            ngstats::call_reply(model, &streams, &reception, &view)
+            ngstats::call_reply(model, &streams, &reception, &quality, &view)
         })
     }
 

@@ -2,13 +2,14 @@
 //! them: daemon/call_interfaces.c `ng_call_stats`, daemon/statistics.c), filled from the data
 //! planes' per-stream counters and the engine's own bookkeeping.
 //!
-//! What mediaplane cannot know yet is reported the way rtpengine reports an unknown: per-SSRC
-//! MOS blocks are left out (rtpengine adds an SSRC's entry only once RTCP gave it a MOS), a
-//! stream's `SSRC` is left out (rtpengine: only once it saw one), MOS totals are zero.
+//! What mediaplane does not know (yet) is reported the way rtpengine reports an unknown: an
+//! SSRC's MOS blocks are left out until its RTCP gave it a MOS, a stream's `SSRC` is left out
+//! until one was seen, MOS totals (`statistics`) are zero.
 
 use crate::bencode::Value;
 use crate::calls::{self, Call, MediaState};
 use mediaplane_control::config::MediaConfig;
+use mediaplane_core::call_quality::{QualitySample, QualitySummary};
 use mediaplane_core::model::{Follow, Side};
 use mediaplane_core::reception::ReceptionReport;
 use mediaplane_core::Model;
@@ -289,6 +290,7 @@ pub fn call_reply(
     model: &Model,
     streams: &BTreeMap<u32, Counters>,
     reception: &BTreeMap<u32, ReceptionReport>,
+    quality: &BTreeMap<u32, QualitySummary>,
     v: &CallView<'_>,
 ) -> Vec<(&'static str, Value)> {
     let call = v.call;
@@ -316,7 +318,7 @@ pub fn call_reply(
         ("created", Value::Int(created.as_secs() as i64)),
         ("created_us", Value::Int(created.subsec_micros() as i64)),
         ("last signal", Value::Int(unix_secs(call.last_signal))),
-        ("SSRC", Value::Dict(ssrc_stats(call, model, reception))),
+        ("SSRC", Value::Dict(ssrc_stats(call, model, reception, quality))),
         ("tags", Value::Dict(tags)),
         ("totals", Value::dict([("RTP", traffic_value(rtp)), ("RTCP", traffic_value(rtcp))])),
     ]
@@ -324,11 +326,14 @@ pub fn call_reply(
 
 /// Per SSRC received on the call's RTP legs, keyed by the SSRC in decimal as rtpengine keys
 /// it: its `cumulative loss` (rtpengine's key) and what mediaplane measures in the path
-/// (`mediaplane_core::reception`). rtpengine's MOS blocks (`average MOS`, …) need RTCP
-/// round-trip times, which mediaplane does not evaluate yet: they are absent, as rtpengine
-/// leaves them out until it has one.
-fn ssrc_stats(call: &Call, model: &Model, reception: &BTreeMap<u32, ReceptionReport>) -> BTreeMap<Vec<u8>, Value> {
-    let mut out = BTreeMap::new();
+/// (`mediaplane_core::reception`); and, once the RTCP its owner sent gave a MOS
+/// (`mediaplane_core::call_quality`), rtpengine's MOS blocks: `average MOS`, `lowest MOS`,
+/// `highest MOS`, `MOS progression`, which Kamailio's `mos_*_pv` AVPs read.
+///
+/// `cumulative loss` is what mediaplane counted of that SSRC's stream on its way in; rtpengine
+/// gives what the SSRC's owner last reported losing of the media it receives.
+fn ssrc_stats(call: &Call, model: &Model, reception: &BTreeMap<u32, ReceptionReport>, quality: &BTreeMap<u32, QualitySummary>) -> BTreeMap<Vec<u8>, Value> {
+    let mut out: BTreeMap<u32, Vec<(&'static str, Value)>> = BTreeMap::new();
     for i in 0..call.media.len() {
         let Some(r) = model.relays.get(&calls::rtp_relay_id(&call.key, i)) else { continue };
         for leg in [&r.a, &r.b] {
@@ -346,10 +351,41 @@ fn ssrc_stats(call: &Call, model: &Model, reception: &BTreeMap<u32, ReceptionRep
                 d.push(("jitter", Value::Int(ms.round() as i64)));
                 d.push(("jitter (timestamp units)", int(rep.jitter as u64)));
             }
-            out.insert(rep.ssrc.to_string().into_bytes(), Value::dict(d));
+            out.insert(rep.ssrc, d);
         }
     }
-    out
+    for (ssrc, q) in quality {
+        let d = out.entry(*ssrc).or_insert_with(|| vec![("cumulative loss", Value::Int(q.reported_cumulative_lost as i64))]);
+        d.extend(mos_blocks(q));
+    }
+    out.into_iter().map(|(ssrc, d)| (ssrc.to_string().into_bytes(), Value::dict(d))).collect()
+}
+
+/// rtpengine's MOS blocks of one SSRC: MOS × 10, round-trip times in µs, jitter in ms, packet
+/// loss in %, `reported at` in Unix seconds.
+fn mos_blocks(q: &QualitySummary) -> Vec<(&'static str, Value)> {
+    fn common(s: &QualitySample) -> Vec<(&'static str, Value)> {
+        vec![
+            ("MOS", int(s.mos_x10 as u64)),
+            ("round-trip time", int(s.rtt_us)),
+            ("round-trip time leg", int(s.rtt_leg_us)),
+            ("jitter", int(s.jitter_ms as u64)),
+            ("packet loss", int(s.packet_loss_pct as u64)),
+        ]
+    }
+    let sample = |s: &QualitySample| {
+        let mut d = common(s);
+        d.push(("reported at", int(s.reported_at_us / 1_000_000)));
+        Value::dict(d)
+    };
+    let mut average = common(&q.average);
+    average.push(("samples", int(q.samples)));
+    vec![
+        ("average MOS", Value::dict(average)),
+        ("lowest MOS", sample(&q.lowest)),
+        ("highest MOS", sample(&q.highest)),
+        ("MOS progression", Value::dict([("interval", int(q.progression_interval_s)), ("entries", Value::List(q.progression.iter().map(sample).collect()))])),
+    ]
 }
 
 /// One media of one side: where that party sends (local port), where the relay sends to it

@@ -47,6 +47,21 @@ fn rtcp_rr(ssrc: u32) -> Vec<u8> {
     p
 }
 
+/// An SR of `ssrc` whose NTP time has `ntp_middle` as its middle 32 bits, or (`None`) an RR,
+/// with a report block (about, fraction lost, cumulative lost, jitter, LSR, DLSR) or none.
+fn rtcp_report(ssrc: u32, ntp_middle: Option<u32>, block: Option<(u32, u8, u32, u32, u32, u32)>) -> Vec<u8> {
+    let mut words = vec![ssrc];
+    if let Some(mid) = ntp_middle {
+        words.extend([mid >> 16, mid << 16, 0, 0, 0]);
+    }
+    if let Some((about, fraction, lost, jitter, lsr, dlsr)) = block {
+        words.extend([about, (fraction as u32) << 24 | lost, 0, jitter, lsr, dlsr]);
+    }
+    let mut p = vec![0x80 | block.is_some() as u8, if ntp_middle.is_some() { 200 } else { 201 }, 0, words.len() as u8];
+    words.iter().for_each(|w| p.extend_from_slice(&w.to_be_bytes()));
+    p
+}
+
 #[test]
 fn call_flow_over_real_sockets() {
     let relay = Relay::start("127.82.0.1", 41000, 41099, Duration::from_secs(60));
@@ -172,8 +187,7 @@ fn int_at(v: &Value, keys: &[&str]) -> i64 {
 
 /// `query`, `delete` and `statistics` replies carry every key path rtpengine 10.5's do (the
 /// captured reference, tests/data), with the same types, filled from a real call with RTP and
-/// RTCP both ways; only what mediaplane does not know yet ([`NOT_YET`]) is left out, as
-/// rtpengine leaves it out while it does not know it.
+/// RTCP both ways (SRs and reports, so that an SSRC has a MOS): nothing is left out.
 #[test]
 fn replies_carry_rtpengines_key_sets() {
     let relay = Relay::start("127.82.0.3", 41200, 41299, Duration::from_secs(60));
@@ -191,11 +205,21 @@ fn replies_carry_rtpengines_key_sets() {
     let (rtcp_a, rtcp_b) = (SocketAddr::new(to_a.ip(), to_a.port() + 1), SocketAddr::new(to_b.ip(), to_b.port() + 1));
     latch(&relay, &a_rtcp, rtcp_a, &rtcp_rr(0xabc));
     latch(&relay, &b_rtcp, rtcp_b, &rtcp_rr(0xdef));
+    // Each party's SR, and the other's report echoing it 20 ms later: the round-trip time of
+    // both legs, so a MOS for A (B reported before A's leg was known: no MOS for B yet, and its
+    // next report within a second is not taken).
+    a_rtcp.send_to(&rtcp_report(0xabc, Some(0x0001_0000), None), rtcp_a).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    b_rtcp.send_to(&rtcp_report(0xdef, None, Some((0xabc, 26, 3, 80, 0x0001_0000, 1))), rtcp_b).unwrap();
+    b_rtcp.send_to(&rtcp_report(0xdef, Some(0x0002_0000), Some((0xabc, 26, 3, 80, 0x0001_0000, 1))), rtcp_b).unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    a_rtcp.send_to(&rtcp_report(0xabc, None, Some((0xdef, 0, 0, 16, 0x0002_0000, 1))), rtcp_a).unwrap();
+    assert_eq!((drain(&b_rtcp).len(), drain(&a_rtcp).len()), (3, 3), "RTCP relayed both ways");
     let sent_at = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).unwrap().as_secs() as i64;
     assert_eq!((drain(&b).len(), drain(&a).len()), (50, 30));
 
     let q = ng.cmd(vec![("command", "query".into()), ("call-id", call.into())]);
-    let missing = missing_key_paths(&rtpengine_key_paths("query"), &q, NOT_YET);
+    let missing = missing_key_paths(&rtpengine_key_paths("query"), &q, &[]);
     assert!(missing.is_empty(), "query lacks rtpengine's {missing:#?}\n{q:?}");
     // The values: A's RTP stream is what A sent to the relay's port for A.
     let a_media = &path(&q, &["tags", "tagA", "medias"]).as_list().unwrap()[0];
@@ -206,10 +230,19 @@ fn replies_carry_rtpengines_key_sets() {
     assert_eq!((int_at(a_rtp, &["stats", "packets"]), int_at(a_rtp, &["stats", "bytes"])), (50, 50 * 172));
     assert!((sent_at - 1..=sent_at + 1).contains(&int_at(a_rtp, &["last packet"])), "last packet of A's RTP: {a_rtp:?}, sent at {sent_at}");
     assert_eq!(text(path(&q, &["tags", "tagA"]), "in dialogue with"), "tagB");
-    assert_eq!((int_at(&q, &["totals", "RTP", "packets"]), int_at(&q, &["totals", "RTCP", "packets"])), (80, 2));
+    assert_eq!((int_at(&q, &["totals", "RTP", "packets"]), int_at(&q, &["totals", "RTCP", "packets"])), (80, 6));
+    // A's MOS (SSRC 0xabc = 2748): both legs' round-trip times (≥ 20 ms each), the jitter of
+    // B's last report on A in ms, its loss in %; rtpengine's formula on those.
+    let a_mos = path(&q, &["SSRC", "2748", "average MOS"]);
+    let (rtt, leg) = (int_at(a_mos, &["round-trip time"]), int_at(a_mos, &["round-trip time leg"]));
+    assert!((40_000..2_000_000).contains(&rtt) && (20_000..rtt).contains(&leg), "{a_mos:?}");
+    assert_eq!((int_at(a_mos, &["jitter"]), int_at(a_mos, &["packet loss"]), int_at(a_mos, &["samples"])), (2, 0, 1), "{a_mos:?}");
+    assert_eq!(int_at(a_mos, &["MOS"]), mediaplane_core::call_quality::mos_x10(rtt as u64, 2, 0) as i64);
+    assert_eq!(path(&q, &["SSRC", "2748", "lowest MOS"]).get("MOS"), a_mos.get("MOS"));
+    assert!(path(&q, &["SSRC"]).get("3567").and_then(|b| b.get("average MOS")).is_none(), "B's only report came before A's leg was known");
 
     let s = ng.cmd(vec![("command", "statistics".into())]);
-    let missing = missing_key_paths(&rtpengine_key_paths("statistics"), &s, NOT_YET);
+    let missing = missing_key_paths(&rtpengine_key_paths("statistics"), &s, &[]);
     assert!(missing.is_empty(), "statistics lacks rtpengine's {missing:#?}\n{s:?}");
     let proxy = &path(&s, &["statistics", "controlstatistics", "proxies"]).as_list().unwrap()[0];
     assert_eq!((text(proxy, "proxy"), int_at(proxy, &["offercount"]), int_at(proxy, &["querycount"])), ("127.0.0.1".to_string(), 1, 1));
@@ -221,12 +254,12 @@ fn replies_carry_rtpengines_key_sets() {
     );
 
     let d = ng.cmd(vec![("command", "delete".into()), ("call-id", call.into()), ("from-tag", "tagA".into())]);
-    let missing = missing_key_paths(&rtpengine_key_paths("delete"), &d, NOT_YET);
+    let missing = missing_key_paths(&rtpengine_key_paths("delete"), &d, &[]);
     assert!(missing.is_empty(), "delete lacks rtpengine's {missing:#?}\n{d:?}");
     assert_eq!(int_at(&d, &["totals", "RTP", "packets"]), 80, "the call's final counters");
     let s = ng.cmd(vec![("command", "statistics".into())]);
     let total = path(&s, &["statistics", "totalstatistics"]);
     assert_eq!((int_at(total, &["regularterminatedsessions"]), int_at(total, &["managedsessions"])), (1, 1));
-    assert_eq!(int_at(total, &["relayedpackets"]), 82, "every packet relayed, the ended call's included: {total:?}");
+    assert_eq!(int_at(total, &["relayedpackets"]), 86, "every packet relayed, the ended call's included: {total:?}");
     assert_eq!(int_at(total, &["onewaystreams"]) + int_at(total, &["zerowaystreams"]), 0);
 }

@@ -5,7 +5,7 @@
 
 use super::*;
 use mediaplane_core::packet::{build_frame, parse_frame, verify_checksums, FrameError, FrameSpec};
-use mediaplane_core::rtp::build_rtp;
+use mediaplane_core::rtp::{build_rtp, demux, MediaKind};
 use mediaplane_core::table::{Copy, DropReason, ForwardingTable, IngressKey, SlowReason, SourceRule, StreamEntry, Verdict};
 use mediaplane_ebpf::maps::{config_flags, flags, kernel_entries, FastConfigRaw};
 use mediaplane_ebpf::{FastPath, KernelStats, LoadOptions, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
@@ -68,6 +68,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         record: false,
         inbound: Default::default(),
         clock_rate: if rtp { 8000 } else { 0 },
+        evaluate_rtcp: false,
     }
 }
 
@@ -152,6 +153,8 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
             let ip_len = f.payload + f.payload_len - f.l3;
             if slow {
                 Expect::Pass("pass_slow_stream")
+            } else if e.evaluate_rtcp && demux(payload) == MediaKind::Rtcp {
+                Expect::Pass("pass_rtcp")
             } else if !e.copies.is_empty() && ip_len > LAB_MTU {
                 // Copies too big for the egress link: the slow path (and the stack) deal with it.
                 Expect::Pass("pass_fib_fail")

@@ -28,7 +28,7 @@ impl Relay {
     }
 
     pub fn start_with(media: MediaConfig, media_timeout: Duration) -> Relay {
-        let (tx, rx) = std::sync::mpsc::channel::<DataplaneEvent>();
+        let (tx, rx) = mediaplane_dataplane::event_channel();
         let dp = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, Some(tx)).unwrap());
         let mgr = Arc::new(SessionManager::open(Store::in_memory().unwrap(), dp.clone(), media, Limits::default()).unwrap());
         // The slow path's reports and the learning windows, as `mediaplane serve` runs them.

@@ -62,12 +62,6 @@ impl TestClient for NgClient {
 /// rtpengine 10.5's reply key paths, captured from the real daemon (see tests/data/README.md).
 const RTPENGINE_KEY_PATHS: &str = include_str!("../data/rtpengine-10.5-key-paths.json");
 
-/// Reply keys mediaplane does not send yet, and why (rtpengine leaves them out too while it
-/// does not know them): per-SSRC MOS blocks need RTCP round-trip times, which mediaplane does
-/// not evaluate yet. (Each SSRC's `cumulative loss` and each stream's `SSRC` it does send, from
-/// what the data plane measures in the path.)
-pub const NOT_YET: &[&str] = &["SSRC.<ssrc>.MOS progression", "SSRC.<ssrc>.average MOS", "SSRC.<ssrc>.highest MOS", "SSRC.<ssrc>.lowest MOS"];
-
 /// Every key path of a reply, with its type ("int", "str", "list", "dict"): dictionary keys
 /// under `tags` and `SSRC` become `<tag>` and `<ssrc>`, list items `[]` (as in the reference).
 pub fn key_paths(v: &Value) -> std::collections::BTreeMap<String, &'static str> {
