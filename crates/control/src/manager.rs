@@ -13,7 +13,7 @@
 use crate::config::{Limits, MediaConfig};
 use crate::store::{Change, Store, StoreError};
 use arc_swap::ArcSwap;
-use mediaplane_core::call_quality::{CallQuality, QualitySummary};
+use mediaplane_core::call_quality::{CallQuality, MosTotals, QualitySummary};
 use mediaplane_core::model::{ModelError, Side};
 use mediaplane_core::{ForwardingTable, Model};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneStats};
@@ -99,6 +99,8 @@ pub struct SessionManager {
     /// ([`DataplaneEvent::Rtcp`](mediaplane_dataplane::DataplaneEvent::Rtcp)). Not stored: a
     /// restart starts it over.
     quality: Mutex<HashMap<String, CallQuality>>,
+    /// Every MOS computed since start, deleted calls' included.
+    mos_totals: Mutex<MosTotals>,
 }
 
 impl SessionManager {
@@ -114,6 +116,7 @@ impl SessionManager {
             media,
             limits,
             quality: Mutex::new(HashMap::new()),
+            mos_totals: Mutex::new(MosTotals::default()),
         })
     }
 
@@ -248,7 +251,16 @@ impl SessionManager {
         }) else {
             return;
         };
-        self.quality.lock().entry(id).or_default().on_rtcp(packet, at_ns, wall_us, clock_rate);
+        let computed = self.quality.lock().entry(id).or_default().on_rtcp(packet, at_ns, wall_us, clock_rate);
+        if !computed.is_empty() {
+            let mut totals = self.mos_totals.lock();
+            computed.into_iter().for_each(|mos| totals.add(mos));
+        }
+    }
+
+    /// Every MOS computed since start (rtpengine's `statistics` `mos`).
+    pub fn mos_totals(&self) -> MosTotals {
+        *self.mos_totals.lock()
     }
 
     /// The MOS summaries (by reporting SSRC) of these relays' RTCP. An SSRC reported on in two

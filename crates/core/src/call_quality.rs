@@ -152,6 +152,40 @@ pub struct QualitySummary {
     pub reported_cumulative_lost: i32,
 }
 
+/// Every MOS computed, summed (as rtpengine's `statistics` `mos` totals sample them).
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct MosTotals {
+    pub samples: u64,
+    /// Sum of the MOS values (1.0..=5.0 each) and of their squares.
+    pub sum: f64,
+    pub sum_squares: f64,
+}
+
+impl MosTotals {
+    pub fn add(&mut self, mos_x10: u32) {
+        let mos = mos_x10 as f64 / 10.0;
+        self.samples += 1;
+        self.sum += mos;
+        self.sum_squares += mos * mos;
+    }
+
+    pub fn average(&self) -> f64 {
+        if self.samples == 0 {
+            0.0
+        } else {
+            self.sum / self.samples as f64
+        }
+    }
+
+    pub fn stddev(&self) -> f64 {
+        if self.samples == 0 {
+            0.0
+        } else {
+            (self.sum_squares / self.samples as f64 - self.average().powi(2)).max(0.0).sqrt()
+        }
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 struct SsrcState {
     /// (NTP middle bits, when it passed, monotonic ns) of its last SRs.
@@ -186,9 +220,12 @@ impl CallQuality {
     /// `clock_rate` is that of the media its reporter receives (the other party's), for jitter
     /// in ms; without it the report blocks are not evaluated (rtpengine discards them too), but
     /// SRs are still remembered. Invalid RTCP changes nothing.
-    pub fn on_rtcp(&mut self, compound: &[u8], at_ns: u64, wall_us: u64, clock_rate: Option<u32>) {
+    ///
+    /// Returns the MOS (× 10) of every block that gave one, kept as a sample or not: what
+    /// rtpengine's process-wide MOS totals sample.
+    pub fn on_rtcp(&mut self, compound: &[u8], at_ns: u64, wall_us: u64, clock_rate: Option<u32>) -> Vec<u32> {
         let Some((srs, blocks)) = parse_reports(compound) else {
-            return;
+            return Vec::new();
         };
         for sr in srs {
             let s = self.ssrc(sr.ssrc, at_ns);
@@ -198,14 +235,13 @@ impl CallQuality {
             s.sender_reports.push_back((sr.ntp_middle, at_ns));
         }
         let Some(rate) = clock_rate.filter(|r| *r > 0) else {
-            return;
+            return Vec::new();
         };
-        for b in blocks {
-            self.on_block(&b, at_ns, wall_us, rate);
-        }
+        blocks.iter().map(|b| self.on_block(b, at_ns, wall_us, rate)).filter(|mos| *mos != 0).collect()
     }
 
-    fn on_block(&mut self, b: &ReportBlock, at_ns: u64, wall_us: u64, clock_rate: u32) {
+    /// The block's MOS × 10 (0: none).
+    fn on_block(&mut self, b: &ReportBlock, at_ns: u64, wall_us: u64, clock_rate: u32) -> u32 {
         // The leg towards the reporter, from the SR of `about` the block echoes.
         let mut rtt_leg_us = 0u64;
         if b.lsr != 0 && b.dlsr != 0 {
@@ -229,7 +265,7 @@ impl CallQuality {
         let mos = if rtt_us == 0 { 0 } else { mos_x10(rtt_us, jitter_ms, packet_loss_pct) };
         let sample = QualitySample { mos_x10: mos, rtt_us, rtt_leg_us, jitter_ms, packet_loss_pct, reported_at_us: wall_us };
         if r.last_sample_ns.is_some_and(|last| at_ns.saturating_sub(last) < SAMPLE_SPACING_NS) {
-            return;
+            return mos;
         }
         r.last_sample_ns = Some(at_ns);
         if r.samples.len() == MAX_SAMPLES {
@@ -250,6 +286,7 @@ impl CallQuality {
         if r.highest.is_none_or(|h| mos > h.mos_x10) {
             r.highest = Some(sample);
         }
+        mos
     }
 
     fn ssrc(&mut self, ssrc: u32, at_ns: u64) -> &mut SsrcState {
@@ -392,7 +429,7 @@ mod tests {
         assert_eq!(q.summary(B), None, "no MOS without the other leg");
         // B's SR passes at 2 s; A echoes it: leg towards A = 4 ms, call RTT = 4 + 16 ms.
         q.on_rtcp(&sr(B, 0xb000, &[]), t(2, 0), WALL0 + 2 * 1_000_000, Some(8000));
-        q.on_rtcp(&rr(A, &[(B, 0, 0, 16, 0xb000, dlsr)]), t(2, leg_a + hold_us), WALL0 + 2_504_000, Some(8000));
+        assert_eq!(q.on_rtcp(&rr(A, &[(B, 0, 0, 16, 0xb000, dlsr)]), t(2, leg_a + hold_us), WALL0 + 2_504_000, Some(8000)), vec![43]);
         let a = q.summary(A).expect("A has a MOS");
         assert_eq!((a.lowest.rtt_us, a.lowest.rtt_leg_us, a.lowest.jitter_ms), (20_000, 4_000, 2));
         assert_eq!((a.average.mos_x10, a.samples, a.highest.mos_x10), (43, 1, 43));

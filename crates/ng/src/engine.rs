@@ -808,6 +808,7 @@ impl Engine {
             media_config: mgr.media_config(),
             ports_used,
             last_port,
+            mos: mgr.mos_totals(),
         };
         Value::dict([("result", "ok".into()), ("statistics", ngstats::statistics(&input, &self.traffic, &self.control))])
     }

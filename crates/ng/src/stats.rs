@@ -4,12 +4,12 @@
 //!
 //! What mediaplane does not know (yet) is reported the way rtpengine reports an unknown: an
 //! SSRC's MOS blocks are left out until its RTCP gave it a MOS, a stream's `SSRC` is left out
-//! until one was seen, MOS totals (`statistics`) are zero.
+//! until one was seen.
 
 use crate::bencode::Value;
 use crate::calls::{self, Call, MediaState};
 use mediaplane_control::config::MediaConfig;
-use mediaplane_core::call_quality::{QualitySample, QualitySummary};
+use mediaplane_core::call_quality::{MosTotals, QualitySample, QualitySummary};
 use mediaplane_core::model::{Follow, Side};
 use mediaplane_core::reception::ReceptionReport;
 use mediaplane_core::Model;
@@ -523,6 +523,8 @@ pub struct StatisticsInput<'a> {
     pub media_config: &'a MediaConfig,
     pub ports_used: u64,
     pub last_port: u16,
+    /// Every MOS the relay's RTCP evaluation computed since start.
+    pub mos: MosTotals,
 }
 
 fn f6(v: f64) -> Value {
@@ -607,8 +609,14 @@ pub fn statistics(input: &StatisticsInput<'_>, totals: &TrafficTotals, control: 
     }
     let interval = Value::Dict(interval.into_iter().map(|(k, v)| (k.into_bytes(), v)).collect());
 
-    let mos =
-        Value::dict([("mos_total", f6(0.0)), ("mos2_total", f6(0.0)), ("mos_samples_total", Value::Int(0)), ("mos_average", f6(0.0)), ("mos_stddev", f6(0.0))]);
+    let m = &input.mos;
+    let mos = Value::dict([
+        ("mos_total", f6(m.sum)),
+        ("mos2_total", f6(m.sum_squares)),
+        ("mos_samples_total", int(m.samples)),
+        ("mos_average", f6(m.average())),
+        ("mos_stddev", f6(m.stddev())),
+    ]);
 
     let mut proxies = Vec::new();
     for (ip, (timings, errors)) in &control.proxies {

@@ -247,6 +247,9 @@ fn replies_carry_rtpengines_key_sets() {
     let proxy = &path(&s, &["statistics", "controlstatistics", "proxies"]).as_list().unwrap()[0];
     assert_eq!((text(proxy, "proxy"), int_at(proxy, &["offercount"]), int_at(proxy, &["querycount"])), ("127.0.0.1".to_string(), 1, 1));
     assert_eq!(int_at(&s, &["statistics", "currentstatistics", "sessionsown"]), 1);
+    // Every MOS computed: A's one.
+    assert_eq!(int_at(&s, &["statistics", "mos", "mos_samples_total"]), 1, "{s:?}");
+    assert_eq!(text(path(&s, &["statistics", "mos"]), "mos_average"), format!("{:.6}", int_at(a_mos, &["MOS"]) as f64 / 10.0));
     let interface = &path(&s, &["statistics", "interfaces"]).as_list().unwrap()[0];
     assert_eq!(
         (text(interface, "address"), int_at(interface, &["ports", "used"]), int_at(interface, &["ports", "totals"])),
