@@ -113,6 +113,8 @@ struct Options {
     loop_protect: bool,
     /// `transport-protocol` (or a flag naming one): what the offer's receiver is to speak.
     transport: Option<String>,
+    /// The `SDES` list and `SDES-` flags.
+    sdes: sdes::SdesOptions,
     warnings: Vec<String>,
 }
 
@@ -168,6 +170,17 @@ fn options(req: &Request) -> Result<Options, RequestError> {
         },
         loop_protect: has("loop-protect"),
         transport: transport(req, &flags)?,
+        sdes: {
+            let values = req.list("SDES")?;
+            let (sdes, ignored) = sdes::SdesOptions::parse(values.iter().map(String::as_str).chain(flags.iter().filter_map(|f| f.strip_prefix("sdes-"))));
+            // Flags not acted on are named by the general warning; the list's values here.
+            let from_list: Vec<&String> = ignored.iter().filter(|v| values.contains(v)).collect();
+            if !from_list.is_empty() {
+                let names: Vec<&str> = from_list.iter().map(|v| v.as_str()).collect();
+                warnings.push(format!("SDES options not supported (no DTLS, no SDES session parameters): {}", names.join(", ")));
+            }
+            sdes
+        },
         warnings,
     })
 }
@@ -212,6 +225,7 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
             "address-family",
             "record-call",
             "transport-protocol",
+            "sdes",
         ],
         "delete" => &["call-id", "from-tag", "to-tag", "via-branch", "flags"],
         "query" => &["call-id", "from-tag", "to-tag"],
@@ -255,7 +269,6 @@ fn consequence(name: &str) -> Option<&'static str> {
     Some(match name {
         "interface" => "interfaces are chosen with direction, from-interface and to-interface",
         "record" => "record-call records a call",
-        "sdes" => "SDES keys are chosen as documented (the first usable a=crypto; every suite mediaplane speaks when offering)",
         "osrtp" => "opportunistic SRTP is neither offered nor accepted",
         "dtls" | "generate-mid" | "rtcp-mux-require" | "trickle-ice" => "no DTLS or ICE is terminated",
         "port-latching" | "no-port-latching" => "local ports are allocated per call as usual",
@@ -274,7 +287,8 @@ fn not_acted_on(req: &Request, command: &str) -> Option<String> {
     // Malformed lists are the command's own error to report.
     let filters_codecs = keys.contains(&"codec");
     if let Ok(flags) = req.list("flags") {
-        let acted_on = |f: &str| flags_ok.contains(&f) || (filters_codecs && codecs::flag_acted_on(f));
+        let acted_on =
+            |f: &str| flags_ok.contains(&f) || (filters_codecs && codecs::flag_acted_on(f)) || (keys.contains(&"sdes") && sdes::SdesOptions::flag_acted_on(f));
         ignored.extend(flags.into_iter().filter(|f| !acted_on(f)));
     }
     if filters_codecs {
@@ -577,7 +591,7 @@ impl Engine {
         let remove_ice = opt.ice.is_some();
         let (formats, codecs_removed) = Self::filter_codecs(req, phase, &sdp, &call, &mut opt.warnings)?;
         let transport = if phase == Phase::Offer { opt.transport.as_deref() } else { None };
-        let secure = sdes::plan(&call, sender, phase, &sdp, transport, &mut opt.warnings)?;
+        let secure = sdes::plan(&call, sender, phase, &sdp, transport, &opt.sdes, &mut opt.warnings)?;
         let outgoing: Vec<(Option<String>, Option<Vec<String>>)> = secure.iter().map(|p| (p.proto.clone(), p.crypto.clone())).collect();
 
         let mut interface: [Option<String>; 2] = Default::default();
@@ -1269,6 +1283,59 @@ a=sendrecv\r\n";
         let r = send(&mut e, &m, "a3", answer(ANSWER_SDP));
         assert!(text(&r, "error-reason").contains("refuses SRTP (RTP/AVP)"), "{r:?}");
         assert!(leg_srtp(&m)[1].is_some());
+    }
+
+    #[test]
+    fn sdes_options_shape_what_is_offered_and_accepted() {
+        // Plain caller to an SRTP callee: `no-` drops a suite (its tag stays), `lifetime` marks
+        // every key given, `order:` is accepted, unsupported values are named.
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(OFFER_SDP);
+        o[5].1 = Value::List(vec!["trust address".into(), "RTP/SAVP".into(), "SDES-no-AES_CM_128_HMAC_SHA1_80".into()]);
+        o.push(("SDES", Value::List(vec!["lifetime".into(), "order:AES_CM_128_HMAC_SHA1_32".into(), "unencrypted_srtp".into()])));
+        let r = send(&mut e, &m, "o1", o);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let offered = crypto_lines(&text(&r, "sdp"));
+        assert_eq!(offered.len(), 1, "{offered:?}");
+        assert!(offered[0].starts_with("a=crypto:2 AES_CM_128_HMAC_SHA1_32 inline:") && offered[0].ends_with("|2^31"), "{offered:?}");
+        assert_eq!(inline_key(&offered[0]).len(), 30);
+        let warning = text(&r, "warning");
+        assert!(warning.contains("unencrypted-srtp") && !warning.contains("lifetime") && !warning.contains("sdes-no"), "{warning}");
+
+        // `only-` wins over `no-`; `nonew` leaves nothing to offer: an error, nothing changes.
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(OFFER_SDP);
+        o[5].1 = Value::List(vec!["RTP/SAVP".into(), "SDES-only-AES_CM_128_HMAC_SHA1_80".into(), "SDES-no-AES_CM_128_HMAC_SHA1_80".into()]);
+        let r = send(&mut e, &m, "o1", o);
+        let offered = crypto_lines(&text(&r, "sdp"));
+        assert!(offered.len() == 1 && offered[0].starts_with("a=crypto:1 AES_CM_128_HMAC_SHA1_80 inline:"), "{r:?}");
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(OFFER_SDP);
+        o[5].1 = Value::List(vec!["RTP/SAVP".into(), "SDES-nonew".into()]);
+        let r = send(&mut e, &m, "o1", o);
+        assert!(text(&r, "error-reason").contains("the SDES options leave no suite to offer"), "{r:?}");
+        assert_eq!(m.read(|model, _| model.relays.len()), 0, "nothing created");
+
+        // SRTP caller to a plain callee: `offerer_pref` picks which of its keys the relay takes
+        // (tag 3, _32, over the first usable, tag 2); `no-` of the only usable suites falls back
+        // to the first usable one.
+        for (flag, tag, suite) in [
+            ("SDES-offerer_pref:AES_CM_128_HMAC_SHA1_32", 3, "AES_CM_128_HMAC_SHA1_32"),
+            ("SDES-no-AES_CM_128_HMAC_SHA1_80", 3, "AES_CM_128_HMAC_SHA1_32"),
+            ("SDES-only-AEAD_AES_256_GCM", 2, "AES_CM_128_HMAC_SHA1_80"),
+        ] {
+            let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+            let mut o = offer(SRTP_OFFER);
+            o.push(("transport-protocol", "RTP/AVP".into()));
+            o[5].1 = Value::List(vec![flag.into()]);
+            let r = send(&mut e, &m, "o1", o);
+            assert_eq!(text(&r, "result"), "ok", "{flag}: {r:?}");
+            let [a, _] = leg_srtp(&m);
+            assert_eq!(a.and_then(|l| l.inbound).map(|k| k.suite.name()), Some(suite), "{flag}");
+            let r = send(&mut e, &m, "a1", answer(ANSWER_SDP));
+            let lines = crypto_lines(&text(&r, "sdp"));
+            assert!(lines.len() == 1 && lines[0].starts_with(&format!("a=crypto:{tag} {suite} inline:")), "{flag}: {lines:?}");
+        }
     }
 
     #[test]

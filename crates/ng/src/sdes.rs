@@ -40,6 +40,85 @@ impl SdesSide {
     }
 }
 
+/// rtpengine's `SDES` options (the `SDES` list, or flags prefixed `SDES-`; names normalised:
+/// lower case, `_` as `-`) that shape which suites the relay offers and accepts.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SdesOptions {
+    /// `no-SUITE`: neither offered nor taken from an offer.
+    pub no: Vec<String>,
+    /// `only-SUITE`: when any is given, only these (`no-` is then not looked at).
+    pub only: Vec<String>,
+    /// `nonew`: no suite the relay would add (an SRTP offer to a plain party needs none; a plain
+    /// offer to an SRTP party then has nothing to offer, which is an error).
+    pub nonew: bool,
+    /// `order:A;B;…`: suites offered in this order first, then the rest.
+    pub order: Vec<String>,
+    /// `offerer_pref:A;B;…`: which of an SRTP offerer's keys the relay takes, in this order.
+    pub offerer_pref: Vec<String>,
+    /// `lifetime`: every key the relay gives carries the lifetime `2^31`.
+    pub lifetime: bool,
+}
+
+impl SdesOptions {
+    /// The options of `SDES` values and `SDES-` flags; the second list holds those not acted on
+    /// (`off`, session parameters, `static`, `prefer`…), as given.
+    pub fn parse<'a>(values: impl IntoIterator<Item = &'a str>) -> (SdesOptions, Vec<String>) {
+        let mut o = SdesOptions::default();
+        let mut ignored = Vec::new();
+        let list = |v: &str| v.split(';').filter(|s| !s.is_empty()).map(str::to_string).collect::<Vec<_>>();
+        for v in values {
+            if let Some(s) = v.strip_prefix("no-") {
+                o.no.push(s.to_string());
+            } else if let Some(s) = v.strip_prefix("only-") {
+                o.only.push(s.to_string());
+            } else if let Some(s) = v.strip_prefix("order:") {
+                o.order.extend(list(s));
+            } else if let Some(s) = v.strip_prefix("offerer-pref:") {
+                o.offerer_pref.extend(list(s));
+            } else {
+                match v {
+                    "nonew" => o.nonew = true,
+                    "lifetime" => o.lifetime = true,
+                    // RFC 4568 leaves the padding open; the 30-byte keys of the suites spoken
+                    // here have none either way.
+                    "pad" => {}
+                    _ => ignored.push(v.to_string()),
+                }
+            }
+        }
+        (o, ignored)
+    }
+
+    /// An `SDES-` flag (normalised) this relay acts on.
+    pub fn flag_acted_on(flag: &str) -> bool {
+        flag.strip_prefix("sdes-").is_some_and(|v| SdesOptions::parse([v]).1.is_empty())
+    }
+
+    fn allows(&self, suite: SrtpSuite) -> bool {
+        let name = crate::protocol::normalize(suite.name());
+        if self.only.is_empty() {
+            !self.no.contains(&name)
+        } else {
+            self.only.contains(&name)
+        }
+    }
+
+    fn rank(list: &[String], suite: SrtpSuite) -> usize {
+        let name = crate::protocol::normalize(suite.name());
+        list.iter().position(|n| *n == name).unwrap_or(list.len())
+    }
+
+    /// The `a=crypto` value for a key the relay gives.
+    fn line(&self, tag: u32, key: &SrtpKey) -> String {
+        let line = crypto_line(tag, key.suite.name(), &key.master);
+        if self.lifetime {
+            line + "|2^31"
+        } else {
+            line
+        }
+    }
+}
+
 /// `RTP/SAVP` and `RTP/SAVPF`: SRTP keyed by SDES (DTLS-SRTP's protocols start `UDP/TLS/`).
 pub fn is_sdes(proto: &str) -> bool {
     proto.eq_ignore_ascii_case("RTP/SAVP") || proto.eq_ignore_ascii_case("RTP/SAVPF")
@@ -64,6 +143,8 @@ pub enum SdesError {
     NotAccepted { section: usize, offered: String },
     #[error("media section {section}: the answer refuses SRTP ({proto}) though the relay offered it RTP/SAVP keys")]
     Refused { section: usize, proto: String },
+    #[error("media section {section}: the SDES options leave no suite to offer (mediaplane speaks {})", speaks())]
+    NothingToOffer { section: usize },
     #[error("no randomness for SRTP keys: {0}")]
     Random(String),
 }
@@ -95,8 +176,17 @@ pub struct SectionPlan {
 }
 
 /// Decide the SRTP of every section of `sdp`, sent by `sender` in `phase`, with the offer's
-/// `transport` protocol for the receiver. Warnings for what is passed through instead.
-pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, transport: Option<&str>, warnings: &mut Vec<String>) -> Result<Vec<SectionPlan>, SdesError> {
+/// `transport` protocol for the receiver and the request's SDES options. Warnings for what is
+/// passed through instead.
+pub fn plan(
+    call: &Call,
+    sender: Side,
+    phase: Phase,
+    sdp: &Sdp,
+    transport: Option<&str>,
+    opts: &SdesOptions,
+    warnings: &mut Vec<String>,
+) -> Result<Vec<SectionPlan>, SdesError> {
     let (s, r) = (side_index(sender), 1 - side_index(sender));
     let mut out = Vec::with_capacity(sdp.media.len());
     for (i, sm) in sdp.media.iter().enumerate() {
@@ -131,13 +221,22 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, transport: Optio
                 }
                 match (is_sdes(&sm.proto), is_sdes(target)) {
                     (true, false) => {
-                        let (tag, key) = sm
+                        let usable: Vec<(u32, SrtpKey)> = sm
                             .crypto
                             .iter()
-                            .find_map(|c| {
+                            .filter_map(|c| {
                                 let suite = SrtpSuite::from_name(&c.suite)?;
                                 Some((c.tag, SrtpKey::new(suite, c.key.clone()?).ok()?))
                             })
+                            .collect();
+                        // The first the options allow (in `offerer_pref` order if given); if they
+                        // allow none, the first usable one (rtpengine keeps the top one too).
+                        let (tag, key) = usable
+                            .iter()
+                            .filter(|(_, k)| opts.allows(k.suite))
+                            .min_by_key(|(_, k)| SdesOptions::rank(&opts.offerer_pref, k.suite))
+                            .or(usable.first())
+                            .cloned()
                             .ok_or(SdesError::NoUsableKey { section })?;
                         let kept = prev_side(s).and_then(|old| old.ours.into_iter().find(|(_, k)| k.suite == key.suite)).map(|(_, k)| k);
                         let ours = match kept {
@@ -153,11 +252,23 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, transport: Optio
                         let ours = if !old.ours.is_empty() {
                             old.ours
                         } else {
-                            SrtpSuite::ALL.iter().zip(1..).map(|(suite, tag)| Ok((tag, generate(*suite)?))).collect::<Result<_, SdesError>>()?
+                            // Tags follow the suites' own order; `order:` only moves lines.
+                            let mut suites: Vec<(u32, SrtpSuite)> =
+                                SrtpSuite::ALL.into_iter().zip(1..).filter(|(s, _)| !opts.nonew && opts.allows(*s)).map(|(s, t)| (t, s)).collect();
+                            suites.sort_by_key(|(_, s)| SdesOptions::rank(&opts.order, *s));
+                            if suites.is_empty() {
+                                return Err(SdesError::NothingToOffer { section });
+                            }
+                            suites.into_iter().map(|(tag, suite)| Ok((tag, generate(suite)?))).collect::<Result<_, SdesError>>()?
                         };
-                        p.crypto = Some(ours.iter().map(|(tag, k)| crypto_line(*tag, k.suite.name(), &k.master)).collect());
+                        p.crypto = Some(ours.iter().map(|(tag, k)| opts.line(*tag, k)).collect());
                         // The party's key from its last answer serves until the new answer.
                         p.sdes[r] = Some(SdesSide { ours, theirs: old.theirs });
+                    }
+                    (true, true) if opts != &SdesOptions::default() => {
+                        warnings.push(format!(
+                            "media section {section}: both parties speak SRTP, their a=crypto lines pass through: the SDES options change nothing"
+                        ));
                     }
                     _ => {}
                 }
@@ -185,7 +296,7 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, transport: Optio
                     p.crypto = Some(Vec::new());
                 } else if let Some(offerer) = prev_side(r) {
                     // The offerer spoke SRTP, terminated here: our key, under its tag.
-                    let line = offerer.ours.first().map(|(tag, k)| crypto_line(*tag, k.suite.name(), &k.master));
+                    let line = offerer.ours.first().map(|(tag, k)| opts.line(*tag, k));
                     p.crypto = Some(line.into_iter().collect());
                     p.sdes[r] = Some(offerer);
                 }
