@@ -61,7 +61,7 @@ pub fn learn_sources(manager: Arc<manager::SessionManager>, events: Option<Recei
                         tracing::warn!(stream, %source, error = %e, "following a source failed");
                     }
                 }
-                Some(DataplaneEvent::Rtcp { stream, at_ns, wall_us, packet }) => manager.on_rtcp(stream, at_ns, wall_us, &packet),
+                Some(DataplaneEvent::Rtcp { stream, source, at_ns, wall_us, packet }) => manager.on_rtcp(stream, source, at_ns, wall_us, &packet),
                 None => {}
             }
             if std::time::Instant::now() >= next_close {

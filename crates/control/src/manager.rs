@@ -96,9 +96,10 @@ pub struct SessionManager {
     media: MediaConfig,
     limits: Limits,
     /// RTCP evaluation (round-trip times, MOS) per relay, from the reports its legs relay
-    /// ([`DataplaneEvent::Rtcp`](mediaplane_dataplane::DataplaneEvent::Rtcp)). Not stored: a
-    /// restart starts it over.
-    quality: Mutex<HashMap<String, CallQuality>>,
+    /// ([`DataplaneEvent::Rtcp`](mediaplane_dataplane::DataplaneEvent::Rtcp)), with the uid of
+    /// the relay's A leg it belongs to: a relay made again under the same id (a Call-ID deleted
+    /// and offered again) starts over. Not stored: a restart starts it over.
+    quality: Mutex<HashMap<String, (u32, CallQuality)>>,
     /// Every MOS computed since start, deleted calls' included.
     mos_totals: Mutex<MosTotals>,
 }
@@ -240,18 +241,26 @@ impl SessionManager {
         self.dataplane.stream_reception(ids)
     }
 
-    /// RTCP that relay leg `stream` relayed: evaluated with the clock rate of the media its
-    /// sender receives (the other leg's). RTCP of anything but a relay leg is ignored.
-    pub fn on_rtcp(&self, stream: u32, at_ns: u64, wall_us: u64, packet: &[u8]) {
-        let Some((id, clock_rate)) = self.read(|m, _| {
+    /// RTCP that relay leg `stream` relayed from `source`: evaluated with the clock rate of the
+    /// media its sender receives (the other leg's), if `source` is the party the leg follows
+    /// (a stranger's reports, relayed by a leg that takes any source, are not its party's).
+    /// RTCP of anything but a relay leg is ignored.
+    pub fn on_rtcp(&self, stream: u32, source: SocketAddr, at_ns: u64, wall_us: u64, packet: &[u8]) {
+        let Some((id, generation, clock_rate)) = self.read(|m, _| {
             let (id, side) = m.relay_leg_by_uid(stream)?;
             let relay = m.relays.get(id)?;
-            let receives = if side == Side::A { &relay.b } else { &relay.a };
-            Some((id.to_string(), receives.clock_rate))
+            let (leg, receives) = if side == Side::A { (&relay.a, &relay.b) } else { (&relay.b, &relay.a) };
+            (leg.peer() == Some(source)).then(|| (id.to_string(), relay.a.uid, receives.clock_rate))
         }) else {
             return;
         };
-        let computed = self.quality.lock().entry(id).or_default().on_rtcp(packet, at_ns, wall_us, clock_rate);
+        let mut quality = self.quality.lock();
+        let entry = quality.entry(id).or_insert_with(|| (generation, CallQuality::new()));
+        if entry.0 != generation {
+            *entry = (generation, CallQuality::new());
+        }
+        let computed = entry.1.on_rtcp(packet, at_ns, wall_us, clock_rate);
+        drop(quality);
         if !computed.is_empty() {
             let mut totals = self.mos_totals.lock();
             computed.into_iter().for_each(|mos| totals.add(mos));
@@ -266,9 +275,11 @@ impl SessionManager {
     /// The MOS summaries (by reporting SSRC) of these relays' RTCP. An SSRC reported on in two
     /// of them (RTCP moved between ports) keeps the summary with more samples.
     pub fn relay_quality(&self, relays: &[String]) -> BTreeMap<u32, QualitySummary> {
+        let snapshot = self.snapshot();
+        let current = |id: &String, generation: u32| snapshot.model.relays.get(id).is_some_and(|r| r.a.uid == generation);
         let quality = self.quality.lock();
         let mut out: BTreeMap<u32, QualitySummary> = BTreeMap::new();
-        for q in relays.iter().filter_map(|id| quality.get(id)) {
+        for q in relays.iter().filter_map(|id| quality.get(id).filter(|(g, _)| current(id, *g)).map(|(_, q)| q)) {
             for (ssrc, s) in q.summaries() {
                 if out.get(&ssrc).is_none_or(|o| o.samples < s.samples) {
                     out.insert(ssrc, s);
@@ -278,10 +289,10 @@ impl SessionManager {
         out
     }
 
-    /// Forget the RTCP evaluation of relays that no longer exist.
+    /// Forget the RTCP evaluation of relays that no longer exist (or were made again).
     pub fn prune_quality(&self) {
         let snapshot = self.snapshot();
-        self.quality.lock().retain(|id, _| snapshot.model.relays.contains_key(id));
+        self.quality.lock().retain(|id, (generation, _)| snapshot.model.relays.get(id).is_some_and(|r| r.a.uid == *generation));
     }
 
     /// Forget everything (model, store, data plane tables).
@@ -291,6 +302,7 @@ impl SessionManager {
         self.dataplane.apply(table.clone())?;
         store.clear()?;
         self.current.store(Arc::new(Snapshot { model: Model::new(), table }));
+        self.quality.lock().clear();
         Ok(())
     }
 }
@@ -407,6 +419,58 @@ mod tests {
             allocate_local(&m, &media(), &[a1, SocketAddr::new(a1.ip(), 40003)]).map_err(|e| e.to_string()).unwrap_err(),
             "no free port left in 127.78.0.1 40001-40006"
         );
+    }
+
+    /// RTCP of a relay leg is evaluated only from the address the leg follows, and a relay
+    /// made again under the same id starts its evaluation over.
+    #[test]
+    fn rtcp_is_evaluated_from_the_followed_party_only_and_per_relay_generation() {
+        use mediaplane_core::model::LegSpec;
+        let dp: Arc<dyn Dataplane> = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap());
+        let mgr = SessionManager::open(Store::in_memory().unwrap(), dp, media(), Limits::default()).unwrap();
+        let (pa, pb): (SocketAddr, SocketAddr) = ("127.78.2.1:6000".parse().unwrap(), "127.78.2.2:7000".parse().unwrap());
+        let leg = |local: &str, remote| LegSpec { local: local.parse().unwrap(), remote: Some(remote), strict: false, rtp: true, follow: Default::default() };
+        let make = |mgr: &SessionManager| {
+            mgr.mutate(|m, _| {
+                m.create_relay("call", leg("127.78.0.1:40002", pa), leg("127.78.0.1:40004", pb))?;
+                for side in [Side::A, Side::B] {
+                    m.set_leg_signal(
+                        "call",
+                        side,
+                        mediaplane_core::LegSignal { remote: Some(if side == Side::A { pa } else { pb }), clock_rate: Some(8000), ..Default::default() },
+                    )?;
+                }
+                Ok(((), vec![Change::Relay("call".into())]))
+            })
+            .unwrap()
+        };
+        make(&mgr);
+        let uid = |side| mgr.read(|m, _| if side == Side::A { m.relays["call"].a.uid } else { m.relays["call"].b.uid });
+        // A's SR, B's report on it after 10 ms; B's SR, A's report on it after 10 ms.
+        let sr = |ssrc: u32, mid: u32| [vec![0x80, 200, 0, 6], [ssrc, mid >> 16, mid << 16, 0, 0, 0].iter().flat_map(|w| w.to_be_bytes()).collect()].concat();
+        let rr =
+            |ssrc: u32, about: u32, lsr: u32| [vec![0x81, 201, 0, 7], [ssrc, about, 0, 0, 80, lsr, 1].iter().flat_map(|w| w.to_be_bytes()).collect()].concat();
+        let exchange = |from_b: SocketAddr, t: u64| {
+            mgr.on_rtcp(uid(Side::A), pa, t, 0, &sr(0xa, 0x10000));
+            mgr.on_rtcp(uid(Side::B), from_b, t + 10_000_000, 0, &rr(0xb, 0xa, 0x10000));
+            mgr.on_rtcp(uid(Side::B), from_b, t + 10_000_000, 0, &sr(0xb, 0x20000));
+            mgr.on_rtcp(uid(Side::A), pa, t + 20_000_000, 0, &rr(0xa, 0xb, 0x20000));
+        };
+        let ids = ["call".to_string()];
+        exchange("127.78.9.9:7000".parse().unwrap(), 1_000_000_000);
+        assert!(mgr.relay_quality(&ids).is_empty(), "a stranger's reports count for nobody");
+        exchange(pb, 3_000_000_000);
+        let q = mgr.relay_quality(&ids);
+        // Each leg: 10 ms less the DLSR of 1/65536 s (15 µs).
+        assert_eq!(q.get(&0xa).map(|s| (s.samples, s.lowest.rtt_us)), Some((1, 2 * (10_000 - 15))), "{q:?}");
+        assert_eq!(mgr.mos_totals().samples, 1);
+        // The call ends and is made again under the same id: nothing of the old one is shown.
+        mgr.mutate(|m, _| Ok((m.delete_relay("call").map(|_| ())?, vec![Change::Relay("call".into())]))).unwrap();
+        make(&mgr);
+        assert!(mgr.relay_quality(&ids).is_empty());
+        mgr.prune_quality();
+        assert!(mgr.quality.lock().is_empty());
+        assert_eq!(mgr.mos_totals().samples, 1, "the totals keep what was computed");
     }
 
     #[test]

@@ -32,11 +32,13 @@ pub const SENDER_REPORTS_KEPT: usize = 10;
 pub const SAMPLE_SPACING_NS: u64 = 1_000_000_000;
 /// A round-trip time above this (µs) is taken as a wrong LSR/DLSR and not used.
 pub const MAX_RTT_US: i64 = 10_000_000;
-/// SSRCs followed per call (rtpengine's limit): the least recently heard goes first.
+/// SSRCs followed per relay (rtpengine keeps about as many per party): the least recently
+/// heard goes first.
 pub const MAX_SSRCS: usize = 20;
-/// Samples kept per SSRC for the progression (about an hour at one per second); averages,
-/// lowest and highest cover every sample.
-pub const MAX_SAMPLES: usize = 4096;
+/// Samples kept per SSRC for the progression: when full, every other one is dropped, so the
+/// kept ones still span the whole call (more thinly). Averages, lowest and highest cover every
+/// sample.
+pub const MAX_SAMPLES: usize = 256;
 
 const RTCP_SR: u8 = 200;
 const RTCP_RR: u8 = 201;
@@ -106,16 +108,15 @@ pub fn parse_reports(compound: &[u8]) -> Option<(Vec<SenderReport>, Vec<ReportBl
     Some((srs, blocks))
 }
 
-/// MOS × 10 (10..=45), or 0 when the inputs make no sense, as rtpengine computes it.
+/// MOS × 10 (10..=44), truncated, as rtpengine computes it.
 pub fn mos_x10(rtt_us: u64, jitter_ms: u32, packet_loss_pct: u32) -> u32 {
     let latency = (rtt_us / 1000) as f64 + jitter_ms as f64 * 2.0 + 10.0;
     let mut r = if latency < 160.0 { 93.2 - latency / 40.0 } else { 93.2 - (latency - 120.0) / 10.0 };
     r -= packet_loss_pct as f64 * 2.5;
-    let mos = if r < 0.0 { 10 } else { ((1.0 + 0.035 * r + 0.000007 * r * (r - 60.0) * (100.0 - r)) * 10.0) as i64 };
-    if mos < 10 {
-        0
+    if r < 0.0 {
+        10
     } else {
-        mos as u32
+        ((1.0 + 0.035 * r + 0.000007 * r * (r - 60.0) * (100.0 - r)) * 10.0) as u32
     }
 }
 
@@ -218,8 +219,8 @@ impl CallQuality {
 
     /// An RTCP compound packet the relay passed at `at_ns` (monotonic) / `wall_us`.
     /// `clock_rate` is that of the media its reporter receives (the other party's), for jitter
-    /// in ms; without it the report blocks are not evaluated (rtpengine discards them too), but
-    /// SRs are still remembered. Invalid RTCP changes nothing.
+    /// in ms; without it a report block gives its leg's round-trip time but no sample (as in
+    /// rtpengine). Invalid RTCP changes nothing.
     ///
     /// Returns the MOS (× 10) of every block that gave one, kept as a sample or not: what
     /// rtpengine's process-wide MOS totals sample.
@@ -234,14 +235,12 @@ impl CallQuality {
             }
             s.sender_reports.push_back((sr.ntp_middle, at_ns));
         }
-        let Some(rate) = clock_rate.filter(|r| *r > 0) else {
-            return Vec::new();
-        };
+        let rate = clock_rate.filter(|r| *r > 0);
         blocks.iter().map(|b| self.on_block(b, at_ns, wall_us, rate)).filter(|mos| *mos != 0).collect()
     }
 
     /// The block's MOS × 10 (0: none).
-    fn on_block(&mut self, b: &ReportBlock, at_ns: u64, wall_us: u64, clock_rate: u32) -> u32 {
+    fn on_block(&mut self, b: &ReportBlock, at_ns: u64, wall_us: u64, clock_rate: Option<u32>) -> u32 {
         // The leg towards the reporter, from the SR of `about` the block echoes.
         let mut rtt_leg_us = 0u64;
         if b.lsr != 0 && b.dlsr != 0 {
@@ -255,6 +254,9 @@ impl CallQuality {
                 }
             }
         }
+        let Some(clock_rate) = clock_rate else {
+            return 0;
+        };
         let r = self.ssrc(b.reporter, at_ns);
         r.cumulative_lost = b.cumulative_lost;
         // The whole call: this leg and the leg towards the other party (the reporter's own media);
@@ -269,7 +271,11 @@ impl CallQuality {
         }
         r.last_sample_ns = Some(at_ns);
         if r.samples.len() == MAX_SAMPLES {
-            r.samples.pop_front();
+            let mut i = 0;
+            r.samples.retain(|_| {
+                i += 1;
+                i % 2 == 1
+            });
         }
         r.samples.push_back(sample);
         if mos == 0 {
@@ -454,13 +460,34 @@ mod tests {
             q.on_rtcp(&rr(B, &[(A, 0, 0, 8, lsr, dlsr)]), at, WALL0, Some(8000));
             assert_eq!(rtt_of(&q, A), 0, "lsr {lsr:#x} dlsr {dlsr} at {at}");
         }
-        // Without a clock rate, blocks are not evaluated (but SRs are remembered).
+        // Without a clock rate, a block gives its leg's round-trip time but no sample.
         q.on_rtcp(&rr(A, &[(B, 0, 0, 8, 0xb000, 65536)]), 3 * S, WALL0, None);
-        assert_eq!(rtt_of(&q, B), 0);
-        q.on_rtcp(&rr(A, &[(B, 0, 0, 8, 0xb000, 65536)]), 3 * S, WALL0, Some(8000));
         assert_eq!(rtt_of(&q, B), 1_000_000);
+        assert!(q.ssrcs[&A].samples.is_empty() && q.ssrcs[&A].last_sample_ns.is_none());
         // Invalid RTCP changes nothing.
-        q.on_rtcp(&[0x80, 201, 0, 9, 1, 2, 3, 4], 3 * S, WALL0, Some(8000));
+        let before = format!("{:?}", q.ssrcs.get(&A).map(|s| (&s.sender_reports, s.last_rtt_leg_us, &s.samples)));
+        assert!(q.on_rtcp(&[0x80, 201, 0, 9, 1, 2, 3, 4], 4 * S, WALL0, Some(8000)).is_empty());
+        assert_eq!(format!("{:?}", q.ssrcs.get(&A).map(|s| (&s.sender_reports, s.last_rtt_leg_us, &s.samples))), before);
+        assert_eq!(q.ssrcs.len(), 2);
+    }
+
+    #[test]
+    fn a_long_call_keeps_samples_spanning_all_of_it() {
+        let mut q = CallQuality::new();
+        q.on_rtcp(&sr(A, 0xa000, &[]), 0, WALL0, Some(8000));
+        q.on_rtcp(&sr(B, 0xb000, &[]), 0, WALL0, Some(8000));
+        q.on_rtcp(&rr(A, &[(B, 0, 0, 8, 0xb000, 65536)]), S + 2_000_000, WALL0, Some(8000));
+        let n = 3 * MAX_SAMPLES as u64;
+        for i in 0..n {
+            q.on_rtcp(&rr(B, &[(A, 0, 0, 8, 0xa000, 65536)]), (2 + i) * S, WALL0 + i * 1_000_000, Some(8000));
+        }
+        let b = q.summary(B).unwrap();
+        assert_eq!(b.samples, n, "the average covers every sample");
+        let kept = &q.ssrcs[&B].samples;
+        assert!(kept.len() <= MAX_SAMPLES && kept.len() >= MAX_SAMPLES / 2, "{}", kept.len());
+        assert_eq!(kept.front().unwrap().reported_at_us, WALL0, "still from the start");
+        assert!(kept.back().unwrap().reported_at_us >= WALL0 + (n - 2) * 1_000_000, "to the end");
+        assert!((10..=12).contains(&b.progression.len()), "{}", b.progression.len());
     }
 
     #[test]

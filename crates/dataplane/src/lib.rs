@@ -44,14 +44,21 @@ pub enum DataplaneEvent {
     /// was relayed).
     Unlatched { stream: u32, source: SocketAddr },
     /// RTCP of a stream with [`mediaplane_core::StreamEntry::evaluate_rtcp`], as relayed (clear,
-    /// after SRTCP), for the control plane's report evaluation. `at_ns`: when it arrived
-    /// ([`monotonic_ns`]); `wall_us`: the same on the wall clock (µs since the Unix epoch).
-    Rtcp { stream: u32, at_ns: u64, wall_us: u64, packet: Vec<u8> },
+    /// after SRTCP) from `source`, for the control plane's report evaluation. `at_ns`: when it
+    /// arrived ([`monotonic_ns`]); `wall_us`: the same on the wall clock (µs since the Unix
+    /// epoch). At most [`RTCP_REPORTS_PER_SECOND`] per stream, none over [`MAX_RTCP_REPORT`].
+    Rtcp { stream: u32, source: SocketAddr, at_ns: u64, wall_us: u64, packet: Vec<u8> },
 }
 
 /// Events queued for the control plane before the data plane drops new ones (counted as
 /// `events_dropped`): a flood of reports must not grow memory without bound.
 pub const EVENT_QUEUE: usize = 4096;
+/// RTCP reports per stream and second handed to the control plane (endpoints send one every
+/// few seconds, RFC 3550 6.2); more are relayed but not evaluated, so a flood neither fills the
+/// queue that source learning shares nor costs the control plane.
+pub const RTCP_REPORTS_PER_SECOND: u32 = 20;
+/// Larger RTCP is relayed but not evaluated (a report with 31 blocks is 772 bytes).
+pub const MAX_RTCP_REPORT: usize = 1500;
 
 /// The channel a data plane reports [`DataplaneEvent`]s on, bounded by [`EVENT_QUEUE`].
 pub fn event_channel() -> (SyncSender<DataplaneEvent>, Receiver<DataplaneEvent>) {

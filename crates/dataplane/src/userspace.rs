@@ -325,6 +325,7 @@ impl UserspaceDataplane {
                 slot_of: HashMap::new(),
                 free_slots: Vec::new(),
                 rates: HashMap::new(),
+                rtcp_budget: HashMap::new(),
             };
             let thread = std::thread::Builder::new().name(format!("mp-worker-{id}")).spawn(move || ctx.run()).map_err(|e| io_err("spawn worker", e))?;
             workers.push(Worker { thread: Some(thread), wake, counters, changes });
@@ -558,6 +559,8 @@ struct WorkerCtx {
     /// source address sending to one SFU address is one flow, which SO_REUSEPORT keeps on
     /// one socket, hence one worker.
     rates: HashMap<u32, (RateLimit, RateState)>,
+    /// RTCP reports handed to the control plane per stream in the current second: (second, count).
+    rtcp_budget: HashMap<u32, (u64, u32)>,
 }
 
 /// Steered mode: send one copy from `from` as a complete IP packet on the raw socket (the slow
@@ -705,6 +708,20 @@ impl WorkerCtx {
 
     /// Decide and send one received batch. `local`: the address the socket is bound to, None
     /// on a catch-all socket (each datagram's destination comes from its control message).
+    /// Whether another RTCP report of `stream` may go to the control plane this second.
+    fn rtcp_admit(budget: &mut HashMap<u32, (u64, u32)>, stream: u32, now_ns: u64) -> bool {
+        let second = now_ns / 1_000_000_000;
+        if budget.len() > 65_536 {
+            budget.retain(|_, (s, _)| *s == second);
+        }
+        let (s, n) = budget.entry(stream).or_insert((second, 0));
+        if *s != second {
+            (*s, *n) = (second, 0);
+        }
+        *n += 1;
+        *n <= crate::RTCP_REPORTS_PER_SECOND
+    }
+
     fn forward_batch(&mut self, local: Option<SocketAddr>, n: usize) {
         let state = self.shared.state.load();
         let now = mono_ns();
@@ -718,8 +735,8 @@ impl WorkerCtx {
         let mut marks: Vec<u32> = Vec::new();
         // (stream id, header, clock rate) of every RTP packet accepted, in arrival order.
         let mut arrivals: Vec<(u32, RtpHeader, u32)> = Vec::new();
-        // (stream id, clear RTCP) for the control plane's report evaluation.
-        let mut rtcp_reports: Vec<(u32, Vec<u8>)> = Vec::new();
+        // (stream id, source, clear RTCP) for the control plane's report evaluation.
+        let mut rtcp_reports: Vec<(u32, SocketAddr, Vec<u8>)> = Vec::new();
         for i in 0..n {
             if local.is_none() && self.shared.mark_ack.is_some() {
                 let m = self.batch.mark(i);
@@ -795,8 +812,13 @@ impl WorkerCtx {
                             arrivals.push((entry.id, h, entry.clock_rate));
                         }
                     }
-                    if entry.evaluate_rtcp && self.shared.events.is_some() && demux(&payload) == MediaKind::Rtcp {
-                        rtcp_reports.push((entry.id, payload.to_vec()));
+                    if entry.evaluate_rtcp
+                        && self.shared.events.is_some()
+                        && payload.len() <= crate::MAX_RTCP_REPORT
+                        && demux(&payload) == MediaKind::Rtcp
+                        && Self::rtcp_admit(&mut self.rtcp_budget, entry.id, received_at)
+                    {
+                        rtcp_reports.push((entry.id, src, payload.to_vec()));
                     }
                     if entry.record {
                         // SRTP legs are recorded decrypted.
@@ -881,8 +903,8 @@ impl WorkerCtx {
         }
         if !rtcp_reports.is_empty() {
             let wall_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
-            for (stream, packet) in rtcp_reports {
-                self.shared.report(DataplaneEvent::Rtcp { stream, at_ns: received_at, wall_us, packet });
+            for (stream, source, packet) in rtcp_reports {
+                self.shared.report(DataplaneEvent::Rtcp { stream, source, at_ns: received_at, wall_us, packet });
             }
         }
         if !arrivals.is_empty() {
