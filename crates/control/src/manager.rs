@@ -447,9 +447,9 @@ mod tests {
         make(&mgr);
         let uid = |side| mgr.read(|m, _| if side == Side::A { m.relays["call"].a.uid } else { m.relays["call"].b.uid });
         // A's SR, B's report on it after 10 ms; B's SR, A's report on it after 10 ms.
-        let sr = |ssrc: u32, mid: u32| [vec![0x80, 200, 0, 6], [ssrc, mid >> 16, mid << 16, 0, 0, 0].iter().flat_map(|w| w.to_be_bytes()).collect()].concat();
-        let rr =
-            |ssrc: u32, about: u32, lsr: u32| [vec![0x81, 201, 0, 7], [ssrc, about, 0, 0, 80, lsr, 1].iter().flat_map(|w| w.to_be_bytes()).collect()].concat();
+        use mediaplane_core::call_quality::{build_report, ReportBlock};
+        let sr = |ssrc: u32, mid: u32| build_report(ssrc, Some(mid), &[]);
+        let rr = |ssrc: u32, about: u32, lsr: u32| build_report(ssrc, None, &[ReportBlock { about, jitter: 80, lsr, dlsr: 1, ..Default::default() }]);
         let exchange = |from_b: SocketAddr, t: u64| {
             mgr.on_rtcp(uid(Side::A), pa, t, 0, &sr(0xa, 0x10000));
             mgr.on_rtcp(uid(Side::B), from_b, t + 10_000_000, 0, &rr(0xb, 0xa, 0x10000));

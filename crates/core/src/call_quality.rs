@@ -53,7 +53,7 @@ pub struct SenderReport {
 }
 
 /// One reception report block (RFC 3550 6.4.1) with the SSRC of its reporter.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub struct ReportBlock {
     pub reporter: u32,
     /// The SSRC whose media the block is about.
@@ -106,6 +106,24 @@ pub fn parse_reports(compound: &[u8]) -> Option<(Vec<SenderReport>, Vec<ReportBl
         }
     }
     Some((srs, blocks))
+}
+
+/// An SR of `ssrc` (NTP time with `ntp_middle` as its middle 32 bits, other sender info zero)
+/// or, without `ntp_middle`, an RR, carrying `blocks` (their `reporter` is `ssrc`): what
+/// [`parse_reports`] reads, for generators and tests.
+pub fn build_report(ssrc: u32, ntp_middle: Option<u32>, blocks: &[ReportBlock]) -> Vec<u8> {
+    let mut words = vec![ssrc];
+    if let Some(mid) = ntp_middle {
+        words.extend([mid >> 16, mid << 16, 0, 0, 0]);
+    }
+    for b in blocks {
+        words.extend([b.about, (b.fraction_lost as u32) << 24 | (b.cumulative_lost as u32 & 0x00ff_ffff), b.highest_seq, b.jitter, b.lsr, b.dlsr]);
+    }
+    let packet_type = if ntp_middle.is_some() { RTCP_SR } else { RTCP_RR };
+    let mut p = vec![0x80 | blocks.len() as u8, packet_type];
+    p.extend_from_slice(&(words.len() as u16).to_be_bytes());
+    words.iter().for_each(|w| p.extend_from_slice(&w.to_be_bytes()));
+    p
 }
 
 /// MOS × 10 (10..=44), truncated, as rtpengine computes it.
@@ -361,29 +379,38 @@ mod tests {
     /// An SR of `ssrc` (NTP middle bits `mid`) with report blocks (about, fraction lost,
     /// cumulative lost, jitter, lsr, dlsr).
     fn sr(ssrc: u32, mid: u32, blocks: &[(u32, u8, i32, u32, u32, u32)]) -> Vec<u8> {
-        let mut p = vec![0x80 | blocks.len() as u8, 200, 0, (6 + 6 * blocks.len()) as u8];
-        for w in [ssrc, mid >> 16, mid << 16, 0, 0, 0] {
-            p.extend_from_slice(&w.to_be_bytes());
-        }
-        push_blocks(&mut p, blocks);
-        p
+        build_report(ssrc, Some(mid), &report_blocks(ssrc, blocks))
     }
 
     fn rr(ssrc: u32, blocks: &[(u32, u8, i32, u32, u32, u32)]) -> Vec<u8> {
-        let mut p = vec![0x80 | blocks.len() as u8, 201, 0, (1 + 6 * blocks.len()) as u8];
-        p.extend_from_slice(&ssrc.to_be_bytes());
-        push_blocks(&mut p, blocks);
-        p
+        build_report(ssrc, None, &report_blocks(ssrc, blocks))
     }
 
-    fn push_blocks(p: &mut Vec<u8>, blocks: &[(u32, u8, i32, u32, u32, u32)]) {
-        for &(about, fraction, lost, jitter, lsr, dlsr) in blocks {
-            p.extend_from_slice(&about.to_be_bytes());
-            p.extend_from_slice(&((fraction as u32) << 24 | (lost as u32 & 0x00ff_ffff)).to_be_bytes());
-            for w in [7u32, jitter, lsr, dlsr] {
-                p.extend_from_slice(&w.to_be_bytes());
-            }
-        }
+    /// (about, fraction lost, cumulative lost, jitter, lsr, dlsr), highest sequence number 7.
+    fn report_blocks(reporter: u32, blocks: &[(u32, u8, i32, u32, u32, u32)]) -> Vec<ReportBlock> {
+        blocks
+            .iter()
+            .map(|&(about, fraction_lost, cumulative_lost, jitter, lsr, dlsr)| ReportBlock {
+                reporter,
+                about,
+                fraction_lost,
+                cumulative_lost,
+                highest_seq: 7,
+                jitter,
+                lsr,
+                dlsr,
+            })
+            .collect()
+    }
+
+    /// A's and B's SRs at 0, and A's report on B's 1 s later: the leg towards A is known, so
+    /// B's reports on A give a MOS.
+    fn with_the_leg_towards_a_known() -> CallQuality {
+        let mut q = CallQuality::new();
+        q.on_rtcp(&sr(A, 0xa000, &[]), 0, WALL0, Some(8000));
+        q.on_rtcp(&sr(B, 0xb000, &[]), 0, WALL0, Some(8000));
+        q.on_rtcp(&rr(A, &[(B, 0, 0, 8, 0xb000, 65536)]), S + 2_000_000, WALL0, Some(8000));
+        q
     }
 
     #[test]
@@ -399,6 +426,12 @@ mod tests {
             ReportBlock { reporter: A, about: B, fraction_lost: 64, cumulative_lost: -3, highest_seq: 7, jitter: 80, lsr: 0xabcd, dlsr: 0x10000 }
         );
         assert_eq!((blocks[1].reporter, blocks[1].about, blocks[1].cumulative_lost), (B, A, 5));
+        // What build_report writes, parse_reports reads back.
+        let block = ReportBlock { reporter: B, about: A, fraction_lost: 255, cumulative_lost: -8_388_608, highest_seq: 9, jitter: 1, lsr: 2, dlsr: 3 };
+        assert_eq!(
+            parse_reports(&build_report(B, Some(0xdead_beef), &[block, block])),
+            Some((vec![SenderReport { ssrc: B, ntp_middle: 0xdead_beef }], vec![block, block]))
+        );
         // A block count the length does not hold: that packet is skipped, the rest is read.
         let mut short = rr(B, &[(A, 0, 0, 0, 0, 0)]);
         short[0] = 0x82;
@@ -465,18 +498,16 @@ mod tests {
         assert_eq!(rtt_of(&q, B), 1_000_000);
         assert!(q.ssrcs[&A].samples.is_empty() && q.ssrcs[&A].last_sample_ns.is_none());
         // Invalid RTCP changes nothing.
-        let before = format!("{:?}", q.ssrcs.get(&A).map(|s| (&s.sender_reports, s.last_rtt_leg_us, &s.samples)));
+        let state = |q: &CallQuality| format!("{:?}", q.ssrcs.get(&A).map(|s| (&s.sender_reports, s.last_rtt_leg_us, &s.samples)));
+        let before = state(&q);
         assert!(q.on_rtcp(&[0x80, 201, 0, 9, 1, 2, 3, 4], 4 * S, WALL0, Some(8000)).is_empty());
-        assert_eq!(format!("{:?}", q.ssrcs.get(&A).map(|s| (&s.sender_reports, s.last_rtt_leg_us, &s.samples))), before);
+        assert_eq!(state(&q), before);
         assert_eq!(q.ssrcs.len(), 2);
     }
 
     #[test]
     fn a_long_call_keeps_samples_spanning_all_of_it() {
-        let mut q = CallQuality::new();
-        q.on_rtcp(&sr(A, 0xa000, &[]), 0, WALL0, Some(8000));
-        q.on_rtcp(&sr(B, 0xb000, &[]), 0, WALL0, Some(8000));
-        q.on_rtcp(&rr(A, &[(B, 0, 0, 8, 0xb000, 65536)]), S + 2_000_000, WALL0, Some(8000));
+        let mut q = with_the_leg_towards_a_known();
         let n = 3 * MAX_SAMPLES as u64;
         for i in 0..n {
             q.on_rtcp(&rr(B, &[(A, 0, 0, 8, 0xa000, 65536)]), (2 + i) * S, WALL0 + i * 1_000_000, Some(8000));
@@ -492,10 +523,7 @@ mod tests {
 
     #[test]
     fn samples_closer_than_a_second_are_not_kept_and_ssrcs_are_bounded() {
-        let mut q = CallQuality::new();
-        q.on_rtcp(&sr(A, 0xa000, &[]), 0, WALL0, Some(8000));
-        q.on_rtcp(&sr(B, 0xb000, &[]), 0, WALL0, Some(8000));
-        q.on_rtcp(&rr(A, &[(B, 0, 0, 8, 0xb000, 65536)]), S + 2_000_000, WALL0, Some(8000));
+        let mut q = with_the_leg_towards_a_known();
         for i in 0..25u64 {
             // B every 400 ms: one in three (0, 1.2, 2.4 … s after its first) is kept.
             q.on_rtcp(&rr(B, &[(A, 0, 0, 8, 0xa000, 65536)]), S + 3_000_000 + i * 400_000_000, WALL0 + i * 400_000, Some(8000));

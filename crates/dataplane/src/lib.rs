@@ -53,9 +53,10 @@ pub enum DataplaneEvent {
 /// Events queued for the control plane before the data plane drops new ones (counted as
 /// `events_dropped`): a flood of reports must not grow memory without bound.
 pub const EVENT_QUEUE: usize = 4096;
-/// RTCP reports per stream and second handed to the control plane (endpoints send one every
-/// few seconds, RFC 3550 6.2); more are relayed but not evaluated, so a flood neither fills the
-/// queue that source learning shares nor costs the control plane.
+/// RTCP reports per stream and second a worker hands to the control plane (endpoints send one
+/// every few seconds, RFC 3550 6.2; a stream's source is one flow, which stays on one worker);
+/// more are relayed but not evaluated, so a flood neither fills the queue that source learning
+/// shares nor costs the control plane.
 pub const RTCP_REPORTS_PER_SECOND: u32 = 20;
 /// Larger RTCP is relayed but not evaluated (a report with 31 blocks is 772 bytes).
 pub const MAX_RTCP_REPORT: usize = 1500;

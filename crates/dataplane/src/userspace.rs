@@ -559,7 +559,8 @@ struct WorkerCtx {
     /// source address sending to one SFU address is one flow, which SO_REUSEPORT keeps on
     /// one socket, hence one worker.
     rates: HashMap<u32, (RateLimit, RateState)>,
-    /// RTCP reports handed to the control plane per stream in the current second: (second, count).
+    /// RTCP reports this worker handed to the control plane per stream in the current second:
+    /// (second, count).
     rtcp_budget: HashMap<u32, (u64, u32)>,
 }
 
@@ -807,18 +808,23 @@ impl WorkerCtx {
                         }
                     }
                     sc.last_rx_ns = received_at;
-                    if entry.rtp && demux(&payload) == MediaKind::Rtp {
-                        if let Ok(h) = RtpHeader::parse(&payload) {
-                            arrivals.push((entry.id, h, entry.clock_rate));
+                    // Of what arrived clear (after SRTP): the RTP measured in the path, the
+                    // RTCP of relay legs evaluated by the control plane.
+                    match demux(&payload) {
+                        MediaKind::Rtp if entry.rtp => {
+                            if let Ok(h) = RtpHeader::parse(&payload) {
+                                arrivals.push((entry.id, h, entry.clock_rate));
+                            }
                         }
-                    }
-                    if entry.evaluate_rtcp
-                        && self.shared.events.is_some()
-                        && payload.len() <= crate::MAX_RTCP_REPORT
-                        && demux(&payload) == MediaKind::Rtcp
-                        && Self::rtcp_admit(&mut self.rtcp_budget, entry.id, received_at)
-                    {
-                        rtcp_reports.push((entry.id, src, payload.to_vec()));
+                        MediaKind::Rtcp
+                            if entry.evaluate_rtcp
+                                && self.shared.events.is_some()
+                                && payload.len() <= crate::MAX_RTCP_REPORT
+                                && Self::rtcp_admit(&mut self.rtcp_budget, entry.id, received_at) =>
+                        {
+                            rtcp_reports.push((entry.id, src, payload.to_vec()));
+                        }
+                        _ => {}
                     }
                     if entry.record {
                         // SRTP legs are recorded decrypted.

@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use mediaplane_core::call_quality::{build_report, ReportBlock};
 use mediaplane_core::rtp::build_rtp;
 use mediaplane_ng::bencode::Value;
 use std::net::{SocketAddr, UdpSocket};
@@ -49,17 +50,20 @@ fn rtcp_rr(ssrc: u32) -> Vec<u8> {
 
 /// An SR of `ssrc` whose NTP time has `ntp_middle` as its middle 32 bits, or (`None`) an RR,
 /// with a report block (about, fraction lost, cumulative lost, jitter, LSR, DLSR) or none.
-fn rtcp_report(ssrc: u32, ntp_middle: Option<u32>, block: Option<(u32, u8, u32, u32, u32, u32)>) -> Vec<u8> {
-    let mut words = vec![ssrc];
-    if let Some(mid) = ntp_middle {
-        words.extend([mid >> 16, mid << 16, 0, 0, 0]);
-    }
-    if let Some((about, fraction, lost, jitter, lsr, dlsr)) = block {
-        words.extend([about, (fraction as u32) << 24 | lost, 0, jitter, lsr, dlsr]);
-    }
-    let mut p = vec![0x80 | block.is_some() as u8, if ntp_middle.is_some() { 200 } else { 201 }, 0, words.len() as u8];
-    words.iter().for_each(|w| p.extend_from_slice(&w.to_be_bytes()));
-    p
+fn rtcp_report(ssrc: u32, ntp_middle: Option<u32>, block: Option<(u32, u8, i32, u32, u32, u32)>) -> Vec<u8> {
+    let blocks: Vec<ReportBlock> = block
+        .map(|(about, fraction_lost, cumulative_lost, jitter, lsr, dlsr)| ReportBlock {
+            about,
+            fraction_lost,
+            cumulative_lost,
+            jitter,
+            lsr,
+            dlsr,
+            ..Default::default()
+        })
+        .into_iter()
+        .collect();
+    build_report(ssrc, ntp_middle, &blocks)
 }
 
 #[test]
