@@ -362,6 +362,11 @@ pub const SRTP_DROPPED: CounterFamily = fam(
     "Packets of SRTP legs dropped: on arrival (no_key yet, auth_failed, replayed, invalid) or as copies (protect_failed)",
     Some("reason"),
 );
+pub const FEEDBACK: CounterFamily = fam(
+    "mediaplane_feedback_messages",
+    "Consumers' RTCP feedback messages, by result: routed to the publisher, coalesced (a keyframe request shortly after another), consumed by the SFU (receiver reports, REMB, TWCC), unroutable (an SSRC the consumer does not receive)",
+    Some("result"),
+);
 /// Where a counter nobody classified goes: still exported, and visible as such.
 pub const OTHER: CounterFamily = fam("mediaplane_dataplane_other", "Data-plane counters without a family of their own, by name", Some("counter"));
 
@@ -379,6 +384,8 @@ pub fn counter_family(field: &str) -> Option<(CounterFamily, Option<&str>)> {
                 (DROPPED, Some(r))
             } else if let Some(r) = f.strip_prefix("slow_") {
                 (SLOW_PATH, Some(r))
+            } else if let Some(r) = f.strip_prefix("feedback_") {
+                (FEEDBACK, Some(r))
             } else {
                 return None;
             }
@@ -531,6 +538,7 @@ fn stream_family(f: CounterFamily) -> CounterFamily {
         "mediaplane_send_errors" => "mediaplane_stream_send_errors",
         "mediaplane_dropped_packets" => "mediaplane_stream_dropped_packets",
         "mediaplane_slow_path_packets" => "mediaplane_stream_slow_path_packets",
+        "mediaplane_feedback_messages" => "mediaplane_stream_feedback_messages",
         _ => "mediaplane_stream_other",
     };
     CounterFamily { name, help: "Per stream (metrics.per_stream): see the family without stream_", ..f }
@@ -640,6 +648,7 @@ mod tests {
         }
         assert_eq!(counter_family("drop_stranger"), Some((DROPPED, Some("stranger"))));
         assert_eq!(counter_family("slow_stun"), Some((SLOW_PATH, Some("stun"))));
+        assert_eq!(counter_family("feedback_coalesced"), Some((FEEDBACK, Some("coalesced"))));
         assert_eq!(extra_family("pass_no_neigh"), Some((PASSED, Some("no_neigh"))));
         assert_eq!(extra_family("userspace.host_udp_in_csum_errors"), Some((HOST_DROPPED, Some("udp_in_csum_errors"))));
         assert_eq!(extra_family("xdp_drop_stranger"), Some((XDP_DROPPED, Some("stranger"))));

@@ -4,6 +4,7 @@
 //! * [`rtp`] parses RTP (RFC 3550, RFC 8285 extensions) and RTCP compound packets, detects STUN;
 //! * [`model`] holds rooms, participants, published streams, subscriptions and SIP relay pairs;
 //! * [`srtp`] SRTP key material of relay legs (suites, keys; the ciphers are libsrtp's);
+//! * [`feedback`] routes subscribers' RTCP feedback (PLI, FIR, NACK) to publishers, coalescing keyframe requests;
 //! * [`call_quality`] round-trip times and MOS from the RTCP reports a relay passes (as rtpengine);
 //! * [`reception`] in-path reception quality of an RTP stream (loss, duplicates, reordering, jitter);
 //! * [`ratelimit`] per-stream packet/bit-rate limits (token buckets), shared by the data planes;
@@ -14,6 +15,7 @@
 //! and move packets; they never re-derive forwarding decisions from the model.
 
 pub mod call_quality;
+pub mod feedback;
 pub mod model;
 mod model_ng;
 pub mod packet;

@@ -5,6 +5,7 @@
 //! a copy never goes back to its publisher, only subscribers get copies, and a stream says who may
 //! inject into it ([`SourceRule`]: one fixed source; a relay leg learning its peer's; anyone).
 
+use crate::feedback::{FeedbackEntry, FeedbackRoute};
 use crate::model::{Leg, Model, Relay, Room};
 use crate::ratelimit::RateLimit;
 use crate::rtp::{self, MediaKind, RtpHeader};
@@ -140,6 +141,13 @@ pub enum Verdict<'t> {
     /// decides whether the leg follows it ([`SourceRule::Learn`]). The kernel path hands these
     /// to the slow path ([`SlowReason::Unlatched`]).
     Learn(&'t StreamEntry),
+    /// A consumer's RTCP from its registered address ([`crate::feedback`]): routed to the
+    /// publishers it names; `stream` is the stream its sender's report (if it starts with one)
+    /// is forwarded as, chosen as for any packet. The kernel path hands these to the slow path.
+    Feedback {
+        entry: &'t FeedbackEntry,
+        stream: Option<&'t StreamEntry>,
+    },
     Drop {
         reason: DropReason,
         stream: Option<u32>,
@@ -170,6 +178,11 @@ pub struct ForwardingTable {
     /// packet. Excess is dropped and counted as `drop_source_limited`.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub source_limit: Option<crate::ratelimit::RateLimit>,
+    /// Consumer addresses (a participant's own SFU address, when it subscribes to an RTP
+    /// stream): what its RTCP says goes back to the publishers ([`Verdict::Feedback`]). A change
+    /// of one is reported as a change of the wildcard key of its address.
+    #[serde(default, skip_serializing_if = "OrdMap::is_empty")]
+    pub feedback: OrdMap<SocketAddr, FeedbackEntry>,
 }
 
 /// What changed between two tables, for drivers that update entries in place (kernel maps).
@@ -177,6 +190,8 @@ pub struct ForwardingTable {
 pub struct TableDiff<'t> {
     pub upserts: Vec<&'t StreamEntry>,
     pub removals: Vec<IngressKey>,
+    /// Addresses whose feedback entry came, went or changed.
+    pub feedback: Vec<SocketAddr>,
 }
 
 /// A part of the model that compiles into its own table entries: a mutation names the ones it
@@ -218,6 +233,33 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
     out
 }
 
+/// The feedback entries of one room: one per participant subscribed to an RTP stream, routing
+/// by the SSRCs of those streams that have one.
+fn compile_room_feedback(rid: &str, room: &Room) -> Vec<FeedbackEntry> {
+    let mut out = Vec::new();
+    for (pid, p) in &room.participants {
+        let mut subscribed_rtp = false;
+        let mut routes = Vec::new();
+        for r in &p.subscriptions {
+            let Some(publisher) = room.participants.get(&r.publisher) else { continue };
+            let Some(s) = publisher.streams.get(&r.stream).filter(|s| s.rtp) else { continue };
+            subscribed_rtp = true;
+            if let Some(ssrc) = s.ssrc {
+                let from = s.local.unwrap_or(publisher.local);
+                routes.push(FeedbackRoute { ssrc, stream: s.uid, publisher_ssrc: ssrc, from, to: publisher.remote });
+            }
+        }
+        if subscribed_rtp {
+            routes.sort();
+            // Two streams with one SSRC (different publishers) cannot be told apart: neither is routed.
+            let dup: Vec<u32> = routes.windows(2).filter(|w| w[0].ssrc == w[1].ssrc).map(|w| w[0].ssrc).collect();
+            routes.retain(|r| !dup.contains(&r.ssrc));
+            out.push(FeedbackEntry { consumer: format!("{rid}/{pid}"), local: p.local, source: p.remote, routes });
+        }
+    }
+    out
+}
+
 /// The two entries of a relay: each leg's ingress, a fan-out of one to the other leg's peer.
 fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 2] {
     [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
@@ -240,6 +282,13 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
     })
 }
 
+fn compile_owner_feedback(model: &Model, owner: Owner) -> Vec<FeedbackEntry> {
+    match owner {
+        Owner::Room(id) => model.rooms.get(id).map(|r| compile_room_feedback(id, r)).unwrap_or_default(),
+        Owner::Relay(_) => Vec::new(),
+    }
+}
+
 fn compile_owner(model: &Model, owner: Owner, rate: Option<RateLimit>) -> Vec<StreamEntry> {
     match owner {
         Owner::Room(id) => model.rooms.get(id).map(|r| compile_room(id, r, rate)).unwrap_or_default(),
@@ -257,9 +306,13 @@ impl ForwardingTable {
     pub fn compile_with_rate(model: &Model, version: u64, rate: Option<RateLimit>) -> ForwardingTable {
         let rate = rate.filter(|l| !l.is_unlimited());
         let mut streams = OrdMap::new();
+        let mut feedback = OrdMap::new();
         for (rid, room) in &model.rooms {
             for e in compile_room(rid, room, rate) {
                 streams.insert(e.key, e);
+            }
+            for f in compile_room_feedback(rid, room) {
+                feedback.insert(f.local, f);
             }
         }
         for (id, r) in &model.relays {
@@ -267,7 +320,7 @@ impl ForwardingTable {
                 streams.insert(e.key, e);
             }
         }
-        ForwardingTable { version, streams, stream_rate: rate, source_limit: None }
+        ForwardingTable { version, streams, stream_rate: rate, source_limit: None, feedback }
     }
 
     /// Turn this table (compiled from `old`) into the table of `new`, where `new` differs from
@@ -290,6 +343,19 @@ impl ForwardingTable {
                     self.streams.insert(e.key, e);
                 }
             }
+            let before = compile_owner_feedback(old, owner);
+            let after = compile_owner_feedback(new, owner);
+            for f in &before {
+                if !after.iter().any(|a| a.local == f.local) && self.feedback.remove(&f.local).is_some() {
+                    changed.push(IngressKey { local: f.local, ssrc: None });
+                }
+            }
+            for f in after {
+                if self.feedback.get(&f.local) != Some(&f) {
+                    changed.push(IngressKey { local: f.local, ssrc: None });
+                    self.feedback.insert(f.local, f);
+                }
+            }
         }
         changed.sort();
         changed.dedup();
@@ -303,6 +369,11 @@ impl ForwardingTable {
         v.sort();
         v.dedup();
         v
+    }
+
+    /// Some stream enters at `local`, or it is a consumer's address.
+    pub fn is_local(&self, local: SocketAddr) -> bool {
+        self.feedback.contains_key(&local) || self.streams.range(IngressKey { local, ssrc: None }..=IngressKey { local, ssrc: Some(u32::MAX) }).next().is_some()
     }
 
     /// True when some stream on `local` is narrowed by SSRC (the packet's SSRC must be read).
@@ -321,17 +392,31 @@ impl ForwardingTable {
 
     /// The reference decision for a UDP payload that arrived at `local` from `src`.
     ///
-    /// Order matters and every data plane follows it: unknown address, STUN, RTP validity,
-    /// SSRC lookup, source check, then forward.
+    /// Order matters and every data plane follows it: unknown address, STUN, a consumer's
+    /// feedback, RTP validity, SSRC lookup, source check, then forward.
     pub fn classify(&self, local: SocketAddr, src: SocketAddr, payload: &[u8]) -> Verdict<'_> {
         let any = self.streams.get(&IngressKey { local, ssrc: None });
         let narrowed = self.has_ssrc_streams(local);
-        if any.is_none() && !narrowed {
+        let feedback = self.feedback.get(&local);
+        if any.is_none() && !narrowed && feedback.is_none() {
             return Verdict::Drop { reason: DropReason::NoStream, stream: None };
         }
         let kind = rtp::demux(payload);
         if kind == MediaKind::Stun {
             return Verdict::SlowPath { reason: SlowReason::Stun, stream: any.map(|s| s.id) };
+        }
+        // RTCP from the consumer itself: feedback (its sender report, if any, picks the stream
+        // the usual way). Anyone else's RTCP there is never feedback.
+        if let Some(fb) = feedback.filter(|f| kind == MediaKind::Rtcp && f.source == src) {
+            let Ok(packets) = rtp::parse_rtcp_compound(payload) else {
+                return Verdict::Drop { reason: DropReason::Malformed, stream: any.map(|s| s.id) };
+            };
+            let sender = (packets[0].packet_type == 200).then_some(packets[0].sender_ssrc);
+            let stream = sender
+                .and_then(|ssrc| self.streams.get(&IngressKey { local, ssrc: Some(ssrc) }).filter(|_| narrowed))
+                .or(any)
+                .filter(|e| sender.is_some() && matches!(e.source, SourceRule::Fixed(s) if s == src));
+            return Verdict::Feedback { entry: fb, stream };
         }
         let wants_rtp = narrowed || any.is_some_and(|s| s.rtp);
         // SRTCP encrypts all but the first packet's header: only that much can be checked here
@@ -347,7 +432,9 @@ impl ForwardingTable {
         };
         let entry = ssrc.filter(|_| narrowed).and_then(|ssrc| self.streams.get(&IngressKey { local, ssrc: Some(ssrc) })).or(any);
         let Some(entry) = entry else {
-            return Verdict::Drop { reason: DropReason::NoStream, stream: None };
+            // A stranger's RTCP to a consumer's address: spoofed feedback.
+            let reason = if feedback.is_some() && kind == MediaKind::Rtcp { DropReason::Stranger } else { DropReason::NoStream };
+            return Verdict::Drop { reason, stream: None };
         };
         match entry.source {
             SourceRule::Fixed(allowed) if allowed == src => Verdict::Forward(entry),
@@ -362,7 +449,14 @@ impl ForwardingTable {
     pub fn diff<'t>(&'t self, old: &ForwardingTable) -> TableDiff<'t> {
         let upserts = self.streams.iter().filter(|(k, v)| old.streams.get(*k) != Some(v)).map(|(_, v)| v).collect();
         let removals = old.streams.keys().filter(|k| !self.streams.contains_key(*k)).copied().collect();
-        TableDiff { upserts, removals }
+        let feedback = self
+            .feedback
+            .iter()
+            .filter(|(k, v)| old.feedback.get(*k) != Some(v))
+            .map(|(k, _)| *k)
+            .chain(old.feedback.keys().filter(|k| !self.feedback.contains_key(*k)).copied())
+            .collect();
+        TableDiff { upserts, removals, feedback }
     }
 }
 
@@ -529,7 +623,8 @@ mod tests {
         let mut sr = vec![0x80, 200, 0, 6];
         sr.extend_from_slice(&2u32.to_be_bytes());
         sr.extend_from_slice(&[0; 20]);
-        assert!(matches!(t.classify(local, src, &sr), Verdict::Forward(e) if e.label == "r/p0/high"));
+        // (p0 subscribes to p1: its RTCP is feedback, its SR forwarded as that stream's.)
+        assert!(matches!(t.classify(local, src, &sr), Verdict::Feedback { stream: Some(e), .. } if e.label == "r/p0/high"));
     }
 
     #[test]
@@ -625,13 +720,14 @@ mod tests {
         let rate = Some(crate::RateLimit::packets(50));
         let mut model = Model::new();
         let mut table = ForwardingTable::compile_with_rate(&model, 0, rate);
+        let mut routed = false;
         let leg =
             |port: u64| LegSpec { local: a(&format!("10.0.0.1:{}", 30000 + 2 * port)), remote: None, strict: false, rtp: true, follow: Default::default() };
         for step in 0..3000 {
             let mut next = model.clone();
             // Relays whose learning window closed this step (any relay: it is a sweep).
             let mut closed = Vec::new();
-            let room = format!("r{}", rnd(4));
+            let room = format!("r{}", rnd(2));
             let relay = format!("c{}", rnd(40));
             let p = |i: u64| format!("p{i}");
             let owner = match rnd(9) {
@@ -639,28 +735,28 @@ mod tests {
                     let _ = next.create_room(&room);
                     Owner::Room(&room)
                 }
-                1 if rnd(4) == 0 => {
+                1 if rnd(16) == 0 => {
                     let _ = next.delete_room(&room);
                     Owner::Room(&room)
                 }
                 2 => {
-                    let i = rnd(6);
+                    let i = rnd(4);
                     let port = 4000 + 100 * (room.as_bytes()[1] as u64 - b'0' as u64) + 2 * i;
                     let _ = next.add_participant(&room, &p(i), a(&format!("10.0.0.1:{port}")), a(&format!("10.0.1.{}:5000", i + 1)));
                     Owner::Room(&room)
                 }
                 3 => {
-                    let _ = next.remove_participant(&room, &p(rnd(6)));
+                    let _ = next.remove_participant(&room, &p(rnd(4)));
                     Owner::Room(&room)
                 }
                 4 => {
                     let ssrc = (rnd(2) == 0).then(|| rnd(3) as u32);
-                    let _ = next.publish(&room, &p(rnd(6)), &format!("s{}", rnd(3)), StreamSpec { ssrc, ..Default::default() });
+                    let _ = next.publish(&room, &p(rnd(4)), &format!("s{}", rnd(2)), StreamSpec { ssrc, ..Default::default() });
                     Owner::Room(&room)
                 }
                 5 => {
-                    let r = StreamRef { publisher: p(rnd(6)), stream: format!("s{}", rnd(3)) };
-                    let _ = if rnd(3) == 0 { next.unsubscribe(&room, &p(rnd(6)), &r) } else { next.subscribe(&room, &p(rnd(6)), r) };
+                    let r = StreamRef { publisher: p(rnd(4)), stream: format!("s{}", rnd(2)) };
+                    let _ = if rnd(3) == 0 { next.unsubscribe(&room, &p(rnd(4)), &r) } else { next.subscribe(&room, &p(rnd(4)), r) };
                     Owner::Room(&room)
                 }
                 6 => {
@@ -691,11 +787,67 @@ mod tests {
             let full = ForwardingTable::compile_with_rate(&next, table.version, rate);
             assert_eq!(table, full, "step {step}");
             let d = full.diff(&before);
-            let mut expected: Vec<IngressKey> = d.upserts.iter().map(|e| e.key).chain(d.removals).collect();
+            let feedback = d.feedback.iter().map(|local| IngressKey { local: *local, ssrc: None });
+            let mut expected: Vec<IngressKey> = d.upserts.iter().map(|e| e.key).chain(d.removals).chain(feedback).collect();
             expected.sort();
+            expected.dedup();
             assert_eq!(changed, expected, "step {step}");
+            routed |= table.feedback.values().any(|f| !f.routes.is_empty());
             model = next;
         }
         assert!(table.streams.len() > 10, "the walk built something: {}", table.streams.len());
+        assert!(routed, "the walk routed some feedback");
+    }
+
+    /// p0 publishes SSRC 10 on its transport and "any" (no SSRC) on its own port; p1 publishes
+    /// SSRC 20; p2 publishes nothing. p1 and p2 subscribe to all of p0's; p0 to p1's.
+    fn feedback_room() -> Model {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        for i in 0..3 {
+            m.add_participant("r", &format!("p{i}"), a(&format!("10.0.0.1:{}", 4000 + 2 * i)), a(&format!("10.0.1.{}:5000", i + 1))).unwrap();
+        }
+        m.publish("r", "p0", "v", StreamSpec { ssrc: Some(10), ..Default::default() }).unwrap();
+        m.publish("r", "p0", "any", StreamSpec { local: Some(a("10.0.0.1:4100")), ..Default::default() }).unwrap();
+        m.publish("r", "p1", "v", StreamSpec { ssrc: Some(20), ..Default::default() }).unwrap();
+        for (who, publisher, stream) in [(1, 0, "v"), (1, 0, "any"), (2, 0, "v"), (2, 0, "any"), (0, 1, "v")] {
+            m.subscribe("r", &format!("p{who}"), StreamRef { publisher: format!("p{publisher}"), stream: stream.into() }).unwrap();
+        }
+        m
+    }
+
+    #[test]
+    fn a_consumers_rtcp_is_feedback_routed_by_the_ssrcs_it_receives() {
+        use crate::feedback::build;
+        let t = ForwardingTable::compile(&feedback_room(), 1);
+        let p2 = t.feedback.get(&a("10.0.0.1:4004")).unwrap();
+        assert_eq!(p2.source, a("10.0.1.3:5000"));
+        // Only the stream with an SSRC can be named; the route leads back to where it came from.
+        assert_eq!(p2.routes.len(), 1);
+        let r = &p2.routes[0];
+        assert_eq!((r.ssrc, r.from, r.to), (10, a("10.0.0.1:4000"), a("10.0.1.1:5000")));
+        assert_eq!(t.feedback.len(), 3);
+
+        let rr = crate::call_quality::build_report(7, None, &[]);
+        let pli = [rr.clone(), build::pli(7, 10)].concat();
+        // From the consumer: feedback, no stream to forward (p2 publishes nothing).
+        assert!(matches!(t.classify(a("10.0.0.1:4004"), a("10.0.1.3:5000"), &pli), Verdict::Feedback { stream: None, .. }));
+        // From anyone else: a stranger, not a stream that does not exist.
+        assert!(matches!(t.classify(a("10.0.0.1:4004"), a("10.0.1.9:5000"), &pli), Verdict::Drop { reason: DropReason::Stranger, stream: None }));
+        // Broken RTCP from the consumer is malformed; RTP to a subscriber's address no stream.
+        assert!(matches!(t.classify(a("10.0.0.1:4004"), a("10.0.1.3:5000"), &pli[..10]), Verdict::Drop { reason: DropReason::Malformed, .. }));
+        let rtp = build_rtp(0, 1, 0, 7, &[0; 20]);
+        assert!(matches!(t.classify(a("10.0.0.1:4004"), a("10.0.1.3:5000"), &rtp), Verdict::Drop { reason: DropReason::NoStream, .. }));
+        // p0 publishes and subscribes on one address: its SR picks its stream by SSRC, its RR
+        // (or any RTCP of a stranger's SSRC) picks none.
+        let sr = [crate::call_quality::build_report(10, Some(1), &[]), build::pli(10, 20)].concat();
+        match t.classify(a("10.0.0.1:4000"), a("10.0.1.1:5000"), &sr) {
+            Verdict::Feedback { entry, stream: Some(s) } => assert_eq!((entry.consumer.as_str(), s.label.as_str()), ("r/p0", "r/p0/v")),
+            v => panic!("{v:?}"),
+        }
+        assert!(matches!(t.classify(a("10.0.0.1:4000"), a("10.0.1.1:5000"), &rr), Verdict::Feedback { stream: None, .. }));
+        // Its RTP is forwarded as before.
+        assert!(matches!(t.classify(a("10.0.0.1:4000"), a("10.0.1.1:5000"), &build_rtp(0, 1, 0, 10, &[0; 20])), Verdict::Forward(_)));
+        assert!(t.is_local(a("10.0.0.1:4004")) && !t.is_local(a("10.0.0.1:4006")));
     }
 }

@@ -137,6 +137,18 @@ pub struct Counters {
     /// by the kernel path (for the user-space plane the host drops them: `IPReversePathFilter`).
     #[serde(default)]
     pub drop_spoofed: u64,
+    /// RTCP feedback messages of consumers ([`mediaplane_core::feedback`]): sent on to the
+    /// publisher; keyframe requests coalesced (one went shortly before); consumed by the SFU
+    /// (receiver reports, REMB, TWCC...); naming an SSRC the consumer does not receive. Per
+    /// stream: the published stream they were about (routed, coalesced).
+    #[serde(default)]
+    pub feedback_routed: u64,
+    #[serde(default)]
+    pub feedback_coalesced: u64,
+    #[serde(default)]
+    pub feedback_consumed: u64,
+    #[serde(default)]
+    pub feedback_unroutable: u64,
     /// Per stream (0 in totals): when the stream last accepted a packet from its source (or from
     /// a source it is learning): [`monotonic_ns`] nanoseconds, the kernel's `bpf_ktime_get_ns` clock; 0 =
     /// never. A time, not a counter: [`Counters::add`] keeps the later of two. Strangers and
@@ -169,6 +181,10 @@ impl Counters {
         self.drop_source_limited += o.drop_source_limited;
         self.drop_bad_checksum += o.drop_bad_checksum;
         self.drop_spoofed += o.drop_spoofed;
+        self.feedback_routed += o.feedback_routed;
+        self.feedback_coalesced += o.feedback_coalesced;
+        self.feedback_consumed += o.feedback_consumed;
+        self.feedback_unroutable += o.feedback_unroutable;
         self.last_rx_ns = self.last_rx_ns.max(o.last_rx_ns);
     }
 
@@ -182,6 +198,14 @@ impl Counters {
         }
     }
 
+    /// Count what became of a consumer's feedback messages.
+    pub fn count_feedback(&mut self, t: &mediaplane_core::feedback::Tally) {
+        self.feedback_routed += t.routed;
+        self.feedback_coalesced += t.coalesced;
+        self.feedback_consumed += t.consumed;
+        self.feedback_unroutable += t.unroutable;
+    }
+
     pub fn count_slow(&mut self, reason: SlowReason) {
         match reason {
             SlowReason::Stun => self.slow_stun += 1,
@@ -190,7 +214,7 @@ impl Counters {
     }
 
     /// (name, value) pairs of the counters (not [`Counters::last_rx_ns`]), for metrics exposition.
-    pub fn fields(&self) -> [(&'static str, u64); 14] {
+    pub fn fields(&self) -> [(&'static str, u64); 18] {
         [
             ("rx_packets", self.rx_packets),
             ("rx_bytes", self.rx_bytes),
@@ -206,6 +230,10 @@ impl Counters {
             ("drop_source_limited", self.drop_source_limited),
             ("drop_bad_checksum", self.drop_bad_checksum),
             ("drop_spoofed", self.drop_spoofed),
+            ("feedback_routed", self.feedback_routed),
+            ("feedback_coalesced", self.feedback_coalesced),
+            ("feedback_consumed", self.feedback_consumed),
+            ("feedback_unroutable", self.feedback_unroutable),
         ]
     }
 }

@@ -17,6 +17,7 @@ use crate::srtp::SrtpSlot;
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy};
 use arc_swap::ArcSwap;
+use mediaplane_core::feedback::FeedbackRouter;
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::reception::{ReceptionReport, RtpReception};
 use mediaplane_core::rtp::{demux, MediaKind, RtpHeader};
@@ -195,6 +196,9 @@ struct Shared {
     /// In-path reception quality per RTP stream. Shared: a stream's packets normally reach one
     /// worker, but a new source may land on another; one lock per batch.
     reception: Mutex<HashMap<u32, RtpReception>>,
+    /// Consumers' feedback: shared, so keyframe requests are coalesced whichever worker the
+    /// subscribers' flows landed on (a few packets per second per consumer).
+    feedback: Mutex<FeedbackRouter>,
 }
 
 /// Per-source rate-limit buckets ([`ForwardingTable::source_limit`]), bounded: the least
@@ -292,6 +296,7 @@ impl UserspaceDataplane {
             sources: Mutex::new(SourceBuckets::default()),
             mark_ack: cfg.mark_ack.clone(),
             reception: Mutex::new(HashMap::new()),
+            feedback: Mutex::new(FeedbackRouter::default()),
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
             (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer, cfg.header).map(Arc::new)).collect::<Result<_, _>>()?
@@ -729,8 +734,9 @@ impl WorkerCtx {
         // One reading per batch: its datagrams were all waiting in the socket by now.
         let received_at = crate::monotonic_ns();
         let mut delta = WorkerCounters::default();
-        // (egress fd, stream id, message) for every copy of the batch.
-        let mut out: Vec<(RawFd, u32, Outgoing<'_>)> = Vec::new();
+        // (egress fd, stream id, message) for every copy of the batch; no stream id for
+        // feedback on its way to a publisher (not a copy).
+        let mut out: Vec<(RawFd, Option<u32>, Outgoing<'_>)> = Vec::new();
         // Marks of datagrams the kernel handed up in stream order: acknowledged once the batch's
         // copies are sent.
         let mut marks: Vec<u32> = Vec::new();
@@ -762,12 +768,48 @@ impl WorkerCtx {
             };
             let verdict = state.table.classify(local, src, payload);
             // The per-source limit: on everything classify() does not drop, before any work.
-            if let (Some(limit), Verdict::Forward(_) | Verdict::Learn(_) | Verdict::SlowPath { .. }) = (state.table.source_limit, &verdict) {
+            if let (Some(limit), Verdict::Forward(_) | Verdict::Learn(_) | Verdict::Feedback { .. } | Verdict::SlowPath { .. }) =
+                (state.table.source_limit, &verdict)
+            {
                 if !self.shared.sources.lock().admit(limit, src.ip(), now, payload.len() as u64) {
                     delta.total.drop_source_limited += 1;
                     continue;
                 }
             }
+            // A consumer's feedback goes to the publishers it names; what remains of a sender's
+            // report is forwarded like any packet of its stream.
+            let (verdict, payload): (Verdict<'_>, Cow<'_, [u8]>) = match verdict {
+                Verdict::Feedback { entry: fb, stream } => {
+                    let outcome = match self.shared.feedback.lock().route(fb, payload, received_at) {
+                        Ok(o) => o,
+                        Err(_) => {
+                            delta.total.drop_malformed += 1;
+                            if let Some(e) = stream {
+                                delta.streams.entry(e.id).or_default().drop_malformed += 1;
+                            }
+                            continue;
+                        }
+                    };
+                    delta.total.count_feedback(&outcome.total);
+                    for (id, t) in &outcome.per_stream {
+                        delta.streams.entry(*id).or_default().count_feedback(t);
+                    }
+                    for r in outcome.routed {
+                        match (state.sockets.get(&r.from), &self.steer) {
+                            (Some(group), _) => {
+                                out.push((group[self.id].as_raw_fd(), None, Outgoing { to: SockAddr::from(r.to), payload: Cow::Owned(r.packet) }))
+                            }
+                            (None, Some(steer)) if send_raw_copy(steer, r.from, r.to, &r.packet) => {}
+                            _ => delta.total.tx_errors += 1,
+                        }
+                    }
+                    match (stream, outcome.forward) {
+                        (Some(entry), Some(report)) => (Verdict::Forward(entry), Cow::Owned(report)),
+                        _ => continue,
+                    }
+                }
+                v => (v, Cow::Borrowed(payload)),
+            };
             match verdict {
                 Verdict::Forward(entry) | Verdict::Learn(entry) => {
                     let sc = delta.streams.entry(entry.id).or_default();
@@ -778,8 +820,8 @@ impl WorkerCtx {
                     // as malformed and process-wide by reason. So only the key's holder can
                     // move an SRTP leg's latch.
                     let payload: Cow<'_, [u8]> = match &entry.inbound {
-                        Protection::Clear => Cow::Borrowed(payload),
-                        Protection::Srtp(_) => match crate::srtp::unprotect(state.srtp.get(SrtpSlot { stream: entry.id, copy: None }), payload) {
+                        Protection::Clear => payload,
+                        Protection::Srtp(_) => match crate::srtp::unprotect(state.srtp.get(SrtpSlot { stream: entry.id, copy: None }), &payload) {
                             Ok(clear) => Cow::Owned(clear),
                             Err(_) => {
                                 sc.drop_malformed += 1;
@@ -846,7 +888,7 @@ impl WorkerCtx {
                             },
                         };
                         match (state.sockets.get(&copy.from), &self.steer) {
-                            (Some(group), _) => out.push((group[self.id].as_raw_fd(), entry.id, Outgoing { to: SockAddr::from(copy.to), payload })),
+                            (Some(group), _) => out.push((group[self.id].as_raw_fd(), Some(entry.id), Outgoing { to: SockAddr::from(copy.to), payload })),
                             (None, Some(steer)) => {
                                 if send_raw_copy(steer, copy.from, copy.to, &payload) {
                                     sc.tx_copies += 1;
@@ -874,6 +916,7 @@ impl WorkerCtx {
                         sc.count_drop(reason);
                     }
                 }
+                Verdict::Feedback { .. } => unreachable!("feedback was routed above"),
                 Verdict::SlowPath { reason, stream } => {
                     delta.total.count_slow(reason);
                     if let Some(id) = stream {
@@ -891,6 +934,11 @@ impl WorkerCtx {
             let msgs: Vec<&Outgoing<'_>> = out[start..end].iter().map(|(_, _, m)| m).collect();
             let failed = sys::send_batch(fd, &msgs);
             for (k, (_, id, m)) in out[start..end].iter().enumerate() {
+                let Some(id) = id else {
+                    // Feedback to a publisher: only a failure is counted (as any send's).
+                    delta.total.tx_errors += failed.contains(&k) as u64;
+                    continue;
+                };
                 let sc = delta.streams.entry(*id).or_default();
                 if failed.contains(&k) {
                     sc.tx_errors += 1;

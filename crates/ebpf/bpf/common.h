@@ -45,6 +45,9 @@
                                         source, or an asymmetric one): no source check */
 #define STREAM_F_RTCP_UP (1u << 8)  /* its RTCP goes to the slow path, which relays it and hands it
                                       to the control plane (a relay's reports: RTT, MOS) */
+#define STREAM_F_FEEDBACK (1u << 9) /* (wildcard entry only) a consumer's address: RTCP from the
+                                      source in this entry (the placeholder too) is feedback, which
+                                      the slow path routes to the publishers (core feedback.rs) */
 
 /* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
 #define MAX_SOURCES 65536
@@ -115,6 +118,7 @@ enum mp_counter {
 	CNT_DROP_SPOOFED,     /* the source fails the reverse-path check (rp_filter) on its ingress */
 	CNT_PASS_IN_ORDER,    /* the stream still has packets in the slow path: this one follows them */
 	CNT_PASS_RTCP,        /* STREAM_F_RTCP_UP and RTCP */
+	CNT_PASS_FEEDBACK,    /* a consumer's RTCP (STREAM_F_FEEDBACK), for the slow path to route */
 	CNT__MAX,
 };
 

@@ -3,8 +3,11 @@
  *
  * Per packet, in the order of ForwardingTable::classify():
  *   parse (cannot judge -> stack) -> stream on (dst ip, dst port)? (no -> stack, not ours)
- *   -> STUN (-> stack) -> RTP/RTCP validity if the stream(s) need RTP (bad -> drop malformed)
- *   -> SSRC-narrowed entry, else the wildcard entry (none -> drop no_stream)
+ *   -> STUN (-> stack) -> RTCP from a consumer's own address (STREAM_F_FEEDBACK): valid -> stack,
+ *      where the slow path routes the feedback to the publishers; broken -> drop malformed
+ *   -> RTP/RTCP validity if the stream(s) need RTP (bad -> drop malformed)
+ *   -> SSRC-narrowed entry, else the wildcard entry (none -> drop no_stream; RTCP to a consumer's
+ *      address: drop stranger, it is not the consumer's)
  *   -> source: the stream's source, or any if it takes any -> on; a learning relay leg's other
  *      sources -> stack (relayed and reported there); otherwise -> drop stranger
  *   -> per-source limit (if any), on every packet not dropped above (STUN and learnt sources
@@ -550,6 +553,16 @@ int sfu_ingress(struct __sk_buff *skb)
 			return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
 		return pass_slow(any_sc, CNT_PASS_STUN);
 	}
+	/* A consumer's RTCP: PLI/FIR/NACK for the publishers, coalesced in user space. Checked
+	 * before the SSRC lookup: its sender SSRC is the consumer's, not a stream's. */
+	if (kind == MK_RTCP && (wildcard->flags & STREAM_F_FEEDBACK) && from_source(wildcard, &p)) {
+		__u32 sender;
+		if (rtcp_ssrc(skb, &p, &sender))
+			return drop(any_sc, CNT_DROP_MALFORMED, p.payload_len);
+		if (!source_admit(p.saddr, p.family, t0, p.payload_len))
+			return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
+		return pass_slow(any_sc, CNT_PASS_FEEDBACK);
+	}
 
 	__u32 ssrc = 0;
 	int wants_rtp = narrowed || (has_any && (wildcard->flags & STREAM_F_RTP));
@@ -571,7 +584,8 @@ int sfu_ingress(struct __sk_buff *skb)
 	}
 	if (!entry) {
 		if (!has_any)
-			return drop(NULL, CNT_DROP_NO_STREAM, p.payload_len);
+			return drop(NULL, kind == MK_RTCP && (wildcard->flags & STREAM_F_FEEDBACK) ? CNT_DROP_STRANGER : CNT_DROP_NO_STREAM,
+				    p.payload_len);
 		entry = wildcard;
 	}
 	struct mp_stream_counters *sc = stream_counters_of(entry);

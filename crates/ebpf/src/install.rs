@@ -209,9 +209,10 @@ impl Installer {
             let placeholder = value.flags & crate::maps::flags::PRESENT == 0;
             let latch = value.flags & crate::maps::flags::LATCH != 0;
             let any = value.flags & crate::maps::flags::ANY_SOURCE != 0;
-            // A placeholder carries a source only with ONE_SOURCE (the address's one source); a
-            // learning stream only once it follows one (a source port is never 0).
-            let one_source = value.flags & crate::maps::flags::ONE_SOURCE != 0;
+            // A placeholder carries a source only with ONE_SOURCE (the address's one source) or
+            // FEEDBACK (the consumer's); a learning stream only once it follows one (a source
+            // port is never 0).
+            let one_source = value.flags & (crate::maps::flags::ONE_SOURCE | crate::maps::flags::FEEDBACK) != 0;
             let followed = latch && value.src_port != [0, 0];
             let source = (followed || (!latch && !any && (!placeholder || one_source)))
                 .then(|| SocketAddr::new(KeyRaw { addr: value.src_addr, ..key }.local().ip(), u16::from_be_bytes(value.src_port)));
@@ -331,7 +332,7 @@ impl Installer {
             Some(keys) => keys.iter().map(|k| k.local).collect(),
             None => {
                 let d = table.diff(prev);
-                d.upserts.iter().map(|e| e.key.local).chain(d.removals.iter().map(|k| k.local)).collect()
+                d.upserts.iter().map(|e| e.key.local).chain(d.removals.iter().map(|k| k.local)).chain(d.feedback).collect()
             }
         });
         if locals.as_ref().is_some_and(|l| l.is_empty()) {
@@ -635,11 +636,12 @@ mod tests {
         assert_eq!(inst.apply(t1.clone(), &mut k).unwrap(), ApplyReport::default());
 
         // Remove a subscriber: one entry rewritten to a fresh range, the old one retired (not
-        // waited for) and freed by reclaim after a barrier.
+        // waited for) and freed by reclaim after a barrier; and the subscriber's own entry, no
+        // longer a consumer's (no FEEDBACK).
         m.unsubscribe("r", "p2", &StreamRef { publisher: "p0".into(), stream: "main".into() }).unwrap();
         let t2 = Arc::new(ForwardingTable::compile(&m, 2));
         let r = inst.apply(t2.clone(), &mut k).unwrap();
-        assert_eq!((r.streams_written, r.copies_written, r.retired, r.barrier), (1, 2, 1, false));
+        assert_eq!((r.streams_written, r.copies_written, r.retired, r.barrier), (2, 2, 1, false));
         assert_eq!(k.as_entries(), expected(&t2));
         assert_eq!((inst.free_copy_slots(), k.barriers), (64 - 3 - 2, 0));
         barrier_and_reclaim(&mut inst, &mut k);

@@ -101,6 +101,11 @@ impl KernelStats {
             drop_source_limited: g("drop_source_limited"),
             drop_bad_checksum: g("drop_bad_checksum"),
             drop_spoofed: g("drop_spoofed"),
+            // Decided by the slow path, which routes the feedback the kernel hands up.
+            feedback_routed: 0,
+            feedback_coalesced: 0,
+            feedback_consumed: 0,
+            feedback_unroutable: 0,
             last_rx_ns: 0, // kept per stream only
         };
         let streams = self.streams.iter().map(|(id, s)| (*id, s.to_counters())).collect();

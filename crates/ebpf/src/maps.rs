@@ -12,6 +12,7 @@
 //! source without reading the SSRC; the TC program ignores the flag (the placeholder stays a
 //! placeholder: not `PRESENT`, it forwards nothing and counts nothing).
 
+use mediaplane_core::feedback::FeedbackEntry;
 use mediaplane_core::ratelimit::RateLimit;
 use mediaplane_core::reception::RtpReception;
 use mediaplane_core::table::{ForwardingTable, IngressKey, SourceRule, StreamEntry};
@@ -38,6 +39,9 @@ pub mod flags {
     pub const ANY_SOURCE: u32 = 1 << 7;
     /// Its RTCP goes to the slow path, which relays it and hands it to the control plane.
     pub const RTCP_UP: u32 = 1 << 8;
+    /// (wildcard entry only) a consumer's address: RTCP from the source written in this entry
+    /// (the placeholder too) is feedback, for the slow path to route.
+    pub const FEEDBACK: u32 = 1 << 9;
 }
 
 /// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
@@ -45,7 +49,7 @@ pub const MAX_FANOUT: usize = 4096;
 
 /// Global counter indices (enum mp_counter) with their names in `DataplaneStats.extra`.
 /// The first eight feed [`mediaplane_dataplane::Counters`].
-pub const GLOBAL_COUNTERS: [&str; 33] = [
+pub const GLOBAL_COUNTERS: [&str; 34] = [
     "rx_packets",
     "rx_bytes",
     "tx_copies",
@@ -79,6 +83,7 @@ pub const GLOBAL_COUNTERS: [&str; 33] = [
     "drop_spoofed",
     "pass_in_order",
     "pass_rtcp",
+    "pass_feedback",
 ];
 
 /// Index of a global counter by name (panics on a typo: names are compile-time constants).
@@ -654,6 +659,29 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
             clock_rate: 0,
         });
     }
+    // Consumers' addresses: the wildcard entry (a placeholder if there is none) says whose RTCP
+    // is feedback. Its source is the consumer's, which is also that of every stream it publishes
+    // there (one owner per address); an entry with another source keeps the RTCP its own.
+    let feedback: Box<dyn Iterator<Item = &FeedbackEntry>> = match locals {
+        None => Box::new(table.feedback.values()),
+        Some(ls) => Box::new(ls.iter().filter_map(|l| table.feedback.get(l))),
+    };
+    for fb in feedback {
+        let wild = out.entry(KeyRaw::new(fb.local, None)).or_insert(KernelStream {
+            id: 0,
+            flags: 0,
+            source: Some(fb.source),
+            copies: Vec::new(),
+            rate: None,
+            clock_rate: 0,
+        });
+        if wild.is_placeholder() && wild.source.is_none() {
+            wild.source = Some(fb.source);
+        }
+        if wild.source == Some(fb.source) && wild.flags & (flags::LATCH | flags::ANY_SOURCE) == 0 {
+            wild.flags |= flags::FEEDBACK;
+        }
+    }
     out
 }
 
@@ -744,11 +772,31 @@ mod tests {
         let low = &e[&KeyRaw::new(a("10.0.0.1:4000"), Some(1))];
         assert_eq!(low.flags, flags::PRESENT | flags::RTP);
         assert_eq!(low.copies, vec![CopyRaw::new(low.id, a("10.0.0.1:4002"), a("10.0.1.2:5000"))]);
+        // p1 subscribes: its RTCP is feedback.
         let main = &e[&KeyRaw::new(a("10.0.0.1:4002"), None)];
-        assert_eq!(main.flags, flags::PRESENT | flags::RTP | flags::ONE_SOURCE);
+        assert_eq!(main.flags, flags::PRESENT | flags::RTP | flags::ONE_SOURCE | flags::FEEDBACK);
         // Restricting to one local only yields its entries.
         let only: BTreeSet<_> = [a("10.0.0.1:4002")].into();
         assert_eq!(kernel_entries(&t, Some(&only)).len(), 1);
+    }
+
+    #[test]
+    fn a_subscriber_that_publishes_nothing_gets_a_feedback_placeholder() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p0", a("10.0.0.1:4000"), a("10.0.1.1:5000")).unwrap();
+        m.add_participant("r", "p1", a("10.0.0.1:4002"), a("10.0.1.2:5000")).unwrap();
+        m.publish("r", "p0", "low", StreamSpec { ssrc: Some(1), ..Default::default() }).unwrap();
+        m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "low".into() }).unwrap();
+        m.subscribe("r", "p0", StreamRef { publisher: "p0".into(), stream: "low".into() }).unwrap_err();
+        let e = kernel_entries(&ForwardingTable::compile(&m, 1), None);
+        let ph = &e[&KeyRaw::new(a("10.0.0.1:4002"), None)];
+        assert!(ph.is_placeholder());
+        // Not ONE_SOURCE: the pre-filter must not drop a stranger's non-RTCP there as a
+        // stranger (classify calls it NoStream); TC tells the two apart.
+        assert_eq!((ph.flags, ph.source), (flags::FEEDBACK, Some(a("10.0.1.2:5000"))));
+        // The publisher subscribes to nothing: its narrowed-only placeholder stays as it was.
+        assert_eq!(e[&KeyRaw::new(a("10.0.0.1:4000"), None)].flags, flags::NARROWED | flags::ONE_SOURCE);
     }
 
     #[test]

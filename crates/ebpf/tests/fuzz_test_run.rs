@@ -25,6 +25,7 @@ mod common;
 
 use common::rig::*;
 use common::*;
+use mediaplane_core::feedback::{FeedbackEntry, FeedbackRoute};
 use mediaplane_core::packet::{build_frame, internet_checksum, parse_frame, udp_checksum, FrameSpec};
 use mediaplane_core::rtp::build_rtp;
 use mediaplane_core::table::{ForwardingTable, SourceRule, StreamEntry};
@@ -42,7 +43,7 @@ fn fuzz_table() -> ForwardingTable {
     let v4 = |n, base| subscribers(n, "10.200.0.1", "10.200.0.2", base);
     let v6 = |n, base| subscribers(n, "fd00:200::1", "fd00:200::2", base);
     let fixed = |s| SourceRule::Fixed(a(s));
-    table(
+    let mut t = table(
         1,
         vec![
             entry(1, "10.200.0.1:4000", None, fixed(PUBLISHER), true, v4(3, 40000)),
@@ -69,7 +70,20 @@ fn fuzz_table() -> ForwardingTable {
             StreamEntry { evaluate_rtcp: true, ..entry(16, "[fd00:200::1]:4008", None, SourceRule::Learn(Some(a(PUBLISHER6))), true, v6(1, 41400)) },
             entry(17, "[fd00:200::1]:4010", None, SourceRule::Any, false, v6(1, 41500)),
         ],
-    )
+    );
+    // Consumers' addresses: beside a wildcard stream, narrowed-only streams, a non-RTP wildcard
+    // stream, and none at all (a subscriber that publishes nothing).
+    for (local, source) in [
+        ("10.200.0.1:4000", PUBLISHER),
+        ("10.200.0.1:4002", PUBLISHER),
+        ("10.200.0.1:4004", PUBLISHER2),
+        ("10.200.0.1:4018", PUBLISHER),
+        ("[fd00:200::1]:4012", PUBLISHER6),
+    ] {
+        let route = FeedbackRoute { ssrc: SSRCS[0], stream: 2, publisher_ssrc: SSRCS[0], from: a("10.200.0.1:4002"), to: a(PUBLISHER) };
+        t.feedback.insert(a(local), FeedbackEntry { consumer: format!("r/{local}"), local: a(local), source: a(source), routes: vec![route] });
+    }
+    t
 }
 
 /// splitmix64: small, seedable, good enough to pick mutations.
@@ -187,7 +201,7 @@ fn any_payload(rng: &mut Rng) -> Vec<u8> {
 /// A valid frame to one of the model's addresses (or a neighbour of one), from its publisher
 /// most of the time.
 fn seed_frame(rng: &mut Rng, t: &ForwardingTable, log: &mut Vec<String>) -> Vec<u8> {
-    let locals: Vec<SocketAddr> = t.streams.keys().map(|k| k.local).collect();
+    let locals: Vec<SocketAddr> = t.streams.keys().map(|k| k.local).chain(t.feedback.keys().copied()).collect();
     let dst = match rng.below(10) {
         0 => rng.pick(&[a("10.200.0.1:4001"), a("10.200.0.3:4000"), a("[fd00:200::1]:4001"), a("[fd00:200::3]:4000")]),
         _ => rng.pick(&locals),
@@ -581,6 +595,7 @@ fn random_and_mutated_frames_follow_the_reference() {
             "pass_unlatched",
             "pass_slow_stream",
             "pass_rtcp",
+            "pass_feedback",
             "pass_truncated",
             "pass_bad_udp_length",
             "pass_bad_ip_header",

@@ -137,7 +137,7 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
     };
     // Traffic to addresses without streams is not ours: the kernel leaves it to the stack
     // (classify() calls it NoStream because it only ever sees the SFU's own sockets).
-    if !t.streams.keys().any(|k| k.local == f.dst) {
+    if !t.is_local(f.dst) {
         return Expect::Pass("pass_not_ours");
     }
     let payload = &frame[f.payload..f.payload + f.payload_len];
@@ -167,6 +167,8 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         Verdict::Drop { reason: DropReason::Malformed, .. } => Expect::Drop("drop_malformed"),
         Verdict::Drop { reason: DropReason::BadChecksum | DropReason::Spoofed, .. } => unreachable!("classify() judges payloads, not frames"),
         Verdict::SlowPath { reason: SlowReason::Stun, .. } => Expect::Pass("pass_stun"),
+        // The slow path routes it (and forwards a sender report in it).
+        Verdict::Feedback { .. } => Expect::Pass("pass_feedback"),
         // The kernel hands a learning leg's other sources up; the slow path relays them.
         Verdict::Learn(_) => Expect::Pass("pass_unlatched"),
         Verdict::SlowPath { reason: SlowReason::Unlatched, .. } => unreachable!("classify() relays what a learning leg hears"),
@@ -176,11 +178,13 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
 /// The stream the kernel must account a frame to (its per-stream counters), per classify().
 pub fn reference_stream(t: &ForwardingTable, frame: &[u8]) -> Option<u32> {
     let f = parse_frame(frame).ok()?;
-    if !t.streams.keys().any(|k| k.local == f.dst) {
+    if !t.is_local(f.dst) {
         return None;
     }
     match t.classify(f.dst, f.src, &frame[f.payload..f.payload + f.payload_len]) {
         Verdict::Forward(e) | Verdict::Learn(e) => Some(e.id),
+        // Handed up before its stream is looked up: counted on the address's wildcard stream.
+        Verdict::Feedback { .. } => t.streams.get(&mediaplane_core::IngressKey { local: f.dst, ssrc: None }).map(|e| e.id),
         Verdict::Drop { stream, .. } | Verdict::SlowPath { stream, .. } => stream,
     }
 }

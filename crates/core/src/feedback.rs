@@ -1,0 +1,426 @@
+//! RTCP feedback in a room (RFC 3550, RFC 4585, RFC 5104): what a subscriber says about the
+//! streams it receives goes back to their publishers; what is the SFU's own business stays here.
+//!
+//! A participant's RTCP arriving at its own SFU address from its registered address is its
+//! feedback ([`crate::table::Verdict::Feedback`]). Per message of the compound packet:
+//!
+//! | message                              | what happens                                          |
+//! |--------------------------------------|-------------------------------------------------------|
+//! | PLI (PSFB 1), FIR (PSFB 4, per entry)| routed to the publisher of the media SSRC it names, at most one keyframe request per stream and SSRC per [`KEYFRAME_REQUEST_INTERVAL_NS`] (the rest coalesced: 50 subscribers asking at once cause one keyframe) |
+//! | generic NACK (RTPFB 1)               | routed to the publisher (it retransmits)              |
+//! | RR and the report blocks of an SR    | consumed: the receiver's view of each stream ([`Outcome::reports`]) |
+//! | REMB (PSFB 15 "REMB")                | consumed: the receiver's estimate ([`Outcome::remb_bps`]), input to layer choice |
+//! | TWCC (RTPFB 15), other feedback, XR  | consumed (the SFU would have to answer them itself)   |
+//! | SR, SDES, BYE, APP                   | a sender's own: forwarded to its subscribers ([`Outcome::forward`]) when the compound starts with an SR |
+//!
+//! A feedback message naming an SSRC the participant does not receive (or one of a stream
+//! published without an SSRC, which cannot be told apart) is counted as unroutable and goes
+//! nowhere; so a participant can only ask for keyframes of what it is subscribed to. A compound
+//! with a feedback message shorter than its type needs is malformed as a whole.
+//!
+//! What goes to a publisher is a compound packet of its own: an empty receiver report from the
+//! subscriber's SSRC (RFC 3550 wants a compound to start with one) and the messages about that
+//! publisher's streams, their media SSRCs mapped to what the publisher sent
+//! ([`FeedbackRoute::publisher_ssrc`]). Sans-I/O: time is passed in.
+
+use crate::call_quality::ReportBlock;
+use crate::rtp::{parse_rtcp_compound, RtpError};
+use serde::{Deserialize, Serialize};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+/// At most one keyframe request (PLI or FIR) per published stream and SSRC in this interval.
+pub const KEYFRAME_REQUEST_INTERVAL_NS: u64 = 500_000_000;
+/// Keyframe request times kept; beyond it, the ones older than the interval are forgotten.
+const MAX_KEYFRAME_STATES: usize = 65_536;
+
+const SR: u8 = 200;
+const RR: u8 = 201;
+const SDES: u8 = 202;
+const BYE: u8 = 203;
+const APP: u8 = 204;
+const RTPFB: u8 = 205;
+const PSFB: u8 = 206;
+const FMT_NACK: u8 = 1;
+const FMT_PLI: u8 = 1;
+const FMT_FIR: u8 = 4;
+const FMT_AFB: u8 = 15;
+
+/// Where a consumer's feedback about one media SSRC goes.
+#[derive(Debug, Clone, PartialEq, Eq, PartialOrd, Ord, Serialize, Deserialize)]
+pub struct FeedbackRoute {
+    /// The media SSRC as the consumer receives it.
+    pub ssrc: u32,
+    /// The published stream (its id: counters are kept per stream).
+    pub stream: u32,
+    /// The SSRC the publisher sends that media with (the same until layers are rewritten).
+    pub publisher_ssrc: u32,
+    /// The publisher's SFU address (where it sends the stream) and the publisher.
+    pub from: SocketAddr,
+    pub to: SocketAddr,
+}
+
+/// A consumer address: RTCP arriving at `local` from `source` is feedback, routed by `routes`
+/// (sorted by SSRC).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct FeedbackEntry {
+    /// `room/participant`.
+    pub consumer: String,
+    pub local: SocketAddr,
+    pub source: SocketAddr,
+    pub routes: Vec<FeedbackRoute>,
+}
+
+impl FeedbackEntry {
+    pub fn route(&self, ssrc: u32) -> Option<&FeedbackRoute> {
+        self.routes.binary_search_by_key(&ssrc, |r| r.ssrc).ok().map(|i| &self.routes[i])
+    }
+}
+
+/// Feedback messages by fate.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Tally {
+    /// Sent on to a publisher.
+    pub routed: u64,
+    /// Keyframe requests not sent because one was sent for the same stream and SSRC shortly before.
+    pub coalesced: u64,
+    /// Consumed by the SFU (receiver reports, bandwidth estimates, feedback it does not route).
+    pub consumed: u64,
+    /// Naming an SSRC the consumer does not receive.
+    pub unroutable: u64,
+}
+
+impl Tally {
+    pub fn add(&mut self, o: &Tally) {
+        self.routed += o.routed;
+        self.coalesced += o.coalesced;
+        self.consumed += o.consumed;
+        self.unroutable += o.unroutable;
+    }
+}
+
+/// One compound packet for a publisher.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Routed {
+    pub stream: u32,
+    pub from: SocketAddr,
+    pub to: SocketAddr,
+    pub packet: Vec<u8>,
+}
+
+/// What one feedback packet turns into.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Outcome {
+    pub routed: Vec<Routed>,
+    /// The sender's own part (SR, SDES, BYE, APP) when the compound starts with an SR: what its
+    /// subscribers get.
+    pub forward: Option<Vec<u8>>,
+    /// Report blocks about streams the consumer receives, as the SFU forwarded them (the
+    /// consumer's view: loss, jitter, LSR/DLSR), with their stream id.
+    pub reports: Vec<(u32, ReportBlock)>,
+    /// The last REMB in the packet, bits per second.
+    pub remb_bps: Option<u64>,
+    pub total: Tally,
+    /// Per published stream the messages were about (routed and coalesced ones).
+    pub per_stream: Vec<(u32, Tally)>,
+}
+
+impl Outcome {
+    fn tally(&mut self, stream: Option<u32>, f: impl Fn(&mut Tally)) {
+        f(&mut self.total);
+        if let Some(id) = stream {
+            match self.per_stream.iter_mut().find(|(s, _)| *s == id) {
+                Some((_, t)) => f(t),
+                None => {
+                    let mut t = Tally::default();
+                    f(&mut t);
+                    self.per_stream.push((id, t));
+                }
+            }
+        }
+    }
+}
+
+/// The routing state that outlives a packet: when each stream last had a keyframe requested.
+#[derive(Debug, Default)]
+pub struct FeedbackRouter {
+    keyframe_requested: HashMap<(u32, u32), u64>,
+}
+
+fn be32(b: &[u8], at: usize) -> u32 {
+    u32::from_be_bytes(b[at..at + 4].try_into().unwrap())
+}
+
+impl FeedbackRouter {
+    /// Route `packet` (a compound RTCP packet from `entry`'s consumer) at `now_ns`.
+    /// Err: not a valid compound, or a feedback message too short for its type.
+    pub fn route(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Result<Outcome, RtpError> {
+        let packets = parse_rtcp_compound(packet)?;
+        let mut out = Outcome::default();
+        let starts_with_sr = packets[0].packet_type == SR;
+        let mut forward = Vec::new();
+        // Per publisher (from, to): the stream first named and the messages for it.
+        let mut per_publisher: Vec<((SocketAddr, SocketAddr), u32, Vec<u8>)> = Vec::new();
+        let mut send = |route: &FeedbackRoute, message: Vec<u8>| match per_publisher.iter_mut().find(|(k, _, _)| *k == (route.from, route.to)) {
+            Some((_, _, buf)) => buf.extend_from_slice(&message),
+            None => per_publisher.push(((route.from, route.to), route.stream, message)),
+        };
+        for p in &packets {
+            let b = p.bytes;
+            match (p.packet_type, p.count) {
+                (SR | RR, _) => {
+                    let first = if p.packet_type == SR { 28 } else { 8 };
+                    for i in 0..p.count as usize {
+                        let at = first + 24 * i;
+                        let Some(block) = b.get(at..at + 24) else { break };
+                        if let Some(route) = entry.route(be32(block, 0)) {
+                            out.reports.push((
+                                route.stream,
+                                ReportBlock {
+                                    reporter: p.sender_ssrc,
+                                    about: route.publisher_ssrc,
+                                    fraction_lost: block[4],
+                                    cumulative_lost: ((be32(block, 4) << 8) as i32) >> 8,
+                                    highest_seq: be32(block, 8),
+                                    jitter: be32(block, 12),
+                                    lsr: be32(block, 16),
+                                    dlsr: be32(block, 20),
+                                },
+                            ));
+                        }
+                    }
+                    if p.packet_type == SR && starts_with_sr {
+                        forward.extend_from_slice(b);
+                    } else {
+                        out.tally(None, |t| t.consumed += 1);
+                    }
+                }
+                (SDES | BYE | APP, _) if starts_with_sr => forward.extend_from_slice(b),
+                (RTPFB, FMT_NACK) | (PSFB, FMT_PLI) => {
+                    let too_short = b.len() < 12 || (p.packet_type == RTPFB && b.len() < 16);
+                    if too_short {
+                        return Err(RtpError::BadRtcpLength);
+                    }
+                    let Some(route) = entry.route(be32(b, 8)) else {
+                        out.tally(None, |t| t.unroutable += 1);
+                        continue;
+                    };
+                    if p.packet_type == PSFB && !self.keyframe_due(route, now_ns) {
+                        out.tally(Some(route.stream), |t| t.coalesced += 1);
+                        continue;
+                    }
+                    let mut m = b.to_vec();
+                    m[8..12].copy_from_slice(&route.publisher_ssrc.to_be_bytes());
+                    send(route, m);
+                    out.tally(Some(route.stream), |t| t.routed += 1);
+                }
+                (PSFB, FMT_FIR) => {
+                    // Each FCI entry (SSRC, sequence number, 3 reserved bytes) asks one sender.
+                    if b.len() < 20 || (b.len() - 12) % 8 != 0 {
+                        return Err(RtpError::BadRtcpLength);
+                    }
+                    for fci in b[12..].chunks_exact(8) {
+                        let Some(route) = entry.route(be32(fci, 0)) else {
+                            out.tally(None, |t| t.unroutable += 1);
+                            continue;
+                        };
+                        if !self.keyframe_due(route, now_ns) {
+                            out.tally(Some(route.stream), |t| t.coalesced += 1);
+                            continue;
+                        }
+                        let mut m = Vec::with_capacity(20);
+                        m.extend_from_slice(&[0x80 | FMT_FIR, PSFB, 0, 4]);
+                        m.extend_from_slice(&b[4..12]);
+                        m.extend_from_slice(&route.publisher_ssrc.to_be_bytes());
+                        m.extend_from_slice(&fci[4..8]);
+                        send(route, m);
+                        out.tally(Some(route.stream), |t| t.routed += 1);
+                    }
+                }
+                (PSFB, FMT_AFB) if b.len() >= 20 && &b[12..16] == b"REMB" => {
+                    let (exp, mantissa) = (b[17] >> 2, (be32(b, 16) & 0x3_ffff) as u64);
+                    out.remb_bps = Some(u64::try_from((mantissa as u128) << exp).unwrap_or(u64::MAX));
+                    out.tally(None, |t| t.consumed += 1);
+                }
+                _ => out.tally(None, |t| t.consumed += 1),
+            }
+        }
+        if starts_with_sr {
+            out.forward = Some(forward);
+        }
+        let reporter = packets[0].sender_ssrc;
+        out.routed = per_publisher
+            .into_iter()
+            .map(|((from, to), stream, messages)| {
+                // An empty receiver report from the consumer first: a valid compound packet.
+                let mut packet = Vec::with_capacity(8 + messages.len());
+                packet.extend_from_slice(&[0x80, RR, 0, 1]);
+                packet.extend_from_slice(&reporter.to_be_bytes());
+                packet.extend_from_slice(&messages);
+                Routed { stream, from, to, packet }
+            })
+            .collect();
+        Ok(out)
+    }
+
+    /// Whether a keyframe request for `route` may go now (and note it if so).
+    fn keyframe_due(&mut self, route: &FeedbackRoute, now_ns: u64) -> bool {
+        let key = (route.stream, route.publisher_ssrc);
+        if let Some(last) = self.keyframe_requested.get(&key) {
+            if now_ns.saturating_sub(*last) < KEYFRAME_REQUEST_INTERVAL_NS {
+                return false;
+            }
+        }
+        if self.keyframe_requested.len() >= MAX_KEYFRAME_STATES {
+            self.keyframe_requested.retain(|_, t| now_ns.saturating_sub(*t) < KEYFRAME_REQUEST_INTERVAL_NS);
+        }
+        self.keyframe_requested.insert(key, now_ns);
+        true
+    }
+}
+
+/// Builders for the feedback messages (tests, generators).
+pub mod build {
+    /// Picture Loss Indication (RFC 4585 6.3.1) from `sender` about `media`.
+    pub fn pli(sender: u32, media: u32) -> Vec<u8> {
+        psfb(super::FMT_PLI, sender, media, &[])
+    }
+
+    /// Full Intra Request (RFC 5104 4.3.1) from `sender` to each (SSRC, sequence number).
+    pub fn fir(sender: u32, requests: &[(u32, u8)]) -> Vec<u8> {
+        let fci: Vec<u8> = requests.iter().flat_map(|(ssrc, seq)| ssrc.to_be_bytes().into_iter().chain([*seq, 0, 0, 0])).collect();
+        psfb(super::FMT_FIR, sender, 0, &fci)
+    }
+
+    /// Generic NACK (RFC 4585 6.2.1) of `pid` and the bitmask of the 16 following.
+    pub fn nack(sender: u32, media: u32, pid: u16, blp: u16) -> Vec<u8> {
+        let fci: Vec<u8> = pid.to_be_bytes().into_iter().chain(blp.to_be_bytes()).collect();
+        feedback(super::RTPFB, super::FMT_NACK, sender, media, &fci)
+    }
+
+    /// REMB (draft-alvestrand-rmcat-remb) of `bps` for `ssrcs`.
+    pub fn remb(sender: u32, bps: u64, ssrcs: &[u32]) -> Vec<u8> {
+        let exp = (64 - bps.leading_zeros()).saturating_sub(18);
+        let mut fci = b"REMB".to_vec();
+        let v = (ssrcs.len() as u32) << 24 | exp << 18 | (bps >> exp) as u32;
+        fci.extend_from_slice(&v.to_be_bytes());
+        ssrcs.iter().for_each(|s| fci.extend_from_slice(&s.to_be_bytes()));
+        psfb(super::FMT_AFB, sender, 0, &fci)
+    }
+
+    fn psfb(fmt: u8, sender: u32, media: u32, fci: &[u8]) -> Vec<u8> {
+        feedback(super::PSFB, fmt, sender, media, fci)
+    }
+
+    fn feedback(pt: u8, fmt: u8, sender: u32, media: u32, fci: &[u8]) -> Vec<u8> {
+        let mut p = vec![0x80 | fmt, pt];
+        p.extend_from_slice(&((2 + fci.len() / 4) as u16).to_be_bytes());
+        p.extend_from_slice(&sender.to_be_bytes());
+        p.extend_from_slice(&media.to_be_bytes());
+        p.extend_from_slice(fci);
+        p
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::call_quality::build_report;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    /// A consumer receiving SSRC 10 (stream 1, from publisher P1) and SSRC 20 (stream 2, P2).
+    fn entry() -> FeedbackEntry {
+        let route = |ssrc, stream, from: &str, to: &str| FeedbackRoute { ssrc, stream, publisher_ssrc: ssrc, from: a(from), to: a(to) };
+        FeedbackEntry {
+            consumer: "r/c".into(),
+            local: a("10.0.0.1:4000"),
+            source: a("10.0.1.3:5000"),
+            routes: vec![route(10, 1, "10.0.0.1:4002", "10.0.1.1:5000"), route(20, 2, "10.0.0.1:4004", "10.0.1.2:5000")],
+        }
+    }
+
+    fn rr(blocks: &[ReportBlock]) -> Vec<u8> {
+        build_report(99, None, blocks)
+    }
+
+    #[test]
+    fn pli_and_nack_reach_their_publishers_behind_an_empty_receiver_report() {
+        let e = entry();
+        let mut r = FeedbackRouter::default();
+        let block = ReportBlock { about: 10, fraction_lost: 64, cumulative_lost: -3, jitter: 90, ..Default::default() };
+        let packet = [rr(&[block]), build::pli(99, 10), build::nack(99, 20, 7, 0b101)].concat();
+        let o = r.route(&e, &packet, 1_000).unwrap();
+        assert_eq!(o.routed.len(), 2);
+        let to_p1 = &o.routed[0];
+        assert_eq!((to_p1.stream, to_p1.from, to_p1.to), (1, a("10.0.0.1:4002"), a("10.0.1.1:5000")));
+        assert_eq!(to_p1.packet, [vec![0x80, 201, 0, 1, 0, 0, 0, 99], build::pli(99, 10)].concat());
+        assert_eq!(o.routed[1].packet[8..], build::nack(99, 20, 7, 0b101)[..]);
+        assert!(parse_rtcp_compound(&o.routed[1].packet).is_ok());
+        assert_eq!(o.total, Tally { routed: 2, consumed: 1, ..Default::default() });
+        assert_eq!(o.per_stream, vec![(1, Tally { routed: 1, ..Default::default() }), (2, Tally { routed: 1, ..Default::default() })]);
+        // The report block is the consumer's view of stream 1; the RR goes nowhere.
+        assert_eq!(o.reports, vec![(1, ReportBlock { reporter: 99, ..block })]);
+        assert_eq!(o.forward, None);
+    }
+
+    #[test]
+    fn keyframe_requests_are_coalesced_per_stream_for_half_a_second() {
+        let e = entry();
+        let mut r = FeedbackRouter::default();
+        let ms = 1_000_000;
+        let routed = |r: &mut FeedbackRouter, p: Vec<u8>, at: u64| r.route(&e, &[rr(&[]), p].concat(), at).unwrap().total;
+        assert_eq!(routed(&mut r, build::pli(99, 10), 0).routed, 1);
+        // Another subscriber's PLI, and a FIR, within 500 ms: the keyframe is on its way.
+        assert_eq!(routed(&mut r, build::pli(98, 10), 100 * ms).coalesced, 1);
+        assert_eq!(routed(&mut r, build::fir(98, &[(10, 1)]), 499 * ms).coalesced, 1);
+        // Another stream is asked at once; the first one again after the interval.
+        assert_eq!(routed(&mut r, build::fir(98, &[(20, 1)]), 499 * ms).routed, 1);
+        assert_eq!(routed(&mut r, build::pli(98, 10), 500 * ms).routed, 1);
+        // NACKs are never coalesced.
+        assert_eq!(routed(&mut r, build::nack(98, 10, 1, 0), 501 * ms).routed, 1);
+        assert_eq!(routed(&mut r, build::nack(98, 10, 1, 0), 502 * ms).routed, 1);
+    }
+
+    #[test]
+    fn fir_entries_are_split_per_publisher_and_unknown_ssrcs_go_nowhere() {
+        let e = entry();
+        let mut r = FeedbackRouter::default();
+        let o = r.route(&e, &[rr(&[]), build::fir(99, &[(10, 5), (20, 6), (30, 7)])].concat(), 0).unwrap();
+        assert_eq!(o.total, Tally { routed: 2, unroutable: 1, consumed: 1, ..Default::default() });
+        assert_eq!(o.routed[0].packet[8..], build::fir(99, &[(10, 5)])[..]);
+        assert_eq!(o.routed[1].packet[8..], build::fir(99, &[(20, 6)])[..]);
+        let o = r.route(&e, &[rr(&[]), build::pli(99, 30), build::nack(99, 0, 1, 0)].concat(), 0).unwrap();
+        assert_eq!((o.routed.len(), o.total.unroutable), (0, 2));
+    }
+
+    #[test]
+    fn a_senders_report_is_forwarded_without_the_feedback_and_remb_is_consumed() {
+        let e = entry();
+        let mut r = FeedbackRouter::default();
+        let sr = build_report(55, Some(0x1234_5678), &[ReportBlock { about: 20, ..Default::default() }]);
+        let sdes = vec![0x81, 202, 0, 2, 0, 0, 0, 55, 0, 0, 0, 0];
+        let packet = [sr.clone(), sdes.clone(), build::pli(55, 20), build::remb(55, 1_500_000, &[10, 20])].concat();
+        let o = r.route(&e, &packet, 0).unwrap();
+        assert_eq!(o.forward, Some([sr, sdes].concat()));
+        assert_eq!(o.routed.len(), 1);
+        assert_eq!(o.routed[0].packet[..8], [0x80, 201, 0, 1, 0, 0, 0, 55]);
+        let remb = o.remb_bps.unwrap();
+        assert!((1_499_000..=1_500_000).contains(&remb), "{remb}");
+        assert_eq!(o.total, Tally { routed: 1, consumed: 1, ..Default::default() });
+        assert_eq!(o.reports.len(), 1);
+    }
+
+    #[test]
+    fn short_feedback_makes_the_compound_malformed() {
+        let e = entry();
+        let mut r = FeedbackRouter::default();
+        let short_nack = vec![0x81, 205, 0, 2, 0, 0, 0, 99, 0, 0, 0, 10];
+        assert!(r.route(&e, &[rr(&[]), short_nack].concat(), 0).is_err());
+        let bad_fir = vec![0x84, 206, 0, 3, 0, 0, 0, 99, 0, 0, 0, 0, 0, 0, 0, 10];
+        assert!(r.route(&e, &[rr(&[]), bad_fir].concat(), 0).is_err());
+        assert!(r.route(&e, &[0x80, 201, 0, 5, 0, 0], 0).is_err());
+    }
+}

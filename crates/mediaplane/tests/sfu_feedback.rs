@@ -1,0 +1,165 @@
+//! RTCP feedback in a room, through `mediaplane serve` on every data plane: subscribers' PLI,
+//! FIR and NACK sent to their own SFU address reach the publisher of the SSRC they name (from
+//! the address the publisher sends to), keyframe requests coalesced; receiver reports and REMB
+//! stop at the SFU; a publisher-subscriber's sender report still reaches its subscribers, without
+//! the feedback it carried; spoofed, unroutable and malformed feedback goes nowhere, counted.
+
+mod common;
+
+use common::netns::NetnsServe;
+use mediaplane_bench::netns::Testbed;
+use mediaplane_core::call_quality::build_report;
+use mediaplane_core::feedback::build;
+use mediaplane_core::rtp::build_rtp;
+use serde_json::{json, Value};
+use std::collections::BTreeMap;
+use std::net::{SocketAddr, UdpSocket};
+use std::time::Duration;
+
+const SFU_PORT: u16 = 40000;
+const MEDIA_PORT: u16 = 5004;
+const STRANGER_PORT: u16 = 5999;
+const N: usize = 5;
+const P0_SSRC: u32 = 0x1000;
+const P1_SSRC: u32 = 0x2000;
+const P3_SSRC: u32 = 0x3000;
+/// SSRCs the subscribers report from (their receivers').
+const RECEIVER: [u32; N] = [0xa0, 0xa1, 0xa2, 0xa3, 0xa4];
+
+fn planes() -> Vec<String> {
+    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
+}
+
+/// p0 publishes SSRC 0x1000 on its transport; p1 SSRC 0x2000 on a port of its own; p3 SSRC
+/// 0x3000 on its transport. p2 (publishes nothing), p3 and p4 subscribe to p0; p2 and p3 to p1;
+/// p0 to p3.
+fn setup(s: &NetnsServe) {
+    let tb = s.tb;
+    s.api("POST", "/v1/rooms", Some(json!({"id": "f"})));
+    for (i, p) in tb.peers.iter().enumerate() {
+        let body = json!({"id": format!("p{i}"), "local": SocketAddr::new(p.sfu_ip, SFU_PORT), "remote": SocketAddr::new(p.ip, MEDIA_PORT)});
+        s.api("POST", "/v1/rooms/f/participants", Some(body));
+    }
+    let publish = |p: &str, body: Value| s.api("POST", &format!("/v1/rooms/f/participants/{p}/streams"), Some(body));
+    publish("p0", json!({"name": "v", "ssrc": P0_SSRC, "clock_rate": 90000}));
+    publish("p1", json!({"name": "v", "ssrc": P1_SSRC, "local": SocketAddr::new(tb.peers[1].sfu_ip, SFU_PORT + 2)}));
+    publish("p3", json!({"name": "v", "ssrc": P3_SSRC}));
+    for (who, publisher) in [(2, 0), (3, 0), (4, 0), (2, 1), (3, 1), (0, 3)] {
+        let body = json!({"publisher": format!("p{publisher}"), "stream": "v"});
+        s.api("POST", &format!("/v1/rooms/f/participants/p{who}/subscriptions"), Some(body));
+    }
+}
+
+fn rr(who: usize) -> Vec<u8> {
+    build_report(RECEIVER[who], None, &[])
+}
+
+/// What the routed feedback of subscriber `who` looks like at the publisher: an empty receiver
+/// report from the subscriber, then the message.
+fn routed(who: usize, message: Vec<u8>) -> Vec<u8> {
+    [rr(who), message].concat()
+}
+
+type Received = BTreeMap<usize, Vec<(SocketAddr, Vec<u8>)>>;
+
+fn drain(socks: &[UdpSocket]) -> Received {
+    let mut got = Received::new();
+    let mut buf = vec![0u8; 2048];
+    for (i, s) in socks.iter().enumerate() {
+        s.set_nonblocking(true).unwrap();
+        let v = got.entry(i).or_default();
+        while let Ok((n, from)) = s.recv_from(&mut buf) {
+            v.push((from, buf[..n].to_vec()));
+        }
+    }
+    got
+}
+
+fn run_plane(tb: &Testbed, plane: &str) {
+    let tmp = common::TempDir::new("store");
+    let serve = NetnsServe::start(tb, plane, &tmp.0.join("store.db"), &["--reset"]);
+    setup(&serve);
+    let socks: Vec<UdpSocket> = tb.peers.iter().map(|p| tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT)).unwrap()).collect();
+    let stranger = tb.udp_socket(&tb.peers[2].ns, SocketAddr::new(tb.peers[2].ip, STRANGER_PORT)).unwrap();
+    // Neighbour entries first, as a real participant's signalling would have made them.
+    for (i, s) in socks.iter().enumerate() {
+        s.send_to(b"", SocketAddr::new(tb.peers[i].sfu_ip, 9)).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let sfu = |i: usize, port: u16| SocketAddr::new(tb.peers[i].sfu_ip, port);
+    let send = |who: usize, packet: Vec<u8>| {
+        socks[who].send_to(&packet, sfu(who, SFU_PORT)).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+    };
+
+    let media: Vec<Vec<u8>> = (0..3u16).map(|seq| build_rtp(96, seq, 3000 * seq as u32, P0_SSRC, &[seq as u8; 400])).collect();
+    media.iter().for_each(|m| send(0, m.clone()));
+    // Three subscribers ask p0 for a keyframe at once: one request reaches it.
+    send(2, routed(2, build::pli(RECEIVER[2], P0_SSRC)));
+    send(3, routed(3, build::pli(RECEIVER[3], P0_SSRC)));
+    send(4, routed(4, build::fir(RECEIVER[4], &[(P0_SSRC, 1)])));
+    // A NACK to p1, whose stream has its own port.
+    let nack_p1 = build::nack(RECEIVER[2], P1_SSRC, 17, 0b11);
+    send(2, routed(2, nack_p1.clone()));
+    // p3 publishes and subscribes on one address: its SR (and SDES) go to its subscriber p0,
+    // the NACK in the same compound to p0 as the publisher of what it names.
+    let sr = build_report(P3_SSRC, Some(0x0102_0304), &[]);
+    let sdes = vec![0x81, 202, 0, 2, 0, 0, 0x30, 0, 0, 0, 0, 0];
+    let nack_p0 = build::nack(P3_SSRC, P0_SSRC, 1, 0);
+    send(3, [sr.clone(), sdes.clone(), nack_p0.clone()].concat());
+    // Someone else's PLI to p2's address: spoofed.
+    stranger.send_to(&routed(2, build::pli(RECEIVER[2], P0_SSRC)), sfu(2, SFU_PORT)).unwrap();
+    // An SSRC p2 does not receive; a bandwidth estimate; a NACK without its FCI (malformed).
+    send(2, routed(2, build::pli(RECEIVER[2], 0x9999)));
+    send(2, routed(2, build::remb(RECEIVER[2], 800_000, &[P0_SSRC])));
+    send(2, routed(2, vec![0x81, 205, 0, 2, 0, 0, 0, 0xa2, 0, 0, 0x10, 0]));
+    // Past the coalescing interval, the next keyframe request goes through.
+    std::thread::sleep(Duration::from_millis(600));
+    send(3, routed(3, build::pli(RECEIVER[3], P0_SSRC)));
+    std::thread::sleep(Duration::from_millis(300));
+
+    let got = drain(&socks);
+    let mut want_p0 = vec![
+        (sfu(0, SFU_PORT), routed(2, build::pli(RECEIVER[2], P0_SSRC))),
+        (sfu(0, SFU_PORT), [sr, sdes].concat()),
+        // Behind an empty report from the compound's sender (p3's media SSRC here).
+        (sfu(0, SFU_PORT), [build_report(P3_SSRC, None, &[]), nack_p0].concat()),
+        (sfu(0, SFU_PORT), routed(3, build::pli(RECEIVER[3], P0_SSRC))),
+    ];
+    want_p0.sort();
+    let mut got_p0 = got[&0].clone();
+    got_p0.sort();
+    assert_eq!(got_p0, want_p0, "[{plane}] p0: one of the three keyframe requests, p3's report and NACK, the late PLI");
+    assert_eq!(got[&1], vec![(sfu(1, SFU_PORT + 2), routed(2, nack_p1))], "[{plane}] p1: the NACK, from the port it sends to");
+    for who in [2, 3, 4] {
+        let media_only: Vec<_> = media.iter().map(|m| (sfu(who, SFU_PORT), m.clone())).collect();
+        assert_eq!(got[&who], media_only, "[{plane}] p{who}: p0's media and nothing else");
+    }
+
+    let stats = serve.api("GET", "/v1/stats", None);
+    let t = &stats["total"];
+    let counts = |c: &Value| ["feedback_routed", "feedback_coalesced", "feedback_consumed", "feedback_unroutable"].map(|k| c[k].as_u64().unwrap_or(0));
+    // Routed: p2's PLI, p2's NACK, p3's NACK, p3's late PLI. Coalesced: p3's PLI, p4's FIR.
+    // Consumed: seven receiver reports and the REMB. Unroutable: the PLI for 0x9999.
+    assert_eq!(counts(t), [4, 2, 8, 1], "[{plane}] {t}");
+    assert_eq!((t["drop_stranger"].as_u64(), t["drop_malformed"].as_u64()), (Some(1), Some(1)), "[{plane}] {t} {}", stats["extra"]);
+    if plane.starts_with("ebpf") {
+        assert_eq!(stats["extra"]["pass_feedback"].as_u64(), Some(9), "[{plane}] every consumer's RTCP went up: {}", stats["extra"]);
+    }
+    // Per published stream: what its subscribers asked of it.
+    let streams = &stats["streams"];
+    let by_label = |label: &str| streams.as_array().unwrap().iter().find(|s| s["label"] == label).unwrap_or_else(|| panic!("{label} in {streams}")).clone();
+    assert_eq!(counts(&by_label("f/p0/v")), [3, 2, 0, 0], "[{plane}]");
+    assert_eq!(counts(&by_label("f/p1/v")), [1, 0, 0, 0], "[{plane}]");
+}
+
+#[test]
+fn subscribers_feedback_reaches_publishers_on_every_data_plane() {
+    if !mediaplane_bench::require_root("sfu_feedback") {
+        return;
+    }
+    let tb = Testbed::star(N).unwrap();
+    for plane in planes() {
+        run_plane(&tb, &plane);
+    }
+}
