@@ -11,7 +11,7 @@
 //! | RR and the report blocks of an SR    | consumed: the receiver's view of each stream ([`Outcome::reports`]) |
 //! | REMB (PSFB 15 "REMB")                | consumed: the receiver's estimate ([`Outcome::remb_bps`]), input to layer choice |
 //! | TWCC (RTPFB 15), other feedback, XR  | consumed (the SFU would have to answer them itself)   |
-//! | SR, SDES, BYE, APP                   | a sender's own: forwarded to its subscribers ([`Outcome::forward`]) when the compound starts with an SR |
+//! | SR sender info, SDES, BYE, APP       | a sender's own: forwarded to its subscribers ([`Outcome::forward`]) when the compound starts with an SR (the SR without its report blocks) |
 //!
 //! A feedback message naming an SSRC the participant does not receive (or one of a stream
 //! published without an SSRC, which cannot be told apart) is counted as unroutable and goes
@@ -170,6 +170,9 @@ impl FeedbackRouter {
             match (p.packet_type, p.count) {
                 (SR | RR, _) => {
                     let first = if p.packet_type == SR { 28 } else { 8 };
+                    if b.len() < first {
+                        return Err(RtpError::BadRtcpLength); // an SR without its sender info
+                    }
                     for i in 0..p.count as usize {
                         let at = first + 24 * i;
                         let Some(block) = b.get(at..at + 24) else { break };
@@ -190,7 +193,10 @@ impl FeedbackRouter {
                         }
                     }
                     if p.packet_type == SR && starts_with_sr {
-                        forward.extend_from_slice(b);
+                        // The sender info only: its report blocks are about streams it
+                        // receives, consumed like a receiver report's.
+                        forward.extend_from_slice(&[0x80, SR, 0, 6]);
+                        forward.extend_from_slice(&b[4..28]);
                     } else {
                         out.tally(None, |t| t.consumed += 1);
                     }
@@ -404,7 +410,8 @@ mod tests {
         let sdes = vec![0x81, 202, 0, 2, 0, 0, 0, 55, 0, 0, 0, 0];
         let packet = [sr.clone(), sdes.clone(), build::pli(55, 20), build::remb(55, 1_500_000, &[10, 20])].concat();
         let o = r.route(&e, &packet, 0).unwrap();
-        assert_eq!(o.forward, Some([sr, sdes].concat()));
+        // The SR goes on without its report block (about what p55 receives).
+        assert_eq!(o.forward, Some([build_report(55, Some(0x1234_5678), &[]), sdes].concat()));
         assert_eq!(o.routed.len(), 1);
         assert_eq!(o.routed[0].packet[..8], [0x80, 201, 0, 1, 0, 0, 0, 55]);
         let remb = o.remb_bps.unwrap();
@@ -422,5 +429,7 @@ mod tests {
         let bad_fir = vec![0x84, 206, 0, 3, 0, 0, 0, 99, 0, 0, 0, 0, 0, 0, 0, 10];
         assert!(r.route(&e, &[rr(&[]), bad_fir].concat(), 0).is_err());
         assert!(r.route(&e, &[0x80, 201, 0, 5, 0, 0], 0).is_err());
+        // An SR of its SSRC only (found by the classify fuzz target: it panicked).
+        assert!(r.route(&e, &[0x80, 200, 0, 1, 0x7c, 0xff, 0xad, 0xff], 0).is_err());
     }
 }

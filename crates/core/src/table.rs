@@ -371,6 +371,17 @@ impl ForwardingTable {
         v
     }
 
+    /// The feedback entry of a consumer at `local`, unless a stream there owns its RTCP: one not
+    /// RTP (any datagram is its payload) or not the consumer's own (never in a room: one owner
+    /// per address). The kernel path flags exactly these addresses.
+    pub fn feedback_at(&self, local: SocketAddr) -> Option<&FeedbackEntry> {
+        let fb = self.feedback.get(&local)?;
+        match self.streams.get(&IngressKey { local, ssrc: None }) {
+            Some(s) if !s.rtp || s.source != SourceRule::Fixed(fb.source) => None,
+            _ => Some(fb),
+        }
+    }
+
     /// Some stream enters at `local`, or it is a consumer's address.
     pub fn is_local(&self, local: SocketAddr) -> bool {
         self.feedback.contains_key(&local) || self.streams.range(IngressKey { local, ssrc: None }..=IngressKey { local, ssrc: Some(u32::MAX) }).next().is_some()
@@ -397,7 +408,7 @@ impl ForwardingTable {
     pub fn classify(&self, local: SocketAddr, src: SocketAddr, payload: &[u8]) -> Verdict<'_> {
         let any = self.streams.get(&IngressKey { local, ssrc: None });
         let narrowed = self.has_ssrc_streams(local);
-        let feedback = self.feedback.get(&local);
+        let feedback = self.feedback_at(local);
         if any.is_none() && !narrowed && feedback.is_none() {
             return Verdict::Drop { reason: DropReason::NoStream, stream: None };
         }
@@ -849,5 +860,14 @@ mod tests {
         // Its RTP is forwarded as before.
         assert!(matches!(t.classify(a("10.0.0.1:4000"), a("10.0.1.1:5000"), &build_rtp(0, 1, 0, 10, &[0; 20])), Verdict::Forward(_)));
         assert!(t.is_local(a("10.0.0.1:4004")) && !t.is_local(a("10.0.0.1:4006")));
+
+        // A consumer whose transport carries a non-RTP stream: what looks like RTCP there is
+        // that stream's payload, forwarded, not feedback.
+        let mut m = feedback_room();
+        m.publish("r", "p2", "raw", StreamSpec { rtp: false, ..Default::default() }).unwrap();
+        m.subscribe("r", "p1", StreamRef { publisher: "p2".into(), stream: "raw".into() }).unwrap();
+        let t = ForwardingTable::compile(&m, 2);
+        assert!(t.feedback.contains_key(&a("10.0.0.1:4004")) && t.feedback_at(a("10.0.0.1:4004")).is_none());
+        assert!(matches!(t.classify(a("10.0.0.1:4004"), a("10.0.1.3:5000"), &pli), Verdict::Forward(e) if e.label == "r/p2/raw"));
     }
 }

@@ -785,7 +785,10 @@ impl WorkerCtx {
                         Err(_) => {
                             delta.total.drop_malformed += 1;
                             if let Some(e) = stream {
-                                delta.streams.entry(e.id).or_default().drop_malformed += 1;
+                                let sc = delta.streams.entry(e.id).or_default();
+                                sc.rx_packets += 1;
+                                sc.rx_bytes += payload.len() as u64;
+                                sc.drop_malformed += 1;
                             }
                             continue;
                         }

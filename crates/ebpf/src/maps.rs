@@ -663,8 +663,8 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
     // is feedback. Its source is the consumer's, which is also that of every stream it publishes
     // there (one owner per address); an entry with another source keeps the RTCP its own.
     let feedback: Box<dyn Iterator<Item = &FeedbackEntry>> = match locals {
-        None => Box::new(table.feedback.values()),
-        Some(ls) => Box::new(ls.iter().filter_map(|l| table.feedback.get(l))),
+        None => Box::new(table.feedback.keys().filter_map(|l| table.feedback_at(*l))),
+        Some(ls) => Box::new(ls.iter().filter_map(|l| table.feedback_at(*l))),
     };
     for fb in feedback {
         let wild = out.entry(KeyRaw::new(fb.local, None)).or_insert(KernelStream {
@@ -678,9 +678,9 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
         if wild.is_placeholder() && wild.source.is_none() {
             wild.source = Some(fb.source);
         }
-        if wild.source == Some(fb.source) && wild.flags & (flags::LATCH | flags::ANY_SOURCE) == 0 {
-            wild.flags |= flags::FEEDBACK;
-        }
+        // feedback_at() vouches that a real wildcard stream here is RTP from the consumer.
+        debug_assert_eq!(wild.source, Some(fb.source));
+        wild.flags |= flags::FEEDBACK;
     }
     out
 }

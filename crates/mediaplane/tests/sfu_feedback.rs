@@ -8,7 +8,7 @@ mod common;
 
 use common::netns::NetnsServe;
 use mediaplane_bench::netns::Testbed;
-use mediaplane_core::call_quality::build_report;
+use mediaplane_core::call_quality::{build_report, ReportBlock};
 use mediaplane_core::feedback::build;
 use mediaplane_core::rtp::build_rtp;
 use serde_json::{json, Value};
@@ -54,8 +54,14 @@ fn rr(who: usize) -> Vec<u8> {
     build_report(RECEIVER[who], None, &[])
 }
 
+/// A receiver report of subscriber `who` about p0's stream, then `message`: what it sends.
+fn feedback(who: usize, message: Vec<u8>) -> Vec<u8> {
+    let block = ReportBlock { about: P0_SSRC, fraction_lost: 12, highest_seq: 2, jitter: 40, ..Default::default() };
+    [build_report(RECEIVER[who], None, &[block]), message].concat()
+}
+
 /// What the routed feedback of subscriber `who` looks like at the publisher: an empty receiver
-/// report from the subscriber, then the message.
+/// report from the subscriber (its own report stopped at the SFU), then the message.
 fn routed(who: usize, message: Vec<u8>) -> Vec<u8> {
     [rr(who), message].concat()
 }
@@ -95,33 +101,34 @@ fn run_plane(tb: &Testbed, plane: &str) {
     let media: Vec<Vec<u8>> = (0..3u16).map(|seq| build_rtp(96, seq, 3000 * seq as u32, P0_SSRC, &[seq as u8; 400])).collect();
     media.iter().for_each(|m| send(0, m.clone()));
     // Three subscribers ask p0 for a keyframe at once: one request reaches it.
-    send(2, routed(2, build::pli(RECEIVER[2], P0_SSRC)));
-    send(3, routed(3, build::pli(RECEIVER[3], P0_SSRC)));
-    send(4, routed(4, build::fir(RECEIVER[4], &[(P0_SSRC, 1)])));
+    send(2, feedback(2, build::pli(RECEIVER[2], P0_SSRC)));
+    send(3, feedback(3, build::pli(RECEIVER[3], P0_SSRC)));
+    send(4, feedback(4, build::fir(RECEIVER[4], &[(P0_SSRC, 1)])));
     // A NACK to p1, whose stream has its own port.
     let nack_p1 = build::nack(RECEIVER[2], P1_SSRC, 17, 0b11);
-    send(2, routed(2, nack_p1.clone()));
+    send(2, feedback(2, nack_p1.clone()));
     // p3 publishes and subscribes on one address: its SR (and SDES) go to its subscriber p0,
     // the NACK in the same compound to p0 as the publisher of what it names.
-    let sr = build_report(P3_SSRC, Some(0x0102_0304), &[]);
+    // Its SR's report block (about p0's stream) stops at the SFU too.
+    let sr = build_report(P3_SSRC, Some(0x0102_0304), &[ReportBlock { about: P0_SSRC, ..Default::default() }]);
     let sdes = vec![0x81, 202, 0, 2, 0, 0, 0x30, 0, 0, 0, 0, 0];
     let nack_p0 = build::nack(P3_SSRC, P0_SSRC, 1, 0);
-    send(3, [sr.clone(), sdes.clone(), nack_p0.clone()].concat());
+    send(3, [sr, sdes.clone(), nack_p0.clone()].concat());
     // Someone else's PLI to p2's address: spoofed.
-    stranger.send_to(&routed(2, build::pli(RECEIVER[2], P0_SSRC)), sfu(2, SFU_PORT)).unwrap();
+    stranger.send_to(&feedback(2, build::pli(RECEIVER[2], P0_SSRC)), sfu(2, SFU_PORT)).unwrap();
     // An SSRC p2 does not receive; a bandwidth estimate; a NACK without its FCI (malformed).
-    send(2, routed(2, build::pli(RECEIVER[2], 0x9999)));
-    send(2, routed(2, build::remb(RECEIVER[2], 800_000, &[P0_SSRC])));
-    send(2, routed(2, vec![0x81, 205, 0, 2, 0, 0, 0, 0xa2, 0, 0, 0x10, 0]));
+    send(2, feedback(2, build::pli(RECEIVER[2], 0x9999)));
+    send(2, feedback(2, build::remb(RECEIVER[2], 800_000, &[P0_SSRC])));
+    send(2, feedback(2, vec![0x81, 205, 0, 2, 0, 0, 0, 0xa2, 0, 0, 0x10, 0]));
     // Past the coalescing interval, the next keyframe request goes through.
     std::thread::sleep(Duration::from_millis(600));
-    send(3, routed(3, build::pli(RECEIVER[3], P0_SSRC)));
+    send(3, feedback(3, build::pli(RECEIVER[3], P0_SSRC)));
     std::thread::sleep(Duration::from_millis(300));
 
     let got = drain(&socks);
     let mut want_p0 = vec![
         (sfu(0, SFU_PORT), routed(2, build::pli(RECEIVER[2], P0_SSRC))),
-        (sfu(0, SFU_PORT), [sr, sdes].concat()),
+        (sfu(0, SFU_PORT), [build_report(P3_SSRC, Some(0x0102_0304), &[]), sdes].concat()),
         // Behind an empty report from the compound's sender (p3's media SSRC here).
         (sfu(0, SFU_PORT), [build_report(P3_SSRC, None, &[]), nack_p0].concat()),
         (sfu(0, SFU_PORT), routed(3, build::pli(RECEIVER[3], P0_SSRC))),
