@@ -375,11 +375,16 @@ impl ForwardingTable {
     /// RTP (any datagram is its payload) or not the consumer's own (never in a room: one owner
     /// per address). The kernel path flags exactly these addresses.
     pub fn feedback_at(&self, local: SocketAddr) -> Option<&FeedbackEntry> {
-        let fb = self.feedback.get(&local)?;
-        match self.streams.get(&IngressKey { local, ssrc: None }) {
-            Some(s) if !s.rtp || s.source != SourceRule::Fixed(fb.source) => None,
-            _ => Some(fb),
+        self.feedback_beside(local, self.streams.get(&IngressKey { local, ssrc: None }))
+    }
+
+    /// [`ForwardingTable::feedback_at`] given the wildcard stream of `local` (`any`), already
+    /// looked up on the per-packet path.
+    fn feedback_beside(&self, local: SocketAddr, any: Option<&StreamEntry>) -> Option<&FeedbackEntry> {
+        if self.feedback.is_empty() {
+            return None; // no room has a subscriber: relays only
         }
+        self.feedback.get(&local).filter(|fb| any.is_none_or(|s| s.rtp && s.source == SourceRule::Fixed(fb.source)))
     }
 
     /// Some stream enters at `local`, or it is a consumer's address.
@@ -408,7 +413,7 @@ impl ForwardingTable {
     pub fn classify(&self, local: SocketAddr, src: SocketAddr, payload: &[u8]) -> Verdict<'_> {
         let any = self.streams.get(&IngressKey { local, ssrc: None });
         let narrowed = self.has_ssrc_streams(local);
-        let feedback = self.feedback_at(local);
+        let feedback = self.feedback_beside(local, any);
         if any.is_none() && !narrowed && feedback.is_none() {
             return Verdict::Drop { reason: DropReason::NoStream, stream: None };
         }
