@@ -3,8 +3,8 @@
 //! Feedback it finds is routed: never a panic, only valid compound packets, only to publishers.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
-use mediaplane_core::model::{StreamRef, StreamSpec};
 use mediaplane_core::feedback::FeedbackRouter;
+use mediaplane_core::model::{StreamRef, StreamSpec};
 use mediaplane_core::rtp::parse_rtcp_compound;
 use mediaplane_core::table::{SourceRule, Verdict};
 use mediaplane_core::{ForwardingTable, Model};
