@@ -320,6 +320,8 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .route("/v1/rooms/{room}/participants/{pid}/streams/{stream}", delete(unpublish))
         .route("/v1/rooms/{room}/participants/{pid}/subscriptions", post(subscribe))
         .route("/v1/rooms/{room}/participants/{pid}/subscriptions/{publisher}/{stream}", delete(unsubscribe))
+        .route("/v1/rooms/{room}/consumers", get(list_consumers))
+        .route("/v1/rooms/{room}/consumers/{consumer}", get(get_consumer))
         .route("/v1/relays", get(list_relays).post(create_relay))
         .route("/v1/relays/{id}", get(get_relay).delete(delete_relay))
         .route(BATCH_PATH, post(relay_batch).layer(DefaultBodyLimit::max(max_batch_body)))
@@ -529,11 +531,11 @@ async fn subscribe(
 ) -> Result<Response, ApiError> {
     let sref = StreamRef { publisher: req.publisher, stream: req.stream };
     commit(m, p, move |m, t| {
-        m.mutate_for(t, |model, _| {
-            model.subscribe(&room, &pid, sref.clone())?;
-            Ok(((), vec![Change::Room(room.clone())]))
+        let consumer = m.mutate_for(t, |model, _| {
+            let consumer = model.subscribe(&room, &pid, sref.clone())?;
+            Ok((consumer, vec![Change::Room(room.clone())]))
         })?;
-        Ok((StatusCode::CREATED, json!({"subscriber": pid, "publisher": sref.publisher, "stream": sref.stream})))
+        Ok((StatusCode::CREATED, json!({"subscriber": pid, "publisher": sref.publisher, "stream": sref.stream, "consumer": consumer})))
     })
     .await
 }
@@ -552,6 +554,28 @@ async fn unsubscribe(
         Ok((StatusCode::OK, json!({"deleted": sref})))
     })
     .await
+}
+
+/// The room's consumers with their counters.
+async fn list_consumers(State(m): State<AppState>, Path(room): Path<String>) -> Result<Response, ApiError> {
+    m.read(|model, _| model.room(&room).map(|_| ()))?;
+    read_blocking(move || json!({"consumers": m.read(|model, _| crate::consumers::list(model, Some(&room), &**m.dataplane()))})).await
+}
+
+async fn get_consumer(State(m): State<AppState>, Path((room, id)): Path<(String, String)>) -> ApiResult {
+    let id: u32 = id.parse().map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("consumer id {id:?} is not a number")))?;
+    m.read(|model, _| model.room(&room).map(|_| ()))?;
+    let m2 = m.clone();
+    let room2 = room.clone();
+    let found = tokio::task::spawn_blocking(move || {
+        m2.read(|model, _| crate::consumers::list(model, Some(&room2), &**m2.dataplane())).into_iter().find(|c| c.id == id)
+    })
+    .await
+    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("read failed: {e}")))?;
+    match found {
+        Some(c) => ok(serde_json::to_value(c).unwrap()),
+        None => Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("consumer {id} not found in room {room}"))),
+    }
 }
 
 async fn list_relays(State(m): State<AppState>) -> ApiResult {
@@ -675,11 +699,13 @@ async fn stats(State(m): State<AppState>, Extension(mx): Extension<Arc<Metrics>>
                 })
                 .collect()
         });
+        let consumers = mx.per_consumer.then(|| m.read(|model, _| crate::consumers::list(model, None, &**m.dataplane())));
         json!({
             "dataplane": st.dataplane,
             "table_version": st.table_version,
             "total": st.total,
             "streams": streams,
+            "consumers": consumers,
             "copy_latency": st.copy_latency,
             "extra": st.extra,
             "maps": st.maps,

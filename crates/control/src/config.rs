@@ -30,6 +30,10 @@ pub struct MetricsSection {
     /// Series per stream (`mediaplane_stream_*`, labelled with the stream's id and label): off
     /// by default, as they are several series per session (millions at scale).
     pub per_stream: bool,
+    /// Series per consumer (`mediaplane_consumer_*`, labelled with the consumer's id and
+    /// `room/subscriber<-publisher/stream`), and the consumers in `/v1/stats`: off by default, as
+    /// a room of N publishing participants has N×(N-1) of them.
+    pub per_consumer: bool,
 }
 
 /// The rtpengine NG protocol listener (SIP servers drive calls through it).
@@ -744,6 +748,8 @@ mod tests {
     fn per_stream_metrics_are_opt_in() {
         assert!(!Config::default().metrics.per_stream);
         assert!(Config::from_toml("[metrics]\nper_stream = true\n").unwrap().metrics.per_stream);
+        assert!(!Config::default().metrics.per_consumer);
+        assert!(Config::from_toml("[metrics]\nper_consumer = true\n").unwrap().metrics.per_consumer);
         assert!(Config::from_toml("[metrics]\nper_streams = true\n").is_err());
     }
 

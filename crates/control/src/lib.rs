@@ -4,6 +4,7 @@
 
 pub mod api;
 pub mod config;
+pub mod consumers;
 pub mod manager;
 pub mod metrics;
 pub mod store;

@@ -343,7 +343,7 @@ fn check_limits(model: &Model, changes: &[Change], l: &Limits) -> Result<(), Man
             if p.streams.len() > l.max_streams_per_participant {
                 return over("streams per participant", l.max_streams_per_participant);
             }
-            for s in &p.subscriptions {
+            for s in p.subscriptions.keys() {
                 let n = subscribers.entry(s).or_default();
                 *n += 1;
                 if *n > l.max_subscribers_per_stream {

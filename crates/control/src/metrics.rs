@@ -31,6 +31,8 @@ pub struct Metrics {
     registry: Registry,
     pub http: HttpMetrics,
     pub ng: NgMetrics,
+    /// Consumers are listed in `/v1/stats` and have series here (`metrics.per_consumer`).
+    pub per_consumer: bool,
 }
 
 impl std::fmt::Debug for Metrics {
@@ -228,8 +230,8 @@ impl Metrics {
         registry.register("mediaplane_ng_calls", "NG calls held", ng.calls.clone());
         registry.register("mediaplane_ng_calls_created", "NG calls created", ng.calls_created.clone());
         registry.register("mediaplane_ng_calls_ended", "NG calls ended, by reason (deleted or timeout)", ng.calls_ended.clone());
-        registry.register_collector(Box::new(DataplaneCollector { manager, per_stream: cfg.per_stream }));
-        Arc::new(Metrics { registry, http, ng })
+        registry.register_collector(Box::new(DataplaneCollector { manager, per_stream: cfg.per_stream, per_consumer: cfg.per_consumer }));
+        Arc::new(Metrics { registry, http, ng, per_consumer: cfg.per_consumer })
     }
 
     /// The OpenMetrics text exposition (what `prometheus-client` writes).
@@ -499,6 +501,48 @@ impl Families {
         }
     }
 
+    /// A consumer's series (`metrics.per_consumer`).
+    fn consumer(&mut self, c: &crate::consumers::ConsumerView) {
+        let l = || vec![("id", c.id.to_string()), ("consumer", c.label.clone())];
+        let (k, g) = (MetricType::Counter, MetricType::Gauge);
+        self.add("mediaplane_consumer_sent_packets", "Copies sent for the consumer", k, l(), Num::U(c.tx_copies));
+        self.add("mediaplane_consumer_sent_bytes", "UDP payload bytes of the copies sent for the consumer", k, l(), Num::U(c.tx_bytes));
+        self.add("mediaplane_consumer_send_errors", "Copies for the consumer that could not be sent", k, l(), Num::U(c.tx_errors));
+        for (result, v) in [("routed", c.feedback_routed), ("coalesced", c.feedback_coalesced)] {
+            let mut labels = l();
+            labels.push(("result", result.to_string()));
+            self.add("mediaplane_consumer_feedback_messages", "The consumer's RTCP feedback about its stream, by result", k, labels, Num::U(v));
+        }
+        if let Some(r) = &c.report {
+            self.add(
+                "mediaplane_consumer_reported_loss_ratio",
+                "Fraction lost in the consumer's latest receiver report",
+                g,
+                l(),
+                Num::F(r.fraction_lost_pct / 100.0),
+            );
+            self.add(
+                "mediaplane_consumer_reported_lost_packets",
+                "Cumulative loss in the consumer's latest receiver report",
+                g,
+                l(),
+                Num::F(f64::from(r.cumulative_lost)),
+            );
+            if let Some(ms) = r.jitter_ms {
+                self.add(
+                    "mediaplane_consumer_reported_jitter_seconds",
+                    "Interarrival jitter in the consumer's latest receiver report",
+                    g,
+                    l(),
+                    Num::F(ms / 1000.0),
+                );
+            }
+        }
+        if let Some(bps) = c.remb_bps {
+            self.add("mediaplane_consumer_remb_bits_per_second", "The consumer's latest REMB estimate naming its stream", g, l(), Num::U(bps));
+        }
+    }
+
     fn gauge(&mut self, name: &'static str, help: &'static str, labels: Labels, v: u64) {
         self.add(name, help, MetricType::Gauge, labels, Num::U(v));
     }
@@ -548,11 +592,12 @@ fn stream_family(f: CounterFamily) -> CounterFamily {
 struct DataplaneCollector {
     manager: Arc<SessionManager>,
     per_stream: bool,
+    per_consumer: bool,
 }
 
 impl std::fmt::Debug for DataplaneCollector {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DataplaneCollector").field("per_stream", &self.per_stream).finish()
+        f.debug_struct("DataplaneCollector").field("per_stream", &self.per_stream).field("per_consumer", &self.per_consumer).finish()
     }
 }
 
@@ -566,6 +611,11 @@ impl Collector for DataplaneCollector {
         let labels =
             if self.per_stream { m.read(|_, t| t.streams.values().map(|e| (e.id, e.label.clone())).collect::<HashMap<_, _>>()) } else { HashMap::new() };
         let mut fams = families(&snap, &labels);
+        if self.per_consumer {
+            for c in m.read(|model, _| crate::consumers::list(model, None, &**m.dataplane())) {
+                fams.consumer(&c);
+            }
+        }
         if let Some((open, max)) = fds() {
             fams.gauge("mediaplane_open_fds", "Open file descriptors (the user-space plane holds one socket per SFU address per worker)", vec![], open);
             fams.gauge("mediaplane_max_fds", "The soft limit on open file descriptors", vec![], max);

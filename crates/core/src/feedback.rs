@@ -9,7 +9,7 @@
 //! | PLI (PSFB 1), FIR (PSFB 4, per entry)| routed to the publisher of the media SSRC it names, at most one keyframe request per stream and SSRC per [`KEYFRAME_REQUEST_INTERVAL_NS`] (the rest coalesced: 50 subscribers asking at once cause one keyframe) |
 //! | generic NACK (RTPFB 1)               | routed to the publisher (it retransmits)              |
 //! | RR and the report blocks of an SR    | consumed: the receiver's view of each stream ([`Outcome::reports`]) |
-//! | REMB (PSFB 15 "REMB")                | consumed: the receiver's estimate ([`Outcome::remb_bps`]), input to layer choice |
+//! | REMB (PSFB 15 "REMB")                | consumed: the receiver's estimate ([`Outcome::remb`]) for the consumers of the SSRCs it lists, input to layer choice |
 //! | TWCC (RTPFB 15), other feedback, XR  | consumed (the SFU would have to answer them itself)   |
 //! | SR sender info, SDES, BYE, APP       | a sender's own: forwarded to its subscribers ([`Outcome::forward`]) when the compound starts with an SR (the SR without its report blocks) |
 //!
@@ -53,6 +53,8 @@ pub struct FeedbackRoute {
     pub ssrc: u32,
     /// The published stream (its id: counters are kept per stream).
     pub stream: u32,
+    /// The consumer (uid) the feedback speaks for: the subscriber's subscription to `stream`.
+    pub consumer: u32,
     /// The SSRC the publisher sends that media with (the same until layers are rewritten).
     pub publisher_ssrc: u32,
     /// The publisher's SFU address (where it sends the stream) and the publisher.
@@ -116,25 +118,29 @@ pub struct Outcome {
     /// subscribers get.
     pub forward: Option<Vec<u8>>,
     /// Report blocks about streams the consumer receives, as the SFU forwarded them (the
-    /// consumer's view: loss, jitter, LSR/DLSR), with their stream id.
+    /// consumer's view: loss, jitter, LSR/DLSR), by consumer.
     pub reports: Vec<(u32, ReportBlock)>,
-    /// The last REMB in the packet, bits per second.
-    pub remb_bps: Option<u64>,
+    /// The last REMB in the packet, bits per second, for each consumer whose SSRC it lists.
+    pub remb: Vec<(u32, u64)>,
     pub total: Tally,
     /// Per published stream the messages were about (routed and coalesced ones).
     pub per_stream: Vec<(u32, Tally)>,
+    /// The same per consumer (the subscription the message spoke for).
+    pub per_consumer: Vec<(u32, Tally)>,
 }
 
 impl Outcome {
-    fn tally(&mut self, stream: Option<u32>, f: impl Fn(&mut Tally)) {
+    fn tally(&mut self, route: Option<&FeedbackRoute>, f: impl Fn(&mut Tally)) {
         f(&mut self.total);
-        if let Some(id) = stream {
-            match self.per_stream.iter_mut().find(|(s, _)| *s == id) {
-                Some((_, t)) => f(t),
-                None => {
-                    let mut t = Tally::default();
-                    f(&mut t);
-                    self.per_stream.push((id, t));
+        if let Some(r) = route {
+            for (list, id) in [(&mut self.per_stream, r.stream), (&mut self.per_consumer, r.consumer)] {
+                match list.iter_mut().find(|(s, _)| *s == id) {
+                    Some((_, t)) => f(t),
+                    None => {
+                        let mut t = Tally::default();
+                        f(&mut t);
+                        list.push((id, t));
+                    }
                 }
             }
         }
@@ -178,7 +184,7 @@ impl FeedbackRouter {
                         let Some(block) = b.get(at..at + 24) else { break };
                         if let Some(route) = entry.route(be32(block, 0)) {
                             out.reports.push((
-                                route.stream,
+                                route.consumer,
                                 ReportBlock {
                                     reporter: p.sender_ssrc,
                                     about: route.publisher_ssrc,
@@ -212,13 +218,13 @@ impl FeedbackRouter {
                         continue;
                     };
                     if p.packet_type == PSFB && !self.keyframe_due(route, now_ns) {
-                        out.tally(Some(route.stream), |t| t.coalesced += 1);
+                        out.tally(Some(route), |t| t.coalesced += 1);
                         continue;
                     }
                     let mut m = b.to_vec();
                     m[8..12].copy_from_slice(&route.publisher_ssrc.to_be_bytes());
                     send(route, m);
-                    out.tally(Some(route.stream), |t| t.routed += 1);
+                    out.tally(Some(route), |t| t.routed += 1);
                 }
                 (PSFB, FMT_FIR) => {
                     // Each FCI entry (SSRC, sequence number, 3 reserved bytes) asks one sender.
@@ -231,7 +237,7 @@ impl FeedbackRouter {
                             continue;
                         };
                         if !self.keyframe_due(route, now_ns) {
-                            out.tally(Some(route.stream), |t| t.coalesced += 1);
+                            out.tally(Some(route), |t| t.coalesced += 1);
                             continue;
                         }
                         let mut m = Vec::with_capacity(20);
@@ -240,12 +246,19 @@ impl FeedbackRouter {
                         m.extend_from_slice(&route.publisher_ssrc.to_be_bytes());
                         m.extend_from_slice(&fci[4..8]);
                         send(route, m);
-                        out.tally(Some(route.stream), |t| t.routed += 1);
+                        out.tally(Some(route), |t| t.routed += 1);
                     }
                 }
                 (PSFB, FMT_AFB) if b.len() >= 20 && &b[12..16] == b"REMB" => {
                     let (exp, mantissa) = (b[17] >> 2, (be32(b, 16) & 0x3_ffff) as u64);
-                    out.remb_bps = Some(u64::try_from((mantissa as u128) << exp).unwrap_or(u64::MAX));
+                    let bps = u64::try_from((mantissa as u128) << exp).unwrap_or(u64::MAX);
+                    // The SSRCs it is about follow (as many as the packet holds).
+                    for ssrc in b[20..].chunks_exact(4).take(b[16] as usize) {
+                        if let Some(route) = entry.route(be32(ssrc, 0)) {
+                            out.remb.retain(|(c, _)| *c != route.consumer);
+                            out.remb.push((route.consumer, bps));
+                        }
+                    }
                     out.tally(None, |t| t.consumed += 1);
                 }
                 _ => out.tally(None, |t| t.consumed += 1),
@@ -337,9 +350,10 @@ mod tests {
         s.parse().unwrap()
     }
 
-    /// A consumer receiving SSRC 10 (stream 1, from publisher P1) and SSRC 20 (stream 2, P2).
+    /// A participant receiving SSRC 10 (stream 1, from publisher P1) as consumer 101 and SSRC 20
+    /// (stream 2, P2) as consumer 102.
     fn entry() -> FeedbackEntry {
-        let route = |ssrc, stream, from: &str, to: &str| FeedbackRoute { ssrc, stream, publisher_ssrc: ssrc, from: a(from), to: a(to) };
+        let route = |ssrc, stream, from: &str, to: &str| FeedbackRoute { ssrc, stream, consumer: 100 + stream, publisher_ssrc: ssrc, from: a(from), to: a(to) };
         FeedbackEntry {
             consumer: "r/c".into(),
             local: a("10.0.0.1:4000"),
@@ -367,8 +381,9 @@ mod tests {
         assert!(parse_rtcp_compound(&o.routed[1].packet).is_ok());
         assert_eq!(o.total, Tally { routed: 2, consumed: 1, ..Default::default() });
         assert_eq!(o.per_stream, vec![(1, Tally { routed: 1, ..Default::default() }), (2, Tally { routed: 1, ..Default::default() })]);
-        // The report block is the consumer's view of stream 1; the RR goes nowhere.
-        assert_eq!(o.reports, vec![(1, ReportBlock { reporter: 99, ..block })]);
+        assert_eq!(o.per_consumer, vec![(101, Tally { routed: 1, ..Default::default() }), (102, Tally { routed: 1, ..Default::default() })]);
+        // The report block is consumer 101's view of stream 1; the RR goes nowhere.
+        assert_eq!(o.reports, vec![(101, ReportBlock { reporter: 99, ..block })]);
         assert_eq!(o.forward, None);
     }
 
@@ -414,7 +429,9 @@ mod tests {
         assert_eq!(o.forward, Some([build_report(55, Some(0x1234_5678), &[]), sdes].concat()));
         assert_eq!(o.routed.len(), 1);
         assert_eq!(o.routed[0].packet[..8], [0x80, 201, 0, 1, 0, 0, 0, 55]);
-        let remb = o.remb_bps.unwrap();
+        // The estimate is for both consumers the REMB names.
+        assert_eq!(o.remb.iter().map(|(c, _)| *c).collect::<Vec<_>>(), [101, 102]);
+        let remb = o.remb[0].1;
         assert!((1_499_000..=1_500_000).contains(&remb), "{remb}");
         assert_eq!(o.total, Tally { routed: 1, consumed: 1, ..Default::default() });
         assert_eq!(o.reports.len(), 1);

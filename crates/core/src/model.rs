@@ -6,7 +6,7 @@
 
 use imbl::OrdMap;
 use serde::{Deserialize, Serialize};
-use std::collections::{BTreeMap, BTreeSet};
+use std::collections::BTreeMap;
 use std::net::SocketAddr;
 
 pub const MAX_ID_LEN: usize = 64;
@@ -106,7 +106,43 @@ pub struct Participant {
     /// Where the participant receives media; also the only source allowed to publish.
     pub remote: SocketAddr,
     pub streams: BTreeMap<String, Stream>,
-    pub subscriptions: BTreeSet<StreamRef>,
+    /// What it receives: one consumer per subscribed stream. Stored and shown as a list of
+    /// `{publisher, stream, consumer}`.
+    #[serde(with = "subscription_list")]
+    pub subscriptions: BTreeMap<StreamRef, Consumer>,
+}
+
+/// One subscription as a first-class object (mediasoup's consumer): what one participant receives
+/// of one published stream. Its uid comes from the same sequence as streams' and legs', so it is
+/// never reused; the data planes count each consumer's copies under it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Consumer {
+    pub uid: u32,
+}
+
+/// `subscriptions` as a JSON list (a map with structured keys is not JSON). A stored list from
+/// before consumers had uids reads as uid 0, and [`Model::from_parts`] gives those fresh uids.
+mod subscription_list {
+    use super::{Consumer, StreamRef};
+    use serde::{Deserialize, Deserializer, Serialize, Serializer};
+    use std::collections::BTreeMap;
+
+    #[derive(Serialize, Deserialize)]
+    struct Entry {
+        publisher: String,
+        stream: String,
+        #[serde(default)]
+        consumer: u32,
+    }
+
+    pub fn serialize<S: Serializer>(subs: &BTreeMap<StreamRef, Consumer>, s: S) -> Result<S::Ok, S::Error> {
+        s.collect_seq(subs.iter().map(|(r, c)| Entry { publisher: r.publisher.clone(), stream: r.stream.clone(), consumer: c.uid }))
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<StreamRef, Consumer>, D::Error> {
+        let list = Vec::<Entry>::deserialize(d)?;
+        Ok(list.into_iter().map(|e| (StreamRef { publisher: e.publisher, stream: e.stream }, Consumer { uid: e.consumer })).collect())
+    }
 }
 
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -295,11 +331,24 @@ impl Model {
             .rooms
             .values()
             .flat_map(|r| r.participants.values())
-            .flat_map(|p| p.streams.values().map(|s| s.uid))
+            .flat_map(|p| p.streams.values().map(|s| s.uid).chain(p.subscriptions.values().map(|c| c.uid)))
             .chain(m.relays.values().flat_map(|r| [r.a.uid, r.b.uid]))
             .max()
             .unwrap_or(0);
         m.next_uid = m.next_uid.max(max_uid + 1);
+        // Subscriptions stored before consumers had uids get theirs now.
+        let rooms: Vec<String> = m.rooms.keys().cloned().collect();
+        for rid in rooms {
+            let pids: Vec<String> = m.rooms[&rid].participants.keys().cloned().collect();
+            for pid in pids {
+                let unnumbered: Vec<StreamRef> =
+                    m.rooms[&rid].participants[&pid].subscriptions.iter().filter(|(_, c)| c.uid == 0).map(|(r, _)| r.clone()).collect();
+                for r in unnumbered {
+                    let uid = m.uid();
+                    m.room_mut(&rid)?.participants.get_mut(&pid).expect("listed").subscriptions.insert(r, Consumer { uid });
+                }
+            }
+        }
         m.reindex()?;
         Ok(m)
     }
@@ -429,7 +478,7 @@ impl Model {
         }
         self.check_free(local, &owner)?;
         self.claim(local, owner)?;
-        self.room_mut(room)?.participants.insert(pid.into(), Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeSet::new() });
+        self.room_mut(room)?.participants.insert(pid.into(), Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeMap::new() });
         Ok(())
     }
 
@@ -438,7 +487,7 @@ impl Model {
         let p = self.room_mut(room)?.participants.remove(pid).ok_or_else(|| not_found("participant", pid))?;
         self.release_participant(&p);
         for other in self.room_mut(room)?.participants.values_mut() {
-            other.subscriptions.retain(|s| s.publisher != pid);
+            other.subscriptions.retain(|s, _| s.publisher != pid);
         }
         Ok(())
     }
@@ -500,7 +549,9 @@ impl Model {
         Ok(())
     }
 
-    pub fn subscribe(&mut self, room: &str, subscriber: &str, to: StreamRef) -> Result<(), ModelError> {
+    /// Subscribe `subscriber` to a stream: the uid of its consumer (the existing one when it is
+    /// subscribed already).
+    pub fn subscribe(&mut self, room: &str, subscriber: &str, to: StreamRef) -> Result<u32, ModelError> {
         if subscriber == to.publisher {
             return Err(ModelError::SelfSubscription);
         }
@@ -510,14 +561,18 @@ impl Model {
         if !publ.streams.contains_key(&to.stream) {
             return Err(not_found("stream", &to.stream));
         }
-        self.room_mut(room)?.participants.get_mut(subscriber).unwrap().subscriptions.insert(to);
-        Ok(())
+        if let Some(c) = r.participants[subscriber].subscriptions.get(&to) {
+            return Ok(c.uid);
+        }
+        let uid = self.uid();
+        self.room_mut(room)?.participants.get_mut(subscriber).unwrap().subscriptions.insert(to, Consumer { uid });
+        Ok(uid)
     }
 
     pub fn unsubscribe(&mut self, room: &str, subscriber: &str, from: &StreamRef) -> Result<(), ModelError> {
         let r = self.room_mut(room)?;
         let p = r.participants.get_mut(subscriber).ok_or_else(|| not_found("participant", subscriber))?;
-        if !p.subscriptions.remove(from) {
+        if p.subscriptions.remove(from).is_none() {
             return Err(not_found("subscription", &format!("{}/{}", from.publisher, from.stream)));
         }
         Ok(())
@@ -706,10 +761,28 @@ mod tests {
         let sref = StreamRef { publisher: "alice".into(), stream: "main".into() };
         assert_eq!(m.subscribe("r", "alice", sref.clone()), Err(ModelError::SelfSubscription));
         m.subscribe("r", "bob", sref.clone()).unwrap();
-        assert!(m.participant("r", "bob").unwrap().subscriptions.contains(&sref));
+        assert!(m.participant("r", "bob").unwrap().subscriptions.contains_key(&sref));
         m.unpublish("r", "alice", "main").unwrap();
         assert!(m.participant("r", "bob").unwrap().subscriptions.is_empty());
         assert!(matches!(m.unsubscribe("r", "bob", &sref), Err(ModelError::NotFound { .. })));
+    }
+
+    #[test]
+    fn each_subscription_is_a_consumer_with_a_uid_of_its_own() {
+        let mut m = room_of_two();
+        let stream = m.publish("r", "alice", "main", StreamSpec::default()).unwrap();
+        let sref = StreamRef { publisher: "alice".into(), stream: "main".into() };
+        let consumer = m.subscribe("r", "bob", sref.clone()).unwrap();
+        assert_ne!(consumer, stream);
+        assert_eq!(m.subscribe("r", "bob", sref.clone()).unwrap(), consumer, "subscribing again keeps the consumer");
+        // Stored and shown as a list; a list stored before consumers had uids gets fresh ones.
+        let room = serde_json::to_value(m.room("r").unwrap()).unwrap();
+        assert_eq!(room["participants"]["bob"]["subscriptions"], serde_json::json!([{"publisher": "alice", "stream": "main", "consumer": consumer}]));
+        let mut old = room.clone();
+        old["participants"]["bob"]["subscriptions"] = serde_json::json!([{"publisher": "alice", "stream": "main"}]);
+        let back = Model::from_parts([("r".to_string(), serde_json::from_value(old).unwrap())], [], 0).unwrap();
+        let renumbered = back.participant("r", "bob").unwrap().subscriptions[&sref].uid;
+        assert!(renumbered > stream && renumbered < back.next_uid(), "{renumbered}");
     }
 
     #[test]

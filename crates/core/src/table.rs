@@ -6,7 +6,7 @@
 //! inject into it ([`SourceRule`]: one fixed source; a relay leg learning its peer's; anyone).
 
 use crate::feedback::{FeedbackEntry, FeedbackRoute};
-use crate::model::{Leg, Model, Relay, Room};
+use crate::model::{Leg, Model, Relay, Room, StreamRef};
 use crate::ratelimit::RateLimit;
 use crate::rtp::{self, MediaKind, RtpHeader};
 use crate::srtp::Protection;
@@ -44,6 +44,10 @@ pub struct Copy {
     /// SRTP the copy is protected with on its way out (a relay leg terminating SDES).
     #[serde(default, skip_serializing_if = "Protection::is_clear")]
     pub outbound: Protection,
+    /// The consumer this copy is for (its uid, [`crate::model::Consumer`]): the data planes count
+    /// copies per consumer. 0 for a relay leg's copy (a call has no consumers).
+    #[serde(default, skip_serializing_if = "is_zero")]
+    pub consumer: u32,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -208,11 +212,15 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
     for (pid, p) in &room.participants {
         for (sid, s) in &p.streams {
             let key = IngressKey { local: s.local.unwrap_or(p.local), ssrc: s.ssrc };
+            let this = StreamRef { publisher: pid.clone(), stream: sid.clone() };
             let mut copies: Vec<Copy> = room
                 .participants
                 .iter()
-                .filter(|(sub_id, sub)| *sub_id != pid && sub.subscriptions.iter().any(|r| r.publisher == *pid && r.stream == *sid))
-                .map(|(sub_id, sub)| Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote, outbound: Protection::Clear })
+                .filter(|(sub_id, _)| *sub_id != pid)
+                .filter_map(|(sub_id, sub)| {
+                    let c = sub.subscriptions.get(&this)?;
+                    Some(Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote, outbound: Protection::Clear, consumer: c.uid })
+                })
                 .collect();
             copies.sort();
             out.push(StreamEntry {
@@ -240,13 +248,13 @@ fn compile_room_feedback(rid: &str, room: &Room) -> Vec<FeedbackEntry> {
     for (pid, p) in &room.participants {
         let mut subscribed_rtp = false;
         let mut routes = Vec::new();
-        for r in &p.subscriptions {
+        for (r, c) in &p.subscriptions {
             let Some(publisher) = room.participants.get(&r.publisher) else { continue };
             let Some(s) = publisher.streams.get(&r.stream).filter(|s| s.rtp) else { continue };
             subscribed_rtp = true;
             if let Some(ssrc) = s.ssrc {
                 let from = s.local.unwrap_or(publisher.local);
-                routes.push(FeedbackRoute { ssrc, stream: s.uid, publisher_ssrc: ssrc, from, to: publisher.remote });
+                routes.push(FeedbackRoute { ssrc, stream: s.uid, consumer: c.uid, publisher_ssrc: ssrc, from, to: publisher.remote });
             }
         }
         if subscribed_rtp {
@@ -265,7 +273,8 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
     [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
         let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
-        let copies = to_leg.peer().map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to, outbound }]).unwrap_or_default();
+        let copies =
+            to_leg.peer().map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to, outbound, consumer: 0 }]).unwrap_or_default();
         StreamEntry {
             id: from_leg.uid,
             label: format!("relay:{id}/{side}"),
@@ -696,7 +705,13 @@ mod tests {
             Verdict::Forward(e) => {
                 assert_eq!(
                     e.copies,
-                    vec![Copy { subscriber: "relay:call/b".into(), from: a("10.0.0.1:30002"), to: a("10.0.3.1:8000"), outbound: Protection::Clear }]
+                    vec![Copy {
+                        subscriber: "relay:call/b".into(),
+                        from: a("10.0.0.1:30002"),
+                        to: a("10.0.3.1:8000"),
+                        outbound: Protection::Clear,
+                        consumer: 0
+                    }]
                 )
             }
             v => panic!("{v:?}"),
@@ -772,7 +787,7 @@ mod tests {
                 }
                 5 => {
                     let r = StreamRef { publisher: p(rnd(4)), stream: format!("s{}", rnd(2)) };
-                    let _ = if rnd(3) == 0 { next.unsubscribe(&room, &p(rnd(4)), &r) } else { next.subscribe(&room, &p(rnd(4)), r) };
+                    let _ = if rnd(3) == 0 { next.unsubscribe(&room, &p(rnd(4)), &r) } else { next.subscribe(&room, &p(rnd(4)), r).map(|_| ()) };
                     Owner::Room(&room)
                 }
                 6 => {

@@ -238,6 +238,67 @@ impl Counters {
     }
 }
 
+/// One consumer's counters ([`mediaplane_core::model::Consumer`]): the copies a data plane sent
+/// it, and what its RTCP said about the stream it receives.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsumerCounters {
+    /// Copies sent for it and their UDP payload bytes; copies that could not be sent.
+    pub tx_copies: u64,
+    pub tx_bytes: u64,
+    pub tx_errors: u64,
+    /// Its feedback about the stream: sent on to the publisher / keyframe requests coalesced.
+    #[serde(default)]
+    pub feedback_routed: u64,
+    #[serde(default)]
+    pub feedback_coalesced: u64,
+    /// Its latest receiver report block about the stream, as received.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub report: Option<ConsumerReport>,
+    /// Its latest REMB naming the stream's SSRC: the receiver's estimate, bits per second.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remb_bps: Option<u64>,
+}
+
+/// A receiver report block of a consumer (RFC 3550 6.4.1): its view of what the SFU sent it.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ConsumerReport {
+    /// Fraction of packets lost since its previous report, in 1/256.
+    pub fraction_lost: u8,
+    pub cumulative_lost: i32,
+    /// Extended highest sequence number received.
+    pub highest_seq: u32,
+    /// Interarrival jitter, RTP timestamp units.
+    pub jitter: u32,
+    /// When it arrived ([`monotonic_ns`]).
+    pub at_ns: u64,
+}
+
+impl ConsumerCounters {
+    /// Add `o`'s counts; the later report and estimate win.
+    pub fn add(&mut self, o: &ConsumerCounters) {
+        self.tx_copies += o.tx_copies;
+        self.tx_bytes += o.tx_bytes;
+        self.tx_errors += o.tx_errors;
+        self.feedback_routed += o.feedback_routed;
+        self.feedback_coalesced += o.feedback_coalesced;
+        if o.report.is_some_and(|r| self.report.is_none_or(|mine| r.at_ns >= mine.at_ns)) {
+            self.report = o.report;
+        }
+        self.remb_bps = o.remb_bps.or(self.remb_bps);
+    }
+
+    /// (name, value) pairs of the counters, for metrics exposition.
+    pub fn fields(&self) -> [(&'static str, u64); 5] {
+        [
+            ("tx_copies", self.tx_copies),
+            ("tx_bytes", self.tx_bytes),
+            ("tx_errors", self.tx_errors),
+            ("feedback_routed", self.feedback_routed),
+            ("feedback_coalesced", self.feedback_coalesced),
+        ]
+    }
+}
+
 /// Summary of a latency histogram in nanoseconds.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct LatencySummary {
@@ -303,6 +364,10 @@ pub struct DataplaneStats {
     /// more of them.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub reception: BTreeMap<u32, ReceptionReport>,
+    /// Per consumer uid (see [`mediaplane_core::table::Copy::consumer`]), where it has had a copy
+    /// or sent feedback.
+    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
+    pub consumers: BTreeMap<u32, ConsumerCounters>,
 }
 
 /// A forwarding path. Implementations must be safe to call from any thread.
@@ -330,7 +395,15 @@ pub trait Dataplane: Send + Sync {
         let mut s = self.stats();
         s.streams.clear();
         s.reception.clear();
+        s.consumers.clear();
         s
+    }
+
+    /// Counters of just these consumers (absent: no copy or feedback yet), overridden as
+    /// [`Dataplane::stream_counters`] is.
+    fn consumer_counters(&self, ids: &[u32]) -> BTreeMap<u32, ConsumerCounters> {
+        let s = self.stats();
+        ids.iter().filter_map(|id| s.consumers.get(id).map(|c| (*id, *c))).collect()
     }
 
     /// Reception quality of just these streams (absent: no RTP packet accepted yet); the

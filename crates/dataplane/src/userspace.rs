@@ -15,7 +15,7 @@
 
 use crate::srtp::SrtpSlot;
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
-use crate::{Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy};
+use crate::{ConsumerCounters, ConsumerReport, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy};
 use arc_swap::ArcSwap;
 use mediaplane_core::feedback::FeedbackRouter;
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
@@ -177,10 +177,39 @@ fn addresses_of(e: &StreamEntry) -> impl Iterator<Item = SocketAddr> + '_ {
     std::iter::once(e.key.local).chain(e.copies.iter().map(|c| c.from))
 }
 
+/// (stream id, consumer uid) of a copy; a packet that is not one (feedback on its way to a
+/// publisher) has none.
+type CopyOf = (u32, u32);
+
 #[derive(Default)]
 struct WorkerCounters {
     total: Counters,
     streams: HashMap<u32, Counters>,
+    consumers: HashMap<u32, ConsumerCounters>,
+}
+
+impl WorkerCounters {
+    /// A copy of stream `stream` for `consumer` (0: none, a relay leg's copy) went out, or not.
+    fn count_copy(&mut self, stream: u32, consumer: u32, bytes: usize, sent: bool) {
+        let sc = self.streams.entry(stream).or_default();
+        let cc = (consumer != 0).then(|| self.consumers.entry(consumer).or_default());
+        if sent {
+            sc.tx_copies += 1;
+            sc.tx_bytes += bytes as u64;
+            self.total.tx_copies += 1;
+            self.total.tx_bytes += bytes as u64;
+            if let Some(cc) = cc {
+                cc.tx_copies += 1;
+                cc.tx_bytes += bytes as u64;
+            }
+        } else {
+            sc.tx_errors += 1;
+            self.total.tx_errors += 1;
+            if let Some(cc) = cc {
+                cc.tx_errors += 1;
+            }
+        }
+    }
 }
 
 struct Shared {
@@ -496,6 +525,9 @@ impl Dataplane for UserspaceDataplane {
             for (id, sc) in &c.streams {
                 st.streams.entry(*id).or_default().add(sc);
             }
+            for (id, cc) in &c.consumers {
+                st.consumers.entry(*id).or_default().add(cc);
+            }
         }
         st.extra.extend(sys::host_drop_counters().into_iter().map(|(k, v)| (k.to_string(), v)));
         // Process-wide (one recorder per daemon): recorded streams' packets relayed but not
@@ -505,6 +537,19 @@ impl Dataplane for UserspaceDataplane {
         st.extra.extend(crate::srtp::failures().into_iter().map(|(k, v)| (k.to_string(), v)));
         st.reception = self.shared.reception.lock().iter().map(|(id, r)| (*id, r.report())).collect();
         st
+    }
+
+    fn consumer_counters(&self, ids: &[u32]) -> BTreeMap<u32, ConsumerCounters> {
+        let mut out = BTreeMap::<u32, ConsumerCounters>::new();
+        for w in self.workers.lock().iter() {
+            let c = w.counters.lock();
+            for id in ids {
+                if let Some(cc) = c.consumers.get(id) {
+                    out.entry(*id).or_default().add(cc);
+                }
+            }
+        }
+        out
     }
 
     fn stream_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
@@ -734,9 +779,8 @@ impl WorkerCtx {
         // One reading per batch: its datagrams were all waiting in the socket by now.
         let received_at = crate::monotonic_ns();
         let mut delta = WorkerCounters::default();
-        // (egress fd, stream id, message) for every copy of the batch; no stream id for
-        // feedback on its way to a publisher (not a copy).
-        let mut out: Vec<(RawFd, Option<u32>, Outgoing<'_>)> = Vec::new();
+        // (egress fd, what it is a copy of, message) for every packet the batch sends.
+        let mut out: Vec<(RawFd, Option<CopyOf>, Outgoing<'_>)> = Vec::new();
         // Marks of datagrams the kernel handed up in stream order: acknowledged once the batch's
         // copies are sent.
         let mut marks: Vec<u32> = Vec::new();
@@ -796,6 +840,23 @@ impl WorkerCtx {
                     delta.total.count_feedback(&outcome.total);
                     for (id, t) in &outcome.per_stream {
                         delta.streams.entry(*id).or_default().count_feedback(t);
+                    }
+                    for (id, t) in &outcome.per_consumer {
+                        let cc = delta.consumers.entry(*id).or_default();
+                        cc.feedback_routed += t.routed;
+                        cc.feedback_coalesced += t.coalesced;
+                    }
+                    for (id, b) in &outcome.reports {
+                        delta.consumers.entry(*id).or_default().report = Some(ConsumerReport {
+                            fraction_lost: b.fraction_lost,
+                            cumulative_lost: b.cumulative_lost,
+                            highest_seq: b.highest_seq,
+                            jitter: b.jitter,
+                            at_ns: received_at,
+                        });
+                    }
+                    for (id, bps) in &outcome.remb {
+                        delta.consumers.entry(*id).or_default().remb_bps = Some(*bps);
                     }
                     for r in outcome.routed {
                         match (state.sockets.get(&r.from), &self.steer) {
@@ -884,29 +945,20 @@ impl WorkerCtx {
                             Protection::Srtp(_) => match crate::srtp::protect(state.srtp.get(SrtpSlot { stream: entry.id, copy: Some(i as u32) }), &payload) {
                                 Some(sealed) => Cow::Owned(sealed),
                                 None => {
-                                    sc.tx_errors += 1;
-                                    delta.total.tx_errors += 1;
+                                    delta.count_copy(entry.id, copy.consumer, 0, false);
                                     continue;
                                 }
                             },
                         };
                         match (state.sockets.get(&copy.from), &self.steer) {
-                            (Some(group), _) => out.push((group[self.id].as_raw_fd(), Some(entry.id), Outgoing { to: SockAddr::from(copy.to), payload })),
+                            (Some(group), _) => {
+                                out.push((group[self.id].as_raw_fd(), Some((entry.id, copy.consumer)), Outgoing { to: SockAddr::from(copy.to), payload }))
+                            }
                             (None, Some(steer)) => {
-                                if send_raw_copy(steer, copy.from, copy.to, &payload) {
-                                    sc.tx_copies += 1;
-                                    sc.tx_bytes += payload.len() as u64;
-                                    delta.total.tx_copies += 1;
-                                    delta.total.tx_bytes += payload.len() as u64;
-                                } else {
-                                    sc.tx_errors += 1;
-                                    delta.total.tx_errors += 1;
-                                }
+                                let sent = send_raw_copy(steer, copy.from, copy.to, &payload);
+                                delta.count_copy(entry.id, copy.consumer, payload.len(), sent);
                             }
-                            (None, None) => {
-                                sc.tx_errors += 1;
-                                delta.total.tx_errors += 1;
-                            }
+                            (None, None) => delta.count_copy(entry.id, copy.consumer, 0, false),
                         }
                     }
                 }
@@ -936,21 +988,11 @@ impl WorkerCtx {
             let end = start + out[start..].iter().take_while(|(f, _, _)| *f == fd).count();
             let msgs: Vec<&Outgoing<'_>> = out[start..end].iter().map(|(_, _, m)| m).collect();
             let failed = sys::send_batch(fd, &msgs);
-            for (k, (_, id, m)) in out[start..end].iter().enumerate() {
-                let Some(id) = id else {
+            for (k, (_, copy, m)) in out[start..end].iter().enumerate() {
+                match copy {
+                    Some((stream, consumer)) => delta.count_copy(*stream, *consumer, m.payload.len(), !failed.contains(&k)),
                     // Feedback to a publisher: only a failure is counted (as any send's).
-                    delta.total.tx_errors += failed.contains(&k) as u64;
-                    continue;
-                };
-                let sc = delta.streams.entry(*id).or_default();
-                if failed.contains(&k) {
-                    sc.tx_errors += 1;
-                    delta.total.tx_errors += 1;
-                } else {
-                    sc.tx_copies += 1;
-                    sc.tx_bytes += m.payload.len() as u64;
-                    delta.total.tx_copies += 1;
-                    delta.total.tx_bytes += m.payload.len() as u64;
+                    None => delta.total.tx_errors += failed.contains(&k) as u64,
                 }
             }
             start = end;
@@ -975,6 +1017,9 @@ impl WorkerCtx {
         c.total.add(&delta.total);
         for (id, sc) in delta.streams {
             c.streams.entry(id).or_default().add(&sc);
+        }
+        for (id, cc) in delta.consumers {
+            c.consumers.entry(id).or_default().add(&cc);
         }
     }
 }

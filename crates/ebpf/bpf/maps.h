@@ -13,6 +13,14 @@ struct mp_copy_rewrite {
 	__be16 from_port;
 	__be16 to_port;
 	__u32 stream_id; /* owner, checked against the stream (guards against a reused slot) */
+	__u32 consumer;  /* the consumer (subscription) this copy is for, key of consumer_stats; 0 = none */
+};
+
+/* Per-consumer per-CPU counters of what the kernel sent for it. */
+struct mp_consumer_counters {
+	__u64 tx_copies;
+	__u64 tx_bytes;
+	__u64 tx_errors;
 };
 
 /* Per-stream per-CPU counters: only what the kernel decided (see enum mp_counter). */
@@ -75,6 +83,16 @@ struct {
 	__type(key, __u32);
 	__type(value, struct mp_stream_counters);
 } stream_stats SEC(".maps");
+
+/* By consumer uid. User space creates an entry (zero) before it writes the first copy for the
+ * consumer and deletes it once the consumer is gone; the program never creates one, so a copy
+ * still in flight for a consumer just deleted is not counted rather than resurrecting it. */
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(max_entries, 65536); /* = copies max_entries: every consumer has a copy */
+	__type(key, __u32);
+	__type(value, struct mp_consumer_counters);
+} consumer_stats SEC(".maps");
 
 /* Indexed like stream_stats. Shared by all CPUs (one bucket per stream), under its lock. */
 struct {

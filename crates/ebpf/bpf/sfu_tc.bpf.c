@@ -304,6 +304,23 @@ static __always_inline int rewrite_helpers(struct mp_fanout *f, const struct mp_
 	return bpf_skb_store_bytes(skb, 0, macs, 12, 0) ? -1 : 0;
 }
 
+/* A copy for c's consumer was sent (or failed): its per-consumer counters, where it has them. */
+static __always_inline void count_consumer(const struct mp_copy_rewrite *c, __u32 bytes, int sent)
+{
+	__u32 consumer = c->consumer;
+	if (!consumer)
+		return;
+	struct mp_consumer_counters *cc = bpf_map_lookup_elem(&consumer_stats, &consumer);
+	if (!cc)
+		return;
+	if (sent) {
+		cc->tx_copies += 1;
+		cc->tx_bytes += bytes;
+	} else {
+		cc->tx_errors += 1;
+	}
+}
+
 /* Pass 2: one copy per call. */
 static __always_inline long send_copy(__u32 i, struct mp_fanout *f, int direct)
 {
@@ -317,25 +334,30 @@ static __always_inline long send_copy(__u32 i, struct mp_fanout *f, int direct)
 	 * have reused it) and resolve again on any doubt. */
 	if (next_hop(f, c, e)) {
 		f->errors++;
+		count_consumer(c, 0, 0);
 		return 0;
 	}
 	if (direct ? rewrite_direct(f, c, e) : rewrite_helpers(f, c, e)) {
 		/* The headers may be half rewritten: every later copy would carry wrong
 		 * checksums. Stop and count the rest as errors. */
 		f->errors += f->count - i;
+		count_consumer(c, 0, 0);
 		return 1;
 	}
 	if (i + 1 == f->count) {
 		/* The last copy needs no clone: the program redirects the original itself. */
 		f->last_ifindex = e->out_ifindex;
 		f->sent++;
+		count_consumer(c, f->payload_len, 1);
 		return 0;
 	}
 	if (bpf_clone_redirect(f->skb, e->out_ifindex, 0)) {
 		f->errors++;
+		count_consumer(c, 0, 0);
 		return 0;
 	}
 	f->sent++;
+	count_consumer(c, f->payload_len, 1);
 	record_copy_latency(bpf_ktime_get_ns() - f->t0);
 	return 0;
 }

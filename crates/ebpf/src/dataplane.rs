@@ -432,6 +432,23 @@ impl Dataplane for EbpfDataplane {
         out
     }
 
+    fn consumer_counters(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, mediaplane_dataplane::ConsumerCounters> {
+        let mut out: std::collections::BTreeMap<u32, mediaplane_dataplane::ConsumerCounters> = self
+            .fast
+            .kernel_consumer_counters(ids)
+            .unwrap_or_else(|e| {
+                tracing::warn!("reading kernel consumer counters: {e}");
+                Default::default()
+            })
+            .into_iter()
+            .map(|(id, c)| (id, c.to_counters()))
+            .collect();
+        for (id, c) in self.slow.consumer_counters(ids) {
+            out.entry(id).or_default().add(&c);
+        }
+        out
+    }
+
     fn stream_reception(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, ReceptionReport> {
         let mut out: std::collections::BTreeMap<u32, ReceptionReport> = self
             .fast
@@ -486,6 +503,9 @@ impl EbpfDataplane {
         s.total.add(&u.total);
         for (id, c) in &u.streams {
             s.streams.entry(*id).or_default().add(c);
+        }
+        for (id, c) in &u.consumers {
+            s.consumers.entry(*id).or_default().add(c);
         }
         merge_reception(&mut s.reception, u.reception);
         if s.copy_latency.is_none() {

@@ -5,8 +5,8 @@
 
 use crate::install::{ApplyReport, Installer, KernelMaps};
 use crate::maps::{
-    CopyRaw, FastConfigRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, ReceptionRaw, RpfMode, SourceLimitRaw, StreamCountersRaw, StreamPathRaw, StreamValueRaw,
-    GLOBAL_COUNTERS,
+    ConsumerCountersRaw, CopyRaw, FastConfigRaw, KeyRaw, LatencyHistRaw, Pod, RateRaw, ReceptionRaw, RpfMode, SourceLimitRaw, StreamCountersRaw, StreamPathRaw,
+    StreamValueRaw, GLOBAL_COUNTERS,
 };
 use crate::path::StreamPaths;
 use libbpf_rs::{MapCore, MapFlags, MapHandle, MapType, Object, ObjectBuilder, Program, ProgramInput};
@@ -14,7 +14,7 @@ use mediaplane_core::reception::RtpReception;
 use mediaplane_core::{ForwardingTable, IngressKey};
 use mediaplane_dataplane::{Counters, DataplaneError, DataplaneStats, LatencySummary, MapFill};
 use parking_lot::Mutex;
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::mem::size_of;
 use std::os::fd::{AsFd, AsRawFd};
 use std::path::{Path, PathBuf};
@@ -28,7 +28,7 @@ pub const SFU_TC_PROGRAM: &str = "sfu_ingress";
 
 /// Maps that carry state worth keeping across a restart: pinned when a pin dir is given.
 /// (The per-source limit and its buckets too: a restarted instance keeps limiting without a gap.)
-const PINNED_MAPS: [&str; 7] = ["streams", "copies", "stream_stats", "counters", "copy_latency", "source_limit", "source_rate"];
+const PINNED_MAPS: [&str; 8] = ["streams", "copies", "stream_stats", "consumer_stats", "counters", "copy_latency", "source_limit", "source_rate"];
 
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -76,6 +76,8 @@ pub struct KernelStats {
     pub latency: LatencyHistRaw,
     /// Per stream id, of the RTP streams the kernel forwarded packets of.
     pub reception: BTreeMap<u32, RtpReception>,
+    /// Per consumer uid.
+    pub consumers: BTreeMap<u32, ConsumerCountersRaw>,
 }
 
 impl KernelStats {
@@ -132,6 +134,7 @@ impl KernelStats {
             extra,
             maps: BTreeMap::new(),
             reception,
+            consumers: self.consumers.iter().map(|(id, c)| (*id, c.to_counters())).collect(),
         }
     }
 }
@@ -264,6 +267,8 @@ pub struct FastPath {
     source_limit: Mutex<Option<SourceLimitRaw>>,
     /// `stream_path`, mapped: the slow path acknowledges packets handed up in order.
     paths: Arc<StreamPaths>,
+    /// The consumers that have an entry in `consumer_stats`.
+    consumers: Mutex<BTreeSet<u32>>,
 }
 
 impl Drop for FastPath {
@@ -295,7 +300,7 @@ impl FastPath {
             let name = m.name().to_string_lossy().into_owned();
             let entries = match name.as_str() {
                 "streams" | "stream_stats" | "stream_rate" | "stream_path" | "stream_reception" => Some(opts.max_streams),
-                "copies" => Some(opts.max_copies),
+                "copies" | "consumer_stats" => Some(opts.max_copies),
                 _ => None,
             };
             if let Some(n) = entries {
@@ -343,8 +348,11 @@ impl FastPath {
             pin_dir: opts.pin_dir.clone(),
             adopted,
             source_limit: Mutex::new(None),
+            consumers: Mutex::new(BTreeSet::new()),
         };
         if adopted {
+            // The consumers' counters live on in their pinned map.
+            *me.consumers.lock() = me.map("consumer_stats").keys().filter_map(|k| k.get(..4).map(u32::from_bytes)).collect();
             let existing = me.read_installed()?;
             tracing::info!(streams = existing.len(), "adopted pinned kernel forwarding state");
             *me.installer.lock() = Installer::adopt(opts.max_copies, opts.max_streams, existing)?;
@@ -438,8 +446,15 @@ impl FastPath {
     /// Install `table`, which differs from the last installed one only at `changed`.
     pub fn apply_changes(&self, table: Arc<ForwardingTable>, changed: Option<&[IngressKey]>) -> Result<ApplyReport, DataplaneError> {
         let limit = SourceLimitRaw::new(table.source_limit.as_ref());
+        let mut installer = self.installer.lock();
+        // Consumers get their counters before the first copy for them is written; the counters
+        // of those gone go once their copies are.
+        let (new_consumers, gone_consumers) = self.consumer_changes(installer.table().map(|t| &**t), &table, changed);
+        self.create_consumers(&new_consumers)?;
         let mut io = MapsIo { fp: self };
-        let report = self.installer.lock().apply_changes(table, changed, &mut io)?;
+        let report = installer.apply_changes(table, changed, &mut io)?;
+        drop(installer);
+        self.delete_consumers(&gone_consumers);
         // The new table is live: what it replaced is freed after the grace period, meanwhile.
         if report.retired > 0 {
             if let Some(r) = &*self.reclaimer.lock() {
@@ -454,6 +469,69 @@ impl FastPath {
             *cur = Some(limit);
         }
         Ok(report)
+    }
+
+    /// Consumers of `table` that have no counters yet, and consumers with counters that `table`
+    /// no longer has: among the entries at `changed` (each consumer belongs to one stream), or
+    /// all of them.
+    fn consumer_changes(&self, old: Option<&ForwardingTable>, table: &ForwardingTable, changed: Option<&[IngressKey]>) -> (Vec<u32>, Vec<u32>) {
+        let consumers_of = |t: &ForwardingTable, keys: &mut dyn Iterator<Item = &IngressKey>| -> BTreeSet<u32> {
+            keys.filter_map(|k| t.streams.get(k)).flat_map(|e| e.copies.iter().map(|c| c.consumer)).filter(|c| *c != 0).collect()
+        };
+        let have = self.consumers.lock();
+        match (old, changed) {
+            (Some(old), Some(changed)) => {
+                let now = consumers_of(table, &mut changed.iter());
+                let before = consumers_of(old, &mut changed.iter());
+                (now.iter().filter(|c| !have.contains(c)).copied().collect(), before.difference(&now).filter(|c| have.contains(c)).copied().collect())
+            }
+            _ => {
+                let now = consumers_of(table, &mut table.streams.keys());
+                (now.difference(&have).copied().collect(), have.difference(&now).copied().collect())
+            }
+        }
+    }
+
+    fn create_consumers(&self, ids: &[u32]) -> Result<(), DataplaneError> {
+        if ids.is_empty() {
+            return Ok(());
+        }
+        let ncpu = libbpf_rs::num_possible_cpus().map_err(|e| bpf_err("counting CPUs", e))?;
+        let zero = vec![ConsumerCountersRaw::default().as_bytes().to_vec(); ncpu];
+        let map = self.map("consumer_stats");
+        let mut have = self.consumers.lock();
+        for id in ids {
+            map.update_percpu(id.as_bytes(), &zero, MapFlags::ANY).map_err(|e| {
+                DataplaneError::Full(format!(
+                    "no room for the counters of consumer {id} (consumer_stats holds {}; raise dataplane.max_copies): {e}",
+                    have.len()
+                ))
+            })?;
+            have.insert(*id);
+        }
+        Ok(())
+    }
+
+    fn delete_consumers(&self, ids: &[u32]) {
+        let map = self.map("consumer_stats");
+        let mut have = self.consumers.lock();
+        for id in ids {
+            if let Err(e) = map.delete(id.as_bytes()) {
+                tracing::warn!(consumer = id, error = %e, "deleting a consumer's counters");
+            }
+            have.remove(id);
+        }
+    }
+
+    /// The kernel's counters of just these consumers (those it has counters for).
+    pub fn kernel_consumer_counters(&self, ids: &[u32]) -> Result<BTreeMap<u32, ConsumerCountersRaw>, DataplaneError> {
+        let map = self.map("consumer_stats");
+        let have = self.consumers.lock();
+        let mut out = BTreeMap::new();
+        for id in ids.iter().filter(|id| have.contains(id)) {
+            out.insert(*id, percpu_sum::<ConsumerCountersRaw>(&map, *id, |a, b| a.add(b))?);
+        }
+        Ok(out)
     }
 
     pub fn table_version(&self) -> u64 {
@@ -514,6 +592,7 @@ impl FastPath {
             ("streams", inst.installed_len() as u64, cap("streams")),
             ("stream_stats", inst.slots_len() as u64, cap("stream_stats")),
             ("copies", copies.saturating_sub(u64::from(inst.free_copy_slots())), copies),
+            ("consumer_stats", self.consumers.lock().len() as u64, cap("consumer_stats")),
         ]
         .into_iter()
         .map(|(n, entries, capacity)| (n.to_string(), MapFill { entries, capacity }))
@@ -543,8 +622,14 @@ impl FastPath {
                 }
             }
         }
+        let consumers = if per_stream {
+            let ids: Vec<u32> = self.consumers.lock().iter().copied().collect();
+            self.kernel_consumer_counters(&ids)?
+        } else {
+            BTreeMap::new()
+        };
         let latency = percpu_sum::<LatencyHistRaw>(&self.map("copy_latency"), 0, |a, b| a.add(b))?;
-        Ok(KernelStats { global, streams, latency, reception })
+        Ok(KernelStats { global, streams, latency, reception, consumers })
     }
 
     /// The reception state in `stream_reception[slot]`, read whole under its lock; None until
@@ -608,6 +693,10 @@ impl FastPath {
         self.map("copy_latency")
             .update_percpu(0u32.as_bytes(), &vec![z.as_bytes().to_vec(); ncpu], MapFlags::ANY)
             .map_err(|e| bpf_err("zeroing latency", e))?;
+        let zero = vec![ConsumerCountersRaw::default().as_bytes().to_vec(); ncpu];
+        for id in self.consumers.lock().iter() {
+            self.map("consumer_stats").update_percpu(id.as_bytes(), &zero, MapFlags::EXIST).map_err(|e| bpf_err("zeroing consumer counters", e))?;
+        }
         let slots: Vec<u32> = self.installer.lock().stats_slots().map(|(_, s)| s).collect();
         let mut io = MapsIo { fp: self };
         for s in slots {

@@ -152,6 +152,29 @@ pub struct CopyRaw {
     pub from_port: [u8; 2],
     pub to_port: [u8; 2],
     pub stream_id: u32,
+    /// The consumer uid, key of `consumer_stats` (0: none).
+    pub consumer: u32,
+}
+
+/// `struct mp_consumer_counters`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct ConsumerCountersRaw {
+    pub tx_copies: u64,
+    pub tx_bytes: u64,
+    pub tx_errors: u64,
+}
+
+impl ConsumerCountersRaw {
+    pub fn add(&mut self, o: &ConsumerCountersRaw) {
+        self.tx_copies += o.tx_copies;
+        self.tx_bytes += o.tx_bytes;
+        self.tx_errors += o.tx_errors;
+    }
+
+    pub fn to_counters(&self) -> mediaplane_dataplane::ConsumerCounters {
+        mediaplane_dataplane::ConsumerCounters { tx_copies: self.tx_copies, tx_bytes: self.tx_bytes, tx_errors: self.tx_errors, ..Default::default() }
+    }
 }
 
 /// `struct mp_stream_counters`.
@@ -387,6 +410,7 @@ unsafe impl Pod for KeyRaw {}
 unsafe impl Pod for ReceptionRaw {}
 unsafe impl Pod for StreamValueRaw {}
 unsafe impl Pod for CopyRaw {}
+unsafe impl Pod for ConsumerCountersRaw {}
 unsafe impl Pod for StreamCountersRaw {}
 unsafe impl Pod for RateRaw {}
 unsafe impl Pod for LatencyHistRaw {}
@@ -528,13 +552,14 @@ fn ip_of(family: u8, addr: &[u8; 16]) -> IpAddr {
 }
 
 impl CopyRaw {
-    pub fn new(stream_id: u32, from: SocketAddr, to: SocketAddr) -> CopyRaw {
+    pub fn new(stream_id: u32, consumer: u32, from: SocketAddr, to: SocketAddr) -> CopyRaw {
         CopyRaw {
             from_addr: addr_bytes(from.ip()).0,
             to_addr: addr_bytes(to.ip()).0,
             from_port: from.port().to_be_bytes(),
             to_port: to.port().to_be_bytes(),
             stream_id,
+            consumer,
         }
     }
 }
@@ -615,7 +640,7 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     if rate.is_some() {
         f |= flags::RATE;
     }
-    let copies = if f & flags::SLOW != 0 { Vec::new() } else { e.copies.iter().map(|c| CopyRaw::new(e.id, c.from, c.to)).collect() };
+    let copies = if f & flags::SLOW != 0 { Vec::new() } else { e.copies.iter().map(|c| CopyRaw::new(e.id, c.consumer, c.from, c.to)).collect() };
     KernelStream { id: e.id, flags: f, source, copies, rate, clock_rate: if e.rtp { e.clock_rate } else { 0 } }
 }
 
@@ -720,7 +745,8 @@ mod tests {
         assert_eq!(size_of::<KeyRaw>(), 24);
         assert_eq!(size_of::<StreamValueRaw>(), 44);
         assert_eq!(size_of::<ReceptionRaw>(), 112);
-        assert_eq!(size_of::<CopyRaw>(), 40);
+        assert_eq!(size_of::<CopyRaw>(), 44);
+        assert_eq!(size_of::<ConsumerCountersRaw>(), 24);
         assert_eq!(size_of::<StreamCountersRaw>(), 96);
         assert_eq!(size_of::<RateRaw>(), 48);
         assert_eq!(size_of::<LatencyHistRaw>(), (LAT_BUCKETS + 4) * 8);
@@ -761,7 +787,7 @@ mod tests {
         m.add_participant("r", "p1", a("10.0.0.1:4002"), a("10.0.1.2:5000")).unwrap();
         m.publish("r", "p0", "low", StreamSpec { ssrc: Some(1), ..Default::default() }).unwrap();
         m.publish("r", "p1", "main", StreamSpec::default()).unwrap();
-        m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "low".into() }).unwrap();
+        let consumer = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "low".into() }).unwrap();
         let t = ForwardingTable::compile(&m, 1);
         let e = kernel_entries(&t, None);
         assert_eq!(e.len(), 3);
@@ -771,7 +797,7 @@ mod tests {
         assert_eq!(ph.source, Some(a("10.0.1.1:5000")), "the owner's remote");
         let low = &e[&KeyRaw::new(a("10.0.0.1:4000"), Some(1))];
         assert_eq!(low.flags, flags::PRESENT | flags::RTP);
-        assert_eq!(low.copies, vec![CopyRaw::new(low.id, a("10.0.0.1:4002"), a("10.0.1.2:5000"))]);
+        assert_eq!(low.copies, vec![CopyRaw::new(low.id, consumer, a("10.0.0.1:4002"), a("10.0.1.2:5000"))]);
         // p1 subscribes: its RTCP is feedback.
         let main = &e[&KeyRaw::new(a("10.0.0.1:4002"), None)];
         assert_eq!(main.flags, flags::PRESENT | flags::RTP | flags::ONE_SOURCE | flags::FEEDBACK);

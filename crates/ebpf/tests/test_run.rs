@@ -35,6 +35,15 @@ fn valid_rtp_fans_out_to_every_subscriber() {
     assert_eq!(s.latency.count, 3, "one latency sample per copy");
     let ds = s.to_dataplane_stats(1);
     assert!(ds.copy_latency.is_some_and(|l| l.count == 3 && l.min_ns > 0 && l.max_ns >= l.p50_ns));
+    // Each copy counted for its consumer (rig: stream 1's consumers are 1001..=1003).
+    let per_copy = s.streams[&1].tx_bytes / 3;
+    let consumers: Vec<(u32, u64, u64)> = s.consumers.iter().map(|(id, c)| (*id, c.tx_copies, c.tx_bytes)).collect();
+    assert_eq!(consumers, (1001..=1003).map(|id| (id, 1, per_copy)).collect::<Vec<_>>());
+    // A consumer's counters go with its last copy; the others' stay.
+    let fewer = table(2, vec![entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(2))]);
+    rig.apply(&fewer);
+    assert_eq!(rig.fp.kernel_stats().unwrap().consumers.keys().copied().collect::<Vec<_>>(), [1001, 1002]);
+    assert_eq!(rig.fp.map_fill()["consumer_stats"].entries, 2);
 }
 
 #[test]

@@ -61,6 +61,13 @@ enum CtlCommand {
         publisher: String,
         stream: String,
     },
+    /// A room's consumers (one per subscription) with their counters and the receivers'
+    /// reports; one of them with --id.
+    Consumers {
+        room: String,
+        #[arg(long)]
+        id: Option<u32>,
+    },
     /// SIP-style relay pairs.
     #[command(subcommand)]
     Relay(RelayCmd),
@@ -152,6 +159,8 @@ pub fn run(args: CtlArgs) -> anyhow::Result<()> {
         CtlCommand::Unsubscribe { room, participant, publisher, stream } => {
             ("DELETE", format!("/v1/rooms/{room}/participants/{participant}/subscriptions/{publisher}/{stream}"), None)
         }
+        CtlCommand::Consumers { room, id: None } => ("GET", format!("/v1/rooms/{room}/consumers"), None),
+        CtlCommand::Consumers { room, id: Some(id) } => ("GET", format!("/v1/rooms/{room}/consumers/{id}"), None),
         CtlCommand::Relay(c) => match c {
             RelayCmd::List => ("GET", "/v1/relays".into(), None),
             RelayCmd::Create { id, a_local, a_remote, b_local, b_remote, strict } => (

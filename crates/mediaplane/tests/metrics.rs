@@ -227,7 +227,7 @@ fn userspace_plane_metrics_pass_promtool_and_cover_the_dashboard() {
     }
     let tmp = TempDir::new("metrics-us");
     let cfg = tmp.0.join("mediaplane.toml");
-    std::fs::write(&cfg, "[media]\nip = \"127.0.0.1\"\nport_min = 43000\nport_max = 43199\n[metrics]\nper_stream = true\n").unwrap();
+    std::fs::write(&cfg, "[media]\nip = \"127.0.0.1\"\nport_min = 43000\nport_max = 43199\n[metrics]\nper_stream = true\nper_consumer = true\n").unwrap();
     let ng_addr: SocketAddr = format!("127.0.0.1:{}", free_udp_port()).parse().unwrap();
     let d = Daemon::start(&tmp.0.join("store.db"), &["--config", cfg.to_str().unwrap(), "--ng-listen", &ng_addr.to_string(), "--reset"]);
 
@@ -266,6 +266,7 @@ fn userspace_plane_metrics_pass_promtool_and_cover_the_dashboard() {
     // Per-stream series (metrics.per_stream = true), labelled with the stream's label.
     let per_stream = m.lines().filter(|l| l.starts_with("mediaplane_stream_sent_packets_total{")).collect::<Vec<_>>();
     assert!(per_stream.iter().any(|l| l.contains("stream=\"r/p0/main\"") && l.ends_with(" 40")), "{per_stream:?}\n{m}");
+    consumer_series(&m, &stats, 40);
     let n = check_dashboard(&m, &EBPF_ONLY).unwrap_or_else(|e| panic!("{e}\n--- scrape:\n{m}"));
     assert!(n >= 20, "the dashboard names {n} metrics");
 
@@ -286,7 +287,8 @@ fn ebpf_plane_metrics_pass_promtool_and_cover_the_dashboard() {
     let (p0, p1) = (&tb.peers[0], &tb.peers[1]);
     let tmp = TempDir::new("metrics-ebpf");
     let cfg = tmp.0.join("mediaplane.toml");
-    std::fs::write(&cfg, format!("[media]\nip = \"{}\"\nport_min = 30000\nport_max = 30099\n[metrics]\nper_stream = true\n", p0.sfu_ip)).unwrap();
+    std::fs::write(&cfg, format!("[media]\nip = \"{}\"\nport_min = 30000\nport_max = 30099\n[metrics]\nper_stream = true\nper_consumer = true\n", p0.sfu_ip))
+        .unwrap();
     let serve = NetnsServe::start(&tb, "ebpf", &tmp.0.join("store.db"), &["--reset", "--ng-listen", NG, "--config", cfg.to_str().unwrap()]);
     serve.two_party_room(); // p0 publishes at its SFU address :40000 from :5004, p1 receives on :5004
     serve.api("POST", "/v1/relays", Some(json!({"id": "x", "a": {}, "b": {}})));
@@ -320,6 +322,17 @@ fn ebpf_plane_metrics_pass_promtool_and_cover_the_dashboard() {
     let timed = sample(&m, "mediaplane_copy_latency_seconds_count").unwrap_or(0.0);
     assert!(timed >= 100.0, "{m}");
     assert_eq!(sample(&m, "mediaplane_copy_latency_seconds_bucket{le=\"+Inf\"}"), Some(timed), "{m}");
+    consumer_series(&m, &stats, 200);
+    assert_eq!(sample(&m, "mediaplane_map_entries{map=\"consumer_stats\"}"), Some(1.0), "{m}");
     let n = check_dashboard(&m, &[]).unwrap_or_else(|e| panic!("{e}\n--- scrape:\n{m}"));
     assert!(n >= 20, "the dashboard names {n} metrics");
+}
+
+/// With metrics.per_consumer: p1's consumer of p0's stream in `/v1/stats` and its series.
+fn consumer_series(m: &str, stats: &Value, copies: u64) {
+    let listed = stats["consumers"].as_array().unwrap_or_else(|| panic!("consumers in /v1/stats: {stats}"));
+    assert_eq!(listed.len(), 1, "{listed:?}");
+    assert_eq!(listed[0]["tx_copies"], copies, "{listed:?}");
+    let series = format!("mediaplane_consumer_sent_packets_total{{id=\"{}\",consumer=\"r/p1<-p0/main\"}}", listed[0]["id"]);
+    assert_eq!(sample(m, &series), Some(copies as f64), "{series}\n{m}");
 }

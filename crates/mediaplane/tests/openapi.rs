@@ -66,10 +66,17 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
     let rank = |m: &str| ["POST", "GET", "DELETE"].iter().position(|x| *x == m).unwrap();
     order.sort_by_key(|(m, p)| (rank(m), if m == "DELETE" { usize::MAX - p.len() } else { p.len() }, p.clone()));
     let mut setup_done = false;
+    let mut consumer = String::from("(no subscription yet)");
     for (method, path) in order {
         let op = &spec["paths"][&path][method.to_lowercase()];
         let success: u16 = op["responses"].as_object().unwrap().keys().find(|k| k.starts_with('2')).expect("a success response").parse().unwrap();
-        let url = path.replace("{room}", "r1").replace("{pid}", "bob").replace("{stream}", "main").replace("{publisher}", "alice").replace("{id}", "call1");
+        let url = path
+            .replace("{room}", "r1")
+            .replace("{pid}", "bob")
+            .replace("{stream}", "main")
+            .replace("{publisher}", "alice")
+            .replace("{id}", "call1")
+            .replace("{consumer}", &consumer);
         if method == "POST" && path == "/v1/rooms/{room}/participants/{pid}/streams" && !setup_done {
             // Beside the examples: bob, and alice's stream for bob to subscribe to.
             assert_eq!(d.call("POST", "/v1/rooms/r1/participants", Some(json!({"id": "bob", "remote": "127.0.0.1:5006"}))).0, 201);
@@ -86,6 +93,9 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
             _ => d.call(&method, &url, if body.is_null() { None } else { Some(body) }),
         };
         assert_eq!(status, success, "{method} {url}: {answer}");
+        if let Some(id) = answer.get("consumer").and_then(Value::as_u64) {
+            consumer = id.to_string();
+        }
     }
     assert!(setup_done);
     assert_eq!(d.call("GET", "/health", None).1["rooms"], 0, "everything the probes made, they deleted");

@@ -3,6 +3,7 @@
 //! the address the publisher sends to), keyframe requests coalesced; receiver reports and REMB
 //! stop at the SFU; a publisher-subscriber's sender report still reaches its subscribers, without
 //! the feedback it carried; spoofed, unroutable and malformed feedback goes nowhere, counted.
+//! Each subscription's consumer counts its copies and feedback and keeps its latest report.
 
 mod common;
 
@@ -158,6 +159,36 @@ fn run_plane(tb: &Testbed, plane: &str) {
     let by_label = |label: &str| streams.as_array().unwrap().iter().find(|s| s["label"] == label).unwrap_or_else(|| panic!("{label} in {streams}")).clone();
     assert_eq!(counts(&by_label("f/p0/v")), [3, 2, 0, 0], "[{plane}]");
     assert_eq!(counts(&by_label("f/p1/v")), [1, 0, 0, 0], "[{plane}]");
+
+    // Per consumer (one per subscription): the copies it was sent, what it asked for, what its
+    // receiver reports and REMB said.
+    let consumers = serve.api("GET", "/v1/rooms/f/consumers", None)["consumers"].as_array().unwrap().clone();
+    assert_eq!(consumers.len(), 6, "[{plane}] {consumers:?}");
+    let consumer = |sub: usize, publisher: usize| {
+        let c = consumers.iter().find(|c| c["subscriber"] == format!("p{sub}") && c["publisher"] == format!("p{publisher}"));
+        c.unwrap_or_else(|| panic!("p{sub}<-p{publisher} in {consumers:?}")).clone()
+    };
+    let sent = |c: &Value| ["tx_copies", "tx_bytes", "tx_errors", "feedback_routed", "feedback_coalesced"].map(|k| c[k].as_u64().unwrap());
+    // p0's three 412-byte packets to each of its subscribers; p3's report (SR + SDES) to p0.
+    assert_eq!(sent(&consumer(2, 0)), [3, 3 * 412, 0, 1, 0], "[{plane}] p2<-p0: its PLI went");
+    assert_eq!(sent(&consumer(3, 0)), [3, 3 * 412, 0, 2, 1], "[{plane}] p3<-p0: its NACK and late PLI went, its first PLI was coalesced");
+    assert_eq!(sent(&consumer(4, 0)), [3, 3 * 412, 0, 0, 1], "[{plane}] p4<-p0: its FIR was coalesced");
+    assert_eq!(sent(&consumer(2, 1)), [0, 0, 0, 1, 0], "[{plane}] p2<-p1: its NACK");
+    assert_eq!(sent(&consumer(3, 1)), [0, 0, 0, 0, 0], "[{plane}]");
+    assert_eq!(sent(&consumer(0, 3)), [1, 28 + 12, 0, 0, 0], "[{plane}] p0<-p3: p3's SR and SDES");
+    let p2 = consumer(2, 0);
+    let report = &p2["report"];
+    assert_eq!(
+        (report["fraction_lost_pct"].as_f64(), report["highest_seq"].as_u64(), report["jitter"].as_u64()),
+        (Some(12.0 * 100.0 / 256.0), Some(2), Some(40)),
+        "[{plane}] {p2}"
+    );
+    assert!((report["jitter_ms"].as_f64().unwrap() - 40.0 / 90.0).abs() < 1e-9, "[{plane}] 90 kHz clock: {p2}");
+    let remb = p2["remb_bps"].as_u64().unwrap();
+    assert!((799_000..=800_000).contains(&remb), "[{plane}] {p2}");
+    assert!(consumer(4, 0)["remb_bps"].is_null() && consumer(2, 1)["report"].is_null(), "[{plane}] REMB and reports belong to the consumer they name");
+    let one = serve.api("GET", &format!("/v1/rooms/f/consumers/{}", p2["id"]), None);
+    assert_eq!(sent(&one), sent(&p2), "[{plane}] {one}");
 }
 
 #[test]

@@ -63,7 +63,11 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         key,
         source,
         rtp,
-        copies: copies.into_iter().enumerate().map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to, outbound: Default::default() }).collect(),
+        copies: copies
+            .into_iter()
+            .enumerate()
+            .map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to, outbound: Default::default(), consumer: id * 1000 + i as u32 + 1 })
+            .collect(),
         rate: None,
         record: false,
         inbound: Default::default(),

@@ -1,0 +1,116 @@
+//! Consumers as the API, `ctl` and `/metrics` show them: each subscription of the model (a
+//! [`mediaplane_core::model::Consumer`]) with where its copies go and what the data plane counted
+//! for it, including what the consumer's own receiver reports said.
+
+use mediaplane_core::model::Model;
+use mediaplane_dataplane::{ConsumerCounters, Dataplane};
+use serde::Serialize;
+use std::net::SocketAddr;
+
+/// One consumer.
+#[derive(Debug, Clone, Serialize)]
+pub struct ConsumerView {
+    pub id: u32,
+    pub room: String,
+    pub subscriber: String,
+    pub publisher: String,
+    pub stream: String,
+    /// The published stream's id (its counters in `/v1/stats`).
+    pub stream_id: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssrc: Option<u32>,
+    /// The SFU address its copies leave from, and where they go.
+    pub local: SocketAddr,
+    pub remote: SocketAddr,
+    pub tx_copies: u64,
+    pub tx_bytes: u64,
+    pub tx_errors: u64,
+    pub feedback_routed: u64,
+    pub feedback_coalesced: u64,
+    /// Its latest receiver report about the stream (none until it sent one).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub report: Option<ReportView>,
+    /// Its latest REMB naming the stream, bits per second.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub remb_bps: Option<u64>,
+    /// For labels: `room/subscriber<-publisher/stream`.
+    #[serde(skip)]
+    pub label: String,
+}
+
+/// A consumer's receiver report block, in the units people read.
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct ReportView {
+    /// Loss since its previous report, percent (the block's fraction lost, 8-bit).
+    pub fraction_lost_pct: f64,
+    pub cumulative_lost: i32,
+    pub highest_seq: u32,
+    /// Interarrival jitter in RTP timestamp units, and in milliseconds when the stream's clock
+    /// rate is known.
+    pub jitter: u32,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub jitter_ms: Option<f64>,
+    /// How long ago it arrived.
+    pub age_ms: u64,
+}
+
+/// The consumers of `room` (all rooms when none), without counters, sorted by id.
+fn of_model(model: &Model, room: Option<&str>) -> Vec<(ConsumerView, Option<u32>)> {
+    let mut out = Vec::new();
+    for (rid, r) in model.rooms.iter().filter(|(rid, _)| room.is_none_or(|x| x == rid.as_str())) {
+        for (pid, p) in &r.participants {
+            for (sref, c) in &p.subscriptions {
+                let Some(s) = r.participants.get(&sref.publisher).and_then(|publ| publ.streams.get(&sref.stream)) else { continue };
+                let view = ConsumerView {
+                    id: c.uid,
+                    room: rid.clone(),
+                    subscriber: pid.clone(),
+                    publisher: sref.publisher.clone(),
+                    stream: sref.stream.clone(),
+                    stream_id: s.uid,
+                    ssrc: s.ssrc,
+                    local: p.local,
+                    remote: p.remote,
+                    tx_copies: 0,
+                    tx_bytes: 0,
+                    tx_errors: 0,
+                    feedback_routed: 0,
+                    feedback_coalesced: 0,
+                    report: None,
+                    remb_bps: None,
+                    label: format!("{rid}/{pid}<-{}/{}", sref.publisher, sref.stream),
+                };
+                out.push((view, s.clock_rate));
+            }
+        }
+    }
+    out.sort_by_key(|(v, _)| v.id);
+    out
+}
+
+/// The consumers of `room` (all rooms when none) with their counters, read from `dataplane`
+/// for just them.
+pub fn list(model: &Model, room: Option<&str>, dataplane: &dyn Dataplane) -> Vec<ConsumerView> {
+    let views = of_model(model, room);
+    let ids: Vec<u32> = views.iter().map(|(v, _)| v.id).collect();
+    let counters = dataplane.consumer_counters(&ids);
+    let now = mediaplane_dataplane::monotonic_ns();
+    views
+        .into_iter()
+        .map(|(mut v, clock_rate)| {
+            let c: ConsumerCounters = counters.get(&v.id).copied().unwrap_or_default();
+            (v.tx_copies, v.tx_bytes, v.tx_errors) = (c.tx_copies, c.tx_bytes, c.tx_errors);
+            (v.feedback_routed, v.feedback_coalesced) = (c.feedback_routed, c.feedback_coalesced);
+            v.report = c.report.map(|r| ReportView {
+                fraction_lost_pct: f64::from(r.fraction_lost) * 100.0 / 256.0,
+                cumulative_lost: r.cumulative_lost,
+                highest_seq: r.highest_seq,
+                jitter: r.jitter,
+                jitter_ms: clock_rate.filter(|c| *c > 0).map(|c| f64::from(r.jitter) * 1000.0 / f64::from(c)),
+                age_ms: now.saturating_sub(r.at_ns) / 1_000_000,
+            });
+            v.remb_bps = c.remb_bps;
+            v
+        })
+        .collect()
+}
