@@ -59,6 +59,7 @@ impl From<ManagerError> for ApiError {
                 ModelError::InvalidId(_) | ModelError::BadAddress(_) | ModelError::FamilyMismatch(_) | ModelError::SelfSubscription => {
                     ApiError::new(StatusCode::BAD_REQUEST, "invalid", msg)
                 }
+                ModelError::Inconsistent(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", msg),
             },
             ManagerError::Limit { .. } => ApiError::new(StatusCode::FORBIDDEN, "limit", msg),
             ManagerError::Interface(_) => ApiError::new(StatusCode::BAD_REQUEST, "invalid", msg),
@@ -700,18 +701,21 @@ async fn stats(State(m): State<AppState>, Extension(mx): Extension<Arc<Metrics>>
                 .collect()
         });
         let consumers = mx.per_consumer.then(|| m.read(|model, _| crate::consumers::list(model, None, &**m.dataplane())));
-        json!({
+        let mut out = json!({
             "dataplane": st.dataplane,
             "table_version": st.table_version,
             "total": st.total,
             "streams": streams,
-            "consumers": consumers,
             "copy_latency": st.copy_latency,
             "extra": st.extra,
             "maps": st.maps,
             "memory": snap.memory,
             "ng": mx.ng.totals(),
-        })
+        });
+        if let Some(c) = consumers {
+            out["consumers"] = serde_json::to_value(c).unwrap();
+        }
+        out
     })
     .await
 }

@@ -106,7 +106,7 @@ pub struct SessionManager {
 
 impl SessionManager {
     /// Load the stored sessions and install them: after a restart, media flows again.
-    pub fn open(store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig, limits: Limits) -> Result<SessionManager, ManagerError> {
+    pub fn open(mut store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig, limits: Limits) -> Result<SessionManager, ManagerError> {
         let model = store.load()?;
         let table = Arc::new(compile(&model, 1, &limits));
         dataplane.apply(table.clone())?;

@@ -61,14 +61,21 @@ impl Store {
         Ok(Store { conn })
     }
 
-    pub fn load(&self) -> Result<Model, StoreError> {
+    /// The stored model. Rooms stored before subscriptions had consumer ids are given theirs
+    /// and stored again, so the ids stay the same from then on.
+    pub fn load(&mut self) -> Result<Model, StoreError> {
         let mut rooms = BTreeMap::new();
+        let mut unnumbered = Vec::new();
         let mut stmt = self.conn.prepare("SELECT id, body FROM rooms")?;
         for row in stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))? {
             let (id, body) = row?;
             let room: Room = serde_json::from_str(&body).map_err(|e| StoreError::Corrupt(format!("room {id}"), e.to_string()))?;
+            if room.participants.values().any(|p| p.subscriptions.values().any(|c| c.uid == 0)) {
+                unnumbered.push(Change::Room(id.clone()));
+            }
             rooms.insert(id, room);
         }
+        drop(stmt);
         let mut relays = BTreeMap::new();
         let mut stmt = self.conn.prepare("SELECT id, body FROM relays")?;
         for row in stmt.query_map([], |r| Ok((r.get::<_, String>(0)?, r.get::<_, String>(1)?)))? {
@@ -82,7 +89,12 @@ impl Store {
             .optional()?
             .and_then(|v| v.parse().ok())
             .unwrap_or(1);
-        Model::from_parts(rooms, relays, next_uid).map_err(|e| StoreError::Corrupt("model".into(), e.to_string()))
+        drop(stmt);
+        let model = Model::from_parts(rooms, relays, next_uid).map_err(|e| StoreError::Corrupt("model".into(), e.to_string()))?;
+        if !unnumbered.is_empty() {
+            self.save(&model, &unnumbered)?;
+        }
+        Ok(model)
     }
 
     /// Persist `changes` of `model` in one transaction.
@@ -144,14 +156,42 @@ mod tests {
             m.create_relay("call", leg("10.0.0.1:30000"), leg("10.0.0.1:30002")).unwrap();
             st.save(&m, &[Change::Room("r".into()), Change::Relay("call".into())]).unwrap();
         }
-        let st = Store::open(&path).unwrap();
+        let mut st = Store::open(&path).unwrap();
         assert_eq!(st.load().unwrap(), m);
-        let mut st = st;
         m.delete_relay("call").unwrap();
         st.save(&m, &[Change::Relay("call".into())]).unwrap();
         assert!(st.load().unwrap().relays.is_empty());
         st.clear().unwrap();
         assert!(st.load().unwrap().rooms.is_empty());
+        std::fs::remove_dir_all(&dir).unwrap();
+    }
+
+    #[test]
+    fn subscriptions_stored_without_consumer_ids_keep_the_ids_they_get_on_load() {
+        let dir = std::env::temp_dir().join(format!("mp-store-uids-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("s.db");
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "a", "10.0.0.1:4000".parse().unwrap(), "10.0.1.1:5000".parse().unwrap()).unwrap();
+        m.add_participant("r", "b", "10.0.0.1:4002".parse().unwrap(), "10.0.1.2:5000".parse().unwrap()).unwrap();
+        m.publish("r", "a", "main", StreamSpec::default()).unwrap();
+        m.subscribe("r", "b", StreamRef { publisher: "a".into(), stream: "main".into() }).unwrap();
+        let mut st = Store::open(&path).unwrap();
+        st.save(&m, &[Change::Room("r".into())]).unwrap();
+        // As an older version stored it: no consumer id.
+        let mut room = serde_json::to_value(&m.rooms["r"]).unwrap();
+        room["participants"]["b"]["subscriptions"][0].as_object_mut().unwrap().remove("consumer");
+        st.conn.execute("UPDATE rooms SET body = ?1 WHERE id = 'r'", params![room.to_string()]).unwrap();
+        let first = st.load().unwrap();
+        let id = |m: &Model| m.rooms["r"].participants["b"].subscriptions.values().next().unwrap().uid;
+        assert_ne!(id(&first), 0);
+        // Later uids go higher; the next load (a restart) gives the consumer the same id.
+        let mut more = first.clone();
+        more.publish("r", "b", "cam", StreamSpec::default()).unwrap();
+        st.save(&more, &[Change::Room("r".into())]).unwrap();
+        drop(st);
+        assert_eq!(id(&Store::open(&path).unwrap().load().unwrap()), id(&first));
         std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -29,6 +29,9 @@ pub enum ModelError {
     BadAddress(SocketAddr),
     #[error("local and remote addresses of {0} must be the same IP family")]
     FamilyMismatch(String),
+    /// Stored state that cannot be right (see [`Model::from_parts`]).
+    #[error("inconsistent stored state: {0}")]
+    Inconsistent(String),
 }
 
 fn check_id(id: &str) -> Result<(), ModelError> {
@@ -327,14 +330,20 @@ impl Model {
         next_uid: u32,
     ) -> Result<Model, ModelError> {
         let mut m = Model { rooms: rooms.into_iter().collect(), relays: relays.into_iter().collect(), next_uid, ..Default::default() };
-        let max_uid = m
+        let uids: Vec<u32> = m
             .rooms
             .values()
             .flat_map(|r| r.participants.values())
             .flat_map(|p| p.streams.values().map(|s| s.uid).chain(p.subscriptions.values().map(|c| c.uid)))
             .chain(m.relays.values().flat_map(|r| [r.a.uid, r.b.uid]))
-            .max()
-            .unwrap_or(0);
+            .filter(|u| *u != 0)
+            .collect();
+        // Counters and kernel map entries are keyed by uid: two owners of one would share them.
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(dup) = uids.iter().find(|u| !seen.insert(**u)) {
+            return Err(ModelError::Inconsistent(format!("uid {dup} is used twice")));
+        }
+        let max_uid = uids.iter().copied().max().unwrap_or(0);
         m.next_uid = m.next_uid.max(max_uid + 1);
         // Subscriptions stored before consumers had uids get theirs now.
         let rooms: Vec<String> = m.rooms.keys().cloned().collect();

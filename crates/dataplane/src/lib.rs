@@ -254,9 +254,12 @@ pub struct ConsumerCounters {
     /// Its latest receiver report block about the stream, as received.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub report: Option<ConsumerReport>,
-    /// Its latest REMB naming the stream's SSRC: the receiver's estimate, bits per second.
+    /// Its latest REMB naming the stream's SSRC: the receiver's estimate, bits per second, and
+    /// when it arrived ([`monotonic_ns`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub remb_bps: Option<u64>,
+    #[serde(default)]
+    pub remb_at_ns: u64,
 }
 
 /// A receiver report block of a consumer (RFC 3550 6.4.1): its view of what the SFU sent it.
@@ -284,7 +287,9 @@ impl ConsumerCounters {
         if o.report.is_some_and(|r| self.report.is_none_or(|mine| r.at_ns >= mine.at_ns)) {
             self.report = o.report;
         }
-        self.remb_bps = o.remb_bps.or(self.remb_bps);
+        if o.remb_bps.is_some() && (self.remb_bps.is_none() || o.remb_at_ns >= self.remb_at_ns) {
+            (self.remb_bps, self.remb_at_ns) = (o.remb_bps, o.remb_at_ns);
+        }
     }
 
     /// (name, value) pairs of the counters, for metrics exposition.
@@ -364,10 +369,6 @@ pub struct DataplaneStats {
     /// more of them.
     #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
     pub reception: BTreeMap<u32, ReceptionReport>,
-    /// Per consumer uid (see [`mediaplane_core::table::Copy::consumer`]), where it has had a copy
-    /// or sent feedback.
-    #[serde(default, skip_serializing_if = "BTreeMap::is_empty")]
-    pub consumers: BTreeMap<u32, ConsumerCounters>,
 }
 
 /// A forwarding path. Implementations must be safe to call from any thread.
@@ -395,15 +396,15 @@ pub trait Dataplane: Send + Sync {
         let mut s = self.stats();
         s.streams.clear();
         s.reception.clear();
-        s.consumers.clear();
         s
     }
 
-    /// Counters of just these consumers (absent: no copy or feedback yet), overridden as
-    /// [`Dataplane::stream_counters`] is.
+    /// Counters of these consumers (see [`mediaplane_core::table::Copy::consumer`]; absent: no
+    /// copy or feedback yet). Read on demand only, never with [`Dataplane::stats`]: there are
+    /// N×(N−1) of them in a room of N publishers. A plane without consumers has none.
     fn consumer_counters(&self, ids: &[u32]) -> BTreeMap<u32, ConsumerCounters> {
-        let s = self.stats();
-        ids.iter().filter_map(|id| s.consumers.get(id).map(|c| (*id, *c))).collect()
+        let _ = ids;
+        BTreeMap::new()
     }
 
     /// Reception quality of just these streams (absent: no RTP packet accepted yet); the

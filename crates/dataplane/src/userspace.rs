@@ -386,6 +386,7 @@ impl UserspaceDataplane {
         let old = self.shared.state.load_full();
         let srtp = old.srtp.update(&old.table, &table, changed);
         self.forget_reception(&old.table, &table, changed);
+        self.forget_consumers(&old.table, &table, changed);
         if self.cfg.steered {
             // No per-address sockets: packets are steered to us, copies leave on raw sockets.
             self.shared.state.store(Arc::new(State { table, sockets: old.sockets.clone(), srtp }));
@@ -471,6 +472,30 @@ impl UserspaceDataplane {
         }
     }
 
+    /// Consumers that left the table lose their counters (uids are never reused: this only
+    /// bounds memory). A worker's batch still in flight may bring one back with its last copies.
+    fn forget_consumers(&self, old: &ForwardingTable, new: &ForwardingTable, changed: Option<&[IngressKey]>) {
+        let consumers = |t: &ForwardingTable, keys: &mut dyn Iterator<Item = &IngressKey>| -> std::collections::HashSet<u32> {
+            keys.filter_map(|k| t.streams.get(k)).flat_map(|e| e.copies.iter().map(|c| c.consumer)).filter(|c| *c != 0).collect()
+        };
+        let (gone, keep): (Vec<u32>, Option<std::collections::HashSet<u32>>) = match changed {
+            Some(keys) => {
+                let now = consumers(new, &mut keys.iter());
+                (consumers(old, &mut keys.iter()).difference(&now).copied().collect(), None)
+            }
+            None => (Vec::new(), Some(consumers(new, &mut new.streams.keys()))),
+        };
+        for w in self.workers.lock().iter() {
+            let mut c = w.counters.lock();
+            match &keep {
+                Some(keep) => c.consumers.retain(|id, _| keep.contains(id)),
+                None => gone.iter().for_each(|id| {
+                    c.consumers.remove(id);
+                }),
+            }
+        }
+    }
+
     fn open_socket_group(&self, addr: SocketAddr) -> Result<Vec<Socket>, DataplaneError> {
         (0..self.cfg.workers).map(|_| open_socket(addr, self.cfg.socket_buffer, &self.cfg.header)).collect()
     }
@@ -524,9 +549,6 @@ impl Dataplane for UserspaceDataplane {
             st.total.add(&c.total);
             for (id, sc) in &c.streams {
                 st.streams.entry(*id).or_default().add(sc);
-            }
-            for (id, cc) in &c.consumers {
-                st.consumers.entry(*id).or_default().add(cc);
             }
         }
         st.extra.extend(sys::host_drop_counters().into_iter().map(|(k, v)| (k.to_string(), v)));
@@ -856,7 +878,8 @@ impl WorkerCtx {
                         });
                     }
                     for (id, bps) in &outcome.remb {
-                        delta.consumers.entry(*id).or_default().remb_bps = Some(*bps);
+                        let cc = delta.consumers.entry(*id).or_default();
+                        (cc.remb_bps, cc.remb_at_ns) = (Some(*bps), received_at);
                     }
                     for r in outcome.routed {
                         match (state.sockets.get(&r.from), &self.steer) {

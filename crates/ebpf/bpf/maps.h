@@ -86,9 +86,12 @@ struct {
 
 /* By consumer uid. User space creates an entry (zero) before it writes the first copy for the
  * consumer and deletes it once the consumer is gone; the program never creates one, so a copy
- * still in flight for a consumer just deleted is not counted rather than resurrecting it. */
+ * still in flight for a consumer just deleted is not counted rather than resurrecting it. Not
+ * preallocated: a deleted element is freed after an RCU grace period, never reused under a
+ * program still holding it (and only live consumers take memory). */
 struct {
 	__uint(type, BPF_MAP_TYPE_PERCPU_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
 	__uint(max_entries, 65536); /* = copies max_entries: every consumer has a copy */
 	__type(key, __u32);
 	__type(value, struct mp_consumer_counters);

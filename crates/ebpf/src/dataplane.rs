@@ -504,9 +504,6 @@ impl EbpfDataplane {
         for (id, c) in &u.streams {
             s.streams.entry(*id).or_default().add(c);
         }
-        for (id, c) in &u.consumers {
-            s.consumers.entry(*id).or_default().add(c);
-        }
         merge_reception(&mut s.reception, u.reception);
         if s.copy_latency.is_none() {
             s.copy_latency = u.copy_latency;

@@ -76,7 +76,7 @@ pub struct KernelStats {
     pub latency: LatencyHistRaw,
     /// Per stream id, of the RTP streams the kernel forwarded packets of.
     pub reception: BTreeMap<u32, RtpReception>,
-    /// Per consumer uid.
+    /// Per consumer uid ([`FastPath::kernel_stats`] only).
     pub consumers: BTreeMap<u32, ConsumerCountersRaw>,
 }
 
@@ -134,7 +134,6 @@ impl KernelStats {
             extra,
             maps: BTreeMap::new(),
             reception,
-            consumers: self.consumers.iter().map(|(id, c)| (*id, c.to_counters())).collect(),
         }
     }
 }
@@ -476,7 +475,7 @@ impl FastPath {
     /// all of them.
     fn consumer_changes(&self, old: Option<&ForwardingTable>, table: &ForwardingTable, changed: Option<&[IngressKey]>) -> (Vec<u32>, Vec<u32>) {
         let consumers_of = |t: &ForwardingTable, keys: &mut dyn Iterator<Item = &IngressKey>| -> BTreeSet<u32> {
-            keys.filter_map(|k| t.streams.get(k)).flat_map(|e| e.copies.iter().map(|c| c.consumer)).filter(|c| *c != 0).collect()
+            keys.filter_map(|k| t.streams.get(k)).flat_map(crate::maps::kernel_consumers).collect()
         };
         let have = self.consumers.lock();
         match (old, changed) {
@@ -500,13 +499,18 @@ impl FastPath {
         let zero = vec![ConsumerCountersRaw::default().as_bytes().to_vec(); ncpu];
         let map = self.map("consumer_stats");
         let mut have = self.consumers.lock();
-        for id in ids {
-            map.update_percpu(id.as_bytes(), &zero, MapFlags::ANY).map_err(|e| {
-                DataplaneError::Full(format!(
+        for (i, id) in ids.iter().enumerate() {
+            if let Err(e) = map.update_percpu(id.as_bytes(), &zero, MapFlags::ANY) {
+                // Nothing of the apply is installed: neither are these counters.
+                for made in &ids[..i] {
+                    let _ = map.delete(made.as_bytes());
+                    have.remove(made);
+                }
+                return Err(DataplaneError::Full(format!(
                     "no room for the counters of consumer {id} (consumer_stats holds {}; raise dataplane.max_copies): {e}",
                     have.len()
-                ))
-            })?;
+                )));
+            }
             have.insert(*id);
         }
         Ok(())
@@ -526,12 +530,22 @@ impl FastPath {
     /// The kernel's counters of just these consumers (those it has counters for).
     pub fn kernel_consumer_counters(&self, ids: &[u32]) -> Result<BTreeMap<u32, ConsumerCountersRaw>, DataplaneError> {
         let map = self.map("consumer_stats");
-        let have = self.consumers.lock();
+        // Not held across the reads: an apply waits for this lock.
+        let known: Vec<u32> = {
+            let have = self.consumers.lock();
+            ids.iter().filter(|id| have.contains(id)).copied().collect()
+        };
         let mut out = BTreeMap::new();
-        for id in ids.iter().filter(|id| have.contains(id)) {
-            out.insert(*id, percpu_sum::<ConsumerCountersRaw>(&map, *id, |a, b| a.add(b))?);
+        for id in known {
+            out.insert(id, percpu_sum::<ConsumerCountersRaw>(&map, id, |a, b| a.add(b))?);
         }
         Ok(out)
+    }
+
+    /// The consumers that have an entry in the kernel's `consumer_stats`, read from the map
+    /// itself (one syscall per entry: tests, diagnostics).
+    pub fn kernel_consumer_ids(&self) -> Vec<u32> {
+        self.map("consumer_stats").keys().filter_map(|k| k.get(..4).map(u32::from_bytes)).collect()
     }
 
     pub fn table_version(&self) -> u64 {
@@ -599,8 +613,15 @@ impl FastPath {
         .collect()
     }
 
+    /// Everything the kernel counted, every consumer's counters included (read from the map
+    /// itself: tests, diagnostics; the data plane reads consumers on demand).
     pub fn kernel_stats(&self) -> Result<KernelStats, DataplaneError> {
-        self.kernel_stats_with(true)
+        let mut s = self.kernel_stats_with(true)?;
+        let map = self.map("consumer_stats");
+        for id in self.kernel_consumer_ids() {
+            s.consumers.insert(id, percpu_sum::<ConsumerCountersRaw>(&map, id, |a, b| a.add(b))?);
+        }
+        Ok(s)
     }
 
     /// [`FastPath::kernel_stats`]; `per_stream` false leaves `streams` empty (no read per stream).
@@ -622,14 +643,8 @@ impl FastPath {
                 }
             }
         }
-        let consumers = if per_stream {
-            let ids: Vec<u32> = self.consumers.lock().iter().copied().collect();
-            self.kernel_consumer_counters(&ids)?
-        } else {
-            BTreeMap::new()
-        };
         let latency = percpu_sum::<LatencyHistRaw>(&self.map("copy_latency"), 0, |a, b| a.add(b))?;
-        Ok(KernelStats { global, streams, latency, reception, consumers })
+        Ok(KernelStats { global, streams, latency, reception, consumers: BTreeMap::new() })
     }
 
     /// The reception state in `stream_reception[slot]`, read whole under its lock; None until

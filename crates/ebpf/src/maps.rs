@@ -644,6 +644,12 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     KernelStream { id: e.id, flags: f, source, copies, rate, clock_rate: if e.rtp { e.clock_rate } else { 0 } }
 }
 
+/// The consumers whose copies of `e` the kernel sends (none for a stream it leaves to the slow
+/// path, nor for a relay's copies).
+pub fn kernel_consumers(e: &StreamEntry) -> impl Iterator<Item = u32> {
+    kernel_stream(e, false).copies.into_iter().map(|c| c.consumer).filter(|c| *c != 0)
+}
+
 /// Kernel entries of the streams on `locals` (all locals when `None`).
 pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAddr>>) -> BTreeMap<KeyRaw, KernelStream> {
     // Only the entries at the wanted addresses: a range per address, not a pass over the table.
