@@ -568,11 +568,9 @@ async fn get_consumer(State(m): State<AppState>, Path((room, id)): Path<(String,
     m.read(|model, _| model.room(&room).map(|_| ()))?;
     let m2 = m.clone();
     let room2 = room.clone();
-    let found = tokio::task::spawn_blocking(move || {
-        m2.read(|model, _| crate::consumers::list(model, Some(&room2), &**m2.dataplane())).into_iter().find(|c| c.id == id)
-    })
-    .await
-    .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("read failed: {e}")))?;
+    let found = tokio::task::spawn_blocking(move || m2.read(|model, _| crate::consumers::one(model, &room2, id, &**m2.dataplane())))
+        .await
+        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("read failed: {e}")))?;
     match found {
         Some(c) => ok(serde_json::to_value(c).unwrap()),
         None => Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("consumer {id} not found in room {room}"))),

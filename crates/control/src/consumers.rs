@@ -54,12 +54,13 @@ pub struct ReportView {
     pub age_ms: u64,
 }
 
-/// The consumers of `room` (all rooms when none), without counters, sorted by id.
-fn of_model(model: &Model, room: Option<&str>) -> Vec<(ConsumerView, Option<u32>)> {
+/// The consumers of `room` (all rooms when none; only consumer `only` when given), without
+/// counters, sorted by id.
+fn of_model(model: &Model, room: Option<&str>, only: Option<u32>) -> Vec<(ConsumerView, Option<u32>)> {
     let mut out = Vec::new();
     for (rid, r) in model.rooms.iter().filter(|(rid, _)| room.is_none_or(|x| x == rid.as_str())) {
         for (pid, p) in &r.participants {
-            for (sref, c) in &p.subscriptions {
+            for (sref, c) in p.subscriptions.iter().filter(|(_, c)| only.is_none_or(|id| id == c.uid)) {
                 let Some(s) = r.participants.get(&sref.publisher).and_then(|publ| publ.streams.get(&sref.stream)) else { continue };
                 let view = ConsumerView {
                     id: c.uid,
@@ -91,7 +92,15 @@ fn of_model(model: &Model, room: Option<&str>) -> Vec<(ConsumerView, Option<u32>
 /// The consumers of `room` (all rooms when none) with their counters, read from `dataplane`
 /// for just them.
 pub fn list(model: &Model, room: Option<&str>, dataplane: &dyn Dataplane) -> Vec<ConsumerView> {
-    let views = of_model(model, room);
+    with_counters(of_model(model, room, None), dataplane)
+}
+
+/// Consumer `id` of `room`, if it has one.
+pub fn one(model: &Model, room: &str, id: u32, dataplane: &dyn Dataplane) -> Option<ConsumerView> {
+    with_counters(of_model(model, Some(room), Some(id)), dataplane).pop()
+}
+
+fn with_counters(views: Vec<(ConsumerView, Option<u32>)>, dataplane: &dyn Dataplane) -> Vec<ConsumerView> {
     let ids: Vec<u32> = views.iter().map(|(v, _)| v.id).collect();
     let counters = dataplane.consumer_counters(&ids);
     let now = mediaplane_dataplane::monotonic_ns();

@@ -291,17 +291,6 @@ impl ConsumerCounters {
             (self.remb_bps, self.remb_at_ns) = (o.remb_bps, o.remb_at_ns);
         }
     }
-
-    /// (name, value) pairs of the counters, for metrics exposition.
-    pub fn fields(&self) -> [(&'static str, u64); 5] {
-        [
-            ("tx_copies", self.tx_copies),
-            ("tx_bytes", self.tx_bytes),
-            ("tx_errors", self.tx_errors),
-            ("feedback_routed", self.feedback_routed),
-            ("feedback_coalesced", self.feedback_coalesced),
-        ]
-    }
 }
 
 /// Summary of a latency histogram in nanoseconds.
