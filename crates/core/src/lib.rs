@@ -7,6 +7,7 @@
 //! * [`feedback`] routes subscribers' RTCP feedback (PLI, FIR, NACK) to publishers, coalescing keyframe requests;
 //! * [`call_quality`] round-trip times and MOS from the RTCP reports a relay passes (as rtpengine);
 //! * [`reception`] in-path reception quality of an RTP stream (loss, duplicates, reordering, jitter);
+//! * [`simulcast`] one layer of a simulcast stream per consumer, renumbered exactly across switches;
 //! * [`ratelimit`] per-stream packet/bit-rate limits (token buckets), shared by the data planes;
 //! * [`table`] compiles a model into forwarding tables and holds [`table::ForwardingTable::classify`],
 //!   the reference decision every data plane must reproduce packet for packet.
@@ -22,6 +23,7 @@ pub mod packet;
 pub mod ratelimit;
 pub mod reception;
 pub mod rtp;
+pub mod simulcast;
 pub mod srtp;
 pub mod table;
 
