@@ -142,7 +142,7 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
             if let Some((seq, ts, tpic)) = top {
                 prop_assert_eq!(r.sequence, seq.wrapping_add(1), "a switch continues the sequence");
                 let step = r.timestamp.wrapping_sub(ts);
-                prop_assert!(step >= 1 && step < 1 << 31, "timestamps go forward across a switch");
+                prop_assert!((1..1 << 31).contains(&step), "timestamps go forward across a switch");
                 prop_assert_eq!(pic, (tpic + 1) & 0x7fff, "picture ids continue across a switch");
             }
             segments.push(Segment {
