@@ -12,7 +12,7 @@ use axum::extract::rejection::JsonRejection;
 use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Request, State};
 use axum::http::{header, HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{delete, get, post};
+use axum::routing::{delete, get, post, put};
 use axum::{Extension, Json, Router};
 use mediaplane_core::model::{LegSpec, ModelError, Relay, StreamRef, StreamSpec};
 use mediaplane_core::Model;
@@ -56,9 +56,11 @@ impl From<ManagerError> for ApiError {
                 ModelError::NotFound { .. } => ApiError::new(StatusCode::NOT_FOUND, "not_found", msg),
                 ModelError::Exists { .. } => ApiError::new(StatusCode::CONFLICT, "exists", msg),
                 ModelError::AddressInUse { .. } | ModelError::IngressInUse { .. } => ApiError::new(StatusCode::CONFLICT, "address_in_use", msg),
-                ModelError::InvalidId(_) | ModelError::BadAddress(_) | ModelError::FamilyMismatch(_) | ModelError::SelfSubscription => {
-                    ApiError::new(StatusCode::BAD_REQUEST, "invalid", msg)
-                }
+                ModelError::InvalidId(_)
+                | ModelError::BadAddress(_)
+                | ModelError::FamilyMismatch(_)
+                | ModelError::SelfSubscription
+                | ModelError::Invalid(_) => ApiError::new(StatusCode::BAD_REQUEST, "invalid", msg),
                 ModelError::Inconsistent(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", msg),
             },
             ManagerError::Limit { .. } => ApiError::new(StatusCode::FORBIDDEN, "limit", msg),
@@ -250,6 +252,11 @@ struct Publish {
     #[serde(default = "yes")]
     rtp: bool,
     clock_rate: Option<u32>,
+    /// Simulcast: each layer's SSRC, lowest quality first.
+    #[serde(default)]
+    layers: Vec<u32>,
+    /// `vp8` or `h264` (simulcast streams; vp8 when not given).
+    codec: Option<String>,
 }
 
 fn yes() -> bool {
@@ -261,6 +268,17 @@ fn yes() -> bool {
 struct Subscribe {
     publisher: String,
     stream: String,
+    /// Of a simulcast stream: the layer to receive (the top one when not given), and a cap.
+    preferred_layer: Option<u8>,
+    max_layer: Option<u8>,
+}
+
+/// A consumer's layers (`PUT .../consumers/{consumer}/layers`): both replaced, absent = none.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ConsumerLayers {
+    preferred: Option<u8>,
+    max: Option<u8>,
 }
 
 #[derive(Deserialize)]
@@ -323,6 +341,7 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .route("/v1/rooms/{room}/participants/{pid}/subscriptions/{publisher}/{stream}", delete(unsubscribe))
         .route("/v1/rooms/{room}/consumers", get(list_consumers))
         .route("/v1/rooms/{room}/consumers/{consumer}", get(get_consumer))
+        .route("/v1/rooms/{room}/consumers/{consumer}/layers", put(set_consumer_layers))
         .route("/v1/relays", get(list_relays).post(create_relay))
         .route("/v1/relays/{id}", get(get_relay).delete(delete_relay))
         .route(BATCH_PATH, post(relay_batch).layer(DefaultBodyLimit::max(max_batch_body)))
@@ -498,7 +517,14 @@ async fn publish(
     if req.clock_rate.is_some_and(|c| !(1..=1_000_000).contains(&c)) {
         return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", "clock_rate must be 1 to 1000000 Hz"));
     }
-    let spec = StreamSpec { local: req.local, ssrc: req.ssrc, rtp: req.rtp, clock_rate: req.clock_rate };
+    let codec = match req.codec.as_deref() {
+        None => None,
+        Some(c) => Some(
+            mediaplane_core::simulcast::Codec::parse(c)
+                .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("codec {c:?} is not one of vp8, h264")))?,
+        ),
+    };
+    let spec = StreamSpec { local: req.local, ssrc: req.ssrc, rtp: req.rtp, clock_rate: req.clock_rate, layers: req.layers, codec };
     commit(m, p, move |m, t| {
         let uid = m.mutate_for(t, |model, _| {
             let uid = model.publish(&room, &pid, &req.name, spec)?;
@@ -531,9 +557,13 @@ async fn subscribe(
     ApiJson(req): ApiJson<Subscribe>,
 ) -> Result<Response, ApiError> {
     let sref = StreamRef { publisher: req.publisher, stream: req.stream };
+    let (preferred, max) = (req.preferred_layer, req.max_layer);
     commit(m, p, move |m, t| {
         let consumer = m.mutate_for(t, |model, _| {
             let consumer = model.subscribe(&room, &pid, sref.clone())?;
+            if preferred.is_some() || max.is_some() {
+                model.set_consumer_layers(&room, consumer, preferred, max)?;
+            }
             Ok((consumer, vec![Change::Room(room.clone())]))
         })?;
         Ok((StatusCode::CREATED, json!({"subscriber": pid, "publisher": sref.publisher, "stream": sref.stream, "consumer": consumer})))
@@ -575,6 +605,22 @@ async fn get_consumer(State(m): State<AppState>, Path((room, id)): Path<(String,
         Some(c) => ok(serde_json::to_value(c).unwrap()),
         None => Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("consumer {id} not found in room {room}"))),
     }
+}
+
+/// Choose the layers a consumer of a simulcast stream receives; the switch happens at the next
+/// keyframe of the layer, which the data plane asks the publisher for.
+async fn set_consumer_layers(
+    State(m): State<AppState>,
+    Extension(p): Extension<Pending>,
+    Path((room, id)): Path<(String, String)>,
+    ApiJson(req): ApiJson<ConsumerLayers>,
+) -> Result<Response, ApiError> {
+    let id: u32 = id.parse().map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("consumer id {id:?} is not a number")))?;
+    commit(m, p, move |m, t| {
+        let c = m.mutate_for(t, |model, _| Ok((model.set_consumer_layers(&room, id, req.preferred, req.max)?, vec![Change::Room(room.clone())])))?;
+        Ok((StatusCode::OK, json!({"consumer": id, "preferred": c.preferred_layer, "max": c.max_layer})))
+    })
+    .await
 }
 
 async fn list_relays(State(m): State<AppState>) -> ApiResult {

@@ -33,9 +33,36 @@ pub struct ConsumerView {
     /// Its latest REMB naming the stream, bits per second.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remb_bps: Option<u64>,
+    /// Of a simulcast stream: which layer it wants and receives.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub layers: Option<LayersView>,
     /// For labels: `room/subscriber<-publisher/stream`.
     #[serde(skip)]
     pub label: String,
+}
+
+/// A simulcast consumer's layers: what was asked for (`preferred`, `max`), what that means
+/// (`wanted`), and what the data plane does (`current`, from the next keyframe on `target`).
+#[derive(Debug, Clone, Copy, Serialize)]
+pub struct LayersView {
+    /// How many layers the stream has.
+    pub count: u8,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub preferred: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub max: Option<u8>,
+    pub wanted: u8,
+    /// None until its first keyframe (or until the data plane has seen the stream).
+    pub current: Option<u8>,
+    pub target: Option<u8>,
+    /// The SSRC it receives every layer on.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub ssrc: Option<u32>,
+    pub forwarded: u64,
+    pub switches: u64,
+    pub keyframe_requests: u64,
+    pub duplicates_dropped: u64,
+    pub late_dropped: u64,
 }
 
 /// A consumer's receiver report block, in the units people read.
@@ -79,6 +106,20 @@ fn of_model(model: &Model, room: Option<&str>, only: Option<u32>) -> Vec<(Consum
                     feedback_coalesced: 0,
                     report: None,
                     remb_bps: None,
+                    layers: (!s.layers.is_empty()).then(|| LayersView {
+                        count: s.layers.len() as u8,
+                        preferred: c.preferred_layer,
+                        max: c.max_layer,
+                        wanted: c.wanted_layer(s.layers.len()),
+                        current: None,
+                        target: None,
+                        ssrc: s.layers.first().map(|l| l.ssrc),
+                        forwarded: 0,
+                        switches: 0,
+                        keyframe_requests: 0,
+                        duplicates_dropped: 0,
+                        late_dropped: 0,
+                    }),
                     label: format!("{rid}/{pid}<-{}/{}", sref.publisher, sref.stream),
                 };
                 out.push((view, s.clock_rate));
@@ -119,6 +160,14 @@ fn with_counters(views: Vec<(ConsumerView, Option<u32>)>, dataplane: &dyn Datapl
                 age_ms: now.saturating_sub(r.at_ns) / 1_000_000,
             });
             v.remb_bps = c.remb_bps;
+            if let (Some(l), Some(state)) = (&mut v.layers, c.layer) {
+                (l.current, l.target) = (state.current, state.target);
+                l.forwarded = state.stats.forwarded;
+                l.switches = state.stats.switches;
+                l.keyframe_requests = state.stats.keyframe_requests;
+                l.duplicates_dropped = state.stats.duplicates;
+                l.late_dropped = state.stats.late;
+            }
             v
         })
         .collect()

@@ -60,6 +60,11 @@ pub struct FeedbackRoute {
     /// The publisher's SFU address (where it sends the stream) and the publisher.
     pub from: SocketAddr,
     pub to: SocketAddr,
+    /// A simulcast stream's layers, lowest first: (stream id, SSRC). Its consumer receives them
+    /// all on `ssrc` (the first layer's); what it says goes to the layer it receives, sequence
+    /// numbers mapped back ([`LayerMap`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<(u32, u32)>,
 }
 
 /// A consumer address: RTCP arriving at `local` from `source` is feedback, routed by `routes`
@@ -147,6 +152,65 @@ impl Outcome {
     }
 }
 
+/// What the data plane knows of its simulcast consumers, for their feedback
+/// ([`FeedbackRoute::layers`]).
+pub trait LayerMap {
+    /// The layer the consumer receives now (or waits for, when it has not started).
+    fn layer(&self, consumer: u32) -> Option<u8>;
+    /// The layer and sequence number of what went out to the consumer as `out_seq`.
+    fn original(&self, consumer: u32, out_seq: u16) -> Option<(u8, u16)>;
+}
+
+/// No simulcast consumers.
+pub struct NoLayers;
+
+impl LayerMap for NoLayers {
+    fn layer(&self, _: u32) -> Option<u8> {
+        None
+    }
+    fn original(&self, _: u32, _: u16) -> Option<(u8, u16)> {
+        None
+    }
+}
+
+/// `route` as it applies now: a simulcast consumer's goes to the layer it receives.
+fn resolve<'r>(route: &'r FeedbackRoute, layers: &dyn LayerMap) -> Option<std::borrow::Cow<'r, FeedbackRoute>> {
+    if route.layers.is_empty() {
+        return Some(std::borrow::Cow::Borrowed(route));
+    }
+    let &(stream, ssrc) = route.layers.get(layers.layer(route.consumer)? as usize)?;
+    Some(std::borrow::Cow::Owned(FeedbackRoute { stream, publisher_ssrc: ssrc, ..route.clone() }))
+}
+
+/// The sequence numbers a generic NACK's FCI entries (packet id, bitmask) name.
+fn nack_sequences(fci: &[u8]) -> Vec<u16> {
+    let mut out = Vec::new();
+    for e in fci.chunks_exact(4) {
+        let (pid, blp) = (u16::from_be_bytes([e[0], e[1]]), u16::from_be_bytes([e[2], e[3]]));
+        out.push(pid);
+        out.extend((0..16).filter(|b| blp & (1 << b) != 0).map(|b| pid.wrapping_add(b + 1)));
+    }
+    out
+}
+
+/// FCI entries naming `seqs` (sorted in RTP order, distinct).
+fn nack_fci(seqs: &[u16]) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut i = 0;
+    while i < seqs.len() {
+        let pid = seqs[i];
+        let mut blp = 0u16;
+        i += 1;
+        while i < seqs.len() && (1..=16).contains(&seqs[i].wrapping_sub(pid)) {
+            blp |= 1 << (seqs[i].wrapping_sub(pid) - 1);
+            i += 1;
+        }
+        out.extend_from_slice(&pid.to_be_bytes());
+        out.extend_from_slice(&blp.to_be_bytes());
+    }
+    out
+}
+
 /// The routing state that outlives a packet: when each stream last had a keyframe requested.
 #[derive(Debug, Default)]
 pub struct FeedbackRouter {
@@ -161,6 +225,12 @@ impl FeedbackRouter {
     /// Route `packet` (a compound RTCP packet from `entry`'s consumer) at `now_ns`.
     /// Err: not a valid compound, or a feedback message too short for its type.
     pub fn route(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Result<Outcome, RtpError> {
+        self.route_with(entry, packet, now_ns, &NoLayers)
+    }
+
+    /// [`FeedbackRouter::route`] for consumers that may be of simulcast streams, whose state
+    /// `layers` has.
+    pub fn route_with(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64, layers: &dyn LayerMap) -> Result<Outcome, RtpError> {
         let packets = parse_rtcp_compound(packet)?;
         let mut out = Outcome::default();
         let starts_with_sr = packets[0].packet_type == SR;
@@ -182,7 +252,7 @@ impl FeedbackRouter {
                     for i in 0..p.count as usize {
                         let at = first + 24 * i;
                         let Some(block) = b.get(at..at + 24) else { break };
-                        if let Some(route) = entry.route(be32(block, 0)) {
+                        if let Some(route) = entry.route(be32(block, 0)).and_then(|r| resolve(r, layers)) {
                             out.reports.push((
                                 route.consumer,
                                 ReportBlock {
@@ -213,10 +283,44 @@ impl FeedbackRouter {
                     if too_short {
                         return Err(RtpError::BadRtcpLength);
                     }
-                    let Some(route) = entry.route(be32(b, 8)) else {
+                    let named = entry.route(be32(b, 8));
+                    if let Some(route) = named.filter(|r| p.packet_type == RTPFB && !r.layers.is_empty()) {
+                        // A simulcast consumer's numbers are its own: each goes back to the
+                        // layer and number it was sent from.
+                        let mut by_layer: Vec<(u8, Vec<u16>)> = Vec::new();
+                        for seq in nack_sequences(&b[12..]) {
+                            let Some((layer, orig)) = layers.original(route.consumer, seq) else { continue };
+                            match by_layer.iter_mut().find(|(l, _)| *l == layer) {
+                                Some((_, v)) => v.push(orig),
+                                None => by_layer.push((layer, vec![orig])),
+                            }
+                        }
+                        if by_layer.is_empty() {
+                            out.tally(None, |t| t.unroutable += 1);
+                        }
+                        for (layer, mut seqs) in by_layer {
+                            let Some(&(stream, ssrc)) = route.layers.get(layer as usize) else { continue };
+                            let anchor = seqs[0].wrapping_sub(0x4000);
+                            seqs.sort_by_key(|s| s.wrapping_sub(anchor));
+                            seqs.dedup();
+                            let fci = nack_fci(&seqs);
+                            let mut m = Vec::with_capacity(12 + fci.len());
+                            m.extend_from_slice(&[0x80 | FMT_NACK, RTPFB]);
+                            m.extend_from_slice(&((2 + fci.len() / 4) as u16).to_be_bytes());
+                            m.extend_from_slice(&b[4..8]);
+                            m.extend_from_slice(&ssrc.to_be_bytes());
+                            m.extend_from_slice(&fci);
+                            let r = FeedbackRoute { stream, publisher_ssrc: ssrc, ..route.clone() };
+                            send(&r, m);
+                            out.tally(Some(&r), |t| t.routed += 1);
+                        }
+                        continue;
+                    }
+                    let Some(route) = named.and_then(|r| resolve(r, layers)) else {
                         out.tally(None, |t| t.unroutable += 1);
                         continue;
                     };
+                    let route = &*route;
                     if p.packet_type == PSFB && !self.keyframe_due(route, now_ns) {
                         out.tally(Some(route), |t| t.coalesced += 1);
                         continue;
@@ -232,10 +336,11 @@ impl FeedbackRouter {
                         return Err(RtpError::BadRtcpLength);
                     }
                     for fci in b[12..].chunks_exact(8) {
-                        let Some(route) = entry.route(be32(fci, 0)) else {
+                        let Some(route) = entry.route(be32(fci, 0)).and_then(|r| resolve(r, layers)) else {
                             out.tally(None, |t| t.unroutable += 1);
                             continue;
                         };
+                        let route = &*route;
                         if !self.keyframe_due(route, now_ns) {
                             out.tally(Some(route), |t| t.coalesced += 1);
                             continue;
@@ -284,7 +389,24 @@ impl FeedbackRouter {
 
     /// Whether a keyframe request for `route` may go now (and note it if so).
     fn keyframe_due(&mut self, route: &FeedbackRoute, now_ns: u64) -> bool {
-        let key = (route.stream, route.publisher_ssrc);
+        self.keyframe_due_for(route.stream, route.publisher_ssrc, now_ns)
+    }
+
+    /// The SFU's own keyframe request (a simulcast consumer waiting to switch to a layer): the
+    /// compound packet to send to the publisher, unless one went for the stream and SSRC
+    /// within [`KEYFRAME_REQUEST_INTERVAL_NS`] (counted as coalesced by the caller).
+    pub fn request_keyframe(&mut self, stream: u32, ssrc: u32, sender: u32, now_ns: u64) -> Option<Vec<u8>> {
+        if !self.keyframe_due_for(stream, ssrc, now_ns) {
+            return None;
+        }
+        let mut p = vec![0x80, RR, 0, 1];
+        p.extend_from_slice(&sender.to_be_bytes());
+        p.extend_from_slice(&build::pli(sender, ssrc));
+        Some(p)
+    }
+
+    fn keyframe_due_for(&mut self, stream: u32, ssrc: u32, now_ns: u64) -> bool {
+        let key = (stream, ssrc);
         if let Some(last) = self.keyframe_requested.get(&key) {
             if now_ns.saturating_sub(*last) < KEYFRAME_REQUEST_INTERVAL_NS {
                 return false;
@@ -353,7 +475,15 @@ mod tests {
     /// A participant receiving SSRC 10 (stream 1, from publisher P1) as consumer 101 and SSRC 20
     /// (stream 2, P2) as consumer 102.
     fn entry() -> FeedbackEntry {
-        let route = |ssrc, stream, from: &str, to: &str| FeedbackRoute { ssrc, stream, consumer: 100 + stream, publisher_ssrc: ssrc, from: a(from), to: a(to) };
+        let route = |ssrc, stream, from: &str, to: &str| FeedbackRoute {
+            ssrc,
+            stream,
+            consumer: 100 + stream,
+            publisher_ssrc: ssrc,
+            layers: Vec::new(),
+            from: a(from),
+            to: a(to),
+        };
         FeedbackEntry {
             consumer: "r/c".into(),
             local: a("10.0.0.1:4000"),

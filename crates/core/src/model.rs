@@ -4,6 +4,7 @@
 //! Every local address (an SFU IP:port) has exactly one owner: a participant (its transport or a
 //! stream's own port) or a relay leg. That single rule makes ingress lookups unambiguous.
 
+use crate::simulcast::{Codec, MAX_LAYERS};
 use imbl::OrdMap;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -32,6 +33,9 @@ pub enum ModelError {
     /// Stored state that cannot be right (see [`Model::from_parts`]).
     #[error("inconsistent stored state: {0}")]
     Inconsistent(String),
+    /// A request the model cannot take as given (e.g. a simulcast stream with one layer).
+    #[error("{0}")]
+    Invalid(String),
 }
 
 fn check_id(id: &str) -> Result<(), ModelError> {
@@ -70,6 +74,22 @@ pub struct Stream {
     /// RTP clock rate (Hz) of its payload, for the jitter the data planes measure.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_rate: Option<u32>,
+    /// Simulcast: the layers it is sent in, lowest quality first, each on its own SSRC at the
+    /// stream's address. Empty for a plain stream. Its consumers get one layer at a time
+    /// ([`crate::simulcast`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<Layer>,
+    /// Its payload format (simulcast streams: where keyframes are).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub codec: Option<Codec>,
+}
+
+/// One layer of a simulcast stream: its SSRC, and a uid of its own (each layer is counted and
+/// forwarded as a stream of its own).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Layer {
+    pub uid: u32,
+    pub ssrc: u32,
 }
 
 /// What a caller gives to publish a stream.
@@ -82,6 +102,12 @@ pub struct StreamSpec {
     /// RTP clock rate (Hz): jitter is measured only where it is known.
     #[serde(default)]
     pub clock_rate: Option<u32>,
+    /// Simulcast: the SSRC of each layer, lowest quality first (2 to
+    /// [`crate::simulcast::MAX_LAYERS`]); `ssrc` is then not given.
+    #[serde(default)]
+    pub layers: Vec<u32>,
+    #[serde(default)]
+    pub codec: Option<Codec>,
 }
 
 fn default_true() -> bool {
@@ -91,7 +117,7 @@ fn default_true() -> bool {
 impl Default for StreamSpec {
     /// RTP on the participant's transport address, any SSRC.
     fn default() -> Self {
-        StreamSpec { local: None, ssrc: None, rtp: true, clock_rate: None }
+        StreamSpec { local: None, ssrc: None, rtp: true, clock_rate: None, layers: Vec::new(), codec: None }
     }
 }
 
@@ -118,9 +144,23 @@ pub struct Participant {
 /// One subscription as a first-class object (mediasoup's consumer): what one participant receives
 /// of one published stream. Its uid comes from the same sequence as streams' and legs', so it is
 /// never reused; the data planes count each consumer's copies under it.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Consumer {
     pub uid: u32,
+    /// Of a simulcast stream: the layer it should receive (the top one when not given), and the
+    /// highest it may ([`Consumer::wanted_layer`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub preferred_layer: Option<u8>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_layer: Option<u8>,
+}
+
+impl Consumer {
+    /// The layer it should receive of a stream with `layers` layers.
+    pub fn wanted_layer(&self, layers: usize) -> u8 {
+        let top = layers.saturating_sub(1) as u8;
+        self.preferred_layer.unwrap_or(top).min(self.max_layer.unwrap_or(top)).min(top)
+    }
 }
 
 /// `subscriptions` as a JSON list (a map with structured keys is not JSON). A stored list from
@@ -136,15 +176,31 @@ mod subscription_list {
         stream: String,
         #[serde(default)]
         consumer: u32,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        preferred_layer: Option<u8>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        max_layer: Option<u8>,
     }
 
     pub fn serialize<S: Serializer>(subs: &BTreeMap<StreamRef, Consumer>, s: S) -> Result<S::Ok, S::Error> {
-        s.collect_seq(subs.iter().map(|(r, c)| Entry { publisher: r.publisher.clone(), stream: r.stream.clone(), consumer: c.uid }))
+        s.collect_seq(subs.iter().map(|(r, c)| Entry {
+            publisher: r.publisher.clone(),
+            stream: r.stream.clone(),
+            consumer: c.uid,
+            preferred_layer: c.preferred_layer,
+            max_layer: c.max_layer,
+        }))
     }
 
     pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<BTreeMap<StreamRef, Consumer>, D::Error> {
         let list = Vec::<Entry>::deserialize(d)?;
-        Ok(list.into_iter().map(|e| (StreamRef { publisher: e.publisher, stream: e.stream }, Consumer { uid: e.consumer })).collect())
+        Ok(list
+            .into_iter()
+            .map(|e| {
+                let c = Consumer { uid: e.consumer, preferred_layer: e.preferred_layer, max_layer: e.max_layer };
+                (StreamRef { publisher: e.publisher, stream: e.stream }, c)
+            })
+            .collect())
     }
 }
 
@@ -334,7 +390,10 @@ impl Model {
             .rooms
             .values()
             .flat_map(|r| r.participants.values())
-            .flat_map(|p| p.streams.values().map(|s| s.uid).chain(p.subscriptions.values().map(|c| c.uid)))
+            .flat_map(|p| {
+                let layers = p.streams.values().flat_map(|s| s.layers.iter().map(|l| l.uid));
+                p.streams.values().map(|s| s.uid).chain(layers).chain(p.subscriptions.values().map(|c| c.uid))
+            })
             .chain(m.relays.values().flat_map(|r| [r.a.uid, r.b.uid]))
             .filter(|u| *u != 0)
             .collect();
@@ -354,7 +413,8 @@ impl Model {
                     m.rooms[&rid].participants[&pid].subscriptions.iter().filter(|(_, c)| c.uid == 0).map(|(r, _)| r.clone()).collect();
                 for r in unnumbered {
                     let uid = m.uid();
-                    m.room_mut(&rid)?.participants.get_mut(&pid).expect("listed").subscriptions.insert(r, Consumer { uid });
+                    let c = m.room_mut(&rid)?.participants.get_mut(&pid).expect("listed").subscriptions.get_mut(&r).expect("listed");
+                    c.uid = uid;
                 }
             }
         }
@@ -502,14 +562,43 @@ impl Model {
     }
 
     /// Ingress of a stream: its own port or its publisher's transport address, plus SSRC.
-    fn ingress_of(p: &Participant, s: &Stream) -> (SocketAddr, Option<u32>) {
-        (s.local.unwrap_or(p.local), s.ssrc)
+    /// The ingress keys of a stream: its address with its SSRC, or with each layer's.
+    fn ingress_of(p: &Participant, s: &Stream) -> Vec<(SocketAddr, Option<u32>)> {
+        let addr = s.local.unwrap_or(p.local);
+        if s.layers.is_empty() {
+            vec![(addr, s.ssrc)]
+        } else {
+            s.layers.iter().map(|l| (addr, Some(l.ssrc))).collect()
+        }
     }
 
     /// The stream of `p` already using this ingress. Only `p`'s streams can: the ingress
     /// address is `p`'s transport address or one that is free or owned by `p` (checked before).
     fn find_ingress(room: &str, pid: &str, p: &Participant, addr: SocketAddr, ssrc: Option<u32>) -> Option<String> {
-        p.streams.iter().find(|(_, s)| Self::ingress_of(p, s) == (addr, ssrc)).map(|(sid, _)| format!("stream {room}/{pid}/{sid}"))
+        p.streams.iter().find(|(_, s)| Self::ingress_of(p, s).contains(&(addr, ssrc))).map(|(sid, _)| format!("stream {room}/{pid}/{sid}"))
+    }
+
+    /// A simulcast spec's layers are 2 to MAX_LAYERS distinct SSRCs on an RTP stream.
+    fn check_layers(name: &str, spec: &StreamSpec) -> Result<(), ModelError> {
+        if spec.layers.is_empty() {
+            return match spec.codec {
+                Some(_) => Err(ModelError::Invalid(format!("stream {name}: codec is only used with layers"))),
+                None => Ok(()),
+            };
+        }
+        let n = spec.layers.len();
+        let bad = if !(2..=MAX_LAYERS).contains(&n) {
+            Some(format!("has {n} layers; a simulcast stream has 2 to {MAX_LAYERS}"))
+        } else if spec.ssrc.is_some() {
+            Some("gives both ssrc and layers; a simulcast stream's SSRCs are its layers'".into())
+        } else if !spec.rtp {
+            Some("is not RTP; layers need RTP".into())
+        } else if spec.layers.iter().enumerate().any(|(i, s)| spec.layers[..i].contains(s)) {
+            Some("names one SSRC for two layers".into())
+        } else {
+            None
+        };
+        bad.map_or(Ok(()), |b| Err(ModelError::Invalid(format!("stream {name} {b}"))))
     }
 
     pub fn publish(&mut self, room: &str, pid: &str, name: &str, spec: StreamSpec) -> Result<u32, ModelError> {
@@ -527,14 +616,21 @@ impl Model {
             }
             self.check_free(l, &owner)?;
         }
-        if let Some(o) = Self::find_ingress(room, pid, p, ingress, spec.ssrc) {
-            return Err(ModelError::IngressInUse { addr: ingress, ssrc: spec.ssrc, owner: o });
+        Self::check_layers(name, &spec)?;
+        let keys: Vec<Option<u32>> = if spec.layers.is_empty() { vec![spec.ssrc] } else { spec.layers.iter().map(|s| Some(*s)).collect() };
+        for ssrc in keys {
+            if let Some(o) = Self::find_ingress(room, pid, p, ingress, ssrc) {
+                return Err(ModelError::IngressInUse { addr: ingress, ssrc, owner: o });
+            }
         }
         if let Some(l) = spec.local {
             self.claim(l, owner)?;
         }
         let uid = self.uid();
-        let stream = Stream { uid, local: spec.local, ssrc: spec.ssrc, rtp: spec.rtp || spec.ssrc.is_some(), clock_rate: spec.clock_rate };
+        let layers = spec.layers.iter().map(|ssrc| Layer { uid: self.uid(), ssrc: *ssrc }).collect::<Vec<_>>();
+        let codec = spec.codec.or_else(|| (!layers.is_empty()).then_some(Codec::Vp8));
+        let rtp = spec.rtp || spec.ssrc.is_some();
+        let stream = Stream { uid, local: spec.local, ssrc: spec.ssrc, rtp, clock_rate: spec.clock_rate, layers, codec };
         self.room_mut(room)?.participants.get_mut(pid).unwrap().streams.insert(name.into(), stream);
         Ok(uid)
     }
@@ -574,8 +670,29 @@ impl Model {
             return Ok(c.uid);
         }
         let uid = self.uid();
-        self.room_mut(room)?.participants.get_mut(subscriber).unwrap().subscriptions.insert(to, Consumer { uid });
+        self.room_mut(room)?.participants.get_mut(subscriber).unwrap().subscriptions.insert(to, Consumer { uid, ..Default::default() });
         Ok(uid)
+    }
+
+    /// Choose the layers consumer `uid` of `room` receives of its simulcast stream (None: the top
+    /// one, no cap). The layer changes at the next keyframe of it, which the data plane asks for.
+    pub fn set_consumer_layers(&mut self, room: &str, uid: u32, preferred: Option<u8>, max: Option<u8>) -> Result<Consumer, ModelError> {
+        let r = self.room(room)?;
+        let (pid, sref) = r
+            .participants
+            .iter()
+            .find_map(|(pid, p)| p.subscriptions.iter().find(|(_, c)| c.uid == uid).map(|(s, _)| (pid.clone(), s.clone())))
+            .ok_or_else(|| not_found("consumer", &uid.to_string()))?;
+        let layers = r.participants.get(&sref.publisher).and_then(|p| p.streams.get(&sref.stream)).map_or(0, |s| s.layers.len());
+        if layers == 0 {
+            return Err(ModelError::Invalid(format!("consumer {uid} receives {}/{}, which has no layers", sref.publisher, sref.stream)));
+        }
+        if let Some(l) = preferred.into_iter().chain(max).find(|l| *l as usize >= layers) {
+            return Err(ModelError::Invalid(format!("layer {l} does not exist: {}/{} has layers 0 to {}", sref.publisher, sref.stream, layers - 1)));
+        }
+        let c = self.room_mut(room)?.participants.get_mut(&pid).expect("found").subscriptions.get_mut(&sref).expect("found");
+        (c.preferred_layer, c.max_layer) = (preferred, max);
+        Ok(*c)
     }
 
     pub fn unsubscribe(&mut self, room: &str, subscriber: &str, from: &StreamRef) -> Result<(), ModelError> {
@@ -741,7 +858,7 @@ mod tests {
         let mut m = room_of_two();
         let e = m.add_participant("r", "carol", a("10.0.0.1:4000"), a("10.0.1.3:5000"));
         assert!(matches!(e, Err(ModelError::AddressInUse { .. })));
-        let spec = StreamSpec { local: Some(a("10.0.0.1:4002")), ssrc: None, rtp: true, clock_rate: None };
+        let spec = StreamSpec { local: Some(a("10.0.0.1:4002")), ssrc: None, rtp: true, clock_rate: None, ..Default::default() };
         assert!(matches!(m.publish("r", "alice", "s", spec), Err(ModelError::AddressInUse { .. })));
         let leg = |p| LegSpec { local: a(p), remote: None, strict: false, rtp: true, follow: Default::default() };
         assert!(matches!(m.create_relay("c", leg("10.0.0.1:4000"), leg("10.0.0.1:9000")), Err(ModelError::AddressInUse { .. })));
@@ -797,7 +914,7 @@ mod tests {
     #[test]
     fn serde_roundtrip_then_reindex_keeps_ownership() {
         let mut m = room_of_two();
-        m.publish("r", "alice", "hi", StreamSpec { local: Some(a("10.0.0.1:4100")), ssrc: None, rtp: true, clock_rate: None }).unwrap();
+        m.publish("r", "alice", "hi", StreamSpec { local: Some(a("10.0.0.1:4100")), ssrc: None, rtp: true, clock_rate: None, ..Default::default() }).unwrap();
         let json = serde_json::to_string(&m).unwrap();
         let mut back: Model = serde_json::from_str(&json).unwrap();
         back.reindex().unwrap();

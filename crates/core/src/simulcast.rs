@@ -417,6 +417,16 @@ impl LayerRewriter {
         Decision::Forward(rewrite)
     }
 
+    /// The layer and sequence number of what went out as `out_seq` (a NACK names the
+    /// consumer's numbers; the publisher knows its own). None: nothing within the remembered
+    /// segments went out as that.
+    pub fn original(&self, out_seq: u16) -> Option<(u8, u16)> {
+        self.segments.iter().find_map(|g| {
+            let s = out_seq.wrapping_sub(g.seq_offset);
+            (!seq_newer(g.start, s) && !seq_newer(s, g.highest)).then_some((g.layer, s))
+        })
+    }
+
     /// Rewrite a sender report of `layer` (an RTCP compound starting with one) for this
     /// consumer: its SSRC, and its RTP timestamp by the current segment's offset. False: not
     /// about the layer it receives, not for it.
@@ -530,6 +540,11 @@ mod tests {
         assert_eq!(c2.on_packet(0, &info(104, 7000, 9, false), 77_000_000), Decision::Skip(Skip::OtherLayer));
         assert_eq!(fwd(c2.on_packet(2, &info(9002, 93_000, 302, false), 78_000_000)).sequence, 105);
         assert_eq!(c.on_packet(2, &info(9001, 90_000, 301, true), 80_000_000), Decision::Skip(Skip::Duplicate));
+        // NACKed numbers go back to the layer and number they were sent from.
+        assert_eq!(c.original(102), Some((0, 102)));
+        assert_eq!(c.original(104), Some((2, 9001)));
+        assert_eq!(c.original(105), None, "not sent yet");
+        assert_eq!(c.original(100), None, "before the consumer started");
     }
 
     #[test]

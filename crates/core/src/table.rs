@@ -48,6 +48,24 @@ pub struct Copy {
     /// copies per consumer. 0 for a relay leg's copy (a call has no consumers).
     #[serde(default, skip_serializing_if = "is_zero")]
     pub consumer: u32,
+    /// A copy of a simulcast layer: the layer the consumer wants
+    /// ([`crate::model::Consumer::wanted_layer`]). The data plane sends it the packets of one
+    /// layer at a time, renumbered ([`crate::simulcast::LayerRewriter`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<u8>,
+}
+
+/// An entry that is one layer of a simulcast stream.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct SimulcastLayer {
+    /// The simulcast stream's uid.
+    pub group: u32,
+    /// Which layer this entry is (0 = lowest quality).
+    pub index: u8,
+    /// Every layer of the stream, lowest first: (entry id, SSRC). A consumer receives on the
+    /// first layer's SSRC, whichever layer it gets; keyframe requests name the layer's own.
+    pub layers: Vec<(u32, u32)>,
+    pub codec: crate::simulcast::Codec,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -83,6 +101,10 @@ pub struct StreamEntry {
     /// to the slow path, which does.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub evaluate_rtcp: bool,
+    /// One layer of a simulcast stream: its copies go only to the consumers receiving this
+    /// layer now, renumbered. The kernel path leaves these to the slow path (for now).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub simulcast: Option<SimulcastLayer>,
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -211,31 +233,44 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
     let mut out = Vec::new();
     for (pid, p) in &room.participants {
         for (sid, s) in &p.streams {
-            let key = IngressKey { local: s.local.unwrap_or(p.local), ssrc: s.ssrc };
             let this = StreamRef { publisher: pid.clone(), stream: sid.clone() };
+            let simulcast = !s.layers.is_empty();
             let mut copies: Vec<Copy> = room
                 .participants
                 .iter()
                 .filter(|(sub_id, _)| *sub_id != pid)
                 .filter_map(|(sub_id, sub)| {
                     let c = sub.subscriptions.get(&this)?;
-                    Some(Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote, outbound: Protection::Clear, consumer: c.uid })
+                    let layer = simulcast.then(|| c.wanted_layer(s.layers.len()));
+                    Some(Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote, outbound: Protection::Clear, consumer: c.uid, layer })
                 })
                 .collect();
             copies.sort();
-            out.push(StreamEntry {
-                id: s.uid,
-                label: format!("{rid}/{pid}/{sid}"),
-                key,
+            let entry = |id, label, ssrc, simulcast| StreamEntry {
+                id,
+                label,
+                key: IngressKey { local: s.local.unwrap_or(p.local), ssrc },
                 source: SourceRule::Fixed(p.remote),
                 rtp: s.rtp,
-                copies,
+                copies: copies.clone(),
                 rate,
                 record: false,
                 inbound: Protection::Clear,
                 clock_rate: s.clock_rate.unwrap_or(0),
                 evaluate_rtcp: false,
-            });
+                simulcast,
+            };
+            if !simulcast {
+                out.push(entry(s.uid, format!("{rid}/{pid}/{sid}"), s.ssrc, None));
+                continue;
+            }
+            // One entry per layer, each with every consumer's copy: which layer a consumer gets
+            // is decided per packet.
+            let layers: Vec<(u32, u32)> = s.layers.iter().map(|l| (l.uid, l.ssrc)).collect();
+            for (i, l) in s.layers.iter().enumerate() {
+                let info = SimulcastLayer { group: s.uid, index: i as u8, layers: layers.clone(), codec: s.codec.unwrap_or_default() };
+                out.push(entry(l.uid, format!("{rid}/{pid}/{sid}#{i}"), Some(l.ssrc), Some(info)));
+            }
         }
     }
     out
@@ -252,9 +287,22 @@ fn compile_room_feedback(rid: &str, room: &Room) -> Vec<FeedbackEntry> {
             let Some(publisher) = room.participants.get(&r.publisher) else { continue };
             let Some(s) = publisher.streams.get(&r.stream).filter(|s| s.rtp) else { continue };
             subscribed_rtp = true;
+            let from = s.local.unwrap_or(publisher.local);
             if let Some(ssrc) = s.ssrc {
-                let from = s.local.unwrap_or(publisher.local);
-                routes.push(FeedbackRoute { ssrc, stream: s.uid, consumer: c.uid, publisher_ssrc: ssrc, from, to: publisher.remote });
+                routes.push(FeedbackRoute { ssrc, stream: s.uid, consumer: c.uid, publisher_ssrc: ssrc, from, to: publisher.remote, layers: Vec::new() });
+            } else if let Some(first) = s.layers.first() {
+                // A simulcast consumer receives on the first layer's SSRC; what it says about
+                // it goes to the layer it receives ([`crate::feedback::LayerMap`]).
+                let layers = s.layers.iter().map(|l| (l.uid, l.ssrc)).collect();
+                routes.push(FeedbackRoute {
+                    ssrc: first.ssrc,
+                    stream: first.uid,
+                    consumer: c.uid,
+                    publisher_ssrc: first.ssrc,
+                    from,
+                    to: publisher.remote,
+                    layers,
+                });
             }
         }
         if subscribed_rtp {
@@ -273,8 +321,8 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
     [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
         let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
-        let copies =
-            to_leg.peer().map(|to| vec![Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to, outbound, consumer: 0 }]).unwrap_or_default();
+        let copy = |to| Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to, outbound, consumer: 0, layer: None };
+        let copies = to_leg.peer().map(|to| vec![copy(to)]).unwrap_or_default();
         StreamEntry {
             id: from_leg.uid,
             label: format!("relay:{id}/{side}"),
@@ -287,6 +335,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             inbound: from_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.inbound.clone())),
             clock_rate: from_leg.clock_rate.unwrap_or(0),
             evaluate_rtcp: from_leg.rtp,
+            simulcast: None,
         }
     })
 }
@@ -710,7 +759,8 @@ mod tests {
                         from: a("10.0.0.1:30002"),
                         to: a("10.0.3.1:8000"),
                         outbound: Protection::Clear,
-                        consumer: 0
+                        consumer: 0,
+                        layer: None
                     }]
                 )
             }

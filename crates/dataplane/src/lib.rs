@@ -260,6 +260,20 @@ pub struct ConsumerCounters {
     pub remb_bps: Option<u64>,
     #[serde(default)]
     pub remb_at_ns: u64,
+    /// A consumer of a simulcast stream: the layer it receives and how it got there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub layer: Option<LayerState>,
+}
+
+/// A simulcast consumer's layer ([`mediaplane_core::simulcast::LayerRewriter`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct LayerState {
+    /// The layer it receives (none before the first keyframe), and the one it should.
+    pub current: Option<u8>,
+    pub target: Option<u8>,
+    /// The SSRC it receives on, whichever layer.
+    pub ssrc: u32,
+    pub stats: mediaplane_core::simulcast::RewriteStats,
 }
 
 /// A receiver report block of a consumer (RFC 3550 6.4.1): its view of what the SFU sent it.
@@ -289,6 +303,9 @@ impl ConsumerCounters {
         }
         if o.remb_bps.is_some() && (self.remb_bps.is_none() || o.remb_at_ns >= self.remb_at_ns) {
             (self.remb_bps, self.remb_at_ns) = (o.remb_bps, o.remb_at_ns);
+        }
+        if o.layer.is_some() {
+            self.layer = o.layer;
         }
     }
 }

@@ -294,12 +294,20 @@ mod tests {
             key: mediaplane_core::IngressKey { local: a(&format!("127.0.0.1:{}", 20000 + id)), ssrc: None },
             source: mediaplane_core::SourceRule::Any,
             rtp: true,
-            copies: vec![mediaplane_core::Copy { subscriber: "s".into(), from: a("127.0.0.1:30000"), to: a("127.0.0.2:30000"), outbound, consumer: 0 }],
+            copies: vec![mediaplane_core::Copy {
+                subscriber: "s".into(),
+                from: a("127.0.0.1:30000"),
+                to: a("127.0.0.2:30000"),
+                outbound,
+                consumer: 0,
+                layer: None,
+            }],
             rate: None,
             record: false,
             inbound,
             clock_rate: 0,
             evaluate_rtcp: false,
+            simulcast: None,
         }
     }
 

@@ -15,14 +15,15 @@
 
 use crate::srtp::SrtpSlot;
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
-use crate::{ConsumerCounters, ConsumerReport, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy};
+use crate::{ConsumerCounters, ConsumerReport, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy, LayerState};
 use arc_swap::ArcSwap;
-use mediaplane_core::feedback::FeedbackRouter;
+use mediaplane_core::feedback::{FeedbackRouter, LayerMap};
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::reception::{ReceptionReport, RtpReception};
 use mediaplane_core::rtp::{demux, MediaKind, RtpHeader};
+use mediaplane_core::simulcast::{self, Decision, LayerRewriter};
 use mediaplane_core::srtp::Protection;
-use mediaplane_core::table::{IngressKey, SlowReason, StreamEntry, Verdict};
+use mediaplane_core::table::{IngressKey, SimulcastLayer, SlowReason, SourceRule, StreamEntry, Verdict};
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
@@ -228,6 +229,25 @@ struct Shared {
     /// Consumers' feedback: shared, so keyframe requests are coalesced whichever worker the
     /// subscribers' flows landed on (a few packets per second per consumer).
     feedback: Mutex<FeedbackRouter>,
+    /// Simulcast consumers' layer and renumbering, by consumer. Shared: a publisher's layers are
+    /// one flow each, which may land on different workers. Never held while taking `feedback`.
+    layers: Mutex<HashMap<u32, LayerRewriter>>,
+}
+
+/// The sender SSRC of the keyframe requests the SFU makes itself (a simulcast consumer waiting
+/// for a layer): "MPLI".
+const SFU_SSRC: u32 = 0x4d50_4c49;
+
+/// The simulcast consumers' state as the feedback router asks for it.
+struct Layers<'a>(&'a HashMap<u32, LayerRewriter>);
+
+impl LayerMap for Layers<'_> {
+    fn layer(&self, consumer: u32) -> Option<u8> {
+        self.0.get(&consumer).and_then(|r| r.current().or(r.target()))
+    }
+    fn original(&self, consumer: u32, out_seq: u16) -> Option<(u8, u16)> {
+        self.0.get(&consumer)?.original(out_seq)
+    }
 }
 
 /// Per-source rate-limit buckets ([`ForwardingTable::source_limit`]), bounded: the least
@@ -326,6 +346,7 @@ impl UserspaceDataplane {
             mark_ack: cfg.mark_ack.clone(),
             reception: Mutex::new(HashMap::new()),
             feedback: Mutex::new(FeedbackRouter::default()),
+            layers: Mutex::new(HashMap::new()),
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
             (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer, cfg.header).map(Arc::new)).collect::<Result<_, _>>()?
@@ -494,6 +515,13 @@ impl UserspaceDataplane {
                 }),
             }
         }
+        let mut layers = self.shared.layers.lock();
+        match &keep {
+            Some(keep) => layers.retain(|id, _| keep.contains(id)),
+            None => gone.iter().for_each(|id| {
+                layers.remove(id);
+            }),
+        }
     }
 
     fn open_socket_group(&self, addr: SocketAddr) -> Result<Vec<Socket>, DataplaneError> {
@@ -569,6 +597,12 @@ impl Dataplane for UserspaceDataplane {
                 if let Some(cc) = c.consumers.get(id) {
                     out.entry(*id).or_default().add(cc);
                 }
+            }
+        }
+        let layers = self.shared.layers.lock();
+        for id in ids {
+            if let Some(r) = layers.get(id) {
+                out.entry(*id).or_default().layer = Some(LayerState { current: r.current(), target: r.target(), ssrc: r.ssrc(), stats: r.stats });
             }
         }
         out
@@ -795,6 +829,86 @@ impl WorkerCtx {
         *n <= crate::RTCP_REPORTS_PER_SECOND
     }
 
+    /// The copies of one packet of a simulcast layer: to each consumer receiving that layer now,
+    /// renumbered for it ([`LayerRewriter`]); and a keyframe request to the publisher for each
+    /// layer a consumer waits for (coalesced with the consumers' own).
+    #[allow(clippy::too_many_arguments)]
+    fn forward_layer<'p>(
+        &self,
+        state: &State,
+        entry: &StreamEntry,
+        layer: &SimulcastLayer,
+        src: SocketAddr,
+        payload: &[u8],
+        now_ns: u64,
+        out: &mut Vec<(RawFd, Option<CopyOf>, Outgoing<'p>)>,
+        delta: &mut WorkerCounters,
+    ) {
+        let kind = demux(payload);
+        let info = match kind {
+            MediaKind::Rtp => simulcast::inspect(layer.codec, payload),
+            _ => None,
+        };
+        let out_ssrc = layer.layers[0].1;
+        let mut wanted: Vec<u8> = Vec::new();
+        let mut copies: Vec<(&mediaplane_core::Copy, Vec<u8>)> = Vec::new();
+        {
+            let mut rewriters = self.shared.layers.lock();
+            for copy in &entry.copies {
+                if copy.to == src || copy.consumer == 0 {
+                    continue;
+                }
+                let rw = rewriters.entry(copy.consumer).or_insert_with(|| LayerRewriter::new(out_ssrc, entry.clock_rate));
+                rw.set_target(copy.layer);
+                match (kind, &info) {
+                    (MediaKind::Rtp, Some(info)) => {
+                        if let Decision::Forward(r) = rw.on_packet(layer.index, info, now_ns) {
+                            let mut bytes = payload.to_vec();
+                            r.apply(info, &mut bytes);
+                            copies.push((copy, bytes));
+                        }
+                    }
+                    (MediaKind::Rtcp, _) => {
+                        let mut bytes = payload.to_vec();
+                        if rw.rewrite_sender_report(layer.index, &mut bytes) {
+                            copies.push((copy, bytes));
+                        }
+                    }
+                    _ => {}
+                }
+                if let Some(l) = rw.keyframe_wanted(now_ns) {
+                    if !wanted.contains(&l) {
+                        wanted.push(l);
+                    }
+                }
+            }
+        }
+        for (copy, bytes) in copies {
+            match (state.sockets.get(&copy.from), &self.steer) {
+                (Some(group), _) => out.push((
+                    group[self.id].as_raw_fd(),
+                    Some((entry.id, copy.consumer)),
+                    Outgoing { to: SockAddr::from(copy.to), payload: Cow::Owned(bytes) },
+                )),
+                (None, Some(steer)) => {
+                    let sent = send_raw_copy(steer, copy.from, copy.to, &bytes);
+                    delta.count_copy(entry.id, copy.consumer, bytes.len(), sent);
+                }
+                (None, None) => delta.count_copy(entry.id, copy.consumer, 0, false),
+            }
+        }
+        let SourceRule::Fixed(publisher) = entry.source else { return };
+        for l in wanted {
+            let Some(&(stream, ssrc)) = layer.layers.get(l as usize) else { continue };
+            let Some(pli) = self.shared.feedback.lock().request_keyframe(stream, ssrc, SFU_SSRC, now_ns) else { continue };
+            match (state.sockets.get(&entry.key.local), &self.steer) {
+                (Some(group), _) => out.push((group[self.id].as_raw_fd(), None, Outgoing { to: SockAddr::from(publisher), payload: Cow::Owned(pli) })),
+                (None, Some(steer)) if send_raw_copy(steer, entry.key.local, publisher, &pli) => {}
+                _ => delta.total.tx_errors += 1,
+            }
+        }
+    }
+
     fn forward_batch(&mut self, local: Option<SocketAddr>, n: usize) {
         let state = self.shared.state.load();
         let now = mono_ns();
@@ -846,7 +960,7 @@ impl WorkerCtx {
             // report is forwarded like any packet of its stream.
             let (verdict, payload): (Verdict<'_>, Cow<'_, [u8]>) = match verdict {
                 Verdict::Feedback { entry: fb, stream } => {
-                    let outcome = match self.shared.feedback.lock().route(fb, payload, received_at) {
+                    let outcome = match self.shared.feedback.lock().route_with(fb, payload, received_at, &Layers(&self.shared.layers.lock())) {
                         Ok(o) => o,
                         Err(_) => {
                             delta.total.drop_malformed += 1;
@@ -958,6 +1072,10 @@ impl WorkerCtx {
                     if entry.record {
                         // SRTP legs are recorded decrypted.
                         crate::record::tap(entry.id, &entry.label, src, local, &payload);
+                    }
+                    if let Some(layer) = &entry.simulcast {
+                        self.forward_layer(&state, entry, layer, src, &payload, received_at, &mut out, &mut delta);
+                        continue;
                     }
                     for (i, copy) in entry.copies.iter().enumerate() {
                         if copy.to == src {

@@ -87,7 +87,7 @@ fn four_participants_two_qualities_strangers_and_garbage() {
     let mut model = conference(NET, N);
     // p0 also publishes "high" on its own SFU port; only the upper half subscribes.
     let high_local = a(&format!("127.77.{NET}.1:41100"));
-    model.publish("conf", "p0", "high", StreamSpec { local: Some(high_local), ssrc: Some(2000), rtp: true, clock_rate: None }).unwrap();
+    model.publish("conf", "p0", "high", StreamSpec { local: Some(high_local), ssrc: Some(2000), rtp: true, clock_rate: None, ..Default::default() }).unwrap();
     for s in ["p2", "p3"] {
         model.subscribe("conf", s, StreamRef { publisher: "p0".into(), stream: "high".into() }).unwrap();
     }
@@ -208,7 +208,8 @@ fn bind_failure_keeps_the_old_table() {
     // Someone else holds an address the next table needs (no SO_REUSEPORT: exclusive).
     let squatter = UdpSocket::bind(a(&format!("127.77.{NET}.1:41200"))).unwrap();
     let mut m2 = model.clone();
-    m2.publish("conf", "p0", "high", StreamSpec { local: Some(squatter.local_addr().unwrap()), ssrc: None, rtp: true, clock_rate: None }).unwrap();
+    m2.publish("conf", "p0", "high", StreamSpec { local: Some(squatter.local_addr().unwrap()), ssrc: None, rtp: true, clock_rate: None, ..Default::default() })
+        .unwrap();
     let err = dp.apply(Arc::new(ForwardingTable::compile(&m2, 2))).unwrap_err();
     assert!(err.to_string().contains("41200"), "{err}");
     assert_eq!(dp.table().version, 1);

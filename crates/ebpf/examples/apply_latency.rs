@@ -25,13 +25,21 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         source: SourceRule::Fixed(a(format!("127.0.0.2:{}", 30000 + i))),
         rtp: true,
         copies: (0..subs)
-            .map(|j| Copy { subscriber: format!("sub{j}"), from: local, to: a(format!("127.0.0.3:{}", 40000 + j)), outbound: Default::default(), consumer: 0 })
+            .map(|j| Copy {
+                subscriber: format!("sub{j}"),
+                from: local,
+                to: a(format!("127.0.0.3:{}", 40000 + j)),
+                outbound: Default::default(),
+                consumer: 0,
+                layer: None,
+            })
             .collect(),
         rate: None,
         record: false,
         inbound: Default::default(),
         clock_rate: 0,
         evaluate_rtcp: false,
+        simulcast: None,
     }
 }
 

@@ -80,7 +80,15 @@ fn fuzz_table() -> ForwardingTable {
         ("10.200.0.1:4018", PUBLISHER),
         ("[fd00:200::1]:4012", PUBLISHER6),
     ] {
-        let route = FeedbackRoute { ssrc: SSRCS[0], stream: 2, consumer: 2001, publisher_ssrc: SSRCS[0], from: a("10.200.0.1:4002"), to: a(PUBLISHER) };
+        let route = FeedbackRoute {
+            ssrc: SSRCS[0],
+            stream: 2,
+            consumer: 2001,
+            publisher_ssrc: SSRCS[0],
+            layers: Vec::new(),
+            from: a("10.200.0.1:4002"),
+            to: a(PUBLISHER),
+        };
         t.feedback.insert(a(local), FeedbackEntry { consumer: format!("r/{local}"), local: a(local), source: a(source), routes: vec![route] });
     }
     t

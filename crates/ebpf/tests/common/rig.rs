@@ -66,13 +66,21 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         copies: copies
             .into_iter()
             .enumerate()
-            .map(|(i, (from, to))| Copy { subscriber: format!("sub{i}"), from, to, outbound: Default::default(), consumer: id * 1000 + i as u32 + 1 })
+            .map(|(i, (from, to))| Copy {
+                subscriber: format!("sub{i}"),
+                from,
+                to,
+                outbound: Default::default(),
+                consumer: id * 1000 + i as u32 + 1,
+                layer: None,
+            })
             .collect(),
         rate: None,
         record: false,
         inbound: Default::default(),
         clock_rate: if rtp { 8000 } else { 0 },
         evaluate_rtcp: false,
+        simulcast: None,
     }
 }
 

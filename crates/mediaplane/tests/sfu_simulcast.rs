@@ -1,0 +1,252 @@
+//! Simulcast through `mediaplane serve` on every data plane. p0 publishes one VP8 stream in
+//! three layers (SSRCs 0x100, 0x101, 0x102) and makes a keyframe on a layer only when asked
+//! (a PLI for its SSRC), as an encoder without periodic keyframes does. p1 subscribes to the
+//! lowest layer and is switched up through the API mid-stream; p2 gets the top layer and is
+//! capped down. Checked at the receivers: one SSRC, sequence numbers with no gap and no
+//! duplicate (a reordered and a duplicated packet are injected), VP8 picture ids and timestamps
+//! that continue across each switch, each switch at a keyframe of the new layer; at the
+//! publisher: the SFU's keyframe requests for the layers the consumers wait for, a consumer's
+//! NACK mapped back to the layer and sequence number it was sent from; sender reports reach
+//! only the consumers of their layer, renumbered.
+
+mod common;
+
+use common::netns::NetnsServe;
+use mediaplane_bench::netns::Testbed;
+use mediaplane_core::call_quality::build_report;
+use mediaplane_core::feedback::build;
+use mediaplane_core::rtp::{build_rtp, parse_rtcp_compound, RtpHeader};
+use serde_json::{json, Value};
+use std::net::{SocketAddr, UdpSocket};
+use std::time::Duration;
+
+const SFU_PORT: u16 = 40000;
+const MEDIA_PORT: u16 = 5004;
+const LAYERS: [u32; 3] = [0x100, 0x101, 0x102];
+const FRAMES: u16 = 170;
+const FRAME_MS: u64 = 8;
+/// The frames after which p1 is switched up and p2 capped down.
+const P1_UP_AT: u16 = 40;
+const P2_DOWN_AT: u16 = 90;
+/// The non-key frame of layer 2 whose two packets are sent swapped, the second twice.
+const SHUFFLED: u16 = 70;
+
+fn planes() -> Vec<String> {
+    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
+}
+
+/// What a receiver got, as far as the checks need.
+#[derive(Debug, Clone)]
+struct Got {
+    ssrc: u32,
+    seq: u16,
+    ts: u32,
+    pic: u16,
+    key: bool,
+    layer: u8,
+}
+
+fn parse(p: &[u8]) -> Got {
+    let h = RtpHeader::parse(p).unwrap();
+    let d = &p[h.payload_offset..];
+    Got { ssrc: h.ssrc, seq: h.sequence, ts: h.timestamp, pic: u16::from_be_bytes([d[2] & 0x7f, d[3]]), key: d[0] & 0x10 != 0 && d[5] & 1 == 0, layer: d[6] }
+}
+
+/// One packet of a VP8 frame: descriptor with a 15-bit picture id and TL0PICIDX, the payload
+/// header's key frame bit on the first packet, then the layer's number (so receivers can tell).
+fn vp8(layer: usize, seq: u16, ts: u32, pic: u16, first: bool, key: bool) -> Vec<u8> {
+    let mut payload = vec![if first { 0x90 } else { 0x80 }, 0xc0, 0x80 | (pic >> 8) as u8, pic as u8, pic as u8];
+    payload.push(if first && key { 0x10 } else { 0x11 });
+    payload.push(layer as u8);
+    payload.resize(100 + 100 * layer, 0xee);
+    build_rtp(96, seq, ts, LAYERS[layer], &payload)
+}
+
+fn drain(s: &UdpSocket, into: &mut Vec<Vec<u8>>) {
+    let mut buf = [0u8; 2048];
+    while let Ok((n, _)) = s.recv_from(&mut buf) {
+        into.push(buf[..n].to_vec());
+    }
+}
+
+fn rtp_of(all: &[Vec<u8>]) -> Vec<Got> {
+    all.iter().filter(|p| p.len() > 1 && !(192..=223).contains(&p[1])).map(|p| parse(p)).collect()
+}
+
+/// The receiver's packets in sequence order are one run per layer, `layers` in turn, each run
+/// starting at a keyframe; no gap, no duplicate; picture ids and timestamps continue.
+fn check_receiver(plane: &str, who: &str, got: &[Got], layers: &[u8]) {
+    assert!(!got.is_empty(), "[{plane}] {who} got nothing");
+    assert!(got.iter().all(|g| g.ssrc == LAYERS[0]), "[{plane}] {who}: every layer on the first layer's SSRC");
+    let mut by_seq = got.to_vec();
+    let base = by_seq[0].seq.wrapping_sub(1000);
+    by_seq.sort_by_key(|g| g.seq.wrapping_sub(base));
+    for w in by_seq.windows(2) {
+        assert_eq!(w[1].seq, w[0].seq.wrapping_add(1), "[{plane}] {who}: a gap or a duplicate after seq {}", w[0].seq);
+        let pic_step = w[1].pic.wrapping_sub(w[0].pic) & 0x7fff;
+        assert!(pic_step <= 1, "[{plane}] {who}: picture id {} -> {}", w[0].pic, w[1].pic);
+        assert!(w[1].ts.wrapping_sub(w[0].ts) < 1 << 31, "[{plane}] {who}: timestamp went back at seq {}", w[1].seq);
+    }
+    let mut runs: Vec<u8> = Vec::new();
+    for g in &by_seq {
+        if runs.last() != Some(&g.layer) {
+            assert!(g.key, "[{plane}] {who}: layer {} starts at seq {} without a keyframe", g.layer, g.seq);
+            runs.push(g.layer);
+        }
+    }
+    assert_eq!(runs, layers, "[{plane}] {who}: the layers received, in turn");
+}
+
+fn run_plane(tb: &Testbed, plane: &str) {
+    let tmp = common::TempDir::new("store");
+    let serve = NetnsServe::start(tb, plane, &tmp.0.join("store.db"), &["--reset"]);
+    serve.api("POST", "/v1/rooms", Some(json!({"id": "s"})));
+    for (i, p) in tb.peers.iter().enumerate() {
+        let body = json!({"id": format!("p{i}"), "local": SocketAddr::new(p.sfu_ip, SFU_PORT), "remote": SocketAddr::new(p.ip, MEDIA_PORT)});
+        serve.api("POST", "/v1/rooms/s/participants", Some(body));
+    }
+    serve.api("POST", "/v1/rooms/s/participants/p0/streams", Some(json!({"name": "cam", "layers": LAYERS, "codec": "vp8", "clock_rate": 90000})));
+    let sub = |who: &str, body: Value| serve.api("POST", &format!("/v1/rooms/s/participants/{who}/subscriptions"), Some(body))["consumer"].as_u64().unwrap();
+    let c1 = sub("p1", json!({"publisher": "p0", "stream": "cam", "preferred_layer": 0}));
+    let c2 = sub("p2", json!({"publisher": "p0", "stream": "cam"}));
+
+    let socks: Vec<UdpSocket> = tb.peers.iter().map(|p| tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT)).unwrap()).collect();
+    for (i, s) in socks.iter().enumerate() {
+        s.set_nonblocking(true).unwrap();
+        s.send_to(b"", SocketAddr::new(tb.peers[i].sfu_ip, 9)).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let sfu = |i: usize| SocketAddr::new(tb.peers[i].sfu_ip, SFU_PORT);
+
+    // The publisher: per layer its next sequence number, and whether a keyframe was asked for.
+    let mut seq = [1000u16, 30000, 65500];
+    let mut key_asked = [false; 3];
+    let mut at_publisher: Vec<Vec<u8>> = Vec::new();
+    let mut received: [Vec<Vec<u8>>; 3] = Default::default();
+    for f in 0..FRAMES {
+        let before = at_publisher.len();
+        drain(&socks[0], &mut at_publisher);
+        for p in &at_publisher[before..] {
+            for m in parse_rtcp_compound(p).unwrap() {
+                if m.packet_type == 206 && m.count == 1 {
+                    let media = u32::from_be_bytes(m.bytes[8..12].try_into().unwrap());
+                    if let Some(l) = LAYERS.iter().position(|s| *s == media) {
+                        key_asked[l] = true;
+                    }
+                }
+            }
+        }
+        for l in 0..3 {
+            let key = std::mem::take(&mut key_asked[l]);
+            let ts = 1_000_000 * l as u32 + 720 * f as u32;
+            let mut packets: Vec<Vec<u8>> = (0..2).map(|k| vp8(l, seq[l].wrapping_add(k), ts, f, k == 0, key)).collect();
+            seq[l] = seq[l].wrapping_add(2);
+            if l == 2 && f == SHUFFLED {
+                assert!(!key, "the shuffled frame must not be a keyframe: move SHUFFLED");
+                packets.swap(0, 1);
+                packets.insert(1, packets[0].clone());
+            }
+            for p in packets {
+                socks[0].send_to(&p, sfu(0)).unwrap();
+            }
+        }
+        for who in [1, 2] {
+            drain(&socks[who], &mut received[who]);
+        }
+        if f == P1_UP_AT {
+            serve.api("PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"preferred": 2})));
+        }
+        if f == P2_DOWN_AT {
+            serve.api("PUT", &format!("/v1/rooms/s/consumers/{c2}/layers"), Some(json!({"max": 1})));
+        }
+        std::thread::sleep(Duration::from_millis(FRAME_MS));
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    for who in [1, 2] {
+        drain(&socks[who], &mut received[who]);
+    }
+
+    let got1 = rtp_of(&received[1]);
+    let got2 = rtp_of(&received[2]);
+    check_receiver(plane, "p1", &got1, &[0, 2]);
+    check_receiver(plane, "p2", &got2, &[2, 1]);
+    // p2 got the shuffled frame's two packets once each, in the order they came.
+    let shuffled: Vec<&Got> = got2.iter().filter(|g| g.layer == 2 && g.pic == SHUFFLED).collect();
+    assert_eq!(shuffled.len(), 2, "[{plane}] the duplicate stopped at the SFU");
+    assert_eq!(shuffled[1].seq, shuffled[0].seq.wrapping_sub(1), "[{plane}] the reordered packet kept its place");
+
+    // The publisher was asked for keyframes of every layer a consumer waited for, by the SFU.
+    let mut asked: Vec<u32> = Vec::new();
+    for p in &at_publisher {
+        let msgs = parse_rtcp_compound(p).unwrap();
+        assert_eq!(msgs[0].packet_type, 201, "[{plane}] a compound starting with a receiver report");
+        for m in msgs.iter().filter(|m| m.packet_type == 206 && m.count == 1) {
+            asked.push(u32::from_be_bytes(m.bytes[8..12].try_into().unwrap()));
+        }
+    }
+    for l in LAYERS {
+        assert!(asked.contains(&l), "[{plane}] a keyframe of {l:#x} was asked for: {asked:x?}");
+    }
+    assert!(asked.len() <= 6, "[{plane}] keyframe requests coalesced: {asked:x?}");
+
+    // p2 NACKs two numbers of what it got from layer 1: p0 hears of layer 1's own numbers.
+    let last1: Vec<&Got> = got2.iter().filter(|g| g.layer == 1).collect();
+    let (out_a, out_b) = (last1[3].seq, last1[5].seq);
+    let orig = |out: u16| {
+        let g = last1.iter().find(|g| g.seq == out).unwrap();
+        // Layer 1's packet with this picture id and position (first or second of its frame).
+        let first = last1.iter().filter(|x| x.pic == g.pic).map(|x| x.seq).min().unwrap();
+        30000u16.wrapping_add(2 * g.pic).wrapping_add(out.wrapping_sub(first))
+    };
+    let nack = build::nack(0xb2, LAYERS[0], out_a, 1 << (out_b.wrapping_sub(out_a) - 1));
+    socks[2].send_to(&[build_report(0xb2, None, &[]), nack].concat(), sfu(2)).unwrap();
+    // Sender reports of every layer: each consumer gets its own layer's, on its SSRC.
+    for (l, ssrc) in LAYERS.iter().enumerate() {
+        socks[0].send_to(&build_report(*ssrc, Some(0x0102_0304 + l as u32), &[]), sfu(0)).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(200));
+    let mut after: Vec<Vec<u8>> = Vec::new();
+    drain(&socks[0], &mut after);
+    let nacks: Vec<(u32, Vec<u16>)> = after
+        .iter()
+        .flat_map(|p| parse_rtcp_compound(p).unwrap().into_iter().filter(|m| m.packet_type == 205).map(|m| m.bytes.to_vec()).collect::<Vec<_>>())
+        .map(|b| {
+            let (pid, blp) = (u16::from_be_bytes([b[12], b[13]]), u16::from_be_bytes([b[14], b[15]]));
+            let seqs = std::iter::once(pid).chain((0..16).filter(|i| blp & (1 << i) != 0).map(|i| pid.wrapping_add(i + 1))).collect();
+            (u32::from_be_bytes(b[8..12].try_into().unwrap()), seqs)
+        })
+        .collect();
+    assert_eq!(nacks, vec![(LAYERS[1], vec![orig(out_a), orig(out_b)])], "[{plane}] the NACK, in layer 1's numbers");
+    for (who, layer) in [(1usize, 2u32), (2, 1)] {
+        let mut rtcp: Vec<Vec<u8>> = Vec::new();
+        drain(&socks[who], &mut rtcp);
+        let srs: Vec<(u32, Vec<u8>)> =
+            rtcp.iter().filter(|p| p[1] == 200).map(|p| (u32::from_be_bytes(p[4..8].try_into().unwrap()), p[8..16].to_vec())).collect();
+        let ntp = build_report(0, Some(0x0102_0304 + layer), &[])[8..16].to_vec();
+        assert_eq!(srs, vec![(LAYERS[0], ntp)], "[{plane}] p{who}: the sender report of its layer only, on its SSRC");
+    }
+
+    // What the API says of them.
+    let consumers = serve.api("GET", "/v1/rooms/s/consumers", None)["consumers"].as_array().unwrap().clone();
+    let view = |id: u64| consumers.iter().find(|c| c["id"] == id).unwrap_or_else(|| panic!("{id} in {consumers:?}")).clone();
+    let (v1, v2) = (view(c1), view(c2));
+    let l = |v: &Value, k: &str| v["layers"][k].as_u64();
+    assert_eq!((l(&v1, "current"), l(&v1, "wanted"), l(&v1, "switches")), (Some(2), Some(2), Some(1)), "[{plane}] {v1}");
+    assert_eq!((l(&v2, "current"), l(&v2, "max"), l(&v2, "switches")), (Some(1), Some(1), Some(1)), "[{plane}] {v2}");
+    assert_eq!(l(&v2, "duplicates_dropped"), Some(1), "[{plane}] {v2}");
+    assert_eq!(v1["tx_copies"].as_u64(), Some(got1.len() as u64 + 1), "[{plane}] its packets and its sender report: {v1}");
+    // A layer that does not exist is refused, and changes nothing.
+    let bad = common::netns::try_api(tb, "PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"preferred": 3})));
+    assert!(bad.as_ref().is_err_and(|e| e.contains("layer 3 does not exist")), "[{plane}] {bad:?}");
+}
+
+#[test]
+fn simulcast_consumers_switch_layers_exactly_on_every_data_plane() {
+    if !mediaplane_bench::require_root("sfu_simulcast") {
+        return;
+    }
+    let tb = Testbed::star(3).unwrap();
+    for plane in planes() {
+        run_plane(&tb, &plane);
+    }
+}
