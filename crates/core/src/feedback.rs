@@ -496,6 +496,58 @@ mod tests {
         build_report(99, None, blocks)
     }
 
+    /// A simulcast consumer (uid 7) on layer 1 of a stream of layers (11, 0x100), (12, 0x101):
+    /// its out number 500 was layer 1's 9000, 501 was 9001, 499 was layer 0's 42.
+    struct OnLayer1;
+    impl LayerMap for OnLayer1 {
+        fn layer(&self, consumer: u32) -> Option<u8> {
+            (consumer == 7).then_some(1)
+        }
+        fn original(&self, _: u32, out: u16) -> Option<(u8, u16)> {
+            match out {
+                499 => Some((0, 42)),
+                500 | 501 => Some((1, 9000 + out - 500)),
+                _ => None,
+            }
+        }
+    }
+
+    #[test]
+    fn a_simulcast_consumers_feedback_goes_to_the_layer_it_receives() {
+        let publisher = a("10.0.1.1:5000");
+        let route = FeedbackRoute {
+            ssrc: 0x100,
+            stream: 11,
+            consumer: 7,
+            publisher_ssrc: 0x100,
+            from: a("10.0.0.1:4002"),
+            to: publisher,
+            layers: vec![(11, 0x100), (12, 0x101)],
+        };
+        let e = FeedbackEntry { consumer: "r/c".into(), local: a("10.0.0.1:4000"), source: a("10.0.1.3:5000"), routes: vec![route] };
+        let mut r = FeedbackRouter::default();
+        // PLI and REMB name the SSRC it receives on: the PLI goes to layer 1's.
+        let packet = [rr(&[]), build::pli(99, 0x100), build::remb(99, 500_000, &[0x100])].concat();
+        let o = r.route_with(&e, &packet, 1_000, &OnLayer1).unwrap();
+        assert_eq!(o.routed.len(), 1);
+        assert_eq!(o.routed[0].packet[8..], build::pli(99, 0x101)[..]);
+        assert_eq!(o.per_stream, vec![(12, Tally { routed: 1, ..Default::default() })]);
+        assert_eq!(o.remb, vec![(7, 500_000)]);
+        // A NACK of its numbers 499, 500, 501 and 502: each layer hears of its own, 502 (never
+        // sent) of nobody.
+        let o = r.route_with(&e, &[rr(&[]), build::nack(99, 0x100, 499, 0b111)].concat(), 2_000, &OnLayer1).unwrap();
+        let nacks: Vec<&[u8]> = o.routed.iter().map(|x| &x.packet[8..]).collect();
+        assert_eq!(nacks, vec![&[build::nack(99, 0x100, 42, 0), build::nack(99, 0x101, 9000, 0b1)].concat()[..]]);
+        assert_eq!(o.total.routed, 2);
+        // Without layer state (no packet seen yet) its keyframe requests go nowhere.
+        let o = r.route(&e, &[rr(&[]), build::pli(99, 0x100)].concat(), 3_000_000_000).unwrap();
+        assert_eq!((o.routed.len(), o.total.unroutable), (0, 1));
+        // The SFU's own request for a layer is coalesced with the consumers'.
+        assert!(r.request_keyframe(12, 0x101, 1, 1_000_000).is_none(), "layer 1 was asked for at 1 µs");
+        let own = r.request_keyframe(11, 0x100, 1, 1_000_000).unwrap();
+        assert_eq!(own, [build_report(1, None, &[]), build::pli(1, 0x100)].concat());
+    }
+
     #[test]
     fn pli_and_nack_reach_their_publishers_behind_an_empty_receiver_report() {
         let e = entry();

@@ -837,6 +837,40 @@ mod tests {
     }
 
     #[test]
+    fn simulcast_streams_are_checked_and_their_consumers_choose_layers() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p0", a("10.0.0.1:4000"), a("10.0.1.1:5000")).unwrap();
+        m.add_participant("r", "p1", a("10.0.0.1:4002"), a("10.0.1.2:5000")).unwrap();
+        let sim = |layers: Vec<u32>| StreamSpec { layers, ..Default::default() };
+        assert!(matches!(m.publish("r", "p0", "v", sim(vec![1])), Err(ModelError::Invalid(_))), "one layer");
+        assert!(matches!(m.publish("r", "p0", "v", sim(vec![1, 2, 3, 4, 5])), Err(ModelError::Invalid(_))), "five layers");
+        assert!(matches!(m.publish("r", "p0", "v", sim(vec![1, 1])), Err(ModelError::Invalid(_))), "one SSRC twice");
+        let both = StreamSpec { ssrc: Some(9), layers: vec![1, 2], ..Default::default() };
+        assert!(matches!(m.publish("r", "p0", "v", both), Err(ModelError::Invalid(_))));
+        m.publish("r", "p0", "a", StreamSpec { ssrc: Some(2), ..Default::default() }).unwrap();
+        assert!(matches!(m.publish("r", "p0", "v", sim(vec![1, 2])), Err(ModelError::IngressInUse { ssrc: Some(2), .. })), "a layer's SSRC in use");
+        m.publish("r", "p0", "v", sim(vec![10, 11, 12])).unwrap();
+        let s = m.rooms["r"].participants["p0"].streams["v"].clone();
+        assert_eq!((s.layers.len(), s.codec), (3, Some(Codec::Vp8)));
+        assert!(s.layers.iter().all(|l| l.uid != 0 && l.uid != s.uid));
+        assert!(matches!(m.publish("r", "p0", "w", StreamSpec { ssrc: Some(11), ..Default::default() }), Err(ModelError::IngressInUse { .. })));
+        let c = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "v".into() }).unwrap();
+        let plain = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "a".into() }).unwrap();
+        assert_eq!(m.set_consumer_layers("r", c, Some(2), Some(1)).unwrap().wanted_layer(3), 1, "capped");
+        assert_eq!(Consumer::default().wanted_layer(3), 2, "the top one by default");
+        assert!(matches!(m.set_consumer_layers("r", c, Some(3), None), Err(ModelError::Invalid(_))));
+        assert!(matches!(m.set_consumer_layers("r", plain, Some(0), None), Err(ModelError::Invalid(_))));
+        assert!(matches!(m.set_consumer_layers("r", 9999, None, None), Err(ModelError::NotFound { .. })));
+        // Layers and choices survive a store round trip; a layer's uid counts as used.
+        let json = serde_json::to_string(&m.rooms["r"]).unwrap();
+        let room: Room = serde_json::from_str(&json).unwrap();
+        let back = Model::from_parts([("r".to_string(), room)], [], 1).unwrap();
+        assert_eq!(back.rooms["r"], m.rooms["r"]);
+        assert!(back.next_uid() > s.layers.iter().map(|l| l.uid).max().unwrap());
+    }
+
+    #[test]
     fn ids_and_addresses_are_validated() {
         let mut m = Model::new();
         assert!(matches!(m.create_room(""), Err(ModelError::InvalidId(_))));

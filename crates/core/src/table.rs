@@ -589,6 +589,34 @@ mod tests {
     }
 
     #[test]
+    fn a_simulcast_stream_compiles_to_one_entry_per_layer_with_every_consumer() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p0", a("10.0.0.1:4000"), a("10.0.1.1:5000")).unwrap();
+        m.add_participant("r", "p1", a("10.0.0.1:4002"), a("10.0.1.2:5000")).unwrap();
+        let spec = StreamSpec { layers: vec![0x100, 0x101], codec: Some(crate::simulcast::Codec::H264), ..Default::default() };
+        let uid = m.publish("r", "p0", "v", spec).unwrap();
+        let c = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "v".into() }).unwrap();
+        m.set_consumer_layers("r", c, Some(0), None).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        let layers: Vec<(u32, u32)> = m.rooms["r"].participants["p0"].streams["v"].layers.iter().map(|l| (l.uid, l.ssrc)).collect();
+        assert_eq!(t.streams.len(), 2, "no wildcard entry");
+        for (i, (id, ssrc)) in layers.iter().enumerate() {
+            let e = &t.streams[&IngressKey { local: a("10.0.0.1:4000"), ssrc: Some(*ssrc) }];
+            assert_eq!(e.id, *id);
+            let want = SimulcastLayer { group: uid, index: i as u8, layers: layers.clone(), codec: crate::simulcast::Codec::H264 };
+            assert_eq!(e.simulcast.as_ref(), Some(&want));
+            assert_eq!(e.copies.iter().map(|c| (c.consumer, c.layer)).collect::<Vec<_>>(), vec![(c, Some(0))]);
+        }
+        // Its consumer's feedback names the first layer's SSRC and knows every layer.
+        let fb = &t.feedback[&a("10.0.0.1:4002")];
+        assert_eq!((fb.routes[0].ssrc, fb.routes[0].consumer, &fb.routes[0].layers), (0x100, c, &layers));
+        // The RTP of an unknown SSRC at the address is no stream's.
+        let rtp = crate::rtp::build_rtp(96, 1, 1, 0x102, &[0; 4]);
+        assert!(matches!(t.classify(a("10.0.0.1:4000"), a("10.0.1.1:5000"), &rtp), Verdict::Drop { reason: DropReason::NoStream, .. }));
+    }
+
+    #[test]
     fn full_mesh_never_copies_back_to_the_publisher() {
         let t = ForwardingTable::compile(&full_mesh(12), 1);
         assert_eq!(t.streams.len(), 12);

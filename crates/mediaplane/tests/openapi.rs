@@ -60,10 +60,10 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
     assert_eq!(d.call("GET", "/v1/nope", None).0, 404);
     assert_eq!(d.call("PUT", "/v1/rooms", None).0, 405);
 
-    // POSTs first (shortest path first: a room before its participants), then GETs, then
+    // POSTs first (shortest path first: a room before its participants), then PUTs, GETs, then
     // DELETEs (longest path first). Path parameters: bob subscribes to alice's "main".
     let mut order: Vec<(String, String)> = ops.into_iter().collect();
-    let rank = |m: &str| ["POST", "GET", "DELETE"].iter().position(|x| *x == m).unwrap();
+    let rank = |m: &str| ["POST", "PUT", "GET", "DELETE"].iter().position(|x| *x == m).unwrap();
     order.sort_by_key(|(m, p)| (rank(m), if m == "DELETE" { usize::MAX - p.len() } else { p.len() }, p.clone()));
     let mut setup_done = false;
     let mut consumer = String::from("(no subscription yet)");
@@ -80,7 +80,9 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
         if method == "POST" && path == "/v1/rooms/{room}/participants/{pid}/streams" && !setup_done {
             // Beside the examples: bob, and alice's stream for bob to subscribe to.
             assert_eq!(d.call("POST", "/v1/rooms/r1/participants", Some(json!({"id": "bob", "remote": "127.0.0.1:5006"}))).0, 201);
-            assert_eq!(d.call("POST", "/v1/rooms/r1/participants/alice/streams", Some(json!({"name": "main"}))).0, 201);
+            // Simulcast, so its consumer has layers to choose.
+            let main = json!({"name": "main", "layers": [0x100, 0x101, 0x102], "codec": "vp8"});
+            assert_eq!(d.call("POST", "/v1/rooms/r1/participants/alice/streams", Some(main)).0, 201);
             setup_done = true;
         }
         let body = op["requestBody"]["content"]["application/json"]["example"].clone();
