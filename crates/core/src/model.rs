@@ -402,6 +402,15 @@ impl Model {
         if let Some(dup) = uids.iter().find(|u| !seen.insert(**u)) {
             return Err(ModelError::Inconsistent(format!("uid {dup} is used twice")));
         }
+        // A simulcast stream as publish() makes one (an older binary's store has none).
+        for (rid, r) in &m.rooms {
+            for (pid, p) in &r.participants {
+                for (sid, s) in p.streams.iter().filter(|(_, s)| !s.layers.is_empty()) {
+                    let spec = StreamSpec { ssrc: s.ssrc, rtp: s.rtp, layers: s.layers.iter().map(|l| l.ssrc).collect(), ..Default::default() };
+                    Self::check_layers(sid, &spec).map_err(|e| ModelError::Inconsistent(format!("{rid}/{pid}: {e}")))?;
+                }
+            }
+        }
         let max_uid = uids.iter().copied().max().unwrap_or(0);
         m.next_uid = m.next_uid.max(max_uid + 1);
         // Subscriptions stored before consumers had uids get theirs now.
@@ -868,6 +877,10 @@ mod tests {
         let back = Model::from_parts([("r".to_string(), room)], [], 1).unwrap();
         assert_eq!(back.rooms["r"], m.rooms["r"]);
         assert!(back.next_uid() > s.layers.iter().map(|l| l.uid).max().unwrap());
+        // A stored simulcast stream publish() would refuse is refused on load.
+        let mut broken: Room = serde_json::from_str(&json).unwrap();
+        broken.participants.get_mut("p0").unwrap().streams.get_mut("v").unwrap().ssrc = Some(5);
+        assert!(matches!(Model::from_parts([("r".to_string(), broken)], [], 1), Err(ModelError::Inconsistent(_))));
     }
 
     #[test]

@@ -33,6 +33,10 @@ pub const HISTORY: usize = 8;
 /// How far behind the newest sequence number sent a late packet may be (duplicates are
 /// recognised within it).
 pub const DEDUPE_WINDOW: u16 = 64;
+/// How far a segment's range reaches back from its highest number: `start` follows `highest`
+/// within this, so the half-space comparisons of RTP sequence numbers hold however long a layer
+/// runs (a wrap-around every 65,536 packets).
+const SEGMENT_SPAN: u16 = 0x4000;
 /// A keyframe of the wanted layer is asked for again if none arrived within this.
 pub const KEYFRAME_RETRY_NS: u64 = crate::feedback::KEYFRAME_REQUEST_INTERVAL_NS;
 
@@ -218,6 +222,8 @@ pub enum Skip {
     Duplicate,
     /// Later than [`DEDUPE_WINDOW`] or [`HISTORY`] allow.
     Late,
+    /// It wants no layer.
+    Paused,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -257,8 +263,11 @@ pub struct LayerRewriter {
     ssrc: u32,
     clock_rate: u32,
     target: Option<u8>,
-    /// Newest first; `segments[0]` is the current one.
+    /// Newest first; `segments[0]` is the current one while `open`.
     segments: Vec<Segment>,
+    /// The newest segment takes new packets (false before the first keyframe and while paused:
+    /// a resumed consumer starts a new segment at a keyframe, right after what it had).
+    open: bool,
     /// The newest sequence number seen per layer (forwarded or not).
     newest: [Option<u16>; MAX_LAYERS],
     /// The packet sent with the highest sequence number: its numbers, and when it was sent.
@@ -281,6 +290,7 @@ impl LayerRewriter {
             clock_rate: if clock_rate == 0 { 90_000 } else { clock_rate },
             target: None,
             segments: Vec::with_capacity(HISTORY),
+            open: false,
             newest: [None; MAX_LAYERS],
             top_seq: 0,
             top_ts: 0,
@@ -295,7 +305,7 @@ impl LayerRewriter {
 
     /// The layer it receives now (None: not started).
     pub fn current(&self) -> Option<u8> {
-        self.segments.first().map(|s| s.layer)
+        self.segments.first().filter(|_| self.open).map(|s| s.layer)
     }
 
     /// The layer it should receive (None: none, it is paused).
@@ -312,6 +322,9 @@ impl LayerRewriter {
         if self.target != layer {
             self.target = layer;
             self.keyframe_asked_ns = None;
+            if layer.is_none() {
+                self.open = false;
+            }
         }
     }
 
@@ -345,12 +358,17 @@ impl LayerRewriter {
                 continue;
             }
             let after_start = !seq_newer(g.start, s);
-            let belongs = if i == 0 { after_start } else { after_start && !seq_newer(s, g.highest) };
+            let belongs = if i == 0 && self.open { after_start } else { after_start && !seq_newer(s, g.highest) };
             if belongs {
                 return self.emit(i, info, now_ns);
             }
         }
-        Decision::Skip(if self.segments.is_empty() { Skip::WaitingKeyframe } else { Skip::OtherLayer })
+        // (Paused: late packets of what it had still fill their places above; nothing new goes.)
+        Decision::Skip(match (self.target, self.segments.is_empty()) {
+            (None, _) => Skip::Paused,
+            (_, true) => Skip::WaitingKeyframe,
+            _ => Skip::OtherLayer,
+        })
     }
 
     fn open_segment(&mut self, layer: u8, info: &PacketInfo, now_ns: u64) {
@@ -374,6 +392,7 @@ impl LayerRewriter {
         }
         self.segments.insert(0, g);
         self.segments.truncate(HISTORY);
+        self.open = true;
     }
 
     fn emit(&mut self, i: usize, info: &PacketInfo, now_ns: u64) -> Decision {
@@ -382,6 +401,12 @@ impl LayerRewriter {
         let first = self.stats.forwarded == 0;
         let behind = self.top_seq.wrapping_sub(out);
         let newer = !first && seq_newer(out, self.top_seq);
+        // Only the current segment extends the consumer's numbering (an older one's range is
+        // closed; pruning keeps it from coming back when its layer wraps around).
+        if !(i == 0 && self.open) && newer {
+            self.stats.late += 1;
+            return Decision::Skip(Skip::Late);
+        }
         if !first && !newer {
             if behind >= DEDUPE_WINDOW {
                 self.stats.late += 1;
@@ -409,9 +434,18 @@ impl LayerRewriter {
             self.top_pic = rewrite.picture_id.map_or(self.top_pic, |p| p & 0x7fff);
             self.top_tl0 = rewrite.tl0picidx.unwrap_or(self.top_tl0);
             self.top_at_ns = now_ns;
+            // Older segments all of whose numbers are out of the window can take nothing more.
+            let top = self.top_seq;
+            if let Some(k) = self.segments.iter().skip(1).position(|o| top.wrapping_sub(o.highest.wrapping_add(o.seq_offset)) >= DEDUPE_WINDOW) {
+                self.segments.truncate(k + 1);
+            }
         }
         if seq_newer(info.sequence, g.highest) {
-            self.segments[i].highest = info.sequence;
+            let g = &mut self.segments[i];
+            g.highest = info.sequence;
+            if g.highest.wrapping_sub(g.start) > SEGMENT_SPAN {
+                g.start = g.highest.wrapping_sub(SEGMENT_SPAN);
+            }
         }
         self.stats.forwarded += 1;
         Decision::Forward(rewrite)
@@ -431,21 +465,27 @@ impl LayerRewriter {
     /// consumer: its SSRC, and its RTP timestamp by the current segment's offset. False: not
     /// about the layer it receives, not for it.
     pub fn rewrite_sender_report(&self, layer: u8, rtcp: &mut [u8]) -> bool {
-        let Some(g) = self.segments.first().filter(|g| g.layer == layer) else { return false };
-        if rtcp.len() < 28 || rtcp[1] != 200 {
-            return false;
-        }
+        let Some(g) = self.segments.first().filter(|g| self.open && g.layer == layer) else { return false };
+        // Where each SDES with a chunk starts (its first chunk names the sender by the same SSRC).
+        let sdes: Vec<usize> = match crate::rtp::parse_rtcp_compound(rtcp) {
+            Ok(packets) if packets[0].packet_type == 200 && packets[0].bytes.len() >= 28 => {
+                let mut at = 0;
+                let mut out = Vec::new();
+                for p in &packets {
+                    if p.packet_type == 202 && p.count >= 1 {
+                        out.push(at);
+                    }
+                    at += p.bytes.len();
+                }
+                out
+            }
+            _ => return false,
+        };
         rtcp[4..8].copy_from_slice(&self.ssrc.to_be_bytes());
         let ts = u32::from_be_bytes(rtcp[16..20].try_into().unwrap()).wrapping_add(g.ts_offset);
         rtcp[16..20].copy_from_slice(&ts.to_be_bytes());
-        // The SDES chunks that follow name the sender by the same SSRC.
-        let mut i = (u16::from_be_bytes([rtcp[2], rtcp[3]]) as usize + 1) * 4;
-        while i + 8 <= rtcp.len() {
-            let len = (u16::from_be_bytes([rtcp[i + 2], rtcp[i + 3]]) as usize + 1) * 4;
-            if rtcp[i + 1] == 202 && rtcp[i] & 0x1f >= 1 {
-                rtcp[i + 4..i + 8].copy_from_slice(&self.ssrc.to_be_bytes());
-            }
-            i += len;
+        for at in sdes {
+            rtcp[at + 4..at + 8].copy_from_slice(&self.ssrc.to_be_bytes());
         }
         true
     }
@@ -545,6 +585,10 @@ mod tests {
         assert_eq!(c.original(104), Some((2, 9001)));
         assert_eq!(c.original(105), None, "not sent yet");
         assert_eq!(c.original(100), None, "before the consumer started");
+        // Paused: nothing goes, the layers are still watched.
+        c.set_target(None);
+        assert_eq!(c.on_packet(2, &info(9003, 96_000, 303, false), 81_000_000), Decision::Skip(Skip::Paused));
+        assert_eq!(c.keyframe_wanted(90_000_000), None);
     }
 
     #[test]

@@ -100,6 +100,7 @@ struct Segment {
     out_start: u16,
     ts_offset: u32,
     pic_offset: u16,
+    tl0_offset: u8,
 }
 
 fn run(s: &Scenario) -> Result<(), TestCaseError> {
@@ -113,6 +114,7 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
     let mut segments: Vec<Segment> = Vec::new();
     let mut outs: HashSet<u16> = HashSet::new();
     let mut top: Option<(u16, u32, u16)> = None; // highest out seq sent: (seq, ts, pic)
+    let mut top_tl0 = 0u8;
     for (n, &i) in arrivals.iter().enumerate() {
         while let Some((_, layer)) = schedule.next_if(|(at, _)| *at <= n) {
             c.set_target(*layer);
@@ -138,12 +140,14 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         prop_assert_eq!(r.ssrc, OUT_SSRC);
         prop_assert!(outs.insert(r.sequence), "sequence number {} sent twice", r.sequence);
         let pic = r.picture_id.unwrap();
+        let tl0 = r.tl0picidx.unwrap();
         if should_switch {
             if let Some((seq, ts, tpic)) = top {
                 prop_assert_eq!(r.sequence, seq.wrapping_add(1), "a switch continues the sequence");
                 let step = r.timestamp.wrapping_sub(ts);
                 prop_assert!((1..1 << 31).contains(&step), "timestamps go forward across a switch");
                 prop_assert_eq!(pic, (tpic + 1) & 0x7fff, "picture ids continue across a switch");
+                prop_assert_eq!(tl0, top_tl0.wrapping_add(1), "TL0PICIDX continues across a switch");
             }
             segments.push(Segment {
                 layer: p.layer,
@@ -151,6 +155,7 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
                 out_start: r.sequence,
                 ts_offset: r.timestamp.wrapping_sub(info.timestamp),
                 pic_offset: pic.wrapping_sub(info.picture_id.unwrap().value) & 0x7fff,
+                tl0_offset: tl0.wrapping_sub(info.tl0picidx.unwrap().0),
             });
         }
         // Which segment it went out in: the one whose (layer, offsets) map it there.
@@ -158,8 +163,10 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         let g = g.ok_or_else(|| TestCaseError::fail(format!("{p:?} sent outside every segment")))?;
         prop_assert_eq!(r.timestamp.wrapping_sub(info.timestamp), g.ts_offset);
         prop_assert_eq!(pic.wrapping_sub(info.picture_id.unwrap().value) & 0x7fff, g.pic_offset);
+        prop_assert_eq!(tl0.wrapping_sub(info.tl0picidx.unwrap().0), g.tl0_offset);
         if top.is_none_or(|(seq, _, _)| seq_newer(r.sequence, seq)) {
             top = Some((r.sequence, r.timestamp, pic));
+            top_tl0 = tl0;
         }
     }
     // Every number the consumer did not get, between its first and its newest, is a packet of
@@ -215,4 +222,43 @@ fn clean_network_has_no_gap() {
     }
     assert_eq!(c.stats.switches, 3);
     assert!(outs.windows(2).all(|w| w[1] == w[0].wrapping_add(1)), "{outs:?}");
+}
+
+/// Long runs: each layer's sequence numbers wrap around more than once while the consumer stays
+/// on it, and a layer it left wraps around under its old segment; nothing freezes, nothing comes
+/// back, no gap, no duplicate.
+#[test]
+fn long_runs_across_wrap_arounds() {
+    let mut c = LayerRewriter::new(OUT_SSRC, 90_000);
+    let mut seq = [0u16, 40_000];
+    let mut out: Option<u16> = None;
+    let mut forwarded = 0u64;
+    let mut n = 0u64;
+    // Layer 0 for 140,000 packets, layer 1 for 140,000, back to layer 0 for 70,000; both layers
+    // sending all along, a keyframe every 100 packets.
+    for (target, packets) in [(0u8, 140_000u32), (1, 140_000), (0, 70_000)] {
+        c.set_target(Some(target));
+        for k in 0..packets {
+            for layer in 0..2u8 {
+                let s = seq[layer as usize];
+                seq[layer as usize] = s.wrapping_add(1);
+                let key = k % 100 == 0;
+                let payload = [if key { 0x10 } else { 0x00 }, if key { 0x10 } else { 0x11 }];
+                let p = build_rtp(96, s, 0, 0x1000 + layer as u32, &payload);
+                n += 1;
+                if let Decision::Forward(r) = c.on_packet(layer, &inspect(Codec::Vp8, &p).unwrap(), n * 1_000_000) {
+                    if let Some(prev) = out {
+                        assert_eq!(r.sequence, prev.wrapping_add(1), "a gap or a duplicate at packet {n} (layer {layer}, seq {s})");
+                    }
+                    assert_eq!(layer, c.current().unwrap(), "only the current layer goes out");
+                    out = Some(r.sequence);
+                    forwarded += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(c.stats.switches, 2);
+    // Everything of the current layer from each switch's keyframe on.
+    assert!(forwarded >= 350_000 - 200, "{forwarded}");
+    assert_eq!((c.stats.late, c.stats.duplicates), (0, 0));
 }

@@ -858,6 +858,14 @@ impl WorkerCtx {
                 if copy.to == src || copy.consumer == 0 {
                     continue;
                 }
+                if !rewriters.contains_key(&copy.consumer) {
+                    // Only for a consumer of the installed table: a batch still working with
+                    // the table before must not bring back one that an apply just forgot.
+                    let latest = self.shared.state.load();
+                    if !latest.table.streams.get(&entry.key).is_some_and(|e| e.copies.iter().any(|c| c.consumer == copy.consumer)) {
+                        continue;
+                    }
+                }
                 let rw = rewriters.entry(copy.consumer).or_insert_with(|| LayerRewriter::new(out_ssrc, entry.clock_rate));
                 rw.set_target(copy.layer);
                 match (kind, &info) {
