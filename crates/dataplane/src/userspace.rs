@@ -829,6 +829,32 @@ impl WorkerCtx {
         *n <= crate::RTCP_REPORTS_PER_SECOND
     }
 
+    /// Send `payload` from the SFU address `from` to `to`: queued for this worker's socket of
+    /// `from` (sent with the batch, counted then), or, in steered mode, at once as a raw packet.
+    /// `of`: the copy it is (counted per stream and consumer); None for RTCP the SFU sends a
+    /// publisher, where only a failure is counted.
+    #[allow(clippy::too_many_arguments)]
+    fn send_from<'p>(
+        &self,
+        state: &State,
+        from: SocketAddr,
+        to: SocketAddr,
+        payload: Cow<'p, [u8]>,
+        of: Option<CopyOf>,
+        out: &mut Vec<(RawFd, Option<CopyOf>, Outgoing<'p>)>,
+        delta: &mut WorkerCounters,
+    ) {
+        if let Some(group) = state.sockets.get(&from) {
+            out.push((group[self.id].as_raw_fd(), of, Outgoing { to: SockAddr::from(to), payload }));
+            return;
+        }
+        let sent = self.steer.as_ref().is_some_and(|steer| send_raw_copy(steer, from, to, &payload));
+        match of {
+            Some((stream, consumer)) => delta.count_copy(stream, consumer, payload.len(), sent),
+            None => delta.total.tx_errors += u64::from(!sent),
+        }
+    }
+
     /// The copies of one packet of a simulcast layer: to each consumer receiving that layer now,
     /// renumbered for it ([`LayerRewriter`]); and a keyframe request to the publisher for each
     /// layer a consumer waits for (coalesced with the consumers' own).
@@ -892,28 +918,13 @@ impl WorkerCtx {
             }
         }
         for (copy, bytes) in copies {
-            match (state.sockets.get(&copy.from), &self.steer) {
-                (Some(group), _) => out.push((
-                    group[self.id].as_raw_fd(),
-                    Some((entry.id, copy.consumer)),
-                    Outgoing { to: SockAddr::from(copy.to), payload: Cow::Owned(bytes) },
-                )),
-                (None, Some(steer)) => {
-                    let sent = send_raw_copy(steer, copy.from, copy.to, &bytes);
-                    delta.count_copy(entry.id, copy.consumer, bytes.len(), sent);
-                }
-                (None, None) => delta.count_copy(entry.id, copy.consumer, 0, false),
-            }
+            self.send_from(state, copy.from, copy.to, Cow::Owned(bytes), Some((entry.id, copy.consumer)), out, delta);
         }
         let SourceRule::Fixed(publisher) = entry.source else { return };
         for l in wanted {
             let Some(&(stream, ssrc)) = layer.layers.get(l as usize) else { continue };
             let Some(pli) = self.shared.feedback.lock().request_keyframe(stream, ssrc, SFU_SSRC, now_ns) else { continue };
-            match (state.sockets.get(&entry.key.local), &self.steer) {
-                (Some(group), _) => out.push((group[self.id].as_raw_fd(), None, Outgoing { to: SockAddr::from(publisher), payload: Cow::Owned(pli) })),
-                (None, Some(steer)) if send_raw_copy(steer, entry.key.local, publisher, &pli) => {}
-                _ => delta.total.tx_errors += 1,
-            }
+            self.send_from(state, entry.key.local, publisher, Cow::Owned(pli), None, out, delta);
         }
     }
 
@@ -1004,13 +1015,7 @@ impl WorkerCtx {
                         (cc.remb_bps, cc.remb_at_ns) = (Some(*bps), received_at);
                     }
                     for r in outcome.routed {
-                        match (state.sockets.get(&r.from), &self.steer) {
-                            (Some(group), _) => {
-                                out.push((group[self.id].as_raw_fd(), None, Outgoing { to: SockAddr::from(r.to), payload: Cow::Owned(r.packet) }))
-                            }
-                            (None, Some(steer)) if send_raw_copy(steer, r.from, r.to, &r.packet) => {}
-                            _ => delta.total.tx_errors += 1,
-                        }
+                        self.send_from(&state, r.from, r.to, Cow::Owned(r.packet), None, &mut out, &mut delta);
                     }
                     match (stream, outcome.forward) {
                         (Some(entry), Some(report)) => (Verdict::Forward(entry), Cow::Owned(report)),
@@ -1099,16 +1104,7 @@ impl WorkerCtx {
                                 }
                             },
                         };
-                        match (state.sockets.get(&copy.from), &self.steer) {
-                            (Some(group), _) => {
-                                out.push((group[self.id].as_raw_fd(), Some((entry.id, copy.consumer)), Outgoing { to: SockAddr::from(copy.to), payload }))
-                            }
-                            (None, Some(steer)) => {
-                                let sent = send_raw_copy(steer, copy.from, copy.to, &payload);
-                                delta.count_copy(entry.id, copy.consumer, payload.len(), sent);
-                            }
-                            (None, None) => delta.count_copy(entry.id, copy.consumer, 0, false),
-                        }
+                        self.send_from(&state, copy.from, copy.to, payload, Some((entry.id, copy.consumer)), &mut out, &mut delta);
                     }
                 }
                 Verdict::Drop { reason, stream } => {
