@@ -77,6 +77,8 @@ bench: release
 	# 5000/10000 calls and 30 s runs take about an hour here: run those by hand.
 	target/release/mediaplane bench relay --calls 750,1800 --seconds 10 --capacity 1000000 --capacity-seconds 240 --out bench-results/relay
 	target/release/mediaplane bench overload --out bench-results/overload
+	# Round trip through one relay pair, sockperf ping-pong: no relay, mediaplane, rtpengine.
+	scripts/bench-pingpong.sh --out bench-results/pingpong
 
 # The Debian package: target/debian/mediaplane_<version>_<arch>.deb (release build; binary,
 # systemd unit, default configuration as a conffile, man pages, bash/zsh/fish completions).

@@ -14,7 +14,10 @@ packages=(
   systemd man-db util-linux                                        # unit verification (systemd-analyze, man pages), setpriv
 )
 # rtpengine runs in user space, started by the tests and benchmarks themselves (its kernel module
-# is not needed). `--bench` (make bench) needs nothing more.
+# is not needed). `--bench` (make bench) adds sockperf for scripts/bench-pingpong.sh.
+if [[ " $* " == *" --bench "* ]]; then
+  packages+=(sockperf)
+fi
 
 missing=()
 for p in "${packages[@]}"; do
