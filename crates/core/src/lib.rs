@@ -17,6 +17,7 @@
 
 pub mod call_quality;
 pub mod feedback;
+pub mod layer_choice;
 pub mod model;
 mod model_ng;
 pub mod packet;
