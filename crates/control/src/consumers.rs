@@ -42,8 +42,10 @@ pub struct ConsumerView {
 }
 
 /// A simulcast consumer's layers: what was asked for (`preferred`, `max`), what that means
-/// (`wanted`), and what the data plane does (`current`, from the next keyframe on `target`).
-#[derive(Debug, Clone, Copy, Serialize)]
+/// (`wanted`), and what the data plane does (`current`, from the next keyframe on `target`):
+/// `target` is `wanted` lowered by the consumer's own reports (`auto_limit`) and by layers its
+/// publisher does not send (`absent`); see `mediaplane_core::layer_choice`.
+#[derive(Debug, Clone, Serialize)]
 pub struct LayersView {
     /// How many layers the stream has.
     pub count: u8,
@@ -63,6 +65,16 @@ pub struct LayersView {
     pub keyframe_requests: u64,
     pub duplicates_dropped: u64,
     pub late_dropped: u64,
+    /// The highest layer the consumer's loss reports and REMBs allow now (absent: no limit).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub auto_limit: Option<u8>,
+    /// Automatic steps down (loss, REMB) and back up.
+    pub auto_steps_down: u64,
+    pub auto_steps_up: u64,
+    /// Changes of layer because one went absent or came back.
+    pub fallbacks: u64,
+    /// Layers the publisher does not send now (none for a second: absent).
+    pub absent: Vec<u8>,
 }
 
 /// A consumer's receiver report block, in the units people read.
@@ -119,6 +131,11 @@ fn of_model(model: &Model, room: Option<&str>, only: Option<u32>) -> Vec<(Consum
                         keyframe_requests: 0,
                         duplicates_dropped: 0,
                         late_dropped: 0,
+                        auto_limit: None,
+                        auto_steps_down: 0,
+                        auto_steps_up: 0,
+                        fallbacks: 0,
+                        absent: Vec::new(),
                     }),
                     label: format!("{rid}/{pid}<-{}/{}", sref.publisher, sref.stream),
                 };
@@ -167,6 +184,9 @@ fn with_counters(views: Vec<(ConsumerView, Option<u32>)>, dataplane: &dyn Datapl
                 l.keyframe_requests = state.stats.keyframe_requests;
                 l.duplicates_dropped = state.stats.duplicates;
                 l.late_dropped = state.stats.late;
+                l.auto_limit = state.auto_limit;
+                (l.auto_steps_down, l.auto_steps_up, l.fallbacks) = (state.choice.steps_down, state.choice.steps_up, state.choice.fallbacks);
+                l.absent = (0..l.count).filter(|i| state.absent & (1 << i) != 0).collect();
             }
             v
         })

@@ -274,6 +274,11 @@ pub struct LayerState {
     /// The SSRC it receives on, whichever layer.
     pub ssrc: u32,
     pub stats: mediaplane_core::simulcast::RewriteStats,
+    /// The highest layer its own reports allow now (None: no limit; see `layer_choice`).
+    pub auto_limit: Option<u8>,
+    pub choice: mediaplane_core::layer_choice::ChoiceStats,
+    /// Layers of the stream its publisher does not send now (bit i: layer i).
+    pub absent: u8,
 }
 
 /// A receiver report block of a consumer (RFC 3550 6.4.1): its view of what the SFU sent it.

@@ -18,6 +18,7 @@ use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{ConsumerCounters, ConsumerReport, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy, LayerState};
 use arc_swap::ArcSwap;
 use mediaplane_core::feedback::{FeedbackRouter, LayerMap};
+use mediaplane_core::layer_choice::{LayerActivity, LayerChoice};
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::reception::{ReceptionReport, RtpReception};
 use mediaplane_core::rtp::{demux, MediaKind, RtpHeader};
@@ -229,9 +230,26 @@ struct Shared {
     /// Consumers' feedback: shared, so keyframe requests are coalesced whichever worker the
     /// subscribers' flows landed on (a few packets per second per consumer).
     feedback: Mutex<FeedbackRouter>,
-    /// Simulcast consumers' layer and renumbering, by consumer. Shared: a publisher's layers are
-    /// one flow each, which may land on different workers. Never held while taking `feedback`.
-    layers: Mutex<HashMap<u32, LayerRewriter>>,
+    /// Simulcast consumers' layer and renumbering, and what publishers send of each layer.
+    /// Shared: a publisher's layers are one flow each, which may land on different workers.
+    /// Never held while taking `feedback`.
+    layers: Mutex<SimulcastState>,
+}
+
+#[derive(Default)]
+struct SimulcastState {
+    consumers: HashMap<u32, LayerConsumer>,
+    /// What each simulcast stream's publisher sends, by the stream's uid (`SimulcastLayer::group`).
+    activity: HashMap<u32, LayerActivity>,
+}
+
+/// One simulcast consumer: the layer it should get (from the API's ceiling, its reports and
+/// what is sent) and the renumbering of what it gets.
+struct LayerConsumer {
+    rewriter: LayerRewriter,
+    choice: LayerChoice,
+    /// Its stream's uid, for the activity the choice reads.
+    group: u32,
 }
 
 /// The sender SSRC of the keyframe requests the SFU makes itself (a simulcast consumer waiting
@@ -239,14 +257,14 @@ struct Shared {
 const SFU_SSRC: u32 = 0x4d50_4c49;
 
 /// The simulcast consumers' state as the feedback router asks for it.
-struct Layers<'a>(&'a HashMap<u32, LayerRewriter>);
+struct Layers<'a>(&'a HashMap<u32, LayerConsumer>);
 
 impl LayerMap for Layers<'_> {
     fn layer(&self, consumer: u32) -> Option<u8> {
-        self.0.get(&consumer).and_then(|r| r.current().or(r.target()))
+        self.0.get(&consumer).and_then(|c| c.rewriter.current().or(c.rewriter.target()))
     }
     fn original(&self, consumer: u32, out_seq: u16) -> Option<(u8, u16)> {
-        self.0.get(&consumer)?.original(out_seq)
+        self.0.get(&consumer)?.rewriter.original(out_seq)
     }
 }
 
@@ -346,7 +364,7 @@ impl UserspaceDataplane {
             mark_ack: cfg.mark_ack.clone(),
             reception: Mutex::new(HashMap::new()),
             feedback: Mutex::new(FeedbackRouter::default()),
-            layers: Mutex::new(HashMap::new()),
+            layers: Mutex::new(SimulcastState::default()),
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
             (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer, cfg.header).map(Arc::new)).collect::<Result<_, _>>()?
@@ -517,10 +535,22 @@ impl UserspaceDataplane {
         }
         let mut layers = self.shared.layers.lock();
         match &keep {
-            Some(keep) => layers.retain(|id, _| keep.contains(id)),
+            Some(keep) => layers.consumers.retain(|id, _| keep.contains(id)),
             None => gone.iter().for_each(|id| {
-                layers.remove(id);
+                layers.consumers.remove(id);
             }),
+        }
+        // A simulcast stream's activity goes with its entries (one that only changed starts
+        // afresh: every layer presumed sent for a second).
+        let group = |t: &ForwardingTable, k: &IngressKey| t.streams.get(k).and_then(|e| e.simulcast.as_ref()).map(|l| l.group);
+        match changed {
+            Some(keys) => keys.iter().filter_map(|k| group(old, k).filter(|g| group(new, k) != Some(*g))).for_each(|g| {
+                layers.activity.remove(&g);
+            }),
+            None => {
+                let groups: std::collections::HashSet<u32> = new.streams.keys().filter_map(|k| group(new, k)).collect();
+                layers.activity.retain(|g, _| groups.contains(g));
+            }
         }
     }
 
@@ -600,9 +630,20 @@ impl Dataplane for UserspaceDataplane {
             }
         }
         let layers = self.shared.layers.lock();
+        let now = crate::monotonic_ns();
         for id in ids {
-            if let Some(r) = layers.get(id) {
-                out.entry(*id).or_default().layer = Some(LayerState { current: r.current(), target: r.target(), ssrc: r.ssrc(), stats: r.stats });
+            if let Some(c) = layers.consumers.get(id) {
+                let r = &c.rewriter;
+                let activity = layers.activity.get(&c.group);
+                out.entry(*id).or_default().layer = Some(LayerState {
+                    current: r.current(),
+                    target: r.target(),
+                    ssrc: r.ssrc(),
+                    stats: r.stats,
+                    auto_limit: c.choice.limit(),
+                    choice: c.choice.stats,
+                    absent: activity.map_or(0, |a| a.absent(simulcast::MAX_LAYERS as u8, now).iter().fold(0, |m, l| m | 1 << l)),
+                });
             }
         }
         out
@@ -855,6 +896,26 @@ impl WorkerCtx {
         }
     }
 
+    /// A simulcast consumer's reports and REMBs lower (or let rise) the layer it gets.
+    fn feed_layer_choice(&self, outcome: &mediaplane_core::feedback::Outcome, now_ns: u64) {
+        if outcome.reports.is_empty() && outcome.remb.is_empty() {
+            return;
+        }
+        let mut guard = self.shared.layers.lock();
+        let SimulcastState { consumers, activity } = &mut *guard;
+        for (id, block) in &outcome.reports {
+            if let Some(c) = consumers.get_mut(id) {
+                c.choice.on_loss(block.fraction_lost, c.rewriter.current(), now_ns);
+            }
+        }
+        for (id, bps) in &outcome.remb {
+            if let Some(c) = consumers.get_mut(id) {
+                let a = activity.entry(c.group).or_default();
+                c.choice.on_remb(*bps, c.rewriter.current(), a, now_ns);
+            }
+        }
+    }
+
     /// The copies of one packet of a simulcast layer: to each consumer receiving that layer now,
     /// renumbered for it ([`LayerRewriter`]); and a keyframe request to the publisher for each
     /// layer a consumer waits for (coalesced with the consumers' own).
@@ -876,15 +937,21 @@ impl WorkerCtx {
             _ => None,
         };
         let out_ssrc = layer.layers[0].1;
+        let count = layer.layers.len() as u8;
         let mut wanted: Vec<u8> = Vec::new();
         let mut copies: Vec<(&mediaplane_core::Copy, Vec<u8>)> = Vec::new();
         {
-            let mut rewriters = self.shared.layers.lock();
+            let mut guard = self.shared.layers.lock();
+            let SimulcastState { consumers, activity } = &mut *guard;
+            let activity = activity.entry(layer.group).or_default();
+            if info.is_some() {
+                activity.on_packet(layer.index, payload.len(), now_ns);
+            }
             for copy in &entry.copies {
                 if copy.to == src || copy.consumer == 0 {
                     continue;
                 }
-                if !rewriters.contains_key(&copy.consumer) {
+                if !consumers.contains_key(&copy.consumer) {
                     // Only for a consumer of the installed table: a batch still working with
                     // the table before must not bring back one that an apply just forgot.
                     let latest = self.shared.state.load();
@@ -892,8 +959,15 @@ impl WorkerCtx {
                         continue;
                     }
                 }
-                let rw = rewriters.entry(copy.consumer).or_insert_with(|| LayerRewriter::new(out_ssrc, entry.clock_rate));
-                rw.set_target(copy.layer);
+                let c = consumers.entry(copy.consumer).or_insert_with(|| LayerConsumer {
+                    rewriter: LayerRewriter::new(out_ssrc, entry.clock_rate),
+                    choice: LayerChoice::default(),
+                    group: layer.group,
+                });
+                // The compiled layer is the API's ceiling (None: paused); the choice may lower it.
+                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, count, activity, now_ns));
+                let rw = &mut c.rewriter;
+                rw.set_target(target);
                 match (kind, &info) {
                     (MediaKind::Rtp, Some(info)) => {
                         if let Decision::Forward(r) = rw.on_packet(layer.index, info, now_ns) {
@@ -979,7 +1053,7 @@ impl WorkerCtx {
             // report is forwarded like any packet of its stream.
             let (verdict, payload): (Verdict<'_>, Cow<'_, [u8]>) = match verdict {
                 Verdict::Feedback { entry: fb, stream } => {
-                    let outcome = match self.shared.feedback.lock().route_with(fb, payload, received_at, &Layers(&self.shared.layers.lock())) {
+                    let outcome = match self.shared.feedback.lock().route_with(fb, payload, received_at, &Layers(&self.shared.layers.lock().consumers)) {
                         Ok(o) => o,
                         Err(_) => {
                             delta.total.drop_malformed += 1;
@@ -1014,6 +1088,7 @@ impl WorkerCtx {
                         let cc = delta.consumers.entry(*id).or_default();
                         (cc.remb_bps, cc.remb_at_ns) = (Some(*bps), received_at);
                     }
+                    self.feed_layer_choice(&outcome, received_at);
                     for r in outcome.routed {
                         self.send_from(&state, r.from, r.to, Cow::Owned(r.packet), None, &mut out, &mut delta);
                     }
