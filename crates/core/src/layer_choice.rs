@@ -2,26 +2,31 @@
 //! things decide it, in this order:
 //!
 //! 1. **The ceiling** the API sets: `min(preferred, max, top layer)` ([`crate::model::Consumer`]).
-//!    Nothing automatic ever goes above it.
+//!    The consumer's reports never take it above that.
 //! 2. **The consumer's own reports** ([`LayerChoice`]) may lower it, one layer at a time:
-//!    * *down* when a receiver report about what it receives says more than [`LOSS_DOWN`]
-//!      (10 %) was lost, or a REMB is below the measured bitrate of the layer it receives; at
-//!      most one step per [`DOWN_INTERVAL_NS`] (2 s), so the reports after a switch can show its
-//!      effect before another;
-//!    * *up* again one layer after [`UP_HOLD_NS`] (6 s) without a report above [`LOSS_UP`]
-//!      (2 %, the hysteresis: between the two thresholds nothing moves and the hold restarts),
-//!      and only if its latest REMB (if it sends them; one older than [`REMB_STALE_NS`] does not
-//!      count) covers the next layer's bitrate with [`REMB_HEADROOM`] (25 %) to spare.
+//!    * *down* when a receiver report about what it receives says more than [`LOSS_DOWN`]/256
+//!      (10 %) was lost, or when a REMB is below the measured bitrates of the layers it covers
+//!      ([`remb_over`]: one estimate for all the SSRCs it lists; the consumer receiving the most
+//!      steps down). At most one step per [`DOWN_INTERVAL_NS`] (2 s), so the reports after a
+//!      switch can show its effect before another;
+//!    * *up* again one layer after a hold of [`UP_HOLD_NS`] (6 s) without a report above
+//!      [`LOSS_UP`]/256 (2 %) and without a REMB short of what it receives. Between the two loss
+//!      thresholds nothing moves and the hold restarts (the hysteresis). A step up is a probe: a
+//!      step down within [`FAILED_UP_NS`] (4 s) of it doubles the next hold (up to
+//!      [`MAX_UP_HOLD_NS`], 48 s), so a link that cannot carry a layer is not probed every 6 s;
+//!      any other step down resets the hold. A REMB does not hold a step up back beyond that:
+//!      a browser's estimate stays near what it receives, so waiting for it to cover the next
+//!      layer would keep a consumer low for good.
 //!
 //!    Loss is what the consumer reports about its SSRC, so loss on the publisher's link counts
 //!    too (it sees the same frozen video either way).
 //! 3. **What the publisher sends** ([`LayerActivity`]): a layer without a packet for
 //!    [`ABSENT_AFTER_NS`] (1 s) is absent (browsers stop their top layers under congestion; some
 //!    publishers never send all they announce). The consumer gets the highest layer under the
-//!    limit that is sent, else the lowest sent above it; when it returns, the consumer goes back
-//!    up at its next keyframe. During the stream's first [`ABSENT_AFTER_NS`] every layer is
-//!    presumed sent, so a consumer does not start low just because the top layer's first packet
-//!    came later than the bottom's.
+//!    limit that is sent, else the lowest sent above it but not above the consumer's
+//!    `max_layer`; when it returns, the consumer goes back at its next keyframe. During the
+//!    stream's first [`ABSENT_AFTER_NS`] every layer is presumed sent, so a consumer does not
+//!    start low just because the top layer's first packet came later than the bottom's.
 //!
 //! The rewriter ([`crate::simulcast::LayerRewriter`]) makes any change of the result happen at a
 //! keyframe of the new layer, which the SFU asks for.
@@ -38,10 +43,10 @@ pub const LOSS_UP: u8 = 5;
 pub const DOWN_INTERVAL_NS: u64 = 2_000 * MS;
 /// A step up needs this long without a report above [`LOSS_UP`] or a short REMB.
 pub const UP_HOLD_NS: u64 = 6_000 * MS;
-/// A REMB older than this neither holds a consumer down nor lets it up.
-pub const REMB_STALE_NS: u64 = 5_000 * MS;
-/// A step up needs a REMB of this much more than the next layer's bitrate (in quarters: 5/4).
-pub const REMB_HEADROOM: (u64, u64) = (5, 4);
+/// A step down this soon after a step up means the probe failed: the next hold doubles.
+pub const FAILED_UP_NS: u64 = 4_000 * MS;
+/// The longest hold after failed probes.
+pub const MAX_UP_HOLD_NS: u64 = 48_000 * MS;
 /// A layer without a packet for this long is not sent.
 pub const ABSENT_AFTER_NS: u64 = 1_000 * MS;
 /// Bitrates are measured over windows of this length.
@@ -100,6 +105,15 @@ impl LayerActivity {
     }
 }
 
+/// A REMB is one estimate for all the SSRCs it lists. Given what its simulcast consumers receive
+/// (`(consumer, bitrate of the layer it receives, whether it has a lower layer)`), None if the
+/// estimate covers it; else the consumer that should step down (the one receiving the most that
+/// can go lower), if any.
+pub fn remb_over(bps: u64, receiving: &[(u32, u64, bool)]) -> Option<Option<u32>> {
+    let total: u64 = receiving.iter().map(|r| r.1).sum();
+    (total > bps).then(|| receiving.iter().filter(|r| r.2).max_by_key(|r| r.1).map(|r| r.0))
+}
+
 /// What a consumer's automatic choice did, for its counters.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct ChoiceStats {
@@ -116,9 +130,13 @@ pub struct LayerChoice {
     /// The highest layer its reports allow (None: no limit).
     limit: Option<u8>,
     last_down_ns: Option<u64>,
+    last_up_ns: Option<u64>,
     /// Since when no report held it down (set whenever one does).
     calm_since_ns: u64,
-    remb: Option<(u64, u64)>,
+    /// The hold before the next step up (0: [`UP_HOLD_NS`]).
+    hold_ns: u64,
+    /// The ceiling of the last choice: a step down to it or above changes nothing.
+    ceiling: Option<u8>,
     /// The last choice, and whether absence decided it.
     chosen: Option<(u8, bool)>,
     pub stats: ChoiceStats,
@@ -140,13 +158,13 @@ impl LayerChoice {
         }
     }
 
-    /// A REMB naming what it receives: `bps` while it receives `receiving`.
-    pub fn on_remb(&mut self, bps: u64, receiving: Option<u8>, activity: &LayerActivity, now_ns: u64) {
-        self.remb = Some((bps, now_ns));
-        if let Some(rate) = receiving.and_then(|l| activity.bitrate_bps(l, now_ns)) {
-            if bps < rate {
-                self.step_down(receiving, now_ns);
-            }
+    /// A REMB short of what its consumers receive ([`remb_over`]): this one steps down if
+    /// `step`, and none goes up before the hold.
+    pub fn on_short_estimate(&mut self, step: bool, receiving: Option<u8>, now_ns: u64) {
+        if step {
+            self.step_down(receiving, now_ns);
+        } else {
+            self.calm_since_ns = now_ns;
         }
     }
 
@@ -159,31 +177,46 @@ impl LayerChoice {
             return;
         }
         let to = from - 1;
-        if self.limit.is_none_or(|l| to < l) {
-            self.limit = Some(to);
-            self.last_down_ns = Some(now_ns);
-            self.stats.steps_down += 1;
+        // (A switch down the API asked for is on its way: nothing to add.)
+        if self.ceiling.is_some_and(|c| to >= c) || self.limit.is_some_and(|l| to >= l) {
+            return;
+        }
+        let failed_probe = self.last_up_ns.is_some_and(|t| now_ns.saturating_sub(t) < FAILED_UP_NS);
+        self.hold_ns = if failed_probe { (self.hold().saturating_mul(2)).min(MAX_UP_HOLD_NS) } else { UP_HOLD_NS };
+        self.limit = Some(to);
+        self.last_down_ns = Some(now_ns);
+        self.stats.steps_down += 1;
+    }
+
+    fn hold(&self) -> u64 {
+        if self.hold_ns == 0 {
+            UP_HOLD_NS
+        } else {
+            self.hold_ns
         }
     }
 
-    /// The layer it should receive now, of `count`, under the API's `ceiling`, given what the
-    /// publisher sends.
-    pub fn choose(&mut self, ceiling: u8, count: u8, activity: &LayerActivity, now_ns: u64) -> u8 {
+    /// The layer it should receive now, of `count`: at most `ceiling` unless only higher layers
+    /// are sent, and never above `max` (its `max_layer`), given what the publisher sends.
+    pub fn choose(&mut self, ceiling: u8, max: Option<u8>, count: u8, activity: &LayerActivity, now_ns: u64) -> u8 {
         let top = count.saturating_sub(1);
         let ceiling = ceiling.min(top);
+        self.ceiling = Some(ceiling);
         if let Some(limit) = self.limit {
             if limit >= ceiling {
                 // The API lowered the ceiling to it (or below): nothing of its own left to lift.
                 self.limit = None;
-            } else if now_ns.saturating_sub(self.calm_since_ns) >= UP_HOLD_NS && self.remb_allows(limit + 1, activity, now_ns) {
+            } else if now_ns.saturating_sub(self.calm_since_ns) >= self.hold() {
                 self.limit = (limit + 1 < ceiling).then_some(limit + 1);
                 self.calm_since_ns = now_ns;
+                self.last_up_ns = Some(now_ns);
                 self.stats.steps_up += 1;
             }
         }
         let want = self.limit.map_or(ceiling, |l| l.min(ceiling));
+        let highest = max.unwrap_or(top).min(top).max(want);
         let sent = |l: &u8| activity.is_sent(*l, now_ns);
-        let chosen = (0..=want).rev().find(sent).or_else(|| (want + 1..count).find(sent)).unwrap_or(want);
+        let chosen = (0..=want).rev().find(sent).or_else(|| (want + 1..=highest).find(sent)).unwrap_or(want);
         let by_absence = chosen != want;
         if let Some((before, was_absence)) = self.chosen {
             if before != chosen && (by_absence || was_absence) {
@@ -192,15 +225,6 @@ impl LayerChoice {
         }
         self.chosen = Some((chosen, by_absence));
         chosen
-    }
-
-    fn remb_allows(&self, layer: u8, activity: &LayerActivity, now_ns: u64) -> bool {
-        match (self.remb, activity.bitrate_bps(layer, now_ns)) {
-            (Some((bps, at)), Some(rate)) if now_ns.saturating_sub(at) < REMB_STALE_NS => {
-                bps as u128 * REMB_HEADROOM.1 as u128 >= rate as u128 * REMB_HEADROOM.0 as u128
-            }
-            _ => true,
-        }
     }
 }
 
@@ -234,47 +258,52 @@ mod tests {
             let bps = a.bitrate_bps(l, 3 * S).unwrap();
             assert!(bps.abs_diff(kbps * 1000) * 100 < kbps * 1000 * 3, "layer {l}: {bps}");
         }
+        assert_eq!(a.bitrate_bps(2, 5 * S), None, "absent: no rate");
     }
 
     #[test]
     fn without_reports_a_consumer_gets_its_ceiling() {
         let a = activity(10 * S, None);
         let mut c = LayerChoice::default();
-        assert_eq!(c.choose(2, 3, &a, 10 * S), 2);
-        assert_eq!(c.choose(1, 3, &a, 10 * S), 1);
-        assert_eq!(c.choose(7, 3, &a, 10 * S), 2, "a ceiling above the top is the top");
+        assert_eq!(c.choose(2, None, 3, &a, 10 * S), 2);
+        assert_eq!(c.choose(1, None, 3, &a, 10 * S), 1);
+        assert_eq!(c.choose(7, None, 3, &a, 10 * S), 2, "a ceiling above the top is the top");
     }
 
     #[test]
     fn an_absent_layer_falls_back_and_returns() {
         // Layer 2 stops at 3 s and comes back at 6 s.
-        let a = activity(8 * S, Some((2, 3 * S, 6 * S)));
+        let gap = Some((2, 3 * S, 6 * S));
         let mut c = LayerChoice::default();
-        assert_eq!(c.choose(2, 3, &activity(3 * S, None), 3 * S), 2);
-        assert_eq!(c.choose(2, 3, &activity(3 * S + S / 2, Some((2, 3 * S, 6 * S))), 3 * S + S / 2), 2, "not absent yet");
-        assert_eq!(c.choose(2, 3, &activity(5 * S, Some((2, 3 * S, 6 * S))), 5 * S), 1, "absent: the next one down");
-        assert_eq!(c.choose(2, 3, &a, 8 * S), 2, "back");
+        assert_eq!(c.choose(2, None, 3, &activity(3 * S, None), 3 * S), 2);
+        assert_eq!(c.choose(2, None, 3, &activity(3 * S + S / 2, gap), 3 * S + S / 2), 2, "not absent yet");
+        assert_eq!(c.choose(2, None, 3, &activity(5 * S, gap), 5 * S), 1, "absent: the next one down");
+        let a = activity(8 * S, gap);
+        assert_eq!(c.choose(2, None, 3, &a, 8 * S), 2, "back");
         assert_eq!(c.stats.fallbacks, 2);
         assert_eq!(a.absent(3, 8 * S), Vec::<u8>::new());
     }
 
     #[test]
-    fn a_layer_never_sent_is_not_waited_for() {
+    fn a_layer_never_sent_is_not_waited_for_and_max_is_never_exceeded() {
         let mut a = LayerActivity::default();
         for i in 0..100u64 {
             a.on_packet(0, 100, i * S / 50);
             a.on_packet(1, 300, i * S / 50);
         }
         let mut c = LayerChoice::default();
-        assert_eq!(c.choose(2, 3, &a, S / 2), 2, "presumed sent during the first second");
-        assert_eq!(c.choose(2, 3, &a, 2 * S - S / 50), 1);
+        assert_eq!(c.choose(2, None, 3, &a, S / 2), 2, "presumed sent during the first second");
+        assert_eq!(c.choose(2, None, 3, &a, 2 * S - S / 50), 1);
         assert_eq!(a.absent(3, 2 * S - S / 50), vec![2]);
-        // Only a layer above the ceiling is sent: that one, rather than nothing.
+        // Only layer 2 is sent: a consumer that prefers 0 gets it rather than nothing, one
+        // capped at 1 (max_layer) gets nothing above its cap.
         let mut high = LayerActivity::default();
         for i in 0..100u64 {
             high.on_packet(2, 1000, i * S / 50);
         }
-        assert_eq!(c.choose(0, 3, &high, 2 * S - S / 50), 2);
+        assert_eq!(c.choose(0, None, 3, &high, 2 * S - S / 50), 2);
+        assert_eq!(LayerChoice::default().choose(1, Some(1), 3, &high, 2 * S - S / 50), 1);
+        assert_eq!(LayerChoice::default().choose(0, Some(1), 3, &high, 2 * S - S / 50), 0);
     }
 
     #[test]
@@ -282,22 +311,25 @@ mod tests {
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
         let t = 10 * S;
+        assert_eq!(c.choose(2, None, 3, &a, t - S), 2);
+        c.on_loss(LOSS_DOWN, Some(2), t);
+        assert_eq!(c.choose(2, None, 3, &a, t), 2, "10 % is not more than 10 %");
         c.on_loss(51, Some(2), t); // 20 %
-        assert_eq!(c.choose(2, 3, &a, t), 1);
+        assert_eq!(c.choose(2, None, 3, &a, t), 1);
         c.on_loss(51, Some(2), t + S); // a report still about the time before the switch
-        assert_eq!(c.choose(2, 3, &a, t + S), 1, "one step per interval");
+        assert_eq!(c.choose(2, None, 3, &a, t + S), 1, "one step per interval");
         c.on_loss(51, Some(1), t + 2 * S);
-        assert_eq!(c.choose(2, 3, &a, t + 2 * S), 0);
+        assert_eq!(c.choose(2, None, 3, &a, t + 2 * S), 0);
         c.on_loss(51, Some(0), t + 5 * S);
-        assert_eq!(c.choose(2, 3, &a, t + 5 * S), 0, "nothing below the bottom");
+        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S), 0, "nothing below the bottom");
         // Good reports: up one layer per hold, counted from the last bad report.
         for k in 6..30 {
-            c.on_loss(0, Some(c.chosen.unwrap().0), t + k * S);
+            c.on_loss(LOSS_UP, Some(c.chosen.unwrap().0), t + k * S);
         }
-        assert_eq!(c.choose(2, 3, &a, t + 5 * S + UP_HOLD_NS - 1), 0);
-        assert_eq!(c.choose(2, 3, &a, t + 5 * S + UP_HOLD_NS), 1);
-        assert_eq!(c.choose(2, 3, &a, t + 5 * S + 2 * UP_HOLD_NS - 1), 1);
-        assert_eq!(c.choose(2, 3, &a, t + 5 * S + 2 * UP_HOLD_NS), 2);
+        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S + UP_HOLD_NS - 1), 0);
+        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S + UP_HOLD_NS), 1);
+        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S + 2 * UP_HOLD_NS - 1), 1);
+        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S + 2 * UP_HOLD_NS), 2);
         assert_eq!(c.limit(), None, "back at the ceiling: no limit of its own");
         assert_eq!((c.stats.steps_down, c.stats.steps_up), (2, 2));
     }
@@ -307,48 +339,83 @@ mod tests {
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
         c.on_loss(40, Some(2), 5 * S);
-        assert_eq!(c.choose(2, 3, &a, 5 * S), 1);
+        assert_eq!(c.choose(2, None, 3, &a, 5 * S), 1);
         // 5 % every 2 s: not enough to go down, too much to go up.
         for k in 0..15 {
             c.on_loss(13, Some(1), 6 * S + 2 * k * S);
-            assert_eq!(c.choose(2, 3, &a, 6 * S + 2 * k * S + S), 1);
+            assert_eq!(c.choose(2, None, 3, &a, 6 * S + 2 * k * S + S), 1);
         }
         assert_eq!(c.stats.steps_up, 0);
     }
 
     #[test]
-    fn remb_below_the_layer_steps_down_and_must_cover_the_next_to_step_up() {
+    fn a_failed_probe_doubles_the_hold_and_a_fresh_congestion_resets_it() {
+        let a = activity(400 * S, None);
+        let mut c = LayerChoice::default();
+        let mut t = 10 * S;
+        c.on_loss(100, Some(2), t);
+        let mut holds = Vec::new();
+        for _ in 0..5 {
+            // Wait for the probe up, then lose packets on the upper layer right away.
+            let from = t;
+            while c.choose(2, None, 3, &a, t) != 2 {
+                t += S / 10;
+            }
+            holds.push((t - from) / S);
+            t += S;
+            c.on_loss(100, Some(2), t);
+            assert_eq!(c.choose(2, None, 3, &a, t), 1);
+        }
+        assert_eq!(holds, [6, 12, 24, 48, 48], "doubling, capped");
+        // Up at last and fine for longer than a probe; the next congestion starts from 6 s.
+        while c.choose(2, None, 3, &a, t) != 2 {
+            t += S / 10;
+        }
+        t += 30 * S;
+        c.on_loss(100, Some(2), t);
+        let from = t;
+        while c.choose(2, None, 3, &a, t) != 2 {
+            t += S / 10;
+        }
+        assert_eq!((t - from) / S, 6);
+    }
+
+    #[test]
+    fn a_remb_is_shared_by_what_it_lists() {
+        // 1.2 Mbit/s for two consumers of 1 Mbit/s each: the estimate is over (a tie: the last).
+        assert_eq!(remb_over(1_200_000, &[(1, 1_000_000, true), (2, 1_000_000, true)]), Some(Some(2)));
+        assert_eq!(remb_over(1_200_000, &[(1, 300_000, true), (2, 1_000_000, true)]), Some(Some(2)), "the biggest steps");
+        assert_eq!(remb_over(1_200_000, &[(1, 100_000, false), (2, 1_000_000, true)]), None, "covered");
+        assert_eq!(remb_over(50_000, &[(1, 100_000, false)]), Some(None), "over, nothing lower");
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
-        c.on_remb(600_000, Some(2), &a, 10 * S);
-        assert_eq!(c.choose(2, 3, &a, 10 * S), 1);
-        c.on_remb(600_000, Some(1), &a, 11 * S);
-        assert_eq!(c.choose(2, 3, &a, 11 * S), 1, "600 kbit/s carries layer 1");
-        // 1,100 kbit/s covers layer 2 (1,000) but not with 25 % to spare.
-        c.on_remb(1_100_000, Some(1), &a, 20 * S);
-        assert_eq!(c.choose(2, 3, &a, 20 * S), 1);
-        c.on_remb(1_300_000, Some(1), &a, 21 * S);
-        assert_eq!(c.choose(2, 3, &a, 21 * S), 2);
-        // A stale estimate holds nothing.
-        let mut d = LayerChoice::default();
-        d.on_remb(200_000, Some(2), &a, 10 * S);
-        assert_eq!(d.choose(2, 3, &a, 10 * S), 1);
-        assert_eq!(d.choose(2, 3, &a, 10 * S + REMB_STALE_NS.max(UP_HOLD_NS)), 2);
+        c.on_short_estimate(true, Some(2), 10 * S);
+        assert_eq!(c.choose(2, None, 3, &a, 10 * S), 1);
+        // Another consumer stepped for this one's REMB: this one holds.
+        c.on_short_estimate(false, Some(1), 14 * S);
+        assert_eq!(c.choose(2, None, 3, &a, 10 * S + UP_HOLD_NS), 1);
+        assert_eq!(c.choose(2, None, 3, &a, 14 * S + UP_HOLD_NS), 2);
     }
 
     #[test]
     fn the_api_ceiling_bounds_everything() {
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
+        assert_eq!(c.choose(2, None, 3, &a, 9 * S), 2);
         c.on_loss(100, Some(2), 10 * S);
-        assert_eq!(c.choose(2, 3, &a, 10 * S), 1);
+        assert_eq!(c.choose(2, None, 3, &a, 10 * S), 1);
         // The API caps it at 1: its own limit is moot and does not linger below a later raise.
-        assert_eq!(c.choose(1, 3, &a, 11 * S), 1);
+        assert_eq!(c.choose(1, Some(1), 3, &a, 11 * S), 1);
         assert_eq!(c.limit(), None);
-        assert_eq!(c.choose(2, 3, &a, 12 * S), 2);
+        assert_eq!(c.choose(2, None, 3, &a, 12 * S), 2);
         // No report before its first keyframe steps it down.
         let mut d = LayerChoice::default();
         d.on_loss(255, None, 10 * S);
-        assert_eq!(d.choose(2, 3, &a, 10 * S), 2);
+        assert_eq!(d.choose(2, None, 3, &a, 10 * S), 2);
+        // Loss while a switch down the API asked for is on its way adds nothing.
+        let mut e = LayerChoice::default();
+        assert_eq!(e.choose(1, Some(1), 3, &a, 10 * S), 1);
+        e.on_loss(100, Some(2), 10 * S);
+        assert_eq!((e.limit(), e.stats.steps_down), (None, 0));
     }
 }

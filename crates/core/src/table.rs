@@ -53,6 +53,10 @@ pub struct Copy {
     /// layer at a time, renumbered ([`crate::simulcast::LayerRewriter`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer: Option<u8>,
+    /// The consumer's `max_layer`: never exceeded, not even when only higher layers are sent
+    /// (`layer` is only a preference when none is set).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_layer: Option<u8>,
 }
 
 /// An entry that is one layer of a simulcast stream.
@@ -242,7 +246,16 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                 .filter_map(|(sub_id, sub)| {
                     let c = sub.subscriptions.get(&this)?;
                     let layer = simulcast.then(|| c.wanted_layer(s.layers.len()));
-                    Some(Copy { subscriber: format!("{rid}/{sub_id}"), from: sub.local, to: sub.remote, outbound: Protection::Clear, consumer: c.uid, layer })
+                    let max_layer = c.max_layer.filter(|_| simulcast);
+                    Some(Copy {
+                        subscriber: format!("{rid}/{sub_id}"),
+                        from: sub.local,
+                        to: sub.remote,
+                        outbound: Protection::Clear,
+                        consumer: c.uid,
+                        layer,
+                        max_layer,
+                    })
                 })
                 .collect();
             copies.sort();
@@ -321,7 +334,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
     [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
         let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
-        let copy = |to| Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to, outbound, consumer: 0, layer: None };
+        let copy = |to| Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to, outbound, consumer: 0, layer: None, max_layer: None };
         let copies = to_leg.peer().map(|to| vec![copy(to)]).unwrap_or_default();
         StreamEntry {
             id: from_leg.uid,
@@ -788,7 +801,8 @@ mod tests {
                         to: a("10.0.3.1:8000"),
                         outbound: Protection::Clear,
                         consumer: 0,
-                        layer: None
+                        layer: None,
+                        max_layer: None
                     }]
                 )
             }

@@ -301,6 +301,7 @@ mod tests {
                 outbound,
                 consumer: 0,
                 layer: None,
+                max_layer: None,
             }],
             rate: None,
             record: false,

@@ -18,7 +18,7 @@ use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{ConsumerCounters, ConsumerReport, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy, LayerState};
 use arc_swap::ArcSwap;
 use mediaplane_core::feedback::{FeedbackRouter, LayerMap};
-use mediaplane_core::layer_choice::{LayerActivity, LayerChoice};
+use mediaplane_core::layer_choice::{self, LayerActivity, LayerChoice};
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::reception::{ReceptionReport, RtpReception};
 use mediaplane_core::rtp::{demux, MediaKind, RtpHeader};
@@ -908,10 +908,26 @@ impl WorkerCtx {
                 c.choice.on_loss(block.fraction_lost, c.rewriter.current(), now_ns);
             }
         }
-        for (id, bps) in &outcome.remb {
-            if let Some(c) = consumers.get_mut(id) {
-                let a = activity.entry(c.group).or_default();
-                c.choice.on_remb(*bps, c.rewriter.current(), a, now_ns);
+        // A REMB is one estimate for every SSRC it lists (the consumers sharing its figure).
+        let mut estimates: Vec<u64> = outcome.remb.iter().map(|(_, bps)| *bps).collect();
+        estimates.dedup();
+        for bps in estimates {
+            let receiving: Vec<(u32, u64, bool)> = outcome
+                .remb
+                .iter()
+                .filter(|(_, b)| *b == bps)
+                .filter_map(|(id, _)| {
+                    let c = consumers.get(id)?;
+                    let current = c.rewriter.current()?;
+                    Some((*id, activity.get(&c.group)?.bitrate_bps(current, now_ns)?, current > 0))
+                })
+                .collect();
+            if let Some(stepper) = layer_choice::remb_over(bps, &receiving) {
+                for (id, _, _) in &receiving {
+                    if let Some(c) = consumers.get_mut(id) {
+                        c.choice.on_short_estimate(stepper == Some(*id), c.rewriter.current(), now_ns);
+                    }
+                }
             }
         }
     }
@@ -943,6 +959,13 @@ impl WorkerCtx {
         {
             let mut guard = self.shared.layers.lock();
             let SimulcastState { consumers, activity } = &mut *guard;
+            if !activity.contains_key(&layer.group) {
+                // Only for a stream of the installed table (as for consumers below).
+                let latest = self.shared.state.load();
+                if latest.table.streams.get(&entry.key).and_then(|e| e.simulcast.as_ref()).map(|l| l.group) != Some(layer.group) {
+                    return;
+                }
+            }
             let activity = activity.entry(layer.group).or_default();
             if info.is_some() {
                 activity.on_packet(layer.index, payload.len(), now_ns);
@@ -964,8 +987,9 @@ impl WorkerCtx {
                     choice: LayerChoice::default(),
                     group: layer.group,
                 });
+                c.group = layer.group;
                 // The compiled layer is the API's ceiling (None: paused); the choice may lower it.
-                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, count, activity, now_ns));
+                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, count, activity, now_ns));
                 let rw = &mut c.rewriter;
                 rw.set_target(target);
                 match (kind, &info) {

@@ -32,6 +32,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
                 outbound: Default::default(),
                 consumer: 0,
                 layer: None,
+                max_layer: None,
             })
             .collect(),
         rate: None,

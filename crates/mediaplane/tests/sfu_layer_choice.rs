@@ -1,24 +1,27 @@
 //! Automatic simulcast layer choice through `mediaplane serve` on every data plane
 //! (`mediaplane_core::layer_choice`). p0 publishes one VP8 stream in three layers and makes a
-//! keyframe on a layer only when asked (a PLI for its SSRC); p1 subscribes with no preference
-//! (the top layer) and sends receiver reports about what it gets. The run, in seconds:
+//! keyframe on a layer only when asked (a PLI for its SSRC); p1 and p2 subscribe with no
+//! preference (the top layer). p1 sends receiver reports about what it gets, p2 REMBs. The run,
+//! in seconds:
 //!
-//! * 0: p1 starts on layer 2;
-//! * 1: p1 reports 25 % loss: it steps down to layer 1;
+//! * 0: both start on layer 2;
+//! * 1: p1 reports 25 % loss, and at 1.2 p2 an estimate below layer 2's bitrate (but above
+//!   layer 1's): both step down to layer 1;
 //! * 2 to 4: p0 stops sending layer 1 (as a browser drops a layer under congestion): a second
-//!   later p1 falls back to layer 0, and goes back to 1 when it returns;
-//! * from 1.5: p1 reports no loss every half second: 6 s after the lossy report it steps up
-//!   to layer 2 again.
+//!   later both fall back to layer 0, and go back to 1 when it returns;
+//! * from 1.5: p1 reports 2 % loss every half second; p2 keeps its estimate until 5, then
+//!   raises it: 6 s after its step down (the hold) each steps up to layer 2 again.
 //!
-//! Checked at p1: layers 2, 1, 0, 1, 2 in turn, each from a keyframe, with no gap and no
-//! duplicate in its numbering; in the API: the steps, the fallbacks, and the absent layer while
-//! it was absent.
+//! Checked at p1 and p2: layers 2, 1, 0, 1, 2 in turn, each from a keyframe, with no gap and no
+//! duplicate in its numbering, the step up not before the hold ended; in the API: the steps,
+//! the fallbacks, and the absent layer while it was absent.
 
 mod common;
 
 use common::netns::NetnsServe;
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::call_quality::{build_report, ReportBlock};
+use mediaplane_core::feedback::build;
 use mediaplane_core::rtp::{build_rtp, parse_rtcp_compound, RtpHeader};
 use serde_json::{json, Value};
 use std::net::{SocketAddr, UdpSocket};
@@ -28,11 +31,16 @@ const SFU_PORT: u16 = 40000;
 const MEDIA_PORT: u16 = 5004;
 const LAYERS: [u32; 3] = [0x100, 0x101, 0x102];
 const FRAME_MS: u64 = 20;
-const LOSSY_REPORT_MS: u64 = 1_000;
+/// When p1 reports loss and p2 a low estimate: each steps down then.
+const STEP_DOWN_MS: [u64; 2] = [1_000, 1_200];
 const LAYER1_GONE_MS: (u64, u64) = (2_000, 4_000);
 const GOOD_REPORTS_FROM_MS: u64 = 1_500;
-/// mediaplane_core::layer_choice::UP_HOLD_NS after the lossy report, and time to switch.
-const RUN_MS: u64 = LOSSY_REPORT_MS + 6_000 + 1_200;
+/// p2's estimates: below layer 2 (about 500 kbit/s here) and above layer 1 (300) until this,
+/// then well above both.
+const REMB_RAISED_MS: u64 = 5_000;
+/// mediaplane_core::layer_choice::UP_HOLD_NS.
+const HOLD_MS: u64 = 6_000;
+const RUN_MS: u64 = STEP_DOWN_MS[1] + HOLD_MS + 1_200;
 
 fn planes() -> Vec<String> {
     std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
@@ -64,10 +72,14 @@ fn run_plane(tb: &Testbed, plane: &str) {
         serve.api("POST", "/v1/rooms/s/participants", Some(body));
     }
     serve.api("POST", "/v1/rooms/s/participants/p0/streams", Some(json!({"name": "cam", "layers": LAYERS, "codec": "vp8", "clock_rate": 90000})));
-    let c1 = serve.api("POST", "/v1/rooms/s/participants/p1/subscriptions", Some(json!({"publisher": "p0", "stream": "cam"})))["consumer"].as_u64().unwrap();
-    let layers_view = || -> Value {
+    let sub = |who: &str| {
+        let body = json!({"publisher": "p0", "stream": "cam"});
+        serve.api("POST", &format!("/v1/rooms/s/participants/{who}/subscriptions"), Some(body))["consumer"].as_u64().unwrap()
+    };
+    let consumer = [sub("p1"), sub("p2")];
+    let layers_view = |c: u64| -> Value {
         let all = serve.api("GET", "/v1/rooms/s/consumers", None)["consumers"].as_array().unwrap().clone();
-        all.iter().find(|c| c["id"] == c1).unwrap()["layers"].clone()
+        all.iter().find(|v| v["id"] == c).unwrap()["layers"].clone()
     };
 
     let socks: Vec<UdpSocket> = tb.peers.iter().map(|p| tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT)).unwrap()).collect();
@@ -75,14 +87,15 @@ fn run_plane(tb: &Testbed, plane: &str) {
         s.set_nonblocking(true).unwrap();
     }
     let sfu = |i: usize| SocketAddr::new(tb.peers[i].sfu_ip, SFU_PORT);
-    let report =
-        |loss: u8, highest: u32| build_report(0xc1, None, &[ReportBlock { about: LAYERS[0], fraction_lost: loss, highest_seq: highest, ..Default::default() }]);
+    let report = |loss: u8| build_report(0xc1, None, &[ReportBlock { about: LAYERS[0], fraction_lost: loss, ..Default::default() }]);
+    let remb = |bps: u64| [build_report(0xc2, None, &[]), build::remb(0xc2, bps, &[LAYERS[0]])].concat();
 
     let mut seq = [1000u16, 30000, 65000];
     let mut key_asked = [false; 3];
-    let mut received: Vec<Vec<u8>> = Vec::new();
-    let mut absent_seen: Option<Value> = None;
-    let (mut lossy_sent, mut next_good_ms) = (false, GOOD_REPORTS_FROM_MS);
+    // What p1 and p2 received, with when (ms into the run).
+    let mut received: [Vec<(Vec<u8>, u64)>; 2] = Default::default();
+    let mut absent_seen: Option<[Value; 2]> = None;
+    let (mut stepped, mut next_good_ms) = ([false; 2], GOOD_REPORTS_FROM_MS);
     let start = Instant::now();
     let mut f: u16 = 0;
     loop {
@@ -113,68 +126,89 @@ fn run_plane(tb: &Testbed, plane: &str) {
             }
             seq[l] = seq[l].wrapping_add(2);
         }
-        drain(&socks[1], &mut received);
-        let highest = received.iter().filter_map(|p| RtpHeader::parse(p).ok()).map(|h| h.sequence as u32).max().unwrap_or(0);
-        if !lossy_sent && ms >= LOSSY_REPORT_MS {
-            socks[1].send_to(&report(64, highest), sfu(1)).unwrap();
-            lossy_sent = true;
+        for who in 0..2 {
+            let mut got = Vec::new();
+            drain(&socks[who + 1], &mut got);
+            received[who].extend(got.into_iter().map(|p| (p, ms)));
+        }
+        if !stepped[0] && ms >= STEP_DOWN_MS[0] {
+            socks[1].send_to(&report(64), sfu(1)).unwrap();
+            stepped[0] = true;
+        }
+        if !stepped[1] && ms >= STEP_DOWN_MS[1] {
+            socks[2].send_to(&remb(400_000), sfu(2)).unwrap();
+            stepped[1] = true;
         }
         if ms >= next_good_ms {
-            socks[1].send_to(&report(0, highest), sfu(1)).unwrap();
+            socks[1].send_to(&report(5), sfu(1)).unwrap();
+            socks[2].send_to(&remb(if ms < REMB_RAISED_MS { 400_000 } else { 2_000_000 }), sfu(2)).unwrap();
             next_good_ms += 500;
         }
         if absent_seen.is_none() && ms >= LAYER1_GONE_MS.1 - 300 {
-            absent_seen = Some(layers_view());
+            absent_seen = Some(consumer.map(layers_view));
         }
         f = f.wrapping_add(1);
         std::thread::sleep(Duration::from_millis(FRAME_MS));
     }
     std::thread::sleep(Duration::from_millis(100));
-    drain(&socks[1], &mut received);
+    let absent_seen = absent_seen.unwrap();
+    for who in 0..2 {
+        let name = format!("p{}", who + 1);
+        let mut late = Vec::new();
+        drain(&socks[who + 1], &mut late);
+        received[who].extend(late.into_iter().map(|p| (p, RUN_MS)));
+        check_receiver(plane, &name, &received[who], STEP_DOWN_MS[who] + HOLD_MS);
+        // What the API said while layer 1 was not sent, and at the end.
+        let mid = &absent_seen[who];
+        assert_eq!(mid["absent"], json!([1]), "[{plane}] {name}: {mid}");
+        assert_eq!((mid["current"].as_u64(), mid["auto_limit"].as_u64()), (Some(0), Some(1)), "[{plane}] {name}: {mid}");
+        let end = layers_view(consumer[who]);
+        assert_eq!(end["absent"], json!([]), "[{plane}] {name}: {end}");
+        assert_eq!(end["auto_limit"], Value::Null, "[{plane}] {name}: back at its ceiling: {end}");
+        let steps = (end["auto_steps_down"].as_u64(), end["auto_steps_up"].as_u64(), end["fallbacks"].as_u64());
+        assert_eq!(steps, (Some(1), Some(1), Some(2)), "[{plane}] {name}: {end}");
+        assert_eq!((end["current"].as_u64(), end["switches"].as_u64()), (Some(2), Some(4)), "[{plane}] {name}: {end}");
+    }
+}
 
-    // p1's media: one run per layer, each from a keyframe, no gap, no duplicate.
-    let mut got: Vec<(u16, u8, bool, u32)> = received
+/// A receiver's media: one run per layer (2, 1, 0, 1, 2), each from a keyframe, no gap, no
+/// duplicate; the last run not before `up_at_ms` (the end of the hold).
+fn check_receiver(plane: &str, who: &str, received: &[(Vec<u8>, u64)], up_at_ms: u64) {
+    let mut got: Vec<(u16, u8, bool, u32, u64)> = received
         .iter()
-        .filter(|p| p.len() > 12 && !(192..=223).contains(&p[1]))
-        .map(|p| {
+        .filter(|(p, _)| p.len() > 12 && !(192..=223).contains(&p[1]))
+        .map(|(p, at)| {
             let h = RtpHeader::parse(p).unwrap();
             let d = &p[h.payload_offset..];
-            (h.sequence, d[6], d[0] & 0x10 != 0 && d[5] & 1 == 0, h.ssrc)
+            (h.sequence, d[6], d[0] & 0x10 != 0 && d[5] & 1 == 0, h.ssrc, *at)
         })
         .collect();
-    assert!(!got.is_empty(), "[{plane}] p1 got nothing");
-    assert!(got.iter().all(|g| g.3 == LAYERS[0]), "[{plane}] every layer on the first layer's SSRC");
+    assert!(!got.is_empty(), "[{plane}] {who} got nothing");
+    assert!(got.iter().all(|g| g.3 == LAYERS[0]), "[{plane}] {who}: every layer on the first layer's SSRC");
     let base = got[0].0.wrapping_sub(1000);
     got.sort_by_key(|g| g.0.wrapping_sub(base));
     for w in got.windows(2) {
-        assert_eq!(w[1].0, w[0].0.wrapping_add(1), "[{plane}] a gap or a duplicate after seq {}", w[0].0);
+        assert_eq!(w[1].0, w[0].0.wrapping_add(1), "[{plane}] {who}: a gap or a duplicate after seq {}", w[0].0);
     }
-    let mut runs: Vec<u8> = Vec::new();
+    let mut runs: Vec<(u8, u64)> = Vec::new();
     for g in &got {
-        if runs.last() != Some(&g.1) {
-            assert!(g.2, "[{plane}] layer {} starts at seq {} without a keyframe", g.1, g.0);
-            runs.push(g.1);
+        if runs.last().map(|r| r.0) != Some(g.1) {
+            assert!(g.2, "[{plane}] {who}: layer {} starts at seq {} without a keyframe", g.1, g.0);
+            runs.push((g.1, g.4));
         }
     }
-    assert_eq!(runs, [2, 1, 0, 1, 2], "[{plane}] down on loss, fallback while layer 1 was not sent, back, up after the hold");
-
-    // What the API said while layer 1 was not sent, and at the end.
-    let mid = absent_seen.unwrap();
-    assert_eq!(mid["absent"], json!([1]), "[{plane}] {mid}");
-    assert_eq!((mid["current"].as_u64(), mid["auto_limit"].as_u64()), (Some(0), Some(1)), "[{plane}] {mid}");
-    let end = layers_view();
-    assert_eq!(end["absent"], json!([]), "[{plane}] {end}");
-    assert_eq!(end["auto_limit"], Value::Null, "[{plane}] back at its ceiling: {end}");
-    assert_eq!((end["auto_steps_down"].as_u64(), end["auto_steps_up"].as_u64(), end["fallbacks"].as_u64()), (Some(1), Some(1), Some(2)), "[{plane}] {end}");
-    assert_eq!((end["current"].as_u64(), end["switches"].as_u64()), (Some(2), Some(4)), "[{plane}] {end}");
+    let layers: Vec<u8> = runs.iter().map(|r| r.0).collect();
+    assert_eq!(layers, [2, 1, 0, 1, 2], "[{plane}] {who}: down, fallback while layer 1 was not sent, back, up after the hold");
+    let up = runs[4].1;
+    assert!(up >= up_at_ms && up < up_at_ms + 1_000, "[{plane}] {who}: stepped up at {up} ms, the hold ended at {up_at_ms} ms");
 }
 
 #[test]
-fn simulcast_layers_follow_loss_reports_and_absent_layers_on_every_data_plane() {
+fn simulcast_layers_follow_loss_reports_remb_and_absent_layers_on_every_data_plane() {
     if !mediaplane_bench::require_root("sfu_layer_choice") {
         return;
     }
-    let tb = Testbed::star(2).unwrap();
+    let tb = Testbed::star(3).unwrap();
     for plane in planes() {
         run_plane(&tb, &plane);
     }

@@ -73,6 +73,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
                 outbound: Default::default(),
                 consumer: id * 1000 + i as u32 + 1,
                 layer: None,
+                max_layer: None,
             })
             .collect(),
         rate: None,
