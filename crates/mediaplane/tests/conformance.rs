@@ -6,6 +6,7 @@
 mod common;
 
 use common::netns::NetnsServe;
+use common::planes;
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::rtp::build_rtp;
 use mediaplane_core::table::{ForwardingTable, StreamEntry, Verdict};
@@ -18,11 +19,6 @@ const SFU_PORT: u16 = 40000;
 const MEDIA_PORT: u16 = 5004;
 const STRANGER_PORT: u16 = 5999;
 const N: usize = 5;
-
-/// Data planes under test; `MEDIAPLANE_CONFORMANCE_PLANES` narrows it (e.g. "userspace").
-fn planes() -> Vec<String> {
-    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
-}
 
 /// The session: p0 publishes "main" (RTP, any SSRC) and "hi" (its own port, SSRC 77);
 /// p1 publishes "raw" (non-RTP); p2 publishes nothing; p3 and p4 publish "main".

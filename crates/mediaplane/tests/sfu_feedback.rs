@@ -8,6 +8,7 @@
 mod common;
 
 use common::netns::NetnsServe;
+use common::planes;
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::call_quality::{build_report, ReportBlock};
 use mediaplane_core::feedback::build;
@@ -26,10 +27,6 @@ const P1_SSRC: u32 = 0x2000;
 const P3_SSRC: u32 = 0x3000;
 /// SSRCs the subscribers report from (their receivers').
 const RECEIVER: [u32; N] = [0xa0, 0xa1, 0xa2, 0xa3, 0xa4];
-
-fn planes() -> Vec<String> {
-    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
-}
 
 /// p0 publishes SSRC 0x1000 on its transport; p1 SSRC 0x2000 on a port of its own; p3 SSRC
 /// 0x3000 on its transport. p2 (publishes nothing), p3 and p4 subscribe to p0; p2 and p3 to p1;

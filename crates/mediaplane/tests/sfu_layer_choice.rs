@@ -19,17 +19,18 @@
 mod common;
 
 use common::netns::NetnsServe;
+use common::planes;
+use common::simulcast::{drain, LAYERS};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::call_quality::{build_report, ReportBlock};
 use mediaplane_core::feedback::build;
-use mediaplane_core::rtp::{build_rtp, parse_rtcp_compound, RtpHeader};
+use mediaplane_core::rtp::{parse_rtcp_compound, RtpHeader};
 use serde_json::{json, Value};
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
 
 const SFU_PORT: u16 = 40000;
 const MEDIA_PORT: u16 = 5004;
-const LAYERS: [u32; 3] = [0x100, 0x101, 0x102];
 const FRAME_MS: u64 = 20;
 /// When p1 reports loss and p2 a low estimate: each steps down then.
 const STEP_DOWN_MS: [u64; 2] = [1_000, 1_200];
@@ -42,25 +43,9 @@ const REMB_RAISED_MS: u64 = 5_000;
 const HOLD_MS: u64 = 6_000;
 const RUN_MS: u64 = STEP_DOWN_MS[1] + HOLD_MS + 1_200;
 
-fn planes() -> Vec<String> {
-    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
-}
-
-/// One packet of a VP8 frame (15-bit picture id, TL0PICIDX), the layer's number after the
-/// payload header so the receiver can tell.
+/// Layers of 100, 400 and 700 bytes of payload: about 80, 300 and 500 kbit/s at this pace.
 fn vp8(layer: usize, seq: u16, ts: u32, pic: u16, first: bool, key: bool) -> Vec<u8> {
-    let mut payload = vec![if first { 0x90 } else { 0x80 }, 0xc0, 0x80 | (pic >> 8) as u8, pic as u8, pic as u8];
-    payload.push(if first && key { 0x10 } else { 0x11 });
-    payload.push(layer as u8);
-    payload.resize(100 + 300 * layer, 0xee);
-    build_rtp(96, seq, ts, LAYERS[layer], &payload)
-}
-
-fn drain(s: &UdpSocket, into: &mut Vec<Vec<u8>>) {
-    let mut buf = [0u8; 2048];
-    while let Ok((n, _)) = s.recv_from(&mut buf) {
-        into.push(buf[..n].to_vec());
-    }
+    common::simulcast::vp8(layer, seq, ts, pic, first, key, 100 + 300 * layer)
 }
 
 fn run_plane(tb: &Testbed, plane: &str) {

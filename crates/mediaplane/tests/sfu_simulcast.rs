@@ -12,17 +12,18 @@
 mod common;
 
 use common::netns::NetnsServe;
+use common::planes;
+use common::simulcast::{drain, LAYERS};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::call_quality::build_report;
 use mediaplane_core::feedback::build;
-use mediaplane_core::rtp::{build_rtp, parse_rtcp_compound, RtpHeader};
+use mediaplane_core::rtp::{parse_rtcp_compound, RtpHeader};
 use serde_json::{json, Value};
 use std::net::{SocketAddr, UdpSocket};
 use std::time::Duration;
 
 const SFU_PORT: u16 = 40000;
 const MEDIA_PORT: u16 = 5004;
-const LAYERS: [u32; 3] = [0x100, 0x101, 0x102];
 const FRAMES: u16 = 170;
 const FRAME_MS: u64 = 8;
 /// The frames after which p1 is switched up and p2 capped down.
@@ -30,10 +31,6 @@ const P1_UP_AT: u16 = 40;
 const P2_DOWN_AT: u16 = 90;
 /// The non-key frame of layer 2 whose two packets are sent swapped, the second twice.
 const SHUFFLED: u16 = 70;
-
-fn planes() -> Vec<String> {
-    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
-}
 
 /// What a receiver got, as far as the checks need.
 #[derive(Debug, Clone)]
@@ -52,21 +49,8 @@ fn parse(p: &[u8]) -> Got {
     Got { ssrc: h.ssrc, seq: h.sequence, ts: h.timestamp, pic: u16::from_be_bytes([d[2] & 0x7f, d[3]]), key: d[0] & 0x10 != 0 && d[5] & 1 == 0, layer: d[6] }
 }
 
-/// One packet of a VP8 frame: descriptor with a 15-bit picture id and TL0PICIDX, the payload
-/// header's key frame bit on the first packet, then the layer's number (so receivers can tell).
 fn vp8(layer: usize, seq: u16, ts: u32, pic: u16, first: bool, key: bool) -> Vec<u8> {
-    let mut payload = vec![if first { 0x90 } else { 0x80 }, 0xc0, 0x80 | (pic >> 8) as u8, pic as u8, pic as u8];
-    payload.push(if first && key { 0x10 } else { 0x11 });
-    payload.push(layer as u8);
-    payload.resize(100 + 100 * layer, 0xee);
-    build_rtp(96, seq, ts, LAYERS[layer], &payload)
-}
-
-fn drain(s: &UdpSocket, into: &mut Vec<Vec<u8>>) {
-    let mut buf = [0u8; 2048];
-    while let Ok((n, _)) = s.recv_from(&mut buf) {
-        into.push(buf[..n].to_vec());
-    }
+    common::simulcast::vp8(layer, seq, ts, pic, first, key, 100 + 100 * layer)
 }
 
 fn rtp_of(all: &[Vec<u8>]) -> Vec<Got> {

@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod netns;
+pub mod simulcast;
 pub mod sipp;
 pub mod wire;
 
@@ -19,6 +20,11 @@ pub struct Daemon {
     pub api: String,
     pub listen: SocketAddr,
     pub store: PathBuf,
+}
+
+/// Data planes under test; `MEDIAPLANE_CONFORMANCE_PLANES` narrows it (e.g. "userspace").
+pub fn planes() -> Vec<String> {
+    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
 }
 
 pub fn free_port() -> u16 {
