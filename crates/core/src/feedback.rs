@@ -115,6 +115,13 @@ pub struct Routed {
     pub packet: Vec<u8>,
 }
 
+/// A receiver's estimate (REMB), bits per second, for everything it lists together.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct Remb {
+    pub bps: u64,
+    pub consumers: Vec<u32>,
+}
+
 /// What one feedback packet turns into.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Outcome {
@@ -125,8 +132,9 @@ pub struct Outcome {
     /// Report blocks about streams the consumer receives, as the SFU forwarded them (the
     /// consumer's view: loss, jitter, LSR/DLSR), by consumer.
     pub reports: Vec<(u32, ReportBlock)>,
-    /// The last REMB in the packet, bits per second, for each consumer whose SSRC it lists.
-    pub remb: Vec<(u32, u64)>,
+    /// The packet's REMBs: each one estimate for the consumers whose SSRCs it lists (a consumer
+    /// named again by a later REMB counts only there).
+    pub remb: Vec<Remb>,
     pub total: Tally,
     /// Per published stream the messages were about (routed and coalesced ones).
     pub per_stream: Vec<(u32, Tally)>,
@@ -358,11 +366,18 @@ impl FeedbackRouter {
                     let (exp, mantissa) = (b[17] >> 2, (be32(b, 16) & 0x3_ffff) as u64);
                     let bps = u64::try_from((mantissa as u128) << exp).unwrap_or(u64::MAX);
                     // The SSRCs it is about follow (as many as the packet holds).
+                    let mut remb = Remb { bps, consumers: Vec::new() };
                     for ssrc in b[20..].chunks_exact(4).take(b[16] as usize) {
                         if let Some(route) = entry.route(be32(ssrc, 0)) {
-                            out.remb.retain(|(c, _)| *c != route.consumer);
-                            out.remb.push((route.consumer, bps));
+                            out.remb.iter_mut().for_each(|r| r.consumers.retain(|c| *c != route.consumer));
+                            if !remb.consumers.contains(&route.consumer) {
+                                remb.consumers.push(route.consumer);
+                            }
                         }
+                    }
+                    out.remb.retain(|r| !r.consumers.is_empty());
+                    if !remb.consumers.is_empty() {
+                        out.remb.push(remb);
                     }
                     out.tally(None, |t| t.consumed += 1);
                 }
@@ -532,7 +547,7 @@ mod tests {
         assert_eq!(o.routed.len(), 1);
         assert_eq!(o.routed[0].packet[8..], build::pli(99, 0x101)[..]);
         assert_eq!(o.per_stream, vec![(12, Tally { routed: 1, ..Default::default() })]);
-        assert_eq!(o.remb, vec![(7, 500_000)]);
+        assert_eq!(o.remb, vec![Remb { bps: 500_000, consumers: vec![7] }]);
         // A NACK of its numbers 499, 500, 501 and 502: each layer hears of its own, 502 (never
         // sent) of nobody.
         let o = r.route_with(&e, &[rr(&[]), build::nack(99, 0x100, 499, 0b111)].concat(), 2_000, &OnLayer1).unwrap();
@@ -612,11 +627,18 @@ mod tests {
         assert_eq!(o.routed.len(), 1);
         assert_eq!(o.routed[0].packet[..8], [0x80, 201, 0, 1, 0, 0, 0, 55]);
         // The estimate is for both consumers the REMB names.
-        assert_eq!(o.remb.iter().map(|(c, _)| *c).collect::<Vec<_>>(), [101, 102]);
-        let remb = o.remb[0].1;
+        assert_eq!(o.remb.len(), 1);
+        assert_eq!(o.remb[0].consumers, [101, 102]);
+        let remb = o.remb[0].bps;
         assert!((1_499_000..=1_500_000).contains(&remb), "{remb}");
         assert_eq!(o.total, Tally { routed: 1, consumed: 1, ..Default::default() });
         assert_eq!(o.reports.len(), 1);
+        // Two REMBs: each is one estimate for what it lists; a consumer named again counts only
+        // in the later one.
+        let packet = [rr(&[]), build::remb(55, 800_000, &[10, 20]), build::remb(55, 300_000, &[20])].concat();
+        let o = r.route(&e, &packet, 0).unwrap();
+        let groups: Vec<(u64, Vec<u32>)> = o.remb.iter().map(|x| (x.bps / 1000, x.consumers.clone())).collect();
+        assert_eq!(groups, [(800, vec![101]), (300, vec![102])]);
     }
 
     #[test]

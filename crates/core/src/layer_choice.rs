@@ -99,9 +99,10 @@ impl LayerActivity {
         self.bps.get(layer as usize).copied().flatten().filter(|_| self.is_sent(layer, now_ns))
     }
 
-    /// The layers (of `count`) not sent now.
-    pub fn absent(&self, count: u8, now_ns: u64) -> Vec<u8> {
-        (0..count).filter(|l| !self.is_sent(*l, now_ns)).collect()
+    /// The layers not sent now: bit i for layer i (of [`MAX_LAYERS`], whether the stream has
+    /// that many or not).
+    pub fn absent_mask(&self, now_ns: u64) -> u8 {
+        (0..MAX_LAYERS as u8).filter(|l| !self.is_sent(*l, now_ns)).fold(0, |m, l| m | 1 << l)
     }
 }
 
@@ -281,7 +282,7 @@ mod tests {
         let a = activity(8 * S, gap);
         assert_eq!(c.choose(2, None, 3, &a, 8 * S), 2, "back");
         assert_eq!(c.stats.fallbacks, 2);
-        assert_eq!(a.absent(3, 8 * S), Vec::<u8>::new());
+        assert_eq!(a.absent_mask(8 * S) & 0b111, 0);
     }
 
     #[test]
@@ -294,7 +295,7 @@ mod tests {
         let mut c = LayerChoice::default();
         assert_eq!(c.choose(2, None, 3, &a, S / 2), 2, "presumed sent during the first second");
         assert_eq!(c.choose(2, None, 3, &a, 2 * S - S / 50), 1);
-        assert_eq!(a.absent(3, 2 * S - S / 50), vec![2]);
+        assert_eq!(a.absent_mask(2 * S - S / 50) & 0b111, 0b100);
         // Only layer 2 is sent: a consumer that prefers 0 gets it rather than nothing, one
         // capped at 1 (max_layer) gets nothing above its cap.
         let mut high = LayerActivity::default();

@@ -642,7 +642,7 @@ impl Dataplane for UserspaceDataplane {
                     stats: r.stats,
                     auto_limit: c.choice.limit(),
                     choice: c.choice.stats,
-                    absent: activity.map_or(0, |a| a.absent(simulcast::MAX_LAYERS as u8, now).iter().fold(0, |m, l| m | 1 << l)),
+                    absent: activity.map_or(0, |a| a.absent_mask(now)),
                 });
             }
         }
@@ -908,21 +908,18 @@ impl WorkerCtx {
                 c.choice.on_loss(block.fraction_lost, c.rewriter.current(), now_ns);
             }
         }
-        // A REMB is one estimate for every SSRC it lists (the consumers sharing its figure).
-        let mut estimates: Vec<u64> = outcome.remb.iter().map(|(_, bps)| *bps).collect();
-        estimates.dedup();
-        for bps in estimates {
-            let receiving: Vec<(u32, u64, bool)> = outcome
-                .remb
+        // A REMB is one estimate for every SSRC it lists.
+        for remb in &outcome.remb {
+            let receiving: Vec<(u32, u64, bool)> = remb
+                .consumers
                 .iter()
-                .filter(|(_, b)| *b == bps)
-                .filter_map(|(id, _)| {
+                .filter_map(|id| {
                     let c = consumers.get(id)?;
                     let current = c.rewriter.current()?;
                     Some((*id, activity.get(&c.group)?.bitrate_bps(current, now_ns)?, current > 0))
                 })
                 .collect();
-            if let Some(stepper) = layer_choice::remb_over(bps, &receiving) {
+            if let Some(stepper) = layer_choice::remb_over(remb.bps, &receiving) {
                 for (id, _, _) in &receiving {
                     if let Some(c) = consumers.get_mut(id) {
                         c.choice.on_short_estimate(stepper == Some(*id), c.rewriter.current(), now_ns);
@@ -1108,9 +1105,11 @@ impl WorkerCtx {
                             at_ns: received_at,
                         });
                     }
-                    for (id, bps) in &outcome.remb {
-                        let cc = delta.consumers.entry(*id).or_default();
-                        (cc.remb_bps, cc.remb_at_ns) = (Some(*bps), received_at);
+                    for remb in &outcome.remb {
+                        for id in &remb.consumers {
+                            let cc = delta.consumers.entry(*id).or_default();
+                            (cc.remb_bps, cc.remb_at_ns) = (Some(remb.bps), received_at);
+                        }
                     }
                     self.feed_layer_choice(&outcome, received_at);
                     for r in outcome.routed {

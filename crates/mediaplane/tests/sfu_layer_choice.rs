@@ -20,11 +20,11 @@ mod common;
 
 use common::netns::NetnsServe;
 use common::planes;
-use common::simulcast::{drain, LAYERS};
+use common::simulcast::{drain, keyframes_asked, LAYERS};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::call_quality::{build_report, ReportBlock};
 use mediaplane_core::feedback::build;
-use mediaplane_core::rtp::{parse_rtcp_compound, RtpHeader};
+use mediaplane_core::rtp::RtpHeader;
 use serde_json::{json, Value};
 use std::net::{SocketAddr, UdpSocket};
 use std::time::{Duration, Instant};
@@ -90,16 +90,7 @@ fn run_plane(tb: &Testbed, plane: &str) {
         }
         let mut at_publisher: Vec<Vec<u8>> = Vec::new();
         drain(&socks[0], &mut at_publisher);
-        for p in &at_publisher {
-            for m in parse_rtcp_compound(p).unwrap_or_default() {
-                if m.packet_type == 206 && m.count == 1 {
-                    let media = u32::from_be_bytes(m.bytes[8..12].try_into().unwrap());
-                    if let Some(l) = LAYERS.iter().position(|s| *s == media) {
-                        key_asked[l] = true;
-                    }
-                }
-            }
-        }
+        keyframes_asked(&at_publisher, &mut key_asked);
         for l in 0..3 {
             if l == 1 && (LAYER1_GONE_MS.0..LAYER1_GONE_MS.1).contains(&ms) {
                 continue;

@@ -13,7 +13,7 @@ mod common;
 
 use common::netns::NetnsServe;
 use common::planes;
-use common::simulcast::{drain, LAYERS};
+use common::simulcast::{drain, keyframes_asked, LAYERS};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_core::call_quality::build_report;
 use mediaplane_core::feedback::build;
@@ -110,16 +110,7 @@ fn run_plane(tb: &Testbed, plane: &str) {
     for f in 0..FRAMES {
         let before = at_publisher.len();
         drain(&socks[0], &mut at_publisher);
-        for p in &at_publisher[before..] {
-            for m in parse_rtcp_compound(p).unwrap() {
-                if m.packet_type == 206 && m.count == 1 {
-                    let media = u32::from_be_bytes(m.bytes[8..12].try_into().unwrap());
-                    if let Some(l) = LAYERS.iter().position(|s| *s == media) {
-                        key_asked[l] = true;
-                    }
-                }
-            }
-        }
+        keyframes_asked(&at_publisher[before..], &mut key_asked);
         for l in 0..3 {
             let key = std::mem::take(&mut key_asked[l]);
             let ts = 1_000_000 * l as u32 + 720 * f as u32;

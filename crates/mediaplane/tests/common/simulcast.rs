@@ -24,3 +24,17 @@ pub fn drain(s: &UdpSocket, into: &mut Vec<Vec<u8>>) {
         into.push(buf[..n].to_vec());
     }
 }
+
+/// Marks in `asked` each layer whose SSRC a PLI among `packets` (RTCP at the publisher) names.
+pub fn keyframes_asked(packets: &[Vec<u8>], asked: &mut [bool; 3]) {
+    for p in packets {
+        for m in mediaplane_core::rtp::parse_rtcp_compound(p).unwrap() {
+            if m.packet_type == 206 && m.count == 1 {
+                let media = u32::from_be_bytes(m.bytes[8..12].try_into().unwrap());
+                if let Some(l) = LAYERS.iter().position(|s| *s == media) {
+                    asked[l] = true;
+                }
+            }
+        }
+    }
+}
