@@ -1,0 +1,441 @@
+//! DTLS-SRTP (RFC 5763/5764) with OpenSSL: one certificate per process (ECDSA P-256, made at
+//! start, its SHA-256 fingerprint in every SDP), one DTLS 1.2 session per leg, the peer's
+//! certificate checked against the fingerprint its SDP gave, and the SRTP master keys exported
+//! when the handshake is done.
+//!
+//! Sans-I/O in the quinn-proto way: datagrams go in ([`DtlsSession::on_datagram`]), the ones
+//! to send come out ([`DtlsSession::poll_output`]); OpenSSL works on an in-memory channel.
+
+use mediaplane_core::srtp::{SrtpKey, SrtpSuite};
+use openssl::asn1::Asn1Time;
+use openssl::bn::{BigNum, MsbOption};
+use openssl::ec::{EcGroup, EcKey};
+use openssl::hash::MessageDigest;
+use openssl::nid::Nid;
+use openssl::pkey::{PKey, Private};
+use openssl::ssl::{ErrorCode, Ssl, SslContext, SslContextBuilder, SslMethod, SslOptions, SslStream, SslVerifyMode, SslVersion};
+use openssl::x509::{X509NameBuilder, X509Ref, X509};
+use std::collections::VecDeque;
+use std::io::{self, Read, Write};
+
+/// The largest datagram a handshake flight is cut into: under any path MTU a media relay meets.
+const DTLS_MTU: u32 = 1200;
+/// The SRTP profiles offered in use_srtp (RFC 5764 §4.1.2), preferred first.
+const SRTP_PROFILES: &str = "SRTP_AES128_CM_SHA1_80:SRTP_AES128_CM_SHA1_32";
+/// RFC 5764 §4.2.
+const EXPORTER_LABEL: &str = "EXTRACTOR-dtls_srtp";
+
+#[derive(Debug, thiserror::Error)]
+pub enum DtlsError {
+    #[error("OpenSSL: {0}")]
+    OpenSsl(#[from] openssl::error::ErrorStack),
+    #[error("handshake failed: {0}")]
+    Handshake(String),
+    #[error("the peer's certificate does not match the fingerprint of its SDP")]
+    FingerprintMismatch,
+    #[error("the peer sent no certificate")]
+    NoCertificate,
+    #[error("no SRTP profile agreed (the peer offered none of {SRTP_PROFILES})")]
+    NoSrtpProfile,
+    #[error("unsupported fingerprint {0:?}")]
+    BadFingerprint(String),
+}
+
+/// A certificate fingerprint as `a=fingerprint` carries it (RFC 8122 §5).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Fingerprint {
+    /// `sha-256`, `sha-1`, `sha-384` or `sha-512` (lower case).
+    pub algorithm: String,
+    pub bytes: Vec<u8>,
+}
+
+impl Fingerprint {
+    /// Parse `sha-256 AB:CD:…` (the hash function's name in any case).
+    pub fn parse(value: &str) -> Result<Fingerprint, DtlsError> {
+        let bad = || DtlsError::BadFingerprint(value.to_string());
+        let (alg, hex) = value.trim().split_once(' ').ok_or_else(bad)?;
+        let algorithm = alg.to_ascii_lowercase();
+        digest_of(&algorithm).ok_or_else(bad)?;
+        let bytes = hex.trim().split(':').map(|b| u8::from_str_radix(b, 16).map_err(|_| bad())).collect::<Result<Vec<u8>, _>>()?;
+        if bytes.len() != digest_of(&algorithm).map_or(0, |d| d.size()) {
+            return Err(bad());
+        }
+        Ok(Fingerprint { algorithm, bytes })
+    }
+
+    pub fn of(cert: &X509Ref, algorithm: &str) -> Result<Fingerprint, DtlsError> {
+        let md = digest_of(algorithm).ok_or_else(|| DtlsError::BadFingerprint(algorithm.to_string()))?;
+        Ok(Fingerprint { algorithm: algorithm.to_string(), bytes: cert.digest(md)?.to_vec() })
+    }
+
+    /// The `a=fingerprint` value.
+    pub fn to_sdp(&self) -> String {
+        let hex: Vec<String> = self.bytes.iter().map(|b| format!("{b:02X}")).collect();
+        format!("{} {}", self.algorithm, hex.join(":"))
+    }
+}
+
+fn digest_of(algorithm: &str) -> Option<MessageDigest> {
+    match algorithm {
+        "sha-1" => Some(MessageDigest::sha1()),
+        "sha-256" => Some(MessageDigest::sha256()),
+        "sha-384" => Some(MessageDigest::sha384()),
+        "sha-512" => Some(MessageDigest::sha512()),
+        _ => None,
+    }
+}
+
+/// The process's certificate and the DTLS context built on it (shared by every session).
+#[derive(Clone)]
+pub struct DtlsContext {
+    ctx: SslContext,
+    fingerprint: Fingerprint,
+}
+
+impl DtlsContext {
+    /// A fresh self-signed ECDSA P-256 certificate (what browsers make for themselves too),
+    /// valid for 30 days from now, and a DTLS 1.2 context offering the SRTP profiles.
+    pub fn generate() -> Result<DtlsContext, DtlsError> {
+        let group = EcGroup::from_curve_name(Nid::X9_62_PRIME256V1)?;
+        let key = PKey::from_ec_key(EcKey::generate(&group)?)?;
+        let cert = self_signed(&key)?;
+        let fingerprint = Fingerprint::of(&cert, "sha-256")?;
+        let mut b = SslContextBuilder::new(SslMethod::dtls())?;
+        b.set_min_proto_version(Some(SslVersion::DTLS1_2))?;
+        b.set_certificate(&cert)?;
+        b.set_private_key(&key)?;
+        b.check_private_key()?;
+        b.set_tlsext_use_srtp(SRTP_PROFILES)?;
+        // Peers' certificates are self-signed: OpenSSL asks for one and accepts it; what makes
+        // it trusted is its fingerprint matching the SDP's, checked after the handshake.
+        b.set_verify_callback(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT, |_, _| true);
+        // The in-memory channel has no MTU to ask; the session sets it.
+        b.set_options(SslOptions::NO_QUERY_MTU);
+        Ok(DtlsContext { ctx: b.build(), fingerprint })
+    }
+
+    /// The certificate's SHA-256 fingerprint, for `a=fingerprint`.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        &self.fingerprint
+    }
+
+    /// A session for one leg: `role` as `a=setup` decided, `remote` the fingerprint of the
+    /// peer's SDP. A client sends its first flight at once (see [`DtlsSession::poll_output`]).
+    pub fn session(&self, role: Role, remote: Fingerprint) -> Result<DtlsSession, DtlsError> {
+        let mut ssl = Ssl::new(&self.ctx)?;
+        ssl.set_mtu(DTLS_MTU)?;
+        match role {
+            Role::Server => ssl.set_accept_state(),
+            Role::Client => ssl.set_connect_state(),
+        }
+        let stream = SslStream::new(ssl, Channel::default())?;
+        let mut s = DtlsSession { stream, role, remote, state: State::Handshaking, keys: None };
+        if role == Role::Client {
+            s.drive();
+        }
+        Ok(s)
+    }
+}
+
+fn self_signed(key: &PKey<Private>) -> Result<X509, openssl::error::ErrorStack> {
+    let mut name = X509NameBuilder::new()?;
+    name.append_entry_by_nid(Nid::COMMONNAME, "mediaplane")?;
+    let name = name.build();
+    let mut serial = BigNum::new()?;
+    serial.rand(63, MsbOption::MAYBE_ZERO, false)?;
+    let mut b = X509::builder()?;
+    b.set_version(2)?;
+    let serial = serial.to_asn1_integer()?;
+    b.set_serial_number(&serial)?;
+    b.set_subject_name(&name)?;
+    b.set_issuer_name(&name)?;
+    // A day back: a peer whose clock is a little behind still takes it.
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
+    let (from, until) = (Asn1Time::from_unix(now - 86_400)?, Asn1Time::days_from_now(30)?);
+    b.set_not_before(&from)?;
+    b.set_not_after(&until)?;
+    b.set_pubkey(key)?;
+    b.sign(key, MessageDigest::sha256())?;
+    Ok(b.build())
+}
+
+/// Which end of the handshake the relay is (RFC 5763 §5: `a=setup:passive` is the server).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    Server,
+    Client,
+}
+
+/// The two SRTP master keys a handshake yields, seen from the relay.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SrtpKeys {
+    /// What the peer protects its packets with (the relay unprotects with it).
+    pub inbound: SrtpKey,
+    /// What the relay protects its packets to the peer with.
+    pub outbound: SrtpKey,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum State {
+    Handshaking,
+    Connected,
+    /// The handshake failed or the peer closed: nothing more is read or sent.
+    Closed(String),
+}
+
+/// What one datagram did to a session.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Progress {
+    /// Still handshaking (or connected and nothing new).
+    Pending,
+    /// The handshake just completed: the keys are ready.
+    Connected(SrtpKeys),
+    /// It failed or closed now.
+    Closed(String),
+}
+
+/// Datagrams between OpenSSL and the relay's sockets: one read is one datagram, one write is
+/// one datagram (OpenSSL writes a flight's records datagram by datagram with the MTU set).
+#[derive(Default)]
+struct Channel {
+    incoming: VecDeque<Vec<u8>>,
+    outgoing: VecDeque<Vec<u8>>,
+}
+
+impl Read for Channel {
+    fn read(&mut self, buf: &mut [u8]) -> io::Result<usize> {
+        match self.incoming.pop_front() {
+            Some(d) => {
+                let n = d.len().min(buf.len());
+                buf[..n].copy_from_slice(&d[..n]);
+                Ok(n)
+            }
+            None => Err(io::ErrorKind::WouldBlock.into()),
+        }
+    }
+}
+
+impl Write for Channel {
+    fn write(&mut self, buf: &[u8]) -> io::Result<usize> {
+        self.outgoing.push_back(buf.to_vec());
+        Ok(buf.len())
+    }
+
+    fn flush(&mut self) -> io::Result<()> {
+        Ok(())
+    }
+}
+
+/// The DTLS session of one leg.
+pub struct DtlsSession {
+    stream: SslStream<Channel>,
+    role: Role,
+    remote: Fingerprint,
+    state: State,
+    keys: Option<SrtpKeys>,
+}
+
+impl std::fmt::Debug for DtlsSession {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DtlsSession").field("role", &self.role).field("state", &self.state).finish()
+    }
+}
+
+impl DtlsSession {
+    pub fn state(&self) -> &State {
+        &self.state
+    }
+
+    pub fn role(&self) -> Role {
+        self.role
+    }
+
+    /// The keys, once connected.
+    pub fn keys(&self) -> Option<&SrtpKeys> {
+        self.keys.as_ref()
+    }
+
+    /// The peer's fingerprint changed (a re-offer with a new certificate): checked against it
+    /// from now on. A connected session is not re-keyed by this; a new one is made.
+    pub fn remote(&self) -> &Fingerprint {
+        &self.remote
+    }
+
+    /// A datagram that demultiplexed as DTLS (first byte 20..=63, RFC 7983) from the peer.
+    pub fn on_datagram(&mut self, datagram: &[u8]) -> Progress {
+        if matches!(self.state, State::Closed(_)) {
+            return Progress::Pending;
+        }
+        self.stream.get_mut().incoming.push_back(datagram.to_vec());
+        self.drive()
+    }
+
+    /// The next datagram to send the peer, if any.
+    pub fn poll_output(&mut self) -> Option<Vec<u8>> {
+        self.stream.get_mut().outgoing.pop_front()
+    }
+
+    /// Retransmit the last flight if its timer ran out (the peer's lost datagrams); call it
+    /// every few hundred milliseconds while handshaking. A server mostly needs none: a client
+    /// resends its flight, and OpenSSL answers a repeated flight with its own.
+    pub fn on_timer(&mut self) {
+        if self.state == State::Handshaking {
+            // DTLS_CTRL_HANDLE_TIMEOUT: OpenSSL retransmits only when its own timer expired.
+            // SAFETY: the pointer is the live SSL of this session's stream.
+            unsafe {
+                openssl_sys::SSL_ctrl(foreign_types::ForeignTypeRef::as_ptr(self.stream.ssl()), 74, 0, std::ptr::null_mut());
+            }
+        }
+    }
+
+    fn drive(&mut self) -> Progress {
+        match self.state {
+            State::Handshaking => match self.stream.do_handshake() {
+                Ok(()) => match self.finish() {
+                    Ok(keys) => {
+                        self.state = State::Connected;
+                        self.keys = Some(keys.clone());
+                        Progress::Connected(keys)
+                    }
+                    Err(e) => self.close(e.to_string()),
+                },
+                Err(e) if e.code() == ErrorCode::WANT_READ || e.code() == ErrorCode::WANT_WRITE => Progress::Pending,
+                Err(e) => self.close(format!("handshake failed: {e}")),
+            },
+            State::Connected => {
+                // WebRTC sends no application data over DTLS without SCTP; read what came
+                // (an alert) to see a close.
+                let mut buf = [0u8; 2048];
+                match self.stream.ssl_read(&mut buf) {
+                    Ok(_) => Progress::Pending,
+                    Err(e) if e.code() == ErrorCode::ZERO_RETURN => self.close("the peer closed DTLS".into()),
+                    Err(_) => Progress::Pending,
+                }
+            }
+            State::Closed(_) => Progress::Pending,
+        }
+    }
+
+    fn close(&mut self, why: String) -> Progress {
+        self.state = State::Closed(why.clone());
+        Progress::Closed(why)
+    }
+
+    fn finish(&mut self) -> Result<SrtpKeys, DtlsError> {
+        let ssl = self.stream.ssl();
+        let cert = ssl.peer_certificate().ok_or(DtlsError::NoCertificate)?;
+        if Fingerprint::of(&cert, &self.remote.algorithm)? != self.remote {
+            return Err(DtlsError::FingerprintMismatch);
+        }
+        let suite = match ssl.selected_srtp_profile().map(|p| p.name().to_string()).as_deref() {
+            Some("SRTP_AES128_CM_SHA1_80") => SrtpSuite::AesCm128HmacSha1_80,
+            Some("SRTP_AES128_CM_SHA1_32") => SrtpSuite::AesCm128HmacSha1_32,
+            _ => return Err(DtlsError::NoSrtpProfile),
+        };
+        // RFC 5764 §4.2: client key, server key, client salt, server salt.
+        let (k, s) = (16, 14);
+        let mut material = vec![0u8; 2 * (k + s)];
+        ssl.export_keying_material(&mut material, EXPORTER_LABEL, None)?;
+        let client = [&material[..k], &material[2 * k..2 * k + s]].concat();
+        let server = [&material[k..2 * k], &material[2 * k + s..]].concat();
+        let key = |m: Vec<u8>| SrtpKey::new(suite, m).map_err(DtlsError::Handshake);
+        let (inbound, outbound) = match self.role {
+            Role::Server => (key(client)?, key(server)?),
+            Role::Client => (key(server)?, key(client)?),
+        };
+        Ok(SrtpKeys { inbound, outbound })
+    }
+}
+
+/// Whether a datagram is DTLS by its first byte (RFC 7983 §7: 20..=63).
+pub fn is_dtls(datagram: &[u8]) -> bool {
+    matches!(datagram.first(), Some(20..=63))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Move every pending datagram between the two sessions until neither has more.
+    fn pump(a: &mut DtlsSession, b: &mut DtlsSession) -> (Vec<Progress>, Vec<Progress>) {
+        let (mut pa, mut pb) = (Vec::new(), Vec::new());
+        for _ in 0..20 {
+            let mut moved = false;
+            while let Some(d) = a.poll_output() {
+                assert!(is_dtls(&d));
+                pb.push(b.on_datagram(&d));
+                moved = true;
+            }
+            while let Some(d) = b.poll_output() {
+                pa.push(a.on_datagram(&d));
+                moved = true;
+            }
+            if !moved {
+                break;
+            }
+        }
+        (pa, pb)
+    }
+
+    fn connected(p: &[Progress]) -> Option<SrtpKeys> {
+        p.iter().find_map(|x| match x {
+            Progress::Connected(k) => Some(k.clone()),
+            _ => None,
+        })
+    }
+
+    #[test]
+    fn two_sessions_agree_on_mirrored_srtp_keys() {
+        let (relay, peer) = (DtlsContext::generate().unwrap(), DtlsContext::generate().unwrap());
+        let mut server = relay.session(Role::Server, peer.fingerprint().clone()).unwrap();
+        let mut client = peer.session(Role::Client, relay.fingerprint().clone()).unwrap();
+        let (pc, ps) = pump(&mut client, &mut server);
+        let (kc, ks) = (connected(&pc).expect("client connected"), connected(&ps).expect("server connected"));
+        assert_eq!(kc.outbound, ks.inbound, "what the client sends with, the server reads with");
+        assert_eq!(kc.inbound, ks.outbound);
+        assert_ne!(ks.inbound, ks.outbound);
+        assert_eq!(ks.inbound.suite, SrtpSuite::AesCm128HmacSha1_80);
+        assert_eq!((server.state(), client.state()), (&State::Connected, &State::Connected));
+    }
+
+    #[test]
+    fn a_certificate_that_is_not_the_signalled_one_is_refused() {
+        let (relay, peer, other) = (DtlsContext::generate().unwrap(), DtlsContext::generate().unwrap(), DtlsContext::generate().unwrap());
+        let mut server = relay.session(Role::Server, other.fingerprint().clone()).unwrap();
+        let mut client = peer.session(Role::Client, relay.fingerprint().clone()).unwrap();
+        let (_, ps) = pump(&mut client, &mut server);
+        assert!(connected(&ps).is_none());
+        assert!(matches!(server.state(), State::Closed(why) if why.contains("fingerprint")), "{:?}", server.state());
+    }
+
+    #[test]
+    fn fingerprints_parse_and_print_as_sdp_has_them() {
+        let c = DtlsContext::generate().unwrap();
+        let sdp = c.fingerprint().to_sdp();
+        assert!(sdp.starts_with("sha-256 ") && sdp.len() == 8 + 32 * 3 - 1, "{sdp}");
+        assert_eq!(Fingerprint::parse(&sdp).unwrap(), *c.fingerprint());
+        assert_eq!(Fingerprint::parse(&sdp.replace("sha-256", "SHA-256")).unwrap(), *c.fingerprint());
+        for bad in ["sha-256", "md5 AB:CD", "sha-256 AB:CD", "sha-1 ZZ:00:00:00:00:00:00:00:00:00:00:00:00:00:00:00:00:00:00:00"] {
+            assert!(Fingerprint::parse(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn garbage_closes_a_handshake_and_closed_sessions_ignore_more() {
+        let relay = DtlsContext::generate().unwrap();
+        let peer = DtlsContext::generate().unwrap();
+        let mut server = relay.session(Role::Server, peer.fingerprint().clone()).unwrap();
+        // A DTLS record header claiming a handshake, with nonsense inside.
+        let mut junk = vec![22, 0xfe, 0xfd, 0, 0, 0, 0, 0, 0, 0, 0, 0, 8];
+        junk.extend_from_slice(&[0xff; 8]);
+        let p = server.on_datagram(&junk);
+        // A handshake record that cannot be parsed ends the session (with an alert to the
+        // sender); from then on datagrams do nothing.
+        assert!(matches!(&p, Progress::Closed(why) if why.contains("handshake failed")), "{p:?}");
+        while server.poll_output().is_some() {}
+        let client = peer.session(Role::Client, relay.fingerprint().clone());
+        let hello = client.unwrap().poll_output().unwrap();
+        assert_eq!(server.on_datagram(&hello), Progress::Pending);
+        assert!(server.poll_output().is_none());
+    }
+}
