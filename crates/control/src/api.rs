@@ -72,6 +72,7 @@ impl From<ManagerError> for ApiError {
             // The failing item's status and code, with the item named in the message.
             ManagerError::BatchItem { source, .. } => ApiError { message: msg, ..ApiError::from(*source) },
             ManagerError::Abandoned => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", msg),
+            ManagerError::Internal(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg),
         }
     }
 }

@@ -5,6 +5,7 @@
 pub mod api;
 pub mod config;
 pub mod consumers;
+pub mod crypto_legs;
 pub mod manager;
 pub mod metrics;
 pub mod store;
@@ -63,12 +64,14 @@ pub fn learn_sources(manager: Arc<manager::SessionManager>, events: Option<Recei
                     }
                 }
                 Some(DataplaneEvent::Rtcp { stream, source, at_ns, wall_us, packet }) => manager.on_rtcp(stream, source, at_ns, wall_us, &packet),
+                Some(DataplaneEvent::Handshake { stream, local, source, at_ns, packet }) => manager.on_handshake(stream, local, source, at_ns, &packet),
                 None => {}
             }
             if std::time::Instant::now() >= next_close {
                 if let Err(e) = manager.close_learning() {
                     tracing::warn!(error = %e, "locking learnt sources failed");
                 }
+                manager.tick_crypto_legs(mediaplane_dataplane::monotonic_ns());
                 next_close = std::time::Instant::now() + TICK;
                 ticks += 1;
                 if ticks.is_multiple_of(PRUNE_TICKS) {

@@ -44,6 +44,9 @@ pub enum ManagerError {
     /// of it was applied.
     #[error("abandoned before it was applied")]
     Abandoned,
+    /// Something the process needs could not be made (e.g. its DTLS certificate).
+    #[error("{0}")]
+    Internal(String),
 }
 
 /// The fate of one request's mutation, shared by the request (which may give up at its
@@ -102,6 +105,8 @@ pub struct SessionManager {
     quality: Mutex<HashMap<String, (u32, CallQuality)>>,
     /// Every MOS computed since start, deleted calls' included.
     mos_totals: Mutex<MosTotals>,
+    /// ICE-lite and DTLS-SRTP state of the ICE relay legs ([`crate::crypto_legs`]).
+    crypto_legs: crate::crypto_legs::CryptoLegs,
 }
 
 impl SessionManager {
@@ -118,7 +123,12 @@ impl SessionManager {
             limits,
             quality: Mutex::new(HashMap::new()),
             mos_totals: Mutex::new(MosTotals::default()),
+            crypto_legs: crate::crypto_legs::CryptoLegs::new()?,
         })
+    }
+
+    pub(crate) fn crypto_legs(&self) -> &crate::crypto_legs::CryptoLegs {
+        &self.crypto_legs
     }
 
     pub fn dataplane(&self) -> &Arc<dyn Dataplane> {

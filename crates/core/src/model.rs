@@ -236,6 +236,12 @@ pub struct Leg {
     /// RTP clock rate (Hz) of what its peer sends (from its SDP), for the measured jitter.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub clock_rate: Option<u32>,
+    /// The peer reaches this leg through ICE (the relay is a lite agent) and keys it with
+    /// DTLS-SRTP (a WebRTC party): its STUN and DTLS go to the control plane, `remote` is the
+    /// address its checks nominated (None before, or after its consent expired) and the only
+    /// one sent to or accepted; nothing is learnt from media.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub ice: bool,
 }
 
 /// How a leg follows its peer's source address (rtpengine's endpoint learning).
@@ -287,6 +293,7 @@ impl Leg {
     /// True while the leg follows a new source (see [`Follow`]).
     pub fn learns(&self) -> bool {
         match self.follow {
+            _ if self.ice => false,
             _ if self.pinned() => false,
             Follow::Asymmetric => false,
             Follow::Handover => true,
@@ -745,6 +752,7 @@ impl Model {
             held: false,
             srtp: None,
             clock_rate: None,
+            ice: false,
         };
         let a = mk(self, a);
         let b = mk(self, b);
@@ -763,7 +771,7 @@ impl Model {
         Ok(r)
     }
 
-    fn leg_mut(&mut self, id: &str, side: Side) -> Result<&mut Leg, ModelError> {
+    pub(crate) fn leg_mut(&mut self, id: &str, side: Side) -> Result<&mut Leg, ModelError> {
         let r = self.relays.get_mut(id).ok_or_else(|| not_found("relay", id))?;
         Ok(match side {
             Side::A => &mut r.a,

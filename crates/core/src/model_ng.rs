@@ -20,10 +20,14 @@ impl Model {
                 return Err(ModelError::FamilyMismatch(format!("relay {id}")));
             }
         }
-        leg.held = signal.held;
         if signal.clock_rate.is_some() {
             leg.clock_rate = signal.clock_rate;
         }
+        if leg.ice {
+            // Its SDP's address means nothing (ICE nominates one): see [`Model::set_leg_ice`].
+            return Ok(());
+        }
+        leg.held = signal.held;
         // Signalling expresses strict-source as Follow::Strict; `strict` (only `remote` may
         // send) is the API's, and a signal ends it (a leg stored by an older version had it).
         leg.strict = false;
@@ -45,6 +49,41 @@ impl Model {
         let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
         let changed = r.record != record;
         r.record = record;
+        Ok(changed)
+    }
+
+    /// Make a leg an ICE + DTLS-SRTP one (a WebRTC party, [`crate::model::Leg::ice`]) or a plain
+    /// one again; true if that changed anything. Turning it on forgets the signalled and
+    /// latched addresses: only a nomination ([`Model::set_leg_nominated`]) gives it a peer.
+    pub fn set_leg_ice(&mut self, id: &str, side: Side, ice: bool) -> Result<bool, ModelError> {
+        let leg = self.leg_mut(id, side)?;
+        if leg.ice == ice {
+            return Ok(false);
+        }
+        leg.ice = ice;
+        if ice {
+            leg.remote = None;
+            leg.latched = None;
+            leg.held = false;
+            leg.strict = true;
+        } else {
+            leg.strict = false;
+        }
+        Ok(true)
+    }
+
+    /// The address an ICE leg's peer nominated (None: its consent expired); true if that
+    /// changed anything. Refused for a leg that is not an ICE leg.
+    pub fn set_leg_nominated(&mut self, id: &str, side: Side, addr: Option<SocketAddr>) -> Result<bool, ModelError> {
+        let leg = self.leg_mut(id, side)?;
+        if !leg.ice {
+            return Err(ModelError::Invalid(format!("relay {id}: leg {side:?} is not an ICE leg")));
+        }
+        if addr.is_some_and(|a| a.is_ipv4() != leg.local.is_ipv4()) {
+            return Err(ModelError::FamilyMismatch(format!("relay {id}")));
+        }
+        let changed = leg.remote != addr;
+        leg.remote = addr;
         Ok(changed)
     }
 

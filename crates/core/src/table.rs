@@ -109,6 +109,11 @@ pub struct StreamEntry {
     /// layer now, renumbered. The kernel path leaves these to the slow path (for now).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub simulcast: Option<SimulcastLayer>,
+    /// An ICE + DTLS-SRTP leg's ([`crate::model::Leg::ice`]): its STUN and DTLS (RFC 7983's
+    /// first bytes 0-3 and 20-63) go to the control plane, which answers them. The kernel path
+    /// hands both up already (STUN always, DTLS with the rest of an SRTP stream).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub handshake: bool,
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -162,6 +167,9 @@ pub enum SlowReason {
     Stun,
     /// A relay leg that is learning its source heard a source it does not follow (yet).
     Unlatched,
+    /// DTLS of an ICE + DTLS-SRTP leg ([`StreamEntry::handshake`]), for the control plane. The
+    /// kernel path never decides this: it hands the whole SRTP stream up.
+    Handshake,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -272,6 +280,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                 clock_rate: s.clock_rate.unwrap_or(0),
                 evaluate_rtcp: false,
                 simulcast,
+                handshake: false,
             };
             if !simulcast {
                 out.push(entry(s.uid, format!("{rid}/{pid}/{sid}"), s.ssrc, None));
@@ -349,6 +358,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             clock_rate: from_leg.clock_rate.unwrap_or(0),
             evaluate_rtcp: from_leg.rtp,
             simulcast: None,
+            handshake: from_leg.ice,
         }
     })
 }
@@ -548,6 +558,11 @@ impl ForwardingTable {
 }
 
 fn relay_source(leg: &Leg) -> SourceRule {
+    if leg.ice {
+        // Only the nominated address; before a nomination nobody (whatever arrives is
+        // unprotected with no key and dropped, and reported sources are not followed).
+        return leg.remote.map_or(SourceRule::Learn(None), SourceRule::Fixed);
+    }
     match leg.remote {
         Some(r) if leg.pinned() => SourceRule::Fixed(r),
         _ if leg.learns() => SourceRule::Learn(leg.latched),

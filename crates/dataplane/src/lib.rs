@@ -48,6 +48,10 @@ pub enum DataplaneEvent {
     /// arrived ([`monotonic_ns`]); `wall_us`: the same on the wall clock (µs since the Unix
     /// epoch). At most [`RTCP_REPORTS_PER_SECOND`] per stream, none over [`MAX_RTCP_REPORT`].
     Rtcp { stream: u32, source: SocketAddr, at_ns: u64, wall_us: u64, packet: Vec<u8> },
+    /// STUN or DTLS that arrived at `local` from `source` for a stream with
+    /// [`mediaplane_core::StreamEntry::handshake`] (an ICE + DTLS-SRTP leg): the control plane
+    /// answers it with [`Dataplane::send_datagram`]. `at_ns` as for `Rtcp`.
+    Handshake { stream: u32, local: SocketAddr, source: SocketAddr, at_ns: u64, packet: Vec<u8> },
 }
 
 /// Events queued for the control plane before the data plane drops new ones (counted as
@@ -121,6 +125,9 @@ pub struct Counters {
     pub drop_malformed: u64,
     pub slow_stun: u64,
     pub slow_unlatched: u64,
+    /// DTLS of an ICE leg handed to the control plane (its STUN counts as `slow_stun`).
+    #[serde(default)]
+    pub slow_handshake: u64,
     /// From the registered source but over the stream's rate limit.
     #[serde(default)]
     pub drop_rate_limited: u64,
@@ -177,6 +184,7 @@ impl Counters {
         self.drop_malformed += o.drop_malformed;
         self.slow_stun += o.slow_stun;
         self.slow_unlatched += o.slow_unlatched;
+        self.slow_handshake += o.slow_handshake;
         self.drop_rate_limited += o.drop_rate_limited;
         self.drop_source_limited += o.drop_source_limited;
         self.drop_bad_checksum += o.drop_bad_checksum;
@@ -210,11 +218,12 @@ impl Counters {
         match reason {
             SlowReason::Stun => self.slow_stun += 1,
             SlowReason::Unlatched => self.slow_unlatched += 1,
+            SlowReason::Handshake => self.slow_handshake += 1,
         }
     }
 
     /// (name, value) pairs of the counters (not [`Counters::last_rx_ns`]), for metrics exposition.
-    pub fn fields(&self) -> [(&'static str, u64); 18] {
+    pub fn fields(&self) -> [(&'static str, u64); 19] {
         [
             ("rx_packets", self.rx_packets),
             ("rx_bytes", self.rx_bytes),
@@ -226,6 +235,7 @@ impl Counters {
             ("drop_malformed", self.drop_malformed),
             ("slow_stun", self.slow_stun),
             ("slow_unlatched", self.slow_unlatched),
+            ("slow_handshake", self.slow_handshake),
             ("drop_rate_limited", self.drop_rate_limited),
             ("drop_source_limited", self.drop_source_limited),
             ("drop_bad_checksum", self.drop_bad_checksum),
@@ -432,6 +442,13 @@ pub trait Dataplane: Send + Sync {
     fn stream_counters(&self, ids: &[u32]) -> BTreeMap<u32, Counters> {
         let s = self.stats();
         ids.iter().filter_map(|id| s.streams.get(id).map(|c| (*id, *c))).collect()
+    }
+
+    /// Send one datagram from the relay address `from` (an installed stream's local address)
+    /// to `to`: the control plane's own packets on a media port (STUN responses, DTLS).
+    fn send_datagram(&self, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> Result<(), DataplaneError> {
+        let _ = (from, to, payload);
+        Err(DataplaneError::Unsupported(format!("the {} data plane sends no datagrams of its own", self.name())))
     }
 
     /// Stop forwarding and release everything this data plane created (sockets, programs, pins).

@@ -309,6 +309,7 @@ mod tests {
             clock_rate: 0,
             evaluate_rtcp: false,
             simulcast: None,
+            handshake: false,
         }
     }
 

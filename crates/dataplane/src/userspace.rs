@@ -592,6 +592,18 @@ impl Dataplane for UserspaceDataplane {
         "userspace"
     }
 
+    fn send_datagram(&self, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> Result<(), DataplaneError> {
+        let state = self.shared.state.load();
+        if let Some(group) = state.sockets.get(&from) {
+            return group[0].send_to(payload, &SockAddr::from(to)).map(|_| ()).map_err(|e| io_err(&format!("sending from {from} to {to}"), e));
+        }
+        match self.steer.first() {
+            Some(steer) if send_raw_copy(steer, from, to, payload) => Ok(()),
+            Some(_) => Err(DataplaneError::Other(format!("sending from {from} to {to} on the raw socket failed"))),
+            None => Err(DataplaneError::Other(format!("{from} is no address of this data plane"))),
+        }
+    }
+
     fn apply(&self, table: Arc<ForwardingTable>) -> Result<(), DataplaneError> {
         self.install(table, None)
     }
@@ -1127,6 +1139,14 @@ impl WorkerCtx {
                     let sc = delta.streams.entry(entry.id).or_default();
                     sc.rx_packets += 1;
                     sc.rx_bytes += payload.len() as u64;
+                    if entry.handshake && matches!(payload.first(), Some(20..=63)) {
+                        // DTLS (RFC 7983) of an ICE leg, from its nominated address (classify
+                        // checked the source): the control plane runs the handshake.
+                        sc.count_slow(SlowReason::Handshake);
+                        delta.total.count_slow(SlowReason::Handshake);
+                        self.shared.report(DataplaneEvent::Handshake { stream: entry.id, local, source: src, at_ns: received_at, packet: payload.to_vec() });
+                        continue;
+                    }
                     // An SRTP leg's packets are unprotected before anything else: what fails
                     // (no key yet, authentication, replay) goes no further, counted per stream
                     // as malformed and process-wide by reason. So only the key's holder can
@@ -1219,6 +1239,12 @@ impl WorkerCtx {
                     delta.total.count_slow(reason);
                     if let Some(id) = stream {
                         delta.streams.entry(id).or_default().count_slow(reason);
+                    }
+                    if reason == SlowReason::Stun {
+                        // An ICE leg's connectivity check: the control plane answers it.
+                        if let Some(e) = state.table.streams.get(&IngressKey { local, ssrc: None }).filter(|e| e.handshake) {
+                            self.shared.report(DataplaneEvent::Handshake { stream: e.id, local, source: src, at_ns: received_at, packet: payload.to_vec() });
+                        }
                     }
                 }
             }

@@ -41,6 +41,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         clock_rate: 0,
         evaluate_rtcp: false,
         simulcast: None,
+        handshake: false,
     }
 }
 

@@ -390,6 +390,11 @@ impl Dataplane for EbpfDataplane {
         "ebpf"
     }
 
+    /// The control plane's own packets leave as the slow path's copies do.
+    fn send_datagram(&self, from: std::net::SocketAddr, to: std::net::SocketAddr, payload: &[u8]) -> Result<(), DataplaneError> {
+        self.slow.send_datagram(from, to, payload)
+    }
+
     fn apply(&self, table: Arc<ForwardingTable>) -> Result<(), DataplaneError> {
         // Slow path first: its sockets must be bound before the kernel hands packets up.
         self.slow.apply(table.clone())?;

@@ -99,6 +99,7 @@ impl KernelStats {
             drop_malformed: g("drop_malformed"),
             slow_stun: 0,
             slow_unlatched: 0,
+            slow_handshake: 0,
             drop_rate_limited: g("drop_rate_limited"),
             drop_source_limited: g("drop_source_limited"),
             drop_bad_checksum: g("drop_bad_checksum"),

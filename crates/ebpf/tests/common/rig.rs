@@ -82,6 +82,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         clock_rate: if rtp { 8000 } else { 0 },
         evaluate_rtcp: false,
         simulcast: None,
+        handshake: false,
     }
 }
 
@@ -180,6 +181,7 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         Verdict::Drop { reason: DropReason::Malformed, .. } => Expect::Drop("drop_malformed"),
         Verdict::Drop { reason: DropReason::BadChecksum | DropReason::Spoofed, .. } => unreachable!("classify() judges payloads, not frames"),
         Verdict::SlowPath { reason: SlowReason::Stun, .. } => Expect::Pass("pass_stun"),
+        Verdict::SlowPath { reason: SlowReason::Handshake, .. } => unreachable!("classify() never says Handshake: the user-space plane does"),
         // The slow path routes it (and forwards a sender report in it).
         Verdict::Feedback { .. } => Expect::Pass("pass_feedback"),
         // The kernel hands a learning leg's other sources up; the slow path relays them.

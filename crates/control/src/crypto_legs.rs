@@ -1,0 +1,275 @@
+//! The handshakes of ICE + DTLS-SRTP relay legs (a WebRTC party, [`mediaplane_core::model::Leg::ice`]):
+//! one ICE-lite agent and one DTLS session per leg, fed with the STUN and DTLS the data plane
+//! hands up ([`mediaplane_dataplane::DataplaneEvent::Handshake`]), answered through
+//! [`mediaplane_dataplane::Dataplane::send_datagram`]. What they decide goes into the model like
+//! any change: the nominated address becomes the leg's peer, the exported keys its SRTP.
+//!
+//! Not stored: after a restart the keys (stored with the leg) keep media flowing, but the
+//! handshake state is gone, so a peer's consent checks are refused until it re-offers.
+
+use crate::manager::{ManagerError, SessionManager};
+use crate::store::Change;
+use mediaplane_core::model::Side;
+use mediaplane_core::srtp::LegSrtp;
+use mediaplane_webrtc::dtls::{DtlsContext, DtlsSession, Fingerprint, Progress, Role, State};
+use mediaplane_webrtc::ice::{CheckOutcome, Credentials, LiteAgent};
+use parking_lot::Mutex;
+use serde::Serialize;
+use std::collections::HashMap;
+use std::net::SocketAddr;
+
+/// What signalling decided for one ICE leg (the NG engine sets it from the SDPs).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CryptoLegSpec {
+    /// The relay's address on the leg (where its STUN and DTLS arrive).
+    pub local: SocketAddr,
+    /// The relay's ICE credentials on this leg (in the SDP the peer gets).
+    pub local_ice: Credentials,
+    /// The peer's (from its SDP), once known.
+    pub remote_ice: Option<Credentials>,
+    /// Which end of DTLS the relay is (`a=setup`).
+    pub role: Role,
+    /// The fingerprint of the peer's certificate (from its SDP), once known: the handshake
+    /// waits for it.
+    pub remote_fingerprint: Option<Fingerprint>,
+}
+
+struct CryptoLeg {
+    spec: CryptoLegSpec,
+    agent: LiteAgent,
+    dtls: Option<DtlsSession>,
+    /// DTLS from anywhere but the nominated address, or before a fingerprint is known.
+    dtls_refused: u64,
+    keyed: bool,
+}
+
+/// What the API and the NG `query` show of an ICE leg.
+#[derive(Debug, Clone, Serialize, PartialEq, Eq)]
+pub struct CryptoLegView {
+    pub nominated: Option<SocketAddr>,
+    pub checks_answered: u64,
+    pub checks_refused: u64,
+    pub dtls_role: &'static str,
+    /// `waiting`, `handshaking`, `connected`, or `closed: <why>`.
+    pub dtls: String,
+    pub dtls_refused: u64,
+    pub keyed: bool,
+}
+
+/// Every ICE leg's handshake state, and the process's DTLS certificate.
+pub struct CryptoLegs {
+    dtls: DtlsContext,
+    legs: Mutex<HashMap<u32, CryptoLeg>>,
+}
+
+impl CryptoLegs {
+    pub fn new() -> Result<CryptoLegs, ManagerError> {
+        let dtls = DtlsContext::generate().map_err(|e| ManagerError::Internal(format!("no DTLS certificate: {e}")))?;
+        Ok(CryptoLegs { dtls, legs: Mutex::new(HashMap::new()) })
+    }
+
+    /// The relay's certificate fingerprint, for `a=fingerprint`.
+    pub fn fingerprint(&self) -> &Fingerprint {
+        self.dtls.fingerprint()
+    }
+}
+
+/// What a handshake event decided, applied after the legs' lock is released.
+#[derive(Default)]
+struct Decided {
+    send: Vec<(SocketAddr, SocketAddr, Vec<u8>)>,
+    nominated: Option<SocketAddr>,
+    keys: Option<LegSrtp>,
+}
+
+impl SessionManager {
+    /// The relay's DTLS certificate fingerprint (`a=fingerprint` of every SDP it terminates).
+    pub fn dtls_fingerprint(&self) -> Fingerprint {
+        self.crypto_legs().fingerprint().clone()
+    }
+
+    /// Set (or update, after a re-offer) what signalling decided for ICE leg `uid`. New local
+    /// credentials restart ICE; a new peer fingerprint or role starts a new handshake.
+    pub fn set_crypto_leg(&self, uid: u32, spec: CryptoLegSpec) {
+        let mut legs = self.crypto_legs().legs.lock();
+        match legs.get_mut(&uid) {
+            Some(leg) if leg.spec == spec => {}
+            Some(leg) => {
+                if leg.spec.local_ice != spec.local_ice {
+                    leg.agent.restart(spec.local_ice.clone(), spec.remote_ice.clone());
+                } else {
+                    leg.agent.remote = spec.remote_ice.clone();
+                }
+                if leg.spec.role != spec.role || leg.spec.remote_fingerprint != spec.remote_fingerprint {
+                    leg.dtls = None;
+                }
+                leg.spec = spec;
+            }
+            None => {
+                let agent = LiteAgent::new(spec.local_ice.clone(), spec.remote_ice.clone());
+                legs.insert(uid, CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed: false });
+            }
+        }
+    }
+
+    /// The handshake state of ICE leg `uid`.
+    pub fn crypto_leg(&self, uid: u32) -> Option<CryptoLegView> {
+        let legs = self.crypto_legs().legs.lock();
+        let leg = legs.get(&uid)?;
+        Some(CryptoLegView {
+            nominated: leg.agent.selected(),
+            checks_answered: leg.agent.checks_answered,
+            checks_refused: leg.agent.checks_refused,
+            dtls_role: match leg.spec.role {
+                Role::Server => "passive",
+                Role::Client => "active",
+            },
+            dtls: match leg.dtls.as_ref().map(DtlsSession::state) {
+                None => "waiting".into(),
+                Some(State::Handshaking) => "handshaking".into(),
+                Some(State::Connected) => "connected".into(),
+                Some(State::Closed(why)) => format!("closed: {why}"),
+            },
+            dtls_refused: leg.dtls_refused,
+            keyed: leg.keyed,
+        })
+    }
+
+    /// STUN or DTLS for ICE leg `stream` from `source` (see the module).
+    pub fn on_handshake(&self, stream: u32, local: SocketAddr, source: SocketAddr, at_ns: u64, packet: &[u8]) {
+        let mut d = Decided::default();
+        {
+            let ctx = &self.crypto_legs().dtls;
+            let mut legs = self.crypto_legs().legs.lock();
+            let Some(leg) = legs.get_mut(&stream) else {
+                tracing::debug!(stream, %source, "handshake packet for a leg without ICE state");
+                return;
+            };
+            if mediaplane_webrtc::dtls::is_dtls(packet) {
+                let from_peer = leg.agent.selected() == Some(source);
+                match (&mut leg.dtls, &leg.spec.remote_fingerprint) {
+                    _ if !from_peer => leg.dtls_refused += 1,
+                    (None, Some(fp)) if leg.spec.role == Role::Server => match ctx.session(Role::Server, fp.clone()) {
+                        Ok(s) => leg.dtls = Some(s),
+                        Err(e) => tracing::warn!(stream, error = %e, "no DTLS session"),
+                    },
+                    (None, _) => leg.dtls_refused += 1,
+                    _ => {}
+                }
+                if let Some(s) = leg.dtls.as_mut().filter(|_| from_peer) {
+                    match s.on_datagram(packet) {
+                        Progress::Connected(keys) => {
+                            leg.keyed = true;
+                            d.keys = Some(LegSrtp { inbound: Some(keys.inbound), outbound: Some(keys.outbound) });
+                        }
+                        Progress::Closed(why) => tracing::warn!(stream, %source, %why, "DTLS ended"),
+                        Progress::Pending => {}
+                    }
+                    while let Some(out) = s.poll_output() {
+                        d.send.push((local, source, out));
+                    }
+                }
+            } else {
+                match leg.agent.on_stun(packet, source, at_ns) {
+                    CheckOutcome::Answered { reply, nominated } => {
+                        if nominated {
+                            d.nominated = Some(source);
+                            if leg.spec.role == Role::Client && leg.dtls.is_none() {
+                                if let Some(fp) = leg.spec.remote_fingerprint.clone() {
+                                    match ctx.session(Role::Client, fp) {
+                                        Ok(mut s) => {
+                                            while let Some(out) = s.poll_output() {
+                                                d.send.push((local, source, out));
+                                            }
+                                            leg.dtls = Some(s);
+                                        }
+                                        Err(e) => tracing::warn!(stream, error = %e, "no DTLS session"),
+                                    }
+                                }
+                            }
+                        }
+                        d.send.insert(0, (local, source, reply));
+                    }
+                    CheckOutcome::Refused { reply, reason } => {
+                        tracing::debug!(stream, %source, reason, "ICE check refused");
+                        d.send.push((local, source, reply));
+                    }
+                    CheckOutcome::Ignored { .. } => {}
+                }
+            }
+        }
+        // The model first: the nominated address is the only one media goes to and comes from.
+        if let Some(addr) = d.nominated {
+            if let Err(e) = self.set_ice_leg(stream, |m, id, side| m.set_leg_nominated(id, side, Some(addr))) {
+                tracing::warn!(stream, %addr, error = %e, "could not take the nominated address");
+            } else {
+                tracing::info!(stream, %addr, "ICE nominated");
+            }
+        }
+        if let Some(keys) = d.keys {
+            match self.set_ice_leg(stream, |m, id, side| m.set_leg_srtp(id, side, Some(keys))) {
+                Ok(_) => tracing::info!(stream, "DTLS-SRTP keys installed"),
+                Err(e) => tracing::warn!(stream, error = %e, "could not install the DTLS-SRTP keys"),
+            }
+        }
+        for (from, to, payload) in d.send {
+            if let Err(e) = self.dataplane().send_datagram(from, to, &payload) {
+                tracing::debug!(%from, %to, error = %e, "handshake reply not sent");
+            }
+        }
+    }
+
+    /// Every 100 ms or so: retransmit DTLS flights whose timer ran out, end the legs whose
+    /// peer's consent expired (nothing more is sent to it), forget legs no longer ICE legs.
+    pub fn tick_crypto_legs(&self, now_ns: u64) {
+        let mut send = Vec::new();
+        let mut expired = Vec::new();
+        {
+            let snapshot = self.snapshot();
+            let mut legs = self.crypto_legs().legs.lock();
+            legs.retain(|uid, _| {
+                snapshot
+                    .model
+                    .relay_leg_by_uid(*uid)
+                    .and_then(|(id, side)| snapshot.model.relays.get(id).map(|r| if side == Side::A { r.a.ice } else { r.b.ice }))
+                    == Some(true)
+            });
+            for (uid, leg) in legs.iter_mut() {
+                let peer = leg.agent.selected();
+                if leg.agent.consent_expired(now_ns) {
+                    expired.push(*uid);
+                }
+                if let (Some(s), Some(peer)) = (leg.dtls.as_mut(), peer) {
+                    s.on_timer();
+                    while let Some(out) = s.poll_output() {
+                        send.push((leg.spec.local, peer, out));
+                    }
+                }
+            }
+        }
+        for uid in expired {
+            tracing::info!(stream = uid, "ICE consent expired: nothing more is sent to the peer");
+            if let Err(e) = self.set_ice_leg(uid, |m, id, side| m.set_leg_nominated(id, side, None)) {
+                tracing::warn!(stream = uid, error = %e, "could not end the leg's peer");
+            }
+        }
+        for (from, to, payload) in send {
+            let _ = self.dataplane().send_datagram(from, to, &payload);
+        }
+    }
+
+    /// Change ICE leg `uid` of whatever relay it belongs to (nothing if it is gone).
+    fn set_ice_leg(
+        &self,
+        uid: u32,
+        f: impl FnOnce(&mut mediaplane_core::Model, &str, Side) -> Result<bool, mediaplane_core::model::ModelError>,
+    ) -> Result<bool, ManagerError> {
+        self.mutate(|m, _| {
+            let Some((id, side)) = m.relay_leg_by_uid(uid).map(|(id, s)| (id.to_string(), s)) else {
+                return Ok((false, vec![]));
+            };
+            let changed = f(m, &id, side)?;
+            Ok((changed, if changed { vec![Change::Relay(id)] } else { vec![] }))
+        })
+    }
+}
