@@ -102,6 +102,8 @@ pub struct MediaState {
     pub sdes: [Option<crate::sdes::SdesSide>; 2],
     /// The last offer went on in another protocol than its sender's (`transport-protocol`).
     pub translated: bool,
+    /// ICE + DTLS-SRTP the relay terminates toward each party [A, B] (a WebRTC party).
+    pub webrtc: [Option<crate::webrtc::WebrtcSide>; 2],
 }
 
 impl MediaState {
@@ -484,6 +486,7 @@ fn inactive(sig: &MediaSignal) -> MediaState {
         proto_of: Default::default(),
         sdes: Default::default(),
         translated: false,
+        webrtc: Default::default(),
     }
 }
 

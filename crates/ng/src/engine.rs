@@ -62,6 +62,8 @@ enum NgError {
     Manager(#[from] ManagerError),
     #[error(transparent)]
     Sdes(#[from] sdes::SdesError),
+    #[error(transparent)]
+    Webrtc(#[from] crate::webrtc::WebrtcError),
     #[error("{0}")]
     Call(String),
 }
@@ -115,6 +117,8 @@ struct Options {
     transport: Option<String>,
     /// The `SDES` list and `SDES-` flags.
     sdes: sdes::SdesOptions,
+    /// `DTLS=passive|active`: the relay's end of DTLS toward a WebRTC party.
+    dtls: crate::webrtc::DtlsOption,
     warnings: Vec<String>,
 }
 
@@ -170,6 +174,13 @@ fn options(req: &Request) -> Result<Options, RequestError> {
         },
         loop_protect: has("loop-protect"),
         transport: transport(req, &flags)?,
+        dtls: match req.opt_nonempty("DTLS")?.map(normalize) {
+            None => Default::default(),
+            Some(v) => crate::webrtc::DtlsOption::parse(&v).unwrap_or_else(|| {
+                warnings.push(format!("DTLS={v} is not acted on: toward a WebRTC party bridged to plain RTP, DTLS-SRTP is always terminated"));
+                Default::default()
+            }),
+        },
         sdes: {
             let values = req.list("SDES")?;
             let (sdes, ignored) = sdes::SdesOptions::parse(values.iter().map(String::as_str).chain(flags.iter().filter_map(|f| f.strip_prefix("sdes-"))));
@@ -226,6 +237,7 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
             "record-call",
             "transport-protocol",
             "sdes",
+            "dtls",
         ],
         "delete" => &["call-id", "from-tag", "to-tag", "via-branch", "flags"],
         "query" => &["call-id", "from-tag", "to-tag"],
@@ -257,6 +269,9 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
             "rtp/savpf",
             "udp/tls/rtp/savp",
             "udp/tls/rtp/savpf",
+            // What the relay gives every WebRTC party anyway.
+            "generate-mid",
+            "rtcp-mux-require",
         ],
         "delete" => &["fatal"],
         _ => &[],
@@ -270,7 +285,7 @@ fn consequence(name: &str) -> Option<&'static str> {
         "interface" => "interfaces are chosen with direction, from-interface and to-interface",
         "record" => "record-call records a call",
         "osrtp" => "opportunistic SRTP is neither offered nor accepted",
-        "dtls" | "generate-mid" | "rtcp-mux-require" | "trickle-ice" => "no DTLS or ICE is terminated",
+        "trickle-ice" => "the relay's one candidate is in the SDP (end-of-candidates)",
         "port-latching" | "no-port-latching" => "local ports are allocated per call as usual",
         "delete-delay" => "the call is deleted at once",
         _ => return codecs::consequence(name),
@@ -581,18 +596,21 @@ impl Engine {
                 call.tag_b = to_tag.map(str::to_string);
             }
         }
-        if sdp.has_ice() {
+        let (formats, codecs_removed) = Self::filter_codecs(req, phase, &sdp, &call, &mut opt.warnings)?;
+        let transport = if phase == Phase::Offer { opt.transport.as_deref() } else { None };
+        let secure = sdes::plan(&call, sender, phase, &sdp, transport, &opt.sdes, &mut opt.warnings)?;
+        let outgoing: Vec<(Option<String>, Option<Vec<String>>)> = secure.iter().map(|p| (p.proto.clone(), p.crypto.clone())).collect();
+        let webrtc = crate::webrtc::plan(&call, sender, phase, &sdp, &secure, opt.dtls)?;
+        // Toward a WebRTC party the relay is the ICE agent (ICE=force is what it does).
+        let terminates_ice = webrtc.iter().any(|w| w.outgoing != crate::webrtc::Outgoing::Keep);
+        if sdp.has_ice() && !terminates_ice {
             match opt.ice.as_deref() {
                 Some("remove") => {}
                 Some(v) => opt.warnings.push(format!("ICE={v} is not supported: ICE attributes removed")),
                 None => opt.warnings.push("the SDP carries ICE candidates that bypass the relay; send ICE=remove".into()),
             }
         }
-        let remove_ice = opt.ice.is_some();
-        let (formats, codecs_removed) = Self::filter_codecs(req, phase, &sdp, &call, &mut opt.warnings)?;
-        let transport = if phase == Phase::Offer { opt.transport.as_deref() } else { None };
-        let secure = sdes::plan(&call, sender, phase, &sdp, transport, &opt.sdes, &mut opt.warnings)?;
-        let outgoing: Vec<(Option<String>, Option<Vec<String>>)> = secure.iter().map(|p| (p.proto.clone(), p.crypto.clone())).collect();
+        let remove_ice = opt.ice.is_some() || terminates_ice;
 
         let mut interface: [Option<String>; 2] = Default::default();
         let [mut to_sender, to_receiver] = opt.interfaces.clone();
@@ -613,11 +631,13 @@ impl Engine {
         let (call, media_cfg) = mgr.mutate(|model, media| {
             let mut next = call;
             let mut changes = calls::apply_signal(model, media, &mut next, sender, phase, &signals, &leg)?;
+            crate::webrtc::install(model, &mut next, &webrtc, &mut changes)?;
             sdes::install(model, &mut next, sender, secure, &mut changes)?;
             Self::mark_recorded(model, &next, &mut changes)?;
             Ok(((next, media.clone()), changes))
         })?;
 
+        crate::webrtc::crate_legs(mgr, &call);
         if let Some(name) = answer_names {
             let on = |m: &MediaState| media_cfg.interface_of(m.local_of(sender).ip()).map(|i| i.name);
             if let Some(other_name) = call.media.iter().filter(|m| m.active).filter_map(on).find(|n| *n != name) {
@@ -626,6 +646,7 @@ impl Engine {
                 ));
             }
         }
+        let fingerprint = mgr.dtls_fingerprint();
         // The SDP goes to the other party: advertise the relay side facing it (the address of
         // its interface, or what that interface advertises).
         let to = other(sender);
@@ -638,18 +659,54 @@ impl Engine {
             .enumerate()
             .map(|(i, (m, sig))| {
                 if !m.active {
-                    return MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: opt.strip_mux, hold: false, formats: None, proto: None, crypto: None };
+                    return MediaRewrite {
+                        port: None,
+                        rtcp_port: 0,
+                        strip_rtcp_mux: opt.strip_mux,
+                        hold: false,
+                        formats: None,
+                        proto: None,
+                        crypto: None,
+                        transport: None,
+                    };
                 }
                 let port = m.local_of(to).port();
-                let hold = sig.rtp.is_none() && !opt.replace_zero_address;
                 let formats = formats.get(i).cloned().flatten();
                 let (proto, crypto) = outgoing.get(i).cloned().unwrap_or_default();
-                MediaRewrite { port: Some(port), rtcp_port: if m.rtcp { port + 1 } else { port }, strip_rtcp_mux: opt.strip_mux, hold, formats, proto, crypto }
+                let transport = match webrtc.get(i).map(|w| &w.outgoing) {
+                    None | Some(crate::webrtc::Outgoing::Keep) => None,
+                    Some(crate::webrtc::Outgoing::Strip) => Some(Vec::new()),
+                    Some(crate::webrtc::Outgoing::Ours { side, setup, add_mid, add_mux }) => {
+                        m.webrtc[*side].as_ref().map(|w| crate::webrtc::attributes(w, SocketAddr::new(ip, port), &fingerprint, setup, *add_mid, *add_mux))
+                    }
+                };
+                // A WebRTC party's SDP says nothing of its address (ICE does): never a hold.
+                let webrtc_sender = call.media.get(i).is_some_and(|m| m.webrtc[calls::side_index(sender)].is_some());
+                let hold = sig.rtp.is_none() && !opt.replace_zero_address && !webrtc_sender;
+                MediaRewrite {
+                    port: Some(port),
+                    rtcp_port: if m.rtcp { port + 1 } else { port },
+                    strip_rtcp_mux: opt.strip_mux,
+                    hold,
+                    formats,
+                    proto,
+                    crypto,
+                    transport,
+                }
             })
             .collect();
         let mark = opt.loop_protect.then(|| self.cfg.instance_id.clone());
-        let rewritten =
-            sdp.rewrite(&Rewrite { addr: ip, origin: opt.replace_origin, session_connection: opt.replace_session_connection, remove_ice, media, mark });
+        let gives_ice = webrtc.iter().any(|w| matches!(w.outgoing, crate::webrtc::Outgoing::Ours { .. }));
+        let rewritten = sdp.rewrite(&Rewrite {
+            addr: ip,
+            origin: opt.replace_origin,
+            session_connection: opt.replace_session_connection,
+            remove_ice,
+            media,
+            mark,
+            session_attrs: if gives_ice { vec!["ice-lite".into()] } else { Vec::new() },
+            remove_dtls: terminates_ice,
+        });
 
         let mut call = call;
         if phase == Phase::Offer {
@@ -1176,6 +1233,104 @@ a=sendrecv\r\n";
         base64::engine::general_purpose::STANDARD.decode(b64).unwrap()
     }
 
+    /// What Chrome offers for one microphone (trimmed): DTLS-SRTP with ICE, rtcp-mux, a mid.
+    const WEBRTC_OFFER: &str = "v=0\r\no=- 4611731400430051336 2 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\na=group:BUNDLE 0\r\n\
+a=extmap-allow-mixed\r\na=msid-semantic: WMS\r\nm=audio 50000 UDP/TLS/RTP/SAVPF 111 0\r\nc=IN IP4 198.51.100.9\r\n\
+a=rtcp:9 IN IP4 0.0.0.0\r\na=candidate:1 1 udp 2122260223 198.51.100.9 50000 typ host generation 0\r\n\
+a=ice-ufrag:brws\r\na=ice-pwd:browserpasswordbrowser12\r\na=ice-options:trickle\r\n\
+a=fingerprint:sha-256 AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89\r\n\
+a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/48000/2\r\na=rtpmap:0 PCMU/8000\r\n";
+
+    fn attr<'a>(sdp: &'a str, name: &str) -> Option<&'a str> {
+        sdp.lines().find_map(|l| l.strip_prefix("a=").and_then(|a| a.strip_prefix(name)).and_then(|v| v.strip_prefix(':').or((v.is_empty()).then_some(""))))
+    }
+
+    #[test]
+    fn webrtc_caller_bridged_to_a_plain_callee() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(WEBRTC_OFFER);
+        o.push(("transport-protocol", "RTP/AVP".into()));
+        o.push(("ICE", "remove".into()));
+        let r = send(&mut e, &m, "o1", o);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        assert!(!r.get("warning").is_some_and(|w| w.as_str().is_some_and(|w| w.contains("ICE"))), "{r:?}");
+        let to_callee = text(&r, "sdp");
+        assert_eq!(m_line(&to_callee), "m=audio 30002 RTP/AVP 111 0");
+        for gone in ["candidate", "ice-ufrag", "ice-pwd", "ice-options", "fingerprint", "setup"] {
+            assert_eq!(attr(&to_callee, gone), None, "{gone} stripped: {to_callee}");
+        }
+        // The caller's leg is an ICE leg keyed by its handshake: SRTP with no key yet.
+        let (ice, srtp) = m.read(|model, _| {
+            let r = model.relays.values().next().unwrap();
+            ((r.a.ice, r.b.ice), (r.a.srtp.clone(), r.b.srtp.clone()))
+        });
+        assert_eq!(ice, (true, false));
+        assert_eq!(srtp, (Some(Default::default()), None));
+        m.read(|_, t| assert!(t.streams.values().any(|e| e.handshake && !e.inbound.is_clear()), "the table hands its STUN and DTLS up"));
+
+        let r = send(&mut e, &m, "a1", answer(ANSWER_SDP));
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let to_caller = text(&r, "sdp");
+        assert_eq!(m_line(&to_caller), "m=audio 30000 UDP/TLS/RTP/SAVPF 8", "back in the protocol the caller offered");
+        assert!(to_caller.contains("\r\na=ice-lite\r\nm=audio"), "session-level ice-lite: {to_caller}");
+        assert_eq!(attr(&to_caller, "candidate"), Some("1 1 UDP 2130706431 203.0.113.5 30000 typ host"));
+        assert_eq!(attr(&to_caller, "setup"), Some("passive"), "the browser offered actpass: the relay is the DTLS server");
+        assert_eq!(attr(&to_caller, "mid"), Some("0"), "the offer's mid");
+        assert!(attr(&to_caller, "rtcp-mux").is_some() && attr(&to_caller, "end-of-candidates").is_some(), "{to_caller}");
+        assert_eq!(attr(&to_caller, "fingerprint"), Some(m.dtls_fingerprint().to_sdp().as_str()));
+        let (ufrag, pwd) = (attr(&to_caller, "ice-ufrag").unwrap(), attr(&to_caller, "ice-pwd").unwrap());
+        assert!(ufrag.len() >= 4 && pwd.len() >= 22);
+        // The control plane has the leg's handshake: checks with the relay's password answered.
+        let uid = m.read(|model, _| model.relays.values().next().unwrap().a.uid);
+        let view = m.crypto_leg(uid).expect("the caller's leg has ICE state");
+        assert_eq!((view.dtls_role, view.nominated, view.keyed), ("passive", None, false));
+
+        // A re-offer from the browser without an ICE restart keeps the relay's credentials.
+        let mut o = offer(WEBRTC_OFFER);
+        o.push(("transport-protocol", "RTP/AVP".into()));
+        send(&mut e, &m, "o2", o);
+        let r = send(&mut e, &m, "a2", answer(ANSWER_SDP));
+        assert_eq!(attr(&text(&r, "sdp"), "ice-ufrag"), Some(ufrag));
+    }
+
+    #[test]
+    fn plain_caller_bridged_to_a_webrtc_callee() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(OFFER_SDP);
+        o.push(("transport-protocol", "UDP/TLS/RTP/SAVPF".into()));
+        o.push(("ICE", "force".into()));
+        let r = send(&mut e, &m, "o1", o);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        assert!(r.get("warning").is_none(), "{r:?}");
+        let to_browser = text(&r, "sdp");
+        assert_eq!(m_line(&to_browser), "m=audio 30002 UDP/TLS/RTP/SAVPF 8 101");
+        assert_eq!(attr(&to_browser, "setup"), Some("actpass"));
+        assert_eq!(attr(&to_browser, "mid"), Some("0"), "a mid where the offer had none");
+        assert!(attr(&to_browser, "rtcp-mux").is_some() && attr(&to_browser, "ice-lite").is_some(), "{to_browser}");
+        assert_eq!(attr(&to_browser, "candidate"), Some("1 1 UDP 2130706431 203.0.113.5 30002 typ host"));
+
+        // The browser answers as the DTLS client, with its own credentials and certificate.
+        let browser =
+            WEBRTC_OFFER.replace("m=audio 50000 UDP/TLS/RTP/SAVPF 111 0", "m=audio 50000 UDP/TLS/RTP/SAVPF 8").replace("a=setup:actpass", "a=setup:active");
+        let r = send(&mut e, &m, "a1", answer(&browser));
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let to_caller = text(&r, "sdp");
+        assert_eq!(m_line(&to_caller), "m=audio 30000 RTP/AVP 8");
+        for gone in ["candidate", "ice-ufrag", "fingerprint", "setup", "ice-lite"] {
+            assert_eq!(attr(&to_caller, gone), None, "{gone} stripped: {to_caller}");
+        }
+        let uid = m.read(|model, _| model.relays.values().next().unwrap().b.uid);
+        assert_eq!(m.crypto_leg(uid).map(|v| v.dtls_role), Some("passive"));
+
+        // An answer that refuses DTLS-SRTP is an error, not a silent plain leg.
+        let mut o = offer(OFFER_SDP);
+        o.push(("transport-protocol", "UDP/TLS/RTP/SAVPF".into()));
+        send(&mut e, &m, "o2", o);
+        let r = send(&mut e, &m, "a2", answer(ANSWER_SDP));
+        assert_eq!(text(&r, "result"), "error", "{r:?}");
+        assert!(text(&r, "error-reason").contains("refuses DTLS-SRTP"), "{r:?}");
+    }
+
     #[test]
     fn sdes_caller_bridged_to_a_plain_callee() {
         let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
@@ -1339,7 +1494,7 @@ a=sendrecv\r\n";
     }
 
     #[test]
-    fn sdes_offers_without_a_usable_key_are_refused_and_dtls_is_said_to_pass_through() {
+    fn sdes_offers_without_a_usable_key_are_refused_and_dtls_to_sdes_is_said_to_pass_through() {
         let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
         let unusable = SRTP_OFFER
             .replace("a=crypto:2 AES_CM_128_HMAC_SHA1_80", "a=crypto:2 AES_256_CM_HMAC_SHA1_80")
@@ -1353,11 +1508,12 @@ a=sendrecv\r\n";
         let r = send(&mut e, &m, "o2", offer(SRTP_OFFER));
         assert_eq!(crypto_lines(&text(&r, "sdp")).len(), 3);
         assert_eq!(leg_srtp(&m), [None, None]);
-        let mut o = offer(OFFER_SDP);
+        // DTLS-SRTP to SDES-SRTP is not bridged (plain RTP to DTLS-SRTP is: see the webrtc tests).
+        let mut o = offer(SRTP_OFFER);
         o.push(("transport-protocol", "UDP/TLS/RTP/SAVPF".into()));
         let r = send(&mut e, &m, "o3", o);
-        assert!(text(&r, "warning").contains("needs DTLS-SRTP, which is not terminated yet"), "{r:?}");
-        assert_eq!(m_line(&text(&r, "sdp")), "m=audio 30002 RTP/AVP 8 101");
+        assert!(text(&r, "warning").contains("would bridge DTLS-SRTP to SDES-SRTP, which is not done"), "{r:?}");
+        assert_eq!(m_line(&text(&r, "sdp")), "m=audio 30002 RTP/SAVP 0");
         let mut o = offer(OFFER_SDP);
         o.push(("transport-protocol", "RTP/XYZ".into()));
         assert!(text(&send(&mut e, &m, "o4", o), "error-reason").contains("is not one of RTP/AVP"));

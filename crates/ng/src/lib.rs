@@ -25,6 +25,7 @@ pub mod recording;
 pub mod sdes;
 pub mod sdp;
 pub mod stats;
+pub mod webrtc;
 
 pub use engine::{Engine, EngineConfig};
 

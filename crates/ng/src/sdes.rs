@@ -124,7 +124,7 @@ pub fn is_sdes(proto: &str) -> bool {
     proto.eq_ignore_ascii_case("RTP/SAVP") || proto.eq_ignore_ascii_case("RTP/SAVPF")
 }
 
-/// DTLS-SRTP, which mediaplane does not terminate yet.
+/// DTLS-SRTP (terminated toward a WebRTC party by `crate::webrtc`).
 pub fn is_dtls(proto: &str) -> bool {
     proto.to_ascii_uppercase().starts_with("UDP/TLS/")
 }
@@ -210,12 +210,15 @@ pub fn plan(
                 }
                 p.translated = Some(p.proto.is_some());
                 if (is_dtls(target) || is_dtls(&sm.proto)) && p.proto.is_some() {
-                    warnings.push(format!(
-                        "media section {section}: {} to {target} needs DTLS-SRTP, which is not terminated yet: the section keeps {}",
-                        sm.proto, sm.proto
-                    ));
-                    p.proto = None;
-                    p.translated = Some(false);
+                    if is_sdes(target) || is_sdes(&sm.proto) {
+                        warnings.push(format!(
+                            "media section {section}: {} to {target} would bridge DTLS-SRTP to SDES-SRTP, which is not done: the section keeps {}",
+                            sm.proto, sm.proto
+                        ));
+                        p.proto = None;
+                        p.translated = Some(false);
+                    }
+                    // DTLS-SRTP to plain RTP: terminated by `crate::webrtc`, no SDES here.
                     out.push(p);
                     continue;
                 }
@@ -325,6 +328,10 @@ pub fn install(model: &mut Model, call: &mut Call, sender: Side, plans: Vec<Sect
         for id in ids {
             let mut changed = false;
             for (x, side) in [(0, Side::A), (1, Side::B)] {
+                // A WebRTC party's keys come from its DTLS handshake (`crate::webrtc`).
+                if m.webrtc[x].is_some() && id == rtp_relay_id(&call.key, i) {
+                    continue;
+                }
                 changed |= model.set_leg_srtp(&id, side, m.sdes[x].as_ref().map(SdesSide::leg))?;
             }
             if changed && !changes.contains(&Change::Relay(id.clone())) {

@@ -154,6 +154,11 @@ pub struct Media {
     format_lines: Vec<(usize, u8)>,
     /// SDES `a=crypto` lines (RFC 4568), in order.
     pub crypto: Vec<CryptoAttr>,
+    /// The values of the ICE and DTLS attributes a relay terminating them reads (`ice-ufrag`,
+    /// `ice-pwd`, `fingerprint`, `setup`, `mid`), by name, in order.
+    pub transport_attrs: Vec<(String, String)>,
+    /// `a=fingerprint`, `a=setup`, `a=tls-id` lines: replaced when the relay terminates DTLS.
+    dtls_lines: Vec<usize>,
     /// The section's last line: new attributes go after it.
     last_line: usize,
 }
@@ -199,7 +204,17 @@ impl Media {
     pub fn has_ice(&self) -> bool {
         !self.ice_lines.is_empty()
     }
+
+    /// The first value of a transport attribute (see [`Media::transport_attrs`]) of this section.
+    pub fn transport_attr(&self, name: &str) -> Option<&str> {
+        self.transport_attrs.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str())
+    }
 }
+
+/// Attributes whose values [`Media::transport_attrs`] keeps.
+const TRANSPORT_ATTRS: &[&str] = &["ice-ufrag", "ice-pwd", "fingerprint", "setup", "mid"];
+/// DTLS attributes (RFC 8122, RFC 8842).
+const DTLS_ATTRS: &[&str] = &["fingerprint", "setup", "tls-id"];
 
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Sdp {
@@ -209,6 +224,9 @@ pub struct Sdp {
     session_ice_lines: Vec<usize>,
     /// Values of session-level `a=rtpengine:` attributes (loop-protection marks).
     marks: Vec<String>,
+    /// Session-level ICE and DTLS values (a section's own ones win), as [`Media::transport_attrs`].
+    pub session_transport_attrs: Vec<(String, String)>,
+    session_dtls_lines: Vec<usize>,
     pub media: Vec<Media>,
 }
 
@@ -228,6 +246,10 @@ pub struct Rewrite {
     /// Add the session-level attribute `a=rtpengine:<mark>` (NG `loop-protect`), unless the SDP
     /// carries it already.
     pub mark: Option<String>,
+    /// Session-level attributes to add (after `a=`), e.g. `ice-lite`.
+    pub session_attrs: Vec<String>,
+    /// Drop the session-level DTLS attributes (the relay terminates DTLS-SRTP toward the sender).
+    pub remove_dtls: bool,
 }
 
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -251,6 +273,9 @@ pub struct MediaRewrite {
     /// SDES: Some replaces the section's `a=crypto` lines with these values (after `a=`), added
     /// at the end of the section; an empty list drops them. None keeps them.
     pub crypto: Option<Vec<String>>,
+    /// ICE + DTLS terminated by the relay: Some replaces the section's ICE and DTLS attributes
+    /// with these (after `a=`), added at its end; an empty list drops them. None keeps them.
+    pub transport: Option<Vec<String>>,
 }
 
 const ICE_ATTRS: &[&str] =
@@ -325,7 +350,16 @@ impl Sdp {
         if !lines.first().is_some_and(|l| l.text.starts_with(b"v=")) {
             return Err(SdpError::NoVersion);
         }
-        let mut sdp = Sdp { lines: Vec::new(), origin: None, session_connection: None, session_ice_lines: Vec::new(), marks: Vec::new(), media: Vec::new() };
+        let mut sdp = Sdp {
+            lines: Vec::new(),
+            origin: None,
+            session_connection: None,
+            session_ice_lines: Vec::new(),
+            marks: Vec::new(),
+            session_transport_attrs: Vec::new(),
+            session_dtls_lines: Vec::new(),
+            media: Vec::new(),
+        };
         for (n, line) in lines.iter().enumerate() {
             let t = &line.text;
             if t.len() < 2 || t[1] != b'=' {
@@ -361,6 +395,8 @@ impl Sdp {
                         formats,
                         format_lines: Vec::new(),
                         crypto: Vec::new(),
+                        transport_attrs: Vec::new(),
+                        dtls_lines: Vec::new(),
                         last_line: n,
                     });
                 }
@@ -378,6 +414,23 @@ impl Sdp {
                     let name = &attr[..name_end];
                     let is_ice = ICE_ATTRS.iter().any(|a| a.as_bytes() == name);
                     let value = &attr[(name_end + 1).min(attr.len())..];
+                    let is_dtls = DTLS_ATTRS.iter().any(|a| a.as_bytes() == name);
+                    let kept =
+                        TRANSPORT_ATTRS.iter().find(|a| a.as_bytes() == name).map(|a| (a.to_string(), String::from_utf8_lossy(value).trim().to_string()));
+                    match sdp.media.last_mut() {
+                        Some(m) => {
+                            m.transport_attrs.extend(kept);
+                            if is_dtls {
+                                m.dtls_lines.push(n);
+                            }
+                        }
+                        None => {
+                            sdp.session_transport_attrs.extend(kept);
+                            if is_dtls {
+                                sdp.session_dtls_lines.push(n);
+                            }
+                        }
+                    }
                     match sdp.media.last_mut() {
                         None => {
                             if is_ice {
@@ -432,6 +485,11 @@ impl Sdp {
         }
         sdp.lines = lines;
         Ok(sdp)
+    }
+
+    /// A transport attribute of section `i`, or the session's.
+    pub fn transport_attr(&self, i: usize, name: &str) -> Option<&str> {
+        self.media.get(i).and_then(|m| m.transport_attr(name)).or_else(|| self.session_transport_attrs.iter().find(|(n, _)| n == name).map(|(_, v)| v.as_str()))
     }
 
     /// True when any ICE attribute is present.
@@ -537,6 +595,12 @@ impl Sdp {
                 }
                 appended.push((m.last_line, lines.iter().map(|v| format!("a={v}").into_bytes()).collect()));
             }
+            if let Some(lines) = &mr.transport {
+                for &l in m.ice_lines.iter().chain(&m.dtls_lines) {
+                    edits[l] = Edit::Drop;
+                }
+                appended.push((m.last_line, lines.iter().map(|v| format!("a={v}").into_bytes()).collect()));
+            }
             if mr.strip_rtcp_mux {
                 for &l in &m.rtcp_mux_lines {
                     edits[l] = Edit::Drop;
@@ -546,6 +610,11 @@ impl Sdp {
                 for &l in &m.ice_lines {
                     edits[l] = Edit::Drop;
                 }
+            }
+        }
+        if rw.remove_dtls {
+            for &l in &self.session_dtls_lines {
+                edits[l] = Edit::Drop;
             }
         }
         if rw.remove_ice {
@@ -579,20 +648,26 @@ impl Sdp {
         }
 
         // The mark goes last among the session-level lines, ended like the line before it.
-        let mark = rw.mark.as_ref().filter(|m| !self.marked(m)).map(|m| {
+        // Added session-level lines (the mark last) go after the session's own, ended like the
+        // line before them.
+        let mut session_added: Vec<Vec<u8>> = rw.session_attrs.iter().map(|a| format!("a={a}").into_bytes()).collect();
+        session_added.extend(rw.mark.as_ref().filter(|m| !self.marked(m)).map(|m| format!("a=rtpengine:{m}").into_bytes()));
+        let mark = (!session_added.is_empty()).then(|| {
             let at = self.media.first().map_or(self.lines.len(), |m| m.line);
             let eol: &[u8] = match at.checked_sub(1).map(|i| self.lines[i].eol) {
                 Some(e) if !e.is_empty() => e,
                 _ => b"\r\n",
             };
-            (at, format!("a=rtpengine:{m}").into_bytes(), eol)
+            (at, session_added, eol)
         });
         let mut out = Vec::with_capacity(self.lines.iter().map(|l| l.text.len() + 2).sum::<usize>() + 64);
         for (i, (line, edit)) in self.lines.iter().zip(edits).enumerate() {
-            if let Some((at, text, eol)) = &mark {
+            if let Some((at, texts, eol)) = &mark {
                 if *at == i {
-                    out.extend_from_slice(text);
-                    out.extend_from_slice(eol);
+                    for text in texts {
+                        out.extend_from_slice(text);
+                        out.extend_from_slice(eol);
+                    }
                 }
             }
             let kept = match edit {
@@ -621,14 +696,16 @@ impl Sdp {
                 }
             }
         }
-        if let Some((at, text, eol)) = &mark {
+        if let Some((at, texts, eol)) = &mark {
             if *at == self.lines.len() {
                 // After a last line without terminator, the mark needs a line of its own.
                 if self.lines.last().is_some_and(|l| l.eol.is_empty()) {
                     out.extend_from_slice(eol);
                 }
-                out.extend_from_slice(text);
-                out.extend_from_slice(eol);
+                for text in texts {
+                    out.extend_from_slice(text);
+                    out.extend_from_slice(eol);
+                }
             }
         }
         out
@@ -690,7 +767,18 @@ a=rtpmap:96 VP8/90000\r\n";
             session_connection: false,
             remove_ice: false,
             mark: None,
-            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None }],
+            session_attrs: Vec::new(),
+            remove_dtls: false,
+            media: vec![MediaRewrite {
+                port: Some(30000),
+                rtcp_port: 30001,
+                strip_rtcp_mux: false,
+                hold: false,
+                formats: None,
+                proto: None,
+                crypto: None,
+                transport: None,
+            }],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
         // The media relies on the session c=, so it is rewritten even without the replace flag.
@@ -713,9 +801,29 @@ a=rtpmap:96 VP8/90000\r\n";
             session_connection: true,
             remove_ice: true,
             mark: None,
+            session_attrs: Vec::new(),
+            remove_dtls: false,
             media: vec![
-                MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None },
-                MediaRewrite { port: Some(30002), rtcp_port: 30003, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None },
+                MediaRewrite {
+                    port: Some(30000),
+                    rtcp_port: 30001,
+                    strip_rtcp_mux: false,
+                    hold: false,
+                    formats: None,
+                    proto: None,
+                    crypto: None,
+                    transport: None,
+                },
+                MediaRewrite {
+                    port: Some(30002),
+                    rtcp_port: 30003,
+                    strip_rtcp_mux: false,
+                    hold: false,
+                    formats: None,
+                    proto: None,
+                    crypto: None,
+                    transport: None,
+                },
             ],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
@@ -754,9 +862,20 @@ a=rtpmap:96 VP8/90000\r\n";
             session_connection: false,
             remove_ice: false,
             mark: None,
+            session_attrs: Vec::new(),
+            remove_dtls: false,
             media: vec![
-                MediaRewrite { port: Some(30010), rtcp_port: 30011, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None },
-                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None },
+                MediaRewrite {
+                    port: Some(30010),
+                    rtcp_port: 30011,
+                    strip_rtcp_mux: false,
+                    hold: false,
+                    formats: None,
+                    proto: None,
+                    crypto: None,
+                    transport: None,
+                },
+                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None, transport: None },
             ],
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
@@ -773,8 +892,16 @@ a=rtpmap:96 VP8/90000\r\n";
         let pts: Vec<(u8, Option<&str>)> = s.media[0].formats.iter().map(|f| (f.pt, f.codec.as_ref().map(|c| c.name.as_str()))).collect();
         assert_eq!(pts, [(0, Some("PCMU")), (8, Some("PCMA")), (101, Some("telephone-event"))]);
         assert!(s.media[1].formats.is_empty(), "not RTP: no payload types");
-        let section =
-            |port, formats| MediaRewrite { port: Some(port), rtcp_port: port + 1, strip_rtcp_mux: false, hold: false, formats, proto: None, crypto: None };
+        let section = |port, formats| MediaRewrite {
+            port: Some(port),
+            rtcp_port: port + 1,
+            strip_rtcp_mux: false,
+            hold: false,
+            formats,
+            proto: None,
+            crypto: None,
+            transport: None,
+        };
         let rw = Rewrite {
             addr: ip("192.0.2.7"),
             origin: false,
@@ -782,6 +909,8 @@ a=rtpmap:96 VP8/90000\r\n";
             remove_ice: false,
             media: vec![section(30000, Some(vec![101, 0])), section(30002, Some(vec![]))],
             mark: Some("abc".into()),
+            session_attrs: Vec::new(),
+            remove_dtls: false,
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
         assert_eq!(
@@ -813,7 +942,18 @@ a=rtpmap:96 VP8/90000\r\n";
             session_connection: false,
             remove_ice: false,
             mark: None,
-            media: vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None }],
+            session_attrs: Vec::new(),
+            remove_dtls: false,
+            media: vec![MediaRewrite {
+                port: Some(30000),
+                rtcp_port: 30001,
+                strip_rtcp_mux: false,
+                hold: false,
+                formats: None,
+                proto: None,
+                crypto: None,
+                transport: None,
+            }],
         };
         let out = sdp.rewrite(&rw);
         assert_eq!(out, b"v=0\r\nc=IN IP4 192.0.2.7\r\nm=audio 30000\x0cRTP/AVP\t0\r\n");
@@ -835,7 +975,21 @@ a=rtpmap:96 VP8/90000\r\n";
                     session_connection: true,
                     remove_ice: true,
                     mark: None,
-                    media: vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true, hold: false, formats: None, proto: None, crypto: None }; 2],
+                    session_attrs: Vec::new(),
+                    remove_dtls: false,
+                    media: vec![
+                        MediaRewrite {
+                            port: Some(1),
+                            rtcp_port: 2,
+                            strip_rtcp_mux: true,
+                            hold: false,
+                            formats: None,
+                            proto: None,
+                            crypto: None,
+                            transport: None
+                        };
+                        2
+                    ],
                 })
             });
         }
