@@ -10,6 +10,7 @@ packages=(
   rtpengine-daemon                                                 # the latching interop test's baseline, and make bench's
   libsrtp2-dev                                                     # SRTP legs (SDES), through the srtp crate
   gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad  # SDES interop peer (srtpenc/srtpdec)
+  chromium                                                         # WebRTC interop: a real browser (headless, fake media) calls through the relay
   prometheus                                                       # promtool: the /metrics test lints the exposition
   systemd man-db util-linux                                        # unit verification (systemd-analyze, man pages), setpriv
 )

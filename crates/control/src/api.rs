@@ -690,10 +690,24 @@ async fn relay_batch(State(m): State<AppState>, Extension(p): Extension<Pending>
     .await
 }
 
+/// A relay leg as the API shows it: its SRTP keys by suite only (the key material stays in
+/// the store, never in a response).
+fn leg_view(leg: &mediaplane_core::model::Leg) -> serde_json::Value {
+    let mut v = serde_json::to_value(leg).unwrap_or_default();
+    if let Some(srtp) = v.get_mut("srtp").and_then(serde_json::Value::as_object_mut) {
+        for key in srtp.values_mut() {
+            if let Some(k) = key.as_object_mut() {
+                k.remove("master");
+            }
+        }
+    }
+    v
+}
+
 async fn get_relay(State(m): State<AppState>, Path(id): Path<String>) -> ApiResult {
     let r = m.read(|model, _| model.relays.get(&id).cloned());
     match r {
-        Some(r) => ok(json!({"id": id, "a": r.a, "b": r.b})),
+        Some(r) => ok(json!({"id": id, "a": leg_view(&r.a), "b": leg_view(&r.b)})),
         None => Err(ModelError::NotFound { kind: "relay", id }.into()),
     }
 }

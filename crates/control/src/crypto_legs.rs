@@ -38,7 +38,7 @@ struct CryptoLeg {
     spec: CryptoLegSpec,
     agent: LiteAgent,
     dtls: Option<DtlsSession>,
-    /// DTLS from anywhere but the nominated address, or before a fingerprint is known.
+    /// DTLS from anywhere but a valid ICE pair's source, or before a fingerprint is known.
     dtls_refused: u64,
     keyed: bool,
 }
@@ -146,7 +146,8 @@ impl SessionManager {
                 return;
             };
             if mediaplane_webrtc::dtls::is_dtls(packet) {
-                let from_peer = leg.agent.selected() == Some(source);
+                let from_peer = leg.agent.valid_source(source);
+                tracing::debug!(stream, %source, from_peer, len = packet.len(), "DTLS datagram");
                 match (&mut leg.dtls, &leg.spec.remote_fingerprint) {
                     _ if !from_peer => leg.dtls_refused += 1,
                     (None, Some(fp)) if leg.spec.role == Role::Server => match ctx.session(Role::Server, fp.clone()) {

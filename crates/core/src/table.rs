@@ -168,7 +168,7 @@ pub enum SlowReason {
     /// A relay leg that is learning its source heard a source it does not follow (yet).
     Unlatched,
     /// DTLS of an ICE + DTLS-SRTP leg ([`StreamEntry::handshake`]), for the control plane. The
-    /// kernel path never decides this: it hands the whole SRTP stream up.
+    /// kernel path hands such a stream up whole (it is SRTP), and the slow path decides this.
     Handshake,
 }
 
@@ -501,6 +501,12 @@ impl ForwardingTable {
         let kind = rtp::demux(payload);
         if kind == MediaKind::Stun {
             return Verdict::SlowPath { reason: SlowReason::Stun, stream: any.map(|s| s.id) };
+        }
+        // DTLS (RFC 7983: first byte 20-63) of an ICE + DTLS-SRTP leg: its handshake, which the
+        // control plane checks against the address ICE nominated. (The kernel path hands the
+        // whole stream up: it is SRTP.)
+        if let Some(e) = any.filter(|e| e.handshake && matches!(payload.first(), Some(20..=63))) {
+            return Verdict::SlowPath { reason: SlowReason::Handshake, stream: Some(e.id) };
         }
         // RTCP from the consumer itself: feedback (its sender report, if any, picks the stream
         // the usual way). Anyone else's RTCP there is never feedback.

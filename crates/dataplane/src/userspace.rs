@@ -1139,14 +1139,6 @@ impl WorkerCtx {
                     let sc = delta.streams.entry(entry.id).or_default();
                     sc.rx_packets += 1;
                     sc.rx_bytes += payload.len() as u64;
-                    if entry.handshake && matches!(payload.first(), Some(20..=63)) {
-                        // DTLS (RFC 7983) of an ICE leg, from its nominated address (classify
-                        // checked the source): the control plane runs the handshake.
-                        sc.count_slow(SlowReason::Handshake);
-                        delta.total.count_slow(SlowReason::Handshake);
-                        self.shared.report(DataplaneEvent::Handshake { stream: entry.id, local, source: src, at_ns: received_at, packet: payload.to_vec() });
-                        continue;
-                    }
                     // An SRTP leg's packets are unprotected before anything else: what fails
                     // (no key yet, authentication, replay) goes no further, counted per stream
                     // as malformed and process-wide by reason. So only the key's holder can
@@ -1240,8 +1232,8 @@ impl WorkerCtx {
                     if let Some(id) = stream {
                         delta.streams.entry(id).or_default().count_slow(reason);
                     }
-                    if reason == SlowReason::Stun {
-                        // An ICE leg's connectivity check: the control plane answers it.
+                    if matches!(reason, SlowReason::Stun | SlowReason::Handshake) {
+                        // An ICE leg's connectivity check or DTLS: the control plane answers it.
                         if let Some(e) = state.table.streams.get(&IngressKey { local, ssrc: None }).filter(|e| e.handshake) {
                             self.shared.report(DataplaneEvent::Handshake { stream: e.id, local, source: src, at_ns: received_at, packet: payload.to_vec() });
                         }

@@ -60,6 +60,9 @@ pub struct LiteAgent {
     /// check's USERNAME is taken as it comes.
     pub remote: Option<Credentials>,
     selected: Option<SocketAddr>,
+    /// The source of the last valid check: its pair is valid, so DTLS may start on it before
+    /// the nomination (browsers do).
+    checked: Option<SocketAddr>,
     last_valid_ns: Option<u64>,
     pub checks_answered: u64,
     pub checks_refused: u64,
@@ -67,12 +70,21 @@ pub struct LiteAgent {
 
 impl LiteAgent {
     pub fn new(local: Credentials, remote: Option<Credentials>) -> LiteAgent {
-        LiteAgent { local, remote, selected: None, last_valid_ns: None, checks_answered: 0, checks_refused: 0 }
+        LiteAgent { local, remote, selected: None, checked: None, last_valid_ns: None, checks_answered: 0, checks_refused: 0 }
     }
 
     /// The address the peer nominated, while its consent lasts.
     pub fn selected(&self) -> Option<SocketAddr> {
         self.selected
+    }
+
+    /// Whether the peer may speak DTLS from `source`: the nominated address, or, before any
+    /// nomination, the source of a valid check.
+    pub fn valid_source(&self, source: SocketAddr) -> bool {
+        match self.selected {
+            Some(s) => s == source,
+            None => self.checked == Some(source),
+        }
     }
 
     /// New credentials from a re-offer (an ICE restart, RFC 8445 §9): the peer checks again
@@ -110,6 +122,7 @@ impl LiteAgent {
         }
         self.checks_answered += 1;
         self.last_valid_ns = Some(now_ns);
+        self.checked = Some(source);
         // A lite agent is controlled: the controlling peer's USE-CANDIDATE nominates the pair
         // (RFC 8445 §7.3.1.5), the latest nomination wins (a peer moving to another path).
         let nominated = msg.has(attr::USE_CANDIDATE) && self.selected != Some(source);
@@ -161,6 +174,8 @@ mod tests {
         };
         assert!(!nominated);
         assert_eq!(a.selected(), None, "a check without USE-CANDIDATE selects nothing");
+        assert!(a.valid_source(from), "but DTLS may start on its pair");
+        assert!(!a.valid_source("192.0.2.7:40001".parse().unwrap()));
         let r = Message::parse(&reply).unwrap();
         assert_eq!((r.class, r.transaction), (Class::Success, [1; 12]));
         assert_eq!(r.xor_mapped_address(), Some(from));

@@ -181,7 +181,8 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         Verdict::Drop { reason: DropReason::Malformed, .. } => Expect::Drop("drop_malformed"),
         Verdict::Drop { reason: DropReason::BadChecksum | DropReason::Spoofed, .. } => unreachable!("classify() judges payloads, not frames"),
         Verdict::SlowPath { reason: SlowReason::Stun, .. } => Expect::Pass("pass_stun"),
-        Verdict::SlowPath { reason: SlowReason::Handshake, .. } => unreachable!("classify() never says Handshake: the user-space plane does"),
+        // An SRTP stream: the kernel hands it up whole.
+        Verdict::SlowPath { reason: SlowReason::Handshake, .. } => Expect::Pass("pass_slow_stream"),
         // The slow path routes it (and forwards a sender report in it).
         Verdict::Feedback { .. } => Expect::Pass("pass_feedback"),
         // The kernel hands a learning leg's other sources up; the slow path relays them.

@@ -64,7 +64,7 @@ impl Daemon {
         let mut cmd = Command::new(env!("CARGO_BIN_EXE_mediaplane"));
         cmd.args(["serve", "--listen", &listen.to_string(), "--store", store.to_str().unwrap(), "--workers", "1"])
             .args(extra)
-            .env("RUST_LOG", "warn")
+            .env("RUST_LOG", std::env::var("MP_TEST_LOG").unwrap_or_else(|_| "warn".into()))
             .stdout(Stdio::null());
         let proc = Supervised::spawn("mediaplane serve", &mut cmd).expect("spawn mediaplane serve");
         let d = Daemon { token, proc, api: format!("http://{listen}"), listen, store: store.to_path_buf() };
