@@ -646,7 +646,7 @@ fn create_relay_in(model: &mut Model, media: &MediaConfig, req: &CreateRelay) ->
 async fn create_relay(State(m): State<AppState>, Extension(p): Extension<Pending>, ApiJson(req): ApiJson<CreateRelay>) -> Result<Response, ApiError> {
     commit(m, p, move |m, t| {
         let relay = m.mutate_for(t, |model, media| Ok((create_relay_in(model, media, &req)?, vec![Change::Relay(req.id.clone())])))?;
-        Ok((StatusCode::CREATED, json!({"id": req.id, "a": relay.a, "b": relay.b})))
+        Ok((StatusCode::CREATED, json!({"id": req.id, "a": leg_view(&relay.a), "b": leg_view(&relay.b)})))
     })
     .await
 }
@@ -680,7 +680,7 @@ async fn relay_batch(State(m): State<AppState>, Extension(p): Extension<Pending>
                     return Err(ManagerError::Abandoned);
                 }
                 let relay = create_relay_in(model, media, r).map_err(|e| item("create", i, &r.id, e))?;
-                created.push(json!({"id": r.id, "a": relay.a, "b": relay.b}));
+                created.push(json!({"id": r.id, "a": leg_view(&relay.a), "b": leg_view(&relay.b)}));
                 changes.push(Change::Relay(r.id.clone()));
             }
             Ok((created, changes))
@@ -690,17 +690,27 @@ async fn relay_batch(State(m): State<AppState>, Extension(p): Extension<Pending>
     .await
 }
 
-/// A relay leg as the API shows it: its SRTP keys by suite only (the key material stays in
-/// the store, never in a response).
+/// A relay leg as the API shows it: its SRTP keys by suite only (see [`without_keys`]).
 fn leg_view(leg: &mediaplane_core::model::Leg) -> serde_json::Value {
-    let mut v = serde_json::to_value(leg).unwrap_or_default();
-    if let Some(srtp) = v.get_mut("srtp").and_then(serde_json::Value::as_object_mut) {
-        for key in srtp.values_mut() {
-            if let Some(k) = key.as_object_mut() {
-                k.remove("master");
+    without_keys(serde_json::to_value(leg).unwrap_or_default())
+}
+
+/// `v` without SRTP key material: every `master` next to a `suite` goes (the keys stay in the
+/// store, never in a response).
+fn without_keys(mut v: serde_json::Value) -> serde_json::Value {
+    fn strip(v: &mut serde_json::Value) {
+        match v {
+            serde_json::Value::Object(o) => {
+                if o.contains_key("suite") {
+                    o.remove("master");
+                }
+                o.values_mut().for_each(strip);
             }
+            serde_json::Value::Array(a) => a.iter_mut().for_each(strip),
+            _ => {}
         }
     }
+    strip(&mut v);
     v
 }
 
@@ -782,7 +792,7 @@ async fn stats(State(m): State<AppState>, Extension(mx): Extension<Arc<Metrics>>
 async fn table(State(m): State<AppState>) -> Result<Response, ApiError> {
     read_blocking(move || {
         let snap = m.snapshot();
-        json!({"version": snap.table.version, "streams": snap.table.streams.values().collect::<Vec<_>>()})
+        without_keys(json!({"version": snap.table.version, "streams": snap.table.streams.values().collect::<Vec<_>>()}))
     })
     .await
 }

@@ -148,6 +148,12 @@ impl SessionManager {
             if mediaplane_webrtc::dtls::is_dtls(packet) {
                 let from_peer = leg.agent.valid_source(source);
                 tracing::debug!(stream, %source, from_peer, len = packet.len(), "DTLS datagram");
+                // A new ClientHello (handshake record, type 1) after a failed handshake starts
+                // over: one bad datagram must not end the leg until the next re-offer.
+                let client_hello = packet.first() == Some(&22) && packet.get(13) == Some(&1);
+                if client_hello && leg.spec.role == Role::Server && matches!(leg.dtls.as_ref().map(DtlsSession::state), Some(State::Closed(_))) {
+                    leg.dtls = None;
+                }
                 match (&mut leg.dtls, &leg.spec.remote_fingerprint) {
                     _ if !from_peer => leg.dtls_refused += 1,
                     (None, Some(fp)) if leg.spec.role == Role::Server => match ctx.session(Role::Server, fp.clone()) {
@@ -226,8 +232,11 @@ impl SessionManager {
         let mut send = Vec::new();
         let mut expired = Vec::new();
         {
-            let snapshot = self.snapshot();
+            // The lock first: a leg the engine adds after this snapshot waits for the next tick
+            // instead of being forgotten as not (yet) in the model.
             let mut legs = self.crypto_legs().legs.lock();
+            let snapshot = self.snapshot();
+            let ctx = &self.crypto_legs().dtls;
             legs.retain(|uid, _| {
                 snapshot
                     .model
@@ -239,6 +248,15 @@ impl SessionManager {
                 let peer = leg.agent.selected();
                 if leg.agent.consent_expired(now_ns) {
                     expired.push(*uid);
+                }
+                // The client's first flight: once nominated and the peer's fingerprint is known
+                // (the answer may bring it after the nomination, or a re-offer dropped the
+                // session), whatever came first.
+                if let (Role::Client, None, Some(fp), Some(_)) = (leg.spec.role, &leg.dtls, &leg.spec.remote_fingerprint, peer) {
+                    match ctx.session(Role::Client, fp.clone()) {
+                        Ok(s) => leg.dtls = Some(s),
+                        Err(e) => tracing::warn!(stream = uid, error = %e, "no DTLS session"),
+                    }
                 }
                 if let (Some(s), Some(peer)) = (leg.dtls.as_mut(), peer) {
                     s.on_timer();

@@ -274,6 +274,8 @@ fn a_browser_calls_a_plain_rtp_party_through_the_relay() {
         assert!(offer_sdp.contains(&format!("{} {} typ host", nominated.ip(), nominated.port())), "{nominated} is no candidate of {offer_sdp}");
         assert_eq!(relay["a"]["srtp"]["inbound"]["suite"], "AES_CM_128_HMAC_SHA1_80", "keyed by the handshake: {relay}");
         assert!(relay["a"]["srtp"]["inbound"].get("master").is_none(), "keys never leave in a response: {relay}");
+        let (_, table) = daemon.call("GET", "/v1/table", None);
+        assert!(table.to_string().contains("AES_CM_128_HMAC_SHA1_80") && !table.to_string().contains("\"master\""), "nor in the table: {table}");
         let r = ng.cmd(vec![("command", Value::str("delete")), ("call-id", Value::str(CALL)), ("from-tag", Value::str("browser"))]);
         assert_eq!(text(&r, "result"), "ok", "{r:?}");
     }));

@@ -1280,10 +1280,26 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         assert_eq!(attr(&to_caller, "fingerprint"), Some(m.dtls_fingerprint().to_sdp().as_str()));
         let (ufrag, pwd) = (attr(&to_caller, "ice-ufrag").unwrap(), attr(&to_caller, "ice-pwd").unwrap());
         assert!(ufrag.len() >= 4 && pwd.len() >= 22);
-        // The control plane has the leg's handshake: checks with the relay's password answered.
+        // The control plane has the leg's handshake: a check signed with the relay's password
+        // (as the browser learns it from this answer) is answered and nominates its source,
+        // which becomes the leg's only peer; one signed otherwise does nothing.
         let uid = m.read(|model, _| model.relays.values().next().unwrap().a.uid);
         let view = m.crypto_leg(uid).expect("the caller's leg has ICE state");
         assert_eq!((view.dtls_role, view.nominated, view.keyed), ("passive", None, false));
+        use mediaplane_webrtc::stun::{attr as stun_attr, Builder, Class, BINDING};
+        let check = |pwd: &str| {
+            Builder::new(BINDING, Class::Request, [9; 12])
+                .attribute(stun_attr::USERNAME, format!("{ufrag}:brws").as_bytes())
+                .attribute(stun_attr::USE_CANDIDATE, &[])
+                .integrity(pwd.as_bytes())
+                .fingerprint()
+        };
+        let (local, browser): (SocketAddr, SocketAddr) = ("203.0.113.5:30000".parse().unwrap(), "198.51.100.9:50000".parse().unwrap());
+        m.on_handshake(uid, local, browser, 1, &check("not-the-relays-password-x"));
+        assert_eq!(m.crypto_leg(uid).map(|v| (v.checks_refused, v.nominated)), Some((1, None)));
+        m.on_handshake(uid, local, browser, 2, &check(pwd));
+        assert_eq!(m.crypto_leg(uid).map(|v| (v.checks_answered, v.nominated)), Some((1, Some(browser))));
+        assert_eq!(m.read(|model, _| model.relays.values().next().unwrap().a.remote), Some(browser), "the nominated address is the leg's peer");
 
         // A re-offer from the browser without an ICE restart keeps the relay's credentials.
         let mut o = offer(WEBRTC_OFFER);
@@ -1309,9 +1325,16 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         assert!(attr(&to_browser, "rtcp-mux").is_some() && attr(&to_browser, "ice-lite").is_some(), "{to_browser}");
         assert_eq!(attr(&to_browser, "candidate"), Some("1 1 UDP 2130706431 203.0.113.5 30002 typ host"));
 
-        // The browser answers as the DTLS client, with its own credentials and certificate.
+        for needed in ["ice-ufrag", "ice-pwd", "fingerprint", "end-of-candidates"] {
+            assert!(attr(&to_browser, needed).is_some(), "{needed}: {to_browser}");
+        }
+        let leg_b = |m: &SessionManager| m.read(|model, _| model.relays.values().next().map(|r| (r.b.ice, r.b.srtp.clone())).unwrap());
+        assert_eq!(leg_b(&m), (true, Some(Default::default())), "the callee's leg waits for its handshake");
+        let uid = m.read(|model, _| model.relays.values().next().unwrap().b.uid);
+        assert_eq!(m.crypto_leg(uid).map(|v| v.dtls_role), Some("passive"), "until the answer says");
+        // The browser answers as the DTLS server (setup:passive): the relay connects.
         let browser =
-            WEBRTC_OFFER.replace("m=audio 50000 UDP/TLS/RTP/SAVPF 111 0", "m=audio 50000 UDP/TLS/RTP/SAVPF 8").replace("a=setup:actpass", "a=setup:active");
+            WEBRTC_OFFER.replace("m=audio 50000 UDP/TLS/RTP/SAVPF 111 0", "m=audio 50000 UDP/TLS/RTP/SAVPF 8").replace("a=setup:actpass", "a=setup:passive");
         let r = send(&mut e, &m, "a1", answer(&browser));
         assert_eq!(text(&r, "result"), "ok", "{r:?}");
         let to_caller = text(&r, "sdp");
@@ -1319,8 +1342,8 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         for gone in ["candidate", "ice-ufrag", "fingerprint", "setup", "ice-lite"] {
             assert_eq!(attr(&to_caller, gone), None, "{gone} stripped: {to_caller}");
         }
-        let uid = m.read(|model, _| model.relays.values().next().unwrap().b.uid);
-        assert_eq!(m.crypto_leg(uid).map(|v| v.dtls_role), Some("passive"));
+        assert_eq!(m.crypto_leg(uid).map(|v| v.dtls_role), Some("active"), "the answer's role reached the handshake");
+        assert!(leg_b(&m).0);
 
         // An answer that refuses DTLS-SRTP is an error, not a silent plain leg.
         let mut o = offer(OFFER_SDP);

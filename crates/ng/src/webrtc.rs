@@ -135,8 +135,13 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, secure: &[Sectio
                         // Its `a=setup:passive` makes the relay the client; `active` or
                         // `actpass` the server (what the answer will say), unless DTLS=active
                         // asks the relay to connect.
-                        let role = match (sdp.transport_attr(i, "setup"), dtls) {
-                            (Some("passive"), _) | (Some("actpass") | None, DtlsOption::Active) => Role::Client,
+                        // A re-offer with `actpass` keeps the role agreed (RFC 8842 §5.5: a
+                        // role is not reversed without a new association).
+                        let role = match (sdp.transport_attr(i, "setup"), dtls, &old) {
+                            (Some("passive"), _, _) => Role::Client,
+                            (Some("active"), _, _) => Role::Server,
+                            (_, DtlsOption::Active, _) => Role::Client,
+                            (_, _, Some(o)) => o.role,
                             _ => Role::Server,
                         };
                         let mid = mid.unwrap_or_else(|| i.to_string());
