@@ -39,9 +39,14 @@ fuzz_target!(|data: &[u8]| {
                 // Every fourth section turns SDES: a new protocol and one key line.
                 proto: (i % 4 == 1).then(|| "RTP/SAVP".to_string()),
                 crypto: (i % 4 == 1).then(|| vec![crypto_line(1, "AES_CM_128_HMAC_SHA1_80", &[7; 30])]),
+                // Every fourth section (another one) gets the relay's ICE and DTLS instead of
+                // its own, as toward a WebRTC party.
+                transport: (i % 4 == 3).then(|| vec!["ice-ufrag:fuzz".to_string(), "setup:passive".to_string()]),
             })
             .collect(),
         mark: Some("fuzz1".into()),
+        session_attrs: vec!["ice-lite".into()],
+        remove_dtls: true,
     };
     let out = sdp.rewrite(&rw);
     let back = Sdp::parse(&out).expect("a rewritten SDP parses");
@@ -49,6 +54,10 @@ fuzz_target!(|data: &[u8]| {
     assert!(back.marked("fuzz1"));
     let marks = |b: &[u8]| b.split(|&c| c == b'\n').filter(|l| l.strip_suffix(b"\r").unwrap_or(l) == b"a=rtpengine:fuzz1").count();
     assert_eq!(marks(&out), marks(data) + usize::from(!sdp.marked("fuzz1")), "marked once");
+    for (i, m) in back.media.iter().enumerate().filter(|(i, _)| i % 4 == 3) {
+        let attrs: Vec<(&str, &str)> = m.transport_attrs.iter().filter(|(n, _)| n != "mid").map(|(n, v)| (n.as_str(), v.as_str())).collect();
+        assert_eq!(attrs, vec![("ice-ufrag", "fuzz"), ("setup", "passive")], "section {i}: only the relay's ICE and DTLS");
+    }
     for (i, m) in back.media.iter().enumerate().filter(|(i, _)| i % 4 == 1) {
         assert_eq!(m.proto, "RTP/SAVP", "section {i}");
         assert_eq!(m.crypto.iter().map(|c| (c.tag, c.key.clone())).collect::<Vec<_>>(), vec![(1, Some(vec![7; 30]))], "section {i}: only the new key");
