@@ -9,8 +9,9 @@
 //! party sends 200 PCMU packets of one SSRC; the browser sends its microphone. Counted at both
 //! ends: the plain party's receipts by SSRC and sequence number (≥ 95 % of what the browser
 //! reports sent, no duplicate), the browser's by getStats (packetsReceived ≥ 95 % of 200,
-//! packetsLost ≤ 5 %), the relay's SRTP failure counters all 0, and the leg's ICE and DTLS state
-//! in the API (nominated, connected, keyed).
+//! packetsLost ≤ 5 %), the browser's DTLS connected, the relay's SRTP failure counters all 0, and
+//! the leg in the API: an ICE leg whose peer is one of the browser's host candidates, keyed by
+//! the handshake, with no key material in the relay or table views.
 //!
 //! Needs chromium (Debian `chromium`); skipped without it, except under CI=true, where that is
 //! a failure. MP_KEEP_TMP=1 keeps the run's directory (the browser's and the relay's logs).
