@@ -43,6 +43,27 @@ struct CryptoLeg {
     keyed: bool,
 }
 
+impl CryptoLeg {
+    /// Start the relay's handshake as the DTLS client, if that is its role, none runs, the
+    /// peer nominated an address and its fingerprint is known (in whichever order those came).
+    /// True if it started (its first flight waits in the session's output).
+    fn start_client(&mut self, ctx: &DtlsContext, stream: u32) -> bool {
+        let (Role::Client, None, Some(fp), Some(_)) = (self.spec.role, &self.dtls, &self.spec.remote_fingerprint, self.agent.selected()) else {
+            return false;
+        };
+        match ctx.session(Role::Client, fp.clone()) {
+            Ok(s) => {
+                self.dtls = Some(s);
+                true
+            }
+            Err(e) => {
+                tracing::warn!(stream, error = %e, "no DTLS session");
+                false
+            }
+        }
+    }
+}
+
 /// What the API and the NG `query` show of an ICE leg.
 #[derive(Debug, Clone, Serialize, PartialEq, Eq)]
 pub struct CryptoLegView {
@@ -179,23 +200,16 @@ impl SessionManager {
             } else {
                 match leg.agent.on_stun(packet, source, at_ns) {
                     CheckOutcome::Answered { reply, nominated } => {
+                        d.send.push((local, source, reply));
                         if nominated {
                             d.nominated = Some(source);
-                            if leg.spec.role == Role::Client && leg.dtls.is_none() {
-                                if let Some(fp) = leg.spec.remote_fingerprint.clone() {
-                                    match ctx.session(Role::Client, fp) {
-                                        Ok(mut s) => {
-                                            while let Some(out) = s.poll_output() {
-                                                d.send.push((local, source, out));
-                                            }
-                                            leg.dtls = Some(s);
-                                        }
-                                        Err(e) => tracing::warn!(stream, error = %e, "no DTLS session"),
-                                    }
+                            if leg.start_client(ctx, stream) {
+                                let s = leg.dtls.as_mut().expect("just started");
+                                while let Some(out) = s.poll_output() {
+                                    d.send.push((local, source, out));
                                 }
                             }
                         }
-                        d.send.insert(0, (local, source, reply));
                     }
                     CheckOutcome::Refused { reply, reason } => {
                         tracing::debug!(stream, %source, reason, "ICE check refused");
@@ -252,12 +266,7 @@ impl SessionManager {
                 // The client's first flight: once nominated and the peer's fingerprint is known
                 // (the answer may bring it after the nomination, or a re-offer dropped the
                 // session), whatever came first.
-                if let (Role::Client, None, Some(fp), Some(_)) = (leg.spec.role, &leg.dtls, &leg.spec.remote_fingerprint, peer) {
-                    match ctx.session(Role::Client, fp.clone()) {
-                        Ok(s) => leg.dtls = Some(s),
-                        Err(e) => tracing::warn!(stream = uid, error = %e, "no DTLS session"),
-                    }
-                }
+                leg.start_client(ctx, *uid);
                 if let (Some(s), Some(peer)) = (leg.dtls.as_mut(), peer) {
                     s.on_timer();
                     while let Some(out) = s.poll_output() {

@@ -13,7 +13,7 @@
 //!
 //! Both legs speaking DTLS-SRTP pass through untouched. [`plan`] decides from the SDP and the
 //! call (no side effects); [`install`] marks the legs in the model; the engine then hands each
-//! WebRTC leg's handshake parameters to the control plane ([`crate_legs`]).
+//! WebRTC leg's handshake parameters to the control plane ([`hand_over_legs`]).
 
 use crate::calls::{rtp_relay_id, side_index, Call, Phase};
 use crate::sdes::{is_dtls, is_sdes, SectionPlan};
@@ -234,7 +234,7 @@ pub fn install(model: &mut Model, call: &mut Call, plans: &[WebrtcPlan], changes
 }
 
 /// Hand every WebRTC leg of `call` its handshake parameters (after the mutation committed).
-pub fn crate_legs(mgr: &SessionManager, call: &Call) {
+pub fn hand_over_legs(mgr: &SessionManager, call: &Call) {
     for (i, m) in call.media.iter().enumerate().filter(|(_, m)| m.active) {
         let id = rtp_relay_id(&call.key, i);
         for (x, side) in [(0, Side::A), (1, Side::B)] {

@@ -129,7 +129,7 @@ impl DtlsContext {
             Role::Client => ssl.set_connect_state(),
         }
         let stream = SslStream::new(ssl, Channel::default())?;
-        let mut s = DtlsSession { stream, role, remote, state: State::Handshaking, keys: None };
+        let mut s = DtlsSession { stream, role, remote, state: State::Handshaking };
         if role == Role::Client {
             s.drive();
         }
@@ -232,7 +232,6 @@ pub struct DtlsSession {
     role: Role,
     remote: Fingerprint,
     state: State,
-    keys: Option<SrtpKeys>,
 }
 
 impl std::fmt::Debug for DtlsSession {
@@ -244,21 +243,6 @@ impl std::fmt::Debug for DtlsSession {
 impl DtlsSession {
     pub fn state(&self) -> &State {
         &self.state
-    }
-
-    pub fn role(&self) -> Role {
-        self.role
-    }
-
-    /// The keys, once connected.
-    pub fn keys(&self) -> Option<&SrtpKeys> {
-        self.keys.as_ref()
-    }
-
-    /// The peer's fingerprint changed (a re-offer with a new certificate): checked against it
-    /// from now on. A connected session is not re-keyed by this; a new one is made.
-    pub fn remote(&self) -> &Fingerprint {
-        &self.remote
     }
 
     /// A datagram that demultiplexed as DTLS (first byte 20..=63, RFC 7983) from the peer.
@@ -294,7 +278,6 @@ impl DtlsSession {
                 Ok(()) => match self.finish() {
                     Ok(keys) => {
                         self.state = State::Connected;
-                        self.keys = Some(keys.clone());
                         Progress::Connected(keys)
                     }
                     Err(e) => self.close(e.to_string()),
