@@ -637,7 +637,7 @@ impl Engine {
             Ok(((next, media.clone()), changes))
         })?;
 
-        crate::webrtc::crate_legs(mgr, &call);
+        crate::webrtc::hand_over_legs(mgr, &call);
         if let Some(name) = answer_names {
             let on = |m: &MediaState| media_cfg.interface_of(m.local_of(sender).ip()).map(|i| i.name);
             if let Some(other_name) = call.media.iter().filter(|m| m.active).filter_map(on).find(|n| *n != name) {
@@ -659,16 +659,7 @@ impl Engine {
             .enumerate()
             .map(|(i, (m, sig))| {
                 if !m.active {
-                    return MediaRewrite {
-                        port: None,
-                        rtcp_port: 0,
-                        strip_rtcp_mux: opt.strip_mux,
-                        hold: false,
-                        formats: None,
-                        proto: None,
-                        crypto: None,
-                        transport: None,
-                    };
+                    return MediaRewrite { strip_rtcp_mux: opt.strip_mux, ..Default::default() };
                 }
                 let port = m.local_of(to).port();
                 let formats = formats.get(i).cloned().flatten();

@@ -252,7 +252,14 @@ pub struct Rewrite {
     pub remove_dtls: bool,
 }
 
-#[derive(Debug, Clone, PartialEq, Eq)]
+impl Rewrite {
+    /// Advertise `addr` in the `media` sections, changing nothing else.
+    pub fn new(addr: IpAddr, media: Vec<MediaRewrite>) -> Rewrite {
+        Rewrite { addr, origin: false, session_connection: false, remove_ice: false, media, mark: None, session_attrs: Vec::new(), remove_dtls: false }
+    }
+}
+
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct MediaRewrite {
     /// The relay port to advertise; `None` leaves the section untouched (e.g. a disabled one).
     pub port: Option<u16>,
@@ -761,25 +768,7 @@ a=rtpmap:96 VP8/90000\r\n";
     #[test]
     fn rewrite_session_connection_and_port_keeps_the_rest() {
         let s = Sdp::parse(SIPP.as_bytes()).unwrap();
-        let rw = Rewrite {
-            addr: ip("192.0.2.7"),
-            origin: false,
-            session_connection: false,
-            remove_ice: false,
-            mark: None,
-            session_attrs: Vec::new(),
-            remove_dtls: false,
-            media: vec![MediaRewrite {
-                port: Some(30000),
-                rtcp_port: 30001,
-                strip_rtcp_mux: false,
-                hold: false,
-                formats: None,
-                proto: None,
-                crypto: None,
-                transport: None,
-            }],
-        };
+        let rw = Rewrite::new(ip("192.0.2.7"), vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, ..Default::default() }]);
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
         // The media relies on the session c=, so it is rewritten even without the replace flag.
         let want = SIPP.replace("c=IN IP4 127.0.0.1", "c=IN IP4 192.0.2.7").replace("m=audio 6000", "m=audio 30000");
@@ -796,35 +785,16 @@ a=rtpmap:96 VP8/90000\r\n";
         assert_eq!(s.media[0].rtcp.as_ref().unwrap().port, 52536);
         assert_eq!(s.media_addr(1), Some(&ConnAddr::Ip(ip("10.100.1.218"))));
         let rw = Rewrite {
-            addr: ip("192.0.2.7"),
             origin: true,
             session_connection: true,
             remove_ice: true,
-            mark: None,
-            session_attrs: Vec::new(),
-            remove_dtls: false,
-            media: vec![
-                MediaRewrite {
-                    port: Some(30000),
-                    rtcp_port: 30001,
-                    strip_rtcp_mux: false,
-                    hold: false,
-                    formats: None,
-                    proto: None,
-                    crypto: None,
-                    transport: None,
-                },
-                MediaRewrite {
-                    port: Some(30002),
-                    rtcp_port: 30003,
-                    strip_rtcp_mux: false,
-                    hold: false,
-                    formats: None,
-                    proto: None,
-                    crypto: None,
-                    transport: None,
-                },
-            ],
+            ..Rewrite::new(
+                ip("192.0.2.7"),
+                vec![
+                    MediaRewrite { port: Some(30000), rtcp_port: 30001, ..Default::default() },
+                    MediaRewrite { port: Some(30002), rtcp_port: 30003, ..Default::default() },
+                ],
+            )
         };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
         let want = "v=0\r\n\
@@ -856,28 +826,10 @@ a=rtpmap:96 VP8/90000\r\n";
             "v=0\no=- 1 1 IN IP4 10.0.0.1\ns=x\nc=IN IP4 10.0.0.1\nt=0 0\nm=audio 4000/2 RTP/AVP 0\na=rtcp:4001\nm=video 0 RTP/AVP 96\nc=IN IP4 10.0.0.1\n";
         let s = Sdp::parse(body.as_bytes()).unwrap();
         assert_eq!(s.media[1].port, 0);
-        let rw = Rewrite {
-            addr: ip("192.0.2.7"),
-            origin: false,
-            session_connection: false,
-            remove_ice: false,
-            mark: None,
-            session_attrs: Vec::new(),
-            remove_dtls: false,
-            media: vec![
-                MediaRewrite {
-                    port: Some(30010),
-                    rtcp_port: 30011,
-                    strip_rtcp_mux: false,
-                    hold: false,
-                    formats: None,
-                    proto: None,
-                    crypto: None,
-                    transport: None,
-                },
-                MediaRewrite { port: None, rtcp_port: 0, strip_rtcp_mux: false, hold: false, formats: None, proto: None, crypto: None, transport: None },
-            ],
-        };
+        let rw = Rewrite::new(
+            ip("192.0.2.7"),
+            vec![MediaRewrite { port: Some(30010), rtcp_port: 30011, ..Default::default() }, MediaRewrite { port: None, rtcp_port: 0, ..Default::default() }],
+        );
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
         assert_eq!(
             out,
@@ -892,26 +844,8 @@ a=rtpmap:96 VP8/90000\r\n";
         let pts: Vec<(u8, Option<&str>)> = s.media[0].formats.iter().map(|f| (f.pt, f.codec.as_ref().map(|c| c.name.as_str()))).collect();
         assert_eq!(pts, [(0, Some("PCMU")), (8, Some("PCMA")), (101, Some("telephone-event"))]);
         assert!(s.media[1].formats.is_empty(), "not RTP: no payload types");
-        let section = |port, formats| MediaRewrite {
-            port: Some(port),
-            rtcp_port: port + 1,
-            strip_rtcp_mux: false,
-            hold: false,
-            formats,
-            proto: None,
-            crypto: None,
-            transport: None,
-        };
-        let rw = Rewrite {
-            addr: ip("192.0.2.7"),
-            origin: false,
-            session_connection: false,
-            remove_ice: false,
-            media: vec![section(30000, Some(vec![101, 0])), section(30002, Some(vec![]))],
-            mark: Some("abc".into()),
-            session_attrs: Vec::new(),
-            remove_dtls: false,
-        };
+        let section = |port, formats| MediaRewrite { port: Some(port), rtcp_port: port + 1, formats, ..Default::default() };
+        let rw = Rewrite { mark: Some("abc".into()), ..Rewrite::new(ip("192.0.2.7"), vec![section(30000, Some(vec![101, 0])), section(30002, Some(vec![]))]) };
         let out = String::from_utf8(s.rewrite(&rw)).unwrap();
         assert_eq!(
             out,
@@ -936,25 +870,7 @@ a=rtpmap:96 VP8/90000\r\n";
         // the parser rejects.
         let odd = b"v=0\r\nc=IN IP4 10.0.0.1\r\nm=audio 4000\x0cRTP/AVP\t0\r\n";
         let sdp = Sdp::parse(odd).unwrap();
-        let rw = Rewrite {
-            addr: "192.0.2.7".parse().unwrap(),
-            origin: false,
-            session_connection: false,
-            remove_ice: false,
-            mark: None,
-            session_attrs: Vec::new(),
-            remove_dtls: false,
-            media: vec![MediaRewrite {
-                port: Some(30000),
-                rtcp_port: 30001,
-                strip_rtcp_mux: false,
-                hold: false,
-                formats: None,
-                proto: None,
-                crypto: None,
-                transport: None,
-            }],
-        };
+        let rw = Rewrite::new("192.0.2.7".parse().unwrap(), vec![MediaRewrite { port: Some(30000), rtcp_port: 30001, ..Default::default() }]);
         let out = sdp.rewrite(&rw);
         assert_eq!(out, b"v=0\r\nc=IN IP4 192.0.2.7\r\nm=audio 30000\x0cRTP/AVP\t0\r\n");
         assert_eq!(Sdp::parse(&out).unwrap().media.len(), 1);
@@ -970,26 +886,10 @@ a=rtpmap:96 VP8/90000\r\n";
         for i in 0..WEBRTC.len() {
             let _ = Sdp::parse(&WEBRTC.as_bytes()[..i]).map(|s| {
                 s.rewrite(&Rewrite {
-                    addr: ip("::1"),
                     origin: true,
                     session_connection: true,
                     remove_ice: true,
-                    mark: None,
-                    session_attrs: Vec::new(),
-                    remove_dtls: false,
-                    media: vec![
-                        MediaRewrite {
-                            port: Some(1),
-                            rtcp_port: 2,
-                            strip_rtcp_mux: true,
-                            hold: false,
-                            formats: None,
-                            proto: None,
-                            crypto: None,
-                            transport: None
-                        };
-                        2
-                    ],
+                    ..Rewrite::new(ip("::1"), vec![MediaRewrite { port: Some(1), rtcp_port: 2, strip_rtcp_mux: true, ..Default::default() }; 2])
                 })
             });
         }
