@@ -3,7 +3,7 @@ SHELL := /bin/bash
 export PATH := $(HOME)/.cargo/bin:$(PATH)
 CARGO ?= cargo
 
-.PHONY: all deps build release test lint demo bench fuzz fuzz-smoke fuzz-cargo fuzz-bpf clean deb deb-tools deb-assets
+.PHONY: disk-report all deps build release test lint demo bench fuzz fuzz-smoke fuzz-cargo fuzz-bpf clean deb deb-tools deb-assets
 
 all: build
 
@@ -20,9 +20,19 @@ release: deps
 # Privileged tests fail rather than skip when CI=true.
 # The .deb test (crates/mediaplane/tests/deb_package.rs) packages the debug build with cargo-deb,
 # installs it, starts it as the unit would and removes it.
-test: deps deb-tools lint
+test: deps deb-tools disk-report lint
 	$(CARGO) test --workspace --no-fail-fast
 	$(MAKE) fuzz-smoke
+
+# A CI run builds from nothing; incremental caches would only add ~2 GB to its disk.
+ifeq ($(CI),true)
+export CARGO_INCREMENTAL := 0
+endif
+
+# Free space where the build writes, printed first so a "No space left on device" later in the
+# log can be read against it (a fresh `make test` writes about N GB: see README).
+disk-report:
+	@df -h $(CURDIR) | awk 'NR == 2 { print "disk: " $$4 " free on " $$6 " before the build" }'
 
 # Formatting (rustfmt.toml) and clippy with warnings as errors, on every target; first in `make
 # test`, so a style slip fails in seconds rather than after the tests.

@@ -34,6 +34,8 @@ if ((${#missing[@]})); then
   echo "installing: ${missing[*]}"
   apt-get update -qq
   DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+  # The downloaded .debs (chromium's alone is ~100 MB) are not needed once installed.
+  apt-get clean
   # Under systemd the package's own service starts (any interface, NG on localhost:2223, which the
   # tests' relays use): stop and disable the one this script just installed.
   if [[ " ${missing[*]} " == *" rtpengine-daemon "* ]] && [ -d /run/systemd/system ]; then
