@@ -321,8 +321,14 @@ fn split_lines(body: &[u8]) -> Vec<Line> {
                 lines.push(Line { text: text.to_vec(), eol });
                 rest = &rest[i + 1..];
             }
+            // A body cut after a last CR (no LF) ends that line as CRLF would: the CR is no part
+            // of its text, and lines added after it get a terminator of their own.
             None => {
-                lines.push(Line { text: rest.to_vec(), eol: b"" });
+                let (text, eol): (&[u8], &'static [u8]) = match rest.strip_suffix(b"\r") {
+                    Some(text) => (text, b"\r\n"),
+                    None => (rest, b""),
+                };
+                lines.push(Line { text: text.to_vec(), eol });
                 rest = &[];
             }
         }
@@ -858,6 +864,15 @@ a=rtpmap:96 VP8/90000\r\n";
         let bare = Sdp::parse(b"v=0\r\ns=-").unwrap();
         let out = bare.rewrite(&Rewrite { media: vec![], ..rw });
         assert_eq!(out, b"v=0\r\ns=-\r\na=rtpengine:abc\r\n");
+        // Found by the sdp fuzz target: a body cut after the mark's CR. The mark is read, kept
+        // once, and what is added after it is on lines of its own (the CR was left in the
+        // line's text, then ended with another CRLF, and the mark no longer read back).
+        let cut = Sdp::parse(b"v=\n\n\na=rtpengine:fuzz1\r").unwrap();
+        assert!(cut.marked("fuzz1"));
+        let rw = Rewrite { mark: Some("fuzz1".into()), session_attrs: vec!["ice-lite".into()], ..Rewrite::new(ip("192.0.2.7"), vec![]) };
+        let out = cut.rewrite(&rw);
+        assert_eq!(out, b"v=\n\n\na=rtpengine:fuzz1\r\na=ice-lite\r\n");
+        assert!(Sdp::parse(&out).unwrap().marked("fuzz1"));
     }
 
     #[test]
