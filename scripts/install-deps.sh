@@ -7,6 +7,7 @@ packages=(
   clang llvm libelf-dev zlib1g-dev pkg-config bpftool libbpf-dev   # BPF programs + libbpf-rs
   iproute2 ethtool                                                 # network-namespace testbed
   kamailio sip-tester                                              # SIP interop tests (Kamailio + SIPp)
+  kamailio-websocket-modules                                       # SIP over WebSocket for the browser SIP client (SIP.js)
   rtpengine-daemon                                                 # the latching interop test's baseline, and make bench's
   libsrtp2-dev                                                     # SRTP legs (SDES), through the srtp crate
   gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad  # SDES interop peer (srtpenc/srtpdec)
@@ -45,4 +46,16 @@ fi
 
 if ! command -v cargo >/dev/null 2>&1; then
   [ -x "$HOME/.cargo/bin/cargo" ] || { echo "cargo not found: install Rust (rustup) first" >&2; exit 1; }
+fi
+
+# SIP.js, which the WebRTC interop test serves to Chromium, pinned by its lockfile
+# (crates/mediaplane/tests/browser). Without npm that test fails under CI=true and skips
+# elsewhere; nothing else needs it.
+browser_dir="$(cd "$(dirname "$0")/.." && pwd)/crates/mediaplane/tests/browser"
+if [ ! -f "$browser_dir/node_modules/sip.js/lib/index.js" ]; then
+  if command -v npm >/dev/null 2>&1; then
+    (cd "$browser_dir" && npm ci --no-audit --no-fund --loglevel=error)
+  else
+    echo "npm not found: the WebRTC interop test (SIP.js) cannot run" >&2
+  fi
 fi

@@ -67,6 +67,13 @@ pub struct KamailioConfig<'a> {
     /// sender's interface first, so an answer names them the other way round).
     pub flags: &'a str,
     pub modules: &'a Path,
+    /// Also SIP over WebSocket (RFC 7118) on this TCP address, as a WebRTC deployment runs it:
+    /// REGISTER is saved in memory, INVITEs are record-routed, and an INVITE that came over
+    /// WebSocket is offered with `RTP/AVP ICE=remove rtcp-mux-demux` (plain RTP, RTCP on its own
+    /// port, toward the SIP side) and its
+    /// answer gets `UDP/TLS/RTP/SAVPF ICE=force` (DTLS-SRTP and ICE back toward the browser),
+    /// after the flags above. In-dialog requests then follow the route set (`loose_route`).
+    pub websocket: Option<SocketAddr>,
 }
 
 impl KamailioConfig<'_> {
@@ -75,13 +82,17 @@ impl KamailioConfig<'_> {
     /// rtpengine_delete. No record-routing: only the UAC sends requests, always to Kamailio.
     pub fn render(&self) -> String {
         let next_hop = self.next_hop.map(|a| format!("$du = \"sip:{a}\";")).unwrap_or_default();
+        let (transport, ws_modules, ws_request, ws_flags, ws_http) = match self.websocket {
+            None => ("disable_tcp=yes".to_string(), "", "", "", ""),
+            Some(ws) => (format!("tcp_accept_no_cl=yes\ntcp_children=1\nlisten=tcp:{ws}"), WS_MODULES, WS_REQUEST, WS_FLAGS, WS_HTTP),
+        };
         format!(
             r#"#!KAMAILIO
 debug=2
 log_stderror=yes
 children=1
-disable_tcp=yes
 auto_aliases=no
+{transport}
 listen=udp:{listen}
 mpath="{modules}/"
 loadmodule "tm.so"
@@ -93,12 +104,12 @@ loadmodule "siputils.so"
 loadmodule "xlog.so"
 loadmodule "rtpengine.so"
 modparam("rtpengine", "rtpengine_sock", "udp:{ng}")
-
+{ws_modules}
 request_route {{
     if (!mf_process_maxfwd_header("10")) {{
         sl_send_reply("483", "Too Many Hops");
         exit;
-    }}
+    }}{ws_request}
     if (is_method("INVITE") && has_body("application/sdp")) {{
         $avp(rtp_flags) = "{flags}";
         $avp(rtp_answer_flags) = $avp(rtp_flags);
@@ -108,7 +119,7 @@ request_route {{
         }}
         if (is_present_hf("X-RTP-Answer-Flags")) {{
             $avp(rtp_answer_flags) = "{flags}" + " " + $hdr(X-RTP-Answer-Flags);
-        }}
+        }}{ws_flags}
         if (!rtpengine_offer("$avp(rtp_flags)")) {{
             sl_send_reply("500", "Media relay failed");
             exit;
@@ -132,7 +143,7 @@ onreply_route[MEDIA] {{
         }}
     }}
 }}
-"#,
+{ws_http}"#,
             listen = self.listen,
             ng = self.ng,
             flags = self.flags,
@@ -140,6 +151,67 @@ onreply_route[MEDIA] {{
         )
     }
 }
+
+// The WebSocket part of the configuration (KamailioConfig::websocket), after Kamailio's own
+// websocket module documentation and the usual WebRTC gateway setups.
+const WS_MODULES: &str = r#"loadmodule "xhttp.so"
+loadmodule "websocket.so"
+loadmodule "nathelper.so"
+loadmodule "rr.so"
+loadmodule "usrloc.so"
+loadmodule "registrar.so"
+modparam("usrloc", "db_mode", 0)
+"#;
+
+// A WebSocket client's Contact (`…@….invalid;transport=ws`) is unreachable: the alias makes the
+// route set lead back over its connection. Only the client sends in-dialog requests here.
+const WS_REQUEST: &str = r#"
+    if (nat_uac_test("64")) {
+        force_rport();
+        if (!is_method("REGISTER")) {
+            add_contact_alias();
+        }
+    }
+    if (has_totag()) {
+        if (loose_route()) {
+            handle_ruri_alias();
+            if (is_method("BYE")) {
+                rtpengine_delete();
+            }
+            t_relay();
+            exit;
+        }
+        if (is_method("ACK") && t_check_trans()) {
+            t_relay();
+        }
+        exit;
+    }
+    if (is_method("REGISTER")) {
+        if (!save("location")) {
+            sl_reply_error();
+        }
+        exit;
+    }
+    if (is_method("INVITE")) {
+        record_route();
+    }"#;
+
+const WS_FLAGS: &str = r#"
+        if (nat_uac_test("64")) {
+            $avp(rtp_flags) = $avp(rtp_flags) + " RTP/AVP ICE=remove rtcp-mux-demux";
+            $avp(rtp_answer_flags) = $avp(rtp_answer_flags) + " UDP/TLS/RTP/SAVPF ICE=force";
+        }"#;
+
+const WS_HTTP: &str = r#"
+event_route[xhttp:request] {
+    if ($hdr(Upgrade) =~ "websocket" && $hdr(Connection) =~ "Upgrade" && $rm =~ "GET") {
+        if (ws_handle_handshake()) {
+            exit;
+        }
+    }
+    xhttp_reply("404", "Not Found", "", "");
+}
+"#;
 
 /// A Kamailio started from a [`KamailioConfig`], logging to `kamailio.log` in its directory.
 pub struct Kamailio {

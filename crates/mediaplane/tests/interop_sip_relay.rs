@@ -455,7 +455,8 @@ fn run(relay: &str) {
     let mut relay_proc =
         RelayProc::start_binary(&tb, relay, &tmp.0, Path::new(env!("CARGO_BIN_EXE_mediaplane")), &setup).unwrap_or_else(|e| panic!("starting {relay}: {e:#}"));
     let modules = sip::kamailio_module_dir().unwrap();
-    let kcfg = KamailioConfig { listen: KAMAILIO.parse().unwrap(), ng: NG.parse().unwrap(), next_hop: None, flags: BASE_FLAGS, modules: &modules };
+    let kcfg =
+        KamailioConfig { listen: KAMAILIO.parse().unwrap(), ng: NG.parse().unwrap(), next_hop: None, flags: BASE_FLAGS, modules: &modules, websocket: None };
     let kamailio =
         Kamailio::start(tb.command(&tb.sfu_ns, sip::which("kamailio").unwrap().to_str().unwrap()), &kcfg, &tmp.0).unwrap_or_else(|e| panic!("kamailio: {e}"));
 

@@ -169,6 +169,7 @@ fn kamailio_sipp_calls_through_mediaplane() {
         next_hop: Some(SocketAddr::from(([127, 0, 0, 1], uas_port))),
         flags: "trust-address replace-origin replace-session-connection ICE=remove",
         modules: &modules,
+        websocket: None,
     };
     let mut kam = Kamailio::start(Command::new(sip::which("kamailio").unwrap()), &cfg, &dir.0).unwrap_or_else(|e| panic!("{e}"));
     let klog = kam.log.clone();

@@ -2,6 +2,7 @@
 
 #![allow(dead_code)]
 
+pub mod browser;
 pub mod netns;
 pub mod simulcast;
 pub mod sipp;

@@ -13,12 +13,16 @@ use mediaplane_harness::bench_relay::{RelayProc, RelaySetup, NG};
 #[allow(unused_imports)] // not every test binary uses all of them
 pub use mediaplane_bench::sip::{parse_sipp_event, sipp_command, sipp_result, LogTail};
 use std::fmt::Write as _;
+use std::net::SocketAddr;
 use std::path::Path;
 use std::sync::{Mutex, MutexGuard, PoisonError};
 use std::time::Instant;
 
 /// Kamailio's SIP address in the relay namespace.
 pub const KAMAILIO: &str = "127.0.0.1:5060";
+/// Kamailio's SIP-over-WebSocket port ([`Bed::start_websocket`]), on the relay's address on
+/// peer 0's link.
+pub const WEBSOCKET_PORT: u16 = 8088;
 
 static SERIAL: Mutex<()> = Mutex::new(());
 
@@ -69,6 +73,11 @@ pub struct Bed {
     pub tmp: TempDir,
     relay_proc: RelayProc,
     kamailio: Kamailio,
+    /// Kamailio's WebSocket address ([`Bed::start_websocket`]).
+    pub websocket: Option<SocketAddr>,
+    /// Whether the eBPF plane should forward the media in the kernel: true unless a leg's media
+    /// is terminated (SRTP to plain RTP goes through user space, per packet).
+    pub media_in_kernel: bool,
     started: Instant,
     _one_at_a_time: MutexGuard<'static, ()>,
 }
@@ -77,6 +86,17 @@ impl Bed {
     /// The bed for test `<prefix>_<relay>`, with Kamailio's `base_flags` on every offer and
     /// answer; None (after saying why) when the tools are missing outside CI.
     pub fn start(prefix: &str, relay: Relay, base_flags: &str) -> Option<Bed> {
+        Bed::start_inner(prefix, relay, base_flags, false)
+    }
+
+    /// [`Bed::start`] with Kamailio also taking SIP over WebSocket on [`WEBSOCKET_PORT`] of the
+    /// relay's address on peer 0's link ([`KamailioConfig::websocket`]: a WebSocket caller is
+    /// bridged to plain RTP).
+    pub fn start_websocket(prefix: &str, relay: Relay, base_flags: &str) -> Option<Bed> {
+        Bed::start_inner(prefix, relay, base_flags, true)
+    }
+
+    fn start_inner(prefix: &str, relay: Relay, base_flags: &str, websocket: bool) -> Option<Bed> {
         let test = format!("{prefix}_{}", relay.name().replace('-', "_"));
         let tools: &[&str] = if relay == Relay::Rtpengine { &["kamailio", "sipp", "rtpengine"] } else { &["kamailio", "sipp"] };
         if !sip::ready(&test, tools) {
@@ -89,10 +109,12 @@ impl Bed {
         let relay_proc = RelayProc::start_binary(&tb, relay.name(), &tmp.0, Path::new(env!("CARGO_BIN_EXE_mediaplane")), &RelaySetup::default())
             .unwrap_or_else(|e| panic!("starting {}: {e:#}", relay.name()));
         let modules = sip::kamailio_module_dir().unwrap();
-        let kamailio_cfg = KamailioConfig { listen: KAMAILIO.parse().unwrap(), ng: NG.parse().unwrap(), next_hop: None, flags: base_flags, modules: &modules };
+        let websocket = websocket.then(|| SocketAddr::new(tb.peers[0].sfu_ip, WEBSOCKET_PORT));
+        let kamailio_cfg =
+            KamailioConfig { listen: KAMAILIO.parse().unwrap(), ng: NG.parse().unwrap(), next_hop: None, flags: base_flags, modules: &modules, websocket };
         let kamailio = Kamailio::start(tb.command(&tb.sfu_ns, sip::which("kamailio").unwrap().to_str().unwrap()), &kamailio_cfg, &tmp.0)
             .unwrap_or_else(|e| panic!("starting kamailio: {e}"));
-        Some(Bed { relay, tb, tmp, relay_proc, kamailio, started, _one_at_a_time: one_at_a_time })
+        Some(Bed { relay, tb, tmp, relay_proc, kamailio, websocket, media_in_kernel: true, started, _one_at_a_time: one_at_a_time })
     }
 
     /// Run `call` for every plan at once (a thread each), in the bed's testbed and directory.
@@ -111,6 +133,10 @@ impl Bed {
         }
         let stats = super::netns::try_api(&self.tb, "GET", "/v1/stats", None).unwrap_or_else(|e| panic!("GET /v1/stats: {e}"));
         let forwarded = stats["extra"]["forwarded"].as_u64().unwrap_or(0) as usize;
+        if !self.media_in_kernel {
+            let _ = writeln!(report, "  info kernel path: {forwarded} packets forwarded by the BPF program (the media is terminated in user space)");
+            return;
+        }
         let ok = forwarded * 2 >= received && received > 0;
         let _ = writeln!(
             report,
@@ -127,7 +153,7 @@ impl Bed {
     /// tails, or stop the relay cleanly. MP_KEEP_TMP=1 keeps the run's directory.
     pub fn finish(self, received: usize, mut report: String, mut failures: Vec<String>) {
         self.check_kernel_path(received, &mut report, &mut failures);
-        let Bed { relay, tb, tmp, mut relay_proc, kamailio, started, _one_at_a_time } = self;
+        let Bed { relay, tb, tmp, mut relay_proc, kamailio, started, .. } = self;
         let seconds = started.elapsed().as_secs_f64();
         eprintln!("=== {} ({seconds:.1} s, testbed {}) ===\n{report}", relay.name(), tb.prefix);
         let diag = || format!("\n--- kamailio ---\n{}\n--- {} ---\n{}", kamailio.log_tail(15), relay.name(), sip::log_tail(relay_proc.log_path(), 15));

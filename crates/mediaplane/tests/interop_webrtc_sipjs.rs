@@ -1,0 +1,348 @@
+//! Interop, WebRTC ↔ SIP as deployed: a browser SIP client (SIP.js 0.21 from npm, in headless
+//! Chromium with a fake microphone) registers through Kamailio's websocket module and calls a
+//! SIPp UAS; Kamailio's rtpengine module has the relay bridge the browser's DTLS-SRTP + ICE leg
+//! to plain RTP toward the UAS (`RTP/AVP ICE=remove rtcp-mux-demux` on the offer from WebSocket,
+//! `UDP/TLS/RTP/SAVPF ICE=force` on its answer: `KamailioConfig::websocket`).
+//!
+//! Testbed (as the other SIP interop tests): the relay, Kamailio and SIPp in the relay namespace;
+//! the browser in peer 0's namespace (its page served from that namespace's loopback, its
+//! WebSocket to Kamailio on the relay's address on that link); the UAS's media, a Rust socket
+//! in peer 1's namespace, named in SIPp's answer. So on the eBPF plane both legs cross the TC
+//! programs, which hand the SRTP leg to user space (SRTP ↔ RTP is per-packet crypto).
+//!
+//! Checked: the browser registered and its call was established; the UAS was offered plain
+//! RTP/AVP (no fingerprint, no candidates, no SAVP); 4 s of media both ways, counted at both
+//! ends: the plain party sends 200 PCMU packets of one SSRC and counts the browser's by SSRC and
+//! sequence number (≥ 95 % of what the browser's getStats says it sent, no duplicate); the
+//! browser's getStats shows ≥ 95 % of the 200 received, from the plain party's SSRC, ≤ 5 % lost,
+//! DTLS connected. Then the browser hangs up: the BYE reaches the UAS through the route set and
+//! SIPp completes its scenario. On mediaplane also: no SRTP failure counted, and the call's
+//! browser leg in the API is an ICE leg whose peer is one of the browser's host candidates,
+//! keyed by the handshake, with no key material in the relay's or the table's view.
+//!
+//! One test per relay: rtpengine 10.5 in user space (the baseline), `mediaplane serve` on the
+//! user-space and on the eBPF plane. Needs root, kamailio with its websocket module, sipp,
+//! chromium, and SIP.js installed by `make deps` (npm); skipped without them, except under
+//! CI=true, where that is a failure. MP_KEEP_TMP=1 keeps the run's directory.
+
+mod common;
+
+use common::browser::{self, Browser};
+use common::sipp::{recv_offer, sipp_command, Bed, Relay};
+use mediaplane_bench::sip::{self, parse_sipp_event, sipp_result, LogTail, UAS_BYE_OK};
+use mediaplane_core::rtp::{build_rtp, RtpHeader};
+use serde_json::{json, Value as Json};
+use std::collections::HashSet;
+use std::fmt::Write as _;
+use std::io::ErrorKind;
+use std::net::{SocketAddr, TcpListener, UdpSocket};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// What every offer and answer carries; Kamailio adds the WebSocket bridging flags.
+const BASE_FLAGS: &str = "replace-origin replace-session-connection";
+/// The UAS's SIP port, on the relay namespace's loopback.
+const UAS_PORT: u16 = 5070;
+/// PCMU packets the plain party sends, one per 20 ms.
+const PACKETS: u16 = 200;
+const PLAIN_SSRC: u32 = 0x51b0_0002;
+
+/// The page: SIP.js registers, calls `target`, and reports its progress and the peer
+/// connection's figures to `/stats` every 250 ms; it hangs up when a report is answered `hangup`.
+const PAGE: &str = r#"<!doctype html><title>mediaplane SIP.js caller</title><script type="module">
+import { UserAgent, Registerer, RegistererState, Inviter, SessionState } from '/sip.js/index.js';
+const cfg = await (await fetch('/config')).json();
+const events = [];
+const report = async out => (await fetch('/stats', {method: 'POST', body: JSON.stringify(out)})).text();
+try {
+  const ua = new UserAgent({
+    uri: UserAgent.makeURI(cfg.aor),
+    transportOptions: {server: cfg.ws},
+    logLevel: 'warn',
+    sessionDescriptionHandlerFactoryOptions: {peerConnectionConfiguration: {iceServers: []}, iceGatheringTimeout: 3000},
+  });
+  await ua.start();
+  const registerer = new Registerer(ua);
+  const registered = new Promise(done => registerer.stateChange.addListener(s => {
+    events.push('register:' + s);
+    if (s === RegistererState.Registered) done();
+  }));
+  await registerer.register();
+  await registered;
+  const call = new Inviter(ua, UserAgent.makeURI(cfg.target), {sessionDescriptionHandlerOptions: {constraints: {audio: true, video: false}}});
+  call.stateChange.addListener(s => events.push('session:' + s));
+  await call.invite();
+  let hungUp = false;
+  setInterval(async () => {
+    const out = {events, call_id: call.request.callId, state: call.state};
+    const pc = call.sessionDescriptionHandler && call.sessionDescriptionHandler.peerConnection;
+    if (pc) {
+      out.offer = pc.localDescription && pc.localDescription.sdp;
+      (await pc.getStats()).forEach(r => {
+        if (r.type === 'inbound-rtp' && r.kind === 'audio') Object.assign(out, {in_packets: r.packetsReceived, in_lost: r.packetsLost, in_ssrc: r.ssrc});
+        if (r.type === 'outbound-rtp' && r.kind === 'audio') Object.assign(out, {out_packets: r.packetsSent, out_ssrc: r.ssrc});
+        if (r.type === 'transport') Object.assign(out, {dtls: r.dtlsState, srtp_cipher: r.srtpCipher});
+      });
+    }
+    const command = await report(out);
+    if (command === 'hangup' && !hungUp && call.state === SessionState.Established) {
+      hungUp = true;
+      call.bye().catch(e => events.push('bye failed: ' + e));
+    }
+  }, 250);
+} catch (e) {
+  report({events, error: String(e)});
+}
+</script>"#;
+
+/// The UAS: the offer must be plain RTP/AVP with nothing of WebRTC left (its relay address is
+/// logged as "offered 1 IP PORT"); it answers PCMU on the plain party's address, keeping the
+/// route set, and waits for the BYE.
+fn uas_xml(plain: SocketAddr) -> String {
+    let secure = r#"
+      <ereg regexp="a=fingerprint|a=candidate|a=ice-|SAVP" search_in="body" check_it_inverse="true" assign_to="webrtc_left"/>"#;
+    format!(
+        r#"<?xml version="1.0" encoding="ISO-8859-1" ?>
+<!DOCTYPE scenario SYSTEM "sipp.dtd">
+<scenario name="WebRTC caller's callee">
+{offer}  <send retrans="500"><![CDATA[
+
+      SIP/2.0 200 OK
+      [last_Via:]
+      [last_Record-Route:]
+      [last_From:]
+      [last_To:];tag=u[pid]-[call_number]
+      [last_Call-ID:]
+      [last_CSeq:]
+      Contact: <sip:bob@[local_ip]:[local_port]>
+      Content-Type: application/sdp
+      Content-Length: [len]
+
+      v=0
+      o=bob 1 1 IN IP4 {ip}
+      s=-
+      c=IN IP4 {ip}
+      t=0 0
+      m=audio {port} RTP/AVP 0
+      a=rtpmap:0 PCMU/8000
+      a=ptime:20
+      a=sendrecv
+
+  ]]></send>
+  <recv request="ACK" crlf="true"/>
+{bye}  <Reference variables="c_line,m_line,webrtc_left"/>
+</scenario>
+"#,
+        offer = recv_offer(1, "m=audio ([0-9]+) RTP/AVP ", secure),
+        ip = plain.ip(),
+        port = plain.port(),
+        bye = UAS_BYE_OK,
+    )
+}
+
+/// The page's server: the page, SIP.js's modules, the page's configuration; `/stats` keeps the
+/// browser's latest report and answers `hangup` once `hangup` is set.
+fn serve_page(listener: TcpListener, config: Json, stats: Arc<Mutex<Json>>, hangup: Arc<Mutex<bool>>) {
+    let sipjs = sipjs_dir();
+    browser::serve(listener, move |req| match (req.method.as_str(), req.path.as_str()) {
+        ("GET", "/") => ("text/html", PAGE.as_bytes().to_vec()),
+        ("GET", "/config") => ("application/json", config.to_string().into_bytes()),
+        ("GET", path) if path.starts_with("/sip.js/") && !path.contains("..") => {
+            ("text/javascript", std::fs::read(sipjs.join(&path["/sip.js/".len()..])).unwrap_or_default())
+        }
+        ("POST", "/stats") => {
+            if let Ok(v) = serde_json::from_str(&req.body) {
+                *stats.lock().unwrap() = v;
+            }
+            ("text/plain", if *hangup.lock().unwrap() { b"hangup".to_vec() } else { Vec::new() })
+        }
+        _ => ("text/plain", Vec::new()),
+    });
+}
+
+/// SIP.js's ES modules, as `make deps` installs them (crates/mediaplane/tests/browser).
+fn sipjs_dir() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/browser/node_modules/sip.js/lib")
+}
+
+fn num(v: &Json, k: &str) -> u64 {
+    v[k].as_u64().unwrap_or(0)
+}
+
+/// What the plain party received from the browser.
+#[derive(Default)]
+struct Receipts {
+    packets: u64,
+    seen: HashSet<(u32, u16)>,
+    duplicates: u64,
+    ssrcs: HashSet<u32>,
+}
+
+impl Receipts {
+    fn drain(&mut self, socket: &UdpSocket) {
+        let mut buf = [0u8; 2048];
+        loop {
+            match socket.recv_from(&mut buf) {
+                Ok((n, _)) => {
+                    // The browser's RTCP, multiplexed on the RTP port, is not media.
+                    if n < 2 || (200..=204).contains(&buf[1]) {
+                        continue;
+                    }
+                    if let Ok(h) = RtpHeader::parse(&buf[..n]) {
+                        self.ssrcs.insert(h.ssrc);
+                        self.packets += 1;
+                        if !self.seen.insert((h.ssrc, h.sequence)) {
+                            self.duplicates += 1;
+                        }
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) => panic!("plain party receiving: {e}"),
+            }
+        }
+    }
+}
+
+fn run(relay: Relay) {
+    let test = format!("interop_webrtc_sipjs ({})", relay.name());
+    let Some(chromium) = browser::chromium(&test) else { return };
+    if !sipjs_dir().join("index.js").exists() {
+        assert!(std::env::var("CI").map_or(true, |v| v != "true"), "{test}: SIP.js is not installed (make deps), and CI=true");
+        eprintln!("{test}: skipped: SIP.js is not installed (make deps)");
+        return;
+    }
+    if !sip::kamailio_module_dir().is_some_and(|d| d.join("websocket.so").exists()) {
+        assert!(std::env::var("CI").map_or(true, |v| v != "true"), "{test}: Kamailio's websocket module is missing, and CI=true");
+        eprintln!("{test}: skipped: no websocket module (kamailio-websocket-modules)");
+        return;
+    }
+    let Some(mut bed) = Bed::start_websocket("webrtc-sipjs", relay, BASE_FLAGS) else { return };
+    bed.media_in_kernel = false;
+    let tb = &bed.tb;
+    let dir = bed.tmp.0.clone();
+    let (browser_ns, plain_ns) = (tb.peers[0].ns.clone(), tb.peers[1].ns.clone());
+    let plain_addr = SocketAddr::new(tb.peers[1].ip, 31000);
+    let plain = tb.udp_socket(&plain_ns, plain_addr).unwrap();
+    plain.set_nonblocking(true).unwrap();
+
+    std::fs::write(dir.join("call-uas.xml"), uas_xml(plain_addr)).unwrap();
+    let mut uas = sip::spawn_group("sipp uas", &mut sipp_command(tb, &dir, "call", "uas", UAS_PORT)).unwrap();
+    sip::wait_udp_bound(&mut uas, UAS_PORT, Duration::from_secs(10)).unwrap();
+    let mut uas_log = LogTail::new(dir.join("call-uas.log"));
+
+    let listener = tb.in_ns(&browser_ns, || TcpListener::bind("127.0.0.1:0")).unwrap().unwrap();
+    let page = format!("http://{}/", listener.local_addr().unwrap());
+    let config = json!({
+        "ws": format!("ws://{}", bed.websocket.unwrap()),
+        "aor": "sip:alice@interop.test",
+        "target": format!("sip:bob@127.0.0.1:{UAS_PORT}"),
+    });
+    let (stats, hangup) = (Arc::new(Mutex::new(Json::Null)), Arc::new(Mutex::new(false)));
+    serve_page(listener, config, stats.clone(), hangup.clone());
+    let chrome = Browser::start(tb.command(&browser_ns, &chromium), &dir, &page);
+
+    let (mut report, mut failures) = (String::new(), Vec::new());
+    let mut check = |ok: bool, what: String| {
+        let _ = writeln!(report, "  {} {what}", if ok { "ok  " } else { "FAIL" });
+        if !ok {
+            failures.push(what);
+        }
+    };
+
+    // Signalling, then media: the plain party starts once the browser's call is established and
+    // it knows where the relay wants its media (the address in the UAS's offer).
+    let mut relay_for_plain = None;
+    let mut receipts = Receipts::default();
+    let (mut next, mut media_start) = (0u16, None::<Instant>);
+    let deadline = Instant::now() + Duration::from_secs(40);
+    while Instant::now() < deadline {
+        for line in uas_log.lines() {
+            if let Some((event, addr)) = parse_sipp_event(&line) {
+                if event == "offered 1" {
+                    relay_for_plain = addr;
+                }
+            }
+        }
+        let s = stats.lock().unwrap().clone();
+        if s.get("error").is_some() || s["state"] == "Terminated" {
+            break;
+        }
+        if media_start.is_none() && s["state"] == "Established" && relay_for_plain.is_some() {
+            media_start = Some(Instant::now());
+        }
+        if let (Some(start), Some(to)) = (media_start, relay_for_plain) {
+            while next < PACKETS && start.elapsed() >= Duration::from_millis(20 * next as u64) {
+                plain.send_to(&build_rtp(0, next, next as u32 * 160, PLAIN_SSRC, &[0xff; 160]), to).unwrap();
+                next += 1;
+            }
+        }
+        receipts.drain(&plain);
+        if next == PACKETS && (num(&s, "in_packets") >= PACKETS as u64 || media_start.is_some_and(|t| t.elapsed() > Duration::from_secs(8))) {
+            break;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    // What the browser reports sent by now has reached the plain party 600 ms later.
+    let s = stats.lock().unwrap().clone();
+    let drain = Instant::now();
+    while drain.elapsed() < Duration::from_millis(600) {
+        receipts.drain(&plain);
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    let events = s["events"].as_array().map(|e| e.iter().filter_map(Json::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default();
+    check(s.get("error").is_none(), format!("the page ran without error {}", s.get("error").map(Json::to_string).unwrap_or_default()));
+    check(events.contains("register:Registered"), format!("SIP.js registered through Kamailio's websocket module (events: {events})"));
+    check(events.contains("session:Established"), "the browser's call was established".into());
+    check(relay_for_plain.is_some(), format!("the UAS was offered plain RTP/AVP at the relay: {relay_for_plain:?}"));
+    check(s["dtls"] == "connected", format!("the browser's DTLS is connected ({}, {})", s["dtls"], s["srtp_cipher"]));
+    let (in_packets, in_lost) = (num(&s, "in_packets"), num(&s, "in_lost"));
+    check(in_packets >= PACKETS as u64 * 95 / 100, format!("the browser received {in_packets} of the plain party's {PACKETS} packets (getStats)"));
+    check(in_lost <= PACKETS as u64 / 20, format!("the browser counted {in_lost} lost"));
+    check(s["in_ssrc"].as_u64() == Some(PLAIN_SSRC as u64), format!("from the plain party's SSRC (browser saw {})", s["in_ssrc"]));
+    let sent = num(&s, "out_packets");
+    check(sent > 0 && receipts.packets + 5 >= sent * 95 / 100, format!("the plain party received {} of the {sent} packets the browser sent", receipts.packets));
+    let browser_ssrc = s["out_ssrc"].as_u64().map(|v| v as u32);
+    check(
+        receipts.ssrcs.iter().all(|x| Some(*x) == browser_ssrc) && receipts.duplicates == 0,
+        format!("one SSRC, the browser's ({:x?} vs {browser_ssrc:x?}), {} duplicates", receipts.ssrcs, receipts.duplicates),
+    );
+
+    if relay != Relay::Rtpengine {
+        let st = common::netns::try_api(tb, "GET", "/v1/stats", None).unwrap_or_else(|e| panic!("GET /v1/stats: {e}"));
+        let failed: Vec<String> = ["srtp_no_key", "srtp_auth_failed", "srtp_replayed", "srtp_invalid", "srtp_protect_failed"]
+            .into_iter()
+            .filter(|k| st["extra"][*k].as_u64().unwrap_or(0) > 0)
+            .map(|k| format!("{k}={}", st["extra"][k]))
+            .collect();
+        check(failed.is_empty(), format!("the relay counted no SRTP failure {failed:?}"));
+        let call_id = s["call_id"].as_str().unwrap_or_default();
+        let id = mediaplane_ng::calls::rtp_relay_id(&mediaplane_ng::calls::call_key(call_id), 0);
+        match common::netns::try_api(tb, "GET", &format!("/v1/relays/{id}"), None) {
+            Ok(view) => {
+                let leg = &view["a"];
+                let offer = s["offer"].as_str().unwrap_or_default();
+                let nominated: Option<SocketAddr> = leg["remote"].as_str().and_then(|a| a.parse().ok());
+                let candidate = nominated.is_some_and(|n| offer.contains(&format!("{} {} typ host", n.ip(), n.port())));
+                check(leg["ice"] == true && candidate, format!("the browser's leg is an ICE leg nominated at one of its host candidates ({nominated:?})"));
+                let keyed = leg["srtp"]["inbound"]["suite"] == "AES_CM_128_HMAC_SHA1_80" && leg["srtp"]["inbound"].get("master").is_none();
+                check(keyed, format!("keyed by the handshake, no key in the view ({})", leg["srtp"]));
+            }
+            Err(e) => check(false, format!("the call's relay {id} in the API: {e}")),
+        }
+        let table = common::netns::try_api(tb, "GET", "/v1/table", None).map(|t| t.to_string()).unwrap_or_default();
+        check(table.contains("AES_CM_128_HMAC_SHA1_80") && !table.contains("\"master\""), "nor in the forwarding table's view".into());
+    }
+
+    // The browser hangs up; the BYE reaches the UAS through Kamailio's route set.
+    *hangup.lock().unwrap() = true;
+    let uas_result = sipp_result(&mut uas, &dir, "call", "uas");
+    check(uas_result.is_ok(), format!("the browser's BYE reached the UAS, which completed the call {}", uas_result.err().unwrap_or_default()));
+    if !failures.is_empty() || std::env::var_os("MP_KEEP_TMP").is_some() {
+        eprintln!("browser report: {s}\nchromium log:\n{}", chrome.log_tail(20));
+    }
+    drop(chrome);
+    bed.finish(receipts.packets as usize + in_packets as usize, report, failures);
+}
+
+relay_tests!(run, webrtc_sipjs_rtpengine, webrtc_sipjs_mediaplane_userspace, webrtc_sipjs_mediaplane_ebpf);
