@@ -49,13 +49,17 @@ if ! command -v cargo >/dev/null 2>&1; then
 fi
 
 # SIP.js, which the WebRTC interop test serves to Chromium, pinned by its lockfile
-# (crates/mediaplane/tests/browser). Without npm that test fails under CI=true and skips
-# elsewhere; nothing else needs it.
+# (crates/mediaplane/tests/browser). npm comes with the machine's Node.js; where there is none,
+# Debian's (as root).
 browser_dir="$(cd "$(dirname "$0")/.." && pwd)/crates/mediaplane/tests/browser"
 if [ ! -f "$browser_dir/node_modules/sip.js/lib/index.js" ]; then
-  if command -v npm >/dev/null 2>&1; then
-    (cd "$browser_dir" && npm ci --no-audit --no-fund --loglevel=error)
-  else
-    echo "npm not found: the WebRTC interop test (SIP.js) cannot run" >&2
+  if ! command -v npm >/dev/null 2>&1; then
+    if [ "$(id -u)" -ne 0 ]; then
+      echo "npm not found: install Node.js and npm, or run 'make deps' as root" >&2
+      exit 1
+    fi
+    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends nodejs npm >/dev/null
+    apt-get clean
   fi
+  (cd "$browser_dir" && npm ci --no-audit --no-fund --loglevel=error)
 fi

@@ -79,7 +79,9 @@ pub struct KamailioConfig<'a> {
 impl KamailioConfig<'_> {
     /// Every INVITE with SDP (initial or re-INVITE) → rtpengine_offer; its 2xx with SDP →
     /// rtpengine_answer with the same flags or the answer's (kept in AVPs of the transaction); BYE →
-    /// rtpengine_delete. No record-routing: only the UAC sends requests, always to Kamailio.
+    /// rtpengine_delete. Without `websocket`, no record-routing: only the UAC sends requests,
+    /// always to Kamailio. With it, in-dialog requests follow the route set, re-INVITEs through
+    /// the relay too.
     pub fn render(&self) -> String {
         let next_hop = self.next_hop.map(|a| format!("$du = \"sip:{a}\";")).unwrap_or_default();
         let (transport, ws_modules, ws_request, ws_flags, ws_http) = match self.websocket {
@@ -110,6 +112,18 @@ request_route {{
         sl_send_reply("483", "Too Many Hops");
         exit;
     }}{ws_request}
+    route(OFFER);
+    if (is_method("BYE")) {{
+        rtpengine_delete();
+    }}
+    {next_hop}
+    if (!t_relay()) {{
+        sl_reply_error();
+    }}
+    exit;
+}}
+
+route[OFFER] {{
     if (is_method("INVITE") && has_body("application/sdp")) {{
         $avp(rtp_flags) = "{flags}";
         $avp(rtp_answer_flags) = $avp(rtp_flags);
@@ -126,14 +140,6 @@ request_route {{
         }}
         t_on_reply("MEDIA");
     }}
-    if (is_method("BYE")) {{
-        rtpengine_delete();
-    }}
-    {next_hop}
-    if (!t_relay()) {{
-        sl_reply_error();
-    }}
-    exit;
 }}
 
 onreply_route[MEDIA] {{
@@ -164,7 +170,8 @@ modparam("usrloc", "db_mode", 0)
 "#;
 
 // A WebSocket client's Contact (`…@….invalid;transport=ws`) is unreachable: the alias makes the
-// route set lead back over its connection. Only the client sends in-dialog requests here.
+// route set lead back over its connection. An in-dialog INVITE with SDP goes through the relay
+// (route OFFER); the WebSocket flags fit one from the WebSocket client.
 const WS_REQUEST: &str = r#"
     if (nat_uac_test("64")) {
         force_rport();
@@ -175,6 +182,7 @@ const WS_REQUEST: &str = r#"
     if (has_totag()) {
         if (loose_route()) {
             handle_ruri_alias();
+            route(OFFER);
             if (is_method("BYE")) {
                 rtpengine_delete();
             }

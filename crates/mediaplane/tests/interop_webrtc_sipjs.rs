@@ -8,7 +8,8 @@
 //! the browser in peer 0's namespace (its page served from that namespace's loopback, its
 //! WebSocket to Kamailio on the relay's address on that link); the UAS's media, a Rust socket
 //! in peer 1's namespace, named in SIPp's answer. So on the eBPF plane both legs cross the TC
-//! programs, which hand the SRTP leg to user space (SRTP ↔ RTP is per-packet crypto).
+//! programs, which hand the media to user space (SRTP ↔ RTP is per-packet crypto): the test
+//! checks that most of what the endpoints received went through that slow path.
 //!
 //! Checked: the browser registered and its call was established; the UAS was offered plain
 //! RTP/AVP (no fingerprint, no candidates, no SAVP); 4 s of media both ways, counted at both
@@ -146,18 +147,19 @@ fn uas_xml(plain: SocketAddr) -> String {
 fn serve_page(listener: TcpListener, config: Json, stats: Arc<Mutex<Json>>, hangup: Arc<Mutex<bool>>) {
     let sipjs = sipjs_dir();
     browser::serve(listener, move |req| match (req.method.as_str(), req.path.as_str()) {
-        ("GET", "/") => ("text/html", PAGE.as_bytes().to_vec()),
-        ("GET", "/config") => ("application/json", config.to_string().into_bytes()),
-        ("GET", path) if path.starts_with("/sip.js/") && !path.contains("..") => {
-            ("text/javascript", std::fs::read(sipjs.join(&path["/sip.js/".len()..])).unwrap_or_default())
-        }
+        ("GET", "/") => (200, "text/html", PAGE.as_bytes().to_vec()),
+        ("GET", "/config") => (200, "application/json", config.to_string().into_bytes()),
+        ("GET", path) if path.starts_with("/sip.js/") && !path.contains("..") => match std::fs::read(sipjs.join(&path["/sip.js/".len()..])) {
+            Ok(module) => (200, "text/javascript", module),
+            Err(_) => (404, "text/plain", Vec::new()),
+        },
         ("POST", "/stats") => {
             if let Ok(v) = serde_json::from_str(&req.body) {
                 *stats.lock().unwrap() = v;
             }
-            ("text/plain", if *hangup.lock().unwrap() { b"hangup".to_vec() } else { Vec::new() })
+            (200, "text/plain", if *hangup.lock().unwrap() { b"hangup".to_vec() } else { Vec::new() })
         }
-        _ => ("text/plain", Vec::new()),
+        _ => (404, "text/plain", Vec::new()),
     });
 }
 
@@ -250,8 +252,9 @@ fn run(relay: Relay) {
         }
     };
 
-    // Signalling, then media: the plain party starts once the browser's call is established and
-    // it knows where the relay wants its media (the address in the UAS's offer).
+    // Signalling, then media: the plain party starts once the browser's call is established, its
+    // DTLS connected, and the plain party knows where the relay wants its media (the address in
+    // the UAS's offer).
     let mut relay_for_plain = None;
     let mut receipts = Receipts::default();
     let (mut next, mut media_start) = (0u16, None::<Instant>);
@@ -268,7 +271,8 @@ fn run(relay: Relay) {
         if s.get("error").is_some() || s["state"] == "Terminated" {
             break;
         }
-        if media_start.is_none() && s["state"] == "Established" && relay_for_plain.is_some() {
+        // Established is the answer applied; the keys come with DTLS, after ICE.
+        if media_start.is_none() && s["state"] == "Established" && s["dtls"] == "connected" && relay_for_plain.is_some() {
             media_start = Some(Instant::now());
         }
         if let (Some(start), Some(to)) = (media_start, relay_for_plain) {

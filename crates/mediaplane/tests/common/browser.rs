@@ -3,6 +3,7 @@
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
+use std::os::unix::process::CommandExt as _;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::time::Duration;
@@ -23,7 +24,8 @@ pub fn chromium(test: &str) -> Option<String> {
     found
 }
 
-/// A headless Chromium showing one page, killed on drop; its output goes to `chromium.log`.
+/// A headless Chromium showing one page, killed on drop with every process it started (a
+/// process group of its own); its output goes to `chromium.log`.
 pub struct Browser {
     child: Child,
     log: PathBuf,
@@ -53,6 +55,7 @@ impl Browser {
                 &format!("--user-data-dir={}", dir.join("chromium-profile").display()),
                 page,
             ])
+            .process_group(0)
             .stdin(Stdio::null())
             .stdout(out.try_clone().unwrap())
             .stderr(out)
@@ -71,7 +74,8 @@ impl Browser {
 
 impl Drop for Browser {
     fn drop(&mut self) {
-        let _ = self.child.kill();
+        // SAFETY: a plain syscall; the group is the child's own (process_group(0) above).
+        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
         let _ = self.child.wait();
     }
 }
@@ -83,16 +87,18 @@ pub struct Request {
     pub body: String,
 }
 
-/// Serve `listener` until the test ends (a thread of its own): `handle` answers each request
-/// with (content type, body); it runs on the serving thread, one request at a time.
-pub fn serve(listener: TcpListener, handle: impl Fn(&Request) -> (&'static str, Vec<u8>) + Send + 'static) {
+/// Serve `listener` until the test binary ends (a thread of its own): `handle` answers each
+/// request with (status, content type, body); it runs on the serving thread, one request at a
+/// time.
+pub fn serve(listener: TcpListener, handle: impl Fn(&Request) -> (u16, &'static str, Vec<u8>) + Send + 'static) {
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { continue };
             let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
             let Some(request) = read_request(&mut conn) else { continue };
-            let (ctype, reply) = handle(&request);
-            let _ = write!(conn, "HTTP/1.1 200 OK\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", reply.len());
+            let (status, ctype, reply) = handle(&request);
+            let reason = if status == 200 { "OK" } else { "Not Found" };
+            let _ = write!(conn, "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", reply.len());
             let _ = conn.write_all(&reply);
         }
     });

@@ -76,7 +76,8 @@ pub struct Bed {
     /// Kamailio's WebSocket address ([`Bed::start_websocket`]).
     pub websocket: Option<SocketAddr>,
     /// Whether the eBPF plane should forward the media in the kernel: true unless a leg's media
-    /// is terminated (SRTP to plain RTP goes through user space, per packet).
+    /// is terminated (SRTP to plain RTP goes through user space, per packet); then it must have
+    /// handed the media up to its slow path.
     pub media_in_kernel: bool,
     started: Instant,
     _one_at_a_time: MutexGuard<'static, ()>,
@@ -126,7 +127,8 @@ impl Bed {
     }
 
     /// On the eBPF plane, the media crossed the TC programs: most of the `received` packets were
-    /// forwarded in the kernel (a line in `report`, a failure if not).
+    /// forwarded in the kernel, or handed up to the slow path if not [`Bed::media_in_kernel`] (a
+    /// line in `report`, a failure if not).
     fn check_kernel_path(&self, received: usize, report: &mut String, failures: &mut Vec<String>) {
         if self.relay != Relay::MediaplaneEbpf {
             return;
@@ -134,7 +136,17 @@ impl Bed {
         let stats = super::netns::try_api(&self.tb, "GET", "/v1/stats", None).unwrap_or_else(|e| panic!("GET /v1/stats: {e}"));
         let forwarded = stats["extra"]["forwarded"].as_u64().unwrap_or(0) as usize;
         if !self.media_in_kernel {
-            let _ = writeln!(report, "  info kernel path: {forwarded} packets forwarded by the BPF program (the media is terminated in user space)");
+            // Handed up by the TC programs to the plane's user-space slow path.
+            let slow = stats["extra"]["pass_slow_stream"].as_u64().unwrap_or(0) as usize;
+            let ok = slow * 2 >= received && received > 0;
+            let _ = writeln!(
+                report,
+                "  {} slow path: {slow} packets handed up by the BPF program ({forwarded} forwarded in the kernel), {received} received by the endpoints",
+                if ok { "ok  " } else { "FAIL" }
+            );
+            if !ok {
+                failures.push(format!("only {slow} of {received} received packets went through the eBPF plane's slow path"));
+            }
             return;
         }
         let ok = forwarded * 2 >= received && received > 0;
