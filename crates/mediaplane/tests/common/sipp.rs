@@ -134,34 +134,22 @@ impl Bed {
             return;
         }
         let stats = super::netns::try_api(&self.tb, "GET", "/v1/stats", None).unwrap_or_else(|e| panic!("GET /v1/stats: {e}"));
-        let forwarded = stats["extra"]["forwarded"].as_u64().unwrap_or(0) as usize;
-        if !self.media_in_kernel {
-            // Handed up by the TC programs to the plane's user-space slow path.
-            let slow = stats["extra"]["pass_slow_stream"].as_u64().unwrap_or(0) as usize;
-            let ok = slow * 2 >= received && received > 0;
-            let _ = writeln!(
-                report,
-                "  {} slow path: {slow} packets handed up by the BPF program ({forwarded} forwarded in the kernel), {received} received by the endpoints",
-                if ok { "ok  " } else { "FAIL" }
-            );
-            if !ok {
-                failures.push(format!("only {slow} of {received} received packets went through the eBPF plane's slow path"));
-            }
-            return;
-        }
-        let ok = forwarded * 2 >= received && received > 0;
-        let _ = writeln!(
-            report,
-            "  {} kernel path: {forwarded} packets forwarded by the BPF program, {received} received by the endpoints",
-            if ok { "ok  " } else { "FAIL" }
-        );
+        let counter = |k: &str| stats["extra"][k].as_u64().unwrap_or(0) as usize;
+        // Media the relay terminates (SRTP ↔ RTP) is handed up to the user-space slow path instead.
+        let (counted, how) = if self.media_in_kernel {
+            (counter("forwarded"), "forwarded by the BPF program")
+        } else {
+            (counter("pass_slow_stream"), "handed up by the BPF program to the slow path")
+        };
+        let ok = counted * 2 >= received && received > 0;
+        let _ = writeln!(report, "  {} kernel path: {counted} packets {how}, {received} received by the endpoints", if ok { "ok  " } else { "FAIL" });
         if !ok {
-            failures.push(format!("only {forwarded} of {received} received packets were forwarded by the BPF program"));
+            failures.push(format!("only {counted} of {received} received packets were {how}"));
         }
     }
 
     /// Check the kernel path (eBPF plane: most of the `received` packets the endpoints counted
-    /// were forwarded by the BPF program), print the report; fail with `failures` and the logs'
+    /// were forwarded, or handed up, by the BPF program), print the report; fail with `failures` and the logs'
     /// tails, or stop the relay cleanly. MP_KEEP_TMP=1 keeps the run's directory.
     pub fn finish(self, received: usize, mut report: String, mut failures: Vec<String>) {
         self.check_kernel_path(received, &mut report, &mut failures);
