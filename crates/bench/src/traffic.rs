@@ -40,6 +40,7 @@ use serde::{Deserialize, Serialize};
 use socket2::{SockAddr, SockRef};
 
 use crate::qos::{DelayVariation, EModel, Rfc3550Jitter, SeqTracker, Summary, ValueRecorder};
+use mediaplane_dataplane::srtp::Context as SrtpContext;
 use mediaplane_dataplane::sys::Epoll;
 
 pub const RTP_HEADER_LEN: usize = 12;
@@ -277,6 +278,9 @@ pub struct SenderSpec {
     pub dest: SocketAddr,
     pub flow_id: u32,
     pub profile: Profile,
+    /// Protect every packet with this SRTP session before sending (an SDES-SRTP party); the
+    /// protect time is inside the measured one-way delay, and reported on its own.
+    pub srtp: Option<Arc<SrtpContext>>,
 }
 
 /// A receiving socket and the flows it should get; anything else is counted `unexpected`.
@@ -288,6 +292,9 @@ pub struct ReceiverSpec {
     pub label: String,
     pub socket: Arc<UdpSocket>,
     pub expects: Vec<u32>,
+    /// Unprotect every datagram with this SRTP session before reading it (after its kernel
+    /// receive time was taken); one that fails is counted `srtp_failed`.
+    pub srtp: Option<Arc<SrtpContext>>,
 }
 
 #[derive(Debug)]
@@ -325,12 +332,30 @@ impl TrafficPlan {
     }
 
     pub fn sender(mut self, socket: impl Into<Arc<UdpSocket>>, dest: SocketAddr, flow_id: u32, profile: Profile) -> TrafficPlan {
-        self.senders.push(SenderSpec { socket: socket.into(), dest, flow_id, profile });
+        self.senders.push(SenderSpec { socket: socket.into(), dest, flow_id, profile, srtp: None });
+        self
+    }
+
+    /// [`TrafficPlan::sender`] of SRTP: every packet protected with `srtp` (an outbound session).
+    pub fn srtp_sender(mut self, socket: impl Into<Arc<UdpSocket>>, dest: SocketAddr, flow_id: u32, profile: Profile, srtp: Arc<SrtpContext>) -> TrafficPlan {
+        self.senders.push(SenderSpec { socket: socket.into(), dest, flow_id, profile, srtp: Some(srtp) });
         self
     }
 
     pub fn receiver(mut self, label: impl Into<String>, socket: impl Into<Arc<UdpSocket>>, expects: impl IntoIterator<Item = u32>) -> TrafficPlan {
-        self.receivers.push(ReceiverSpec { label: label.into(), socket: socket.into(), expects: expects.into_iter().collect() });
+        self.receivers.push(ReceiverSpec { label: label.into(), socket: socket.into(), expects: expects.into_iter().collect(), srtp: None });
+        self
+    }
+
+    /// [`TrafficPlan::receiver`] of SRTP: every datagram unprotected with `srtp` (an inbound session).
+    pub fn srtp_receiver(
+        mut self,
+        label: impl Into<String>,
+        socket: impl Into<Arc<UdpSocket>>,
+        expects: impl IntoIterator<Item = u32>,
+        srtp: Arc<SrtpContext>,
+    ) -> TrafficPlan {
+        self.receivers.push(ReceiverSpec { label: label.into(), socket: socket.into(), expects: expects.into_iter().collect(), srtp: Some(srtp) });
         self
     }
 
@@ -373,6 +398,12 @@ pub struct SenderReport {
     pub not_sent: u64,
     /// Per burst: actual send start − deadline, ns.
     pub lateness_ns: Summary,
+    /// SRTP senders: the time protecting one packet took (inside the one-way delay), ns.
+    #[serde(default)]
+    pub srtp_protect_ns: Option<Summary>,
+    /// SRTP senders: packets libsrtp refused to protect (not sent; counted in `send_errors` too).
+    #[serde(default)]
+    pub srtp_protect_failed: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -386,6 +417,9 @@ pub struct ReceiverReport {
     pub unexpected_flows: Vec<u32>,
     /// Datagrams that are not probes, or truncated.
     pub malformed: u64,
+    /// SRTP receivers: datagrams that failed to unprotect (authentication, replay, not SRTP).
+    #[serde(default)]
+    pub srtp_failed: u64,
     /// Packets without a kernel timestamp, stamped in user space instead.
     pub user_timestamps: u64,
 }
@@ -440,6 +474,8 @@ pub struct Totals {
     pub reordered: u64,
     pub unexpected: u64,
     pub malformed: u64,
+    #[serde(default)]
+    pub srtp_failed: u64,
     pub send_errors: u64,
 }
 
@@ -550,10 +586,24 @@ struct SenderAcc {
     send_errors: u64,
     not_sent: u64,
     lateness: ValueRecorder,
+    /// SRTP senders only.
+    protect: Option<ValueRecorder>,
+    protect_failed: u64,
 }
 
 fn new_sender_accs(plan: &TrafficPlan) -> Vec<SenderAcc> {
-    plan.senders.iter().map(|_| SenderAcc { sent: 0, sent_bytes: 0, send_errors: 0, not_sent: 0, lateness: ValueRecorder::compact() }).collect()
+    plan.senders
+        .iter()
+        .map(|s| SenderAcc {
+            sent: 0,
+            sent_bytes: 0,
+            send_errors: 0,
+            not_sent: 0,
+            lateness: ValueRecorder::compact(),
+            protect: s.srtp.as_ref().map(|_| ValueRecorder::compact()),
+            protect_failed: 0,
+        })
+        .collect()
 }
 
 fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: u64) -> SenderOutcome {
@@ -565,6 +615,8 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
 
     struct FlowState {
         buf: Vec<u8>,
+        /// SRTP senders: `buf` protected (SRTP adds the authentication tag).
+        wire: Vec<u8>,
         dest: SockAddr,
         bursts: u64,
         interval_ns: f64,
@@ -584,6 +636,7 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
             let mix = s.flow_id.wrapping_mul(0x9e37_79b1);
             FlowState {
                 buf: vec![0; s.profile.packet_size],
+                wire: Vec::with_capacity(if s.srtp.is_some() { s.profile.packet_size + 64 } else { 0 }),
                 dest: SockAddr::from(s.dest),
                 bursts: s.profile.burst_count(plan.duration),
                 interval_ns,
@@ -632,11 +685,29 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
                     encode_rtp(&mut flow.buf, rtp, seq, send_ns)
                 }
             }
+            let wire = match &spec.srtp {
+                None => &flow.buf,
+                Some(ctx) => {
+                    flow.wire.clear();
+                    flow.wire.extend_from_slice(&flow.buf);
+                    let t = monotonic_ns();
+                    let r = ctx.protect(&mut flow.wire);
+                    if let Some(p) = acc.protect.as_mut() {
+                        p.record(monotonic_ns() - t);
+                    }
+                    if r.is_err() {
+                        acc.protect_failed += 1;
+                        acc.send_errors += 1;
+                        continue;
+                    }
+                    &flow.wire
+                }
+            };
             // MSG_DONTWAIT: a full socket buffer is a counted error, never a stalled generator.
-            match socket.send_to_with_flags(&flow.buf, &flow.dest, libc::MSG_DONTWAIT) {
+            match socket.send_to_with_flags(wire, &flow.dest, libc::MSG_DONTWAIT) {
                 Ok(_) => {
                     acc.sent += 1;
-                    acc.sent_bytes += flow.buf.len() as u64;
+                    acc.sent_bytes += wire.len() as u64;
                 }
                 Err(_) => acc.send_errors += 1,
             }
@@ -683,6 +754,7 @@ struct ReceiverAcc {
     unexpected: u64,
     unexpected_flows: HashSet<u32>,
     malformed: u64,
+    srtp_failed: u64,
     user_timestamps: u64,
 }
 
@@ -734,6 +806,7 @@ fn new_receiver_accs(plan: &TrafficPlan, planned: &HashMap<u32, u64>) -> Vec<Rec
             unexpected: 0,
             unexpected_flows: HashSet::new(),
             malformed: 0,
+            srtp_failed: 0,
             user_timestamps: 0,
         })
         .collect()
@@ -749,6 +822,8 @@ fn receive_loop(plan: &TrafficPlan, mut accs: Vec<ReceiverAcc>, flow_index: &Has
     // Hard stop even if the sender never reports done.
     let hard_stop = t0 + (plan.duration + MAX_LATENESS + plan.drain).as_nanos() as u64;
     let mut buf = vec![0u8; MAX_PACKET + 1];
+    // SRTP receivers: the datagram unprotected.
+    let mut clear = Vec::with_capacity(2048);
     let mut ready = Vec::with_capacity(64);
 
     loop {
@@ -775,7 +850,18 @@ fn receive_loop(plan: &TrafficPlan, mut accs: Vec<ReceiverAcc>, flow_index: &Has
                 match recv_timestamped(fd, &mut buf) {
                     Ok((len, truncated, kernel_ns)) => {
                         let recv_ns = kernel_ns.unwrap_or_else(realtime_ns);
-                        on_datagram(&mut accs[i], &buf[..len], truncated, recv_ns, kernel_ns.is_none());
+                        let mut d = &buf[..len];
+                        if let Some(ctx) = &plan.receivers[i].srtp {
+                            clear.clear();
+                            clear.extend_from_slice(d);
+                            if truncated || ctx.unprotect(&mut clear).is_err() {
+                                accs[i].datagrams += 1;
+                                accs[i].srtp_failed += 1;
+                                continue;
+                            }
+                            d = &clear;
+                        }
+                        on_datagram(&mut accs[i], d, truncated, recv_ns, kernel_ns.is_none());
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -837,6 +923,8 @@ fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: R
             send_errors: acc.send_errors,
             not_sent: acc.not_sent,
             lateness_ns: acc.lateness.summary(),
+            srtp_protect_ns: acc.protect.as_ref().map(ValueRecorder::summary),
+            srtp_protect_failed: acc.protect_failed,
         })
         .collect();
     let sent_by_flow: HashMap<u32, u64> = senders.iter().map(|s| (s.flow_id, s.sent)).collect();
@@ -885,6 +973,7 @@ fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: R
             unexpected: acc.unexpected,
             unexpected_flows,
             malformed: acc.malformed,
+            srtp_failed: acc.srtp_failed,
             user_timestamps: acc.user_timestamps,
         });
     }
@@ -898,6 +987,7 @@ fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: R
         reordered: copies.iter().map(|c| c.reordered).sum(),
         unexpected: receivers.iter().map(|r| r.unexpected).sum(),
         malformed: receivers.iter().map(|r| r.malformed).sum(),
+        srtp_failed: receivers.iter().map(|r| r.srtp_failed).sum(),
         send_errors: senders.iter().map(|s| s.send_errors).sum(),
     };
     TrafficReport {
@@ -1094,5 +1184,31 @@ mod tests {
         // Pacing keeps the generator cheap: well under the 400 ms it ran (spinning the whole
         // time would be ~400 ms).
         assert!(report.generator_cpu_ns < 200_000_000, "{json}");
+    }
+
+    /// An SRTP sender is read by a receiver holding its key, and refused by one holding another.
+    #[test]
+    fn srtp_flows_protect_and_unprotect() {
+        use mediaplane_core::srtp::{SrtpKey, SrtpSuite};
+        let key = |b: u8| SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, vec![b; 30]).unwrap();
+        let ctx = |b: u8, outbound: bool| Arc::new(SrtpContext::new(&key(b), outbound).unwrap());
+        let (rx, wrong) = (UdpSocket::bind("127.0.0.1:0").unwrap(), UdpSocket::bind("127.0.0.1:0").unwrap());
+        let (to_rx, to_wrong) = (rx.local_addr().unwrap(), wrong.local_addr().unwrap());
+        let plan = TrafficPlan::new(Duration::from_millis(200))
+            .srtp_sender(UdpSocket::bind("127.0.0.1:0").unwrap(), to_rx, 20, Profile::voice(), ctx(1, true))
+            .srtp_sender(UdpSocket::bind("127.0.0.1:0").unwrap(), to_wrong, 21, Profile::voice(), ctx(1, true))
+            .srtp_receiver("rx", rx, [20], ctx(1, false))
+            .srtp_receiver("wrong key", wrong, [21], ctx(2, false));
+        let report = run(&plan).unwrap();
+        let json = serde_json::to_string_pretty(&report).unwrap();
+        let good = report.copy(20, 0).unwrap();
+        assert_eq!((good.sent, good.received, good.lost), (10, 10, 0), "{json}");
+        // 172 bytes of RTP + the 80-bit tag on the wire; the receiver counts what it read clear.
+        assert_eq!(report.senders[0].sent_bytes, 10 * 182, "{json}");
+        assert_eq!(good.bytes, 10 * 172, "{json}");
+        assert_eq!(report.senders[0].srtp_protect_ns.unwrap().count, 10, "{json}");
+        assert_eq!(report.receivers[0].srtp_failed, 0, "{json}");
+        let bad = report.copy(21, 1).unwrap();
+        assert_eq!((bad.received, report.receivers[1].srtp_failed, report.totals.srtp_failed), (0, 10, 10), "{json}");
     }
 }

@@ -81,6 +81,13 @@ pub struct Context {
     session: Mutex<Session>,
 }
 
+/// The suite only: keys stay out of debug output (as [`SrtpKey`]'s own Debug does).
+impl std::fmt::Debug for Context {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Context").field("key", &self.key).finish_non_exhaustive()
+    }
+}
+
 impl Context {
     pub fn new(key: &SrtpKey, outbound: bool) -> Result<Context, String> {
         let (rtp, rtcp) = policy(key.suite);
