@@ -27,11 +27,15 @@ use mediaplane_bench::netns::Testbed;
 use mediaplane_bench::process::Supervised;
 use mediaplane_bench::qos::{Summary, ValueRecorder};
 use mediaplane_bench::traffic::{self, Profile, TrafficPlan};
-use mediaplane_ng::client::{advertised, delete, g711_sdp, offer_answer, NgClient};
+use mediaplane_core::srtp::{SrtpKey, SrtpSuite};
+use mediaplane_dataplane::srtp::Context as SrtpContext;
+use mediaplane_ng::client::{advertised, delete, g711_sdp, offer_answer, text, NgClient};
+use mediaplane_ng::sdp::{crypto_line, Sdp};
 use serde_json::{json, Value as Json};
 use std::net::{IpAddr, SocketAddr, UdpSocket};
 use std::path::{Path, PathBuf};
 use std::process::Stdio;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 /// The relay's NG address inside the relay namespace (where a SIP proxy there reaches it).
@@ -63,6 +67,11 @@ pub struct BenchRelayArgs {
     /// and kernel-forward (no relay: the baseline of machine CPU per packet).
     #[arg(long, value_delimiter = ',', default_value = "kernel-forward,mediaplane-userspace,mediaplane-ebpf,mediaplane-ebpf-xdp,rtpengine")]
     relays: Vec<String>,
+    /// What the calls' legs speak: `rtp` (plain RTP on both), `sdes-rtp` (the caller SDES-SRTP,
+    /// AES_CM_128_HMAC_SHA1_80, bridged by the relay to the callee's plain RTP: the relay
+    /// decrypts one direction and encrypts the other). kernel-forward runs `rtp` only.
+    #[arg(long, value_delimiter = ',', default_value = "rtp")]
+    media: Vec<Media>,
     /// Calls set up per second over NG (the seed: 30/s; quick: 100/s).
     #[arg(long)]
     setup_rate: Option<f64>,
@@ -130,6 +139,54 @@ fn summary(r: &ValueRecorder) -> Summary {
 /// The benchmark's calls: G.711 µ-law (PCMU), as in the seed.
 fn sdp(ip: IpAddr, port: u16, session: usize) -> String {
     g711_sdp(ip, port, session, 0)
+}
+
+/// What a call's two legs speak.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum)]
+pub enum Media {
+    /// Plain RTP on both legs: the relay forwards.
+    Rtp,
+    /// The caller speaks SDES-SRTP, the callee plain RTP: the relay terminates SRTP toward the
+    /// caller (unprotects what it sends, protects what it gets) as a SIP-to-WebRTC gateway does.
+    SdesRtp,
+}
+
+impl Media {
+    pub fn name(self) -> &'static str {
+        match self {
+            Media::Rtp => "rtp",
+            Media::SdesRtp => "sdes-rtp",
+        }
+    }
+}
+
+/// The suite the bench's SRTP caller offers (the one every SDES party speaks).
+const SUITE: SrtpSuite = SrtpSuite::AesCm128HmacSha1_80;
+
+/// A fresh master key and salt from the kernel's random source.
+fn random_key() -> anyhow::Result<SrtpKey> {
+    let mut master = vec![0u8; SUITE.master_len()];
+    // SAFETY: getrandom writes at most `len` bytes into the buffer it is given.
+    let got = unsafe { libc::getrandom(master.as_mut_ptr().cast(), master.len(), 0) };
+    if got != master.len() as isize {
+        bail!("getrandom: {}", std::io::Error::last_os_error());
+    }
+    SrtpKey::new(SUITE, master).map_err(anyhow::Error::msg)
+}
+
+/// The caller's SDES offer: the plain SDP as RTP/SAVP with its key (tag 1).
+fn sdes_sdp(ip: IpAddr, port: u16, session: usize, key: &SrtpKey) -> String {
+    let plain = sdp(ip, port, session).replace(" RTP/AVP ", " RTP/SAVP ");
+    format!("{plain}a={}\r\n", crypto_line(1, SUITE.name(), &key.master))
+}
+
+/// The first media section of a reply's SDP: its protocol and the key of its first `a=crypto`
+/// line the bench speaks (None without one).
+fn reply_media(reply: &mediaplane_ng::bencode::Value) -> anyhow::Result<(String, Option<SrtpKey>)> {
+    let sdp = Sdp::parse(text(reply, "sdp").as_bytes()).map_err(|e| anyhow::anyhow!("the reply's SDP: {e}"))?;
+    let m = sdp.media.first().context("the reply's SDP has no media section")?;
+    let key = m.crypto.iter().find_map(|c| SrtpKey::new(SrtpSuite::from_name(&c.suite)?, c.key.clone()?).ok());
+    Ok((m.proto.clone(), key))
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -307,6 +364,9 @@ struct CallUp {
     /// Where the caller sends (leg A's relay address) and where the callee sends (leg B's).
     to_from_caller: SocketAddr,
     to_from_callee: SocketAddr,
+    /// SDES-SRTP calls: the caller's session protecting what it sends, and the one unprotecting
+    /// what it gets (with the key of the relay's answer).
+    caller_srtp: Option<(Arc<SrtpContext>, Arc<SrtpContext>)>,
 }
 
 struct Setup {
@@ -317,7 +377,9 @@ struct Setup {
     seconds: f64,
 }
 
-fn setup_calls(tb: &Testbed, tag: &str, n: usize, rate: f64) -> anyhow::Result<Setup> {
+/// Set up `n` calls at `rate` per second; a call that fails (an NG error, or a relay that did not
+/// bridge as asked) is a failure with its reason, not a stop.
+fn setup_calls(tb: &Testbed, tag: &str, n: usize, rate: f64, media: Media) -> anyhow::Result<Setup> {
     let (cip, eip) = (tb.peers[0].ip, tb.peers[1].ip);
     let tag = tag.to_string();
     tb.in_ns(&tb.sfu_ns, move || -> anyhow::Result<Setup> {
@@ -331,10 +393,28 @@ fn setup_calls(tb: &Testbed, tag: &str, n: usize, rate: f64) -> anyhow::Result<S
             }
             let call_id = format!("{tag}-{i}@bench");
             let port = PARTY_PORT_BASE + 2 * i as u16;
+            let caller_key = match media {
+                Media::Rtp => None,
+                Media::SdesRtp => Some(random_key()?),
+            };
+            let mut offer = match &caller_key {
+                None => offer_answer("offer", &call_id, &format!("c{i}"), None, &sdp(cip, port, i), cip),
+                Some(key) => offer_answer("offer", &call_id, &format!("c{i}"), None, &sdes_sdp(cip, port, i, key), cip),
+            };
+            if caller_key.is_some() {
+                offer.push(("transport-protocol", "RTP/AVP".into()));
+            }
             let t = Instant::now();
-            let offer = ng.request(offer_answer("offer", &call_id, &format!("c{i}"), None, &sdp(cip, port, i), cip)).and_then(|v| advertised(&v));
+            let offer = ng.request(offer);
             let offer_ns = t.elapsed().as_nanos() as u64;
-            let to_from_callee = match offer {
+            let to_from_callee = match offer.map_err(anyhow::Error::from).and_then(|v| {
+                let (proto, key) = reply_media(&v)?;
+                // SDES-SRTP bridging: the callee must be offered plain RTP without keys.
+                if caller_key.is_some() && (proto != "RTP/AVP" || key.is_some()) {
+                    bail!("the callee was offered {proto}{}, not plain RTP/AVP", if key.is_some() { " with a key" } else { "" });
+                }
+                Ok(advertised(&v)?)
+            }) {
                 Ok(a) => a,
                 Err(e) => {
                     s.failures.push(format!("call {i} offer: {e:#}"));
@@ -343,13 +423,28 @@ fn setup_calls(tb: &Testbed, tag: &str, n: usize, rate: f64) -> anyhow::Result<S
             };
             s.offer.record(offer_ns);
             let t = Instant::now();
-            let answer =
-                ng.request(offer_answer("answer", &call_id, &format!("c{i}"), Some(&format!("e{i}")), &sdp(eip, port, i), eip)).and_then(|v| advertised(&v));
+            let answer = ng.request(offer_answer("answer", &call_id, &format!("c{i}"), Some(&format!("e{i}")), &sdp(eip, port, i), eip));
             let answer_ns = t.elapsed().as_nanos() as u64;
-            match answer {
-                Ok(to_from_caller) => {
+            let up = answer.map_err(anyhow::Error::from).and_then(|v| {
+                let to_from_caller = advertised(&v)?;
+                let caller_srtp = match &caller_key {
+                    None => None,
+                    Some(ours) => {
+                        let (proto, relays) = reply_media(&v)?;
+                        let Some(relays) = relays.filter(|_| proto == "RTP/SAVP") else {
+                            bail!("the caller was answered {proto} without a key it speaks, not RTP/SAVP with one");
+                        };
+                        let out = SrtpContext::new(ours, true).map_err(anyhow::Error::msg)?;
+                        let inbound = SrtpContext::new(&relays, false).map_err(anyhow::Error::msg)?;
+                        Some((Arc::new(out), Arc::new(inbound)))
+                    }
+                };
+                Ok(CallUp { index: i, call_id: call_id.clone(), to_from_caller, to_from_callee, caller_srtp })
+            });
+            match up {
+                Ok(up) => {
                     s.answer.record(answer_ns);
-                    s.up.push(CallUp { index: i, call_id, to_from_caller, to_from_callee });
+                    s.up.push(up);
                 }
                 Err(e) => s.failures.push(format!("call {i} answer: {e:#}")),
             }
@@ -410,6 +505,7 @@ pub struct RunSpec {
     pub calls: usize,
     pub setup_rate: f64,
     pub seconds: f64,
+    pub media: Media,
 }
 
 pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> anyhow::Result<RelayRun> {
@@ -420,20 +516,29 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     // The kernel-forward baseline has no relay: each party sends straight to the other, routed
     // by the relay namespace's IP forwarding.
     let baseline = relay_name == KERNEL_FORWARD;
+    if baseline && spec.media != Media::Rtp {
+        bail!("kernel-forward has no relay to bridge {} media", spec.media.name());
+    }
     let mut relay = if baseline { None } else { Some(RelayProc::start(tb, relay_name, dir, None, Some(2 * n))?) };
     let mediaplane = relay.as_ref().is_some_and(|r| r.mediaplane);
-    let tag = format!("{}-{relay_name}-{n}", tb.prefix);
+    let tag = format!("{}-{relay_name}-{}-{n}", tb.prefix, spec.media.name());
     let setup = if baseline {
         let (cip, eip) = (tb.peers[0].ip, tb.peers[1].ip);
         let up = (0..n)
             .map(|i| {
                 let port = PARTY_PORT_BASE + 2 * i as u16;
-                CallUp { index: i, call_id: String::new(), to_from_caller: SocketAddr::new(eip, port), to_from_callee: SocketAddr::new(cip, port) }
+                CallUp {
+                    index: i,
+                    call_id: String::new(),
+                    to_from_caller: SocketAddr::new(eip, port),
+                    to_from_callee: SocketAddr::new(cip, port),
+                    caller_srtp: None,
+                }
             })
             .collect();
         Setup { up, failures: Vec::new(), offer: ValueRecorder::new(), answer: ValueRecorder::new(), seconds: f64::INFINITY }
     } else {
-        setup_calls(tb, &tag, n, spec.setup_rate)?
+        setup_calls(tb, &tag, n, spec.setup_rate, spec.media)?
     };
     if setup.up.is_empty() {
         let first = setup.failures.first().cloned().unwrap_or_default();
@@ -453,7 +558,14 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     let t_latch = Instant::now();
     let latch_pkt = mediaplane_core::rtp::build_rtp(0, 0, 0, 0x1a7c4, &[0xff; 160]);
     for (k, c) in setup.up.iter().enumerate() {
-        caller_socks[k].send_to(&latch_pkt, c.to_from_caller).ok();
+        match &c.caller_srtp {
+            None => caller_socks[k].send_to(&latch_pkt, c.to_from_caller).ok(),
+            Some((out, _)) => {
+                let mut p = latch_pkt.clone();
+                out.protect(&mut p).map_err(|e| anyhow::anyhow!("protecting a latching packet: {e}"))?;
+                caller_socks[k].send_to(&p, c.to_from_caller).ok()
+            }
+        };
         callee_socks[k].send_to(&latch_pkt, c.to_from_callee).ok();
         if k % 100 == 99 {
             std::thread::sleep(Duration::from_millis(20));
@@ -482,15 +594,22 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     // is stamped at the send itself, so pacing slack does not enter it.
     plan.spin = Duration::ZERO;
     // One fd per party port, shared by its sender and receiver: 5,000 calls need 10,000, not 20,000.
-    let caller_socks: Vec<std::sync::Arc<UdpSocket>> = caller_socks.into_iter().map(Into::into).collect();
-    let callee_socks: Vec<std::sync::Arc<UdpSocket>> = callee_socks.into_iter().map(Into::into).collect();
+    let caller_socks: Vec<Arc<UdpSocket>> = caller_socks.into_iter().map(Into::into).collect();
+    let callee_socks: Vec<Arc<UdpSocket>> = callee_socks.into_iter().map(Into::into).collect();
     for (k, c) in setup.up.iter().enumerate() {
-        plan = plan.sender(caller_socks[k].clone(), c.to_from_caller, caller_flow(c.index), profile.clone());
+        plan = match &c.caller_srtp {
+            None => plan.sender(caller_socks[k].clone(), c.to_from_caller, caller_flow(c.index), profile.clone()),
+            Some((out, _)) => plan.srtp_sender(caller_socks[k].clone(), c.to_from_caller, caller_flow(c.index), profile.clone(), out.clone()),
+        };
         plan = plan.sender(callee_socks[k].clone(), c.to_from_callee, callee_flow(c.index), profile.clone());
     }
     for (k, (a, b)) in caller_socks.into_iter().zip(callee_socks).enumerate() {
-        let i = setup.up[k].index;
-        plan = plan.receiver(format!("caller{i}"), a, [callee_flow(i)]);
+        let c = &setup.up[k];
+        let i = c.index;
+        plan = match &c.caller_srtp {
+            None => plan.receiver(format!("caller{i}"), a, [callee_flow(i)]),
+            Some((_, inbound)) => plan.srtp_receiver(format!("caller{i}"), a, [callee_flow(i)], inbound.clone()),
+        };
         plan = plan.receiver(format!("callee{i}"), b, [caller_flow(i)]);
     }
     let stats0 = if mediaplane { Some(api(tb, "GET", "/v1/stats", None)?) } else { None };
@@ -511,8 +630,9 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     let bpf_run_ns = delta("bpf_run_time_ns").unwrap_or(0) + delta("xdp_run_time_ns").unwrap_or(0);
     let ebpf = relay_name.starts_with("mediaplane-ebpf");
     let kernel_forwarded = if ebpf { delta("forwarded") } else { None };
+    // The eBPF plane's slow path sees what the TC programs hand up (SRTP legs, for one).
     let slow_path_rx = match (&stats0, &stats1) {
-        (Some(a), Some(b)) if ebpf => Some(extra(b, "userspace.rx_packets").saturating_sub(extra(a, "userspace.rx_packets"))),
+        (Some(a), Some(b)) if ebpf => Some(extra(b, "pass_slow_stream").saturating_sub(extra(a, "pass_slow_stream"))),
         (Some(a), Some(b)) => Some(b["total"]["rx_packets"].as_u64().unwrap_or(0).saturating_sub(a["total"]["rx_packets"].as_u64().unwrap_or(0))),
         _ => None,
     };
@@ -546,8 +666,12 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     let cpu_total = relay_cpu_ns + bpf_run_ns;
     let media_ns = (report.send_duration_ns as f64).max(spec.seconds * 1e9);
     let mos_s = Summary::of(&mut mos);
+    let protect: Vec<f64> = report.senders.iter().filter_map(|s| s.srtp_protect_ns.map(|p| p.p50)).collect();
     Ok(RelayRun {
         relay: relay_name.to_string(),
+        media: spec.media.name().to_string(),
+        srtp_failed: t.srtp_failed,
+        generator_srtp_protect_p50_ns: (!protect.is_empty()).then(|| Summary::of(&mut protect.clone()).p50),
         calls: n,
         calls_up: setup.up.len(),
         setup_failures: setup.failures.len(),
@@ -911,25 +1035,31 @@ pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
     let mut runs: Vec<RelayRun> = Vec::new();
     let mut failures: Vec<String> = Vec::new();
     let have_rtpengine = std::process::Command::new("rtpengine").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok();
-    for &n in &calls {
-        for r in &a.relays {
-            if r == "rtpengine" && !have_rtpengine {
-                failures.push(format!("N={n} rtpengine: not installed (apt-get install rtpengine-daemon)"));
-                continue;
-            }
-            eprintln!("bench relay: {r}, {n} calls at {setup_rate}/s, {seconds} s of media ...");
-            let spec = RunSpec { calls: n, setup_rate, seconds };
-            match run_one(&tb, r, &spec, &dir) {
-                Ok(run) => {
-                    eprintln!(
-                        "  {} of {n} calls up ({:.1}/s), loss {:.3} %, relay CPU {:.1} %, {} set-up failures",
-                        run.calls_up, run.setup_rate_achieved, run.loss_pct, run.cpu_pct, run.setup_failures
-                    );
-                    runs.push(run);
+    for &media in &a.media {
+        for &n in &calls {
+            for r in &a.relays {
+                if r == KERNEL_FORWARD && media != Media::Rtp {
+                    eprintln!("bench relay: {r} has no relay to bridge {} media: its runs are the rtp ones", media.name());
+                    continue;
                 }
-                Err(e) => {
-                    eprintln!("  failed: {e:#}");
-                    failures.push(format!("N={n} {r}: {e:#}"));
+                if r == "rtpengine" && !have_rtpengine {
+                    failures.push(format!("N={n} rtpengine: not installed (apt-get install rtpengine-daemon)"));
+                    continue;
+                }
+                eprintln!("bench relay: {r}, {n} calls ({}) at {setup_rate}/s, {seconds} s of media ...", media.name());
+                let spec = RunSpec { calls: n, setup_rate, seconds, media };
+                match run_one(&tb, r, &spec, &dir) {
+                    Ok(run) => {
+                        eprintln!(
+                            "  {} of {n} calls up ({:.1}/s), loss {:.3} %, relay CPU {:.1} %, {} set-up failures",
+                            run.calls_up, run.setup_rate_achieved, run.loss_pct, run.cpu_pct, run.setup_failures
+                        );
+                        runs.push(run);
+                    }
+                    Err(e) => {
+                        eprintln!("  failed: {e:#}");
+                        failures.push(format!("N={n} {r} ({}): {e:#}", media.name()));
+                    }
                 }
             }
         }

@@ -11,10 +11,10 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
     v.map(|x| x.to_string()).unwrap_or_default()
 }
 
-pub const CSV_HEADER: &str = "relay,calls,calls_up,setup_failures,setup_rate_target,setup_rate_achieved,offer_p50_ms,offer_p99_ms,answer_p50_ms,answer_p99_ms,\
-legs,legs_latched,latch_s,seconds,planned,sent,send_errors,received,lost,loss_pct,legs_with_loss,duplicates,unexpected,\
+pub const CSV_HEADER: &str = "relay,media,calls,calls_up,setup_failures,setup_rate_target,setup_rate_achieved,offer_p50_ms,offer_p99_ms,answer_p50_ms,answer_p99_ms,\
+legs,legs_latched,latch_s,seconds,planned,sent,send_errors,received,lost,loss_pct,legs_with_loss,duplicates,unexpected,srtp_failed,\
 delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,added_delay_p50_us,added_delay_p99_us,dv_p99_median_us,dv_p99_max_us,jitter_mean_us,mos_mean,mos_min,\
-relay_cpu_ms,bpf_run_ms,cpu_pct,cpu_per_packet_ns,machine_cpu_per_packet_ns,kernel_forwarded,slow_path_rx,relay_rss_mib,bpf_memlock_mib,generator_cpu_ms,receiver_cpu_ms,\
+generator_srtp_protect_p50_ns,relay_cpu_ms,bpf_run_ms,cpu_pct,cpu_per_packet_ns,machine_cpu_per_packet_ns,kernel_forwarded,slow_path_rx,relay_rss_mib,bpf_memlock_mib,generator_cpu_ms,receiver_cpu_ms,\
 delete_failures,delete_p50_ms,left_after_delete";
 
 fn csv_row(r: &RelayRun) -> String {
@@ -22,6 +22,7 @@ fn csv_row(r: &RelayRun) -> String {
     let us = |ns: f64| format!("{:.1}", ns / 1e3);
     [
         r.relay.clone(),
+        r.media.clone(),
         r.calls.to_string(),
         r.calls_up.to_string(),
         r.setup_failures.to_string(),
@@ -44,6 +45,7 @@ fn csv_row(r: &RelayRun) -> String {
         r.legs_with_loss.to_string(),
         r.duplicates.to_string(),
         r.unexpected.to_string(),
+        r.srtp_failed.to_string(),
         us(r.delay_ns.p50),
         us(r.delay_ns.mean),
         us(r.delay_ns.p99),
@@ -55,6 +57,7 @@ fn csv_row(r: &RelayRun) -> String {
         us(r.jitter_mean_ns),
         format!("{:.3}", r.mos_mean),
         format!("{:.3}", r.mos_min),
+        r.generator_srtp_protect_p50_ns.map(|p| format!("{p:.0}")).unwrap_or_default(),
         format!("{:.1}", r.relay_cpu_ns as f64 / 1e6),
         format!("{:.1}", r.bpf_run_ns as f64 / 1e6),
         format!("{:.2}", r.cpu_pct),
@@ -75,7 +78,7 @@ fn csv_row(r: &RelayRun) -> String {
 
 pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
     println!(
-        "\n{:<21} {:>6} {:>6} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>9} {:>11} {:>8} {:>8}",
+        "\n{:<32} {:>6} {:>6} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>9} {:>11} {:>8} {:>8}",
         "relay",
         "calls",
         "up",
@@ -97,8 +100,8 @@ pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
     );
     for r in runs {
         println!(
-            "{:<21} {:>6} {:>6} {:>7} {:>8.1} {:>8.2} {:>9} {:>8.3} {:>8.1} {:>8.1} {:>8} {:>8.1} {:>6.2} {:>7.1} {:>9} {:>11} {:>7.0}% {:>8.1}",
-            r.relay,
+            "{:<32} {:>6} {:>6} {:>7} {:>8.1} {:>8.2} {:>9} {:>8.3} {:>8.1} {:>8.1} {:>8} {:>8.1} {:>6.2} {:>7.1} {:>9} {:>11} {:>7.0}% {:>8.1}",
+            r.label(),
             r.calls,
             r.calls_up,
             r.setup_failures,
@@ -151,13 +154,13 @@ pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
 type Series = Vec<(String, Vec<(f64, f64)>)>;
 
 fn per_relay(runs: &[RelayRun], metric: &dyn Fn(&RelayRun) -> Option<f64>) -> Series {
-    let mut names: Vec<String> = runs.iter().map(|r| r.relay.clone()).collect();
+    let mut names: Vec<String> = runs.iter().map(RelayRun::label).collect();
     names.sort();
     names.dedup();
     names
         .into_iter()
         .map(|n| {
-            let pts = runs.iter().filter(|r| r.relay == n).filter_map(|r| Some((r.calls as f64, metric(r)?))).collect();
+            let pts = runs.iter().filter(|r| r.label() == n).filter_map(|r| Some((r.calls as f64, metric(r)?))).collect();
             (n, pts)
         })
         .collect()
@@ -264,7 +267,7 @@ pub fn write_all(dir: &Path, meta: &RunMeta, setup_rate: f64, runs: &[RelayRun],
             let _ = write!(
                 h,
                 "<li>{} N={}: {} of {} calls failed; first: <code>{}</code></li>",
-                esc(&r.relay),
+                esc(&r.label()),
                 r.calls,
                 r.setup_failures,
                 r.calls,

@@ -9,6 +9,8 @@ use serde::Serialize;
 #[derive(Debug, Clone, Serialize)]
 pub struct RelayRun {
     pub relay: String,
+    /// What the calls' legs spoke (`rtp`, `sdes-rtp`: see `bench relay --media`).
+    pub media: String,
     pub calls: usize,
     pub calls_up: usize,
     pub setup_failures: usize,
@@ -35,6 +37,11 @@ pub struct RelayRun {
     pub loss_pct: f64,
     pub duplicates: u64,
     pub unexpected: u64,
+    /// SRTP packets the parties could not unprotect (what the relay protected toward the caller).
+    pub srtp_failed: u64,
+    /// SRTP calls: the median time the generator took to protect one packet. It is inside the
+    /// caller-to-callee one-way delay (the send time is written before protecting).
+    pub generator_srtp_protect_p50_ns: Option<f64>,
     /// Legs with any loss.
     pub legs_with_loss: usize,
     /// One-way delay over all packets of all legs, ns.
@@ -78,6 +85,17 @@ pub struct RelayRun {
     pub delete_ns: Summary,
     /// What the relay still held after every delete (mediaplane: relays in the model).
     pub left_after_delete: Option<u64>,
+}
+
+impl RelayRun {
+    /// The relay, and the media when it is not plain RTP: what a table row or a plot line is.
+    pub fn label(&self) -> String {
+        if self.media == "rtp" {
+            self.relay.clone()
+        } else {
+            format!("{} ({})", self.relay, self.media)
+        }
+    }
 }
 
 /// One sample of a capacity ramp.
