@@ -244,7 +244,10 @@ pub fn write_all(dir: &Path, meta: &RunMeta, setup_rate: f64, runs: &[RelayRun],
          Loss is counted from the harness sequence; packets the generator could not send on time are reported as planned − sent (generator shortfall), not as loss. \
          CPU: the relay process (all threads, schedstat) plus, for eBPF, the BPF program's run time; kernel work done in the sender's softirq outside the BPF program \
          (veth, routing) is attributed to no relay. MOS: G.107 E-model, G.711 (Ie = 0, Bpl = 4.3), measured mean delay and loss. \
-         The generator (one sender thread, one receiver thread) runs on the same 2-core machine as the relay.</p>",
+         The generator (one sender thread, one receiver thread) runs on the same 2-core machine as the relay. \
+         Runs marked (sdes-rtp): the caller speaks SDES-SRTP (AES_CM_128_HMAC_SHA1_80), the callee plain RTP, and the relay bridges them \
+         (<code>transport-protocol=RTP/AVP</code> on the offer): every packet is unprotected or protected once by the relay. \
+         The caller protects before sending, so its direction's delay includes that (the median is in <code>generator_srtp_protect_p50_ns</code>).</p>",
         esc(&meta.command),
         meta.cores,
         meta.memory_gib,

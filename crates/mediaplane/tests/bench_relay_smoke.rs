@@ -1,6 +1,6 @@
 //! `mediaplane bench relay --quick` runs in seconds and writes its outputs with real data:
-//! every relay carried every call of both sizes, mediaplane without loss, and the capacity phase
-//! installed sessions through NG and HTTP. Root only (namespaces, BPF); under CI=true not being
+//! every relay carried every call of both sizes, plain and bridged from SDES-SRTP to RTP,
+//! mediaplane without loss, and the capacity phase installed sessions through NG and HTTP. Root only (namespaces, BPF); under CI=true not being
 //! root is a failure.
 
 use serde_json::Value;
@@ -17,16 +17,23 @@ fn bench_relay_quick_writes_real_results() {
     let relays =
         if have_rtpengine { "mediaplane-userspace,mediaplane-ebpf,rtpengine,kernel-forward" } else { "mediaplane-userspace,mediaplane-ebpf,kernel-forward" };
     let st = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
-        .args(["bench", "relay", "--quick", "--relays", relays, "--out", out.to_str().unwrap()])
+        .args(["bench", "relay", "--quick", "--media", "rtp,sdes-rtp", "--relays", relays, "--out", out.to_str().unwrap()])
         .status()
         .expect("run mediaplane bench relay");
     assert!(st.success(), "bench relay --quick failed (see its output above)");
 
     let json: Value = serde_json::from_str(&std::fs::read_to_string(out.join("results.json")).unwrap()).unwrap();
     let runs = json["runs"].as_array().unwrap();
-    assert_eq!(runs.len(), relays.split(',').count() * 2, "{json:#}");
+    // Two sizes of every relay with plain RTP, and of every relay but kernel-forward bridged.
+    let n = relays.split(',').count();
+    assert_eq!(runs.len(), n * 2 + (n - 1) * 2, "{json:#}");
     for r in runs {
         let (relay, calls) = (r["relay"].as_str().unwrap(), r["calls"].as_u64().unwrap());
+        let bridged = r["media"] == "sdes-rtp";
+        assert!(bridged || r["media"] == "rtp", "{r:#}");
+        assert_eq!(r["srtp_failed"], 0, "every packet the relay protected toward the caller unprotects: {r:#}");
+        // The caller's packets are protected by the generator, and only then.
+        assert_eq!(r["generator_srtp_protect_p50_ns"].as_f64().is_some_and(|p| p > 0.0), bridged, "{r:#}");
         assert_eq!(r["calls_up"], calls, "{r:#}");
         assert_eq!(r["setup_failures"], 0, "{r:#}");
         let sent = r["sent"].as_u64().unwrap();
@@ -54,7 +61,10 @@ fn bench_relay_quick_writes_real_results() {
         } else {
             assert!(r["received"].as_u64().unwrap() * 10 >= sent * 9, "{r:#}");
         }
-        if relay == "mediaplane-ebpf" {
+        if relay == "mediaplane-ebpf" && bridged {
+            // SRTP is terminated in user space (no AES-CM/HMAC in BPF): both directions go up.
+            assert_eq!((r["kernel_forwarded"].as_u64(), r["slow_path_rx"].as_u64()), (Some(0), Some(sent)), "{r:#}");
+        } else if relay == "mediaplane-ebpf" {
             assert_eq!(r["kernel_forwarded"], sent, "forwarded by the kernel: {r:#}");
             assert_eq!(r["slow_path_rx"], 0, "{r:#}");
             assert!(r["bpf_run_ns"].as_u64().unwrap() > 0, "{r:#}");
