@@ -49,7 +49,7 @@ lint: deps
 # kernel program's fuzz driver (root; BPF_PROG_TEST_RUN against classify()) over BPF_FUZZ_FRAMES
 # random and mutated frames (`make test` runs 10000 of them in cargo test); a failure prints its
 # seed, MEDIAPLANE_FUZZ_SEED=<seed> replays it.
-FUZZ_TARGETS := frame rtp_rtcp classify api_json bencode sdp
+FUZZ_TARGETS := frame rtp_rtcp classify api_json bencode sdp stun
 FUZZ_SECONDS ?= 300
 BPF_FUZZ_FRAMES ?= 500000
 fuzz-smoke:
@@ -87,6 +87,8 @@ bench: release
 	# install-capacity ramps (NG, HTTP, HTTP batches);
 	# 5000/10000 calls and 30 s runs take about an hour here: run those by hand.
 	target/release/mediaplane bench relay --calls 750,1800 --seconds 10 --capacity 1000000 --capacity-seconds 240 --out bench-results/relay
+	# SRTP <-> RTP bridging (the caller SDES-SRTP, the callee plain RTP) beside the same calls in plain RTP.
+	target/release/mediaplane bench relay --calls 200,750 --seconds 10 --media rtp,sdes-rtp --relays kernel-forward,mediaplane-userspace,mediaplane-ebpf,rtpengine --skip-capacity --out bench-results/relay-srtp
 	target/release/mediaplane bench overload --out bench-results/overload
 	# Round trip through one relay pair, sockperf ping-pong: no relay, mediaplane, rtpengine.
 	scripts/bench-pingpong.sh --out bench-results/pingpong
