@@ -40,7 +40,7 @@ use serde::{Deserialize, Serialize};
 use socket2::{SockAddr, SockRef};
 
 use crate::qos::{DelayVariation, EModel, Rfc3550Jitter, SeqTracker, Summary, ValueRecorder};
-use mediaplane_dataplane::srtp::Context as SrtpContext;
+use mediaplane_dataplane::srtp::{Context as SrtpContext, SrtpDrop};
 use mediaplane_dataplane::sys::Epoll;
 
 pub const RTP_HEADER_LEN: usize = 12;
@@ -417,9 +417,13 @@ pub struct ReceiverReport {
     pub unexpected_flows: Vec<u32>,
     /// Datagrams that are not probes, or truncated.
     pub malformed: u64,
-    /// SRTP receivers: datagrams that failed to unprotect (authentication, replay, not SRTP).
+    /// SRTP receivers: datagrams that failed to unprotect (authentication, not SRTP).
     #[serde(default)]
     pub srtp_failed: u64,
+    /// SRTP receivers: datagrams libsrtp refused as replays (a duplicate on the way; its probe
+    /// is unreadable, so it is not in the copy's `duplicates`).
+    #[serde(default)]
+    pub srtp_replayed: u64,
     /// Packets without a kernel timestamp, stamped in user space instead.
     pub user_timestamps: u64,
 }
@@ -476,6 +480,8 @@ pub struct Totals {
     pub malformed: u64,
     #[serde(default)]
     pub srtp_failed: u64,
+    #[serde(default)]
+    pub srtp_replayed: u64,
     pub send_errors: u64,
 }
 
@@ -755,6 +761,7 @@ struct ReceiverAcc {
     unexpected_flows: HashSet<u32>,
     malformed: u64,
     srtp_failed: u64,
+    srtp_replayed: u64,
     user_timestamps: u64,
 }
 
@@ -807,6 +814,7 @@ fn new_receiver_accs(plan: &TrafficPlan, planned: &HashMap<u32, u64>) -> Vec<Rec
             unexpected_flows: HashSet::new(),
             malformed: 0,
             srtp_failed: 0,
+            srtp_replayed: 0,
             user_timestamps: 0,
         })
         .collect()
@@ -854,9 +862,13 @@ fn receive_loop(plan: &TrafficPlan, mut accs: Vec<ReceiverAcc>, flow_index: &Has
                         if let Some(ctx) = &plan.receivers[i].srtp {
                             clear.clear();
                             clear.extend_from_slice(d);
-                            if truncated || ctx.unprotect(&mut clear).is_err() {
+                            let r = if truncated { Err(SrtpDrop::Invalid) } else { ctx.unprotect(&mut clear) };
+                            if let Err(e) = r {
                                 accs[i].datagrams += 1;
-                                accs[i].srtp_failed += 1;
+                                match e {
+                                    SrtpDrop::Replay => accs[i].srtp_replayed += 1,
+                                    _ => accs[i].srtp_failed += 1,
+                                }
                                 continue;
                             }
                             d = &clear;
@@ -974,6 +986,7 @@ fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: R
             unexpected_flows,
             malformed: acc.malformed,
             srtp_failed: acc.srtp_failed,
+            srtp_replayed: acc.srtp_replayed,
             user_timestamps: acc.user_timestamps,
         });
     }
@@ -988,6 +1001,7 @@ fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: R
         unexpected: receivers.iter().map(|r| r.unexpected).sum(),
         malformed: receivers.iter().map(|r| r.malformed).sum(),
         srtp_failed: receivers.iter().map(|r| r.srtp_failed).sum(),
+        srtp_replayed: receivers.iter().map(|r| r.srtp_replayed).sum(),
         send_errors: senders.iter().map(|s| s.send_errors).sum(),
     };
     TrafficReport {

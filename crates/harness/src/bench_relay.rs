@@ -350,6 +350,21 @@ fn api(tb: &Testbed, method: &str, path: &str, body: Option<Json>) -> anyhow::Re
     crate::conference::api_with_timeout(tb, method, path, body, Duration::from_secs(60))
 }
 
+/// The eBPF plane's counters of packets of its streams handed to the user-space slow path
+/// (`pass_not_ip`, `pass_not_ours` and the like are traffic that is not the relay's).
+const SLOW_PATH_PASSES: [&str; 10] = [
+    "pass_stun",
+    "pass_unlatched",
+    "pass_slow_stream",
+    "pass_no_neigh",
+    "pass_fib_fail",
+    "pass_stale_copy",
+    "pass_error",
+    "pass_in_order",
+    "pass_rtcp",
+    "pass_feedback",
+];
+
 fn extra(stats: &Json, k: &str) -> u64 {
     stats["extra"][k].as_u64().unwrap_or(0)
 }
@@ -630,9 +645,10 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     let bpf_run_ns = delta("bpf_run_time_ns").unwrap_or(0) + delta("xdp_run_time_ns").unwrap_or(0);
     let ebpf = relay_name.starts_with("mediaplane-ebpf");
     let kernel_forwarded = if ebpf { delta("forwarded") } else { None };
-    // The eBPF plane's slow path sees what the TC programs hand up (SRTP legs, for one).
+    // The eBPF plane's slow path sees what the TC programs hand up of the relay's own streams
+    // (SRTP legs, unlatched legs, RTCP, unresolved neighbours...), not other traffic.
     let slow_path_rx = match (&stats0, &stats1) {
-        (Some(a), Some(b)) if ebpf => Some(extra(b, "pass_slow_stream").saturating_sub(extra(a, "pass_slow_stream"))),
+        (Some(a), Some(b)) if ebpf => Some(SLOW_PATH_PASSES.iter().map(|k| extra(b, k).saturating_sub(extra(a, k))).sum()),
         (Some(a), Some(b)) => Some(b["total"]["rx_packets"].as_u64().unwrap_or(0).saturating_sub(a["total"]["rx_packets"].as_u64().unwrap_or(0))),
         _ => None,
     };
@@ -671,6 +687,7 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
         relay: relay_name.to_string(),
         media: spec.media.name().to_string(),
         srtp_failed: t.srtp_failed,
+        srtp_replayed: t.srtp_replayed,
         generator_srtp_protect_p50_ns: (!protect.is_empty()).then(|| Summary::of(&mut protect.clone()).p50),
         calls: n,
         calls_up: setup.up.len(),

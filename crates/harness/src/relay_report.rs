@@ -12,7 +12,7 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 }
 
 pub const CSV_HEADER: &str = "relay,media,calls,calls_up,setup_failures,setup_rate_target,setup_rate_achieved,offer_p50_ms,offer_p99_ms,answer_p50_ms,answer_p99_ms,\
-legs,legs_latched,latch_s,seconds,planned,sent,send_errors,received,lost,loss_pct,legs_with_loss,duplicates,unexpected,srtp_failed,\
+legs,legs_latched,latch_s,seconds,planned,sent,send_errors,received,lost,loss_pct,legs_with_loss,duplicates,unexpected,srtp_failed,srtp_replayed,\
 delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,added_delay_p50_us,added_delay_p99_us,dv_p99_median_us,dv_p99_max_us,jitter_mean_us,mos_mean,mos_min,\
 generator_srtp_protect_p50_ns,relay_cpu_ms,bpf_run_ms,cpu_pct,cpu_per_packet_ns,machine_cpu_per_packet_ns,kernel_forwarded,slow_path_rx,relay_rss_mib,bpf_memlock_mib,generator_cpu_ms,receiver_cpu_ms,\
 delete_failures,delete_p50_ms,left_after_delete";
@@ -46,6 +46,7 @@ fn csv_row(r: &RelayRun) -> String {
         r.duplicates.to_string(),
         r.unexpected.to_string(),
         r.srtp_failed.to_string(),
+        r.srtp_replayed.to_string(),
         us(r.delay_ns.p50),
         us(r.delay_ns.mean),
         us(r.delay_ns.p99),

@@ -39,6 +39,9 @@ pub struct RelayRun {
     pub unexpected: u64,
     /// SRTP packets the parties could not unprotect (what the relay protected toward the caller).
     pub srtp_failed: u64,
+    /// SRTP packets a party refused as replays: what a relay duplicated, on an SRTP leg (the
+    /// probe inside is unreadable, so they are not in `duplicates`).
+    pub srtp_replayed: u64,
     /// SRTP calls: the median time the generator took to protect one packet. It is inside the
     /// caller-to-callee one-way delay (the send time is written before protecting).
     pub generator_srtp_protect_p50_ns: Option<f64>,

@@ -32,6 +32,7 @@ fn bench_relay_quick_writes_real_results() {
         let bridged = r["media"] == "sdes-rtp";
         assert!(bridged || r["media"] == "rtp", "{r:#}");
         assert_eq!(r["srtp_failed"], 0, "every packet the relay protected toward the caller unprotects: {r:#}");
+        assert_eq!(r["srtp_replayed"], 0, "no duplicate on an SRTP leg: {r:#}");
         // The caller's packets are protected by the generator, and only then.
         assert_eq!(r["generator_srtp_protect_p50_ns"].as_f64().is_some_and(|p| p > 0.0), bridged, "{r:#}");
         assert_eq!(r["calls_up"], calls, "{r:#}");
