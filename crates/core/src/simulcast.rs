@@ -149,8 +149,12 @@ fn vp8_descriptor(p: &[u8]) -> Option<Vp8Descriptor> {
     Some(d)
 }
 
+/// NAL units of a STAP-A looked at for a keyframe (the kernel's loop has this bound too; an
+/// encoder puts the SPS first, with its PPS and the IDR slice).
+pub const STAP_A_SCAN: usize = 16;
+
 /// RFC 6184: an IDR slice, or the SPS that precedes one (as libwebrtc counts keyframes), alone,
-/// first in a STAP-A, or starting an FU-A.
+/// among the first [`STAP_A_SCAN`] of a STAP-A, or starting an FU-A.
 fn h264_keyframe_start(p: &[u8]) -> bool {
     let key = |nal_type: u8| nal_type == 5 || nal_type == 7;
     let Some(&b0) = p.first() else { return false };
@@ -158,7 +162,10 @@ fn h264_keyframe_start(p: &[u8]) -> bool {
         24 => {
             // STAP-A: (16-bit size, NAL unit)*
             let mut i = 1;
-            while i + 2 < p.len() {
+            for _ in 0..STAP_A_SCAN {
+                if i + 2 >= p.len() {
+                    return false;
+                }
                 let size = u16::from_be_bytes([p[i], p[i + 1]]) as usize;
                 if size == 0 || i + 2 + size > p.len() {
                     return false;
@@ -233,15 +240,38 @@ pub enum Decision {
 }
 
 /// One run of one layer's sequence numbers, mapped by constant offsets.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-struct Segment {
-    layer: u8,
-    start: u16,
-    highest: u16,
-    seq_offset: u16,
-    ts_offset: u32,
-    pic_offset: u16,
-    tl0_offset: u8,
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Segment {
+    pub layer: u8,
+    pub start: u16,
+    pub highest: u16,
+    pub seq_offset: u16,
+    pub ts_offset: u32,
+    pub pic_offset: u16,
+    pub tl0_offset: u8,
+}
+
+/// What the packets a [`LayerRewriter`] saw made of it: everything but its identity (SSRC, clock
+/// rate) and the keyframe requests the SFU makes for it. The eBPF plane keeps exactly this per
+/// consumer in a map (`struct mp_layer_state`) and runs the same rules on it in the kernel;
+/// user space reads it back into a rewriter to map NACKs and sender reports.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct RewriterState {
+    pub target: Option<u8>,
+    /// Newest first, at most [`HISTORY`].
+    pub segments: Vec<Segment>,
+    pub open: bool,
+    pub newest: [Option<u16>; MAX_LAYERS],
+    pub top_seq: u16,
+    pub top_ts: u32,
+    pub top_pic: u16,
+    pub top_tl0: u8,
+    pub top_at_ns: u64,
+    pub sent: u64,
+    pub forwarded: u64,
+    pub switches: u64,
+    pub duplicates: u64,
+    pub late: u64,
 }
 
 /// What one consumer's rewrite did, for its counters.
@@ -301,6 +331,47 @@ impl LayerRewriter {
             keyframe_asked_ns: None,
             stats: RewriteStats::default(),
         }
+    }
+
+    /// Its packet-driven state ([`RewriterState`]).
+    pub fn state(&self) -> RewriterState {
+        RewriterState {
+            target: self.target,
+            segments: self.segments.clone(),
+            open: self.open,
+            newest: self.newest,
+            top_seq: self.top_seq,
+            top_ts: self.top_ts,
+            top_pic: self.top_pic,
+            top_tl0: self.top_tl0,
+            top_at_ns: self.top_at_ns,
+            sent: self.sent,
+            forwarded: self.stats.forwarded,
+            switches: self.stats.switches,
+            duplicates: self.stats.duplicates,
+            late: self.stats.late,
+        }
+    }
+
+    /// Take `s` as its state (the kernel's copy of it), keeping its identity and its keyframe
+    /// requests. A target that changes resets the keyframe request interval, as
+    /// [`LayerRewriter::set_target`] does.
+    pub fn load_state(&mut self, s: RewriterState) {
+        if s.target != self.target {
+            self.keyframe_asked_ns = None;
+        }
+        self.target = s.target;
+        self.segments = s.segments;
+        self.segments.truncate(HISTORY);
+        self.open = s.open;
+        self.newest = s.newest;
+        (self.top_seq, self.top_ts, self.top_pic, self.top_tl0, self.top_at_ns, self.sent) = (s.top_seq, s.top_ts, s.top_pic, s.top_tl0, s.top_at_ns, s.sent);
+        (self.stats.forwarded, self.stats.switches, self.stats.duplicates, self.stats.late) = (s.forwarded, s.switches, s.duplicates, s.late);
+    }
+
+    /// The clock rate the timestamps across a switch are spaced with (90 kHz when unknown).
+    pub fn clock_rate(&self) -> u32 {
+        self.clock_rate
     }
 
     /// The layer it receives now (None: not started).

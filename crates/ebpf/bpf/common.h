@@ -48,6 +48,8 @@
 #define STREAM_F_FEEDBACK (1u << 9) /* (wildcard entry only) a consumer's address: RTCP from the
                                       source in this entry (the placeholder too) is feedback, which
                                       the slow path routes to the publishers (core feedback.rs) */
+#define STREAM_F_SIMULCAST (1u << 10) /* one layer of a simulcast stream: each copy is decided and
+                                        renumbered for its consumer (layer_rewrite.h) */
 
 /* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
 #define MAX_SOURCES 65536

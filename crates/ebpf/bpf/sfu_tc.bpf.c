@@ -37,6 +37,7 @@
 #include "order.h"
 #include "header.h"
 #include "reception.h"
+#include "layer_rewrite.h"
 
 char LICENSE[] SEC("license") = "Dual BSD/GPL";
 
@@ -90,9 +91,12 @@ __noinline int record_copy_latency(__u64 ns)
 	return 0;
 }
 
-/* State shared with the bpf_loop callbacks (lives on the program's stack). */
+/* State shared with the bpf_loop callbacks: per CPU (fanout_scratch), off the stack, which the
+ * call chain main -> copy callback -> layer_decide/layer_write would otherwise overrun (512
+ * bytes). One run uses it from the fan-out's start to its end; no other run of this program on
+ * this CPU comes in between (copies leave through queues; TC ingress runs in softirq, which does
+ * not nest). */
 struct mp_fanout {
-	struct __sk_buff *skb;
 	__u64 t0;
 	__u32 stream_id;
 	__u32 copies_base;
@@ -115,6 +119,25 @@ struct mp_fanout {
 	 * previous one, checksums adjusted by the difference. */
 	__u8 cur_addrs[32]; /* saddr then daddr; IPv4 uses the first 8 bytes */
 	__be16 cur_ports[2];
+	/* A simulcast layer (else MP_LAYER_NONE): each copy is decided and renumbered for its
+	 * consumer. */
+	__u32 layer;
+	__u32 pad;
+};
+
+struct {
+	__uint(type, BPF_MAP_TYPE_PERCPU_ARRAY);
+	__uint(max_entries, 1);
+	__type(key, __u32);
+	__type(value, struct mp_fanout);
+} fanout_scratch SEC(".maps");
+
+/* What the bpf_loop callbacks get (a callback's context must be on the stack): the packet, the
+ * fan-out state and, with a layer, its edit. */
+struct mp_fanout_ctx {
+	struct __sk_buff *skb;
+	struct mp_fanout *f;
+	struct mp_layer_scratch *ls;
 };
 
 static __always_inline struct mp_copy_rewrite *copy_of(struct mp_fanout *f, __u32 i)
@@ -142,7 +165,7 @@ static __always_inline int nh_matches(const struct mp_nh_cache *e, const struct 
 
 /* bpf_fib_lookup for one copy; on success the cache entry is rewritten whole. Returns 0 or the
  * CNT_PASS_* reason. */
-static __noinline int resolve(struct mp_fanout *f, const struct mp_copy_rewrite *c, struct mp_nh_cache *e)
+static __noinline int resolve(struct __sk_buff *skb, struct mp_fanout *f, const struct mp_copy_rewrite *c, struct mp_nh_cache *e)
 {
 	__u32 zero = 0;
 	struct bpf_fib_lookup *fib = bpf_map_lookup_elem(&fib_scratch, &zero);
@@ -163,7 +186,7 @@ static __noinline int resolve(struct mp_fanout *f, const struct mp_copy_rewrite 
 		__builtin_memcpy(fib->ipv6_src, c->from_addr, 16);
 		__builtin_memcpy(fib->ipv6_dst, c->to_addr, 16);
 	}
-	long rc = bpf_fib_lookup(f->skb, fib, sizeof(*fib), 0);
+	long rc = bpf_fib_lookup(skb, fib, sizeof(*fib), 0);
 	if (rc != BPF_FIB_LKUP_RET_SUCCESS)
 		return rc == BPF_FIB_LKUP_RET_NO_NEIGH ? CNT_PASS_NO_NEIGH : CNT_PASS_FIB_FAIL;
 	__builtin_memcpy(e->key, c, sizeof(e->key));
@@ -178,17 +201,18 @@ static __noinline int resolve(struct mp_fanout *f, const struct mp_copy_rewrite 
 }
 
 /* Next hop of copy i: the cached one when it is still good, else a fresh lookup. */
-static __always_inline int next_hop(struct mp_fanout *f, const struct mp_copy_rewrite *c, struct mp_nh_cache *e)
+static __always_inline int next_hop(struct __sk_buff *skb, struct mp_fanout *f, const struct mp_copy_rewrite *c, struct mp_nh_cache *e)
 {
 	if (nh_matches(e, c, f->gen) && e->in_ifindex == f->ifindex && f->ip_len <= e->max_len && f->t0 < e->expires_ns)
 		return 0;
-	return resolve(f, c, e);
+	return resolve(skb, f, c, e);
 }
 
 /* Pass 1: resolve every copy's next hop before sending anything. */
 static long resolve_next_hop(__u32 i, void *ctx)
 {
-	struct mp_fanout *f = ctx;
+	struct mp_fanout_ctx *x = ctx;
+	struct mp_fanout *f = x->f;
 	struct mp_copy_rewrite *c = copy_of(f, i);
 	if (!c) {
 		f->fail = CNT_PASS_STALE_COPY;
@@ -199,7 +223,7 @@ static long resolve_next_hop(__u32 i, void *ctx)
 		f->fail = CNT_PASS_ERROR;
 		return 1;
 	}
-	int rc = next_hop(f, c, e);
+	int rc = next_hop(x->skb, f, c, e);
 	if (rc) {
 		f->fail = rc;
 		return 1;
@@ -220,9 +244,9 @@ static __always_inline __u16 udp_csum_update(__u16 check, __u64 da, __u64 dp, in
 
 /* Rewrite MACs, addresses, ports and checksums with direct packet access: no helper calls.
  * After VLAN pop the IP header is at 14. Returns -1 if the headers are not in the linear part. */
-static __always_inline int rewrite_direct(struct mp_fanout *f, const struct mp_copy_rewrite *c, const struct mp_nh_cache *e)
+static __always_inline int rewrite_direct(struct __sk_buff *skb, struct mp_fanout *f, const struct mp_copy_rewrite *c,
+					  const struct mp_nh_cache *e)
 {
-	struct __sk_buff *skb = f->skb;
 	void *data = (void *)(long)skb->data;
 	void *end = (void *)(long)skb->data_end;
 	__u32 np[1];
@@ -270,9 +294,9 @@ static __always_inline int rewrite_direct(struct mp_fanout *f, const struct mp_c
 
 /* The same with the checksum helpers, which also keep skb->csum right under
  * CHECKSUM_COMPLETE (and work on non-linear headers). */
-static __always_inline int rewrite_helpers(struct mp_fanout *f, const struct mp_copy_rewrite *c, const struct mp_nh_cache *e)
+static __always_inline int rewrite_helpers(struct __sk_buff *skb, struct mp_fanout *f, const struct mp_copy_rewrite *c,
+					   const struct mp_nh_cache *e)
 {
-	struct __sk_buff *skb = f->skb;
 	if (f->family == MP_FAMILY_V4) {
 		__u8 new[8];
 		__builtin_memcpy(new, c->from_addr, 4);
@@ -322,22 +346,28 @@ static __always_inline void count_consumer(const struct mp_copy_rewrite *c, __u3
 }
 
 /* Pass 2: one copy per call. */
-static __always_inline long send_copy(__u32 i, struct mp_fanout *f, int direct)
+static __always_inline long send_copy(__u32 i, struct mp_fanout_ctx *x, int direct)
 {
+	struct mp_fanout *f = x->f;
+	struct __sk_buff *skb = x->skb;
 	struct mp_copy_rewrite *c = copy_of(f, i);
 	struct mp_nh_cache *e = nh_entry(f, i);
 	if (!c || !e) {
 		f->errors++;
 		return 0;
 	}
+	struct mp_layer_scratch *ls = x->ls;
+	if (ls && layer_decide(c->consumer, f->layer, &ls->le.in, f->t0, &ls->lo) != MP_LAYER_FORWARD)
+		return 0; /* not for this consumer (another layer, a duplicate...) */
 	/* Pass 1 left this copy's entry good; re-check it anyway (a nested run on this CPU could
 	 * have reused it) and resolve again on any doubt. */
-	if (next_hop(f, c, e)) {
+	if (next_hop(skb, f, c, e)) {
 		f->errors++;
 		count_consumer(c, 0, 0);
 		return 0;
 	}
-	if (direct ? rewrite_direct(f, c, e) : rewrite_helpers(f, c, e)) {
+	if ((direct ? rewrite_direct(skb, f, c, e) : rewrite_helpers(skb, f, c, e)) ||
+	    (ls && layer_write(skb, f->l4_off + 8, f->family, &ls->le, &ls->lo))) {
 		/* The headers may be half rewritten: every later copy would carry wrong
 		 * checksums. Stop and count the rest as errors. */
 		f->errors += f->count - i;
@@ -351,7 +381,7 @@ static __always_inline long send_copy(__u32 i, struct mp_fanout *f, int direct)
 		count_consumer(c, f->payload_len, 1);
 		return 0;
 	}
-	if (bpf_clone_redirect(f->skb, e->out_ifindex, 0)) {
+	if (bpf_clone_redirect(skb, e->out_ifindex, 0)) {
 		f->errors++;
 		count_consumer(c, 0, 0);
 		return 0;
@@ -660,48 +690,60 @@ int sfu_ingress(struct __sk_buff *skb)
 	if ((cflags & MP_CFG_HOLD_ORDER) && sp && order_held(sp, t0))
 		return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_IN_ORDER);
 
-	struct mp_fanout f = {
-		.skb = skb,
-		.t0 = t0,
-		.stream_id = entry->id,
-		.copies_base = entry->copies_base,
-		.count = entry->copies_count,
-		.ifindex = skb->ifindex,
-		.ip_len = p.ip_len,
-		.l3_off = p.l3_off,
-		.l4_off = p.l4_off,
-		.payload_len = p.payload_len,
-		.family = p.family,
-		.gen = nhgen,
-	};
-	__builtin_memcpy(f.cur_addrs, p.saddr, 16);
+	struct mp_fanout *f = bpf_map_lookup_elem(&fanout_scratch, &zero);
+	if (!f)
+		return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_ERROR);
+	__builtin_memset(f, 0, sizeof(*f));
+	f->t0 = t0;
+	f->stream_id = entry->id;
+	f->copies_base = entry->copies_base;
+	f->count = entry->copies_count;
+	f->ifindex = skb->ifindex;
+	f->ip_len = p.ip_len;
+	f->l3_off = p.l3_off;
+	f->l4_off = p.l4_off;
+	f->payload_len = p.payload_len;
+	f->family = p.family;
+	f->gen = nhgen;
+	f->layer = MP_LAYER_NONE;
+	__builtin_memcpy(f->cur_addrs, p.saddr, 16);
 	if (p.family == MP_FAMILY_V4)
-		__builtin_memcpy(f.cur_addrs + 4, p.daddr, 4);
+		__builtin_memcpy(f->cur_addrs + 4, p.daddr, 4);
 	else
-		__builtin_memcpy(f.cur_addrs + 16, p.daddr, 16);
-	f.cur_ports[0] = p.sport;
-	f.cur_ports[1] = p.dport;
+		__builtin_memcpy(f->cur_addrs + 16, p.daddr, 16);
+	f->cur_ports[0] = p.sport;
+	f->cur_ports[1] = p.dport;
+	struct mp_fanout_ctx x = { .skb = skb, .f = f };
 
+	if ((entry->flags & STREAM_F_SIMULCAST) && entry->copies_count > 0) {
+		/* Its RTCP went up above (STREAM_F_RTCP_UP): what is left is valid RTP. */
+		struct mp_layer_scratch *ls = bpf_map_lookup_elem(&layer_scratch, &zero);
+		if (!ls || kind != MK_RTP || layer_inspect(skb, p.payload_off, p.payload_len, entry->codec, &ls->le.in) ||
+		    layer_cur_init(skb, p.payload_off, &ls->le.in, &ls->le.cur))
+			return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_ERROR);
+		f->layer = entry->layer;
+		x.ls = ls;
+	}
 	if (entry->copies_count > 0) {
-		bpf_loop(entry->copies_count, resolve_next_hop, &f, 0);
-		if (f.fail)
-			return pass_in_order(skb, sc, sp, slot, cflags, t0, f.fail);
+		bpf_loop(entry->copies_count, resolve_next_hop, &x, 0);
+		if (f->fail)
+			return pass_in_order(skb, sc, sp, slot, cflags, t0, f->fail);
 		/* Copies leave untagged: the egress device (possibly a VLAN device) tags them. */
 		if (p.vlan_in_data || skb->vlan_present) {
 			if (bpf_skb_vlan_pop(skb))
 				return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_ERROR);
 			if (p.vlan_in_data) {
-				f.l3_off -= 4;
-				f.l4_off -= 4;
+				f->l3_off -= 4;
+				f->l4_off -= 4;
 			}
 		}
 		/* Bytes after the IP packet (Ethernet padding, a trailer) are not part of it: the
 		 * stack trims them (ip_rcv) and so does the fast path, or a full-size packet plus
 		 * trailer exceeds the egress MTU and its copies are dropped on the way out. */
-		__u32 frame_len = f.l3_off + p.ip_len;
+		__u32 frame_len = f->l3_off + p.ip_len;
 		if (skb->len > frame_len && bpf_skb_change_tail(skb, frame_len, 0))
 			return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_ERROR);
-		if (write_own_header(skb, f.l3_off, p.family, cfg))
+		if (write_own_header(skb, f->l3_off, p.family, cfg))
 			return pass_in_order(skb, sc, sp, slot, cflags, t0, CNT_PASS_ERROR);
 		/* Direct packet access needs the headers in the linear part and a checksum state
 		 * it can follow: CHECKSUM_COMPLETE (skb->csum) is left to the helpers. */
@@ -709,13 +751,13 @@ int sfu_ingress(struct __sk_buff *skb)
 		if (summed != MP_CHECKSUM_COMPLETE) {
 			if (!linear_upto(skb, hdr_end))
 				bpf_skb_pull_data(skb, hdr_end);
-			f.direct = linear_upto(skb, hdr_end);
-			f.partial = summed == MP_CHECKSUM_PARTIAL;
+			f->direct = linear_upto(skb, hdr_end);
+			f->partial = summed == MP_CHECKSUM_PARTIAL;
 		}
-		if (f.direct)
-			bpf_loop(entry->copies_count, send_copy_direct, &f, 0);
+		if (f->direct)
+			bpf_loop(entry->copies_count, send_copy_direct, &x, 0);
 		else
-			bpf_loop(entry->copies_count, send_copy_helpers, &f, 0);
+			bpf_loop(entry->copies_count, send_copy_helpers, &x, 0);
 	}
 
 	/* In-path QoS of what the kernel forwarded (the slow path accounts for what it does). */
@@ -725,20 +767,57 @@ int sfu_ingress(struct __sk_buff *skb)
 	count(CNT_RX_PACKETS, 1);
 	count(CNT_RX_BYTES, p.payload_len);
 	count(CNT_FORWARDED, 1);
-	count(CNT_TX_COPIES, f.sent);
-	count(CNT_TX_BYTES, (__u64)f.sent * p.payload_len);
-	count(CNT_TX_ERRORS, f.errors);
+	count(CNT_TX_COPIES, f->sent);
+	count(CNT_TX_BYTES, (__u64)f->sent * p.payload_len);
+	count(CNT_TX_ERRORS, f->errors);
 	if (sc) {
 		sc->rx_packets += 1;
 		sc->rx_bytes += p.payload_len;
-		sc->tx_copies += f.sent;
-		sc->tx_bytes += (__u64)f.sent * p.payload_len;
-		sc->tx_errors += f.errors;
+		sc->tx_copies += f->sent;
+		sc->tx_bytes += (__u64)f->sent * p.payload_len;
+		sc->tx_errors += f->errors;
 		sc->last_rx_ns = t0;
 	}
-	if (f.last_ifindex) {
+	if (f->last_ifindex) {
 		record_copy_latency(bpf_ktime_get_ns() - t0);
-		return bpf_redirect(f.last_ifindex, 0);
+		return bpf_redirect(f->last_ifindex, 0);
 	}
 	return TC_ACT_SHOT;
+}
+
+/* What user space asks of layer_ctl: the frame it runs on is 14 bytes of no meaning, this, and
+ * (MP_LAYER_OP_PACKET) an RTP packet. Rust mirror: src/maps.rs LayerRequestRaw. */
+struct mp_layer_request {
+	__u32 op;       /* MP_LAYER_OP_* */
+	__u32 consumer;
+	__u32 arg;      /* OP_PACKET: the packet's layer; OP_TARGET: the target layer (MP_LAYER_NONE) */
+	__u32 codec;    /* OP_PACKET: MP_CODEC_* */
+	__u64 now_ns;   /* OP_PACKET: when it arrived (bpf_ktime_get_ns's clock) */
+};
+
+#define MP_LAYER_OP_PACKET 1
+#define MP_LAYER_OP_TARGET 2
+
+/* Never attached: user space runs it with BPF_PROG_TEST_RUN to change a consumer's target and
+ * to decide (and rewrite) a packet the slow path forwards, with the kernel's own rules under the
+ * state's lock. Returns an mp_layer_verdict; the rewritten packet comes back in data_out. */
+SEC("tc")
+int layer_ctl(struct __sk_buff *skb)
+{
+	struct mp_layer_request r;
+	__u32 at = ETH_HLEN + sizeof(r);
+	if (bpf_skb_load_bytes(skb, ETH_HLEN, &r, sizeof(r)))
+		return MP_LAYER_INVALID;
+	if (r.op == MP_LAYER_OP_TARGET)
+		return layer_set_target(r.consumer, r.arg);
+	if (r.op != MP_LAYER_OP_PACKET || skb->len < at)
+		return MP_LAYER_INVALID;
+	struct mp_layer_edit le;
+	struct mp_layer_out lo = {};
+	if (layer_inspect(skb, at, skb->len - at, r.codec, &le.in) || layer_cur_init(skb, at, &le.in, &le.cur))
+		return MP_LAYER_INVALID;
+	int v = layer_decide(r.consumer, r.arg, &le.in, r.now_ns, &lo);
+	if (v == MP_LAYER_FORWARD && layer_write(skb, at, 0, &le, &lo))
+		return MP_LAYER_INVALID;
+	return v;
 }

@@ -221,7 +221,8 @@ impl Installer {
                 e.1 += 1;
                 used_slots.insert(e.0);
             }
-            let stream = KernelStream { id: value.id, flags: value.flags, source, copies, rate: None, clock_rate: value.clock_rate };
+            let stream =
+                KernelStream { id: value.id, flags: value.flags, source, copies, rate: None, clock_rate: value.clock_rate, layer: (value.layer, value.codec) };
             me.installed.insert(key, Installed { stream, value });
         }
         me.next_slot = used_slots.last().map_or(0, |s| s + 1);

@@ -3,6 +3,7 @@
 //! user-space data plane as its slow path.
 //!
 //! * [`maps`]: the kernel map layouts mirrored in Rust and the table -> entries compiler;
+//! * [`layers`]: simulcast consumers' renumbering in the kernel (bpf/layer_rewrite.h);
 //! * [`install`]: the update protocol that makes table changes atomic per packet (sans-I/O);
 //! * [`loader`]: [`FastPath`], the loaded program + maps (`BPF_PROG_TEST_RUN` for tests);
 //! * [`prefilter`]: [`Prefilter`], the XDP pre-filter (bpf/prefilter_xdp.bpf.c) that drops
@@ -19,6 +20,7 @@
 pub mod attach;
 pub mod dataplane;
 pub mod install;
+pub mod layers;
 pub mod loader;
 pub mod maps;
 pub mod neigh;

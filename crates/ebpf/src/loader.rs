@@ -28,7 +28,8 @@ pub const SFU_TC_PROGRAM: &str = "sfu_ingress";
 
 /// Maps that carry state worth keeping across a restart: pinned when a pin dir is given.
 /// (The per-source limit and its buckets too: a restarted instance keeps limiting without a gap.)
-const PINNED_MAPS: [&str; 8] = ["streams", "copies", "stream_stats", "consumer_stats", "counters", "copy_latency", "source_limit", "source_rate"];
+const PINNED_MAPS: [&str; 9] =
+    ["streams", "copies", "stream_stats", "consumer_stats", "layer_state", "counters", "copy_latency", "source_limit", "source_rate"];
 
 #[derive(Debug, Clone)]
 pub struct LoadOptions {
@@ -300,7 +301,7 @@ impl FastPath {
             let name = m.name().to_string_lossy().into_owned();
             let entries = match name.as_str() {
                 "streams" | "stream_stats" | "stream_rate" | "stream_path" | "stream_reception" => Some(opts.max_streams),
-                "copies" | "consumer_stats" => Some(opts.max_copies),
+                "copies" | "consumer_stats" | "layer_state" => Some(opts.max_copies),
                 _ => None,
             };
             if let Some(n) = entries {
@@ -368,6 +369,11 @@ impl FastPath {
 
     pub fn program(&self) -> Program<'_> {
         self.obj.progs().find(|p| p.name() == SFU_TC_PROGRAM).expect("program in the embedded object")
+    }
+
+    /// One of the object's programs, to run with `BPF_PROG_TEST_RUN`.
+    pub(crate) fn program_named(&self, name: &str) -> libbpf_rs::ProgramMut<'_> {
+        self.obj.progs_mut().find(|p| p.name() == name).unwrap_or_else(|| panic!("program {name} in the embedded object"))
     }
 
     pub(crate) fn map(&self, name: &str) -> libbpf_rs::Map<'_> {

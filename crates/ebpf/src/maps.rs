@@ -42,6 +42,9 @@ pub mod flags {
     /// (wildcard entry only) a consumer's address: RTCP from the source written in this entry
     /// (the placeholder too) is feedback, for the slow path to route.
     pub const FEEDBACK: u32 = 1 << 9;
+    /// One layer of a simulcast stream: every copy is decided and renumbered for its consumer
+    /// (bpf/layer_rewrite.h), on the consumer's `layer_state`.
+    pub const SIMULCAST: u32 = 1 << 10;
 }
 
 /// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
@@ -135,7 +138,9 @@ pub struct StreamValueRaw {
     pub flags: u32,
     pub src_addr: [u8; 16],
     pub src_port: [u8; 2],
-    pub pad: u16,
+    /// With `flags::SIMULCAST`: the layer (0 = lowest) and the codec (`CODEC_*`).
+    pub layer: u8,
+    pub codec: u8,
     pub stats_slot: u32,
     pub copies_base: u32,
     pub copies_count: u32,
@@ -576,6 +581,8 @@ pub struct KernelStream {
     /// set means "unknown" (adopted from pins): the next apply rewrites it.
     pub rate: Option<RateLimit>,
     pub clock_rate: u32,
+    /// With `flags::SIMULCAST`: (layer, codec).
+    pub layer: (u8, u8),
 }
 
 impl KernelStream {
@@ -594,7 +601,8 @@ impl KernelStream {
             flags: self.flags,
             src_addr,
             src_port,
-            pad: 0,
+            layer: self.layer.0,
+            codec: self.layer.1,
             stats_slot,
             copies_base,
             copies_count: self.copies.len() as u32,
@@ -632,17 +640,32 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     // fan-outs bigger than its scratch space) are left whole to the slow path.
     let mixed = source.is_some_and(|s| s.is_ipv4() != v4) || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
     // Recorded streams too: the slow path hands what it forwards to the recording tap. And SRTP
-    // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI. And simulcast
-    // layers: their per-consumer renumbering is the slow path's (not yet in the kernel).
+    // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI. (Simulcast
+    // layers stay in the slow path until it uses the kernel's per-consumer states.)
     if mixed || e.record || e.has_srtp() || e.simulcast.is_some() || e.copies.len() > MAX_FANOUT {
         f |= flags::SLOW;
+    }
+    // A simulcast layer's copies are renumbered per consumer in the kernel; its sender reports
+    // go up, where they are rewritten for each consumer from the kernel's state.
+    let mut layer = (0, 0);
+    if let Some(l) = &e.simulcast {
+        f |= flags::SIMULCAST | flags::RTCP_UP;
+        layer = (l.index, codec_raw(l.codec));
     }
     let rate = e.rate.filter(|r| !r.is_unlimited());
     if rate.is_some() {
         f |= flags::RATE;
     }
     let copies = if f & flags::SLOW != 0 { Vec::new() } else { e.copies.iter().map(|c| CopyRaw::new(e.id, c.consumer, c.from, c.to)).collect() };
-    KernelStream { id: e.id, flags: f, source, copies, rate, clock_rate: if e.rtp { e.clock_rate } else { 0 } }
+    KernelStream { id: e.id, flags: f, source, copies, rate, clock_rate: if e.rtp { e.clock_rate } else { 0 }, layer }
+}
+
+/// `stream_value.codec` (bpf/layer_rewrite.h MP_CODEC_*).
+pub fn codec_raw(c: mediaplane_core::simulcast::Codec) -> u8 {
+    match c {
+        mediaplane_core::simulcast::Codec::Vp8 => 0,
+        mediaplane_core::simulcast::Codec::H264 => 1,
+    }
 }
 
 /// The consumers whose copies of `e` the kernel sends (none for a stream it leaves to the slow
@@ -689,6 +712,7 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
             copies: Vec::new(),
             rate: None,
             clock_rate: 0,
+            layer: (0, 0),
         });
     }
     // Consumers' addresses: the wildcard entry (a placeholder if there is none) says whose RTCP
@@ -706,6 +730,7 @@ pub fn kernel_entries(table: &ForwardingTable, locals: Option<&BTreeSet<SocketAd
             copies: Vec::new(),
             rate: None,
             clock_rate: 0,
+            layer: (0, 0),
         });
         if wild.is_placeholder() && wild.source.is_none() {
             wild.source = Some(fb.source);

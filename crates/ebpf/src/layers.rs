@@ -1,0 +1,232 @@
+//! Simulcast consumers in the kernel: the Rust side of bpf/layer_rewrite.h.
+//!
+//! Each simulcast consumer has a `layer_state` entry: core's [`RewriterState`] in the kernel's
+//! layout ([`LayerStateRaw`]). The TC program decides every copy of a layer packet on it, under
+//! its lock. User space creates and deletes the entries, sets the target layer, decides the
+//! packets the slow path forwards, and reads the states back, always through the kernel so that
+//! one set of rules, applied one packet at a time, owns the renumbering:
+//! * target changes and slow-path packets run the `layer_ctl` program with `BPF_PROG_TEST_RUN`
+//!   ([`FastPath::layer_set_target`], [`FastPath::layer_packet`]);
+//! * reads copy the entry under its lock (`BPF_F_LOCK`, [`FastPath::layer_state`]).
+
+use crate::loader::{bpf_err, FastPath};
+use crate::maps::Pod;
+use libbpf_rs::{MapCore, MapFlags, ProgramInput};
+use mediaplane_core::simulcast::{Codec, RewriterState, Segment, Skip, HISTORY, MAX_LAYERS};
+use mediaplane_dataplane::DataplaneError;
+
+/// `MP_LAYER_NONE`: no target (paused).
+pub const LAYER_NONE: u8 = 0xff;
+/// The program run for user space's requests.
+pub const LAYER_CTL_PROGRAM: &str = "layer_ctl";
+const OP_PACKET: u32 = 1;
+const OP_TARGET: u32 = 2;
+/// Bytes before the request in the frame `layer_ctl` runs on (an Ethernet header's worth).
+const FRAME_HEAD: usize = 14;
+
+/// `struct mp_layer_segment`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerSegmentRaw {
+    pub start: u16,
+    pub highest: u16,
+    pub seq_offset: u16,
+    pub pic_offset: u16,
+    pub ts_offset: u32,
+    pub layer: u8,
+    pub tl0_offset: u8,
+    pub pad: u16,
+}
+
+/// `struct mp_layer_state`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct LayerStateRaw {
+    /// `struct bpf_spin_lock`: the kernel's, never written by user space.
+    pub lock: u32,
+    pub ssrc: u32,
+    pub clock_rate: u32,
+    pub target: u8,
+    pub open: u8,
+    pub nsegs: u8,
+    pub newest_set: u8,
+    pub newest: [u16; MAX_LAYERS],
+    pub top_seq: u16,
+    pub top_pic: u16,
+    pub top_ts: u32,
+    pub top_tl0: u8,
+    pub pad: [u8; 7],
+    pub top_at_ns: u64,
+    pub sent: u64,
+    pub forwarded: u64,
+    pub switches: u64,
+    pub duplicates: u64,
+    pub late: u64,
+    pub seg: [LayerSegmentRaw; HISTORY],
+}
+
+unsafe impl Pod for LayerSegmentRaw {}
+unsafe impl Pod for LayerStateRaw {}
+
+impl LayerStateRaw {
+    /// A consumer that receives on `ssrc`, with no target yet (as `LayerRewriter::new`).
+    pub fn new(ssrc: u32, clock_rate: u32) -> LayerStateRaw {
+        LayerStateRaw { ssrc, clock_rate: if clock_rate == 0 { 90_000 } else { clock_rate }, target: LAYER_NONE, ..Default::default() }
+    }
+
+    pub fn to_state(&self) -> RewriterState {
+        let n = (self.nsegs as usize).min(HISTORY);
+        RewriterState {
+            target: (self.target != LAYER_NONE).then_some(self.target),
+            segments: self.seg[..n]
+                .iter()
+                .map(|g| Segment {
+                    layer: g.layer,
+                    start: g.start,
+                    highest: g.highest,
+                    seq_offset: g.seq_offset,
+                    ts_offset: g.ts_offset,
+                    pic_offset: g.pic_offset,
+                    tl0_offset: g.tl0_offset,
+                })
+                .collect(),
+            open: self.open != 0,
+            newest: std::array::from_fn(|l| (self.newest_set & 1 << l != 0).then_some(self.newest[l])),
+            top_seq: self.top_seq,
+            top_ts: self.top_ts,
+            top_pic: self.top_pic,
+            top_tl0: self.top_tl0,
+            top_at_ns: self.top_at_ns,
+            sent: self.sent,
+            forwarded: self.forwarded,
+            switches: self.switches,
+            duplicates: self.duplicates,
+            late: self.late,
+        }
+    }
+}
+
+/// `struct mp_layer_request`.
+#[repr(C)]
+#[derive(Debug, Clone, Copy, Default)]
+struct LayerRequestRaw {
+    op: u32,
+    consumer: u32,
+    arg: u32,
+    codec: u32,
+    now_ns: u64,
+}
+
+unsafe impl Pod for LayerRequestRaw {}
+
+/// What the kernel made of a packet for a consumer (`enum mp_layer_verdict`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LayerVerdict {
+    Forward,
+    Skip(Skip),
+    /// The consumer has no state in the kernel.
+    NoState,
+    /// Not RTP (or a request the program does not know).
+    Invalid,
+}
+
+impl LayerVerdict {
+    fn from_raw(v: u32) -> LayerVerdict {
+        match v {
+            1 => LayerVerdict::Forward,
+            2 => LayerVerdict::Skip(Skip::OtherLayer),
+            3 => LayerVerdict::Skip(Skip::WaitingKeyframe),
+            4 => LayerVerdict::Skip(Skip::Duplicate),
+            5 => LayerVerdict::Skip(Skip::Late),
+            6 => LayerVerdict::Skip(Skip::Paused),
+            7 => LayerVerdict::NoState,
+            _ => LayerVerdict::Invalid,
+        }
+    }
+}
+
+impl FastPath {
+    /// Give `consumer` a state (no target yet) unless it has one. True: created.
+    pub fn layer_create(&self, consumer: u32, ssrc: u32, clock_rate: u32) -> Result<bool, DataplaneError> {
+        let v = LayerStateRaw::new(ssrc, clock_rate);
+        match self.map("layer_state").update(consumer.as_bytes(), v.as_bytes(), MapFlags::NO_EXIST) {
+            Ok(()) => Ok(true),
+            Err(e) if e.kind() == libbpf_rs::ErrorKind::AlreadyExists => Ok(false),
+            Err(e) => Err(bpf_err("creating a simulcast consumer's kernel state", e)),
+        }
+    }
+
+    /// Forget `consumer`'s state (nothing if it has none).
+    pub fn layer_remove(&self, consumer: u32) {
+        let _ = self.map("layer_state").delete(consumer.as_bytes());
+    }
+
+    /// The consumers that have a state.
+    pub fn layer_consumers(&self) -> Vec<u32> {
+        self.map("layer_state").keys().filter_map(|k| k.get(..4).map(u32::from_bytes)).collect()
+    }
+
+    /// `consumer`'s state, read under its lock: its SSRC and what its packets made of it.
+    pub fn layer_state(&self, consumer: u32) -> Result<Option<(u32, RewriterState)>, DataplaneError> {
+        let raw = self.map("layer_state").lookup(consumer.as_bytes(), MapFlags::LOCK).map_err(|e| bpf_err("reading a simulcast consumer's kernel state", e))?;
+        Ok(raw.filter(|b| b.len() == std::mem::size_of::<LayerStateRaw>()).map(|b| {
+            let s = LayerStateRaw::from_bytes(&b);
+            (s.ssrc, s.to_state())
+        }))
+    }
+
+    /// Want `target` (None: pause) from its next keyframe on, as `LayerRewriter::set_target`.
+    pub fn layer_set_target(&self, consumer: u32, target: Option<u8>) -> Result<LayerVerdict, DataplaneError> {
+        let req = LayerRequestRaw { op: OP_TARGET, consumer, arg: target.map_or(LAYER_NONE as u32, u32::from), ..Default::default() };
+        Ok(self.layer_ctl(&req, &[])?.0)
+    }
+
+    /// Decide `packet` (RTP of `layer`, arrived at `now_ns` on the monotonic clock) for
+    /// `consumer`: on [`LayerVerdict::Forward`] the packet as it goes out to it.
+    pub fn layer_packet(&self, consumer: u32, layer: u8, codec: Codec, now_ns: u64, packet: &[u8]) -> Result<(LayerVerdict, Vec<u8>), DataplaneError> {
+        let req = LayerRequestRaw { op: OP_PACKET, consumer, arg: layer as u32, codec: crate::maps::codec_raw(codec) as u32, now_ns };
+        self.layer_ctl(&req, packet)
+    }
+
+    // ProgramInput is non-exhaustive: no struct literal possible.
+    #[allow(clippy::field_reassign_with_default)]
+    fn layer_ctl(&self, req: &LayerRequestRaw, packet: &[u8]) -> Result<(LayerVerdict, Vec<u8>), DataplaneError> {
+        let mut frame = vec![0u8; FRAME_HEAD];
+        frame.extend_from_slice(req.as_bytes());
+        frame.extend_from_slice(packet);
+        let mut out = vec![0u8; frame.len()];
+        let mut input = ProgramInput::default();
+        input.data_in = Some(&frame);
+        input.data_out = Some(&mut out);
+        let prog = self.program_named(LAYER_CTL_PROGRAM);
+        let res = prog.test_run(input).map_err(|e| bpf_err("BPF_PROG_TEST_RUN of layer_ctl", e))?;
+        let verdict = LayerVerdict::from_raw(res.return_value);
+        let at = FRAME_HEAD + std::mem::size_of::<LayerRequestRaw>();
+        let data = res.data.map(|d| d.get(at..).unwrap_or(&[]).to_vec()).unwrap_or_default();
+        Ok((verdict, data))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn layouts_match_the_c_structs() {
+        use crate::skel::types;
+        use std::mem::{offset_of, size_of};
+        assert_eq!(size_of::<LayerSegmentRaw>(), 16);
+        assert_eq!(size_of::<types::mp_layer_segment>(), size_of::<LayerSegmentRaw>());
+        assert_eq!(size_of::<types::mp_layer_state>(), size_of::<LayerStateRaw>());
+        assert_eq!(offset_of!(types::mp_layer_state, top_at_ns), offset_of!(LayerStateRaw, top_at_ns));
+        assert_eq!(offset_of!(types::mp_layer_state, seg), offset_of!(LayerStateRaw, seg));
+        assert_eq!(size_of::<LayerRequestRaw>(), 24); // struct mp_layer_request (sfu_tc.bpf.c)
+    }
+
+    #[test]
+    fn a_new_state_is_a_new_rewriter() {
+        let s = LayerStateRaw::new(7, 0);
+        assert_eq!(s.clock_rate, 90_000);
+        assert_eq!(s.to_state(), mediaplane_core::simulcast::LayerRewriter::new(7, 0).state());
+    }
+}
