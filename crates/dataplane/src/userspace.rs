@@ -13,6 +13,7 @@
 //! an update with its changed keys ([`Dataplane::apply_changes`]) only counts the addresses
 //! those entries use, and workers are told which sockets came and went rather than rescanning.
 
+use crate::kernel_layers::KernelLayers;
 use crate::srtp::SrtpSlot;
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{ConsumerCounters, ConsumerReport, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy, LayerState};
@@ -61,6 +62,10 @@ pub struct UserspaceConfig {
     /// Steered mode: called with the fwmark of each received datagram that carried one, once its
     /// copies are sent (the kernel path hands packets up in stream order and waits for these).
     pub mark_ack: Option<MarkAck>,
+    /// The eBPF plane's slow path: simulcast consumers are renumbered by the kernel, on its
+    /// states; this plane sets their targets, asks for their keyframes and decides what it
+    /// forwards itself through them ([`crate::kernel_layers`]).
+    pub kernel_layers: Option<crate::kernel_layers::KernelLayersHandle>,
 }
 
 /// See [`UserspaceConfig::mark_ack`].
@@ -75,7 +80,7 @@ impl std::fmt::Debug for MarkAck {
 
 impl Default for UserspaceConfig {
     fn default() -> Self {
-        UserspaceConfig { workers: 0, batch: 32, socket_buffer: 4 << 20, steered: false, header: HeaderPolicy::default(), mark_ack: None }
+        UserspaceConfig { workers: 0, batch: 32, socket_buffer: 4 << 20, steered: false, header: HeaderPolicy::default(), mark_ack: None, kernel_layers: None }
     }
 }
 
@@ -234,6 +239,8 @@ struct Shared {
     /// Shared: a publisher's layers are one flow each, which may land on different workers.
     /// Never held while taking `feedback`.
     layers: Mutex<SimulcastState>,
+    /// The kernel's simulcast states, when this is the eBPF plane's slow path.
+    kernel_layers: Option<Arc<dyn KernelLayers>>,
 }
 
 #[derive(Default)]
@@ -241,30 +248,69 @@ struct SimulcastState {
     consumers: HashMap<u32, LayerConsumer>,
     /// What each simulcast stream's publisher sends, by the stream's uid (`SimulcastLayer::group`).
     activity: HashMap<u32, LayerActivity>,
+    /// With kernel states: what the kernel had received of each layer stream (packets, bytes)
+    /// at the last tick, by stream id.
+    kernel_rx: HashMap<u32, (u64, u64)>,
 }
 
 /// One simulcast consumer: the layer it should get (from the API's ceiling, its reports and
 /// what is sent) and the renumbering of what it gets.
 struct LayerConsumer {
+    /// With kernel states, a mirror of the kernel's, refreshed before it is read.
     rewriter: LayerRewriter,
     choice: LayerChoice,
     /// Its stream's uid, for the activity the choice reads.
     group: u32,
+    /// With kernel states: the target last written there.
+    kernel_target: Option<Option<u8>>,
+}
+
+impl LayerConsumer {
+    fn new(rewriter: LayerRewriter, group: u32) -> LayerConsumer {
+        LayerConsumer { rewriter, choice: LayerChoice::default(), group, kernel_target: None }
+    }
+
+    /// Aim at `target`: here, and in the kernel's state when there is one.
+    fn set_target(&mut self, id: u32, target: Option<u8>, kernel: Option<&dyn KernelLayers>) {
+        self.rewriter.set_target(target);
+        if let Some(k) = kernel {
+            if self.kernel_target != Some(target) {
+                k.set_target(id, target);
+                self.kernel_target = Some(target);
+            }
+        }
+    }
+}
+
+/// Refresh `rw` from the kernel's state of `id` (nothing without one).
+fn mirror(rw: &mut LayerRewriter, id: u32, kernel: Option<&dyn KernelLayers>) {
+    if let Some(s) = kernel.and_then(|k| k.state(id)) {
+        rw.load_state(s);
+    }
 }
 
 /// The sender SSRC of the keyframe requests the SFU makes itself (a simulcast consumer waiting
 /// for a layer): "MPLI".
 const SFU_SSRC: u32 = 0x4d50_4c49;
 
-/// The simulcast consumers' state as the feedback router asks for it.
-struct Layers<'a>(&'a HashMap<u32, LayerConsumer>);
+/// The simulcast consumers' state as the feedback router asks for it (a NACK names what was
+/// just sent: with kernel states, read fresh).
+struct Layers<'a>(&'a HashMap<u32, LayerConsumer>, Option<&'a dyn KernelLayers>);
 
 impl LayerMap for Layers<'_> {
     fn layer(&self, consumer: u32) -> Option<u8> {
         self.0.get(&consumer).and_then(|c| c.rewriter.current().or(c.rewriter.target()))
     }
     fn original(&self, consumer: u32, out_seq: u16) -> Option<(u8, u16)> {
-        self.0.get(&consumer)?.rewriter.original(out_seq)
+        let c = self.0.get(&consumer)?;
+        match self.1.and_then(|k| k.state(consumer)) {
+            Some(s) => {
+                let mut rw = LayerRewriter::new(c.rewriter.ssrc(), c.rewriter.clock_rate());
+                rw.load_state(s);
+                rw.original(out_seq)
+            }
+            None => c.rewriter.original(out_seq),
+        }
     }
 }
 
@@ -336,6 +382,8 @@ pub struct UserspaceDataplane {
     apply_lock: Mutex<HashMap<SocketAddr, u32>>,
     /// Steered mode: per worker.
     steer: Vec<Arc<SteerSockets>>,
+    /// With kernel simulcast states: the thread that keeps them aimed ([`layers_tick`]).
+    layer_tick: Mutex<Option<JoinHandle<()>>>,
 }
 
 impl Shared {
@@ -365,6 +413,7 @@ impl UserspaceDataplane {
             reception: Mutex::new(HashMap::new()),
             feedback: Mutex::new(FeedbackRouter::default()),
             layers: Mutex::new(SimulcastState::default()),
+            kernel_layers: cfg.kernel_layers.as_ref().map(|k| k.0.clone()),
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
             (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer, cfg.header).map(Arc::new)).collect::<Result<_, _>>()?
@@ -403,7 +452,23 @@ impl UserspaceDataplane {
             let thread = std::thread::Builder::new().name(format!("mp-worker-{id}")).spawn(move || ctx.run()).map_err(|e| io_err("spawn worker", e))?;
             workers.push(Worker { thread: Some(thread), wake, counters, changes });
         }
-        Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(HashMap::new()), steer })
+        let layer_tick = match &shared.kernel_layers {
+            Some(_) => {
+                let (shared, steer) = (shared.clone(), steer.first().cloned());
+                let t = std::thread::Builder::new()
+                    .name("mp-layers".into())
+                    .spawn(move || {
+                        while !shared.stop.load(Ordering::Relaxed) {
+                            layers_tick(&shared, steer.as_deref(), crate::monotonic_ns());
+                            std::thread::sleep(std::time::Duration::from_nanos(crate::kernel_layers::TICK_NS));
+                        }
+                    })
+                    .map_err(|e| io_err("spawn the simulcast tick", e))?;
+                Some(t)
+            }
+            None => None,
+        };
+        Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(HashMap::new()), steer, layer_tick: Mutex::new(layer_tick) })
     }
 
     /// Steered mode: the catch-all receive sockets (IPv4, IPv6) the sk_lookup program must
@@ -534,10 +599,21 @@ impl UserspaceDataplane {
             }
         }
         let mut layers = self.shared.layers.lock();
+        let kernel = self.shared.kernel_layers.as_deref();
         match &keep {
-            Some(keep) => layers.consumers.retain(|id, _| keep.contains(id)),
+            Some(keep) => layers.consumers.retain(|id, _| {
+                let kept = keep.contains(id);
+                if let (false, Some(k)) = (kept, kernel) {
+                    k.remove(*id);
+                }
+                kept
+            }),
             None => gone.iter().for_each(|id| {
-                layers.consumers.remove(id);
+                if layers.consumers.remove(id).is_some() {
+                    if let Some(k) = kernel {
+                        k.remove(*id);
+                    }
+                }
             }),
         }
         // A simulcast stream's activity goes with its entries (one that only changed starts
@@ -593,15 +669,7 @@ impl Dataplane for UserspaceDataplane {
     }
 
     fn send_datagram(&self, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> Result<(), DataplaneError> {
-        let state = self.shared.state.load();
-        if let Some(group) = state.sockets.get(&from) {
-            return group[0].send_to(payload, &SockAddr::from(to)).map(|_| ()).map_err(|e| io_err(&format!("sending from {from} to {to}"), e));
-        }
-        match self.steer.first() {
-            Some(steer) if send_raw_copy(steer, from, to, payload) => Ok(()),
-            Some(_) => Err(DataplaneError::Other(format!("sending from {from} to {to} on the raw socket failed"))),
-            None => Err(DataplaneError::Other(format!("{from} is no address of this data plane"))),
-        }
+        send_datagram_with(&self.shared, self.steer.first().map(|s| &**s), from, to, payload)
     }
 
     fn apply(&self, table: Arc<ForwardingTable>) -> Result<(), DataplaneError> {
@@ -677,6 +745,9 @@ impl Dataplane for UserspaceDataplane {
                 let _ = t.join();
             }
         }
+        if let Some(t) = self.layer_tick.lock().take() {
+            let _ = t.join();
+        }
         self.shared.state.store(Arc::new(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default(), srtp: Default::default() }));
         self.apply_lock.lock().clear();
         Ok(())
@@ -731,6 +802,76 @@ struct WorkerCtx {
 /// link or route MTU (EMSGSIZE, DF set). Such a copy goes, UDP header and payload, to the
 /// family's raw UDP socket, where the kernel builds the IP header (same policy, from socket
 /// options) and fragments it as the host fragments UDP; its fragments carry a non-zero IPv4 ID.
+/// One datagram from `from` (one of this plane's addresses) to `to`, outside any batch.
+fn send_datagram_with(shared: &Shared, steer: Option<&SteerSockets>, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> Result<(), DataplaneError> {
+    let state = shared.state.load();
+    if let Some(group) = state.sockets.get(&from) {
+        return group[0].send_to(payload, &SockAddr::from(to)).map(|_| ()).map_err(|e| io_err(&format!("sending from {from} to {to}"), e));
+    }
+    match steer {
+        Some(steer) if send_raw_copy(steer, from, to, payload) => Ok(()),
+        Some(_) => Err(DataplaneError::Other(format!("sending from {from} to {to} on the raw socket failed"))),
+        None => Err(DataplaneError::Other(format!("{from} is no address of this data plane"))),
+    }
+}
+
+/// With kernel simulcast states (the kernel forwards the layers, so no packet of them may reach
+/// this plane for a while), every [`crate::kernel_layers::TICK_NS`]: what the kernel received
+/// of each layer feeds the streams' activity; each consumer of the installed table gets its
+/// state, its target (the API's ceiling as its reports and the activity lower it) and, while
+/// it waits for a layer, a keyframe request to the publisher (coalesced with the consumers' own).
+fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64) {
+    let Some(kernel) = shared.kernel_layers.as_deref() else { return };
+    let state = shared.state.load();
+    // (stream entry, layer) whose keyframe someone waits for.
+    let mut wanted: Vec<(&StreamEntry, u8)> = Vec::new();
+    {
+        let mut guard = shared.layers.lock();
+        let SimulcastState { consumers, activity, kernel_rx } = &mut *guard;
+        let mut seen = std::collections::HashSet::new();
+        for entry in state.table.streams.values() {
+            let Some(layer) = &entry.simulcast else { continue };
+            let act = activity.entry(layer.group).or_default();
+            if let Some((packets, bytes, last)) = kernel.received(entry.id) {
+                let (p0, b0) = kernel_rx.insert(entry.id, (packets, bytes)).unwrap_or((0, 0));
+                if packets > p0 {
+                    act.on_packet(layer.index, bytes.saturating_sub(b0) as usize, last);
+                }
+            }
+            let (out_ssrc, count) = (layer.layers[0].1, layer.layers.len() as u8);
+            for copy in entry.copies.iter().filter(|c| c.consumer != 0) {
+                // Every layer's entry lists every consumer: one visit each.
+                if !seen.insert(copy.consumer) {
+                    continue;
+                }
+                let c = consumers.entry(copy.consumer).or_insert_with(|| {
+                    kernel.create(copy.consumer, out_ssrc, entry.clock_rate);
+                    LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group)
+                });
+                c.group = layer.group;
+                mirror(&mut c.rewriter, copy.consumer, Some(kernel));
+                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, count, act, now_ns));
+                c.set_target(copy.consumer, target, Some(kernel));
+                if let Some(l) = c.rewriter.keyframe_wanted(now_ns) {
+                    let of = layer.layers.get(l as usize).and_then(|(stream, _)| state.table.streams.values().find(|e| e.id == *stream));
+                    if let Some(e) = of.filter(|e| !wanted.iter().any(|(w, _)| w.id == e.id)) {
+                        wanted.push((e, l));
+                    }
+                }
+            }
+        }
+        kernel_rx.retain(|id, _| state.table.streams.values().any(|e| e.id == *id));
+    }
+    for (entry, l) in wanted {
+        let (SourceRule::Fixed(publisher), Some(layer)) = (entry.source, &entry.simulcast) else { continue };
+        let Some(&(stream, ssrc)) = layer.layers.get(l as usize) else { continue };
+        let Some(pli) = shared.feedback.lock().request_keyframe(stream, ssrc, SFU_SSRC, now_ns) else { continue };
+        if let Err(e) = send_datagram_with(shared, steer, entry.key.local, publisher, &pli) {
+            tracing::debug!(error = %e, "keyframe request to a publisher");
+        }
+    }
+}
+
 fn send_raw_copy(steer: &SteerSockets, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> bool {
     use mediaplane_core::packet::{build_frame, FrameSpec, ETH_HLEN};
     let (raw, big, ip_hlen) = if to.is_ipv4() { (Some(&steer.raw4), Some(&steer.big4), 20) } else { (steer.raw6.as_ref(), steer.big6.as_ref(), 40) };
@@ -914,7 +1055,7 @@ impl WorkerCtx {
             return;
         }
         let mut guard = self.shared.layers.lock();
-        let SimulcastState { consumers, activity } = &mut *guard;
+        let SimulcastState { consumers, activity, .. } = &mut *guard;
         for (id, block) in &outcome.reports {
             if let Some(c) = consumers.get_mut(id) {
                 c.choice.on_loss(block.fraction_lost, c.rewriter.current(), now_ns);
@@ -967,7 +1108,7 @@ impl WorkerCtx {
         let mut copies: Vec<(&mediaplane_core::Copy, Vec<u8>)> = Vec::new();
         {
             let mut guard = self.shared.layers.lock();
-            let SimulcastState { consumers, activity } = &mut *guard;
+            let SimulcastState { consumers, activity, .. } = &mut *guard;
             if !activity.contains_key(&layer.group) {
                 // Only for a stream of the installed table (as for consumers below).
                 let latest = self.shared.state.load();
@@ -991,24 +1132,36 @@ impl WorkerCtx {
                         continue;
                     }
                 }
-                let c = consumers.entry(copy.consumer).or_insert_with(|| LayerConsumer {
-                    rewriter: LayerRewriter::new(out_ssrc, entry.clock_rate),
-                    choice: LayerChoice::default(),
-                    group: layer.group,
+                let kernel = self.shared.kernel_layers.as_deref();
+                let c = consumers.entry(copy.consumer).or_insert_with(|| {
+                    if let Some(k) = kernel {
+                        k.create(copy.consumer, out_ssrc, entry.clock_rate);
+                    }
+                    LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group)
                 });
                 c.group = layer.group;
+                mirror(&mut c.rewriter, copy.consumer, kernel);
                 // The compiled layer is the API's ceiling (None: paused); the choice may lower it.
                 let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, count, activity, now_ns));
+                c.set_target(copy.consumer, target, kernel);
                 let rw = &mut c.rewriter;
-                rw.set_target(target);
                 match (kind, &info) {
-                    (MediaKind::Rtp, Some(info)) => {
-                        if let Decision::Forward(r) = rw.on_packet(layer.index, info, now_ns) {
-                            let mut bytes = payload.to_vec();
-                            r.apply(info, &mut bytes);
-                            copies.push((copy, bytes));
+                    (MediaKind::Rtp, Some(info)) => match kernel {
+                        // The kernel's state decides (it also renumbers the kernel's copies).
+                        Some(k) => {
+                            if let Some(bytes) = k.decide(copy.consumer, layer.index, layer.codec, now_ns, payload) {
+                                copies.push((copy, bytes));
+                            }
+                            mirror(rw, copy.consumer, kernel);
                         }
-                    }
+                        None => {
+                            if let Decision::Forward(r) = rw.on_packet(layer.index, info, now_ns) {
+                                let mut bytes = payload.to_vec();
+                                r.apply(info, &mut bytes);
+                                copies.push((copy, bytes));
+                            }
+                        }
+                    },
                     (MediaKind::Rtcp, _) => {
                         let mut bytes = payload.to_vec();
                         if rw.rewrite_sender_report(layer.index, &mut bytes) {
@@ -1086,7 +1239,12 @@ impl WorkerCtx {
             // report is forwarded like any packet of its stream.
             let (verdict, payload): (Verdict<'_>, Cow<'_, [u8]>) = match verdict {
                 Verdict::Feedback { entry: fb, stream } => {
-                    let outcome = match self.shared.feedback.lock().route_with(fb, payload, received_at, &Layers(&self.shared.layers.lock().consumers)) {
+                    let outcome = match self.shared.feedback.lock().route_with(
+                        fb,
+                        payload,
+                        received_at,
+                        &Layers(&self.shared.layers.lock().consumers, self.shared.kernel_layers.as_deref()),
+                    ) {
                         Ok(o) => o,
                         Err(_) => {
                             delta.total.drop_malformed += 1;

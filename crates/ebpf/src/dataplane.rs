@@ -113,7 +113,8 @@ impl XdpPrefilter {
 /// (that is what makes `kill -9` + restart hitless); `shutdown()` detaches and unpins. While it
 /// lives it holds the pin dir's lock ([`crate::pinlock`]): no second instance starts over it.
 pub struct EbpfDataplane {
-    fast: FastPath,
+    /// Shared with the slow path, which reaches the kernel's simulcast states through it.
+    fast: Arc<FastPath>,
     prefilter: Option<Prefilter>,
     slow: UserspaceDataplane,
     attachments: Mutex<Vec<Attachment>>,
@@ -265,7 +266,7 @@ impl EbpfDataplane {
             remove_pin_files(&cfg.pin_dir)?;
         }
 
-        let fast = FastPath::load(&LoadOptions { max_streams: cfg.max_streams, max_copies: cfg.max_copies, pin_dir: Some(cfg.pin_dir.clone()) })?;
+        let fast = Arc::new(FastPath::load(&LoadOptions { max_streams: cfg.max_streams, max_copies: cfg.max_copies, pin_dir: Some(cfg.pin_dir.clone()) })?);
         if cfg.reset {
             for ifname in &cfg.interfaces {
                 attach::detach_stale_clsact(&fast.program(), ifname);
@@ -285,6 +286,7 @@ impl EbpfDataplane {
         slow_cfg.steered = cfg.steer_slow_path;
         let paths = fast.stream_paths();
         slow_cfg.mark_ack = Some(mediaplane_dataplane::MarkAck(Arc::new(move |mark| paths.ack_mark(mark))));
+        slow_cfg.kernel_layers = Some(mediaplane_dataplane::kernel_layers::KernelLayersHandle(Arc::new(crate::layers::KernelStates(fast.clone()))));
         let mut flags = 0;
         if cfg.verify_checksums {
             flags |= config_flags::VERIFY_CSUM;

@@ -13,6 +13,7 @@ use crate::loader::{bpf_err, FastPath};
 use crate::maps::Pod;
 use libbpf_rs::{MapCore, MapFlags, ProgramInput};
 use mediaplane_core::simulcast::{Codec, RewriterState, Segment, Skip, HISTORY, MAX_LAYERS};
+use mediaplane_dataplane::kernel_layers::KernelLayers;
 use mediaplane_dataplane::DataplaneError;
 
 /// `MP_LAYER_NONE`: no target (paused).
@@ -204,6 +205,45 @@ impl FastPath {
         let at = FRAME_HEAD + std::mem::size_of::<LayerRequestRaw>();
         let data = res.data.map(|d| d.get(at..).unwrap_or(&[]).to_vec()).unwrap_or_default();
         Ok((verdict, data))
+    }
+}
+
+/// The kernel's states as the slow path reaches them (errors are logged: the slow path then
+/// forwards nothing of that packet to the consumer, as on any failed send).
+pub struct KernelStates(pub std::sync::Arc<FastPath>);
+
+impl KernelLayers for KernelStates {
+    fn create(&self, consumer: u32, ssrc: u32, clock_rate: u32) {
+        if let Err(e) = self.0.layer_create(consumer, ssrc, clock_rate) {
+            tracing::warn!(consumer, error = %e, "creating a simulcast consumer's kernel state");
+        }
+    }
+    fn remove(&self, consumer: u32) {
+        self.0.layer_remove(consumer);
+    }
+    fn set_target(&self, consumer: u32, target: Option<u8>) {
+        match self.0.layer_set_target(consumer, target) {
+            Ok(LayerVerdict::Forward) => {}
+            Ok(v) => tracing::warn!(consumer, ?v, "setting a simulcast consumer's target in the kernel"),
+            Err(e) => tracing::warn!(consumer, error = %e, "setting a simulcast consumer's target in the kernel"),
+        }
+    }
+    fn decide(&self, consumer: u32, layer: u8, codec: Codec, now_ns: u64, packet: &[u8]) -> Option<Vec<u8>> {
+        match self.0.layer_packet(consumer, layer, codec, now_ns, packet) {
+            Ok((LayerVerdict::Forward, bytes)) => Some(bytes),
+            Ok(_) => None,
+            Err(e) => {
+                tracing::warn!(consumer, error = %e, "deciding a simulcast packet in the kernel");
+                None
+            }
+        }
+    }
+    fn state(&self, consumer: u32) -> Option<RewriterState> {
+        self.0.layer_state(consumer).ok().flatten().map(|(_, s)| s)
+    }
+    fn received(&self, id: u32) -> Option<(u64, u64, u64)> {
+        let c = self.0.kernel_stream_counters(&[id]).ok()?.remove(&id)?;
+        Some((c.rx_packets, c.rx_bytes, c.last_rx_ns))
     }
 }
 

@@ -640,9 +640,8 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     // fan-outs bigger than its scratch space) are left whole to the slow path.
     let mixed = source.is_some_and(|s| s.is_ipv4() != v4) || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
     // Recorded streams too: the slow path hands what it forwards to the recording tap. And SRTP
-    // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI. (Simulcast
-    // layers stay in the slow path until it uses the kernel's per-consumer states.)
-    if mixed || e.record || e.has_srtp() || e.simulcast.is_some() || e.copies.len() > MAX_FANOUT {
+    // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI.
+    if mixed || e.record || e.has_srtp() || e.copies.len() > MAX_FANOUT {
         f |= flags::SLOW;
     }
     // A simulcast layer's copies are renumbered per consumer in the kernel; its sender reports

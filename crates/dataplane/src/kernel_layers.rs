@@ -1,0 +1,38 @@
+//! The kernel's simulcast consumers, as the user-space plane sees them when it is the eBPF
+//! plane's slow path. The kernel renumbers every copy of a layer packet on its own per-consumer
+//! state; this plane keeps the judgement (the layer each consumer should get, keyframe requests,
+//! what publishers send) and reaches the states only through [`KernelLayers`], so the kernel's
+//! rules, applied one packet at a time, stay the only ones that change them.
+
+use mediaplane_core::simulcast::{Codec, RewriterState};
+use std::sync::Arc;
+
+/// How often the plane updates the kernel's targets, reads what the kernel received of each
+/// layer and asks for the keyframes consumers wait for.
+pub const TICK_NS: u64 = 20_000_000;
+
+/// The kernel's per-consumer simulcast states (implemented by the eBPF plane).
+pub trait KernelLayers: Send + Sync {
+    /// Give `consumer` a state (no target yet) unless it has one.
+    fn create(&self, consumer: u32, ssrc: u32, clock_rate: u32);
+    fn remove(&self, consumer: u32);
+    /// Want `target` (None: pause) from its next keyframe on.
+    fn set_target(&self, consumer: u32, target: Option<u8>);
+    /// Decide a packet the slow path forwards: Some(the copy's bytes) when it goes to `consumer`.
+    fn decide(&self, consumer: u32, layer: u8, codec: Codec, now_ns: u64, packet: &[u8]) -> Option<Vec<u8>>;
+    /// `consumer`'s state, read under its lock.
+    fn state(&self, consumer: u32) -> Option<RewriterState>;
+    /// What the kernel received of stream `id`: (packets, payload bytes, last arrival on the
+    /// monotonic clock).
+    fn received(&self, id: u32) -> Option<(u64, u64, u64)>;
+}
+
+/// See [`crate::userspace::UserspaceConfig::kernel_layers`].
+#[derive(Clone)]
+pub struct KernelLayersHandle(pub Arc<dyn KernelLayers>);
+
+impl std::fmt::Debug for KernelLayersHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("KernelLayers")
+    }
+}
