@@ -10,14 +10,19 @@ use std::sync::Arc;
 /// How often the plane updates the kernel's targets, reads what the kernel received of each
 /// layer and asks for the keyframes consumers wait for.
 pub const TICK_NS: u64 = 20_000_000;
+/// Every this many ticks, states of consumers the installed table no longer has are deleted
+/// (one removed while a tick was running, or left in the pinned map by an earlier process).
+pub const RECONCILE_TICKS: u64 = 50;
 
 /// The kernel's per-consumer simulcast states (implemented by the eBPF plane).
 pub trait KernelLayers: Send + Sync {
     /// Give `consumer` a state (no target yet) unless it has one.
     fn create(&self, consumer: u32, ssrc: u32, clock_rate: u32);
     fn remove(&self, consumer: u32);
-    /// Want `target` (None: pause) from its next keyframe on.
-    fn set_target(&self, consumer: u32, target: Option<u8>);
+    /// Want `target` (None: pause) from its next keyframe on. False: not done (no state).
+    fn set_target(&self, consumer: u32, target: Option<u8>) -> bool;
+    /// The consumers that have a state.
+    fn consumers(&self) -> Vec<u32>;
     /// Decide a packet the slow path forwards: Some(the copy's bytes) when it goes to `consumer`.
     fn decide(&self, consumer: u32, layer: u8, codec: Codec, now_ns: u64, packet: &[u8]) -> Option<Vec<u8>>;
     /// `consumer`'s state, read under its lock.

@@ -274,8 +274,8 @@ impl LayerConsumer {
     fn set_target(&mut self, id: u32, target: Option<u8>, kernel: Option<&dyn KernelLayers>) {
         self.rewriter.set_target(target);
         if let Some(k) = kernel {
-            if self.kernel_target != Some(target) {
-                k.set_target(id, target);
+            // Remembered only once the kernel took it (a state created late is aimed then).
+            if self.kernel_target != Some(target) && k.set_target(id, target) {
                 self.kernel_target = Some(target);
             }
         }
@@ -458,8 +458,10 @@ impl UserspaceDataplane {
                 let t = std::thread::Builder::new()
                     .name("mp-layers".into())
                     .spawn(move || {
+                        let mut n: u64 = 0;
                         while !shared.stop.load(Ordering::Relaxed) {
-                            layers_tick(&shared, steer.as_deref(), crate::monotonic_ns());
+                            n += 1;
+                            layers_tick(&shared, steer.as_deref(), crate::monotonic_ns(), n % crate::kernel_layers::RECONCILE_TICKS == 1);
                             std::thread::sleep(std::time::Duration::from_nanos(crate::kernel_layers::TICK_NS));
                         }
                     })
@@ -820,7 +822,8 @@ fn send_datagram_with(shared: &Shared, steer: Option<&SteerSockets>, from: Socke
 /// of each layer feeds the streams' activity; each consumer of the installed table gets its
 /// state, its target (the API's ceiling as its reports and the activity lower it) and, while
 /// it waits for a layer, a keyframe request to the publisher (coalesced with the consumers' own).
-fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64) {
+/// With `reconcile`, states of consumers the table no longer has are deleted.
+fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, reconcile: bool) {
     let Some(kernel) = shared.kernel_layers.as_deref() else { return };
     let state = shared.state.load();
     // (stream entry, layer) whose keyframe someone waits for.
@@ -844,10 +847,11 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64) {
                 if !seen.insert(copy.consumer) {
                     continue;
                 }
-                let c = consumers.entry(copy.consumer).or_insert_with(|| {
+                let c = consumers.entry(copy.consumer).or_insert_with(|| LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group));
+                // Every tick: a state a failed create or a reconcile left missing comes back.
+                if c.kernel_target.is_none() {
                     kernel.create(copy.consumer, out_ssrc, entry.clock_rate);
-                    LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group)
-                });
+                }
                 c.group = layer.group;
                 mirror(&mut c.rewriter, copy.consumer, Some(kernel));
                 let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, count, act, now_ns));
@@ -860,7 +864,16 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64) {
                 }
             }
         }
-        kernel_rx.retain(|id, _| state.table.streams.values().any(|e| e.id == *id));
+        let ids: std::collections::HashSet<u32> = state.table.streams.values().map(|e| e.id).collect();
+        kernel_rx.retain(|id, _| ids.contains(id));
+        if reconcile {
+            // Consumers no longer in the table (`seen` holds every simulcast consumer it has):
+            // their states go, here and in the kernel.
+            consumers.retain(|id, _| seen.contains(id));
+            for id in kernel.consumers().into_iter().filter(|id| !seen.contains(id)) {
+                kernel.remove(id);
+            }
+        }
     }
     for (entry, l) in wanted {
         let (SourceRule::Fixed(publisher), Some(layer)) = (entry.source, &entry.simulcast) else { continue };

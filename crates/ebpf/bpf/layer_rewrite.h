@@ -74,8 +74,9 @@ struct mp_layer_state {
 	struct mp_layer_segment seg[MP_LAYER_HISTORY];
 };
 
-/* By consumer uid. User space creates an entry (BPF_NOEXIST) before the first copy for the
- * consumer and deletes it with the consumer; programs never create one. */
+/* By consumer uid. User space creates an entry (BPF_NOEXIST) for each consumer of the installed
+ * table (within a tick of its copies; until then its copies are skipped, as before its first
+ * keyframe) and deletes it with the consumer; programs never create one. */
 struct {
 	__uint(type, BPF_MAP_TYPE_HASH);
 	__uint(map_flags, BPF_F_NO_PREALLOC);
@@ -412,10 +413,17 @@ __noinline int layer_set_target(__u32 consumer, __u32 target)
 }
 
 /* One byte changed from a to b at an offset of parity `odd` from the UDP header: the difference
- * of the one's complement sum, as 16-bit terms (~old + new). */
+ * of the one's complement sum (~old + new), in the byte order bpf_l4_csum_replace adds it in:
+ * 16-bit words as loaded from the packet natively (on a little-endian CPU the byte at an even
+ * offset is a word's low half). */
 static __always_inline __u32 csum_byte(__u8 a, __u8 b, int odd)
 {
-	__u32 o = odd ? a : (__u32)a << 8, n = odd ? b : (__u32)b << 8;
+#if __BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__
+	int high = odd;
+#else
+	int high = !odd;
+#endif
+	__u32 o = high ? (__u32)a << 8 : a, n = high ? (__u32)b << 8 : b;
 	return (~o & 0xffff) + n;
 }
 
@@ -436,8 +444,8 @@ struct mp_layer_edit {
 };
 
 /* Write `o` into the RTP packet at `off` and into e->cur. With `family` (MP_FAMILY_*; 0: no
- * checksum to keep, layer_ctl) the UDP checksum (at off - 6) by the difference: a no-op under
- * CHECKSUM_PARTIAL, a zero IPv4 checksum stays zero. Offsets from the UDP header have the parity
+ * checksum to keep, layer_ctl) the UDP checksum (at off - 2) by the difference: a no-op under
+ * CHECKSUM_PARTIAL, a zero IPv4 checksum stays zero, a computed zero goes out as 0xffff. Offsets from the UDP header have the parity
  * of offsets from the RTP header (which starts 8 bytes after it). Its bytes are built in e, not
  * on the stack: this frame adds to the fan-out's call chain, near the 512-byte limit. */
 __noinline int layer_write(struct __sk_buff *skb, __u32 off, __u32 family, struct mp_layer_edit *e, const struct mp_layer_out *o)
@@ -476,7 +484,9 @@ __noinline int layer_write(struct __sk_buff *skb, __u32 off, __u32 family, struc
 		return -1;
 	if (tl0_at && bpf_skb_store_bytes(skb, off + tl0_at, &c->tl0, 1, 0))
 		return -1;
-	if (family && bpf_l4_csum_replace(skb, off - 2, 0, delta, family == MP_FAMILY_V4 ? BPF_F_MARK_MANGLED_0 : 0))
+	/* BPF_F_MARK_MANGLED_0: an IPv4 zero ("none") stays, a result of zero is sent as 0xffff
+	 * (RFC 768; on IPv6 zero is never valid, RFC 8200). */
+	if (family && bpf_l4_csum_replace(skb, off - 2, 0, delta, BPF_F_MARK_MANGLED_0))
 		return -1;
 	return 0;
 }

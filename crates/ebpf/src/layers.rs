@@ -221,12 +221,21 @@ impl KernelLayers for KernelStates {
     fn remove(&self, consumer: u32) {
         self.0.layer_remove(consumer);
     }
-    fn set_target(&self, consumer: u32, target: Option<u8>) {
+    fn set_target(&self, consumer: u32, target: Option<u8>) -> bool {
         match self.0.layer_set_target(consumer, target) {
-            Ok(LayerVerdict::Forward) => {}
-            Ok(v) => tracing::warn!(consumer, ?v, "setting a simulcast consumer's target in the kernel"),
-            Err(e) => tracing::warn!(consumer, error = %e, "setting a simulcast consumer's target in the kernel"),
+            Ok(LayerVerdict::Forward) => true,
+            Ok(v) => {
+                tracing::warn!(consumer, ?v, "setting a simulcast consumer's target in the kernel");
+                false
+            }
+            Err(e) => {
+                tracing::warn!(consumer, error = %e, "setting a simulcast consumer's target in the kernel");
+                false
+            }
         }
+    }
+    fn consumers(&self) -> Vec<u32> {
+        self.0.layer_consumers()
     }
     fn decide(&self, consumer: u32, layer: u8, codec: Codec, now_ns: u64, packet: &[u8]) -> Option<Vec<u8>> {
         match self.0.layer_packet(consumer, layer, codec, now_ns, packet) {

@@ -4,7 +4,9 @@
 //! ids, H.264 with single NAL units, STAP-A and FU-A), loss, duplicates, reordering, target
 //! changes and pauses, clock jumps, and malformed packets (truncated descriptors, padding, CSRCs,
 //! header extensions). The kernel side runs through `layer_ctl` (BPF_PROG_TEST_RUN), the same
-//! functions the TC program calls per copy; tests/layers_fanout.rs drives the TC program itself.
+//! functions the TC program calls per copy; test_run.rs
+//! (`simulcast_copies_are_renumbered_per_consumer_with_valid_checksums`) drives the TC program
+//! itself, checksums included.
 //!
 //! A failure names its seed: `MP_LAYER_SEED=<seed> cargo test -p mediaplane-ebpf --test layers`
 //! replays it. `MP_LAYER_CASES` sets how many cases run (default 300).

@@ -982,3 +982,107 @@ fn reception_needs_rtp_and_a_clock_rate_for_jitter() {
     assert_eq!(s.streams[&2].tx_copies, 3, "the plain stream was forwarded");
     assert!(!s.reception.contains_key(&2), "a non-RTP stream has no reception state");
 }
+
+/// A simulcast stream through the TC program itself: two layers (SSRC-narrowed entries) with
+/// three consumers each: paused, on layer 0 and on layer 1 (the last copy, which is the packet
+/// itself when it is sent). Every copy is decided and
+/// renumbered in the kernel as core's rewriter does it for that consumer; the copies leave with
+/// valid IPv4/IPv6 and UDP checksums (a test run's packet is CHECKSUM_NONE: the checksum is
+/// updated by the difference, which a wrong byte order breaks).
+#[test]
+fn simulcast_copies_are_renumbered_per_consumer_with_valid_checksums() {
+    root_or_skip!("simulcast_copies_are_renumbered_per_consumer_with_valid_checksums");
+    use mediaplane_core::packet::verify_checksums;
+    use mediaplane_core::simulcast::{inspect, Codec, Decision, LayerRewriter};
+    use mediaplane_core::table::SimulcastLayer;
+    for (publisher, local, sfu_ip, sub_ip) in
+        [(PUBLISHER, LOCAL, "10.200.0.1", "10.200.0.2"), ("[fd00:200::9]:5000", "[fd00:200::1]:4000", "fd00:200::1", "fd00:200::2")]
+    {
+        let rig = Rig::new();
+        let layers = vec![(1u32, 0x100u32), (2, 0x101)];
+        let consumers = [501u32, 502, 503];
+        let subs = subscribers(3, sfu_ip, sub_ip, 40000);
+        let entries = layers
+            .iter()
+            .enumerate()
+            .map(|(i, &(id, ssrc))| {
+                let mut e = entry(id, local, Some(ssrc), SourceRule::Fixed(a(publisher)), true, subs.clone());
+                e.clock_rate = 90_000;
+                e.simulcast = Some(SimulcastLayer { group: 77, index: i as u8, layers: layers.clone(), codec: Codec::Vp8 });
+                for (c, id) in e.copies.iter_mut().zip(consumers) {
+                    c.consumer = id;
+                }
+                e
+            })
+            .collect();
+        let t = table(1, entries);
+        rig.apply(&t);
+        let targets = [None, Some(0u8), Some(1)];
+        let mut core: Vec<LayerRewriter> = targets
+            .iter()
+            .map(|t| {
+                let mut r = LayerRewriter::new(0x100, 90_000);
+                r.set_target(*t);
+                r
+            })
+            .collect();
+        for (id, t) in consumers.iter().zip(targets) {
+            assert!(rig.fp.layer_create(*id, 0x100, 90_000).unwrap());
+            rig.fp.layer_set_target(*id, t).unwrap();
+        }
+        let ports: Vec<u16> = subs.iter().map(|(_, to)| to.port()).collect();
+        let keep = udp_to(&ports);
+        let mut forwarded = 0;
+        for f in 0..8u16 {
+            for (l, &(_, ssrc)) in layers.iter().enumerate() {
+                let key = (l == 0 && f % 4 == 0) || (l == 1 && f == 1);
+                let pic = 0x1234 + f + 100 * l as u16;
+                let payload = [0x90, 0xe0, 0x80 | (pic >> 8) as u8, pic as u8, (f + 7 * l as u16) as u8, 0x20, if key { 0x10 } else { 0x11 }, 0xab, 0xcd];
+                let rtp = build_rtp(96, 1000 * (l as u16 + 1) + f, 90_000 * l as u32 + 3000 * f as u32, ssrc, &payload);
+                let frame = v4_frame(publisher, local, &rtp); // (any family: FrameSpec follows the addresses)
+                let now = mediaplane_dataplane::monotonic_ns();
+                // Core's copies, in copy order.
+                let info = inspect(Codec::Vp8, &rtp).unwrap();
+                let want: Vec<(u16, Vec<u8>)> = core
+                    .iter_mut()
+                    .zip(&ports)
+                    .filter_map(|(r, port)| match r.on_packet(l as u8, &info, now) {
+                        Decision::Forward(w) => {
+                            let mut b = rtp.clone();
+                            w.apply(&info, &mut b);
+                            Some((*port, b))
+                        }
+                        Decision::Skip(_) => None,
+                    })
+                    .collect();
+                let run = rig.fp.test_run(&frame, Some(rig.ifindex)).unwrap();
+                // The last consumer's copy (when it gets one) is the packet itself, handed back.
+                let last_sent = want.last().is_some_and(|(p, _)| *p == *ports.last().unwrap());
+                let clones = want.len() - usize::from(last_sent);
+                let mut got = rig.cap.collect_for(clones, Duration::from_secs(3), Duration::from_millis(30), &keep);
+                if last_sent {
+                    assert_eq!(run.retval, TC_ACT_REDIRECT);
+                    got.push(run.data_out.clone());
+                } else {
+                    assert_eq!(run.retval, TC_ACT_SHOT, "frame {f} layer {l}: consumed, no copy is the original");
+                }
+                assert_eq!(got.len(), want.len(), "frame {f} layer {l}: copies");
+                for (g, (port, bytes)) in got.iter().zip(&want) {
+                    let pf = parse_frame(g).unwrap();
+                    assert_eq!(pf.dst.port(), *port, "frame {f} layer {l}");
+                    assert!(verify_checksums(g, &pf).ok(), "frame {f} layer {l} to {port}: bad checksum {}", hex(g));
+                    assert_eq!(&g[pf.payload..pf.payload + pf.payload_len], &bytes[..], "frame {f} layer {l} to {port}: the rewrite");
+                    forwarded += 1;
+                }
+            }
+        }
+        // Both forwarding consumers started at a keyframe and got every later packet of their layer.
+        assert_eq!(forwarded, 8 + 7, "{local}: copies sent");
+        for (id, r) in consumers.iter().zip(&core) {
+            // (Arrival times differ: the kernel's clock read at entry, the test's before the run.)
+            let mut k = rig.fp.layer_state(*id).unwrap().unwrap().1;
+            k.top_at_ns = r.state().top_at_ns;
+            assert_eq!(k, r.state(), "{local}: consumer {id}'s state");
+        }
+    }
+}
