@@ -84,6 +84,12 @@ impl LayerActivity {
         }
     }
 
+    /// A packet of the stream has arrived (its publisher is sending, so it can be asked for a
+    /// keyframe).
+    pub fn started(&self) -> bool {
+        self.first_ns.is_some()
+    }
+
     /// Whether the publisher sends `layer` (presumed during the stream's first
     /// [`ABSENT_AFTER_NS`], and before any packet at all).
     pub fn is_sent(&self, layer: u8, now_ns: u64) -> bool {

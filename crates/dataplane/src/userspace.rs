@@ -856,7 +856,10 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
                 mirror(&mut c.rewriter, copy.consumer, Some(kernel));
                 let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, count, act, now_ns));
                 c.set_target(copy.consumer, target, Some(kernel));
-                if let Some(l) = c.rewriter.keyframe_wanted(now_ns) {
+                // Asked only once the publisher sends (as a packet's arrival asks on the user-space
+                // plane): a request before its socket is up is lost, and the next one would wait
+                // out the retry interval.
+                if let Some(l) = act.started().then(|| c.rewriter.keyframe_wanted(now_ns)).flatten() {
                     let of = layer.layers.get(l as usize).and_then(|(stream, _)| state.table.streams.values().find(|e| e.id == *stream));
                     if let Some(e) = of.filter(|e| !wanted.iter().any(|(w, _)| w.id == e.id)) {
                         wanted.push((e, l));
