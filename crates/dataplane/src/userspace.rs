@@ -826,13 +826,18 @@ fn send_datagram_with(shared: &Shared, steer: Option<&SteerSockets>, from: Socke
 fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, reconcile: bool) {
     let Some(kernel) = shared.kernel_layers.as_deref() else { return };
     let state = shared.state.load();
+    // One pass over the table; nothing more when it has no simulcast stream (a relay's).
+    let layered: Vec<&StreamEntry> = state.table.streams.values().filter(|e| e.simulcast.is_some()).collect();
+    if layered.is_empty() && !reconcile {
+        return;
+    }
     // (stream entry, layer) whose keyframe someone waits for.
     let mut wanted: Vec<(&StreamEntry, u8)> = Vec::new();
     {
         let mut guard = shared.layers.lock();
         let SimulcastState { consumers, activity, kernel_rx } = &mut *guard;
         let mut seen = std::collections::HashSet::new();
-        for entry in state.table.streams.values() {
+        for entry in layered.iter().copied() {
             let Some(layer) = &entry.simulcast else { continue };
             let act = activity.entry(layer.group).or_default();
             if let Some((packets, bytes, last)) = kernel.received(entry.id) {
@@ -860,14 +865,14 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
                 // plane): a request before its socket is up is lost, and the next one would wait
                 // out the retry interval.
                 if let Some(l) = act.started().then(|| c.rewriter.keyframe_wanted(now_ns)).flatten() {
-                    let of = layer.layers.get(l as usize).and_then(|(stream, _)| state.table.streams.values().find(|e| e.id == *stream));
+                    let of = layer.layers.get(l as usize).and_then(|(stream, _)| layered.iter().copied().find(|e| e.id == *stream));
                     if let Some(e) = of.filter(|e| !wanted.iter().any(|(w, _)| w.id == e.id)) {
                         wanted.push((e, l));
                     }
                 }
             }
         }
-        let ids: std::collections::HashSet<u32> = state.table.streams.values().map(|e| e.id).collect();
+        let ids: std::collections::HashSet<u32> = layered.iter().map(|e| e.id).collect();
         kernel_rx.retain(|id, _| ids.contains(id));
         if reconcile {
             // Consumers no longer in the table (`seen` holds every simulcast consumer it has):
