@@ -113,38 +113,6 @@ static __always_inline int seq_newer(__u16 a, __u16 b)
 	return a != b && (__u16)(a - b) < 0x8000;
 }
 
-/* RtpHeader::parse on the `len` bytes at `off`: where its payload starts and how long it is
- * (padding excluded). -1: not valid RTP. */
-static __always_inline int rtp_payload(struct __sk_buff *skb, __u32 off, __u32 len, __u32 *poff, __u32 *plen)
-{
-	__u8 b0;
-	if (len < 12 || bpf_skb_load_bytes(skb, off, &b0, 1) || b0 >> 6 != 2)
-		return -1;
-	__u32 at = 12 + 4 * (b0 & 0x0f);
-	if (len < at)
-		return -1;
-	if (b0 & 0x10) {
-		__u8 x[4];
-		if (len < at + 4 || bpf_skb_load_bytes(skb, off + at, x, 4))
-			return -1;
-		at += 4 + 4 * (__u32)rd16(x + 2);
-		if (len < at)
-			return -1;
-	}
-	__u32 pad = 0;
-	if (b0 & 0x20) {
-		__u8 p;
-		if (bpf_skb_load_bytes(skb, off + len - 1, &p, 1))
-			return -1;
-		pad = p;
-		if (pad == 0 || at + pad > len)
-			return -1;
-	}
-	*poff = at;
-	*plen = len - at - pad;
-	return 0;
-}
-
 /* simulcast::h264_keyframe_start, the payload at `off` (`n` bytes). */
 static __always_inline int h264_keyframe_start(struct __sk_buff *skb, __u32 off, __u32 n, __u8 b0, __u8 b1)
 {
@@ -175,7 +143,7 @@ __noinline int layer_inspect(struct __sk_buff *skb, __u32 off, __u32 len, __u32 
 {
 	__u32 poff, plen;
 	__u8 h[8];
-	if (!out || rtp_payload(skb, off, len, &poff, &plen) || bpf_skb_load_bytes(skb, off, h, 8))
+	if (!out || len < 8 || bpf_skb_load_bytes(skb, off, h, 8) || rtp_bounds(skb, off, len, h[0], &poff, &plen))
 		return -1;
 	__builtin_memset(out, 0, sizeof(*out));
 	out->seq = rd16(h + 2);

@@ -220,34 +220,44 @@ static __always_inline enum media_kind demux(const struct mp_pkt *p, const struc
 	return MK_OTHER;
 }
 
+/* RtpHeader::parse on the `len` bytes at `off`, whose first byte is b0: where the payload
+ * starts and how long it is (padding excluded). -1: not valid RTP. */
+static __always_inline int rtp_bounds(struct __sk_buff *skb, __u32 off, __u32 len, __u8 b0, __u32 *poff, __u32 *plen)
+{
+	if (len < 12 || b0 >> 6 != 2)
+		return -1;
+	__u32 at = 12 + 4 * (b0 & 0x0f);
+	if (len < at)
+		return -1;
+	if (b0 & 0x10) {
+		__u8 x[4];
+		if (len < at + 4 || bpf_skb_load_bytes(skb, off + at, x, 4))
+			return -1;
+		at += 4 + 4 * (__u32)rd16(x + 2);
+		if (len < at)
+			return -1;
+	}
+	__u32 pad = 0;
+	if (b0 & 0x20) {
+		__u8 last;
+		if (bpf_skb_load_bytes(skb, off + len - 1, &last, 1))
+			return -1;
+		pad = last;
+		if (pad == 0 || at + pad > len)
+			return -1;
+	}
+	*poff = at;
+	*plen = len - at - pad;
+	return 0;
+}
+
 /* RtpHeader::parse: returns 0 and the SSRC, or -1 (malformed). */
 static __always_inline int rtp_ssrc(struct __sk_buff *skb, const struct mp_pkt *p, const struct mp_payload_head *h,
 				    __u32 *ssrc)
 {
-	__u32 len = p->payload_len;
-	if (len < 12 || h->have < 12)
+	__u32 poff, plen;
+	if (h->have < 12 || rtp_bounds(skb, p->payload_off, p->payload_len, h->b[0], &poff, &plen))
 		return -1;
-	__u8 b0 = h->b[0];
-	if (b0 >> 6 != 2)
-		return -1;
-	__u32 off = 12 + 4 * (b0 & 0x0f);
-	if (len < off)
-		return -1;
-	if (b0 & 0x10) {
-		__u8 x[4];
-		if (len < off + 4 || bpf_skb_load_bytes(skb, p->payload_off + off, x, 4))
-			return -1;
-		off += 4 + 4 * (__u32)rd16(x + 2);
-		if (len < off)
-			return -1;
-	}
-	if (b0 & 0x20) {
-		__u8 pad;
-		if (bpf_skb_load_bytes(skb, p->payload_off + len - 1, &pad, 1))
-			return -1;
-		if (pad == 0 || off + pad > len)
-			return -1;
-	}
 	*ssrc = rd32(h->b + 8);
 	return 0;
 }

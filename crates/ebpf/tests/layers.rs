@@ -15,29 +15,12 @@
 
 mod common;
 
+use common::Rng;
+
 use mediaplane_core::rtp::build_rtp;
 use mediaplane_core::simulcast::{inspect, Codec, Decision, LayerRewriter, MAX_LAYERS};
 use mediaplane_ebpf::layers::LayerVerdict;
 use mediaplane_ebpf::{FastPath, LoadOptions};
-
-/// splitmix64: small and seedable.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 = self.0.wrapping_add(0x9e37_79b9_7f4a_7c15);
-        let mut z = self.0;
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        z ^ (z >> 31)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-}
 
 /// One layer's numbering as the publisher sends it.
 struct LayerSource {
@@ -65,7 +48,7 @@ fn vp8_payload(src: &LayerSource, wide: bool, start: bool, key: bool, rng: &mut 
     p.push(src.tl0);
     p.push(0x20);
     p.push(if key { 0x10 } else { 0x11 });
-    p.extend((0..rng.below(20)).map(|_| rng.next() as u8));
+    p.extend((0..rng.below_u64(20)).map(|_| rng.next() as u8));
     p
 }
 
@@ -80,15 +63,15 @@ fn h264_payload(start: bool, key: bool, rng: &mut Rng) -> Vec<u8> {
     } else {
         0x41
     };
-    match rng.below(3) {
+    match rng.below_u64(3) {
         0 if start => {
             // STAP-A: a few units, the keyframe's anywhere among them.
             let mut p = vec![0x78];
-            let n = 1 + rng.below(20);
-            let key_at = rng.below(n);
+            let n = 1 + rng.below_u64(20);
+            let key_at = rng.below_u64(n);
             for i in 0..n {
                 let t = if i == key_at { nal } else { 0x68 };
-                let len = 1 + rng.below(4) as usize;
+                let len = 1 + rng.below_u64(4) as usize;
                 p.extend_from_slice(&(len as u16).to_be_bytes());
                 p.push(t);
                 p.extend((1..len).map(|_| rng.next() as u8));
@@ -103,15 +86,15 @@ fn h264_payload(start: bool, key: bool, rng: &mut Rng) -> Vec<u8> {
 /// Something the rewrite must survive: truncated descriptors, odd payloads, RTP with CSRCs,
 /// an extension or padding, and a few packets that are not RTP at all.
 fn mangle(bytes: &mut Vec<u8>, rng: &mut Rng) {
-    match rng.below(6) {
+    match rng.below_u64(6) {
         0 => {
-            let keep = 12 + rng.below(8) as usize;
+            let keep = 12 + rng.below_u64(8) as usize;
             bytes.truncate(keep.min(bytes.len()));
         }
         1 => {
             // Padding: a valid count, or one longer than the packet.
             bytes[0] |= 0x20;
-            let n = 1 + rng.below(4) as u8;
+            let n = 1 + rng.below_u64(4) as u8;
             bytes.extend(std::iter::repeat_n(0, n as usize - 1));
             bytes.push(if rng.chance(80) { n } else { 0xff });
         }
@@ -125,9 +108,9 @@ fn mangle(bytes: &mut Vec<u8>, rng: &mut Rng) {
             bytes[0] |= 0x10;
             bytes.splice(12..12, [0xbe, 0xde, 0, 1, 0x10, 0xaa, 0, 0]);
         }
-        4 => bytes.truncate(rng.below(12) as usize),
+        4 => bytes.truncate(rng.below_u64(12) as usize),
         _ => {
-            let i = 12 + rng.below((bytes.len() - 12).max(1) as u64) as usize;
+            let i = 12 + rng.below_u64((bytes.len() - 12).max(1) as u64) as usize;
             if i < bytes.len() {
                 bytes[i] = rng.next() as u8;
             }
@@ -138,24 +121,24 @@ fn mangle(bytes: &mut Vec<u8>, rng: &mut Rng) {
 /// A publisher of `layers` layers seen by the SFU, with target changes among its packets.
 fn scenario(rng: &mut Rng) -> (Codec, Vec<Event>) {
     let codec = if rng.chance(75) { Codec::Vp8 } else { Codec::H264 };
-    let layers = 2 + rng.below(3) as u8;
+    let layers = 2 + rng.below_u64(3) as u8;
     let wide = rng.chance(70);
     let loss = rng.below(20);
     let dup = rng.below(8);
-    let late_window = rng.below(8) as usize;
+    let late_window = rng.below_u64(8) as usize;
     let key_p = 5 + rng.below(40);
     let mut src: Vec<LayerSource> =
         (0..layers).map(|_| LayerSource { seq: rng.next() as u16, ts: rng.next() as u32, pic: rng.next() as u16 & 0x7fff, tl0: rng.next() as u8 }).collect();
-    let mut now: u64 = 1_000_000_000 + rng.below(1 << 40);
+    let mut now: u64 = 1_000_000_000 + rng.below_u64(1 << 40);
     let mut sent: Vec<(u8, u64, Vec<u8>)> = Vec::new();
-    for _ in 0..(10 + rng.below(80)) {
-        now += rng.below(40_000_000);
+    for _ in 0..(10 + rng.below_u64(80)) {
+        now += rng.below_u64(40_000_000);
         if rng.chance(1) {
-            now += rng.below(1 << 50); // a clock far ahead: the switch's timestamp gap saturates
+            now += rng.below_u64(1 << 50); // a clock far ahead: the switch's timestamp gap saturates
         }
         for (l, s) in src.iter_mut().enumerate() {
             let key = rng.chance(key_p);
-            for k in 0..(1 + rng.below(3)) {
+            for k in 0..(1 + rng.below_u64(3)) {
                 let start = k == 0;
                 let payload = match codec {
                     Codec::Vp8 => vp8_payload(s, wide, start, key, rng),
@@ -173,7 +156,7 @@ fn scenario(rng: &mut Rng) -> (Codec, Vec<Event>) {
             if rng.chance(2) {
                 // A jump in the numbering (a restarted encoder, a long gap): a segment's range
                 // is kept within its span.
-                s.seq = s.seq.wrapping_add(10_000 + rng.below(20_000) as u16);
+                s.seq = s.seq.wrapping_add(10_000 + rng.below_u64(20_000) as u16);
             }
             if rng.chance(30) {
                 s.tl0 = s.tl0.wrapping_add(1);
@@ -188,7 +171,7 @@ fn scenario(rng: &mut Rng) -> (Codec, Vec<Event>) {
         }
         let copies = if rng.chance(dup) { 2 } else { 1 };
         for _ in 0..copies {
-            let order = i * 16 + rng.below(late_window as u64 * 16 + 1) as usize;
+            let order = i * 16 + rng.below_u64(late_window as u64 * 16 + 1) as usize;
             arrivals.push((order, Event::Packet { layer, at_ns, bytes: bytes.clone() }));
         }
     }
@@ -197,14 +180,14 @@ fn scenario(rng: &mut Rng) -> (Codec, Vec<Event>) {
     let mut last_at = 0;
     for (_, e) in arrivals {
         if rng.chance(4) {
-            let t = if rng.chance(10) { None } else { Some(rng.below(layers as u64 + 1) as u8) };
+            let t = if rng.chance(10) { None } else { Some(rng.below_u64(layers as u64 + 1) as u8) };
             events.push(Event::Target(t));
         }
         // Arrival times never run backwards; a packet of another layer now and then (a layer
         // index the stream does not have).
         if let Event::Packet { layer, at_ns, bytes } = e {
             last_at = last_at.max(at_ns);
-            let layer = if rng.chance(1) { MAX_LAYERS as u8 + rng.below(3) as u8 } else { layer };
+            let layer = if rng.chance(1) { MAX_LAYERS as u8 + rng.below_u64(3) as u8 } else { layer };
             events.push(Event::Packet { layer, at_ns: last_at, bytes });
         }
     }
@@ -223,7 +206,7 @@ fn run_case(fp: &FastPath, consumer: u32, seed: u64) -> Result<(usize, usize), S
     let mut rng = Rng(seed);
     let (codec, events) = scenario(&mut rng);
     let ssrc = rng.next() as u32;
-    let clock_rate = if rng.chance(80) { 90_000 } else { rng.below(200_000) as u32 };
+    let clock_rate = if rng.chance(80) { 90_000 } else { rng.below_u64(200_000) as u32 };
     fp.layer_remove(consumer);
     assert!(fp.layer_create(consumer, ssrc, clock_rate).unwrap());
     let mut core = LayerRewriter::new(ssrc, clock_rate);
