@@ -81,6 +81,9 @@ BENCH_DATAPLANES ?= userspace,ebpf,ebpf-xdp
 bench: release
 	@scripts/install-deps.sh --bench
 	target/release/mediaplane bench sfu --dataplanes $(BENCH_DATAPLANES) --out bench-results
+	# Simulcast video: the per-consumer rewrite against plain fan-out of the same copies, and the
+	# share of packets the kernel handles (about 10 min here).
+	target/release/mediaplane bench sfu --preset simulcast --sizes 4,8,16 --dataplanes $(BENCH_DATAPLANES) --out bench-results/simulcast
 	# What checksum verification and the reverse-path check cost per packet (BPF run time, A/B).
 	$(CARGO) test --release -p mediaplane-ebpf --test fidelity checks_cost -- --ignored --nocapture
 	# Relay: 750 and 1800 calls (the seed's sizes) x 3 relays and the no-relay baseline, then the

@@ -11,6 +11,11 @@
 //!   id), then the 16-byte probe (harness sequence u64 BE, send time u64 BE in CLOCK_REALTIME
 //!   ns), zero padding up to the profile's size. The harness sequence (0, 1, 2, ...) is what loss
 //!   accounting uses, so an SFU that rewrites RTP sequence numbers does not disturb it.
+//! * **VP8 simulcast layer** ([`PayloadFormat::Vp8`], PT [`VP8_PAYLOAD_TYPE`]): the RTP header,
+//!   a 4-byte VP8 payload descriptor (RFC 7741: X, S at a frame's first packet, I with a 15-bit
+//!   picture id = the frame number), one VP8 payload header byte (inverse key frame bit: a
+//!   keyframe every `keyframe_every` frames), then the probe with the flow id (u32 BE) after it:
+//!   an SFU that forwards a simulcast layer under another SSRC, renumbered, leaves it intact.
 //! * **Raw** ([`PayloadFormat::Raw`], the thesis preset): harness sequence u64 BE, send time
 //!   u64 BE, flow id u16 BE: 18 bytes of UDP payload = a 46-byte IP packet, the smallest Ethernet
 //!   payload. Its first byte is 0 (sequence < 2⁵⁶), so it never looks like RTP (RFC 7983).
@@ -49,6 +54,13 @@ pub const PROBE_LEN: usize = 16;
 /// Raw probe: sequence + send time + flow id (u16).
 pub const RAW_PROBE_LEN: usize = 18;
 pub const MIN_RTP_PACKET: usize = RTP_HEADER_LEN + PROBE_LEN;
+/// The payload type that marks [`PayloadFormat::Vp8`] packets (decoding needs no plan).
+pub const VP8_PAYLOAD_TYPE: u8 = 100;
+/// VP8 payload descriptor (X, I, 15-bit picture id) + the payload header's first byte.
+const VP8_PREFIX_LEN: usize = 5;
+/// The VP8 probe: sequence + send time + flow id (u32).
+const VP8_PROBE_LEN: usize = PROBE_LEN + 4;
+pub const MIN_VP8_PACKET: usize = RTP_HEADER_LEN + VP8_PREFIX_LEN + VP8_PROBE_LEN;
 /// Largest UDP payload over IPv4.
 pub const MAX_PACKET: usize = 65_507;
 
@@ -71,6 +83,9 @@ pub enum PayloadFormat {
     Raw,
     /// RTP header + probe; `clock_rate` drives the RTP timestamp.
     Rtp { payload_type: u8, clock_rate: u32 },
+    /// One simulcast layer of VP8 video (90 kHz, PT [`VP8_PAYLOAD_TYPE`]): a burst is a frame,
+    /// every `keyframe_every`-th frame (the first included) a keyframe.
+    Vp8 { keyframe_every: u32 },
 }
 
 /// What one sender sends: packets of `packet_size` UDP payload bytes, `packets_per_sec` on
@@ -114,6 +129,19 @@ impl Profile {
             bursts_per_sec: 30.0,
         }
         .with_bitrate(1_500_000.0)
+    }
+
+    /// Layer `layer` (0-2) of a three-layer VP8 simulcast publisher at 30 frames/s, a keyframe
+    /// a second: 0 ≈ 150 kbit/s (one 600-byte packet a frame), 1 ≈ 500 kbit/s (two of 1,000
+    /// bytes), 2 ≈ 1.5 Mbit/s (1,200-byte packets, 5.2 a frame), what browsers send for 180p,
+    /// 360p and 720p.
+    pub fn simulcast_layer(layer: u8) -> Profile {
+        let (packet_size, packets_per_sec) = match layer {
+            0 => (600, 30.0),
+            1 => (1000, 60.0),
+            _ => (1200, 1_500_000.0 / 8.0 / 1200.0),
+        };
+        Profile { name: format!("vp8-l{layer}"), format: PayloadFormat::Vp8 { keyframe_every: 30 }, packet_size, packets_per_sec, bursts_per_sec: 30.0 }
     }
 
     /// Set the UDP-payload bit rate, keeping packet size and burst rate.
@@ -161,6 +189,10 @@ impl Profile {
         let min = match self.format {
             PayloadFormat::Raw => RAW_PROBE_LEN,
             PayloadFormat::Rtp { .. } => MIN_RTP_PACKET,
+            PayloadFormat::Vp8 { keyframe_every } => {
+                ensure!(keyframe_every > 0, "profile {}: keyframe_every must be positive", self.name);
+                MIN_VP8_PACKET
+            }
         };
         ensure!((min..=MAX_PACKET).contains(&self.packet_size), "profile {}: packet_size {} outside {min}..={MAX_PACKET}", self.name, self.packet_size);
         ensure!(
@@ -250,12 +282,44 @@ pub fn encode_rtp(buf: &mut [u8], rtp: RtpFields, seq: u64, send_ns: i64) {
     buf[20..28].copy_from_slice(&(send_ns as u64).to_be_bytes());
 }
 
+/// Write the VP8 descriptor (picture id `picture_id`, S at a frame's first packet), the payload
+/// header's first byte (P = 0 on a keyframe's first packet) and the probe after the RTP header
+/// [`encode_rtp`] wrote: `buf[12..12 + 25]`.
+pub fn encode_vp8(buf: &mut [u8], frame_start: bool, keyframe: bool, picture_id: u16, flow_id: u32, seq: u64, send_ns: i64) {
+    let b = &mut buf[RTP_HEADER_LEN..];
+    b[0] = 0x80 | if frame_start { 0x10 } else { 0 }; // X, S, partition 0
+    b[1] = 0x80; // I: a picture id follows
+    b[2..4].copy_from_slice(&(0x8000 | (picture_id & 0x7fff)).to_be_bytes()); // M: 15 bits
+    b[4] = if keyframe && frame_start { 0x00 } else { 0x01 }; // inverse key frame flag
+    let p = &mut b[VP8_PREFIX_LEN..];
+    p[0..8].copy_from_slice(&seq.to_be_bytes());
+    p[8..16].copy_from_slice(&(send_ns as u64).to_be_bytes());
+    p[16..20].copy_from_slice(&flow_id.to_be_bytes());
+}
+
+/// Whether a datagram is RTCP (RFC 5761 4: version 2, packet type 192-223): a keyframe request
+/// or report an SFU sends a publisher, counted apart from malformed probes.
+pub fn is_rtcp(d: &[u8]) -> bool {
+    d.len() >= 8 && d[0] >> 6 == 2 && (192..=223).contains(&d[1])
+}
+
 /// Decode a probe: RTP (version 2 in the first byte; the probe starts at the RTP payload, so
-/// CSRCs or header extensions added on the way are tolerated) or raw.
+/// CSRCs or header extensions added on the way are tolerated; a VP8 layer's after its
+/// descriptor, with its flow id, as its SSRC may be the SFU's) or raw.
 pub fn decode_probe(d: &[u8]) -> Option<Probe> {
     let be64 = |b: &[u8]| u64::from_be_bytes(b[..8].try_into().unwrap());
     if d.first()? >> 6 == 2 {
         let h = mediaplane_core::rtp::RtpHeader::parse(d).ok()?;
+        if h.payload_type == VP8_PAYLOAD_TYPE {
+            let prefix = d.get(h.payload_offset..h.payload_offset + VP8_PREFIX_LEN)?;
+            // Exactly the descriptor encode_vp8 writes (an SFU rewrites its picture id in place).
+            if prefix[0] & 0x80 == 0 || prefix[1] != 0x80 || prefix[2] & 0x80 == 0 {
+                return None;
+            }
+            let at = h.payload_offset + VP8_PREFIX_LEN;
+            let p = d.get(at..at + VP8_PROBE_LEN)?;
+            return Some(Probe { flow_id: u32::from_be_bytes(p[16..20].try_into().unwrap()), seq: be64(&p[0..8]), send_ns: be64(&p[8..16]) as i64 });
+        }
         let p = d.get(h.payload_offset..h.payload_offset + PROBE_LEN)?;
         Some(Probe { flow_id: h.ssrc, seq: be64(&p[0..8]), send_ns: be64(&p[8..16]) as i64 })
     } else {
@@ -417,6 +481,9 @@ pub struct ReceiverReport {
     pub unexpected_flows: Vec<u32>,
     /// Datagrams that are not probes, or truncated.
     pub malformed: u64,
+    /// RTCP datagrams (e.g. an SFU's keyframe requests to a publisher): not probes, not malformed.
+    #[serde(default)]
+    pub rtcp: u64,
     /// SRTP receivers: datagrams that failed to unprotect (authentication, not SRTP).
     #[serde(default)]
     pub srtp_failed: u64,
@@ -690,6 +757,18 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
                     };
                     encode_rtp(&mut flow.buf, rtp, seq, send_ns)
                 }
+                PayloadFormat::Vp8 { keyframe_every } => {
+                    let media_time = (k as f64 * 90_000.0 / spec.profile.bursts_per_sec).round() as u64;
+                    let rtp = RtpFields {
+                        payload_type: VP8_PAYLOAD_TYPE,
+                        marker: p == in_burst - 1,
+                        sequence: flow.rtp_seq_base.wrapping_add(seq as u16),
+                        timestamp: flow.rtp_ts_base.wrapping_add(media_time as u32),
+                        ssrc: spec.flow_id,
+                    };
+                    encode_rtp(&mut flow.buf, rtp, seq, send_ns);
+                    encode_vp8(&mut flow.buf, p == 0, k % keyframe_every as u64 == 0, k as u16, spec.flow_id, seq, send_ns)
+                }
             }
             let wire = match &spec.srtp {
                 None => &flow.buf,
@@ -760,6 +839,7 @@ struct ReceiverAcc {
     unexpected: u64,
     unexpected_flows: HashSet<u32>,
     malformed: u64,
+    rtcp: u64,
     srtp_failed: u64,
     srtp_replayed: u64,
     user_timestamps: u64,
@@ -813,6 +893,7 @@ fn new_receiver_accs(plan: &TrafficPlan, planned: &HashMap<u32, u64>) -> Vec<Rec
             unexpected: 0,
             unexpected_flows: HashSet::new(),
             malformed: 0,
+            rtcp: 0,
             srtp_failed: 0,
             srtp_replayed: 0,
             user_timestamps: 0,
@@ -893,6 +974,10 @@ fn all_complete(accs: &[ReceiverAcc], flow_index: &HashMap<u32, usize>, shared: 
 fn on_datagram(acc: &mut ReceiverAcc, d: &[u8], truncated: bool, recv_ns: i64, user_stamped: bool) {
     acc.datagrams += 1;
     acc.user_timestamps += user_stamped as u64;
+    if is_rtcp(d) {
+        acc.rtcp += 1;
+        return;
+    }
     let probe = match decode_probe(d) {
         Some(p) if !truncated => p,
         _ => {
@@ -985,6 +1070,7 @@ fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: R
             unexpected: acc.unexpected,
             unexpected_flows,
             malformed: acc.malformed,
+            rtcp: acc.rtcp,
             srtp_failed: acc.srtp_failed,
             srtp_replayed: acc.srtp_replayed,
             user_timestamps: acc.user_timestamps,
@@ -1142,6 +1228,34 @@ mod tests {
         assert_eq!(decode_probe(&buf[..20]), None, "RTP too short for the probe");
         assert_eq!(decode_probe(&raw[..10]), None);
         assert_eq!(decode_probe(&[]), None);
+    }
+
+    /// The VP8 layer format is what the SFU's own inspector reads: keyframes only at a frame's
+    /// first packet when asked, the picture id where it looks; the probe and flow id survive an
+    /// SFU's SSRC, sequence and picture-id rewrite; RTCP is told apart.
+    #[test]
+    fn vp8_layer_probe_is_what_the_sfu_inspects() {
+        use mediaplane_core::simulcast::{inspect, Codec};
+        let profile = Profile::simulcast_layer(0);
+        profile.validate().unwrap();
+        let mut buf = vec![0u8; profile.packet_size];
+        let rtp = RtpFields { payload_type: VP8_PAYLOAD_TYPE, marker: true, sequence: 9, timestamp: 3000, ssrc: 3001 };
+        for (start, key, expect_key) in [(true, true, true), (false, true, false), (true, false, false)] {
+            encode_rtp(&mut buf, rtp, 5, 77);
+            encode_vp8(&mut buf, start, key, 0x7abc, 3001, 5, 77);
+            let info = inspect(Codec::Vp8, &buf).unwrap();
+            assert_eq!(info.keyframe_start, expect_key, "start {start} key {key}");
+            assert_eq!(info.picture_id.map(|p| (p.value, p.wide)), Some((0x7abc, true)));
+            assert_eq!(decode_probe(&buf), Some(Probe { flow_id: 3001, seq: 5, send_ns: 77 }));
+        }
+        // What a simulcast consumer receives: another SSRC, sequence number and picture id.
+        buf[8..12].copy_from_slice(&0x1234_5678u32.to_be_bytes());
+        buf[2..4].copy_from_slice(&1u16.to_be_bytes());
+        buf[14..16].copy_from_slice(&0x8001u16.to_be_bytes());
+        assert_eq!(decode_probe(&buf), Some(Probe { flow_id: 3001, seq: 5, send_ns: 77 }));
+        assert_eq!(decode_probe(&buf[..MIN_VP8_PACKET - 1]), None);
+        let pli = [0x81, 206, 0, 2, 0, 0, 0, 1, 0, 0, 0, 2];
+        assert!(is_rtcp(&pli) && !is_rtcp(&buf));
     }
 
     #[test]

@@ -20,7 +20,7 @@
 //! store write) at growing model sizes.
 
 use crate::conference::process_cpu_ns;
-use crate::conference::KERNEL_FORWARD;
+use crate::conference::{KERNEL_FORWARD, SLOW_PATH_PASSES};
 use crate::relay_report;
 use anyhow::{bail, Context};
 use mediaplane_bench::netns::Testbed;
@@ -349,21 +349,6 @@ impl RelayProc {
 fn api(tb: &Testbed, method: &str, path: &str, body: Option<Json>) -> anyhow::Result<Json> {
     crate::conference::api_with_timeout(tb, method, path, body, Duration::from_secs(60))
 }
-
-/// The eBPF plane's counters of packets of its streams handed to the user-space slow path
-/// (`pass_not_ip`, `pass_not_ours` and the like are traffic that is not the relay's).
-const SLOW_PATH_PASSES: [&str; 10] = [
-    "pass_stun",
-    "pass_unlatched",
-    "pass_slow_stream",
-    "pass_no_neigh",
-    "pass_fib_fail",
-    "pass_stale_copy",
-    "pass_error",
-    "pass_in_order",
-    "pass_rtcp",
-    "pass_feedback",
-];
 
 fn extra(stats: &Json, k: &str) -> u64 {
     stats["extra"][k].as_u64().unwrap_or(0)

@@ -29,13 +29,15 @@ pub struct BenchSfuArgs {
     /// runs first at each N and scenario.
     #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
     dataplanes: Vec<String>,
-    /// one-stream, two-streams.
-    #[arg(long, value_delimiter = ',', default_value = "one-stream,two-streams")]
-    scenarios: Vec<String>,
+    /// one-stream, two-streams (voice, video, thesis presets); simulcast, simulcast-plain (the
+    /// simulcast preset, where they are the default).
+    #[arg(long, value_delimiter = ',')]
+    scenarios: Option<Vec<String>>,
     /// Participant counts (default 2..=12, 16, 32, 64; quick: 2, 4).
     #[arg(long, value_delimiter = ',')]
     sizes: Option<Vec<usize>>,
-    /// Traffic preset: voice, video, thesis.
+    /// Traffic preset: voice, video, thesis, or simulcast (three VP8 layers per publisher; the
+    /// rewrite against plain fan-out of the same copies).
     #[arg(long, default_value = "voice")]
     preset: String,
     /// Seconds of media per run (default 10; quick: 1).
@@ -68,14 +70,22 @@ fn parse_scenario(s: &str) -> anyhow::Result<Scenario> {
     match s {
         "one-stream" => Ok(Scenario::OneStream),
         "two-streams" => Ok(Scenario::TwoStreams),
-        other => bail!("unknown scenario {other:?}: use one-stream or two-streams"),
+        "simulcast" => Ok(Scenario::Simulcast),
+        "simulcast-plain" => Ok(Scenario::SimulcastPlain),
+        other => bail!("unknown scenario {other:?}: use one-stream, two-streams, simulcast or simulcast-plain"),
     }
 }
 
 fn sfu(a: BenchSfuArgs) -> anyhow::Result<()> {
     mediaplane_bench::ensure_root("bench sfu")?;
     let profile = profile_named(&a.preset)?;
-    let scenarios: Vec<Scenario> = a.scenarios.iter().map(|s| parse_scenario(s)).collect::<anyhow::Result<_>>()?;
+    let simulcast = a.preset == "simulcast";
+    let default_scenarios = if simulcast { "simulcast,simulcast-plain" } else { "one-stream,two-streams" };
+    let names = a.scenarios.clone().unwrap_or_else(|| default_scenarios.split(',').map(str::to_string).collect());
+    let scenarios: Vec<Scenario> = names.iter().map(|s| parse_scenario(s)).collect::<anyhow::Result<_>>()?;
+    if let Some(s) = scenarios.iter().find(|s| s.layered() != simulcast) {
+        bail!("scenario {s:?} does not go with preset {:?}: simulcast and simulcast-plain need the simulcast preset, which needs them", a.preset);
+    }
     let sizes = a.sizes.clone().unwrap_or_else(|| if a.quick { vec![2, 4] } else { (2..=12).chain([16, 32, 64]).collect() });
     if sizes.iter().any(|n| !(2..=64).contains(n)) {
         bail!("sizes must be between 2 and 64");

@@ -41,6 +41,29 @@ pub enum Scenario {
     OneStream,
     /// Low quality to all, high quality (its own SFU port) to the upper half.
     TwoStreams,
+    /// Every participant publishes one VP8 video as three simulcast layers (one SSRC each, on
+    /// its transport address); participant i receives j's layer `(i + j) % 3` (`max_layer`),
+    /// renumbered onto one SSRC ([`Profile::simulcast_layer`]).
+    Simulcast,
+    /// The same layers, each published as a plain stream of its own (narrowed to its SSRC), and
+    /// the same subscriptions to them: the same copies without the simulcast rewrite.
+    SimulcastPlain,
+}
+
+impl Scenario {
+    /// Whether participants publish simulcast layers ([`Scenario::Simulcast`] or its plain twin).
+    pub fn layered(self) -> bool {
+        matches!(self, Scenario::Simulcast | Scenario::SimulcastPlain)
+    }
+}
+
+/// Layers of a simulcast scenario's publishers.
+const LAYERS: usize = 3;
+
+/// The layer participant `subscriber` receives of `publisher`'s video in a simulcast scenario:
+/// every layer has consumers, every participant receives all three.
+fn layer_for(subscriber: usize, publisher: usize) -> usize {
+    (subscriber + publisher) % LAYERS
 }
 
 pub struct ConferenceSpec {
@@ -107,6 +130,17 @@ pub struct ConferenceResult {
     pub cpu_per_copy_ns: Option<f64>,
     /// The daemon's own counters after the run (`/v1/stats`).
     pub daemon_stats: Value,
+    /// eBPF planes: packets of the SFU's streams the BPF program handled itself during the run
+    /// (`forwarded`: fanned out, simulcast copies renumbered or skipped), and those it handed
+    /// to the user-space slow path ([`SLOW_PATH_PASSES`]).
+    #[serde(default)]
+    pub kernel_handled: Option<u64>,
+    #[serde(default)]
+    pub slow_path_packets: Option<u64>,
+    /// `kernel_handled` / (`kernel_handled` + `slow_path_packets`): the share Scallop reports
+    /// for its switch (96.5 %).
+    #[serde(default)]
+    pub kernel_share: Option<f64>,
     pub generator_cpu_ns: u64,
 }
 
@@ -218,8 +252,27 @@ pub(crate) fn process_cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
+/// The eBPF plane's counters of packets of its streams handed to the user-space slow path
+/// (`pass_not_ip`, `pass_not_ours` and the like are traffic that is not the SFU's or relay's).
+pub(crate) const SLOW_PATH_PASSES: [&str; 10] = [
+    "pass_stun",
+    "pass_unlatched",
+    "pass_slow_stream",
+    "pass_no_neigh",
+    "pass_fib_fail",
+    "pass_stale_copy",
+    "pass_error",
+    "pass_in_order",
+    "pass_rtcp",
+    "pass_feedback",
+];
+
 pub(crate) fn flow_main(i: usize) -> u32 {
     1000 + i as u32
+}
+/// Layer `l` of participant i's simulcast video: 3000..5999 (up to 1,000 participants).
+fn flow_layer(i: usize, l: usize) -> u32 {
+    3000 + 1000 * l as u32 + i as u32
 }
 fn flow_high(i: usize) -> u32 {
     2000 + i as u32
@@ -330,25 +383,71 @@ pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool, 
         let local = SocketAddr::new(p.sfu_ip, SFU_PORT);
         let remote = SocketAddr::new(p.ip, MEDIA_PORT);
         api(tb, "POST", "/v1/rooms/demo/participants", Some(json!({"id": format!("p{i}"), "local": local, "remote": remote})))?;
-        // RTP streams are narrowed to their SSRC; raw (thesis) streams forward any payload.
-        let ssrc = (rtp && narrow).then_some(flow_main(i));
         let streams = format!("/v1/rooms/demo/participants/p{i}/streams");
-        api(tb, "POST", &streams, Some(json!({"name": "main", "ssrc": ssrc, "rtp": rtp})))?;
-        if scenario == Scenario::TwoStreams {
-            let high = SocketAddr::new(p.sfu_ip, SFU_HIGH_PORT);
-            api(tb, "POST", &streams, Some(json!({"name": "high", "local": high, "rtp": rtp})))?;
+        match scenario {
+            Scenario::Simulcast => {
+                let layers: Vec<u32> = (0..LAYERS).map(|l| flow_layer(i, l)).collect();
+                api(tb, "POST", &streams, Some(json!({"name": "video", "layers": layers, "codec": "vp8", "clock_rate": 90_000})))?;
+            }
+            Scenario::SimulcastPlain => {
+                for l in 0..LAYERS {
+                    api(tb, "POST", &streams, Some(json!({"name": format!("l{l}"), "ssrc": flow_layer(i, l), "clock_rate": 90_000})))?;
+                }
+            }
+            Scenario::OneStream | Scenario::TwoStreams => {
+                // RTP streams are narrowed to their SSRC; raw (thesis) streams forward any payload.
+                let ssrc = (rtp && narrow).then_some(flow_main(i));
+                api(tb, "POST", &streams, Some(json!({"name": "main", "ssrc": ssrc, "rtp": rtp})))?;
+                if scenario == Scenario::TwoStreams {
+                    let high = SocketAddr::new(p.sfu_ip, SFU_HIGH_PORT);
+                    api(tb, "POST", &streams, Some(json!({"name": "high", "local": high, "rtp": rtp})))?;
+                }
+            }
         }
     }
     for i in 0..n {
         for j in (0..n).filter(|j| *j != i) {
             let path = format!("/v1/rooms/demo/participants/p{i}/subscriptions");
-            api(tb, "POST", &path, Some(json!({"publisher": format!("p{j}"), "stream": "main"})))?;
-            if scenario == Scenario::TwoStreams && high_half(i) {
-                api(tb, "POST", &path, Some(json!({"publisher": format!("p{j}"), "stream": "high"})))?;
+            let publisher = format!("p{j}");
+            match scenario {
+                Scenario::Simulcast => {
+                    let l = layer_for(i, j);
+                    api(tb, "POST", &path, Some(json!({"publisher": publisher, "stream": "video", "preferred_layer": l, "max_layer": l})))?;
+                }
+                Scenario::SimulcastPlain => {
+                    api(tb, "POST", &path, Some(json!({"publisher": publisher, "stream": format!("l{}", layer_for(i, j))})))?;
+                }
+                Scenario::OneStream | Scenario::TwoStreams => {
+                    api(tb, "POST", &path, Some(json!({"publisher": publisher, "stream": "main"})))?;
+                    if scenario == Scenario::TwoStreams && high_half(i) {
+                        api(tb, "POST", &path, Some(json!({"publisher": publisher, "stream": "high"})))?;
+                    }
+                }
             }
         }
     }
     Ok(())
+}
+
+/// Wait until every simulcast consumer has its layer as its target. On the eBPF planes the
+/// slow path's 20 ms tick creates and aims each consumer's kernel state, and a keyframe before
+/// that would be skipped (the next comes a second later, and the run would count the gap lost);
+/// the user-space plane makes a consumer's state at its stream's first packet, so there is
+/// nothing to wait for (and nothing in the view before it).
+fn wait_layers_aimed(tb: &Testbed) -> anyhow::Result<()> {
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let v = api(tb, "GET", "/v1/rooms/demo/consumers", None)?;
+        let consumers = v["consumers"].as_array().cloned().unwrap_or_default();
+        let waiting = consumers.iter().filter(|c| c["layers"]["target"].is_null() || c["layers"]["target"] != c["layers"]["max"]).count();
+        if waiting == 0 && !consumers.is_empty() {
+            return Ok(());
+        }
+        if Instant::now() > deadline {
+            bail!("{waiting} of {} simulcast consumers still without their layer as target after 10 s", consumers.len());
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
 }
 
 /// Run one conference on an existing testbed through one data plane, or `kernel-forward`.
@@ -363,12 +462,18 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     }
     let store = workdir.join(format!("{}-{}.db", tb.prefix, spec.dataplane));
     let log = workdir.join(format!("{}-{}.log", tb.prefix, spec.dataplane));
-    let rtp = matches!(spec.profile.format, traffic::PayloadFormat::Rtp { .. });
+    let rtp = spec.profile.format != traffic::PayloadFormat::Raw;
+    if spec.scenario.layered() && !matches!(spec.profile.format, traffic::PayloadFormat::Vp8 { .. }) {
+        bail!("the {:?} scenario sends VP8 simulcast layers: use the simulcast preset", spec.scenario);
+    }
     let mut serve = None;
     if !floor {
         let s = serve.insert(ServeProcess::start(tb, &spec.dataplane, &store, log.clone())?);
         wait_ready(tb, s)?;
         setup_room(tb, n, spec.scenario, rtp, true)?;
+        if spec.scenario == Scenario::Simulcast && plane_variant(&spec.dataplane).0 == "ebpf" {
+            wait_layers_aimed(tb)?;
+        }
     }
     let hooks = attached_hooks(tb).inspect_err(|e| tracing::warn!("listing the SFU namespace's BPF programs: {e:#}")).ok();
     if floor {
@@ -383,6 +488,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     // participant sends every copy itself, straight to its subscriber.
     let high_half = |i: usize| i >= n / 2;
     let two = spec.scenario == Scenario::TwoStreams;
+    let layered = spec.scenario.layered();
     let mut plan = TrafficPlan::new(spec.duration);
     let mut expected: Vec<Vec<u32>> = vec![Vec::new(); n];
     for (i, p) in tb.peers.iter().enumerate() {
@@ -391,10 +497,16 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         if floor {
             for (j, q) in tb.peers.iter().enumerate().filter(|(j, _)| *j != i) {
                 let to = SocketAddr::new(q.ip, MEDIA_PORT);
-                plan = plan.sender(sock.try_clone()?, to, flow_mesh_main(i, j), profile.clone());
+                // A layered floor sends each subscriber just the layer it receives.
+                let main = if layered { Profile::simulcast_layer(layer_for(j, i) as u8) } else { profile.clone() };
+                plan = plan.sender(sock.try_clone()?, to, flow_mesh_main(i, j), main);
                 if two && high_half(j) {
                     plan = plan.sender(sock.try_clone()?, to, flow_mesh_high(i, j), profile.clone());
                 }
+            }
+        } else if layered {
+            for l in 0..LAYERS {
+                plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_layer(i, l), Profile::simulcast_layer(l as u8));
             }
         } else {
             plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_main(i), profile.clone());
@@ -405,7 +517,11 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         let next = &tb.peers[(i + 1) % n];
         plan = plan.sender(sock.try_clone()?, SocketAddr::new(next.ip, DIRECT_PORT), flow_direct(i), profile);
         for j in (0..n).filter(|j| *j != i) {
-            expected[i].push(if floor { flow_mesh_main(j, i) } else { flow_main(j) });
+            expected[i].push(match (floor, layered) {
+                (true, _) => flow_mesh_main(j, i),
+                (false, true) => flow_layer(j, layer_for(i, j)),
+                (false, false) => flow_main(j),
+            });
             if two && high_half(i) {
                 expected[i].push(if floor { flow_mesh_high(j, i) } else { flow_high(j) });
             }
@@ -424,17 +540,27 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     };
     // Both programs every packet runs through: the XDP pre-filter (its pass path) and TC.
     let bpf_ns = |stats: &Value| ["bpf_run_time_ns", "xdp_run_time_ns"].iter().map(|k| stats["extra"][k].as_u64().unwrap_or(0)).sum::<u64>();
-    let bpf0 = bpf_ns(&api(tb, "GET", "/v1/stats", None)?);
+    let stats0 = api(tb, "GET", "/v1/stats", None)?;
     let cpu0 = process_cpu_ns(serve.pid());
     let report = traffic::run(&plan)?;
     let serve_cpu_ns = process_cpu_ns(serve.pid()).saturating_sub(cpu0);
     let daemon_stats = api(tb, "GET", "/v1/stats", None)?;
-    let bpf_run_ns = bpf_ns(&daemon_stats).saturating_sub(bpf0);
+    let bpf_run_ns = bpf_ns(&daemon_stats).saturating_sub(bpf_ns(&stats0));
+    let kernel = (plane_variant(&spec.dataplane).0 == "ebpf").then(|| {
+        let delta = |k: &str| daemon_stats["extra"][k].as_u64().unwrap_or(0).saturating_sub(stats0["extra"][k].as_u64().unwrap_or(0));
+        (delta("forwarded"), SLOW_PATH_PASSES.iter().map(|k| delta(k)).sum::<u64>())
+    });
     serve.stop()?;
     // The daemon's log is kept only when something went wrong (the error names it).
     let _ = std::fs::remove_file(&log);
     remove_store(&store);
-    Ok(summarise(spec, n, &expected, &report, Some((serve_cpu_ns, bpf_run_ns)), daemon_stats, hooks))
+    let mut result = summarise(spec, n, &expected, &report, Some((serve_cpu_ns, bpf_run_ns)), daemon_stats, hooks);
+    if let Some((handled, slow)) = kernel {
+        result.kernel_handled = Some(handled);
+        result.slow_path_packets = Some(slow);
+        result.kernel_share = (handled + slow > 0).then(|| handled as f64 / (handled + slow) as f64);
+    }
+    Ok(result)
 }
 
 fn summarise(
@@ -521,6 +647,9 @@ fn summarise(
         bpf_run_ns,
         cpu_per_copy_ns: serve_cpu.filter(|_| recv_total > 0).map(|(s, b)| (s + b) as f64 / recv_total as f64),
         daemon_stats,
+        kernel_handled: None,
+        slow_path_packets: None,
+        kernel_share: None,
         generator_cpu_ns: report.generator_cpu_ns,
     }
 }

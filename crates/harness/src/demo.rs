@@ -21,7 +21,7 @@ pub struct DemoArgs {
     /// Data planes to run, side by side.
     #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
     dataplanes: Vec<String>,
-    /// Traffic preset: voice (G.711, 50 pkt/s, 172 B), video (1.5 Mbit/s, 1200 B), thesis (25 pkt/s, 18 B raw).
+    /// Traffic preset: voice (G.711, 50 pkt/s, 172 B), video (1.5 Mbit/s, 1200 B), thesis (25 pkt/s, 18 B raw), simulcast (its top layer: VP8, 1.5 Mbit/s, a keyframe a second).
     #[arg(long, default_value = "voice")]
     preset: String,
     /// Low quality to all plus high quality (its own SFU port) to the upper half.
@@ -37,7 +37,9 @@ pub fn profile_named(name: &str) -> anyhow::Result<Profile> {
         "voice" => Profile::voice(),
         "video" => Profile::video(),
         "thesis" => Profile::thesis(),
-        other => bail!("unknown preset {other:?}: use voice, video or thesis"),
+        // The top layer names the run; every layer has its own profile (conference.rs).
+        "simulcast" => Profile::simulcast_layer(2),
+        other => bail!("unknown preset {other:?}: use voice, video, thesis or simulcast"),
     })
 }
 

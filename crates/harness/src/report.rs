@@ -71,7 +71,13 @@ fn scen(s: Scenario) -> &'static str {
     match s {
         Scenario::OneStream => "one-stream",
         Scenario::TwoStreams => "two-streams",
+        Scenario::Simulcast => "simulcast",
+        Scenario::SimulcastPlain => "simulcast-plain",
     }
+}
+
+fn pct(share: Option<f64>) -> String {
+    share.map(|s| format!("{:.2}", s * 100.0)).unwrap_or_default()
 }
 
 fn loss_pct(r: &ConferenceResult) -> f64 {
@@ -84,14 +90,14 @@ fn loss_pct(r: &ConferenceResult) -> f64 {
 
 const CSV_HEADER: &str = "scenario,n,dataplane,copies_expected,copies_received,bytes_received,lost,loss_pct,duplicates,unexpected,\
 delay_min_us,delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,added_min_us,added_p50_us,added_mean_us,added_p99_us,added_max_us,\
-floor_p50_us,floor_p99_us,direct_with_hooks_p50_us,hooks_attached,jitter_us,delay_variation_p99_us,mos_mean,mos_min,cpu_per_copy_ns,bpf_ns_per_copy,serve_cpu_ms,generator_cpu_ms";
+floor_p50_us,floor_p99_us,direct_with_hooks_p50_us,hooks_attached,jitter_us,delay_variation_p99_us,mos_mean,mos_min,cpu_per_copy_ns,bpf_ns_per_copy,serve_cpu_ms,generator_cpu_ms,kernel_share_pct";
 
 fn csv_row(r: &ConferenceResult) -> String {
     let d = &r.delay_ns;
     let a = r.added_delay_ns;
     let af = |f: fn(&mediaplane_bench::added_delay::AddedDelay) -> f64| a.map(|x| format!("{:.2}", f(&x) / 1e3)).unwrap_or_default();
     format!(
-        "{},{},{},{},{},{},{},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{},{},{},{:.2},{},{:.2},{:.2},{:.3},{:.3},{},{},{:.1},{:.1}",
+        "{},{},{},{},{},{},{},{:.4},{},{},{:.2},{:.2},{:.2},{:.2},{:.2},{},{},{},{},{},{},{},{:.2},{},{:.2},{:.2},{:.3},{:.3},{},{},{:.1},{:.1},{}",
         scen(r.scenario),
         r.participants.len(),
         r.dataplane,
@@ -124,7 +130,84 @@ fn csv_row(r: &ConferenceResult) -> String {
         bpf_per_copy(r).map(|c| format!("{c:.0}")).unwrap_or_default(),
         r.serve_cpu_ns as f64 / 1e6,
         r.generator_cpu_ns as f64 / 1e6,
+        pct(r.kernel_share),
     )
+}
+
+/// One line of the simulcast comparison: the same copies with the rewrite (`simulcast`) and
+/// without (`simulcast-plain`), same N, same plane, same invocation.
+struct SimulcastRow {
+    n: usize,
+    plane: String,
+    rewrite: Cost,
+    plain: Option<Cost>,
+    share: Option<f64>,
+    lost: u64,
+}
+
+/// What a run cost: BPF ns/copy (eBPF planes), CPU ns/copy (serve + BPF), added delay p50 µs.
+#[derive(Clone, Copy)]
+struct Cost {
+    bpf: Option<f64>,
+    cpu: Option<f64>,
+    added_p50_us: Option<f64>,
+}
+
+impl Cost {
+    fn of(r: &ConferenceResult) -> Cost {
+        Cost { bpf: bpf_per_copy(r), cpu: r.cpu_per_copy_ns, added_p50_us: r.added_delay_ns.map(|a| a.p50 / 1e3) }
+    }
+}
+
+impl SimulcastRow {
+    fn cells(&self) -> [String; 10] {
+        let num = |x: Option<f64>, d: usize| x.map(|x| format!("{x:.d$}")).unwrap_or("-".into());
+        let plain = |f: fn(&Cost) -> Option<f64>| self.plain.as_ref().and_then(f);
+        let ratio =
+            |f: fn(&Cost) -> Option<f64>| f(&self.rewrite).zip(plain(f)).filter(|(_, p)| *p > 0.0).map(|(r, p)| format!("{:.2}x", r / p)).unwrap_or("-".into());
+        [
+            self.n.to_string(),
+            self.plane.clone(),
+            num(self.rewrite.bpf, 0),
+            num(plain(|c| c.bpf), 0),
+            ratio(|c| c.bpf),
+            num(self.rewrite.cpu, 0),
+            num(plain(|c| c.cpu), 0),
+            format!("{} / {}", num(self.rewrite.added_p50_us, 1), num(plain(|c| c.added_p50_us), 1)),
+            self.share.map(|s| format!("{:.2} %", s * 100.0)).unwrap_or("-".into()),
+            self.lost.to_string(),
+        ]
+    }
+}
+
+const SIMULCAST_HEADER: [&str; 10] = [
+    "N",
+    "plane",
+    "BPF ns/copy rewrite",
+    "BPF ns/copy plain",
+    "rewrite / plain",
+    "CPU ns/copy rewrite",
+    "CPU ns/copy plain",
+    "added p50 µs rewrite / plain",
+    "handled in the kernel",
+    "copies lost (both)",
+];
+
+fn simulcast_rows(results: &[ConferenceResult]) -> Vec<SimulcastRow> {
+    let mut rows: Vec<SimulcastRow> = Vec::new();
+    for r in results.iter().filter(|r| r.scenario == Scenario::Simulcast && r.dataplane != KERNEL_FORWARD) {
+        let n = r.participants.len();
+        let plain = find(results, &r.dataplane, Scenario::SimulcastPlain, n);
+        rows.push(SimulcastRow {
+            n,
+            plane: r.dataplane.clone(),
+            rewrite: Cost::of(r),
+            plain: plain.map(Cost::of),
+            share: r.kernel_share,
+            lost: r.lost + plain.map_or(0, |p| p.lost),
+        });
+    }
+    rows
 }
 
 /// What added delay is measured against, in words (every report says it).
@@ -132,6 +215,14 @@ pub const FLOOR_TEXT: &str = "Added delay = one-way delay through the SFU minus 
 The floor is the `kernel-forward` run at the same N and scenario in the same invocation: no mediaplane process and no BPF program attached \
 (hooks_attached = 0), every copy sent by its publisher straight to its subscriber, routed by the SFU namespace's IP forwarding. \
 \"direct with hooks\" is the direct path measured inside each plane's own run, with that plane's XDP/TC programs attached: a diagnostic only.";
+
+/// What the simulcast comparison is, in words (markdown and HTML say it).
+const SIMULCAST_TEXT: &str = "Every participant publishes one VP8 video as three simulcast layers (≈150 kbit/s, 500 kbit/s, 1.5 Mbit/s; \
+30 frames/s, a keyframe a second); participant i receives participant j's layer (i + j) mod 3. `simulcast`: published as one simulcast \
+stream, every copy renumbered onto one SSRC per consumer (in the kernel on the eBPF planes). `simulcast-plain`: the same layers published \
+as three plain streams, the same copies fanned out without the rewrite. BPF ns/copy = BPF run time (TC and XDP, over every packet the SFU namespace's interfaces see, the direct-path \
+diagnostic's included) / copies received; CPU ns/copy adds the serve process's CPU time; \
+handled in the kernel = packets the BPF program fanned out itself / (those + packets it handed to the user-space slow path).";
 
 /// BPF program run time per delivered copy (eBPF plane only).
 pub fn bpf_per_copy(r: &ConferenceResult) -> Option<f64> {
@@ -141,7 +232,7 @@ pub fn bpf_per_copy(r: &ConferenceResult) -> Option<f64> {
 /// The console table: one row per (scenario, N, data plane).
 pub fn print_table(results: &[ConferenceResult]) {
     println!(
-        "\n{:<11} {:>3} {:<14} {:>9} {:>8} {:>5} {:>10} {:>10} {:>10} {:>11} {:>11} {:>10} {:>12} {:>9} {:>6} {:>11} {:>11}",
+        "\n{:<15} {:>3} {:<14} {:>9} {:>8} {:>5} {:>10} {:>10} {:>10} {:>11} {:>11} {:>10} {:>12} {:>9} {:>6} {:>11} {:>11} {:>9}",
         "scenario",
         "N",
         "dataplane",
@@ -158,12 +249,13 @@ pub fn print_table(results: &[ConferenceResult]) {
         "jitter µs",
         "MOS",
         "cpu/copy ns",
-        "bpf ns/copy"
+        "bpf ns/copy",
+        "kernel %"
     );
     for r in results {
         let (a50, a99) = r.added_delay_ns.map(|a| (format!("{:.1}", a.p50 / 1e3), format!("{:.1}", a.p99 / 1e3))).unwrap_or_default();
         println!(
-            "{:<11} {:>3} {:<14} {:>9} {:>8.3} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>11} {:>11} {:>10} {:>12.1} {:>9.1} {:>6.2} {:>11} {:>11}",
+            "{:<15} {:>3} {:<14} {:>9} {:>8.3} {:>5} {:>10.1} {:>10.1} {:>10.1} {:>11} {:>11} {:>10} {:>12.1} {:>9.1} {:>6.2} {:>11} {:>11} {:>9}",
             scen(r.scenario),
             r.participants.len(),
             r.dataplane,
@@ -180,7 +272,8 @@ pub fn print_table(results: &[ConferenceResult]) {
             r.jitter_ns_mean / 1e3,
             r.mos_mean,
             r.cpu_per_copy_ns.map(|c| format!("{c:.0}")).unwrap_or("-".into()),
-            bpf_per_copy(r).map(|c| format!("{c:.0}")).unwrap_or("-".into())
+            bpf_per_copy(r).map(|c| format!("{c:.0}")).unwrap_or("-".into()),
+            r.kernel_share.map(|s| format!("{:.2}", s * 100.0)).unwrap_or("-".into())
         );
     }
     println!("\n{FLOOR_TEXT}");
@@ -241,6 +334,13 @@ fn target_checks(results: &[ConferenceResult]) -> Vec<(String, Option<bool>, Str
         worst_bpf.map(|w| w <= 1000.0),
         worst_bpf.map(|w| format!("worst {w:.0} ns")).unwrap_or("not run".into()),
     ));
+    for row in simulcast_rows(results).iter().filter(|r| r.plane.starts_with("ebpf")) {
+        v.push((
+            format!("{}, simulcast, N = {}: >= 95 % of packets handled in the kernel (Scallop: 96.5 %)", row.plane, row.n),
+            row.share.map(|s| s >= 0.95),
+            row.share.map(|s| format!("{:.2} %", s * 100.0)).unwrap_or("not measured".into()),
+        ));
+    }
     let flat = find(results, "ebpf", one, 2).and_then(|r| r.added_delay_ns).zip(e12).map(|(a2, a12)| (a2.mean, a12.mean));
     v.push((
         "stays flat in N (thesis P4/BMv2 averaged 3.99 s at N = 12; its Python SFU collapsed at N = 3)".into(),
@@ -277,7 +377,15 @@ fn markdown(meta: &RunMeta, results: &[ConferenceResult], failures: &[String]) -
         };
         let _ = writeln!(m, "| {what} | {ok} | {measured} |");
     }
-    for scenario in [Scenario::OneStream, Scenario::TwoStreams] {
+    let simulcast = simulcast_rows(results);
+    if !simulcast.is_empty() {
+        let _ = writeln!(m, "\n#### simulcast: the rewrite against plain fan-out\n\n{SIMULCAST_TEXT}\n");
+        let _ = writeln!(m, "| {} |\n|{}", SIMULCAST_HEADER.join(" | "), "---|".repeat(SIMULCAST_HEADER.len()));
+        for row in &simulcast {
+            let _ = writeln!(m, "| {} |", row.cells().join(" | "));
+        }
+    }
+    for scenario in [Scenario::OneStream, Scenario::TwoStreams, Scenario::Simulcast, Scenario::SimulcastPlain] {
         let rows: Vec<&ConferenceResult> = results.iter().filter(|r| r.scenario == scenario).collect();
         if rows.is_empty() {
             continue;
@@ -478,6 +586,12 @@ fn html(meta: &RunMeta, results: &[ConferenceResult], failures: &[String], plots
     h.push_str("<h2>Results</h2><p>Delays are one-way, per copy, in µs. MOS: G.107 E-model as G.711 (Ie = 0, Bpl = 4.3) with the measured mean delay and loss. Cost per copy: CPU of the serve process per delivered copy.</p>");
     let _ = write!(h, "<p>{}</p>", esc(FLOOR_TEXT));
     h.push_str(&html_table(CSV_HEADER, results.iter().map(csv_row)));
+    let simulcast = simulcast_rows(results);
+    if !simulcast.is_empty() {
+        let _ = write!(h, "<h2>Simulcast: the rewrite against plain fan-out</h2><p>{}</p>", esc(SIMULCAST_TEXT));
+        // Cells hold no comma; html_table splits on them.
+        h.push_str(&html_table(&SIMULCAST_HEADER.join(","), simulcast.iter().map(|r| r.cells().join(","))));
+    }
     h.push_str(
         "<h2>Against the thesis</h2><p>The thesis (P4/BMv2 SFU and a Python/scapy SFU in Mininet) measured the time a packet spent in the SFU; \
          the closest measure here is the added delay. Thesis values in ms; ours in µs (mean added delay per copy).</p>\

@@ -59,3 +59,41 @@ fn bench_sfu_quick_writes_its_report() {
     assert!(html.contains("Against the thesis") && html.contains("3986.195"), "thesis numbers shown");
     std::fs::remove_dir_all(&out_dir).unwrap();
 }
+
+/// The simulcast preset: three VP8 layers per publisher, each participant receiving another
+/// layer of each publisher, once through the rewrite and once as plain streams, on the floor and
+/// both planes; no loss, the kernel's share measured and at least 95 %, the comparison reported.
+#[test]
+fn bench_sfu_simulcast_preset_compares_the_rewrite_with_plain_fan_out() {
+    if !mediaplane_bench::require_root("bench_sfu_simulcast_preset_compares_the_rewrite_with_plain_fan_out") {
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!("mp-bench-simulcast-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["bench", "sfu", "--quick", "--preset", "simulcast", "--sizes", "3", "--out"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap()).unwrap();
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 6, "2 scenarios x (the floor + 2 data planes)");
+    for r in results {
+        assert!(r["scenario"] == "simulcast" || r["scenario"] == "simulcast-plain", "{r}");
+        assert_eq!(r["lost"], 0, "{r}");
+        assert_eq!(r["unexpected"], 0, "{r}");
+        assert_eq!(r["copies_received"], r["copies_expected"]);
+        // 3 participants x 2 publishers each, one layer of each (30 to 156 packets a second).
+        assert!(r["copies_received"].as_u64().unwrap() > 150, "{r}");
+    }
+    for r in results.iter().filter(|r| r["dataplane"] == "ebpf") {
+        assert!(r["bpf_run_ns"].as_u64().unwrap() > 0, "{r}");
+        let share = r["kernel_share"].as_f64().unwrap_or_else(|| panic!("no kernel share: {r}"));
+        assert!(share >= 0.95, "only {:.1} % handled in the kernel: {r}", share * 100.0);
+    }
+    assert!(results.iter().filter(|r| r["dataplane"] != "ebpf").all(|r| r["kernel_share"].is_null()));
+    let md = std::fs::read_to_string(out_dir.join("results.md")).unwrap();
+    assert!(md.contains("the rewrite against plain fan-out") && md.contains("| 3 | ebpf |"), "{md}");
+    std::fs::remove_dir_all(&out_dir).unwrap();
+}
