@@ -33,6 +33,12 @@ pub struct ConsumerView {
     /// Its latest REMB naming the stream, bits per second.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub remb_bps: Option<u64>,
+    /// The round-trip time between the SFU and the consumer, ms: from its latest report block
+    /// that echoed a sender report of the stream (none until one did), and how long ago.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rtt_ms: Option<f64>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub rtt_age_ms: Option<u64>,
     /// Of a simulcast stream: which layer it wants and receives.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub layers: Option<LayersView>,
@@ -118,6 +124,8 @@ fn of_model(model: &Model, room: Option<&str>, only: Option<u32>) -> Vec<(Consum
                     feedback_coalesced: 0,
                     report: None,
                     remb_bps: None,
+                    rtt_ms: None,
+                    rtt_age_ms: None,
                     layers: (!s.layers.is_empty()).then(|| LayersView {
                         count: s.layers.len() as u8,
                         preferred: c.preferred_layer,
@@ -177,6 +185,8 @@ fn with_counters(views: Vec<(ConsumerView, Option<u32>)>, dataplane: &dyn Datapl
                 age_ms: now.saturating_sub(r.at_ns) / 1_000_000,
             });
             v.remb_bps = c.remb_bps;
+            v.rtt_ms = c.rtt_us.map(|us| us as f64 / 1000.0);
+            v.rtt_age_ms = c.rtt_us.map(|_| now.saturating_sub(c.rtt_at_ns) / 1_000_000);
             if let (Some(l), Some(state)) = (&mut v.layers, c.layer) {
                 (l.current, l.target) = (state.current, state.target);
                 l.forwarded = state.stats.forwarded;

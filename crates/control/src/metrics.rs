@@ -538,6 +538,15 @@ impl Families {
                 );
             }
         }
+        if let Some(ms) = c.rtt_ms {
+            self.add(
+                "mediaplane_consumer_rtt_seconds",
+                "Round-trip time between the SFU and the consumer, from its latest report echoing a sender report",
+                g,
+                l(),
+                Num::F(ms / 1000.0),
+            );
+        }
         if let Some(bps) = c.remb_bps {
             self.add("mediaplane_consumer_remb_bits_per_second", "The consumer's latest REMB estimate naming its stream", g, l(), Num::U(bps));
         }

@@ -205,10 +205,41 @@ impl MosTotals {
     }
 }
 
+/// When the last sender reports of one SSRC passed (RFC 3550 6.4.1): a report block that echoes
+/// one (LSR) with its delay since (DLSR) gives the round-trip time of the path between here and
+/// the block's reporter. A relay keeps these per SSRC, an SFU per published stream.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct SenderReportTimes {
+    /// (NTP middle 32 bits, when it passed, monotonic ns), oldest first.
+    passed: VecDeque<(u32, u64)>,
+}
+
+impl SenderReportTimes {
+    /// An SR with NTP middle bits `ntp_middle` passed at `at_ns`.
+    pub fn on_sender_report(&mut self, ntp_middle: u32, at_ns: u64) {
+        if self.passed.len() == SENDER_REPORTS_KEPT {
+            self.passed.pop_front();
+        }
+        self.passed.push_back((ntp_middle, at_ns));
+    }
+
+    /// The round-trip time (µs) a block arriving at `at_ns` with `lsr` and `dlsr` gives: at_ns −
+    /// when that SR passed − DLSR. None when it echoes no SR (LSR or DLSR 0), one not kept here,
+    /// or the result is not in (0, [`MAX_RTT_US`]] (a wrong LSR/DLSR).
+    pub fn rtt_us(&self, lsr: u32, dlsr: u32, at_ns: u64) -> Option<u64> {
+        if lsr == 0 || dlsr == 0 {
+            return None;
+        }
+        let &(_, sr_at) = self.passed.iter().rev().find(|(mid, _)| *mid == lsr)?;
+        let rtt = (at_ns as i64 - sr_at as i64) / 1000 - (dlsr as i64 * 1_000_000 / 65536);
+        (rtt > 0 && rtt <= MAX_RTT_US).then_some(rtt as u64)
+    }
+}
+
 #[derive(Debug, Clone, Default)]
 struct SsrcState {
-    /// (NTP middle bits, when it passed, monotonic ns) of its last SRs.
-    sender_reports: VecDeque<(u32, u64)>,
+    /// Its last SRs.
+    sender_reports: SenderReportTimes,
     /// Round-trip time (µs) of the leg towards the receivers of this SSRC's media, last measured.
     last_rtt_leg_us: u64,
     /// Samples of this SSRC as a reporter.
@@ -247,11 +278,7 @@ impl CallQuality {
             return Vec::new();
         };
         for sr in srs {
-            let s = self.ssrc(sr.ssrc, at_ns);
-            if s.sender_reports.len() == SENDER_REPORTS_KEPT {
-                s.sender_reports.pop_front();
-            }
-            s.sender_reports.push_back((sr.ntp_middle, at_ns));
+            self.ssrc(sr.ssrc, at_ns).sender_reports.on_sender_report(sr.ntp_middle, at_ns);
         }
         let rate = clock_rate.filter(|r| *r > 0);
         blocks.iter().map(|b| self.on_block(b, at_ns, wall_us, rate)).filter(|mos| *mos != 0).collect()
@@ -261,15 +288,10 @@ impl CallQuality {
     fn on_block(&mut self, b: &ReportBlock, at_ns: u64, wall_us: u64, clock_rate: Option<u32>) -> u32 {
         // The leg towards the reporter, from the SR of `about` the block echoes.
         let mut rtt_leg_us = 0u64;
-        if b.lsr != 0 && b.dlsr != 0 {
-            if let Some(about) = self.ssrcs.get_mut(&b.about) {
-                if let Some(&(_, sr_at)) = about.sender_reports.iter().rev().find(|(mid, _)| *mid == b.lsr) {
-                    let rtt = (at_ns as i64 - sr_at as i64) / 1000 - (b.dlsr as i64 * 1_000_000 / 65536);
-                    if rtt > 0 && rtt <= MAX_RTT_US {
-                        rtt_leg_us = rtt as u64;
-                        about.last_rtt_leg_us = rtt_leg_us;
-                    }
-                }
+        if let Some(about) = self.ssrcs.get_mut(&b.about) {
+            if let Some(rtt) = about.sender_reports.rtt_us(b.lsr, b.dlsr, at_ns) {
+                rtt_leg_us = rtt;
+                about.last_rtt_leg_us = rtt;
             }
         }
         let Some(clock_rate) = clock_rate else {
@@ -411,6 +433,28 @@ mod tests {
         q.on_rtcp(&sr(B, 0xb000, &[]), 0, WALL0, Some(8000));
         q.on_rtcp(&rr(A, &[(B, 0, 0, 8, 0xb000, 65536)]), S + 2_000_000, WALL0, Some(8000));
         q
+    }
+
+    /// An echo of a kept SR gives arrival − passed − DLSR; an echo of nothing kept, of an SR
+    /// pushed out by ten newer ones, without DLSR, or out of (0, 10 s], gives nothing.
+    #[test]
+    fn sender_report_times_give_the_round_trip_of_an_echo() {
+        let ms = 1_000_000u64;
+        let mut t = SenderReportTimes::default();
+        t.on_sender_report(0x1111, 1_000 * ms);
+        t.on_sender_report(0x2222, 2_000 * ms);
+        // Echoed 600 ms after it passed, held 500 ms (0x8000 / 65536 s): 100 ms.
+        assert_eq!(t.rtt_us(0x2222, 0x8000, 2_600 * ms), Some(100_000));
+        assert_eq!(t.rtt_us(0x1111, 0x8000, 1_540 * ms), Some(40_000));
+        assert_eq!(t.rtt_us(0x3333, 0x8000, 2_600 * ms), None, "never passed");
+        assert_eq!(t.rtt_us(0x2222, 0, 2_600 * ms), None, "no DLSR: echoes nothing");
+        assert_eq!(t.rtt_us(0x2222, 0x8000, 2_400 * ms), None, "negative: a wrong DLSR");
+        assert_eq!(t.rtt_us(0x2222, 0x8000, 13_000 * ms), None, "above 10 s");
+        for i in 0..SENDER_REPORTS_KEPT as u32 {
+            t.on_sender_report(0x5000 + i, (3_000 + u64::from(i)) * ms);
+        }
+        assert_eq!(t.rtt_us(0x2222, 0x8000, 2_600 * ms), None, "pushed out by ten newer ones");
+        assert_eq!(t.rtt_us(0x5000, 0x8000, 3_700 * ms), Some(200_000));
     }
 
     #[test]

@@ -115,6 +115,16 @@ pub struct Routed {
     pub packet: Vec<u8>,
 }
 
+/// A report block a consumer sent about what it receives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ConsumerBlock {
+    pub consumer: u32,
+    /// The published stream it is about (of a simulcast stream, the layer the consumer receives
+    /// now): whose sender reports its LSR echoes.
+    pub stream: u32,
+    pub block: ReportBlock,
+}
+
 /// A receiver's estimate (REMB), bits per second, for everything it lists together.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
 pub struct Remb {
@@ -130,8 +140,8 @@ pub struct Outcome {
     /// subscribers get.
     pub forward: Option<Vec<u8>>,
     /// Report blocks about streams the consumer receives, as the SFU forwarded them (the
-    /// consumer's view: loss, jitter, LSR/DLSR), by consumer.
-    pub reports: Vec<(u32, ReportBlock)>,
+    /// consumer's view: loss, jitter, LSR/DLSR).
+    pub reports: Vec<ConsumerBlock>,
     /// The packet's REMBs: each one estimate for the consumers whose SSRCs it lists (a consumer
     /// named again by a later REMB counts only there).
     pub remb: Vec<Remb>,
@@ -261,9 +271,10 @@ impl FeedbackRouter {
                         let at = first + 24 * i;
                         let Some(block) = b.get(at..at + 24) else { break };
                         if let Some(route) = entry.route(be32(block, 0)).and_then(|r| resolve(r, layers)) {
-                            out.reports.push((
-                                route.consumer,
-                                ReportBlock {
+                            out.reports.push(ConsumerBlock {
+                                consumer: route.consumer,
+                                stream: route.stream,
+                                block: ReportBlock {
                                     reporter: p.sender_ssrc,
                                     about: route.publisher_ssrc,
                                     fraction_lost: block[4],
@@ -273,7 +284,7 @@ impl FeedbackRouter {
                                     lsr: be32(block, 16),
                                     dlsr: be32(block, 20),
                                 },
-                            ));
+                            });
                         }
                     }
                     if p.packet_type == SR && starts_with_sr {
@@ -580,7 +591,7 @@ mod tests {
         assert_eq!(o.per_stream, vec![(1, Tally { routed: 1, ..Default::default() }), (2, Tally { routed: 1, ..Default::default() })]);
         assert_eq!(o.per_consumer, vec![(101, Tally { routed: 1, ..Default::default() }), (102, Tally { routed: 1, ..Default::default() })]);
         // The report block is consumer 101's view of stream 1; the RR goes nowhere.
-        assert_eq!(o.reports, vec![(101, ReportBlock { reporter: 99, ..block })]);
+        assert_eq!(o.reports, vec![ConsumerBlock { consumer: 101, stream: 1, block: ReportBlock { reporter: 99, ..block } }]);
         assert_eq!(o.forward, None);
     }
 

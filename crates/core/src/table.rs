@@ -121,6 +121,19 @@ fn is_zero(v: &u32) -> bool {
 }
 
 impl StreamEntry {
+    /// A published stream with consumers: its sender reports are timed as they pass, for the
+    /// consumers' round-trip times (their reports echo them).
+    pub fn times_sender_reports(&self) -> bool {
+        self.copies.iter().any(|c| c.consumer != 0)
+    }
+
+    /// Its RTCP is the slow path's, never forwarded by a kernel path: evaluated (a relay leg's,
+    /// [`StreamEntry::evaluate_rtcp`]) or timed ([`StreamEntry::times_sender_reports`]). A few
+    /// packets a second.
+    pub fn rtcp_to_slow_path(&self) -> bool {
+        self.evaluate_rtcp || self.times_sender_reports()
+    }
+
     /// Some packet of this stream needs SRTP work (unprotecting it, or protecting a copy).
     pub fn has_srtp(&self) -> bool {
         !self.inbound.is_clear() || self.copies.iter().any(|c| !c.outbound.is_clear())

@@ -271,6 +271,13 @@ pub struct ConsumerCounters {
     pub remb_bps: Option<u64>,
     #[serde(default)]
     pub remb_at_ns: u64,
+    /// The round-trip time (µs) between the SFU and the consumer, from its latest report block
+    /// that echoed a sender report the SFU forwarded it (RFC 3550 6.4.1: arrival − when that SR
+    /// passed − DLSR), and when that report arrived ([`monotonic_ns`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rtt_us: Option<u64>,
+    #[serde(default)]
+    pub rtt_at_ns: u64,
     /// A consumer of a simulcast stream: the layer it receives and how it got there.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub layer: Option<LayerState>,
@@ -319,6 +326,9 @@ impl ConsumerCounters {
         }
         if o.remb_bps.is_some() && (self.remb_bps.is_none() || o.remb_at_ns >= self.remb_at_ns) {
             (self.remb_bps, self.remb_at_ns) = (o.remb_bps, o.remb_at_ns);
+        }
+        if o.rtt_us.is_some() && (self.rtt_us.is_none() || o.rtt_at_ns >= self.rtt_at_ns) {
+            (self.rtt_us, self.rtt_at_ns) = (o.rtt_us, o.rtt_at_ns);
         }
         if o.layer.is_some() {
             self.layer = o.layer;

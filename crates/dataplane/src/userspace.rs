@@ -18,6 +18,7 @@ use crate::srtp::SrtpSlot;
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{ConsumerCounters, ConsumerReport, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy, LayerState};
 use arc_swap::ArcSwap;
+use mediaplane_core::call_quality::SenderReportTimes;
 use mediaplane_core::feedback::{FeedbackRouter, LayerMap};
 use mediaplane_core::layer_choice::{self, LayerActivity, LayerChoice};
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
@@ -239,6 +240,9 @@ struct Shared {
     /// Shared: a publisher's layers are one flow each, which may land on different workers.
     /// Never held while taking `feedback`.
     layers: Mutex<SimulcastState>,
+    /// When each published stream's last sender reports passed (by stream id), for the
+    /// round-trip times its consumers' reports give. Never held while taking another lock.
+    sender_reports: Mutex<HashMap<u32, SenderReportTimes>>,
     /// The kernel's simulcast states, when this is the eBPF plane's slow path.
     kernel_layers: Option<Arc<dyn KernelLayers>>,
 }
@@ -413,6 +417,7 @@ impl UserspaceDataplane {
             reception: Mutex::new(HashMap::new()),
             feedback: Mutex::new(FeedbackRouter::default()),
             layers: Mutex::new(SimulcastState::default()),
+            sender_reports: Mutex::new(HashMap::new()),
             kernel_layers: cfg.kernel_layers.as_ref().map(|k| k.0.clone()),
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
@@ -557,24 +562,29 @@ impl UserspaceDataplane {
         Ok(())
     }
 
-    /// Streams that left the table lose their reception state (a stream id is never reused, so
-    /// this only bounds memory).
+    /// Streams that left the table lose their reception state and their sender reports' times
+    /// (a stream id is never reused, so this only bounds memory).
     fn forget_reception(&self, old: &ForwardingTable, new: &ForwardingTable, changed: Option<&[IngressKey]>) {
-        let mut reception = self.shared.reception.lock();
-        match changed {
+        let gone: Vec<u32> = match changed {
             Some(keys) => {
-                for k in keys {
-                    if let Some(e) = old.streams.get(k) {
-                        if new.streams.get(k).map(|n| n.id) != Some(e.id) {
-                            reception.remove(&e.id);
-                        }
-                    }
-                }
+                keys.iter().filter_map(|k| old.streams.get(k)).filter(|e| new.streams.get(&e.key).map(|n| n.id) != Some(e.id)).map(|e| e.id).collect()
             }
             None => {
                 let ids: std::collections::HashSet<u32> = new.streams.values().map(|e| e.id).collect();
-                reception.retain(|id, _| ids.contains(id));
+                old.streams.values().map(|e| e.id).filter(|id| !ids.contains(id)).collect()
             }
+        };
+        if gone.is_empty() {
+            return;
+        }
+        let mut reception = self.shared.reception.lock();
+        for id in &gone {
+            reception.remove(id);
+        }
+        drop(reception);
+        let mut sender_reports = self.shared.sender_reports.lock();
+        for id in &gone {
+            sender_reports.remove(id);
         }
     }
 
@@ -1077,9 +1087,9 @@ impl WorkerCtx {
         }
         let mut guard = self.shared.layers.lock();
         let SimulcastState { consumers, activity, .. } = &mut *guard;
-        for (id, block) in &outcome.reports {
-            if let Some(c) = consumers.get_mut(id) {
-                c.choice.on_loss(block.fraction_lost, c.rewriter.current(), now_ns);
+        for r in &outcome.reports {
+            if let Some(c) = consumers.get_mut(&r.consumer) {
+                c.choice.on_loss(r.block.fraction_lost, c.rewriter.current(), now_ns);
             }
         }
         // A REMB is one estimate for every SSRC it lists.
@@ -1287,14 +1297,20 @@ impl WorkerCtx {
                         cc.feedback_routed += t.routed;
                         cc.feedback_coalesced += t.coalesced;
                     }
-                    for (id, b) in &outcome.reports {
-                        delta.consumers.entry(*id).or_default().report = Some(ConsumerReport {
+                    for r in &outcome.reports {
+                        let b = &r.block;
+                        let cc = delta.consumers.entry(r.consumer).or_default();
+                        cc.report = Some(ConsumerReport {
                             fraction_lost: b.fraction_lost,
                             cumulative_lost: b.cumulative_lost,
                             highest_seq: b.highest_seq,
                             jitter: b.jitter,
                             at_ns: received_at,
                         });
+                        let rtt = self.shared.sender_reports.lock().get(&r.stream).and_then(|t| t.rtt_us(b.lsr, b.dlsr, received_at));
+                        if rtt.is_some() {
+                            (cc.rtt_us, cc.rtt_at_ns) = (rtt, received_at);
+                        }
                     }
                     for remb in &outcome.remb {
                         for id in &remb.consumers {
@@ -1359,6 +1375,15 @@ impl WorkerCtx {
                         MediaKind::Rtp if entry.rtp => {
                             if let Ok(h) = RtpHeader::parse(&payload) {
                                 arrivals.push((entry.id, h, entry.clock_rate));
+                            }
+                        }
+                        // A publisher's sender report on its way to the consumers: when it
+                        // passed, for their round-trip times (what their reports echo).
+                        MediaKind::Rtcp if entry.times_sender_reports() => {
+                            if let Some((srs, _)) = mediaplane_core::call_quality::parse_reports(&payload) {
+                                if let Some(sr) = srs.first() {
+                                    self.shared.sender_reports.lock().entry(entry.id).or_default().on_sender_report(sr.ntp_middle, received_at);
+                                }
                             }
                         }
                         MediaKind::Rtcp

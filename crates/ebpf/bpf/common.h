@@ -44,7 +44,8 @@
 #define STREAM_F_ANY_SOURCE (1u << 7) /* any source is forwarded (a relay leg that locked its
                                         source, or an asymmetric one): no source check */
 #define STREAM_F_RTCP_UP (1u << 8)  /* its RTCP goes to the slow path, which relays it and hands it
-                                      to the control plane (a relay's reports: RTT, MOS) */
+                                      to the control plane (a relay's reports: RTT, MOS) or times an
+                                      SFU publisher's sender reports (consumers' RTT) */
 #define STREAM_F_FEEDBACK (1u << 9) /* (wildcard entry only) a consumer's address: RTCP from the
                                       source in this entry (the placeholder too) is feedback, which
                                       the slow path routes to the publishers (core feedback.rs) */

@@ -617,7 +617,9 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     // `ForwardingTable::classify`) and the authentication tag the rest.
     if e.rtp && e.inbound.is_clear() {
         f |= flags::RTP;
-        if e.evaluate_rtcp {
+        // A relay leg's RTCP is evaluated (RTT, MOS); an SFU stream's sender reports are timed
+        // as they pass, for its consumers' round-trip times.
+        if e.rtcp_to_slow_path() {
             f |= flags::RTCP_UP;
         }
     }
@@ -827,7 +829,8 @@ mod tests {
         assert_eq!(ph.flags, flags::NARROWED | flags::ONE_SOURCE);
         assert_eq!(ph.source, Some(a("10.0.1.1:5000")), "the owner's remote");
         let low = &e[&KeyRaw::new(a("10.0.0.1:4000"), Some(1))];
-        assert_eq!(low.flags, flags::PRESENT | flags::RTP);
+        // It has a consumer: its sender reports go up to be timed (the consumer's RTT).
+        assert_eq!(low.flags, flags::PRESENT | flags::RTP | flags::RTCP_UP);
         assert_eq!(low.copies, vec![CopyRaw::new(low.id, consumer, a("10.0.0.1:4002"), a("10.0.1.2:5000"))]);
         // p1 subscribes: its RTCP is feedback.
         let main = &e[&KeyRaw::new(a("10.0.0.1:4002"), None)];

@@ -3,7 +3,8 @@
 //! the address the publisher sends to), keyframe requests coalesced; receiver reports and REMB
 //! stop at the SFU; a publisher-subscriber's sender report still reaches its subscribers, without
 //! the feedback it carried; spoofed, unroutable and malformed feedback goes nowhere, counted.
-//! Each subscription's consumer counts its copies and feedback and keeps its latest report.
+//! Each subscription's consumer counts its copies and feedback and keeps its latest report, and
+//! the round-trip time a report echoing a sender report the SFU forwarded it gives.
 
 mod common;
 
@@ -16,7 +17,7 @@ use mediaplane_core::rtp::build_rtp;
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, UdpSocket};
-use std::time::Duration;
+use std::time::{Duration, Instant};
 
 const SFU_PORT: u16 = 40000;
 const MEDIA_PORT: u16 = 5004;
@@ -27,6 +28,8 @@ const P1_SSRC: u32 = 0x2000;
 const P3_SSRC: u32 = 0x3000;
 /// SSRCs the subscribers report from (their receivers').
 const RECEIVER: [u32; N] = [0xa0, 0xa1, 0xa2, 0xa3, 0xa4];
+/// Middle 32 bits of the NTP timestamp of p1's sender report.
+const SR_P1_NTP: u32 = 0x0a0b_0c0d;
 
 /// p0 publishes SSRC 0x1000 on its transport; p1 SSRC 0x2000 on a port of its own; p3 SSRC
 /// 0x3000 on its transport. p2 (publishes nothing), p3 and p4 subscribe to p0; p2 and p3 to p1;
@@ -98,6 +101,12 @@ fn run_plane(tb: &Testbed, plane: &str) {
 
     let media: Vec<Vec<u8>> = (0..3u16).map(|seq| build_rtp(96, seq, 3000 * seq as u32, P0_SSRC, &[seq as u8; 400])).collect();
     media.iter().for_each(|m| send(0, m.clone()));
+    // p1 publishes only (on a port of its own): its sender report reaches p2 and p3 (on the eBPF
+    // planes through the slow path, which times it for their round-trip times).
+    let sr_p1 = build_report(P1_SSRC, Some(SR_P1_NTP), &[]);
+    socks[1].send_to(&sr_p1, sfu(1, SFU_PORT + 2)).unwrap();
+    let sr_sent = Instant::now();
+    std::thread::sleep(Duration::from_millis(5));
     // Three subscribers ask p0 for a keyframe at once: one request reaches it.
     send(2, feedback(2, build::pli(RECEIVER[2], P0_SSRC)));
     send(3, feedback(3, build::pli(RECEIVER[3], P0_SSRC)));
@@ -121,6 +130,13 @@ fn run_plane(tb: &Testbed, plane: &str) {
     // Past the coalescing interval, the next keyframe request goes through.
     std::thread::sleep(Duration::from_millis(600));
     send(3, feedback(3, build::pli(RECEIVER[3], P0_SSRC)));
+    // p2 reports on p1's stream, echoing its SR held 500 ms (DLSR): the round-trip time is what
+    // is left of the time since the SR passed. A report echoing an SR that never passed gives none.
+    let dlsr = 0x8000;
+    let echo = |lsr: u32| build_report(RECEIVER[2], None, &[ReportBlock { about: P1_SSRC, lsr, dlsr, ..Default::default() }]);
+    let echoed_after = sr_sent.elapsed();
+    send(2, echo(SR_P1_NTP));
+    send(4, build_report(RECEIVER[4], None, &[ReportBlock { about: P0_SSRC, lsr: 0x0bad_0bad, dlsr, ..Default::default() }]));
     std::thread::sleep(Duration::from_millis(300));
 
     let got = drain(&socks);
@@ -137,19 +153,23 @@ fn run_plane(tb: &Testbed, plane: &str) {
     assert_eq!(got_p0, want_p0, "[{plane}] p0: one of the three keyframe requests, p3's report and NACK, the late PLI");
     assert_eq!(got[&1], vec![(sfu(1, SFU_PORT + 2), routed(2, nack_p1))], "[{plane}] p1: the NACK, from the port it sends to");
     for who in [2, 3, 4] {
-        let media_only: Vec<_> = media.iter().map(|m| (sfu(who, SFU_PORT), m.clone())).collect();
-        assert_eq!(got[&who], media_only, "[{plane}] p{who}: p0's media and nothing else");
+        let mut want: Vec<_> = media.iter().map(|m| (sfu(who, SFU_PORT), m.clone())).collect();
+        if who != 4 {
+            want.push((sfu(who, SFU_PORT), sr_p1.clone()));
+        }
+        assert_eq!(got[&who], want, "[{plane}] p{who}: p0's media (and p1's sender report) and nothing else");
     }
 
     let stats = serve.api("GET", "/v1/stats", None);
     let t = &stats["total"];
     let counts = |c: &Value| ["feedback_routed", "feedback_coalesced", "feedback_consumed", "feedback_unroutable"].map(|k| c[k].as_u64().unwrap_or(0));
     // Routed: p2's PLI, p2's NACK, p3's NACK, p3's late PLI. Coalesced: p3's PLI, p4's FIR.
-    // Consumed: seven receiver reports and the REMB. Unroutable: the PLI for 0x9999.
-    assert_eq!(counts(t), [4, 2, 8, 1], "[{plane}] {t}");
+    // Consumed: nine receiver reports and the REMB. Unroutable: the PLI for 0x9999.
+    assert_eq!(counts(t), [4, 2, 10, 1], "[{plane}] {t}");
     assert_eq!((t["drop_stranger"].as_u64(), t["drop_malformed"].as_u64()), (Some(1), Some(1)), "[{plane}] {t} {}", stats["extra"]);
     if plane.starts_with("ebpf") {
-        assert_eq!(stats["extra"]["pass_feedback"].as_u64(), Some(9), "[{plane}] every consumer's RTCP went up: {}", stats["extra"]);
+        assert_eq!(stats["extra"]["pass_feedback"].as_u64(), Some(11), "[{plane}] every consumer's RTCP went up: {}", stats["extra"]);
+        assert_eq!(stats["extra"]["pass_rtcp"].as_u64(), Some(1), "[{plane}] the publisher's sender report went up: {}", stats["extra"]);
     }
     // Per published stream: what its subscribers asked of it.
     let streams = &stats["streams"];
@@ -170,8 +190,8 @@ fn run_plane(tb: &Testbed, plane: &str) {
     assert_eq!(sent(&consumer(2, 0)), [3, 3 * 412, 0, 1, 0], "[{plane}] p2<-p0: its PLI went");
     assert_eq!(sent(&consumer(3, 0)), [3, 3 * 412, 0, 2, 1], "[{plane}] p3<-p0: its NACK and late PLI went, its first PLI was coalesced");
     assert_eq!(sent(&consumer(4, 0)), [3, 3 * 412, 0, 0, 1], "[{plane}] p4<-p0: its FIR was coalesced");
-    assert_eq!(sent(&consumer(2, 1)), [0, 0, 0, 1, 0], "[{plane}] p2<-p1: its NACK");
-    assert_eq!(sent(&consumer(3, 1)), [0, 0, 0, 0, 0], "[{plane}]");
+    assert_eq!(sent(&consumer(2, 1)), [1, 28, 0, 1, 0], "[{plane}] p2<-p1: p1's SR, its NACK");
+    assert_eq!(sent(&consumer(3, 1)), [1, 28, 0, 0, 0], "[{plane}] p3<-p1: p1's SR");
     assert_eq!(sent(&consumer(0, 3)), [1, 28 + 12, 0, 0, 0], "[{plane}] p0<-p3: p3's SR and SDES");
     let p2 = consumer(2, 0);
     let report = &p2["report"];
@@ -183,7 +203,21 @@ fn run_plane(tb: &Testbed, plane: &str) {
     assert!((report["jitter_ms"].as_f64().unwrap() - 40.0 / 90.0).abs() < 1e-9, "[{plane}] 90 kHz clock: {p2}");
     let remb = p2["remb_bps"].as_u64().unwrap();
     assert!((799_000..=800_000).contains(&remb), "[{plane}] {p2}");
-    assert!(consumer(4, 0)["remb_bps"].is_null() && consumer(2, 1)["report"].is_null(), "[{plane}] REMB and reports belong to the consumer they name");
+    assert!(consumer(4, 0)["remb_bps"].is_null() && consumer(3, 1)["report"].is_null(), "[{plane}] REMB and reports belong to the consumer they name");
+    // p2's round-trip time to the SFU: the time from p1's SR passing to p2's echo arriving, less
+    // the 500 ms p2 says it held it (loopback-fast here, so about what the test waited beyond).
+    let p2_p1 = consumer(2, 1);
+    let rtt = p2_p1["rtt_ms"].as_f64().unwrap_or_else(|| panic!("[{plane}] no RTT: {p2_p1}"));
+    let expect = echoed_after.as_secs_f64() * 1000.0 - 500.0;
+    assert!((rtt - expect).abs() < 25.0, "[{plane}] RTT {rtt} ms, expected about {expect:.1} ms: {p2_p1}");
+    assert!(p2_p1["rtt_age_ms"].as_u64().is_some(), "[{plane}] {p2_p1}");
+    for (sub, publisher) in [(2, 0), (3, 1), (4, 0)] {
+        assert!(
+            consumer(sub, publisher)["rtt_ms"].is_null(),
+            "[{plane}] p{sub}<-p{publisher}: no report echoed an SR that passed: {}",
+            consumer(sub, publisher)
+        );
+    }
     let one = serve.api("GET", &format!("/v1/rooms/f/consumers/{}", p2["id"]), None);
     assert_eq!(sent(&one), sent(&p2), "[{plane}] {one}");
 }

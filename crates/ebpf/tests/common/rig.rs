@@ -167,7 +167,7 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
             let ip_len = f.payload + f.payload_len - f.l3;
             if slow {
                 Expect::Pass("pass_slow_stream")
-            } else if e.evaluate_rtcp && e.rtp && e.inbound.is_clear() && demux(payload) == MediaKind::Rtcp {
+            } else if e.rtcp_to_slow_path() && e.rtp && e.inbound.is_clear() && demux(payload) == MediaKind::Rtcp {
                 Expect::Pass("pass_rtcp")
             } else if !e.copies.is_empty() && ip_len > LAB_MTU {
                 // Copies too big for the egress link: the slow path (and the stack) deal with it.
