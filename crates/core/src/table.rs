@@ -121,10 +121,11 @@ fn is_zero(v: &u32) -> bool {
 }
 
 impl StreamEntry {
-    /// A published stream with consumers: its sender reports are timed as they pass, for the
-    /// consumers' round-trip times (their reports echo them).
+    /// A published RTP stream with consumers whose reports can name it (narrowed to an SSRC; a
+    /// simulcast layer is): its sender reports are timed as they pass, for the consumers'
+    /// round-trip times (their reports echo them).
     pub fn times_sender_reports(&self) -> bool {
-        self.copies.iter().any(|c| c.consumer != 0)
+        self.rtp && self.key.ssrc.is_some() && self.copies.iter().any(|c| c.consumer != 0)
     }
 
     /// Its RTCP is the slow path's, never forwarded by a kernel path: evaluated (a relay leg's,

@@ -241,7 +241,8 @@ struct Shared {
     /// Never held while taking `feedback`.
     layers: Mutex<SimulcastState>,
     /// When each published stream's last sender reports passed (by stream id), for the
-    /// round-trip times its consumers' reports give. Never held while taking another lock.
+    /// round-trip times its consumers' reports give. Taken after `reception` (when both are),
+    /// never before another lock.
     sender_reports: Mutex<HashMap<u32, SenderReportTimes>>,
     /// The kernel's simulcast states, when this is the eBPF plane's slow path.
     kernel_layers: Option<Arc<dyn KernelLayers>>,
@@ -563,28 +564,23 @@ impl UserspaceDataplane {
     }
 
     /// Streams that left the table lose their reception state and their sender reports' times
-    /// (a stream id is never reused, so this only bounds memory).
+    /// (a stream id is never reused, so this only bounds memory). A full apply keeps only the new
+    /// table's streams: it also sweeps what a worker still on the old table put back.
     fn forget_reception(&self, old: &ForwardingTable, new: &ForwardingTable, changed: Option<&[IngressKey]>) {
-        let gone: Vec<u32> = match changed {
+        let mut reception = self.shared.reception.lock();
+        let mut sender_reports = self.shared.sender_reports.lock();
+        match changed {
             Some(keys) => {
-                keys.iter().filter_map(|k| old.streams.get(k)).filter(|e| new.streams.get(&e.key).map(|n| n.id) != Some(e.id)).map(|e| e.id).collect()
+                for e in keys.iter().filter_map(|k| old.streams.get(k)).filter(|e| new.streams.get(&e.key).map(|n| n.id) != Some(e.id)) {
+                    reception.remove(&e.id);
+                    sender_reports.remove(&e.id);
+                }
             }
             None => {
                 let ids: std::collections::HashSet<u32> = new.streams.values().map(|e| e.id).collect();
-                old.streams.values().map(|e| e.id).filter(|id| !ids.contains(id)).collect()
+                reception.retain(|id, _| ids.contains(id));
+                sender_reports.retain(|id, _| ids.contains(id));
             }
-        };
-        if gone.is_empty() {
-            return;
-        }
-        let mut reception = self.shared.reception.lock();
-        for id in &gone {
-            reception.remove(id);
-        }
-        drop(reception);
-        let mut sender_reports = self.shared.sender_reports.lock();
-        for id in &gone {
-            sender_reports.remove(id);
         }
     }
 

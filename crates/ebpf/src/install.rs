@@ -921,7 +921,7 @@ mod tests {
         let t6 = Arc::new(t6);
         inst.apply_changes(t6.clone(), Some(&[w.key]), &mut k).unwrap();
         assert_eq!(k.as_entries(), expected(&t6));
-        assert_eq!(k.streams[&wild].flags, flags::PRESENT | flags::RTP | flags::RTCP_UP | flags::NARROWED | flags::ONE_SOURCE);
+        assert_eq!(k.streams[&wild].flags, flags::PRESENT | flags::RTP | flags::NARROWED | flags::ONE_SOURCE);
         assert_eq!(src_of(k.streams[&wild]), Some(other));
         let mut t7 = (*t6).clone();
         t7.version = 7;
@@ -929,7 +929,7 @@ mod tests {
         let t7 = Arc::new(t7);
         inst.apply_changes(t7.clone(), Some(&[w.key]), &mut k).unwrap();
         assert_eq!(k.as_entries(), expected(&t7));
-        assert_eq!(k.streams[&wild].flags, flags::PRESENT | flags::RTP | flags::RTCP_UP | flags::NARROWED);
+        assert_eq!(k.streams[&wild].flags, flags::PRESENT | flags::RTP | flags::NARROWED);
 
         // Adopting these entries (placeholder with a source included) rewrites nothing.
         let mut t8 = (*t5).clone();

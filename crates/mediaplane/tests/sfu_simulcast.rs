@@ -16,7 +16,7 @@ use common::netns::NetnsServe;
 use common::planes;
 use common::simulcast::{drain, keyframes_asked, LAYERS};
 use mediaplane_bench::netns::Testbed;
-use mediaplane_core::call_quality::build_report;
+use mediaplane_core::call_quality::{build_report, ReportBlock};
 use mediaplane_core::feedback::build;
 use mediaplane_core::rtp::{parse_rtcp_compound, RtpHeader};
 use serde_json::{json, Value};
@@ -180,6 +180,7 @@ fn run_plane(tb: &Testbed, plane: &str) {
     for (l, ssrc) in LAYERS.iter().enumerate() {
         socks[0].send_to(&build_report(*ssrc, Some(0x0102_0304 + l as u32), &[]), sfu(0)).unwrap();
     }
+    let srs_sent = std::time::Instant::now();
     std::thread::sleep(Duration::from_millis(200));
     let mut after: Vec<Vec<u8>> = Vec::new();
     drain(&socks[0], &mut after);
@@ -201,6 +202,16 @@ fn run_plane(tb: &Testbed, plane: &str) {
         let ntp = build_report(0, Some(0x0102_0304 + layer), &[])[8..16].to_vec();
         assert_eq!(srs, vec![(LAYERS[0], ntp)], "[{plane}] p{who}: the sender report of its layer only, on its SSRC");
     }
+    // p1 echoes the sender report of its layer (2) it received, held 62.5 ms: its round-trip time.
+    // p2 echoes layer 0's, which it never received: none.
+    let echo = |reporter: u32, layer: u32| {
+        let block = ReportBlock { about: LAYERS[0], lsr: 0x0102_0304 + layer, dlsr: 0x1000, ..Default::default() };
+        build_report(reporter, None, &[block])
+    };
+    let echoed_after = srs_sent.elapsed();
+    socks[1].send_to(&echo(0xb1, 2), sfu(1)).unwrap();
+    socks[2].send_to(&echo(0xb2, 0), sfu(2)).unwrap();
+    std::thread::sleep(Duration::from_millis(50));
 
     // On the eBPF planes the kernel renumbered the layers' packets itself (bpf/layer_rewrite.h):
     // of the publisher's media packets, what the BPF program forwarded, against what it handed
@@ -227,6 +238,10 @@ fn run_plane(tb: &Testbed, plane: &str) {
     assert_eq!((l(&v2, "current"), l(&v2, "max"), l(&v2, "switches")), (Some(1), Some(1), Some(1)), "[{plane}] {v2}");
     assert_eq!(l(&v2, "duplicates_dropped"), Some(1), "[{plane}] {v2}");
     assert_eq!(v1["tx_copies"].as_u64(), Some(got1.len() as u64 + 1), "[{plane}] its packets and its sender report: {v1}");
+    let rtt = v1["rtt_ms"].as_f64().unwrap_or_else(|| panic!("[{plane}] no RTT from p1's echo: {v1}"));
+    let expect = echoed_after.as_secs_f64() * 1000.0 - 62.5;
+    assert!((rtt - expect).abs() < 50.0, "[{plane}] RTT {rtt} ms, expected about {expect:.1} ms: {v1}");
+    assert!(v2["rtt_ms"].is_null(), "[{plane}] an echo of another layer's sender report: {v2}");
     // A layer that does not exist is refused, and changes nothing.
     let bad = common::netns::try_api(tb, "PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"preferred": 3})));
     assert!(bad.as_ref().is_err_and(|e| e.contains("layer 3 does not exist")), "[{plane}] {bad:?}");
