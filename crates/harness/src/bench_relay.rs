@@ -20,7 +20,7 @@
 //! store write) at growing model sizes.
 
 use crate::conference::process_cpu_ns;
-use crate::conference::{KERNEL_FORWARD, SLOW_PATH_PASSES};
+use crate::conference::{extra_delta, kernel_split, KERNEL_FORWARD};
 use crate::relay_report;
 use anyhow::{bail, Context};
 use mediaplane_bench::netns::Testbed;
@@ -350,10 +350,6 @@ fn api(tb: &Testbed, method: &str, path: &str, body: Option<Json>) -> anyhow::Re
     crate::conference::api_with_timeout(tb, method, path, body, Duration::from_secs(60))
 }
 
-fn extra(stats: &Json, k: &str) -> u64 {
-    stats["extra"][k].as_u64().unwrap_or(0)
-}
-
 // ---------------------------------------------------------------------------------------------
 // One run
 // ---------------------------------------------------------------------------------------------
@@ -623,18 +619,22 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
     drop(plan);
 
     let delta = |k: &str| match (&stats0, &stats1) {
-        (Some(a), Some(b)) => Some(extra(b, k).saturating_sub(extra(a, k))),
+        (Some(a), Some(b)) => Some(extra_delta(a, b, k)),
         _ => None,
     };
     // TC and the XDP pre-filter's pass path: every relayed packet runs through both.
     let bpf_run_ns = delta("bpf_run_time_ns").unwrap_or(0) + delta("xdp_run_time_ns").unwrap_or(0);
     let ebpf = relay_name.starts_with("mediaplane-ebpf");
-    let kernel_forwarded = if ebpf { delta("forwarded") } else { None };
     // The eBPF plane's slow path sees what the TC programs hand up of the relay's own streams
     // (SRTP legs, unlatched legs, RTCP, unresolved neighbours...), not other traffic.
-    let slow_path_rx = match (&stats0, &stats1) {
-        (Some(a), Some(b)) if ebpf => Some(SLOW_PATH_PASSES.iter().map(|k| extra(b, k).saturating_sub(extra(a, k))).sum()),
-        (Some(a), Some(b)) => Some(b["total"]["rx_packets"].as_u64().unwrap_or(0).saturating_sub(a["total"]["rx_packets"].as_u64().unwrap_or(0))),
+    let split = match (&stats0, &stats1) {
+        (Some(a), Some(b)) if ebpf => Some(kernel_split(a, b)),
+        _ => None,
+    };
+    let kernel_forwarded = split.map(|(forwarded, _)| forwarded);
+    let slow_path_rx = match (split, &stats0, &stats1) {
+        (Some((_, slow)), _, _) => Some(slow),
+        (None, Some(a), Some(b)) => Some(b["total"]["rx_packets"].as_u64().unwrap_or(0).saturating_sub(a["total"]["rx_packets"].as_u64().unwrap_or(0))),
         _ => None,
     };
 

@@ -268,6 +268,19 @@ pub(crate) const SLOW_PATH_PASSES: [&str; 10] = [
     "pass_feedback",
 ];
 
+/// How much an eBPF plane counter (`/v1/stats` `extra`) grew from `before` to `after`.
+pub(crate) fn extra_delta(before: &Value, after: &Value, k: &str) -> u64 {
+    let at = |v: &Value| v["extra"][k].as_u64().unwrap_or(0);
+    at(after).saturating_sub(at(before))
+}
+
+/// The eBPF plane's packets of its own streams from `before` to `after` (`/v1/stats`): those
+/// the BPF program fanned out itself (`forwarded`), and those it handed to the user-space slow
+/// path ([`SLOW_PATH_PASSES`]).
+pub(crate) fn kernel_split(before: &Value, after: &Value) -> (u64, u64) {
+    (extra_delta(before, after, "forwarded"), SLOW_PATH_PASSES.iter().map(|k| extra_delta(before, after, k)).sum())
+}
+
 pub(crate) fn flow_main(i: usize) -> u32 {
     1000 + i as u32
 }
@@ -440,7 +453,7 @@ fn wait_layers_aimed(tb: &Testbed) -> anyhow::Result<()> {
     loop {
         let v = api(tb, "GET", "/v1/rooms/demo/consumers", None)?;
         let consumers = v["consumers"].as_array().cloned().unwrap_or_default();
-        let waiting = consumers.iter().filter(|c| c["layers"]["target"].is_null() || c["layers"]["target"] != c["layers"]["max"]).count();
+        let waiting = consumers.iter().filter(|c| c["layers"]["target"] != c["layers"]["max"]).count();
         if waiting == 0 && !consumers.is_empty() {
             return Ok(());
         }
@@ -464,6 +477,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     let store = workdir.join(format!("{}-{}.db", tb.prefix, spec.dataplane));
     let log = workdir.join(format!("{}-{}.log", tb.prefix, spec.dataplane));
     let rtp = spec.profile.format != traffic::PayloadFormat::Raw;
+    let ebpf = plane_variant(&spec.dataplane).0 == "ebpf";
     if spec.scenario.layered() && !matches!(spec.profile.format, traffic::PayloadFormat::Vp8 { .. }) {
         bail!("the {:?} scenario sends VP8 simulcast layers: use the simulcast preset", spec.scenario);
     }
@@ -472,7 +486,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         let s = serve.insert(ServeProcess::start(tb, &spec.dataplane, &store, log.clone())?);
         wait_ready(tb, s)?;
         setup_room(tb, n, spec.scenario, rtp, true)?;
-        if spec.scenario == Scenario::Simulcast && plane_variant(&spec.dataplane).0 == "ebpf" {
+        if spec.scenario == Scenario::Simulcast && ebpf {
             wait_layers_aimed(tb)?;
         }
     }
@@ -539,18 +553,14 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         let report = traffic::run(&plan)?;
         return Ok(summarise(spec, n, &expected, &report, None, Value::Null, hooks));
     };
-    // Both programs every packet runs through: the XDP pre-filter (its pass path) and TC.
-    let bpf_ns = |stats: &Value| ["bpf_run_time_ns", "xdp_run_time_ns"].iter().map(|k| stats["extra"][k].as_u64().unwrap_or(0)).sum::<u64>();
     let stats0 = api(tb, "GET", "/v1/stats", None)?;
     let cpu0 = process_cpu_ns(serve.pid());
     let report = traffic::run(&plan)?;
     let serve_cpu_ns = process_cpu_ns(serve.pid()).saturating_sub(cpu0);
     let daemon_stats = api(tb, "GET", "/v1/stats", None)?;
-    let bpf_run_ns = bpf_ns(&daemon_stats).saturating_sub(bpf_ns(&stats0));
-    let kernel = (plane_variant(&spec.dataplane).0 == "ebpf").then(|| {
-        let delta = |k: &str| daemon_stats["extra"][k].as_u64().unwrap_or(0).saturating_sub(stats0["extra"][k].as_u64().unwrap_or(0));
-        (delta("forwarded"), SLOW_PATH_PASSES.iter().map(|k| delta(k)).sum::<u64>())
-    });
+    // Both programs every packet runs through: the XDP pre-filter (its pass path) and TC.
+    let bpf_run_ns = ["bpf_run_time_ns", "xdp_run_time_ns"].iter().map(|k| extra_delta(&stats0, &daemon_stats, k)).sum();
+    let kernel = ebpf.then(|| kernel_split(&stats0, &daemon_stats));
     serve.stop()?;
     // The daemon's log is kept only when something went wrong (the error names it).
     let _ = std::fs::remove_file(&log);
