@@ -6,7 +6,7 @@
 //!
 //! | message                              | what happens                                          |
 //! |--------------------------------------|-------------------------------------------------------|
-//! | PLI (PSFB 1), FIR (PSFB 4, per entry)| routed to the publisher of the media SSRC it names, at most one keyframe request per stream and SSRC per [`KEYFRAME_REQUEST_INTERVAL_NS`] (the rest coalesced: 50 subscribers asking at once cause one keyframe) |
+//! | PLI (PSFB 1), FIR (PSFB 4, per entry)| routed to the publisher of the media SSRC it names, at most one keyframe request per stream and SSRC per [`KEYFRAME_REQUEST_INTERVAL_NS`] (the rest coalesced: 50 subscribers asking at once cause one keyframe; the SFU's own request for a consumer waiting for a layer goes at once when the last one's keyframe already passed, [`FeedbackRouter::request_keyframe`]) |
 //! | generic NACK (RTPFB 1)               | routed to the publisher (it retransmits)              |
 //! | RR and the report blocks of an SR    | consumed: the receiver's view of each stream ([`Outcome::reports`]) |
 //! | REMB (PSFB 15 "REMB")                | consumed: the receiver's estimate ([`Outcome::remb`]) for the consumers of the SSRCs it lists, input to layer choice |
@@ -229,10 +229,19 @@ fn nack_fci(seqs: &[u16]) -> Vec<u8> {
     out
 }
 
-/// The routing state that outlives a packet: when each stream last had a keyframe requested.
+/// The routing state that outlives a packet: when each stream last had a keyframe requested, and
+/// whether its keyframe passed since.
 #[derive(Debug, Default)]
 pub struct FeedbackRouter {
-    keyframe_requested: HashMap<(u32, u32), u64>,
+    keyframe_requested: HashMap<(u32, u32), KeyframeRequest>,
+}
+
+/// The last keyframe request for a stream and SSRC.
+#[derive(Debug, Clone, Copy)]
+struct KeyframeRequest {
+    at_ns: u64,
+    /// A keyframe passed since.
+    answered: bool,
 }
 
 fn be32(b: &[u8], at: usize) -> u32 {
@@ -413,16 +422,21 @@ impl FeedbackRouter {
         Ok(out)
     }
 
-    /// Whether a keyframe request for `route` may go now (and note it if so).
+    /// Whether a subscriber's keyframe request for `route` may go now (and note it if so): not
+    /// within [`KEYFRAME_REQUEST_INTERVAL_NS`] of the last one, answered or not, so a receiver
+    /// that keeps losing packets causes at most two keyframes a second.
     fn keyframe_due(&mut self, route: &FeedbackRoute, now_ns: u64) -> bool {
-        self.keyframe_due_for(route.stream, route.publisher_ssrc, now_ns)
+        self.keyframe_due_for(route.stream, route.publisher_ssrc, now_ns, false)
     }
 
-    /// The SFU's own keyframe request (a simulcast consumer waiting to switch to a layer): the
-    /// compound packet to send to the publisher, unless one went for the stream and SSRC
-    /// within [`KEYFRAME_REQUEST_INTERVAL_NS`] (counted as coalesced by the caller).
+    /// The SFU's own keyframe request (a consumer waiting for a layer it does not receive yet: a
+    /// new consumer, or a switch): the compound packet to send to the publisher, unless one went
+    /// for the stream and SSRC within [`KEYFRAME_REQUEST_INTERVAL_NS`] and its keyframe has not
+    /// passed yet (counted as coalesced by the caller). Once it passed, the consumer waiting
+    /// now missed it: the request goes at once, so a late joiner does not wait out the interval
+    /// another subscriber's requests keep open.
     pub fn request_keyframe(&mut self, stream: u32, ssrc: u32, sender: u32, now_ns: u64) -> Option<Vec<u8>> {
-        if !self.keyframe_due_for(stream, ssrc, now_ns) {
+        if !self.keyframe_due_for(stream, ssrc, now_ns, true) {
             return None;
         }
         let mut p = vec![0x80, RR, 0, 1];
@@ -431,17 +445,26 @@ impl FeedbackRouter {
         Some(p)
     }
 
-    fn keyframe_due_for(&mut self, stream: u32, ssrc: u32, now_ns: u64) -> bool {
+    /// A keyframe of `stream`'s `ssrc` passed the data plane: the requests so far are answered.
+    /// Only the data planes that see a stream's keyframes call this (simulcast layers, whose
+    /// payload they read); for other streams every request keeps the plain interval.
+    pub fn keyframe_arrived(&mut self, stream: u32, ssrc: u32) {
+        if let Some(r) = self.keyframe_requested.get_mut(&(stream, ssrc)) {
+            r.answered = true;
+        }
+    }
+
+    fn keyframe_due_for(&mut self, stream: u32, ssrc: u32, now_ns: u64, once_answered: bool) -> bool {
         let key = (stream, ssrc);
         if let Some(last) = self.keyframe_requested.get(&key) {
-            if now_ns.saturating_sub(*last) < KEYFRAME_REQUEST_INTERVAL_NS {
+            if now_ns.saturating_sub(last.at_ns) < KEYFRAME_REQUEST_INTERVAL_NS && !(once_answered && last.answered) {
                 return false;
             }
         }
         if self.keyframe_requested.len() >= MAX_KEYFRAME_STATES {
-            self.keyframe_requested.retain(|_, t| now_ns.saturating_sub(*t) < KEYFRAME_REQUEST_INTERVAL_NS);
+            self.keyframe_requested.retain(|_, r| now_ns.saturating_sub(r.at_ns) < KEYFRAME_REQUEST_INTERVAL_NS);
         }
-        self.keyframe_requested.insert(key, now_ns);
+        self.keyframe_requested.insert(key, KeyframeRequest { at_ns: now_ns, answered: false });
         true
     }
 }
@@ -611,6 +634,21 @@ mod tests {
         // NACKs are never coalesced.
         assert_eq!(routed(&mut r, build::nack(98, 10, 1, 0), 501 * ms).routed, 1);
         assert_eq!(routed(&mut r, build::nack(98, 10, 1, 0), 502 * ms).routed, 1);
+        // The SFU's own request for a waiting consumer: coalesced while the keyframe is on its
+        // way (another stream's keyframe answers nothing of this one) ...
+        assert_eq!(routed(&mut r, build::pli(98, 10), 600 * ms).coalesced, 1);
+        assert_eq!(r.request_keyframe(1, 10, 0, 610 * ms), None);
+        r.keyframe_arrived(2, 20);
+        assert_eq!(r.request_keyframe(1, 10, 0, 620 * ms), None);
+        // ... at once once it passed (the consumer missed it), and then waits again.
+        r.keyframe_arrived(1, 10);
+        assert!(r.request_keyframe(1, 10, 0, 630 * ms).is_some());
+        assert_eq!(r.request_keyframe(1, 10, 0, 640 * ms), None);
+        // A subscriber's request keeps the interval, answered or not: a lossy receiver asking
+        // all the time causes at most two keyframes a second.
+        r.keyframe_arrived(1, 10);
+        assert_eq!(routed(&mut r, build::pli(97, 10), 650 * ms).coalesced, 1);
+        assert_eq!(routed(&mut r, build::pli(97, 10), 1130 * ms).routed, 1);
     }
 
     #[test]

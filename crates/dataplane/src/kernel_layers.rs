@@ -27,9 +27,20 @@ pub trait KernelLayers: Send + Sync {
     fn decide(&self, consumer: u32, layer: u8, codec: Codec, now_ns: u64, packet: &[u8]) -> Option<Vec<u8>>;
     /// `consumer`'s state, read under its lock.
     fn state(&self, consumer: u32) -> Option<RewriterState>;
-    /// What the kernel received of stream `id`: (packets, payload bytes, last arrival on the
-    /// monotonic clock).
-    fn received(&self, id: u32) -> Option<(u64, u64, u64)>;
+    /// What the kernel received of stream `id`.
+    fn received(&self, id: u32) -> Option<KernelReceived>;
+}
+
+/// What the kernel received of a simulcast layer's stream, counted since it was installed.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct KernelReceived {
+    pub packets: u64,
+    /// Payload bytes.
+    pub bytes: u64,
+    /// The last arrival, on the monotonic clock.
+    pub last_ns: u64,
+    /// Keyframe starts it forwarded.
+    pub keyframes: u64,
 }
 
 /// See [`crate::userspace::UserspaceConfig::kernel_layers`].

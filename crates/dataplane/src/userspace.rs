@@ -13,7 +13,7 @@
 //! an update with its changed keys ([`Dataplane::apply_changes`]) only counts the addresses
 //! those entries use, and workers are told which sockets came and went rather than rescanning.
 
-use crate::kernel_layers::KernelLayers;
+use crate::kernel_layers::{KernelLayers, KernelReceived};
 use crate::srtp::SrtpSlot;
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{ConsumerCounters, ConsumerReport, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy, LayerState};
@@ -253,9 +253,9 @@ struct SimulcastState {
     consumers: HashMap<u32, LayerConsumer>,
     /// What each simulcast stream's publisher sends, by the stream's uid (`SimulcastLayer::group`).
     activity: HashMap<u32, LayerActivity>,
-    /// With kernel states: what the kernel had received of each layer stream (packets, bytes)
-    /// at the last tick, by stream id.
-    kernel_rx: HashMap<u32, (u64, u64)>,
+    /// With kernel states: what the kernel had received of each layer stream at the last tick,
+    /// by stream id.
+    kernel_rx: HashMap<u32, KernelReceived>,
 }
 
 /// One simulcast consumer: the layer it should get (from the API's ceiling, its reports and
@@ -839,6 +839,8 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
     }
     // (stream entry, layer) whose keyframe someone waits for.
     let mut wanted: Vec<(&StreamEntry, u8)> = Vec::new();
+    // (stream, SSRC) of layers the kernel forwarded a keyframe of since the last tick.
+    let mut answered: Vec<(u32, u32)> = Vec::new();
     {
         let mut guard = shared.layers.lock();
         let SimulcastState { consumers, activity, kernel_rx } = &mut *guard;
@@ -846,10 +848,13 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
         for entry in layered.iter().copied() {
             let Some(layer) = &entry.simulcast else { continue };
             let act = activity.entry(layer.group).or_default();
-            if let Some((packets, bytes, last)) = kernel.received(entry.id) {
-                let (p0, b0) = kernel_rx.insert(entry.id, (packets, bytes)).unwrap_or((0, 0));
-                if packets > p0 {
-                    act.on_packet(layer.index, bytes.saturating_sub(b0) as usize, last);
+            if let Some(now) = kernel.received(entry.id) {
+                let before = kernel_rx.insert(entry.id, now).unwrap_or_default();
+                if now.packets > before.packets {
+                    act.on_packet(layer.index, now.bytes.saturating_sub(before.bytes) as usize, now.last_ns);
+                }
+                if now.keyframes > before.keyframes {
+                    answered.extend(layer.layers.get(layer.index as usize));
                 }
             }
             let (out_ssrc, count) = (layer.layers[0].1, layer.layers.len() as u8);
@@ -888,6 +893,11 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
                 kernel.remove(id);
             }
         }
+    }
+    // Before this tick's requests: one for a layer whose keyframe just went by is a new need.
+    if !answered.is_empty() {
+        let mut feedback = shared.feedback.lock();
+        answered.into_iter().for_each(|(stream, ssrc)| feedback.keyframe_arrived(stream, ssrc));
     }
     for (entry, l) in wanted {
         let (SourceRule::Fixed(publisher), Some(layer)) = (entry.source, &entry.simulcast) else { continue };
@@ -1129,6 +1139,12 @@ impl WorkerCtx {
             MediaKind::Rtp => simulcast::inspect(layer.codec, payload),
             _ => None,
         };
+        if info.as_ref().is_some_and(|i| i.keyframe_start) {
+            // Answers the keyframe requests for this layer so far (see FeedbackRouter).
+            if let Some(&(stream, ssrc)) = layer.layers.get(layer.index as usize) {
+                self.shared.feedback.lock().keyframe_arrived(stream, ssrc);
+            }
+        }
         let out_ssrc = layer.layers[0].1;
         let count = layer.layers.len() as u8;
         let mut wanted: Vec<u8> = Vec::new();

@@ -37,6 +37,7 @@ struct mp_stream_counters {
 	__u64 drop_bad_checksum;
 	__u64 drop_spoofed;
 	__u64 last_rx_ns; /* bpf_ktime_get_ns() of the last packet forwarded (0 = none); not summed */
+	__u64 keyframes;  /* a simulcast layer's keyframe starts forwarded (they answer requests) */
 };
 
 /* A stream's rate limit (mediaplane_core::ratelimit: GCRA, the same integer arithmetic) and its

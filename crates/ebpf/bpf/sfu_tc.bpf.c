@@ -777,6 +777,8 @@ int sfu_ingress(struct __sk_buff *skb)
 		sc->tx_bytes += (__u64)f->sent * p.payload_len;
 		sc->tx_errors += f->errors;
 		sc->last_rx_ns = t0;
+		if (x.ls && x.ls->le.in.keyframe_start)
+			sc->keyframes += 1;
 	}
 	if (f->last_ifindex) {
 		record_copy_latency(bpf_ktime_get_ns() - t0);

@@ -13,7 +13,7 @@ use crate::loader::{bpf_err, FastPath};
 use crate::maps::Pod;
 use libbpf_rs::{MapCore, MapFlags, ProgramInput};
 use mediaplane_core::simulcast::{Codec, RewriterState, Segment, Skip, HISTORY, MAX_LAYERS};
-use mediaplane_dataplane::kernel_layers::KernelLayers;
+use mediaplane_dataplane::kernel_layers::{KernelLayers, KernelReceived};
 use mediaplane_dataplane::DataplaneError;
 
 /// `MP_LAYER_NONE`: no target (paused).
@@ -250,9 +250,9 @@ impl KernelLayers for KernelStates {
     fn state(&self, consumer: u32) -> Option<RewriterState> {
         self.0.layer_state(consumer).ok().flatten().map(|(_, s)| s)
     }
-    fn received(&self, id: u32) -> Option<(u64, u64, u64)> {
-        let c = self.0.kernel_stream_counters(&[id]).ok()?.remove(&id)?;
-        Some((c.rx_packets, c.rx_bytes, c.last_rx_ns))
+    fn received(&self, id: u32) -> Option<KernelReceived> {
+        let c = self.0.kernel_stream_raw(id).ok()??;
+        Some(KernelReceived { packets: c.rx_packets, bytes: c.rx_bytes, last_ns: c.last_rx_ns, keyframes: c.keyframes })
     }
 }
 

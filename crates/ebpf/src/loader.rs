@@ -603,6 +603,13 @@ impl FastPath {
         Ok(out)
     }
 
+    /// The kernel's counters of stream `id` as the map holds them, summed over CPUs (None: not
+    /// installed).
+    pub fn kernel_stream_raw(&self, id: u32) -> Result<Option<StreamCountersRaw>, DataplaneError> {
+        let Some(slot) = self.installer.lock().stats_slot(id) else { return Ok(None) };
+        Ok(Some(percpu_sum::<StreamCountersRaw>(&self.map("stream_stats"), slot, |a, b| a.add(b))?))
+    }
+
     /// Fill of the maps that bound what can be installed: entries in use and capacity. Copies
     /// retired but not yet reclaimed (waiting for a grace period) count as in use.
     pub fn map_fill(&self) -> BTreeMap<String, MapFill> {

@@ -200,6 +200,8 @@ pub struct StreamCountersRaw {
     /// `bpf_ktime_get_ns()` (CLOCK_MONOTONIC) of the last packet forwarded; the maximum over
     /// CPUs, not a sum.
     pub last_rx_ns: u64,
+    /// Keyframe starts of a simulcast layer the kernel forwarded.
+    pub keyframes: u64,
 }
 
 impl StreamCountersRaw {
@@ -441,6 +443,7 @@ impl StreamCountersRaw {
         self.drop_bad_checksum += o.drop_bad_checksum;
         self.drop_spoofed += o.drop_spoofed;
         self.last_rx_ns = self.last_rx_ns.max(o.last_rx_ns);
+        self.keyframes += o.keyframes;
     }
 }
 
@@ -780,7 +783,7 @@ mod tests {
         assert_eq!(size_of::<ReceptionRaw>(), 112);
         assert_eq!(size_of::<CopyRaw>(), 44);
         assert_eq!(size_of::<ConsumerCountersRaw>(), 24);
-        assert_eq!(size_of::<StreamCountersRaw>(), 96);
+        assert_eq!(size_of::<StreamCountersRaw>(), 104);
         assert_eq!(size_of::<RateRaw>(), 48);
         assert_eq!(size_of::<LatencyHistRaw>(), (LAT_BUCKETS + 4) * 8);
         // The generated skeleton carries the C layout (from BTF): compare.

@@ -1078,6 +1078,10 @@ fn simulcast_copies_are_renumbered_per_consumer_with_valid_checksums() {
         }
         // Both forwarding consumers started at a keyframe and got every later packet of their layer.
         assert_eq!(forwarded, 8 + 7, "{local}: copies sent");
+        // Each layer's keyframes counted (they answer the keyframe requests of its consumers).
+        for (&(id, _), want) in layers.iter().zip([2u64, 1]) {
+            assert_eq!(rig.fp.kernel_stream_raw(id).unwrap().unwrap().keyframes, want, "{local}: stream {id}'s keyframes");
+        }
         for (id, r) in consumers.iter().zip(&core) {
             // (Arrival times differ: the kernel's clock read at entry, the test's before the run.)
             let mut k = rig.fp.layer_state(*id).unwrap().unwrap().1;
