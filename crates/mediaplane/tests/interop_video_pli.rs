@@ -23,6 +23,7 @@
 mod common;
 
 use common::netns::NetnsServe;
+use common::video::{decode, is_pli, vp8_keyframe_start};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_bench::sip;
 use mediaplane_core::call_quality::build_report;
@@ -48,29 +49,6 @@ const RECEIVER: [u32; 4] = [0, 0xa1, 0xa2, 0xa3];
 const KEYFRAME_DEADLINE: Duration = Duration::from_millis(500);
 
 type Log = Arc<Mutex<Vec<(Instant, Vec<u8>)>>>;
-
-/// Whether an RTP packet carries the start of a VP8 keyframe (RFC 7741: payload descriptor,
-/// then the VP8 payload header, whose P bit is 0 on a keyframe).
-fn vp8_keyframe_start(rtp: &[u8]) -> bool {
-    let Ok(h) = RtpHeader::parse(rtp) else { return false };
-    let b = &rtp[h.payload_offset..];
-    let Some(&d) = b.first() else { return false };
-    let (extended, start, partition) = (d & 0x80 != 0, d & 0x10 != 0, d & 0x07);
-    let mut i = 1;
-    if extended {
-        let Some(&x) = b.get(1) else { return false };
-        i = 2;
-        if x & 0x80 != 0 {
-            i += if b.get(i).is_some_and(|p| p & 0x80 != 0) { 2 } else { 1 };
-        }
-        i += usize::from(x & 0x40 != 0) + usize::from(x & 0x30 != 0);
-    }
-    start && partition == 0 && b.get(i).is_some_and(|p| p & 1 == 0)
-}
-
-fn is_pli(rtcp: &[u8]) -> bool {
-    mediaplane_core::rtp::parse_rtcp_compound(rtcp).is_ok_and(|ps| ps.iter().any(|p| p.packet_type == 206 && p.count == 1))
-}
 
 /// Receive on `sock` into `log` until `stop`; with `forward`, send each datagram on.
 fn collect(sock: UdpSocket, log: Log, stop: Arc<AtomicBool>, forward: Option<(UdpSocket, SocketAddr)>) -> std::thread::JoinHandle<()> {
@@ -102,41 +80,6 @@ fn publisher_pipeline(tb: &Testbed, ns: &str, log: &std::path::Path) -> mediapla
     let mut gst = sip::spawn_group("gst-launch-1.0", &mut cmd).unwrap_or_else(|e| panic!("{e}"));
     sip::wait_udp_bound(&mut gst, RTCP_IN, Duration::from_secs(10)).unwrap_or_else(|e| panic!("{e}\n{}", sip::log_tail(log, 20)));
     gst
-}
-
-/// Decode `packets` (RTP, in order) with GStreamer: the number of frames vp8dec output, and its
-/// log.
-fn decode(packets: &[Vec<u8>], dir: &std::path::Path) -> (usize, String) {
-    let frames = dir.join("frames");
-    std::fs::create_dir_all(&frames).unwrap();
-    let log = dir.join("decoder.log");
-    let mut cmd = std::process::Command::new("gst-launch-1.0");
-    let pipeline = format!(
-        "udpsrc address=127.0.0.1 port={DEC_IN} caps=application/x-rtp,media=video,encoding-name=VP8,clock-rate=90000,payload=96 \
-         ! rtpvp8depay ! vp8dec ! multifilesink location={}/f%05d.raw",
-        frames.display()
-    );
-    cmd.args(pipeline.split_whitespace()).stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap());
-    let mut gst = sip::spawn_group("gst-launch-1.0", &mut cmd).unwrap_or_else(|e| panic!("{e}"));
-    sip::wait_udp_bound(&mut gst, DEC_IN, Duration::from_secs(10)).unwrap_or_else(|e| panic!("{e}\n{}", sip::log_tail(&log, 20)));
-    let out = UdpSocket::bind((Ipv4Addr::LOCALHOST, 0)).unwrap();
-    for p in packets {
-        out.send_to(p, (Ipv4Addr::LOCALHOST, DEC_IN)).unwrap();
-        std::thread::sleep(Duration::from_micros(300));
-    }
-    // The last frame is output when... there is no next one: count what settles.
-    let deadline = Instant::now() + Duration::from_secs(5);
-    let count = || std::fs::read_dir(&frames).map_or(0, |d| d.count());
-    let mut last = (count(), Instant::now());
-    while Instant::now() < deadline && last.1.elapsed() < Duration::from_millis(700) {
-        std::thread::sleep(Duration::from_millis(100));
-        let n = count();
-        if n != last.0 {
-            last = (n, Instant::now());
-        }
-    }
-    drop(gst);
-    (last.0, std::fs::read_to_string(&log).unwrap_or_default())
 }
 
 fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path) {
@@ -205,7 +148,7 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path) {
     let seqs: Vec<u16> = from_key.iter().map(|p| RtpHeader::parse(p).unwrap().sequence).collect();
     assert!(seqs.windows(2).all(|w| w[1] == w[0].wrapping_add(1)), "[{plane}] p3's stream from its keyframe has no gap: {seqs:?}");
     let frames: std::collections::BTreeSet<u32> = from_key.iter().map(|p| RtpHeader::parse(p).unwrap().timestamp).collect();
-    let (decoded, log) = decode(&from_key, &dir.join(format!("decode-{plane}")));
+    let (decoded, log) = decode(&from_key, DEC_IN, dir, plane);
     // Every frame that arrived whole; the last may still be waiting for the next to be pushed.
     assert!(decoded + 1 >= frames.len() && decoded >= 20, "[{plane}] decoded {decoded} of {} frames\n{log}", frames.len());
     assert!(!log.contains("ERROR") && !log.to_lowercase().contains("failed to decode"), "[{plane}] {log}");

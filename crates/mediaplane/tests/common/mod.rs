@@ -6,6 +6,7 @@ pub mod browser;
 pub mod netns;
 pub mod simulcast;
 pub mod sipp;
+pub mod video;
 pub mod wire;
 
 use mediaplane_bench::process::Supervised;
@@ -32,7 +33,7 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// A per-test temporary directory, removed on drop.
+/// A per-test temporary directory, removed on drop (kept, and named, with MP_KEEP_TMP=1).
 pub struct TempDir(pub PathBuf);
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
@@ -43,6 +44,10 @@ impl TempDir {
 }
 impl Drop for TempDir {
     fn drop(&mut self) {
+        if std::env::var_os("MP_KEEP_TMP").is_some() {
+            eprintln!("kept {}", self.0.display());
+            return;
+        }
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
