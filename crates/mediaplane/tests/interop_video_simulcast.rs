@@ -26,11 +26,11 @@
 //!   that time (but for those sent while the SFU notices a layer is gone); and GStreamer decodes
 //!   at least 99 % of them;
 //! - the publishers receive p4's NACKs, each naming a packet they sent on the layer it names;
-//! - what p5's receivers report lost is within 1 percentage point of what the bridge dropped,
-//!   and a report of more than 10 % stepped its consumer down. (GStreamer 1.22 sends no report
-//!   blocks in the early feedback packets it sends while it loses packets, so under loss its
-//!   reports are rare: the loss-driven steps are held with synthetic reports in
-//!   sfu_layer_choice.)
+//! - what p5's receivers report lost is within 1 percentage point of what their link lost (the
+//!   gaps in what the bridge passed them), and each report of more than 10 % GStreamer sent
+//!   stepped its consumer down. (GStreamer 1.22 sends no report blocks in the early feedback
+//!   packets it sends while it loses packets, so under loss its reports are rare: the
+//!   loss-driven steps are held with synthetic reports in sfu_layer_choice.)
 //!
 //! GStreamer's `gst-launch` cannot send and receive on one socket (symmetric RTP): its pipelines
 //! use loopback ports inside each participant's namespace, and the test's bridge at the
@@ -358,8 +358,9 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &Path) {
     serve.api("PUT", &layers_path, Some(json!({"max": 0})));
     let down_at = Instant::now();
     at(LATE_JOIN_MS);
-    subscribe(LATE.0, LATE.1);
+    // Before the call: the SFU may ask for the keyframe before the API answers.
     let joined = Instant::now();
+    subscribe(LATE.0, LATE.1);
     at(WITHHELD_MS.1);
     withhold[WITHHOLDING].store(false, Ordering::Relaxed);
     at(EXPLICIT_UP_MS);

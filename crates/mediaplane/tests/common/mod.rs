@@ -33,7 +33,7 @@ pub fn free_port() -> u16 {
     TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
 
-/// A per-test temporary directory, removed on drop (kept, and named, with MP_KEEP_TMP=1).
+/// A per-test temporary directory, removed on drop (kept, and named, when MP_KEEP_TMP is set).
 pub struct TempDir(pub PathBuf);
 impl TempDir {
     pub fn new(tag: &str) -> TempDir {
