@@ -1139,12 +1139,6 @@ impl WorkerCtx {
             MediaKind::Rtp => simulcast::inspect(layer.codec, payload),
             _ => None,
         };
-        if info.as_ref().is_some_and(|i| i.keyframe_start) {
-            // Answers the keyframe requests for this layer so far (see FeedbackRouter).
-            if let Some(&(stream, ssrc)) = layer.layers.get(layer.index as usize) {
-                self.shared.feedback.lock().keyframe_arrived(stream, ssrc);
-            }
-        }
         let out_ssrc = layer.layers[0].1;
         let count = layer.layers.len() as u8;
         let mut wanted: Vec<u8> = Vec::new();
@@ -1222,6 +1216,13 @@ impl WorkerCtx {
         }
         for (copy, bytes) in copies {
             self.send_from(state, copy.from, copy.to, Cow::Owned(bytes), Some((entry.id, copy.consumer)), out, delta);
+        }
+        // A keyframe answers the requests for its layer so far (see FeedbackRouter), once the
+        // consumers waiting for it switched on it above: as the tick, before the requests.
+        if info.as_ref().is_some_and(|i| i.keyframe_start) {
+            if let Some(&(stream, ssrc)) = layer.layers.get(layer.index as usize) {
+                self.shared.feedback.lock().keyframe_arrived(stream, ssrc);
+            }
         }
         let SourceRule::Fixed(publisher) = entry.source else { return };
         for l in wanted {

@@ -591,14 +591,11 @@ impl FastPath {
     /// The kernel's counters of just these streams (one map read per stream, where
     /// [`FastPath::kernel_stats`] reads every installed stream).
     pub fn kernel_stream_counters(&self, ids: &[u32]) -> Result<BTreeMap<u32, Counters>, DataplaneError> {
-        let stats = self.map("stream_stats");
-        let slots: Vec<(u32, u32)> = {
-            let inst = self.installer.lock();
-            ids.iter().filter_map(|id| inst.stats_slot(*id).map(|s| (*id, s))).collect()
-        };
         let mut out = BTreeMap::new();
-        for (id, slot) in slots {
-            out.insert(id, percpu_sum::<StreamCountersRaw>(&stats, slot, |a, b| a.add(b))?.to_counters());
+        for id in ids {
+            if let Some(c) = self.kernel_stream_raw(*id)? {
+                out.insert(*id, c.to_counters());
+            }
         }
         Ok(out)
     }

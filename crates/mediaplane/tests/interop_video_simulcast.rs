@@ -125,10 +125,18 @@ struct Bridge {
     lost: Log,
 }
 
+/// The RTP of `ssrc` in `log`.
+fn rtp(log: &Log, ssrc: u32) -> Vec<(Instant, Vec<u8>)> {
+    let log = log.lock().unwrap();
+    log.iter().filter(|(_, p)| !is_rtcp(p) && RtpHeader::parse(p).is_ok_and(|h| h.ssrc == ssrc)).cloned().collect()
+}
+
 impl Bridge {
     fn rtp_in(&self, ssrc: u32) -> Vec<(Instant, Vec<u8>)> {
-        let log = self.inbound.lock().unwrap();
-        log.iter().filter(|(_, p)| !is_rtcp(p) && RtpHeader::parse(p).is_ok_and(|h| h.ssrc == ssrc)).cloned().collect()
+        rtp(&self.inbound, ssrc)
+    }
+    fn rtp_out(&self, ssrc: u32) -> Vec<(Instant, Vec<u8>)> {
+        rtp(&self.outbound, ssrc)
     }
 }
 
@@ -395,10 +403,7 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &Path) {
         let errors: Vec<&str> = text.lines().filter(|l| l.contains("ERROR")).collect();
         assert!(errors.is_empty(), "[{plane}] p{i}'s receivers: {errors:?}");
     }
-    let sent = |p: usize| -> Vec<(Instant, Vec<u8>)> {
-        let log = bridges[p].outbound.lock().unwrap();
-        log.iter().filter(|(_, x)| !is_rtcp(x) && RtpHeader::parse(x).is_ok_and(|h| h.ssrc == layer_ssrc(p, 2))).cloned().collect()
-    };
+    let sent = |p: usize| bridges[p].rtp_out(layer_ssrc(p, 2));
 
     // The late joiner: a PLI reached its publisher, and its first keyframe came in time.
     let late = bridges[LATE.0].rtp_in(layer_ssrc(LATE.1, 0));
@@ -482,11 +487,7 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &Path) {
     // p4's NACKs reached the publishers, naming what they sent.
     for p in 0..PUBLISHERS {
         let sent: BTreeMap<u32, BTreeSet<u16>> = (0..3)
-            .map(|l| {
-                let log = bridges[p].outbound.lock().unwrap();
-                let seqs = log.iter().filter_map(|(_, x)| RtpHeader::parse(x).ok().filter(|h| !is_rtcp(x) && h.ssrc == layer_ssrc(p, l))).map(|h| h.sequence);
-                (layer_ssrc(p, l), seqs.collect())
-            })
+            .map(|l| (layer_ssrc(p, l), bridges[p].rtp_out(layer_ssrc(p, l)).iter().map(|(_, x)| RtpHeader::parse(x).unwrap().sequence).collect()))
             .collect();
         let mut nacked = 0;
         for (_, rtcp) in bridges[p].inbound.lock().unwrap().iter().filter(|(_, x)| is_rtcp(x)) {
