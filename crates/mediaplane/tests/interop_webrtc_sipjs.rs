@@ -38,6 +38,7 @@ use std::fmt::Write as _;
 use std::io::ErrorKind;
 use std::net::{SocketAddr, TcpListener, UdpSocket};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
@@ -49,34 +50,17 @@ const UAS_PORT: u16 = 5070;
 const PACKETS: u16 = 200;
 const PLAIN_SSRC: u32 = 0x51b0_0002;
 
-/// The page: SIP.js registers, calls `target`, and reports its progress and the peer
-/// connection's figures to `/stats` every 250 ms; it hangs up when a report is answered `hangup`.
+/// The page: SIP.js registers, calls `target`, and reports its progress (from its first line,
+/// so a page that stalls still says where) and the peer connection's figures to `/stats` every
+/// 250 ms; it hangs up when a report is answered `hangup`.
 const PAGE: &str = r#"<!doctype html><title>mediaplane SIP.js caller</title><script type="module">
-import { UserAgent, Registerer, RegistererState, Inviter, SessionState } from '/sip.js/index.js';
-const cfg = await (await fetch('/config')).json();
-const events = [];
+const events = ['page'];
+let call = null, error = null, hungUp = false;
 const report = async out => (await fetch('/stats', {method: 'POST', body: JSON.stringify(out)})).text();
-try {
-  const ua = new UserAgent({
-    uri: UserAgent.makeURI(cfg.aor),
-    transportOptions: {server: cfg.ws},
-    logLevel: 'warn',
-    sessionDescriptionHandlerFactoryOptions: {peerConnectionConfiguration: {iceServers: []}, iceGatheringTimeout: 3000},
-  });
-  await ua.start();
-  const registerer = new Registerer(ua);
-  const registered = new Promise(done => registerer.stateChange.addListener(s => {
-    events.push('register:' + s);
-    if (s === RegistererState.Registered) done();
-  }));
-  await registerer.register();
-  await registered;
-  const call = new Inviter(ua, UserAgent.makeURI(cfg.target), {sessionDescriptionHandlerOptions: {constraints: {audio: true, video: false}}});
-  call.stateChange.addListener(s => events.push('session:' + s));
-  await call.invite();
-  let hungUp = false;
-  setInterval(async () => {
-    const out = {events, call_id: call.request.callId, state: call.state};
+setInterval(async () => {
+  const out = {events, error};
+  if (call) {
+    Object.assign(out, {call_id: call.request.callId, state: call.state});
     const pc = call.sessionDescriptionHandler && call.sessionDescriptionHandler.peerConnection;
     if (pc) {
       out.offer = pc.localDescription && pc.localDescription.sdp;
@@ -86,14 +70,38 @@ try {
         if (r.type === 'transport') Object.assign(out, {dtls: r.dtlsState, srtp_cipher: r.srtpCipher});
       });
     }
-    const command = await report(out);
-    if (command === 'hangup' && !hungUp && call.state === SessionState.Established) {
-      hungUp = true;
-      call.bye().catch(e => events.push('bye failed: ' + e));
-    }
-  }, 250);
+  }
+  const command = await report(out);
+  if (command === 'hangup' && call && !hungUp && call.state === 'Established') {
+    hungUp = true;
+    call.bye().catch(e => events.push('bye failed: ' + e));
+  }
+}, 250);
+try {
+  const { UserAgent, Registerer, RegistererState, Inviter } = await import('/sip.js/index.js');
+  events.push('sip.js loaded');
+  const cfg = await (await fetch('/config')).json();
+  const ua = new UserAgent({
+    uri: UserAgent.makeURI(cfg.aor),
+    transportOptions: {server: cfg.ws},
+    logLevel: 'warn',
+    sessionDescriptionHandlerFactoryOptions: {peerConnectionConfiguration: {iceServers: []}, iceGatheringTimeout: 3000},
+  });
+  ua.transport.stateChange.addListener(s => events.push('transport:' + s));
+  await ua.start();
+  const registerer = new Registerer(ua);
+  const registered = new Promise(done => registerer.stateChange.addListener(s => {
+    events.push('register:' + s);
+    if (s === RegistererState.Registered) done();
+  }));
+  await registerer.register();
+  await registered;
+  const inviter = new Inviter(ua, UserAgent.makeURI(cfg.target), {sessionDescriptionHandlerOptions: {constraints: {audio: true, video: false}}});
+  inviter.stateChange.addListener(s => events.push('session:' + s));
+  call = inviter;
+  await inviter.invite();
 } catch (e) {
-  report({events, error: String(e)});
+  error = String(e);
 }
 </script>"#;
 
@@ -143,23 +151,27 @@ fn uas_xml(plain: SocketAddr) -> String {
 }
 
 /// The page's server: the page, SIP.js's modules, the page's configuration; `/stats` keeps the
-/// browser's latest report and answers `hangup` once `hangup` is set.
-fn serve_page(listener: TcpListener, config: Json, stats: Arc<Mutex<Json>>, hangup: Arc<Mutex<bool>>) {
+/// browser's latest report and answers `hangup` once `hangup` is set; `served` counts the
+/// requests answered (a page that never reports: did it load at all?).
+fn serve_page(listener: TcpListener, config: Json, stats: Arc<Mutex<Json>>, hangup: Arc<Mutex<bool>>, served: Arc<AtomicUsize>) {
     let sipjs = sipjs_dir();
-    browser::serve(listener, move |req| match (req.method.as_str(), req.path.as_str()) {
-        ("GET", "/") => (200, "text/html", PAGE.as_bytes().to_vec()),
-        ("GET", "/config") => (200, "application/json", config.to_string().into_bytes()),
-        ("GET", path) if path.starts_with("/sip.js/") && !path.contains("..") => match std::fs::read(sipjs.join(&path["/sip.js/".len()..])) {
-            Ok(module) => (200, "text/javascript", module),
-            Err(_) => (404, "text/plain", Vec::new()),
-        },
-        ("POST", "/stats") => {
-            if let Ok(v) = serde_json::from_str(&req.body) {
-                *stats.lock().unwrap() = v;
+    browser::serve(listener, move |req| {
+        served.fetch_add(1, Ordering::Relaxed);
+        match (req.method.as_str(), req.path.as_str()) {
+            ("GET", "/") => (200, "text/html", PAGE.as_bytes().to_vec()),
+            ("GET", "/config") => (200, "application/json", config.to_string().into_bytes()),
+            ("GET", path) if path.starts_with("/sip.js/") && !path.contains("..") => match std::fs::read(sipjs.join(&path["/sip.js/".len()..])) {
+                Ok(module) => (200, "text/javascript", module),
+                Err(_) => (404, "text/plain", Vec::new()),
+            },
+            ("POST", "/stats") => {
+                if let Ok(v) = serde_json::from_str(&req.body) {
+                    *stats.lock().unwrap() = v;
+                }
+                (200, "text/plain", if *hangup.lock().unwrap() { b"hangup".to_vec() } else { Vec::new() })
             }
-            (200, "text/plain", if *hangup.lock().unwrap() { b"hangup".to_vec() } else { Vec::new() })
+            _ => (404, "text/plain", Vec::new()),
         }
-        _ => (404, "text/plain", Vec::new()),
     });
 }
 
@@ -241,7 +253,8 @@ fn run(relay: Relay) {
         "target": format!("sip:bob@127.0.0.1:{UAS_PORT}"),
     });
     let (stats, hangup) = (Arc::new(Mutex::new(Json::Null)), Arc::new(Mutex::new(false)));
-    serve_page(listener, config, stats.clone(), hangup.clone());
+    let served = Arc::new(AtomicUsize::new(0));
+    serve_page(listener, config, stats.clone(), hangup.clone(), served.clone());
     let chrome = Browser::start(tb.command(&browser_ns, &chromium), &dir, &page);
 
     let (mut report, mut failures) = (String::new(), Vec::new());
@@ -268,7 +281,7 @@ fn run(relay: Relay) {
             }
         }
         let s = stats.lock().unwrap().clone();
-        if s.get("error").is_some() || s["state"] == "Terminated" {
+        if !s["error"].is_null() || s["state"] == "Terminated" {
             break;
         }
         // Established is the answer applied; the keys come with DTLS, after ICE.
@@ -295,7 +308,8 @@ fn run(relay: Relay) {
         std::thread::sleep(Duration::from_millis(5));
     }
     let events = s["events"].as_array().map(|e| e.iter().filter_map(Json::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default();
-    check(s.get("error").is_none(), format!("the page ran without error {}", s.get("error").map(Json::to_string).unwrap_or_default()));
+    check(!s.is_null(), format!("the page reported (its server answered {} requests)", served.load(Ordering::Relaxed)));
+    check(s["error"].is_null(), format!("the page ran without error {}", s["error"]));
     check(events.contains("register:Registered"), format!("SIP.js registered through Kamailio's websocket module (events: {events})"));
     check(events.contains("session:Established"), "the browser's call was established".into());
     check(relay_for_plain.is_some(), format!("the UAS was offered plain RTP/AVP at the relay: {relay_for_plain:?}"));

@@ -87,19 +87,24 @@ pub struct Request {
     pub body: String,
 }
 
-/// Serve `listener` until the test binary ends (a thread of its own): `handle` answers each
-/// request with (status, content type, body); it runs on the serving thread, one request at a
-/// time.
-pub fn serve(listener: TcpListener, handle: impl Fn(&Request) -> (u16, &'static str, Vec<u8>) + Send + 'static) {
+/// Serve `listener` until the test binary ends: `handle` answers each request with (status,
+/// content type, body). Every connection has a thread of its own: Chromium opens connections
+/// ahead of its requests (preconnect) and may leave one idle, which would stall a serial
+/// server's other requests for the whole read timeout.
+pub fn serve(listener: TcpListener, handle: impl Fn(&Request) -> (u16, &'static str, Vec<u8>) + Send + Sync + 'static) {
+    let handle = std::sync::Arc::new(handle);
     std::thread::spawn(move || {
         for conn in listener.incoming() {
             let Ok(mut conn) = conn else { continue };
-            let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
-            let Some(request) = read_request(&mut conn) else { continue };
-            let (status, ctype, reply) = handle(&request);
-            let reason = if status == 200 { "OK" } else { "Not Found" };
-            let _ = write!(conn, "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", reply.len());
-            let _ = conn.write_all(&reply);
+            let handle = handle.clone();
+            std::thread::spawn(move || {
+                let _ = conn.set_read_timeout(Some(Duration::from_secs(10)));
+                let Some(request) = read_request(&mut conn) else { return };
+                let (status, ctype, reply) = handle(&request);
+                let reason = if status == 200 { "OK" } else { "Not Found" };
+                let _ = write!(conn, "HTTP/1.1 {status} {reason}\r\nContent-Type: {ctype}\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", reply.len());
+                let _ = conn.write_all(&reply);
+            });
         }
     });
 }
