@@ -16,6 +16,17 @@
 //! header fields; checksums and lengths are re-fixed for some so the mutation reaches the
 //! deeper checks.
 //!
+//! Layer state too: two simulcast streams (VP8 in three layers over IPv4, H.264 in two over
+//! IPv6) whose publishers send on with loss, duplicates, reordering, jumps and mangled packets,
+//! while the control plane retargets their consumers now and then (a layer, one the stream
+//! lacks, a pause; one consumer has no state in the kernel). Each layer packet's copies are
+//! judged against core's `LayerRewriter` per consumer, kept in step with the kernel: which
+//! consumers get a copy, each copy's rewritten bytes, and after every packet each consumer's
+//! whole state (segments, numbering, counters) equal to the kernel's. RTCP (compounds with SR,
+//! RR, SDES, BYE, PLI, NACK, malformed ones) is judged as the kernel must treat it: a
+//! publisher's to the slow path where it is timed or evaluated (`pass_rtcp`), a consumer's
+//! feedback to the slow path that routes it (`pass_feedback`), anything else by classify().
+//!
 //! Seeded: the seed is printed; MEDIAPLANE_FUZZ_SEED=<n> replays a run, MEDIAPLANE_FUZZ_FRAMES
 //! sets the count (default 10000, a few seconds). `make fuzz` runs it longer.
 //!
@@ -23,12 +34,15 @@
 
 mod common;
 
+use common::layer_gen::{h264_payload, mangle, vp8_payload, LayerSource};
 use common::rig::*;
 use common::*;
 use mediaplane_core::feedback::{FeedbackEntry, FeedbackRoute};
 use mediaplane_core::packet::{build_frame, internet_checksum, parse_frame, udp_checksum, FrameSpec};
 use mediaplane_core::rtp::build_rtp;
-use mediaplane_core::table::{ForwardingTable, SourceRule, StreamEntry};
+use mediaplane_core::simulcast::{inspect, Codec, Decision, LayerRewriter};
+use mediaplane_core::table::{ForwardingTable, SimulcastLayer, SourceRule, StreamEntry};
+use mediaplane_ebpf::layers::LayerVerdict;
 use mediaplane_ebpf::{Prefilter, XDP_DROP, XDP_PASS};
 use std::collections::BTreeMap;
 use std::net::SocketAddr;
@@ -71,6 +85,18 @@ fn fuzz_table() -> ForwardingTable {
             entry(17, "[fd00:200::1]:4010", None, SourceRule::Any, false, v6(1, 41500)),
         ],
     );
+    for g in GROUPS {
+        for (i, &ssrc) in g.ssrcs.iter().enumerate() {
+            let subs = if g.local.starts_with('[') { v6(g.consumers.len(), g.sub_base) } else { v4(g.consumers.len(), g.sub_base) };
+            let mut e = entry(g.first_id + i as u32, g.local, Some(ssrc), fixed(g.publisher), true, subs);
+            e.clock_rate = 90_000;
+            e.simulcast = Some(SimulcastLayer { group: g.first_id, index: i as u8, layers: g.layers(), codec: g.codec });
+            for (c, &consumer) in e.copies.iter_mut().zip(g.consumers) {
+                c.consumer = consumer;
+            }
+            t.streams.insert(e.key, e);
+        }
+    }
     // Consumers' addresses: beside a wildcard stream, narrowed-only streams, a non-RTP wildcard
     // stream, and none at all (a subscriber that publishes nothing).
     for (local, source) in [
@@ -92,6 +118,187 @@ fn fuzz_table() -> ForwardingTable {
         t.feedback.insert(a(local), FeedbackEntry { consumer: format!("r/{local}"), local: a(local), source: a(source), routes: vec![route] });
     }
     t
+}
+
+/// A simulcast stream of the fuzz table: one SSRC-narrowed entry per layer (ids from
+/// `first_id`), every consumer on each layer's copy list. The last consumer has no layer state
+/// in the kernel (the control plane has not made it yet): it must get nothing.
+struct Group {
+    local: &'static str,
+    publisher: &'static str,
+    codec: Codec,
+    first_id: u32,
+    ssrcs: &'static [u32],
+    consumers: &'static [u32],
+    sub_base: u16,
+}
+
+impl Group {
+    fn layers(&self) -> Vec<(u32, u32)> {
+        self.ssrcs.iter().enumerate().map(|(i, &ssrc)| (self.first_id + i as u32, ssrc)).collect()
+    }
+    fn with_state(&self) -> &'static [u32] {
+        &self.consumers[..self.consumers.len() - 1]
+    }
+}
+
+const GROUPS: [Group; 2] = [
+    Group {
+        local: "10.200.0.1:4020",
+        publisher: PUBLISHER,
+        codec: Codec::Vp8,
+        first_id: 18,
+        ssrcs: &[0x5100_0000, 0x5100_0001, 0x5100_0002],
+        consumers: &[3001, 3002, 3003, 3004],
+        sub_base: 40900,
+    },
+    Group {
+        local: "[fd00:200::1]:4020",
+        publisher: PUBLISHER6,
+        codec: Codec::H264,
+        first_id: 21,
+        ssrcs: &[0x5200_0000, 0x5200_0001],
+        consumers: &[3101, 3102, 3103],
+        sub_base: 41600,
+    },
+];
+
+/// The publishers of [`GROUPS`]: each layer's numbering, carried on from packet to packet with
+/// loss, duplicates and reordering, so the consumers' rewriters see streams they can follow.
+struct Publishers {
+    layers: Vec<Vec<LayerSource>>,
+}
+
+impl Publishers {
+    fn new(rng: &mut Rng) -> Publishers {
+        let layers = GROUPS
+            .iter()
+            .map(|g| {
+                g.ssrcs
+                    .iter()
+                    .map(|_| LayerSource { seq: rng.next() as u16, ts: rng.next() as u32, pic: rng.next() as u16 & 0x7fff, tl0: rng.next() as u8 })
+                    .collect()
+            })
+            .collect();
+        Publishers { layers }
+    }
+
+    /// The next packet of a random layer of a random group, as a frame from its publisher.
+    fn frame(&mut self, rng: &mut Rng, log: &mut Vec<String>) -> Vec<u8> {
+        let gi = rng.below(GROUPS.len());
+        let g = &GROUPS[gi];
+        let layer = rng.below(g.ssrcs.len());
+        let src = &mut self.layers[gi][layer];
+        let start = rng.chance(50);
+        if start {
+            src.ts = src.ts.wrapping_add(3000);
+            src.pic = (src.pic + 1) & 0x7fff;
+            if rng.chance(30) {
+                src.tl0 = src.tl0.wrapping_add(1);
+            }
+        }
+        let key = start && rng.chance(15);
+        let payload = match g.codec {
+            Codec::Vp8 => vp8_payload(src, true, start, key, rng),
+            Codec::H264 => h264_payload(start, key, rng),
+        };
+        // Mostly in order; some loss, duplicates, reordering, and now and then a jump.
+        let seq = match rng.below(100) {
+            0..=79 => src.seq,
+            80..=87 => src.seq.wrapping_add(1 + rng.below(3) as u16),
+            88..=93 => src.seq.wrapping_sub(1),
+            94..=98 => src.seq.wrapping_sub(2 + rng.below(6) as u16),
+            _ => src.seq.wrapping_add(rng.below(40_000) as u16),
+        };
+        if seq.wrapping_sub(src.seq) < 0x8000 {
+            src.seq = seq.wrapping_add(1);
+        }
+        let mut rtp = build_rtp(96, seq, src.ts, g.ssrcs[layer], &payload);
+        if rng.chance(5) {
+            mangle(&mut rtp, rng);
+            log.push("mangled".into());
+        }
+        let mut spec = FrameSpec::new(a(g.publisher), a(g.local));
+        spec.dst_mac = MAC0;
+        log.push(format!("simulcast {} layer {layer} seq {seq} start {start} key {key}", g.local));
+        build_frame(&spec, &rtp)
+    }
+}
+
+/// Core's rewriter per consumer of [`GROUPS`] (those with state), kept in step with the kernel's.
+struct LayerModel {
+    rewriters: BTreeMap<u32, LayerRewriter>,
+}
+
+impl LayerModel {
+    /// Create every consumer's state in the kernel and in core, on random targets.
+    fn new(rig: &Rig, rng: &mut Rng) -> LayerModel {
+        let mut rewriters = BTreeMap::new();
+        for g in &GROUPS {
+            for &consumer in g.with_state() {
+                assert!(rig.fp.layer_create(consumer, g.ssrcs[0], 90_000).unwrap());
+                let mut r = LayerRewriter::new(g.ssrcs[0], 90_000);
+                let target = Some(rng.below(g.ssrcs.len()) as u8);
+                r.set_target(target);
+                assert_eq!(rig.fp.layer_set_target(consumer, target).unwrap(), LayerVerdict::Forward);
+                rewriters.insert(consumer, r);
+            }
+        }
+        LayerModel { rewriters }
+    }
+
+    /// A control-plane decision: a new target (a layer, one the stream lacks, or a pause).
+    fn retarget(&mut self, rig: &Rig, rng: &mut Rng) -> Result<String, String> {
+        let g = &GROUPS[rng.below(GROUPS.len())];
+        let consumer = rng.pick(g.consumers);
+        let target = if rng.chance(15) { None } else { Some(rng.below(g.ssrcs.len() + 1) as u8) };
+        let verdict = rig.fp.layer_set_target(consumer, target).map_err(|e| e.to_string())?;
+        let want = if let Some(r) = self.rewriters.get_mut(&consumer) {
+            r.set_target(target);
+            LayerVerdict::Forward
+        } else {
+            LayerVerdict::NoState
+        };
+        require(verdict == want, format!("target {target:?} for consumer {consumer}: the kernel said {verdict:?}, want {want:?}"))?;
+        Ok(format!("consumer {consumer} target {target:?}"))
+    }
+
+    /// Refine the reference's `Forward` of a simulcast layer's packet (after the run): what
+    /// the kernel does per consumer is what core's rewriter decides at the kernel's time of the
+    /// packet (read back from the state of a consumer that took it; with none, time does not
+    /// matter). A packet the rewrite cannot read goes to the slow path (the kernel's rule; what
+    /// classify() forwards as RTP always reads).
+    fn refine(&mut self, rig: &Rig, t: &ForwardingTable, frame: &[u8], want: Expect, before_ns: u64) -> Result<Expect, String> {
+        let Expect::Forward(copies) = &want else { return Ok(want) };
+        let Some(e) = reference_stream(t, frame).and_then(|id| t.streams.values().find(|e| e.id == id)) else { return Ok(want) };
+        let Some(layer) = &e.simulcast else { return Ok(want) };
+        let f = parse_frame(frame).map_err(|e| e.to_string())?;
+        let rtp = &frame[f.payload..f.payload + f.payload_len];
+        let Some(info) = inspect(layer.codec, rtp) else { return Ok(Expect::Pass("pass_error")) };
+        let mut out = Vec::new();
+        let mut last_is_original = false;
+        for (i, c) in e.copies.iter().enumerate() {
+            let Some(r) = self.rewriters.get_mut(&c.consumer) else { continue };
+            let (_, kernel) = rig.fp.layer_state(c.consumer).map_err(|e| e.to_string())?.ok_or(format!("consumer {}: no state in the kernel", c.consumer))?;
+            let now = if kernel.forwarded > r.stats.forwarded { kernel.top_at_ns } else { before_ns };
+            if let Decision::Forward(w) = r.on_packet(layer.index, &info, now) {
+                let mut b = rtp.to_vec();
+                w.apply(&info, &mut b);
+                out.push((c.from, c.to, b));
+                last_is_original = i + 1 == copies.len();
+            }
+            require(r.state() == kernel, format!("consumer {}: states differ\n kernel {kernel:?}\n core   {:?}", c.consumer, r.state()))?;
+        }
+        Ok(Expect::Layered(out, last_is_original))
+    }
+}
+
+fn require(ok: bool, what: String) -> Result<(), String> {
+    if ok {
+        Ok(())
+    } else {
+        Err(what)
+    }
 }
 
 fn ssrc(rng: &mut Rng) -> u32 {
@@ -434,11 +641,13 @@ fn fix_checksums(f: &mut [u8]) {
     put16(f, p.l4 + 6, c);
 }
 
-/// A frame and what was done to it.
-fn fuzz_frame(rng: &mut Rng, t: &ForwardingTable) -> (Vec<u8>, Vec<String>) {
+/// A frame and what was done to it. A quarter are the simulcast publishers' next packets,
+/// mostly left intact so their consumers' rewrites go somewhere.
+fn fuzz_frame(rng: &mut Rng, t: &ForwardingTable, publishers: &mut Publishers) -> (Vec<u8>, Vec<String>) {
     let mut log = Vec::new();
-    let mut f = seed_frame(rng, t, &mut log);
-    if rng.chance(80) {
+    let simulcast = rng.chance(25);
+    let mut f = if simulcast { publishers.frame(rng, &mut log) } else { seed_frame(rng, t, &mut log) };
+    if rng.chance(if simulcast { 15 } else { 80 }) {
         for _ in 0..1 + rng.below(4) {
             let m = mutate(rng, &mut f);
             log.push(m);
@@ -501,13 +710,27 @@ fn judge_xdp(pf: &Prefilter, f: &[u8], want: &Expect) -> Result<Option<&'static 
     }
 }
 
-/// Judge `frames` frames of seed `seed`; the first mismatches, described, if any.
+/// Judge `frames` frames of seed `seed`; the first mismatches, described, if any. Now and
+/// then the control plane moves a simulcast consumer to another target.
 fn run(rig: &Rig, pf: &Prefilter, t: &ForwardingTable, seed: u64, frames: u64) -> (BTreeMap<String, u64>, Vec<String>) {
     let mut rng = Rng(seed);
+    let mut publishers = Publishers::new(&mut rng);
+    let mut model = LayerModel::new(rig, &mut rng);
     let mut seen: BTreeMap<String, u64> = BTreeMap::new();
     let mut failures = Vec::new();
+    let fail = |failures: &mut Vec<String>, i: u64, e: String, log: &[String], f: &[u8]| {
+        failures.push(format!("frame #{i}: {e}\n  made by: {}\n  frame: {}", log.join("; "), hex(f)));
+        failures.len() >= 5
+    };
     for i in 0..frames {
-        let (f, log) = fuzz_frame(&mut rng, t);
+        if rng.chance(2) {
+            if let Err(e) = model.retarget(rig, &mut rng) {
+                failures.push(format!("before frame #{i}: {e}"));
+                break;
+            }
+            *seen.entry("layer target changed".into()).or_default() += 1;
+        }
+        let (f, log) = fuzz_frame(&mut rng, t, &mut publishers);
         if f.len() < 14 {
             continue; // BPF_PROG_TEST_RUN needs an Ethernet header
         }
@@ -519,22 +742,36 @@ fn run(rig: &Rig, pf: &Prefilter, t: &ForwardingTable, seed: u64, frames: u64) -
         let label = match &want {
             Expect::Forward(c) => format!("forward {} copies", c.len().min(2)).replace("2 copies", "2+ copies"),
             Expect::Drop(c) | Expect::Pass(c) => c.to_string(),
+            Expect::Layered(..) => unreachable!("the reference does not decide layers"),
         };
         *seen.entry(label).or_default() += 1;
         match judge_xdp(pf, &f, &want) {
             Ok(Some(counter)) => *seen.entry(counter.to_string()).or_default() += 1,
             Ok(None) => {}
             Err(e) => {
-                failures.push(format!("frame #{i}: {e}\n  made by: {}\n  frame: {}", log.join("; "), hex(&f)));
-                if failures.len() >= 5 {
+                if fail(&mut failures, i, e, &log, &f) {
                     break;
                 }
             }
         }
         // TC judges every frame, including those XDP dropped (it must still be right on its own).
-        if let Err(e) = rig.judge(t, &f, Duration::ZERO, &any_copy) {
-            failures.push(format!("frame #{i}: {e}\n  made by: {}\n  frame: {}", log.join("; "), hex(&f)));
-            if failures.len() >= 5 {
+        let before_ns = mediaplane_dataplane::monotonic_ns();
+        let (mut refined, mut model_err) = (None, None);
+        let judged = rig.judge_refined(t, &f, Duration::ZERO, &any_copy, &mut |want| match model.refine(rig, t, &f, want.clone(), before_ns) {
+            Ok(r) => {
+                refined = Some(r.clone());
+                r
+            }
+            Err(e) => {
+                model_err = Some(e);
+                want
+            }
+        });
+        if let Some(Expect::Layered(c, _)) = refined {
+            *seen.entry(if c.is_empty() { "layer: no consumer's" } else { "layer: rewritten copies" }.into()).or_default() += 1;
+        }
+        if let Some(e) = model_err.or(judged.err()) {
+            if fail(&mut failures, i, e, &log, &f) {
                 break;
             }
         }
@@ -585,6 +822,9 @@ fn random_and_mutated_frames_follow_the_reference() {
             "pass_vlan",
             "xdp_drop_stranger",
             "xdp_drop_no_stream",
+            "layer target changed",
+            "layer: rewritten copies",
+            "layer: no consumer's",
         ] {
             assert!(seen.get(v).copied().unwrap_or(0) > 0, "seed {seed}: no frame reached {v}: {seen:?}");
         }
@@ -610,7 +850,8 @@ fn generator_makes_valid_seeds_and_fixes() {
     }
     // Same seed, same frames.
     let (mut r1, mut r2) = (Rng(42), Rng(42));
+    let (mut p1, mut p2) = (Publishers::new(&mut r1), Publishers::new(&mut r2));
     for _ in 0..50 {
-        assert_eq!(fuzz_frame(&mut r1, &t).0, fuzz_frame(&mut r2, &t).0);
+        assert_eq!(fuzz_frame(&mut r1, &t, &mut p1).0, fuzz_frame(&mut r2, &t, &mut p2).0);
     }
 }

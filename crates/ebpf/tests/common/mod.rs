@@ -2,6 +2,7 @@
 //! frame capture. Everything created here is removed by Drop guards, on success and on panic.
 #![allow(dead_code)]
 
+pub mod layer_gen;
 pub mod rig;
 
 use std::ffi::CString;

@@ -113,6 +113,11 @@ pub enum Expect {
     Drop(&'static str),
     /// To the stack, counted under this counter.
     Pass(&'static str),
+    /// A simulcast layer's packet: the copies its consumers' rewriters decided, in copy-list
+    /// order, each (from, to, payload as rewritten), and whether the last of them is the
+    /// stream's last copy (the packet itself, redirected). Never [`reference`]'s answer: the
+    /// fuzz driver's per-consumer model refines a `Forward` into it.
+    Layered(Vec<(SocketAddr, SocketAddr, Vec<u8>)>, bool),
 }
 
 /// The ethertype after at most one VLAN tag (what `parse_frame` dispatches on).
@@ -285,31 +290,56 @@ impl Rig {
     /// frames `keep` accepts; after the expected ones, the capture waits `grace` for more
     /// (zero: takes only what is already queued).
     pub fn judge(&self, t: &ForwardingTable, frame: &[u8], grace: Duration, keep: &dyn Fn(&[u8]) -> bool) -> Result<Vec<Vec<u8>>, String> {
+        self.judge_refined(t, frame, grace, keep, &mut |want| want)
+    }
+
+    /// [`Rig::judge`] with the reference's answer passed through `refine` after the run and
+    /// before the judging (it may read what the run left in the maps, e.g. the time a layer
+    /// rewrite took for "now").
+    pub fn judge_refined(
+        &self,
+        t: &ForwardingTable,
+        frame: &[u8],
+        grace: Duration,
+        keep: &dyn Fn(&[u8]) -> bool,
+        refine: &mut dyn FnMut(Expect) -> Expect,
+    ) -> Result<Vec<Vec<u8>>, String> {
         let want = reference(t, frame);
         let before = self.fp.kernel_stats().map_err(|e| e.to_string())?;
         let run = self.fp.test_run(frame, Some(self.ifindex)).map_err(|e| format!("{want:?}: {e}"))?;
         let after = self.fp.kernel_stats().map_err(|e| e.to_string())?;
+        let want = refine(want);
         let d = delta(&before, &after);
         // Per-stream counters move for the classified stream only (none when there is none).
         let moved: Vec<u32> = after.streams.iter().filter(|(id, c)| before.streams.get(id) != Some(c)).map(|(id, _)| *id).collect();
         let stream = reference_stream(t, frame);
         ensure!(moved == stream.into_iter().collect::<Vec<_>>(), "{want:?}: per-stream counters moved for {moved:?}, want {stream:?}");
         match &want {
-            Expect::Forward(copies) => {
+            Expect::Forward(_) | Expect::Layered(..) => {
                 // The last copy is the packet itself, redirected: BPF_PROG_TEST_RUN hands it
-                // back (data_out) instead of transmitting it.
-                let want_ret = if copies.is_empty() { TC_ACT_SHOT } else { TC_ACT_REDIRECT };
+                // back (data_out) instead of transmitting it. A layer's payloads are each
+                // consumer's rewrite (by destination).
+                let mut payloads = BTreeMap::new();
+                let (copies, last_is_original) = match &want {
+                    Expect::Forward(c) => (c.clone(), !c.is_empty()),
+                    Expect::Layered(c, last) => {
+                        payloads = c.iter().map(|(_, to, p)| (*to, p.clone())).collect();
+                        (c.iter().map(|(from, to, _)| (*from, *to)).collect::<Vec<_>>(), *last)
+                    }
+                    _ => unreachable!(),
+                };
+                let want_ret = if last_is_original { TC_ACT_REDIRECT } else { TC_ACT_SHOT };
                 ensure!(run.retval == want_ret, "{want:?}: verdict {} (want {want_ret}), counters {d:?}", run.retval);
                 ensure!(d.get("forwarded") == Some(&1), "{want:?}: counters {d:?}");
                 ensure!(d.get("rx_packets") == Some(&1), "{want:?}: counters {d:?}");
                 ensure!(d.get("tx_copies").copied().unwrap_or(0) == copies.len() as u64, "{want:?}: counters {d:?}");
                 ensure!(!d.contains_key("tx_errors"), "{want:?}: counters {d:?}");
-                let clones = copies.len().saturating_sub(1);
+                let clones = copies.len() - usize::from(last_is_original);
                 let mut got = self.cap.collect_for(clones, Duration::from_secs(3), grace, keep);
-                if !copies.is_empty() {
+                if last_is_original {
                     got.push(run.data_out.clone());
                 }
-                verify_copies(frame, copies, &got, &self.config.get())?;
+                verify_copies(frame, &copies, &payloads, &got, &self.config.get())?;
                 Ok(got)
             }
             Expect::Drop(counter) => {
@@ -343,10 +373,16 @@ pub fn hex(b: &[u8]) -> String {
     b.iter().map(|x| format!("{x:02x}")).collect()
 }
 
-/// Exactly the expected copies (each once), correct headers and MACs, payload unchanged, no
-/// bytes after the IP packet, checksums valid exactly when the original's were (never broken,
-/// never laundered: a valid packet's copies are valid).
-pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got: &[Vec<u8>], cfg: &FastConfigRaw) -> Result<(), String> {
+/// Exactly the expected copies (each once), correct headers and MACs, payload unchanged (or, for
+/// a destination in `payloads`, that one), no bytes after the IP packet, checksums valid exactly
+/// when the original's were (never broken, never laundered: a valid packet's copies are valid).
+pub fn verify_copies(
+    original: &[u8],
+    expected: &[(SocketAddr, SocketAddr)],
+    payloads: &BTreeMap<SocketAddr, Vec<u8>>,
+    got: &[Vec<u8>],
+    cfg: &FastConfigRaw,
+) -> Result<(), String> {
     let of = parse_frame(original).map_err(|e| format!("forwarded an unparsable frame: {e}"))?;
     let payload = &original[of.payload..of.payload + of.payload_len];
     let want_ck = verify_checksums(original, &of);
@@ -358,7 +394,15 @@ pub fn verify_copies(original: &[u8], expected: &[(SocketAddr, SocketAddr)], got
         ensure!(fr[6..12] == MAC0, "src MAC of the egress device: {}", hex(fr));
         ensure!(fr.len() == f.payload + f.payload_len, "copies carry no bytes after the IP packet: {} -> {} is {} bytes", f.src, f.dst, fr.len());
         own_header(fr, &f, cfg, original)?;
-        ensure!(&fr[f.payload..f.payload + f.payload_len] == payload, "payload changed on {} -> {}", f.src, f.dst);
+        let want_payload = payloads.get(&f.dst).map_or(payload, |p| &p[..]);
+        ensure!(
+            &fr[f.payload..f.payload + f.payload_len] == want_payload,
+            "payload on {} -> {} is {}, want {}",
+            f.src,
+            f.dst,
+            hex(&fr[f.payload..f.payload + f.payload_len]),
+            hex(want_payload)
+        );
         let c = verify_checksums(fr, &f);
         ensure!(
             c == want_ck,
