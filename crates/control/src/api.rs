@@ -269,17 +269,22 @@ fn yes() -> bool {
 struct Subscribe {
     publisher: String,
     stream: String,
-    /// Of a simulcast stream: the layer to receive (the top one when not given), and a cap.
+    /// Of a simulcast stream: the layer to receive (the top one when not given), a cap, and
+    /// whether the consumer's own reports may lower it (default: yes).
     preferred_layer: Option<u8>,
     max_layer: Option<u8>,
+    auto_layer: Option<bool>,
 }
 
-/// A consumer's layers (`PUT .../consumers/{consumer}/layers`): both replaced, absent = none.
+/// A consumer's layers (`PUT .../consumers/{consumer}/layers`): all replaced, absent = none
+/// (`auto` absent = on).
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ConsumerLayers {
     preferred: Option<u8>,
     max: Option<u8>,
+    #[serde(default = "yes")]
+    auto: bool,
 }
 
 #[derive(Deserialize)]
@@ -558,12 +563,12 @@ async fn subscribe(
     ApiJson(req): ApiJson<Subscribe>,
 ) -> Result<Response, ApiError> {
     let sref = StreamRef { publisher: req.publisher, stream: req.stream };
-    let (preferred, max) = (req.preferred_layer, req.max_layer);
+    let (preferred, max, auto) = (req.preferred_layer, req.max_layer, req.auto_layer);
     commit(m, p, move |m, t| {
         let consumer = m.mutate_for(t, |model, _| {
             let consumer = model.subscribe(&room, &pid, sref.clone())?;
-            if preferred.is_some() || max.is_some() {
-                model.set_consumer_layers(&room, consumer, preferred, max)?;
+            if preferred.is_some() || max.is_some() || auto.is_some() {
+                model.set_consumer_layers(&room, consumer, preferred, max, auto.unwrap_or(true))?;
             }
             Ok((consumer, vec![Change::Room(room.clone())]))
         })?;
@@ -618,8 +623,8 @@ async fn set_consumer_layers(
 ) -> Result<Response, ApiError> {
     let id: u32 = id.parse().map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("consumer id {id:?} is not a number")))?;
     commit(m, p, move |m, t| {
-        let c = m.mutate_for(t, |model, _| Ok((model.set_consumer_layers(&room, id, req.preferred, req.max)?, vec![Change::Room(room.clone())])))?;
-        Ok((StatusCode::OK, json!({"consumer": id, "preferred": c.preferred_layer, "max": c.max_layer})))
+        let c = m.mutate_for(t, |model, _| Ok((model.set_consumer_layers(&room, id, req.preferred, req.max, req.auto)?, vec![Change::Room(room.clone())])))?;
+        Ok((StatusCode::OK, json!({"consumer": id, "preferred": c.preferred_layer, "max": c.max_layer, "auto": c.auto_layer})))
     })
     .await
 }

@@ -59,6 +59,8 @@ pub struct LayersView {
     pub preferred: Option<u8>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub max: Option<u8>,
+    /// Whether its own reports may lower it (`auto_layer`; off: only the API and absent layers).
+    pub auto: bool,
     pub wanted: u8,
     /// None until its first keyframe (or until the data plane has seen the stream).
     pub current: Option<u8>,
@@ -130,6 +132,7 @@ fn of_model(model: &Model, room: Option<&str>, only: Option<u32>) -> Vec<(Consum
                         count: s.layers.len() as u8,
                         preferred: c.preferred_layer,
                         max: c.max_layer,
+                        auto: c.auto_layer,
                         wanted: c.wanted_layer(s.layers.len()),
                         current: None,
                         target: None,

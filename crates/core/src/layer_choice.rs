@@ -146,6 +146,8 @@ pub struct LayerChoice {
     ceiling: Option<u8>,
     /// The last choice, and whether absence decided it.
     chosen: Option<(u8, bool)>,
+    /// The API turned the automatic choice off: reports move nothing.
+    manual: bool,
     pub stats: ChoiceStats,
 }
 
@@ -177,6 +179,9 @@ impl LayerChoice {
 
     fn step_down(&mut self, receiving: Option<u8>, now_ns: u64) {
         self.calm_since_ns = now_ns;
+        if self.manual {
+            return;
+        }
         // Only from a layer it receives (before its first keyframe nothing it reports is about
         // a layer), and not again before the reports can show the last step's effect.
         let Some(from) = receiving else { return };
@@ -204,11 +209,17 @@ impl LayerChoice {
     }
 
     /// The layer it should receive now, of `count`: at most `ceiling` unless only higher layers
-    /// are sent, and never above `max` (its `max_layer`), given what the publisher sends.
-    pub fn choose(&mut self, ceiling: u8, max: Option<u8>, count: u8, activity: &LayerActivity, now_ns: u64) -> u8 {
+    /// are sent, and never above `max` (its `max_layer`), given what the publisher sends. Without
+    /// `auto` (the consumer's `auto_layer` off) its reports lower nothing: a limit they had set
+    /// is dropped at once, and none is set until `auto` is back.
+    pub fn choose(&mut self, ceiling: u8, max: Option<u8>, auto: bool, count: u8, activity: &LayerActivity, now_ns: u64) -> u8 {
         let top = count.saturating_sub(1);
         let ceiling = ceiling.min(top);
         self.ceiling = Some(ceiling);
+        self.manual = !auto;
+        if self.manual {
+            self.limit = None;
+        }
         if let Some(limit) = self.limit {
             if limit >= ceiling {
                 // The API lowered the ceiling to it (or below): nothing of its own left to lift.
@@ -272,9 +283,9 @@ mod tests {
     fn without_reports_a_consumer_gets_its_ceiling() {
         let a = activity(10 * S, None);
         let mut c = LayerChoice::default();
-        assert_eq!(c.choose(2, None, 3, &a, 10 * S), 2);
-        assert_eq!(c.choose(1, None, 3, &a, 10 * S), 1);
-        assert_eq!(c.choose(7, None, 3, &a, 10 * S), 2, "a ceiling above the top is the top");
+        assert_eq!(c.choose(2, None, true, 3, &a, 10 * S), 2);
+        assert_eq!(c.choose(1, None, true, 3, &a, 10 * S), 1);
+        assert_eq!(c.choose(7, None, true, 3, &a, 10 * S), 2, "a ceiling above the top is the top");
     }
 
     #[test]
@@ -282,11 +293,11 @@ mod tests {
         // Layer 2 stops at 3 s and comes back at 6 s.
         let gap = Some((2, 3 * S, 6 * S));
         let mut c = LayerChoice::default();
-        assert_eq!(c.choose(2, None, 3, &activity(3 * S, None), 3 * S), 2);
-        assert_eq!(c.choose(2, None, 3, &activity(3 * S + S / 2, gap), 3 * S + S / 2), 2, "not absent yet");
-        assert_eq!(c.choose(2, None, 3, &activity(5 * S, gap), 5 * S), 1, "absent: the next one down");
+        assert_eq!(c.choose(2, None, true, 3, &activity(3 * S, None), 3 * S), 2);
+        assert_eq!(c.choose(2, None, true, 3, &activity(3 * S + S / 2, gap), 3 * S + S / 2), 2, "not absent yet");
+        assert_eq!(c.choose(2, None, true, 3, &activity(5 * S, gap), 5 * S), 1, "absent: the next one down");
         let a = activity(8 * S, gap);
-        assert_eq!(c.choose(2, None, 3, &a, 8 * S), 2, "back");
+        assert_eq!(c.choose(2, None, true, 3, &a, 8 * S), 2, "back");
         assert_eq!(c.stats.fallbacks, 2);
         assert_eq!(a.absent_mask(8 * S) & 0b111, 0);
     }
@@ -299,8 +310,8 @@ mod tests {
             a.on_packet(1, 300, i * S / 50);
         }
         let mut c = LayerChoice::default();
-        assert_eq!(c.choose(2, None, 3, &a, S / 2), 2, "presumed sent during the first second");
-        assert_eq!(c.choose(2, None, 3, &a, 2 * S - S / 50), 1);
+        assert_eq!(c.choose(2, None, true, 3, &a, S / 2), 2, "presumed sent during the first second");
+        assert_eq!(c.choose(2, None, true, 3, &a, 2 * S - S / 50), 1);
         assert_eq!(a.absent_mask(2 * S - S / 50) & 0b111, 0b100);
         // Only layer 2 is sent: a consumer that prefers 0 gets it rather than nothing, one
         // capped at 1 (max_layer) gets nothing above its cap.
@@ -308,9 +319,32 @@ mod tests {
         for i in 0..100u64 {
             high.on_packet(2, 1000, i * S / 50);
         }
-        assert_eq!(c.choose(0, None, 3, &high, 2 * S - S / 50), 2);
-        assert_eq!(LayerChoice::default().choose(1, Some(1), 3, &high, 2 * S - S / 50), 1);
-        assert_eq!(LayerChoice::default().choose(0, Some(1), 3, &high, 2 * S - S / 50), 0);
+        assert_eq!(c.choose(0, None, true, 3, &high, 2 * S - S / 50), 2);
+        assert_eq!(LayerChoice::default().choose(1, Some(1), true, 3, &high, 2 * S - S / 50), 1);
+        assert_eq!(LayerChoice::default().choose(0, Some(1), true, 3, &high, 2 * S - S / 50), 0);
+    }
+
+    #[test]
+    fn without_auto_layer_reports_move_nothing_but_absence_still_does() {
+        let a = activity(60 * S, None);
+        let mut c = LayerChoice::default();
+        assert_eq!(c.choose(2, None, true, 3, &a, 10 * S - S), 2);
+        c.on_loss(51, Some(2), 10 * S);
+        assert_eq!(c.choose(2, None, true, 3, &a, 10 * S), 1, "automatic: down");
+        // Turned off: the limit is dropped at once, and lossy reports set none.
+        assert_eq!(c.choose(2, None, false, 3, &a, 10 * S + 1), 2, "manual: back to the ceiling");
+        for k in 0..8 {
+            c.on_loss(200, Some(2), 11 * S + 2 * k * S);
+            assert_eq!(c.choose(2, None, false, 3, &a, 11 * S + 2 * k * S), 2);
+        }
+        assert_eq!((c.limit(), c.stats.steps_down), (None, 1), "no step while manual");
+        // A layer the publisher stops sending is still left (nothing else would be forwarded).
+        let gap = activity(30 * S, Some((2, 28 * S, 31 * S)));
+        assert_eq!(c.choose(2, None, false, 3, &gap, 30 * S), 1);
+        // On again: the next lossy report steps down.
+        assert_eq!(c.choose(2, None, true, 3, &a, 40 * S), 2);
+        c.on_loss(51, Some(2), 40 * S);
+        assert_eq!(c.choose(2, None, true, 3, &a, 40 * S), 1);
     }
 
     #[test]
@@ -318,25 +352,25 @@ mod tests {
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
         let t = 10 * S;
-        assert_eq!(c.choose(2, None, 3, &a, t - S), 2);
+        assert_eq!(c.choose(2, None, true, 3, &a, t - S), 2);
         c.on_loss(LOSS_DOWN, Some(2), t);
-        assert_eq!(c.choose(2, None, 3, &a, t), 2, "10 % is not more than 10 %");
+        assert_eq!(c.choose(2, None, true, 3, &a, t), 2, "10 % is not more than 10 %");
         c.on_loss(51, Some(2), t); // 20 %
-        assert_eq!(c.choose(2, None, 3, &a, t), 1);
+        assert_eq!(c.choose(2, None, true, 3, &a, t), 1);
         c.on_loss(51, Some(2), t + S); // a report still about the time before the switch
-        assert_eq!(c.choose(2, None, 3, &a, t + S), 1, "one step per interval");
+        assert_eq!(c.choose(2, None, true, 3, &a, t + S), 1, "one step per interval");
         c.on_loss(51, Some(1), t + 2 * S);
-        assert_eq!(c.choose(2, None, 3, &a, t + 2 * S), 0);
+        assert_eq!(c.choose(2, None, true, 3, &a, t + 2 * S), 0);
         c.on_loss(51, Some(0), t + 5 * S);
-        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S), 0, "nothing below the bottom");
+        assert_eq!(c.choose(2, None, true, 3, &a, t + 5 * S), 0, "nothing below the bottom");
         // Good reports: up one layer per hold, counted from the last bad report.
         for k in 6..30 {
             c.on_loss(LOSS_UP, Some(c.chosen.unwrap().0), t + k * S);
         }
-        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S + UP_HOLD_NS - 1), 0);
-        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S + UP_HOLD_NS), 1);
-        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S + 2 * UP_HOLD_NS - 1), 1);
-        assert_eq!(c.choose(2, None, 3, &a, t + 5 * S + 2 * UP_HOLD_NS), 2);
+        assert_eq!(c.choose(2, None, true, 3, &a, t + 5 * S + UP_HOLD_NS - 1), 0);
+        assert_eq!(c.choose(2, None, true, 3, &a, t + 5 * S + UP_HOLD_NS), 1);
+        assert_eq!(c.choose(2, None, true, 3, &a, t + 5 * S + 2 * UP_HOLD_NS - 1), 1);
+        assert_eq!(c.choose(2, None, true, 3, &a, t + 5 * S + 2 * UP_HOLD_NS), 2);
         assert_eq!(c.limit(), None, "back at the ceiling: no limit of its own");
         assert_eq!((c.stats.steps_down, c.stats.steps_up), (2, 2));
     }
@@ -346,11 +380,11 @@ mod tests {
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
         c.on_loss(40, Some(2), 5 * S);
-        assert_eq!(c.choose(2, None, 3, &a, 5 * S), 1);
+        assert_eq!(c.choose(2, None, true, 3, &a, 5 * S), 1);
         // 5 % every 2 s: not enough to go down, too much to go up.
         for k in 0..15 {
             c.on_loss(13, Some(1), 6 * S + 2 * k * S);
-            assert_eq!(c.choose(2, None, 3, &a, 6 * S + 2 * k * S + S), 1);
+            assert_eq!(c.choose(2, None, true, 3, &a, 6 * S + 2 * k * S + S), 1);
         }
         assert_eq!(c.stats.steps_up, 0);
     }
@@ -365,23 +399,23 @@ mod tests {
         for _ in 0..5 {
             // Wait for the probe up, then lose packets on the upper layer right away.
             let from = t;
-            while c.choose(2, None, 3, &a, t) != 2 {
+            while c.choose(2, None, true, 3, &a, t) != 2 {
                 t += S / 10;
             }
             holds.push((t - from) / S);
             t += S;
             c.on_loss(100, Some(2), t);
-            assert_eq!(c.choose(2, None, 3, &a, t), 1);
+            assert_eq!(c.choose(2, None, true, 3, &a, t), 1);
         }
         assert_eq!(holds, [6, 12, 24, 48, 48], "doubling, capped");
         // Up at last and fine for longer than a probe; the next congestion starts from 6 s.
-        while c.choose(2, None, 3, &a, t) != 2 {
+        while c.choose(2, None, true, 3, &a, t) != 2 {
             t += S / 10;
         }
         t += 30 * S;
         c.on_loss(100, Some(2), t);
         let from = t;
-        while c.choose(2, None, 3, &a, t) != 2 {
+        while c.choose(2, None, true, 3, &a, t) != 2 {
             t += S / 10;
         }
         assert_eq!((t - from) / S, 6);
@@ -397,31 +431,31 @@ mod tests {
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
         c.on_short_estimate(true, Some(2), 10 * S);
-        assert_eq!(c.choose(2, None, 3, &a, 10 * S), 1);
+        assert_eq!(c.choose(2, None, true, 3, &a, 10 * S), 1);
         // Another consumer stepped for this one's REMB: this one holds.
         c.on_short_estimate(false, Some(1), 14 * S);
-        assert_eq!(c.choose(2, None, 3, &a, 10 * S + UP_HOLD_NS), 1);
-        assert_eq!(c.choose(2, None, 3, &a, 14 * S + UP_HOLD_NS), 2);
+        assert_eq!(c.choose(2, None, true, 3, &a, 10 * S + UP_HOLD_NS), 1);
+        assert_eq!(c.choose(2, None, true, 3, &a, 14 * S + UP_HOLD_NS), 2);
     }
 
     #[test]
     fn the_api_ceiling_bounds_everything() {
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
-        assert_eq!(c.choose(2, None, 3, &a, 9 * S), 2);
+        assert_eq!(c.choose(2, None, true, 3, &a, 9 * S), 2);
         c.on_loss(100, Some(2), 10 * S);
-        assert_eq!(c.choose(2, None, 3, &a, 10 * S), 1);
+        assert_eq!(c.choose(2, None, true, 3, &a, 10 * S), 1);
         // The API caps it at 1: its own limit is moot and does not linger below a later raise.
-        assert_eq!(c.choose(1, Some(1), 3, &a, 11 * S), 1);
+        assert_eq!(c.choose(1, Some(1), true, 3, &a, 11 * S), 1);
         assert_eq!(c.limit(), None);
-        assert_eq!(c.choose(2, None, 3, &a, 12 * S), 2);
+        assert_eq!(c.choose(2, None, true, 3, &a, 12 * S), 2);
         // No report before its first keyframe steps it down.
         let mut d = LayerChoice::default();
         d.on_loss(255, None, 10 * S);
-        assert_eq!(d.choose(2, None, 3, &a, 10 * S), 2);
+        assert_eq!(d.choose(2, None, true, 3, &a, 10 * S), 2);
         // Loss while a switch down the API asked for is on its way adds nothing.
         let mut e = LayerChoice::default();
-        assert_eq!(e.choose(1, Some(1), 3, &a, 10 * S), 1);
+        assert_eq!(e.choose(1, Some(1), true, 3, &a, 10 * S), 1);
         e.on_loss(100, Some(2), 10 * S);
         assert_eq!((e.limit(), e.stats.steps_down), (None, 0));
     }

@@ -144,7 +144,7 @@ pub struct Participant {
 /// One subscription as a first-class object (mediasoup's consumer): what one participant receives
 /// of one published stream. Its uid comes from the same sequence as streams' and legs', so it is
 /// never reused; the data planes count each consumer's copies under it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Consumer {
     pub uid: u32,
     /// Of a simulcast stream: the layer it should receive (the top one when not given), and the
@@ -153,6 +153,24 @@ pub struct Consumer {
     pub preferred_layer: Option<u8>,
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_layer: Option<u8>,
+    /// Its own loss reports and REMBs may lower its layer below the wanted one (the default).
+    /// Off: only the API and the layers its publisher sends decide ([`crate::layer_choice`]).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub auto_layer: bool,
+}
+
+impl Default for Consumer {
+    fn default() -> Consumer {
+        Consumer { uid: 0, preferred_layer: None, max_layer: None, auto_layer: true }
+    }
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(v: &bool) -> bool {
+    *v
 }
 
 impl Consumer {
@@ -180,6 +198,8 @@ mod subscription_list {
         preferred_layer: Option<u8>,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         max_layer: Option<u8>,
+        #[serde(default = "super::yes", skip_serializing_if = "super::is_true")]
+        auto_layer: bool,
     }
 
     pub fn serialize<S: Serializer>(subs: &BTreeMap<StreamRef, Consumer>, s: S) -> Result<S::Ok, S::Error> {
@@ -189,6 +209,7 @@ mod subscription_list {
             consumer: c.uid,
             preferred_layer: c.preferred_layer,
             max_layer: c.max_layer,
+            auto_layer: c.auto_layer,
         }))
     }
 
@@ -197,7 +218,7 @@ mod subscription_list {
         Ok(list
             .into_iter()
             .map(|e| {
-                let c = Consumer { uid: e.consumer, preferred_layer: e.preferred_layer, max_layer: e.max_layer };
+                let c = Consumer { uid: e.consumer, preferred_layer: e.preferred_layer, max_layer: e.max_layer, auto_layer: e.auto_layer };
                 (StreamRef { publisher: e.publisher, stream: e.stream }, c)
             })
             .collect())
@@ -692,7 +713,8 @@ impl Model {
 
     /// Choose the layers consumer `uid` of `room` receives of its simulcast stream (None: the top
     /// one, no cap). The layer changes at the next keyframe of it, which the data plane asks for.
-    pub fn set_consumer_layers(&mut self, room: &str, uid: u32, preferred: Option<u8>, max: Option<u8>) -> Result<Consumer, ModelError> {
+    /// Set a simulcast consumer's layers: `preferred`, `max` and `auto_layer` all replaced.
+    pub fn set_consumer_layers(&mut self, room: &str, uid: u32, preferred: Option<u8>, max: Option<u8>, auto_layer: bool) -> Result<Consumer, ModelError> {
         let r = self.room(room)?;
         let (pid, sref) = r
             .participants
@@ -707,7 +729,7 @@ impl Model {
             return Err(ModelError::Invalid(format!("layer {l} does not exist: {}/{} has layers 0 to {}", sref.publisher, sref.stream, layers - 1)));
         }
         let c = self.room_mut(room)?.participants.get_mut(&pid).expect("found").subscriptions.get_mut(&sref).expect("found");
-        (c.preferred_layer, c.max_layer) = (preferred, max);
+        (c.preferred_layer, c.max_layer, c.auto_layer) = (preferred, max, auto_layer);
         Ok(*c)
     }
 
@@ -874,11 +896,11 @@ mod tests {
         assert!(matches!(m.publish("r", "p0", "w", StreamSpec { ssrc: Some(11), ..Default::default() }), Err(ModelError::IngressInUse { .. })));
         let c = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "v".into() }).unwrap();
         let plain = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "a".into() }).unwrap();
-        assert_eq!(m.set_consumer_layers("r", c, Some(2), Some(1)).unwrap().wanted_layer(3), 1, "capped");
+        assert_eq!(m.set_consumer_layers("r", c, Some(2), Some(1), true).unwrap().wanted_layer(3), 1, "capped");
         assert_eq!(Consumer::default().wanted_layer(3), 2, "the top one by default");
-        assert!(matches!(m.set_consumer_layers("r", c, Some(3), None), Err(ModelError::Invalid(_))));
-        assert!(matches!(m.set_consumer_layers("r", plain, Some(0), None), Err(ModelError::Invalid(_))));
-        assert!(matches!(m.set_consumer_layers("r", 9999, None, None), Err(ModelError::NotFound { .. })));
+        assert!(matches!(m.set_consumer_layers("r", c, Some(3), None, true), Err(ModelError::Invalid(_))));
+        assert!(matches!(m.set_consumer_layers("r", plain, Some(0), None, true), Err(ModelError::Invalid(_))));
+        assert!(matches!(m.set_consumer_layers("r", 9999, None, None, true), Err(ModelError::NotFound { .. })));
         // Layers and choices survive a store round trip; a layer's uid counts as used.
         let json = serde_json::to_string(&m.rooms["r"]).unwrap();
         let room: Room = serde_json::from_str(&json).unwrap();

@@ -57,6 +57,17 @@ pub struct Copy {
     /// (`layer` is only a preference when none is set).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_layer: Option<u8>,
+    /// The consumer's own reports may lower `layer` ([`crate::model::Consumer::auto_layer`]).
+    #[serde(default = "yes", skip_serializing_if = "is_true")]
+    pub auto_layer: bool,
+}
+
+fn yes() -> bool {
+    true
+}
+
+fn is_true(v: &bool) -> bool {
+    *v
 }
 
 /// An entry that is one layer of a simulcast stream.
@@ -277,6 +288,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                         consumer: c.uid,
                         layer,
                         max_layer,
+                        auto_layer: c.auto_layer,
                     })
                 })
                 .collect();
@@ -357,7 +369,16 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
     [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
         let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
-        let copy = |to| Copy { subscriber: format!("relay:{id}/{other}"), from: to_leg.local, to, outbound, consumer: 0, layer: None, max_layer: None };
+        let copy = |to| Copy {
+            subscriber: format!("relay:{id}/{other}"),
+            from: to_leg.local,
+            to,
+            outbound,
+            consumer: 0,
+            layer: None,
+            max_layer: None,
+            auto_layer: true,
+        };
         let copies = to_leg.peer().map(|to| vec![copy(to)]).unwrap_or_default();
         StreamEntry {
             id: from_leg.uid,
@@ -645,7 +666,7 @@ mod tests {
         let spec = StreamSpec { layers: vec![0x100, 0x101], codec: Some(crate::simulcast::Codec::H264), ..Default::default() };
         let uid = m.publish("r", "p0", "v", spec).unwrap();
         let c = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "v".into() }).unwrap();
-        m.set_consumer_layers("r", c, Some(0), None).unwrap();
+        m.set_consumer_layers("r", c, Some(0), None, true).unwrap();
         let t = ForwardingTable::compile(&m, 1);
         let layers: Vec<(u32, u32)> = m.rooms["r"].participants["p0"].streams["v"].layers.iter().map(|l| (l.uid, l.ssrc)).collect();
         assert_eq!(t.streams.len(), 2, "no wildcard entry");
@@ -837,7 +858,8 @@ mod tests {
                         outbound: Protection::Clear,
                         consumer: 0,
                         layer: None,
-                        max_layer: None
+                        max_layer: None,
+                        auto_layer: true
                     }]
                 )
             }

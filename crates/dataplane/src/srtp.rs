@@ -309,6 +309,7 @@ mod tests {
                 consumer: 0,
                 layer: None,
                 max_layer: None,
+                auto_layer: true,
             }],
             rate: None,
             record: false,

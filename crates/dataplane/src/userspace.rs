@@ -870,7 +870,7 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
                 }
                 c.group = layer.group;
                 mirror(&mut c.rewriter, copy.consumer, Some(kernel));
-                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, count, act, now_ns));
+                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, act, now_ns));
                 c.set_target(copy.consumer, target, Some(kernel));
                 // Asked only once the publisher sends (as a packet's arrival asks on the user-space
                 // plane): a request before its socket is up is lost, and the next one would wait
@@ -1179,7 +1179,7 @@ impl WorkerCtx {
                 c.group = layer.group;
                 mirror(&mut c.rewriter, copy.consumer, kernel);
                 // The compiled layer is the API's ceiling (None: paused); the choice may lower it.
-                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, count, activity, now_ns));
+                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, activity, now_ns));
                 c.set_target(copy.consumer, target, kernel);
                 let rw = &mut c.rewriter;
                 match (kind, &info) {

@@ -33,6 +33,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
                 consumer: 0,
                 layer: None,
                 max_layer: None,
+                auto_layer: true,
             })
             .collect(),
         rate: None,

@@ -12,9 +12,13 @@
 //! * from 1.5: p1 reports 2 % loss every half second; p2 keeps its estimate until 5, then
 //!   raises it: 6 s after its step down (the hold) each steps up to layer 2 again.
 //!
+//! p3 subscribes with `auto_layer` off and reports 25 % loss and a low estimate every half
+//! second: it stays on layer 2 (still sent) throughout.
+//!
 //! Checked at p1 and p2: layers 2, 1, 0, 1, 2 in turn, each from a keyframe, with no gap and no
 //! duplicate in its numbering, the step up not before the hold ended; in the API: the steps,
-//! the fallbacks, and the absent layer while it was absent.
+//! the fallbacks, and the absent layer while it was absent. At p3: layer 2 only, no gap, and no
+//! step in the API.
 
 mod common;
 
@@ -57,11 +61,9 @@ fn run_plane(tb: &Testbed, plane: &str) {
         serve.api("POST", "/v1/rooms/s/participants", Some(body));
     }
     serve.api("POST", "/v1/rooms/s/participants/p0/streams", Some(json!({"name": "cam", "layers": LAYERS, "codec": "vp8", "clock_rate": 90000})));
-    let sub = |who: &str| {
-        let body = json!({"publisher": "p0", "stream": "cam"});
-        serve.api("POST", &format!("/v1/rooms/s/participants/{who}/subscriptions"), Some(body))["consumer"].as_u64().unwrap()
-    };
-    let consumer = [sub("p1"), sub("p2")];
+    let sub = |who: &str, body: Value| serve.api("POST", &format!("/v1/rooms/s/participants/{who}/subscriptions"), Some(body))["consumer"].as_u64().unwrap();
+    let consumer = [sub("p1", json!({"publisher": "p0", "stream": "cam"})), sub("p2", json!({"publisher": "p0", "stream": "cam"}))];
+    let manual = sub("p3", json!({"publisher": "p0", "stream": "cam", "auto_layer": false}));
     let layers_view = |c: u64| -> Value {
         let all = serve.api("GET", "/v1/rooms/s/consumers", None)["consumers"].as_array().unwrap().clone();
         all.iter().find(|v| v["id"] == c).unwrap()["layers"].clone()
@@ -78,7 +80,7 @@ fn run_plane(tb: &Testbed, plane: &str) {
     let mut seq = [1000u16, 30000, 65000];
     let mut key_asked = [false; 3];
     // What p1 and p2 received, with when (ms into the run).
-    let mut received: [Vec<(Vec<u8>, u64)>; 2] = Default::default();
+    let mut received: [Vec<(Vec<u8>, u64)>; 3] = Default::default();
     let mut absent_seen: Option<[Value; 2]> = None;
     let (mut stepped, mut next_good_ms) = ([false; 2], GOOD_REPORTS_FROM_MS);
     let start = Instant::now();
@@ -102,7 +104,7 @@ fn run_plane(tb: &Testbed, plane: &str) {
             }
             seq[l] = seq[l].wrapping_add(2);
         }
-        for who in 0..2 {
+        for who in 0..3 {
             let mut got = Vec::new();
             drain(&socks[who + 1], &mut got);
             received[who].extend(got.into_iter().map(|p| (p, ms)));
@@ -118,6 +120,7 @@ fn run_plane(tb: &Testbed, plane: &str) {
         if ms >= next_good_ms {
             socks[1].send_to(&report(5), sfu(1)).unwrap();
             socks[2].send_to(&remb(if ms < REMB_RAISED_MS { 400_000 } else { 2_000_000 }), sfu(2)).unwrap();
+            socks[3].send_to(&[report(64), remb(100_000)].concat(), sfu(3)).unwrap();
             next_good_ms += 500;
         }
         if absent_seen.is_none() && ms >= LAYER1_GONE_MS.1 - 300 {
@@ -145,11 +148,31 @@ fn run_plane(tb: &Testbed, plane: &str) {
         assert_eq!(steps, (Some(1), Some(1), Some(2)), "[{plane}] {name}: {end}");
         assert_eq!((end["current"].as_u64(), end["switches"].as_u64()), (Some(2), Some(4)), "[{plane}] {name}: {end}");
     }
+    // p3: its reports moved nothing.
+    let mut late = Vec::new();
+    drain(&socks[3], &mut late);
+    received[2].extend(late.into_iter().map(|p| (p, RUN_MS)));
+    let runs = layer_runs(plane, "p3", &received[2]);
+    assert_eq!(runs.iter().map(|r| r.0).collect::<Vec<_>>(), [2], "[{plane}] p3 (auto_layer off): layer 2 throughout");
+    let end = layers_view(manual);
+    assert_eq!(end["auto"], false, "[{plane}] p3: {end}");
+    let steps = (end["auto_limit"].as_u64(), end["auto_steps_down"].as_u64(), end["current"].as_u64(), end["switches"].as_u64());
+    assert_eq!(steps, (None, Some(0), Some(2), Some(0)), "[{plane}] p3: {end}");
 }
 
 /// A receiver's media: one run per layer (2, 1, 0, 1, 2), each from a keyframe, no gap, no
 /// duplicate; the last run not before `up_at_ms` (the end of the hold).
 fn check_receiver(plane: &str, who: &str, received: &[(Vec<u8>, u64)], up_at_ms: u64) {
+    let runs = layer_runs(plane, who, received);
+    let layers: Vec<u8> = runs.iter().map(|r| r.0).collect();
+    assert_eq!(layers, [2, 1, 0, 1, 2], "[{plane}] {who}: down, fallback while layer 1 was not sent, back, up after the hold");
+    let up = runs[4].1;
+    assert!(up >= up_at_ms && up < up_at_ms + 1_000, "[{plane}] {who}: stepped up at {up} ms, the hold ended at {up_at_ms} ms");
+}
+
+/// The layers a receiver got in turn, with when each run began: all on the first layer's SSRC,
+/// no gap and no duplicate in the numbering, each run from a keyframe.
+fn layer_runs(plane: &str, who: &str, received: &[(Vec<u8>, u64)]) -> Vec<(u8, u64)> {
     let mut got: Vec<(u16, u8, bool, u32, u64)> = received
         .iter()
         .filter(|(p, _)| p.len() > 12 && !(192..=223).contains(&p[1]))
@@ -173,10 +196,7 @@ fn check_receiver(plane: &str, who: &str, received: &[(Vec<u8>, u64)], up_at_ms:
             runs.push((g.1, g.4));
         }
     }
-    let layers: Vec<u8> = runs.iter().map(|r| r.0).collect();
-    assert_eq!(layers, [2, 1, 0, 1, 2], "[{plane}] {who}: down, fallback while layer 1 was not sent, back, up after the hold");
-    let up = runs[4].1;
-    assert!(up >= up_at_ms && up < up_at_ms + 1_000, "[{plane}] {who}: stepped up at {up} ms, the hold ended at {up_at_ms} ms");
+    runs
 }
 
 #[test]
@@ -184,7 +204,7 @@ fn simulcast_layers_follow_loss_reports_remb_and_absent_layers_on_every_data_pla
     if !mediaplane_bench::require_root("sfu_layer_choice") {
         return;
     }
-    let tb = Testbed::star(3).unwrap();
+    let tb = Testbed::star(4).unwrap();
     for plane in planes() {
         run_plane(&tb, &plane);
     }

@@ -245,6 +245,11 @@ fn run_plane(tb: &Testbed, plane: &str) {
     // A layer that does not exist is refused, and changes nothing.
     let bad = common::netns::try_api(tb, "PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"preferred": 3})));
     assert!(bad.as_ref().is_err_and(|e| e.contains("layer 3 does not exist")), "[{plane}] {bad:?}");
+    // `auto` is a boolean, nothing else; the answer says what was set.
+    let bad = common::netns::try_api(tb, "PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"auto": "no"})));
+    assert!(bad.is_err(), "[{plane}] {bad:?}");
+    let set = serve.api("PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"preferred": 1, "auto": false})));
+    assert_eq!((set["preferred"].as_u64(), set["auto"].as_bool()), (Some(1), Some(false)), "[{plane}] {set}");
 }
 
 #[test]

@@ -74,6 +74,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
                 consumer: id * 1000 + i as u32 + 1,
                 layer: None,
                 max_layer: None,
+                auto_layer: true,
             })
             .collect(),
         rate: None,
