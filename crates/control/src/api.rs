@@ -567,7 +567,8 @@ async fn subscribe(
     commit(m, p, move |m, t| {
         let consumer = m.mutate_for(t, |model, _| {
             let consumer = model.subscribe(&room, &pid, sref.clone())?;
-            if preferred.is_some() || max.is_some() || auto.is_some() {
+            // (auto_layer true is the default: a stream without layers takes it too.)
+            if preferred.is_some() || max.is_some() || auto == Some(false) {
                 model.set_consumer_layers(&room, consumer, preferred, max, auto.unwrap_or(true))?;
             }
             Ok((consumer, vec![Change::Room(room.clone())]))

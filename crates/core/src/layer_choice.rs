@@ -7,7 +7,7 @@
 //!    * *down* when a receiver report about what it receives says more than [`LOSS_DOWN`]/256
 //!      (10 %) was lost, or when a REMB is below the measured bitrates of the layers it covers
 //!      ([`remb_over`]: one estimate for all the SSRCs it lists; the consumer receiving the most
-//!      steps down). At most one step per [`DOWN_INTERVAL_NS`] (2 s), so the reports after a
+//!      that may step steps down: not one whose `auto_layer` is off, whose layer still counts). At most one step per [`DOWN_INTERVAL_NS`] (2 s), so the reports after a
 //!      switch can show its effect before another;
 //!    * *up* again one layer after a hold of [`UP_HOLD_NS`] (6 s) without a report above
 //!      [`LOSS_UP`]/256 (2 %) and without a REMB short of what it receives. Between the two loss
@@ -113,9 +113,9 @@ impl LayerActivity {
 }
 
 /// A REMB is one estimate for all the SSRCs it lists. Given what its simulcast consumers receive
-/// (`(consumer, bitrate of the layer it receives, whether it has a lower layer)`), None if the
-/// estimate covers it; else the consumer that should step down (the one receiving the most that
-/// can go lower), if any.
+/// (`(consumer, bitrate of the layer it receives, whether it may step to a lower layer)`), None
+/// if the estimate covers it; else the consumer that should step down (the one receiving the
+/// most that may), if any.
 pub fn remb_over(bps: u64, receiving: &[(u32, u64, bool)]) -> Option<Option<u32>> {
     let total: u64 = receiving.iter().map(|r| r.1).sum();
     (total > bps).then(|| receiving.iter().filter(|r| r.2).max_by_key(|r| r.1).map(|r| r.0))
@@ -152,6 +152,12 @@ pub struct LayerChoice {
 }
 
 impl LayerChoice {
+    /// Whether its reports may lower its layer (the consumer's `auto_layer`, as the last
+    /// [`LayerChoice::choose`] was told).
+    pub fn automatic(&self) -> bool {
+        !self.manual
+    }
+
     /// The highest layer its reports allow now (None: no limit).
     pub fn limit(&self) -> Option<u8> {
         self.limit
@@ -428,6 +434,8 @@ mod tests {
         assert_eq!(remb_over(1_200_000, &[(1, 300_000, true), (2, 1_000_000, true)]), Some(Some(2)), "the biggest steps");
         assert_eq!(remb_over(1_200_000, &[(1, 100_000, false), (2, 1_000_000, true)]), None, "covered");
         assert_eq!(remb_over(50_000, &[(1, 100_000, false)]), Some(None), "over, nothing lower");
+        // One that may not step (the bottom layer, or auto_layer off) still counts toward the total.
+        assert_eq!(remb_over(1_200_000, &[(1, 300_000, true), (2, 1_000_000, false)]), Some(Some(1)), "the biggest that may");
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
         c.on_short_estimate(true, Some(2), 10 * S);

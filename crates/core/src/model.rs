@@ -712,8 +712,8 @@ impl Model {
     }
 
     /// Choose the layers consumer `uid` of `room` receives of its simulcast stream (None: the top
-    /// one, no cap). The layer changes at the next keyframe of it, which the data plane asks for.
-    /// Set a simulcast consumer's layers: `preferred`, `max` and `auto_layer` all replaced.
+    /// one, no cap) and whether its reports may lower them; all three replaced. The layer
+    /// changes at the next keyframe of it, which the data plane asks for.
     pub fn set_consumer_layers(&mut self, room: &str, uid: u32, preferred: Option<u8>, max: Option<u8>, auto_layer: bool) -> Result<Consumer, ModelError> {
         let r = self.room(room)?;
         let (pid, sref) = r

@@ -1106,7 +1106,8 @@ impl WorkerCtx {
                 .filter_map(|id| {
                     let c = consumers.get(id)?;
                     let current = c.rewriter.current()?;
-                    Some((*id, activity.get(&c.group)?.bitrate_bps(current, now_ns)?, current > 0))
+                    // A consumer with auto_layer off counts toward the total but cannot step.
+                    Some((*id, activity.get(&c.group)?.bitrate_bps(current, now_ns)?, current > 0 && c.choice.automatic()))
                 })
                 .collect();
             if let Some(stepper) = layer_choice::remb_over(remb.bps, &receiving) {
