@@ -79,6 +79,8 @@ pub struct LayersView {
     /// Automatic steps down (loss, REMB) and back up.
     pub auto_steps_down: u64,
     pub auto_steps_up: u64,
+    /// Windows in which its NACKs were judged as its loss (it sent no report block then).
+    pub auto_nack_windows: u64,
     /// Changes of layer because one went absent or came back.
     pub fallbacks: u64,
     /// Layers the publisher does not send now (none for a second: absent).
@@ -144,6 +146,7 @@ fn of_model(model: &Model, room: Option<&str>, only: Option<u32>) -> Vec<(Consum
                         late_dropped: 0,
                         auto_limit: None,
                         auto_steps_down: 0,
+                        auto_nack_windows: 0,
                         auto_steps_up: 0,
                         fallbacks: 0,
                         absent: Vec::new(),
@@ -199,6 +202,7 @@ fn with_counters(views: Vec<(ConsumerView, Option<u32>)>, dataplane: &dyn Datapl
                 l.late_dropped = state.stats.late;
                 l.auto_limit = state.auto_limit;
                 (l.auto_steps_down, l.auto_steps_up, l.fallbacks) = (state.choice.steps_down, state.choice.steps_up, state.choice.fallbacks);
+                l.auto_nack_windows = state.choice.nack_judgements;
                 l.absent = (0..l.count).filter(|i| state.absent & (1 << i) != 0).collect();
             }
             v

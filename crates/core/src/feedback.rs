@@ -145,6 +145,11 @@ pub struct Outcome {
     /// The packet's REMBs: each one estimate for the consumers whose SSRCs it lists (a consumer
     /// named again by a later REMB counts only there).
     pub remb: Vec<Remb>,
+    /// The sequence numbers simulcast consumers NACKed that the SFU had sent them, in their own
+    /// numbering: a loss signal for receivers that send no report blocks while they lose
+    /// packets ([`crate::layer_choice::LayerChoice::on_nacks`]). (A receiver also NACKs a packet
+    /// that is late, e.g. the next one while its publisher is silent: that is no loss.)
+    pub nacks: Vec<(u32, Vec<u16>)>,
     pub total: Tally,
     /// Per published stream the messages were about (routed and coalesced ones).
     pub per_stream: Vec<(u32, Tally)>,
@@ -316,8 +321,10 @@ impl FeedbackRouter {
                         // A simulcast consumer's numbers are its own: each goes back to the
                         // layer and number it was sent from.
                         let mut by_layer: Vec<(u8, Vec<u16>)> = Vec::new();
+                        let mut sent = Vec::new();
                         for seq in nack_sequences(&b[12..]) {
                             let Some((layer, orig)) = layers.original(route.consumer, seq) else { continue };
+                            sent.push(seq);
                             match by_layer.iter_mut().find(|(l, _)| *l == layer) {
                                 Some((_, v)) => v.push(orig),
                                 None => by_layer.push((layer, vec![orig])),
@@ -325,6 +332,11 @@ impl FeedbackRouter {
                         }
                         if by_layer.is_empty() {
                             out.tally(None, |t| t.unroutable += 1);
+                        }
+                        match out.nacks.iter_mut().find(|(c, _)| *c == route.consumer) {
+                            Some((_, v)) => v.extend_from_slice(&sent),
+                            None if !sent.is_empty() => out.nacks.push((route.consumer, sent)),
+                            None => {}
                         }
                         for (layer, mut seqs) in by_layer {
                             let Some(&(stream, ssrc)) = route.layers.get(layer as usize) else { continue };
@@ -588,6 +600,8 @@ mod tests {
         let nacks: Vec<&[u8]> = o.routed.iter().map(|x| &x.packet[8..]).collect();
         assert_eq!(nacks, vec![&[build::nack(99, 0x100, 42, 0), build::nack(99, 0x101, 9000, 0b1)].concat()[..]]);
         assert_eq!(o.total.routed, 2);
+        // ... and the layer choice hears of the three it was sent, in the consumer's numbers.
+        assert_eq!(o.nacks, vec![(7, vec![499, 500, 501])]);
         // Without layer state (no packet seen yet) its keyframe requests go nowhere.
         let o = r.route(&e, &[rr(&[]), build::pli(99, 0x100)].concat(), 3_000_000_000).unwrap();
         assert_eq!((o.routed.len(), o.total.unroutable), (0, 1));

@@ -20,6 +20,13 @@
 //!
 //!    Loss is what the consumer reports about its SSRC, so loss on the publisher's link counts
 //!    too (it sees the same frozen video either way).
+//!
+//!    A receiver that NACKs but sends no report blocks while it loses packets (GStreamer puts
+//!    none in its early feedback packets, the ones that carry its NACKs) is judged by its NACKs
+//!    instead ([`LayerChoice::on_nacks`]): over a window of at least [`NACK_WINDOW_NS`] (1 s)
+//!    and [`NACK_MIN_SENT`] (100) packets sent to it, without a report block, the distinct sequence
+//!    numbers it NACKed that it had been sent (not those of the window before: retries; nor
+//!    late ones not sent yet) over the packets sent to it count as a report of that loss.
 //! 3. **What the publisher sends** ([`LayerActivity`]): a layer without a packet for
 //!    [`ABSENT_AFTER_NS`] (1 s) is absent (browsers stop their top layers under congestion; some
 //!    publishers never send all they announce). The consumer gets the highest layer under the
@@ -51,6 +58,11 @@ pub const MAX_UP_HOLD_NS: u64 = 48_000 * MS;
 pub const ABSENT_AFTER_NS: u64 = 1_000 * MS;
 /// Bitrates are measured over windows of this length.
 const RATE_WINDOW_NS: u64 = 1_000 * MS;
+/// Loss inferred from NACKs is judged over windows of at least this length...
+pub const NACK_WINDOW_NS: u64 = 1_000 * MS;
+/// ... in which at least this many packets were sent to the consumer: a smaller sample says
+/// little (at 5 % loss, 3 or more lost of 25 sent, read as "over 10 %", happens one time in 8).
+pub const NACK_MIN_SENT: u64 = 100;
 
 /// What a publisher sends of each layer of one simulcast stream: when it last sent a packet of
 /// it, and at what bitrate. One per stream, shared by its consumers.
@@ -129,6 +141,20 @@ pub struct ChoiceStats {
     pub steps_up: u64,
     /// Times the layer chosen changed because a layer went absent or came back.
     pub fallbacks: u64,
+    /// Windows of NACKs judged as a report (no report block came in them).
+    pub nack_judgements: u64,
+}
+
+/// The consumer's NACKs in the current window ([`LayerChoice::on_nacks`]).
+#[derive(Debug, Clone, Default)]
+struct NackWindow {
+    start_ns: Option<u64>,
+    sent_at_start: u64,
+    /// Distinct sequence numbers NACKed in this window, and in the one before.
+    seqs: Vec<u16>,
+    previous: Vec<u16>,
+    /// A report block came in this window: it speaks for the loss, not the NACKs.
+    reported: bool,
 }
 
 /// One consumer's automatic layer limit (see the module's policy).
@@ -148,6 +174,7 @@ pub struct LayerChoice {
     chosen: Option<(u8, bool)>,
     /// The API turned the automatic choice off: reports move nothing.
     manual: bool,
+    nacks: NackWindow,
     pub stats: ChoiceStats,
 }
 
@@ -166,6 +193,42 @@ impl LayerChoice {
     /// A receiver report block about what it receives: `fraction_lost` of 256, while it
     /// receives `receiving`.
     pub fn on_loss(&mut self, fraction_lost: u8, receiving: Option<u8>, now_ns: u64) {
+        if self.nacks.start_ns.is_some() {
+            self.nacks.reported = true;
+        }
+        self.judge_loss(fraction_lost, receiving, now_ns);
+    }
+
+    /// Sequence numbers (its own) the consumer NACKed; `sent` is how many packets it has been
+    /// sent in all (the rewriter's count). When a window of [`NACK_WINDOW_NS`] has passed
+    /// without a report block, the loss they show counts as a report of it.
+    pub fn on_nacks(&mut self, seqs: &[u16], sent: u64, receiving: Option<u8>, now_ns: u64) {
+        let w = &mut self.nacks;
+        if w.start_ns.is_none() {
+            *w = NackWindow { start_ns: Some(now_ns), sent_at_start: sent, previous: std::mem::take(&mut w.previous), ..Default::default() };
+        }
+        let start = w.start_ns.unwrap_or(now_ns);
+        for s in seqs {
+            if !w.seqs.contains(s) && !w.previous.contains(s) {
+                w.seqs.push(*s);
+            }
+        }
+        let sent_in_window = sent.saturating_sub(w.sent_at_start);
+        if now_ns.saturating_sub(start) < NACK_WINDOW_NS || sent_in_window < NACK_MIN_SENT {
+            return;
+        }
+        let lost = w.seqs.len() as u64;
+        let sent_in_window = sent_in_window.max(lost);
+        let judged = !w.reported;
+        w.previous = std::mem::take(&mut w.seqs);
+        (w.start_ns, w.reported) = (None, false);
+        if judged {
+            self.stats.nack_judgements += 1;
+            self.judge_loss((lost * 256 / sent_in_window).min(255) as u8, receiving, now_ns);
+        }
+    }
+
+    fn judge_loss(&mut self, fraction_lost: u8, receiving: Option<u8>, now_ns: u64) {
         if fraction_lost > LOSS_DOWN {
             self.step_down(receiving, now_ns);
         } else if fraction_lost > LOSS_UP {
@@ -351,6 +414,48 @@ mod tests {
         assert_eq!(c.choose(2, None, true, 3, &a, 40 * S), 2);
         c.on_loss(51, Some(2), 40 * S);
         assert_eq!(c.choose(2, None, true, 3, &a, 40 * S), 1);
+    }
+
+    #[test]
+    fn nacks_count_as_loss_when_no_report_block_speaks_for_it() {
+        let a = activity(60 * S, None);
+        let mut c = LayerChoice::default();
+        assert_eq!(c.choose(2, None, true, 3, &a, S), 2);
+        // 20 % of the 100 packets sent in a second NACKed (retries of the same numbers and a
+        // number named twice count once): a step down when the window closes.
+        let mut sent = 1_000;
+        for k in 0..10u64 {
+            let seqs: Vec<u16> = (0..2).map(|i| (100 + 10 * k + i) as u16).collect();
+            c.on_nacks(&seqs, sent, Some(2), 2 * S + k * S / 10);
+            c.on_nacks(&seqs, sent, Some(2), 2 * S + k * S / 10 + 1);
+            sent += 10;
+        }
+        assert_eq!(c.choose(2, None, true, 3, &a, 3 * S), 2, "the window is still open");
+        c.on_nacks(&[], sent, Some(2), 3 * S);
+        assert_eq!(c.choose(2, None, true, 3, &a, 3 * S), 1, "20 % lost");
+        assert_eq!((c.stats.steps_down, c.stats.nack_judgements), (1, 1));
+        // Retries of the last window's numbers, then 3 % new: no step, but no calm either.
+        let t = 6 * S;
+        let retries: Vec<u16> = (0..10u16).flat_map(|k| [100 + 10 * k, 101 + 10 * k]).collect();
+        c.on_nacks(&retries, sent, Some(1), t);
+        c.on_nacks(&[500, 501, 502], sent + 100, Some(1), t + S);
+        assert_eq!(c.choose(2, None, true, 3, &a, t + S), 1);
+        assert_eq!(c.stats.steps_down, 1, "3 of 100: between the thresholds");
+        assert_eq!(c.calm_since_ns, t + S, "...which restarts the hold");
+        // A window in which a report block came: the report speaks, the NACKs do not.
+        let t = 12 * S;
+        c.on_nacks(&(600..650).collect::<Vec<u16>>(), sent + 100, Some(1), t);
+        c.on_loss(0, Some(1), t + S / 2);
+        c.on_nacks(&[], sent + 200, Some(1), t + S);
+        assert_eq!((c.stats.steps_down, c.stats.nack_judgements), (1, 2), "{:?}", c.stats);
+        // A second in which little was sent (its publisher paused) is no measure: the window
+        // stays open until enough was.
+        let t = 20 * S;
+        c.on_nacks(&[900], sent + 200, Some(1), t);
+        c.on_nacks(&[901], sent + 205, Some(1), t + 2 * S);
+        assert_eq!(c.stats.nack_judgements, 2, "5 sent");
+        c.on_nacks(&[], sent + 200 + NACK_MIN_SENT, Some(1), t + 3 * S);
+        assert_eq!((c.stats.nack_judgements, c.stats.steps_down), (3, 1), "2 of 20: between the thresholds");
     }
 
     #[test]

@@ -1086,9 +1086,9 @@ impl WorkerCtx {
         }
     }
 
-    /// A simulcast consumer's reports and REMBs lower (or let rise) the layer it gets.
+    /// A simulcast consumer's reports, NACKs and REMBs lower (or let rise) the layer it gets.
     fn feed_layer_choice(&self, outcome: &mediaplane_core::feedback::Outcome, now_ns: u64) {
-        if outcome.reports.is_empty() && outcome.remb.is_empty() {
+        if outcome.reports.is_empty() && outcome.remb.is_empty() && outcome.nacks.is_empty() {
             return;
         }
         let mut guard = self.shared.layers.lock();
@@ -1096,6 +1096,12 @@ impl WorkerCtx {
         for r in &outcome.reports {
             if let Some(c) = consumers.get_mut(&r.consumer) {
                 c.choice.on_loss(r.block.fraction_lost, c.rewriter.current(), now_ns);
+            }
+        }
+        // (After the packet's report blocks: a window they fall in is theirs to judge.)
+        for (id, seqs) in &outcome.nacks {
+            if let Some(c) = consumers.get_mut(id) {
+                c.choice.on_nacks(seqs, c.rewriter.stats.forwarded, c.rewriter.current(), now_ns);
             }
         }
         // A REMB is one estimate for every SSRC it lists.

@@ -52,8 +52,8 @@ fn vp8(layer: usize, seq: u16, ts: u32, pic: u16, first: bool, key: bool) -> Vec
     common::simulcast::vp8(layer, seq, ts, pic, first, key, 100 + 300 * layer)
 }
 
-fn run_plane(tb: &Testbed, plane: &str) {
-    let tmp = common::TempDir::new("store");
+/// Room "s" with every peer of `tb` as p0, p1, ...; p0 publishes "cam" in three layers.
+fn start_room<'a>(tb: &'a Testbed, plane: &str, tmp: &common::TempDir) -> NetnsServe<'a> {
     let serve = NetnsServe::start(tb, plane, &tmp.0.join("store.db"), &["--reset"]);
     serve.api("POST", "/v1/rooms", Some(json!({"id": "s"})));
     for (i, p) in tb.peers.iter().enumerate() {
@@ -61,6 +61,28 @@ fn run_plane(tb: &Testbed, plane: &str) {
         serve.api("POST", "/v1/rooms/s/participants", Some(body));
     }
     serve.api("POST", "/v1/rooms/s/participants/p0/streams", Some(json!({"name": "cam", "layers": LAYERS, "codec": "vp8", "clock_rate": 90000})));
+    serve
+}
+
+/// p0's frame `f`: two packets per layer (but `skip`), a keyframe on a layer whose keyframe was
+/// asked for (a PLI read from `publisher` since the last frame).
+fn publish_frame(publisher: &UdpSocket, sfu: SocketAddr, f: u16, seq: &mut [u16; 3], key_asked: &mut [bool; 3], skip: Option<usize>) {
+    let mut at_publisher: Vec<Vec<u8>> = Vec::new();
+    drain(publisher, &mut at_publisher);
+    keyframes_asked(&at_publisher, key_asked);
+    for l in (0..3).filter(|l| Some(*l) != skip) {
+        let key = std::mem::take(&mut key_asked[l]);
+        let ts = 1_000_000 * l as u32 + 1800 * f as u32;
+        for k in 0..2 {
+            publisher.send_to(&vp8(l, seq[l].wrapping_add(k), ts, f, k == 0, key), sfu).unwrap();
+        }
+        seq[l] = seq[l].wrapping_add(2);
+    }
+}
+
+fn run_plane(tb: &Testbed, plane: &str) {
+    let tmp = common::TempDir::new("store");
+    let serve = start_room(tb, plane, &tmp);
     let sub = |who: &str, body: Value| serve.api("POST", &format!("/v1/rooms/s/participants/{who}/subscriptions"), Some(body))["consumer"].as_u64().unwrap();
     let consumer = [sub("p1", json!({"publisher": "p0", "stream": "cam"})), sub("p2", json!({"publisher": "p0", "stream": "cam"}))];
     let manual = sub("p3", json!({"publisher": "p0", "stream": "cam", "auto_layer": false}));
@@ -90,20 +112,8 @@ fn run_plane(tb: &Testbed, plane: &str) {
         if ms >= RUN_MS {
             break;
         }
-        let mut at_publisher: Vec<Vec<u8>> = Vec::new();
-        drain(&socks[0], &mut at_publisher);
-        keyframes_asked(&at_publisher, &mut key_asked);
-        for l in 0..3 {
-            if l == 1 && (LAYER1_GONE_MS.0..LAYER1_GONE_MS.1).contains(&ms) {
-                continue;
-            }
-            let key = std::mem::take(&mut key_asked[l]);
-            let ts = 1_000_000 * l as u32 + 1800 * f as u32;
-            for k in 0..2 {
-                socks[0].send_to(&vp8(l, seq[l].wrapping_add(k), ts, f, k == 0, key), sfu(0)).unwrap();
-            }
-            seq[l] = seq[l].wrapping_add(2);
-        }
+        let gone = (LAYER1_GONE_MS.0..LAYER1_GONE_MS.1).contains(&ms).then_some(1);
+        publish_frame(&socks[0], sfu(0), f, &mut seq, &mut key_asked, gone);
         for who in 0..3 {
             let mut got = Vec::new();
             drain(&socks[who + 1], &mut got);
@@ -207,5 +217,67 @@ fn simulcast_layers_follow_loss_reports_remb_and_absent_layers_on_every_data_pla
     let tb = Testbed::star(4).unwrap();
     for plane in planes() {
         run_plane(&tb, &plane);
+    }
+}
+
+/// A receiver that NACKs what it loses but sends no report blocks (as GStreamer's early
+/// feedback does): p1 NACKs every fifth packet it receives (20 %), p2 every 33rd (3 %), each
+/// with an empty receiver report, from 1 s to 3.5 s. p1's NACKs are judged as its loss and step
+/// it down; p2's are below the threshold and move nothing. On every data plane.
+#[test]
+fn nacks_stand_in_for_the_report_blocks_a_receiver_does_not_send() {
+    if !mediaplane_bench::require_root("sfu_layer_choice") {
+        return;
+    }
+    let tb = Testbed::star(3).unwrap();
+    for plane in planes() {
+        let tmp = common::TempDir::new("store");
+        let serve = start_room(&tb, &plane, &tmp);
+        let sub = |who: &str| {
+            let body = json!({"publisher": "p0", "stream": "cam"});
+            serve.api("POST", &format!("/v1/rooms/s/participants/{who}/subscriptions"), Some(body))["consumer"].as_u64().unwrap()
+        };
+        let consumer = [sub("p1"), sub("p2")];
+        let socks: Vec<UdpSocket> = tb.peers.iter().map(|p| tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT)).unwrap()).collect();
+        for s in &socks {
+            s.set_nonblocking(true).unwrap();
+        }
+        let sfu = |i: usize| SocketAddr::new(tb.peers[i].sfu_ip, SFU_PORT);
+        let (mut seq, mut key_asked) = ([1000u16, 30000, 65000], [false; 3]);
+        let every = [5usize, 33];
+        let mut counted = [0usize; 2];
+        let start = Instant::now();
+        let mut f: u16 = 0;
+        while start.elapsed() < Duration::from_millis(3_500) {
+            publish_frame(&socks[0], sfu(0), f, &mut seq, &mut key_asked, None);
+            for who in 0..2 {
+                let mut got = Vec::new();
+                drain(&socks[who + 1], &mut got);
+                if start.elapsed() < Duration::from_secs(1) {
+                    continue;
+                }
+                let mut nacks = vec![build_report(0xc1 + who as u32, None, &[])];
+                for p in got.iter().filter(|p| p.len() > 12 && !(192..=223).contains(&p[1])) {
+                    counted[who] += 1;
+                    if counted[who] % every[who] == 0 {
+                        nacks.push(build::nack(0xc1 + who as u32, LAYERS[0], RtpHeader::parse(p).unwrap().sequence, 0));
+                    }
+                }
+                if nacks.len() > 1 {
+                    socks[who + 1].send_to(&nacks.concat(), sfu(who + 1)).unwrap();
+                }
+            }
+            f = f.wrapping_add(1);
+            std::thread::sleep(Duration::from_millis(FRAME_MS));
+        }
+        let view = |c: u64| -> Value {
+            let all = serve.api("GET", "/v1/rooms/s/consumers", None)["consumers"].as_array().unwrap().clone();
+            all.iter().find(|v| v["id"] == c).unwrap()["layers"].clone()
+        };
+        let (p1, p2) = (view(consumer[0]), view(consumer[1]));
+        assert!(p1["auto_nack_windows"].as_u64() >= Some(1), "[{plane}] p1's NACKs were judged: {p1}");
+        assert_eq!((p1["auto_steps_down"].as_u64(), p1["auto_limit"].as_u64()), (Some(1), Some(1)), "[{plane}] 20 % NACKed: one step down: {p1}");
+        assert!(p2["auto_nack_windows"].as_u64() >= Some(1), "[{plane}] p2's NACKs were judged: {p2}");
+        assert_eq!((p2["auto_steps_down"].as_u64(), p2["target"].as_u64()), (Some(0), Some(2)), "[{plane}] 3 % NACKed: no step: {p2}");
     }
 }
