@@ -146,8 +146,8 @@ pub struct Outcome {
     /// named again by a later REMB counts only there).
     pub remb: Vec<Remb>,
     /// The sequence numbers simulcast consumers NACKed that the SFU had sent them, in their own
-    /// numbering: a loss signal for receivers that send no report blocks while they lose
-    /// packets ([`crate::layer_choice::LayerChoice::on_nacks`]). (A receiver also NACKs a packet
+    /// numbering: a loss signal beside report blocks, and the only one from receivers that send
+    /// none while they lose packets ([`crate::layer_choice::LayerChoice::on_nacks`]). (A receiver also NACKs a packet
     /// that is late, e.g. the next one while its publisher is silent: that is no loss.)
     pub nacks: Vec<(u32, Vec<u16>)>,
     pub total: Tally,

@@ -21,12 +21,13 @@
 //!    Loss is what the consumer reports about its SSRC, so loss on the publisher's link counts
 //!    too (it sees the same frozen video either way).
 //!
-//!    A receiver that NACKs but sends no report blocks while it loses packets (GStreamer puts
-//!    none in its early feedback packets, the ones that carry its NACKs) is judged by its NACKs
-//!    instead ([`LayerChoice::on_nacks`]): over a window of at least [`NACK_WINDOW_NS`] (1 s)
-//!    and [`NACK_MIN_SENT`] (100) packets sent to it, without a report block, the distinct sequence
-//!    numbers it NACKed that it had been sent (not those of the window before: retries; nor
-//!    late ones not sent yet) over the packets sent to it count as a report of that loss.
+//!    A consumer's NACKs count as reports too ([`LayerChoice::on_nacks`]): a receiver may send
+//!    no report blocks while it loses packets (GStreamer puts none in its early feedback packets,
+//!    the ones that carry its NACKs). Over back-to-back windows of at least [`NACK_WINDOW_NS`]
+//!    (1 s) and [`NACK_MIN_SENT`] (100) packets sent to it, the distinct sequence numbers it
+//!    NACKed that it had been sent (not those of the window before: retries; nor late ones not
+//!    sent yet) over the packets sent to it count as a report of that loss. Beside its report
+//!    blocks the same loss may be judged twice; the interval between steps keeps that to one step.
 //! 3. **What the publisher sends** ([`LayerActivity`]): a layer without a packet for
 //!    [`ABSENT_AFTER_NS`] (1 s) is absent (browsers stop their top layers under congestion; some
 //!    publishers never send all they announce). The consumer gets the highest layer under the
@@ -40,6 +41,7 @@
 
 use crate::simulcast::MAX_LAYERS;
 use serde::{Deserialize, Serialize};
+use std::collections::HashSet;
 
 const MS: u64 = 1_000_000;
 /// Fraction lost (of 256, as a report block carries it) above which a consumer steps down: 10 %.
@@ -63,6 +65,11 @@ pub const NACK_WINDOW_NS: u64 = 1_000 * MS;
 /// ... in which at least this many packets were sent to the consumer: a smaller sample says
 /// little (at 5 % loss, 3 or more lost of 25 sent, read as "over 10 %", happens one time in 8).
 pub const NACK_MIN_SENT: u64 = 100;
+/// A window not due after this long (little sent: a paused layer) is dropped unjudged. (Long
+/// enough for a low-rate layer's 100 packets: 128x72 VP8 sends about 10 a second.)
+pub const NACK_STALE_NS: u64 = 10 * NACK_WINDOW_NS;
+/// Numbers a window keeps at most.
+const NACK_MAX_TRACKED: usize = 4096;
 
 /// What a publisher sends of each layer of one simulcast stream: when it last sent a packet of
 /// it, and at what bitrate. One per stream, shared by its consumers.
@@ -148,13 +155,13 @@ pub struct ChoiceStats {
 /// The consumer's NACKs in the current window ([`LayerChoice::on_nacks`]).
 #[derive(Debug, Clone, Default)]
 struct NackWindow {
+    /// When the open window opened (None: none is), and the packets sent by then.
     start_ns: Option<u64>,
     sent_at_start: u64,
-    /// Distinct sequence numbers NACKed in this window, and in the one before.
-    seqs: Vec<u16>,
-    previous: Vec<u16>,
-    /// A report block came in this window: it speaks for the loss, not the NACKs.
-    reported: bool,
+    /// Distinct sequence numbers NACKed in this window, and in the one before (whose retries
+    /// do not count again).
+    seqs: HashSet<u16>,
+    previous: HashSet<u16>,
 }
 
 /// One consumer's automatic layer limit (see the module's policy).
@@ -193,38 +200,50 @@ impl LayerChoice {
     /// A receiver report block about what it receives: `fraction_lost` of 256, while it
     /// receives `receiving`.
     pub fn on_loss(&mut self, fraction_lost: u8, receiving: Option<u8>, now_ns: u64) {
-        if self.nacks.start_ns.is_some() {
-            self.nacks.reported = true;
-        }
         self.judge_loss(fraction_lost, receiving, now_ns);
     }
 
-    /// Sequence numbers (its own) the consumer NACKed; `sent` is how many packets it has been
-    /// sent in all (the rewriter's count). When a window of [`NACK_WINDOW_NS`] has passed
-    /// without a report block, the loss they show counts as a report of it.
+    /// Sequence numbers (its own, ones it was sent) the consumer NACKed; `sent` is how many
+    /// packets it has been sent in all (the rewriter's count). Windows are back to back: one
+    /// that is due (at least [`NACK_WINDOW_NS`] and [`NACK_MIN_SENT`] packets sent) is judged
+    /// when the next NACK comes, before that NACK's numbers open the next window, as a report of
+    /// the loss it shows. One that is not due after [`NACK_STALE_NS`] (a paused layer) is dropped
+    /// unjudged.
     pub fn on_nacks(&mut self, seqs: &[u16], sent: u64, receiving: Option<u8>, now_ns: u64) {
-        let w = &mut self.nacks;
-        if w.start_ns.is_none() {
-            *w = NackWindow { start_ns: Some(now_ns), sent_at_start: sent, previous: std::mem::take(&mut w.previous), ..Default::default() };
-        }
-        let start = w.start_ns.unwrap_or(now_ns);
-        for s in seqs {
-            if !w.seqs.contains(s) && !w.previous.contains(s) {
-                w.seqs.push(*s);
+        if let Some(start) = self.nacks.start_ns {
+            let (age, sent_in) = (now_ns.saturating_sub(start), sent.saturating_sub(self.nacks.sent_at_start));
+            if age >= NACK_WINDOW_NS && sent_in >= NACK_MIN_SENT {
+                self.close_nack_window(sent_in, receiving, now_ns);
+            } else if age >= NACK_STALE_NS {
+                let w = &mut self.nacks;
+                w.start_ns = None;
+                w.previous = std::mem::take(&mut w.seqs);
             }
         }
-        let sent_in_window = sent.saturating_sub(w.sent_at_start);
-        if now_ns.saturating_sub(start) < NACK_WINDOW_NS || sent_in_window < NACK_MIN_SENT {
-            return;
+        let w = &mut self.nacks;
+        if w.start_ns.is_none() {
+            if seqs.is_empty() {
+                return;
+            }
+            (w.start_ns, w.sent_at_start) = (Some(now_ns), sent);
         }
+        for s in seqs {
+            // (Bounded: a flood of NACKs costs a hash lookup per number, and past this many the
+            // verdict is long decided.)
+            if w.seqs.len() < NACK_MAX_TRACKED && !w.previous.contains(s) {
+                w.seqs.insert(*s);
+            }
+        }
+    }
+
+    fn close_nack_window(&mut self, sent_in: u64, receiving: Option<u8>, now_ns: u64) {
+        let w = &mut self.nacks;
+        w.start_ns = None;
         let lost = w.seqs.len() as u64;
-        let sent_in_window = sent_in_window.max(lost);
-        let judged = !w.reported;
         w.previous = std::mem::take(&mut w.seqs);
-        (w.start_ns, w.reported) = (None, false);
-        if judged {
+        if !self.manual {
             self.stats.nack_judgements += 1;
-            self.judge_loss((lost * 256 / sent_in_window).min(255) as u8, receiving, now_ns);
+            self.judge_loss((lost * 256 / sent_in.max(lost)).min(255) as u8, receiving, now_ns);
         }
     }
 
@@ -417,7 +436,7 @@ mod tests {
     }
 
     #[test]
-    fn nacks_count_as_loss_when_no_report_block_speaks_for_it() {
+    fn nacks_count_as_loss_reports() {
         let a = activity(60 * S, None);
         let mut c = LayerChoice::default();
         assert_eq!(c.choose(2, None, true, 3, &a, S), 2);
@@ -434,28 +453,43 @@ mod tests {
         c.on_nacks(&[], sent, Some(2), 3 * S);
         assert_eq!(c.choose(2, None, true, 3, &a, 3 * S), 1, "20 % lost");
         assert_eq!((c.stats.steps_down, c.stats.nack_judgements), (1, 1));
-        // Retries of the last window's numbers, then 3 % new: no step, but no calm either.
+        // Retries of the last window's numbers, then 3 % new: no step, but the hold restarts.
         let t = 6 * S;
         let retries: Vec<u16> = (0..10u16).flat_map(|k| [100 + 10 * k, 101 + 10 * k]).collect();
         c.on_nacks(&retries, sent, Some(1), t);
-        c.on_nacks(&[500, 501, 502], sent + 100, Some(1), t + S);
+        c.on_nacks(&[500, 501, 502], sent + 50, Some(1), t + S / 2);
+        c.on_nacks(&[], sent + 100, Some(1), t + S);
         assert_eq!(c.choose(2, None, true, 3, &a, t + S), 1);
-        assert_eq!(c.stats.steps_down, 1, "3 of 100: between the thresholds");
+        assert_eq!((c.stats.steps_down, c.stats.nack_judgements), (1, 2), "3 of 100: between the thresholds");
         assert_eq!(c.calm_since_ns, t + S, "...which restarts the hold");
-        // A window in which a report block came: the report speaks, the NACKs do not.
+        // The NACK that finds a window due does not count in it: it opens the next one.
+        let t = 9 * S;
+        c.on_nacks(&[700], sent + 100, Some(1), t);
+        c.on_nacks(&(701..730).collect::<Vec<u16>>(), sent + 200, Some(1), t + S);
+        assert_eq!((c.stats.steps_down, c.stats.nack_judgements), (1, 3), "1 of 100 judged, the 29 wait");
+        c.on_nacks(&[], sent + 300, Some(1), t + 2 * S);
+        assert_eq!((c.stats.steps_down, c.stats.nack_judgements), (2, 4), "29 of 100: down");
+        // A report block beside the NACKs does not keep them from counting.
         let t = 12 * S;
-        c.on_nacks(&(600..650).collect::<Vec<u16>>(), sent + 100, Some(1), t);
-        c.on_loss(0, Some(1), t + S / 2);
-        c.on_nacks(&[], sent + 200, Some(1), t + S);
-        assert_eq!((c.stats.steps_down, c.stats.nack_judgements), (1, 2), "{:?}", c.stats);
-        // A second in which little was sent (its publisher paused) is no measure: the window
-        // stays open until enough was.
+        c.on_loss(0, Some(0), t);
+        c.on_nacks(&(600..605).collect::<Vec<u16>>(), sent + 300, Some(0), t);
+        c.on_nacks(&[], sent + 400, Some(0), t + S);
+        assert_eq!((c.stats.steps_down, c.stats.nack_judgements), (2, 5), "{:?}", c.stats);
+        assert_eq!(c.calm_since_ns, t + S, "5 of 100: between the thresholds");
+        // A window with little sent (its publisher paused) stays open until enough was, and is
+        // dropped unjudged when that takes too long.
         let t = 20 * S;
-        c.on_nacks(&[900], sent + 200, Some(1), t);
-        c.on_nacks(&[901], sent + 205, Some(1), t + 2 * S);
-        assert_eq!(c.stats.nack_judgements, 2, "5 sent");
-        c.on_nacks(&[], sent + 200 + NACK_MIN_SENT, Some(1), t + 3 * S);
-        assert_eq!((c.stats.nack_judgements, c.stats.steps_down), (3, 1), "2 of 20: between the thresholds");
+        c.on_nacks(&[900], sent + 400, Some(0), t);
+        c.on_nacks(&[901], sent + 405, Some(0), t + 2 * S);
+        assert_eq!(c.stats.nack_judgements, 5, "5 sent");
+        c.on_nacks(&[902], sent + 410, Some(0), t + NACK_STALE_NS);
+        c.on_nacks(&[], sent + 410 + NACK_MIN_SENT, Some(0), t + NACK_STALE_NS + S);
+        assert_eq!((c.stats.nack_judgements, c.stats.steps_down), (6, 2), "the stale window dropped; 1 of 100 judged");
+        // Off (auto_layer): nothing judged.
+        assert_eq!(c.choose(2, None, false, 3, &a, 40 * S), 2);
+        c.on_nacks(&(1000..1050).collect::<Vec<u16>>(), sent + 600, Some(2), 40 * S);
+        c.on_nacks(&[], sent + 700, Some(2), 41 * S);
+        assert_eq!((c.stats.nack_judgements, c.stats.steps_down), (6, 2));
     }
 
     #[test]

@@ -1098,7 +1098,6 @@ impl WorkerCtx {
                 c.choice.on_loss(r.block.fraction_lost, c.rewriter.current(), now_ns);
             }
         }
-        // (After the packet's report blocks: a window they fall in is theirs to judge.)
         for (id, seqs) in &outcome.nacks {
             if let Some(c) = consumers.get_mut(id) {
                 c.choice.on_nacks(seqs, c.rewriter.stats.forwarded, c.rewriter.current(), now_ns);

@@ -101,8 +101,8 @@ const NACKING: usize = 4;
 const REPORTING: usize = 5;
 const LOSS: [f64; PARTICIPANTS] = [0.0, 0.0, 0.0, 0.0, 0.05, 0.20];
 const KEYFRAME_DEADLINE: Duration = Duration::from_millis(500);
-/// The SFU's keyframe-request coalescing interval (mediaplane_core::feedback).
-const COALESCING: Duration = Duration::from_millis(500);
+/// The SFU's keyframe-request coalescing interval.
+const COALESCING: Duration = Duration::from_nanos(mediaplane_core::feedback::KEYFRAME_REQUEST_INTERVAL_NS);
 
 fn layer_ssrc(publisher: usize, layer: usize) -> u32 {
     0x1000 * (publisher as u32 + 1) + layer as u32
@@ -498,7 +498,7 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &Path) {
     let dropped = bridges[REPORTING].lost.lock().unwrap().len();
     assert!(dropped > 0, "[{plane}] p{REPORTING}'s link lost nothing");
 
-    // p4's NACKs reached the publishers, naming what they sent.
+    // The lossy links' NACKs (p4's and p5's) reached the publishers, naming what they sent.
     for p in 0..PUBLISHERS {
         let sent: BTreeMap<u32, BTreeSet<u16>> = (0..3)
             .map(|l| (layer_ssrc(p, l), bridges[p].rtp_out(layer_ssrc(p, l)).iter().map(|(_, x)| RtpHeader::parse(x).unwrap().sequence).collect()))

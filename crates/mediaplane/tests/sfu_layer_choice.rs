@@ -222,8 +222,9 @@ fn simulcast_layers_follow_loss_reports_remb_and_absent_layers_on_every_data_pla
 
 /// A receiver that NACKs what it loses but sends no report blocks (as GStreamer's early
 /// feedback does): p1 NACKs every fifth packet it receives (20 %), p2 every 33rd (3 %), each
-/// with an empty receiver report, from 1 s to 3.5 s. p1's NACKs are judged as its loss and step
-/// it down; p2's are below the threshold and move nothing. On every data plane.
+/// with an empty receiver report, from 1 s on, until p2 has had enough windows judged (at
+/// least 3.5 s, at most 8 s). p1's NACKs are judged as its loss and step it down; p2's are
+/// below the threshold and move nothing. On every data plane.
 #[test]
 fn nacks_stand_in_for_the_report_blocks_a_receiver_does_not_send() {
     if !mediaplane_bench::require_root("sfu_layer_choice") {
@@ -248,7 +249,8 @@ fn nacks_stand_in_for_the_report_blocks_a_receiver_does_not_send() {
         let mut counted = [0usize; 2];
         let start = Instant::now();
         let mut f: u16 = 0;
-        while start.elapsed() < Duration::from_millis(3_500) {
+        // p2's windows need 100 packets each, its NACKs one in 33: seven NACKs make two.
+        while start.elapsed() < Duration::from_millis(3_500) || (counted[1] < 7 * every[1] && start.elapsed() < Duration::from_secs(8)) {
             publish_frame(&socks[0], sfu(0), f, &mut seq, &mut key_asked, None);
             for who in 0..2 {
                 let mut got = Vec::new();
@@ -276,7 +278,8 @@ fn nacks_stand_in_for_the_report_blocks_a_receiver_does_not_send() {
         };
         let (p1, p2) = (view(consumer[0]), view(consumer[1]));
         assert!(p1["auto_nack_windows"].as_u64() >= Some(1), "[{plane}] p1's NACKs were judged: {p1}");
-        assert_eq!((p1["auto_steps_down"].as_u64(), p1["auto_limit"].as_u64()), (Some(1), Some(1)), "[{plane}] 20 % NACKed: one step down: {p1}");
+        let (steps, limit) = (p1["auto_steps_down"].as_u64().unwrap(), p1["auto_limit"].as_u64());
+        assert!(steps >= 1 && limit.is_some_and(|l| l <= 1), "[{plane}] 20 % NACKed: stepped down: {p1}");
         assert!(p2["auto_nack_windows"].as_u64() >= Some(1), "[{plane}] p2's NACKs were judged: {p2}");
         assert_eq!((p2["auto_steps_down"].as_u64(), p2["target"].as_u64()), (Some(0), Some(2)), "[{plane}] 3 % NACKed: no step: {p2}");
     }
