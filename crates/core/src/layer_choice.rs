@@ -200,7 +200,11 @@ impl LayerChoice {
     /// A receiver report block about what it receives: `fraction_lost` of 256, while it
     /// receives `receiving`.
     pub fn on_loss(&mut self, fraction_lost: u8, receiving: Option<u8>, now_ns: u64) {
-        self.judge_loss(fraction_lost, receiving, now_ns);
+        if fraction_lost > LOSS_DOWN {
+            self.step_down(receiving, now_ns);
+        } else if fraction_lost > LOSS_UP {
+            self.calm_since_ns = now_ns;
+        }
     }
 
     /// Sequence numbers (its own, ones it was sent) the consumer NACKed; `sent` is how many
@@ -243,15 +247,7 @@ impl LayerChoice {
         w.previous = std::mem::take(&mut w.seqs);
         if !self.manual {
             self.stats.nack_judgements += 1;
-            self.judge_loss((lost * 256 / sent_in.max(lost)).min(255) as u8, receiving, now_ns);
-        }
-    }
-
-    fn judge_loss(&mut self, fraction_lost: u8, receiving: Option<u8>, now_ns: u64) {
-        if fraction_lost > LOSS_DOWN {
-            self.step_down(receiving, now_ns);
-        } else if fraction_lost > LOSS_UP {
-            self.calm_since_ns = now_ns;
+            self.on_loss((lost * 256 / sent_in.max(lost)).min(255) as u8, receiving, now_ns);
         }
     }
 

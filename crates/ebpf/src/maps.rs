@@ -89,6 +89,23 @@ pub const GLOBAL_COUNTERS: [&str; 34] = [
     "pass_feedback",
 ];
 
+/// The pass counters of packets of the SFU's or relay's own streams that the program hands to
+/// the user-space slow path; the other `pass_*` counters are traffic that is not theirs (not
+/// IP, not UDP, not to one of their addresses, ...). The benches split a run's packets into
+/// kernel and slow path with it.
+pub const SLOW_PATH_PASSES: [&str; 10] = [
+    "pass_stun",
+    "pass_unlatched",
+    "pass_slow_stream",
+    "pass_no_neigh",
+    "pass_fib_fail",
+    "pass_stale_copy",
+    "pass_error",
+    "pass_in_order",
+    "pass_rtcp",
+    "pass_feedback",
+];
+
 /// Index of a global counter by name (panics on a typo: names are compile-time constants).
 pub fn counter_index(name: &str) -> u32 {
     GLOBAL_COUNTERS.iter().position(|n| *n == name).unwrap_or_else(|| panic!("no counter {name}")) as u32
@@ -753,6 +770,13 @@ mod tests {
 
     fn a(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    #[test]
+    fn slow_path_passes_are_pass_counters_of_the_registry() {
+        for name in SLOW_PATH_PASSES {
+            assert!(name.starts_with("pass_") && GLOBAL_COUNTERS.contains(&name), "{name}");
+        }
     }
 
     #[test]

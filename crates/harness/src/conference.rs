@@ -133,7 +133,7 @@ pub struct ConferenceResult {
     pub daemon_stats: Value,
     /// eBPF planes: packets of the SFU's streams the BPF program handled itself during the run
     /// (`forwarded`: fanned out, simulcast copies renumbered or skipped), and those it handed
-    /// to the user-space slow path ([`SLOW_PATH_PASSES`]).
+    /// to the user-space slow path ([`mediaplane_ebpf::maps::SLOW_PATH_PASSES`]).
     #[serde(default)]
     pub kernel_handled: Option<u64>,
     #[serde(default)]
@@ -253,21 +253,6 @@ pub(crate) fn process_cpu_ns(pid: u32) -> u64 {
         .sum()
 }
 
-/// The eBPF plane's counters of packets of its streams handed to the user-space slow path
-/// (`pass_not_ip`, `pass_not_ours` and the like are traffic that is not the SFU's or relay's).
-pub(crate) const SLOW_PATH_PASSES: [&str; 10] = [
-    "pass_stun",
-    "pass_unlatched",
-    "pass_slow_stream",
-    "pass_no_neigh",
-    "pass_fib_fail",
-    "pass_stale_copy",
-    "pass_error",
-    "pass_in_order",
-    "pass_rtcp",
-    "pass_feedback",
-];
-
 /// How much an eBPF plane counter (`/v1/stats` `extra`) grew from `before` to `after`.
 pub(crate) fn extra_delta(before: &Value, after: &Value, k: &str) -> u64 {
     let at = |v: &Value| v["extra"][k].as_u64().unwrap_or(0);
@@ -276,9 +261,9 @@ pub(crate) fn extra_delta(before: &Value, after: &Value, k: &str) -> u64 {
 
 /// The eBPF plane's packets of its own streams from `before` to `after` (`/v1/stats`): those
 /// the BPF program fanned out itself (`forwarded`), and those it handed to the user-space slow
-/// path ([`SLOW_PATH_PASSES`]).
+/// path ([`mediaplane_ebpf::maps::SLOW_PATH_PASSES`]).
 pub(crate) fn kernel_split(before: &Value, after: &Value) -> (u64, u64) {
-    (extra_delta(before, after, "forwarded"), SLOW_PATH_PASSES.iter().map(|k| extra_delta(before, after, k)).sum())
+    (extra_delta(before, after, "forwarded"), mediaplane_ebpf::maps::SLOW_PATH_PASSES.iter().map(|k| extra_delta(before, after, k)).sum())
 }
 
 pub(crate) fn flow_main(i: usize) -> u32 {
