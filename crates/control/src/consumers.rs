@@ -42,6 +42,12 @@ pub struct ConsumerView {
     /// Of a simulcast stream: which layer it wants and receives.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub layers: Option<LayersView>,
+    /// Its RTP as the SFU sent it (in-path, every copy): loss passed on, duplicates and
+    /// reordering forwarded, jitter of the stream as it got it (none until an RTP copy was sent;
+    /// see [`mediaplane_dataplane::Dataplane::consumer_reception`]). Beside `report`, what the
+    /// consumer said it received: the difference is its own link.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub forwarded: Option<mediaplane_core::reception::ReceptionReport>,
     /// For labels: `room/subscriber<-publisher/stream`.
     #[serde(skip)]
     pub label: String,
@@ -130,6 +136,7 @@ fn of_model(model: &Model, room: Option<&str>, only: Option<u32>) -> Vec<(Consum
                     remb_bps: None,
                     rtt_ms: None,
                     rtt_age_ms: None,
+                    forwarded: None,
                     layers: (!s.layers.is_empty()).then(|| LayersView {
                         count: s.layers.len() as u8,
                         preferred: c.preferred_layer,
@@ -175,6 +182,7 @@ pub fn one(model: &Model, room: &str, id: u32, dataplane: &dyn Dataplane) -> Opt
 fn with_counters(views: Vec<(ConsumerView, Option<u32>)>, dataplane: &dyn Dataplane) -> Vec<ConsumerView> {
     let ids: Vec<u32> = views.iter().map(|(v, _)| v.id).collect();
     let counters = dataplane.consumer_counters(&ids);
+    let mut forwarded = dataplane.consumer_reception(&ids);
     let now = mediaplane_dataplane::monotonic_ns();
     views
         .into_iter()
@@ -191,6 +199,7 @@ fn with_counters(views: Vec<(ConsumerView, Option<u32>)>, dataplane: &dyn Datapl
                 age_ms: now.saturating_sub(r.at_ns) / 1_000_000,
             });
             v.remb_bps = c.remb_bps;
+            v.forwarded = forwarded.remove(&v.id);
             v.rtt_ms = c.rtt_us.map(|us| us as f64 / 1000.0);
             v.rtt_age_ms = c.rtt_us.map(|_| now.saturating_sub(c.rtt_at_ns) / 1_000_000);
             if let (Some(l), Some(state)) = (&mut v.layers, c.layer) {

@@ -444,6 +444,28 @@ struct Samples {
 #[derive(Default)]
 struct Families(BTreeMap<&'static str, Samples>);
 
+/// (name, help) of the series of an RTP sequence's quality: expected, received, duplicates,
+/// reordered (counters), lost, jitter (gauges).
+struct RtpQualityNames([(&'static str, &'static str); 6]);
+
+const STREAM_RECEIVED: RtpQualityNames = RtpQualityNames([
+    ("mediaplane_stream_rtp_expected_packets", "RTP packets expected from the sequence numbers received (RFC 3550 A.3)"),
+    ("mediaplane_stream_rtp_received_packets", "Distinct RTP packets received (duplicates not counted)"),
+    ("mediaplane_stream_rtp_duplicate_packets", "RTP packets received again"),
+    ("mediaplane_stream_rtp_reordered_packets", "RTP packets that arrived after a later one of their stream"),
+    ("mediaplane_stream_rtp_lost_packets", "Cumulative RTP loss: expected - received (RFC 3550 A.3; negative after old duplicates)"),
+    ("mediaplane_stream_rtp_jitter_seconds", "RFC 3550 interarrival jitter of the RTP stream as received"),
+]);
+
+const CONSUMER_FORWARDED: RtpQualityNames = RtpQualityNames([
+    ("mediaplane_consumer_rtp_expected_packets", "RTP packets the consumer was due from the sequence numbers sent to it"),
+    ("mediaplane_consumer_rtp_sent_packets", "Distinct RTP packets sent to the consumer (duplicates not counted)"),
+    ("mediaplane_consumer_rtp_duplicate_packets", "RTP packets sent to the consumer again"),
+    ("mediaplane_consumer_rtp_reordered_packets", "RTP packets sent to the consumer after a later one"),
+    ("mediaplane_consumer_rtp_lost_packets", "Cumulative RTP loss passed on to the consumer: expected - sent (RFC 3550 A.3)"),
+    ("mediaplane_consumer_rtp_jitter_seconds", "RFC 3550 interarrival jitter of the consumer's RTP as forwarded (timed at arrival)"),
+]);
+
 impl Families {
     fn add(&mut self, name: &'static str, help: &'static str, kind: MetricType, labels: Labels, v: Num) {
         let e = self.0.entry(name).or_insert_with(|| Samples { help, kind, series: Vec::new() });
@@ -476,28 +498,22 @@ impl Families {
 
     /// A stream's in-path reception quality (per-stream series only).
     fn reception(&mut self, r: &ReceptionReport, labels: &Labels) {
+        self.rtp_quality(&STREAM_RECEIVED, r, labels);
+    }
+
+    /// The quality of an RTP sequence, under `names`.
+    fn rtp_quality(&mut self, names: &RtpQualityNames, r: &ReceptionReport, labels: &Labels) {
         let l = || labels.clone();
         let c = MetricType::Counter;
-        self.add(
-            "mediaplane_stream_rtp_expected_packets",
-            "RTP packets expected from the sequence numbers received (RFC 3550 A.3)",
-            c,
-            l(),
-            Num::U(r.expected),
-        );
-        self.add("mediaplane_stream_rtp_received_packets", "Distinct RTP packets received (duplicates not counted)", c, l(), Num::U(r.packets));
-        self.add("mediaplane_stream_rtp_duplicate_packets", "RTP packets received again", c, l(), Num::U(r.duplicates));
-        self.add("mediaplane_stream_rtp_reordered_packets", "RTP packets that arrived after a later one of their stream", c, l(), Num::U(r.reordered));
+        let [expected, received, duplicates, reordered, lost, jitter] = names.0;
+        self.add(expected.0, expected.1, c, l(), Num::U(r.expected));
+        self.add(received.0, received.1, c, l(), Num::U(r.packets));
+        self.add(duplicates.0, duplicates.1, c, l(), Num::U(r.duplicates));
+        self.add(reordered.0, reordered.1, c, l(), Num::U(r.reordered));
         let g = MetricType::Gauge;
-        self.add(
-            "mediaplane_stream_rtp_lost_packets",
-            "Cumulative RTP loss: expected - received (RFC 3550 A.3; negative after old duplicates)",
-            g,
-            l(),
-            Num::F(r.lost as f64),
-        );
+        self.add(lost.0, lost.1, g, l(), Num::F(r.lost as f64));
         if let Some(ms) = r.jitter_ms {
-            self.add("mediaplane_stream_rtp_jitter_seconds", "RFC 3550 interarrival jitter of the RTP stream as received", g, l(), Num::F(ms / 1000.0));
+            self.add(jitter.0, jitter.1, g, l(), Num::F(ms / 1000.0));
         }
     }
 
@@ -549,6 +565,9 @@ impl Families {
         }
         if let Some(bps) = c.remb_bps {
             self.add("mediaplane_consumer_remb_bits_per_second", "The consumer's latest REMB estimate naming its stream", g, l(), Num::U(bps));
+        }
+        if let Some(r) = &c.forwarded {
+            self.rtp_quality(&CONSUMER_FORWARDED, r, &l());
         }
     }
 

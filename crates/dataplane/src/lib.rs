@@ -439,6 +439,16 @@ pub trait Dataplane: Send + Sync {
         BTreeMap::new()
     }
 
+    /// What these consumers were sent, as it left: the same accounting as a stream's reception
+    /// ([`mediaplane_core::reception`]) over the RTP copies sent to each, with the headers they
+    /// carried (a simulcast consumer's renumbered ones): loss passed on, duplicates and
+    /// reordering forwarded, jitter of the stream as the consumer got it (timed at the packet's
+    /// arrival). Absent: no RTP copy sent yet. Read on demand, as [`Dataplane::consumer_counters`].
+    fn consumer_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
+        let _ = ids;
+        BTreeMap::new()
+    }
+
     /// Reception quality of just these streams (absent: no RTP packet accepted yet); the
     /// per-stream counterpart of [`DataplaneStats::reception`], overridden as
     /// [`Dataplane::stream_counters`] is.

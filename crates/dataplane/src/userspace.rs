@@ -185,18 +185,44 @@ fn addresses_of(e: &StreamEntry) -> impl Iterator<Item = SocketAddr> + '_ {
     std::iter::once(e.key.local).chain(e.copies.iter().map(|c| c.from))
 }
 
-/// (stream id, consumer uid) of a copy; a packet that is not one (feedback on its way to a
+/// What an outgoing packet is a copy of; a packet that is not one (feedback on its way to a
 /// publisher) has none.
-type CopyOf = (u32, u32);
+#[derive(Debug, Clone, Copy)]
+struct CopyOf {
+    stream: u32,
+    /// The consumer uid (0: none, a relay leg's copy).
+    consumer: u32,
+    /// The stream is RTP: the clock rate its copies' RTP is accounted at, as forwarded.
+    rtp_clock_rate: Option<u32>,
+}
+
+impl CopyOf {
+    fn of(entry: &StreamEntry, consumer: u32) -> CopyOf {
+        CopyOf { stream: entry.id, consumer, rtp_clock_rate: entry.rtp.then_some(entry.clock_rate) }
+    }
+}
 
 #[derive(Default)]
 struct WorkerCounters {
     total: Counters,
     streams: HashMap<u32, Counters>,
     consumers: HashMap<u32, ConsumerCounters>,
+    /// (consumer, SSRC, sequence number, timestamp, clock rate) of each RTP copy sent, in order.
+    forwarded: Vec<(u32, u32, u16, u32, u32)>,
 }
 
 impl WorkerCounters {
+    /// A copy was sent: its RTP header (clear in SRTP too), for its consumer's QoS as forwarded.
+    fn forwarded(&mut self, c: CopyOf, payload: &[u8]) {
+        if let (Some(rate), true) = (c.rtp_clock_rate, c.consumer != 0) {
+            if demux(payload) == MediaKind::Rtp {
+                if let Ok(h) = RtpHeader::parse(payload) {
+                    self.forwarded.push((c.consumer, h.ssrc, h.sequence, h.timestamp, rate));
+                }
+            }
+        }
+    }
+
     /// A copy of stream `stream` for `consumer` (0: none, a relay leg's copy) went out, or not.
     fn count_copy(&mut self, stream: u32, consumer: u32, bytes: usize, sent: bool) {
         let sc = self.streams.entry(stream).or_default();
@@ -233,6 +259,9 @@ struct Shared {
     /// In-path reception quality per RTP stream. Shared: a stream's packets normally reach one
     /// worker, but a new source may land on another; one lock per batch.
     reception: Mutex<HashMap<u32, RtpReception>>,
+    /// The same per consumer over the RTP copies sent to it ([`Dataplane::consumer_reception`]).
+    /// Taken alone, one lock per batch.
+    forwarded: Mutex<HashMap<u32, RtpReception>>,
     /// Consumers' feedback: shared, so keyframe requests are coalesced whichever worker the
     /// subscribers' flows landed on (a few packets per second per consumer).
     feedback: Mutex<FeedbackRouter>,
@@ -416,6 +445,7 @@ impl UserspaceDataplane {
             sources: Mutex::new(SourceBuckets::default()),
             mark_ack: cfg.mark_ack.clone(),
             reception: Mutex::new(HashMap::new()),
+            forwarded: Mutex::new(HashMap::new()),
             feedback: Mutex::new(FeedbackRouter::default()),
             layers: Mutex::new(SimulcastState::default()),
             sender_reports: Mutex::new(HashMap::new()),
@@ -606,6 +636,14 @@ impl UserspaceDataplane {
                 }),
             }
         }
+        let mut forwarded = self.shared.forwarded.lock();
+        match &keep {
+            Some(keep) => forwarded.retain(|id, _| keep.contains(id)),
+            None => gone.iter().for_each(|id| {
+                forwarded.remove(id);
+            }),
+        }
+        drop(forwarded);
         let mut layers = self.shared.layers.lock();
         let kernel = self.shared.kernel_layers.as_deref();
         match &keep {
@@ -735,6 +773,11 @@ impl Dataplane for UserspaceDataplane {
             }
         }
         out
+    }
+
+    fn consumer_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
+        let r = self.shared.forwarded.lock();
+        ids.iter().filter_map(|id| r.get(id).map(|s| (*id, s.report()))).collect()
     }
 
     fn stream_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
@@ -1081,7 +1124,12 @@ impl WorkerCtx {
         }
         let sent = self.steer.as_ref().is_some_and(|steer| send_raw_copy(steer, from, to, &payload));
         match of {
-            Some((stream, consumer)) => delta.count_copy(stream, consumer, payload.len(), sent),
+            Some(c) => {
+                delta.count_copy(c.stream, c.consumer, payload.len(), sent);
+                if sent {
+                    delta.forwarded(c, &payload);
+                }
+            }
             None => delta.total.tx_errors += u64::from(!sent),
         }
     }
@@ -1221,7 +1269,7 @@ impl WorkerCtx {
             }
         }
         for (copy, bytes) in copies {
-            self.send_from(state, copy.from, copy.to, Cow::Owned(bytes), Some((entry.id, copy.consumer)), out, delta);
+            self.send_from(state, copy.from, copy.to, Cow::Owned(bytes), Some(CopyOf::of(entry, copy.consumer)), out, delta);
         }
         // A keyframe answers the requests for its layer so far (see FeedbackRouter), once the
         // consumers waiting for it switched on it above: as the tick, before the requests.
@@ -1437,7 +1485,7 @@ impl WorkerCtx {
                                 }
                             },
                         };
-                        self.send_from(&state, copy.from, copy.to, payload, Some((entry.id, copy.consumer)), &mut out, &mut delta);
+                        self.send_from(&state, copy.from, copy.to, payload, Some(CopyOf::of(entry, copy.consumer)), &mut out, &mut delta);
                     }
                 }
                 Verdict::Drop { reason, stream } => {
@@ -1474,7 +1522,13 @@ impl WorkerCtx {
             let failed = sys::send_batch(fd, &msgs);
             for (k, (_, copy, m)) in out[start..end].iter().enumerate() {
                 match copy {
-                    Some((stream, consumer)) => delta.count_copy(*stream, *consumer, m.payload.len(), !failed.contains(&k)),
+                    Some(c) => {
+                        let sent = !failed.contains(&k);
+                        delta.count_copy(c.stream, c.consumer, m.payload.len(), sent);
+                        if sent {
+                            delta.forwarded(*c, &m.payload);
+                        }
+                    }
                     // Feedback to a publisher: only a failure is counted (as any send's).
                     None => delta.total.tx_errors += failed.contains(&k) as u64,
                 }
@@ -1495,6 +1549,13 @@ impl WorkerCtx {
             let mut reception = self.shared.reception.lock();
             for (id, h, rate) in arrivals {
                 reception.entry(id).or_default().on_packet(h.ssrc, h.sequence, h.timestamp, received_at, rate);
+            }
+        }
+        if !delta.forwarded.is_empty() {
+            // At the arrival time, as the kernel does (jitter of the stream as the consumer got it).
+            let mut forwarded = self.shared.forwarded.lock();
+            for (consumer, ssrc, seq, ts, rate) in delta.forwarded.drain(..) {
+                forwarded.entry(consumer).or_default().on_packet(ssrc, seq, ts, received_at, rate);
             }
         }
         let mut c = self.counters.lock();

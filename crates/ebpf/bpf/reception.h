@@ -44,6 +44,18 @@ struct {
 	__type(value, struct mp_reception);
 } stream_reception SEC(".maps");
 
+/* The same accounting per consumer, over the copies the fast path sent it, with the headers they
+ * left with (a simulcast consumer's renumbered ones): its RTP as forwarded. By consumer uid, made
+ * and deleted by user space together with the consumer's consumer_stats entry (the program never
+ * creates one); shared by all CPUs under its lock. */
+struct {
+	__uint(type, BPF_MAP_TYPE_HASH);
+	__uint(map_flags, BPF_F_NO_PREALLOC);
+	__uint(max_entries, 65536); /* = consumer_stats max_entries */
+	__type(key, __u32);
+	__type(value, struct mp_reception);
+} consumer_reception SEC(".maps");
+
 static __always_inline void rx_restart(struct mp_reception *r, __u32 ssrc, __u16 seq)
 {
 	if (r->started) {
@@ -140,27 +152,45 @@ static __always_inline void rx_on_packet(struct mp_reception *r, __u32 ssrc, __u
  *   have_rate:  bytes of `head` loaded << 32 | the stream's clock rate
  *   head0:      the payload's first 4 bytes (V/P/X/CC, M/PT, sequence number)
  *   ts_ssrc:    its bytes 4..12 (timestamp << 32 | SSRC) */
-__noinline int reception_account(__u64 slot_flags, __u64 have_rate, __u32 head0, __u64 ts_ssrc, __u64 now_ns)
+/* An RTP packet of an RTP stream: `flags` the stream's STREAM_F_*, `have` the bytes of its head
+ * loaded, `head0` their first 4. RTP by RFC 7983/5761 demultiplexing (parse.h demux): first byte
+ * 128..191, second byte not an RTCP packet type. */
+static __always_inline int rx_is_rtp(__u32 flags, __u32 have, __u32 head0)
 {
-	if (!((__u32)slot_flags & STREAM_F_RTP) || (have_rate >> 32) < 12)
-		return 0;
-	/* RTP by RFC 7983/5761 demultiplexing (parse.h demux): first byte 128..191, second byte
-	 * not an RTCP packet type. */
 	__u32 b0 = head0 >> 24, b1 = (head0 >> 16) & 0xff;
-	if (b0 < 128 || b0 > 191 || (b1 >= 192 && b1 <= 223))
-		return 0;
-	__u32 slot = slot_flags >> 32;
-	__u32 clock_rate = (__u32)have_rate;
-	__u16 seq = head0 & 0xffff;
-	__u32 ts = ts_ssrc >> 32, ssrc = (__u32)ts_ssrc;
+	return (flags & STREAM_F_RTP) && have >= 12 && b0 >= 128 && b0 <= 191 && !(b1 >= 192 && b1 <= 223);
+}
+
+/* One packet (head0: its first 4 bytes, ts_ssrc: bytes 4..12) into r, under its lock. */
+static __always_inline void rx_account(struct mp_reception *r, __u32 head0, __u64 ts_ssrc, __u32 clock_rate, __u64 now_ns)
+{
 	/* mediaplane_core::reception::arrival_units */
 	__u32 arrival = ((now_ns / 1000) * clock_rate) / 1000000;
-	struct mp_reception *r = bpf_map_lookup_elem(&stream_reception, &slot);
-	if (!r)
-		return 0;
 	bpf_spin_lock(&r->lock);
-	rx_on_packet(r, ssrc, seq, ts, arrival, clock_rate);
+	rx_on_packet(r, (__u32)ts_ssrc, head0 & 0xffff, ts_ssrc >> 32, arrival, clock_rate);
 	bpf_spin_unlock(&r->lock);
+}
+
+__noinline int reception_account(__u64 slot_flags, __u64 have_rate, __u32 head0, __u64 ts_ssrc, __u64 now_ns)
+{
+	if (!rx_is_rtp((__u32)slot_flags, have_rate >> 32, head0))
+		return 0;
+	__u32 slot = slot_flags >> 32;
+	struct mp_reception *r = bpf_map_lookup_elem(&stream_reception, &slot);
+	if (r)
+		rx_account(r, head0, ts_ssrc, (__u32)have_rate, now_ns);
+	return 0;
+}
+
+/* Account one RTP copy sent to `consumer` (head0, ts_ssrc: the copy's header, packed as for
+ * reception_account; the caller checked rx_is_rtp). At the packet's arrival time: jitter as
+ * forwarded is the stream's timing as the consumer got it (layer switches included), not the
+ * fan-out's own microseconds. Global for the reason reception_account is. */
+__noinline int forwarded_account(__u32 consumer, __u32 head0, __u64 ts_ssrc, __u32 clock_rate, __u64 now_ns)
+{
+	struct mp_reception *r = bpf_map_lookup_elem(&consumer_reception, &consumer);
+	if (r)
+		rx_account(r, head0, ts_ssrc, clock_rate, now_ns);
 	return 0;
 }
 

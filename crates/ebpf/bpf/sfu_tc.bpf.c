@@ -122,7 +122,12 @@ struct mp_fanout {
 	/* A simulcast layer (else MP_LAYER_NONE): each copy is decided and renumbered for its
 	 * consumer. */
 	__u32 layer;
-	__u32 pad;
+	/* The packet is RTP of an RTP stream (rx_is_rtp): each copy sent is accounted to its
+	 * consumer as forwarded, with these header fields (a layer copy: with its rewritten ones). */
+	__u32 rtp;
+	__u32 rtp_head0;
+	__u32 clock_rate;
+	__u64 rtp_ts_ssrc;
 };
 
 struct {
@@ -345,6 +350,19 @@ static __always_inline void count_consumer(const struct mp_copy_rewrite *c, __u3
 	}
 }
 
+/* A copy for c's consumer was sent: its RTP as forwarded (reception.h forwarded_account). */
+static __always_inline void account_forwarded(const struct mp_copy_rewrite *c, const struct mp_fanout *f,
+					      const struct mp_layer_scratch *ls)
+{
+	if (!c->consumer || !f->rtp)
+		return;
+	if (ls)
+		forwarded_account(c->consumer, (f->rtp_head0 & 0xffff0000) | ls->lo.seq, (__u64)ls->lo.ts << 32 | ls->lo.ssrc,
+				  f->clock_rate, f->t0);
+	else
+		forwarded_account(c->consumer, f->rtp_head0, f->rtp_ts_ssrc, f->clock_rate, f->t0);
+}
+
 /* Pass 2: one copy per call. */
 static __always_inline long send_copy(__u32 i, struct mp_fanout_ctx *x, int direct)
 {
@@ -379,6 +397,7 @@ static __always_inline long send_copy(__u32 i, struct mp_fanout_ctx *x, int dire
 		f->last_ifindex = e->out_ifindex;
 		f->sent++;
 		count_consumer(c, f->payload_len, 1);
+		account_forwarded(c, f, ls);
 		return 0;
 	}
 	if (bpf_clone_redirect(skb, e->out_ifindex, 0)) {
@@ -388,6 +407,7 @@ static __always_inline long send_copy(__u32 i, struct mp_fanout_ctx *x, int dire
 	}
 	f->sent++;
 	count_consumer(c, f->payload_len, 1);
+	account_forwarded(c, f, ls);
 	record_copy_latency(bpf_ktime_get_ns() - f->t0);
 	return 0;
 }
@@ -713,6 +733,10 @@ int sfu_ingress(struct __sk_buff *skb)
 		__builtin_memcpy(f->cur_addrs + 16, p.daddr, 16);
 	f->cur_ports[0] = p.sport;
 	f->cur_ports[1] = p.dport;
+	f->rtp = rx_is_rtp(entry->flags, head.have, rd32(head.b));
+	f->rtp_head0 = rd32(head.b);
+	f->rtp_ts_ssrc = (__u64)rd32(head.b + 4) << 32 | rd32(head.b + 8);
+	f->clock_rate = entry->clock_rate;
 	struct mp_fanout_ctx x = { .skb = skb, .f = f };
 
 	if ((entry->flags & STREAM_F_SIMULCAST) && entry->copies_count > 0) {

@@ -456,6 +456,21 @@ impl Dataplane for EbpfDataplane {
         out
     }
 
+    fn consumer_reception(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, ReceptionReport> {
+        let mut out: std::collections::BTreeMap<u32, ReceptionReport> = self
+            .fast
+            .kernel_consumer_reception(ids)
+            .unwrap_or_else(|e| {
+                tracing::warn!("reading what the kernel forwarded to consumers: {e}");
+                Default::default()
+            })
+            .into_iter()
+            .map(|(id, r)| (id, r.report()))
+            .collect();
+        merge_reception(&mut out, self.slow.consumer_reception(ids));
+        out
+    }
+
     fn stream_reception(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, ReceptionReport> {
         let mut out: std::collections::BTreeMap<u32, ReceptionReport> = self
             .fast
@@ -548,8 +563,9 @@ impl EbpfDataplane {
 }
 
 /// A stream whose packets took both paths (the slow path's while it learnt its source or its
-/// next hop, the kernel's after) has two partial views of its reception: the one that saw more
-/// packets is reported (sequence state cannot be summed).
+/// next hop, the kernel's after) has two partial views of its reception, and a consumer of it
+/// two of what it was forwarded: the one that saw more packets is reported (sequence state
+/// cannot be summed).
 fn merge_reception(into: &mut std::collections::BTreeMap<u32, ReceptionReport>, slow: std::collections::BTreeMap<u32, ReceptionReport>) {
     for (id, r) in slow {
         let e = into.entry(id).or_insert(r);

@@ -301,7 +301,7 @@ impl FastPath {
             let name = m.name().to_string_lossy().into_owned();
             let entries = match name.as_str() {
                 "streams" | "stream_stats" | "stream_rate" | "stream_path" | "stream_reception" => Some(opts.max_streams),
-                "copies" | "consumer_stats" | "layer_state" => Some(opts.max_copies),
+                "copies" | "consumer_stats" | "consumer_reception" | "layer_state" => Some(opts.max_copies),
                 _ => None,
             };
             if let Some(n) = entries {
@@ -352,8 +352,16 @@ impl FastPath {
             consumers: Mutex::new(BTreeSet::new()),
         };
         if adopted {
-            // The consumers' counters live on in their pinned map.
-            *me.consumers.lock() = me.map("consumer_stats").keys().filter_map(|k| k.get(..4).map(u32::from_bytes)).collect();
+            // The consumers' counters live on in their pinned map; what was forwarded to them
+            // (like the streams' reception, not pinned) is counted afresh.
+            let adopted: BTreeSet<u32> = me.map("consumer_stats").keys().filter_map(|k| k.get(..4).map(u32::from_bytes)).collect();
+            let reception = me.map("consumer_reception");
+            for id in &adopted {
+                reception
+                    .update(id.as_bytes(), ReceptionRaw::default().as_bytes(), MapFlags::NO_EXIST)
+                    .map_err(|e| bpf_err(format!("adopting consumer {id}"), e))?;
+            }
+            *me.consumers.lock() = adopted;
             let existing = me.read_installed()?;
             tracing::info!(streams = existing.len(), "adopted pinned kernel forwarding state");
             *me.installer.lock() = Installer::adopt(opts.max_copies, opts.max_streams, existing)?;
@@ -505,12 +513,19 @@ impl FastPath {
         let ncpu = libbpf_rs::num_possible_cpus().map_err(|e| bpf_err("counting CPUs", e))?;
         let zero = vec![ConsumerCountersRaw::default().as_bytes().to_vec(); ncpu];
         let map = self.map("consumer_stats");
+        let reception = self.map("consumer_reception");
         let mut have = self.consumers.lock();
         for (i, id) in ids.iter().enumerate() {
-            if let Err(e) = map.update_percpu(id.as_bytes(), &zero, MapFlags::ANY) {
+            let made = map.update_percpu(id.as_bytes(), &zero, MapFlags::ANY).and_then(|()| {
+                reception.update(id.as_bytes(), ReceptionRaw::default().as_bytes(), MapFlags::ANY).inspect_err(|_| {
+                    let _ = map.delete(id.as_bytes());
+                })
+            });
+            if let Err(e) = made {
                 // Nothing of the apply is installed: neither are these counters.
                 for made in &ids[..i] {
                     let _ = map.delete(made.as_bytes());
+                    let _ = reception.delete(made.as_bytes());
                     have.remove(made);
                 }
                 return Err(DataplaneError::Full(format!(
@@ -525,10 +540,14 @@ impl FastPath {
 
     fn delete_consumers(&self, ids: &[u32]) {
         let map = self.map("consumer_stats");
+        let reception = self.map("consumer_reception");
         let mut have = self.consumers.lock();
         for id in ids {
             if let Err(e) = map.delete(id.as_bytes()) {
                 tracing::warn!(consumer = id, error = %e, "deleting a consumer's counters");
+            }
+            if let Err(e) = reception.delete(id.as_bytes()) {
+                tracing::warn!(consumer = id, error = %e, "deleting what was forwarded to a consumer");
             }
             have.remove(id);
         }
@@ -547,6 +566,11 @@ impl FastPath {
             out.insert(id, percpu_sum::<ConsumerCountersRaw>(&map, id, |a, b| a.add(b))?);
         }
         Ok(out)
+    }
+
+    /// How many entries map `name` holds, counted key by key (tests, diagnostics).
+    pub fn map_keys(&self, name: &str) -> usize {
+        self.map(name).keys().count()
     }
 
     /// The consumers that have an entry in the kernel's `consumer_stats`, read from the map
@@ -663,6 +687,24 @@ impl FastPath {
     fn reception_of(&self, slot: u32) -> Result<Option<RtpReception>, DataplaneError> {
         let raw = self.map("stream_reception").lookup(slot.as_bytes(), MapFlags::LOCK).map_err(|e| bpf_err("reading reception state", e))?;
         Ok(raw.filter(|b| b.len() == size_of::<ReceptionRaw>()).map(|b| ReceptionRaw::from_bytes(&b).to_reception()).filter(|r| r.started))
+    }
+
+    /// What the kernel forwarded to just these consumers (those it has sent an RTP copy), as
+    /// they were sent: their RTP as forwarded.
+    pub fn kernel_consumer_reception(&self, ids: &[u32]) -> Result<BTreeMap<u32, RtpReception>, DataplaneError> {
+        let known: Vec<u32> = {
+            let have = self.consumers.lock();
+            ids.iter().filter(|id| have.contains(id)).copied().collect()
+        };
+        let map = self.map("consumer_reception");
+        let mut out = BTreeMap::new();
+        for id in known {
+            let raw = map.lookup(id.as_bytes(), MapFlags::LOCK).map_err(|e| bpf_err("reading what was forwarded to a consumer", e))?;
+            if let Some(r) = raw.filter(|b| b.len() == size_of::<ReceptionRaw>()).map(|b| ReceptionRaw::from_bytes(&b).to_reception()).filter(|r| r.started) {
+                out.insert(id, r);
+            }
+        }
+        Ok(out)
     }
 
     /// The kernel's reception state of just these streams.

@@ -26,6 +26,8 @@
 //! RR, SDES, BYE, PLI, NACK, malformed ones) is judged as the kernel must treat it: a
 //! publisher's to the slow path where it is timed or evaluated (`pass_rtcp`), a consumer's
 //! feedback to the slow path that routes it (`pass_feedback`), anything else by classify().
+//! Per consumer, what the kernel accounted as forwarded (its RTP as sent: bpf/reception.h) must
+//! equal core's `RtpReception` fed every copy judged above, sequence field for sequence field.
 //!
 //! Seeded: the seed is printed; MEDIAPLANE_FUZZ_SEED=<n> replays a run, MEDIAPLANE_FUZZ_FRAMES
 //! sets the count (default 10000, a few seconds). `make fuzz` runs it longer.
@@ -39,9 +41,11 @@ use common::rig::*;
 use common::*;
 use mediaplane_core::feedback::{FeedbackEntry, FeedbackRoute};
 use mediaplane_core::packet::{build_frame, internet_checksum, parse_frame, udp_checksum, FrameSpec};
-use mediaplane_core::rtp::build_rtp;
+use mediaplane_core::reception::RtpReception;
+use mediaplane_core::rtp::{build_rtp, demux, MediaKind, RtpHeader};
 use mediaplane_core::simulcast::{inspect, Codec, Decision, LayerRewriter};
 use mediaplane_core::table::{ForwardingTable, SimulcastLayer, SourceRule, StreamEntry};
+use mediaplane_core::Verdict;
 use mediaplane_ebpf::layers::LayerVerdict;
 use mediaplane_ebpf::{Prefilter, XDP_DROP, XDP_PASS};
 use std::collections::BTreeMap;
@@ -303,6 +307,46 @@ impl LayerModel {
             require(r.state() == kernel, format!("consumer {}: states differ\n kernel {kernel:?}\n core   {:?}", c.consumer, r.state()))?;
         }
         Ok(Expect::Layered(out, last_is_original))
+    }
+}
+
+/// What each consumer was sent, as core's `RtpReception` counts it over the copies' headers (no
+/// times: the kernel's are its own, so jitter is not compared).
+#[derive(Default)]
+struct ForwardedModel(BTreeMap<u32, RtpReception>);
+
+impl ForwardedModel {
+    /// The copies of `frame` the kernel sent (judged right): each RTP one to its consumer.
+    fn on_copies(&mut self, t: &ForwardingTable, frame: &[u8], copies: &[Vec<u8>]) {
+        let Some(f) = parse_frame(frame).ok() else { return };
+        let Verdict::Forward(e) = t.classify(f.dst, f.src, &frame[f.payload..f.payload + f.payload_len]) else { return };
+        if !e.rtp {
+            return;
+        }
+        for c in copies {
+            let Ok(p) = parse_frame(c) else { continue };
+            let payload = &c[p.payload..p.payload + p.payload_len];
+            let Some(copy) = e.copies.iter().find(|k| k.to == p.dst && k.consumer != 0) else { continue };
+            if demux(payload) == MediaKind::Rtp {
+                if let Ok(h) = RtpHeader::parse(payload) {
+                    self.0.entry(copy.consumer).or_default().on_packet(h.ssrc, h.sequence, h.timestamp, 0, e.clock_rate);
+                }
+            }
+        }
+    }
+
+    fn check(&self, rig: &Rig) -> Result<(), String> {
+        let ids: Vec<u32> = self.0.keys().copied().collect();
+        let kernel = rig.fp.kernel_consumer_reception(&ids).map_err(|e| e.to_string())?;
+        for (id, m) in &self.0 {
+            let Some(k) = kernel.get(id) else { return Err(format!("consumer {id}: the kernel accounted nothing forwarded, the model {:?}", m.report())) };
+            let (k, m) = (k.report(), m.report());
+            let fields = |r: &mediaplane_core::reception::ReceptionReport| {
+                (r.ssrc, r.packets, r.expected, r.lost, r.duplicates, r.reordered, r.jumps, r.resyncs, r.ssrc_changes, r.highest_seq)
+            };
+            require(fields(&k) == fields(&m), format!("consumer {id}: forwarded as the kernel accounted it {k:?}, the model {m:?}"))?;
+        }
+        Ok(())
     }
 }
 
@@ -729,6 +773,7 @@ fn run(rig: &Rig, pf: &Prefilter, t: &ForwardingTable, seed: u64, frames: u64) -
     let mut rng = Rng(seed);
     let mut publishers = Publishers::new(&mut rng);
     let mut model = LayerModel::new(rig, &mut rng);
+    let mut forwarded = ForwardedModel::default();
     let mut seen: BTreeMap<String, u64> = BTreeMap::new();
     let mut failures = Vec::new();
     let fail = |failures: &mut Vec<String>, i: u64, e: String, log: &[String], f: &[u8]| {
@@ -788,12 +833,19 @@ fn run(rig: &Rig, pf: &Prefilter, t: &ForwardingTable, seed: u64, frames: u64) -
             };
             *seen.entry(label.into()).or_default() += 1;
         }
-        if let Some(e) = model_err.or(judged.err()) {
-            if fail(&mut failures, i, e, &log, &f) {
-                break;
+        match model_err.map(Err).unwrap_or(judged) {
+            Ok(copies) => forwarded.on_copies(t, &f, &copies),
+            Err(e) => {
+                if fail(&mut failures, i, e, &log, &f) {
+                    break;
+                }
             }
         }
     }
+    if let Err(e) = forwarded.check(rig) {
+        failures.push(e);
+    }
+    *seen.entry("consumers accounted as forwarded".into()).or_default() += forwarded.0.len() as u64;
     // Copies that arrived late would have been missed above.
     let late = rig.cap.collect_for(0, Duration::ZERO, Duration::from_millis(300), any_copy);
     if !late.is_empty() {
@@ -844,6 +896,7 @@ fn random_and_mutated_frames_follow_the_reference() {
             "layer: rewritten copies",
             "layer: rewritten copies, the last the packet itself",
             "layer: no consumer's",
+            "consumers accounted as forwarded",
         ] {
             assert!(seen.get(v).copied().unwrap_or(0) > 0, "seed {seed}: no frame reached {v}: {seen:?}");
         }

@@ -1088,5 +1088,54 @@ fn simulcast_copies_are_renumbered_per_consumer_with_valid_checksums() {
             k.top_at_ns = r.state().top_at_ns;
             assert_eq!(k, r.state(), "{local}: consumer {id}'s state");
         }
+        // What each was forwarded, as it was sent: one SSRC, its renumbered sequence without a
+        // gap (the switch from layer 0 to layer 1 is not a loss); the paused one, nothing.
+        let fwd = rig.fp.kernel_consumer_reception(&consumers).unwrap();
+        assert!(!fwd.contains_key(&501), "{local}: the paused consumer was sent nothing");
+        for (id, n) in [(502u32, 8u64), (503, 7)] {
+            let r = fwd[&id].report();
+            assert_eq!((r.ssrc, r.packets, r.expected, r.lost, r.duplicates, r.reordered), (0x100, n, n, 0, 0, 0), "{local}: consumer {id}: {r:?}");
+        }
     }
+}
+
+/// Per consumer, the kernel accounts the RTP it sent (reception.h forwarded_account) as it
+/// accounts a stream's: a plain fan-out's consumers get the stream's loss, duplicates and
+/// reordering passed on, field for field as the reference fed the same packets; the entries come
+/// and go with the consumers.
+#[test]
+fn each_consumer_is_accounted_what_it_was_forwarded() {
+    use mediaplane_core::reception::RtpReception;
+    root_or_skip!("each_consumer_is_accounted_what_it_was_forwarded");
+    let rig = Rig::new();
+    let mut e = entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(2));
+    e.clock_rate = 8000;
+    rig.apply(&table(1, vec![e.clone()]));
+    let mut reference = RtpReception::default();
+    for seq in [0u16, 1, 2, 4, 3, 3, 5, 9, 7, 8, 8, 6, 11, 12] {
+        let run = rig.fp.test_run(&v4_frame(PUBLISHER, LOCAL, &build_rtp(0, seq, seq as u32 * 160, 9, &[0x5a; 40])), Some(rig.ifindex)).unwrap();
+        assert_eq!(run.retval, TC_ACT_REDIRECT, "packet {seq} not forwarded");
+        reference.on_packet(9, seq, seq as u32 * 160, 0, 8000);
+    }
+    let r = reference.report();
+    assert!(r.lost == 1 && r.duplicates == 2 && r.reordered == 4, "the schedule: {r:?}");
+    let fwd = rig.fp.kernel_consumer_reception(&[1001, 1002, 1003]).unwrap();
+    assert_eq!(fwd.keys().copied().collect::<Vec<_>>(), [1001, 1002]);
+    for (id, k) in &fwd {
+        let k = k.report();
+        assert_eq!(
+            (k.ssrc, k.packets, k.expected, k.lost, k.duplicates, k.reordered, k.highest_seq, k.clock_rate),
+            (r.ssrc, r.packets, r.expected, r.lost, r.duplicates, r.reordered, r.highest_seq, 8000),
+            "consumer {id}"
+        );
+    }
+    // A consumer that leaves takes its entry along; one that comes starts from nothing.
+    let three = entry(1, LOCAL, None, SourceRule::Fixed(a(PUBLISHER)), true, subscribers_v4(3));
+    e.copies = three.copies[1..].to_vec();
+    rig.apply(&table(2, vec![e]));
+    assert_eq!(rig.fp.map_keys("consumer_reception"), 2, "the leaving consumer's entry was deleted");
+    rig.fp.test_run(&v4_frame(PUBLISHER, LOCAL, &build_rtp(0, 13, 13 * 160, 9, &[0x5a; 40])), Some(rig.ifindex)).unwrap();
+    let fwd = rig.fp.kernel_consumer_reception(&[1001, 1002, 1003]).unwrap();
+    assert_eq!(fwd.keys().copied().collect::<Vec<_>>(), [1002, 1003]);
+    assert_eq!((fwd[&1002].report().packets, fwd[&1003].report().packets), (r.packets + 1, 1));
 }

@@ -335,4 +335,11 @@ fn consumer_series(m: &str, stats: &Value, copies: u64) {
     assert_eq!(listed[0]["tx_copies"], copies, "{listed:?}");
     let series = format!("mediaplane_consumer_sent_packets_total{{id=\"{}\",consumer=\"r/p1<-p0/main\"}}", listed[0]["id"]);
     assert_eq!(sample(m, &series), Some(copies as f64), "{series}\n{m}");
+    // Its RTP as forwarded: the sequence sent, no gap, no duplicate. (On eBPF, the first packets
+    // may have gone through the slow path, which keeps its own view: the larger is shown.)
+    let fwd = |name: &str| sample(m, &format!("mediaplane_consumer_rtp_{name}{{id=\"{}\",consumer=\"r/p1<-p0/main\"}}", listed[0]["id"]));
+    let sent = fwd("sent_packets_total").unwrap_or_else(|| panic!("no forwarded series\n{m}"));
+    assert!(sent <= copies as f64 && sent >= copies as f64 * 0.9, "{sent} of {copies}\n{m}");
+    assert_eq!((fwd("lost_packets"), fwd("duplicate_packets_total")), (Some(0.0), Some(0.0)), "{m}");
+    assert_eq!(listed[0]["forwarded"]["packets"].as_f64(), Some(sent), "{listed:?}");
 }
