@@ -185,6 +185,10 @@ pub struct DataplaneConfig {
     /// copy over the MTU) are not sent yet, hand its later packets up too, so none overtakes
     /// another. Off only for A/B measurements (`pass_in_order` counts what it held).
     pub hold_order: bool,
+    /// Every plane: account each consumer's RTP as forwarded (the consumer view's `forwarded`,
+    /// `mediaplane_consumer_rtp_*`). Off saves the eBPF program a locked update per copy
+    /// (BENCHMARKS.md); consumers then have no `forwarded`.
+    pub forwarded_qos: bool,
 }
 
 /// A reverse-path check mode, as rp_filter names them.
@@ -385,6 +389,7 @@ impl Default for DataplaneConfig {
             verify_checksums: true,
             rp_filter_v6: RpFilterMode::Off,
             hold_order: true,
+            forwarded_qos: true,
         }
     }
 }

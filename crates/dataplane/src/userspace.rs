@@ -67,6 +67,9 @@ pub struct UserspaceConfig {
     /// states; this plane sets their targets, asks for their keyframes and decides what it
     /// forwards itself through them ([`crate::kernel_layers`]).
     pub kernel_layers: Option<crate::kernel_layers::KernelLayersHandle>,
+    /// Account each consumer's RTP as forwarded ([`Dataplane::consumer_reception`]); off, a
+    /// consumer has none (and the eBPF plane's program saves its per-copy accounting).
+    pub forwarded_qos: bool,
 }
 
 /// See [`UserspaceConfig::mark_ack`].
@@ -81,7 +84,16 @@ impl std::fmt::Debug for MarkAck {
 
 impl Default for UserspaceConfig {
     fn default() -> Self {
-        UserspaceConfig { workers: 0, batch: 32, socket_buffer: 4 << 20, steered: false, header: HeaderPolicy::default(), mark_ack: None, kernel_layers: None }
+        UserspaceConfig {
+            workers: 0,
+            batch: 32,
+            socket_buffer: 4 << 20,
+            steered: false,
+            header: HeaderPolicy::default(),
+            mark_ack: None,
+            kernel_layers: None,
+            forwarded_qos: true,
+        }
     }
 }
 
@@ -209,12 +221,14 @@ struct WorkerCounters {
     consumers: HashMap<u32, ConsumerCounters>,
     /// (consumer, SSRC, sequence number, timestamp, clock rate) of each RTP copy sent, in order.
     forwarded: Vec<(u32, u32, u16, u32, u32)>,
+    /// `UserspaceConfig::forwarded_qos`.
+    account_forwarded: bool,
 }
 
 impl WorkerCounters {
     /// A copy was sent: its RTP header (clear in SRTP too), for its consumer's QoS as forwarded.
     fn forwarded(&mut self, c: CopyOf, payload: &[u8]) {
-        if let (Some(rate), true) = (c.rtp_clock_rate, c.consumer != 0) {
+        if let (Some(rate), true) = (c.rtp_clock_rate, c.consumer != 0 && self.account_forwarded) {
             if demux(payload) == MediaKind::Rtp {
                 if let Ok(h) = RtpHeader::parse(payload) {
                     self.forwarded.push((c.consumer, h.ssrc, h.sequence, h.timestamp, rate));
@@ -275,6 +289,8 @@ struct Shared {
     sender_reports: Mutex<HashMap<u32, SenderReportTimes>>,
     /// The kernel's simulcast states, when this is the eBPF plane's slow path.
     kernel_layers: Option<Arc<dyn KernelLayers>>,
+    /// `UserspaceConfig::forwarded_qos`.
+    forwarded_qos: bool,
 }
 
 #[derive(Default)]
@@ -450,6 +466,7 @@ impl UserspaceDataplane {
             layers: Mutex::new(SimulcastState::default()),
             sender_reports: Mutex::new(HashMap::new()),
             kernel_layers: cfg.kernel_layers.as_ref().map(|k| k.0.clone()),
+            forwarded_qos: cfg.forwarded_qos,
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
             (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer, cfg.header).map(Arc::new)).collect::<Result<_, _>>()?
@@ -1291,7 +1308,7 @@ impl WorkerCtx {
         let now = mono_ns();
         // One reading per batch: its datagrams were all waiting in the socket by now.
         let received_at = crate::monotonic_ns();
-        let mut delta = WorkerCounters::default();
+        let mut delta = WorkerCounters { account_forwarded: self.shared.forwarded_qos, ..Default::default() };
         // (egress fd, what it is a copy of, message) for every packet the batch sends.
         let mut out: Vec<(RawFd, Option<CopyOf>, Outgoing<'_>)> = Vec::new();
         // Marks of datagrams the kernel handed up in stream order: acknowledged once the batch's

@@ -129,6 +129,7 @@ enum mp_counter {
 #define MP_CFG_VERIFY_CSUM (1u << 0) /* verify IPv4 header and UDP checksums the device did not */
 #define MP_CFG_KEEP_DSCP (1u << 1)   /* copies keep the publisher's DSCP instead of fast_config.dscp */
 #define MP_CFG_HOLD_ORDER (1u << 2)  /* keep a stream in the slow path while it holds packets there */
+#define MP_CFG_FORWARDED_QOS (1u << 3) /* account each consumer's RTP as forwarded (reception.h) */
 
 /* Reverse-path check modes (the values of net.ipv4.conf.*.rp_filter). */
 #define MP_RPF_OFF 0

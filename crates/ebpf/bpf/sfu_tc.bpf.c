@@ -733,7 +733,7 @@ int sfu_ingress(struct __sk_buff *skb)
 		__builtin_memcpy(f->cur_addrs + 16, p.daddr, 16);
 	f->cur_ports[0] = p.sport;
 	f->cur_ports[1] = p.dport;
-	f->rtp = rx_is_rtp(entry->flags, head.have, rd32(head.b));
+	f->rtp = (cflags & MP_CFG_FORWARDED_QOS) && rx_is_rtp(entry->flags, head.have, rd32(head.b));
 	f->rtp_head0 = rd32(head.b);
 	f->rtp_ts_ssrc = (__u64)rd32(head.b + 4) << 32 | rd32(head.b + 8);
 	f->clock_rate = entry->clock_rate;

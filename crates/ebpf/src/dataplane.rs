@@ -296,6 +296,9 @@ impl EbpfDataplane {
         if cfg.hold_order && cfg.steer_slow_path {
             flags |= config_flags::HOLD_ORDER;
         }
+        if cfg.userspace.forwarded_qos {
+            flags |= config_flags::FORWARDED_QOS;
+        }
         let h = slow_cfg.header;
         fast.configure(&FastConfigRaw { flags, ttl: h.ttl, hop_limit: h.hop_limit, dscp: h.dscp, rpf_v6: cfg.rpf_v6 as u8 })?;
         let ifindexes: Vec<(String, u32)> = cfg.interfaces.iter().map(|i| attach::ifindex_of(i).map(|x| (i.clone(), x))).collect::<Result<_, _>>()?;

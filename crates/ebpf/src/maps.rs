@@ -258,6 +258,7 @@ pub mod config_flags {
     pub const VERIFY_CSUM: u32 = 1 << 0;
     pub const KEEP_DSCP: u32 = 1 << 1;
     pub const HOLD_ORDER: u32 = 1 << 2;
+    pub const FORWARDED_QOS: u32 = 1 << 3;
 }
 
 /// Reverse-path check modes (MP_RPF_*: the values of `net.ipv4.conf.*.rp_filter`).

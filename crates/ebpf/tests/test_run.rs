@@ -1138,4 +1138,10 @@ fn each_consumer_is_accounted_what_it_was_forwarded() {
     let fwd = rig.fp.kernel_consumer_reception(&[1001, 1002, 1003]).unwrap();
     assert_eq!(fwd.keys().copied().collect::<Vec<_>>(), [1002, 1003]);
     assert_eq!((fwd[&1002].report().packets, fwd[&1003].report().packets), (r.packets + 1, 1));
+    // dataplane.forwarded_qos = false: the program accounts nothing more.
+    rig.configure(mediaplane_ebpf::maps::FastConfigRaw { flags: RIG_CONFIG.flags & !mediaplane_ebpf::maps::config_flags::FORWARDED_QOS, ..RIG_CONFIG });
+    rig.fp.test_run(&v4_frame(PUBLISHER, LOCAL, &build_rtp(0, 14, 14 * 160, 9, &[0x5a; 40])), Some(rig.ifindex)).unwrap();
+    let off = rig.fp.kernel_consumer_reception(&[1002, 1003]).unwrap();
+    assert_eq!((off[&1002].report().packets, off[&1003].report().packets), (r.packets + 1, 1), "accounted with forwarded_qos off");
+    assert_eq!(rig.fp.kernel_stats().unwrap().consumers[&1003].tx_copies, 2, "but forwarded");
 }

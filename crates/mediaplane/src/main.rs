@@ -268,6 +268,7 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::SyncSender<DataplaneEv
         workers: cfg.dataplane.workers,
         batch: cfg.dataplane.batch,
         header: mediaplane_dataplane::HeaderPolicy::from_host(cfg.dataplane.dscp),
+        forwarded_qos: cfg.dataplane.forwarded_qos,
         ..Default::default()
     };
     match cfg.dataplane.kind {

@@ -276,6 +276,36 @@ fn userspace_plane_metrics_pass_promtool_and_cover_the_dashboard() {
     assert!(om.ends_with("# EOF\n") && om.contains("# TYPE mediaplane_sent_packets counter\n"), "{om}");
 }
 
+/// `dataplane.forwarded_qos = false`: consumers are counted, their RTP as forwarded is not.
+#[test]
+fn consumers_have_no_forwarded_quality_when_it_is_off() {
+    let tmp = TempDir::new("metrics-fwd-off");
+    let cfg = tmp.0.join("mediaplane.toml");
+    std::fs::write(
+        &cfg,
+        "[dataplane]\nforwarded_qos = false\n[media]\nip = \"127.0.0.1\"\nport_min = 43200\nport_max = 43299\n[metrics]\nper_consumer = true\n",
+    )
+    .unwrap();
+    let d = Daemon::start(&tmp.0.join("store.db"), &["--config", cfg.to_str().unwrap(), "--reset"]);
+    let (p0, p1) = (udp("127.0.0.1:0"), udp("127.0.0.1:0"));
+    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "r"}))).0, 201);
+    let mut local = Vec::new();
+    for (id, s) in [("p0", &p0), ("p1", &p1)] {
+        let (code, v) = d.call("POST", "/v1/rooms/r/participants", Some(json!({"id": id, "remote": s.local_addr().unwrap()})));
+        assert_eq!(code, 201, "{v}");
+        local.push(v["local"].as_str().unwrap().parse::<SocketAddr>().unwrap());
+    }
+    assert_eq!(d.call("POST", "/v1/rooms/r/participants/p0/streams", Some(json!({"name": "main"}))).0, 201);
+    assert_eq!(d.call("POST", "/v1/rooms/r/participants/p1/subscriptions", Some(json!({"publisher": "p0", "stream": "main"}))).0, 201);
+    send(&p0, local[0], 0x5eed, 10);
+    let stats = wait_stats(|| d.call("GET", "/v1/stats", None).1, |s| s["total"]["tx_copies"] == 10);
+    let c = &stats["consumers"][0];
+    assert_eq!(c["tx_copies"], 10, "{stats}");
+    assert!(c.get("forwarded").is_none(), "{c}");
+    let (_, m) = http_get(&format!("{}/metrics", d.api), None);
+    assert!(!m.contains("mediaplane_consumer_rtp_"), "{m}");
+}
+
 const NG: &str = "127.0.0.1:2223";
 
 #[test]

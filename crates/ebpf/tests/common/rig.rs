@@ -238,7 +238,8 @@ macro_rules! ensure {
 /// The fast path as the daemon configures it (the host's TTL and hop limit are 64 in the lab's
 /// fresh namespace; DSCP 0), except the order hold: nothing acknowledges packets handed up
 /// here, so it is tested on its own (test_run.rs, order_*).
-pub const RIG_CONFIG: FastConfigRaw = FastConfigRaw { flags: config_flags::VERIFY_CSUM, ttl: 64, hop_limit: 64, dscp: 0, rpf_v6: 0 };
+pub const RIG_CONFIG: FastConfigRaw =
+    FastConfigRaw { flags: config_flags::VERIFY_CSUM | config_flags::FORWARDED_QOS, ttl: 64, hop_limit: 64, dscp: 0, rpf_v6: 0 };
 
 /// A loaded program in the lab's namespace, with a capture on v1.
 pub struct Rig {
