@@ -32,7 +32,8 @@
 //!   stepped its consumer down. GStreamer 1.22 sends no report blocks in the early feedback
 //!   packets that carry its NACKs, so under loss its reports are rare: the SFU judges its NACKs
 //!   as its loss instead (`layer_choice`): p5's are judged, and its consumers step down (p4's
-//!   NACKs, the 5 % link's, are printed against what its link lost).
+//!   NACKs, the 5 % link's, are printed against what its link lost); what the SFU measured of
+//!   them as forwarded passed on no loss (the publishers' links are clean) and no duplicate.
 //!
 //! GStreamer's `gst-launch` cannot send and receive on one socket (symmetric RTP): its pipelines
 //! use loopback ports inside each participant's namespace, and the test's bridge at the
@@ -489,7 +490,12 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &Path) {
         let actual = (expected - received) as f64 / expected as f64 * 100.0;
         let reported = cumulative as f64 / expected as f64 * 100.0;
         assert!((actual - reported).abs() <= 1.0, "{what}: reported {reported:.2} % lost, the link lost {actual:.2} %: {report}");
-        eprintln!("{what}: reported {reported:.2} % lost, the link lost {actual:.2} %");
+        // What the SFU measured in the path as it sent (`forwarded`): the publishers' links are
+        // clean, so the loss is the last hop's, not passed on.
+        let f = &c["forwarded"];
+        let (sent, passed_on) = (f["packets"].as_u64().unwrap_or(0), f["lost"].as_i64().unwrap_or(i64::MAX));
+        assert!(sent > 0 && passed_on * 100 <= sent as i64 && f["duplicates"] == 0, "{what}: forwarded {f}");
+        eprintln!("{what}: reported {reported:.2} % lost, the link lost {actual:.2} %; the SFU sent {sent}, passed on {passed_on} lost");
     }
     // The NACKs of a receiver that rarely reports were judged as its loss. (Not every window
     // shows more than 10 %: one that spans the end of the loss, or a consumer that fell back to
