@@ -16,6 +16,7 @@ fn main() {
     println!("cargo:rerun-if-changed={BTF}");
 
     generate_vmlinux_h(&out.join("vmlinux.h"));
+    generate_counter_names(&bpf_dir.join("counters.def"), &out.join("counters.rs"));
 
     for prog in PROGRAMS {
         let src = bpf_dir.join(format!("{prog}.bpf.c"));
@@ -53,4 +54,28 @@ fn generate_vmlinux_h(dst: &Path) {
         panic!("mediaplane-ebpf: bpftool btf dump failed: {}", String::from_utf8_lossy(&output.stderr));
     }
     std::fs::write(dst, &output.stdout).unwrap_or_else(|e| panic!("writing {}: {e}", dst.display()));
+}
+
+/// OUT_DIR/counters.rs: `GLOBAL_COUNTERS`, the names of bpf/counters.def's `MP_COUNTER(NAME)`
+/// lines in order, lower case (the C side makes enum mp_counter of the same lines).
+fn generate_counter_names(def: &Path, dst: &Path) {
+    let text = std::fs::read_to_string(def).unwrap_or_else(|e| panic!("reading {}: {e}", def.display()));
+    let names: Vec<String> = text
+        .lines()
+        .filter_map(|l| l.trim().strip_prefix("MP_COUNTER("))
+        .map(|rest| {
+            let name = &rest[..rest.find(')').unwrap_or_else(|| panic!("{}: no ')' after MP_COUNTER({rest}", def.display()))];
+            assert!(!name.is_empty() && name.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_'), "{}: bad counter name {name:?}", def.display());
+            name.to_ascii_lowercase()
+        })
+        .collect();
+    let list: Vec<String> = names.iter().map(|n| format!("    {n:?},\n")).collect();
+    let rust = format!(
+        "/// Global counter indices (enum mp_counter, from bpf/counters.def) with their names in\n\
+         /// `DataplaneStats.extra`. The first eight feed [`mediaplane_dataplane::Counters`].\n\
+         pub const GLOBAL_COUNTERS: [&str; {}] = [\n{}];\n",
+        names.len(),
+        list.concat()
+    );
+    std::fs::write(dst, rust).unwrap_or_else(|e| panic!("writing {}: {e}", dst.display()));
 }

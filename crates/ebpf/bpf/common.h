@@ -85,43 +85,9 @@ enum mp_xdp_counter {
  * dropped); packets handed to the stack are counted by the user-space slow path that reads
  * them, so merged totals count every packet once. */
 enum mp_counter {
-	CNT_RX_PACKETS = 0,
-	CNT_RX_BYTES,
-	CNT_TX_COPIES,
-	CNT_TX_BYTES,
-	CNT_TX_ERRORS,
-	CNT_DROP_NO_STREAM,
-	CNT_DROP_STRANGER,
-	CNT_DROP_MALFORMED,
-	/* kernel-only verdicts */
-	CNT_FORWARDED,        /* packets fanned out (the last copy is the original itself, redirected;
-	                         with no copy it is consumed: TC_ACT_SHOT, not a drop) */
-	CNT_PASS_NOT_IP,
-	CNT_PASS_NOT_UDP,
-	CNT_PASS_FRAGMENT,
-	CNT_PASS_IP_OPTIONS,
-	CNT_PASS_IPV6_EXT,
-	CNT_PASS_TRUNCATED,
-	CNT_PASS_BAD_IP_HEADER,
-	CNT_PASS_BAD_UDP_LENGTH,
-	CNT_PASS_VLAN,        /* stacked VLAN tags */
-	CNT_PASS_GSO,         /* GRO-merged super-packet */
-	CNT_PASS_NOT_OURS,    /* no stream on the destination address */
-	CNT_PASS_STUN,
-	CNT_PASS_UNLATCHED,
-	CNT_PASS_SLOW_STREAM, /* STREAM_F_SLOW */
-	CNT_PASS_NO_NEIGH,    /* some copy's next hop has no resolved neighbour */
-	CNT_PASS_FIB_FAIL,    /* some copy has no forwardable route (local, unreachable, MTU...) */
-	CNT_PASS_STALE_COPY,  /* fan-out slot did not belong to the stream (should never happen) */
-	CNT_PASS_ERROR,       /* a helper failed before any copy was sent */
-	CNT_DROP_RATE_LIMITED,/* from the registered source, over the stream's rate limit */
-	CNT_DROP_SOURCE_LIMITED,/* over the per-source (IP address) rate limit */
-	CNT_DROP_BAD_CHECKSUM,/* IPv4 header or UDP checksum wrong, or a zero UDP checksum on IPv6:
-	                         what the host would drop too (it never reaches a socket) */
-	CNT_DROP_SPOOFED,     /* the source fails the reverse-path check (rp_filter) on its ingress */
-	CNT_PASS_IN_ORDER,    /* the stream still has packets in the slow path: this one follows them */
-	CNT_PASS_RTCP,        /* STREAM_F_RTCP_UP and RTCP */
-	CNT_PASS_FEEDBACK,    /* a consumer's RTCP (STREAM_F_FEEDBACK), for the slow path to route */
+#define MP_COUNTER(name) CNT_##name,
+#include "counters.def"
+#undef MP_COUNTER
 	CNT__MAX,
 };
 

@@ -50,44 +50,7 @@ pub mod flags {
 /// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
 pub const MAX_FANOUT: usize = 4096;
 
-/// Global counter indices (enum mp_counter) with their names in `DataplaneStats.extra`.
-/// The first eight feed [`mediaplane_dataplane::Counters`].
-pub const GLOBAL_COUNTERS: [&str; 34] = [
-    "rx_packets",
-    "rx_bytes",
-    "tx_copies",
-    "tx_bytes",
-    "tx_errors",
-    "drop_no_stream",
-    "drop_stranger",
-    "drop_malformed",
-    "forwarded",
-    "pass_not_ip",
-    "pass_not_udp",
-    "pass_fragment",
-    "pass_ip_options",
-    "pass_ipv6_ext",
-    "pass_truncated",
-    "pass_bad_ip_header",
-    "pass_bad_udp_length",
-    "pass_vlan",
-    "pass_gso",
-    "pass_not_ours",
-    "pass_stun",
-    "pass_unlatched",
-    "pass_slow_stream",
-    "pass_no_neigh",
-    "pass_fib_fail",
-    "pass_stale_copy",
-    "pass_error",
-    "drop_rate_limited",
-    "drop_source_limited",
-    "drop_bad_checksum",
-    "drop_spoofed",
-    "pass_in_order",
-    "pass_rtcp",
-    "pass_feedback",
-];
+include!(concat!(env!("OUT_DIR"), "/counters.rs"));
 
 /// The pass counters of packets of the SFU's or relay's own streams that the program hands to
 /// the user-space slow path; the other `pass_*` counters are traffic that is not theirs (not
