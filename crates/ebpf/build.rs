@@ -65,7 +65,11 @@ fn generate_counter_names(def: &Path, dst: &Path) {
         .filter_map(|l| l.trim().strip_prefix("MP_COUNTER("))
         .map(|rest| {
             let name = &rest[..rest.find(')').unwrap_or_else(|| panic!("{}: no ')' after MP_COUNTER({rest}", def.display()))];
-            assert!(!name.is_empty() && name.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_'), "{}: bad counter name {name:?}", def.display());
+            assert!(
+                !name.is_empty() && name.bytes().all(|b| b.is_ascii_uppercase() || b.is_ascii_digit() || b == b'_'),
+                "{}: bad counter name {name:?}",
+                def.display()
+            );
             name.to_ascii_lowercase()
         })
         .collect();

@@ -21,6 +21,7 @@ pub mod layer_choice;
 pub mod model;
 mod model_ng;
 pub mod packet;
+pub mod pipeline;
 pub mod ratelimit;
 pub mod reception;
 pub mod rtp;

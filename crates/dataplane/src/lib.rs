@@ -207,6 +207,18 @@ impl Counters {
         }
     }
 
+    /// Count a drop of the per-packet pipeline (the model's, or a limit's, or a packet that did
+    /// not unprotect or parse).
+    pub fn count_dropped(&mut self, why: mediaplane_core::pipeline::Dropped) {
+        use mediaplane_core::pipeline::Dropped;
+        match why {
+            Dropped::Model(reason) => self.count_drop(reason),
+            Dropped::SourceLimited => self.drop_source_limited += 1,
+            Dropped::RateLimited => self.drop_rate_limited += 1,
+            Dropped::Malformed => self.drop_malformed += 1,
+        }
+    }
+
     /// Count what became of a consumer's feedback messages.
     pub fn count_feedback(&mut self, t: &mediaplane_core::feedback::Tally) {
         self.feedback_routed += t.routed;

@@ -19,14 +19,14 @@ use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{ConsumerCounters, ConsumerReport, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy, LayerState};
 use arc_swap::ArcSwap;
 use mediaplane_core::call_quality::SenderReportTimes;
-use mediaplane_core::feedback::{FeedbackRouter, LayerMap};
+use mediaplane_core::feedback::{FeedbackEntry, FeedbackRouter, LayerMap};
 use mediaplane_core::layer_choice::{self, LayerActivity, LayerChoice};
+use mediaplane_core::pipeline::{CopyOf, Effect, LayerFanOut, Pipeline, Plane};
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::reception::{ReceptionReport, RtpReception};
 use mediaplane_core::rtp::{demux, MediaKind, RtpHeader};
 use mediaplane_core::simulcast::{self, Decision, LayerRewriter};
-use mediaplane_core::srtp::Protection;
-use mediaplane_core::table::{IngressKey, SimulcastLayer, SlowReason, SourceRule, StreamEntry, Verdict};
+use mediaplane_core::table::{IngressKey, SimulcastLayer, SlowReason, SourceRule, StreamEntry};
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
@@ -197,23 +197,6 @@ fn addresses_of(e: &StreamEntry) -> impl Iterator<Item = SocketAddr> + '_ {
     std::iter::once(e.key.local).chain(e.copies.iter().map(|c| c.from))
 }
 
-/// What an outgoing packet is a copy of; a packet that is not one (feedback on its way to a
-/// publisher) has none.
-#[derive(Debug, Clone, Copy)]
-struct CopyOf {
-    stream: u32,
-    /// The consumer uid (0: none, a relay leg's copy).
-    consumer: u32,
-    /// The stream is RTP: the clock rate its copies' RTP is accounted at, as forwarded.
-    rtp_clock_rate: Option<u32>,
-}
-
-impl CopyOf {
-    fn of(entry: &StreamEntry, consumer: u32) -> CopyOf {
-        CopyOf { stream: entry.id, consumer, rtp_clock_rate: entry.rtp.then_some(entry.clock_rate) }
-    }
-}
-
 #[derive(Default)]
 struct WorkerCounters {
     total: Counters,
@@ -330,6 +313,137 @@ impl LayerConsumer {
             }
         }
     }
+}
+
+/// What the pipeline ([`mediaplane_core::pipeline`]) asks of this plane for one batch: its
+/// shared state behind its locks, and its SRTP contexts.
+struct PlaneState<'a> {
+    shared: &'a Shared,
+    state: &'a State,
+}
+
+impl Plane for PlaneState<'_> {
+    fn admit_source(&mut self, limit: RateLimit, src: IpAddr, now_ns: u64, bytes: u64) -> bool {
+        self.shared.sources.lock().admit(limit, src, now_ns, bytes)
+    }
+
+    fn route_feedback(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Option<mediaplane_core::feedback::Outcome> {
+        let mut feedback = self.shared.feedback.lock();
+        let layers = self.shared.layers.lock();
+        feedback.route_with(entry, packet, now_ns, &Layers(&layers.consumers, self.shared.kernel_layers.as_deref())).ok()
+    }
+
+    fn unprotect(&mut self, entry: &StreamEntry, packet: &[u8]) -> Option<Vec<u8>> {
+        crate::srtp::unprotect(self.state.srtp.get(SrtpSlot { stream: entry.id, copy: None }), packet).ok()
+    }
+
+    fn protect(&mut self, entry: &StreamEntry, copy: usize, packet: &[u8]) -> Option<Vec<u8>> {
+        crate::srtp::protect(self.state.srtp.get(SrtpSlot { stream: entry.id, copy: Some(copy as u32) }), packet)
+    }
+
+    fn layer_fan_out(&mut self, entry: &StreamEntry, layer: &SimulcastLayer, src: SocketAddr, packet: &[u8], now_ns: u64) -> LayerFanOut {
+        layer_fan_out(self.shared, entry, layer, src, packet, now_ns)
+    }
+}
+
+/// The copies of one packet of a simulcast layer: to each consumer receiving that layer now,
+/// renumbered for it ([`LayerRewriter`]); and a keyframe request to the publisher for each
+/// layer a consumer waits for (coalesced with the consumers' own).
+fn layer_fan_out(shared: &Shared, entry: &StreamEntry, layer: &SimulcastLayer, src: SocketAddr, payload: &[u8], now_ns: u64) -> LayerFanOut {
+    let kind = demux(payload);
+    let info = match kind {
+        MediaKind::Rtp => simulcast::inspect(layer.codec, payload),
+        _ => None,
+    };
+    let out_ssrc = layer.layers[0].1;
+    let count = layer.layers.len() as u8;
+    let mut wanted: Vec<u8> = Vec::new();
+    let mut fan = LayerFanOut::default();
+    {
+        let mut guard = shared.layers.lock();
+        let SimulcastState { consumers, activity, .. } = &mut *guard;
+        if !activity.contains_key(&layer.group) {
+            // Only for a stream of the installed table (as for consumers below).
+            let latest = shared.state.load();
+            if latest.table.streams.get(&entry.key).and_then(|e| e.simulcast.as_ref()).map(|l| l.group) != Some(layer.group) {
+                return fan;
+            }
+        }
+        let activity = activity.entry(layer.group).or_default();
+        if info.is_some() {
+            activity.on_packet(layer.index, payload.len(), now_ns);
+        }
+        for (i, copy) in entry.copies.iter().enumerate() {
+            if copy.to == src || copy.consumer == 0 {
+                continue;
+            }
+            if !consumers.contains_key(&copy.consumer) {
+                // Only for a consumer of the installed table: a batch still working with
+                // the table before must not bring back one that an apply just forgot.
+                let latest = shared.state.load();
+                if !latest.table.streams.get(&entry.key).is_some_and(|e| e.copies.iter().any(|c| c.consumer == copy.consumer)) {
+                    continue;
+                }
+            }
+            let kernel = shared.kernel_layers.as_deref();
+            let c = consumers.entry(copy.consumer).or_insert_with(|| {
+                if let Some(k) = kernel {
+                    k.create(copy.consumer, out_ssrc, entry.clock_rate);
+                }
+                LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group)
+            });
+            c.group = layer.group;
+            mirror(&mut c.rewriter, copy.consumer, kernel);
+            // The compiled layer is the API's ceiling (None: paused); the choice may lower it.
+            let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, activity, now_ns));
+            c.set_target(copy.consumer, target, kernel);
+            let rw = &mut c.rewriter;
+            match (kind, &info) {
+                (MediaKind::Rtp, Some(info)) => match kernel {
+                    // The kernel's state decides (it also renumbers the kernel's copies).
+                    Some(k) => {
+                        if let Some(bytes) = k.decide(copy.consumer, layer.index, layer.codec, now_ns, payload) {
+                            fan.copies.push((i, bytes));
+                        }
+                        mirror(rw, copy.consumer, kernel);
+                    }
+                    None => {
+                        if let Decision::Forward(r) = rw.on_packet(layer.index, info, now_ns) {
+                            let mut bytes = payload.to_vec();
+                            r.apply(info, &mut bytes);
+                            fan.copies.push((i, bytes));
+                        }
+                    }
+                },
+                (MediaKind::Rtcp, _) => {
+                    let mut bytes = payload.to_vec();
+                    if rw.rewrite_sender_report(layer.index, &mut bytes) {
+                        fan.copies.push((i, bytes));
+                    }
+                }
+                _ => {}
+            }
+            if let Some(l) = rw.keyframe_wanted(now_ns) {
+                if !wanted.contains(&l) {
+                    wanted.push(l);
+                }
+            }
+        }
+    }
+    // A keyframe answers the requests for its layer so far (see FeedbackRouter), once the
+    // consumers waiting for it switched on it above: as the tick, before the requests.
+    if info.as_ref().is_some_and(|i| i.keyframe_start) {
+        if let Some(&(stream, ssrc)) = layer.layers.get(layer.index as usize) {
+            shared.feedback.lock().keyframe_arrived(stream, ssrc);
+        }
+    }
+    let SourceRule::Fixed(publisher) = entry.source else { return fan };
+    for l in wanted {
+        let Some(&(stream, ssrc)) = layer.layers.get(l as usize) else { continue };
+        let Some(pli) = shared.feedback.lock().request_keyframe(stream, ssrc, SFU_SSRC, now_ns) else { continue };
+        fan.requests.push((entry.key.local, publisher, pli));
+    }
+    fan
 }
 
 /// Refresh `rw` from the kernel's state of `id` (nothing without one).
@@ -499,7 +613,7 @@ impl UserspaceDataplane {
                 steer: steer.get(id).cloned(),
                 slot_of: HashMap::new(),
                 free_slots: Vec::new(),
-                rates: HashMap::new(),
+                pipeline: Pipeline::new(),
                 rtcp_budget: HashMap::new(),
             };
             let thread = std::thread::Builder::new().name(format!("mp-worker-{id}")).spawn(move || ctx.run()).map_err(|e| io_err("spawn worker", e))?;
@@ -852,11 +966,11 @@ struct WorkerCtx {
     free_slots: Vec<usize>,
     /// Steered mode: this worker's catch-all and raw sockets.
     steer: Option<Arc<SteerSockets>>,
-    /// Rate-limit buckets of the streams this worker has seen, with the limit they were made
-    /// for. Per worker: only a stream's registered source passes the source check, and one
-    /// source address sending to one SFU address is one flow, which SO_REUSEPORT keeps on
+    /// The per-packet pipeline, with this worker's state: the rate-limit buckets of the streams
+    /// it has seen. Per worker: only a stream's registered source passes the source check, and
+    /// one source address sending to one SFU address is one flow, which SO_REUSEPORT keeps on
     /// one socket, hence one worker.
-    rates: HashMap<u32, (RateLimit, RateState)>,
+    pipeline: Pipeline,
     /// RTCP reports this worker handed to the control plane per stream in the current second:
     /// (second, count).
     rtcp_budget: HashMap<u32, (u64, u32)>,
@@ -1190,117 +1304,40 @@ impl WorkerCtx {
         }
     }
 
-    /// The copies of one packet of a simulcast layer: to each consumer receiving that layer now,
-    /// renumbered for it ([`LayerRewriter`]); and a keyframe request to the publisher for each
-    /// layer a consumer waits for (coalesced with the consumers' own).
-    #[allow(clippy::too_many_arguments)]
-    fn forward_layer<'p>(
-        &self,
-        state: &State,
-        entry: &StreamEntry,
-        layer: &SimulcastLayer,
-        src: SocketAddr,
-        payload: &[u8],
-        now_ns: u64,
-        out: &mut Vec<(RawFd, Option<CopyOf>, Outgoing<'p>)>,
-        delta: &mut WorkerCounters,
-    ) {
-        let kind = demux(payload);
-        let info = match kind {
-            MediaKind::Rtp => simulcast::inspect(layer.codec, payload),
-            _ => None,
-        };
-        let out_ssrc = layer.layers[0].1;
-        let count = layer.layers.len() as u8;
-        let mut wanted: Vec<u8> = Vec::new();
-        let mut copies: Vec<(&mediaplane_core::Copy, Vec<u8>)> = Vec::new();
-        {
-            let mut guard = self.shared.layers.lock();
-            let SimulcastState { consumers, activity, .. } = &mut *guard;
-            if !activity.contains_key(&layer.group) {
-                // Only for a stream of the installed table (as for consumers below).
-                let latest = self.shared.state.load();
-                if latest.table.streams.get(&entry.key).and_then(|e| e.simulcast.as_ref()).map(|l| l.group) != Some(layer.group) {
-                    return;
-                }
-            }
-            let activity = activity.entry(layer.group).or_default();
-            if info.is_some() {
-                activity.on_packet(layer.index, payload.len(), now_ns);
-            }
-            for copy in &entry.copies {
-                if copy.to == src || copy.consumer == 0 {
-                    continue;
-                }
-                if !consumers.contains_key(&copy.consumer) {
-                    // Only for a consumer of the installed table: a batch still working with
-                    // the table before must not bring back one that an apply just forgot.
-                    let latest = self.shared.state.load();
-                    if !latest.table.streams.get(&entry.key).is_some_and(|e| e.copies.iter().any(|c| c.consumer == copy.consumer)) {
-                        continue;
-                    }
-                }
-                let kernel = self.shared.kernel_layers.as_deref();
-                let c = consumers.entry(copy.consumer).or_insert_with(|| {
-                    if let Some(k) = kernel {
-                        k.create(copy.consumer, out_ssrc, entry.clock_rate);
-                    }
-                    LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group)
-                });
-                c.group = layer.group;
-                mirror(&mut c.rewriter, copy.consumer, kernel);
-                // The compiled layer is the API's ceiling (None: paused); the choice may lower it.
-                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, activity, now_ns));
-                c.set_target(copy.consumer, target, kernel);
-                let rw = &mut c.rewriter;
-                match (kind, &info) {
-                    (MediaKind::Rtp, Some(info)) => match kernel {
-                        // The kernel's state decides (it also renumbers the kernel's copies).
-                        Some(k) => {
-                            if let Some(bytes) = k.decide(copy.consumer, layer.index, layer.codec, now_ns, payload) {
-                                copies.push((copy, bytes));
-                            }
-                            mirror(rw, copy.consumer, kernel);
-                        }
-                        None => {
-                            if let Decision::Forward(r) = rw.on_packet(layer.index, info, now_ns) {
-                                let mut bytes = payload.to_vec();
-                                r.apply(info, &mut bytes);
-                                copies.push((copy, bytes));
-                            }
-                        }
-                    },
-                    (MediaKind::Rtcp, _) => {
-                        let mut bytes = payload.to_vec();
-                        if rw.rewrite_sender_report(layer.index, &mut bytes) {
-                            copies.push((copy, bytes));
-                        }
-                    }
-                    _ => {}
-                }
-                if let Some(l) = rw.keyframe_wanted(now_ns) {
-                    if !wanted.contains(&l) {
-                        wanted.push(l);
-                    }
-                }
+    /// A consumer's feedback, routed: its tallies, what its reports and REMBs said, and what
+    /// they mean for its layer.
+    fn count_feedback(&self, outcome: &mediaplane_core::feedback::Outcome, received_at: u64, delta: &mut WorkerCounters) {
+        delta.total.count_feedback(&outcome.total);
+        for (id, t) in &outcome.per_stream {
+            delta.streams.entry(*id).or_default().count_feedback(t);
+        }
+        for (id, t) in &outcome.per_consumer {
+            let cc = delta.consumers.entry(*id).or_default();
+            cc.feedback_routed += t.routed;
+            cc.feedback_coalesced += t.coalesced;
+        }
+        for r in &outcome.reports {
+            let b = &r.block;
+            let cc = delta.consumers.entry(r.consumer).or_default();
+            cc.report = Some(ConsumerReport {
+                fraction_lost: b.fraction_lost,
+                cumulative_lost: b.cumulative_lost,
+                highest_seq: b.highest_seq,
+                jitter: b.jitter,
+                at_ns: received_at,
+            });
+            let rtt = self.shared.sender_reports.lock().get(&r.stream).and_then(|t| t.rtt_us(b.lsr, b.dlsr, received_at));
+            if rtt.is_some() {
+                (cc.rtt_us, cc.rtt_at_ns) = (rtt, received_at);
             }
         }
-        for (copy, bytes) in copies {
-            self.send_from(state, copy.from, copy.to, Cow::Owned(bytes), Some(CopyOf::of(entry, copy.consumer)), out, delta);
-        }
-        // A keyframe answers the requests for its layer so far (see FeedbackRouter), once the
-        // consumers waiting for it switched on it above: as the tick, before the requests.
-        if info.as_ref().is_some_and(|i| i.keyframe_start) {
-            if let Some(&(stream, ssrc)) = layer.layers.get(layer.index as usize) {
-                self.shared.feedback.lock().keyframe_arrived(stream, ssrc);
+        for remb in &outcome.remb {
+            for id in &remb.consumers {
+                let cc = delta.consumers.entry(*id).or_default();
+                (cc.remb_bps, cc.remb_at_ns) = (Some(remb.bps), received_at);
             }
         }
-        let SourceRule::Fixed(publisher) = entry.source else { return };
-        for l in wanted {
-            let Some(&(stream, ssrc)) = layer.layers.get(l as usize) else { continue };
-            let Some(pli) = self.shared.feedback.lock().request_keyframe(stream, ssrc, SFU_SSRC, now_ns) else { continue };
-            self.send_from(state, entry.key.local, publisher, Cow::Owned(pli), None, out, delta);
-        }
+        self.feed_layer_choice(outcome, received_at);
     }
 
     fn forward_batch(&mut self, local: Option<SocketAddr>, n: usize) {
@@ -1318,6 +1355,8 @@ impl WorkerCtx {
         let mut arrivals: Vec<(u32, RtpHeader, u32)> = Vec::new();
         // (stream id, source, clear RTCP) for the control plane's report evaluation.
         let mut rtcp_reports: Vec<(u32, SocketAddr, Vec<u8>)> = Vec::new();
+        let mut effects: Vec<Effect<'_>> = Vec::new();
+        let mut plane = PlaneState { shared: &self.shared, state: &state };
         for i in 0..n {
             if local.is_none() && self.shared.mark_ack.is_some() {
                 let m = self.batch.mark(i);
@@ -1340,192 +1379,61 @@ impl WorkerCtx {
                 delta.total.drop_no_stream += 1;
                 continue;
             };
-            let verdict = state.table.classify(local, src, payload);
-            // The per-source limit: on everything classify() does not drop, before any work.
-            if let (Some(limit), Verdict::Forward(_) | Verdict::Learn(_) | Verdict::Feedback { .. } | Verdict::SlowPath { .. }) =
-                (state.table.source_limit, &verdict)
-            {
-                if !self.shared.sources.lock().admit(limit, src.ip(), now, payload.len() as u64) {
-                    delta.total.drop_source_limited += 1;
-                    continue;
-                }
-            }
-            // A consumer's feedback goes to the publishers it names; what remains of a sender's
-            // report is forwarded like any packet of its stream.
-            let (verdict, payload): (Verdict<'_>, Cow<'_, [u8]>) = match verdict {
-                Verdict::Feedback { entry: fb, stream } => {
-                    let outcome = match self.shared.feedback.lock().route_with(
-                        fb,
-                        payload,
-                        received_at,
-                        &Layers(&self.shared.layers.lock().consumers, self.shared.kernel_layers.as_deref()),
-                    ) {
-                        Ok(o) => o,
-                        Err(_) => {
-                            delta.total.drop_malformed += 1;
-                            if let Some(e) = stream {
-                                let sc = delta.streams.entry(e.id).or_default();
+            // The decision is core's (mediaplane_core::pipeline); this plane carries it out.
+            self.pipeline.process(&state.table, local, src, payload, now, received_at, &mut plane, &mut effects);
+            for effect in effects.drain(..) {
+                match effect {
+                    Effect::Dropped { why, stream, received } => {
+                        delta.total.count_dropped(why);
+                        if let Some(id) = stream {
+                            let sc = delta.streams.entry(id).or_default();
+                            if let Some(bytes) = received {
                                 sc.rx_packets += 1;
-                                sc.rx_bytes += payload.len() as u64;
-                                sc.drop_malformed += 1;
+                                sc.rx_bytes += bytes as u64;
                             }
-                            continue;
-                        }
-                    };
-                    delta.total.count_feedback(&outcome.total);
-                    for (id, t) in &outcome.per_stream {
-                        delta.streams.entry(*id).or_default().count_feedback(t);
-                    }
-                    for (id, t) in &outcome.per_consumer {
-                        let cc = delta.consumers.entry(*id).or_default();
-                        cc.feedback_routed += t.routed;
-                        cc.feedback_coalesced += t.coalesced;
-                    }
-                    for r in &outcome.reports {
-                        let b = &r.block;
-                        let cc = delta.consumers.entry(r.consumer).or_default();
-                        cc.report = Some(ConsumerReport {
-                            fraction_lost: b.fraction_lost,
-                            cumulative_lost: b.cumulative_lost,
-                            highest_seq: b.highest_seq,
-                            jitter: b.jitter,
-                            at_ns: received_at,
-                        });
-                        let rtt = self.shared.sender_reports.lock().get(&r.stream).and_then(|t| t.rtt_us(b.lsr, b.dlsr, received_at));
-                        if rtt.is_some() {
-                            (cc.rtt_us, cc.rtt_at_ns) = (rtt, received_at);
+                            sc.count_dropped(why);
                         }
                     }
-                    for remb in &outcome.remb {
-                        for id in &remb.consumers {
-                            let cc = delta.consumers.entry(*id).or_default();
-                            (cc.remb_bps, cc.remb_at_ns) = (Some(remb.bps), received_at);
+                    Effect::SlowPath { reason, stream, handshake } => {
+                        delta.total.count_slow(reason);
+                        if let Some(id) = stream {
+                            delta.streams.entry(id).or_default().count_slow(reason);
+                        }
+                        if let Some(stream) = handshake {
+                            // An ICE leg's connectivity check or DTLS: the control plane answers it.
+                            self.shared.report(DataplaneEvent::Handshake { stream, local, source: src, at_ns: received_at, packet: payload.to_vec() });
                         }
                     }
-                    self.feed_layer_choice(&outcome, received_at);
-                    for r in outcome.routed {
-                        self.send_from(&state, r.from, r.to, Cow::Owned(r.packet), None, &mut out, &mut delta);
+                    Effect::Feedback(outcome) => self.count_feedback(&outcome, received_at, &mut delta),
+                    Effect::Received { stream, bytes } => {
+                        let sc = delta.streams.entry(stream).or_default();
+                        sc.rx_packets += 1;
+                        sc.rx_bytes += bytes as u64;
                     }
-                    match (stream, outcome.forward) {
-                        (Some(entry), Some(report)) => (Verdict::Forward(entry), Cow::Owned(report)),
-                        _ => continue,
-                    }
-                }
-                v => (v, Cow::Borrowed(payload)),
-            };
-            match verdict {
-                Verdict::Forward(entry) | Verdict::Learn(entry) => {
-                    let sc = delta.streams.entry(entry.id).or_default();
-                    sc.rx_packets += 1;
-                    sc.rx_bytes += payload.len() as u64;
-                    // An SRTP leg's packets are unprotected before anything else: what fails
-                    // (no key yet, authentication, replay) goes no further, counted per stream
-                    // as malformed and process-wide by reason. So only the key's holder can
-                    // move an SRTP leg's latch.
-                    let payload: Cow<'_, [u8]> = match &entry.inbound {
-                        Protection::Clear => payload,
-                        Protection::Srtp(_) => match crate::srtp::unprotect(state.srtp.get(SrtpSlot { stream: entry.id, copy: None }), &payload) {
-                            Ok(clear) => Cow::Owned(clear),
-                            Err(_) => {
-                                sc.drop_malformed += 1;
-                                delta.total.drop_malformed += 1;
-                                continue;
-                            }
-                        },
-                    };
-                    if matches!(verdict, Verdict::Learn(_)) {
+                    Effect::Unlatched { stream, source } => {
                         // Relayed like any packet; its source goes to the control plane, which
                         // decides whether the leg follows it.
-                        sc.count_slow(SlowReason::Unlatched);
+                        delta.streams.entry(stream).or_default().count_slow(SlowReason::Unlatched);
                         delta.total.count_slow(SlowReason::Unlatched);
-                        self.shared.report(DataplaneEvent::Unlatched { stream: entry.id, source: src });
+                        self.shared.report(DataplaneEvent::Unlatched { stream, source });
                     }
-                    if let Some(limit) = entry.rate.filter(|l| !l.is_unlimited()) {
-                        let (l, st) = self.rates.entry(entry.id).or_insert((limit, RateState::default()));
-                        if *l != limit {
-                            *l = limit;
-                            *st = RateState::default();
-                        }
-                        if !limit.params().admit(st, now, payload.len() as u64) {
-                            sc.drop_rate_limited += 1;
-                            delta.total.drop_rate_limited += 1;
-                            continue;
-                        }
+                    Effect::Accepted { stream } => delta.streams.entry(stream).or_default().last_rx_ns = received_at,
+                    Effect::Rtp { stream, header, clock_rate } => arrivals.push((stream, header, clock_rate)),
+                    // When a publisher's sender report passed, for its consumers' round-trip times.
+                    Effect::SenderReport { stream, ntp_middle } => {
+                        self.shared.sender_reports.lock().entry(stream).or_default().on_sender_report(ntp_middle, received_at)
                     }
-                    sc.last_rx_ns = received_at;
-                    // Of what arrived clear (after SRTP): the RTP measured in the path, the
-                    // RTCP of relay legs evaluated by the control plane.
-                    match demux(&payload) {
-                        MediaKind::Rtp if entry.rtp => {
-                            if let Ok(h) = RtpHeader::parse(&payload) {
-                                arrivals.push((entry.id, h, entry.clock_rate));
-                            }
-                        }
-                        // A publisher's sender report on its way to the consumers: when it
-                        // passed, for their round-trip times (what their reports echo).
-                        MediaKind::Rtcp if entry.times_sender_reports() => {
-                            if let Some((srs, _)) = mediaplane_core::call_quality::parse_reports(&payload) {
-                                if let Some(sr) = srs.first() {
-                                    self.shared.sender_reports.lock().entry(entry.id).or_default().on_sender_report(sr.ntp_middle, received_at);
-                                }
-                            }
-                        }
-                        MediaKind::Rtcp
-                            if entry.evaluate_rtcp
-                                && self.shared.events.is_some()
-                                && payload.len() <= crate::MAX_RTCP_REPORT
-                                && Self::rtcp_admit(&mut self.rtcp_budget, entry.id, received_at) =>
+                    Effect::RelayRtcp { stream, packet } => {
+                        if self.shared.events.is_some()
+                            && packet.len() <= crate::MAX_RTCP_REPORT
+                            && Self::rtcp_admit(&mut self.rtcp_budget, stream, received_at)
                         {
-                            rtcp_reports.push((entry.id, src, payload.to_vec()));
-                        }
-                        _ => {}
-                    }
-                    if entry.record {
-                        // SRTP legs are recorded decrypted.
-                        crate::record::tap(entry.id, &entry.label, src, local, &payload);
-                    }
-                    if let Some(layer) = &entry.simulcast {
-                        self.forward_layer(&state, entry, layer, src, &payload, received_at, &mut out, &mut delta);
-                        continue;
-                    }
-                    for (i, copy) in entry.copies.iter().enumerate() {
-                        if copy.to == src {
-                            continue; // never back to the sender, whatever the table says
-                        }
-                        let payload: Cow<'_, [u8]> = match &copy.outbound {
-                            Protection::Clear => payload.clone(),
-                            Protection::Srtp(_) => match crate::srtp::protect(state.srtp.get(SrtpSlot { stream: entry.id, copy: Some(i as u32) }), &payload) {
-                                Some(sealed) => Cow::Owned(sealed),
-                                None => {
-                                    delta.count_copy(entry.id, copy.consumer, 0, false);
-                                    continue;
-                                }
-                            },
-                        };
-                        self.send_from(&state, copy.from, copy.to, payload, Some(CopyOf::of(entry, copy.consumer)), &mut out, &mut delta);
-                    }
-                }
-                Verdict::Drop { reason, stream } => {
-                    delta.total.count_drop(reason);
-                    if let Some(id) = stream {
-                        let sc = delta.streams.entry(id).or_default();
-                        sc.rx_packets += 1;
-                        sc.rx_bytes += payload.len() as u64;
-                        sc.count_drop(reason);
-                    }
-                }
-                Verdict::Feedback { .. } => unreachable!("feedback was routed above"),
-                Verdict::SlowPath { reason, stream } => {
-                    delta.total.count_slow(reason);
-                    if let Some(id) = stream {
-                        delta.streams.entry(id).or_default().count_slow(reason);
-                    }
-                    if matches!(reason, SlowReason::Stun | SlowReason::Handshake) {
-                        // An ICE leg's connectivity check or DTLS: the control plane answers it.
-                        if let Some(e) = state.table.streams.get(&IngressKey { local, ssrc: None }).filter(|e| e.handshake) {
-                            self.shared.report(DataplaneEvent::Handshake { stream: e.id, local, source: src, at_ns: received_at, packet: payload.to_vec() });
+                            rtcp_reports.push((stream, src, packet.into_owned()));
                         }
                     }
+                    Effect::Record { stream, label, packet } => crate::record::tap(stream, &label, src, local, &packet),
+                    Effect::Send { from, to, packet, copy } => self.send_from(&state, from, to, packet, copy, &mut out, &mut delta),
+                    Effect::CopyFailed { copy } => delta.count_copy(copy.stream, copy.consumer, 0, false),
                 }
             }
         }

@@ -1,0 +1,521 @@
+//! The per-packet pipeline, sans-I/O (as quinn-proto beside quinn-udp): what a data plane does
+//! with one datagram that arrived at `local` from `src`, decided from the installed table, the
+//! plane's state and the time passed in. A plane is a driver around it: it receives, calls
+//! [`Pipeline::process`], and carries out the [`Effect`]s in their order (sends, counters,
+//! events, measurements). The user-space plane is that driver; the BPF program
+//! (`crates/ebpf/bpf/sfu_tc.bpf.c`) runs the same steps in the same order for what it decides
+//! itself, and the conformance suite and the BPF fuzz driver hold both to
+//! [`ForwardingTable::classify`].
+//!
+//! The steps, in order:
+//! 1. classify ([`ForwardingTable::classify`]): drop, slow path, a consumer's feedback, or media;
+//! 2. the per-source limit, on everything classify does not drop;
+//! 3. a consumer's feedback is routed to the publishers it names ([`Plane::route_feedback`]);
+//!    what remains of a sender's report goes on as media of its stream;
+//! 4. an SRTP stream's packet is unprotected ([`Plane::unprotect`]); what fails goes no further,
+//!    so only the key's holder can move an SRTP leg's latch;
+//! 5. a learning leg's new source is reported (the packet is still relayed);
+//! 6. the stream's rate limit;
+//! 7. what is measured in the path: RTP arrivals (reception quality), the times sender reports
+//!    pass (consumers' round-trip times), a relay leg's RTCP for the control plane;
+//! 8. the recording tap;
+//! 9. the fan-out: a simulcast layer's copies decided and renumbered per consumer
+//!    ([`Plane::layer_fan_out`]); any other stream's to every copy but its sender, each
+//!    SRTP-protected with its own key where it has one ([`Plane::protect`]).
+//!
+//! The [`Plane`] holds what the pipeline does not own: state shared between a plane's workers
+//! (source buckets, the feedback router, the simulcast consumers) behind the plane's locks, and
+//! its crypto. The pipeline owns what is per worker: the streams' rate limits.
+
+use crate::call_quality::parse_reports;
+use crate::feedback::FeedbackEntry;
+use crate::feedback::Outcome;
+use crate::ratelimit::{RateLimit, RateState};
+use crate::rtp::{demux, MediaKind, RtpHeader};
+use crate::srtp::Protection;
+use crate::table::{DropReason, ForwardingTable, SimulcastLayer, SlowReason, StreamEntry, Verdict};
+use std::borrow::Cow;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+
+/// What the pipeline asks of the plane running it. None of it does I/O.
+pub trait Plane {
+    /// The per-source limit ([`ForwardingTable::source_limit`]): may `src` send `bytes` now?
+    fn admit_source(&mut self, limit: RateLimit, src: IpAddr, now_ns: u64, bytes: u64) -> bool;
+    /// Route a consumer's feedback ([`crate::feedback::FeedbackRouter::route_with`]); None: it is
+    /// malformed.
+    fn route_feedback(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Option<Outcome>;
+    /// An SRTP stream's packet with the stream's inbound key; None: dropped (no key yet, failed
+    /// authentication, a replay: the plane counts why).
+    fn unprotect(&mut self, entry: &StreamEntry, packet: &[u8]) -> Option<Vec<u8>>;
+    /// Copy number `copy` of an entry, protected with its outbound key; None: not sent (counted
+    /// by the plane).
+    fn protect(&mut self, entry: &StreamEntry, copy: usize, packet: &[u8]) -> Option<Vec<u8>>;
+    /// A simulcast layer's packet (clear): the copies it makes for the consumers receiving that
+    /// layer now, renumbered, and the keyframe requests to the publisher for layers consumers
+    /// wait for (see `crate::simulcast`).
+    fn layer_fan_out(&mut self, entry: &StreamEntry, layer: &SimulcastLayer, src: SocketAddr, packet: &[u8], now_ns: u64) -> LayerFanOut;
+}
+
+/// What one packet of a simulcast layer makes ([`Plane::layer_fan_out`]).
+#[derive(Debug, Default)]
+pub struct LayerFanOut {
+    /// (copy number in the entry, the copy's bytes).
+    pub copies: Vec<(usize, Vec<u8>)>,
+    /// Keyframe requests to the publisher: (from, to, packet).
+    pub requests: Vec<(SocketAddr, SocketAddr, Vec<u8>)>,
+}
+
+/// Why the pipeline dropped a packet (beside the model's own [`DropReason`]s).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Dropped {
+    /// What classify decided.
+    Model(DropReason),
+    /// Over the per-source limit (counted in total only: before any stream is charged).
+    SourceLimited,
+    /// Over its stream's rate limit.
+    RateLimited,
+    /// A consumer's feedback that does not parse, or an SRTP packet that did not unprotect:
+    /// counted as malformed.
+    Malformed,
+}
+
+/// What a copy is a copy of: its stream and consumer, for the counters of both.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyOf {
+    pub stream: u32,
+    /// The consumer uid (0: none, a relay leg's copy).
+    pub consumer: u32,
+    /// The stream is RTP: the clock rate its copies' RTP is accounted at, as forwarded.
+    pub rtp_clock_rate: Option<u32>,
+}
+
+impl CopyOf {
+    pub fn of(entry: &StreamEntry, consumer: u32) -> CopyOf {
+        CopyOf { stream: entry.id, consumer, rtp_clock_rate: entry.rtp.then_some(entry.clock_rate) }
+    }
+}
+
+/// One thing the driver does, in order.
+#[derive(Debug)]
+pub enum Effect<'p> {
+    /// Dropped and counted: in total, and for `stream` when known; `received`: the bytes the
+    /// stream is also counted to have received (None: counted already, by [`Effect::Received`]).
+    Dropped { why: Dropped, stream: Option<u32>, received: Option<usize> },
+    /// Handed to the slow path's own handling (counted); `handshake`: an ICE leg's STUN or DTLS
+    /// for the control plane, of this stream.
+    SlowPath { reason: SlowReason, stream: Option<u32>, handshake: Option<u32> },
+    /// A consumer's feedback, routed: its tallies, reports, REMBs and NACKs for the plane's
+    /// bookkeeping (its packets to publishers follow as [`Effect::Send`]).
+    Feedback(Box<Outcome>),
+    /// Accepted on `stream` (`bytes` received; before SRTP and the rate limit).
+    Received { stream: u32, bytes: usize },
+    /// A learning leg heard `source`: for the control plane (the packet is relayed still).
+    Unlatched { stream: u32, source: SocketAddr },
+    /// Passed every check: the stream's last packet arrived now.
+    Accepted { stream: u32 },
+    /// An RTP packet measured in the path (reception quality).
+    Rtp { stream: u32, header: RtpHeader, clock_rate: u32 },
+    /// A publisher's sender report passed (its NTP middle bits), for consumers' round-trip times.
+    SenderReport { stream: u32, ntp_middle: u32 },
+    /// A relay leg's RTCP for the control plane to evaluate (the plane applies its budget).
+    RelayRtcp { stream: u32, packet: Cow<'p, [u8]> },
+    /// A recorded stream's packet, clear (SRTP legs are recorded decrypted).
+    Record { stream: u32, label: String, packet: Cow<'p, [u8]> },
+    /// Send `packet` from the SFU address `from` to `to`; `copy`: what it is a copy of (None:
+    /// feedback or a keyframe request to a publisher).
+    Send { from: SocketAddr, to: SocketAddr, packet: Cow<'p, [u8]>, copy: Option<CopyOf> },
+    /// A copy that could not be made (SRTP protect failed): counted as not sent.
+    CopyFailed { copy: CopyOf },
+}
+
+/// The pipeline of one worker: its own state (the streams' rate limits), the rest in the
+/// [`Plane`] it is run with.
+#[derive(Debug, Default)]
+pub struct Pipeline {
+    /// Per stream id: the limit its state was made for, and the state.
+    rates: HashMap<u32, (RateLimit, RateState)>,
+}
+
+impl Pipeline {
+    pub fn new() -> Pipeline {
+        Pipeline::default()
+    }
+
+    /// Decide one datagram: `payload` arrived at `local` from `src` at `now_ns` (the limits'
+    /// clock) / `received_at` (the monotonic clock measurements and feedback use). The effects
+    /// are appended to `out`, in the order the driver must carry them out.
+    #[allow(clippy::too_many_arguments)]
+    pub fn process<'p>(
+        &mut self,
+        table: &ForwardingTable,
+        local: SocketAddr,
+        src: SocketAddr,
+        payload: &'p [u8],
+        now_ns: u64,
+        received_at: u64,
+        plane: &mut dyn Plane,
+        out: &mut Vec<Effect<'p>>,
+    ) {
+        let verdict = table.classify(local, src, payload);
+        if let (Some(limit), Verdict::Forward(_) | Verdict::Learn(_) | Verdict::Feedback { .. } | Verdict::SlowPath { .. }) = (table.source_limit, &verdict) {
+            if !plane.admit_source(limit, src.ip(), now_ns, payload.len() as u64) {
+                out.push(Effect::Dropped { why: Dropped::SourceLimited, stream: None, received: None });
+                return;
+            }
+        }
+        let (entry, learn, payload): (&StreamEntry, bool, Cow<'p, [u8]>) = match verdict {
+            Verdict::Drop { reason, stream } => {
+                out.push(Effect::Dropped { why: Dropped::Model(reason), stream, received: Some(payload.len()) });
+                return;
+            }
+            Verdict::SlowPath { reason, stream } => {
+                // An ICE leg's connectivity check or DTLS: the control plane answers it.
+                let handshake = matches!(reason, SlowReason::Stun | SlowReason::Handshake)
+                    .then(|| table.streams.get(&crate::IngressKey { local, ssrc: None }).filter(|e| e.handshake).map(|e| e.id))
+                    .flatten();
+                out.push(Effect::SlowPath { reason, stream, handshake });
+                return;
+            }
+            Verdict::Feedback { entry: fb, stream } => {
+                let Some(mut outcome) = plane.route_feedback(fb, payload, received_at) else {
+                    out.push(Effect::Dropped { why: Dropped::Malformed, stream: stream.map(|e| e.id), received: Some(payload.len()) });
+                    return;
+                };
+                let routed = std::mem::take(&mut outcome.routed);
+                let forward = outcome.forward.take();
+                out.push(Effect::Feedback(Box::new(outcome)));
+                for r in routed {
+                    out.push(Effect::Send { from: r.from, to: r.to, packet: Cow::Owned(r.packet), copy: None });
+                }
+                // What remains of a sender's report goes on as its stream's media.
+                match (stream, forward) {
+                    (Some(entry), Some(report)) => (entry, false, Cow::Owned(report)),
+                    _ => return,
+                }
+            }
+            Verdict::Forward(entry) => (entry, false, Cow::Borrowed(payload)),
+            Verdict::Learn(entry) => (entry, true, Cow::Borrowed(payload)),
+        };
+        self.media(entry, learn, src, payload, now_ns, received_at, plane, out);
+    }
+
+    /// Steps 4 to 9 for a packet of `entry`.
+    #[allow(clippy::too_many_arguments)]
+    fn media<'p>(
+        &mut self,
+        entry: &StreamEntry,
+        learn: bool,
+        src: SocketAddr,
+        payload: Cow<'p, [u8]>,
+        now_ns: u64,
+        received_at: u64,
+        plane: &mut dyn Plane,
+        out: &mut Vec<Effect<'p>>,
+    ) {
+        out.push(Effect::Received { stream: entry.id, bytes: payload.len() });
+        let payload: Cow<'p, [u8]> = match &entry.inbound {
+            Protection::Clear => payload,
+            Protection::Srtp(_) => match plane.unprotect(entry, &payload) {
+                Some(clear) => Cow::Owned(clear),
+                None => {
+                    out.push(Effect::Dropped { why: Dropped::Malformed, stream: Some(entry.id), received: None });
+                    return;
+                }
+            },
+        };
+        if learn {
+            out.push(Effect::Unlatched { stream: entry.id, source: src });
+        }
+        if let Some(limit) = entry.rate.filter(|l| !l.is_unlimited()) {
+            if !self.admit_stream(entry.id, limit, now_ns, payload.len() as u64) {
+                out.push(Effect::Dropped { why: Dropped::RateLimited, stream: Some(entry.id), received: None });
+                return;
+            }
+        }
+        out.push(Effect::Accepted { stream: entry.id });
+        match demux(&payload) {
+            MediaKind::Rtp if entry.rtp => {
+                if let Ok(header) = RtpHeader::parse(&payload) {
+                    out.push(Effect::Rtp { stream: entry.id, header, clock_rate: entry.clock_rate });
+                }
+            }
+            MediaKind::Rtcp if entry.times_sender_reports() => {
+                if let Some(sr) = parse_reports(&payload).and_then(|(srs, _)| srs.into_iter().next()) {
+                    out.push(Effect::SenderReport { stream: entry.id, ntp_middle: sr.ntp_middle });
+                }
+            }
+            MediaKind::Rtcp if entry.evaluate_rtcp => out.push(Effect::RelayRtcp { stream: entry.id, packet: payload.clone() }),
+            _ => {}
+        }
+        if entry.record {
+            out.push(Effect::Record { stream: entry.id, label: entry.label.clone(), packet: payload.clone() });
+        }
+        if let Some(layer) = &entry.simulcast {
+            let fan = plane.layer_fan_out(entry, layer, src, &payload, received_at);
+            for (i, bytes) in fan.copies {
+                let c = &entry.copies[i];
+                out.push(Effect::Send { from: c.from, to: c.to, packet: Cow::Owned(bytes), copy: Some(CopyOf::of(entry, c.consumer)) });
+            }
+            for (from, to, packet) in fan.requests {
+                out.push(Effect::Send { from, to, packet: Cow::Owned(packet), copy: None });
+            }
+            return;
+        }
+        for (i, c) in entry.copies.iter().enumerate() {
+            if c.to == src {
+                continue; // never back to the sender, whatever the table says
+            }
+            let copy = Some(CopyOf::of(entry, c.consumer));
+            match &c.outbound {
+                Protection::Clear => out.push(Effect::Send { from: c.from, to: c.to, packet: payload.clone(), copy }),
+                Protection::Srtp(_) => match plane.protect(entry, i, &payload) {
+                    Some(sealed) => out.push(Effect::Send { from: c.from, to: c.to, packet: Cow::Owned(sealed), copy }),
+                    None => out.push(Effect::CopyFailed { copy: CopyOf::of(entry, c.consumer) }),
+                },
+            }
+        }
+    }
+
+    /// Step 6: GCRA per stream, its state started afresh when the limit changes.
+    fn admit_stream(&mut self, stream: u32, limit: RateLimit, now_ns: u64, bytes: u64) -> bool {
+        let (l, st) = self.rates.entry(stream).or_insert((limit, RateState::default()));
+        if *l != limit {
+            *l = limit;
+            *st = RateState::default();
+        }
+        limit.params().admit(st, now_ns, bytes)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::feedback::{FeedbackRouter, LayerMap};
+    use crate::model::{Model, StreamRef, StreamSpec};
+    use crate::rtp::build_rtp;
+    use crate::srtp::{SrtpKey, SrtpSuite};
+    use crate::table::SourceRule;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    const P0_LOCAL: &str = "10.0.0.1:4000";
+    const P0: &str = "10.0.1.1:5000";
+    const P1_LOCAL: &str = "10.0.0.1:4002";
+    const P1: &str = "10.0.1.2:5000";
+
+    /// p0 publishes "main" (RTP, 8 kHz); p1 and p2 subscribe.
+    fn room() -> ForwardingTable {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        for (i, (local, remote)) in [(P0_LOCAL, P0), (P1_LOCAL, P1), ("10.0.0.1:4004", "10.0.1.3:5000")].into_iter().enumerate() {
+            m.add_participant("r", &format!("p{i}"), a(local), a(remote)).unwrap();
+        }
+        m.publish("r", "p0", "main", StreamSpec { clock_rate: Some(8000), ..Default::default() }).unwrap();
+        for s in ["p1", "p2"] {
+            m.subscribe("r", s, StreamRef { publisher: "p0".into(), stream: "main".into() }).unwrap();
+        }
+        ForwardingTable::compile(&m, 1)
+    }
+
+    fn main_entry(t: &mut ForwardingTable) -> &mut StreamEntry {
+        t.streams.get_mut(&crate::IngressKey { local: a(P0_LOCAL), ssrc: None }).unwrap()
+    }
+
+    /// A plane that records what it was asked: SRTP "unprotects" by dropping a trailing byte
+    /// (0xee marks a good tag), sources are admitted while `sources_left` lasts.
+    #[derive(Default)]
+    struct FakePlane {
+        sources_left: Option<u32>,
+        router: FeedbackRouter,
+        protect_fails: bool,
+        asked: Vec<String>,
+    }
+
+    struct NoLayers;
+    impl LayerMap for NoLayers {
+        fn layer(&self, _: u32) -> Option<u8> {
+            None
+        }
+        fn original(&self, _: u32, _: u16) -> Option<(u8, u16)> {
+            None
+        }
+    }
+
+    impl Plane for FakePlane {
+        fn admit_source(&mut self, _: RateLimit, src: IpAddr, _: u64, _: u64) -> bool {
+            self.asked.push(format!("source {src}"));
+            match &mut self.sources_left {
+                Some(0) => false,
+                Some(n) => {
+                    *n -= 1;
+                    true
+                }
+                None => true,
+            }
+        }
+        fn route_feedback(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Option<Outcome> {
+            self.asked.push("feedback".into());
+            self.router.route_with(entry, packet, now_ns, &NoLayers).ok()
+        }
+        fn unprotect(&mut self, _: &StreamEntry, packet: &[u8]) -> Option<Vec<u8>> {
+            self.asked.push("unprotect".into());
+            (packet.last() == Some(&0xee)).then(|| packet[..packet.len() - 1].to_vec())
+        }
+        fn protect(&mut self, _: &StreamEntry, copy: usize, packet: &[u8]) -> Option<Vec<u8>> {
+            self.asked.push(format!("protect {copy}"));
+            (!self.protect_fails).then(|| [packet, &[0xee]].concat())
+        }
+        fn layer_fan_out(&mut self, _: &StreamEntry, _: &SimulcastLayer, _: SocketAddr, _: &[u8], _: u64) -> LayerFanOut {
+            unreachable!("no simulcast stream here")
+        }
+    }
+
+    /// The effects of one packet, as short names with what matters of them.
+    fn run(p: &mut Pipeline, t: &ForwardingTable, plane: &mut FakePlane, local: &str, src: &str, packet: &[u8], now: u64) -> Vec<String> {
+        let mut out = Vec::new();
+        p.process(t, a(local), a(src), packet, now, now, plane, &mut out);
+        out.iter()
+            .map(|e| match e {
+                Effect::Dropped { why, received, .. } => format!("dropped {why:?} {}", received.is_some()),
+                Effect::SlowPath { reason, handshake, .. } => format!("slow {reason:?} {}", handshake.is_some()),
+                Effect::Feedback(o) => format!("feedback {} routed", o.total.routed),
+                Effect::Received { .. } => "received".into(),
+                Effect::Unlatched { source, .. } => format!("unlatched {source}"),
+                Effect::Accepted { .. } => "accepted".into(),
+                Effect::Rtp { header, clock_rate, .. } => format!("rtp {} {clock_rate}", header.sequence),
+                Effect::SenderReport { .. } => "sender report".into(),
+                Effect::RelayRtcp { .. } => "relay rtcp".into(),
+                Effect::Record { .. } => "record".into(),
+                Effect::Send { to, packet, copy, .. } => format!("send {to} {} {}", packet.len(), copy.map_or(0, |c| c.consumer)),
+                Effect::CopyFailed { copy } => format!("copy failed {}", copy.consumer),
+            })
+            .collect()
+    }
+
+    fn consumers(t: &ForwardingTable) -> Vec<u32> {
+        t.streams.values().find(|e| e.key.local == a(P0_LOCAL)).unwrap().copies.iter().map(|c| c.consumer).collect()
+    }
+
+    #[test]
+    fn media_is_measured_and_copied_to_every_consumer_but_its_sender() {
+        let mut t = room();
+        let c = consumers(&t);
+        // The table says "back to the sender" too: never.
+        let mut back = main_entry(&mut t).copies[0].clone();
+        back.to = a(P0);
+        main_entry(&mut t).copies.push(back);
+        let rtp = build_rtp(0, 7, 160, 9, &[1; 20]);
+        let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &rtp, 1);
+        assert_eq!(got, ["received", "accepted", "rtp 7 8000", &format!("send 10.0.1.2:5000 32 {}", c[0]), &format!("send 10.0.1.3:5000 32 {}", c[1])]);
+        // A stranger's: dropped as classify says, charged to the stream.
+        let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, "10.9.9.9:1", &rtp, 1);
+        assert_eq!(got, ["dropped Model(Stranger) true"]);
+    }
+
+    #[test]
+    fn the_source_limit_comes_before_anything_else_and_only_for_what_classify_keeps() {
+        let mut t = room();
+        t.source_limit = Some(RateLimit { pps: 1, bps: 0, burst_ms: 0 });
+        let mut plane = FakePlane { sources_left: Some(1), ..Default::default() };
+        let rtp = build_rtp(0, 7, 160, 9, &[1; 20]);
+        let mut p = Pipeline::new();
+        assert_eq!(run(&mut p, &t, &mut plane, P0_LOCAL, P0, &rtp, 1).len(), 5);
+        assert_eq!(run(&mut p, &t, &mut plane, P0_LOCAL, P0, &rtp, 2), ["dropped SourceLimited false"]);
+        // A stranger is dropped by classify and never charged.
+        assert_eq!(run(&mut p, &t, &mut plane, P0_LOCAL, "10.9.9.9:1", &rtp, 3), ["dropped Model(Stranger) true"]);
+        assert_eq!(plane.asked, ["source 10.0.1.1", "source 10.0.1.1"]);
+    }
+
+    #[test]
+    fn srtp_is_unprotected_before_the_latch_and_the_limits_and_protected_per_copy() {
+        let mut t = room();
+        let key = SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, vec![7; 30]).unwrap();
+        let e = main_entry(&mut t);
+        e.inbound = Protection::Srtp(Some(key.clone()));
+        e.copies[1].outbound = Protection::Srtp(Some(key));
+        e.source = SourceRule::Learn(None);
+        let c = consumers(&t);
+        let clear = build_rtp(0, 7, 160, 9, &[1; 20]);
+        let sealed = [&clear[..], &[0xee]].concat();
+        let mut plane = FakePlane::default();
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &sealed, 1);
+        assert_eq!(
+            got,
+            [
+                "received",
+                "unlatched 10.0.1.1:5000",
+                "accepted",
+                "rtp 7 8000",
+                &format!("send 10.0.1.2:5000 32 {}", c[0]),
+                &format!("send 10.0.1.3:5000 33 {}", c[1])
+            ]
+        );
+        assert_eq!(plane.asked, ["unprotect", "protect 1"]);
+        // One that does not unprotect goes no further: no latch report, no copy.
+        let forged = [&clear[..], &[0x00]].concat();
+        assert_eq!(run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &forged, 1), ["received", "dropped Malformed false"]);
+        // A copy that cannot be protected is counted as not sent; the others go.
+        plane.protect_fails = true;
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &sealed, 1);
+        assert_eq!(got[4..], [format!("send 10.0.1.2:5000 32 {}", c[0]), format!("copy failed {}", c[1])]);
+    }
+
+    #[test]
+    fn the_stream_rate_limit_drops_the_excess_and_starts_afresh_when_it_changes() {
+        let mut t = room();
+        main_entry(&mut t).rate = Some(RateLimit { pps: 10, bps: 0, burst_ms: 0 });
+        let rtp = build_rtp(0, 7, 160, 9, &[1; 20]);
+        let mut p = Pipeline::new();
+        let mut plane = FakePlane::default();
+        let at = |ms: u64| 1_000_000_000 + ms * 1_000_000;
+        assert!(run(&mut p, &t, &mut plane, P0_LOCAL, P0, &rtp, at(0)).contains(&"accepted".to_string()));
+        assert_eq!(run(&mut p, &t, &mut plane, P0_LOCAL, P0, &rtp, at(1)), ["received", "dropped RateLimited false"]);
+        assert!(run(&mut p, &t, &mut plane, P0_LOCAL, P0, &rtp, at(101)).contains(&"accepted".to_string()));
+        // A new limit: a fresh bucket, the next packet passes at once.
+        main_entry(&mut t).rate = Some(RateLimit { pps: 20, bps: 0, burst_ms: 0 });
+        assert!(run(&mut p, &t, &mut plane, P0_LOCAL, P0, &rtp, at(102)).contains(&"accepted".to_string()));
+    }
+
+    #[test]
+    fn a_consumers_feedback_is_routed_and_malformed_feedback_dropped() {
+        use crate::feedback::build;
+        // The stream is narrowed to an SSRC, which feedback names.
+        let ssrc = 0x1234;
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        for (i, (local, remote)) in [(P0_LOCAL, P0), (P1_LOCAL, P1)].into_iter().enumerate() {
+            m.add_participant("r", &format!("p{i}"), a(local), a(remote)).unwrap();
+        }
+        m.publish("r", "p0", "main", StreamSpec { ssrc: Some(ssrc), ..Default::default() }).unwrap();
+        m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "main".into() }).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        let mut plane = FakePlane::default();
+        let pli = build::pli(0xb1, ssrc);
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P1_LOCAL, P1, &pli, 1);
+        // To the publisher, in a compound the router makes (an empty receiver report first).
+        assert_eq!(got, ["feedback 1 routed", &format!("send {P0} {} 0", 8 + pli.len())]);
+        // A compound whose second packet's length runs past the end: classify drops it as
+        // malformed, charged to the address's stream, and the router never sees it.
+        let mut bad = [&pli[..], &pli[..]].concat();
+        bad[pli.len() + 3] = 9;
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P1_LOCAL, P1, &bad, 1);
+        assert_eq!(got, ["dropped Model(Malformed) true"]);
+        assert_eq!(plane.asked, ["feedback"]);
+    }
+
+    #[test]
+    fn an_ice_legs_stun_goes_to_the_control_plane() {
+        let mut t = room();
+        main_entry(&mut t).handshake = true;
+        // A STUN binding request (type 0x0001, length 0, the magic cookie, a transaction id).
+        let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+        stun.extend_from_slice(&[3; 12]);
+        let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &stun, 1);
+        assert_eq!(got, ["slow Stun true"]);
+        main_entry(&mut t).handshake = false;
+        assert_eq!(run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &stun, 1), ["slow Stun false"]);
+    }
+}
