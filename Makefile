@@ -46,8 +46,8 @@ lint: deps
 
 # Coverage-guided fuzzing (cargo-fuzz, nightly): a seconds-long run of every target in
 # `make test`, longer runs with `make fuzz` (FUZZ_SECONDS per target). `make fuzz` also runs the
-# kernel program's fuzz driver (root; BPF_PROG_TEST_RUN against classify() and, for simulcast
-# layers, core's per-consumer rewriter) over BPF_FUZZ_FRAMES
+# kernel program's fuzz driver (root; BPF_PROG_TEST_RUN against core's per-packet pipeline and,
+# for simulcast layers, core's per-consumer rewriter) over BPF_FUZZ_FRAMES
 # random and mutated frames (`make test` runs 10000 of them in cargo test); a failure prints its
 # seed, MEDIAPLANE_FUZZ_SEED=<seed> replays it.
 FUZZ_TARGETS := frame rtp_rtcp classify api_json bencode sdp stun

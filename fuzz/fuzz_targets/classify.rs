@@ -1,6 +1,7 @@
 //! The reference forwarding decision on arbitrary payloads and sources: never panic, and never
 //! forward anything the model does not allow (the same oracle the data planes are tested by).
 //! Feedback it finds is routed: never a panic, only valid compound packets, only to publishers.
+//! Core's per-packet pipeline (`mediaplane_core::pipeline::reference`) runs on the same input.
 #![no_main]
 use libfuzzer_sys::fuzz_target;
 use mediaplane_core::feedback::FeedbackRouter;
@@ -37,7 +38,17 @@ fuzz_target!(|data: &[u8]| {
     }
     let local: SocketAddr = format!("10.0.0.1:{}", 4000 + 2 * (data[0] % 4) as u16).parse().unwrap();
     let src: SocketAddr = format!("10.0.1.{}:{}", data[1] % 4 + 1, 5000 + (data[1] >> 7) as u16).parse().unwrap();
-    match table().classify(local, src, &data[2..]) {
+    let verdict = table().classify(local, src, &data[2..]);
+    // Core's per-packet pipeline on the same input (as the data planes' oracle): no panic, and
+    // copies only of what classify forwards (a feedback compound's sender report included),
+    // never back to the sender.
+    let forwards = matches!(verdict, Verdict::Forward(_) | Verdict::Learn(_) | Verdict::Feedback { stream: Some(_), .. });
+    for e in mediaplane_core::pipeline::reference(table(), local, src, &data[2..]) {
+        if let mediaplane_core::pipeline::Effect::Send { to, copy: Some(_), .. } = e {
+            assert!(forwards && to != src, "a copy to {to} of what classify does not forward");
+        }
+    }
+    match verdict {
         Verdict::Forward(e) => {
             assert_eq!(e.source, SourceRule::Fixed(src));
             assert!(e.copies.iter().all(|c| c.to != src));

@@ -75,9 +75,11 @@ pub enum Dropped {
     SourceLimited,
     /// Over its stream's rate limit.
     RateLimited,
-    /// A consumer's feedback that does not parse, or an SRTP packet that did not unprotect:
-    /// counted as malformed.
+    /// An SRTP packet that did not unprotect: counted as malformed.
     Malformed,
+    /// A consumer's feedback the router could not parse (classify passed it): counted as
+    /// malformed. (The kernel hands all feedback up: this is the slow path's drop.)
+    MalformedFeedback,
 }
 
 /// What a copy is a copy of: its stream and consumer, for the counters of both.
@@ -179,7 +181,7 @@ impl Pipeline {
             }
             Verdict::Feedback { entry: fb, stream } => {
                 let Some(mut outcome) = plane.route_feedback(fb, payload, received_at) else {
-                    out.push(Effect::Dropped { why: Dropped::Malformed, stream: stream.map(|e| e.id), received: Some(payload.len()) });
+                    out.push(Effect::Dropped { why: Dropped::MalformedFeedback, stream: stream.map(|e| e.id), received: Some(payload.len()) });
                     return;
                 };
                 let routed = std::mem::take(&mut outcome.routed);
@@ -288,10 +290,58 @@ impl Pipeline {
     }
 }
 
+/// The pipeline's decision for one datagram with no plane state of its own: the oracle the
+/// conformance suite and the BPF fuzz driver hold the data planes to. Every source is admitted,
+/// no SRTP key is held (an SRTP stream's packet is dropped: a plane without its key cannot
+/// unprotect it), feedback is handed to a router that keeps nothing (an [`Effect::Feedback`]
+/// with nothing routed, and what remains of a sender's report forwarded), and a simulcast
+/// layer's packet goes to every consumer as it is (the layer decision is judged apart, against
+/// `crate::simulcast::LayerRewriter`).
+pub fn reference<'p>(table: &ForwardingTable, local: SocketAddr, src: SocketAddr, payload: &'p [u8]) -> Vec<Effect<'p>> {
+    struct Stateless;
+    impl Plane for Stateless {
+        fn admit_source(&mut self, _: RateLimit, _: IpAddr, _: u64, _: u64) -> bool {
+            true
+        }
+        fn route_feedback(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Option<Outcome> {
+            let mut o = crate::feedback::FeedbackRouter::default().route_with(entry, packet, now_ns, &NoLayers).ok()?;
+            o.routed.clear();
+            Some(o)
+        }
+        fn unprotect(&mut self, _: &StreamEntry, _: &[u8]) -> Option<Vec<u8>> {
+            None
+        }
+        fn protect(&mut self, _: &StreamEntry, _: usize, _: &[u8]) -> Option<Vec<u8>> {
+            None
+        }
+        fn layer_fan_out(&mut self, entry: &StreamEntry, _: &SimulcastLayer, src: SocketAddr, packet: &[u8], _: u64) -> LayerFanOut {
+            LayerFanOut {
+                copies: entry.copies.iter().enumerate().filter(|(_, c)| c.to != src).map(|(i, _)| (i, packet.to_vec())).collect(),
+                requests: Vec::new(),
+            }
+        }
+    }
+    let mut out = Vec::new();
+    Pipeline::new().process(table, local, src, payload, 0, 0, &mut Stateless, &mut out);
+    out
+}
+
+/// No simulcast consumers: feedback about none is mapped.
+struct NoLayers;
+
+impl crate::feedback::LayerMap for NoLayers {
+    fn layer(&self, _: u32) -> Option<u8> {
+        None
+    }
+    fn original(&self, _: u32, _: u16) -> Option<(u8, u16)> {
+        None
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::feedback::{FeedbackRouter, LayerMap};
+    use crate::feedback::FeedbackRouter;
     use crate::model::{Model, StreamRef, StreamSpec};
     use crate::rtp::build_rtp;
     use crate::srtp::{SrtpKey, SrtpSuite};
@@ -332,16 +382,6 @@ mod tests {
         router: FeedbackRouter,
         protect_fails: bool,
         asked: Vec<String>,
-    }
-
-    struct NoLayers;
-    impl LayerMap for NoLayers {
-        fn layer(&self, _: u32) -> Option<u8> {
-            None
-        }
-        fn original(&self, _: u32, _: u16) -> Option<(u8, u16)> {
-            None
-        }
     }
 
     impl Plane for FakePlane {

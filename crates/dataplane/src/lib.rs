@@ -215,7 +215,7 @@ impl Counters {
             Dropped::Model(reason) => self.count_drop(reason),
             Dropped::SourceLimited => self.drop_source_limited += 1,
             Dropped::RateLimited => self.drop_rate_limited += 1,
-            Dropped::Malformed => self.drop_malformed += 1,
+            Dropped::Malformed | Dropped::MalformedFeedback => self.drop_malformed += 1,
         }
     }
 

@@ -1,6 +1,7 @@
 //! Fuzz driver for the real TC program: thousands of random and mutated frames through
-//! BPF_PROG_TEST_RUN, each judged by the oracle of test_run.rs (tests/common/rig.rs:
-//! `ForwardingTable::classify()` on what `parse_frame()` makes of the frame). For every frame:
+//! BPF_PROG_TEST_RUN, each judged by the oracle of test_run.rs (tests/common/rig.rs: core's
+//! per-packet pipeline, `mediaplane_core::pipeline::reference` on `classify()`, on what
+//! `parse_frame()` makes of the frame). For every frame:
 //! the verdict (forward / drop / to the stack) and its counter match; the program never
 //! forwards what the model would not; copies go only to the model's subscribers of that
 //! stream, each once, payload unchanged, checksums as valid as the original's. Each frame also

@@ -1,5 +1,5 @@
-//! BPF_PROG_TEST_RUN of the TC program on crafted frames, compared with the reference
-//! `ForwardingTable::classify()`. Copies really leave through bpf_clone_redirect: each test runs
+//! BPF_PROG_TEST_RUN of the TC program on crafted frames, compared with the reference: core's
+//! per-packet pipeline (`mediaplane_core::pipeline::reference`, on `ForwardingTable::classify()`). Copies really leave through bpf_clone_redirect: each test runs
 //! in its own network namespace with a veth pair (v0: the SFU side the packet "arrives" on and
 //! copies leave from; v1: the subscribers' side, where an AF_PACKET socket captures them).
 //! The rig and the oracle live in tests/common/rig.rs (shared with fuzz_test_run.rs).

@@ -1,15 +1,17 @@
 //! One conformance suite for every data plane: the same scenarios run through `mediaplane serve`
 //! in a namespace star with each data plane, and every participant must receive exactly what
-//! `ForwardingTable::classify` on the daemon's own compiled table says — same copies, same
-//! source addresses, same payload bytes — so the planes also agree with each other.
+//! core's per-packet pipeline (`mediaplane_core::pipeline::reference`, on `classify`) decides on
+//! the daemon's own compiled table — same copies, same source addresses, same payload bytes — so
+//! the planes also agree with each other.
 
 mod common;
 
 use common::netns::NetnsServe;
 use common::planes;
 use mediaplane_bench::netns::Testbed;
+use mediaplane_core::pipeline::{reference, Effect};
 use mediaplane_core::rtp::build_rtp;
-use mediaplane_core::table::{ForwardingTable, StreamEntry, Verdict};
+use mediaplane_core::table::{ForwardingTable, StreamEntry};
 use serde_json::{json, Value};
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, UdpSocket};
@@ -124,7 +126,8 @@ fn run_plane(tb: &Testbed, plane: &str) -> (Delivered, ForwardingTable, Value) {
     (got, table, stats)
 }
 
-/// What `classify` says each participant must receive.
+/// What core's per-packet pipeline (`mediaplane_core::pipeline::reference`) says each
+/// participant must receive.
 fn oracle(tb: &Testbed, table: &ForwardingTable) -> Delivered {
     let mut want = Delivered::new();
     for i in 0..N {
@@ -132,10 +135,10 @@ fn oracle(tb: &Testbed, table: &ForwardingTable) -> Delivered {
     }
     for (from, registered, to, payload) in traffic(tb) {
         let src = SocketAddr::new(tb.peers[from].ip, if registered { MEDIA_PORT } else { STRANGER_PORT });
-        if let Verdict::Forward(e) = table.classify(to, src, &payload) {
-            for c in &e.copies {
-                let who = tb.peers.iter().position(|p| SocketAddr::new(p.ip, MEDIA_PORT) == c.to).unwrap();
-                want.get_mut(&who).unwrap().push((c.from, payload.clone()));
+        for effect in reference(table, to, src, &payload) {
+            if let Effect::Send { from: sfu, to: dst, packet, copy: Some(_) } = effect {
+                let who = tb.peers.iter().position(|p| SocketAddr::new(p.ip, MEDIA_PORT) == dst).unwrap();
+                want.get_mut(&who).unwrap().push((sfu, packet.to_vec()));
             }
         }
     }

@@ -5,6 +5,7 @@
 
 use super::*;
 use mediaplane_core::packet::{build_frame, parse_frame, verify_checksums, FrameError, FrameSpec};
+use mediaplane_core::pipeline::{reference as reference_effects, Dropped, Effect};
 use mediaplane_core::rtp::{build_rtp, demux, MediaKind};
 use mediaplane_core::table::{Copy, DropReason, ForwardingTable, IngressKey, SlowReason, SourceRule, StreamEntry, Verdict};
 use mediaplane_ebpf::maps::{config_flags, flags, kernel_entries, FastConfigRaw};
@@ -133,6 +134,9 @@ fn inner_ethertype(frame: &[u8]) -> Option<u16> {
 /// The IPv6 next-header values the kernel counts as extension headers (bpf/parse.h).
 const IPV6_EXT_HEADERS: [u8; 8] = [0, 43, 50, 51, 60, 135, 139, 140];
 
+/// What the kernel must do with `frame`: the frame checks the TC program makes itself, then core's
+/// per-packet pipeline on its payload (`mediaplane_core::pipeline::reference`), except where the
+/// kernel hands a packet to the slow path instead of deciding it.
 pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
     let f = match parse_frame(frame) {
         Ok(f) => f,
@@ -161,14 +165,34 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         return Expect::Pass("pass_not_ours");
     }
     let payload = &frame[f.payload..f.payload + f.payload_len];
-    let verdict = t.classify(f.dst, f.src, payload);
-    // Frame-level, after the source check: only what the host would accept (RIG_CONFIG
-    // verifies checksums; no interface of the lab has a reverse-path mode).
-    if matches!(verdict, Verdict::Forward(_) | Verdict::Learn(_)) && !verify_checksums(frame, &f).ok() {
-        return Expect::Drop("drop_bad_checksum");
+    // Core's per-packet pipeline decides; what the kernel does of it differs where it hands a
+    // packet to the slow path instead of deciding itself.
+    let effects = reference_effects(t, f.dst, f.src, payload);
+    if effects.iter().any(|e| matches!(e, Effect::Feedback(_) | Effect::Dropped { why: Dropped::MalformedFeedback, .. })) {
+        // The slow path routes it (and forwards a sender report in it).
+        return Expect::Pass("pass_feedback");
     }
-    match verdict {
-        Verdict::Forward(e) => {
+    match effects.first() {
+        Some(Effect::Dropped { why: Dropped::Model(reason), .. }) => match reason {
+            DropReason::NoStream => Expect::Drop("drop_no_stream"),
+            DropReason::Stranger => Expect::Drop("drop_stranger"),
+            DropReason::Malformed => Expect::Drop("drop_malformed"),
+            DropReason::BadChecksum | DropReason::Spoofed => unreachable!("classify() judges payloads, not frames"),
+        },
+        Some(Effect::SlowPath { reason: SlowReason::Stun, .. }) => Expect::Pass("pass_stun"),
+        // An SRTP stream: the kernel hands it up whole.
+        Some(Effect::SlowPath { reason: SlowReason::Handshake, .. }) => Expect::Pass("pass_slow_stream"),
+        Some(Effect::Received { stream, .. }) => {
+            let e = t.streams.values().find(|e| e.id == *stream).expect("the pipeline's stream is the table's");
+            // Frame-level, after the source check: only what the host would accept (RIG_CONFIG
+            // verifies checksums; no interface of the lab has a reverse-path mode).
+            if !verify_checksums(frame, &f).ok() {
+                return Expect::Drop("drop_bad_checksum");
+            }
+            // The kernel hands a learning leg's other sources up; the slow path relays them.
+            if effects.iter().any(|e| matches!(e, Effect::Unlatched { .. })) {
+                return Expect::Pass("pass_unlatched");
+            }
             let slow = kernel_entries(t, None)[&mediaplane_ebpf::maps::KeyRaw::new(e.key.local, e.key.ssrc)].flags & flags::SLOW != 0;
             let ip_len = f.payload + f.payload_len - f.l3;
             if slow {
@@ -179,21 +203,18 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
                 // Copies too big for the egress link: the slow path (and the stack) deal with it.
                 Expect::Pass("pass_fib_fail")
             } else {
-                Expect::Forward(e.copies.iter().map(|c| (c.from, c.to)).collect())
+                Expect::Forward(
+                    effects
+                        .iter()
+                        .filter_map(|e| match e {
+                            Effect::Send { from, to, copy: Some(_), .. } => Some((*from, *to)),
+                            _ => None,
+                        })
+                        .collect(),
+                )
             }
         }
-        Verdict::Drop { reason: DropReason::NoStream, .. } => Expect::Drop("drop_no_stream"),
-        Verdict::Drop { reason: DropReason::Stranger, .. } => Expect::Drop("drop_stranger"),
-        Verdict::Drop { reason: DropReason::Malformed, .. } => Expect::Drop("drop_malformed"),
-        Verdict::Drop { reason: DropReason::BadChecksum | DropReason::Spoofed, .. } => unreachable!("classify() judges payloads, not frames"),
-        Verdict::SlowPath { reason: SlowReason::Stun, .. } => Expect::Pass("pass_stun"),
-        // An SRTP stream: the kernel hands it up whole.
-        Verdict::SlowPath { reason: SlowReason::Handshake, .. } => Expect::Pass("pass_slow_stream"),
-        // The slow path routes it (and forwards a sender report in it).
-        Verdict::Feedback { .. } => Expect::Pass("pass_feedback"),
-        // The kernel hands a learning leg's other sources up; the slow path relays them.
-        Verdict::Learn(_) => Expect::Pass("pass_unlatched"),
-        Verdict::SlowPath { reason: SlowReason::Unlatched, .. } => unreachable!("classify() relays what a learning leg hears"),
+        other => unreachable!("the pipeline's first effect {other:?} for {}", describe(&[frame.to_vec()])),
     }
 }
 
