@@ -886,9 +886,13 @@ impl Dataplane for UserspaceDataplane {
                 }
             }
         }
-        let layers = self.shared.layers.lock();
+        let mut layers = self.shared.layers.lock();
         let now = crate::monotonic_ns();
         for id in ids {
+            // Fresh counters from the kernel (the tick leaves a settled consumer's).
+            if let Some(c) = layers.consumers.get_mut(id) {
+                mirror(&mut c.rewriter, *id, self.shared.kernel_layers.as_deref());
+            }
             if let Some(c) = layers.consumers.get(id) {
                 let r = &c.rewriter;
                 let activity = layers.activity.get(&c.group);
@@ -1043,7 +1047,13 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
                     kernel.create(copy.consumer, out_ssrc, entry.clock_rate);
                 }
                 c.group = layer.group;
-                mirror(&mut c.rewriter, copy.consumer, Some(kernel));
+                // A settled consumer (receiving the layer it is aimed at) changes in the kernel
+                // only by its counters: the kernel switches a consumer only towards a target
+                // this plane set. Those are read where they are used (NACK windows, the API)
+                // and on reconciling ticks; a consumer on its way to a layer every tick.
+                if reconcile || c.rewriter.current() != c.rewriter.target() {
+                    mirror(&mut c.rewriter, copy.consumer, Some(kernel));
+                }
                 let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, act, now_ns));
                 c.set_target(copy.consumer, target, Some(kernel));
                 // Asked only once the publisher sends (as a packet's arrival asks on the user-space
@@ -1279,6 +1289,8 @@ impl WorkerCtx {
         }
         for (id, seqs) in &outcome.nacks {
             if let Some(c) = consumers.get_mut(id) {
+                // What was sent it so far, fresh (the tick leaves a settled consumer's counters).
+                mirror(&mut c.rewriter, *id, self.shared.kernel_layers.as_deref());
                 c.choice.on_nacks(seqs, c.rewriter.stats.forwarded, c.rewriter.current(), now_ns);
             }
         }
