@@ -4,8 +4,8 @@
 //! [`Pipeline::process`], and carries out the [`Effect`]s in their order (sends, counters,
 //! events, measurements). The user-space plane is that driver; the BPF program
 //! (`crates/ebpf/bpf/sfu_tc.bpf.c`) runs the same steps in the same order for what it decides
-//! itself, and the conformance suite and the BPF fuzz driver hold both to
-//! [`ForwardingTable::classify`].
+//! itself, and the conformance suite and the BPF fuzz driver hold both to [`reference`], this
+//! pipeline's decision on [`ForwardingTable::classify`].
 //!
 //! The steps, in order:
 //! 1. classify ([`ForwardingTable::classify`]): drop, slow path, a consumer's feedback, or media;
@@ -381,6 +381,8 @@ mod tests {
         sources_left: Option<u32>,
         router: FeedbackRouter,
         protect_fails: bool,
+        /// The router finds the feedback malformed (classify passed it).
+        route_fails: bool,
         asked: Vec<String>,
     }
 
@@ -398,6 +400,9 @@ mod tests {
         }
         fn route_feedback(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Option<Outcome> {
             self.asked.push("feedback".into());
+            if self.route_fails {
+                return None;
+            }
             self.router.route_with(entry, packet, now_ns, &NoLayers).ok()
         }
         fn unprotect(&mut self, _: &StreamEntry, packet: &[u8]) -> Option<Vec<u8>> {
@@ -544,6 +549,33 @@ mod tests {
         let got = run(&mut Pipeline::new(), &t, &mut plane, P1_LOCAL, P1, &bad, 1);
         assert_eq!(got, ["dropped Model(Malformed) true"]);
         assert_eq!(plane.asked, ["feedback"]);
+        // One the router refuses although classify passed it: dropped as malformed feedback.
+        plane.route_fails = true;
+        assert_eq!(run(&mut Pipeline::new(), &t, &mut plane, P1_LOCAL, P1, &pli, 1), ["dropped MalformedFeedback true"]);
+    }
+
+    /// A participant that publishes and subscribes on one address sends a compound of its sender
+    /// report and a PLI: the PLI goes to the publisher it names, the sender report on to its own
+    /// stream's consumers, as media of that stream (timed for their round-trip times).
+    #[test]
+    fn a_sender_report_in_feedback_goes_on_as_its_streams_media() {
+        use crate::call_quality::build_report;
+        use crate::feedback::build;
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        for (i, (local, remote)) in [(P0_LOCAL, P0), (P1_LOCAL, P1)].into_iter().enumerate() {
+            m.add_participant("r", &format!("p{i}"), a(local), a(remote)).unwrap();
+        }
+        m.publish("r", "p0", "main", StreamSpec { ssrc: Some(0x1234), ..Default::default() }).unwrap();
+        m.publish("r", "p1", "cam", StreamSpec { ssrc: Some(0xb1), ..Default::default() }).unwrap();
+        m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "main".into() }).unwrap();
+        let c0 = m.subscribe("r", "p0", StreamRef { publisher: "p1".into(), stream: "cam".into() }).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        let sr = build_report(0xb1, Some(0x0102_0304), &[]);
+        let compound = [&sr[..], &build::pli(0xb1, 0x1234)].concat();
+        let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P1_LOCAL, P1, &compound, 1);
+        assert_eq!(got[..2], ["feedback 1 routed".to_string(), format!("send {P0} 20 0")]);
+        assert_eq!(got[2..], ["received", "accepted", "sender report", &format!("send {P0} {} {c0}", sr.len())]);
     }
 
     #[test]

@@ -289,7 +289,9 @@ struct SimulcastState {
 /// One simulcast consumer: the layer it should get (from the API's ceiling, its reports and
 /// what is sent) and the renumbering of what it gets.
 struct LayerConsumer {
-    /// With kernel states, a mirror of the kernel's, refreshed before it is read.
+    /// With kernel states, a mirror of the kernel's: refreshed before a packet, a NACK or the
+    /// API reads it; by the tick while the consumer is new or on its way to a layer, and once a
+    /// second when settled (see `layers_tick`).
     rewriter: LayerRewriter,
     choice: LayerChoice,
     /// Its stream's uid, for the activity the choice reads.
@@ -1051,7 +1053,7 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
                 // only by its counters: the kernel switches a consumer only towards a target
                 // this plane set. Those are read where they are used (NACK windows, the API)
                 // and on reconciling ticks; a consumer on its way to a layer every tick.
-                if reconcile || c.rewriter.current() != c.rewriter.target() {
+                if reconcile || c.kernel_target.is_none() || c.rewriter.current() != c.rewriter.target() {
                     mirror(&mut c.rewriter, copy.consumer, Some(kernel));
                 }
                 let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, act, now_ns));
@@ -1069,7 +1071,9 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
         }
         let ids: std::collections::HashSet<u32> = layered.iter().map(|e| e.id).collect();
         kernel_rx.retain(|id, _| ids.contains(id));
-        if reconcile {
+        // Not before a table was installed (version 0: the plane's empty start): a restarted
+        // daemon's first tick would delete the pinned states of every consumer it restores.
+        if reconcile && state.table.version > 0 {
             // Consumers no longer in the table (`seen` holds every simulcast consumer it has):
             // their states go, here and in the kernel.
             consumers.retain(|id, _| seen.contains(id));
@@ -1490,6 +1494,8 @@ impl WorkerCtx {
         }
         if !delta.forwarded.is_empty() {
             // At the arrival time, as the kernel does (jitter of the stream as the consumer got it).
+            // (A batch still on the table before an apply may bring back the entry of a consumer
+            // it forgot, as with the counters: ids are never reused, a full apply sweeps them.)
             let mut forwarded = self.shared.forwarded.lock();
             for (consumer, ssrc, seq, ts, rate) in delta.forwarded.drain(..) {
                 forwarded.entry(consumer).or_default().on_packet(ssrc, seq, ts, received_at, rate);

@@ -143,15 +143,6 @@ static __always_inline void rx_on_packet(struct mp_reception *r, __u32 ssrc, __u
 	r->probation = (__u16)(seq + 1);
 }
 
-/* Account one forwarded packet of a stream, if it is RTP on an RTP stream. Global, and every
- * decision is taken here on its arguments: the caller branches on nothing it knows, so its paths
- * (which differ in what they know, e.g. the packet's kind) are not told apart from here on,
- * which would multiply the states the verifier walks through the rest of the program.
- * A BPF call has five arguments, hence the packing:
- *   slot_flags: stats slot << 32 | the stream's STREAM_F_* flags
- *   have_rate:  bytes of `head` loaded << 32 | the stream's clock rate
- *   head0:      the payload's first 4 bytes (V/P/X/CC, M/PT, sequence number)
- *   ts_ssrc:    its bytes 4..12 (timestamp << 32 | SSRC) */
 /* An RTP packet of an RTP stream: `flags` the stream's STREAM_F_*, `have` the bytes of its head
  * loaded, `head0` their first 4. RTP by RFC 7983/5761 demultiplexing (parse.h demux): first byte
  * 128..191, second byte not an RTCP packet type. */
@@ -171,6 +162,15 @@ static __always_inline void rx_account(struct mp_reception *r, __u32 head0, __u6
 	bpf_spin_unlock(&r->lock);
 }
 
+/* Account one forwarded packet of a stream, if it is RTP on an RTP stream. Global, and every
+ * decision is taken here on its arguments: the caller branches on nothing it knows, so its paths
+ * (which differ in what they know, e.g. the packet's kind) are not told apart from here on,
+ * which would multiply the states the verifier walks through the rest of the program.
+ * A BPF call has five arguments, hence the packing:
+ *   slot_flags: stats slot << 32 | the stream's STREAM_F_* flags
+ *   have_rate:  bytes of `head` loaded << 32 | the stream's clock rate
+ *   head0:      the payload's first 4 bytes (V/P/X/CC, M/PT, sequence number)
+ *   ts_ssrc:    its bytes 4..12 (timestamp << 32 | SSRC) */
 __noinline int reception_account(__u64 slot_flags, __u64 have_rate, __u32 head0, __u64 ts_ssrc, __u64 now_ns)
 {
 	if (!rx_is_rtp((__u32)slot_flags, have_rate >> 32, head0))
@@ -185,7 +185,8 @@ __noinline int reception_account(__u64 slot_flags, __u64 have_rate, __u32 head0,
 /* Account one RTP copy sent to `consumer` (head0, ts_ssrc: the copy's header, packed as for
  * reception_account; the caller checked rx_is_rtp). At the packet's arrival time: jitter as
  * forwarded is the stream's timing as the consumer got it (layer switches included), not the
- * fan-out's own microseconds. Global for the reason reception_account is. */
+ * fan-out's own microseconds. Global: verified once, not once per path of the copy callback
+ * that calls it. */
 __noinline int forwarded_account(__u32 consumer, __u32 head0, __u64 ts_ssrc, __u32 clock_rate, __u64 now_ns)
 {
 	struct mp_reception *r = bpf_map_lookup_elem(&consumer_reception, &consumer);

@@ -407,8 +407,8 @@ static __always_inline long send_copy(__u32 i, struct mp_fanout_ctx *x, int dire
 	}
 	f->sent++;
 	count_consumer(c, f->payload_len, 1);
-	account_forwarded(c, f, ls);
 	record_copy_latency(bpf_ktime_get_ns() - f->t0);
+	account_forwarded(c, f, ls);
 	return 0;
 }
 

@@ -89,3 +89,66 @@ fn kill9_of_serve_loses_no_packet_and_the_restart_adopts_the_pins() {
     assert!(serve.terminate(), "graceful shutdown");
     assert!(!pin_dir.exists(), "a graceful shutdown removes the pins");
 }
+
+/// A simulcast consumer's kernel state (its layer, its numbering) is pinned like the fan-out: a
+/// restarted daemon keeps it, so the consumer goes on receiving its layer without waiting for a
+/// keyframe (the slow path's first tick ran before the restored table was installed and used to
+/// delete every pinned state as belonging to no consumer).
+#[test]
+fn a_restart_keeps_simulcast_consumers_on_their_layer() {
+    use common::simulcast::{vp8, LAYERS};
+    if !mediaplane_bench::require_root("hitless_restart_simulcast") {
+        return;
+    }
+    let tb = Testbed::star(2).unwrap();
+    let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}-hitless-sc", tb.prefix));
+    let _guard = PinGuard(pin_dir.clone());
+    let tmp = common::TempDir::new("hitless-sc");
+    let store = tmp.0.join("store.db");
+    let extra = ["--pin-dir", pin_dir.to_str().unwrap()];
+    let (p0, p1) = (&tb.peers[0], &tb.peers[1]);
+    let sfu0 = SocketAddr::new(p0.sfu_ip, 40000);
+    let mut serve = NetnsServe::start_shared_bpffs(&tb, "ebpf", &store, &[&extra[..], &["--reset"]].concat());
+    serve.api("POST", "/v1/rooms", Some(serde_json::json!({"id": "s"})));
+    for (i, p) in tb.peers.iter().enumerate() {
+        let body = serde_json::json!({"id": format!("p{i}"), "local": SocketAddr::new(p.sfu_ip, 40000), "remote": SocketAddr::new(p.ip, 5004)});
+        serve.api("POST", "/v1/rooms/s/participants", Some(body));
+    }
+    serve.api("POST", "/v1/rooms/s/participants/p0/streams", Some(serde_json::json!({"name": "cam", "layers": LAYERS, "codec": "vp8", "clock_rate": 90000})));
+    let consumer =
+        serve.api("POST", "/v1/rooms/s/participants/p1/subscriptions", Some(serde_json::json!({"publisher": "p0", "stream": "cam", "preferred_layer": 1})))
+            ["consumer"]
+            .as_u64()
+            .unwrap();
+    let tx = tb.udp_socket(&p0.ns, SocketAddr::new(p0.ip, 5004)).unwrap();
+    let rx = tb.udp_socket(&p1.ns, SocketAddr::new(p1.ip, 5004)).unwrap();
+    rx.set_nonblocking(true).unwrap();
+    // Every frame of layer 1 a keyframe until the consumer is on it.
+    let current = |serve: &NetnsServe| serve.api("GET", &format!("/v1/rooms/s/consumers/{consumer}"), None)["layers"]["current"].as_u64();
+    let mut seq = 100u16;
+    for f in 0..50u16 {
+        tx.send_to(&vp8(1, seq, 3000 * u32::from(f), f, true, true, 200), sfu0).unwrap();
+        seq += 1;
+        std::thread::sleep(Duration::from_millis(20));
+        if f > 5 && current(&serve) == Some(1) {
+            break;
+        }
+    }
+    assert_eq!(current(&serve), Some(1), "the consumer is on layer 1");
+
+    serve.kill9();
+    let serve = NetnsServe::start_shared_bpffs(&tb, "ebpf", &store, &extra);
+    // Past the slow path's first reconciling ticks (one a second).
+    std::thread::sleep(Duration::from_millis(1500));
+    assert_eq!(current(&serve), Some(1), "after the restart, still on layer 1 (its kernel state kept)");
+    // And its next non-key packet reaches it, renumbered on.
+    let mut buf = [0u8; 2048];
+    while rx.recv_from(&mut buf).is_ok() {}
+    tx.send_to(&vp8(1, seq, 3000 * 60, 60, true, false, 200), sfu0).unwrap();
+    rx.set_nonblocking(false).unwrap();
+    rx.set_read_timeout(Some(Duration::from_secs(2))).unwrap();
+    let (n, _) = rx.recv_from(&mut buf).expect("a non-key frame after the restart");
+    assert_eq!(RtpHeader::parse(&buf[..n]).unwrap().ssrc, LAYERS[0], "on the consumer's SSRC");
+    let mut serve = serve;
+    assert!(serve.terminate(), "graceful shutdown");
+}
