@@ -460,33 +460,11 @@ impl Dataplane for EbpfDataplane {
     }
 
     fn consumer_reception(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, ReceptionReport> {
-        let mut out: std::collections::BTreeMap<u32, ReceptionReport> = self
-            .fast
-            .kernel_consumer_reception(ids)
-            .unwrap_or_else(|e| {
-                tracing::warn!("reading what the kernel forwarded to consumers: {e}");
-                Default::default()
-            })
-            .into_iter()
-            .map(|(id, r)| (id, r.report()))
-            .collect();
-        merge_reception(&mut out, self.slow.consumer_reception(ids));
-        out
+        both_views(self.fast.kernel_consumer_reception(ids), self.slow.consumer_reception(ids), "what the kernel forwarded to consumers")
     }
 
     fn stream_reception(&self, ids: &[u32]) -> std::collections::BTreeMap<u32, ReceptionReport> {
-        let mut out: std::collections::BTreeMap<u32, ReceptionReport> = self
-            .fast
-            .kernel_stream_reception(ids)
-            .unwrap_or_else(|e| {
-                tracing::warn!("reading kernel reception state: {e}");
-                Default::default()
-            })
-            .into_iter()
-            .map(|(id, r)| (id, r.report()))
-            .collect();
-        merge_reception(&mut out, self.slow.stream_reception(ids));
-        out
+        both_views(self.fast.kernel_stream_reception(ids), self.slow.stream_reception(ids), "kernel reception state")
     }
 
     fn shutdown(&self) -> Result<(), DataplaneError> {
@@ -563,6 +541,25 @@ impl EbpfDataplane {
         }
         s
     }
+}
+
+/// The kernel's reception states (read as `what`: a failed read is logged and shows none) merged
+/// with the slow path's reports ([`merge_reception`]).
+fn both_views(
+    kernel: Result<std::collections::BTreeMap<u32, mediaplane_core::reception::RtpReception>, DataplaneError>,
+    slow: std::collections::BTreeMap<u32, ReceptionReport>,
+    what: &str,
+) -> std::collections::BTreeMap<u32, ReceptionReport> {
+    let mut out: std::collections::BTreeMap<u32, ReceptionReport> = kernel
+        .unwrap_or_else(|e| {
+            tracing::warn!("reading {what}: {e}");
+            Default::default()
+        })
+        .into_iter()
+        .map(|(id, r)| (id, r.report()))
+        .collect();
+    merge_reception(&mut out, slow);
+    out
 }
 
 /// A stream whose packets took both paths (the slow path's while it learnt its source or its

@@ -220,6 +220,21 @@ fn wait_stats(get: impl Fn() -> Value, done: impl Fn(&Value) -> bool) -> Value {
     }
 }
 
+/// Room "r" on a loopback daemon: p0 publishes "main", p1 subscribes; the SFU addresses given
+/// to p0 and p1.
+fn two_party_room(d: &Daemon, p0: &UdpSocket, p1: &UdpSocket) -> Vec<SocketAddr> {
+    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "r"}))).0, 201);
+    let mut local = Vec::new();
+    for (id, s) in [("p0", p0), ("p1", p1)] {
+        let (code, v) = d.call("POST", "/v1/rooms/r/participants", Some(json!({"id": id, "remote": s.local_addr().unwrap()})));
+        assert_eq!(code, 201, "{v}");
+        local.push(v["local"].as_str().unwrap().parse::<SocketAddr>().unwrap());
+    }
+    assert_eq!(d.call("POST", "/v1/rooms/r/participants/p0/streams", Some(json!({"name": "main"}))).0, 201);
+    assert_eq!(d.call("POST", "/v1/rooms/r/participants/p1/subscriptions", Some(json!({"publisher": "p0", "stream": "main"}))).0, 201);
+    local
+}
+
 #[test]
 fn userspace_plane_metrics_pass_promtool_and_cover_the_dashboard() {
     if !have_promtool("userspace_plane_metrics") {
@@ -233,15 +248,7 @@ fn userspace_plane_metrics_pass_promtool_and_cover_the_dashboard() {
 
     // A room (p0 publishes, p1 subscribes), a relay over HTTP, a call over NG.
     let (p0, p1, stranger) = (udp("127.0.0.1:0"), udp("127.0.0.1:0"), udp("127.0.0.1:0"));
-    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "r"}))).0, 201);
-    let mut local = Vec::new();
-    for (id, s) in [("p0", &p0), ("p1", &p1)] {
-        let (code, v) = d.call("POST", "/v1/rooms/r/participants", Some(json!({"id": id, "remote": s.local_addr().unwrap()})));
-        assert_eq!(code, 201, "{v}");
-        local.push(v["local"].as_str().unwrap().parse::<SocketAddr>().unwrap());
-    }
-    assert_eq!(d.call("POST", "/v1/rooms/r/participants/p0/streams", Some(json!({"name": "main"}))).0, 201);
-    assert_eq!(d.call("POST", "/v1/rooms/r/participants/p1/subscriptions", Some(json!({"publisher": "p0", "stream": "main"}))).0, 201);
+    let local = two_party_room(&d, &p0, &p1);
     let (code, v) = d.call("POST", "/v1/relays", Some(json!({"id": "x", "a": {}, "b": {}})));
     assert_eq!(code, 201, "{v}");
     let mut ng = ng_client(ng_addr);
@@ -288,15 +295,7 @@ fn consumers_have_no_forwarded_quality_when_it_is_off() {
     .unwrap();
     let d = Daemon::start(&tmp.0.join("store.db"), &["--config", cfg.to_str().unwrap(), "--reset"]);
     let (p0, p1) = (udp("127.0.0.1:0"), udp("127.0.0.1:0"));
-    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "r"}))).0, 201);
-    let mut local = Vec::new();
-    for (id, s) in [("p0", &p0), ("p1", &p1)] {
-        let (code, v) = d.call("POST", "/v1/rooms/r/participants", Some(json!({"id": id, "remote": s.local_addr().unwrap()})));
-        assert_eq!(code, 201, "{v}");
-        local.push(v["local"].as_str().unwrap().parse::<SocketAddr>().unwrap());
-    }
-    assert_eq!(d.call("POST", "/v1/rooms/r/participants/p0/streams", Some(json!({"name": "main"}))).0, 201);
-    assert_eq!(d.call("POST", "/v1/rooms/r/participants/p1/subscriptions", Some(json!({"publisher": "p0", "stream": "main"}))).0, 201);
+    let local = two_party_room(&d, &p0, &p1);
     send(&p0, local[0], 0x5eed, 10);
     let stats = wait_stats(|| d.call("GET", "/v1/stats", None).1, |s| s["total"]["tx_copies"] == 10);
     let c = &stats["consumers"][0];
