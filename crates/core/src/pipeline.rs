@@ -88,13 +88,27 @@ pub struct CopyOf {
     pub stream: u32,
     /// The consumer uid (0: none, a relay leg's copy).
     pub consumer: u32,
-    /// The stream is RTP: the clock rate its copies' RTP is accounted at, as forwarded.
-    pub rtp_clock_rate: Option<u32>,
+    /// An RTP packet of an RTP stream: the header the copy leaves with, for its consumer's
+    /// quality as forwarded (counted once it is sent).
+    pub rtp: Option<CopyRtp>,
 }
 
-impl CopyOf {
-    pub fn of(entry: &StreamEntry, consumer: u32) -> CopyOf {
-        CopyOf { stream: entry.id, consumer, rtp_clock_rate: entry.rtp.then_some(entry.clock_rate) }
+/// The RTP header fields a copy leaves with (a simulcast consumer's renumbered ones).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyRtp {
+    pub ssrc: u32,
+    pub sequence: u16,
+    pub timestamp: u32,
+    /// The stream's clock rate (0: unknown, no jitter).
+    pub clock_rate: u32,
+}
+
+impl CopyRtp {
+    /// The same fields read from `copy`, a renumbered copy of a packet they were parsed from
+    /// (the rewrite changes them in place, nothing around them).
+    fn renumbered(self, copy: &[u8]) -> CopyRtp {
+        let at = |i: usize| copy.get(i..i + 4).map_or(0, |b| u32::from_be_bytes([b[0], b[1], b[2], b[3]]));
+        CopyRtp { ssrc: at(8), sequence: (at(0) & 0xffff) as u16, timestamp: at(4), ..self }
     }
 }
 
@@ -236,9 +250,12 @@ impl Pipeline {
             }
         }
         out.push(Effect::Accepted { stream: entry.id });
+        // What every copy of an RTP packet is accounted with (parsed once for all of them).
+        let mut rtp = None;
         match demux(&payload) {
             MediaKind::Rtp if entry.rtp => {
                 if let Ok(header) = RtpHeader::parse(&payload) {
+                    rtp = Some(CopyRtp { ssrc: header.ssrc, sequence: header.sequence, timestamp: header.timestamp, clock_rate: entry.clock_rate });
                     out.push(Effect::Rtp { stream: entry.id, header, clock_rate: entry.clock_rate });
                 }
             }
@@ -257,7 +274,8 @@ impl Pipeline {
             let fan = plane.layer_fan_out(entry, layer, src, &payload, received_at);
             for (i, bytes) in fan.copies {
                 let c = &entry.copies[i];
-                out.push(Effect::Send { from: c.from, to: c.to, packet: Cow::Owned(bytes), copy: Some(CopyOf::of(entry, c.consumer)) });
+                let copy = CopyOf { stream: entry.id, consumer: c.consumer, rtp: rtp.map(|r| r.renumbered(&bytes)) };
+                out.push(Effect::Send { from: c.from, to: c.to, packet: Cow::Owned(bytes), copy: Some(copy) });
             }
             for (from, to, packet) in fan.requests {
                 out.push(Effect::Send { from, to, packet: Cow::Owned(packet), copy: None });
@@ -268,12 +286,12 @@ impl Pipeline {
             if c.to == src {
                 continue; // never back to the sender, whatever the table says
             }
-            let copy = Some(CopyOf::of(entry, c.consumer));
+            let copy = CopyOf { stream: entry.id, consumer: c.consumer, rtp };
             match &c.outbound {
-                Protection::Clear => out.push(Effect::Send { from: c.from, to: c.to, packet: payload.clone(), copy }),
+                Protection::Clear => out.push(Effect::Send { from: c.from, to: c.to, packet: payload.clone(), copy: Some(copy) }),
                 Protection::Srtp(_) => match plane.protect(entry, i, &payload) {
-                    Some(sealed) => out.push(Effect::Send { from: c.from, to: c.to, packet: Cow::Owned(sealed), copy }),
-                    None => out.push(Effect::CopyFailed { copy: CopyOf::of(entry, c.consumer) }),
+                    Some(sealed) => out.push(Effect::Send { from: c.from, to: c.to, packet: Cow::Owned(sealed), copy: Some(copy) }),
+                    None => out.push(Effect::CopyFailed { copy }),
                 },
             }
         }
@@ -458,6 +476,30 @@ mod tests {
         // A stranger's: dropped as classify says, charged to the stream.
         let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, "10.9.9.9:1", &rtp, 1);
         assert_eq!(got, ["dropped Model(Stranger) true"]);
+    }
+
+    /// Each copy carries the RTP header it leaves with, for its consumer's quality as forwarded:
+    /// a plain copy the packet's, a renumbered one its own; RTCP none.
+    #[test]
+    fn copies_carry_the_rtp_header_they_leave_with() {
+        let t = room();
+        let rtp = build_rtp(0, 7, 160, 9, &[1; 20]);
+        let mut out = Vec::new();
+        Pipeline::new().process(&t, a(P0_LOCAL), a(P0), &rtp, 1, 1, &mut FakePlane::default(), &mut out);
+        let marks: Vec<Option<CopyRtp>> = out
+            .iter()
+            .filter_map(|e| match e {
+                Effect::Send { copy: Some(c), .. } => Some(c.rtp),
+                _ => None,
+            })
+            .collect();
+        assert_eq!(marks, vec![Some(CopyRtp { ssrc: 9, sequence: 7, timestamp: 160, clock_rate: 8000 }); 2]);
+        let renumbered = build_rtp(0, 1000, 90_000, 0x100, &[1; 20]);
+        assert_eq!(marks[0].unwrap().renumbered(&renumbered), CopyRtp { ssrc: 0x100, sequence: 1000, timestamp: 90_000, clock_rate: 8000 });
+        let rr = crate::call_quality::build_report(9, None, &[]);
+        out.clear();
+        Pipeline::new().process(&t, a(P0_LOCAL), a(P0), &rr, 1, 1, &mut FakePlane::default(), &mut out);
+        assert!(out.iter().any(|e| matches!(e, Effect::Send { copy: Some(CopyOf { rtp: None, .. }), .. })), "{out:?}");
     }
 
     #[test]

@@ -209,14 +209,10 @@ struct WorkerCounters {
 }
 
 impl WorkerCounters {
-    /// A copy was sent: its RTP header (clear in SRTP too), for its consumer's QoS as forwarded.
-    fn forwarded(&mut self, c: CopyOf, payload: &[u8]) {
-        if let (Some(rate), true) = (c.rtp_clock_rate, c.consumer != 0 && self.account_forwarded) {
-            if demux(payload) == MediaKind::Rtp {
-                if let Ok(h) = RtpHeader::parse(payload) {
-                    self.forwarded.push((c.consumer, h.ssrc, h.sequence, h.timestamp, rate));
-                }
-            }
+    /// A copy was sent: the RTP header it left with, for its consumer's QoS as forwarded.
+    fn forwarded(&mut self, c: CopyOf) {
+        if let (Some(r), true) = (c.rtp, c.consumer != 0 && self.account_forwarded) {
+            self.forwarded.push((c.consumer, r.ssrc, r.sequence, r.timestamp, r.clock_rate));
         }
     }
 
@@ -1272,7 +1268,7 @@ impl WorkerCtx {
             Some(c) => {
                 delta.count_copy(c.stream, c.consumer, payload.len(), sent);
                 if sent {
-                    delta.forwarded(c, &payload);
+                    delta.forwarded(c);
                 }
             }
             None => delta.total.tx_errors += u64::from(!sent),
@@ -1467,7 +1463,7 @@ impl WorkerCtx {
                         let sent = !failed.contains(&k);
                         delta.count_copy(c.stream, c.consumer, m.payload.len(), sent);
                         if sent {
-                            delta.forwarded(*c, &m.payload);
+                            delta.forwarded(*c);
                         }
                     }
                     // Feedback to a publisher: only a failure is counted (as any send's).
