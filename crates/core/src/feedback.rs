@@ -25,6 +25,7 @@
 
 use crate::call_quality::ReportBlock;
 use crate::rtp::{parse_rtcp_compound, RtpError};
+use crate::srtp::Protection;
 use serde::{Deserialize, Serialize};
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -65,6 +66,9 @@ pub struct FeedbackRoute {
     /// numbers mapped back ([`LayerMap`]).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub layers: Vec<(u32, u32)>,
+    /// How what is sent to the publisher is protected (a WebRTC publisher's SRTCP key).
+    #[serde(default, skip_serializing_if = "Protection::is_clear")]
+    pub outbound: Protection,
 }
 
 /// A consumer address: RTCP arriving at `local` from `source` is feedback, routed by `routes`
@@ -76,6 +80,10 @@ pub struct FeedbackEntry {
     pub local: SocketAddr,
     pub source: SocketAddr,
     pub routes: Vec<FeedbackRoute>,
+    /// How the consumer's RTCP arrives (a WebRTC participant's SRTCP key): unprotected before
+    /// it is read.
+    #[serde(default, skip_serializing_if = "Protection::is_clear")]
+    pub inbound: Protection,
 }
 
 impl FeedbackEntry {
@@ -544,12 +552,14 @@ mod tests {
             layers: Vec::new(),
             from: a(from),
             to: a(to),
+            outbound: Protection::Clear,
         };
         FeedbackEntry {
             consumer: "r/c".into(),
             local: a("10.0.0.1:4000"),
             source: a("10.0.1.3:5000"),
             routes: vec![route(10, 1, "10.0.0.1:4002", "10.0.1.1:5000"), route(20, 2, "10.0.0.1:4004", "10.0.1.2:5000")],
+            inbound: Protection::Clear,
         }
     }
 
@@ -584,8 +594,10 @@ mod tests {
             from: a("10.0.0.1:4002"),
             to: publisher,
             layers: vec![(11, 0x100), (12, 0x101)],
+            outbound: Protection::Clear,
         };
-        let e = FeedbackEntry { consumer: "r/c".into(), local: a("10.0.0.1:4000"), source: a("10.0.1.3:5000"), routes: vec![route] };
+        let e =
+            FeedbackEntry { consumer: "r/c".into(), local: a("10.0.0.1:4000"), source: a("10.0.1.3:5000"), routes: vec![route], inbound: Protection::Clear };
         let mut r = FeedbackRouter::default();
         // PLI and REMB name the SSRC it receives on: the PLI goes to layer 1's.
         let packet = [rr(&[]), build::pli(99, 0x100), build::remb(99, 500_000, &[0x100])].concat();

@@ -82,6 +82,22 @@ pub struct Stream {
     /// Its payload format (simulcast streams: where keyframes are).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub codec: Option<Codec>,
+    /// The payload format a browser publisher negotiated (WHIP): what WHEP subscribers are
+    /// answered with.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub format: Option<PayloadFormat>,
+}
+
+/// A payload format as SDP names it (`a=rtpmap`, `a=fmtp`), and its media kind.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PayloadFormat {
+    /// `audio` or `video`.
+    pub kind: String,
+    pub pt: u8,
+    /// What follows the payload type in `a=rtpmap`: `VP8/90000`, `opus/48000/2`.
+    pub rtpmap: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub fmtp: Option<String>,
 }
 
 /// One layer of a simulcast stream: its SSRC, and a uid of its own (each layer is counted and
@@ -108,6 +124,9 @@ pub struct StreamSpec {
     pub layers: Vec<u32>,
     #[serde(default)]
     pub codec: Option<Codec>,
+    /// What a browser publisher negotiated (WHIP sets it).
+    #[serde(default)]
+    pub format: Option<PayloadFormat>,
 }
 
 fn default_true() -> bool {
@@ -117,7 +136,7 @@ fn default_true() -> bool {
 impl Default for StreamSpec {
     /// RTP on the participant's transport address, any SSRC.
     fn default() -> Self {
-        StreamSpec { local: None, ssrc: None, rtp: true, clock_rate: None, layers: Vec::new(), codec: None }
+        StreamSpec { local: None, ssrc: None, rtp: true, clock_rate: None, layers: Vec::new(), codec: None, format: None }
     }
 }
 
@@ -139,6 +158,45 @@ pub struct Participant {
     /// `{publisher, stream, consumer}`.
     #[serde(with = "subscription_list")]
     pub subscriptions: BTreeMap<StreamRef, Consumer>,
+    /// A browser's participant (WHIP/WHEP): it reaches `local` through ICE (the SFU is a lite
+    /// agent) and keys its media with DTLS-SRTP. `remote` is the address its checks nominated,
+    /// the unspecified address (port 9, as WebRTC SDPs say "no address") before.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub webrtc: Option<WebrtcTransport>,
+}
+
+/// A WebRTC participant's transport (one BUNDLE: every stream on `local`, told apart by SSRC).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct WebrtcTransport {
+    /// Its own uid, from the same sequence as streams': the handshake's id, and the id of the
+    /// table entry its STUN, DTLS and unknown SSRCs arrive on.
+    pub uid: u32,
+    /// ICE nominated `remote`: only then is anything sent to it or accepted from it.
+    pub nominated: bool,
+    /// The keys its DTLS handshake exported (none before: nothing passes either way).
+    #[serde(default)]
+    pub srtp: crate::srtp::LegSrtp,
+}
+
+impl Participant {
+    /// Where its copies go, if anywhere yet: `remote`, or for a WebRTC participant the address
+    /// ICE nominated.
+    pub fn peer(&self) -> Option<SocketAddr> {
+        match &self.webrtc {
+            Some(w) if !w.nominated => None,
+            _ => Some(self.remote),
+        }
+    }
+
+    /// How what the SFU sends it is protected.
+    pub fn outbound(&self) -> crate::srtp::Protection {
+        self.webrtc.as_ref().map_or(crate::srtp::Protection::Clear, |w| crate::srtp::Protection::Srtp(w.srtp.outbound.clone()))
+    }
+
+    /// How what it sends arrives.
+    pub fn inbound(&self) -> crate::srtp::Protection {
+        self.webrtc.as_ref().map_or(crate::srtp::Protection::Clear, |w| crate::srtp::Protection::Srtp(w.srtp.inbound.clone()))
+    }
 }
 
 /// One subscription as a first-class object (mediasoup's consumer): what one participant receives
@@ -382,6 +440,9 @@ pub struct Model {
     /// Relay leg uid -> (relay id, side); derived, rebuilt on load.
     #[serde(skip)]
     legs: OrdMap<u32, (String, Side)>,
+    /// WebRTC transport uid -> (room, participant); derived, rebuilt on load.
+    #[serde(skip)]
+    transports: OrdMap<u32, (String, String)>,
     #[serde(skip)]
     last_claimed: AllocHint,
 }
@@ -420,7 +481,8 @@ impl Model {
             .flat_map(|r| r.participants.values())
             .flat_map(|p| {
                 let layers = p.streams.values().flat_map(|s| s.layers.iter().map(|l| l.uid));
-                p.streams.values().map(|s| s.uid).chain(layers).chain(p.subscriptions.values().map(|c| c.uid))
+                let transport = p.webrtc.as_ref().map(|w| w.uid);
+                p.streams.values().map(|s| s.uid).chain(layers).chain(p.subscriptions.values().map(|c| c.uid)).chain(transport)
             })
             .chain(m.relays.values().flat_map(|r| [r.a.uid, r.b.uid]))
             .filter(|u| *u != 0)
@@ -475,6 +537,9 @@ impl Model {
         for (rid, room) in &self.rooms {
             for (pid, p) in &room.participants {
                 fresh.claim(p.local, format!("participant {rid}/{pid}"))?;
+                if let Some(w) = &p.webrtc {
+                    fresh.transports.insert(w.uid, (rid.clone(), pid.clone()));
+                }
                 for s in p.streams.values() {
                     if let Some(l) = s.local {
                         fresh.claim(l, format!("participant {rid}/{pid}"))?;
@@ -490,6 +555,7 @@ impl Model {
         }
         self.owners = fresh.owners;
         self.legs = fresh.legs;
+        self.transports = fresh.transports;
         self.next_uid = fresh.next_uid;
         Ok(())
     }
@@ -544,6 +610,9 @@ impl Model {
     pub fn delete_room(&mut self, id: &str) -> Result<(), ModelError> {
         let room = self.rooms.remove(id).ok_or_else(|| not_found("room", id))?;
         for p in room.participants.values() {
+            if let Some(w) = &p.webrtc {
+                self.transports.remove(&w.uid);
+            }
             self.release_participant(p);
         }
         Ok(())
@@ -584,14 +653,80 @@ impl Model {
         }
         self.check_free(local, &owner)?;
         self.claim(local, owner)?;
-        self.room_mut(room)?.participants.insert(pid.into(), Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeMap::new() });
+        self.room_mut(room)?
+            .participants
+            .insert(pid.into(), Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc: None });
         Ok(())
+    }
+
+    /// Add a browser's participant (WHIP/WHEP) on `local`: no peer until ICE nominates one
+    /// ([`Model::set_participant_nominated`]), no media until DTLS keys it
+    /// ([`Model::set_participant_srtp`]). Returns its transport's uid.
+    pub fn add_webrtc_participant(&mut self, room: &str, pid: &str, local: SocketAddr) -> Result<u32, ModelError> {
+        let unspecified: std::net::IpAddr = if local.is_ipv4() { std::net::Ipv4Addr::UNSPECIFIED.into() } else { std::net::Ipv6Addr::UNSPECIFIED.into() };
+        check_id(pid)?;
+        check_addr(local)?;
+        let owner = format!("participant {room}/{pid}");
+        if self.room(room)?.participants.contains_key(pid) {
+            return Err(ModelError::Exists { kind: "participant", id: pid.into() });
+        }
+        self.check_free(local, &owner)?;
+        self.claim(local, owner)?;
+        let uid = self.uid();
+        let webrtc = Some(WebrtcTransport { uid, nominated: false, srtp: Default::default() });
+        let p = Participant { local, remote: SocketAddr::new(unspecified, 9), streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc };
+        self.room_mut(room)?.participants.insert(pid.into(), p);
+        self.transports.insert(uid, (room.into(), pid.into()));
+        Ok(uid)
+    }
+
+    /// The WebRTC participant whose transport has this uid: (room, participant).
+    pub fn participant_by_transport(&self, uid: u32) -> Option<(&str, &str)> {
+        self.transports.get(&uid).map(|(r, p)| (r.as_str(), p.as_str()))
+    }
+
+    fn webrtc_mut(&mut self, room: &str, pid: &str) -> Result<(&mut SocketAddr, &mut WebrtcTransport), ModelError> {
+        let p = self.room_mut(room)?.participants.get_mut(pid).ok_or_else(|| not_found("participant", pid))?;
+        match &mut p.webrtc {
+            Some(w) => Ok((&mut p.remote, w)),
+            None => Err(ModelError::Invalid(format!("participant {room}/{pid} is not a WebRTC participant"))),
+        }
+    }
+
+    /// The address a WebRTC participant's ICE checks nominated (None: its consent expired, and
+    /// nothing is sent to it any more); true if that changed anything.
+    pub fn set_participant_nominated(&mut self, room: &str, pid: &str, addr: Option<SocketAddr>) -> Result<bool, ModelError> {
+        let (remote, w) = self.webrtc_mut(room, pid)?;
+        match addr {
+            Some(a) if a.is_ipv4() != remote.is_ipv4() => Err(ModelError::FamilyMismatch(format!("participant {room}/{pid}"))),
+            Some(a) => {
+                let changed = !w.nominated || *remote != a;
+                (*remote, w.nominated) = (a, true);
+                Ok(changed)
+            }
+            None => {
+                let changed = w.nominated;
+                w.nominated = false;
+                Ok(changed)
+            }
+        }
+    }
+
+    /// The keys a WebRTC participant's DTLS handshake exported; true if that changed anything.
+    pub fn set_participant_srtp(&mut self, room: &str, pid: &str, srtp: crate::srtp::LegSrtp) -> Result<bool, ModelError> {
+        let (_, w) = self.webrtc_mut(room, pid)?;
+        let changed = w.srtp != srtp;
+        w.srtp = srtp;
+        Ok(changed)
     }
 
     /// Remove a participant, its streams, and every subscription to them.
     pub fn remove_participant(&mut self, room: &str, pid: &str) -> Result<(), ModelError> {
         let p = self.room_mut(room)?.participants.remove(pid).ok_or_else(|| not_found("participant", pid))?;
         self.release_participant(&p);
+        if let Some(w) = &p.webrtc {
+            self.transports.remove(&w.uid);
+        }
         for other in self.room_mut(room)?.participants.values_mut() {
             other.subscriptions.retain(|s, _| s.publisher != pid);
         }
@@ -654,6 +789,10 @@ impl Model {
             self.check_free(l, &owner)?;
         }
         Self::check_layers(name, &spec)?;
+        if p.webrtc.is_some() && (spec.local.is_some() || (spec.ssrc.is_none() && spec.layers.is_empty())) {
+            // Its transport address is a BUNDLE: STUN, DTLS and every stream, told apart by SSRC.
+            return Err(ModelError::Invalid(format!("stream {name}: a WebRTC participant's streams arrive on its transport and need an SSRC")));
+        }
         let keys: Vec<Option<u32>> = if spec.layers.is_empty() { vec![spec.ssrc] } else { spec.layers.iter().map(|s| Some(*s)).collect() };
         for ssrc in keys {
             if let Some(o) = Self::find_ingress(room, pid, p, ingress, ssrc) {
@@ -667,7 +806,7 @@ impl Model {
         let layers = spec.layers.iter().map(|ssrc| Layer { uid: self.uid(), ssrc: *ssrc }).collect::<Vec<_>>();
         let codec = spec.codec.or_else(|| (!layers.is_empty()).then_some(Codec::Vp8));
         let rtp = spec.rtp || spec.ssrc.is_some();
-        let stream = Stream { uid, local: spec.local, ssrc: spec.ssrc, rtp, clock_rate: spec.clock_rate, layers, codec };
+        let stream = Stream { uid, local: spec.local, ssrc: spec.ssrc, rtp, clock_rate: spec.clock_rate, layers, codec, format: spec.format };
         self.room_mut(room)?.participants.get_mut(pid).unwrap().streams.insert(name.into(), stream);
         Ok(uid)
     }

@@ -10,8 +10,9 @@
 //! The steps, in order:
 //! 1. classify ([`ForwardingTable::classify`]): drop, slow path, a consumer's feedback, or media;
 //! 2. the per-source limit, on everything classify does not drop;
-//! 3. a consumer's feedback is routed to the publishers it names ([`Plane::route_feedback`]);
-//!    what remains of a sender's report goes on as media of its stream;
+//! 3. a consumer's feedback is unprotected if it is SRTCP and routed to the publishers it names
+//!    ([`Plane::route_feedback`]), protected for each that speaks SRTP; what remains of a
+//!    sender's report goes on as media of its stream;
 //! 4. an SRTP stream's packet is unprotected ([`Plane::unprotect`]); what fails goes no further,
 //!    so only the key's holder can move an SRTP leg's latch;
 //! 5. a learning leg's new source is reported (the packet is still relayed);
@@ -21,7 +22,8 @@
 //! 8. the recording tap;
 //! 9. the fan-out: a simulcast layer's copies decided and renumbered per consumer
 //!    ([`Plane::layer_fan_out`]); any other stream's to every copy but its sender, each
-//!    SRTP-protected with its own key where it has one ([`Plane::protect`]).
+//!    SRTP-protected with its consumer's key where it has one ([`Plane::protect`]); keyframe
+//!    requests to the publisher protected with its key ([`StreamEntry::reverse`]).
 //!
 //! The [`Plane`] holds what the pipeline does not own: state shared between a plane's workers
 //! (source buckets, the feedback router, the simulcast consumers) behind the plane's locks, and
@@ -32,7 +34,7 @@ use crate::feedback::FeedbackEntry;
 use crate::feedback::Outcome;
 use crate::ratelimit::{RateLimit, RateState};
 use crate::rtp::{demux, MediaKind, RtpHeader};
-use crate::srtp::Protection;
+use crate::srtp::{Protection, SrtpKey};
 use crate::table::{DropReason, ForwardingTable, SimulcastLayer, SlowReason, StreamEntry, Verdict};
 use std::borrow::Cow;
 use std::collections::HashMap;
@@ -45,12 +47,14 @@ pub trait Plane {
     /// Route a consumer's feedback ([`crate::feedback::FeedbackRouter::route_with`]); None: it is
     /// malformed.
     fn route_feedback(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Option<Outcome>;
-    /// An SRTP stream's packet with the stream's inbound key; None: dropped (no key yet, failed
-    /// authentication, a replay: the plane counts why).
-    fn unprotect(&mut self, entry: &StreamEntry, packet: &[u8]) -> Option<Vec<u8>>;
-    /// Copy number `copy` of an entry, protected with its outbound key; None: not sent (counted
-    /// by the plane).
-    fn protect(&mut self, entry: &StreamEntry, copy: usize, packet: &[u8]) -> Option<Vec<u8>>;
+    /// An SRTP or SRTCP packet that arrived at the SFU address `at`, unprotected with that
+    /// address's inbound `key` (one context per address and direction: every SSRC of a
+    /// participant's transport shares it); None: dropped (no key yet, failed authentication, a
+    /// replay: the plane counts why).
+    fn unprotect(&mut self, at: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>>;
+    /// A packet the SFU sends from its address `from`, protected with that address's outbound
+    /// `key`; None: not sent (counted by the plane).
+    fn protect(&mut self, from: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>>;
     /// A simulcast layer's packet (clear): the copies it makes for the consumers receiving that
     /// layer now, renumbered, and the keyframe requests to the publisher for layers consumers
     /// wait for (see `crate::simulcast`).
@@ -194,7 +198,18 @@ impl Pipeline {
                 return;
             }
             Verdict::Feedback { entry: fb, stream } => {
-                let Some(mut outcome) = plane.route_feedback(fb, payload, received_at) else {
+                // A WebRTC consumer's SRTCP: readable only once unprotected.
+                let clear = match &fb.inbound {
+                    Protection::Clear => Cow::Borrowed(payload),
+                    Protection::Srtp(key) => match plane.unprotect(fb.local, key.as_ref(), payload) {
+                        Some(clear) => Cow::Owned(clear),
+                        None => {
+                            out.push(Effect::Dropped { why: Dropped::Malformed, stream: stream.map(|e| e.id), received: Some(payload.len()) });
+                            return;
+                        }
+                    },
+                };
+                let Some(mut outcome) = plane.route_feedback(fb, &clear, received_at) else {
                     out.push(Effect::Dropped { why: Dropped::MalformedFeedback, stream: stream.map(|e| e.id), received: Some(payload.len()) });
                     return;
                 };
@@ -202,26 +217,33 @@ impl Pipeline {
                 let forward = outcome.forward.take();
                 out.push(Effect::Feedback(Box::new(outcome)));
                 for r in routed {
-                    out.push(Effect::Send { from: r.from, to: r.to, packet: Cow::Owned(r.packet), copy: None });
+                    let key = fb.routes.iter().find(|route| (route.from, route.to) == (r.from, r.to)).map(|route| &route.outbound);
+                    if let Some(packet) = protected(plane, r.from, key.unwrap_or(&Protection::Clear), Cow::Owned(r.packet)) {
+                        out.push(Effect::Send { from: r.from, to: r.to, packet, copy: None });
+                    }
                 }
-                // What remains of a sender's report goes on as its stream's media.
+                // What remains of a sender's report goes on as its stream's media (clear now).
                 match (stream, forward) {
-                    (Some(entry), Some(report)) => (entry, false, Cow::Owned(report)),
+                    (Some(entry), Some(report)) => {
+                        self.media(entry, false, true, src, Cow::Owned(report), now_ns, received_at, plane, out);
+                        return;
+                    }
                     _ => return,
                 }
             }
             Verdict::Forward(entry) => (entry, false, Cow::Borrowed(payload)),
             Verdict::Learn(entry) => (entry, true, Cow::Borrowed(payload)),
         };
-        self.media(entry, learn, src, payload, now_ns, received_at, plane, out);
+        self.media(entry, learn, false, src, payload, now_ns, received_at, plane, out);
     }
 
-    /// Steps 4 to 9 for a packet of `entry`.
+    /// Steps 4 to 9 for a packet of `entry` (`clear`: unprotected already).
     #[allow(clippy::too_many_arguments)]
     fn media<'p>(
         &mut self,
         entry: &StreamEntry,
         learn: bool,
+        clear: bool,
         src: SocketAddr,
         payload: Cow<'p, [u8]>,
         now_ns: u64,
@@ -231,8 +253,9 @@ impl Pipeline {
     ) {
         out.push(Effect::Received { stream: entry.id, bytes: payload.len() });
         let payload: Cow<'p, [u8]> = match &entry.inbound {
+            _ if clear => payload,
             Protection::Clear => payload,
-            Protection::Srtp(_) => match plane.unprotect(entry, &payload) {
+            Protection::Srtp(key) => match plane.unprotect(entry.key.local, key.as_ref(), &payload) {
                 Some(clear) => Cow::Owned(clear),
                 None => {
                     out.push(Effect::Dropped { why: Dropped::Malformed, stream: Some(entry.id), received: None });
@@ -278,21 +301,20 @@ impl Pipeline {
                 out.push(Effect::Send { from: c.from, to: c.to, packet: Cow::Owned(bytes), copy: Some(copy) });
             }
             for (from, to, packet) in fan.requests {
-                out.push(Effect::Send { from, to, packet: Cow::Owned(packet), copy: None });
+                if let Some(packet) = protected(plane, from, &entry.reverse, Cow::Owned(packet)) {
+                    out.push(Effect::Send { from, to, packet, copy: None });
+                }
             }
             return;
         }
-        for (i, c) in entry.copies.iter().enumerate() {
+        for c in &entry.copies {
             if c.to == src {
                 continue; // never back to the sender, whatever the table says
             }
             let copy = CopyOf { stream: entry.id, consumer: c.consumer, rtp };
-            match &c.outbound {
-                Protection::Clear => out.push(Effect::Send { from: c.from, to: c.to, packet: payload.clone(), copy: Some(copy) }),
-                Protection::Srtp(_) => match plane.protect(entry, i, &payload) {
-                    Some(sealed) => out.push(Effect::Send { from: c.from, to: c.to, packet: Cow::Owned(sealed), copy: Some(copy) }),
-                    None => out.push(Effect::CopyFailed { copy }),
-                },
+            match protected(plane, c.from, &c.outbound, payload.clone()) {
+                Some(packet) => out.push(Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy) }),
+                None => out.push(Effect::CopyFailed { copy }),
             }
         }
     }
@@ -305,6 +327,15 @@ impl Pipeline {
             *st = RateState::default();
         }
         limit.params().admit(st, now_ns, bytes)
+    }
+}
+
+/// `packet` as it leaves the SFU address `from`: as it is, or protected with `protection`'s key
+/// (None: it cannot be, and is not sent).
+fn protected<'p>(plane: &mut dyn Plane, from: SocketAddr, protection: &Protection, packet: Cow<'p, [u8]>) -> Option<Cow<'p, [u8]>> {
+    match protection {
+        Protection::Clear => Some(packet),
+        Protection::Srtp(key) => plane.protect(from, key.as_ref(), &packet).map(Cow::Owned),
     }
 }
 
@@ -326,10 +357,10 @@ pub fn reference<'p>(table: &ForwardingTable, local: SocketAddr, src: SocketAddr
             o.routed.clear();
             Some(o)
         }
-        fn unprotect(&mut self, _: &StreamEntry, _: &[u8]) -> Option<Vec<u8>> {
+        fn unprotect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, _: &[u8]) -> Option<Vec<u8>> {
             None
         }
-        fn protect(&mut self, _: &StreamEntry, _: usize, _: &[u8]) -> Option<Vec<u8>> {
+        fn protect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, _: &[u8]) -> Option<Vec<u8>> {
             None
         }
         fn layer_fan_out(&mut self, entry: &StreamEntry, _: &SimulcastLayer, src: SocketAddr, packet: &[u8], _: u64) -> LayerFanOut {
@@ -423,13 +454,13 @@ mod tests {
             }
             self.router.route_with(entry, packet, now_ns, &NoLayers).ok()
         }
-        fn unprotect(&mut self, _: &StreamEntry, packet: &[u8]) -> Option<Vec<u8>> {
-            self.asked.push("unprotect".into());
-            (packet.last() == Some(&0xee)).then(|| packet[..packet.len() - 1].to_vec())
+        fn unprotect(&mut self, at: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
+            self.asked.push(format!("unprotect at {at}"));
+            (key.is_some() && packet.last() == Some(&0xee)).then(|| packet[..packet.len() - 1].to_vec())
         }
-        fn protect(&mut self, _: &StreamEntry, copy: usize, packet: &[u8]) -> Option<Vec<u8>> {
-            self.asked.push(format!("protect {copy}"));
-            (!self.protect_fails).then(|| [packet, &[0xee]].concat())
+        fn protect(&mut self, from: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
+            self.asked.push(format!("protect from {from}"));
+            (key.is_some() && !self.protect_fails).then(|| [packet, &[0xee]].concat())
         }
         fn layer_fan_out(&mut self, _: &StreamEntry, _: &SimulcastLayer, _: SocketAddr, _: &[u8], _: u64) -> LayerFanOut {
             unreachable!("no simulcast stream here")
@@ -540,7 +571,7 @@ mod tests {
                 &format!("send 10.0.1.3:5000 33 {}", c[1])
             ]
         );
-        assert_eq!(plane.asked, ["unprotect", "protect 1"]);
+        assert_eq!(plane.asked, [format!("unprotect at {P0_LOCAL}"), "protect from 10.0.0.1:4004".to_string()]);
         // One that does not unprotect goes no further: no latch report, no copy.
         let forged = [&clear[..], &[0x00]].concat();
         assert_eq!(run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &forged, 1), ["received", "dropped Malformed false"]);
@@ -631,5 +662,78 @@ mod tests {
         assert_eq!(got, ["slow Stun true"]);
         main_entry(&mut t).handshake = false;
         assert_eq!(run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &stun, 1), ["slow Stun false"]);
+    }
+
+    /// Two browsers (WebRTC participants), each publishing one stream and subscribing to the
+    /// other's: their STUN and DTLS go to the control plane; nothing passes before ICE
+    /// nominated them and DTLS keyed them; then SRTCP feedback is unprotected once, routed
+    /// protected with the publisher's key, and the sender report in it goes on as media without
+    /// being unprotected again.
+    #[test]
+    fn webrtc_participants_feedback_and_media_are_unprotected_once_and_protected_per_receiver() {
+        use crate::call_quality::build_report;
+        use crate::feedback::build;
+        use crate::srtp::LegSrtp;
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        for (i, local) in [P0_LOCAL, P1_LOCAL].into_iter().enumerate() {
+            m.add_webrtc_participant("r", &format!("w{i}"), a(local)).unwrap();
+        }
+        m.publish("r", "w0", "main", StreamSpec { ssrc: Some(0x1234), ..Default::default() }).unwrap();
+        m.publish("r", "w1", "cam", StreamSpec { ssrc: Some(0xb1), ..Default::default() }).unwrap();
+        m.subscribe("r", "w1", StreamRef { publisher: "w0".into(), stream: "main".into() }).unwrap();
+        let c0 = m.subscribe("r", "w0", StreamRef { publisher: "w1".into(), stream: "cam".into() }).unwrap();
+        let sealed = |p: &[u8]| [p, &[0xee]].concat();
+        let rtp = build_rtp(0, 7, 160, 0x1234, &[1; 20]);
+        let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+        stun.extend_from_slice(&[3; 12]);
+
+        // Before ICE: the handshake's STUN reaches the control plane; media from anyone is a stranger's.
+        let t = ForwardingTable::compile(&m, 1);
+        assert_eq!(run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &stun, 1), ["slow Stun true"]);
+        assert_eq!(run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &sealed(&rtp), 1), ["dropped Model(Stranger) true"]);
+        assert!(t.streams.values().all(|e| e.copies.is_empty()), "nothing is sent before a nomination");
+
+        // Nominated, not keyed yet: what arrives cannot be unprotected.
+        m.set_participant_nominated("r", "w0", Some(a(P0))).unwrap();
+        m.set_participant_nominated("r", "w1", Some(a(P1))).unwrap();
+        let t = ForwardingTable::compile(&m, 2);
+        let mut plane = FakePlane::default();
+        assert_eq!(run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &sealed(&rtp), 1), ["received", "dropped Malformed false"]);
+        for (w, local) in [("w0", P0_LOCAL), ("w1", P1_LOCAL)] {
+            let k = |b: u8| Some(SrtpKey::new(crate::srtp::SrtpSuite::AesCm128HmacSha1_80, vec![b; 30]).unwrap());
+            let byte = a(local).port() as u8;
+            m.set_participant_srtp("r", w, LegSrtp { inbound: k(byte), outbound: k(byte + 1) }).unwrap();
+        }
+        let t = ForwardingTable::compile(&m, 3);
+        let mut plane = FakePlane::default();
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &sealed(&rtp), 1);
+        assert_eq!(
+            got,
+            [
+                "received",
+                "accepted",
+                "rtp 7 0",
+                &format!("send {P1} {} {}", rtp.len() + 1, t.streams.values().find(|e| e.key.ssrc == Some(0x1234)).unwrap().copies[0].consumer)
+            ]
+        );
+        assert_eq!(plane.asked, [format!("unprotect at {P0_LOCAL}"), format!("protect from {P1_LOCAL}")]);
+
+        // w1's SRTCP: its sender report and a PLI for w0's stream.
+        let sr = build_report(0xb1, Some(0x0102_0304), &[]);
+        let compound = [&sr[..], &build::pli(0xb1, 0x1234)].concat();
+        let mut plane = FakePlane::default();
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P1_LOCAL, P1, &sealed(&compound), 1);
+        assert_eq!(got[..2], ["feedback 1 routed".to_string(), format!("send {P0} 21 0")]);
+        assert_eq!(got[2..], ["received", "accepted", "sender report", &format!("send {P0} {} {c0}", sr.len() + 1)]);
+        assert_eq!(
+            plane.asked,
+            [format!("unprotect at {P1_LOCAL}"), "feedback".into(), format!("protect from {P0_LOCAL}"), format!("protect from {P0_LOCAL}")]
+        );
+        // A forged one goes no further.
+        let mut plane = FakePlane::default();
+        let forged = [&compound[..], &[0]].concat();
+        assert_eq!(run(&mut Pipeline::new(), &t, &mut plane, P1_LOCAL, P1, &forged, 1), ["dropped Malformed true"]);
+        assert_eq!(plane.asked, [format!("unprotect at {P1_LOCAL}")]);
     }
 }

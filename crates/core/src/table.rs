@@ -125,6 +125,10 @@ pub struct StreamEntry {
     /// hands both up already (STUN always, DTLS with the rest of an SRTP stream).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub handshake: bool,
+    /// How what the SFU sends back to the stream's source (keyframe requests, the consumers'
+    /// feedback routed to it) is protected: a WebRTC publisher's SRTCP key.
+    #[serde(default, skip_serializing_if = "Protection::is_clear")]
+    pub reverse: Protection,
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -148,7 +152,7 @@ impl StreamEntry {
 
     /// Some packet of this stream needs SRTP work (unprotecting it, or protecting a copy).
     pub fn has_srtp(&self) -> bool {
-        !self.inbound.is_clear() || self.copies.iter().any(|c| !c.outbound.is_clear())
+        !self.inbound.is_clear() || !self.reverse.is_clear() || self.copies.iter().any(|c| !c.outbound.is_clear())
     }
 }
 
@@ -265,10 +269,32 @@ pub enum Owner<'a> {
     Relay(&'a str),
 }
 
-/// The entries of one room: one per published stream, copies to its subscribers.
+/// The entries of one room: one per published stream, copies to its subscribers; and one per
+/// WebRTC participant for its transport (its STUN, DTLS and SSRCs it does not publish).
 fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEntry> {
     let mut out = Vec::new();
     for (pid, p) in &room.participants {
+        let base = |id, label, key, copies| StreamEntry {
+            id,
+            label,
+            key,
+            // A WebRTC participant's before ICE nominated: the unspecified address, nobody.
+            source: SourceRule::Fixed(p.remote),
+            rtp: true,
+            copies,
+            rate,
+            record: false,
+            inbound: p.inbound(),
+            clock_rate: 0,
+            evaluate_rtcp: false,
+            simulcast: None,
+            handshake: false,
+            reverse: p.outbound(),
+        };
+        if let Some(w) = &p.webrtc {
+            let key = IngressKey { local: p.local, ssrc: None };
+            out.push(StreamEntry { handshake: true, ..base(w.uid, format!("{rid}/{pid}"), key, Vec::new()) });
+        }
         for (sid, s) in &p.streams {
             let this = StreamRef { publisher: pid.clone(), stream: sid.clone() };
             let simulcast = !s.layers.is_empty();
@@ -283,8 +309,8 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                     Some(Copy {
                         subscriber: format!("{rid}/{sub_id}"),
                         from: sub.local,
-                        to: sub.remote,
-                        outbound: Protection::Clear,
+                        to: sub.peer()?,
+                        outbound: sub.outbound(),
                         consumer: c.uid,
                         layer,
                         max_layer,
@@ -294,19 +320,10 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                 .collect();
             copies.sort();
             let entry = |id, label, ssrc, simulcast| StreamEntry {
-                id,
-                label,
-                key: IngressKey { local: s.local.unwrap_or(p.local), ssrc },
-                source: SourceRule::Fixed(p.remote),
                 rtp: s.rtp,
-                copies: copies.clone(),
-                rate,
-                record: false,
-                inbound: Protection::Clear,
                 clock_rate: s.clock_rate.unwrap_or(0),
-                evaluate_rtcp: false,
                 simulcast,
-                handshake: false,
+                ..base(id, label, IngressKey { local: s.local.unwrap_or(p.local), ssrc }, copies.clone())
             };
             if !simulcast {
                 out.push(entry(s.uid, format!("{rid}/{pid}/{sid}"), s.ssrc, None));
@@ -328,16 +345,19 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
 /// by the SSRCs of those streams that have one.
 fn compile_room_feedback(rid: &str, room: &Room) -> Vec<FeedbackEntry> {
     let mut out = Vec::new();
-    for (pid, p) in &room.participants {
+    for (pid, p) in room.participants.iter().filter(|(_, p)| p.peer().is_some()) {
         let mut subscribed_rtp = false;
         let mut routes = Vec::new();
         for (r, c) in &p.subscriptions {
-            let Some(publisher) = room.participants.get(&r.publisher) else { continue };
+            // Feedback goes to a publisher ICE nominated, if it is a WebRTC one.
+            let Some(publisher) = room.participants.get(&r.publisher).filter(|p| p.peer().is_some()) else { continue };
             let Some(s) = publisher.streams.get(&r.stream).filter(|s| s.rtp) else { continue };
             subscribed_rtp = true;
             let from = s.local.unwrap_or(publisher.local);
+            let outbound = publisher.outbound();
             if let Some(ssrc) = s.ssrc {
-                routes.push(FeedbackRoute { ssrc, stream: s.uid, consumer: c.uid, publisher_ssrc: ssrc, from, to: publisher.remote, layers: Vec::new() });
+                let layers = Vec::new();
+                routes.push(FeedbackRoute { ssrc, stream: s.uid, consumer: c.uid, publisher_ssrc: ssrc, from, to: publisher.remote, layers, outbound });
             } else if let Some(first) = s.layers.first() {
                 // A simulcast consumer receives on the first layer's SSRC; what it says about
                 // it goes to the layer it receives ([`crate::feedback::LayerMap`]).
@@ -350,6 +370,7 @@ fn compile_room_feedback(rid: &str, room: &Room) -> Vec<FeedbackEntry> {
                     from,
                     to: publisher.remote,
                     layers,
+                    outbound,
                 });
             }
         }
@@ -358,7 +379,7 @@ fn compile_room_feedback(rid: &str, room: &Room) -> Vec<FeedbackEntry> {
             // Two streams with one SSRC (different publishers) cannot be told apart: neither is routed.
             let dup: Vec<u32> = routes.windows(2).filter(|w| w[0].ssrc == w[1].ssrc).map(|w| w[0].ssrc).collect();
             routes.retain(|r| !dup.contains(&r.ssrc));
-            out.push(FeedbackEntry { consumer: format!("{rid}/{pid}"), local: p.local, source: p.remote, routes });
+            out.push(FeedbackEntry { consumer: format!("{rid}/{pid}"), local: p.local, source: p.remote, routes, inbound: p.inbound() });
         }
     }
     out
@@ -394,6 +415,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             evaluate_rtcp: from_leg.rtp,
             simulcast: None,
             handshake: from_leg.ice,
+            reverse: Protection::Clear,
         }
     })
 }
@@ -546,10 +568,16 @@ impl ForwardingTable {
         // RTCP from the consumer itself: feedback (its sender report, if any, picks the stream
         // the usual way). Anyone else's RTCP there is never feedback.
         if let Some(fb) = feedback.filter(|f| kind == MediaKind::Rtcp && f.source == src) {
-            let Ok(packets) = rtp::parse_rtcp_compound(payload) else {
+            // SRTCP (a WebRTC consumer's) is readable only as far as its first header until it
+            // is unprotected; its tag decides the rest.
+            let first = match fb.inbound.is_clear() {
+                true => rtp::parse_rtcp_compound(payload).ok().map(|p| (p[0].packet_type, p[0].sender_ssrc)),
+                false => srtcp_first_header(payload),
+            };
+            let Some((first_type, first_ssrc)) = first else {
                 return Verdict::Drop { reason: DropReason::Malformed, stream: any.map(|s| s.id) };
             };
-            let sender = (packets[0].packet_type == 200).then_some(packets[0].sender_ssrc);
+            let sender = (first_type == 200).then_some(first_ssrc);
             let stream = sender
                 .and_then(|ssrc| self.streams.get(&IngressKey { local, ssrc: Some(ssrc) }).filter(|_| narrowed))
                 .or(any)
@@ -614,15 +642,19 @@ fn relay_source(leg: &Leg) -> SourceRule {
     }
 }
 
+/// The packet type and sender SSRC of an SRTCP packet's first header, if that header is valid
+/// (the rest is encrypted).
+fn srtcp_first_header(payload: &[u8]) -> Option<(u8, u32)> {
+    let first_len = (u16::from_be_bytes([*payload.get(2)?, *payload.get(3)?]) as usize + 1) * 4;
+    (payload[0] >> 6 == 2 && first_len >= 8 && first_len <= payload.len()).then(|| (payload[1], u32::from_be_bytes(payload[4..8].try_into().unwrap())))
+}
+
 /// The SSRC of a valid RTP packet, or of the sender of a valid RTCP compound packet (`srtcp`:
 /// of one whose first header is valid).
 fn rtp_ssrc(kind: MediaKind, payload: &[u8], srtcp: bool) -> Option<u32> {
     match kind {
         MediaKind::Rtp => RtpHeader::parse(payload).ok().map(|h| h.ssrc),
-        MediaKind::Rtcp if srtcp => {
-            let first_len = (u16::from_be_bytes([*payload.get(2)?, *payload.get(3)?]) as usize + 1) * 4;
-            (payload[0] >> 6 == 2 && first_len >= 8 && first_len <= payload.len()).then(|| u32::from_be_bytes(payload[4..8].try_into().unwrap()))
-        }
+        MediaKind::Rtcp if srtcp => srtcp_first_header(payload).map(|(_, ssrc)| ssrc),
         MediaKind::Rtcp => rtp::parse_rtcp_compound(payload).ok().map(|p| p[0].sender_ssrc),
         _ => None,
     }

@@ -11,6 +11,7 @@ use mediaplane_core::table::StreamEntry;
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
 use srtp::{CryptoPolicy, Session, StreamPolicy};
+use std::net::SocketAddr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
@@ -151,21 +152,25 @@ pub fn protect(ctx: Option<&Arc<Context>>, clear: &[u8]) -> Option<Vec<u8>> {
     }
 }
 
-/// Which context: a stream's inbound one, or the outbound one of its copy number `copy`.
+/// Which context: what arrives at an SFU address (`outbound` false), or what the SFU sends
+/// from it. One libsrtp session per address and direction, whatever the streams: an address is
+/// one relay leg or one participant's transport (a WebRTC BUNDLE carries every SSRC of its DTLS
+/// association, RTP and RTCP, each with its own index in the one session).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct SrtpSlot {
-    pub stream: u32,
-    pub copy: Option<u32>,
+    pub local: SocketAddr,
+    pub outbound: bool,
 }
 
 /// The contexts a table needs, looked up without locks by the workers (a snapshot swapped with
-/// the table).
+/// the table): each with the number of table entries that use it.
 #[derive(Clone, Default)]
-pub struct Contexts(imbl::HashMap<SrtpSlot, Arc<Context>>);
+pub struct Contexts(imbl::HashMap<SrtpSlot, (Arc<Context>, u32)>);
 
 impl Contexts {
-    pub fn get(&self, slot: SrtpSlot) -> Option<&Arc<Context>> {
-        self.0.get(&slot)
+    /// The context of `slot`, if it holds `key` (the one the table names).
+    pub fn get(&self, slot: SrtpSlot, key: Option<&SrtpKey>) -> Option<&Arc<Context>> {
+        self.0.get(&slot).map(|(c, _)| c).filter(|c| Some(&c.key) == key)
     }
 
     pub fn len(&self) -> usize {
@@ -176,19 +181,25 @@ impl Contexts {
         self.0.is_empty()
     }
 
-    /// The contexts for `table`, keeping every one of `self` whose slot and key are unchanged.
-    /// `changed`: only the entries at these keys differ from the table `self` was made for.
+    /// The contexts for `table`, keeping every one of `self` whose slot and key are unchanged
+    /// (its rollover counters and replay windows live on). `changed`: only the entries at these
+    /// keys differ from the table `self` was made for.
     pub fn update(&self, old: &ForwardingTable, table: &ForwardingTable, changed: Option<&[mediaplane_core::IngressKey]>) -> Contexts {
         let mut next = match changed {
             Some(_) => self.0.clone(),
             None => imbl::HashMap::new(),
         };
-        let add = |next: &mut imbl::HashMap<SrtpSlot, Arc<Context>>, e: &StreamEntry| {
-            for (slot, key, outbound) in slots(e) {
-                let kept = self.0.get(&slot).filter(|c| c.key == *key).cloned();
+        let add = |next: &mut imbl::HashMap<SrtpSlot, (Arc<Context>, u32)>, e: &StreamEntry| {
+            for (slot, key) in slots(e) {
+                if let Some((_, users)) = next.get_mut(&slot).filter(|(c, _)| c.key == *key) {
+                    *users += 1;
+                    continue;
+                }
+                let users = next.get(&slot).map_or(0, |(_, u)| *u) + 1;
+                let kept = self.0.get(&slot).map(|(c, _)| c).filter(|c| c.key == *key).cloned();
                 let ctx = match kept {
                     Some(c) => c,
-                    None => match Context::new(key, outbound) {
+                    None => match Context::new(key, slot.outbound) {
                         Ok(c) => Arc::new(c),
                         Err(error) => {
                             // Its packets are then dropped as having no key, and counted.
@@ -197,21 +208,26 @@ impl Contexts {
                         }
                     },
                 };
-                next.insert(slot, ctx);
+                next.insert(slot, (ctx, users));
             }
         };
         match changed {
             Some(keys) => {
+                // Every user of a changed entry's slots lets go first, so a re-keyed address
+                // keeps its count while its context is replaced.
                 for k in keys {
-                    if let Some(e) = old.streams.get(k) {
-                        for (slot, _, _) in slots(e) {
-                            next.remove(&slot);
+                    for (slot, _) in old.streams.get(k).into_iter().flat_map(slots) {
+                        if let Some((_, users)) = next.get_mut(&slot) {
+                            *users -= 1;
                         }
                     }
+                }
+                for k in keys {
                     if let Some(e) = table.streams.get(k) {
                         add(&mut next, e);
                     }
                 }
+                next.retain(|_, (_, users)| *users > 0);
             }
             None => table.streams.values().filter(|e| e.has_srtp()).for_each(|e| add(&mut next, e)),
         }
@@ -219,17 +235,21 @@ impl Contexts {
     }
 }
 
-/// Every context an entry needs: (slot, key, outbound).
-fn slots(e: &StreamEntry) -> impl Iterator<Item = (SrtpSlot, &SrtpKey, bool)> {
-    let inbound = match &e.inbound {
-        Protection::Srtp(Some(k)) => Some((SrtpSlot { stream: e.id, copy: None }, k, false)),
-        _ => None,
-    };
-    let copies = e.copies.iter().enumerate().filter_map(move |(i, c)| match &c.outbound {
-        Protection::Srtp(Some(k)) => Some((SrtpSlot { stream: e.id, copy: Some(i as u32) }, k, true)),
-        _ => None,
-    });
-    inbound.into_iter().chain(copies)
+/// Every context an entry uses, once each: its address's inbound one, the outbound one toward
+/// its source (feedback, keyframe requests), and each protected copy's sender address's.
+fn slots(e: &StreamEntry) -> Vec<(SrtpSlot, &SrtpKey)> {
+    let mut out: Vec<(SrtpSlot, &SrtpKey)> = Vec::new();
+    let at = |local, outbound| SrtpSlot { local, outbound };
+    let all =
+        [(at(e.key.local, false), &e.inbound), (at(e.key.local, true), &e.reverse)].into_iter().chain(e.copies.iter().map(|c| (at(c.from, true), &c.outbound)));
+    for (slot, p) in all {
+        if let Protection::Srtp(Some(k)) = p {
+            if !out.iter().any(|(s, _)| *s == slot) {
+                out.push((slot, k));
+            }
+        }
+    }
+    out
 }
 
 #[cfg(test)]
@@ -318,6 +338,7 @@ mod tests {
             evaluate_rtcp: false,
             simulcast: None,
             handshake: false,
+            reverse: Protection::Clear,
         }
     }
 
@@ -333,20 +354,43 @@ mod tests {
             table(vec![entry(1, srtp(&k1), Protection::Clear), entry(2, Protection::Clear, srtp(&k2)), entry(3, Protection::Srtp(None), Protection::Clear)]);
         let c1 = Contexts::default().update(&ForwardingTable::default(), &t1, None);
         assert_eq!(c1.len(), 2, "no context without a key");
-        let inbound = SrtpSlot { stream: 1, copy: None };
-        let outbound = SrtpSlot { stream: 2, copy: Some(0) };
-        assert!(c1.get(SrtpSlot { stream: 3, copy: None }).is_none());
+        let inbound = SrtpSlot { local: "127.0.0.1:20001".parse().unwrap(), outbound: false };
+        let outbound = SrtpSlot { local: "127.0.0.1:30000".parse().unwrap(), outbound: true };
+        assert!(c1.get(SrtpSlot { local: "127.0.0.1:20003".parse().unwrap(), outbound: false }, None).is_none());
+        assert!(c1.get(inbound, Some(&k2)).is_none(), "only with the key the table names");
 
         // Entry 1 unchanged, entry 2 re-keyed: only its context is new.
         let t2 = table(vec![entry(1, srtp(&k1), Protection::Clear), entry(2, Protection::Clear, srtp(&k1))]);
         let changed = [t1.streams.values().nth(1).unwrap().key, t1.streams.values().nth(2).unwrap().key];
         let c2 = c1.update(&t1, &t2, Some(&changed));
-        assert!(Arc::ptr_eq(c1.get(inbound).unwrap(), c2.get(inbound).unwrap()), "kept: its replay window and ROC live on");
-        assert!(!Arc::ptr_eq(c1.get(outbound).unwrap(), c2.get(outbound).unwrap()), "new key, new session");
-        assert_eq!(c2.get(outbound).unwrap().key, k1);
+        assert!(Arc::ptr_eq(c1.get(inbound, Some(&k1)).unwrap(), c2.get(inbound, Some(&k1)).unwrap()), "kept: its replay window and ROC live on");
+        assert!(c2.get(outbound, Some(&k2)).is_none(), "new key, new session");
+        assert_eq!(c2.get(outbound, Some(&k1)).unwrap().key, k1);
         // A full rebuild keeps the same ones; a table without SRTP has none.
         let c3 = c2.update(&t2, &t2, None);
-        assert!(Arc::ptr_eq(c2.get(inbound).unwrap(), c3.get(inbound).unwrap()));
+        assert!(Arc::ptr_eq(c2.get(inbound, Some(&k1)).unwrap(), c3.get(inbound, Some(&k1)).unwrap()));
         assert!(c3.update(&t2, &table(vec![entry(1, Protection::Clear, Protection::Clear)]), None).is_empty());
+    }
+
+    #[test]
+    fn entries_sharing_an_address_share_its_session_until_the_last_one_goes() {
+        // Two streams of one participant's transport (a BUNDLE): one inbound session for both.
+        let k = key(3, SrtpSuite::AesCm128HmacSha1_80);
+        let at = |id: u32, ssrc: u32| {
+            let mut e = entry(id, Protection::Srtp(Some(k.clone())), Protection::Clear);
+            e.key = mediaplane_core::IngressKey { local: "127.0.0.1:20000".parse().unwrap(), ssrc: Some(ssrc) };
+            e
+        };
+        let t1 = table(vec![at(1, 11), at(2, 22)]);
+        let c1 = Contexts::default().update(&ForwardingTable::default(), &t1, None);
+        let slot = SrtpSlot { local: "127.0.0.1:20000".parse().unwrap(), outbound: false };
+        assert_eq!(c1.len(), 1);
+        // One stream goes: the session stays for the other.
+        let t2 = table(vec![at(1, 11)]);
+        let c2 = c1.update(&t1, &t2, Some(&[at(2, 22).key]));
+        assert!(Arc::ptr_eq(c1.get(slot, Some(&k)).unwrap(), c2.get(slot, Some(&k)).unwrap()));
+        // The last one goes: so does the session.
+        let c3 = c2.update(&t2, &table(vec![]), Some(&[at(1, 11).key]));
+        assert!(c3.is_empty());
     }
 }

@@ -26,6 +26,7 @@ use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::reception::{ReceptionReport, RtpReception};
 use mediaplane_core::rtp::{demux, MediaKind, RtpHeader};
 use mediaplane_core::simulcast::{self, Decision, LayerRewriter};
+use mediaplane_core::srtp::{Protection, SrtpKey};
 use mediaplane_core::table::{IngressKey, SimulcastLayer, SlowReason, SourceRule, StreamEntry};
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
@@ -331,12 +332,12 @@ impl Plane for PlaneState<'_> {
         feedback.route_with(entry, packet, now_ns, &Layers(&layers.consumers, self.shared.kernel_layers.as_deref())).ok()
     }
 
-    fn unprotect(&mut self, entry: &StreamEntry, packet: &[u8]) -> Option<Vec<u8>> {
-        crate::srtp::unprotect(self.state.srtp.get(SrtpSlot { stream: entry.id, copy: None }), packet).ok()
+    fn unprotect(&mut self, at: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
+        crate::srtp::unprotect(self.state.srtp.get(SrtpSlot { local: at, outbound: false }, key), packet).ok()
     }
 
-    fn protect(&mut self, entry: &StreamEntry, copy: usize, packet: &[u8]) -> Option<Vec<u8>> {
-        crate::srtp::protect(self.state.srtp.get(SrtpSlot { stream: entry.id, copy: Some(copy as u32) }), packet)
+    fn protect(&mut self, from: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
+        crate::srtp::protect(self.state.srtp.get(SrtpSlot { local: from, outbound: true }, key), packet)
     }
 
     fn layer_fan_out(&mut self, entry: &StreamEntry, layer: &SimulcastLayer, src: SocketAddr, packet: &[u8], now_ns: u64) -> LayerFanOut {
@@ -1087,6 +1088,14 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
         let (SourceRule::Fixed(publisher), Some(layer)) = (entry.source, &entry.simulcast) else { continue };
         let Some(&(stream, ssrc)) = layer.layers.get(l as usize) else { continue };
         let Some(pli) = shared.feedback.lock().request_keyframe(stream, ssrc, SFU_SSRC, now_ns) else { continue };
+        // A WebRTC publisher's: SRTCP with its key (not sent without one).
+        let pli = match &entry.reverse {
+            Protection::Clear => pli,
+            Protection::Srtp(key) => match crate::srtp::protect(state.srtp.get(SrtpSlot { local: entry.key.local, outbound: true }, key.as_ref()), &pli) {
+                Some(sealed) => sealed,
+                None => continue,
+            },
+        };
         if let Err(e) = send_datagram_with(shared, steer, entry.key.local, publisher, &pli) {
             tracing::debug!(error = %e, "keyframe request to a publisher");
         }

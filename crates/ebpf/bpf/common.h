@@ -51,6 +51,10 @@
                                       the slow path routes to the publishers (core feedback.rs) */
 #define STREAM_F_SIMULCAST (1u << 10) /* one layer of a simulcast stream: each copy is decided and
                                         renumbered for its consumer (layer_rewrite.h) */
+#define STREAM_F_ADDRESS_UP (1u << 11) /* (wildcard entry only) an ICE + DTLS-SRTP address (a WebRTC
+                                         participant's transport, an ICE relay leg): all that is not
+                                         STUN goes to the slow path, which judges it as classify()
+                                         does (DTLS, SRTP, and SRTCP, which cannot be walked here) */
 
 /* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
 #define MAX_SOURCES 65536

@@ -3,7 +3,7 @@
  *
  * Per packet, in the order of ForwardingTable::classify():
  *   parse (cannot judge -> stack) -> stream on (dst ip, dst port)? (no -> stack, not ours)
- *   -> STUN (-> stack) -> RTCP from a consumer's own address (STREAM_F_FEEDBACK): valid -> stack,
+ *   -> STUN (-> stack) -> an ICE + DTLS-SRTP address (STREAM_F_ADDRESS_UP: -> stack) -> RTCP from a consumer's own address (STREAM_F_FEEDBACK): valid -> stack,
  *      where the slow path routes the feedback to the publishers; broken -> drop malformed
  *   -> RTP/RTCP validity if the stream(s) need RTP (bad -> drop malformed)
  *   -> SSRC-narrowed entry, else the wildcard entry (none -> drop no_stream; RTCP to a consumer's
@@ -625,6 +625,10 @@ int sfu_ingress(struct __sk_buff *skb)
 			return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
 		return pass_slow(any_sc, CNT_PASS_STUN);
 	}
+	/* An ICE + DTLS-SRTP address: everything is crypto, for user space (it judges strangers,
+	 * the source limit and malformed packets as classify() does). */
+	if (wildcard->flags & STREAM_F_ADDRESS_UP)
+		return pass_slow(any_sc, CNT_PASS_SLOW_STREAM);
 	/* A consumer's RTCP: PLI/FIR/NACK for the publishers, coalesced in user space. Checked
 	 * before the SSRC lookup: its sender SSRC is the consumer's, not a stream's. */
 	if (kind == MK_RTCP && (wildcard->flags & STREAM_F_FEEDBACK) && from_source(wildcard, &p)) {

@@ -45,6 +45,9 @@ pub mod flags {
     /// One layer of a simulcast stream: every copy is decided and renumbered for its consumer
     /// (bpf/layer_rewrite.h), on the consumer's `layer_state`.
     pub const SIMULCAST: u32 = 1 << 10;
+    /// (wildcard entry only) an ICE + DTLS-SRTP address ([`StreamEntry::handshake`]): all but
+    /// STUN goes to the slow path, which judges it (SRTCP cannot be walked in the kernel).
+    pub const ADDRESS_UP: u32 = 1 << 11;
 }
 
 /// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
@@ -629,6 +632,9 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI.
     if mixed || e.record || e.has_srtp() || e.copies.len() > MAX_FANOUT {
         f |= flags::SLOW;
+    }
+    if e.handshake && e.key.ssrc.is_none() {
+        f |= flags::ADDRESS_UP;
     }
     // A simulcast layer's copies are renumbered per consumer in the kernel; its sender reports
     // go up, where they are rewritten for each consumer from the kernel's state.

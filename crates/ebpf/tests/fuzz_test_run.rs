@@ -45,6 +45,7 @@ use mediaplane_core::packet::{build_frame, internet_checksum, parse_frame, udp_c
 use mediaplane_core::reception::RtpReception;
 use mediaplane_core::rtp::{build_rtp, demux, MediaKind, RtpHeader};
 use mediaplane_core::simulcast::{inspect, Codec, Decision, LayerRewriter};
+use mediaplane_core::srtp::Protection;
 use mediaplane_core::table::{ForwardingTable, SimulcastLayer, SourceRule, StreamEntry};
 use mediaplane_core::Verdict;
 use mediaplane_ebpf::layers::LayerVerdict;
@@ -119,8 +120,10 @@ fn fuzz_table() -> ForwardingTable {
             layers: Vec::new(),
             from: a("10.200.0.1:4002"),
             to: a(PUBLISHER),
+            outbound: Protection::Clear,
         };
-        t.feedback.insert(a(local), FeedbackEntry { consumer: format!("r/{local}"), local: a(local), source: a(source), routes: vec![route] });
+        let entry = FeedbackEntry { consumer: format!("r/{local}"), local: a(local), source: a(source), routes: vec![route], inbound: Protection::Clear };
+        t.feedback.insert(a(local), entry);
     }
     t
 }

@@ -260,6 +260,46 @@ fn stranger_stun_and_learning() {
     assert_eq!((s.streams[&4].drop_stranger, s.streams[&4].tx_copies), (0, 2));
 }
 
+/// A browser's transport (a WebRTC participant publishing two SSRCs, keyed, nominated) beside a
+/// plain subscriber: the kernel hands everything but STUN at the browser's address to user space
+/// (its SRTP, and its SRTCP, which the kernel cannot walk: judged there as classify() does), and
+/// the plain participant's feedback still goes up as feedback.
+#[test]
+fn a_webrtc_transport_goes_to_user_space_whole() {
+    root_or_skip!("a_webrtc_transport_goes_to_user_space_whole");
+    use mediaplane_core::model::{Model, StreamRef, StreamSpec};
+    use mediaplane_core::srtp::{LegSrtp, SrtpKey, SrtpSuite};
+    let rig = Rig::new();
+    let mut m = Model::new();
+    m.create_room("r").unwrap();
+    m.add_webrtc_participant("r", "browser", a(LOCAL)).unwrap();
+    m.add_participant("r", "plain", a("10.200.0.1:4002"), a("10.200.0.9:5001")).unwrap();
+    for (name, ssrc) in [("audio", 1), ("video", 2)] {
+        m.publish("r", "browser", name, StreamSpec { ssrc: Some(ssrc), ..Default::default() }).unwrap();
+        m.subscribe("r", "plain", StreamRef { publisher: "browser".into(), stream: name.into() }).unwrap();
+    }
+    m.set_participant_nominated("r", "browser", Some(a(PUBLISHER))).unwrap();
+    let key = || Some(SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, vec![7; 30]).unwrap());
+    m.set_participant_srtp("r", "browser", LegSrtp { inbound: key(), outbound: key() }).unwrap();
+    let t = mediaplane_core::ForwardingTable::compile(&m, 1);
+    rig.apply(&t);
+    let mut sr = vec![0x80, 200, 0, 6];
+    sr.extend_from_slice(&2u32.to_be_bytes());
+    sr.extend_from_slice(&[0; 20]);
+    // SRTCP: an index and a tag after the (encrypted) reports, which a compound walk refuses.
+    let srtcp = [&sr[..], &[0x80, 0, 0, 1], &[0xaa; 10]].concat();
+    let mut stun = vec![0, 1, 0, 0, 0x21, 0x12, 0xa4, 0x42];
+    stun.extend_from_slice(&[7; 12]);
+    for payload in [rtp(1), rtp(2), rtp(3), srtcp.clone(), vec![22, 254, 253, 0, 0], stun.clone()] {
+        rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &payload));
+    }
+    rig.check(&t, &v4_frame("10.200.0.66:5000", LOCAL, &srtcp)); // a stranger's: user space drops it
+    let s = rig.fp.kernel_stats().unwrap();
+    assert_eq!(s.global["pass_slow_stream"], 6);
+    assert_eq!(s.global["pass_stun"], 1);
+    assert_eq!(s.global["drop_malformed"] + s.global["drop_stranger"], 0);
+}
+
 #[test]
 fn ssrc_narrowed_streams_and_rtcp_demux() {
     root_or_skip!("ssrc_narrowed_streams_and_rtcp_demux");

@@ -85,6 +85,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         evaluate_rtcp: false,
         simulcast: None,
         handshake: false,
+        reverse: mediaplane_core::srtp::Protection::Clear,
     }
 }
 
@@ -165,6 +166,11 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         return Expect::Pass("pass_not_ours");
     }
     let payload = &frame[f.payload..f.payload + f.payload_len];
+    // An ICE + DTLS-SRTP address: all but STUN is the slow path's to judge.
+    let wildcard = kernel_entries(t, None).get(&mediaplane_ebpf::maps::KeyRaw::new(f.dst, None)).map_or(0, |w| w.flags);
+    if wildcard & flags::ADDRESS_UP != 0 && demux(payload) != MediaKind::Stun {
+        return Expect::Pass("pass_slow_stream");
+    }
     // Core's per-packet pipeline decides; what the kernel does of it differs where it hands a
     // packet to the slow path instead of deciding itself.
     let effects = reference_effects(t, f.dst, f.src, payload);
@@ -223,6 +229,11 @@ pub fn reference_stream(t: &ForwardingTable, frame: &[u8]) -> Option<u32> {
     let f = parse_frame(frame).ok()?;
     if !t.is_local(f.dst) {
         return None;
+    }
+    // An ICE + DTLS-SRTP address hands everything up before any lookup: its wildcard stream.
+    let wildcard = t.streams.get(&mediaplane_core::IngressKey { local: f.dst, ssrc: None });
+    if wildcard.is_some_and(|w| w.handshake) {
+        return wildcard.map(|w| w.id);
     }
     match t.classify(f.dst, f.src, &frame[f.payload..f.payload + f.payload_len]) {
         Verdict::Forward(e) | Verdict::Learn(e) => Some(e.id),
