@@ -37,7 +37,7 @@ pub struct ApiError {
 }
 
 impl ApiError {
-    fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
+    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
         ApiError { status, code, message: message.into() }
     }
 }
@@ -165,11 +165,21 @@ impl Pending {
 /// Run a mutating handler's work (`f`: mutate through [`SessionManager::mutate_for`] with the
 /// ticket it is given, and say what to answer) on the blocking pool, off the async runtime: the
 /// runtime keeps answering reads while a big change compiles, installs and commits.
-async fn commit(
+pub(crate) async fn commit(
     m: AppState,
     pending: Pending,
     f: impl FnOnce(&SessionManager, &Ticket) -> Result<(StatusCode, Value), ApiError> + Send + 'static,
 ) -> Result<Response, ApiError> {
+    let (status, raw) = commit_value(m, pending, f).await?;
+    Ok((status, [(header::CONTENT_TYPE, "application/json")], String::from(Box::<str>::from(raw))).into_response())
+}
+
+/// [`commit`], answering with the status and JSON value `f` made.
+pub(crate) async fn commit_value(
+    m: AppState,
+    pending: Pending,
+    f: impl FnOnce(&SessionManager, &Ticket) -> Result<(StatusCode, Value), ApiError> + Send + 'static,
+) -> Result<(StatusCode, Box<RawValue>), ApiError> {
     let p = pending.clone();
     let joined = tokio::task::spawn_blocking(move || {
         // A panic still answers: a request past its deadline waits for this answer.
@@ -185,8 +195,7 @@ async fn commit(
     if let Err(e) = joined {
         return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("mutation failed: {e}")));
     }
-    let (status, raw) = pending.wait_answer().await?;
-    Ok((status, [(header::CONTENT_TYPE, "application/json")], String::from(Box::<str>::from(raw))).into_response())
+    pending.wait_answer().await
 }
 
 /// A JSON body read but not yet parsed: parsed by [`JsonBody::parse`] where the work runs (a
@@ -258,6 +267,9 @@ struct Publish {
     layers: Vec<u32>,
     /// `vp8` or `h264` (simulcast streams; vp8 when not given).
     codec: Option<String>,
+    /// Its payload format as SDP names it, so browsers can subscribe to it over WHEP:
+    /// `{"kind": "video", "pt": 96, "rtpmap": "VP8/90000"}`.
+    format: Option<mediaplane_core::model::PayloadFormat>,
 }
 
 fn yes() -> bool {
@@ -334,6 +346,7 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
     let token = cfg.token.clone().filter(|t| !t.is_empty()).map(|t| Arc::new(format!("Bearer {t}")));
     let timeout = std::time::Duration::from_millis(cfg.timeout_ms);
     Router::new()
+        .route("/", get(page))
         .route("/health", get(health))
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi))
@@ -353,6 +366,8 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .route(BATCH_PATH, post(relay_batch).layer(DefaultBodyLimit::max(max_batch_body)))
         .route("/v1/stats", get(stats))
         .route("/v1/table", get(table))
+        .route("/v1/whip/{room}", post(crate::whip::whip))
+        .route("/v1/whep/{room}/{publisher}", post(crate::whip::whep))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         // Declared-too-large bodies are refused before a byte is read; chunked ones when they
@@ -382,7 +397,9 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| {
             let token = token.clone();
             async move {
-                if let Some(expected) = token {
+                // The page is static and holds no secret: it asks for the token itself.
+                let page = req.uri().path() == "/" && req.method() == axum::http::Method::GET;
+                if let Some(expected) = token.filter(|_| !page) {
                     let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
                     if given != Some(expected.as_str()) {
                         return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token").into_response();
@@ -443,6 +460,11 @@ async fn health(State(m): State<AppState>) -> ApiResult {
     ok(json!({"status": "ok", "dataplane": m.dataplane().name(), "rooms": rooms, "relays": relays, "table_version": version}))
 }
 
+/// The room page (WebRTC through WHIP/WHEP): `GET /`, without the token.
+async fn page() -> axum::response::Html<&'static str> {
+    axum::response::Html(include_str!("page/index.html"))
+}
+
 async fn list_rooms(State(m): State<AppState>) -> ApiResult {
     ok(json!({"rooms": m.read(|model, _| model.rooms.keys().cloned().collect::<Vec<_>>())}))
 }
@@ -459,7 +481,8 @@ async fn create_room(State(m): State<AppState>, Extension(p): Extension<Pending>
 }
 
 async fn get_room(State(m): State<AppState>, Path(room): Path<String>) -> ApiResult {
-    let r = m.read(|model, _| model.room(&room).map(|r| serde_json::to_value(r).unwrap()))?;
+    // A WebRTC participant's DTLS-SRTP keys by suite only.
+    let r = m.read(|model, _| model.room(&room).map(|r| without_keys(serde_json::to_value(r).unwrap())))?;
     ok(json!({"id": room, "participants": r["participants"]}))
 }
 
@@ -495,7 +518,7 @@ async fn add_participant(
 }
 
 async fn get_participant(State(m): State<AppState>, Path((room, pid)): Path<(String, String)>) -> ApiResult {
-    let p = m.read(|model, _| model.participant(&room, &pid).map(|p| serde_json::to_value(p).unwrap()))?;
+    let p = m.read(|model, _| model.participant(&room, &pid).map(|p| without_keys(serde_json::to_value(p).unwrap())))?;
     ok(p)
 }
 
@@ -523,6 +546,9 @@ async fn publish(
     if req.clock_rate.is_some_and(|c| !(1..=1_000_000).contains(&c)) {
         return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", "clock_rate must be 1 to 1000000 Hz"));
     }
+    if let Some(f) = &req.format {
+        crate::whip::check_format(f).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid", e))?;
+    }
     let codec = match req.codec.as_deref() {
         None => None,
         Some(c) => Some(
@@ -530,7 +556,7 @@ async fn publish(
                 .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("codec {c:?} is not one of vp8, h264")))?,
         ),
     };
-    let spec = StreamSpec { local: req.local, ssrc: req.ssrc, rtp: req.rtp, clock_rate: req.clock_rate, layers: req.layers, codec };
+    let spec = StreamSpec { local: req.local, ssrc: req.ssrc, rtp: req.rtp, clock_rate: req.clock_rate, layers: req.layers, codec, format: req.format.clone() };
     commit(m, p, move |m, t| {
         let uid = m.mutate_for(t, |model, _| {
             let uid = model.publish(&room, &pid, &req.name, spec)?;

@@ -1,5 +1,7 @@
-//! The handshakes of ICE + DTLS-SRTP relay legs (a WebRTC party, [`mediaplane_core::model::Leg::ice`]):
-//! one ICE-lite agent and one DTLS session per leg, fed with the STUN and DTLS the data plane
+//! The handshakes of ICE + DTLS-SRTP transports: relay legs of a WebRTC party
+//! ([`mediaplane_core::model::Leg::ice`]) and browsers' room participants
+//! ([`mediaplane_core::model::Participant::webrtc`], WHIP/WHEP): one ICE-lite agent and one DTLS
+//! session per transport, fed with the STUN and DTLS the data plane
 //! hands up ([`mediaplane_dataplane::DataplaneEvent::Handshake`]), answered through
 //! [`mediaplane_dataplane::Dataplane::send_datagram`]. What they decide goes into the model like
 //! any change: the nominated address becomes the leg's peer, the exported keys its SRTP.
@@ -221,14 +223,13 @@ impl SessionManager {
         }
         // The model first: the nominated address is the only one media goes to and comes from.
         if let Some(addr) = d.nominated {
-            if let Err(e) = self.set_ice_leg(stream, |m, id, side| m.set_leg_nominated(id, side, Some(addr))) {
-                tracing::warn!(stream, %addr, error = %e, "could not take the nominated address");
-            } else {
-                tracing::info!(stream, %addr, "ICE nominated");
+            match self.set_transport(stream, |m, t| t.nominated(m, Some(addr))) {
+                Ok(_) => tracing::info!(stream, %addr, "ICE nominated"),
+                Err(e) => tracing::warn!(stream, %addr, error = %e, "could not take the nominated address"),
             }
         }
         if let Some(keys) = d.keys {
-            match self.set_ice_leg(stream, |m, id, side| m.set_leg_srtp(id, side, Some(keys))) {
+            match self.set_transport(stream, |m, t| t.keys(m, keys)) {
                 Ok(_) => tracing::info!(stream, "DTLS-SRTP keys installed"),
                 Err(e) => tracing::warn!(stream, error = %e, "could not install the DTLS-SRTP keys"),
             }
@@ -251,13 +252,7 @@ impl SessionManager {
             let mut legs = self.crypto_legs().legs.lock();
             let snapshot = self.snapshot();
             let ctx = &self.crypto_legs().dtls;
-            legs.retain(|uid, _| {
-                snapshot
-                    .model
-                    .relay_leg_by_uid(*uid)
-                    .and_then(|(id, side)| snapshot.model.relays.get(id).map(|r| if side == Side::A { r.a.ice } else { r.b.ice }))
-                    == Some(true)
-            });
+            legs.retain(|uid, _| Transport::of(&snapshot.model, *uid).is_some());
             for (uid, leg) in legs.iter_mut() {
                 let peer = leg.agent.selected();
                 if leg.agent.consent_expired(now_ns) {
@@ -276,8 +271,10 @@ impl SessionManager {
             }
         }
         for uid in expired {
+            // A relay leg waits for its call's signalling; a browser's participant is gone with
+            // its browser (a WHIP/WHEP session ends when its client does, DELETE or not).
             tracing::info!(stream = uid, "ICE consent expired: nothing more is sent to the peer");
-            if let Err(e) = self.set_ice_leg(uid, |m, id, side| m.set_leg_nominated(id, side, None)) {
+            if let Err(e) = self.set_transport(uid, |m, t| t.consent_expired(m)) {
                 tracing::warn!(stream = uid, error = %e, "could not end the leg's peer");
             }
         }
@@ -286,18 +283,60 @@ impl SessionManager {
         }
     }
 
-    /// Change ICE leg `uid` of whatever relay it belongs to (nothing if it is gone).
-    fn set_ice_leg(
+    /// Change the transport with handshake id `uid` (nothing if it is gone).
+    fn set_transport(
         &self,
         uid: u32,
-        f: impl FnOnce(&mut mediaplane_core::Model, &str, Side) -> Result<bool, mediaplane_core::model::ModelError>,
+        f: impl FnOnce(&mut mediaplane_core::Model, &Transport) -> Result<bool, mediaplane_core::model::ModelError>,
     ) -> Result<bool, ManagerError> {
         self.mutate(|m, _| {
-            let Some((id, side)) = m.relay_leg_by_uid(uid).map(|(id, s)| (id.to_string(), s)) else {
+            let Some(t) = Transport::of(m, uid) else {
                 return Ok((false, vec![]));
             };
-            let changed = f(m, &id, side)?;
-            Ok((changed, if changed { vec![Change::Relay(id)] } else { vec![] }))
+            let changed = f(m, &t)?;
+            let change = match t {
+                Transport::RelayLeg(id, _) => Change::Relay(id),
+                Transport::Participant(room, _) => Change::Room(room),
+            };
+            Ok((changed, if changed { vec![change] } else { vec![] }))
         })
+    }
+}
+
+/// What a handshake keys: an ICE relay leg, or a WebRTC room participant.
+enum Transport {
+    RelayLeg(String, Side),
+    Participant(String, String),
+}
+
+impl Transport {
+    /// The ICE transport with handshake id `uid` in `m`, if it is one still.
+    fn of(m: &mediaplane_core::Model, uid: u32) -> Option<Transport> {
+        if let Some((id, side)) = m.relay_leg_by_uid(uid) {
+            let leg = m.relays.get(id).map(|r| if side == Side::A { &r.a } else { &r.b })?;
+            return leg.ice.then(|| Transport::RelayLeg(id.to_string(), side));
+        }
+        m.participant_by_transport(uid).map(|(room, pid)| Transport::Participant(room.to_string(), pid.to_string()))
+    }
+
+    fn nominated(&self, m: &mut mediaplane_core::Model, addr: Option<SocketAddr>) -> Result<bool, mediaplane_core::model::ModelError> {
+        match self {
+            Transport::RelayLeg(id, side) => m.set_leg_nominated(id, *side, addr),
+            Transport::Participant(room, pid) => m.set_participant_nominated(room, pid, addr),
+        }
+    }
+
+    fn consent_expired(&self, m: &mut mediaplane_core::Model) -> Result<bool, mediaplane_core::model::ModelError> {
+        match self {
+            Transport::RelayLeg(id, side) => m.set_leg_nominated(id, *side, None),
+            Transport::Participant(room, pid) => m.remove_participant(room, pid).map(|()| true),
+        }
+    }
+
+    fn keys(&self, m: &mut mediaplane_core::Model, keys: LegSrtp) -> Result<bool, mediaplane_core::model::ModelError> {
+        match self {
+            Transport::RelayLeg(id, side) => m.set_leg_srtp(id, *side, Some(keys)),
+            Transport::Participant(room, pid) => m.set_participant_srtp(room, pid, keys),
+        }
     }
 }

@@ -9,6 +9,7 @@ pub mod crypto_legs;
 pub mod manager;
 pub mod metrics;
 pub mod store;
+pub mod whip;
 
 use anyhow::Context;
 pub use config::{Config, DataplaneKind};

@@ -67,6 +67,7 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
     order.sort_by_key(|(m, p)| (rank(m), if m == "DELETE" { usize::MAX - p.len() } else { p.len() }, p.clone()));
     let mut setup_done = false;
     let mut consumer = String::from("(no subscription yet)");
+    let mut whip_publisher = String::from("(no WHIP session yet)");
     for (method, path) in order {
         let op = &spec["paths"][&path][method.to_lowercase()];
         let success: u16 = op["responses"].as_object().unwrap().keys().find(|k| k.starts_with('2')).expect("a success response").parse().unwrap();
@@ -86,10 +87,23 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
             setup_done = true;
         }
         let body = op["requestBody"]["content"]["application/json"]["example"].clone();
-        assert_eq!(op.get("requestBody").is_some(), !body.is_null(), "{method} {path}: a body needs an example");
+        let sdp = op["requestBody"]["content"]["application/sdp"]["example"].as_str();
+        assert_eq!(op.get("requestBody").is_some(), !body.is_null() || sdp.is_some(), "{method} {path}: a body needs an example");
         let (status, answer) = match &method[..] {
-            "GET" if path == "/metrics" => {
+            "GET" if path == "/metrics" || path == "/" => {
                 let r = ureq::get(&format!("{}{url}", d.api)).call().unwrap();
+                (r.status(), Value::Null)
+            }
+            // WHIP and WHEP: an SDP offer, an SDP answer. WHEP subscribes to what WHIP published.
+            "POST" if sdp.is_some() => {
+                let url = format!("{}{}", d.api, url.replace("/alice", &format!("/{whip_publisher}")));
+                let r = ureq::post(&url).set("Content-Type", "application/sdp").send_string(sdp.unwrap());
+                let r = r.unwrap_or_else(|e| panic!("{method} {url}: {e}"));
+                let location = r.header("Location").unwrap_or_default().to_string();
+                assert!(r.content_type() == "application/sdp" && location.starts_with("/v1/rooms/r1/participants/"), "{method} {url}: {location}");
+                if path.starts_with("/v1/whip") {
+                    whip_publisher = location.rsplit('/').next().unwrap().to_string();
+                }
                 (r.status(), Value::Null)
             }
             _ => d.call(&method, &url, if body.is_null() { None } else { Some(body) }),

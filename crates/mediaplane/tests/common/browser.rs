@@ -52,6 +52,9 @@ impl Browser {
                 // Host candidates on loopback too, as IP addresses (not mDNS names).
                 "--allow-loopback-in-peer-connection",
                 "--disable-features=WebRtcHideLocalIpsWithMdns",
+                // The page's console lines in the log (what the room test reads its stats from).
+                "--enable-logging=stderr",
+                "--v=0",
                 &format!("--user-data-dir={}", dir.join("chromium-profile").display()),
                 page,
             ])

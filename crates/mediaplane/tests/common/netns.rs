@@ -24,6 +24,13 @@ impl<'t> NetnsServe<'t> {
         Self::spawn(tb, cmd, API)
     }
 
+    /// [`NetnsServe::start`] with its API on `listen`.
+    pub fn start_on(tb: &'t Testbed, listen: &str, plane: &str, store: &std::path::Path, extra: &[&str]) -> NetnsServe<'t> {
+        let mut cmd = tb.command(&tb.sfu_ns, env!("CARGO_BIN_EXE_mediaplane"));
+        Self::args(&mut cmd, tb, plane, store, listen, extra);
+        Self::spawn(tb, cmd, listen)
+    }
+
     /// `nsenter --net` only: the root mount namespace's /sys/fs/bpf, so pins outlive the process
     /// (what hitless restart needs).
     pub fn start_shared_bpffs(tb: &'t Testbed, plane: &str, store: &std::path::Path, extra: &[&str]) -> NetnsServe<'t> {
@@ -85,7 +92,8 @@ impl<'t> NetnsServe<'t> {
         let proc = Supervised::spawn("mediaplane serve", &mut cmd).unwrap().terminate_on_drop(Duration::from_secs(10));
         let mut s = NetnsServe { tb, proc, listen: listen.to_string() };
         let deadline = Instant::now() + Duration::from_secs(20);
-        while try_api_at(tb, listen, "GET", "/health", None).is_err() {
+        // Up when it answers: with an API token, 401 to this tokenless probe.
+        while try_api_at(tb, listen, "GET", "/health", None).is_err_and(|e| !e.starts_with("HTTP 401")) {
             assert!(Instant::now() < deadline, "serve did not start");
             assert!(s.proc.alive(), "serve exited instead of starting");
             std::thread::sleep(Duration::from_millis(50));

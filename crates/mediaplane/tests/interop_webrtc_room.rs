@@ -1,0 +1,325 @@
+//! Interop, browsers in a room: three headless Chromium participants open the daemon's own room
+//! page (`GET /`), which publishes each one's fake camera and microphone over WHIP and receives
+//! every other publisher over WHEP; a fourth participant is plain RTP, added through the API: a
+//! GStreamer VP8 encoder publishing (with its payload format, so the browsers can receive it),
+//! and a socket receiving the browsers' streams.
+//!
+//! Testbed: the daemon in the SFU namespace, its API on every address with a bearer token (the
+//! pages pass it on), media on the first link's SFU address; each participant in a namespace of
+//! its own, so on the eBPF plane everything crosses the TC programs, which hand the browsers'
+//! STUN, DTLS, SRTP and SRTCP to user space (and, as the room has only browsers for consumers,
+//! the plain publisher's copies too: they are SRTP-protected per browser).
+//!
+//! Checked, on the user-space and the eBPF plane in turn, from each page's getStats (its
+//! console lines) after a few seconds of media:
+//! - every browser decodes the video of the two other browsers and of the GStreamer participant
+//!   (frames decoded grow between two readings) and receives the two browsers' audio; packets
+//!   lost at most 1 % of those received; DTLS connected;
+//! - the plain participant receives each browser's audio and video decrypted: clear RTP on the
+//!   SSRCs the browsers send, whose VP8 GStreamer's decoder turns into frames;
+//! - mediaplane counted no SRTP authentication failure or replay, and its WHIP participants are
+//!   keyed by their handshakes with no key material in the API's view;
+//! - a WHIP resource's DELETE ends that participant, and the others' pages drop its tiles.
+//!
+//! Needs root, chromium and GStreamer (vp8enc, vp8dec); skipped without them, except under
+//! CI=true, where that is a failure. MP_KEEP_TMP=1 keeps the run's directory.
+
+mod common;
+
+use common::browser::{self, Browser};
+use common::netns::NetnsServe;
+use common::video::{decode, vp8_keyframe_size};
+use mediaplane_bench::netns::Testbed;
+use mediaplane_bench::sip;
+use mediaplane_core::rtp::RtpHeader;
+use serde_json::{json, Value};
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const BROWSERS: usize = 3;
+const TOKEN: &str = "room-interop-token";
+const API_PORT: u16 = 7580;
+const PLAIN_SSRC: u32 = 0x91a1_0003;
+/// Where the plain participant's encoder sends, inside its namespace.
+const ENC_OUT: u16 = 6004;
+const MEDIA_PORT: u16 = 5004;
+
+/// An API call from inside the SFU namespace, with the token.
+fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    let (m, url) = (method.to_string(), format!("http://127.0.0.1:{API_PORT}{path}"));
+    tb.in_ns(&tb.sfu_ns, move || {
+        let req = ureq::request(&m, &url).set("Authorization", &format!("Bearer {TOKEN}")).timeout(Duration::from_secs(5));
+        let r = match body {
+            Some(b) => req.send_json(b),
+            None => req.call(),
+        };
+        match r {
+            Ok(r) => r.into_json::<Value>().map_err(|e| e.to_string()),
+            Err(ureq::Error::Status(c, r)) => Err(format!("HTTP {c}: {}", r.into_string().unwrap_or_default())),
+            Err(e) => Err(e.to_string()),
+        }
+    })
+    .map_err(|e| e.to_string())?
+}
+
+/// The newest "mediaplane-stats {json}" line of a page.
+fn page_stats(b: &Browser) -> Option<Value> {
+    let log = b.log_tail(400);
+    let line = log.lines().rev().find_map(|l| l.split_once("mediaplane-stats ").map(|(_, r)| r))?;
+    // Chromium quotes the message: `"mediaplane-stats {...}", source: … (line)`.
+    let json = line.rsplit_once("\", source:").map_or(line, |(j, _)| j);
+    serde_json::from_str(json).ok()
+}
+
+/// Everything the plain participant's socket received, by SSRC, while it forwards the encoder's
+/// RTP to the SFU (symmetric RTP: one socket both ways).
+struct PlainParty {
+    received: Arc<Mutex<HashMap<u32, Vec<Vec<u8>>>>>,
+    stop: Arc<std::sync::atomic::AtomicBool>,
+    threads: Vec<std::thread::JoinHandle<()>>,
+}
+
+impl PlainParty {
+    fn start(tb: &Testbed, ns: &str, own: SocketAddr, sfu: SocketAddr) -> PlainParty {
+        let sock = tb.udp_socket(ns, own).unwrap();
+        let enc = tb.udp_socket(ns, SocketAddr::new("127.0.0.1".parse().unwrap(), ENC_OUT)).unwrap();
+        for s in [&sock, &enc] {
+            s.set_read_timeout(Some(Duration::from_millis(100))).unwrap();
+        }
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let received: Arc<Mutex<HashMap<u32, Vec<Vec<u8>>>>> = Arc::default();
+        let out = sock.try_clone().unwrap();
+        let (st1, st2, rec) = (stop.clone(), stop.clone(), received.clone());
+        let forward = std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            // Bounded: the test stops it, and at most 10 minutes in any case.
+            let end = Instant::now() + Duration::from_secs(600);
+            while !st1.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < end {
+                if let Ok(n) = enc.recv(&mut buf) {
+                    let _ = out.send_to(&buf[..n], sfu);
+                }
+            }
+        });
+        let receive = std::thread::spawn(move || {
+            let mut buf = [0u8; 2048];
+            let end = Instant::now() + Duration::from_secs(600);
+            while !st2.load(std::sync::atomic::Ordering::Relaxed) && Instant::now() < end {
+                if let Ok(n) = sock.recv(&mut buf) {
+                    if let Ok(h) = RtpHeader::parse(&buf[..n]) {
+                        rec.lock().unwrap().entry(h.ssrc).or_default().push(buf[..n].to_vec());
+                    }
+                }
+            }
+        });
+        PlainParty { received, stop, threads: vec![forward, receive] }
+    }
+}
+
+impl Drop for PlainParty {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+        self.threads.drain(..).for_each(|t| t.join().unwrap());
+    }
+}
+
+fn encoder(tb: &Testbed, ns: &str, log: &std::path::Path) -> mediaplane_bench::process::Supervised {
+    let mut cmd = tb.command(ns, "gst-launch-1.0");
+    let pipeline = format!(
+        "videotestsrc is-live=true pattern=ball ! video/x-raw,width=320,height=240,framerate=30/1 \
+         ! vp8enc deadline=1 keyframe-max-dist=30 ! rtpvp8pay ssrc={PLAIN_SSRC} pt=96 picture-id-mode=15-bit \
+         ! udpsink host=127.0.0.1 port={ENC_OUT} sync=false async=false"
+    );
+    cmd.args(pipeline.split_whitespace()).stdout(Stdio::null()).stderr(std::fs::File::create(log).unwrap());
+    sip::spawn_group("gst-launch-1.0", &mut cmd).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Wait up to `timeout` for `f` to hold; its last value.
+fn wait_for<T>(timeout: Duration, mut f: impl FnMut() -> (bool, T)) -> (bool, T) {
+    let end = Instant::now() + timeout;
+    loop {
+        let (ok, v) = f();
+        if ok || Instant::now() >= end {
+            return (ok, v);
+        }
+        std::thread::sleep(Duration::from_millis(250));
+    }
+}
+
+fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -> Vec<String> {
+    let mut failures = Vec::new();
+    let mut check = |ok: bool, what: String| {
+        eprintln!("  [{plane}] {} {what}", if ok { "ok  " } else { "FAIL" });
+        if !ok {
+            failures.push(format!("{plane}: {what}"));
+        }
+    };
+    let sfu_ip = tb.peers[0].sfu_ip;
+    let config = dir.join(format!("{plane}.toml"));
+    std::fs::write(&config, format!("[api]\ntoken = \"{TOKEN}\"\n[media]\nip = \"{sfu_ip}\"\n")).unwrap();
+    let listen = format!("0.0.0.0:{API_PORT}");
+    let _serve = NetnsServe::start_on(tb, &listen, plane, &dir.join(format!("{plane}.db")), &["--reset", "-c", config.to_str().unwrap()]);
+
+    // The plain participant: publishes VP8 with its format, receives what it subscribes to.
+    let plain = &tb.peers[BROWSERS];
+    let (plain_local, plain_remote) = (SocketAddr::new(plain.sfu_ip, 40000), SocketAddr::new(plain.ip, MEDIA_PORT));
+    api(tb, "POST", "/v1/rooms", Some(json!({"id": "w"}))).unwrap();
+    api(tb, "POST", "/v1/rooms/w/participants", Some(json!({"id": "gst", "local": plain_local, "remote": plain_remote}))).unwrap();
+    let format = json!({"kind": "video", "pt": 96, "rtpmap": "VP8/90000"});
+    api(tb, "POST", "/v1/rooms/w/participants/gst/streams", Some(json!({"name": "video", "ssrc": PLAIN_SSRC, "clock_rate": 90000, "format": format}))).unwrap();
+    let party = PlainParty::start(tb, &plain.ns, plain_remote, plain_local);
+    let _enc = encoder(tb, &plain.ns, &dir.join(format!("{plane}-encoder.log")));
+
+    let names: Vec<String> = (0..BROWSERS).map(|i| format!("b{i}")).collect();
+    let browsers: Vec<Browser> = names
+        .iter()
+        .enumerate()
+        .map(|(i, name)| {
+            let bdir = dir.join(format!("{plane}-{name}"));
+            std::fs::create_dir_all(&bdir).unwrap();
+            // Each page from the SFU address on its own link.
+            let page = format!("http://{}:{API_PORT}/?room=w&name={name}&join=1&token={TOKEN}", tb.peers[i].sfu_ip);
+            // A camera needs a secure context: https, or an origin the browser is told to trust
+            // (as an operator behind no TLS would).
+            let origin = format!("http://{}:{API_PORT}", tb.peers[i].sfu_ip);
+            let mut launcher = tb.command(&tb.peers[i].ns, chromium);
+            launcher.arg(format!("--unsafely-treat-insecure-origin-as-secure={origin}"));
+            Browser::start(launcher, &bdir, &page)
+        })
+        .collect();
+
+    // Every browser published: the plain participant subscribes to their audio and video.
+    let (all_in, room) = wait_for(Duration::from_secs(30), || {
+        let room = api(tb, "GET", "/v1/rooms/w", None).unwrap_or_default();
+        (names.iter().all(|n| room["participants"][n]["streams"]["video"]["ssrc"].is_u64()), room)
+    });
+    check(all_in, format!("the three browsers published over WHIP ({})", room["participants"].as_object().map_or(0, |p| p.len())));
+    let mut browser_ssrcs = Vec::new();
+    for n in &names {
+        for s in ["audio", "video"] {
+            if let Some(ssrc) = room["participants"][n]["streams"][s]["ssrc"].as_u64() {
+                browser_ssrcs.push((n.clone(), s, ssrc as u32));
+                let _ = api(tb, "POST", "/v1/rooms/w/participants/gst/subscriptions", Some(json!({"publisher": n, "stream": s})));
+            }
+        }
+    }
+
+    // Every page receives the other two browsers and the plain participant, and decodes them.
+    let everyone_decodes = |stats: &[Option<Value>]| {
+        stats.iter().enumerate().all(|(i, s)| {
+            let Some(s) = s else { return false };
+            names
+                .iter()
+                .filter(|n| **n != names[i])
+                .chain(std::iter::once(&"gst".to_string()))
+                .all(|from| s["received"][from]["in_video"]["frames_decoded"].as_u64().unwrap_or(0) > 10)
+        })
+    };
+    let (decoding, first) = wait_for(Duration::from_secs(40), || {
+        let stats: Vec<Option<Value>> = browsers.iter().map(page_stats).collect();
+        (everyone_decodes(&stats), stats)
+    });
+    check(decoding, "every page decodes the two other browsers' video and the plain participant's".into());
+    if !decoding {
+        for (b, s) in browsers.iter().zip(&first) {
+            eprintln!("  page stats: {}\n  log tail:\n{}", s.as_ref().map(Value::to_string).unwrap_or_default(), b.log_tail(15));
+        }
+    }
+    std::thread::sleep(Duration::from_secs(4));
+    let later: Vec<Option<Value>> = browsers.iter().map(page_stats).collect();
+    for (i, (a, b)) in first.iter().zip(&later).enumerate() {
+        let (Some(a), Some(b)) = (a, b) else {
+            check(false, format!("{}: no stats", names[i]));
+            continue;
+        };
+        check(b["sent"]["dtls"] == "connected", format!("{}: DTLS {}, {}", names[i], b["sent"]["dtls"], b["sent"]["srtp_cipher"]));
+        for from in names.iter().filter(|n| **n != names[i]).map(String::as_str).chain(["gst"]) {
+            let v = |s: &Value, k: &str| s["received"][from]["in_video"][k].as_u64().unwrap_or(0);
+            check(
+                v(b, "frames_decoded") > v(a, "frames_decoded"),
+                format!("{} decodes {from}'s video: {} then {} frames", names[i], v(a, "frames_decoded"), v(b, "frames_decoded")),
+            );
+            let got = v(b, "packets");
+            check(v(b, "lost") * 100 <= got.max(1), format!("{} lost {} of {got} video packets from {from}", names[i], v(b, "lost")));
+            if from != "gst" {
+                let audio = b["received"][from]["in_audio"]["packets"].as_u64().unwrap_or(0);
+                let lost = b["received"][from]["in_audio"]["lost"].as_u64().unwrap_or(0);
+                check(audio > 100 && lost * 100 <= audio, format!("{} receives {from}'s audio: {audio} packets, {lost} lost", names[i]));
+            }
+        }
+    }
+
+    // The plain participant got each browser's media decrypted.
+    let received = party.received.lock().unwrap().clone();
+    for (n, kind, ssrc) in &browser_ssrcs {
+        let packets = received.get(ssrc).cloned().unwrap_or_default();
+        if *kind == "audio" {
+            let pt111 = packets.iter().filter(|p| RtpHeader::parse(p).is_ok_and(|h| h.payload_type == 111)).count();
+            check(pt111 > 100, format!("the plain participant received {n}'s audio in clear: {pt111} Opus packets of {}", packets.len()));
+            continue;
+        }
+        let keyframe = packets.iter().find_map(|p| vp8_keyframe_size(p));
+        let port = 47000 + browser_ssrcs.iter().position(|(m, k, _)| m == n && k == kind).unwrap() as u16;
+        let (frames, log) = decode(&packets, port, dir, &format!("{plane}-{n}"));
+        check(
+            keyframe.is_some() && frames > 10,
+            format!("the plain participant received {n}'s video in clear: {} packets, keyframe {keyframe:?}, {frames} frames decoded", packets.len()),
+        );
+        if frames == 0 {
+            eprintln!("{}", log.lines().rev().take(10).collect::<Vec<_>>().join("\n"));
+        }
+    }
+
+    // mediaplane's side: no SRTP failure; keyed by handshakes, no key in the view.
+    let stats = api(tb, "GET", "/v1/stats", None).unwrap_or_default().to_string();
+    let count = |name: &str| -> u64 {
+        let re = format!("\"{name}\":");
+        stats
+            .match_indices(&re)
+            .map(|(i, _)| stats[i + re.len()..].split(|c: char| !c.is_ascii_digit()).next().unwrap_or("0").parse::<u64>().unwrap_or(0))
+            .sum()
+    };
+    check(
+        count("srtp_auth_failed") == 0 && count("srtp_replayed") == 0,
+        format!("no SRTP authentication failure or replay ({}, {})", count("srtp_auth_failed"), count("srtp_replayed")),
+    );
+    let room = api(tb, "GET", "/v1/rooms/w", None).unwrap_or_default();
+    let b0 = &room["participants"]["b0"];
+    check(
+        b0["webrtc"]["nominated"] == true && b0["webrtc"]["srtp"]["inbound"]["suite"] == "AES_CM_128_HMAC_SHA1_80" && !room.to_string().contains("\"master\""),
+        format!("b0 is nominated at {} and keyed, no key in the view", b0["remote"]),
+    );
+    if plane.starts_with("ebpf") {
+        let passed = count("pass_slow_stream");
+        check(passed > 1000, format!("the kernel handed the crypto transports to user space ({passed} packets)"));
+    }
+
+    // b2 leaves through its WHIP resource: gone from the room, and from the others' pages.
+    let gone = api(tb, "DELETE", "/v1/rooms/w/participants/b2", None);
+    check(gone.is_ok(), format!("DELETE of b2's WHIP resource: {gone:?}"));
+    let (dropped, _) = wait_for(Duration::from_secs(10), || {
+        let s: Vec<Option<Value>> = browsers[..2].iter().map(page_stats).collect();
+        (s.iter().all(|s| s.as_ref().is_some_and(|s| s["received"].get("b2").is_none())), ())
+    });
+    check(dropped, "the other pages dropped b2".into());
+    drop(browsers);
+    failures
+}
+
+#[test]
+fn browsers_and_a_plain_participant_share_a_room_over_whip_and_whep() {
+    if !mediaplane_bench::require_root("interop_webrtc_room") || !sip::ready("interop_webrtc_room", &["gst-launch-1.0"]) {
+        return;
+    }
+    let Some(chromium) = browser::chromium("interop_webrtc_room") else { return };
+    let tb = Testbed::star(BROWSERS + 1).expect("testbed");
+    let dir = common::TempDir::new("webrtc-room");
+    let mut failures = Vec::new();
+    for plane in common::planes() {
+        eprintln!("interop_webrtc_room: {plane}");
+        failures.extend(run_plane(&tb, &plane, &dir.0, &chromium));
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}

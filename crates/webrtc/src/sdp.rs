@@ -1,0 +1,441 @@
+//! The SDP of WHIP (RFC 9725) and WHEP sessions: what a browser's offer asks ([`Offer::parse`])
+//! and the SFU's answer ([`Answer::write`]). Only what a WebRTC endpoint sends is read: one
+//! BUNDLE transport (ICE credentials, DTLS fingerprint and setup role), and per media section its
+//! mid, direction, payload formats with their feedback, and the SSRCs it sends.
+//!
+//! The SFU is an ICE-lite, rtcp-mux, BUNDLE-only endpoint that forwards payloads as they are:
+//! it answers one payload format per section (no RTX, RED or FEC, no header extensions), and a
+//! subscriber's section gets the publisher's format only with the payload type the publisher
+//! used (copies are not renumbered).
+
+use crate::dtls::{Fingerprint, Role};
+use crate::ice::Credentials;
+use std::fmt::Write as _;
+use std::net::SocketAddr;
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum SdpError {
+    #[error("not an SDP offer: {0}")]
+    Malformed(String),
+    #[error("the offer has no {0}")]
+    Missing(&'static str),
+    #[error("{0}")]
+    Unsupported(String),
+}
+
+/// `audio` or `video` (other media sections are answered rejected).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Kind {
+    Audio,
+    Video,
+}
+
+impl Kind {
+    pub fn name(self) -> &'static str {
+        match self {
+            Kind::Audio => "audio",
+            Kind::Video => "video",
+        }
+    }
+
+    pub fn parse(s: &str) -> Option<Kind> {
+        match s {
+            "audio" => Some(Kind::Audio),
+            "video" => Some(Kind::Video),
+            _ => None,
+        }
+    }
+}
+
+/// A media section's direction, as its sender sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Direction {
+    SendRecv,
+    SendOnly,
+    RecvOnly,
+    Inactive,
+}
+
+impl Direction {
+    fn parse(s: &str) -> Option<Direction> {
+        match s {
+            "sendrecv" => Some(Direction::SendRecv),
+            "sendonly" => Some(Direction::SendOnly),
+            "recvonly" => Some(Direction::RecvOnly),
+            "inactive" => Some(Direction::Inactive),
+            _ => None,
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            Direction::SendRecv => "sendrecv",
+            Direction::SendOnly => "sendonly",
+            Direction::RecvOnly => "recvonly",
+            Direction::Inactive => "inactive",
+        }
+    }
+
+    pub fn sends(self) -> bool {
+        matches!(self, Direction::SendRecv | Direction::SendOnly)
+    }
+
+    pub fn receives(self) -> bool {
+        matches!(self, Direction::SendRecv | Direction::RecvOnly)
+    }
+}
+
+/// One payload format of a section: `a=rtpmap`, `a=fmtp`, `a=rtcp-fb`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Format {
+    pub pt: u8,
+    /// The encoding, as `a=rtpmap` has it after the payload type: `VP8/90000`, `opus/48000/2`.
+    pub rtpmap: String,
+    pub fmtp: Option<String>,
+    /// `nack`, `nack pli`, `ccm fir`, `goog-remb`, `transport-cc`…
+    pub feedback: Vec<String>,
+}
+
+impl Format {
+    /// The encoding name (`VP8`, `opus`), as written.
+    pub fn encoding(&self) -> &str {
+        self.rtpmap.split('/').next().unwrap_or("")
+    }
+
+    /// The RTP clock rate.
+    pub fn clock_rate(&self) -> Option<u32> {
+        self.rtpmap.split('/').nth(1)?.parse().ok()
+    }
+
+    /// A format that repairs or protects others rather than carrying media.
+    pub fn is_repair(&self) -> bool {
+        ["rtx", "red", "ulpfec", "flexfec-03"].iter().any(|n| self.encoding().eq_ignore_ascii_case(n))
+    }
+
+    /// The same encoding as `other` (name, clock rate and channels; not the payload type).
+    pub fn same_encoding(&self, other: &str) -> bool {
+        self.rtpmap.eq_ignore_ascii_case(other)
+    }
+}
+
+/// One media section of an offer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct OfferedMedia {
+    /// None: neither audio nor video (answered rejected).
+    pub kind: Option<Kind>,
+    /// The `m=` line's media and protocol, for a rejected section's answer.
+    pub media: String,
+    pub proto: String,
+    pub mid: String,
+    pub direction: Direction,
+    /// Port 0: a section the offerer itself disabled.
+    pub disabled: bool,
+    pub formats: Vec<Format>,
+    /// The SSRCs it sends media on, in order: an `a=ssrc-group:FID` pair's repair SSRC is not.
+    pub ssrcs: Vec<u32>,
+    /// Simulcast (`a=simulcast`): layers told apart by RID, not by signalled SSRCs.
+    pub simulcast: bool,
+}
+
+/// What a browser offers (WHIP to publish, WHEP to subscribe).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Offer {
+    pub ice: Credentials,
+    pub fingerprint: Fingerprint,
+    /// The offerer's `a=setup`.
+    pub setup: String,
+    pub media: Vec<OfferedMedia>,
+}
+
+impl Offer {
+    /// Parse an offer; what a WebRTC endpoint must say and this one does not is an error.
+    pub fn parse(sdp: &str) -> Result<Offer, SdpError> {
+        let mut session: Vec<(&str, &str)> = Vec::new();
+        let mut sections: Vec<(String, Vec<(&str, &str)>)> = Vec::new();
+        for (n, raw) in sdp.lines().enumerate() {
+            let line = raw.trim_end_matches('\r');
+            if line.is_empty() {
+                continue;
+            }
+            let (t, value) = line.split_once('=').filter(|(t, _)| t.len() == 1).ok_or_else(|| SdpError::Malformed(format!("line {}: {line:?}", n + 1)))?;
+            match t {
+                "m" => sections.push((value.to_string(), Vec::new())),
+                "a" => {
+                    let attr = value.split_once(':').unwrap_or((value, ""));
+                    match sections.last_mut() {
+                        Some((_, attrs)) => attrs.push(attr),
+                        None => session.push(attr),
+                    }
+                }
+                _ => {}
+            }
+        }
+        if !sdp.starts_with("v=0") {
+            return Err(SdpError::Malformed("it does not start with v=0".into()));
+        }
+        if sections.is_empty() {
+            return Err(SdpError::Missing("media section"));
+        }
+        // Transport attributes: the first bundled section's, or the session's.
+        let find =
+            |name: &str| -> Option<&str> { sections.iter().flat_map(|(_, a)| a.iter()).chain(session.iter()).find(|(n, _)| *n == name).map(|(_, v)| v.trim()) };
+        let ice = Credentials {
+            ufrag: find("ice-ufrag").ok_or(SdpError::Missing("a=ice-ufrag"))?.to_string(),
+            pwd: find("ice-pwd").ok_or(SdpError::Missing("a=ice-pwd"))?.to_string(),
+        };
+        let fingerprint =
+            Fingerprint::parse(find("fingerprint").ok_or(SdpError::Missing("a=fingerprint"))?).map_err(|e| SdpError::Unsupported(e.to_string()))?;
+        let setup = find("setup").unwrap_or("actpass").to_string();
+        let mut media = Vec::new();
+        for (mline, attrs) in &sections {
+            media.push(parse_section(mline, attrs)?);
+        }
+        // One transport for everything: every section in the BUNDLE group.
+        let bundle: Vec<&str> =
+            session.iter().find(|(n, v)| *n == "group" && v.starts_with("BUNDLE")).map(|(_, v)| v.split_whitespace().skip(1).collect()).unwrap_or_default();
+        if let Some(m) = media.iter().find(|m| !m.disabled && !bundle.contains(&m.mid.as_str())) {
+            return Err(SdpError::Unsupported(format!("media section {:?} is not bundled: the SFU takes one BUNDLE transport (a=group:BUNDLE)", m.mid)));
+        }
+        if !sections.iter().all(|(m, a)| m.starts_with("application") || a.iter().any(|(n, _)| *n == "rtcp-mux")) {
+            return Err(SdpError::Unsupported("the SFU needs RTP and RTCP on one port (a=rtcp-mux)".into()));
+        }
+        Ok(Offer { ice, fingerprint, setup, media })
+    }
+
+    /// The SFU's DTLS role and `a=setup` answering this offer.
+    pub fn answer_role(&self) -> Result<(Role, &'static str), SdpError> {
+        match self.setup.as_str() {
+            // The offerer may be either: the SFU waits for its ClientHello.
+            "actpass" | "active" => Ok((Role::Server, "passive")),
+            "passive" => Ok((Role::Client, "active")),
+            other => Err(SdpError::Unsupported(format!("a=setup:{other}"))),
+        }
+    }
+}
+
+fn parse_section(mline: &str, attrs: &[(&str, &str)]) -> Result<OfferedMedia, SdpError> {
+    let mut parts = mline.split_whitespace();
+    let media = parts.next().unwrap_or("").to_string();
+    let port: u16 = parts.next().and_then(|p| p.split('/').next()?.parse().ok()).ok_or_else(|| SdpError::Malformed(format!("m={mline}")))?;
+    let proto = parts.next().unwrap_or("").to_string();
+    let pts: Vec<u8> = parts.filter_map(|p| p.parse().ok()).collect();
+    let kind = Kind::parse(&media);
+    let mid = attrs.iter().find(|(n, _)| *n == "mid").map(|(_, v)| v.trim().to_string()).ok_or(SdpError::Missing("a=mid"))?;
+    let direction = attrs.iter().rev().find_map(|(n, _)| Direction::parse(n)).unwrap_or(Direction::SendRecv);
+    // `a=rtpmap:96 VP8/90000` and the like: the values after payload type `pt`.
+    let of = |name: &str, pt: u8| -> Vec<String> {
+        attrs
+            .iter()
+            .filter(|(n, v)| *n == name && v.split_whitespace().next() == Some(pt.to_string().as_str()))
+            .map(|(_, v)| v.split_once(' ').map_or("", |(_, r)| r.trim()).to_string())
+            .collect()
+    };
+    let formats = pts
+        .iter()
+        .filter_map(|&pt| {
+            let rtpmap = of("rtpmap", pt).into_iter().next()?;
+            Some(Format { pt, rtpmap, fmtp: of("fmtp", pt).into_iter().next(), feedback: of("rtcp-fb", pt) })
+        })
+        .collect();
+    let repair: Vec<u32> =
+        attrs.iter().filter(|(n, v)| *n == "ssrc-group" && v.starts_with("FID")).filter_map(|(_, v)| v.split_whitespace().nth(2)?.parse().ok()).collect();
+    let mut ssrcs: Vec<u32> = Vec::new();
+    for (_, v) in attrs.iter().filter(|(n, _)| *n == "ssrc") {
+        let ssrc = v.split_whitespace().next().and_then(|s| s.parse().ok()).ok_or_else(|| SdpError::Malformed(format!("a=ssrc:{v}")))?;
+        if !repair.contains(&ssrc) && !ssrcs.contains(&ssrc) {
+            ssrcs.push(ssrc);
+        }
+    }
+    let simulcast = attrs.iter().any(|(n, _)| *n == "simulcast");
+    Ok(OfferedMedia { kind, media, proto, mid, direction, disabled: port == 0, formats, ssrcs, simulcast })
+}
+
+/// What the SFU sends on one section of a subscriber's answer: a stream's SSRC and its names.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Sending {
+    pub ssrc: u32,
+    /// `a=ssrc:… cname:` (RTCP's CNAME, what lip sync groups by): the publisher.
+    pub cname: String,
+    /// `a=msid:` stream and track ids.
+    pub msid: (String, String),
+}
+
+/// The answer to one offered section.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AnsweredMedia {
+    /// The one format taken; None: nothing flows on it (an audio or video section is answered
+    /// inactive with its first offered format, anything else rejected with port 0).
+    pub format: Option<Format>,
+    pub direction: Direction,
+    pub sending: Option<Sending>,
+}
+
+/// The SFU's answer.
+pub struct Answer<'a> {
+    pub offer: &'a Offer,
+    pub ice: &'a Credentials,
+    pub fingerprint: &'a Fingerprint,
+    pub setup: &'static str,
+    /// The participant's transport address, as advertised (its one host candidate).
+    pub candidate: SocketAddr,
+    /// One per offered section, in order.
+    pub media: Vec<AnsweredMedia>,
+}
+
+/// The feedback the SFU takes part in: it routes keyframe requests and NACKs, and reads REMB.
+const FEEDBACK: [&str; 4] = ["nack", "nack pli", "ccm fir", "goog-remb"];
+
+impl Answer<'_> {
+    pub fn write(&self) -> String {
+        let ip = self.candidate.ip();
+        let family = if ip.is_ipv4() { "IP4" } else { "IP6" };
+        let mut s = String::new();
+        let session_id = u64::from(self.candidate.port()) << 32 | u64::from(std::process::id());
+        let _ = write!(s, "v=0\r\no=- {session_id} 1 IN {family} {ip}\r\ns=mediaplane\r\nt=0 0\r\na=ice-lite\r\n");
+        // Every audio or video section stays in the BUNDLE, inactive when it carries nothing
+        // (browsers refuse a bundled answer whose first section was rejected).
+        let format_of = |o: &'_ OfferedMedia, a: &'_ AnsweredMedia| {
+            a.format.clone().or_else(|| o.kind.filter(|_| !o.disabled).and(o.formats.iter().find(|f| !f.is_repair()).cloned()))
+        };
+        let bundled: Vec<&str> = self.offer.media.iter().zip(&self.media).filter(|(o, a)| format_of(o, a).is_some()).map(|(o, _)| o.mid.as_str()).collect();
+        if !bundled.is_empty() {
+            let _ = write!(s, "a=group:BUNDLE {}\r\n", bundled.join(" "));
+        }
+        let _ = write!(s, "a=msid-semantic: WMS *\r\n");
+        for (o, a) in self.offer.media.iter().zip(&self.media) {
+            let Some(f) = &format_of(o, a) else {
+                let _ = write!(
+                    s,
+                    "m={} 0 {} {}\r\nc=IN {family} {ip}\r\na=mid:{}\r\na=inactive\r\n",
+                    o.media,
+                    o.proto,
+                    o.formats.first().map_or(0, |f| f.pt),
+                    o.mid
+                );
+                continue;
+            };
+            let _ = write!(s, "m={} {} {} {}\r\nc=IN {family} {ip}\r\n", o.media, self.candidate.port(), o.proto, f.pt);
+            let direction = if a.format.is_some() { a.direction } else { Direction::Inactive };
+            let _ = write!(s, "a=mid:{}\r\na={}\r\n", o.mid, direction.name());
+            let _ = write!(s, "a=ice-ufrag:{}\r\na=ice-pwd:{}\r\n", self.ice.ufrag, self.ice.pwd);
+            let _ = write!(s, "a=fingerprint:{}\r\na=setup:{}\r\n", self.fingerprint.to_sdp(), self.setup);
+            let _ = write!(s, "a=rtcp-mux\r\na=rtpmap:{} {}\r\n", f.pt, f.rtpmap);
+            if let Some(fmtp) = &f.fmtp {
+                let _ = write!(s, "a=fmtp:{} {fmtp}\r\n", f.pt);
+            }
+            for fb in f.feedback.iter().filter(|fb| FEEDBACK.contains(&fb.as_str())) {
+                let _ = write!(s, "a=rtcp-fb:{} {fb}\r\n", f.pt);
+            }
+            if let Some(out) = &a.sending {
+                let _ = write!(s, "a=msid:{} {}\r\na=ssrc:{} cname:{}\r\n", out.msid.0, out.msid.1, out.ssrc, out.cname);
+            }
+            let _ = write!(s, "a=candidate:1 1 udp 2130706431 {ip} {} typ host\r\na=end-of-candidates\r\n", self.candidate.port());
+        }
+        s
+    }
+}
+
+/// The format a publisher's section is answered with: for video VP8 first (the SFU finds its
+/// keyframes), then H.264, then the first other media format; for audio Opus first.
+pub fn choose_format(m: &OfferedMedia) -> Option<&Format> {
+    let media: Vec<&Format> = m.formats.iter().filter(|f| !f.is_repair()).collect();
+    let prefer: &[&str] = match m.kind? {
+        Kind::Video => &["VP8", "H264"],
+        Kind::Audio => &["opus"],
+    };
+    prefer.iter().find_map(|p| media.iter().find(|f| f.encoding().eq_ignore_ascii_case(p)).copied()).or_else(|| media.first().copied())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// What Chromium offers for `addTransceiver('audio'/'video', {direction: 'sendonly'})`,
+    /// shortened: two bundled sections, RTX with its FID group, header extensions.
+    pub const CHROME_OFFER: &str = "v=0\r\no=- 4611731400430051336 2 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\n\
+a=group:BUNDLE 0 1\r\na=extmap-allow-mixed\r\na=msid-semantic: WMS s1\r\n\
+m=audio 9 UDP/TLS/RTP/SAVPF 111 63 9\r\nc=IN IP4 0.0.0.0\r\na=rtcp:9 IN IP4 0.0.0.0\r\n\
+a=ice-ufrag:Xh7q\r\na=ice-pwd:5nqXbTqXq7ZJzs3V2w0tD6fG\r\na=ice-options:trickle\r\n\
+a=fingerprint:sha-256 0F:74:31:25:CB:A2:13:EC:28:6F:6D:2C:61:FF:5D:C2:BC:B9:DB:3D:98:14:8D:1A:BB:EA:33:0C:A4:60:A8:8E\r\n\
+a=setup:actpass\r\na=mid:0\r\na=extmap:1 urn:ietf:params:rtp-hdrext:ssrc-audio-level\r\na=sendonly\r\na=msid:s1 a1\r\n\
+a=rtcp-mux\r\na=rtcp-rsize\r\na=rtpmap:111 opus/48000/2\r\na=rtcp-fb:111 transport-cc\r\na=fmtp:111 minptime=10;useinbandfec=1\r\n\
+a=rtpmap:63 red/48000/2\r\na=fmtp:63 111/111\r\na=rtpmap:9 G722/8000\r\na=ssrc:1111 cname:c\r\na=ssrc:1111 msid:s1 a1\r\n\
+m=video 9 UDP/TLS/RTP/SAVPF 96 97 98\r\nc=IN IP4 0.0.0.0\r\na=rtcp:9 IN IP4 0.0.0.0\r\n\
+a=ice-ufrag:Xh7q\r\na=ice-pwd:5nqXbTqXq7ZJzs3V2w0tD6fG\r\na=ice-options:trickle\r\n\
+a=fingerprint:sha-256 0F:74:31:25:CB:A2:13:EC:28:6F:6D:2C:61:FF:5D:C2:BC:B9:DB:3D:98:14:8D:1A:BB:EA:33:0C:A4:60:A8:8E\r\n\
+a=setup:actpass\r\na=mid:1\r\na=sendonly\r\na=msid:s1 v1\r\na=rtcp-mux\r\na=rtcp-rsize\r\n\
+a=rtpmap:96 VP8/90000\r\na=rtcp-fb:96 goog-remb\r\na=rtcp-fb:96 transport-cc\r\na=rtcp-fb:96 ccm fir\r\na=rtcp-fb:96 nack\r\na=rtcp-fb:96 nack pli\r\n\
+a=rtpmap:97 rtx/90000\r\na=fmtp:97 apt=96\r\na=rtpmap:98 H264/90000\r\n\
+a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
+
+    #[test]
+    fn a_browsers_offer_is_read_and_answered_with_one_format_per_section() {
+        let o = Offer::parse(CHROME_OFFER).unwrap();
+        assert_eq!((o.ice.ufrag.as_str(), o.setup.as_str(), o.fingerprint.algorithm.as_str()), ("Xh7q", "actpass", "sha-256"));
+        assert_eq!(o.media.len(), 2);
+        let (audio, video) = (&o.media[0], &o.media[1]);
+        assert_eq!((audio.kind, audio.mid.as_str(), audio.direction, &audio.ssrcs[..]), (Some(Kind::Audio), "0", Direction::SendOnly, &[1111][..]));
+        assert_eq!(&video.ssrcs[..], &[2222], "the RTX SSRC of the FID group is not media");
+        assert_eq!(choose_format(audio).map(|f| f.pt), Some(111));
+        let vp8 = choose_format(video).unwrap();
+        assert_eq!((vp8.pt, vp8.clock_rate(), vp8.feedback.len()), (96, Some(90000), 5));
+        assert_eq!(o.answer_role().unwrap(), (Role::Server, "passive"));
+
+        let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
+        let fp = o.fingerprint.clone();
+        let media = o.media.iter().map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None }).collect();
+        let a = Answer { offer: &o, ice: &ice, fingerprint: &fp, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write();
+        for line in [
+            "a=ice-lite",
+            "a=group:BUNDLE 0 1",
+            "m=audio 40000 UDP/TLS/RTP/SAVPF 111",
+            "a=fmtp:111 minptime=10;useinbandfec=1",
+            "m=video 40000 UDP/TLS/RTP/SAVPF 96",
+            "a=rtcp-fb:96 nack pli",
+            "a=recvonly",
+            "a=setup:passive",
+            "a=candidate:1 1 udp 2130706431 10.1.2.3 40000 typ host",
+        ] {
+            assert!(a.lines().any(|l| l == line), "{line:?} missing from\n{a}");
+        }
+        assert!(!a.contains("transport-cc") && !a.contains("rtx") && !a.contains("extmap"), "nothing the SFU does not do:\n{a}");
+        // The answer is an SDP this parser reads back (as a browser would).
+        let back = Offer::parse(&a).unwrap();
+        assert_eq!(back.media.iter().map(|m| m.formats.len()).collect::<Vec<_>>(), [1, 1]);
+    }
+
+    /// A subscriber's section nothing is sent on (a publisher without audio): still bundled,
+    /// inactive, with a format and the transport (a browser refuses a bundle whose first section
+    /// is rejected).
+    #[test]
+    fn a_section_with_nothing_to_send_is_answered_inactive_in_the_bundle() {
+        let offer = CHROME_OFFER.replace("a=sendonly", "a=recvonly");
+        let o = Offer::parse(&offer).unwrap();
+        let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
+        let sending = Sending { ssrc: 42, cname: "gst".into(), msid: ("gst".into(), "video".into()) };
+        let media = vec![
+            AnsweredMedia { format: None, direction: Direction::Inactive, sending: None },
+            AnsweredMedia { format: choose_format(&o.media[1]).cloned(), direction: Direction::SendOnly, sending: Some(sending) },
+        ];
+        let a = Answer { offer: &o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write();
+        for line in ["a=group:BUNDLE 0 1", "m=audio 40000 UDP/TLS/RTP/SAVPF 111", "a=inactive", "a=sendonly", "a=ssrc:42 cname:gst", "a=msid:gst video"] {
+            assert!(a.lines().any(|l| l == line), "{line:?} missing from\n{a}");
+        }
+        assert_eq!(a.matches("a=rtcp-mux").count(), 2);
+    }
+
+    #[test]
+    fn offers_the_sfu_cannot_take_are_refused_with_the_reason() {
+        assert!(matches!(Offer::parse("hello"), Err(SdpError::Malformed(_))));
+        let no_ice = CHROME_OFFER.replace("a=ice-ufrag:Xh7q\r\n", "");
+        assert_eq!(Offer::parse(&no_ice), Err(SdpError::Missing("a=ice-ufrag")));
+        let unbundled = CHROME_OFFER.replace("a=group:BUNDLE 0 1", "a=group:BUNDLE 0");
+        assert!(matches!(Offer::parse(&unbundled), Err(SdpError::Unsupported(m)) if m.contains("not bundled")));
+        let no_mux = CHROME_OFFER.replace("a=rtcp-mux\r\n", "");
+        assert!(matches!(Offer::parse(&no_mux), Err(SdpError::Unsupported(m)) if m.contains("rtcp-mux")));
+        let bad_fp = CHROME_OFFER.replace("sha-256 0F:74", "md5 0F:74");
+        assert!(matches!(Offer::parse(&bad_fp), Err(SdpError::Unsupported(_))));
+        let holdconn = CHROME_OFFER.replace("a=setup:actpass", "a=setup:holdconn");
+        assert!(Offer::parse(&holdconn).unwrap().answer_role().is_err());
+    }
+}
