@@ -11,6 +11,7 @@
 //!   starting them, waiting until they listen).
 
 pub mod added_delay;
+pub mod browser;
 pub mod flood;
 pub mod netns;
 pub mod process;

@@ -153,6 +153,18 @@ pub(crate) struct ServeProcess {
 
 impl ServeProcess {
     pub(crate) fn start(tb: &Testbed, dataplane: &str, store: &std::path::Path, log: PathBuf) -> anyhow::Result<ServeProcess> {
+        Self::start_with(tb, dataplane, store, log, API, &[])
+    }
+
+    /// [`ServeProcess::start`] with the API on `listen` and more flags.
+    pub(crate) fn start_with(
+        tb: &Testbed,
+        dataplane: &str,
+        store: &std::path::Path,
+        log: PathBuf,
+        listen: &str,
+        extra: &[&str],
+    ) -> anyhow::Result<ServeProcess> {
         let exe = std::env::current_exe().context("locating the mediaplane binary")?;
         let logf = std::fs::File::create(&log)?;
         let mut cmd = tb.command(&tb.sfu_ns, exe.to_str().unwrap());
@@ -160,7 +172,8 @@ impl ServeProcess {
         // mounts its own bpffs, so nothing outlives the run.
         let pin_dir = format!("/sys/fs/bpf/{}-{dataplane}", tb.prefix);
         let (kind, xdp) = plane_variant(dataplane);
-        cmd.args(["serve", "--listen", API, "--store", store.to_str().unwrap(), "--reset", "--dataplane", kind, "--pin-dir", &pin_dir])
+        cmd.args(["serve", "--listen", listen, "--store", store.to_str().unwrap(), "--reset", "--dataplane", kind, "--pin-dir", &pin_dir])
+            .args(extra)
             .env("RUST_LOG", "info")
             .stdout(Stdio::null())
             .stderr(logf);
@@ -174,6 +187,11 @@ impl ServeProcess {
         }
         let proc = Supervised::spawn("mediaplane serve", &mut cmd).context("starting mediaplane serve in the SFU namespace")?;
         Ok(ServeProcess { proc, log })
+    }
+
+    /// Whether it exited, and the end of its log if so.
+    pub(crate) fn exited(&mut self) -> anyhow::Result<Option<String>> {
+        Ok(self.proc.exited()?.map(|st| format!("{st}: {}", std::fs::read_to_string(&self.log).unwrap_or_default())))
     }
 
     pub(crate) fn alive(&mut self) -> bool {

@@ -30,6 +30,9 @@ pub struct DemoArgs {
     /// Also write the full results as JSON here.
     #[arg(long)]
     json: Option<PathBuf>,
+    /// Browsers in the WebRTC scenario (headless Chromium on the room page, WHIP/WHEP); 0 skips it.
+    #[arg(long, default_value_t = 3)]
+    webrtc_participants: usize,
 }
 
 pub fn profile_named(name: &str) -> anyhow::Result<Profile> {
@@ -75,6 +78,29 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
         }
     }
     print_side_by_side(&results);
+    let mut webrtc_failed = Vec::new();
+    if args.webrtc_participants > 0 {
+        match mediaplane_bench::browser::find_chromium() {
+            None => println!("\nWebRTC scenario skipped: no chromium (`make deps` installs it)"),
+            Some(chromium) => {
+                let n = args.webrtc_participants.min(args.participants);
+                for dp in &args.dataplanes {
+                    match crate::webrtc_demo::run(&tb, dp, n, args.seconds, &chromium, &workdir.join(format!("mediaplane-demo-{}", tb.prefix))) {
+                        Ok(r) => {
+                            crate::webrtc_demo::print(&r);
+                            if !r.all_decoded {
+                                webrtc_failed.push(dp.clone());
+                            }
+                        }
+                        Err(e) => {
+                            println!("\n[{dp}] WebRTC scenario could not run: {e:#}");
+                            webrtc_failed.push(dp.clone());
+                        }
+                    }
+                }
+            }
+        }
+    }
     if let Some(path) = &args.json {
         std::fs::write(path, serde_json::to_string_pretty(&results)?)?;
         println!("results written to {}", path.display());
@@ -86,6 +112,9 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
     if !lossy.is_empty() {
         bail!("loss, duplicates or unexpected copies with: {}", lossy.join(", "));
+    }
+    if !webrtc_failed.is_empty() {
+        bail!("WebRTC scenario: not every browser decoded every other one with: {}", webrtc_failed.join(", "));
     }
     Ok(())
 }

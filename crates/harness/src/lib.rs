@@ -19,6 +19,7 @@ pub mod demo;
 pub mod relay_report;
 pub mod relay_results;
 pub mod report;
+pub mod webrtc_demo;
 
 pub use bench_sfu::{run as bench, BenchCommand};
 pub use demo::{run as demo, DemoArgs};

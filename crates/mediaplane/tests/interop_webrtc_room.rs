@@ -65,15 +65,6 @@ fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> Result<Va
     .map_err(|e| e.to_string())?
 }
 
-/// The newest "mediaplane-stats {json}" line of a page.
-fn page_stats(b: &Browser) -> Option<Value> {
-    let log = b.log_tail(400);
-    let line = log.lines().rev().find_map(|l| l.split_once("mediaplane-stats ").map(|(_, r)| r))?;
-    // Chromium quotes the message: `"mediaplane-stats {...}", source: … (line)`.
-    let json = line.rsplit_once("\", source:").map_or(line, |(j, _)| j);
-    serde_json::from_str(json).ok()
-}
-
 /// Everything the plain participant's socket received, by SSRC, while it forwards the encoder's
 /// RTP to the SFU (symmetric RTP: one socket both ways).
 struct PlainParty {
@@ -218,7 +209,7 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
         })
     };
     let (decoding, first) = wait_for(Duration::from_secs(40), || {
-        let stats: Vec<Option<Value>> = browsers.iter().map(page_stats).collect();
+        let stats: Vec<Option<Value>> = browsers.iter().map(Browser::page_stats).collect();
         (everyone_decodes(&stats), stats)
     });
     check(decoding, "every page decodes the two other browsers' video and the plain participant's".into());
@@ -228,7 +219,7 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
         }
     }
     std::thread::sleep(Duration::from_secs(4));
-    let later: Vec<Option<Value>> = browsers.iter().map(page_stats).collect();
+    let later: Vec<Option<Value>> = browsers.iter().map(Browser::page_stats).collect();
     for (i, (a, b)) in first.iter().zip(&later).enumerate() {
         let (Some(a), Some(b)) = (a, b) else {
             check(false, format!("{}: no stats", names[i]));
@@ -300,7 +291,7 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
     let gone = api(tb, "DELETE", "/v1/rooms/w/participants/b2", None);
     check(gone.is_ok(), format!("DELETE of b2's WHIP resource: {gone:?}"));
     let (dropped, _) = wait_for(Duration::from_secs(10), || {
-        let s: Vec<Option<Value>> = browsers[..2].iter().map(page_stats).collect();
+        let s: Vec<Option<Value>> = browsers[..2].iter().map(Browser::page_stats).collect();
         (s.iter().all(|s| s.as_ref().is_some_and(|s| s["received"].get("b2").is_none())), ())
     });
     check(dropped, "the other pages dropped b2".into());

@@ -1,20 +1,17 @@
-//! Headless Chromium for the WebRTC interop tests: finding it, starting it on a page (fake
-//! microphone, host candidates as addresses), and the small HTTP server its page talks to.
+//! Headless Chromium for the WebRTC interop tests ([`mediaplane_bench::browser`]), and the small
+//! HTTP server a test's own page talks to.
 
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::os::unix::process::CommandExt as _;
-use std::path::{Path, PathBuf};
-use std::process::{Child, Command, Stdio};
 use std::time::Duration;
+
+#[allow(unused_imports)] // not every test that includes `common` starts a browser
+pub use mediaplane_bench::browser::Browser;
 
 /// The browser's binary; None (after saying why) when there is none, a panic under CI=true,
 /// where interop tests must run.
 pub fn chromium(test: &str) -> Option<String> {
-    let found = ["chromium", "chromium-browser", "google-chrome"]
-        .into_iter()
-        .find(|b| Command::new("which").arg(b).stdout(Stdio::null()).status().is_ok_and(|s| s.success()))
-        .map(String::from);
+    let found = mediaplane_bench::browser::find_chromium();
     if found.is_none() {
         if std::env::var("CI").is_ok_and(|v| v == "true") {
             panic!("{test}: chromium is missing, and CI=true: interop tests must run in CI");
@@ -22,65 +19,6 @@ pub fn chromium(test: &str) -> Option<String> {
         eprintln!("{test}: skipped: no chromium");
     }
     found
-}
-
-/// A headless Chromium showing one page, killed on drop with every process it started (a
-/// process group of its own); its output goes to `chromium.log`.
-pub struct Browser {
-    child: Child,
-    log: PathBuf,
-}
-
-impl Browser {
-    /// Run `launcher` (the browser's binary, or `ip netns exec NS <binary>`) on `page`, with a
-    /// fresh profile in `dir`.
-    pub fn start(mut launcher: Command, dir: &Path, page: &str) -> Browser {
-        let log = dir.join("chromium.log");
-        let out = std::fs::File::create(&log).unwrap();
-        let child = launcher
-            .args([
-                "--headless=new",
-                "--no-sandbox",
-                "--disable-gpu",
-                "--no-first-run",
-                // The machine has no network beyond the tests' own: nothing of Google's.
-                "--disable-background-networking",
-                "--disable-component-update",
-                "--disable-sync",
-                "--use-fake-device-for-media-stream",
-                "--use-fake-ui-for-media-stream",
-                // Host candidates on loopback too, as IP addresses (not mDNS names).
-                "--allow-loopback-in-peer-connection",
-                "--disable-features=WebRtcHideLocalIpsWithMdns",
-                // The page's console lines in the log (what the room test reads its stats from).
-                "--enable-logging=stderr",
-                "--v=0",
-                &format!("--user-data-dir={}", dir.join("chromium-profile").display()),
-                page,
-            ])
-            .process_group(0)
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().unwrap())
-            .stderr(out)
-            .spawn()
-            .expect("start chromium");
-        Browser { child, log }
-    }
-
-    /// The last `lines` lines the browser printed.
-    pub fn log_tail(&self, lines: usize) -> String {
-        let s = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let all: Vec<&str> = s.lines().collect();
-        all[all.len().saturating_sub(lines)..].join("\n")
-    }
-}
-
-impl Drop for Browser {
-    fn drop(&mut self) {
-        // SAFETY: a plain syscall; the group is the child's own (process_group(0) above).
-        unsafe { libc::kill(-(self.child.id() as i32), libc::SIGKILL) };
-        let _ = self.child.wait();
-    }
 }
 
 /// A request to the page's server.
