@@ -73,6 +73,7 @@ impl From<ManagerError> for ApiError {
             ManagerError::BatchItem { source, .. } => ApiError { message: msg, ..ApiError::from(*source) },
             ManagerError::Abandoned => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", msg),
             ManagerError::Internal(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg),
+            ManagerError::Unsupported(_) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unsupported", msg),
         }
     }
 }
@@ -481,8 +482,10 @@ async fn create_room(State(m): State<AppState>, Extension(p): Extension<Pending>
 }
 
 async fn get_room(State(m): State<AppState>, Path(room): Path<String>) -> ApiResult {
-    // A WebRTC participant's DTLS-SRTP keys by suite only.
-    let r = m.read(|model, _| model.room(&room).map(|r| without_keys(serde_json::to_value(r).unwrap())))?;
+    let mut r = m.read(|model, _| model.room(&room).map(|r| serde_json::to_value(r).unwrap()))?;
+    if let Some(ps) = r["participants"].as_object_mut() {
+        ps.values_mut().for_each(|p| with_handshake(&m, p));
+    }
     ok(json!({"id": room, "participants": r["participants"]}))
 }
 
@@ -518,7 +521,8 @@ async fn add_participant(
 }
 
 async fn get_participant(State(m): State<AppState>, Path((room, pid)): Path<(String, String)>) -> ApiResult {
-    let p = m.read(|model, _| model.participant(&room, &pid).map(|p| without_keys(serde_json::to_value(p).unwrap())))?;
+    let mut p = m.read(|model, _| model.participant(&room, &pid).map(|p| serde_json::to_value(p).unwrap()))?;
+    with_handshake(&m, &mut p);
     ok(p)
 }
 
@@ -720,6 +724,15 @@ async fn relay_batch(State(m): State<AppState>, Extension(p): Extension<Pending>
         Ok((StatusCode::OK, json!({"deleted": req.delete, "created": created})))
     })
     .await
+}
+
+/// A WebRTC participant's view gets its handshake's state (ICE checks, DTLS, keyed), as its
+/// keys are never part of it.
+fn with_handshake(m: &SessionManager, p: &mut Value) {
+    let Some(uid) = p["webrtc"]["uid"].as_u64() else { return };
+    if let Some(h) = m.crypto_leg(uid as u32) {
+        p["webrtc"]["handshake"] = serde_json::to_value(h).unwrap_or_default();
+    }
 }
 
 /// A relay leg as the API shows it: its SRTP keys by suite only (see [`without_keys`]).

@@ -43,7 +43,14 @@ struct CryptoLeg {
     /// DTLS from anywhere but a valid ICE pair's source, or before a fingerprint is known.
     dtls_refused: u64,
     keyed: bool,
+    /// When signalling set it up: a browser's session that is not keyed within
+    /// [`HANDSHAKE_DEADLINE`] ends.
+    since: std::time::Instant,
 }
+
+/// How long a WHIP/WHEP session may take from its answer to its DTLS-SRTP keys (a client that
+/// never got the answer, or whose ICE failed, must not keep its port and room slot).
+pub const HANDSHAKE_DEADLINE: std::time::Duration = std::time::Duration::from_secs(30);
 
 impl CryptoLeg {
     /// Start the relay's handshake as the DTLS client, if that is its role, none runs, the
@@ -130,7 +137,7 @@ impl SessionManager {
             }
             None => {
                 let agent = LiteAgent::new(spec.local_ice.clone(), spec.remote_ice.clone());
-                legs.insert(uid, CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed: false });
+                legs.insert(uid, CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed: false, since: std::time::Instant::now() });
             }
         }
     }
@@ -255,7 +262,8 @@ impl SessionManager {
             legs.retain(|uid, _| Transport::of(&snapshot.model, *uid).is_some());
             for (uid, leg) in legs.iter_mut() {
                 let peer = leg.agent.selected();
-                if leg.agent.consent_expired(now_ns) {
+                let participant = matches!(Transport::of(&snapshot.model, *uid), Some(Transport::Participant(..)));
+                if leg.agent.consent_expired(now_ns) || (participant && !leg.keyed && leg.since.elapsed() > HANDSHAKE_DEADLINE) {
                     expired.push(*uid);
                 }
                 // The client's first flight: once nominated and the peer's fingerprint is known
@@ -273,7 +281,7 @@ impl SessionManager {
         for uid in expired {
             // A relay leg waits for its call's signalling; a browser's participant is gone with
             // its browser (a WHIP/WHEP session ends when its client does, DELETE or not).
-            tracing::info!(stream = uid, "ICE consent expired: nothing more is sent to the peer");
+            tracing::info!(stream = uid, "ICE consent expired, or a browser's session was not keyed in time: nothing more is sent to the peer");
             if let Err(e) = self.set_transport(uid, |m, t| t.consent_expired(m)) {
                 tracing::warn!(stream = uid, error = %e, "could not end the leg's peer");
             }

@@ -47,6 +47,10 @@ pub enum ManagerError {
     /// Something the process needs could not be made (e.g. its DTLS certificate).
     #[error("{0}")]
     Internal(String),
+    /// A well-formed request the SFU cannot carry out as asked (e.g. a WHEP offer that can
+    /// receive none of the publisher's streams).
+    #[error("{0}")]
+    Unsupported(String),
 }
 
 /// The fate of one request's mutation, shared by the request (which may give up at its
@@ -112,7 +116,14 @@ pub struct SessionManager {
 impl SessionManager {
     /// Load the stored sessions and install them: after a restart, media flows again.
     pub fn open(mut store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig, limits: Limits) -> Result<SessionManager, ManagerError> {
-        let model = store.load()?;
+        let mut model = store.load()?;
+        // A browser's session cannot outlive the daemon: its DTLS certificate and handshake state
+        // are gone, so it could never be keyed again. Its participant goes (the browser re-joins).
+        let rooms = model.remove_webrtc_participants();
+        if !rooms.is_empty() {
+            tracing::info!(rooms = rooms.len(), "WebRTC participants of the last run removed");
+            store.save(&model, &rooms.into_iter().map(Change::Room).collect::<Vec<_>>())?;
+        }
         let table = Arc::new(compile(&model, 1, &limits));
         dataplane.apply(table.clone())?;
         Ok(SessionManager {

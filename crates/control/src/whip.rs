@@ -23,7 +23,7 @@ use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
-use mediaplane_core::model::{ModelError, PayloadFormat, StreamRef, StreamSpec};
+use mediaplane_core::model::{PayloadFormat, StreamRef, StreamSpec};
 use mediaplane_webrtc::ice::Credentials;
 use mediaplane_webrtc::sdp::{choose_format, Answer, AnsweredMedia, Direction, Offer, SdpError, Sending};
 use serde::Deserialize;
@@ -165,6 +165,7 @@ pub(crate) async fn whip(
                     kind.name().to_string()
                 };
                 let format = PayloadFormat { kind: kind.name().into(), pt: f.pt, rtpmap: f.rtpmap.clone(), fmtp: f.fmtp.clone() };
+                check_format(&format).map_err(|e| unsupported(format!("section {:?}: {e}", section.mid)))?;
                 let spec = StreamSpec { ssrc: Some(ssrc), clock_rate: f.clock_rate(), format: Some(format), ..Default::default() };
                 model.publish(&room, &pid, &name, spec)?;
                 answered.push(AnsweredMedia { format: Some(f.clone()), direction: Direction::RecvOnly, sending: None });
@@ -180,7 +181,7 @@ pub(crate) async fn whip(
 }
 
 fn unsupported(why: String) -> ManagerError {
-    ManagerError::Model(ModelError::Invalid(why))
+    ManagerError::Unsupported(why)
 }
 
 pub(crate) async fn whep(

@@ -173,8 +173,11 @@ pub struct WebrtcTransport {
     pub uid: u32,
     /// ICE nominated `remote`: only then is anything sent to it or accepted from it.
     pub nominated: bool,
-    /// The keys its DTLS handshake exported (none before: nothing passes either way).
-    #[serde(default)]
+    /// The keys its DTLS handshake exported (none before: nothing passes either way). Never
+    /// stored: a restarted daemon cannot resume the session (see
+    /// [`Model::remove_webrtc_participants`]), and a fresh SRTP context on an old key would reuse
+    /// its keystream.
+    #[serde(skip)]
     pub srtp: crate::srtp::LegSrtp,
 }
 
@@ -186,6 +189,13 @@ impl Participant {
             Some(w) if !w.nominated => None,
             _ => Some(self.remote),
         }
+    }
+
+    /// The only address it may send from: `remote`, or for a WebRTC participant the address ICE
+    /// nominated (before, or after its consent ended: the unspecified address, nobody's).
+    pub fn source(&self) -> SocketAddr {
+        let nobody: std::net::IpAddr = if self.local.is_ipv4() { std::net::Ipv4Addr::UNSPECIFIED.into() } else { std::net::Ipv6Addr::UNSPECIFIED.into() };
+        self.peer().unwrap_or(SocketAddr::new(nobody, 9))
     }
 
     /// How what the SFU sends it is protected.
@@ -678,6 +688,23 @@ impl Model {
         self.room_mut(room)?.participants.insert(pid.into(), p);
         self.transports.insert(uid, (room.into(), pid.into()));
         Ok(uid)
+    }
+
+    /// Remove every WebRTC participant (with its streams and the subscriptions to them): the
+    /// rooms that changed.
+    pub fn remove_webrtc_participants(&mut self) -> Vec<String> {
+        let gone: Vec<(String, String)> = self
+            .rooms
+            .iter()
+            .flat_map(|(rid, r)| r.participants.iter().filter(|(_, p)| p.webrtc.is_some()).map(move |(pid, _)| (rid.clone(), pid.clone())))
+            .collect();
+        let mut rooms: Vec<String> = Vec::new();
+        for (rid, pid) in gone {
+            if self.remove_participant(&rid, &pid).is_ok() && !rooms.contains(&rid) {
+                rooms.push(rid);
+            }
+        }
+        rooms
     }
 
     /// The WebRTC participant whose transport has this uid: (room, participant).
@@ -1246,5 +1273,36 @@ mod tests {
         // Unhold with the same address: back to what was learnt.
         m.set_leg_signal("c", Side::A, crate::LegSignal { remote: Some(a("10.0.2.1:7000")), ..Default::default() }).unwrap();
         assert_eq!(m.relays["c"].a.peer(), Some(a("192.0.2.7:40000")));
+    }
+
+    /// A browser's participant: no peer until ICE nominates one, found by its transport's uid,
+    /// its keys never stored, and gone (with the subscriptions to it) when a restarted daemon
+    /// drops what it cannot resume.
+    #[test]
+    fn webrtc_participants_are_nominated_keyed_and_not_resumed() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        let uid = m.add_webrtc_participant("r", "w", a("10.0.0.1:4000")).unwrap();
+        m.add_participant("r", "plain", a("10.0.0.1:4002"), a("10.0.1.1:5000")).unwrap();
+        assert_eq!(m.participant_by_transport(uid), Some(("r", "w")));
+        let w = m.participant("r", "w").unwrap();
+        assert_eq!((w.peer(), w.source()), (None, a("0.0.0.0:9")));
+        assert!(m.publish("r", "w", "cam", StreamSpec::default()).is_err(), "a browser's stream needs an SSRC");
+        m.publish("r", "w", "cam", StreamSpec { ssrc: Some(7), ..Default::default() }).unwrap();
+        m.subscribe("r", "plain", StreamRef { publisher: "w".into(), stream: "cam".into() }).unwrap();
+        assert!(m.set_participant_nominated("r", "w", Some(a("10.0.2.2:6000"))).unwrap());
+        assert_eq!(m.participant("r", "w").unwrap().peer(), Some(a("10.0.2.2:6000")));
+        assert!(m.set_participant_nominated("r", "plain", None).is_err(), "not a WebRTC participant");
+        let key = crate::srtp::SrtpKey::new(crate::srtp::SrtpSuite::AesCm128HmacSha1_80, vec![9; 30]).unwrap();
+        m.set_participant_srtp("r", "w", crate::srtp::LegSrtp { inbound: Some(key.clone()), outbound: Some(key) }).unwrap();
+        let stored = serde_json::to_string(&m.rooms["r"]).unwrap();
+        assert!(!stored.contains("master") && !stored.contains("suite"), "keys are never stored: {stored}");
+        // Consent gone: no peer, nobody's source.
+        m.set_participant_nominated("r", "w", None).unwrap();
+        assert_eq!(m.participant("r", "w").unwrap().source(), a("0.0.0.0:9"));
+        assert_eq!(m.remove_webrtc_participants(), ["r"]);
+        assert!(m.participant("r", "w").is_err() && m.participant_by_transport(uid).is_none());
+        assert!(m.participant("r", "plain").unwrap().subscriptions.is_empty());
+        assert!(m.owner_of(&a("10.0.0.1:4000")).is_none(), "its port is free again");
     }
 }

@@ -217,8 +217,9 @@ impl Pipeline {
                 let forward = outcome.forward.take();
                 out.push(Effect::Feedback(Box::new(outcome)));
                 for r in routed {
-                    let key = fb.routes.iter().find(|route| (route.from, route.to) == (r.from, r.to)).map(|route| &route.outbound);
-                    if let Some(packet) = protected(plane, r.from, key.unwrap_or(&Protection::Clear), Cow::Owned(r.packet)) {
+                    // Every routed packet goes where one of the entry's routes does; if not, it is not sent.
+                    let Some(key) = fb.routes.iter().find(|route| (route.from, route.to) == (r.from, r.to)).map(|route| &route.outbound) else { continue };
+                    if let Some(packet) = protected(plane, r.from, key, Cow::Owned(r.packet)) {
                         out.push(Effect::Send { from: r.from, to: r.to, packet, copy: None });
                     }
                 }

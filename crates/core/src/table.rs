@@ -278,8 +278,8 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             id,
             label,
             key,
-            // A WebRTC participant's before ICE nominated: the unspecified address, nobody.
-            source: SourceRule::Fixed(p.remote),
+            // A WebRTC participant's before ICE nominated (or after): the unspecified address, nobody.
+            source: SourceRule::Fixed(p.source()),
             rtp: true,
             copies,
             rate,

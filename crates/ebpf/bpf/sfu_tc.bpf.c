@@ -625,10 +625,17 @@ int sfu_ingress(struct __sk_buff *skb)
 			return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
 		return pass_slow(any_sc, CNT_PASS_STUN);
 	}
-	/* An ICE + DTLS-SRTP address: everything is crypto, for user space (it judges strangers,
-	 * the source limit and malformed packets as classify() does). */
-	if (wildcard->flags & STREAM_F_ADDRESS_UP)
+	/* An ICE + DTLS-SRTP address: everything is crypto, for user space. DTLS from anyone (the
+	 * handshake checks it against ICE); anything else only from the address ICE nominated (one
+	 * source for every stream there): a stranger's is dropped here, whatever it is. */
+	if (wildcard->flags & STREAM_F_ADDRESS_UP) {
+		int dtls = head.have && head.b[0] >= 20 && head.b[0] <= 63;
+		if (!dtls && !from_source(wildcard, &p))
+			return drop(any_sc, CNT_DROP_STRANGER, p.payload_len);
+		if (!source_admit(p.saddr, p.family, t0, p.payload_len))
+			return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
 		return pass_slow(any_sc, CNT_PASS_SLOW_STREAM);
+	}
 	/* A consumer's RTCP: PLI/FIR/NACK for the publishers, coalesced in user space. Checked
 	 * before the SSRC lookup: its sender SSRC is the consumer's, not a stream's. */
 	if (kind == MK_RTCP && (wildcard->flags & STREAM_F_FEEDBACK) && from_source(wildcard, &p)) {

@@ -261,9 +261,9 @@ fn stranger_stun_and_learning() {
 }
 
 /// A browser's transport (a WebRTC participant publishing two SSRCs, keyed, nominated) beside a
-/// plain subscriber: the kernel hands everything but STUN at the browser's address to user space
-/// (its SRTP, and its SRTCP, which the kernel cannot walk: judged there as classify() does), and
-/// the plain participant's feedback still goes up as feedback.
+/// plain subscriber: the kernel hands what the browser sends to user space whole (its SRTP, and
+/// its SRTCP, which the kernel cannot walk), DTLS from anyone too, and drops the rest of a
+/// stranger's.
 #[test]
 fn a_webrtc_transport_goes_to_user_space_whole() {
     root_or_skip!("a_webrtc_transport_goes_to_user_space_whole");
@@ -293,11 +293,14 @@ fn a_webrtc_transport_goes_to_user_space_whole() {
     for payload in [rtp(1), rtp(2), rtp(3), srtcp.clone(), vec![22, 254, 253, 0, 0], stun.clone()] {
         rig.check(&t, &v4_frame(PUBLISHER, LOCAL, &payload));
     }
-    rig.check(&t, &v4_frame("10.200.0.66:5000", LOCAL, &srtcp)); // a stranger's: user space drops it
+    // A stranger's: dropped here, but its DTLS goes up (the handshake judges it against ICE).
+    rig.check(&t, &v4_frame("10.200.0.66:5000", LOCAL, &srtcp));
+    rig.check(&t, &v4_frame("10.200.0.66:5000", LOCAL, &rtp(1)));
+    rig.check(&t, &v4_frame("10.200.0.66:5000", LOCAL, &[22, 254, 253, 0, 0]));
     let s = rig.fp.kernel_stats().unwrap();
     assert_eq!(s.global["pass_slow_stream"], 6);
     assert_eq!(s.global["pass_stun"], 1);
-    assert_eq!(s.global["drop_malformed"] + s.global["drop_stranger"], 0);
+    assert_eq!((s.global["drop_stranger"], s.global["drop_malformed"]), (2, 0));
 }
 
 #[test]

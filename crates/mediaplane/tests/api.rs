@@ -259,3 +259,58 @@ fn non_loopback_listen_without_token_is_refused() {
     assert!(!out.status.success());
     assert!(String::from_utf8_lossy(&out.stderr).contains("api.token"));
 }
+
+/// WHIP and WHEP as a client meets them: the offer's media type, what a malformed or an
+/// unsupported offer gets, the answer and its resource, a restart that drops the browsers'
+/// sessions (they cannot be resumed), and the page loading without the token.
+#[test]
+fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
+    let spec: Value = serde_json::from_str(include_str!("../../control/openapi.json")).unwrap();
+    let offer = spec["paths"]["/v1/whip/{room}"]["post"]["requestBody"]["content"]["application/sdp"]["example"].as_str().unwrap().to_string();
+    let dir = TempDir::new("whip");
+    let cfg = dir.0.join("c.toml");
+    std::fs::write(&cfg, "[api]\ntoken = \"s3cret\"\n").unwrap();
+    let store = dir.0.join("s.db");
+    let mut d = Daemon::start_with_token(&store, &["--config", cfg.to_str().unwrap()], "s3cret");
+    let post = |d: &Daemon, path: &str, ctype: &str, body: &str| -> (u16, String, String) {
+        let r = ureq::post(&format!("{}{path}", d.api)).set("authorization", "Bearer s3cret").set("content-type", ctype).send_string(body);
+        match r {
+            Ok(r) => (r.status(), r.header("location").unwrap_or_default().to_string(), r.into_string().unwrap()),
+            Err(ureq::Error::Status(s, r)) => (s, String::new(), r.into_string().unwrap()),
+            Err(e) => panic!("{path}: {e}"),
+        }
+    };
+    let (s, _, body) = post(&d, "/v1/whip/r", "application/json", &offer);
+    assert_eq!(s, 415, "{body}");
+    let (s, _, body) = post(&d, "/v1/whip/r", "application/sdp", "v=0\r\nnot an offer");
+    assert_eq!(s, 400, "{body}");
+    let simulcast = offer.replace("a=ssrc:2222 cname:c\r\n", "a=rid:h send\r\na=simulcast:send h\r\n");
+    let (s, _, body) = post(&d, "/v1/whip/r", "application/sdp", &simulcast);
+    assert!(s == 422 && body.contains("simulcast"), "{s} {body}");
+    assert_eq!(d.call("GET", "/v1/rooms/r", None).0, 404, "a refused offer changes nothing");
+
+    let (s, location, answer) = post(&d, "/v1/whip/r?participant=alice", "application/sdp", &offer);
+    assert_eq!((s, location.as_str()), (201, "/v1/rooms/r/participants/alice"), "{answer}");
+    assert!(answer.contains("a=ice-lite") && answer.contains("a=setup:passive") && answer.contains("m=video"), "{answer}");
+    let (s, _, _) = post(&d, "/v1/whip/r?participant=alice", "application/sdp", &offer);
+    assert_eq!(s, 409, "the name is taken");
+    // WHEP: what alice publishes; a section offering VP8 on another payload type cannot get it.
+    let recv = offer.replace("a=sendonly", "a=recvonly").replace("a=ssrc:1111 cname:c\r\n", "").replace("a=ssrc:2222 cname:c\r\n", "");
+    let renumbered = recv.replace("SAVPF 111", "SAVPF 109").replace("rtpmap:111", "rtpmap:109").replace("SAVPF 96", "SAVPF 100").replace(":96 ", ":100 ");
+    let (s, _, body) = post(&d, "/v1/whep/r/alice", "application/sdp", &renumbered);
+    assert!(s == 422 && body.contains("payload type"), "{s} {body}");
+    let (s, location, answer) = post(&d, "/v1/whep/r/alice?participant=bob", "application/sdp", &recv);
+    assert_eq!((s, location.as_str()), (201, "/v1/rooms/r/participants/bob"), "{answer}");
+    assert!(answer.contains("a=ssrc:2222 cname:alice") && answer.contains("a=sendonly"), "{answer}");
+    let (_, room) = d.call("GET", "/v1/rooms/r", None);
+    assert_eq!(room["participants"]["bob"]["subscriptions"].as_array().map(Vec::len), Some(2), "{room}");
+    assert_eq!(room["participants"]["alice"]["remote"], "0.0.0.0:9", "no peer before ICE");
+    // The page loads without the token.
+    assert_eq!(ureq::get(&format!("{}/", d.api)).call().unwrap().status(), 200);
+
+    // A restart cannot resume the browsers' sessions: they are gone, the room stays.
+    d.terminate();
+    let d = Daemon::start_with_token(&store, &["--config", cfg.to_str().unwrap()], "s3cret");
+    let (s, room) = d.call("GET", "/v1/rooms/r", None);
+    assert_eq!((s, room["participants"].as_object().map(|p| p.len())), (200, Some(0)), "{room}");
+}

@@ -278,9 +278,10 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
     );
     let room = api(tb, "GET", "/v1/rooms/w", None).unwrap_or_default();
     let b0 = &room["participants"]["b0"];
+    let handshake = &b0["webrtc"]["handshake"];
     check(
-        b0["webrtc"]["nominated"] == true && b0["webrtc"]["srtp"]["inbound"]["suite"] == "AES_CM_128_HMAC_SHA1_80" && !room.to_string().contains("\"master\""),
-        format!("b0 is nominated at {} and keyed, no key in the view", b0["remote"]),
+        b0["webrtc"]["nominated"] == true && handshake["keyed"] == true && handshake["dtls"] == "connected" && !room.to_string().contains("master"),
+        format!("b0 is nominated at {} and keyed by its handshake ({handshake}), no key in the view", b0["remote"]),
     );
     if plane.starts_with("ebpf") {
         let passed = count("pass_slow_stream");

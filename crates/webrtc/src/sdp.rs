@@ -123,9 +123,10 @@ impl Format {
 pub struct OfferedMedia {
     /// None: neither audio nor video (answered rejected).
     pub kind: Option<Kind>,
-    /// The `m=` line's media and protocol, for a rejected section's answer.
+    /// The `m=` line's media, protocol and formats, for a rejected section's answer.
     pub media: String,
     pub proto: String,
+    pub fmt: String,
     pub mid: String,
     pub direction: Direction,
     /// Port 0: a section the offerer itself disabled.
@@ -157,6 +158,10 @@ impl Offer {
             if line.is_empty() {
                 continue;
             }
+            // What the answer echoes (mids, formats) must not carry line breaks or controls.
+            if line.chars().any(|c| c.is_control() && c != '\t') {
+                return Err(SdpError::Malformed(format!("line {} has a control character", n + 1)));
+            }
             let (t, value) = line.split_once('=').filter(|(t, _)| t.len() == 1).ok_or_else(|| SdpError::Malformed(format!("line {}: {line:?}", n + 1)))?;
             match t {
                 "m" => sections.push((value.to_string(), Vec::new())),
@@ -187,6 +192,9 @@ impl Offer {
             Fingerprint::parse(find("fingerprint").ok_or(SdpError::Missing("a=fingerprint"))?).map_err(|e| SdpError::Unsupported(e.to_string()))?;
         let setup = find("setup").unwrap_or("actpass").to_string();
         let mut media = Vec::new();
+        if sections.len() > 64 {
+            return Err(SdpError::Unsupported(format!("{} media sections: at most 64", sections.len())));
+        }
         for (mline, attrs) in &sections {
             media.push(parse_section(mline, attrs)?);
         }
@@ -196,7 +204,8 @@ impl Offer {
         if let Some(m) = media.iter().find(|m| !m.disabled && !bundle.contains(&m.mid.as_str())) {
             return Err(SdpError::Unsupported(format!("media section {:?} is not bundled: the SFU takes one BUNDLE transport (a=group:BUNDLE)", m.mid)));
         }
-        if !sections.iter().all(|(m, a)| m.starts_with("application") || a.iter().any(|(n, _)| *n == "rtcp-mux")) {
+        let muxed = |attrs: &[(&str, &str)]| attrs.iter().any(|(n, _)| *n == "rtcp-mux");
+        if !sections.iter().zip(&media).all(|((_, a), m)| m.disabled || m.kind.is_none() || muxed(a)) {
             return Err(SdpError::Unsupported("the SFU needs RTP and RTCP on one port (a=rtcp-mux)".into()));
         }
         Ok(Offer { ice, fingerprint, setup, media })
@@ -218,22 +227,42 @@ fn parse_section(mline: &str, attrs: &[(&str, &str)]) -> Result<OfferedMedia, Sd
     let media = parts.next().unwrap_or("").to_string();
     let port: u16 = parts.next().and_then(|p| p.split('/').next()?.parse().ok()).ok_or_else(|| SdpError::Malformed(format!("m={mline}")))?;
     let proto = parts.next().unwrap_or("").to_string();
-    let pts: Vec<u8> = parts.filter_map(|p| p.parse().ok()).collect();
+    let fmt: Vec<&str> = parts.collect();
+    if fmt.is_empty() || fmt.len() > 128 || !fmt.iter().all(|f| is_token(f)) {
+        return Err(SdpError::Malformed(format!("m={mline}: 1 to 128 formats")));
+    }
+    let mut pts: Vec<u8> = Vec::new();
+    for pt in fmt.iter().filter_map(|p| p.parse::<u8>().ok()) {
+        if !pts.contains(&pt) && pts.len() < 128 {
+            pts.push(pt);
+        }
+    }
     let kind = Kind::parse(&media);
     let mid = attrs.iter().find(|(n, _)| *n == "mid").map(|(_, v)| v.trim().to_string()).ok_or(SdpError::Missing("a=mid"))?;
+    // Echoed into the answer's m= line, a=mid and BUNDLE group: tokens only (RFC 8866 §9).
+    for (what, v) in [("media", media.as_str()), ("proto", proto.as_str()), ("a=mid", mid.as_str())] {
+        let ok = if what == "proto" { v.split('/').all(is_token) } else { is_token(v) };
+        if !ok {
+            return Err(SdpError::Malformed(format!("{what} {v:?} is not a token")));
+        }
+    }
     let direction = attrs.iter().rev().find_map(|(n, _)| Direction::parse(n)).unwrap_or(Direction::SendRecv);
-    // `a=rtpmap:96 VP8/90000` and the like: the values after payload type `pt`.
-    let of = |name: &str, pt: u8| -> Vec<String> {
-        attrs
-            .iter()
-            .filter(|(n, v)| *n == name && v.split_whitespace().next() == Some(pt.to_string().as_str()))
-            .map(|(_, v)| v.split_once(' ').map_or("", |(_, r)| r.trim()).to_string())
-            .collect()
-    };
+    // `a=rtpmap:96 VP8/90000` and the like: the values after each payload type, read once.
+    let mut by_pt: std::collections::HashMap<(&str, u8), Vec<String>> = std::collections::HashMap::new();
+    for (name, v) in attrs.iter().filter(|(n, _)| matches!(*n, "rtpmap" | "fmtp" | "rtcp-fb")) {
+        let Some((pt, rest)) = v.split_once(' ') else { continue };
+        if let Ok(pt) = pt.parse::<u8>() {
+            let values = by_pt.entry((name, pt)).or_default();
+            if values.len() < 16 {
+                values.push(rest.trim().to_string());
+            }
+        }
+    }
+    let of = |name: &'static str, pt: u8| -> Vec<String> { by_pt.get(&(name, pt)).cloned().unwrap_or_default() };
     let formats = pts
         .iter()
         .filter_map(|&pt| {
-            let rtpmap = of("rtpmap", pt).into_iter().next()?;
+            let rtpmap = of("rtpmap", pt).into_iter().next().filter(|r| !r.is_empty() && r.split('/').all(is_token))?;
             Some(Format { pt, rtpmap, fmtp: of("fmtp", pt).into_iter().next(), feedback: of("rtcp-fb", pt) })
         })
         .collect();
@@ -247,7 +276,13 @@ fn parse_section(mline: &str, attrs: &[(&str, &str)]) -> Result<OfferedMedia, Sd
         }
     }
     let simulcast = attrs.iter().any(|(n, _)| *n == "simulcast");
-    Ok(OfferedMedia { kind, media, proto, mid, direction, disabled: port == 0, formats, ssrcs, simulcast })
+    let fmt = fmt.join(" ");
+    Ok(OfferedMedia { kind, media, proto, fmt, mid, direction, disabled: port == 0, formats, ssrcs, simulcast })
+}
+
+/// RFC 8866's `token`: visible ASCII but separators and spaces.
+fn is_token(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 64 && s.bytes().all(|b| b.is_ascii_graphic() && !b"\"(),/:;<=>?@[]{}".contains(&b))
 }
 
 /// What the SFU sends on one section of a subscriber's answer: a stream's SSRC and its names.
@@ -304,14 +339,7 @@ impl Answer<'_> {
         let _ = write!(s, "a=msid-semantic: WMS *\r\n");
         for (o, a) in self.offer.media.iter().zip(&self.media) {
             let Some(f) = &format_of(o, a) else {
-                let _ = write!(
-                    s,
-                    "m={} 0 {} {}\r\nc=IN {family} {ip}\r\na=mid:{}\r\na=inactive\r\n",
-                    o.media,
-                    o.proto,
-                    o.formats.first().map_or(0, |f| f.pt),
-                    o.mid
-                );
+                let _ = write!(s, "m={} 0 {} {}\r\nc=IN {family} {ip}\r\na=mid:{}\r\na=inactive\r\n", o.media, o.proto, o.fmt, o.mid);
                 continue;
             };
             let _ = write!(s, "m={} {} {} {}\r\nc=IN {family} {ip}\r\n", o.media, self.candidate.port(), o.proto, f.pt);
@@ -435,6 +463,18 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         assert!(matches!(Offer::parse(&no_mux), Err(SdpError::Unsupported(m)) if m.contains("rtcp-mux")));
         let bad_fp = CHROME_OFFER.replace("sha-256 0F:74", "md5 0F:74");
         assert!(matches!(Offer::parse(&bad_fp), Err(SdpError::Unsupported(_))));
+        // Nothing the answer would echo may break its lines.
+        let injected = CHROME_OFFER.replace("a=mid:1", "a=mid:1\ra=evil");
+        assert!(matches!(Offer::parse(&injected), Err(SdpError::Malformed(_))));
+        let spaced = CHROME_OFFER.replace("a=mid:1", "a=mid:1 2");
+        assert!(matches!(Offer::parse(&spaced), Err(SdpError::Malformed(_))));
+        // A data channel section is rejected as it was offered.
+        let with_data = format!("{CHROME_OFFER}m=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\na=mid:2\r\n").replace("BUNDLE 0 1", "BUNDLE 0 1 2");
+        let o = Offer::parse(&with_data).unwrap();
+        let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
+        let media = o.media.iter().map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None }).collect();
+        let a = Answer { offer: &o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write();
+        assert!(a.contains("m=application 0 UDP/DTLS/SCTP webrtc-datachannel\r\n"), "{a}");
         let holdconn = CHROME_OFFER.replace("a=setup:actpass", "a=setup:holdconn");
         assert!(Offer::parse(&holdconn).unwrap().answer_role().is_err());
     }

@@ -166,10 +166,15 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         return Expect::Pass("pass_not_ours");
     }
     let payload = &frame[f.payload..f.payload + f.payload_len];
-    // An ICE + DTLS-SRTP address: all but STUN is the slow path's to judge.
-    let wildcard = kernel_entries(t, None).get(&mediaplane_ebpf::maps::KeyRaw::new(f.dst, None)).map_or(0, |w| w.flags);
-    if wildcard & flags::ADDRESS_UP != 0 && demux(payload) != MediaKind::Stun {
-        return Expect::Pass("pass_slow_stream");
+    // An ICE + DTLS-SRTP address: DTLS from anyone and the rest from its one source go up, the
+    // rest is a stranger's (even what classify() would call malformed first).
+    let wildcard = t.streams.get(&mediaplane_core::IngressKey { local: f.dst, ssrc: None }).filter(|w| w.handshake);
+    if let Some(w) = wildcard.filter(|_| demux(payload) != MediaKind::Stun) {
+        let dtls = matches!(payload.first(), Some(20..=63));
+        return match w.source {
+            SourceRule::Fixed(s) if s != f.src && !dtls => Expect::Drop("drop_stranger"),
+            _ => Expect::Pass("pass_slow_stream"),
+        };
     }
     // Core's per-packet pipeline decides; what the kernel does of it differs where it hands a
     // packet to the slow path instead of deciding itself.
@@ -230,7 +235,7 @@ pub fn reference_stream(t: &ForwardingTable, frame: &[u8]) -> Option<u32> {
     if !t.is_local(f.dst) {
         return None;
     }
-    // An ICE + DTLS-SRTP address hands everything up before any lookup: its wildcard stream.
+    // An ICE + DTLS-SRTP address decides before any lookup: on its wildcard stream.
     let wildcard = t.streams.get(&mediaplane_core::IngressKey { local: f.dst, ssrc: None });
     if wildcard.is_some_and(|w| w.handshake) {
         return wildcard.map(|w| w.id);
