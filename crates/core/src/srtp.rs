@@ -11,17 +11,21 @@ pub enum SrtpSuite {
     AesCm128HmacSha1_80,
     #[serde(rename = "AES_CM_128_HMAC_SHA1_32")]
     AesCm128HmacSha1_32,
+    /// RFC 7714 (AES-GCM, a 16-byte tag): what DTLS-SRTP prefers, when the peer offers it.
+    #[serde(rename = "AEAD_AES_128_GCM")]
+    AeadAes128Gcm,
 }
 
 impl SrtpSuite {
-    /// Every suite mediaplane speaks, in the order it offers them (strongest tag first, as
-    /// rtpengine and browsers do).
+    /// Every suite mediaplane offers in SDES `a=crypto` lines, in that order (strongest tag
+    /// first, as rtpengine and browsers do). AES-GCM is negotiated over DTLS-SRTP only.
     pub const ALL: [SrtpSuite; 2] = [SrtpSuite::AesCm128HmacSha1_80, SrtpSuite::AesCm128HmacSha1_32];
 
     pub fn name(self) -> &'static str {
         match self {
             SrtpSuite::AesCm128HmacSha1_80 => "AES_CM_128_HMAC_SHA1_80",
             SrtpSuite::AesCm128HmacSha1_32 => "AES_CM_128_HMAC_SHA1_32",
+            SrtpSuite::AeadAes128Gcm => "AEAD_AES_128_GCM",
         }
     }
 
@@ -34,6 +38,8 @@ impl SrtpSuite {
     pub fn master_len(self) -> usize {
         match self {
             SrtpSuite::AesCm128HmacSha1_80 | SrtpSuite::AesCm128HmacSha1_32 => 16 + 14,
+            // RFC 7714 §12: a 96-bit master salt.
+            SrtpSuite::AeadAes128Gcm => 16 + 12,
         }
     }
 }

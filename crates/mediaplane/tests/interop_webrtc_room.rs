@@ -225,7 +225,9 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
             check(false, format!("{}: no stats", names[i]));
             continue;
         };
-        check(b["sent"]["dtls"] == "connected", format!("{}: DTLS {}, {}", names[i], b["sent"]["dtls"], b["sent"]["srtp_cipher"]));
+        // Chromium offers AES-GCM (RFC 7714), which the SFU prefers.
+        let gcm = b["sent"]["srtp_cipher"] == "SRTP_AEAD_AES_128_GCM";
+        check(b["sent"]["dtls"] == "connected" && gcm, format!("{}: DTLS {}, {}", names[i], b["sent"]["dtls"], b["sent"]["srtp_cipher"]));
         for from in names.iter().filter(|n| **n != names[i]).map(String::as_str).chain(["gst"]) {
             let v = |s: &Value, k: &str| s["received"][from]["in_video"][k].as_u64().unwrap_or(0);
             check(

@@ -380,13 +380,18 @@ fn run(relay: Relay) {
                 let nominated: Option<SocketAddr> = leg["remote"].as_str().and_then(|a| a.parse().ok());
                 let candidate = nominated.is_some_and(|n| offer.contains(&format!("{} {} typ host", n.ip(), n.port())));
                 check(leg["ice"] == true && candidate, format!("the browser's leg is an ICE leg nominated at one of its host candidates ({nominated:?})"));
-                let keyed = leg["srtp"]["inbound"]["suite"] == "AES_CM_128_HMAC_SHA1_80" && leg["srtp"]["inbound"].get("master").is_none();
+                // Chromium offers AES-GCM, which the relay prefers (RFC 7714), and AES-CM.
+                let suite = leg["srtp"]["inbound"]["suite"].as_str().unwrap_or_default();
+                let keyed = ["AEAD_AES_128_GCM", "AES_CM_128_HMAC_SHA1_80"].contains(&suite) && leg["srtp"]["inbound"].get("master").is_none();
                 check(keyed, format!("keyed by the handshake, no key in the view ({})", leg["srtp"]));
             }
             Err(e) => check(false, format!("the call's relay {id} in the API: {e}")),
         }
         let table = common::netns::try_api(tb, "GET", "/v1/table", None).map(|t| t.to_string()).unwrap_or_default();
-        check(table.contains("AES_CM_128_HMAC_SHA1_80") && !table.contains("\"master\""), "nor in the forwarding table's view".into());
+        check(
+            (table.contains("AEAD_AES_128_GCM") || table.contains("AES_CM_128_HMAC_SHA1_80")) && !table.contains("\"master\""),
+            "nor in the forwarding table's view".into(),
+        );
     }
 
     // The browser hangs up; the BYE reaches the UAS through Kamailio's route set.

@@ -21,7 +21,7 @@ use std::io::{self, Read, Write};
 /// The largest datagram a handshake flight is cut into: under any path MTU a media relay meets.
 const DTLS_MTU: u32 = 1200;
 /// The SRTP profiles offered in use_srtp (RFC 5764 §4.1.2), preferred first.
-const SRTP_PROFILES: &str = "SRTP_AES128_CM_SHA1_80:SRTP_AES128_CM_SHA1_32";
+const SRTP_PROFILES: &str = "SRTP_AEAD_AES_128_GCM:SRTP_AES128_CM_SHA1_80:SRTP_AES128_CM_SHA1_32";
 /// RFC 5764 §4.2.
 const EXPORTER_LABEL: &str = "EXTRACTOR-dtls_srtp";
 
@@ -311,12 +311,13 @@ impl DtlsSession {
             return Err(DtlsError::FingerprintMismatch);
         }
         let suite = match ssl.selected_srtp_profile().map(|p| p.name().to_string()).as_deref() {
+            Some("SRTP_AEAD_AES_128_GCM") => SrtpSuite::AeadAes128Gcm,
             Some("SRTP_AES128_CM_SHA1_80") => SrtpSuite::AesCm128HmacSha1_80,
             Some("SRTP_AES128_CM_SHA1_32") => SrtpSuite::AesCm128HmacSha1_32,
             _ => return Err(DtlsError::NoSrtpProfile),
         };
-        // RFC 5764 §4.2: client key, server key, client salt, server salt.
-        let (k, s) = (16, 14);
+        // RFC 5764 §4.2: client key, server key, client salt, server salt (RFC 7714: 12-byte salts).
+        let (k, s) = (16, suite.master_len() - 16);
         let mut material = vec![0u8; 2 * (k + s)];
         ssl.export_keying_material(&mut material, EXPORTER_LABEL, None)?;
         let client = [&material[..k], &material[2 * k..2 * k + s]].concat();
@@ -377,7 +378,8 @@ mod tests {
         assert_eq!(kc.outbound, ks.inbound, "what the client sends with, the server reads with");
         assert_eq!(kc.inbound, ks.outbound);
         assert_ne!(ks.inbound, ks.outbound);
-        assert_eq!(ks.inbound.suite, SrtpSuite::AesCm128HmacSha1_80);
+        assert_eq!(ks.inbound.suite, SrtpSuite::AeadAes128Gcm, "AES-GCM first when both offer it");
+        assert_eq!(ks.inbound.master.len(), 28, "RFC 7714: a 16-byte key and a 12-byte salt");
         assert_eq!((server.state(), client.state()), (&State::Connected, &State::Connected));
     }
 
