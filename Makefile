@@ -87,6 +87,8 @@ bench: release
 	target/release/mediaplane bench sfu --preset simulcast --sizes 4,8,16 --dataplanes $(BENCH_DATAPLANES) --out bench-results/simulcast
 	# What checksum verification and the reverse-path check cost per packet (BPF run time, A/B).
 	$(CARGO) test --release -p mediaplane-ebpf --test fidelity checks_cost -- --ignored --nocapture
+	# What SRTP costs per encrypted copy (protect) and per browser packet (unprotect), per suite.
+	$(CARGO) test --release -p mediaplane-dataplane --test srtp_cost -- --ignored --nocapture
 	# Relay: 750 and 1800 calls (the seed's sizes) x 3 relays and the no-relay baseline, then the
 	# install-capacity ramps (NG, HTTP, HTTP batches);
 	# 5000/10000 calls and 30 s runs take about an hour here: run those by hand.
