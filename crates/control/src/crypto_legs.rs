@@ -259,10 +259,16 @@ impl SessionManager {
             let mut legs = self.crypto_legs().legs.lock();
             let snapshot = self.snapshot();
             let ctx = &self.crypto_legs().dtls;
-            legs.retain(|uid, _| Transport::of(&snapshot.model, *uid).is_some());
+            // One lookup per leg: gone from the model, it is forgotten; a browser's is noted.
+            let mut participants = std::collections::HashSet::new();
+            legs.retain(|uid, _| match Transport::of(&snapshot.model, *uid) {
+                Some(Transport::Participant(..)) => participants.insert(*uid),
+                Some(Transport::RelayLeg(..)) => true,
+                None => false,
+            });
             for (uid, leg) in legs.iter_mut() {
                 let peer = leg.agent.selected();
-                let participant = matches!(Transport::of(&snapshot.model, *uid), Some(Transport::Participant(..)));
+                let participant = participants.contains(uid);
                 if leg.agent.consent_expired(now_ns) || (participant && !leg.keyed && leg.since.elapsed() > HANDSHAKE_DEADLINE) {
                     expired.push(*uid);
                 }

@@ -24,6 +24,7 @@ use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use mediaplane_core::model::{PayloadFormat, StreamRef, StreamSpec};
+use mediaplane_webrtc::dtls::Role;
 use mediaplane_webrtc::ice::Credentials;
 use mediaplane_webrtc::sdp::{choose_format, Answer, AnsweredMedia, Direction, Offer, SdpError, Sending};
 use serde::Deserialize;
@@ -64,8 +65,18 @@ fn sdp_error(e: SdpError) -> ApiError {
     }
 }
 
-/// The offer in a request's body, which must be `application/sdp` (RFC 9725 §4.2).
-fn offer_of(headers: &HeaderMap, body: &str) -> Result<Offer, ApiError> {
+/// What a WHIP or WHEP request asks, checked before anything changes: the offer in its body
+/// (which must be `application/sdp`, RFC 9725 §4.2), the SFU's DTLS role answering it, the
+/// participant's name, and the SFU's fresh ICE credentials for it.
+struct Session {
+    offer: Offer,
+    role: Role,
+    setup: &'static str,
+    pid: String,
+    ice: Credentials,
+}
+
+fn session_of(headers: &HeaderMap, body: &str, naming: Naming, prefix: &str) -> Result<Session, ApiError> {
     let ctype = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
     if !ctype.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/sdp") {
         return Err(ApiError::new(
@@ -74,7 +85,10 @@ fn offer_of(headers: &HeaderMap, body: &str) -> Result<Offer, ApiError> {
             format!("an SDP offer is sent as application/sdp, not {ctype:?}"),
         ));
     }
-    Offer::parse(body).map_err(sdp_error)
+    let offer = Offer::parse(body).map_err(sdp_error)?;
+    let (role, setup) = offer.answer_role().map_err(sdp_error)?;
+    let pid = naming.participant.unwrap_or_else(|| made_up(prefix));
+    Ok(Session { offer, role, setup, pid, ice: Credentials::generate() })
 }
 
 /// A name for a participant the client did not name.
@@ -82,34 +96,32 @@ fn made_up(prefix: &str) -> String {
     format!("{prefix}-{}", mediaplane_webrtc::random_hex(4))
 }
 
-/// What a WHIP or WHEP request made: the participant, its transport, and the answer's sections.
+/// What a WHIP or WHEP request made: the participant's transport, and the answer's sections.
 struct Made {
-    pid: String,
     local: SocketAddr,
     uid: u32,
     media: Vec<AnsweredMedia>,
 }
 
 /// Register the handshake, write the answer, and answer `201 Created` with it.
-fn answer(m: &SessionManager, room: &str, offer: &Offer, ice: Credentials, made: Made) -> Result<(StatusCode, serde_json::Value), ApiError> {
-    let (role, setup) = offer.answer_role().map_err(sdp_error)?;
+fn answer(m: &SessionManager, room: &str, session: Session, made: Made) -> Result<(StatusCode, serde_json::Value), ApiError> {
+    let Session { offer, role, setup, pid, ice } = session;
     let fingerprint = m.dtls_fingerprint();
-    m.set_crypto_leg(
-        made.uid,
-        CryptoLegSpec {
-            local: made.local,
-            local_ice: ice.clone(),
-            remote_ice: Some(offer.ice.clone()),
-            role,
-            remote_fingerprint: Some(offer.fingerprint.clone()),
-        },
-    );
+    let spec = CryptoLegSpec {
+        local: made.local,
+        local_ice: ice.clone(),
+        remote_ice: Some(offer.ice.clone()),
+        role,
+        remote_fingerprint: Some(offer.fingerprint.clone()),
+    };
+    m.set_crypto_leg(made.uid, spec);
     let ip = made.local.ip();
     let advertised = m.media_config().interface_of(ip).map_or(ip, |i| i.advertised());
     let sdp =
-        Answer { offer, ice: &ice, fingerprint: &fingerprint, setup, candidate: SocketAddr::new(advertised, made.local.port()), media: made.media }.write();
-    let location = format!("/v1/rooms/{room}/participants/{}", made.pid);
-    Ok((StatusCode::CREATED, json!({"sdp": sdp, "location": location, "participant": made.pid})))
+        Answer { offer: &offer, ice: &ice, fingerprint: &fingerprint, setup, candidate: SocketAddr::new(advertised, made.local.port()), media: made.media }
+            .write();
+    let location = format!("/v1/rooms/{room}/participants/{pid}");
+    Ok((StatusCode::CREATED, json!({"sdp": sdp, "location": location, "participant": pid})))
 }
 
 /// The SDP answer as WHIP/WHEP answers it: `201`, `application/sdp`, `Location`.
@@ -132,17 +144,15 @@ pub(crate) async fn whip(
     headers: HeaderMap,
     body: String,
 ) -> Result<Response, ApiError> {
-    let offer = offer_of(&headers, &body)?;
-    offer.answer_role().map_err(sdp_error)?;
-    let pid = naming.participant.unwrap_or_else(|| made_up("whip"));
+    let session = session_of(&headers, &body, naming, "whip")?;
     respond(m, p, move |m, ticket| {
-        let ice = Credentials::generate();
+        let (offer, pid) = (&session.offer, &session.pid);
         let made = m.mutate_for(ticket, |model, media| {
             if model.room(&room).is_err() {
                 model.create_room(&room)?;
             }
             let local = allocate_local(model, media, &[])?;
-            let uid = model.add_webrtc_participant(&room, &pid, local)?;
+            let uid = model.add_webrtc_participant(&room, pid, local)?;
             let mut answered = Vec::new();
             for section in &offer.media {
                 let format = choose_format(section).filter(|_| section.direction.sends() && !section.disabled);
@@ -159,7 +169,7 @@ pub(crate) async fn whip(
                 let Some(&ssrc) = section.ssrcs.first() else {
                     return Err(unsupported(format!("section {:?} names no SSRC (a=ssrc)", section.mid)));
                 };
-                let name = if model.participant(&room, &pid)?.streams.contains_key(kind.name()) {
+                let name = if model.participant(&room, pid)?.streams.contains_key(kind.name()) {
                     format!("{}-{}", kind.name(), section.mid)
                 } else {
                     kind.name().to_string()
@@ -167,15 +177,15 @@ pub(crate) async fn whip(
                 let format = PayloadFormat { kind: kind.name().into(), pt: f.pt, rtpmap: f.rtpmap.clone(), fmtp: f.fmtp.clone() };
                 check_format(&format).map_err(|e| unsupported(format!("section {:?}: {e}", section.mid)))?;
                 let spec = StreamSpec { ssrc: Some(ssrc), clock_rate: f.clock_rate(), format: Some(format), ..Default::default() };
-                model.publish(&room, &pid, &name, spec)?;
+                model.publish(&room, pid, &name, spec)?;
                 answered.push(AnsweredMedia { format: Some(f.clone()), direction: Direction::RecvOnly, sending: None });
             }
             if answered.iter().all(|a| a.format.is_none()) {
                 return Err(unsupported("the offer sends no audio or video the SFU can take".into()));
             }
-            Ok((Made { pid: pid.clone(), local, uid, media: answered }, vec![Change::Room(room.clone())]))
+            Ok((Made { local, uid, media: answered }, vec![Change::Room(room.clone())]))
         })?;
-        answer(m, &room, &offer, ice, made)
+        answer(m, &room, session, made)
     })
     .await
 }
@@ -192,11 +202,9 @@ pub(crate) async fn whep(
     headers: HeaderMap,
     body: String,
 ) -> Result<Response, ApiError> {
-    let offer = offer_of(&headers, &body)?;
-    offer.answer_role().map_err(sdp_error)?;
-    let pid = naming.participant.unwrap_or_else(|| made_up("whep"));
+    let session = session_of(&headers, &body, naming, "whep")?;
     respond(m, p, move |m, ticket| {
-        let ice = Credentials::generate();
+        let (offer, pid) = (&session.offer, &session.pid);
         let made = m.mutate_for(ticket, |model, media| {
             let streams: Vec<(String, u32, PayloadFormat)> = model
                 .participant(&room, &publisher)?
@@ -205,7 +213,7 @@ pub(crate) async fn whep(
                 .filter_map(|(name, s)| Some((name.clone(), s.ssrc.or(s.layers.first().map(|l| l.ssrc))?, s.format.clone()?)))
                 .collect();
             let local = allocate_local(model, media, &[])?;
-            let uid = model.add_webrtc_participant(&room, &pid, local)?;
+            let uid = model.add_webrtc_participant(&room, pid, local)?;
             let mut answered: Vec<AnsweredMedia> =
                 offer.media.iter().map(|_| AnsweredMedia { format: None, direction: Direction::Inactive, sending: None }).collect();
             let mut mismatch = Vec::new();
@@ -219,7 +227,7 @@ pub(crate) async fn whep(
                     mismatch.push(format!("{name} is {} on payload type {}", format.rtpmap, format.pt));
                     continue;
                 };
-                model.subscribe(&room, &pid, StreamRef { publisher: publisher.clone(), stream: name.clone() })?;
+                model.subscribe(&room, pid, StreamRef { publisher: publisher.clone(), stream: name.clone() })?;
                 let sending = Sending { ssrc, cname: publisher.clone(), msid: (publisher.clone(), name.clone()) };
                 answered[i] = AnsweredMedia { format: Some(f.clone()), direction: Direction::SendOnly, sending: Some(sending) };
             }
@@ -230,9 +238,9 @@ pub(crate) async fn whep(
                 };
                 return Err(unsupported(why));
             }
-            Ok((Made { pid: pid.clone(), local, uid, media: answered }, vec![Change::Room(room.clone())]))
+            Ok((Made { local, uid, media: answered }, vec![Change::Room(room.clone())]))
         })?;
-        answer(m, &room, &offer, ice, made)
+        answer(m, &room, session, made)
     })
     .await
 }

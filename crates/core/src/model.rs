@@ -656,38 +656,37 @@ impl Model {
         if local.is_ipv4() != remote.is_ipv4() {
             return Err(ModelError::FamilyMismatch(format!("participant {pid}")));
         }
-        let owner = format!("participant {room}/{pid}");
-        let r = self.room(room)?;
-        if r.participants.contains_key(pid) {
-            return Err(ModelError::Exists { kind: "participant", id: pid.into() });
-        }
-        self.check_free(local, &owner)?;
-        self.claim(local, owner)?;
-        self.room_mut(room)?
-            .participants
-            .insert(pid.into(), Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc: None });
-        Ok(())
+        self.insert_participant(room, pid, Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc: None })
     }
 
     /// Add a browser's participant (WHIP/WHEP) on `local`: no peer until ICE nominates one
     /// ([`Model::set_participant_nominated`]), no media until DTLS keys it
     /// ([`Model::set_participant_srtp`]). Returns its transport's uid.
     pub fn add_webrtc_participant(&mut self, room: &str, pid: &str, local: SocketAddr) -> Result<u32, ModelError> {
-        let unspecified: std::net::IpAddr = if local.is_ipv4() { std::net::Ipv4Addr::UNSPECIFIED.into() } else { std::net::Ipv6Addr::UNSPECIFIED.into() };
         check_id(pid)?;
         check_addr(local)?;
+        let uid = self.uid();
+        let webrtc = Some(WebrtcTransport { uid, nominated: false, srtp: Default::default() });
+        let mut p = Participant { local, remote: local, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc };
+        // Its `remote` until ICE nominates one: nobody's address (see `Participant::source`).
+        p.remote = p.source();
+        self.insert_participant(room, pid, p)?;
+        Ok(uid)
+    }
+
+    /// Add `p` as `pid` (its addresses checked already), claiming its SFU address.
+    fn insert_participant(&mut self, room: &str, pid: &str, p: Participant) -> Result<(), ModelError> {
         let owner = format!("participant {room}/{pid}");
         if self.room(room)?.participants.contains_key(pid) {
             return Err(ModelError::Exists { kind: "participant", id: pid.into() });
         }
-        self.check_free(local, &owner)?;
-        self.claim(local, owner)?;
-        let uid = self.uid();
-        let webrtc = Some(WebrtcTransport { uid, nominated: false, srtp: Default::default() });
-        let p = Participant { local, remote: SocketAddr::new(unspecified, 9), streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc };
+        self.check_free(p.local, &owner)?;
+        self.claim(p.local, owner)?;
+        if let Some(w) = &p.webrtc {
+            self.transports.insert(w.uid, (room.into(), pid.into()));
+        }
         self.room_mut(room)?.participants.insert(pid.into(), p);
-        self.transports.insert(uid, (room.into(), pid.into()));
-        Ok(uid)
+        Ok(())
     }
 
     /// Remove every WebRTC participant (with its streams and the subscriptions to them): the

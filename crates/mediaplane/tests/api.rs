@@ -305,6 +305,9 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     let (_, room) = d.call("GET", "/v1/rooms/r", None);
     assert_eq!(room["participants"]["bob"]["subscriptions"].as_array().map(Vec::len), Some(2), "{room}");
     assert_eq!(room["participants"]["alice"]["remote"], "0.0.0.0:9", "no peer before ICE");
+    // No trickle ICE: the SFU is ICE-lite and needs none of the client's candidates.
+    let patch = ureq::request("PATCH", &format!("{}/v1/rooms/r/participants/alice", d.api)).set("authorization", "Bearer s3cret").call();
+    assert!(matches!(patch, Err(ureq::Error::Status(405, _))), "{patch:?}");
     // The page loads without the token.
     assert_eq!(ureq::get(&format!("{}/", d.api)).call().unwrap().status(), 200);
 

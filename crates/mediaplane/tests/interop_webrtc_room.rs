@@ -49,20 +49,7 @@ const MEDIA_PORT: u16 = 5004;
 
 /// An API call from inside the SFU namespace, with the token.
 fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
-    let (m, url) = (method.to_string(), format!("http://127.0.0.1:{API_PORT}{path}"));
-    tb.in_ns(&tb.sfu_ns, move || {
-        let req = ureq::request(&m, &url).set("Authorization", &format!("Bearer {TOKEN}")).timeout(Duration::from_secs(5));
-        let r = match body {
-            Some(b) => req.send_json(b),
-            None => req.call(),
-        };
-        match r {
-            Ok(r) => r.into_json::<Value>().map_err(|e| e.to_string()),
-            Err(ureq::Error::Status(c, r)) => Err(format!("HTTP {c}: {}", r.into_string().unwrap_or_default())),
-            Err(e) => Err(e.to_string()),
-        }
-    })
-    .map_err(|e| e.to_string())?
+    common::netns::try_api_as(tb, &format!("127.0.0.1:{API_PORT}"), Some(TOKEN), method, path, body)
 }
 
 /// Everything the plain participant's socket received, by SSRC, while it forwards the encoder's

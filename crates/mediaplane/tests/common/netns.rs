@@ -136,9 +136,17 @@ pub fn try_api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> R
 }
 
 pub fn try_api_at(tb: &Testbed, listen: &str, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
-    let (m, url) = (method.to_string(), format!("http://{listen}{path}"));
+    try_api_as(tb, listen, None, method, path, body)
+}
+
+/// [`try_api_at`] with the API's bearer `token`, if it has one.
+pub fn try_api_as(tb: &Testbed, listen: &str, token: Option<&str>, method: &str, path: &str, body: Option<Value>) -> Result<Value, String> {
+    let (m, url, auth) = (method.to_string(), format!("http://{listen}{path}"), token.map(|t| format!("Bearer {t}")));
     tb.in_ns(&tb.sfu_ns, move || {
-        let req = ureq::request(&m, &url).timeout(Duration::from_secs(5));
+        let mut req = ureq::request(&m, &url).timeout(Duration::from_secs(5));
+        if let Some(a) = &auth {
+            req = req.set("Authorization", a);
+        }
         let r = match body {
             Some(b) => req.send_json(b),
             None => req.call(),
