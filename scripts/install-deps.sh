@@ -10,6 +10,7 @@ packages=(
   kamailio-websocket-modules                                       # SIP over WebSocket for the browser SIP client (SIP.js)
   rtpengine-daemon                                                 # the latching interop test's baseline, and make bench's
   make libssl-dev                                                  # SRTP: the srtp crate builds libsrtp against OpenSSL
+  openssl                                                          # DTLS interop: s_server / s_client as the independent DTLS-SRTP peer
   gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad  # SDES interop peer (srtpenc/srtpdec)
   chromium                                                         # WebRTC interop: a real browser (headless, fake media) calls through the relay
   prometheus                                                       # promtool: the /metrics test lints the exposition
