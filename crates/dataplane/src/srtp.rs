@@ -114,9 +114,11 @@ impl Context {
     pub fn protect(&self, buf: &mut Vec<u8>) -> Result<(), srtp::Error> {
         match rtp::demux(buf) {
             MediaKind::Rtcp => self.session.lock().protect_rtcp(buf),
-            // Anything else a plain leg may relay (it checks RTP only when asked) is protected
-            // as RTP, which fails for what is not RTP.
-            _ => self.session.lock().protect(buf),
+            MediaKind::Rtp => self.session.lock().protect(buf),
+            // A plain leg may relay any UDP (it checks RTP only when asked). libsrtp would seal
+            // some of it (it does not check the RTP version), but no SRTP receiver demultiplexes
+            // that back as media: refuse it here (found by fuzz/fuzz_targets/srtp_input.rs).
+            _ => Err(srtp::Error::BAD_PARAM),
         }
     }
 }
@@ -293,6 +295,8 @@ mod tests {
                 assert_eq!(sealed.len(), clear.len() + tag, "{suite:?}: the suite's tag (and SRTCP's index)");
                 assert_eq!(unprotect(Some(&rx), &sealed).unwrap(), clear);
             }
+            // What no receiver would take as SRTP (not version 2) is not sealed either.
+            assert!(protect(Some(&tx), &[0; 12]).is_none(), "{suite:?}: not RTP");
         }
     }
 
