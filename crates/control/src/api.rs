@@ -252,6 +252,38 @@ struct AddParticipant {
     remote: SocketAddr,
     /// SFU address for this participant; allocated from the media port range when absent.
     local: Option<SocketAddr>,
+    /// SRTP keyed here (SDES): the participant's streams are then SRTP, its copies protected.
+    srtp: Option<ParticipantSrtp>,
+}
+
+/// A participant's SDES keys: base64 master key and salt, as an `a=crypto` `inline:` carries
+/// them. Stored; no response shows them again.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ParticipantSrtp {
+    /// AES_CM_128_HMAC_SHA1_80, AES_CM_128_HMAC_SHA1_32 or AEAD_AES_128_GCM.
+    suite: String,
+    /// What the participant protects its packets with.
+    inbound: String,
+    /// What the SFU protects its copies to the participant with.
+    outbound: String,
+}
+
+impl ParticipantSrtp {
+    fn keys(&self) -> Result<mediaplane_core::srtp::LegSrtp, ApiError> {
+        use base64::Engine as _;
+        use mediaplane_core::srtp::{LegSrtp, SrtpKey, SrtpSuite};
+        let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid", m);
+        let suite = std::iter::once(SrtpSuite::AeadAes128Gcm)
+            .chain(SrtpSuite::ALL)
+            .find(|s| s.name().eq_ignore_ascii_case(&self.suite))
+            .ok_or_else(|| bad(format!("srtp suite {:?} is not one of AES_CM_128_HMAC_SHA1_80, AES_CM_128_HMAC_SHA1_32, AEAD_AES_128_GCM", self.suite)))?;
+        let key = |which: &str, b64: &str| {
+            let master = base64::engine::general_purpose::STANDARD.decode(b64).map_err(|e| bad(format!("srtp {which}: not base64: {e}")))?;
+            SrtpKey::new(suite, master).map_err(|e| bad(format!("srtp {which}: {e}")))
+        };
+        Ok(LegSrtp { inbound: Some(key("inbound", &self.inbound)?), outbound: Some(key("outbound", &self.outbound)?) })
+    }
 }
 
 #[derive(Deserialize)]
@@ -482,7 +514,7 @@ async fn create_room(State(m): State<AppState>, Extension(p): Extension<Pending>
 }
 
 async fn get_room(State(m): State<AppState>, Path(room): Path<String>) -> ApiResult {
-    let mut r = m.read(|model, _| model.room(&room).map(|r| serde_json::to_value(r).unwrap()))?;
+    let mut r = m.read(|model, _| model.room(&room).map(|r| without_keys(serde_json::to_value(r).unwrap())))?;
     if let Some(ps) = r["participants"].as_object_mut() {
         ps.values_mut().for_each(|p| with_handshake(&m, p));
     }
@@ -506,22 +538,28 @@ async fn add_participant(
     Path(room): Path<String>,
     ApiJson(req): ApiJson<AddParticipant>,
 ) -> Result<Response, ApiError> {
+    let srtp = req.srtp.as_ref().map(ParticipantSrtp::keys).transpose()?;
+    let suite = srtp.as_ref().and_then(|k| k.inbound.as_ref()).map(|k| json!({"suite": k.suite}));
     commit(m, p, move |m, t| {
         let local = m.mutate_for(t, |model, media| {
             let local = match req.local {
                 Some(l) => l,
                 None => allocate_local(model, media, &[])?,
             };
-            model.add_participant(&room, &req.id, local, req.remote)?;
+            model.add_srtp_participant(&room, &req.id, local, req.remote, srtp)?;
             Ok((local, vec![Change::Room(room.clone())]))
         })?;
-        Ok((StatusCode::CREATED, json!({"id": req.id, "local": local, "remote": req.remote})))
+        let mut out = json!({"id": req.id, "local": local, "remote": req.remote});
+        if let Some(s) = suite {
+            out["srtp"] = s;
+        }
+        Ok((StatusCode::CREATED, out))
     })
     .await
 }
 
 async fn get_participant(State(m): State<AppState>, Path((room, pid)): Path<(String, String)>) -> ApiResult {
-    let mut p = m.read(|model, _| model.participant(&room, &pid).map(|p| serde_json::to_value(p).unwrap()))?;
+    let mut p = m.read(|model, _| model.participant(&room, &pid).map(|p| without_keys(serde_json::to_value(p).unwrap())))?;
     with_handshake(&m, &mut p);
     ok(p)
 }
@@ -741,7 +779,7 @@ fn leg_view(leg: &mediaplane_core::model::Leg) -> serde_json::Value {
 }
 
 /// `v` without SRTP key material: every `master` next to a `suite` goes (the keys stay in the
-/// store, never in a response).
+/// store, never in a response). Relay legs' and SDES participants' views go through it.
 fn without_keys(mut v: serde_json::Value) -> serde_json::Value {
     fn strip(v: &mut serde_json::Value) {
         match v {

@@ -163,6 +163,12 @@ pub struct Participant {
     /// the unspecified address (port 9, as WebRTC SDPs say "no address") before.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub webrtc: Option<WebrtcTransport>,
+    /// SRTP keyed at join (SDES, RFC 4568's model: a SIP gateway or any peer that exchanged keys
+    /// out of band): `inbound` is what the participant protects its packets with, `outbound`
+    /// what the SFU protects its copies to it with. Stored, as a relay leg's SDES keys are;
+    /// never shown by the API. A WebRTC participant's keys come from DTLS instead.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub srtp: Option<crate::srtp::LegSrtp>,
 }
 
 /// A WebRTC participant's transport (one BUNDLE: every stream on `local`, told apart by SSRC).
@@ -198,14 +204,20 @@ impl Participant {
         self.peer().unwrap_or(SocketAddr::new(nobody, 9))
     }
 
+    /// Its SRTP keys, if it speaks SRTP: from DTLS (WebRTC; empty until the handshake is done)
+    /// or given at join (SDES).
+    fn keys(&self) -> Option<&crate::srtp::LegSrtp> {
+        self.webrtc.as_ref().map(|w| &w.srtp).or(self.srtp.as_ref())
+    }
+
     /// How what the SFU sends it is protected.
     pub fn outbound(&self) -> crate::srtp::Protection {
-        self.webrtc.as_ref().map_or(crate::srtp::Protection::Clear, |w| crate::srtp::Protection::Srtp(w.srtp.outbound.clone()))
+        self.keys().map_or(crate::srtp::Protection::Clear, |k| crate::srtp::Protection::Srtp(k.outbound.clone()))
     }
 
     /// How what it sends arrives.
     pub fn inbound(&self) -> crate::srtp::Protection {
-        self.webrtc.as_ref().map_or(crate::srtp::Protection::Clear, |w| crate::srtp::Protection::Srtp(w.srtp.inbound.clone()))
+        self.keys().map_or(crate::srtp::Protection::Clear, |k| crate::srtp::Protection::Srtp(k.inbound.clone()))
     }
 }
 
@@ -650,13 +662,29 @@ impl Model {
     }
 
     pub fn add_participant(&mut self, room: &str, pid: &str, local: SocketAddr, remote: SocketAddr) -> Result<(), ModelError> {
+        self.add_srtp_participant(room, pid, local, remote, None)
+    }
+
+    /// [`Model::add_participant`], speaking SRTP with the keys given (SDES) when `srtp` is set:
+    /// both directions need a key.
+    pub fn add_srtp_participant(
+        &mut self,
+        room: &str,
+        pid: &str,
+        local: SocketAddr,
+        remote: SocketAddr,
+        srtp: Option<crate::srtp::LegSrtp>,
+    ) -> Result<(), ModelError> {
         check_id(pid)?;
         check_addr(local)?;
         check_addr(remote)?;
         if local.is_ipv4() != remote.is_ipv4() {
             return Err(ModelError::FamilyMismatch(format!("participant {pid}")));
         }
-        self.insert_participant(room, pid, Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc: None })
+        if srtp.as_ref().is_some_and(|k| k.inbound.is_none() || k.outbound.is_none()) {
+            return Err(ModelError::Invalid(format!("participant {pid}: SRTP needs a key for each direction")));
+        }
+        self.insert_participant(room, pid, Participant { local, remote, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc: None, srtp })
     }
 
     /// Add a browser's participant (WHIP/WHEP) on `local`: no peer until ICE nominates one
@@ -667,7 +695,7 @@ impl Model {
         check_addr(local)?;
         let uid = self.uid();
         let webrtc = Some(WebrtcTransport { uid, nominated: false, srtp: Default::default() });
-        let mut p = Participant { local, remote: local, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc };
+        let mut p = Participant { local, remote: local, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc, srtp: None };
         // Its `remote` until ICE nominates one: nobody's address (see `Participant::source`).
         p.remote = p.source();
         self.insert_participant(room, pid, p)?;
@@ -818,6 +846,9 @@ impl Model {
         if p.webrtc.is_some() && (spec.local.is_some() || (spec.ssrc.is_none() && spec.layers.is_empty())) {
             // Its transport address is a BUNDLE: STUN, DTLS and every stream, told apart by SSRC.
             return Err(ModelError::Invalid(format!("stream {name}: a WebRTC participant's streams arrive on its transport and need an SSRC")));
+        }
+        if p.srtp.is_some() && !spec.rtp && spec.ssrc.is_none() && spec.layers.is_empty() {
+            return Err(ModelError::Invalid(format!("stream {name}: an SRTP participant's streams are RTP")));
         }
         let keys: Vec<Option<u32>> = if spec.layers.is_empty() { vec![spec.ssrc] } else { spec.layers.iter().map(|s| Some(*s)).collect() };
         for ssrc in keys {

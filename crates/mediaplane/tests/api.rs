@@ -317,3 +317,47 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     let (s, room) = d.call("GET", "/v1/rooms/r", None);
     assert_eq!((s, room["participants"].as_object().map(|p| p.len())), (200, Some(0)), "{room}");
 }
+
+/// A participant keyed at join (SDES): its keys are checked, stored (a restart keeps them), and
+/// never shown again; its streams must be RTP.
+#[test]
+fn sdes_participants_take_keys_that_no_response_shows() {
+    use base64::Engine as _;
+    let b64 = |n: usize, b: u8| base64::engine::general_purpose::STANDARD.encode(vec![b; n]);
+    let dir = TempDir::new("sdes-participant");
+    let store = dir.0.join("s.db");
+    let mut d = Daemon::start(&store, &[]);
+    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "r"}))).0, 201);
+    let join =
+        |d: &Daemon, id: &str, srtp: Value| d.call("POST", "/v1/rooms/r/participants", Some(json!({"id": id, "remote": "127.0.0.1:5004", "srtp": srtp})));
+
+    let (s, v) = join(&d, "bad", json!({"suite": "F8_128_HMAC_SHA1_80", "inbound": b64(30, 1), "outbound": b64(30, 2)}));
+    assert!(s == 400 && v["error"].as_str().unwrap().contains("suite"), "{v}");
+    let (s, v) = join(&d, "bad", json!({"suite": "AES_CM_128_HMAC_SHA1_80", "inbound": "not base64!", "outbound": b64(30, 2)}));
+    assert!(s == 400 && v["error"].as_str().unwrap().contains("base64"), "{v}");
+    let (s, v) = join(&d, "bad", json!({"suite": "AES_CM_128_HMAC_SHA1_80", "inbound": b64(28, 1), "outbound": b64(30, 2)}));
+    assert!(s == 400 && v["error"].as_str().unwrap().contains("30-byte"), "{v}");
+    let (s, v) = join(&d, "bad", json!({"suite": "AEAD_AES_128_GCM", "inbound": b64(28, 1)}));
+    assert_eq!(s, 422, "both directions need a key (a body of the wrong shape, as everywhere in the API): {v}");
+    assert_eq!(d.call("GET", "/v1/rooms/r/participants/bad", None).0, 404, "a refused join changes nothing");
+
+    let (s, v) = join(&d, "gw", json!({"suite": "aead_aes_128_gcm", "inbound": b64(28, 0x11), "outbound": b64(28, 0x22)}));
+    assert_eq!((s, &v["srtp"]), (201, &json!({"suite": "AEAD_AES_128_GCM"})), "{v}");
+    let (s, v) = d.call("POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "data", "rtp": false})));
+    assert!(s == 400 && v["error"].as_str().unwrap().contains("RTP"), "{v}");
+    assert_eq!(d.call("POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "audio", "ssrc": 7}))).0, 201);
+
+    let shown = |d: &Daemon| {
+        let (_, p) = d.call("GET", "/v1/rooms/r/participants/gw", None);
+        let (_, room) = d.call("GET", "/v1/rooms/r", None);
+        for text in [p.to_string(), room.to_string()] {
+            assert!(!text.contains("master") && !text.contains(&b64(28, 0x11)) && !text.contains("17,17"), "a key is shown: {text}");
+        }
+        p
+    };
+    let p = shown(&d);
+    assert_eq!(p["srtp"], json!({"inbound": {"suite": "AEAD_AES_128_GCM"}, "outbound": {"suite": "AEAD_AES_128_GCM"}}), "{p}");
+    d.terminate();
+    let d = Daemon::start(&store, &[]);
+    assert_eq!(shown(&d)["srtp"], p["srtp"], "stored: the participant still speaks SRTP after a restart");
+}
