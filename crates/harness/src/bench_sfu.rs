@@ -16,6 +16,7 @@ use anyhow::{bail, Context};
 use indicatif::{ProgressBar, ProgressStyle};
 use mediaplane_bench::added_delay::{added_delay, AddedDelayMethod};
 use mediaplane_bench::netns::Testbed;
+use mediaplane_bench::traffic::Profile;
 use std::path::PathBuf;
 use std::time::Duration;
 
@@ -30,14 +31,17 @@ pub struct BenchSfuArgs {
     #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]
     dataplanes: Vec<String>,
     /// one-stream, two-streams (voice, video, thesis presets); simulcast, simulcast-plain (the
-    /// simulcast preset, where they are the default).
+    /// simulcast preset, where they are the default); fanout, fanout-srtp-gcm, fanout-srtp-cm
+    /// (one publisher to N - 1 subscribers, plain or every participant on SRTP; the encrypted
+    /// preset's default).
     #[arg(long, value_delimiter = ',')]
     scenarios: Option<Vec<String>>,
     /// Participant counts (default 2..=12, 16, 32, 64; quick: 2, 4).
     #[arg(long, value_delimiter = ',')]
     sizes: Option<Vec<usize>>,
-    /// Traffic preset: voice, video, thesis, or simulcast (three VP8 layers per publisher; the
-    /// rewrite against plain fan-out of the same copies).
+    /// Traffic preset: voice, video, thesis, simulcast (three VP8 layers per publisher; the
+    /// rewrite against plain fan-out of the same copies), or encrypted (video, 1,200 B at 156
+    /// packets/s from one publisher: SRTP with AES-GCM and with AES-CM + HMAC against plain RTP).
     #[arg(long, default_value = "voice")]
     preset: String,
     /// Seconds of media per run (default 10; quick: 1).
@@ -72,15 +76,22 @@ fn parse_scenario(s: &str) -> anyhow::Result<Scenario> {
         "two-streams" => Ok(Scenario::TwoStreams),
         "simulcast" => Ok(Scenario::Simulcast),
         "simulcast-plain" => Ok(Scenario::SimulcastPlain),
-        other => bail!("unknown scenario {other:?}: use one-stream, two-streams, simulcast or simulcast-plain"),
+        "fanout" => Ok(Scenario::Fanout),
+        "fanout-srtp-gcm" => Ok(Scenario::FanoutSrtpGcm),
+        "fanout-srtp-cm" => Ok(Scenario::FanoutSrtpCm),
+        other => bail!("unknown scenario {other:?}: use one-stream, two-streams, simulcast, simulcast-plain, fanout, fanout-srtp-gcm or fanout-srtp-cm"),
     }
 }
 
 fn sfu(a: BenchSfuArgs) -> anyhow::Result<()> {
     mediaplane_bench::ensure_root("bench sfu")?;
-    let profile = profile_named(&a.preset)?;
-    let simulcast = a.preset == "simulcast";
-    let default_scenarios = if simulcast { "simulcast,simulcast-plain" } else { "one-stream,two-streams" };
+    let (simulcast, encrypted) = (a.preset == "simulcast", a.preset == "encrypted");
+    let profile = if encrypted { Profile { name: "encrypted".into(), ..Profile::video() } } else { profile_named(&a.preset)? };
+    let default_scenarios = match (simulcast, encrypted) {
+        (true, _) => "simulcast,simulcast-plain",
+        (_, true) => "fanout,fanout-srtp-gcm,fanout-srtp-cm",
+        _ => "one-stream,two-streams",
+    };
     let names = a.scenarios.clone().unwrap_or_else(|| default_scenarios.split(',').map(str::to_string).collect());
     let scenarios: Vec<Scenario> = names.iter().map(|s| parse_scenario(s)).collect::<anyhow::Result<_>>()?;
     if let Some(s) = scenarios.iter().find(|s| s.layered() != simulcast) {

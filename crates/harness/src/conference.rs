@@ -15,6 +15,8 @@ use mediaplane_bench::netns::Testbed;
 use mediaplane_bench::process::Supervised;
 use mediaplane_bench::qos::Summary;
 use mediaplane_bench::traffic::{self, Profile, TrafficPlan, TrafficReport};
+use mediaplane_core::srtp::{SrtpKey, SrtpSuite};
+use mediaplane_dataplane::srtp::Context as SrtpContext;
 use serde::Serialize;
 use serde_json::{json, Value};
 use std::net::SocketAddr;
@@ -48,6 +50,15 @@ pub enum Scenario {
     /// The same layers, each published as a plain stream of its own (narrowed to its SSRC), and
     /// the same subscriptions to them: the same copies without the simulcast rewrite.
     SimulcastPlain,
+    /// One publisher (p0), every other participant subscribed to it: a webinar, or one browser
+    /// seen by N - 1 others. Plain RTP: the encrypted preset's baseline.
+    Fanout,
+    /// [`Scenario::Fanout`] with every participant speaking SRTP (keys given at join, SDES),
+    /// AEAD_AES_128_GCM: the publisher's packets unprotected once, each copy protected with its
+    /// subscriber's key.
+    FanoutSrtpGcm,
+    /// The same with AES_CM_128_HMAC_SHA1_80.
+    FanoutSrtpCm,
 }
 
 impl Scenario {
@@ -55,6 +66,34 @@ impl Scenario {
     pub fn layered(self) -> bool {
         matches!(self, Scenario::Simulcast | Scenario::SimulcastPlain)
     }
+
+    /// Whether only p0 publishes (the fan-out scenarios).
+    pub fn fanout(self) -> bool {
+        matches!(self, Scenario::Fanout | Scenario::FanoutSrtpGcm | Scenario::FanoutSrtpCm)
+    }
+
+    /// The SRTP suite every participant speaks, if any.
+    pub fn srtp(self) -> Option<SrtpSuite> {
+        match self {
+            Scenario::FanoutSrtpGcm => Some(SrtpSuite::AeadAes128Gcm),
+            Scenario::FanoutSrtpCm => Some(SrtpSuite::AesCm128HmacSha1_80),
+            _ => None,
+        }
+    }
+}
+
+/// Participant i's SRTP master key in one direction (`sfu_sends`: what the SFU protects its
+/// copies to i with; else what i protects its packets with). Fixed per run: a benchmark in
+/// namespaces of its own, not a secret.
+fn participant_key(suite: SrtpSuite, i: usize, sfu_sends: bool) -> SrtpKey {
+    let seed = (i as u8).wrapping_mul(31).wrapping_add(if sfu_sends { 101 } else { 7 });
+    SrtpKey::new(suite, (0..suite.master_len() as u8).map(|b| b.wrapping_mul(13) ^ seed).collect()).expect("the suite's length")
+}
+
+/// A libsrtp session with participant i's key: `sfu_sends` as above, `outbound` the side that
+/// protects.
+fn participant_srtp(suite: SrtpSuite, i: usize, sfu_sends: bool, outbound: bool) -> anyhow::Result<std::sync::Arc<SrtpContext>> {
+    Ok(std::sync::Arc::new(SrtpContext::new(&participant_key(suite, i, sfu_sends), outbound).map_err(anyhow::Error::msg)?))
 }
 
 /// Layers of a simulcast scenario's publishers.
@@ -399,9 +438,21 @@ pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool, 
     for (i, p) in tb.peers.iter().take(n).enumerate() {
         let local = SocketAddr::new(p.sfu_ip, SFU_PORT);
         let remote = SocketAddr::new(p.ip, MEDIA_PORT);
-        api(tb, "POST", "/v1/rooms/demo/participants", Some(json!({"id": format!("p{i}"), "local": local, "remote": remote})))?;
+        let mut participant = json!({"id": format!("p{i}"), "local": local, "remote": remote});
+        if let Some(suite) = scenario.srtp() {
+            use base64::Engine as _;
+            let b64 = |k: SrtpKey| base64::engine::general_purpose::STANDARD.encode(k.master);
+            participant["srtp"] =
+                json!({"suite": suite.name(), "inbound": b64(participant_key(suite, i, false)), "outbound": b64(participant_key(suite, i, true))});
+        }
+        api(tb, "POST", "/v1/rooms/demo/participants", Some(participant))?;
         let streams = format!("/v1/rooms/demo/participants/p{i}/streams");
         match scenario {
+            Scenario::Fanout | Scenario::FanoutSrtpGcm | Scenario::FanoutSrtpCm => {
+                if i == 0 {
+                    api(tb, "POST", &streams, Some(json!({"name": "main", "ssrc": flow_main(0)})))?;
+                }
+            }
             Scenario::Simulcast => {
                 let layers: Vec<u32> = (0..LAYERS).map(|l| flow_layer(i, l)).collect();
                 api(tb, "POST", &streams, Some(json!({"name": "video", "layers": layers, "codec": "vp8", "clock_rate": 90_000})))?;
@@ -427,6 +478,11 @@ pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool, 
             let path = format!("/v1/rooms/demo/participants/p{i}/subscriptions");
             let publisher = format!("p{j}");
             match scenario {
+                Scenario::Fanout | Scenario::FanoutSrtpGcm | Scenario::FanoutSrtpCm => {
+                    if j == 0 {
+                        api(tb, "POST", &path, Some(json!({"publisher": publisher, "stream": "main"})))?;
+                    }
+                }
                 Scenario::Simulcast => {
                     let l = layer_for(i, j);
                     api(tb, "POST", &path, Some(json!({"publisher": publisher, "stream": "video", "preferred_layer": l, "max_layer": l})))?;
@@ -507,12 +563,36 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     let high_half = |i: usize| i >= n / 2;
     let two = spec.scenario == Scenario::TwoStreams;
     let layered = spec.scenario.layered();
+    let (fanout, srtp) = (spec.scenario.fanout(), spec.scenario.srtp());
+    if srtp.is_some() && !rtp {
+        bail!("the {:?} scenario sends SRTP: use an RTP preset (voice, video)", spec.scenario);
+    }
     let mut plan = TrafficPlan::new(spec.duration);
     let mut expected: Vec<Vec<u32>> = vec![Vec::new(); n];
     for (i, p) in tb.peers.iter().enumerate() {
         let sock = tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT))?;
         let profile = spec.profile.clone();
-        if floor {
+        if fanout {
+            // p0 publishes; through the SFU under its own key, on the floor each copy straight
+            // to its subscriber under the key the SFU would have protected it with.
+            if i == 0 && floor {
+                for j in 1..n {
+                    let to = SocketAddr::new(tb.peers[j].ip, MEDIA_PORT);
+                    plan = match srtp {
+                        Some(suite) => plan.srtp_sender(sock.try_clone()?, to, flow_mesh_main(0, j), profile.clone(), participant_srtp(suite, j, true, true)?),
+                        None => plan.sender(sock.try_clone()?, to, flow_mesh_main(0, j), profile.clone()),
+                    };
+                }
+            } else if i == 0 {
+                let to = SocketAddr::new(p.sfu_ip, SFU_PORT);
+                plan = match srtp {
+                    Some(suite) => plan.srtp_sender(sock.try_clone()?, to, flow_main(0), profile.clone(), participant_srtp(suite, 0, false, true)?),
+                    None => plan.sender(sock.try_clone()?, to, flow_main(0), profile.clone()),
+                };
+            } else {
+                expected[i].push(if floor { flow_mesh_main(0, i) } else { flow_main(0) });
+            }
+        } else if floor {
             for (j, q) in tb.peers.iter().enumerate().filter(|(j, _)| *j != i) {
                 let to = SocketAddr::new(q.ip, MEDIA_PORT);
                 // A layered floor sends each subscriber just the layer it receives.
@@ -534,7 +614,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         }
         let next = &tb.peers[(i + 1) % n];
         plan = plan.sender(sock.try_clone()?, SocketAddr::new(next.ip, DIRECT_PORT), flow_direct(i), profile);
-        for j in (0..n).filter(|j| *j != i) {
+        for j in (0..n).filter(|j| *j != i && !fanout) {
             expected[i].push(match (floor, layered) {
                 (true, _) => flow_mesh_main(j, i),
                 (false, true) => flow_layer(j, layer_for(i, j)),
@@ -544,7 +624,10 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
                 expected[i].push(if floor { flow_mesh_high(j, i) } else { flow_high(j) });
             }
         }
-        plan = plan.receiver(format!("p{i}"), sock, expected[i].clone());
+        plan = match srtp {
+            Some(suite) => plan.srtp_receiver(format!("p{i}"), sock, expected[i].clone(), participant_srtp(suite, i, true, false)?),
+            None => plan.receiver(format!("p{i}"), sock, expected[i].clone()),
+        };
     }
     for (i, p) in tb.peers.iter().enumerate() {
         let prev = (i + n - 1) % n;

@@ -73,6 +73,9 @@ fn scen(s: Scenario) -> &'static str {
         Scenario::TwoStreams => "two-streams",
         Scenario::Simulcast => "simulcast",
         Scenario::SimulcastPlain => "simulcast-plain",
+        Scenario::Fanout => "fanout",
+        Scenario::FanoutSrtpGcm => "fanout-srtp-gcm",
+        Scenario::FanoutSrtpCm => "fanout-srtp-cm",
     }
 }
 
@@ -154,17 +157,108 @@ struct SimulcastRow {
     lost: u64,
 }
 
-/// What a run cost: BPF ns/copy (eBPF planes), CPU ns/copy (serve + BPF), added delay p50 µs.
+/// What a run cost: BPF ns/copy (eBPF planes), CPU ns/copy (serve + BPF), added delay p50 and
+/// p99 µs.
 #[derive(Clone, Copy)]
 struct Cost {
     bpf: Option<f64>,
     cpu: Option<f64>,
     added_p50_us: Option<f64>,
+    added_p99_us: Option<f64>,
 }
 
 impl Cost {
     fn of(r: &ConferenceResult) -> Cost {
-        Cost { bpf: bpf_per_copy(r), cpu: r.cpu_per_copy_ns, added_p50_us: r.added_delay_ns.map(|a| a.p50 / 1e3) }
+        Cost {
+            bpf: bpf_per_copy(r),
+            cpu: r.cpu_per_copy_ns,
+            added_p50_us: r.added_delay_ns.map(|a| a.p50 / 1e3),
+            added_p99_us: r.added_delay_ns.map(|a| a.p99 / 1e3),
+        }
+    }
+}
+
+/// One row of the encrypted comparison: an SRTP fan-out run beside the plain fan-out of the
+/// same plane at the same N.
+struct EncryptedRow {
+    n: usize,
+    plane: String,
+    scenario: Scenario,
+    srtp: Cost,
+    plain: Option<Cost>,
+    lost: u64,
+}
+
+impl EncryptedRow {
+    /// What encrypting cost per copy: the SRTP run's CPU per copy minus the plain run's.
+    fn crypto_ns(&self) -> Option<f64> {
+        self.srtp.cpu.zip(self.plain.and_then(|p| p.cpu)).map(|(s, p)| s - p)
+    }
+
+    fn suite(&self) -> &'static str {
+        self.scenario.srtp().map_or("-", |s| s.name())
+    }
+
+    fn cells(&self) -> [String; 8] {
+        let num = |x: Option<f64>, d: usize| x.map(|x| format!("{x:.d$}")).unwrap_or("-".into());
+        let plain = |f: fn(&Cost) -> Option<f64>| self.plain.as_ref().and_then(f);
+        [
+            self.n.to_string(),
+            self.plane.clone(),
+            self.suite().to_string(),
+            num(self.srtp.cpu, 0),
+            num(plain(|c| c.cpu), 0),
+            num(self.crypto_ns(), 0),
+            format!(
+                "{} / {} ; {} / {}",
+                num(self.srtp.added_p50_us, 1),
+                num(plain(|c| c.added_p50_us), 1),
+                num(self.srtp.added_p99_us, 1),
+                num(plain(|c| c.added_p99_us), 1)
+            ),
+            self.lost.to_string(),
+        ]
+    }
+}
+
+const ENCRYPTED_HEADER: [&str; 8] = [
+    "N",
+    "plane",
+    "suite",
+    "CPU ns/copy SRTP",
+    "CPU ns/copy plain",
+    "SRTP - plain ns/copy",
+    "added p50 µs SRTP / plain ; p99 SRTP / plain",
+    "copies lost (SRTP)",
+];
+
+fn encrypted_rows(results: &[ConferenceResult]) -> Vec<EncryptedRow> {
+    results
+        .iter()
+        .filter(|r| r.scenario.srtp().is_some() && r.dataplane != KERNEL_FORWARD)
+        .map(|r| {
+            let n = r.participants.len();
+            EncryptedRow {
+                n,
+                plane: r.dataplane.clone(),
+                scenario: r.scenario,
+                srtp: Cost::of(r),
+                plain: find(results, &r.dataplane, Scenario::Fanout, n).map(Cost::of),
+                lost: r.lost,
+            }
+        })
+        .collect()
+}
+
+/// What the encrypted comparison is, in words.
+const ENCRYPTED_TEXT: &str = "One publisher (p0) sends 1,200-byte video at 156 packets/s; the other N - 1 participants subscribe to it. `fanout`: plain RTP. `fanout-srtp-gcm`, `fanout-srtp-cm`: every participant speaks SRTP (AEAD_AES_128_GCM; AES_CM_128_HMAC_SHA1_80) with keys given at join (the rooms API's `srtp`, SDES): the SFU unprotects each packet once and protects each copy with its subscriber's key, in user space on every plane (the eBPF plane passes an SRTP stream to its slow path). The publisher protects and the subscribers unprotect in the generator, on the floor too (each copy sent straight to its subscriber under the subscriber's key), so the generator's own crypto is in the floor and not in the added delay. CPU ns/copy = the serve process's CPU (and BPF run time) / copies received; SRTP - plain = what encrypting cost per copy on that plane at that N (the unprotect once per publisher packet shared by its copies, each copy's protect, its bigger send).";
+
+/// The issue's targets for CPU per encrypted copy, ns.
+fn encrypted_target_ns(s: Scenario) -> f64 {
+    if s == Scenario::FanoutSrtpGcm {
+        1500.0
+    } else {
+        2500.0
     }
 }
 
@@ -340,7 +434,7 @@ fn target_checks(results: &[ConferenceResult]) -> Vec<(String, Option<bool>, Str
     // The thesis scenarios' target; the simulcast comparison has its own table.
     let worst_bpf = results
         .iter()
-        .filter(|r| r.dataplane == "ebpf" && !r.scenario.layered())
+        .filter(|r| r.dataplane == "ebpf" && matches!(r.scenario, Scenario::OneStream | Scenario::TwoStreams))
         .filter_map(bpf_per_copy)
         .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))));
     v.push((
@@ -354,6 +448,27 @@ fn target_checks(results: &[ConferenceResult]) -> Vec<(String, Option<bool>, Str
             row.share.map(|s| s >= 0.95),
             row.share.map(|s| format!("{:.2} %", s * 100.0)).unwrap_or("not measured".into()),
         ));
+    }
+    // Encrypted fan-out: at the largest N of each plane and suite, what encrypting cost per copy.
+    let encrypted = encrypted_rows(results);
+    for row in &encrypted {
+        if encrypted.iter().any(|o| o.plane == row.plane && o.scenario == row.scenario && o.n > row.n) {
+            continue;
+        }
+        let target = encrypted_target_ns(row.scenario);
+        v.push((
+            format!("{}, {}, N = {}: CPU per encrypted copy (SRTP - plain fan-out) <= {:.1} µs", row.plane, row.suite(), row.n, target / 1e3),
+            row.crypto_ns().map(|c| c <= target),
+            match (row.crypto_ns(), row.srtp.cpu) {
+                (Some(c), Some(all)) => format!("{c:.0} ns (all of the copy's CPU: {all:.0} ns)"),
+                _ => "not measured (no plain fan-out run beside it)".into(),
+            },
+        ));
+    }
+    if !encrypted.is_empty() {
+        let lossy: Vec<String> =
+            encrypted.iter().filter(|r| r.n <= 32 && r.lost > 0).map(|r| format!("{} {} N={}: {}", r.plane, r.suite(), r.n, r.lost)).collect();
+        v.push(("encrypted fan-out: no loss up to N = 32".into(), Some(lossy.is_empty()), if lossy.is_empty() { "none".into() } else { lossy.join(", ") }));
     }
     let flat = find(results, "ebpf", one, 2).and_then(|r| r.added_delay_ns).zip(e12).map(|(a2, a12)| (a2.mean, a12.mean));
     v.push((
@@ -389,7 +504,7 @@ fn markdown(meta: &RunMeta, results: &[ConferenceResult], failures: &[String]) -
         };
         let _ = writeln!(m, "| {what} | {ok} | {measured} |");
     }
-    let simulcast = simulcast_rows(results);
+    let (simulcast, encrypted) = (simulcast_rows(results), encrypted_rows(results));
     if !simulcast.is_empty() {
         let _ = writeln!(m, "\n#### simulcast: the rewrite against plain fan-out\n\n{SIMULCAST_TEXT}\n");
         let _ = writeln!(m, "| {} |\n|{}", SIMULCAST_HEADER.join(" | "), "---|".repeat(SIMULCAST_HEADER.len()));
@@ -397,7 +512,22 @@ fn markdown(meta: &RunMeta, results: &[ConferenceResult], failures: &[String]) -
             let _ = writeln!(m, "| {} |", row.cells().join(" | "));
         }
     }
-    for scenario in [Scenario::OneStream, Scenario::TwoStreams, Scenario::Simulcast, Scenario::SimulcastPlain] {
+    if !encrypted.is_empty() {
+        let _ = writeln!(m, "\n#### encrypted: SRTP fan-out against plain fan-out\n\n{ENCRYPTED_TEXT}\n");
+        let _ = writeln!(m, "| {} |\n|{}", ENCRYPTED_HEADER.join(" | "), "---|".repeat(ENCRYPTED_HEADER.len()));
+        for row in &encrypted {
+            let _ = writeln!(m, "| {} |", row.cells().join(" | "));
+        }
+    }
+    for scenario in [
+        Scenario::OneStream,
+        Scenario::TwoStreams,
+        Scenario::Simulcast,
+        Scenario::SimulcastPlain,
+        Scenario::Fanout,
+        Scenario::FanoutSrtpGcm,
+        Scenario::FanoutSrtpCm,
+    ] {
         let rows: Vec<&ConferenceResult> = results.iter().filter(|r| r.scenario == scenario).collect();
         if rows.is_empty() {
             continue;
@@ -601,6 +731,11 @@ fn html(meta: &RunMeta, results: &[ConferenceResult], failures: &[String], plots
         let _ = write!(h, "<h2>Simulcast: the rewrite against plain fan-out</h2><p>{}</p>", esc(SIMULCAST_TEXT));
         // Cells hold no comma; html_table splits on them.
         h.push_str(&html_table(&SIMULCAST_HEADER.join(","), simulcast.iter().map(|r| r.cells().join(","))));
+    }
+    let encrypted = encrypted_rows(results);
+    if !encrypted.is_empty() {
+        let _ = write!(h, "<h2>Encrypted: SRTP fan-out against plain fan-out</h2><p>{}</p>", esc(ENCRYPTED_TEXT));
+        h.push_str(&html_table(&ENCRYPTED_HEADER.join(","), encrypted.iter().map(|r| r.cells().join(","))));
     }
     h.push_str(
         "<h2>Against the thesis</h2><p>The thesis (P4/BMv2 SFU and a Python/scapy SFU in Mininet) measured the time a packet spent in the SFU; \

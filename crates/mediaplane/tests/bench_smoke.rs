@@ -97,3 +97,51 @@ fn bench_sfu_simulcast_preset_compares_the_rewrite_with_plain_fan_out() {
     assert!(md.contains("the rewrite against plain fan-out") && md.contains("| 3 | ebpf |"), "{md}");
     std::fs::remove_dir_all(&out_dir).unwrap();
 }
+
+/// The encrypted preset: one publisher to N - 1 subscribers, plain and with every participant on
+/// SRTP (AES-GCM, AES-CM), on the floor and both planes. The subscribers unprotect every copy with
+/// their own key, so a copy the SFU did not protect for them is not received: no loss means every
+/// copy was protected right. The daemon counts no SRTP failure; the eBPF plane hands the SRTP
+/// stream to user space and fans the plain one out itself; the comparison is reported.
+#[test]
+fn bench_sfu_encrypted_preset_compares_srtp_with_plain_fan_out() {
+    if !mediaplane_bench::require_root("bench_sfu_encrypted_preset_compares_srtp_with_plain_fan_out") {
+        return;
+    }
+    let out_dir = std::env::temp_dir().join(format!("mp-bench-encrypted-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["bench", "sfu", "--quick", "--preset", "encrypted", "--sizes", "3", "--out"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap()).unwrap();
+    let results = v["results"].as_array().unwrap();
+    assert_eq!(results.len(), 9, "3 scenarios x (the floor + 2 data planes)");
+    for r in results {
+        assert_eq!(r["lost"], 0, "{r}");
+        assert_eq!(r["unexpected"], 0, "{r}");
+        assert_eq!(r["copies_received"], r["copies_expected"]);
+        // 2 subscribers x 156 packets a second.
+        assert!(r["copies_received"].as_u64().unwrap() >= 300, "{r}");
+        assert_eq!(r["participants"][0]["expected"], 0, "only p0 publishes, and it receives nothing: {r}");
+    }
+    for r in results.iter().filter(|r| r["dataplane"] != "kernel-forward") {
+        let extra = r["daemon_stats"]["extra"].as_object().unwrap();
+        let srtp: Vec<_> = extra.iter().filter(|(k, _)| k.contains("srtp_")).collect();
+        assert_eq!(srtp.len(), 5, "{r}");
+        assert!(srtp.iter().all(|(_, v)| *v == 0), "an SRTP failure was counted: {srtp:?}");
+    }
+    let ebpf = |scenario: &str| results.iter().find(|r| r["dataplane"] == "ebpf" && r["scenario"] == scenario).unwrap();
+    assert_eq!(ebpf("fanout")["kernel_share"], 1.0, "plain fan-out stays in the kernel");
+    for s in ["fanout-srtp-gcm", "fanout-srtp-cm"] {
+        assert_eq!(ebpf(s)["kernel_share"], 0.0, "{s}: SRTP is user space's");
+        assert!(ebpf(s)["slow_path_packets"].as_u64().unwrap() >= 150, "{s}");
+    }
+    let md = std::fs::read_to_string(out_dir.join("results.md")).unwrap();
+    for row in ["| 3 | userspace | AEAD_AES_128_GCM |", "| 3 | ebpf | AES_CM_128_HMAC_SHA1_80 |", "CPU per encrypted copy (SRTP - plain fan-out)"] {
+        assert!(md.contains("SRTP fan-out against plain fan-out") && md.contains(row), "{row}: {md}");
+    }
+    std::fs::remove_dir_all(&out_dir).unwrap();
+}
