@@ -89,6 +89,9 @@ bench: release
 	$(CARGO) test --release -p mediaplane-ebpf --test fidelity checks_cost -- --ignored --nocapture
 	# What SRTP costs per encrypted copy (protect) and per browser packet (unprotect), per suite.
 	$(CARGO) test --release -p mediaplane-dataplane --test srtp_cost -- --ignored --nocapture
+	# One publisher to N - 1 subscribers, plain against every participant on SRTP (GCM, CM+HMAC):
+	# CPU per encrypted copy and added delay beside the plain planes (about 10 min here).
+	target/release/mediaplane bench sfu --preset encrypted --sizes 2,4,8,16,32,64 --seconds 5 --dataplanes $(BENCH_DATAPLANES) --out bench-results/encrypted
 	# Relay: 750 and 1800 calls (the seed's sizes) x 3 relays and the no-relay baseline, then the
 	# install-capacity ramps (NG, HTTP, HTTP batches);
 	# 5000/10000 calls and 30 s runs take about an hour here: run those by hand.
