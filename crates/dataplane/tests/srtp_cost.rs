@@ -5,6 +5,7 @@
 //! Rounds of each suite alternate, so drift hits all alike; the median and spread are over rounds.
 //!
 //! Run: `cargo test --release -p mediaplane-dataplane --test srtp_cost -- --ignored --nocapture`
+//! (both tests; `srtp_cost_per_copy_across_subscribers` protects each packet for N subscribers)
 //! (part of `make bench`). A benchmark, not a test: it asserts nothing about speed.
 
 use mediaplane_core::rtp::build_rtp;
@@ -61,6 +62,50 @@ fn srtp_cost_per_copy() {
                 quantile(&u, 0.5),
                 quantile(&u, 0.1),
                 quantile(&u, 0.9)
+            );
+        }
+    }
+}
+
+/// The same protect as a fan-out pays it: each 1,200-byte packet protected once for each of N
+/// subscribers, each with a session and key of its own (so N sessions take turns, as the
+/// user-space plane's copies do), N = 1, 8, 64; ns per copy, median (p10-p90) over rounds.
+#[test]
+#[ignore]
+fn srtp_cost_per_copy_across_subscribers() {
+    const FANOUT_PACKETS: usize = 1_000;
+    println!("suite                     subscribers  protect ns/copy (p10-p90)");
+    for suite in [SrtpSuite::AeadAes128Gcm, SrtpSuite::AesCm128HmacSha1_80] {
+        for n in [1usize, 8, 64] {
+            let packets: Vec<Vec<u8>> = (0..FANOUT_PACKETS).map(|i| build_rtp(96, i as u16, i as u32 * 3000, 0x5eed, &[0x5a; 1200])).collect();
+            let mut samples = Vec::new();
+            for round in 0..ROUNDS {
+                let sessions: Vec<Arc<Context>> = (0..n)
+                    .map(|s| {
+                        let key = SrtpKey::new(suite, (0..suite.master_len() as u8).map(|b| b ^ s as u8).collect()).unwrap();
+                        Arc::new(Context::new(&key, true).unwrap())
+                    })
+                    .collect();
+                let start = Instant::now();
+                let mut bytes = 0usize;
+                for p in &packets {
+                    for s in &sessions {
+                        bytes += protect(Some(s), p).expect("protect").len();
+                    }
+                }
+                let ns = start.elapsed().as_nanos() as f64 / (FANOUT_PACKETS * n) as f64;
+                assert!(bytes > 0);
+                if round > 0 {
+                    samples.push(ns);
+                }
+            }
+            samples.sort_by(f64::total_cmp);
+            println!(
+                "{:<24}  {n:>11}  {:>7.0} ({:.0}-{:.0})",
+                suite.name(),
+                quantile(&samples, 0.5),
+                quantile(&samples, 0.1),
+                quantile(&samples, 0.9)
             );
         }
     }
