@@ -29,6 +29,8 @@ use tower_http::trace::TraceLayer;
 
 pub type AppState = Arc<SessionManager>;
 
+use crate::room_token::{Refused, RoomTokens};
+
 #[derive(Debug)]
 pub struct ApiError {
     status: StatusCode,
@@ -377,6 +379,7 @@ fn route_of(req: &Request) -> &str {
 pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metrics>) -> Router {
     let (max_body, max_batch_body) = (cfg.max_body, cfg.max_batch_body.max(cfg.max_body));
     let token = cfg.token.clone().filter(|t| !t.is_empty()).map(|t| Arc::new(format!("Bearer {t}")));
+    let room_tokens = RoomTokens::new(cfg.token.as_deref().unwrap_or_default());
     let timeout = std::time::Duration::from_millis(cfg.timeout_ms);
     Router::new()
         .route("/", get(page))
@@ -391,6 +394,7 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .route("/v1/rooms/{room}/participants/{pid}/streams/{stream}", delete(unpublish))
         .route("/v1/rooms/{room}/participants/{pid}/subscriptions", post(subscribe))
         .route("/v1/rooms/{room}/participants/{pid}/subscriptions/{publisher}/{stream}", delete(unsubscribe))
+        .route("/v1/rooms/{room}/tokens", post(issue_room_token))
         .route("/v1/rooms/{room}/consumers", get(list_consumers))
         .route("/v1/rooms/{room}/consumers/{consumer}", get(get_consumer))
         .route("/v1/rooms/{room}/consumers/{consumer}/layers", put(set_consumer_layers))
@@ -427,20 +431,27 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
             }
         }))
         // Unauthenticated requests are refused before any handler or limit runs.
-        .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| {
-            let token = token.clone();
-            async move {
-                // The page is static and holds no secret: it asks for the token itself.
-                let page = req.uri().path() == "/" && req.method() == axum::http::Method::GET;
-                if let Some(expected) = token.filter(|_| !page) {
-                    let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok());
-                    if given != Some(expected.as_str()) {
-                        return ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", "missing or wrong bearer token").into_response();
+        .layer(axum::middleware::from_fn({
+            let room_tokens = room_tokens.clone();
+            move |req: Request, next: axum::middleware::Next| {
+                let (token, room_tokens) = (token.clone(), room_tokens.clone());
+                async move {
+                    // The page is static and holds no secret: it asks for the token itself.
+                    let page = req.uri().path() == "/" && req.method() == axum::http::Method::GET;
+                    if let Some(expected) = token.filter(|_| !page) {
+                        let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or_default();
+                        let admin = given.len() == expected.len() && openssl::memcmp::eq(given.as_bytes(), expected.as_bytes());
+                        if !admin {
+                            if let Err(refused) = room_token_allows(&room_tokens, given, &req) {
+                                return refused.into_response();
+                            }
+                        }
                     }
+                    next.run(req).await
                 }
-                next.run(req).await
             }
         }))
+        .layer(Extension(room_tokens))
         .layer(Extension(metrics.clone()))
         // Outside the token check, so refused requests are counted and logged too.
         .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| {
@@ -556,6 +567,50 @@ async fn add_participant(
         Ok((StatusCode::CREATED, out))
     })
     .await
+}
+
+/// A room token's request: through when the token is valid and reaches it (see
+/// [`crate::room_token::reaches`]), else why not (401, or 403 beyond its room's joining).
+fn room_token_allows(tokens: &RoomTokens, authorization: &str, req: &Request) -> Result<(), ApiError> {
+    let unauthorized = |m: &str| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", m);
+    let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let presented = authorization.strip_prefix("Bearer ").unwrap_or_default();
+    match tokens.verify(presented, now) {
+        Ok(room) if crate::room_token::reaches(room, req.method(), req.uri().path()) => Ok(()),
+        Ok(room) => Err(ApiError::new(
+            StatusCode::FORBIDDEN,
+            "forbidden",
+            format!("a room token for {room:?} reaches only WHIP and WHEP into that room, reading it and leaving it"),
+        )),
+        Err(Refused::Expired) => Err(unauthorized("the room token has expired")),
+        Err(Refused::Malformed | Refused::BadSignature) => Err(unauthorized("missing or wrong bearer token")),
+    }
+}
+
+#[derive(Deserialize, Default)]
+#[serde(deny_unknown_fields)]
+struct IssueRoomToken {
+    /// Seconds it lives (default a day, at most 30 days).
+    ttl_s: Option<u64>,
+}
+
+/// `POST /v1/rooms/{room}/tokens`: a room token for a participant's browser or WHIP client (the
+/// room need not exist yet: WHIP creates it). Needs the API token.
+async fn issue_room_token(Extension(tokens): Extension<RoomTokens>, Path(room): Path<String>, body: axum::body::Bytes) -> Result<Response, ApiError> {
+    // The body is optional: none asks for the default lifetime.
+    let req: IssueRoomToken = match body.is_empty() {
+        true => IssueRoomToken::default(),
+        false => serde_json::from_slice(&body).map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_request", format!("request body: {e}")))?,
+    };
+    let ttl = req.ttl_s.unwrap_or(crate::room_token::DEFAULT_TTL_S);
+    if !(1..=crate::room_token::MAX_TTL_S).contains(&ttl) {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("ttl_s must be 1 to {}", crate::room_token::MAX_TTL_S)));
+    }
+    if room.is_empty() || room.len() > 64 || !room.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.') {
+        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("invalid room id {room:?}: use 1-64 characters of [A-Za-z0-9_.-]")));
+    }
+    let expires = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) + ttl;
+    Ok((StatusCode::CREATED, Json(json!({"room": room, "token": tokens.issue(&room, expires), "expires": expires}))).into_response())
 }
 
 async fn get_participant(State(m): State<AppState>, Path((room, pid)): Path<(String, String)>) -> ApiResult {

@@ -8,6 +8,7 @@ pub mod consumers;
 pub mod crypto_legs;
 pub mod manager;
 pub mod metrics;
+pub mod room_token;
 pub mod store;
 pub mod whip;
 

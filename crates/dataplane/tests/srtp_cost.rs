@@ -100,13 +100,7 @@ fn srtp_cost_per_copy_across_subscribers() {
                 }
             }
             samples.sort_by(f64::total_cmp);
-            println!(
-                "{:<24}  {n:>11}  {:>7.0} ({:.0}-{:.0})",
-                suite.name(),
-                quantile(&samples, 0.5),
-                quantile(&samples, 0.1),
-                quantile(&samples, 0.9)
-            );
+            println!("{:<24}  {n:>11}  {:>7.0} ({:.0}-{:.0})", suite.name(), quantile(&samples, 0.5), quantile(&samples, 0.1), quantile(&samples, 0.9));
         }
     }
 }

@@ -361,3 +361,75 @@ fn sdes_participants_take_keys_that_no_response_shows() {
     let d = Daemon::start(&store, &[]);
     assert_eq!(shown(&d)["srtp"], p["srtp"], "stored: the participant still speaks SRTP after a restart");
 }
+
+/// Room tokens: issued with the API token, each reaches WHIP and WHEP into its room, reading the
+/// room and leaving it, nothing else, until it expires; a changed API token revokes them.
+#[test]
+fn room_tokens_reach_only_joining_and_leaving_their_room() {
+    let spec: Value = serde_json::from_str(include_str!("../../control/openapi.json")).unwrap();
+    let offer = spec["paths"]["/v1/whip/{room}"]["post"]["requestBody"]["content"]["application/sdp"]["example"].as_str().unwrap().to_string();
+    let dir = TempDir::new("room-tokens");
+    let cfg = dir.0.join("c.toml");
+    std::fs::write(&cfg, "[api]\ntoken = \"s3cret\"\n").unwrap();
+    let store = dir.0.join("s.db");
+    let mut d = Daemon::start_with_token(&store, &["--config", cfg.to_str().unwrap()], "s3cret");
+    // (status, body) of a request with `bearer`.
+    let with = |d: &Daemon, bearer: &str, method: &str, path: &str, sdp: Option<&str>| -> (u16, String) {
+        let req = ureq::request(method, &format!("{}{path}", d.api)).set("authorization", &format!("Bearer {bearer}"));
+        let r = match sdp {
+            Some(body) => req.set("content-type", "application/sdp").send_string(body),
+            None => req.call(),
+        };
+        match r {
+            Ok(r) => (r.status(), r.into_string().unwrap()),
+            Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
+            Err(e) => panic!("{method} {path}: {e}"),
+        }
+    };
+
+    let (s, v) = d.call("POST", "/v1/rooms/r/tokens", Some(json!({"ttl_s": 3600})));
+    assert_eq!(s, 201, "{v}");
+    let token = v["token"].as_str().unwrap().to_string();
+    assert_eq!(v["room"], "r");
+    assert_eq!(d.call("POST", "/v1/rooms/r/tokens", Some(json!({"ttl_s": 0}))).0, 400);
+    assert_eq!(d.call("POST", "/v1/rooms/bad%20id/tokens", None).0, 400);
+
+    // What joining needs: WHIP into r (which creates it), reading r, WHEP from it, leaving.
+    let (s, body) = with(&d, &token, "POST", "/v1/whip/r?participant=alice", Some(&offer));
+    assert_eq!(s, 201, "{body}");
+    let (s, body) = with(&d, &token, "GET", "/v1/rooms/r", None);
+    assert!(s == 200 && body.contains("alice"), "{s} {body}");
+    let (s, body) = with(&d, &token, "POST", "/v1/whep/r/alice?participant=bob", Some(&offer));
+    assert!(s == 201 || s == 422, "WHEP is reached (the example offer may not take alice's formats): {s} {body}");
+    // Nothing beyond it: other rooms, the rest of the API, issuing tokens.
+    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "other"}))).0, 201);
+    for (method, path) in [
+        ("GET", "/v1/rooms/other"),
+        ("POST", "/v1/whip/other"),
+        ("GET", "/v1/rooms"),
+        ("GET", "/v1/stats"),
+        ("GET", "/v1/rooms/r/participants/alice"),
+        ("DELETE", "/v1/rooms/r"),
+        ("POST", "/v1/rooms/r/tokens"),
+    ] {
+        let (s, body) = with(&d, &token, method, path, if method == "POST" { Some(&offer) } else { None });
+        assert!(s == 403 && body.contains("room token"), "{method} {path}: {s} {body}");
+    }
+    let (s, _) = with(&d, &token, "DELETE", "/v1/rooms/r/participants/alice", None);
+    assert_eq!(s, 200, "leaving");
+    // A forged or altered token is no token.
+    for forged in [token.replace(":r", ":other"), format!("{token}x"), "mpr1:99999999999:00:r".into()] {
+        assert_eq!(with(&d, &forged, "GET", "/v1/rooms/r", None).0, 401, "{forged}");
+    }
+    // Expiry.
+    let (_, v) = d.call("POST", "/v1/rooms/r/tokens", Some(json!({"ttl_s": 1})));
+    let short = v["token"].as_str().unwrap().to_string();
+    std::thread::sleep(std::time::Duration::from_millis(2100));
+    let (s, body) = with(&d, &short, "GET", "/v1/rooms/r", None);
+    assert!(s == 401 && body.contains("expired"), "{s} {body}");
+    // A new API token revokes every room token.
+    d.terminate();
+    std::fs::write(&cfg, "[api]\ntoken = \"rotated\"\n").unwrap();
+    let d = Daemon::start_with_token(&store, &["--config", cfg.to_str().unwrap()], "rotated");
+    assert_eq!(with(&d, &token, "GET", "/v1/rooms/r", None).0, 401);
+}
