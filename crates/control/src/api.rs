@@ -281,7 +281,15 @@ impl ParticipantSrtp {
             .find(|s| s.name().eq_ignore_ascii_case(&self.suite))
             .ok_or_else(|| bad(format!("srtp suite {:?} is not one of AES_CM_128_HMAC_SHA1_80, AES_CM_128_HMAC_SHA1_32, AEAD_AES_128_GCM", self.suite)))?;
         let key = |which: &str, b64: &str| {
-            let master = base64::engine::general_purpose::STANDARD.decode(b64).map_err(|e| bad(format!("srtp {which}: not base64: {e}")))?;
+            // An a=crypto key parameter as it is pasted works too: `inline:<base64>|2^31|1:1`.
+            let b64 = b64.trim().strip_prefix("inline:").unwrap_or(b64.trim());
+            let b64 = b64.split('|').next().unwrap_or_default();
+            let master = base64::engine::GeneralPurpose::new(
+                &base64::alphabet::STANDARD,
+                base64::engine::general_purpose::GeneralPurposeConfig::new().with_decode_padding_mode(base64::engine::DecodePaddingMode::Indifferent),
+            )
+            .decode(b64)
+            .map_err(|e| bad(format!("srtp {which}: not base64: {e}")))?;
             SrtpKey::new(suite, master).map_err(|e| bad(format!("srtp {which}: {e}")))
         };
         Ok(LegSrtp { inbound: Some(key("inbound", &self.inbound)?), outbound: Some(key("outbound", &self.outbound)?) })

@@ -204,6 +204,11 @@ impl Participant {
         self.peer().unwrap_or(SocketAddr::new(nobody, 9))
     }
 
+    /// Whether it speaks SRTP (a browser, or keyed at join): it sends and receives RTP only.
+    pub fn speaks_srtp(&self) -> bool {
+        self.keys().is_some()
+    }
+
     /// Its SRTP keys, if it speaks SRTP: from DTLS (WebRTC; empty until the handshake is done)
     /// or given at join (SDES).
     fn keys(&self) -> Option<&crate::srtp::LegSrtp> {
@@ -850,6 +855,12 @@ impl Model {
         if p.srtp.is_some() && !spec.rtp && spec.ssrc.is_none() && spec.layers.is_empty() {
             return Err(ModelError::Invalid(format!("stream {name}: an SRTP participant's streams are RTP")));
         }
+        if p.srtp.is_some() && spec.local.is_some() {
+            // One address, one SRTP session per direction: a second address would protect the
+            // same key's packets in a session of its own (two rollover counters, two SRTCP
+            // indexes under one key).
+            return Err(ModelError::Invalid(format!("stream {name}: an SRTP participant's streams arrive on its own address")));
+        }
         let keys: Vec<Option<u32>> = if spec.layers.is_empty() { vec![spec.ssrc] } else { spec.layers.iter().map(|s| Some(*s)).collect() };
         for ssrc in keys {
             if let Some(o) = Self::find_ingress(room, pid, p, ingress, ssrc) {
@@ -896,8 +907,10 @@ impl Model {
         let r = self.room(room)?;
         r.participants.get(subscriber).ok_or_else(|| not_found("participant", subscriber))?;
         let publ = r.participants.get(&to.publisher).ok_or_else(|| not_found("participant", &to.publisher))?;
-        if !publ.streams.contains_key(&to.stream) {
-            return Err(not_found("stream", &to.stream));
+        let stream = publ.streams.get(&to.stream).ok_or_else(|| not_found("stream", &to.stream))?;
+        if r.participants[subscriber].speaks_srtp() && !stream.rtp {
+            // Its copies would be protected as SRTP, which only RTP can be.
+            return Err(ModelError::Invalid(format!("{subscriber} speaks SRTP and receives RTP only: stream {} is not RTP", to.stream)));
         }
         if let Some(c) = r.participants[subscriber].subscriptions.get(&to) {
             return Ok(c.uid);

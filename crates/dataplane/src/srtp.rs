@@ -231,12 +231,46 @@ impl Contexts {
                         add(&mut next, e);
                     }
                 }
-                next.retain(|_, (_, users)| *users > 0);
             }
             None => table.streams.values().filter(|e| e.has_srtp()).for_each(|e| add(&mut next, e)),
         }
+        // Feedback needs contexts of its own: a consumer's SRTCP is unprotected at its address,
+        // and what is routed on is protected from the publisher's. A participant that only
+        // subscribes has no stream entry at its address, so its feedback entry keeps that
+        // context (counted apart from the entries' users: recomputed from the table each time).
+        let feedback = feedback_slots(table);
+        next.retain(|slot, (c, users)| *users > 0 || feedback.get(slot).is_some_and(|k| **k == c.key));
+        for (slot, key) in feedback {
+            if next.contains_key(&slot) {
+                continue;
+            }
+            let kept = self.0.get(&slot).map(|(c, _)| c).filter(|c| c.key == *key).cloned();
+            match kept.map_or_else(|| Context::new(key, slot.outbound).map(Arc::new), Ok) {
+                Ok(ctx) => {
+                    next.insert(slot, (ctx, 0));
+                }
+                Err(error) => tracing::error!(%error, local = %slot.local, "no SRTP context for feedback"),
+            }
+        }
         Contexts(next)
     }
+}
+
+/// The contexts the table's feedback uses: each consumer address's inbound one, and the outbound
+/// one of each publisher address its feedback is routed from.
+fn feedback_slots(table: &ForwardingTable) -> std::collections::HashMap<SrtpSlot, &SrtpKey> {
+    let mut out = std::collections::HashMap::new();
+    for fb in table.feedback.values() {
+        if let Protection::Srtp(Some(k)) = &fb.inbound {
+            out.insert(SrtpSlot { local: fb.local, outbound: false }, k);
+        }
+        for r in &fb.routes {
+            if let Protection::Srtp(Some(k)) = &r.outbound {
+                out.insert(SrtpSlot { local: r.from, outbound: true }, k);
+            }
+        }
+    }
+    out
 }
 
 /// Every context an entry uses, once each: its address's inbound one, the outbound one toward
@@ -376,6 +410,33 @@ mod tests {
         let c3 = c2.update(&t2, &t2, None);
         assert!(Arc::ptr_eq(c2.get(inbound, Some(&k1)).unwrap(), c3.get(inbound, Some(&k1)).unwrap()));
         assert!(c3.update(&t2, &table(vec![entry(1, Protection::Clear, Protection::Clear)]), None).is_empty());
+    }
+
+    #[test]
+    fn a_participant_that_only_subscribes_keeps_a_context_for_its_feedback() {
+        // No stream entry at the subscriber's address: only its feedback entry needs the key.
+        let k = key(5, SrtpSuite::AesCm128HmacSha1_80);
+        let local: SocketAddr = "127.0.0.1:21000".parse().unwrap();
+        let fb = mediaplane_core::feedback::FeedbackEntry {
+            consumer: "r/sub".into(),
+            local,
+            source: "127.0.0.2:5000".parse().unwrap(),
+            routes: Vec::new(),
+            inbound: Protection::Srtp(Some(k.clone())),
+        };
+        let mut t = table(vec![entry(1, Protection::Clear, Protection::Clear)]);
+        t.feedback.insert(local, fb);
+        let slot = SrtpSlot { local, outbound: false };
+        let c1 = Contexts::default().update(&ForwardingTable::default(), &t, None);
+        assert!(c1.get(slot, Some(&k)).is_some(), "a full build makes it");
+        // An update of an unrelated entry keeps the same one (its replay window lives on).
+        let changed = [t.streams.values().next().unwrap().key];
+        let c2 = c1.update(&t, &t, Some(&changed));
+        assert!(Arc::ptr_eq(c1.get(slot, Some(&k)).unwrap(), c2.get(slot, Some(&k)).unwrap()));
+        // The feedback entry goes (it unsubscribed from everything): so does the context.
+        let mut t2 = t.clone();
+        t2.feedback.clear();
+        assert!(c2.update(&t, &t2, Some(&changed)).get(slot, Some(&k)).is_none());
     }
 
     #[test]

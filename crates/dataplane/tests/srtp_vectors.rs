@@ -104,7 +104,7 @@ fn rtcp_rr(ssrc: u32, n: u8) -> Vec<u8> {
     p
 }
 
-/// Packets of two SSRCs whose sequence numbers wrap (65,530 → 9): past the wrap the rollover
+/// Packets of two SSRCs whose sequence numbers wrap (65,530 → 9 and 65,528 → 7): past the wrap the rollover
 /// counter is 1 and both sides must agree on it; payloads from 1 to 1,200 bytes.
 fn media() -> Vec<Vec<u8>> {
     let mut out = Vec::new();
@@ -112,7 +112,7 @@ fn media() -> Vec<Vec<u8>> {
         let seq = 65_530u16.wrapping_add(i);
         let len = 1 + (usize::from(i) * 97) % 1200;
         out.push(build_rtp(96, seq, 3000 * u32::from(i), 0x1111_0000, &vec![i as u8; len]));
-        out.push(build_rtp(111, seq.wrapping_add(7), 960 * u32::from(i), 0x2222_0000, &vec![!(i as u8); 1200 - len + 1]));
+        out.push(build_rtp(111, seq.wrapping_sub(2), 960 * u32::from(i), 0x2222_0000, &vec![!(i as u8); 1200 - len + 1]));
         if i % 4 == 0 {
             out.push(rtcp_rr(0x3333_0000, i as u8));
         }

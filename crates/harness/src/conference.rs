@@ -86,8 +86,11 @@ impl Scenario {
 /// copies to i with; else what i protects its packets with). Fixed per run: a benchmark in
 /// namespaces of its own, not a secret.
 fn participant_key(suite: SrtpSuite, i: usize, sfu_sends: bool) -> SrtpKey {
-    let seed = (i as u8).wrapping_mul(31).wrapping_add(if sfu_sends { 101 } else { 7 });
-    SrtpKey::new(suite, (0..suite.master_len() as u8).map(|b| b.wrapping_mul(13) ^ seed).collect()).expect("the suite's length")
+    // Participant and direction in the first three bytes: every key of a run differs.
+    let mut master: Vec<u8> = (0..suite.master_len() as u8).map(|b| b.wrapping_mul(13)).collect();
+    master[..2].copy_from_slice(&(i as u16).to_be_bytes());
+    master[2] = u8::from(sfu_sends);
+    SrtpKey::new(suite, master).expect("the suite's length")
 }
 
 /// A libsrtp session with participant i's key: `sfu_sends` as above, `outbound` the side that
@@ -564,8 +567,8 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
     let two = spec.scenario == Scenario::TwoStreams;
     let layered = spec.scenario.layered();
     let (fanout, srtp) = (spec.scenario.fanout(), spec.scenario.srtp());
-    if srtp.is_some() && !rtp {
-        bail!("the {:?} scenario sends SRTP: use an RTP preset (voice, video)", spec.scenario);
+    if fanout && !rtp {
+        bail!("the {:?} scenario publishes one RTP stream (narrowed to its SSRC): use an RTP preset (voice, video)", spec.scenario);
     }
     let mut plan = TrafficPlan::new(spec.duration);
     let mut expected: Vec<Vec<u32>> = vec![Vec::new(); n];

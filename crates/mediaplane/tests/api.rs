@@ -346,6 +346,18 @@ fn sdes_participants_take_keys_that_no_response_shows() {
     let (s, v) = d.call("POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "data", "rtp": false})));
     assert!(s == 400 && v["error"].as_str().unwrap().contains("RTP"), "{v}");
     assert_eq!(d.call("POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "audio", "ssrc": 7}))).0, 201);
+    // One address, one session per direction: no stream on an address of its own.
+    let (s, v) = d.call("POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "video", "ssrc": 8, "local": "127.0.0.1:41000"})));
+    assert!(s == 400 && v["error"].as_str().unwrap().contains("own address"), "{v}");
+    // It receives RTP only: a plain participant's non-RTP stream cannot be subscribed to.
+    assert_eq!(d.call("POST", "/v1/rooms/r/participants", Some(json!({"id": "plain", "remote": "127.0.0.1:5006"}))).0, 201);
+    assert_eq!(d.call("POST", "/v1/rooms/r/participants/plain/streams", Some(json!({"name": "data", "rtp": false}))).0, 201);
+    let (s, v) = d.call("POST", "/v1/rooms/r/participants/gw/subscriptions", Some(json!({"publisher": "plain", "stream": "data"})));
+    assert!(s == 400 && v["error"].as_str().unwrap().contains("RTP only"), "{v}");
+    // A key as an a=crypto line carries it is taken as well.
+    let inline = format!("inline:{}|2^31|1:1", b64(30, 3));
+    let (s, v) = join(&d, "sip", json!({"suite": "AES_CM_128_HMAC_SHA1_80", "inbound": inline, "outbound": b64(30, 4)}));
+    assert_eq!(s, 201, "{v}");
 
     let shown = |d: &Daemon| {
         let (_, p) = d.call("GET", "/v1/rooms/r/participants/gw", None);
