@@ -265,13 +265,10 @@ fn non_loopback_listen_without_token_is_refused() {
 /// sessions (they cannot be resumed), and the page loading without the token.
 #[test]
 fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
-    let spec: Value = serde_json::from_str(include_str!("../../control/openapi.json")).unwrap();
-    let offer = spec["paths"]["/v1/whip/{room}"]["post"]["requestBody"]["content"]["application/sdp"]["example"].as_str().unwrap().to_string();
+    let offer = whip_offer_example();
     let dir = TempDir::new("whip");
-    let cfg = dir.0.join("c.toml");
-    std::fs::write(&cfg, "[api]\ntoken = \"s3cret\"\n").unwrap();
-    let store = dir.0.join("s.db");
-    let mut d = Daemon::start_with_token(&store, &["--config", cfg.to_str().unwrap()], "s3cret");
+    let (cfg, store) = (dir.0.join("c.toml"), dir.0.join("s.db"));
+    let mut d = daemon_with_token(&cfg, &store, "s3cret");
     let post = |d: &Daemon, path: &str, ctype: &str, body: &str| -> (u16, String, String) {
         let r = ureq::post(&format!("{}{path}", d.api)).set("authorization", "Bearer s3cret").set("content-type", ctype).send_string(body);
         match r {
@@ -378,13 +375,10 @@ fn sdes_participants_take_keys_that_no_response_shows() {
 /// room and leaving it, nothing else, until it expires; a changed API token revokes them.
 #[test]
 fn room_tokens_reach_only_joining_and_leaving_their_room() {
-    let spec: Value = serde_json::from_str(include_str!("../../control/openapi.json")).unwrap();
-    let offer = spec["paths"]["/v1/whip/{room}"]["post"]["requestBody"]["content"]["application/sdp"]["example"].as_str().unwrap().to_string();
+    let offer = whip_offer_example();
     let dir = TempDir::new("room-tokens");
-    let cfg = dir.0.join("c.toml");
-    std::fs::write(&cfg, "[api]\ntoken = \"s3cret\"\n").unwrap();
-    let store = dir.0.join("s.db");
-    let mut d = Daemon::start_with_token(&store, &["--config", cfg.to_str().unwrap()], "s3cret");
+    let (cfg, store) = (dir.0.join("c.toml"), dir.0.join("s.db"));
+    let mut d = daemon_with_token(&cfg, &store, "s3cret");
     // (status, body) of a request with `bearer`.
     let with = |d: &Daemon, bearer: &str, method: &str, path: &str, sdp: Option<&str>| -> (u16, String) {
         let req = ureq::request(method, &format!("{}{path}", d.api)).set("authorization", &format!("Bearer {bearer}"));
@@ -441,7 +435,18 @@ fn room_tokens_reach_only_joining_and_leaving_their_room() {
     assert!(s == 401 && body.contains("expired"), "{s} {body}");
     // A new API token revokes every room token.
     d.terminate();
-    std::fs::write(&cfg, "[api]\ntoken = \"rotated\"\n").unwrap();
-    let d = Daemon::start_with_token(&store, &["--config", cfg.to_str().unwrap()], "rotated");
+    let d = daemon_with_token(&cfg, &store, "rotated");
     assert_eq!(with(&d, &token, "GET", "/v1/rooms/r", None).0, 401);
+}
+
+/// The WHIP offer of the OpenAPI description's example.
+fn whip_offer_example() -> String {
+    let spec: Value = serde_json::from_str(include_str!("../../control/openapi.json")).unwrap();
+    spec["paths"]["/v1/whip/{room}"]["post"]["requestBody"]["content"]["application/sdp"]["example"].as_str().unwrap().to_string()
+}
+
+/// A daemon whose API token `token` comes from the configuration file `cfg` (written here).
+fn daemon_with_token(cfg: &std::path::Path, store: &std::path::Path, token: &str) -> Daemon {
+    std::fs::write(cfg, format!("[api]\ntoken = \"{token}\"\n")).unwrap();
+    Daemon::start_with_token(store, &["--config", cfg.to_str().unwrap()], token)
 }

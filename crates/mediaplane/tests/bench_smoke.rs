@@ -68,18 +68,9 @@ fn bench_sfu_simulcast_preset_compares_the_rewrite_with_plain_fan_out() {
     if !mediaplane_bench::require_root("bench_sfu_simulcast_preset_compares_the_rewrite_with_plain_fan_out") {
         return;
     }
-    let out_dir = std::env::temp_dir().join(format!("mp-bench-simulcast-{}", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
-        .args(["bench", "sfu", "--quick", "--preset", "simulcast", "--sizes", "3", "--out"])
-        .arg(&out_dir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap()).unwrap();
-    let results = v["results"].as_array().unwrap();
+    let (results, md) = quick_run("simulcast", "3");
     assert_eq!(results.len(), 6, "2 scenarios x (the floor + 2 data planes)");
-    for r in results {
+    for r in &results {
         assert!(r["scenario"] == "simulcast" || r["scenario"] == "simulcast-plain", "{r}");
         assert_eq!(r["lost"], 0, "{r}");
         assert_eq!(r["unexpected"], 0, "{r}");
@@ -93,9 +84,7 @@ fn bench_sfu_simulcast_preset_compares_the_rewrite_with_plain_fan_out() {
         assert!(share >= 0.95, "only {:.1} % handled in the kernel: {r}", share * 100.0);
     }
     assert!(results.iter().filter(|r| r["dataplane"] != "ebpf").all(|r| r["kernel_share"].is_null()));
-    let md = std::fs::read_to_string(out_dir.join("results.md")).unwrap();
     assert!(md.contains("the rewrite against plain fan-out") && md.contains("| 3 | ebpf |"), "{md}");
-    std::fs::remove_dir_all(&out_dir).unwrap();
 }
 
 /// The encrypted preset: one publisher to N - 1 subscribers, plain and with every participant on
@@ -108,18 +97,9 @@ fn bench_sfu_encrypted_preset_compares_srtp_with_plain_fan_out() {
     if !mediaplane_bench::require_root("bench_sfu_encrypted_preset_compares_srtp_with_plain_fan_out") {
         return;
     }
-    let out_dir = std::env::temp_dir().join(format!("mp-bench-encrypted-{}", std::process::id()));
-    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
-        .args(["bench", "sfu", "--quick", "--preset", "encrypted", "--sizes", "3", "--out"])
-        .arg(&out_dir)
-        .output()
-        .unwrap();
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
-    let v: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap()).unwrap();
-    let results = v["results"].as_array().unwrap();
+    let (results, md) = quick_run("encrypted", "3");
     assert_eq!(results.len(), 9, "3 scenarios x (the floor + 2 data planes)");
-    for r in results {
+    for r in &results {
         assert_eq!(r["lost"], 0, "{r}");
         assert_eq!(r["unexpected"], 0, "{r}");
         assert_eq!(r["copies_received"], r["copies_expected"]);
@@ -139,7 +119,6 @@ fn bench_sfu_encrypted_preset_compares_srtp_with_plain_fan_out() {
         assert_eq!(ebpf(s)["kernel_share"], 0.0, "{s}: SRTP is user space's");
         assert!(ebpf(s)["slow_path_packets"].as_u64().unwrap() >= 150, "{s}");
     }
-    let md = std::fs::read_to_string(out_dir.join("results.md")).unwrap();
     for row in [
         "| 3 | userspace | AEAD_AES_128_GCM |",
         "| 3 | ebpf | AES_CM_128_HMAC_SHA1_80 |",
@@ -147,5 +126,21 @@ fn bench_sfu_encrypted_preset_compares_srtp_with_plain_fan_out() {
     ] {
         assert!(md.contains("SRTP fan-out against plain fan-out") && md.contains(row), "{row}: {md}");
     }
+}
+
+/// `mediaplane bench sfu --quick --preset <preset> --sizes <sizes>`: its results.json results and
+/// results.md (the output directory is removed).
+fn quick_run(preset: &str, sizes: &str) -> (Vec<Value>, String) {
+    let out_dir = std::env::temp_dir().join(format!("mp-bench-{preset}-{}", std::process::id()));
+    let out = Command::new(env!("CARGO_BIN_EXE_mediaplane"))
+        .args(["bench", "sfu", "--quick", "--preset", preset, "--sizes", sizes, "--out"])
+        .arg(&out_dir)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&out.stderr));
+    let v: Value = serde_json::from_str(&std::fs::read_to_string(out_dir.join("results.json")).unwrap()).unwrap();
+    let md = std::fs::read_to_string(out_dir.join("results.md")).unwrap();
     std::fs::remove_dir_all(&out_dir).unwrap();
+    (v["results"].as_array().unwrap().clone(), md)
 }
