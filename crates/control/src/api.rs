@@ -36,17 +36,23 @@ pub struct ApiError {
     status: StatusCode,
     code: &'static str,
     message: String,
+    /// Seconds a client should wait before trying again (`Retry-After`), if it should.
+    retry_after: Option<u32>,
 }
 
 impl ApiError {
     pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, code, message: message.into() }
+        ApiError { status, code, message: message.into(), retry_after: None }
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        (self.status, Json(json!({"error": self.message, "code": self.code}))).into_response()
+        let body = Json(json!({"error": self.message, "code": self.code}));
+        match self.retry_after {
+            Some(s) => (self.status, [(header::RETRY_AFTER, s.to_string())], body).into_response(),
+            None => (self.status, body).into_response(),
+        }
     }
 }
 
@@ -76,6 +82,7 @@ impl From<ManagerError> for ApiError {
             ManagerError::Abandoned => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", msg),
             ManagerError::Internal(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg),
             ManagerError::Unsupported(_) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unsupported", msg),
+            ManagerError::NotReady(_) => ApiError { retry_after: Some(1), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", msg) },
         }
     }
 }

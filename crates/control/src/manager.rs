@@ -51,6 +51,10 @@ pub enum ManagerError {
     /// receive none of the publisher's streams).
     #[error("{0}")]
     Unsupported(String),
+    /// What is asked for exists but cannot be given yet (e.g. WHEP of a browser whose
+    /// simulcast layers are still being learned): try again in a second.
+    #[error("{0}")]
+    NotReady(String),
 }
 
 /// The fate of one request's mutation, shared by the request (which may give up at its

@@ -7,10 +7,20 @@
 //!   stream of the participant (`audio`, `video`, or `video-<mid>` for a second one), on the SSRC
 //!   its `a=ssrc` lines give, with the one payload format the SFU answers
 //!   ([`mediaplane_webrtc::sdp::choose_format`]). The room is created if it does not exist.
+//! - A section sent in several encodings (`a=simulcast` with RIDs; browsers signal no SSRCs
+//!   then) becomes a simulcast stream: answered with the RIDs and the header extensions that
+//!   name them, it waits ([`mediaplane_core::model::PendingSimulcast`]) until its first packets
+//!   have told each layer's SSRC ([`SessionManager::on_stream_id`]), or until
+//!   [`SIMULCAST_LEARNING_MS`] after the first one (a browser leaves out the encodings its
+//!   bandwidth or resolution does not allow); with one layer heard it is a plain stream. Layers
+//!   are ordered lowest quality first by their RIDs when they follow a common naming (`q`/`h`/`f`,
+//!   `l`/`m`/`h`, `low`/`mid`/`high`), else in the offer's order (as mediasoup reads
+//!   `sendEncodings`). A RID first heard after its stream is published is not added.
 //! - `POST /v1/whep/{room}/{publisher}`: subscribe to one publisher's streams. Each stream that
 //!   has a payload format (a WHIP publisher's, or one published through the API with `format`)
 //!   goes to the first section of its kind that can receive it with the same payload type:
-//!   copies are forwarded as they are, so the SFU cannot renumber payload types.
+//!   copies are forwarded as they are, so the SFU cannot renumber payload types. A publisher
+//!   whose simulcast layers are still being learned answers `503` with `Retry-After`.
 //!
 //! Both take `?participant=<id>` to name the participant (one is made up otherwise). The
 //! handshake starts when the client's first ICE check arrives (`crate::crypto_legs`).
@@ -23,10 +33,13 @@ use axum::extract::{Path, Query, State};
 use axum::http::{header, HeaderMap, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
-use mediaplane_core::model::{PayloadFormat, StreamRef, StreamSpec};
+use mediaplane_core::model::{Model, PayloadFormat, PendingSimulcast, StreamIdExtensions, StreamRef, StreamSpec, SIMULCAST_LEARNING_MS};
+use mediaplane_core::simulcast::{Codec, MAX_LAYERS};
 use mediaplane_webrtc::dtls::Role;
 use mediaplane_webrtc::ice::Credentials;
-use mediaplane_webrtc::sdp::{choose_format, Answer, AnsweredMedia, Direction, Offer, SdpError, Sending};
+use mediaplane_webrtc::sdp::{
+    choose_format, Answer, AnsweredMedia, Direction, Offer, OfferedMedia, SdpError, Sending, SimulcastAnswer, RTP_STREAM_ID, SDES_MID,
+};
 use serde::Deserialize;
 use serde_json::json;
 use std::net::SocketAddr;
@@ -157,28 +170,23 @@ pub(crate) async fn whip(
             for section in &offer.media {
                 let format = choose_format(section).filter(|_| section.direction.sends() && !section.disabled);
                 let (Some(kind), Some(f)) = (section.kind, format) else {
-                    answered.push(AnsweredMedia { format: None, direction: Direction::Inactive, sending: None });
+                    answered.push(AnsweredMedia::inactive());
                     continue;
                 };
-                if section.simulcast {
-                    return Err(unsupported(format!(
-                        "section {:?} is simulcast (a=simulcast): WHIP simulcast is not mapped to layers yet; publish one encoding",
-                        section.mid
-                    )));
+                let name = stream_name(model, &room, pid, kind.name(), &section.mid)?;
+                let format = PayloadFormat { kind: kind.name().into(), pt: f.pt, rtpmap: f.rtpmap.clone(), fmtp: f.fmtp.clone() };
+                check_format(&format).map_err(|e| unsupported(format!("section {:?}: {e}", section.mid)))?;
+                let spec = StreamSpec { clock_rate: f.clock_rate(), format: Some(format), ..Default::default() };
+                if !section.rids.is_empty() {
+                    let simulcast = pend_simulcast(model, &room, pid, section, name, spec)?;
+                    answered.push(AnsweredMedia { simulcast: Some(simulcast), ..AnsweredMedia::receiving(f.clone()) });
+                    continue;
                 }
                 let Some(&ssrc) = section.ssrcs.first() else {
                     return Err(unsupported(format!("section {:?} names no SSRC (a=ssrc)", section.mid)));
                 };
-                let name = if model.participant(&room, pid)?.streams.contains_key(kind.name()) {
-                    format!("{}-{}", kind.name(), section.mid)
-                } else {
-                    kind.name().to_string()
-                };
-                let format = PayloadFormat { kind: kind.name().into(), pt: f.pt, rtpmap: f.rtpmap.clone(), fmtp: f.fmtp.clone() };
-                check_format(&format).map_err(|e| unsupported(format!("section {:?}: {e}", section.mid)))?;
-                let spec = StreamSpec { ssrc: Some(ssrc), clock_rate: f.clock_rate(), format: Some(format), ..Default::default() };
-                model.publish(&room, pid, &name, spec)?;
-                answered.push(AnsweredMedia { format: Some(f.clone()), direction: Direction::RecvOnly, sending: None });
+                model.publish(&room, pid, &name, StreamSpec { ssrc: Some(ssrc), ..spec })?;
+                answered.push(AnsweredMedia::receiving(f.clone()));
             }
             if answered.iter().all(|a| a.format.is_none()) {
                 return Err(unsupported("the offer sends no audio or video the SFU can take".into()));
@@ -188,6 +196,103 @@ pub(crate) async fn whip(
         answer(m, &room, session, made)
     })
     .await
+}
+
+/// The name of a publisher's stream of `kind`: the kind, or `<kind>-<mid>` for a second one.
+fn stream_name(model: &Model, room: &str, pid: &str, kind: &str, mid: &str) -> Result<String, ManagerError> {
+    let p = model.participant(room, pid)?;
+    let pending = p.webrtc.as_ref().map_or(&[][..], |w| &w.pending[..]);
+    let taken = p.streams.contains_key(kind) || pending.iter().any(|s| s.name == kind);
+    Ok(if taken { format!("{kind}-{mid}") } else { kind.to_string() })
+}
+
+/// Let simulcast `section` become stream `name` once its layers are heard; the RIDs and header
+/// extensions to answer it with.
+fn pend_simulcast(model: &mut Model, room: &str, pid: &str, section: &OfferedMedia, name: String, spec: StreamSpec) -> Result<SimulcastAnswer, ManagerError> {
+    let encoding = spec.format.as_ref().map_or("", |f| f.rtpmap.split('/').next().unwrap_or(""));
+    let Some(codec) = Codec::parse(encoding) else {
+        return Err(unsupported(format!("section {:?} is simulcast in {encoding}: the SFU switches layers at VP8 and H.264 keyframes", section.mid)));
+    };
+    let Some(rid) = section.extmap(RTP_STREAM_ID) else {
+        return Err(unsupported(format!(
+            "section {:?} is simulcast without the RTP stream id header extension ({RTP_STREAM_ID}) its layers are told apart by",
+            section.mid
+        )));
+    };
+    let mid = section.extmap(SDES_MID);
+    // More encodings than layers: the answer leaves out the last ones (RFC 8853 §5.3).
+    let offered: Vec<String> = section.rids.iter().take(MAX_LAYERS).cloned().collect();
+    let rids = lowest_first(&offered);
+    let pending = PendingSimulcast {
+        name,
+        mid: section.mid.clone(),
+        ssrcs: vec![None; rids.len()],
+        rids,
+        spec: StreamSpec { codec: Some(codec), ..spec },
+        heard_at_ms: None,
+    };
+    model.add_pending_simulcast(room, pid, StreamIdExtensions { rid, mid }, pending)?;
+    let extmaps = mid.map(|id| (id, SDES_MID.to_string())).into_iter().chain([(rid, RTP_STREAM_ID.to_string())]).collect();
+    Ok(SimulcastAnswer { rids: offered, extmaps })
+}
+
+/// RIDs by the quality they carry, lowest first: by name when they follow a common naming,
+/// else as offered (most applications list `sendEncodings` from the lowest, as mediasoup asks).
+pub fn lowest_first(rids: &[String]) -> Vec<String> {
+    const NAMINGS: [&[&str]; 4] = [&["q", "h", "f"], &["l", "m", "h"], &["low", "mid", "high"], &["low", "medium", "high"]];
+    for naming in NAMINGS {
+        let rank = |r: &String| naming.iter().position(|n| r.eq_ignore_ascii_case(n));
+        if rids.iter().all(|r| rank(r).is_some()) {
+            let mut ordered = rids.to_vec();
+            ordered.sort_by_key(rank);
+            return ordered;
+        }
+    }
+    rids.to_vec()
+}
+
+impl SessionManager {
+    /// A packet of WebRTC transport `transport` on `ssrc` named its simulcast encoding `rid`
+    /// (see the module): learn the layer, and publish its stream when every layer is heard.
+    pub fn on_stream_id(&self, transport: u32, ssrc: u32, mid: Option<&str>, rid: &str) {
+        let now = crate::manager::unix_ms();
+        // Most reports change nothing (a layer heard already, its packets still arriving until
+        // the table claims its SSRC): decided on a copy of the snapshot, without the lock.
+        if self.read(|m, _| m.clone().learn_layer(transport, mid, rid, ssrc, now)).is_none() {
+            return;
+        }
+        let learned = self.mutate(|m, _| {
+            let out = m.learn_layer(transport, mid, rid, ssrc, now);
+            let changes = out.iter().flat_map(|o| o.rooms.iter().cloned().map(Change::Room)).collect();
+            Ok((out, changes))
+        });
+        match learned {
+            Ok(Some(out)) => {
+                tracing::info!(transport, ssrc, rid, mid, "simulcast layer heard");
+                out.refused.iter().for_each(|why| tracing::warn!(transport, %why, "simulcast stream not published"));
+            }
+            Ok(None) => {}
+            Err(e) => tracing::warn!(transport, ssrc, rid, error = %e, "could not learn a simulcast layer"),
+        }
+    }
+
+    /// Every 100 ms or so: publish the simulcast sections whose learning time is over with the
+    /// layers heard.
+    pub fn publish_heard_simulcast(&self) {
+        let now = crate::manager::unix_ms();
+        if !self.read(|m, _| m.simulcast_due(now)) {
+            return;
+        }
+        let published = self.mutate(|m, _| {
+            let out = m.publish_heard_simulcast(now);
+            let changes = out.rooms.iter().cloned().map(Change::Room).collect();
+            Ok((out, changes))
+        });
+        match published {
+            Ok(out) => out.refused.iter().for_each(|why| tracing::warn!(%why, "simulcast stream not published")),
+            Err(e) => tracing::warn!(error = %e, "could not publish learned simulcast streams"),
+        }
+    }
 }
 
 fn unsupported(why: String) -> ManagerError {
@@ -206,6 +311,13 @@ pub(crate) async fn whep(
     respond(m, p, move |m, ticket| {
         let (offer, pid) = (&session.offer, &session.pid);
         let made = m.mutate_for(ticket, |model, media| {
+            let pending = model.participant(&room, &publisher)?.webrtc.as_ref().map_or(0, |w| w.pending.len());
+            if pending > 0 {
+                return Err(ManagerError::NotReady(format!(
+                    "{publisher}'s simulcast layers are still being learned from its first packets (at most {} s after the first)",
+                    SIMULCAST_LEARNING_MS / 1000
+                )));
+            }
             let streams: Vec<(String, u32, PayloadFormat)> = model
                 .participant(&room, &publisher)?
                 .streams
@@ -214,8 +326,7 @@ pub(crate) async fn whep(
                 .collect();
             let local = allocate_local(model, media, &[])?;
             let uid = model.add_webrtc_participant(&room, pid, local)?;
-            let mut answered: Vec<AnsweredMedia> =
-                offer.media.iter().map(|_| AnsweredMedia { format: None, direction: Direction::Inactive, sending: None }).collect();
+            let mut answered: Vec<AnsweredMedia> = offer.media.iter().map(|_| AnsweredMedia::inactive()).collect();
             let mut mismatch = Vec::new();
             for (name, ssrc, format) in streams {
                 let open = offer.media.iter().enumerate().find_map(|(i, o)| {
@@ -229,7 +340,7 @@ pub(crate) async fn whep(
                 };
                 model.subscribe(&room, pid, StreamRef { publisher: publisher.clone(), stream: name.clone() })?;
                 let sending = Sending { ssrc, cname: publisher.clone(), msid: (publisher.clone(), name.clone()) };
-                answered[i] = AnsweredMedia { format: Some(f.clone()), direction: Direction::SendOnly, sending: Some(sending) };
+                answered[i] = AnsweredMedia { format: Some(f.clone()), direction: Direction::SendOnly, sending: Some(sending), simulcast: None };
             }
             if answered.iter().all(|a| a.format.is_none()) {
                 let why = match mismatch.is_empty() {

@@ -86,6 +86,9 @@ pub struct Stream {
     /// answered with.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub format: Option<PayloadFormat>,
+    /// A browser's simulcast stream (WHIP): the RID of each layer, in `layers`' order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub rids: Vec<String>,
 }
 
 /// A payload format as SDP names it (`a=rtpmap`, `a=fmtp`), and its media kind.
@@ -185,6 +188,67 @@ pub struct WebrtcTransport {
     /// its keystream.
     #[serde(skip)]
     pub srtp: crate::srtp::LegSrtp,
+    /// The header extensions its packets name their simulcast encoding with, while a section
+    /// waits for its layers ([`WebrtcTransport::pending`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_ids: Option<StreamIdExtensions>,
+    /// Simulcast sections whose layers' SSRCs are learned from the first packets
+    /// ([`Model::learn_layer`]); each becomes a stream when they are.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub pending: Vec<PendingSimulcast>,
+}
+
+/// The ids of the RTP header extensions a browser names a packet's simulcast encoding (RFC
+/// 8852's RTP stream id) and media section (RFC 8843's MID) with, as its offer mapped them.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamIdExtensions {
+    pub rid: u8,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub mid: Option<u8>,
+}
+
+/// How long after a pending simulcast section's first layer is heard it is published with the
+/// layers heard so far: a browser leaves out the encodings its bandwidth or resolution does
+/// not allow, and they would never come.
+pub const SIMULCAST_LEARNING_MS: u64 = 2_000;
+
+/// What publishing learned simulcast sections changed: the rooms, and why a section that was
+/// due could not become a stream (it is dropped).
+#[derive(Debug, Default, PartialEq, Eq)]
+pub struct SimulcastPublished {
+    pub rooms: Vec<String>,
+    pub refused: Vec<String>,
+}
+
+/// A browser's simulcast section (`a=simulcast` with RIDs, no SSRCs signalled), waiting for
+/// its layers' SSRCs.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PendingSimulcast {
+    /// The stream it becomes.
+    pub name: String,
+    /// The section's `a=mid`.
+    pub mid: String,
+    /// Its encodings' RIDs, lowest quality first.
+    pub rids: Vec<String>,
+    /// The SSRC learned for each RID so far.
+    pub ssrcs: Vec<Option<u32>>,
+    /// What the stream is published with (its `layers` from `ssrcs`).
+    pub spec: StreamSpec,
+    /// When its first layer was heard (Unix ms).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub heard_at_ms: Option<u64>,
+}
+
+impl PendingSimulcast {
+    /// Heard long enough ago to be published with the layers heard.
+    fn due(&self, now_ms: u64) -> bool {
+        self.heard_at_ms.is_some_and(|t| now_ms.saturating_sub(t) >= SIMULCAST_LEARNING_MS)
+    }
+
+    /// The layers learned, lowest first: (RID, SSRC).
+    fn learned(&self) -> Vec<(String, u32)> {
+        self.rids.iter().zip(&self.ssrcs).filter_map(|(r, s)| Some((r.clone(), (*s)?))).collect()
+    }
 }
 
 impl Participant {
@@ -699,7 +763,7 @@ impl Model {
         check_id(pid)?;
         check_addr(local)?;
         let uid = self.uid();
-        let webrtc = Some(WebrtcTransport { uid, nominated: false, srtp: Default::default() });
+        let webrtc = Some(WebrtcTransport { uid, nominated: false, srtp: Default::default(), stream_ids: None, pending: Vec::new() });
         let mut p = Participant { local, remote: local, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc, srtp: None };
         // Its `remote` until ICE nominates one: nobody's address (see `Participant::source`).
         p.remote = p.source();
@@ -777,6 +841,115 @@ impl Model {
         let changed = w.srtp != srtp;
         w.srtp = srtp;
         Ok(changed)
+    }
+
+    /// Let a WebRTC participant publish `section` once its layers are heard: its packets name
+    /// their encoding with the header extensions `ids`.
+    pub fn add_pending_simulcast(&mut self, room: &str, pid: &str, ids: StreamIdExtensions, section: PendingSimulcast) -> Result<(), ModelError> {
+        check_id(&section.name)?;
+        let n = section.rids.len();
+        if !(1..=MAX_LAYERS).contains(&n) || section.ssrcs.len() != n || section.rids.iter().enumerate().any(|(i, r)| section.rids[..i].contains(r)) {
+            return Err(ModelError::Invalid(format!("stream {}: 1 to {MAX_LAYERS} distinct RIDs", section.name)));
+        }
+        let p = self.participant(room, pid)?;
+        let taken = p.streams.contains_key(&section.name) || p.webrtc.as_ref().is_some_and(|w| w.pending.iter().any(|o| o.name == section.name));
+        if taken {
+            return Err(ModelError::Exists { kind: "stream", id: section.name });
+        }
+        let (_, w) = self.webrtc_mut(room, pid)?;
+        if w.stream_ids.is_some_and(|known| known != ids) {
+            return Err(ModelError::Invalid("one transport, one mapping of header extensions".into()));
+        }
+        w.stream_ids = Some(ids);
+        w.pending.push(section);
+        Ok(())
+    }
+
+    /// A packet of WebRTC transport `uid` on `ssrc` named its encoding `rid` (and its section
+    /// `mid`, when it did): the SSRC of that layer of a pending section. The section becomes a
+    /// stream once every layer is heard; [`Model::publish_heard_simulcast`] publishes it with
+    /// fewer after [`SIMULCAST_LEARNING_MS`]. None if nothing changed.
+    pub fn learn_layer(&mut self, uid: u32, mid: Option<&str>, rid: &str, ssrc: u32, now_ms: u64) -> Option<SimulcastPublished> {
+        let (room, pid) = self.participant_by_transport(uid).map(|(r, p)| (r.to_string(), p.to_string()))?;
+        let w = self.participant(&room, &pid).ok()?.webrtc.as_ref()?;
+        let p = self.participant(&room, &pid).ok()?;
+        let named = |s: &&PendingSimulcast| s.rids.iter().any(|r| r == rid) && mid.is_none_or(|m| m == s.mid);
+        let matching: Vec<usize> = w.pending.iter().enumerate().filter(|(_, s)| named(s)).map(|(i, _)| i).collect();
+        // Without a MID, a RID two sections share names neither.
+        let [i] = matching[..] else { return None };
+        let layer = w.pending[i].rids.iter().position(|r| r == rid).expect("matched");
+        // An SSRC already a stream's or another layer's is not this one's.
+        let used = p.streams.values().any(|s| s.ssrc == Some(ssrc) || s.layers.iter().any(|l| l.ssrc == ssrc))
+            || w.pending.iter().any(|s| s.ssrcs.contains(&Some(ssrc)));
+        if used || w.pending[i].ssrcs[layer].is_some() {
+            return None;
+        }
+        let (_, w) = self.webrtc_mut(&room, &pid).ok()?;
+        let section = &mut w.pending[i];
+        section.ssrcs[layer] = Some(ssrc);
+        section.heard_at_ms.get_or_insert(now_ms);
+        let mut out = SimulcastPublished { rooms: vec![room.clone()], refused: Vec::new() };
+        if section.ssrcs.iter().all(Option::is_some) {
+            if let Err(e) = self.publish_pending(&room, &pid, i) {
+                out.refused.push(format!("{room}/{pid}: {e}"));
+            }
+        }
+        Some(out)
+    }
+
+    /// Whether [`Model::publish_heard_simulcast`] has anything to publish at `now_ms` (it looks
+    /// at WebRTC participants only).
+    pub fn simulcast_due(&self, now_ms: u64) -> bool {
+        self.transports.values().any(|(rid, pid)| {
+            let w = self.rooms.get(rid).and_then(|r| r.participants.get(pid)).and_then(|p| p.webrtc.as_ref());
+            w.is_some_and(|w| w.pending.iter().any(|s| s.due(now_ms)))
+        })
+    }
+
+    /// Publish every pending simulcast section whose first layer was heard
+    /// [`SIMULCAST_LEARNING_MS`] ago or more, with the layers heard.
+    pub fn publish_heard_simulcast(&mut self, now_ms: u64) -> SimulcastPublished {
+        let due: Vec<(String, String, usize)> = self
+            .transports
+            .values()
+            .filter_map(|(rid, pid)| Some((rid, pid, self.rooms.get(rid)?.participants.get(pid)?.webrtc.as_ref()?)))
+            .flat_map(|(rid, pid, w)| {
+                w.pending.iter().enumerate().filter(|(_, s)| s.due(now_ms)).map(|(i, _)| (rid.clone(), pid.clone(), i)).collect::<Vec<_>>()
+            })
+            .collect();
+        let mut out = SimulcastPublished::default();
+        // From the last index down, so the earlier ones stay where they are.
+        for (room, pid, i) in due.into_iter().rev() {
+            if let Err(e) = self.publish_pending(&room, &pid, i) {
+                out.refused.push(format!("{room}/{pid}: {e}"));
+            }
+            if !out.rooms.contains(&room) {
+                out.rooms.push(room);
+            }
+        }
+        out
+    }
+
+    /// Publish pending section `i` with the layers heard: simulcast with two or more, a plain
+    /// stream with one. The section is gone either way (so one that cannot be published does
+    /// not fail again with every packet).
+    fn publish_pending(&mut self, room: &str, pid: &str, i: usize) -> Result<(), ModelError> {
+        let (_, w) = self.webrtc_mut(room, pid)?;
+        let section = w.pending.remove(i);
+        if w.pending.is_empty() {
+            w.stream_ids = None;
+        }
+        let learned = section.learned();
+        let mut spec = section.spec;
+        match learned.len() {
+            0 => return Ok(()),
+            1 => (spec.ssrc, spec.codec) = (Some(learned[0].1), None),
+            _ => spec.layers = learned.iter().map(|(_, s)| *s).collect(),
+        }
+        self.publish(room, pid, &section.name, spec)?;
+        let stream = self.room_mut(room)?.participants.get_mut(pid).and_then(|p| p.streams.get_mut(&section.name)).expect("just published");
+        stream.rids = learned.into_iter().map(|(r, _)| r).collect();
+        Ok(())
     }
 
     /// Remove a participant, its streams, and every subscription to them.
@@ -874,7 +1047,7 @@ impl Model {
         let layers = spec.layers.iter().map(|ssrc| Layer { uid: self.uid(), ssrc: *ssrc }).collect::<Vec<_>>();
         let codec = spec.codec.or_else(|| (!layers.is_empty()).then_some(Codec::Vp8));
         let rtp = spec.rtp || spec.ssrc.is_some();
-        let stream = Stream { uid, local: spec.local, ssrc: spec.ssrc, rtp, clock_rate: spec.clock_rate, layers, codec, format: spec.format };
+        let stream = Stream { uid, local: spec.local, ssrc: spec.ssrc, rtp, clock_rate: spec.clock_rate, layers, codec, format: spec.format, rids: Vec::new() };
         self.room_mut(room)?.participants.get_mut(pid).unwrap().streams.insert(name.into(), stream);
         Ok(uid)
     }
@@ -1347,5 +1520,58 @@ mod tests {
         assert!(m.participant("r", "w").is_err() && m.participant_by_transport(uid).is_none());
         assert!(m.participant("r", "plain").unwrap().subscriptions.is_empty());
         assert!(m.owner_of(&a("10.0.0.1:4000")).is_none(), "its port is free again");
+    }
+
+    /// A browser's simulcast section: its layers' SSRCs come from the RIDs its packets name;
+    /// it becomes a stream when all are heard, or with those heard once the learning time is
+    /// over (one heard: a plain stream). Reports that do not fit change nothing.
+    #[test]
+    fn simulcast_sections_become_streams_as_their_layers_are_heard() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        let uid = m.add_webrtc_participant("r", "w", a("10.0.0.1:4000")).unwrap();
+        let ids = StreamIdExtensions { rid: 10, mid: Some(9) };
+        let section = |name: &str, mid: &str, rids: &[&str]| PendingSimulcast {
+            name: name.into(),
+            mid: mid.into(),
+            rids: rids.iter().map(|r| r.to_string()).collect(),
+            ssrcs: vec![None; rids.len()],
+            spec: StreamSpec { clock_rate: Some(90000), codec: Some(Codec::Vp8), ..Default::default() },
+            heard_at_ms: None,
+        };
+        m.add_pending_simulcast("r", "w", ids, section("video", "1", &["q", "h", "f"])).unwrap();
+        m.add_pending_simulcast("r", "w", ids, section("video-2", "2", &["q", "f"])).unwrap();
+        assert!(m.add_pending_simulcast("r", "w", ids, section("video", "3", &["q", "h"])).is_err(), "its name is taken");
+        assert!(m.add_pending_simulcast("r", "w", ids, section("x", "3", &["q", "q"])).is_err());
+        assert!(m.add_pending_simulcast("r", "w", StreamIdExtensions { rid: 3, mid: None }, section("y", "4", &["a", "b"])).is_err());
+        let entry = |m: &Model| crate::ForwardingTable::compile(m, 1).streams[&crate::IngressKey { local: a("10.0.0.1:4000"), ssrc: None }].clone();
+        assert_eq!(entry(&m).stream_ids, Some(ids), "the transport's entry reads the RIDs");
+
+        // Section 1: q and f heard, h never. Section 2: all heard, so published at once.
+        assert!(m.learn_layer(uid, Some("1"), "q", 100, 1_000).is_some());
+        assert!(m.learn_layer(uid, Some("1"), "q", 100, 1_010).is_none(), "heard already");
+        assert!(m.learn_layer(uid, Some("1"), "h", 100, 1_010).is_none(), "an SSRC is one layer's");
+        assert!(m.learn_layer(uid, None, "q", 300, 1_010).is_none(), "without a MID, q names two sections");
+        assert!(m.learn_layer(uid, Some("1"), "zz", 300, 1_010).is_none() && m.learn_layer(uid + 1, Some("1"), "h", 300, 1_010).is_none());
+        assert!(m.learn_layer(uid, Some("2"), "q", 200, 1_100).is_some());
+        let done = m.learn_layer(uid, Some("2"), "f", 201, 1_200).unwrap();
+        assert_eq!(done, SimulcastPublished { rooms: vec!["r".into()], refused: vec![] });
+        let v2 = &m.participant("r", "w").unwrap().streams["video-2"];
+        assert_eq!((v2.layers.iter().map(|l| l.ssrc).collect::<Vec<_>>(), v2.rids.join(",")), (vec![200, 201], "q,f".to_string()));
+        // One section left with f: the RID alone names it.
+        assert!(m.learn_layer(uid, None, "f", 102, 1_300).is_some());
+        assert!(!m.simulcast_due(2_999) && m.simulcast_due(3_000));
+        assert_eq!(m.publish_heard_simulcast(3_000), SimulcastPublished { rooms: vec!["r".into()], refused: vec![] });
+        let v = &m.participant("r", "w").unwrap().streams["video"];
+        assert_eq!(v.layers.iter().map(|l| l.ssrc).collect::<Vec<_>>(), [100, 102], "lowest first, the unheard layer left out");
+        assert_eq!((v.rids.join(","), v.codec, v.clock_rate), ("q,f".to_string(), Some(Codec::Vp8), Some(90000)));
+        assert_eq!(entry(&m).stream_ids, None, "nothing left to learn");
+        assert!(m.learn_layer(uid, Some("1"), "h", 101, 3_100).is_none(), "a layer heard late is not added");
+
+        // One layer heard: a plain stream on its SSRC.
+        m.add_pending_simulcast("r", "w", ids, section("solo", "5", &["l", "h"])).unwrap();
+        m.learn_layer(uid, Some("5"), "h", 500, 10_000).unwrap();
+        assert_eq!(m.publish_heard_simulcast(12_000).refused, Vec::<String>::new());
+        assert_eq!(m.participant("r", "w").unwrap().streams["solo"].ssrc, Some(500));
     }
 }

@@ -136,6 +136,10 @@ pub enum Effect<'p> {
     Accepted { stream: u32 },
     /// An RTP packet measured in the path (reception quality).
     Rtp { stream: u32, header: RtpHeader, clock_rate: u32 },
+    /// A packet on WebRTC transport `transport` that no stream claims named its simulcast
+    /// encoding `rid` (and its section `mid`) in its header extensions: for the control plane,
+    /// which learns the layer's SSRC ([`crate::model::Model::learn_layer`]).
+    StreamId { transport: u32, ssrc: u32, mid: Option<String>, rid: String },
     /// A publisher's sender report passed (its NTP middle bits), for consumers' round-trip times.
     SenderReport { stream: u32, ntp_middle: u32 },
     /// A relay leg's RTCP for the control plane to evaluate (the plane applies its budget).
@@ -279,6 +283,9 @@ impl Pipeline {
         match demux(&payload) {
             MediaKind::Rtp if entry.rtp => {
                 if let Ok(header) = RtpHeader::parse(&payload) {
+                    if let Some((mid, rid)) = entry.stream_ids.and_then(|ids| stream_ids(ids, &header, &payload)) {
+                        out.push(Effect::StreamId { transport: entry.id, ssrc: header.ssrc, mid, rid });
+                    }
                     rtp = Some(CopyRtp { ssrc: header.ssrc, sequence: header.sequence, timestamp: header.timestamp, clock_rate: entry.clock_rate });
                     out.push(Effect::Rtp { stream: entry.id, header, clock_rate: entry.clock_rate });
                 }
@@ -299,7 +306,11 @@ impl Pipeline {
             for (i, bytes) in fan.copies {
                 let c = &entry.copies[i];
                 let copy = CopyOf { stream: entry.id, consumer: c.consumer, rtp: rtp.map(|r| r.renumbered(&bytes)) };
-                out.push(Effect::Send { from: c.from, to: c.to, packet: Cow::Owned(bytes), copy: Some(copy) });
+                // Renumbered first, then protected for its subscriber (a browser's is SRTP).
+                match protected(plane, c.from, &c.outbound, Cow::Owned(bytes)) {
+                    Some(packet) => out.push(Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy) }),
+                    None => out.push(Effect::CopyFailed { copy }),
+                }
             }
             for (from, to, packet) in fan.requests {
                 if let Some(packet) = protected(plane, from, &entry.reverse, Cow::Owned(packet)) {
@@ -329,6 +340,18 @@ impl Pipeline {
         }
         limit.params().admit(st, now_ns, bytes)
     }
+}
+
+/// The MID and RID a packet's header extensions name (RFC 8843, RFC 8852), if it names a RID
+/// that can be one (RFC 8851's letters, digits, `-` and `_`; at most 16 of them).
+fn stream_ids(ids: crate::model::StreamIdExtensions, header: &RtpHeader, packet: &[u8]) -> Option<(Option<String>, String)> {
+    let elements = header.extension_elements(packet).ok()?;
+    let text = |id: u8| -> Option<String> {
+        let (_, v) = elements.iter().find(|(i, _)| *i == id)?;
+        let ok = !v.is_empty() && v.len() <= 16 && v.iter().all(|b| b.is_ascii_alphanumeric() || *b == b'-' || *b == b'_');
+        ok.then(|| String::from_utf8_lossy(v).into_owned())
+    };
+    Some((ids.mid.and_then(text), text(ids.rid)?))
 }
 
 /// `packet` as it leaves the SFU address `from`: as it is, or protected with `protection`'s key
@@ -463,8 +486,10 @@ mod tests {
             self.asked.push(format!("protect from {from}"));
             (key.is_some() && !self.protect_fails).then(|| [packet, &[0xee]].concat())
         }
-        fn layer_fan_out(&mut self, _: &StreamEntry, _: &SimulcastLayer, _: SocketAddr, _: &[u8], _: u64) -> LayerFanOut {
-            unreachable!("no simulcast stream here")
+        /// Every consumer receives this layer, "renumbered" by a byte appended.
+        fn layer_fan_out(&mut self, entry: &StreamEntry, _: &SimulcastLayer, _: SocketAddr, packet: &[u8], _: u64) -> LayerFanOut {
+            self.asked.push("layer fan-out".into());
+            LayerFanOut { copies: (0..entry.copies.len()).map(|i| (i, [packet, &[0x5a]].concat())).collect(), requests: Vec::new() }
         }
     }
 
@@ -484,6 +509,7 @@ mod tests {
                 Effect::SenderReport { .. } => "sender report".into(),
                 Effect::RelayRtcp { .. } => "relay rtcp".into(),
                 Effect::Record { .. } => "record".into(),
+                Effect::StreamId { ssrc, mid, rid, .. } => format!("stream id {ssrc} {mid:?} {rid}"),
                 Effect::Send { to, packet, copy, .. } => format!("send {to} {} {}", packet.len(), copy.map_or(0, |c| c.consumer)),
                 Effect::CopyFailed { copy } => format!("copy failed {}", copy.consumer),
             })
@@ -508,6 +534,36 @@ mod tests {
         // A stranger's: dropped as classify says, charged to the stream.
         let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, "10.9.9.9:1", &rtp, 1);
         assert_eq!(got, ["dropped Model(Stranger) true"]);
+    }
+
+    /// An entry waiting for simulcast layers reports the RID (and MID) a packet's header
+    /// extensions name, and nothing for a packet that names none or no RID that can be one.
+    #[test]
+    fn an_entry_learning_layers_reports_the_rid_and_mid_packets_name() {
+        let mut t = room();
+        main_entry(&mut t).stream_ids = Some(crate::model::StreamIdExtensions { rid: 10, mid: Some(9) });
+        // One-byte header extensions (RFC 8285): MID "1" (id 9), RID "h" (id 10), padding.
+        let with = |elements: &[u8]| {
+            let mut p = build_rtp(96, 7, 160, 0x1234, &[1; 20]);
+            p[0] |= 0x10;
+            let mut ext = vec![0xbe, 0xde, 0, (elements.len().div_ceil(4)) as u8];
+            ext.extend_from_slice(elements);
+            ext.resize(4 + elements.len().div_ceil(4) * 4, 0);
+            p.splice(12..12, ext);
+            p
+        };
+        let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &with(&[0x90, b'1', 0xa0, b'h']), 1);
+        assert!(got.contains(&"stream id 4660 Some(\"1\") h".to_string()), "{got:?}");
+        let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &with(&[0xa1, b'h', b'i']), 1);
+        assert!(got.contains(&"stream id 4660 None hi".to_string()), "no MID: the RID alone {got:?}");
+        for unnamed in [with(&[0x90, b'1']), with(&[0xa0, b' ']), build_rtp(96, 7, 160, 0x1234, &[1; 20])] {
+            let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &unnamed, 1);
+            assert!(got.iter().all(|e| !e.starts_with("stream id")) && got.iter().filter(|e| e.starts_with("send")).count() == 2, "{got:?}");
+        }
+        // An entry not learning reads no extension.
+        main_entry(&mut t).stream_ids = None;
+        let got = run(&mut Pipeline::new(), &t, &mut FakePlane::default(), P0_LOCAL, P0, &with(&[0x90, b'1', 0xa0, b'h']), 1);
+        assert!(got.iter().all(|e| !e.starts_with("stream id")), "{got:?}");
     }
 
     /// Each copy carries the RTP header it leaves with, for its consumer's quality as forwarded:
@@ -546,6 +602,25 @@ mod tests {
         // A stranger is dropped by classify and never charged.
         assert_eq!(run(&mut p, &t, &mut plane, P0_LOCAL, "10.9.9.9:1", &rtp, 3), ["dropped Model(Stranger) true"]);
         assert_eq!(plane.asked, ["source 10.0.1.1", "source 10.0.1.1"]);
+    }
+
+    /// A simulcast layer's copies are renumbered, then protected for each subscriber that
+    /// speaks SRTP (a browser's): a renumbered copy is never sent in clear to it.
+    #[test]
+    fn simulcast_copies_are_protected_after_they_are_renumbered() {
+        let mut t = room();
+        let key = SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, vec![7; 30]).unwrap();
+        let e = main_entry(&mut t);
+        e.simulcast = Some(SimulcastLayer { group: e.id, index: 0, layers: vec![(e.id, 9)], codec: Default::default() });
+        e.copies[1].outbound = Protection::Srtp(Some(key));
+        let c = consumers(&t);
+        let mut plane = FakePlane::default();
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &build_rtp(0, 7, 160, 9, &[1; 20]), 1);
+        assert_eq!(got[3..], [format!("send 10.0.1.2:5000 33 {}", c[0]), format!("send 10.0.1.3:5000 34 {}", c[1])]);
+        assert_eq!(plane.asked, ["layer fan-out", "protect from 10.0.0.1:4004"]);
+        plane.protect_fails = true;
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &build_rtp(0, 8, 160, 9, &[1; 20]), 1);
+        assert_eq!(got[3..], [format!("send 10.0.1.2:5000 33 {}", c[0]), format!("copy failed {}", c[1])]);
     }
 
     #[test]

@@ -125,6 +125,12 @@ pub struct StreamEntry {
     /// hands both up already (STUN always, DTLS with the rest of an SRTP stream).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub handshake: bool,
+    /// A WebRTC transport's entry while one of its simulcast sections waits for its layers
+    /// ([`crate::model::WebrtcTransport::pending`]): an RTP packet no stream claims (it comes
+    /// here) is read for these header extensions, and the RID and MID it names are reported
+    /// with its SSRC ([`crate::pipeline::Effect::StreamId`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream_ids: Option<crate::model::StreamIdExtensions>,
     /// How what the SFU sends back to the stream's source (keyframe requests, the consumers'
     /// feedback routed to it) is protected: a WebRTC publisher's SRTCP key.
     #[serde(default, skip_serializing_if = "Protection::is_clear")]
@@ -289,11 +295,13 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             evaluate_rtcp: false,
             simulcast: None,
             handshake: false,
+            stream_ids: None,
             reverse: p.outbound(),
         };
         if let Some(w) = &p.webrtc {
             let key = IngressKey { local: p.local, ssrc: None };
-            out.push(StreamEntry { handshake: true, ..base(w.uid, format!("{rid}/{pid}"), key, Vec::new()) });
+            let stream_ids = w.stream_ids.filter(|_| !w.pending.is_empty());
+            out.push(StreamEntry { handshake: true, stream_ids, ..base(w.uid, format!("{rid}/{pid}"), key, Vec::new()) });
         }
         for (sid, s) in &p.streams {
             let this = StreamRef { publisher: pid.clone(), stream: sid.clone() };
@@ -415,6 +423,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             evaluate_rtcp: from_leg.rtp,
             simulcast: None,
             handshake: from_leg.ice,
+            stream_ids: None,
             reverse: Protection::Clear,
         }
     })

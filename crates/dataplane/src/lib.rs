@@ -53,6 +53,10 @@ pub enum DataplaneEvent {
     /// [`mediaplane_core::StreamEntry::handshake`] (an ICE + DTLS-SRTP leg): the control plane
     /// answers it with [`Dataplane::send_datagram`]. `at_ns` as for `Rtcp`.
     Handshake { stream: u32, local: SocketAddr, source: SocketAddr, at_ns: u64, packet: Vec<u8> },
+    /// A packet on WebRTC transport `transport` (the id of its table entry) on an SSRC no
+    /// stream claims named simulcast encoding `rid` of section `mid` (see
+    /// [`mediaplane_core::pipeline::Effect::StreamId`]); at most one per SSRC every 100 ms.
+    StreamId { transport: u32, ssrc: u32, mid: Option<String>, rid: String },
 }
 
 /// Events queued for the control plane before the data plane drops new ones (counted as

@@ -378,6 +378,7 @@ mod tests {
             evaluate_rtcp: false,
             simulcast: None,
             handshake: false,
+            stream_ids: None,
             reverse: Protection::Clear,
         }
     }

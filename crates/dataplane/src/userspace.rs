@@ -614,6 +614,7 @@ impl UserspaceDataplane {
                 free_slots: Vec::new(),
                 pipeline: Pipeline::new(),
                 rtcp_budget: HashMap::new(),
+                stream_ids_reported: HashMap::new(),
             };
             let thread = std::thread::Builder::new().name(format!("mp-worker-{id}")).spawn(move || ctx.run()).map_err(|e| io_err("spawn worker", e))?;
             workers.push(Worker { thread: Some(thread), wake, counters, changes });
@@ -977,7 +978,14 @@ struct WorkerCtx {
     /// RTCP reports this worker handed to the control plane per stream in the current second:
     /// (second, count).
     rtcp_budget: HashMap<u32, (u64, u32)>,
+    /// When this worker last reported the RID of (transport, SSRC): a layer's packets name it
+    /// until the control plane has learned it, and one report per [`STREAM_ID_REPORT_NS`] is
+    /// enough.
+    stream_ids_reported: HashMap<(u32, u32), u64>,
 }
+
+/// How often a worker reports the RID of one SSRC while no stream claims it.
+const STREAM_ID_REPORT_NS: u64 = 100_000_000;
 
 /// Steered mode: send one copy from `from` as a complete IP packet on the raw socket (the slow
 /// path is rare traffic: the first packet of a relay leg, STUN, unresolved next hops, copies
@@ -1253,6 +1261,20 @@ impl WorkerCtx {
         *n <= crate::RTCP_REPORTS_PER_SECOND
     }
 
+    /// Whether the RID of `key` (transport, SSRC) may be reported again now.
+    fn stream_id_due(reported: &mut HashMap<(u32, u32), u64>, key: (u32, u32), now_ns: u64) -> bool {
+        if reported.len() > 4096 {
+            reported.retain(|_, at| now_ns.saturating_sub(*at) < STREAM_ID_REPORT_NS);
+        }
+        match reported.get(&key) {
+            Some(at) if now_ns.saturating_sub(*at) < STREAM_ID_REPORT_NS => false,
+            _ => {
+                reported.insert(key, now_ns);
+                true
+            }
+        }
+    }
+
     /// Send `payload` from the SFU address `from` to `to`: queued for this worker's socket of
     /// `from` (sent with the batch, counted then), or, in steered mode, at once as a raw packet.
     /// `of`: the copy it is (counted per stream and consumer); None for RTCP the SFU sends a
@@ -1450,6 +1472,11 @@ impl WorkerCtx {
                             && Self::rtcp_admit(&mut self.rtcp_budget, stream, received_at)
                         {
                             rtcp_reports.push((stream, src, packet.into_owned()));
+                        }
+                    }
+                    Effect::StreamId { transport, ssrc, mid, rid } => {
+                        if self.shared.events.is_some() && Self::stream_id_due(&mut self.stream_ids_reported, (transport, ssrc), received_at) {
+                            self.shared.report(DataplaneEvent::StreamId { transport, ssrc, mid, rid });
                         }
                     }
                     Effect::Record { stream, label, packet } => crate::record::tap(stream, &label, src, local, &packet),

@@ -43,6 +43,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         evaluate_rtcp: false,
         simulcast: None,
         handshake: false,
+        stream_ids: None,
         reverse: mediaplane_core::srtp::Protection::Clear,
     }
 }

@@ -283,7 +283,7 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     assert_eq!(s, 400, "{body}");
     let simulcast = offer.replace("a=ssrc:2222 cname:c\r\n", "a=rid:h send\r\na=simulcast:send h\r\n");
     let (s, _, body) = post(&d, "/v1/whip/r", "application/sdp", &simulcast);
-    assert!(s == 422 && body.contains("simulcast"), "{s} {body}");
+    assert!(s == 422 && body.contains("simulcast") && body.contains("rtp-stream-id"), "without the RID extension: {s} {body}");
     assert_eq!(d.call("GET", "/v1/rooms/r", None).0, 404, "a refused offer changes nothing");
 
     let (s, location, answer) = post(&d, "/v1/whip/r?participant=alice", "application/sdp", &offer);
@@ -307,6 +307,36 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     assert!(matches!(patch, Err(ureq::Error::Status(405, _))), "{patch:?}");
     // The page loads without the token.
     assert_eq!(ureq::get(&format!("{}/", d.api)).call().unwrap().status(), 200);
+
+    // Simulcast as Chromium offers it (RIDs, the extensions naming them, no SSRC): answered
+    // with the RIDs, waiting for the layers' first packets; WHEP of it meanwhile says when to
+    // try again.
+    let rids = "a=extmap:9 urn:ietf:params:rtp-hdrext:sdes:mid\r\na=extmap:10 urn:ietf:params:rtp-hdrext:sdes:rtp-stream-id\r\n\
+                a=rid:f send\r\na=rid:h send\r\na=rid:q send\r\na=simulcast:send f;h;q\r\n";
+    let simulcast = offer.replace("a=ssrc:2222 cname:c\r\n", rids);
+    let (s, _, answer) = post(&d, "/v1/whip/r?participant=carol", "application/sdp", &simulcast);
+    assert_eq!(s, 201, "{answer}");
+    for line in [
+        "a=rid:h recv",
+        "a=simulcast:recv f;h;q",
+        "a=extmap:10 urn:ietf:params:rtp-hdrext:sdes:rtp-stream-id",
+        "a=extmap:9 urn:ietf:params:rtp-hdrext:sdes:mid",
+    ] {
+        assert!(answer.lines().any(|l| l == line), "{line:?} missing from {answer}");
+    }
+    let (_, room) = d.call("GET", "/v1/rooms/r", None);
+    let carol = &room["participants"]["carol"];
+    assert_eq!(carol["webrtc"]["pending"][0]["rids"], json!(["q", "h", "f"]), "lowest first by name: {carol}");
+    assert!(carol["streams"]["audio"]["ssrc"] == 1111 && carol["streams"].get("video").is_none(), "{carol}");
+    let whep =
+        ureq::post(&format!("{}/v1/whep/r/carol", d.api)).set("authorization", "Bearer s3cret").set("content-type", "application/sdp").send_string(&recv);
+    match whep {
+        Err(ureq::Error::Status(503, r)) => assert_eq!(r.header("retry-after"), Some("1")),
+        other => panic!("WHEP of a publisher still learning its layers: {other:?}"),
+    }
+    let vp9 = simulcast.replace("VP8/90000", "VP9/90000").replace("H264/90000", "AV1/90000");
+    let (s, _, body) = post(&d, "/v1/whip/r?participant=dave", "application/sdp", &vp9);
+    assert!(s == 422 && body.contains("keyframes"), "{s} {body}");
 
     // A restart cannot resume the browsers' sessions: they are gone, the room stays.
     d.terminate();

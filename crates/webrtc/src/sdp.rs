@@ -4,9 +4,12 @@
 //! mid, direction, payload formats with their feedback, and the SSRCs it sends.
 //!
 //! The SFU is an ICE-lite, rtcp-mux, BUNDLE-only endpoint that forwards payloads as they are:
-//! it answers one payload format per section (no RTX, RED or FEC, no header extensions), and a
-//! subscriber's section gets the publisher's format only with the payload type the publisher
-//! used (copies are not renumbered).
+//! it answers one payload format per section (no RTX, RED or FEC), and a subscriber's section
+//! gets the publisher's format only with the payload type the publisher used (copies are not
+//! renumbered). The only header extensions it answers are those a simulcast publisher's
+//! layers are told apart by (RFC 8852's RTP stream id and RFC 8843's MID): a section sent in
+//! several encodings (`a=simulcast`, RFC 8853, with `a=rid`, RFC 8851) is answered with them,
+//! so the SFU learns each layer's SSRC from its first packets.
 
 use crate::dtls::{Fingerprint, Role};
 use crate::ice::Credentials;
@@ -134,8 +137,26 @@ pub struct OfferedMedia {
     pub formats: Vec<Format>,
     /// The SSRCs it sends media on, in order: an `a=ssrc-group:FID` pair's repair SSRC is not.
     pub ssrcs: Vec<u32>,
-    /// Simulcast (`a=simulcast`): layers told apart by RID, not by signalled SSRCs.
+    /// Simulcast (`a=simulcast:send`): the RIDs of the encodings it sends, in the offer's
+    /// order (paused ones and alternatives beyond the first left out), each declared by an
+    /// `a=rid:<id> send`. Empty: one encoding.
+    pub rids: Vec<String>,
+    /// Its `a=simulcast` line, whatever it says (an offer may name RIDs it never declares).
     pub simulcast: bool,
+    /// `a=extmap`: (id, URI).
+    pub extmaps: Vec<(u8, String)>,
+}
+
+/// RFC 8852's RTP stream id header extension: a simulcast encoding's RID in its packets.
+pub const RTP_STREAM_ID: &str = "urn:ietf:params:rtp-hdrext:sdes:rtp-stream-id";
+/// RFC 8843's MID header extension: the media section a packet belongs to.
+pub const SDES_MID: &str = "urn:ietf:params:rtp-hdrext:sdes:mid";
+
+impl OfferedMedia {
+    /// The id the offer gave the header extension `uri`.
+    pub fn extmap(&self, uri: &str) -> Option<u8> {
+        self.extmaps.iter().find(|(_, u)| u == uri).map(|(id, _)| *id)
+    }
 }
 
 /// What a browser offers (WHIP to publish, WHEP to subscribe).
@@ -276,8 +297,56 @@ fn parse_section(mline: &str, attrs: &[(&str, &str)]) -> Result<OfferedMedia, Sd
         }
     }
     let simulcast = attrs.iter().any(|(n, _)| *n == "simulcast");
+    let rids = if simulcast { simulcast_rids(attrs)? } else { Vec::new() };
+    let mut extmaps = Vec::new();
+    for (_, v) in attrs.iter().filter(|(n, _)| *n == "extmap") {
+        // `a=extmap:<id>[/<direction>] <uri> [<attributes>]`
+        let mut parts = v.split_whitespace();
+        let id = parts.next().and_then(|i| i.split('/').next()?.parse::<u8>().ok()).filter(|i| *i >= 1);
+        let (Some(id), Some(uri)) = (id, parts.next()) else {
+            return Err(SdpError::Malformed(format!("a=extmap:{v}")));
+        };
+        if extmaps.len() < 32 && uri.len() <= 256 {
+            extmaps.push((id, uri.to_string()));
+        }
+    }
     let fmt = fmt.join(" ");
-    Ok(OfferedMedia { kind, media, proto, fmt, mid, direction, disabled: port == 0, formats, ssrcs, simulcast })
+    Ok(OfferedMedia { kind, media, proto, fmt, mid, direction, disabled: port == 0, formats, ssrcs, rids, simulcast, extmaps })
+}
+
+/// The RIDs `a=simulcast:send` lists (RFC 8853 §5.1: `send <rid>[,<alt>];...`), first
+/// alternatives only, paused (`~`) ones left out; each must be declared `a=rid:<id> send`.
+fn simulcast_rids(attrs: &[(&str, &str)]) -> Result<Vec<String>, SdpError> {
+    let declared: Vec<&str> = attrs
+        .iter()
+        .filter(|(n, _)| *n == "rid")
+        .filter_map(|(_, v)| v.split_whitespace().collect::<Vec<_>>().get(..2).filter(|p| p[1] == "send").map(|p| p[0]))
+        .collect();
+    let Some(list) = attrs.iter().find(|(n, _)| *n == "simulcast").and_then(|(_, v)| {
+        let mut parts = v.split_whitespace();
+        // `send a;b recv c` or `recv c send a;b`: the send list.
+        std::iter::from_fn(|| Some((parts.next()?, parts.next()?))).find(|(dir, _)| *dir == "send").map(|(_, l)| l)
+    }) else {
+        return Ok(Vec::new());
+    };
+    let mut rids: Vec<String> = Vec::new();
+    for entry in list.split(';') {
+        let first = entry.split(',').next().unwrap_or("");
+        if first.starts_with('~') {
+            continue;
+        }
+        // RFC 8851's rid-id: letters, digits, '-' and '_' (and short: it is echoed and reported).
+        if first.is_empty() || first.len() > 16 || !first.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_') {
+            return Err(SdpError::Malformed(format!("a=simulcast: {first:?} is not a RID")));
+        }
+        if !declared.contains(&first) {
+            return Err(SdpError::Malformed(format!("a=simulcast names RID {first:?}, which no a=rid:{first} send declares")));
+        }
+        if !rids.iter().any(|r| r == first) && rids.len() < 16 {
+            rids.push(first.to_string());
+        }
+    }
+    Ok(rids)
 }
 
 /// RFC 8866's `token`: visible ASCII but separators and spaces.
@@ -303,6 +372,28 @@ pub struct AnsweredMedia {
     pub format: Option<Format>,
     pub direction: Direction,
     pub sending: Option<Sending>,
+    /// A simulcast publisher's section.
+    pub simulcast: Option<SimulcastAnswer>,
+}
+
+/// How a simulcast publisher's section is answered: the RIDs the SFU receives (`a=rid:<id>
+/// recv`, `a=simulcast:recv`), and the header extensions (id, URI) its packets name them with.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SimulcastAnswer {
+    pub rids: Vec<String>,
+    pub extmaps: Vec<(u8, String)>,
+}
+
+impl AnsweredMedia {
+    /// A section nothing flows on.
+    pub fn inactive() -> AnsweredMedia {
+        AnsweredMedia { format: None, direction: Direction::Inactive, sending: None, simulcast: None }
+    }
+
+    /// A section the SFU receives `format` on (a publisher's).
+    pub fn receiving(format: Format) -> AnsweredMedia {
+        AnsweredMedia { format: Some(format), direction: Direction::RecvOnly, sending: None, simulcast: None }
+    }
 }
 
 /// The SFU's answer.
@@ -356,6 +447,15 @@ impl Answer<'_> {
             }
             if let Some(out) = &a.sending {
                 let _ = write!(s, "a=msid:{} {}\r\na=ssrc:{} cname:{}\r\n", out.msid.0, out.msid.1, out.ssrc, out.cname);
+            }
+            if let Some(SimulcastAnswer { rids, extmaps }) = a.simulcast.as_ref().filter(|_| a.format.is_some()) {
+                for (id, uri) in extmaps {
+                    let _ = write!(s, "a=extmap:{id} {uri}\r\n");
+                }
+                for rid in rids {
+                    let _ = write!(s, "a=rid:{rid} recv\r\n");
+                }
+                let _ = write!(s, "a=simulcast:recv {}\r\n", rids.join(";"));
             }
             let _ = write!(s, "a=candidate:1 1 udp 2130706431 {ip} {} typ host\r\na=end-of-candidates\r\n", self.candidate.port());
         }
@@ -411,7 +511,11 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
 
         let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
         let fp = o.fingerprint.clone();
-        let media = o.media.iter().map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None }).collect();
+        let media = o
+            .media
+            .iter()
+            .map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None })
+            .collect();
         let a = Answer { offer: &o, ice: &ice, fingerprint: &fp, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write();
         for line in [
             "a=ice-lite",
@@ -442,8 +546,8 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
         let sending = Sending { ssrc: 42, cname: "gst".into(), msid: ("gst".into(), "video".into()) };
         let media = vec![
-            AnsweredMedia { format: None, direction: Direction::Inactive, sending: None },
-            AnsweredMedia { format: choose_format(&o.media[1]).cloned(), direction: Direction::SendOnly, sending: Some(sending) },
+            AnsweredMedia::inactive(),
+            AnsweredMedia { format: choose_format(&o.media[1]).cloned(), direction: Direction::SendOnly, sending: Some(sending), simulcast: None },
         ];
         let a = Answer { offer: &o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write();
         for line in ["a=group:BUNDLE 0 1", "m=audio 40000 UDP/TLS/RTP/SAVPF 111", "a=inactive", "a=sendonly", "a=ssrc:42 cname:gst", "a=msid:gst video"] {
@@ -472,10 +576,58 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         let with_data = format!("{CHROME_OFFER}m=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\na=mid:2\r\n").replace("BUNDLE 0 1", "BUNDLE 0 1 2");
         let o = Offer::parse(&with_data).unwrap();
         let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
-        let media = o.media.iter().map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None }).collect();
+        let media = o
+            .media
+            .iter()
+            .map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None })
+            .collect();
         let a = Answer { offer: &o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write();
         assert!(a.contains("m=application 0 UDP/DTLS/SCTP webrtc-datachannel\r\n"), "{a}");
         let holdconn = CHROME_OFFER.replace("a=setup:actpass", "a=setup:holdconn");
         assert!(Offer::parse(&holdconn).unwrap().answer_role().is_err());
+    }
+
+    /// What Chromium offers for `addTransceiver(track, {sendEncodings: [{rid: 'q'}, {rid: 'h'},
+    /// {rid: 'f'}]})` (shortened): no `a=ssrc` at all, the RIDs and the extensions naming them.
+    #[test]
+    fn a_simulcast_offer_is_answered_with_its_rids_and_the_extensions_that_name_them() {
+        let video = CHROME_OFFER.split("m=video").nth(1).unwrap();
+        let simulcast = video.replace("a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n", "").replace(
+            "a=sendonly\r\n",
+            "a=extmap:4 http://www.ietf.org/id/draft-holmer-rmcat-transport-wide-cc-extensions-01\r\n\
+                 a=extmap:9 urn:ietf:params:rtp-hdrext:sdes:mid\r\na=extmap:10 urn:ietf:params:rtp-hdrext:sdes:rtp-stream-id\r\n\
+                 a=extmap:11/sendonly urn:ietf:params:rtp-hdrext:sdes:repaired-rtp-stream-id\r\na=sendonly\r\n",
+        );
+        let offer = format!("v=0\r\no=- 1 2 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\na=group:BUNDLE 1\r\nm=video{simulcast}a=rid:q send\r\na=rid:h send\r\na=rid:f send\r\na=simulcast:send q;h;~x,y;f\r\na=rid:x send\r\n");
+        let o = Offer::parse(&offer).unwrap();
+        let m = &o.media[0];
+        assert!(m.ssrcs.is_empty() && m.simulcast);
+        assert_eq!(m.rids, ["q", "h", "f"], "paused encodings are not received");
+        assert_eq!((m.extmap(RTP_STREAM_ID), m.extmap(SDES_MID), m.extmap("urn:x")), (Some(10), Some(9), None));
+        let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
+        let extmaps = vec![(9, SDES_MID.to_string()), (10, RTP_STREAM_ID.to_string())];
+        let answered =
+            AnsweredMedia { simulcast: Some(SimulcastAnswer { rids: m.rids.clone(), extmaps }), ..AnsweredMedia::receiving(choose_format(m).unwrap().clone()) };
+        let a =
+            Answer { offer: &o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media: vec![answered] }
+                .write();
+        for line in [
+            "a=recvonly",
+            "a=extmap:9 urn:ietf:params:rtp-hdrext:sdes:mid",
+            "a=extmap:10 urn:ietf:params:rtp-hdrext:sdes:rtp-stream-id",
+            "a=rid:q recv",
+            "a=rid:f recv",
+            "a=simulcast:recv q;h;f",
+        ] {
+            assert!(a.lines().any(|l| l == line), "{line:?} missing from\n{a}");
+        }
+        assert!(!a.contains("transport-wide") && !a.contains("repaired") && !a.contains("a=rid:x"), "{a}");
+        // What does not add up is refused.
+        let undeclared = offer.replace("a=rid:h send\r\n", "");
+        assert!(matches!(Offer::parse(&undeclared), Err(SdpError::Malformed(m)) if m.contains("\"h\"")));
+        let odd = offer.replace("send q;h", "send q!;h").replace("a=rid:q send", "a=rid:q! send");
+        assert!(matches!(Offer::parse(&odd), Err(SdpError::Malformed(_))));
+        let bad_ext = offer.replace("a=extmap:9 ", "a=extmap:x ");
+        assert!(matches!(Offer::parse(&bad_ext), Err(SdpError::Malformed(_))));
     }
 }

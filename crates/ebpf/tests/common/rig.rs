@@ -85,6 +85,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         evaluate_rtcp: false,
         simulcast: None,
         handshake: false,
+        stream_ids: None,
         reverse: mediaplane_core::srtp::Protection::Clear,
     }
 }
