@@ -10,15 +10,23 @@
 //! STUN, DTLS, SRTP and SRTCP to user space (and, as the room has only browsers for consumers,
 //! the plain publisher's copies too: they are SRTP-protected per browser).
 //!
+//! The first browser publishes its camera in simulcast (the page's `&simulcast=1`: three
+//! encodings, RIDs q/h/f, no SSRC signalled), so the SFU learns its layers from the RIDs its
+//! packets name, and every other participant receives one layer of it.
+//!
 //! Checked, on the user-space and the eBPF plane in turn, from each page's getStats (its
 //! console lines) after a few seconds of media:
 //! - every browser decodes the video of the two other browsers and of the GStreamer participant
 //!   (frames decoded grow between two readings) and receives the two browsers' audio; packets
 //!   lost at most 1 % of those received; DTLS connected;
-//! - the plain participant receives each browser's audio and video decrypted: clear RTP on the
+//! - the plain participant (which asks for a keyframe of each video it subscribes to, as a
+//!   decoder joining mid-stream does) receives each browser's audio and video decrypted: clear RTP on the
 //!   SSRCs the browsers send, whose VP8 GStreamer's decoder turns into frames;
 //! - mediaplane counted no SRTP authentication failure or replay, and its WHIP participants are
 //!   keyed by their handshakes with no key material in the API's view;
+//! - the simulcast publisher's stream has the layers it sends (at least two, lowest first, by
+//!   RID); a browser switched to its lowest layer through the API decodes its quarter-size
+//!   frames, switched back to its top layer the larger ones, with frames decoded throughout;
 //! - a WHIP resource's DELETE ends that participant, and the others' pages drop its tiles.
 //!
 //! Needs root, chromium and GStreamer (vp8enc, vp8dec); skipped without them, except under
@@ -56,6 +64,8 @@ fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> Result<Va
 /// RTP to the SFU (symmetric RTP: one socket both ways).
 struct PlainParty {
     received: Arc<Mutex<HashMap<u32, Vec<Vec<u8>>>>>,
+    /// Its socket, for the keyframe requests it sends as a receiver would, and its SFU address.
+    feedback: (std::net::UdpSocket, SocketAddr),
     stop: Arc<std::sync::atomic::AtomicBool>,
     threads: Vec<std::thread::JoinHandle<()>>,
 }
@@ -70,6 +80,7 @@ impl PlainParty {
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let received: Arc<Mutex<HashMap<u32, Vec<Vec<u8>>>>> = Arc::default();
         let out = sock.try_clone().unwrap();
+        let feedback = (sock.try_clone().unwrap(), sfu);
         let (st1, st2, rec) = (stop.clone(), stop.clone(), received.clone());
         let forward = std::thread::spawn(move || {
             let mut buf = [0u8; 2048];
@@ -92,7 +103,16 @@ impl PlainParty {
                 }
             }
         });
-        PlainParty { received, stop, threads: vec![forward, receive] }
+        PlainParty { received, feedback, stop, threads: vec![forward, receive] }
+    }
+
+    /// Ask for a keyframe of `ssrc` (RFC 4585 PLI), as a decoder that joined mid-stream does
+    /// (browsers send no keyframe unasked).
+    fn request_keyframe(&self, ssrc: u32) {
+        let mut pli = vec![0x81, 206, 0, 2];
+        pli.extend_from_slice(&PLAIN_SSRC.to_be_bytes());
+        pli.extend_from_slice(&ssrc.to_be_bytes());
+        self.feedback.0.send_to(&pli, self.feedback.1).unwrap();
     }
 }
 
@@ -158,7 +178,8 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
             let bdir = dir.join(format!("{plane}-{name}"));
             std::fs::create_dir_all(&bdir).unwrap();
             // Each page from the SFU address on its own link.
-            let page = format!("http://{}:{API_PORT}/?room=w&name={name}&join=1&token={TOKEN}", tb.peers[i].sfu_ip);
+            let simulcast = if i == 0 { "&simulcast=1" } else { "" };
+            let page = format!("http://{}:{API_PORT}/?room=w&name={name}&join=1&token={TOKEN}{simulcast}", tb.peers[i].sfu_ip);
             // A camera needs a secure context: https, or an origin the browser is told to trust
             // (as an operator behind no TLS would).
             let origin = format!("http://{}:{API_PORT}", tb.peers[i].sfu_ip);
@@ -169,17 +190,29 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
         .collect();
 
     // Every browser published: the plain participant subscribes to their audio and video.
+    // (b0's video once its layers are learned; every consumer receives it on its lowest layer's SSRC.)
+    let video_ssrc = |v: &Value| v["ssrc"].as_u64().or(v["layers"][0]["ssrc"].as_u64());
     let (all_in, room) = wait_for(Duration::from_secs(30), || {
         let room = api(tb, "GET", "/v1/rooms/w", None).unwrap_or_default();
-        (names.iter().all(|n| room["participants"][n]["streams"]["video"]["ssrc"].is_u64()), room)
+        (names.iter().all(|n| video_ssrc(&room["participants"][n]["streams"]["video"]).is_some()), room)
     });
     check(all_in, format!("the three browsers published over WHIP ({})", room["participants"].as_object().map_or(0, |p| p.len())));
+    let simulcast = &room["participants"]["b0"]["streams"]["video"];
+    let layers = simulcast["layers"].as_array().map_or(0, Vec::len);
+    let rids: Vec<&str> = simulcast["rids"].as_array().map(|r| r.iter().filter_map(Value::as_str).collect()).unwrap_or_default();
+    check(
+        layers >= 2 && rids.len() == layers && rids.windows(2).all(|w| "qhf".find(w[0]) < "qhf".find(w[1])),
+        format!("b0's simulcast stream has the layers it sends, lowest first: {rids:?} ({layers} layers)"),
+    );
     let mut browser_ssrcs = Vec::new();
     for n in &names {
         for s in ["audio", "video"] {
-            if let Some(ssrc) = room["participants"][n]["streams"][s]["ssrc"].as_u64() {
+            if let Some(ssrc) = video_ssrc(&room["participants"][n]["streams"][s]) {
                 browser_ssrcs.push((n.clone(), s, ssrc as u32));
                 let _ = api(tb, "POST", "/v1/rooms/w/participants/gst/subscriptions", Some(json!({"publisher": n, "stream": s})));
+                if s == "video" {
+                    party.request_keyframe(ssrc as u32);
+                }
             }
         }
     }
@@ -195,7 +228,18 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
                 .all(|from| s["received"][from]["in_video"]["frames_decoded"].as_u64().unwrap_or(0) > 10)
         })
     };
+    // Meanwhile the plain participant asks again, once a second, for a keyframe of each video
+    // it has none of yet (as a receiver does: one request may meet a publisher busy starting).
+    let mut asked = Instant::now();
     let (decoding, first) = wait_for(Duration::from_secs(40), || {
+        if asked.elapsed() >= Duration::from_secs(1) {
+            asked = Instant::now();
+            let received = party.received.lock().unwrap();
+            let waiting = browser_ssrcs
+                .iter()
+                .filter(|(_, kind, ssrc)| *kind == "video" && !received.get(ssrc).is_some_and(|p| p.iter().any(|p| vp8_keyframe_size(p).is_some())));
+            waiting.for_each(|(_, _, ssrc)| party.request_keyframe(*ssrc));
+        }
         let stats: Vec<Option<Value>> = browsers.iter().map(Browser::page_stats).collect();
         (everyone_decodes(&stats), stats)
     });
@@ -229,6 +273,31 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
                 check(audio > 100 && lost * 100 <= audio, format!("{} receives {from}'s audio: {audio} packets, {lost} lost", names[i]));
             }
         }
+    }
+
+    // b1 switched to b0's lowest layer decodes quarter-size frames, then back to its top layer
+    // the larger ones, decoding throughout.
+    let room = api(tb, "GET", "/v1/rooms/w", None).unwrap_or_default();
+    let consumer = room["participants"]["b1.sees.b0"]["subscriptions"]
+        .as_array()
+        .and_then(|s| s.iter().find(|s| s["stream"] == "video"))
+        .and_then(|s| s["consumer"].as_u64())
+        .unwrap_or(0);
+    let b0_video = |b: &Browser| b.page_stats().map(|s| s["received"]["b0"]["in_video"].clone()).unwrap_or_default();
+    for (layer, fits) in [(0, (|w: u64| w > 0 && w <= 240) as fn(u64) -> bool), (layers.saturating_sub(1), |w: u64| w > 240)] {
+        let set = api(tb, "PUT", &format!("/v1/rooms/w/consumers/{consumer}/layers"), Some(json!({"preferred": layer})));
+        let before = b0_video(&browsers[1])["frames_decoded"].as_u64().unwrap_or(0);
+        let (switched, v) = wait_for(Duration::from_secs(15), || {
+            let v = b0_video(&browsers[1]);
+            (fits(v["frame_width"].as_u64().unwrap_or(0)) && v["frames_decoded"].as_u64().unwrap_or(0) > before + 30, v)
+        });
+        check(
+            set.is_ok() && switched,
+            format!(
+                "b1 switched to b0's layer {layer} decodes its frames: {}x{}, {} frames decoded (from {before}); {set:?}",
+                v["frame_width"], v["frame_height"], v["frames_decoded"]
+            ),
+        );
     }
 
     // The plain participant got each browser's media decrypted.
