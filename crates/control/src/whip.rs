@@ -219,7 +219,7 @@ fn pend_simulcast(model: &mut Model, room: &str, pid: &str, section: &OfferedMed
             section.mid
         )));
     };
-    let mid = section.extmap(SDES_MID);
+    let mid = section.extmap(SDES_MID).filter(|m| *m != rid);
     // More encodings than layers: the answer leaves out the last ones (RFC 8853 §5.3).
     let offered: Vec<String> = section.rids.iter().take(MAX_LAYERS).cloned().collect();
     let rids = lowest_first(&offered);
