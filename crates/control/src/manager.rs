@@ -365,7 +365,10 @@ fn check_limits(model: &Model, changes: &[Change], l: &Limits) -> Result<(), Man
         }
         let mut subscribers: std::collections::HashMap<&mediaplane_core::model::StreamRef, usize> = Default::default();
         for p in room.participants.values() {
-            if p.streams.len() > l.max_streams_per_participant {
+            // A browser's simulcast sections still learning their layers count already: when
+            // they become streams, nothing may refuse them.
+            let pending = p.webrtc.as_ref().map_or(0, |w| w.pending.len());
+            if p.streams.len() + pending > l.max_streams_per_participant {
                 return over("streams per participant", l.max_streams_per_participant);
             }
             for s in p.subscriptions.keys() {

@@ -230,6 +230,7 @@ fn pend_simulcast(model: &mut Model, room: &str, pid: &str, section: &OfferedMed
         rids,
         spec: StreamSpec { codec: Some(codec), ..spec },
         heard_at_ms: None,
+        offered_at_ms: crate::manager::unix_ms(),
     };
     model.add_pending_simulcast(room, pid, StreamIdExtensions { rid, mid }, pending)?;
     let extmaps = mid.map(|id| (id, SDES_MID.to_string())).into_iter().chain([(rid, RTP_STREAM_ID.to_string())]).collect();

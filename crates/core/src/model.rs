@@ -237,12 +237,24 @@ pub struct PendingSimulcast {
     /// When its first layer was heard (Unix ms).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub heard_at_ms: Option<u64>,
+    /// When it was offered (Unix ms): a section none of whose layers is heard within
+    /// [`SIMULCAST_UNHEARD_MS`] is dropped (its sender sends nothing the SFU can name).
+    #[serde(default)]
+    pub offered_at_ms: u64,
 }
 
+/// How long a pending simulcast section waits for its first layer before it is dropped (so a
+/// publisher that never sends it is not waited for: WHEP of it answers 503 meanwhile).
+pub const SIMULCAST_UNHEARD_MS: u64 = 10_000;
+
 impl PendingSimulcast {
-    /// Heard long enough ago to be published with the layers heard.
+    /// Heard long enough ago to be published with the layers heard (or, none heard, waited for
+    /// long enough to be dropped).
     fn due(&self, now_ms: u64) -> bool {
-        self.heard_at_ms.is_some_and(|t| now_ms.saturating_sub(t) >= SIMULCAST_LEARNING_MS)
+        match self.heard_at_ms {
+            Some(t) => now_ms.saturating_sub(t) >= SIMULCAST_LEARNING_MS,
+            None => now_ms.saturating_sub(self.offered_at_ms) >= SIMULCAST_UNHEARD_MS,
+        }
     }
 
     /// The layers learned, lowest first: (RID, SSRC).
@@ -907,7 +919,8 @@ impl Model {
     }
 
     /// Publish every pending simulcast section whose first layer was heard
-    /// [`SIMULCAST_LEARNING_MS`] ago or more, with the layers heard.
+    /// [`SIMULCAST_LEARNING_MS`] ago or more, with the layers heard; drop those offered
+    /// [`SIMULCAST_UNHEARD_MS`] ago with none heard.
     pub fn publish_heard_simulcast(&mut self, now_ms: u64) -> SimulcastPublished {
         let due: Vec<(String, String, usize)> = self
             .transports
@@ -1009,7 +1022,8 @@ impl Model {
         check_id(name)?;
         let owner = format!("participant {room}/{pid}");
         let p = self.participant(room, pid)?;
-        if p.streams.contains_key(name) {
+        let pending = p.webrtc.as_ref().is_some_and(|w| w.pending.iter().any(|s| s.name == name));
+        if p.streams.contains_key(name) || pending {
             return Err(ModelError::Exists { kind: "stream", id: name.into() });
         }
         let ingress = spec.local.unwrap_or(p.local);
@@ -1538,6 +1552,7 @@ mod tests {
             ssrcs: vec![None; rids.len()],
             spec: StreamSpec { clock_rate: Some(90000), codec: Some(Codec::Vp8), ..Default::default() },
             heard_at_ms: None,
+            offered_at_ms: 0,
         };
         m.add_pending_simulcast("r", "w", ids, section("video", "1", &["q", "h", "f"])).unwrap();
         m.add_pending_simulcast("r", "w", ids, section("video-2", "2", &["q", "f"])).unwrap();
@@ -1567,6 +1582,15 @@ mod tests {
         assert_eq!((v.rids.join(","), v.codec, v.clock_rate), ("q,f".to_string(), Some(Codec::Vp8), Some(90000)));
         assert_eq!(entry(&m).stream_ids, None, "nothing left to learn");
         assert!(m.learn_layer(uid, Some("1"), "h", 101, 3_100).is_none(), "a layer heard late is not added");
+
+        // A section none of whose layers is ever heard is dropped after a while; its name
+        // stays its own until then.
+        m.add_pending_simulcast("r", "w", ids, PendingSimulcast { offered_at_ms: 3_000, ..section("mute", "6", &["q", "h"]) }).unwrap();
+        assert!(matches!(m.publish("r", "w", "mute", StreamSpec { ssrc: Some(9), ..Default::default() }), Err(ModelError::Exists { .. })));
+        assert!(!m.simulcast_due(12_999) && m.simulcast_due(13_000));
+        m.publish_heard_simulcast(13_000);
+        let w = m.participant("r", "w").unwrap();
+        assert!(w.webrtc.as_ref().unwrap().pending.is_empty() && !w.streams.contains_key("mute"));
 
         // One layer heard: a plain stream on its SSRC.
         m.add_pending_simulcast("r", "w", ids, section("solo", "5", &["l", "h"])).unwrap();

@@ -55,7 +55,8 @@ pub enum DataplaneEvent {
     Handshake { stream: u32, local: SocketAddr, source: SocketAddr, at_ns: u64, packet: Vec<u8> },
     /// A packet on WebRTC transport `transport` (the id of its table entry) on an SSRC no
     /// stream claims named simulcast encoding `rid` of section `mid` (see
-    /// [`mediaplane_core::pipeline::Effect::StreamId`]); at most one per SSRC every 100 ms.
+    /// [`mediaplane_core::pipeline::Effect::StreamId`]); each worker reports one SSRC at most
+    /// every 100 ms.
     StreamId { transport: u32, ssrc: u32, mid: Option<String>, rid: String },
 }
 

@@ -1265,6 +1265,11 @@ impl WorkerCtx {
     fn stream_id_due(reported: &mut HashMap<(u32, u32), u64>, key: (u32, u32), now_ns: u64) -> bool {
         if reported.len() > 4096 {
             reported.retain(|_, at| now_ns.saturating_sub(*at) < STREAM_ID_REPORT_NS);
+            // Still full (a sender spraying SSRCs): start over rather than sweep every packet;
+            // a repeated report changes nothing in the model.
+            if reported.len() > 4096 {
+                reported.clear();
+            }
         }
         match reported.get(&key) {
             Some(at) if now_ns.saturating_sub(*at) < STREAM_ID_REPORT_NS => false,

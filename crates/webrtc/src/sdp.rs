@@ -302,10 +302,9 @@ fn parse_section(mline: &str, attrs: &[(&str, &str)]) -> Result<OfferedMedia, Sd
     for (_, v) in attrs.iter().filter(|(n, _)| *n == "extmap") {
         // `a=extmap:<id>[/<direction>] <uri> [<attributes>]`
         let mut parts = v.split_whitespace();
+        // Ids past 255 (RFC 8285's 4096-4351, offered for negotiation) cannot be answered: skipped.
         let id = parts.next().and_then(|i| i.split('/').next()?.parse::<u8>().ok()).filter(|i| *i >= 1);
-        let (Some(id), Some(uri)) = (id, parts.next()) else {
-            return Err(SdpError::Malformed(format!("a=extmap:{v}")));
-        };
+        let (Some(id), Some(uri)) = (id, parts.next()) else { continue };
         if extmaps.len() < 32 && uri.len() <= 256 {
             extmaps.push((id, uri.to_string()));
         }
@@ -627,7 +626,8 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         assert!(matches!(Offer::parse(&undeclared), Err(SdpError::Malformed(m)) if m.contains("\"h\"")));
         let odd = offer.replace("send q;h", "send q!;h").replace("a=rid:q send", "a=rid:q! send");
         assert!(matches!(Offer::parse(&odd), Err(SdpError::Malformed(_))));
-        let bad_ext = offer.replace("a=extmap:9 ", "a=extmap:x ");
-        assert!(matches!(Offer::parse(&bad_ext), Err(SdpError::Malformed(_))));
+        // An extension id the SFU cannot answer is skipped, not a reason to refuse the offer.
+        let odd_ext = offer.replace("a=extmap:9 ", "a=extmap:4096 ");
+        assert_eq!(Offer::parse(&odd_ext).unwrap().media[0].extmap(SDES_MID), None);
     }
 }
