@@ -12,7 +12,9 @@
 //!   name them, it waits ([`mediaplane_core::model::PendingSimulcast`]) until its first packets
 //!   have told each layer's SSRC ([`SessionManager::on_stream_id`]), or until
 //!   [`SIMULCAST_LEARNING_MS`] after the first one (a browser leaves out the encodings its
-//!   bandwidth or resolution does not allow); with one layer heard it is a plain stream. Layers
+//!   bandwidth or resolution does not allow); with one layer heard it is a plain stream, with
+//!   none heard within
+//!   [`mediaplane_core::model::SIMULCAST_UNHEARD_MS`] it is dropped. Layers
 //!   are ordered lowest quality first by their RIDs when they follow a common naming (`q`/`h`/`f`,
 //!   `l`/`m`/`h`, `low`/`mid`/`high`), else in the offer's order (as mediasoup reads
 //!   `sendEncodings`). A RID first heard after its stream is published is not added.

@@ -883,8 +883,8 @@ impl Model {
     /// fewer after [`SIMULCAST_LEARNING_MS`]. None if nothing changed.
     pub fn learn_layer(&mut self, uid: u32, mid: Option<&str>, rid: &str, ssrc: u32, now_ms: u64) -> Option<SimulcastPublished> {
         let (room, pid) = self.participant_by_transport(uid).map(|(r, p)| (r.to_string(), p.to_string()))?;
-        let w = self.participant(&room, &pid).ok()?.webrtc.as_ref()?;
         let p = self.participant(&room, &pid).ok()?;
+        let w = p.webrtc.as_ref()?;
         let named = |s: &&PendingSimulcast| s.rids.iter().any(|r| r == rid) && mid.is_none_or(|m| m == s.mid);
         let matching: Vec<usize> = w.pending.iter().enumerate().filter(|(_, s)| named(s)).map(|(i, _)| i).collect();
         // Without a MID, a RID two sections share names neither.

@@ -307,10 +307,7 @@ impl Pipeline {
                 let c = &entry.copies[i];
                 let copy = CopyOf { stream: entry.id, consumer: c.consumer, rtp: rtp.map(|r| r.renumbered(&bytes)) };
                 // Renumbered first, then protected for its subscriber (a browser's is SRTP).
-                match protected(plane, c.from, &c.outbound, Cow::Owned(bytes)) {
-                    Some(packet) => out.push(Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy) }),
-                    None => out.push(Effect::CopyFailed { copy }),
-                }
+                out.push(copy_effect(plane, c, copy, Cow::Owned(bytes)));
             }
             for (from, to, packet) in fan.requests {
                 if let Some(packet) = protected(plane, from, &entry.reverse, Cow::Owned(packet)) {
@@ -324,10 +321,7 @@ impl Pipeline {
                 continue; // never back to the sender, whatever the table says
             }
             let copy = CopyOf { stream: entry.id, consumer: c.consumer, rtp };
-            match protected(plane, c.from, &c.outbound, payload.clone()) {
-                Some(packet) => out.push(Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy) }),
-                None => out.push(Effect::CopyFailed { copy }),
-            }
+            out.push(copy_effect(plane, c, copy, payload.clone()));
         }
     }
 
@@ -352,6 +346,14 @@ fn stream_ids(ids: crate::model::StreamIdExtensions, header: &RtpHeader, packet:
         ok.then(|| String::from_utf8_lossy(v).into_owned())
     };
     Some((ids.mid.and_then(text), text(ids.rid)?))
+}
+
+/// One copy to `c`: sent protected as `c` wants it, or counted as failed if it cannot be.
+fn copy_effect<'p>(plane: &mut dyn Plane, c: &crate::table::Copy, copy: CopyOf, packet: Cow<'p, [u8]>) -> Effect<'p> {
+    match protected(plane, c.from, &c.outbound, packet) {
+        Some(packet) => Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy) },
+        None => Effect::CopyFailed { copy },
+    }
 }
 
 /// `packet` as it leaves the SFU address `from`: as it is, or protected with `protection`'s key

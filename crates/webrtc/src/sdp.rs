@@ -495,6 +495,18 @@ a=rtpmap:96 VP8/90000\r\na=rtcp-fb:96 goog-remb\r\na=rtcp-fb:96 transport-cc\r\n
 a=rtpmap:97 rtx/90000\r\na=fmtp:97 apt=96\r\na=rtpmap:98 H264/90000\r\n\
 a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
 
+    /// The SFU's answer to `o` (its credentials `sfu1`, the offer's own fingerprint, port 40000).
+    fn answer_to(o: &Offer, media: Vec<AnsweredMedia>) -> String {
+        let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
+        Answer { offer: o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write()
+    }
+
+    fn assert_lines(answer: &str, lines: &[&str]) {
+        for line in lines {
+            assert!(answer.lines().any(|l| l == *line), "{line:?} missing from\n{answer}");
+        }
+    }
+
     #[test]
     fn a_browsers_offer_is_read_and_answered_with_one_format_per_section() {
         let o = Offer::parse(CHROME_OFFER).unwrap();
@@ -508,27 +520,26 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         assert_eq!((vp8.pt, vp8.clock_rate(), vp8.feedback.len()), (96, Some(90000), 5));
         assert_eq!(o.answer_role().unwrap(), (Role::Server, "passive"));
 
-        let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
-        let fp = o.fingerprint.clone();
         let media = o
             .media
             .iter()
             .map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None })
             .collect();
-        let a = Answer { offer: &o, ice: &ice, fingerprint: &fp, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write();
-        for line in [
-            "a=ice-lite",
-            "a=group:BUNDLE 0 1",
-            "m=audio 40000 UDP/TLS/RTP/SAVPF 111",
-            "a=fmtp:111 minptime=10;useinbandfec=1",
-            "m=video 40000 UDP/TLS/RTP/SAVPF 96",
-            "a=rtcp-fb:96 nack pli",
-            "a=recvonly",
-            "a=setup:passive",
-            "a=candidate:1 1 udp 2130706431 10.1.2.3 40000 typ host",
-        ] {
-            assert!(a.lines().any(|l| l == line), "{line:?} missing from\n{a}");
-        }
+        let a = answer_to(&o, media);
+        assert_lines(
+            &a,
+            &[
+                "a=ice-lite",
+                "a=group:BUNDLE 0 1",
+                "m=audio 40000 UDP/TLS/RTP/SAVPF 111",
+                "a=fmtp:111 minptime=10;useinbandfec=1",
+                "m=video 40000 UDP/TLS/RTP/SAVPF 96",
+                "a=rtcp-fb:96 nack pli",
+                "a=recvonly",
+                "a=setup:passive",
+                "a=candidate:1 1 udp 2130706431 10.1.2.3 40000 typ host",
+            ],
+        );
         assert!(!a.contains("transport-cc") && !a.contains("rtx") && !a.contains("extmap"), "nothing the SFU does not do:\n{a}");
         // The answer is an SDP this parser reads back (as a browser would).
         let back = Offer::parse(&a).unwrap();
@@ -542,16 +553,13 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
     fn a_section_with_nothing_to_send_is_answered_inactive_in_the_bundle() {
         let offer = CHROME_OFFER.replace("a=sendonly", "a=recvonly");
         let o = Offer::parse(&offer).unwrap();
-        let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
         let sending = Sending { ssrc: 42, cname: "gst".into(), msid: ("gst".into(), "video".into()) };
         let media = vec![
             AnsweredMedia::inactive(),
             AnsweredMedia { format: choose_format(&o.media[1]).cloned(), direction: Direction::SendOnly, sending: Some(sending), simulcast: None },
         ];
-        let a = Answer { offer: &o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write();
-        for line in ["a=group:BUNDLE 0 1", "m=audio 40000 UDP/TLS/RTP/SAVPF 111", "a=inactive", "a=sendonly", "a=ssrc:42 cname:gst", "a=msid:gst video"] {
-            assert!(a.lines().any(|l| l == line), "{line:?} missing from\n{a}");
-        }
+        let a = answer_to(&o, media);
+        assert_lines(&a, &["a=group:BUNDLE 0 1", "m=audio 40000 UDP/TLS/RTP/SAVPF 111", "a=inactive", "a=sendonly", "a=ssrc:42 cname:gst", "a=msid:gst video"]);
         assert_eq!(a.matches("a=rtcp-mux").count(), 2);
     }
 
@@ -574,13 +582,12 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         // A data channel section is rejected as it was offered.
         let with_data = format!("{CHROME_OFFER}m=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\na=mid:2\r\n").replace("BUNDLE 0 1", "BUNDLE 0 1 2");
         let o = Offer::parse(&with_data).unwrap();
-        let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
         let media = o
             .media
             .iter()
             .map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None })
             .collect();
-        let a = Answer { offer: &o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write();
+        let a = answer_to(&o, media);
         assert!(a.contains("m=application 0 UDP/DTLS/SCTP webrtc-datachannel\r\n"), "{a}");
         let holdconn = CHROME_OFFER.replace("a=setup:actpass", "a=setup:holdconn");
         assert!(Offer::parse(&holdconn).unwrap().answer_role().is_err());
@@ -603,23 +610,21 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         assert!(m.ssrcs.is_empty() && m.simulcast);
         assert_eq!(m.rids, ["q", "h", "f"], "paused encodings are not received");
         assert_eq!((m.extmap(RTP_STREAM_ID), m.extmap(SDES_MID), m.extmap("urn:x")), (Some(10), Some(9), None));
-        let ice = Credentials { ufrag: "sfu1".into(), pwd: "p".repeat(24) };
         let extmaps = vec![(9, SDES_MID.to_string()), (10, RTP_STREAM_ID.to_string())];
         let answered =
             AnsweredMedia { simulcast: Some(SimulcastAnswer { rids: m.rids.clone(), extmaps }), ..AnsweredMedia::receiving(choose_format(m).unwrap().clone()) };
-        let a =
-            Answer { offer: &o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media: vec![answered] }
-                .write();
-        for line in [
-            "a=recvonly",
-            "a=extmap:9 urn:ietf:params:rtp-hdrext:sdes:mid",
-            "a=extmap:10 urn:ietf:params:rtp-hdrext:sdes:rtp-stream-id",
-            "a=rid:q recv",
-            "a=rid:f recv",
-            "a=simulcast:recv q;h;f",
-        ] {
-            assert!(a.lines().any(|l| l == line), "{line:?} missing from\n{a}");
-        }
+        let a = answer_to(&o, vec![answered]);
+        assert_lines(
+            &a,
+            &[
+                "a=recvonly",
+                "a=extmap:9 urn:ietf:params:rtp-hdrext:sdes:mid",
+                "a=extmap:10 urn:ietf:params:rtp-hdrext:sdes:rtp-stream-id",
+                "a=rid:q recv",
+                "a=rid:f recv",
+                "a=simulcast:recv q;h;f",
+            ],
+        );
         assert!(!a.contains("transport-wide") && !a.contains("repaired") && !a.contains("a=rid:x"), "{a}");
         // What does not add up is refused.
         let undeclared = offer.replace("a=rid:h send\r\n", "");
