@@ -336,6 +336,8 @@ struct Subscribe {
     preferred_layer: Option<u8>,
     max_layer: Option<u8>,
     auto_layer: Option<bool>,
+    /// Of a simulcast VP8 stream: the highest temporal layer to receive (all when not given).
+    temporal_layer: Option<u8>,
 }
 
 /// A consumer's layers (`PUT .../consumers/{consumer}/layers`): all replaced, absent = none
@@ -347,6 +349,7 @@ struct ConsumerLayers {
     max: Option<u8>,
     #[serde(default = "yes")]
     auto: bool,
+    temporal: Option<u8>,
 }
 
 #[derive(Deserialize)]
@@ -701,13 +704,13 @@ async fn subscribe(
     ApiJson(req): ApiJson<Subscribe>,
 ) -> Result<Response, ApiError> {
     let sref = StreamRef { publisher: req.publisher, stream: req.stream };
-    let (preferred, max, auto) = (req.preferred_layer, req.max_layer, req.auto_layer);
+    let (preferred, max, auto, temporal) = (req.preferred_layer, req.max_layer, req.auto_layer, req.temporal_layer);
     commit(m, p, move |m, t| {
         let consumer = m.mutate_for(t, |model, _| {
             let consumer = model.subscribe(&room, &pid, sref.clone())?;
             // (auto_layer true is the default: a stream without layers takes it too.)
-            if preferred.is_some() || max.is_some() || auto == Some(false) {
-                model.set_consumer_layers(&room, consumer, preferred, max, auto.unwrap_or(true))?;
+            if preferred.is_some() || max.is_some() || auto == Some(false) || temporal.is_some() {
+                model.set_consumer_layers(&room, consumer, preferred, max, auto.unwrap_or(true), temporal)?;
             }
             Ok((consumer, vec![Change::Room(room.clone())]))
         })?;
@@ -762,8 +765,10 @@ async fn set_consumer_layers(
 ) -> Result<Response, ApiError> {
     let id: u32 = id.parse().map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("consumer id {id:?} is not a number")))?;
     commit(m, p, move |m, t| {
-        let c = m.mutate_for(t, |model, _| Ok((model.set_consumer_layers(&room, id, req.preferred, req.max, req.auto)?, vec![Change::Room(room.clone())])))?;
-        Ok((StatusCode::OK, json!({"consumer": id, "preferred": c.preferred_layer, "max": c.max_layer, "auto": c.auto_layer})))
+        let c = m.mutate_for(t, |model, _| {
+            Ok((model.set_consumer_layers(&room, id, req.preferred, req.max, req.auto, req.temporal)?, vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::OK, json!({"consumer": id, "preferred": c.preferred_layer, "max": c.max_layer, "auto": c.auto_layer, "temporal": c.temporal_layer})))
     })
     .await
 }

@@ -71,6 +71,13 @@ pub struct LayersView {
     /// None until its first keyframe (or until the data plane has seen the stream).
     pub current: Option<u8>,
     pub target: Option<u8>,
+    /// The highest temporal layer it should take (`temporal_layer`; absent: all), the one it
+    /// takes now, and the packets above it not sent.
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temporal: Option<u8>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub temporal_current: Option<u8>,
+    pub temporal_dropped: u64,
     /// The SSRC it receives every layer on.
     #[serde(skip_serializing_if = "Option::is_none")]
     pub ssrc: Option<u32>,
@@ -145,6 +152,9 @@ fn of_model(model: &Model, room: Option<&str>, only: Option<u32>) -> Vec<(Consum
                         wanted: c.wanted_layer(s.layers.len()),
                         current: None,
                         target: None,
+                        temporal: c.temporal_layer,
+                        temporal_current: None,
+                        temporal_dropped: 0,
                         ssrc: s.layers.first().map(|l| l.ssrc),
                         forwarded: 0,
                         switches: 0,
@@ -209,6 +219,7 @@ fn with_counters(views: Vec<(ConsumerView, Option<u32>)>, dataplane: &dyn Datapl
                 l.keyframe_requests = state.stats.keyframe_requests;
                 l.duplicates_dropped = state.stats.duplicates;
                 l.late_dropped = state.stats.late;
+                (l.temporal_current, l.temporal_dropped) = (state.temporal_current, state.stats.temporal_dropped);
                 l.auto_limit = state.auto_limit;
                 (l.auto_steps_down, l.auto_steps_up, l.fallbacks) = (state.choice.steps_down, state.choice.steps_up, state.choice.fallbacks);
                 l.auto_nack_windows = state.choice.nack_judgements;

@@ -302,6 +302,9 @@ impl Participant {
     }
 }
 
+/// VP8's TID has two bits.
+pub const MAX_TEMPORAL_LAYER: u8 = 3;
+
 /// One subscription as a first-class object (mediasoup's consumer): what one participant receives
 /// of one published stream. Its uid comes from the same sequence as streams' and legs', so it is
 /// never reused; the data planes count each consumer's copies under it.
@@ -318,11 +321,16 @@ pub struct Consumer {
     /// Off: only the API and the layers its publisher sends decide ([`crate::layer_choice`]).
     #[serde(default = "yes", skip_serializing_if = "is_true")]
     pub auto_layer: bool,
+    /// Of a simulcast stream (VP8): the highest temporal layer it receives of its layer (None:
+    /// all). Frames above it are dropped without a gap ([`crate::simulcast`]); a stream
+    /// without temporal layers is not affected.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temporal_layer: Option<u8>,
 }
 
 impl Default for Consumer {
     fn default() -> Consumer {
-        Consumer { uid: 0, preferred_layer: None, max_layer: None, auto_layer: true }
+        Consumer { uid: 0, preferred_layer: None, max_layer: None, auto_layer: true, temporal_layer: None }
     }
 }
 
@@ -361,6 +369,8 @@ mod subscription_list {
         max_layer: Option<u8>,
         #[serde(default = "super::yes", skip_serializing_if = "super::is_true")]
         auto_layer: bool,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        temporal_layer: Option<u8>,
     }
 
     pub fn serialize<S: Serializer>(subs: &BTreeMap<StreamRef, Consumer>, s: S) -> Result<S::Ok, S::Error> {
@@ -371,6 +381,7 @@ mod subscription_list {
             preferred_layer: c.preferred_layer,
             max_layer: c.max_layer,
             auto_layer: c.auto_layer,
+            temporal_layer: c.temporal_layer,
         }))
     }
 
@@ -379,7 +390,13 @@ mod subscription_list {
         Ok(list
             .into_iter()
             .map(|e| {
-                let c = Consumer { uid: e.consumer, preferred_layer: e.preferred_layer, max_layer: e.max_layer, auto_layer: e.auto_layer };
+                let c = Consumer {
+                    uid: e.consumer,
+                    preferred_layer: e.preferred_layer,
+                    max_layer: e.max_layer,
+                    auto_layer: e.auto_layer,
+                    temporal_layer: e.temporal_layer,
+                };
                 (StreamRef { publisher: e.publisher, stream: e.stream }, c)
             })
             .collect())
@@ -1108,9 +1125,17 @@ impl Model {
     }
 
     /// Choose the layers consumer `uid` of `room` receives of its simulcast stream (None: the top
-    /// one, no cap) and whether its reports may lower them; all three replaced. The layer
-    /// changes at the next keyframe of it, which the data plane asks for.
-    pub fn set_consumer_layers(&mut self, room: &str, uid: u32, preferred: Option<u8>, max: Option<u8>, auto_layer: bool) -> Result<Consumer, ModelError> {
+    /// one, no cap), whether its reports may lower them, and its temporal ceiling (None: all); all
+    /// replaced. The layer changes at the next keyframe of it, which the data plane asks for.
+    pub fn set_consumer_layers(
+        &mut self,
+        room: &str,
+        uid: u32,
+        preferred: Option<u8>,
+        max: Option<u8>,
+        auto_layer: bool,
+        temporal: Option<u8>,
+    ) -> Result<Consumer, ModelError> {
         let r = self.room(room)?;
         let (pid, sref) = r
             .participants
@@ -1124,8 +1149,11 @@ impl Model {
         if let Some(l) = preferred.into_iter().chain(max).find(|l| *l as usize >= layers) {
             return Err(ModelError::Invalid(format!("layer {l} does not exist: {}/{} has layers 0 to {}", sref.publisher, sref.stream, layers - 1)));
         }
+        if let Some(t) = temporal.filter(|t| *t > MAX_TEMPORAL_LAYER) {
+            return Err(ModelError::Invalid(format!("temporal layer {t} does not exist: VP8 has temporal layers 0 to {MAX_TEMPORAL_LAYER}")));
+        }
         let c = self.room_mut(room)?.participants.get_mut(&pid).expect("found").subscriptions.get_mut(&sref).expect("found");
-        (c.preferred_layer, c.max_layer, c.auto_layer) = (preferred, max, auto_layer);
+        (c.preferred_layer, c.max_layer, c.auto_layer, c.temporal_layer) = (preferred, max, auto_layer, temporal);
         Ok(*c)
     }
 
@@ -1292,11 +1320,13 @@ mod tests {
         assert!(matches!(m.publish("r", "p0", "w", StreamSpec { ssrc: Some(11), ..Default::default() }), Err(ModelError::IngressInUse { .. })));
         let c = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "v".into() }).unwrap();
         let plain = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "a".into() }).unwrap();
-        assert_eq!(m.set_consumer_layers("r", c, Some(2), Some(1), true).unwrap().wanted_layer(3), 1, "capped");
+        assert_eq!(m.set_consumer_layers("r", c, Some(2), Some(1), true, None).unwrap().wanted_layer(3), 1, "capped");
+        assert_eq!(m.set_consumer_layers("r", c, None, None, true, Some(1)).unwrap().temporal_layer, Some(1));
+        assert!(matches!(m.set_consumer_layers("r", c, None, None, true, Some(4)), Err(ModelError::Invalid(_))));
         assert_eq!(Consumer::default().wanted_layer(3), 2, "the top one by default");
-        assert!(matches!(m.set_consumer_layers("r", c, Some(3), None, true), Err(ModelError::Invalid(_))));
-        assert!(matches!(m.set_consumer_layers("r", plain, Some(0), None, true), Err(ModelError::Invalid(_))));
-        assert!(matches!(m.set_consumer_layers("r", 9999, None, None, true), Err(ModelError::NotFound { .. })));
+        assert!(matches!(m.set_consumer_layers("r", c, Some(3), None, true, None), Err(ModelError::Invalid(_))));
+        assert!(matches!(m.set_consumer_layers("r", plain, Some(0), None, true, None), Err(ModelError::Invalid(_))));
+        assert!(matches!(m.set_consumer_layers("r", 9999, None, None, true, None), Err(ModelError::NotFound { .. })));
         // Layers and choices survive a store round trip; a layer's uid counts as used.
         let json = serde_json::to_string(&m.rooms["r"]).unwrap();
         let room: Room = serde_json::from_str(&json).unwrap();

@@ -22,6 +22,25 @@
 //!
 //! So a consumer sees a gap only where a packet of its layer never reached the SFU (or came
 //! later than the window), and never a duplicate.
+//!
+//! **Temporal layers** (VP8's TID, RFC 7741 4.2): a consumer may also take only the temporal
+//! layers up to a ceiling of the layer it receives. Frames above it are dropped, and the numbers
+//! they would have had are given to what follows, so the drop is no gap:
+//!
+//! * the ceiling in force changes only at the start of a frame that is the newest packet of its
+//!   layer: down at any such frame, up at one of temporal layer 0 or with the layer sync bit
+//!   (RFC 7741: it depends only on layer 0), and to the wanted ceiling at every switch keyframe;
+//!   a frame is never split;
+//! * the newest packet of a dropped frame *cuts* the current segment: its range ends right
+//!   before that packet (what is still on its way of the kept frames before fills in), and the
+//!   next kept packet of the layer opens a segment that maps the packet after the last one
+//!   dropped to the number and picture id the first one dropped would have had; timestamps and
+//!   TL0PICIDX keep their offsets (frames of layer 0 are never dropped);
+//! * only the newest packet of the layer is judged by its temporal layer; a late one goes
+//!   where its number falls, like any late packet, because the numbers around it were given
+//!   out already. So a drop never leaves a hole; the price, under reordering only, is that a
+//!   packet of a frame above the ceiling that arrives after a later packet of its layer still
+//!   goes out (a frame the receiver does not need, or cannot complete).
 
 use crate::rtp::RtpHeader;
 use serde::{Deserialize, Serialize};
@@ -79,27 +98,48 @@ impl PictureId {
     }
 }
 
+/// A VP8 packet's temporal layer (RFC 7741 4.2: TID and the layer sync bit Y).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TemporalIndex {
+    pub tid: u8,
+    /// The frame depends only on frames of temporal layer 0: higher layers may start here.
+    pub sync: bool,
+}
+
 /// What the rewrite needs to know of one RTP packet.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct PacketInfo {
     pub sequence: u16,
     pub timestamp: u32,
+    /// The first packet of a frame (VP8: S bit and partition 0); temporal ceilings change here.
+    pub frame_start: bool,
     /// The first packet of a keyframe: a layer switch may happen here.
     pub keyframe_start: bool,
     pub picture_id: Option<PictureId>,
     /// VP8 TL0PICIDX and where it is.
     pub tl0picidx: Option<(u8, usize)>,
+    pub temporal: Option<TemporalIndex>,
 }
 
 /// Read what the rewrite needs from an RTP packet of `codec`. None: not valid RTP.
 pub fn inspect(codec: Codec, packet: &[u8]) -> Option<PacketInfo> {
     let h = RtpHeader::parse(packet).ok()?;
     let payload = &packet[h.payload_offset..h.payload_offset + h.payload_len];
-    let mut info = PacketInfo { sequence: h.sequence, timestamp: h.timestamp, keyframe_start: false, picture_id: None, tl0picidx: None };
+    let mut info = PacketInfo {
+        sequence: h.sequence,
+        timestamp: h.timestamp,
+        frame_start: false,
+        keyframe_start: false,
+        picture_id: None,
+        tl0picidx: None,
+        temporal: None,
+    };
     match codec {
         Codec::Vp8 => {
             if let Some(d) = vp8_descriptor(payload) {
+                info.frame_start = d.frame_start;
                 info.keyframe_start = d.keyframe_start;
+                info.temporal = d.temporal;
                 info.picture_id = d.picture_id.map(|p| PictureId { at: p.at + h.payload_offset, ..p });
                 info.tl0picidx = d.tl0picidx.map(|(v, at)| (v, at + h.payload_offset));
             }
@@ -110,9 +150,11 @@ pub fn inspect(codec: Codec, packet: &[u8]) -> Option<PacketInfo> {
 }
 
 struct Vp8Descriptor {
+    frame_start: bool,
     keyframe_start: bool,
     picture_id: Option<PictureId>,
     tl0picidx: Option<(u8, usize)>,
+    temporal: Option<TemporalIndex>,
 }
 
 /// RFC 7741 4.2: the payload descriptor, and (4.3) the inverse key frame flag of the payload
@@ -121,7 +163,7 @@ fn vp8_descriptor(p: &[u8]) -> Option<Vp8Descriptor> {
     let b0 = *p.first()?;
     let (extended, start, partition) = (b0 & 0x80 != 0, b0 & 0x10 != 0, b0 & 0x07);
     let mut at = 1;
-    let mut d = Vp8Descriptor { keyframe_start: false, picture_id: None, tl0picidx: None };
+    let mut d = Vp8Descriptor { frame_start: start && partition == 0, keyframe_start: false, picture_id: None, tl0picidx: None, temporal: None };
     if extended {
         let x = *p.get(1)?;
         at = 2;
@@ -141,11 +183,14 @@ fn vp8_descriptor(p: &[u8]) -> Option<Vp8Descriptor> {
             at += 1;
         }
         if x & 0x30 != 0 {
-            p.get(at)?;
+            let t = *p.get(at)?;
+            if x & 0x20 != 0 {
+                d.temporal = Some(TemporalIndex { tid: t >> 6, sync: t & 0x20 != 0 });
+            }
             at += 1;
         }
     }
-    d.keyframe_start = start && partition == 0 && p.get(at).is_some_and(|h| h & 1 == 0);
+    d.keyframe_start = d.frame_start && p.get(at).is_some_and(|h| h & 1 == 0);
     Some(d)
 }
 
@@ -231,6 +276,8 @@ pub enum Skip {
     Late,
     /// It wants no layer.
     Paused,
+    /// Of a temporal layer above its ceiling.
+    TemporalLayer,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -249,6 +296,22 @@ pub struct Segment {
     pub ts_offset: u32,
     pub pic_offset: u16,
     pub tl0_offset: u8,
+}
+
+/// No temporal ceiling: every temporal layer (the kernel's `MP_TEMPORAL_ALL`).
+pub const ALL_TEMPORAL: u8 = 0xff;
+
+/// A segment cut by a dropped frame (see the module docs): what the next kept packet continues
+/// from.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct Cut {
+    /// The consumer's number the first dropped packet would have had.
+    pub next_seq: u16,
+    /// The publisher's number after the newest dropped packet.
+    pub resume_seq: u16,
+    /// With picture ids: the consumer's id the first dropped frame would have had, and the
+    /// publisher's id after the newest dropped frame.
+    pub pictures: Option<(u16, u16)>,
 }
 
 /// What the packets a [`LayerRewriter`] saw made of it: everything but its identity (SSRC, clock
@@ -272,6 +335,11 @@ pub struct RewriterState {
     pub switches: u64,
     pub duplicates: u64,
     pub late: u64,
+    /// The temporal ceiling wanted and the one in force ([`ALL_TEMPORAL`]: none).
+    pub temporal_target: u8,
+    pub temporal_current: u8,
+    pub cut: Option<Cut>,
+    pub temporal_dropped: u64,
 }
 
 /// What one consumer's rewrite did, for its counters.
@@ -284,6 +352,9 @@ pub struct RewriteStats {
     pub keyframe_requests: u64,
     pub duplicates: u64,
     pub late: u64,
+    /// Packets above its temporal ceiling, not sent.
+    #[serde(default)]
+    pub temporal_dropped: u64,
 }
 
 /// One consumer of a simulcast stream: which layer it gets and how that layer's packets are
@@ -308,6 +379,11 @@ pub struct LayerRewriter {
     top_at_ns: u64,
     /// Bit i: sequence number `top_seq - i` was sent.
     sent: u64,
+    /// The highest temporal layer it wants of the layer it receives, and the one in force.
+    temporal_target: u8,
+    temporal_current: u8,
+    /// The current segment was cut by a dropped frame.
+    cut: Option<Cut>,
     keyframe_asked_ns: Option<u64>,
     pub stats: RewriteStats,
 }
@@ -328,6 +404,9 @@ impl LayerRewriter {
             top_tl0: 0,
             top_at_ns: 0,
             sent: 0,
+            temporal_target: ALL_TEMPORAL,
+            temporal_current: ALL_TEMPORAL,
+            cut: None,
             keyframe_asked_ns: None,
             stats: RewriteStats::default(),
         }
@@ -350,6 +429,10 @@ impl LayerRewriter {
             switches: self.stats.switches,
             duplicates: self.stats.duplicates,
             late: self.stats.late,
+            temporal_target: self.temporal_target,
+            temporal_current: self.temporal_current,
+            cut: self.cut,
+            temporal_dropped: self.stats.temporal_dropped,
         }
     }
 
@@ -367,6 +450,8 @@ impl LayerRewriter {
         self.newest = s.newest;
         (self.top_seq, self.top_ts, self.top_pic, self.top_tl0, self.top_at_ns, self.sent) = (s.top_seq, s.top_ts, s.top_pic, s.top_tl0, s.top_at_ns, s.sent);
         (self.stats.forwarded, self.stats.switches, self.stats.duplicates, self.stats.late) = (s.forwarded, s.switches, s.duplicates, s.late);
+        (self.temporal_target, self.temporal_current, self.cut, self.stats.temporal_dropped) =
+            (s.temporal_target, s.temporal_current, s.cut, s.temporal_dropped);
     }
 
     /// The clock rate the timestamps across a switch are spaced with (90 kHz when unknown).
@@ -399,6 +484,22 @@ impl LayerRewriter {
         }
     }
 
+    /// Take temporal layers up to `ceiling` (None: all) of the layer it receives, from the next
+    /// frame where that is safe (module docs).
+    pub fn set_temporal(&mut self, ceiling: Option<u8>) {
+        self.temporal_target = ceiling.map_or(ALL_TEMPORAL, |c| c.min(ALL_TEMPORAL - 1));
+    }
+
+    /// The temporal ceiling wanted (None: all).
+    pub fn temporal_target(&self) -> Option<u8> {
+        (self.temporal_target != ALL_TEMPORAL).then_some(self.temporal_target)
+    }
+
+    /// The temporal ceiling in force (None: all).
+    pub fn temporal_current(&self) -> Option<u8> {
+        (self.temporal_current != ALL_TEMPORAL).then_some(self.temporal_current)
+    }
+
     /// The layer whose keyframe should be asked for now: the wanted one while the consumer does
     /// not receive it, at most once per [`KEYFRAME_RETRY_NS`].
     pub fn keyframe_wanted(&mut self, now_ns: u64) -> Option<u8> {
@@ -423,13 +524,32 @@ impl LayerRewriter {
             self.open_segment(layer, info, now_ns);
             return self.emit(0, info, now_ns);
         }
+        // Temporal layers are decided on the newest packets of the layer received; a late one
+        // goes where its number falls (the numbers around it are given out already).
+        if is_newest && self.current() == Some(layer) {
+            if info.frame_start {
+                self.follow_temporal_target(info);
+            }
+            if info.temporal.is_some_and(|t| t.tid > self.temporal_current) {
+                self.cut_segment(info);
+                self.stats.temporal_dropped += 1;
+                return Decision::Skip(Skip::TemporalLayer);
+            }
+            if self.cut.is_some() {
+                self.continue_segment();
+            }
+            // The newest of the layer received extends the current segment (even past a jump
+            // in the publisher's numbering of more than half the sequence space from its start).
+            return self.emit(0, info, now_ns);
+        }
         for i in 0..self.segments.len() {
             let g = self.segments[i];
             if g.layer != layer {
                 continue;
             }
             let after_start = !seq_newer(g.start, s);
-            let belongs = if i == 0 && self.open { after_start } else { after_start && !seq_newer(s, g.highest) };
+            let open = i == 0 && self.open && self.cut.is_none();
+            let belongs = if open { after_start } else { after_start && !seq_newer(s, g.highest) };
             if belongs {
                 return self.emit(i, info, now_ns);
             }
@@ -442,17 +562,62 @@ impl LayerRewriter {
         })
     }
 
+    /// At the start of a frame that is the newest of the layer received: the temporal ceiling
+    /// goes down at once, up only where the higher layers can start (layer 0, or a sync frame).
+    fn follow_temporal_target(&mut self, info: &PacketInfo) {
+        let can_rise = info.temporal.is_none_or(|t| t.tid == 0 || t.sync);
+        if self.temporal_target < self.temporal_current || can_rise {
+            self.temporal_current = self.temporal_target;
+        }
+    }
+
+    /// The newest packet of a dropped frame: the current segment ends before it.
+    fn cut_segment(&mut self, info: &PacketInfo) {
+        let s = info.sequence;
+        let g = &mut self.segments[0];
+        let cut = self.cut.get_or_insert_with(|| {
+            let before = s.wrapping_sub(1);
+            if seq_newer(before, g.highest) {
+                g.highest = before;
+                if g.highest.wrapping_sub(g.start) > SEGMENT_SPAN {
+                    g.start = g.highest.wrapping_sub(SEGMENT_SPAN);
+                }
+            }
+            let pictures = info.picture_id.map(|p| (p.value.wrapping_add(g.pic_offset) & 0x7fff, 0));
+            Cut { next_seq: s.wrapping_add(g.seq_offset), resume_seq: 0, pictures }
+        });
+        cut.resume_seq = s.wrapping_add(1);
+        if let (Some((_, resume)), Some(p)) = (cut.pictures.as_mut(), info.picture_id) {
+            *resume = p.value.wrapping_add(1) & 0x7fff;
+        }
+    }
+
+    /// The first kept packet after a cut: a segment of the same layer that maps the packet after
+    /// the last one dropped to the first one's number.
+    fn continue_segment(&mut self) {
+        let (Some(cut), Some(&g)) = (self.cut.take(), self.segments.first()) else { return };
+        let pic_offset = cut.pictures.map_or(g.pic_offset, |(next, resume)| next.wrapping_sub(resume) & 0x7fff);
+        let c = Segment { start: cut.resume_seq, highest: cut.resume_seq, seq_offset: cut.next_seq.wrapping_sub(cut.resume_seq), pic_offset, ..g };
+        self.segments.insert(0, c);
+        self.segments.truncate(HISTORY);
+    }
+
     fn open_segment(&mut self, layer: u8, info: &PacketInfo, now_ns: u64) {
         let started = !self.segments.is_empty();
+        // After a cut the numbers up to the first dropped one are taken (kept packets on their way).
+        let (top_seq, top_pic) = match self.cut.take() {
+            Some(c) => (c.next_seq.wrapping_sub(1), c.pictures.map_or(self.top_pic, |(next, _)| next.wrapping_sub(1) & 0x7fff)),
+            None => (self.top_seq, self.top_pic),
+        };
         let g = if started {
             let ticks = (now_ns.saturating_sub(self.top_at_ns) as u128 * self.clock_rate as u128 / 1_000_000_000).clamp(1, u32::MAX as u128) as u32;
             Segment {
                 layer,
                 start: info.sequence,
                 highest: info.sequence,
-                seq_offset: self.top_seq.wrapping_add(1).wrapping_sub(info.sequence),
+                seq_offset: top_seq.wrapping_add(1).wrapping_sub(info.sequence),
                 ts_offset: self.top_ts.wrapping_add(ticks).wrapping_sub(info.timestamp),
-                pic_offset: info.picture_id.map_or(0, |p| self.top_pic.wrapping_add(1).wrapping_sub(p.value) & 0x7fff),
+                pic_offset: info.picture_id.map_or(0, |p| top_pic.wrapping_add(1).wrapping_sub(p.value) & 0x7fff),
                 tl0_offset: info.tl0picidx.map_or(0, |(v, _)| self.top_tl0.wrapping_add(1).wrapping_sub(v)),
             }
         } else {
@@ -464,6 +629,8 @@ impl LayerRewriter {
         self.segments.insert(0, g);
         self.segments.truncate(HISTORY);
         self.open = true;
+        // A keyframe: every temporal layer can start here.
+        self.temporal_current = self.temporal_target;
     }
 
     fn emit(&mut self, i: usize, info: &PacketInfo, now_ns: u64) -> Decision {
@@ -675,6 +842,89 @@ mod tests {
         assert_eq!(c.current(), Some(0));
         fwd(c.on_packet(1, &info(510, 0, 0, true), 3));
         assert_eq!(c.current(), Some(1));
+    }
+
+    /// A VP8 packet with a 15-bit picture id, TL0PICIDX and a temporal layer.
+    fn vp8t(seq: u16, pic: u16, tl0: u8, tid: u8, sync: bool, start: bool, key: bool) -> PacketInfo {
+        let b0 = 0x80 | if start { 0x10 } else { 0 };
+        let t = tid << 6 | if sync { 0x20 } else { 0 };
+        let payload = [b0, 0xe0, 0x80 | (pic >> 8) as u8, pic as u8, tl0, t, if key { 0x10 } else { 0x11 }, 0];
+        inspect(Codec::Vp8, &build_rtp(96, seq, 3000 * pic as u32, 1, &payload)).unwrap()
+    }
+
+    #[test]
+    fn reads_the_temporal_layer_and_frame_start() {
+        let i = vp8t(1, 5, 0, 2, true, true, false);
+        assert_eq!(i.temporal, Some(TemporalIndex { tid: 2, sync: true }));
+        assert!(i.frame_start && !i.keyframe_start);
+        assert!(!vp8t(1, 5, 0, 1, false, false, false).frame_start);
+        // K without T: a key index, no temporal layer.
+        let p = build_rtp(96, 1, 1, 1, &[0x90, 0x10, 0x05, 0x10]);
+        let i = inspect(Codec::Vp8, &p).unwrap();
+        assert_eq!(i.temporal, None);
+        assert!(i.keyframe_start);
+    }
+
+    #[test]
+    fn a_temporal_ceiling_drops_whole_frames_and_leaves_no_gap() {
+        // L1T3: frames of temporal layers 0,2,1,2 repeating; two packets a frame.
+        let tids = [0u8, 2, 1, 2];
+        let mut c = LayerRewriter::new(9, 90_000);
+        c.set_target(Some(0));
+        c.set_temporal(Some(0));
+        let mut sent = Vec::new();
+        let mut seq = 1000u16;
+        for f in 0..16u16 {
+            let tid = tids[f as usize % 4];
+            let tl0 = (f / 4) as u8;
+            if f == 8 {
+                // Up to layer 1 from here: the frame now is of layer 0, so at once.
+                c.set_temporal(Some(1));
+            }
+            if f == 13 {
+                // Down to layer 0 at the next frame (layer 2's frame 13 was already decided).
+                c.set_temporal(Some(0));
+            }
+            for k in 0..2 {
+                let d = c.on_packet(0, &vp8t(seq, 100 + f, tl0, tid, false, k == 0, f == 0 && k == 0), f as u64 * 33_000_000);
+                if let Decision::Forward(r) = d {
+                    sent.push((f, r.sequence, r.picture_id.unwrap(), r.tl0picidx.unwrap(), r.timestamp));
+                } else {
+                    assert_eq!(d, Decision::Skip(Skip::TemporalLayer), "frame {f}");
+                }
+                seq = seq.wrapping_add(1);
+            }
+        }
+        let frames: Vec<u16> = sent.iter().step_by(2).map(|s| s.0).collect();
+        // Before 8 layer 0 only; from 8 (a layer-0 frame) layers 0 and 1; from 13 layer 0 again.
+        assert_eq!(frames, vec![0, 4, 8, 10, 12]);
+        assert!(sent.windows(2).all(|w| w[1].1 == w[0].1.wrapping_add(1)), "no gap, no duplicate: {sent:?}");
+        let pics: Vec<u16> = sent.iter().step_by(2).map(|s| s.2).collect();
+        assert_eq!(pics, vec![100, 101, 102, 103, 104], "picture ids continue over dropped frames");
+        assert!(sent.iter().all(|s| s.3 == (s.0 / 4) as u8), "TL0PICIDX is not touched");
+        assert!(sent.iter().all(|s| s.4 == 3000 * (100 + s.0) as u32), "timestamps are not touched");
+        assert_eq!(c.stats.temporal_dropped, 22);
+        assert_eq!(c.stats.switches, 0);
+        // A NACK of what followed a cut maps to the publisher's number.
+        assert_eq!(c.original(sent[2].1), Some((0, 1008)));
+    }
+
+    #[test]
+    fn a_ceiling_rises_only_where_higher_layers_can_start() {
+        let mut c = LayerRewriter::new(9, 90_000);
+        c.set_target(Some(0));
+        c.set_temporal(Some(0));
+        fwd(c.on_packet(0, &vp8t(1, 1, 0, 0, false, true, true), 0));
+        c.set_temporal(None);
+        // A layer-2 frame without sync: its references were not sent.
+        assert_eq!(c.on_packet(0, &vp8t(2, 2, 0, 2, false, true, false), 1), Decision::Skip(Skip::TemporalLayer));
+        // A layer-1 frame with sync: from here on.
+        let r = fwd(c.on_packet(0, &vp8t(3, 3, 0, 1, true, true, false), 2));
+        assert_eq!((r.sequence, r.picture_id), (2, Some(2)));
+        assert_eq!(c.temporal_current(), None);
+        fwd(c.on_packet(0, &vp8t(4, 4, 0, 2, false, true, false), 3));
+        // A reordered packet of the dropped frame lands where its number falls: before the cut.
+        assert_eq!(c.on_packet(0, &vp8t(2, 2, 0, 2, false, true, false), 4), Decision::Skip(Skip::OtherLayer));
     }
 
     #[test]

@@ -60,6 +60,10 @@ pub struct Copy {
     /// The consumer's own reports may lower `layer` ([`crate::model::Consumer::auto_layer`]).
     #[serde(default = "yes", skip_serializing_if = "is_true")]
     pub auto_layer: bool,
+    /// A copy of a simulcast layer: the highest temporal layer it takes of it (None: all;
+    /// [`crate::model::Consumer::temporal_layer`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub temporal_layer: Option<u8>,
 }
 
 fn yes() -> bool {
@@ -323,6 +327,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                         layer,
                         max_layer,
                         auto_layer: c.auto_layer,
+                        temporal_layer: c.temporal_layer.filter(|_| simulcast),
                     })
                 })
                 .collect();
@@ -407,6 +412,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             layer: None,
             max_layer: None,
             auto_layer: true,
+            temporal_layer: None,
         };
         let copies = to_leg.peer().map(|to| vec![copy(to)]).unwrap_or_default();
         StreamEntry {
@@ -707,7 +713,7 @@ mod tests {
         let spec = StreamSpec { layers: vec![0x100, 0x101], codec: Some(crate::simulcast::Codec::H264), ..Default::default() };
         let uid = m.publish("r", "p0", "v", spec).unwrap();
         let c = m.subscribe("r", "p1", StreamRef { publisher: "p0".into(), stream: "v".into() }).unwrap();
-        m.set_consumer_layers("r", c, Some(0), None, true).unwrap();
+        m.set_consumer_layers("r", c, Some(0), None, true, None).unwrap();
         let t = ForwardingTable::compile(&m, 1);
         let layers: Vec<(u32, u32)> = m.rooms["r"].participants["p0"].streams["v"].layers.iter().map(|l| (l.uid, l.ssrc)).collect();
         assert_eq!(t.streams.len(), 2, "no wildcard entry");
@@ -900,7 +906,8 @@ mod tests {
                         consumer: 0,
                         layer: None,
                         max_layer: None,
-                        auto_layer: true
+                        auto_layer: true,
+                        temporal_layer: None
                     }]
                 )
             }

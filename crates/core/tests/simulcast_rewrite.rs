@@ -1,6 +1,7 @@
-//! The simulcast rewrite is exact: across random layer schedules, loss, duplication and
-//! reordering, a consumer sees no gap that was not a real loss, no duplicate, one SSRC, and
-//! timestamps and VP8 picture ids that continue across every switch (`simulcast` module docs).
+//! The simulcast rewrite is exact: across random layer schedules, temporal ceilings, loss,
+//! duplication and reordering, a consumer sees no gap that was not a real loss, no duplicate,
+//! one SSRC, and timestamps and VP8 picture ids that continue across every switch and every
+//! dropped frame (`simulcast` module docs).
 //!
 //! Failures proptest finds are saved under `proptest-regressions/` and replayed first.
 
@@ -17,6 +18,10 @@ struct Sent {
     layer: u8,
     seq: u16,
     key: bool,
+    /// First packet of its frame; the frame's temporal layer and sync bit.
+    start: bool,
+    tid: u8,
+    sync: bool,
     bytes: Vec<u8>,
 }
 
@@ -27,12 +32,16 @@ struct Scenario {
     starts: Vec<(u16, u32, u16)>,
     /// Per frame time and layer: packets of the frame, and whether it is a keyframe.
     frames: Vec<Vec<(u8, bool)>>,
+    /// Per frame time: its temporal layer and sync bit (a keyframe is of layer 0).
+    temporal: Vec<(u8, bool)>,
     /// Per packet sent: lost, duplicated; and how far (in arrivals) it may be late.
     lost: Vec<bool>,
     duplicated: Vec<bool>,
     lateness: Vec<u8>,
     /// (arrival index, wanted layer) changes.
     schedule: Vec<(usize, Option<u8>)>,
+    /// (arrival index, temporal ceiling) changes.
+    ceilings: Vec<(usize, Option<u8>)>,
 }
 
 fn scenario() -> impl Strategy<Value = Scenario> {
@@ -45,12 +54,17 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         let duplicated = prop::collection::vec(prop::bool::weighted(dup), max_packets);
         let lateness = prop::collection::vec(0..=max_late, max_packets * 2);
         let schedule = prop::collection::vec((0..max_packets * 2, prop::option::weighted(0.9, 0..layers)), 0..8);
-        (Just(layers), starts, frames, lost, duplicated, lateness, schedule).prop_map(|(layers, starts, frames, lost, duplicated, lateness, mut schedule)| {
-            schedule.sort_by_key(|(at, _)| *at);
-            // The consumer wants some layer from the start.
-            schedule.insert(0, (0, Some(0)));
-            Scenario { layers, starts, frames, lost, duplicated, lateness, schedule }
-        })
+        let temporal = prop::collection::vec((0u8..3, prop::bool::weighted(0.2)), nframes);
+        let ceilings = prop::collection::vec((0..max_packets * 2, prop::option::weighted(0.7, 0u8..3)), 0..8);
+        (Just(layers), starts, frames, temporal, lost, duplicated, lateness, (schedule, ceilings)).prop_map(
+            |(layers, starts, frames, temporal, lost, duplicated, lateness, (mut schedule, mut ceilings))| {
+                schedule.sort_by_key(|(at, _)| *at);
+                ceilings.sort_by_key(|(at, _)| *at);
+                // The consumer wants some layer from the start.
+                schedule.insert(0, (0, Some(0)));
+                Scenario { layers, starts, frames, temporal, lost, duplicated, lateness, schedule, ceilings }
+            },
+        )
     })
 }
 
@@ -58,14 +72,17 @@ fn scenario() -> impl Strategy<Value = Scenario> {
 fn publish(s: &Scenario) -> Vec<Sent> {
     let mut next: Vec<(u16, u32, u16)> = s.starts.clone();
     let mut out = Vec::new();
-    for frame in &s.frames {
+    for (frame, &(tid, sync)) in s.frames.iter().zip(&s.temporal) {
         for (layer, &(packets, key)) in frame.iter().enumerate().take(s.layers as usize) {
             let (seq, ts, pic) = &mut next[layer];
+            let tid = if key { 0 } else { tid };
             for k in 0..packets {
                 let start = k == 0;
                 let b0 = 0x80 | if start { 0x10 } else { 0 };
-                let payload = [b0, 0xc0, 0x80 | (*pic >> 8) as u8, *pic as u8, *pic as u8, if key { 0x10 } else { 0x11 }, layer as u8];
-                out.push(Sent { layer: layer as u8, seq: *seq, key: key && start, bytes: build_rtp(96, *seq, *ts, 0x1000 + layer as u32, &payload) });
+                let t = tid << 6 | if sync { 0x20 } else { 0 };
+                let payload = [b0, 0xe0, 0x80 | (*pic >> 8) as u8, *pic as u8, *pic as u8, t, if key { 0x10 } else { 0x11 }, layer as u8];
+                let bytes = build_rtp(96, *seq, *ts, 0x1000 + layer as u32, &payload);
+                out.push(Sent { layer: layer as u8, seq: *seq, key: key && start, start, tid, sync, bytes });
                 *seq = seq.wrapping_add(1);
             }
             *ts = ts.wrapping_add(3000);
@@ -115,9 +132,19 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
     let mut outs: HashSet<u16> = HashSet::new();
     let mut top: Option<(u16, u32, u16)> = None; // highest out seq sent: (seq, ts, pic)
     let mut top_tl0 = 0u8;
+    // The temporal rule, independently: the ceiling wanted, the one in force, and a pending cut
+    // (the number and picture id the first dropped packet would have had; the publisher's
+    // sequence number and picture id after the newest dropped one).
+    let mut ceilings = s.ceilings.iter().peekable();
+    let (mut wanted, mut in_force) = (u8::MAX, u8::MAX);
+    let mut cut: Option<(u16, u16, u16, u16)> = None;
     for (n, &i) in arrivals.iter().enumerate() {
         while let Some((_, layer)) = schedule.next_if(|(at, _)| *at <= n) {
             c.set_target(*layer);
+        }
+        while let Some((_, t)) = ceilings.next_if(|(at, _)| *at <= n) {
+            c.set_temporal(*t);
+            wanted = t.unwrap_or(u8::MAX);
         }
         let p = &sent[i];
         let info = inspect(Codec::Vp8, &p.bytes).unwrap();
@@ -131,7 +158,23 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         // newest of its layer always switches, and nothing else does.
         let should_switch = c.target() == Some(p.layer) && before != Some(p.layer) && p.key && is_newest;
         prop_assert_eq!(c.current() != before, should_switch, "switch at arrival {} of {:?}", n, p);
+        let judged = !should_switch && is_newest && before == Some(p.layer);
+        if judged && p.start && (wanted < in_force || p.tid == 0 || p.sync) {
+            in_force = wanted;
+        }
+        let dropped = judged && p.tid > in_force;
+        prop_assert_eq!(d == Decision::Skip(Skip::TemporalLayer), dropped, "temporal decision at arrival {} of {:?}", n, p);
+        if dropped {
+            let g = segments.last().expect("receiving");
+            let src_pic = info.picture_id.unwrap().value;
+            let (next, next_pic) =
+                cut.map_or((g.out_start.wrapping_add(p.seq.wrapping_sub(g.start)), src_pic.wrapping_add(g.pic_offset) & 0x7fff), |c| (c.0, c.2));
+            cut = Some((next, p.seq.wrapping_add(1), next_pic, (src_pic + 1) & 0x7fff));
+            continue;
+        }
+        let continued = judged && cut.is_some();
         let Decision::Forward(r) = d else {
+            prop_assert!(!continued, "the first kept packet after a cut goes out");
             if let Decision::Skip(Skip::Duplicate) = d {
                 prop_assert!(arrivals[..n].contains(&i), "a first arrival called a duplicate");
             }
@@ -143,12 +186,15 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         let tl0 = r.tl0picidx.unwrap();
         if should_switch {
             if let Some((seq, ts, tpic)) = top {
+                // After a cut, right after the numbers the kept packets before it have.
+                let (seq, tpic) = cut.take().map_or((seq, tpic), |c| (c.0.wrapping_sub(1), c.2.wrapping_sub(1) & 0x7fff));
                 prop_assert_eq!(r.sequence, seq.wrapping_add(1), "a switch continues the sequence");
                 let step = r.timestamp.wrapping_sub(ts);
                 prop_assert!((1..1 << 31).contains(&step), "timestamps go forward across a switch");
                 prop_assert_eq!(pic, (tpic + 1) & 0x7fff, "picture ids continue across a switch");
                 prop_assert_eq!(tl0, top_tl0.wrapping_add(1), "TL0PICIDX continues across a switch");
             }
+            in_force = wanted;
             segments.push(Segment {
                 layer: p.layer,
                 start: p.seq,
@@ -157,6 +203,22 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
                 pic_offset: pic.wrapping_sub(info.picture_id.unwrap().value) & 0x7fff,
                 tl0_offset: tl0.wrapping_sub(info.tl0picidx.unwrap().0),
             });
+        }
+        if continued {
+            // The dropped frames take no numbers: the packet after the last one dropped has
+            // the first one's number and picture id; timestamps and TL0PICIDX keep their offsets.
+            let (next, resume, next_pic, resume_pic) = cut.take().unwrap();
+            let prev = segments.last().unwrap();
+            let (ts_offset, tl0_offset) = (prev.ts_offset, prev.tl0_offset);
+            segments.push(Segment {
+                layer: p.layer,
+                start: resume,
+                out_start: next,
+                ts_offset,
+                pic_offset: next_pic.wrapping_sub(resume_pic) & 0x7fff,
+                tl0_offset,
+            });
+            prop_assert_eq!(r.sequence, next.wrapping_add(p.seq.wrapping_sub(resume)), "numbering continues over the dropped frames");
         }
         // Which segment it went out in: the one whose (layer, offsets) map it there.
         let g = segments.iter().rev().find(|g| g.layer == p.layer && r.sequence.wrapping_sub(g.out_start) == p.seq.wrapping_sub(g.start));
@@ -202,25 +264,33 @@ fn clean_network_has_no_gap() {
         layers: 3,
         starts: vec![(65530, 0, 0x7ffe), (100, 5, 3), (30000, 7, 90)],
         frames: (0..40).map(|f| (0..3).map(|_| (2, f % 7 == 0)).collect()).collect(),
+        // L1T3 (temporal layers 0, 2, 1, 2), under ceilings that change.
+        temporal: (0..40).map(|f| ([0, 2, 1, 2][f % 4], false)).collect(),
         lost: vec![false; 400],
         duplicated: vec![false; 400],
         lateness: vec![0],
         schedule: vec![(0, Some(0)), (30, Some(2)), (90, Some(1)), (150, Some(0))],
+        ceilings: vec![(20, Some(0)), (70, Some(1)), (130, None), (180, Some(0))],
     };
     run(&s).unwrap();
     let sent = publish(&s);
     let mut c = LayerRewriter::new(OUT_SSRC, 90_000);
     let mut outs = Vec::new();
     let mut schedule = s.schedule.iter().peekable();
+    let mut ceilings = s.ceilings.iter().peekable();
     for (n, p) in sent.iter().enumerate() {
         while let Some((_, l)) = schedule.next_if(|(at, _)| *at <= n) {
             c.set_target(*l);
+        }
+        while let Some((_, t)) = ceilings.next_if(|(at, _)| *at <= n) {
+            c.set_temporal(*t);
         }
         if let Decision::Forward(r) = c.on_packet(p.layer, &inspect(Codec::Vp8, &p.bytes).unwrap(), n as u64 * 1_000_000) {
             outs.push(r.sequence);
         }
     }
     assert_eq!(c.stats.switches, 3);
+    assert!(c.stats.temporal_dropped > 20, "{:?}", c.stats);
     assert!(outs.windows(2).all(|w| w[1] == w[0].wrapping_add(1)), "{outs:?}");
 }
 

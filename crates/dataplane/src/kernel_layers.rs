@@ -19,8 +19,9 @@ pub trait KernelLayers: Send + Sync {
     /// Give `consumer` a state (no target yet) unless it has one.
     fn create(&self, consumer: u32, ssrc: u32, clock_rate: u32);
     fn remove(&self, consumer: u32);
-    /// Want `target` (None: pause) from its next keyframe on. False: not done (no state).
-    fn set_target(&self, consumer: u32, target: Option<u8>) -> bool;
+    /// Want `target` (None: pause) from its next keyframe on, and temporal layers up to
+    /// `temporal` (None: all). False: not done (no state).
+    fn set_target(&self, consumer: u32, target: Option<u8>, temporal: Option<u8>) -> bool;
     /// The consumers that have a state.
     fn consumers(&self) -> Vec<u32>;
     /// Decide a packet the slow path forwards: Some(the copy's bytes) when it goes to `consumer`.

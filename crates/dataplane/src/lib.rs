@@ -306,6 +306,9 @@ pub struct LayerState {
     /// The layer it receives (none before the first keyframe), and the one it should.
     pub current: Option<u8>,
     pub target: Option<u8>,
+    /// The highest temporal layer it takes now (None: all).
+    #[serde(default)]
+    pub temporal_current: Option<u8>,
     /// The SSRC it receives on, whichever layer.
     pub ssrc: u32,
     pub stats: mediaplane_core::simulcast::RewriteStats,

@@ -370,6 +370,7 @@ mod tests {
                 layer: None,
                 max_layer: None,
                 auto_layer: true,
+                temporal_layer: None,
             }],
             rate: None,
             record: false,

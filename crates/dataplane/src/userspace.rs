@@ -293,8 +293,8 @@ struct LayerConsumer {
     choice: LayerChoice,
     /// Its stream's uid, for the activity the choice reads.
     group: u32,
-    /// With kernel states: the target last written there.
-    kernel_target: Option<Option<u8>>,
+    /// With kernel states: the target and temporal ceiling last written there.
+    kernel_target: Option<(Option<u8>, Option<u8>)>,
 }
 
 impl LayerConsumer {
@@ -302,13 +302,15 @@ impl LayerConsumer {
         LayerConsumer { rewriter, choice: LayerChoice::default(), group, kernel_target: None }
     }
 
-    /// Aim at `target`: here, and in the kernel's state when there is one.
-    fn set_target(&mut self, id: u32, target: Option<u8>, kernel: Option<&dyn KernelLayers>) {
+    /// Aim at `target` with the temporal ceiling `temporal`: here, and in the kernel's state
+    /// when there is one.
+    fn set_target(&mut self, id: u32, target: Option<u8>, temporal: Option<u8>, kernel: Option<&dyn KernelLayers>) {
         self.rewriter.set_target(target);
+        self.rewriter.set_temporal(temporal);
         if let Some(k) = kernel {
             // Remembered only once the kernel took it (a state created late is aimed then).
-            if self.kernel_target != Some(target) && k.set_target(id, target) {
-                self.kernel_target = Some(target);
+            if self.kernel_target != Some((target, temporal)) && k.set_target(id, target, temporal) {
+                self.kernel_target = Some((target, temporal));
             }
         }
     }
@@ -395,7 +397,7 @@ fn layer_fan_out(shared: &Shared, entry: &StreamEntry, layer: &SimulcastLayer, s
             mirror(&mut c.rewriter, copy.consumer, kernel);
             // The compiled layer is the API's ceiling (None: paused); the choice may lower it.
             let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, activity, now_ns));
-            c.set_target(copy.consumer, target, kernel);
+            c.set_target(copy.consumer, target, copy.temporal_layer, kernel);
             let rw = &mut c.rewriter;
             match (kind, &info) {
                 (MediaKind::Rtp, Some(info)) => match kernel {
@@ -899,6 +901,7 @@ impl Dataplane for UserspaceDataplane {
                 out.entry(*id).or_default().layer = Some(LayerState {
                     current: r.current(),
                     target: r.target(),
+                    temporal_current: r.temporal_current(),
                     ssrc: r.ssrc(),
                     stats: r.stats,
                     auto_limit: c.choice.limit(),
@@ -1062,7 +1065,7 @@ fn layers_tick(shared: &Shared, steer: Option<&SteerSockets>, now_ns: u64, recon
                     mirror(&mut c.rewriter, copy.consumer, Some(kernel));
                 }
                 let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, act, now_ns));
-                c.set_target(copy.consumer, target, Some(kernel));
+                c.set_target(copy.consumer, target, copy.temporal_layer, Some(kernel));
                 // Asked only once the publisher sends (as a packet's arrival asks on the user-space
                 // plane): a request before its socket is up is lost, and the next one would wait
                 // out the retry interval.

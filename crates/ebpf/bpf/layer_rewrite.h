@@ -10,7 +10,11 @@
  * slow path forwards), under the state's lock, so a consumer's packets of different layers
  * (different flows, maybe different CPUs) are decided one at a time. User space creates and
  * deletes the states, sets each consumer's target layer (layer_ctl, MP_LAYER_OP_TARGET) and
- * reads them back (to map NACKs and sender reports, and to ask for keyframes). */
+ * reads them back (to map NACKs and sender reports, and to ask for keyframes).
+ *
+ * Temporal layers (VP8 TID) of the layer received are decided here too, on the newest packet of
+ * the layer (layer_temporal): a dropped frame cuts the segment and the next kept packet
+ * continues it, so the drop leaves no hole (simulcast.rs documents the rule). */
 #ifndef MEDIAPLANE_LAYER_REWRITE_H
 #define MEDIAPLANE_LAYER_REWRITE_H
 
@@ -23,6 +27,13 @@
 #define MP_SEGMENT_SPAN 0x4000 /* simulcast::SEGMENT_SPAN */
 #define MP_STAP_A_SCAN 16      /* simulcast::STAP_A_SCAN */
 #define MP_LAYER_NONE 0xff     /* no target: paused */
+#define MP_TEMPORAL_ALL 0xff   /* simulcast::ALL_TEMPORAL: no temporal ceiling */
+/* mp_layer_state.cut */
+#define MP_CUT 1
+#define MP_CUT_PICTURES 2 /* the dropped packets had picture ids */
+/* mp_layer_pkt.temporal: 0, or MP_TID_PRESENT | MP_TID_SYNC? | TID */
+#define MP_TID_PRESENT 0x80
+#define MP_TID_SYNC 0x40
 
 /* stream_value.codec */
 #define MP_CODEC_VP8 0
@@ -38,6 +49,7 @@ enum mp_layer_verdict {
 	MP_LAYER_PAUSED,
 	MP_LAYER_NO_STATE, /* the consumer has no state (user space creates it with the copy) */
 	MP_LAYER_INVALID,  /* layer_ctl: not RTP, or an unknown operation */
+	MP_LAYER_TEMPORAL, /* above the consumer's temporal ceiling */
 };
 
 struct mp_layer_segment {
@@ -64,7 +76,11 @@ struct mp_layer_state {
 	__u16 top_pic;
 	__u32 top_ts;
 	__u8 top_tl0;
-	__u8 pad[7];
+	__u8 temporal_target;  /* MP_TEMPORAL_ALL: no ceiling */
+	__u8 temporal_current; /* the ceiling in force */
+	__u8 cut;              /* MP_CUT, MP_CUT_PICTURES (simulcast::Cut) */
+	__u16 cut_next_seq;
+	__u16 cut_resume_seq;
 	__u64 top_at_ns;
 	__u64 sent;
 	__u64 forwarded;
@@ -72,6 +88,10 @@ struct mp_layer_state {
 	__u64 duplicates;
 	__u64 late;
 	struct mp_layer_segment seg[MP_LAYER_HISTORY];
+	__u64 temporal_dropped;
+	__u16 cut_next_pic;
+	__u16 cut_resume_pic;
+	__u32 pad;
 };
 
 /* By consumer uid. User space creates an entry (BPF_NOEXIST) for each consumer of the installed
@@ -95,7 +115,9 @@ struct mp_layer_pkt {
 	__u8 pic_wide;
 	__u8 tl0;
 	__u8 keyframe_start;
-	__u8 pad;
+	__u8 frame_start;
+	__u8 temporal; /* 0: none; MP_TID_PRESENT | MP_TID_SYNC | TID */
+	__u8 pad[3];
 };
 
 /* The header values a packet goes out with (simulcast::Rewrite). */
@@ -201,10 +223,14 @@ __noinline int layer_inspect(struct __sk_buff *skb, __u32 off, __u32 len, __u32 
 		if (x & 0x30) {
 			if (n <= at)
 				goto no_descriptor;
+			__u8 t = P_AT(at);
+			if (x & 0x20)
+				out->temporal = MP_TID_PRESENT | (t & 0x20 ? MP_TID_SYNC : 0) | t >> 6;
 			at += 1;
 		}
 	}
-	out->keyframe_start = (b0 & 0x10) && (b0 & 0x07) == 0 && at < n && !(P_AT(at) & 1);
+	out->frame_start = (b0 & 0x10) && (b0 & 0x07) == 0;
+	out->keyframe_start = out->frame_start && at < n && !(P_AT(at) & 1);
 	return 0;
 #undef P_AT
 no_descriptor:
@@ -214,6 +240,7 @@ no_descriptor:
 	out->pic = 0;
 	out->tl0 = 0;
 	out->pic_wide = 0;
+	out->temporal = 0;
 	return 0;
 }
 
@@ -285,6 +312,14 @@ static __always_inline int layer_emit(struct mp_layer_state *st, __u32 i, const 
 static __always_inline void layer_open_segment(struct mp_layer_state *st, __u32 layer, const struct mp_layer_pkt *in, __u64 now)
 {
 	struct mp_layer_segment g = { .layer = layer, .start = in->seq, .highest = in->seq };
+	/* After a cut the numbers up to the first dropped one are taken (kept packets on their way). */
+	__u16 top_seq = st->top_seq, top_pic = st->top_pic;
+	if (st->cut & MP_CUT) {
+		top_seq = st->cut_next_seq - 1;
+		if (st->cut & MP_CUT_PICTURES)
+			top_pic = (st->cut_next_pic - 1) & 0x7fff;
+	}
+	st->cut = 0;
 	if (st->nsegs > 0) {
 		/* ticks = clamp(elapsed * clock_rate / 1e9, 1, u32::MAX), without a 128-bit product. */
 		__u64 dt = now > st->top_at_ns ? now - st->top_at_ns : 0;
@@ -294,9 +329,9 @@ static __always_inline void layer_open_segment(struct mp_layer_state *st, __u32 
 			ticks = 1;
 		if (ticks > 0xffffffffull)
 			ticks = 0xffffffffull;
-		g.seq_offset = st->top_seq + 1 - in->seq;
+		g.seq_offset = top_seq + 1 - in->seq;
 		g.ts_offset = st->top_ts + (__u32)ticks - in->ts;
-		g.pic_offset = in->pic_at ? (__u16)(st->top_pic + 1 - in->pic) & 0x7fff : 0;
+		g.pic_offset = in->pic_at ? (__u16)(top_pic + 1 - in->pic) & 0x7fff : 0;
 		g.tl0_offset = in->tl0_at ? (__u8)(st->top_tl0 + 1 - in->tl0) : 0;
 		st->switches += 1;
 	}
@@ -306,6 +341,51 @@ static __always_inline void layer_open_segment(struct mp_layer_state *st, __u32 
 	if (st->nsegs < MP_LAYER_HISTORY)
 		st->nsegs += 1;
 	st->open = 1;
+	/* A keyframe: every temporal layer can start here. */
+	st->temporal_current = st->temporal_target;
+}
+
+/* LayerRewriter::cut_segment: the newest packet of a dropped frame, the current segment ends
+ * before it. Under the lock, with nsegs > 0. */
+static __always_inline void layer_cut(struct mp_layer_state *st, const struct mp_layer_pkt *in)
+{
+	__u16 s = in->seq;
+	struct mp_layer_segment *g = &st->seg[0];
+	if (!(st->cut & MP_CUT)) {
+		__u16 before = s - 1;
+		if (seq_newer(before, g->highest)) {
+			g->highest = before;
+			if ((__u16)(g->highest - g->start) > MP_SEGMENT_SPAN)
+				g->start = g->highest - MP_SEGMENT_SPAN;
+		}
+		st->cut = MP_CUT;
+		st->cut_next_seq = s + g->seq_offset;
+		if (in->pic_at) {
+			st->cut |= MP_CUT_PICTURES;
+			st->cut_next_pic = (in->pic + g->pic_offset) & 0x7fff;
+			st->cut_resume_pic = 0;
+		}
+	}
+	st->cut_resume_seq = s + 1;
+	if ((st->cut & MP_CUT_PICTURES) && in->pic_at)
+		st->cut_resume_pic = (in->pic + 1) & 0x7fff;
+}
+
+/* LayerRewriter::continue_segment: the first kept packet after a cut. Under the lock, nsegs > 0. */
+static __always_inline void layer_continue(struct mp_layer_state *st)
+{
+	struct mp_layer_segment c = st->seg[0];
+	if (st->cut & MP_CUT_PICTURES)
+		c.pic_offset = (__u16)(st->cut_next_pic - st->cut_resume_pic) & 0x7fff;
+	c.start = st->cut_resume_seq;
+	c.highest = st->cut_resume_seq;
+	c.seq_offset = st->cut_next_seq - st->cut_resume_seq;
+	st->cut = 0;
+	for (__u32 k = MP_LAYER_HISTORY - 1; k > 0; k--)
+		st->seg[k] = st->seg[k - 1];
+	st->seg[0] = c;
+	if (st->nsegs < MP_LAYER_HISTORY)
+		st->nsegs += 1;
 }
 
 /* LayerRewriter::on_packet for a packet of `layer`, under the lock. */
@@ -327,6 +407,23 @@ static __always_inline int layer_on_packet(struct mp_layer_state *st, __u32 laye
 	if (st->target == layer && current != (int)layer && in->keyframe_start && is_newest) {
 		layer_open_segment(st, layer, in, now);
 		found = 0;
+	} else if (is_newest && current == (int)layer) {
+		/* Temporal layers, decided on the newest packet of the layer received (which belongs
+		 * to the open segment, or continues a cut one). */
+		if (in->frame_start) {
+			__u8 tid = in->temporal & 3;
+			int can_rise = !in->temporal || tid == 0 || (in->temporal & MP_TID_SYNC);
+			if (st->temporal_target < st->temporal_current || can_rise)
+				st->temporal_current = st->temporal_target;
+		}
+		if (in->temporal && (in->temporal & 3) > st->temporal_current) {
+			layer_cut(st, in);
+			st->temporal_dropped += 1;
+			return MP_LAYER_TEMPORAL;
+		}
+		if (st->cut)
+			layer_continue(st);
+		found = 0;
 	} else {
 		for (__u32 i = 0; i < MP_LAYER_HISTORY; i++) {
 			if (i >= st->nsegs)
@@ -335,7 +432,8 @@ static __always_inline int layer_on_packet(struct mp_layer_state *st, __u32 laye
 			if (g->layer != layer)
 				continue;
 			int after_start = !seq_newer(g->start, s);
-			int belongs = i == 0 && st->open ? after_start : after_start && !seq_newer(s, g->highest);
+			int open = i == 0 && st->open && !st->cut;
+			int belongs = open ? after_start : after_start && !seq_newer(s, g->highest);
 			if (belongs) {
 				found = i;
 				break;
@@ -364,13 +462,17 @@ __noinline int layer_decide(__u32 consumer, __u32 layer, const struct mp_layer_p
 	return v;
 }
 
-/* LayerRewriter::set_target (the keyframe request interval is user space's). */
-__noinline int layer_set_target(__u32 consumer, __u32 target)
+/* LayerRewriter::set_target and set_temporal (the keyframe request interval is user space's):
+ * `arg` is the target layer (MP_LAYER_NONE: pause) | the temporal ceiling << 8
+ * (MP_TEMPORAL_ALL: none). */
+__noinline int layer_set_target(__u32 consumer, __u32 arg)
 {
+	__u8 target = arg, temporal = arg >> 8;
 	struct mp_layer_state *st = bpf_map_lookup_elem(&layer_state, &consumer);
 	if (!st)
 		return MP_LAYER_NO_STATE;
 	bpf_spin_lock(&st->lock);
+	st->temporal_target = temporal;
 	if (st->target != target) {
 		st->target = target;
 		if (target == MP_LAYER_NONE)

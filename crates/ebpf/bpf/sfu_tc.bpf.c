@@ -827,7 +827,8 @@ int sfu_ingress(struct __sk_buff *skb)
 struct mp_layer_request {
 	__u32 op;       /* MP_LAYER_OP_* */
 	__u32 consumer;
-	__u32 arg;      /* OP_PACKET: the packet's layer; OP_TARGET: the target layer (MP_LAYER_NONE) */
+	__u32 arg;      /* OP_PACKET: the packet's layer; OP_TARGET: the target layer (MP_LAYER_NONE)
+			 * | the temporal ceiling (MP_TEMPORAL_ALL) << 8 */
 	__u32 codec;    /* OP_PACKET: MP_CODEC_* */
 	__u64 now_ns;   /* OP_PACKET: when it arrived (bpf_ktime_get_ns's clock) */
 };

@@ -34,6 +34,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
                 layer: None,
                 max_layer: None,
                 auto_layer: true,
+                temporal_layer: None,
             })
             .collect(),
         rate: None,

@@ -12,7 +12,7 @@
 use crate::loader::{bpf_err, FastPath};
 use crate::maps::Pod;
 use libbpf_rs::{MapCore, MapFlags, ProgramInput};
-use mediaplane_core::simulcast::{Codec, RewriterState, Segment, Skip, HISTORY, MAX_LAYERS};
+use mediaplane_core::simulcast::{Codec, Cut, RewriterState, Segment, Skip, ALL_TEMPORAL, HISTORY, MAX_LAYERS};
 use mediaplane_dataplane::kernel_layers::{KernelLayers, KernelReceived};
 use mediaplane_dataplane::DataplaneError;
 
@@ -56,7 +56,12 @@ pub struct LayerStateRaw {
     pub top_pic: u16,
     pub top_ts: u32,
     pub top_tl0: u8,
-    pub pad: [u8; 7],
+    pub temporal_target: u8,
+    pub temporal_current: u8,
+    /// `MP_CUT` | `MP_CUT_PICTURES`.
+    pub cut: u8,
+    pub cut_next_seq: u16,
+    pub cut_resume_seq: u16,
     pub top_at_ns: u64,
     pub sent: u64,
     pub forwarded: u64,
@@ -64,7 +69,14 @@ pub struct LayerStateRaw {
     pub duplicates: u64,
     pub late: u64,
     pub seg: [LayerSegmentRaw; HISTORY],
+    pub temporal_dropped: u64,
+    pub cut_next_pic: u16,
+    pub cut_resume_pic: u16,
+    pub pad: u32,
 }
+
+const CUT: u8 = 1;
+const CUT_PICTURES: u8 = 2;
 
 unsafe impl Pod for LayerSegmentRaw {}
 unsafe impl Pod for LayerStateRaw {}
@@ -72,7 +84,14 @@ unsafe impl Pod for LayerStateRaw {}
 impl LayerStateRaw {
     /// A consumer that receives on `ssrc`, with no target yet (as `LayerRewriter::new`).
     pub fn new(ssrc: u32, clock_rate: u32) -> LayerStateRaw {
-        LayerStateRaw { ssrc, clock_rate: if clock_rate == 0 { 90_000 } else { clock_rate }, target: LAYER_NONE, ..Default::default() }
+        LayerStateRaw {
+            ssrc,
+            clock_rate: if clock_rate == 0 { 90_000 } else { clock_rate },
+            target: LAYER_NONE,
+            temporal_target: ALL_TEMPORAL,
+            temporal_current: ALL_TEMPORAL,
+            ..Default::default()
+        }
     }
 
     pub fn to_state(&self) -> RewriterState {
@@ -103,6 +122,14 @@ impl LayerStateRaw {
             switches: self.switches,
             duplicates: self.duplicates,
             late: self.late,
+            temporal_target: self.temporal_target,
+            temporal_current: self.temporal_current,
+            cut: (self.cut & CUT != 0).then_some(Cut {
+                next_seq: self.cut_next_seq,
+                resume_seq: self.cut_resume_seq,
+                pictures: (self.cut & CUT_PICTURES != 0).then_some((self.cut_next_pic, self.cut_resume_pic)),
+            }),
+            temporal_dropped: self.temporal_dropped,
         }
     }
 }
@@ -141,6 +168,7 @@ impl LayerVerdict {
             5 => LayerVerdict::Skip(Skip::Late),
             6 => LayerVerdict::Skip(Skip::Paused),
             7 => LayerVerdict::NoState,
+            9 => LayerVerdict::Skip(Skip::TemporalLayer),
             _ => LayerVerdict::Invalid,
         }
     }
@@ -176,9 +204,12 @@ impl FastPath {
         }))
     }
 
-    /// Want `target` (None: pause) from its next keyframe on, as `LayerRewriter::set_target`.
-    pub fn layer_set_target(&self, consumer: u32, target: Option<u8>) -> Result<LayerVerdict, DataplaneError> {
-        let req = LayerRequestRaw { op: OP_TARGET, consumer, arg: target.map_or(LAYER_NONE as u32, u32::from), ..Default::default() };
+    /// Want `target` (None: pause) from its next keyframe on, as `LayerRewriter::set_target`,
+    /// and temporal layers up to `temporal` (None: all), as `LayerRewriter::set_temporal`.
+    pub fn layer_set_target(&self, consumer: u32, target: Option<u8>, temporal: Option<u8>) -> Result<LayerVerdict, DataplaneError> {
+        let temporal = temporal.map_or(ALL_TEMPORAL, |t| t.min(ALL_TEMPORAL - 1)) as u32;
+        let arg = target.map_or(LAYER_NONE as u32, u32::from) | temporal << 8;
+        let req = LayerRequestRaw { op: OP_TARGET, consumer, arg, ..Default::default() };
         Ok(self.layer_ctl(&req, &[])?.0)
     }
 
@@ -221,8 +252,8 @@ impl KernelLayers for KernelStates {
     fn remove(&self, consumer: u32) {
         self.0.layer_remove(consumer);
     }
-    fn set_target(&self, consumer: u32, target: Option<u8>) -> bool {
-        match self.0.layer_set_target(consumer, target) {
+    fn set_target(&self, consumer: u32, target: Option<u8>, temporal: Option<u8>) -> bool {
+        match self.0.layer_set_target(consumer, target, temporal) {
             Ok(LayerVerdict::Forward) => true,
             Ok(v) => {
                 tracing::warn!(consumer, ?v, "setting a simulcast consumer's target in the kernel");
@@ -269,6 +300,8 @@ mod tests {
         assert_eq!(size_of::<types::mp_layer_state>(), size_of::<LayerStateRaw>());
         assert_eq!(offset_of!(types::mp_layer_state, top_at_ns), offset_of!(LayerStateRaw, top_at_ns));
         assert_eq!(offset_of!(types::mp_layer_state, seg), offset_of!(LayerStateRaw, seg));
+        assert_eq!(offset_of!(types::mp_layer_state, cut_resume_seq), offset_of!(LayerStateRaw, cut_resume_seq));
+        assert_eq!(offset_of!(types::mp_layer_state, cut_resume_pic), offset_of!(LayerStateRaw, cut_resume_pic));
         assert_eq!(size_of::<LayerRequestRaw>(), 24); // struct mp_layer_request (sfu_tc.bpf.c)
     }
 

@@ -180,15 +180,7 @@ struct Publishers {
 
 impl Publishers {
     fn new(rng: &mut Rng) -> Publishers {
-        let layers = GROUPS
-            .iter()
-            .map(|g| {
-                g.ssrcs
-                    .iter()
-                    .map(|_| LayerSource { seq: rng.next() as u16, ts: rng.next() as u32, pic: rng.next() as u16 & 0x7fff, tl0: rng.next() as u8 })
-                    .collect()
-            })
-            .collect();
+        let layers = GROUPS.iter().map(|g| g.ssrcs.iter().map(|_| LayerSource::random(rng)).collect()).collect();
         Publishers { layers }
     }
 
@@ -207,6 +199,9 @@ impl Publishers {
             }
         }
         let key = start && rng.chance(15);
+        if start {
+            src.next_frame_layer(key, rng);
+        }
         let payload = match g.codec {
             Codec::Vp8 => vp8_payload(src, true, start, key, rng),
             Codec::H264 => h264_payload(start, key, rng),
@@ -249,7 +244,7 @@ impl LayerModel {
                 let mut r = LayerRewriter::new(g.ssrcs[0], 90_000);
                 let target = Some(rng.below(g.ssrcs.len()) as u8);
                 r.set_target(target);
-                assert_eq!(rig.fp.layer_set_target(consumer, target).unwrap(), LayerVerdict::Forward);
+                assert_eq!(rig.fp.layer_set_target(consumer, target, None).unwrap(), LayerVerdict::Forward);
                 rewriters.insert(consumer, r);
             }
         }
@@ -261,15 +256,17 @@ impl LayerModel {
         let g = &GROUPS[rng.below(GROUPS.len())];
         let consumer = rng.pick(g.consumers);
         let target = if rng.chance(15) { None } else { Some(rng.below(g.ssrcs.len() + 1) as u8) };
-        let verdict = rig.fp.layer_set_target(consumer, target).map_err(|e| e.to_string())?;
+        let temporal = if rng.chance(40) { None } else { Some(rng.below(4) as u8) };
+        let verdict = rig.fp.layer_set_target(consumer, target, temporal).map_err(|e| e.to_string())?;
         let want = if let Some(r) = self.rewriters.get_mut(&consumer) {
             r.set_target(target);
+            r.set_temporal(temporal);
             LayerVerdict::Forward
         } else {
             LayerVerdict::NoState
         };
         require(verdict == want, format!("target {target:?} for consumer {consumer}: the kernel said {verdict:?}, want {want:?}"))?;
-        Ok(format!("consumer {consumer} target {target:?}"))
+        Ok(format!("consumer {consumer} target {target:?} temporal {temporal:?}"))
     }
 
     /// Refine the reference's `Forward` of a simulcast layer's packet (after the run): what

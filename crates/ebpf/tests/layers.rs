@@ -2,7 +2,8 @@
 //! packets and target changes, fed to both, give the same decisions, the same bytes out and the
 //! same state after every step. Random publishers (2-4 layers, VP8 with 7- or 15-bit picture
 //! ids, H.264 with single NAL units, STAP-A and FU-A), loss, duplicates, reordering, target
-//! changes and pauses, clock jumps, and malformed packets (truncated descriptors, padding, CSRCs,
+//! changes and pauses, temporal layers (VP8 TID, with and without the sync bit) under changing
+//! ceilings, clock jumps, and malformed packets (truncated descriptors, padding, CSRCs,
 //! header extensions). The kernel side runs through `layer_ctl` (BPF_PROG_TEST_RUN), the same
 //! functions the TC program calls per copy; test_run.rs
 //! (`simulcast_copies_are_renumbered_per_consumer_with_valid_checksums`) drives the TC program
@@ -19,14 +20,19 @@ use common::layer_gen::{h264_payload, mangle, vp8_payload, LayerSource};
 use common::Rng;
 
 use mediaplane_core::rtp::build_rtp;
-use mediaplane_core::simulcast::{inspect, Codec, Decision, LayerRewriter, MAX_LAYERS};
+use mediaplane_core::simulcast::{inspect, Codec, Decision, LayerRewriter, Skip, MAX_LAYERS};
 use mediaplane_ebpf::layers::LayerVerdict;
 use mediaplane_ebpf::{FastPath, LoadOptions};
 
 #[derive(Debug, Clone)]
 enum Event {
-    Target(Option<u8>),
-    Packet { layer: u8, at_ns: u64, bytes: Vec<u8> },
+    /// A target layer (None: pause) and temporal ceiling (None: all).
+    Target(Option<u8>, Option<u8>),
+    Packet {
+        layer: u8,
+        at_ns: u64,
+        bytes: Vec<u8>,
+    },
 }
 
 /// A publisher of `layers` layers seen by the SFU, with target changes among its packets.
@@ -38,8 +44,7 @@ fn scenario(rng: &mut Rng) -> (Codec, Vec<Event>) {
     let dup = rng.below(8);
     let late_window = rng.below_u64(8) as usize;
     let key_p = 5 + rng.below(40);
-    let mut src: Vec<LayerSource> =
-        (0..layers).map(|_| LayerSource { seq: rng.next() as u16, ts: rng.next() as u32, pic: rng.next() as u16 & 0x7fff, tl0: rng.next() as u8 }).collect();
+    let mut src: Vec<LayerSource> = (0..layers).map(|_| LayerSource::random(rng)).collect();
     let mut now: u64 = 1_000_000_000 + rng.below_u64(1 << 40);
     let mut sent: Vec<(u8, u64, Vec<u8>)> = Vec::new();
     for _ in 0..(10 + rng.below_u64(80)) {
@@ -49,6 +54,7 @@ fn scenario(rng: &mut Rng) -> (Codec, Vec<Event>) {
         }
         for (l, s) in src.iter_mut().enumerate() {
             let key = rng.chance(key_p);
+            s.next_frame_layer(key, rng);
             for k in 0..(1 + rng.below_u64(3)) {
                 let start = k == 0;
                 let payload = match codec {
@@ -87,12 +93,17 @@ fn scenario(rng: &mut Rng) -> (Codec, Vec<Event>) {
         }
     }
     arrivals.sort_by_key(|(o, _)| *o);
-    let mut events = vec![Event::Target(Some(0))];
+    let (mut target, mut temporal) = (Some(0), None);
+    let mut events = vec![Event::Target(target, temporal)];
     let mut last_at = 0;
     for (_, e) in arrivals {
         if rng.chance(4) {
-            let t = if rng.chance(10) { None } else { Some(rng.below_u64(layers as u64 + 1) as u8) };
-            events.push(Event::Target(t));
+            if rng.chance(50) {
+                target = if rng.chance(10) { None } else { Some(rng.below_u64(layers as u64 + 1) as u8) };
+            } else {
+                temporal = if rng.chance(25) { None } else { Some(rng.below_u64(4) as u8) };
+            }
+            events.push(Event::Target(target, temporal));
         }
         // Arrival times never run backwards; a packet of another layer now and then (a layer
         // index the stream does not have).
@@ -113,7 +124,7 @@ fn verdict_of(d: Decision) -> LayerVerdict {
 }
 
 /// Run one scenario through both; Err: the first difference.
-fn run_case(fp: &FastPath, consumer: u32, seed: u64) -> Result<(usize, usize), String> {
+fn run_case(fp: &FastPath, consumer: u32, seed: u64) -> Result<(usize, usize, usize), String> {
     let mut rng = Rng(seed);
     let (codec, events) = scenario(&mut rng);
     let ssrc = rng.next() as u32;
@@ -121,12 +132,13 @@ fn run_case(fp: &FastPath, consumer: u32, seed: u64) -> Result<(usize, usize), S
     fp.layer_remove(consumer);
     assert!(fp.layer_create(consumer, ssrc, clock_rate).unwrap());
     let mut core = LayerRewriter::new(ssrc, clock_rate);
-    let mut forwarded = 0;
+    let (mut forwarded, mut temporal_dropped) = (0, 0);
     for (step, e) in events.iter().enumerate() {
         match e {
-            Event::Target(t) => {
+            Event::Target(t, tt) => {
                 core.set_target(*t);
-                let v = fp.layer_set_target(consumer, *t).unwrap();
+                core.set_temporal(*tt);
+                let v = fp.layer_set_target(consumer, *t, *tt).unwrap();
                 if v != LayerVerdict::Forward {
                     return Err(format!("step {step}: target {t:?}: kernel said {v:?}"));
                 }
@@ -148,6 +160,7 @@ fn run_case(fp: &FastPath, consumer: u32, seed: u64) -> Result<(usize, usize), S
                         (verdict_of(d), out)
                     }
                 };
+                temporal_dropped += (kv == LayerVerdict::Skip(Skip::TemporalLayer)) as usize;
                 if kv != want.0 {
                     return Err(format!("step {step}: layer {layer} packet {bytes:02x?}: kernel {kv:?}, core {:?}", want.0));
                 }
@@ -164,7 +177,7 @@ fn run_case(fp: &FastPath, consumer: u32, seed: u64) -> Result<(usize, usize), S
             return Err(format!("step {step} ({e:?}): states differ\n kernel {kstate:?}\n core   {:?}", core.state()));
         }
     }
-    Ok((events.len(), forwarded))
+    Ok((events.len(), forwarded, temporal_dropped))
 }
 
 #[test]
@@ -181,19 +194,21 @@ fn the_kernel_rewrites_as_core_does() {
             (0..env("MP_LAYER_CASES").unwrap_or(300)).map(|i| base.wrapping_add(i.wrapping_mul(0x9e37_79b9))).collect()
         }
     };
-    let (mut steps, mut forwarded) = (0, 0);
+    let (mut steps, mut forwarded, mut temporal_dropped) = (0, 0, 0);
     for (i, seed) in seeds.iter().enumerate() {
         match run_case(&fp, 1 + i as u32, *seed) {
-            Ok((s, f)) => {
+            Ok((s, f, t)) => {
                 steps += s;
                 forwarded += f;
+                temporal_dropped += t;
             }
             Err(e) => panic!("seed {seed}: {e}\nreplay: MP_LAYER_SEED={seed} cargo test -p mediaplane-ebpf --test layers"),
         }
         fp.layer_remove(1 + i as u32);
     }
-    println!("{} cases, {steps} steps, {forwarded} packets forwarded: kernel = core", seeds.len());
+    println!("{} cases, {steps} steps, {forwarded} packets forwarded, {temporal_dropped} above a temporal ceiling: kernel = core", seeds.len());
     assert!(forwarded > steps / 20, "the scenarios forward too little to show anything ({forwarded} of {steps})");
+    assert!(temporal_dropped > steps / 200, "the scenarios drop too few temporal layers to show anything ({temporal_dropped} of {steps})");
 }
 
 #[test]
@@ -202,7 +217,7 @@ fn requests_for_a_consumer_without_state_say_so() {
         return;
     }
     let fp = FastPath::load(&LoadOptions::default()).expect("load");
-    assert_eq!(fp.layer_set_target(77, Some(0)).unwrap(), LayerVerdict::NoState);
+    assert_eq!(fp.layer_set_target(77, Some(0), None).unwrap(), LayerVerdict::NoState);
     let p = build_rtp(96, 1, 1, 1, &[0x10, 0]);
     assert_eq!(fp.layer_packet(77, 0, Codec::Vp8, 1, &p).unwrap().0, LayerVerdict::NoState);
     assert_eq!(fp.layer_packet(77, 0, Codec::Vp8, 1, &[1, 2, 3]).unwrap().0, LayerVerdict::Invalid);

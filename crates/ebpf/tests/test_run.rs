@@ -1071,7 +1071,7 @@ fn simulcast_copies_are_renumbered_per_consumer_with_valid_checksums() {
             .collect();
         for (id, t) in consumers.iter().zip(targets) {
             assert!(rig.fp.layer_create(*id, 0x100, 90_000).unwrap());
-            rig.fp.layer_set_target(*id, t).unwrap();
+            rig.fp.layer_set_target(*id, t, None).unwrap();
         }
         let ports: Vec<u16> = subs.iter().map(|(_, to)| to.port()).collect();
         let keep = udp_to(&ports);

@@ -10,19 +10,42 @@ pub struct LayerSource {
     pub ts: u32,
     pub pic: u16,
     pub tl0: u8,
+    /// The frame's temporal layer (0-3) and layer sync bit; TID 4: the descriptor has none.
+    pub tid: u8,
+    pub sync: bool,
+}
+
+impl LayerSource {
+    pub fn random(rng: &mut Rng) -> LayerSource {
+        LayerSource { seq: rng.next() as u16, ts: rng.next() as u32, pic: rng.next() as u16 & 0x7fff, tl0: rng.next() as u8, tid: 0, sync: false }
+    }
+
+    /// A new frame: its temporal layer (0 for a keyframe; now and then none at all).
+    pub fn next_frame_layer(&mut self, key: bool, rng: &mut Rng) {
+        self.tid = if key {
+            0
+        } else if rng.chance(5) {
+            4
+        } else {
+            rng.below_u64(4) as u8
+        };
+        self.sync = rng.chance(20);
+    }
 }
 
 /// A VP8 payload: descriptor (picture id of 7 or 15 bits, TL0PICIDX, TID) and the first byte of
 /// the payload header (P bit clear on a keyframe).
 pub fn vp8_payload(src: &LayerSource, wide: bool, start: bool, key: bool, rng: &mut Rng) -> Vec<u8> {
-    let mut p = vec![0x80 | if start { 0x10 } else { 0 }, 0xe0];
+    let temporal = src.tid < 4;
+    let mut p = vec![0x80 | if start { 0x10 } else { 0 }, if temporal { 0xe0 } else { 0xd0 }];
     if wide {
         p.extend_from_slice(&[0x80 | (src.pic >> 8) as u8 & 0x7f, src.pic as u8]);
     } else {
         p.push(src.pic as u8 & 0x7f);
     }
     p.push(src.tl0);
-    p.push(0x20);
+    // TID, Y, KEYIDX (or, without T, K's key index alone).
+    p.push(if temporal { src.tid << 6 | if src.sync { 0x20 } else { 0 } } else { 0x03 });
     p.push(if key { 0x10 } else { 0x11 });
     p.extend((0..rng.below_u64(20)).map(|_| rng.next() as u8));
     p

@@ -76,6 +76,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
                 layer: None,
                 max_layer: None,
                 auto_layer: true,
+                temporal_layer: None,
             })
             .collect(),
         rate: None,
