@@ -300,6 +300,38 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
         );
     }
 
+    // b1 capped at temporal layer 0 of b0's top layer (Chromium sends VP8 simulcast in three
+    // temporal layers) decodes fewer frames a second, without a hole in its numbering (no packet
+    // counted lost) and without stalling; lifting the cap brings the rest back.
+    let consumer_view = || api(tb, "GET", &format!("/v1/rooms/w/consumers/{consumer}"), None).unwrap_or_default();
+    let window = |secs: u64| {
+        let a = b0_video(&browsers[1]);
+        std::thread::sleep(Duration::from_secs(secs));
+        let b = b0_video(&browsers[1]);
+        let d = |k: &str| b[k].as_u64().unwrap_or(0).saturating_sub(a[k].as_u64().unwrap_or(0));
+        (d("frames_decoded") as f64 / secs as f64, d("packets"), d("lost"))
+    };
+    let (full_fps, _, _) = window(3);
+    let top = layers.saturating_sub(1);
+    let set = api(tb, "PUT", &format!("/v1/rooms/w/consumers/{consumer}/layers"), Some(json!({"preferred": top, "temporal": 0})));
+    std::thread::sleep(Duration::from_secs(1));
+    let (capped_fps, capped_packets, capped_lost) = window(4);
+    let view = consumer_view();
+    let dropped = view["layers"]["temporal_dropped"].as_u64().unwrap_or(0);
+    check(
+        set.is_ok() && view["layers"]["temporal_current"] == 0 && dropped > 0 && capped_fps > 0.5 && capped_fps * 1.5 < full_fps && capped_lost * 100 <= capped_packets,
+        format!(
+            "b1 capped at b0's temporal layer 0 decodes {capped_fps:.1} frames/s (all layers: {full_fps:.1}), {capped_lost} of {capped_packets} packets lost, {dropped} dropped above the cap; {set:?}"
+        ),
+    );
+    let set = api(tb, "PUT", &format!("/v1/rooms/w/consumers/{consumer}/layers"), Some(json!({"preferred": top})));
+    std::thread::sleep(Duration::from_secs(1));
+    let (uncapped_fps, _, _) = window(3);
+    check(
+        set.is_ok() && consumer_view()["layers"]["temporal_current"].is_null() && uncapped_fps > capped_fps * 1.5,
+        format!("b1 without the cap decodes {uncapped_fps:.1} frames/s again (capped {capped_fps:.1})"),
+    );
+
     // The plain participant got each browser's media decrypted.
     let received = party.received.lock().unwrap().clone();
     for (n, kind, ssrc) in &browser_ssrcs {

@@ -261,8 +261,15 @@ fn run_plane(tb: &Testbed, plane: &str) {
     // `auto` is a boolean, nothing else; the answer says what was set.
     let bad = common::netns::try_api(tb, "PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"auto": "no"})));
     assert!(bad.is_err(), "[{plane}] {bad:?}");
+    // VP8's temporal layers are 0 to 3.
+    let bad = common::netns::try_api(tb, "PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"temporal": 4})));
+    assert!(bad.as_ref().is_err_and(|e| e.contains("temporal layer 4 does not exist")), "[{plane}] {bad:?}");
     let set = serve.api("PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"preferred": 1, "auto": false})));
-    assert_eq!((set["preferred"].as_u64(), set["auto"].as_bool()), (Some(1), Some(false)), "[{plane}] {set}");
+    assert_eq!((set["preferred"].as_u64(), set["auto"].as_bool(), set["temporal"].as_u64()), (Some(1), Some(false), None), "[{plane}] {set}");
+    let set = serve.api("PUT", &format!("/v1/rooms/s/consumers/{c1}/layers"), Some(json!({"preferred": 1, "temporal": 2})));
+    assert_eq!(set["temporal"].as_u64(), Some(2), "[{plane}] {set}");
+    let view = serve.api("GET", &format!("/v1/rooms/s/consumers/{c1}"), None);
+    assert_eq!(view["layers"]["temporal"].as_u64(), Some(2), "[{plane}] {view}");
 }
 
 #[test]
