@@ -28,19 +28,24 @@
 //! they would have had are given to what follows, so the drop is no gap:
 //!
 //! * the ceiling in force changes only at the start of a frame that is the newest packet of its
-//!   layer: down at any such frame, up at one of temporal layer 0 or with the layer sync bit
-//!   (RFC 7741: it depends only on layer 0), and to the wanted ceiling at every switch keyframe;
-//!   a frame is never split;
+//!   layer: down at any such frame; up only at a frame with the layer sync bit, to that frame's
+//!   temporal layer (RFC 7741: it depends only on layer 0, while other frames of a layer not sent
+//!   so far may refer to frames the receiver never got); and to the wanted ceiling at every
+//!   switch keyframe; a frame is never split;
 //! * the newest packet of a dropped frame *cuts* the current segment: its range ends right
 //!   before that packet (what is still on its way of the kept frames before fills in), and the
 //!   next kept packet of the layer opens a segment that maps the packet after the last one
-//!   dropped to the number and picture id the first one dropped would have had; timestamps and
-//!   TL0PICIDX keep their offsets (frames of layer 0 are never dropped);
+//!   dropped (or the first packet of the picture after the last one dropped, when that is the
+//!   packet: the dropped picture's lost tail takes no number) to the number and picture id the
+//!   first one dropped would have had; timestamps and TL0PICIDX keep their offsets (frames of
+//!   layer 0 are never dropped); a hole remains only for a lost packet the SFU could not tell
+//!   was of a dropped frame (a whole picture lost, or lost packets just before a dropped one);
 //! * only the newest packet of the layer is judged by its temporal layer; a late one goes
 //!   where its number falls, like any late packet, because the numbers around it were given
 //!   out already. So a drop never leaves a hole; the price, under reordering only, is that a
 //!   packet of a frame above the ceiling that arrives after a later packet of its layer still
-//!   goes out (a frame the receiver does not need, or cannot complete).
+//!   goes out (a frame the receiver does not need, or cannot complete; its picture id may repeat
+//!   a neighbour's).
 
 use crate::rtp::RtpHeader;
 use serde::{Deserialize, Serialize};
@@ -536,7 +541,7 @@ impl LayerRewriter {
                 return Decision::Skip(Skip::TemporalLayer);
             }
             if self.cut.is_some() {
-                self.continue_segment();
+                self.continue_segment(info);
             }
             // The newest of the layer received extends the current segment (even past a jump
             // in the publisher's numbering of more than half the sequence space from its start).
@@ -563,11 +568,16 @@ impl LayerRewriter {
     }
 
     /// At the start of a frame that is the newest of the layer received: the temporal ceiling
-    /// goes down at once, up only where the higher layers can start (layer 0, or a sync frame).
+    /// goes down at once, and up only at a sync frame, to that frame's layer: a frame of a layer
+    /// not sent so far may refer to its layer's earlier frames (so may later ones), which the
+    /// receiver never got; a sync frame refers only to layer 0 (RFC 7741 4.2).
     fn follow_temporal_target(&mut self, info: &PacketInfo) {
-        let can_rise = info.temporal.is_none_or(|t| t.tid == 0 || t.sync);
-        if self.temporal_target < self.temporal_current || can_rise {
-            self.temporal_current = self.temporal_target;
+        match info.temporal {
+            // No temporal layers: nothing to wait for.
+            None => self.temporal_current = self.temporal_target,
+            Some(_) if self.temporal_target < self.temporal_current => self.temporal_current = self.temporal_target,
+            Some(t) if t.sync && t.tid > self.temporal_current && t.tid <= self.temporal_target => self.temporal_current = t.tid,
+            Some(_) => {}
         }
     }
 
@@ -594,8 +604,15 @@ impl LayerRewriter {
 
     /// The first kept packet after a cut: a segment of the same layer that maps the packet after
     /// the last one dropped to the first one's number.
-    fn continue_segment(&mut self) {
-        let (Some(cut), Some(&g)) = (self.cut.take(), self.segments.first()) else { return };
+    fn continue_segment(&mut self, info: &PacketInfo) {
+        let (Some(mut cut), Some(&g)) = (self.cut.take(), self.segments.first()) else { return };
+        // The first packet of the picture after the last one dropped: what lies between was the
+        // rest of that picture (dropped too, or lost on the way), no number of the consumer's.
+        if let (true, Some((_, resume_pic)), Some(p)) = (info.frame_start, cut.pictures, info.picture_id) {
+            if p.value & p.mask() == resume_pic & p.mask() {
+                cut.resume_seq = info.sequence;
+            }
+        }
         let pic_offset = cut.pictures.map_or(g.pic_offset, |(next, resume)| next.wrapping_sub(resume) & 0x7fff);
         let c = Segment { start: cut.resume_seq, highest: cut.resume_seq, seq_offset: cut.next_seq.wrapping_sub(cut.resume_seq), pic_offset, ..g };
         self.segments.insert(0, c);
@@ -885,8 +902,11 @@ mod tests {
                 // Down to layer 0 at the next frame (layer 2's frame 13 was already decided).
                 c.set_temporal(Some(0));
             }
+            // As libwebrtc marks them: the frames of layers 2 and 1 right after layer 0 refer
+            // only to it.
+            let sync = f % 4 == 1 || f % 4 == 2;
             for k in 0..2 {
-                let d = c.on_packet(0, &vp8t(seq, 100 + f, tl0, tid, false, k == 0, f == 0 && k == 0), f as u64 * 33_000_000);
+                let d = c.on_packet(0, &vp8t(seq, 100 + f, tl0, tid, sync, k == 0, f == 0 && k == 0), f as u64 * 33_000_000);
                 if let Decision::Forward(r) = d {
                     sent.push((f, r.sequence, r.picture_id.unwrap(), r.tl0picidx.unwrap(), r.timestamp));
                 } else {
@@ -896,7 +916,7 @@ mod tests {
             }
         }
         let frames: Vec<u16> = sent.iter().step_by(2).map(|s| s.0).collect();
-        // Before 8 layer 0 only; from 8 (a layer-0 frame) layers 0 and 1; from 13 layer 0 again.
+        // Before 10 layer 0 only; from 10 (a layer-1 sync frame) layers 0 and 1; from 13 layer 0.
         assert_eq!(frames, vec![0, 4, 8, 10, 12]);
         assert!(sent.windows(2).all(|w| w[1].1 == w[0].1.wrapping_add(1)), "no gap, no duplicate: {sent:?}");
         let pics: Vec<u16> = sent.iter().step_by(2).map(|s| s.2).collect();
@@ -910,21 +930,47 @@ mod tests {
     }
 
     #[test]
-    fn a_ceiling_rises_only_where_higher_layers_can_start() {
+    fn a_ceiling_rises_only_at_sync_frames_one_layer_at_a_time() {
         let mut c = LayerRewriter::new(9, 90_000);
         c.set_target(Some(0));
         c.set_temporal(Some(0));
         fwd(c.on_packet(0, &vp8t(1, 1, 0, 0, false, true, true), 0));
         c.set_temporal(None);
-        // A layer-2 frame without sync: its references were not sent.
+        // A layer-2 frame without sync may refer to layer-2 and layer-1 frames never sent.
         assert_eq!(c.on_packet(0, &vp8t(2, 2, 0, 2, false, true, false), 1), Decision::Skip(Skip::TemporalLayer));
-        // A layer-1 frame with sync: from here on.
-        let r = fwd(c.on_packet(0, &vp8t(3, 3, 0, 1, true, true, false), 2));
-        assert_eq!((r.sequence, r.picture_id), (2, Some(2)));
-        assert_eq!(c.temporal_current(), None);
-        fwd(c.on_packet(0, &vp8t(4, 4, 0, 2, false, true, false), 3));
-        // A reordered packet of the dropped frame lands where its number falls: before the cut.
-        assert_eq!(c.on_packet(0, &vp8t(2, 2, 0, 2, false, true, false), 4), Decision::Skip(Skip::OtherLayer));
+        // Nor does a layer-0 frame open the higher layers (theirs may refer past it).
+        fwd(c.on_packet(0, &vp8t(3, 3, 1, 0, false, true, false), 2));
+        assert_eq!(c.temporal_current(), Some(0));
+        // A layer-1 sync frame: layer 1 from here on, not yet layer 2.
+        let r = fwd(c.on_packet(0, &vp8t(4, 4, 1, 1, true, true, false), 3));
+        assert_eq!((r.sequence, r.picture_id), (3, Some(3)), "the dropped frame took no number");
+        assert_eq!(c.temporal_current(), Some(1));
+        assert_eq!(c.on_packet(0, &vp8t(5, 5, 1, 2, false, true, false), 4), Decision::Skip(Skip::TemporalLayer));
+        // A layer-2 sync frame: every layer.
+        assert_eq!(fwd(c.on_packet(0, &vp8t(6, 6, 1, 2, true, true, false), 5)).sequence, 4);
+        assert_eq!(c.temporal_current(), Some(2));
+        // A reordered packet of a dropped frame lands where its number falls: between the cuts.
+        assert_eq!(c.on_packet(0, &vp8t(2, 2, 0, 2, false, true, false), 6), Decision::Skip(Skip::OtherLayer));
+    }
+
+    #[test]
+    fn the_lost_tail_of_a_dropped_picture_takes_no_number() {
+        let mut c = LayerRewriter::new(9, 90_000);
+        c.set_target(Some(0));
+        c.set_temporal(Some(0));
+        let a = fwd(c.on_packet(0, &vp8t(8, 1, 0, 0, false, true, true), 0)).sequence;
+        // Layer-2 picture 2 in packets 9 and 10; 10 is lost. Picture 3 starts at 11.
+        assert_eq!(c.on_packet(0, &vp8t(9, 2, 0, 2, false, true, false), 1), Decision::Skip(Skip::TemporalLayer));
+        let r = fwd(c.on_packet(0, &vp8t(11, 3, 1, 0, false, true, false), 2));
+        assert_eq!((r.sequence, r.picture_id), (a.wrapping_add(1), Some(2)));
+        // Had picture 3's first packet (11) been lost too, 12 could not tell where picture 2
+        // ended: 10 and 11 keep numbers (a hole for each, as for any loss).
+        let mut c = LayerRewriter::new(9, 90_000);
+        c.set_target(Some(0));
+        c.set_temporal(Some(0));
+        fwd(c.on_packet(0, &vp8t(8, 1, 0, 0, false, true, true), 0));
+        c.on_packet(0, &vp8t(9, 2, 0, 2, false, true, false), 1);
+        assert_eq!(fwd(c.on_packet(0, &vp8t(12, 3, 1, 0, false, false, false), 2)).sequence, a.wrapping_add(3));
     }
 
     #[test]

@@ -54,8 +54,8 @@ fn scenario() -> impl Strategy<Value = Scenario> {
         let duplicated = prop::collection::vec(prop::bool::weighted(dup), max_packets);
         let lateness = prop::collection::vec(0..=max_late, max_packets * 2);
         let schedule = prop::collection::vec((0..max_packets * 2, prop::option::weighted(0.9, 0..layers)), 0..8);
-        let temporal = prop::collection::vec((0u8..3, prop::bool::weighted(0.2)), nframes);
-        let ceilings = prop::collection::vec((0..max_packets * 2, prop::option::weighted(0.7, 0u8..3)), 0..8);
+        let temporal = prop::collection::vec((0u8..4, prop::bool::weighted(0.3)), nframes);
+        let ceilings = prop::collection::vec((0..max_packets * 2, prop::option::weighted(0.7, 0u8..4)), 0..8);
         (Just(layers), starts, frames, temporal, lost, duplicated, lateness, (schedule, ceilings)).prop_map(
             |(layers, starts, frames, temporal, lost, duplicated, lateness, (mut schedule, mut ceilings))| {
                 schedule.sort_by_key(|(at, _)| *at);
@@ -159,8 +159,12 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         let should_switch = c.target() == Some(p.layer) && before != Some(p.layer) && p.key && is_newest;
         prop_assert_eq!(c.current() != before, should_switch, "switch at arrival {} of {:?}", n, p);
         let judged = !should_switch && is_newest && before == Some(p.layer);
-        if judged && p.start && (wanted < in_force || p.tid == 0 || p.sync) {
-            in_force = wanted;
+        if judged && p.start {
+            if wanted < in_force {
+                in_force = wanted;
+            } else if p.sync && p.tid > in_force && p.tid <= wanted {
+                in_force = p.tid;
+            }
         }
         let dropped = judged && p.tid > in_force;
         prop_assert_eq!(d == Decision::Skip(Skip::TemporalLayer), dropped, "temporal decision at arrival {} of {:?}", n, p);
@@ -207,7 +211,11 @@ fn run(s: &Scenario) -> Result<(), TestCaseError> {
         if continued {
             // The dropped frames take no numbers: the packet after the last one dropped has
             // the first one's number and picture id; timestamps and TL0PICIDX keep their offsets.
-            let (next, resume, next_pic, resume_pic) = cut.take().unwrap();
+            let (next, mut resume, next_pic, resume_pic) = cut.take().unwrap();
+            // The first packet of the picture after the last one dropped continues right there.
+            if p.start && info.picture_id.unwrap().value == resume_pic {
+                resume = p.seq;
+            }
             let prev = segments.last().unwrap();
             let (ts_offset, tl0_offset) = (prev.ts_offset, prev.tl0_offset);
             segments.push(Segment {
@@ -265,7 +273,7 @@ fn clean_network_has_no_gap() {
         starts: vec![(65530, 0, 0x7ffe), (100, 5, 3), (30000, 7, 90)],
         frames: (0..40).map(|f| (0..3).map(|_| (2, f % 7 == 0)).collect()).collect(),
         // L1T3 (temporal layers 0, 2, 1, 2), under ceilings that change.
-        temporal: (0..40).map(|f| ([0, 2, 1, 2][f % 4], false)).collect(),
+        temporal: (0..40).map(|f| ([0, 2, 1, 2][f % 4], f % 4 == 1 || f % 4 == 2)).collect(),
         lost: vec![false; 400],
         duplicated: vec![false; 400],
         lateness: vec![0],

@@ -13,8 +13,9 @@
  * reads them back (to map NACKs and sender reports, and to ask for keyframes).
  *
  * Temporal layers (VP8 TID) of the layer received are decided here too, on the newest packet of
- * the layer (layer_temporal): a dropped frame cuts the segment and the next kept packet
- * continues it, so the drop leaves no hole (simulcast.rs documents the rule). */
+ * the layer (in layer_on_packet): a dropped frame cuts the segment (layer_cut) and the next kept
+ * packet continues it (layer_continue), so the drop takes no number (simulcast.rs documents the
+ * rule). */
 #ifndef MEDIAPLANE_LAYER_REWRITE_H
 #define MEDIAPLANE_LAYER_REWRITE_H
 
@@ -372,9 +373,14 @@ static __always_inline void layer_cut(struct mp_layer_state *st, const struct mp
 }
 
 /* LayerRewriter::continue_segment: the first kept packet after a cut. Under the lock, nsegs > 0. */
-static __always_inline void layer_continue(struct mp_layer_state *st)
+static __always_inline void layer_continue(struct mp_layer_state *st, const struct mp_layer_pkt *in)
 {
 	struct mp_layer_segment c = st->seg[0];
+	/* The first packet of the picture after the last one dropped: what lies between was the rest
+	 * of that picture. */
+	__u16 mask = in->pic_wide ? 0x7fff : 0x7f;
+	if (in->frame_start && (st->cut & MP_CUT_PICTURES) && in->pic_at && (in->pic & mask) == (st->cut_resume_pic & mask))
+		st->cut_resume_seq = in->seq;
 	if (st->cut & MP_CUT_PICTURES)
 		c.pic_offset = (__u16)(st->cut_next_pic - st->cut_resume_pic) & 0x7fff;
 	c.start = st->cut_resume_seq;
@@ -411,10 +417,12 @@ static __always_inline int layer_on_packet(struct mp_layer_state *st, __u32 laye
 		/* Temporal layers, decided on the newest packet of the layer received (which belongs
 		 * to the open segment, or continues a cut one). */
 		if (in->frame_start) {
+			/* Down at once; up only at a sync frame, to its layer (follow_temporal_target). */
 			__u8 tid = in->temporal & 3;
-			int can_rise = !in->temporal || tid == 0 || (in->temporal & MP_TID_SYNC);
-			if (st->temporal_target < st->temporal_current || can_rise)
+			if (!in->temporal || st->temporal_target < st->temporal_current)
 				st->temporal_current = st->temporal_target;
+			else if ((in->temporal & MP_TID_SYNC) && tid > st->temporal_current && tid <= st->temporal_target)
+				st->temporal_current = tid;
 		}
 		if (in->temporal && (in->temporal & 3) > st->temporal_current) {
 			layer_cut(st, in);
@@ -422,7 +430,7 @@ static __always_inline int layer_on_packet(struct mp_layer_state *st, __u32 laye
 			return MP_LAYER_TEMPORAL;
 		}
 		if (st->cut)
-			layer_continue(st);
+			layer_continue(st, in);
 		found = 0;
 	} else {
 		for (__u32 i = 0; i < MP_LAYER_HISTORY; i++) {
