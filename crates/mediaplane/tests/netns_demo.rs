@@ -5,7 +5,12 @@
 use serde_json::Value;
 use std::process::Command;
 
+/// One demo at a time: each runs three Chromiums per data plane, and two demos side by side on
+/// a 2-core CI machine starve the browsers (a page then misses a keyframe for the whole wait).
+static ONE_AT_A_TIME: std::sync::Mutex<()> = std::sync::Mutex::new(());
+
 fn demo(tag: &str, args: &[&str]) -> Vec<Value> {
+    let _turn = ONE_AT_A_TIME.lock().unwrap_or_else(|e| e.into_inner());
     let json = std::env::temp_dir().join(format!("mp-demo-{tag}-{}.json", std::process::id()));
     let out = Command::new(env!("CARGO_BIN_EXE_mediaplane")).arg("demo").args(args).arg("--json").arg(&json).output().unwrap();
     let stdout = String::from_utf8_lossy(&out.stdout).to_string();
