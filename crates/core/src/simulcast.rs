@@ -319,6 +319,19 @@ pub struct Cut {
     pub pictures: Option<(u16, u16)>,
 }
 
+impl Segment {
+    /// Extend its range to `seq` when that is newer than its highest, its start following within
+    /// [`SEGMENT_SPAN`].
+    fn reach(&mut self, seq: u16) {
+        if seq_newer(seq, self.highest) {
+            self.highest = seq;
+            if self.highest.wrapping_sub(self.start) > SEGMENT_SPAN {
+                self.start = self.highest.wrapping_sub(SEGMENT_SPAN);
+            }
+        }
+    }
+}
+
 /// What the packets a [`LayerRewriter`] saw made of it: everything but its identity (SSRC, clock
 /// rate) and the keyframe requests the SFU makes for it. The eBPF plane keeps exactly this per
 /// consumer in a map (`struct mp_layer_state`) and runs the same rules on it in the kernel;
@@ -586,13 +599,7 @@ impl LayerRewriter {
         let s = info.sequence;
         let g = &mut self.segments[0];
         let cut = self.cut.get_or_insert_with(|| {
-            let before = s.wrapping_sub(1);
-            if seq_newer(before, g.highest) {
-                g.highest = before;
-                if g.highest.wrapping_sub(g.start) > SEGMENT_SPAN {
-                    g.start = g.highest.wrapping_sub(SEGMENT_SPAN);
-                }
-            }
+            g.reach(s.wrapping_sub(1));
             let pictures = info.picture_id.map(|p| (p.value.wrapping_add(g.pic_offset) & 0x7fff, 0));
             Cut { next_seq: s.wrapping_add(g.seq_offset), resume_seq: 0, pictures }
         });
@@ -695,13 +702,7 @@ impl LayerRewriter {
                 self.segments.truncate(k + 1);
             }
         }
-        if seq_newer(info.sequence, g.highest) {
-            let g = &mut self.segments[i];
-            g.highest = info.sequence;
-            if g.highest.wrapping_sub(g.start) > SEGMENT_SPAN {
-                g.start = g.highest.wrapping_sub(SEGMENT_SPAN);
-            }
-        }
+        self.segments[i].reach(info.sequence);
         self.stats.forwarded += 1;
         Decision::Forward(rewrite)
     }

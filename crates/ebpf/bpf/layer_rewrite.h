@@ -245,6 +245,16 @@ no_descriptor:
 	return 0;
 }
 
+/* Segment::reach: extend g's range to seq when newer, its start following within the span. */
+static __always_inline void seg_reach(struct mp_layer_segment *g, __u16 seq)
+{
+	if (seq_newer(seq, g->highest)) {
+		g->highest = seq;
+		if ((__u16)(g->highest - g->start) > MP_SEGMENT_SPAN)
+			g->start = g->highest - MP_SEGMENT_SPAN;
+	}
+}
+
 /* LayerRewriter::emit for segment i (< nsegs), under the lock. */
 static __always_inline int layer_emit(struct mp_layer_state *st, __u32 i, const struct mp_layer_pkt *in, __u64 now,
 				      struct mp_layer_out *out)
@@ -299,12 +309,7 @@ static __always_inline int layer_emit(struct mp_layer_state *st, __u32 i, const 
 			}
 		}
 	}
-	struct mp_layer_segment *cur = &st->seg[i];
-	if (seq_newer(s, cur->highest)) {
-		cur->highest = s;
-		if ((__u16)(cur->highest - cur->start) > MP_SEGMENT_SPAN)
-			cur->start = cur->highest - MP_SEGMENT_SPAN;
-	}
+	seg_reach(&st->seg[i], s);
 	st->forwarded += 1;
 	return MP_LAYER_FORWARD;
 }
@@ -353,12 +358,7 @@ static __always_inline void layer_cut(struct mp_layer_state *st, const struct mp
 	__u16 s = in->seq;
 	struct mp_layer_segment *g = &st->seg[0];
 	if (!(st->cut & MP_CUT)) {
-		__u16 before = s - 1;
-		if (seq_newer(before, g->highest)) {
-			g->highest = before;
-			if ((__u16)(g->highest - g->start) > MP_SEGMENT_SPAN)
-				g->start = g->highest - MP_SEGMENT_SPAN;
-		}
+		seg_reach(g, s - 1);
 		st->cut = MP_CUT;
 		st->cut_next_seq = s + g->seq_offset;
 		if (in->pic_at) {

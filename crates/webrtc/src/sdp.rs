@@ -501,6 +501,11 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         Answer { offer: o, ice: &ice, fingerprint: &o.fingerprint, setup: "passive", candidate: "10.1.2.3:40000".parse().unwrap(), media }.write()
     }
 
+    /// Every section of `o` answered as received (the first format the SFU takes, if any).
+    fn receive_all(o: &Offer) -> Vec<AnsweredMedia> {
+        o.media.iter().map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None }).collect()
+    }
+
     fn assert_lines(answer: &str, lines: &[&str]) {
         for line in lines {
             assert!(answer.lines().any(|l| l == *line), "{line:?} missing from\n{answer}");
@@ -520,12 +525,7 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         assert_eq!((vp8.pt, vp8.clock_rate(), vp8.feedback.len()), (96, Some(90000), 5));
         assert_eq!(o.answer_role().unwrap(), (Role::Server, "passive"));
 
-        let media = o
-            .media
-            .iter()
-            .map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None })
-            .collect();
-        let a = answer_to(&o, media);
+        let a = answer_to(&o, receive_all(&o));
         assert_lines(
             &a,
             &[
@@ -582,12 +582,7 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         // A data channel section is rejected as it was offered.
         let with_data = format!("{CHROME_OFFER}m=application 9 UDP/DTLS/SCTP webrtc-datachannel\r\na=mid:2\r\n").replace("BUNDLE 0 1", "BUNDLE 0 1 2");
         let o = Offer::parse(&with_data).unwrap();
-        let media = o
-            .media
-            .iter()
-            .map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None })
-            .collect();
-        let a = answer_to(&o, media);
+        let a = answer_to(&o, receive_all(&o));
         assert!(a.contains("m=application 0 UDP/DTLS/SCTP webrtc-datachannel\r\n"), "{a}");
         let holdconn = CHROME_OFFER.replace("a=setup:actpass", "a=setup:holdconn");
         assert!(Offer::parse(&holdconn).unwrap().answer_role().is_err());
