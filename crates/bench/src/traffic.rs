@@ -1339,4 +1339,52 @@ mod tests {
         let bad = report.copy(21, 1).unwrap();
         assert_eq!((bad.received, report.receivers[1].srtp_failed, report.totals.srtp_failed), (0, 10, 10), "{json}");
     }
+
+    /// A relay that duplicates a packet on an SRTP leg: the receiver's libsrtp refuses the
+    /// second copy as a replay, counted `srtp_replayed` (not `srtp_failed`, and not a copy's
+    /// `duplicates`: its probe was never read).
+    #[test]
+    fn srtp_replay_is_counted_as_replayed() {
+        use mediaplane_core::srtp::{SrtpKey, SrtpSuite};
+        let key = SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, vec![3; 30]).unwrap();
+        let rx = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let to_rx = rx.local_addr().unwrap();
+        // The "relay": forwards every datagram once, and the first REPLAYED of them twice.
+        const REPLAYED: usize = 3;
+        let relay = UdpSocket::bind("127.0.0.1:0").unwrap();
+        let to_relay = relay.local_addr().unwrap();
+        relay.set_read_timeout(Some(Duration::from_millis(50))).unwrap();
+        let stop = Arc::new(AtomicBool::new(false));
+        let forwarder = {
+            let stop = stop.clone();
+            std::thread::spawn(move || {
+                let (mut buf, mut forwarded) = ([0u8; 2048], 0usize);
+                // Bounded: 10 s of 50 ms timeouts at most.
+                for _ in 0..200 {
+                    if stop.load(Ordering::Acquire) {
+                        break;
+                    }
+                    let Ok(n) = relay.recv(&mut buf) else { continue };
+                    let copies = if forwarded < REPLAYED { 2 } else { 1 };
+                    for _ in 0..copies {
+                        relay.send_to(&buf[..n], to_rx).unwrap();
+                    }
+                    forwarded += 1;
+                }
+                forwarded
+            })
+        };
+        let plan = TrafficPlan::new(Duration::from_millis(200))
+            .srtp_sender(UdpSocket::bind("127.0.0.1:0").unwrap(), to_relay, 30, Profile::voice(), Arc::new(SrtpContext::new(&key, true).unwrap()))
+            .srtp_receiver("rx", rx, [30], Arc::new(SrtpContext::new(&key, false).unwrap()));
+        let report = run(&plan).unwrap();
+        stop.store(true, Ordering::Release);
+        assert_eq!(forwarder.join().unwrap(), 10);
+        let json = serde_json::to_string_pretty(&report).unwrap();
+        let copy = report.copy(30, 0).unwrap();
+        assert_eq!((copy.sent, copy.received, copy.lost, copy.duplicates), (10, 10, 0, 0), "{json}");
+        let r = &report.receivers[0];
+        assert_eq!((r.srtp_replayed, r.srtp_failed), (REPLAYED as u64, 0), "{json}");
+        assert_eq!((report.totals.srtp_replayed, report.totals.srtp_failed), (REPLAYED as u64, 0), "{json}");
+    }
 }
