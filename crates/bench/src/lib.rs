@@ -24,6 +24,12 @@ pub use netns::{Peer, Testbed};
 pub use qos::{EModel, Summary};
 pub use traffic::{run, Preset, Profile, TrafficPlan, TrafficReport};
 
+/// True when running under CI: `CI` set to anything but empty, `0`, `false` or `no` (CI systems
+/// spell it `true`, `1` or `yes`). Under CI a test that cannot run fails instead of skipping.
+pub fn in_ci() -> bool {
+    std::env::var("CI").is_ok_and(|v| !matches!(v.trim().to_ascii_lowercase().as_str(), "" | "0" | "false" | "no"))
+}
+
 /// Guard for privileged tests: true when running as root. Without root, panics when `CI=true`
 /// (CI runs as root, so a privileged test must never silently skip there), otherwise prints
 /// "skipped: needs root" and returns false.
@@ -31,7 +37,7 @@ pub fn require_root(test: &str) -> bool {
     if is_root() {
         return true;
     }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
+    if in_ci() {
         panic!("{test}: needs root, and CI=true: privileged tests must run in CI");
     }
     eprintln!("{test}: skipped: needs root");

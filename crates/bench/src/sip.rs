@@ -46,7 +46,7 @@ pub fn missing(bins: &[&str]) -> Option<String> {
 /// except under CI=true, where a missing tool is a failure (CI installs them).
 pub fn ready(test: &str, bins: &[&str]) -> bool {
     let Some(why) = missing(bins) else { return true };
-    if std::env::var("CI").as_deref() == Ok("true") {
+    if crate::in_ci() {
         panic!("{test} cannot run under CI: {why}");
     }
     eprintln!("SKIPPED {test}: {why}");

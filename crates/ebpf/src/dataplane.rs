@@ -150,6 +150,22 @@ pub fn missing_capabilities() -> Vec<&'static str> {
     REQUIRED_CAPS.iter().filter(|(_, bit)| eff & (1 << bit) == 0).map(|(n, _)| *n).collect()
 }
 
+/// IFF_LOOPBACK in the interface's flags.
+fn is_loopback(ifname: &str) -> bool {
+    std::fs::read_to_string(format!("/sys/class/net/{ifname}/flags"))
+        .ok()
+        .and_then(|f| u32::from_str_radix(f.trim().trim_start_matches("0x"), 16).ok())
+        .is_some_and(|f| f & libc::IFF_LOOPBACK as u32 != 0)
+}
+
+/// Mount a bpffs on /sys/fs/bpf when none is mounted there, as systemd does at boot and as the
+/// daemon does for a pin directory under it. For whoever prepares a pin directory for a daemon
+/// that may lack CAP_SYS_ADMIN (the systemd unit's `ExecStartPre=`, tests that run it so): on a
+/// fresh machine without systemd nothing else has mounted it.
+pub fn mount_bpffs_if_missing() -> Result<(), DataplaneError> {
+    ensure_bpffs(Path::new("/sys/fs/bpf"))
+}
+
 /// Mount a bpffs at the standard place when nothing is mounted there (as systemd would).
 fn ensure_bpffs(parent: &Path) -> Result<(), DataplaneError> {
     if is_on_bpffs(parent) || parent != Path::new("/sys/fs/bpf") || !parent.is_dir() {
@@ -243,6 +259,13 @@ impl EbpfDataplane {
         }
         for ifname in &cfg.interfaces {
             attach::ifindex_of(ifname)?;
+            if is_loopback(ifname) {
+                tracing::warn!(
+                    ifname,
+                    "loopback interface: the kernel path forwards nothing here (every packet goes to the slow path); \
+                     it forwards between real or veth interfaces (README, \"The kernel fast path\")"
+                );
+            }
             let fwd = std::fs::read_to_string(format!("/proc/sys/net/ipv4/conf/{ifname}/forwarding")).unwrap_or_default();
             if fwd.trim() == "0" {
                 tracing::warn!(

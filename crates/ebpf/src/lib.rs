@@ -38,7 +38,7 @@ mod skel {
 }
 
 pub use attach::AttachMode;
-pub use dataplane::{remove_pins, EbpfConfig, EbpfDataplane, XdpPrefilter};
+pub use dataplane::{mount_bpffs_if_missing, remove_pins, EbpfConfig, EbpfDataplane, XdpPrefilter};
 pub use install::ApplyReport;
 pub use loader::{FastPath, KernelStats, LoadOptions, TestRun, TC_ACT_OK, TC_ACT_REDIRECT, TC_ACT_SHOT};
 pub use pinlock::{PinDirLock, PinLockError};

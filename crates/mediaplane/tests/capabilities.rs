@@ -52,7 +52,10 @@ fn api(tb: &Testbed, method: &str, path: &str, body: Option<Value>) -> Value {
 fn attempt(tb: &Testbed, dir: &Path, bin: &Path, uid: u32, caps: &[String], tag: &str) -> Outcome {
     let pin_dir = PathBuf::from(format!("/sys/fs/bpf/{}-caps-{tag}", tb.prefix));
     let _pins = PinGuard(pin_dir.clone());
-    std::fs::create_dir(&pin_dir).unwrap();
+    // As systemd does at boot: the unprivileged daemon cannot mount it (no CAP_SYS_ADMIN), and on
+    // a fresh machine without systemd nothing has.
+    mediaplane_ebpf::mount_bpffs_if_missing().unwrap();
+    std::fs::create_dir(&pin_dir).unwrap_or_else(|e| panic!("create {}: {e}", pin_dir.display()));
     std::os::unix::fs::chown(&pin_dir, Some(uid), Some(uid)).unwrap();
     let run = dir.join(tag);
     std::fs::create_dir(&run).unwrap();

@@ -25,7 +25,7 @@ fn have_promtool(test: &str) -> bool {
     if Command::new("promtool").arg("--version").stdout(Stdio::null()).stderr(Stdio::null()).status().is_ok_and(|s| s.success()) {
         return true;
     }
-    if std::env::var("CI").is_ok_and(|v| v == "true") {
+    if mediaplane_bench::in_ci() {
         panic!("{test}: promtool not found (Debian prometheus; scripts/install-deps.sh installs it), and CI=true");
     }
     eprintln!("{test}: skipped: promtool not found (apt-get install prometheus)");

@@ -13,7 +13,7 @@ pub use mediaplane_bench::browser::Browser;
 pub fn chromium(test: &str) -> Option<String> {
     let found = mediaplane_bench::browser::find_chromium();
     if found.is_none() {
-        if std::env::var("CI").is_ok_and(|v| v == "true") {
+        if mediaplane_bench::in_ci() {
             panic!("{test}: chromium is missing, and CI=true: interop tests must run in CI");
         }
         eprintln!("{test}: skipped: no chromium");
