@@ -21,6 +21,9 @@ const RTMGRP_IPV4_RULE: u32 = 0x80;
 const RTMGRP_IPV6_IFADDR: u32 = 0x100;
 const RTMGRP_IPV6_ROUTE: u32 = 0x400;
 const RTNLGRP_IPV6_RULE: u32 = 19;
+/// Announces IPv4 per-device settings as they are written, `rp_filter` among them
+/// (RTM_NEWNETCONF with NETCONFA_RP_FILTER, for `conf/all` and each device).
+const RTNLGRP_IPV4_NETCONF: u32 = 24;
 const RTNLGRP_NEXTHOP: u32 = 32;
 const SOL_NETLINK: libc::c_int = 270;
 
@@ -54,7 +57,8 @@ fn open_socket() -> std::io::Result<OwnedFd> {
             | RTMGRP_IPV4_RULE
             | RTMGRP_IPV6_IFADDR
             | RTMGRP_IPV6_ROUTE
-            | (1 << (RTNLGRP_IPV6_RULE - 1));
+            | (1 << (RTNLGRP_IPV6_RULE - 1))
+            | (1 << (RTNLGRP_IPV4_NETCONF - 1));
         let r = libc::bind(fd.as_raw_fd(), &sa as *const _ as *const libc::sockaddr, std::mem::size_of::<libc::sockaddr_nl>() as u32);
         if r != 0 {
             return Err(std::io::Error::last_os_error());
@@ -66,9 +70,10 @@ fn open_socket() -> std::io::Result<OwnedFd> {
     }
 }
 
-/// Something to re-check about once a second beside netlink (e.g. the rp_filter sysctls, which
-/// netlink does not announce to this group): true when it changed something the cached next hops
-/// and reverse-path passes depend on.
+/// Something to re-check whenever netlink announces a change, and about once a second beside it
+/// (the rp_filter sysctls: a write is announced on RTNLGRP_IPV4_NETCONF, which this watcher
+/// hears, so a change applies within milliseconds; the poll covers lost messages): true when it
+/// changed something the cached next hops and reverse-path passes depend on.
 pub type Refresh = Box<dyn FnMut() -> bool + Send>;
 
 /// The listener thread; stops (and is joined) on drop.
@@ -101,7 +106,9 @@ fn run(fd: OwnedFd, gen_map: MapHandle, stop: Arc<AtomicBool>, mut refresh: Opti
         // SAFETY: one valid pollfd.
         let n = unsafe { libc::poll(&mut pfd, 1, 200) };
         let mut changed = false;
-        if last_refresh.elapsed() >= std::time::Duration::from_secs(1) {
+        if n > 0 || last_refresh.elapsed() >= std::time::Duration::from_secs(1) {
+            // Refreshed before the queue is drained: a sysctl write is announced after it took
+            // effect, so what is read now is at least as new as what was announced.
             last_refresh = std::time::Instant::now();
             changed |= refresh.as_mut().is_some_and(|r| r());
         }

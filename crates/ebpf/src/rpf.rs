@@ -1,7 +1,8 @@
 //! Keeps the program's IPv4 reverse-path modes (`rpf_mode`, bpf/rpf.h) equal to the kernel's:
 //! per interface, the larger of `net.ipv4.conf.all.rp_filter` and `net.ipv4.conf.<dev>.rp_filter`
 //! (as fib_validate_source applies them), read at start and again whenever the next-hop
-//! watcher polls (an operator may change them at run time).
+//! watcher hears of a change (a write is announced on rtnetlink's IPv4 netconf group) or polls
+//! (once a second, in case a message was lost).
 
 use crate::maps::{Pod, RpfMode};
 use libbpf_rs::{MapCore, MapFlags};

@@ -328,6 +328,61 @@ fn bad_checksums_and_spoofed_sources_are_never_fanned_out() {
     }
 }
 
+/// A change of `rp_filter` applies at once on every plane, as the host applies it: a spoofed
+/// source (the publisher's address from another participant's link) is fanned out while the
+/// check is off, and dropped 50 ms after `conf/all/rp_filter` is set to strict, off again and
+/// strict again. (The kernel path used to re-read the sysctls once a second: a spoofed packet
+/// sent 50 ms after the change was fanned out.)
+#[test]
+fn an_rp_filter_change_applies_within_50_ms() {
+    if !mediaplane_bench::require_root("an_rp_filter_change_applies_within_50_ms") {
+        return;
+    }
+    let st = star();
+    let dir = common::TempDir::new("wire-rpf-change");
+    let tb = &st.tb;
+    let sysctl = |key: &str, v: u32| assert!(tb.command(&tb.sfu_ns, "sysctl").args(["-qw", &format!("{key}={v}")]).status().unwrap().success());
+    let (p0, p1) = (&tb.peers[0], &tb.peers[1]);
+    let (publisher, sfu) = (SocketAddr::new(p0.ip, MEDIA_PORT), SocketAddr::new(p0.sfu_ip, SFU_PORT));
+    let on_p1 = injector(tb, &p1.ns, &p1.peer_if);
+    for plane in ["userspace", "ebpf", "ebpf-xdp"] {
+        sysctl("net.ipv4.conf.all.rp_filter", 0);
+        for p in &tb.peers {
+            sysctl(&format!("net.ipv4.conf.{}.rp_filter", p.sfu_if), 0);
+        }
+        let s = serve(&st, plane, &dir, "");
+        // The publisher first, so every next hop is resolved and the kernel path judges.
+        for seq in 0..5u16 {
+            st.socks[0].send_to(&build_rtp(96, seq, 0, SSRC, &[1; 300]), sfu).unwrap();
+        }
+        std::thread::sleep(Duration::from_millis(200));
+        assert_eq!(copies(&st).len(), 5 * (N - 1), "[{plane}] the publisher's own packets");
+        let (sfu1, mac1) = (mac_of(tb, &tb.sfu_ns, &p1.sfu_if), mac_of(tb, &p1.ns, &p1.peer_if));
+        for (round, strict) in [false, true, false, true].into_iter().enumerate() {
+            sysctl("net.ipv4.conf.all.rp_filter", strict as u32);
+            std::thread::sleep(Duration::from_millis(50));
+            let before = stats(&s);
+            let seq = 200 + round as u16;
+            let mut spec = mediaplane_core::packet::FrameSpec::new(publisher, sfu);
+            (spec.dst_mac, spec.src_mac) = (sfu1, mac1);
+            inject(&on_p1, &mediaplane_core::packet::build_frame(&spec, &build_rtp(96, seq, 0, SSRC, &[7; 300])));
+            std::thread::sleep(Duration::from_millis(150));
+            let fanned = copies(&st).iter().filter(|(_, f)| rtp_seq(f) == seq).count();
+            let after = stats(&s);
+            if strict {
+                assert_eq!(fanned, 0, "[{plane}] round {round}: spoofed source fanned out 50 ms after rp_filter=1");
+                let (sec, key) = if plane.starts_with("ebpf") { ("total", "drop_spoofed") } else { ("extra", "host_ip_reverse_path_filter") };
+                let d = after[sec][key].as_u64().unwrap_or(0) - before[sec][key].as_u64().unwrap_or(0);
+                assert_eq!(d, 1, "[{plane}] round {round}: counted under {key}: {}", after[sec]);
+            } else {
+                assert_eq!(fanned, N - 1, "[{plane}] round {round}: with rp_filter off the same packet is a valid source's");
+            }
+        }
+        drop(s);
+    }
+    sysctl("net.ipv4.conf.all.rp_filter", 0);
+}
+
 /// On the kernel path, a subscriber's next hop is resolved when its subscription is installed:
 /// with every neighbour of the SFU flushed before the room is set up, the stream's very first
 /// packets are forwarded in the kernel (none waits for a neighbour in the slow path).
