@@ -216,12 +216,12 @@ const INFORMATIONAL: &[&str] = &["supports", "sip-message-type", "sip-code", "vi
 /// The keys each command acts on (normalized spelling), besides `command`.
 fn keys_acted_on(command: &str) -> &'static [&'static str] {
     match command {
-        // via-branch tells rtpengine a forked branch's answers apart; here the to-tag does.
+        // via-branch (informational) tells rtpengine a forked branch's answers apart; here the
+        // to-tag does.
         "offer" | "answer" => &[
             "call-id",
             "from-tag",
             "to-tag",
-            "via-branch",
             "sdp",
             "flags",
             "replace",
@@ -239,10 +239,10 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
             "sdes",
             "dtls",
         ],
-        "delete" => &["call-id", "from-tag", "to-tag", "via-branch", "flags"],
+        "delete" => &["call-id", "from-tag", "to-tag", "flags"],
         "query" => &["call-id", "from-tag", "to-tag"],
         // The whole call is recorded, whichever of its parties the tags name.
-        "start recording" | "stop recording" | "start-recording" | "stop-recording" => &["call-id", "from-tag", "to-tag", "via-branch"],
+        "start recording" | "stop recording" | "start-recording" | "stop-recording" => &["call-id", "from-tag", "to-tag"],
         "list" => &["limit"],
         _ => &[],
     }
@@ -269,7 +269,8 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
             "rtp/savpf",
             "udp/tls/rtp/savp",
             "udp/tls/rtp/savpf",
-            // What the relay gives every WebRTC party anyway.
+            // What the relay gives every WebRTC party anyway; toward another party the reply warns
+            // (offer_answer).
             "generate-mid",
             "rtcp-mux-require",
         ],
@@ -688,6 +689,13 @@ impl Engine {
             .collect();
         let mark = opt.loop_protect.then(|| self.cfg.instance_id.clone());
         let gives_ice = webrtc.iter().any(|w| matches!(w.outgoing, crate::webrtc::Outgoing::Ours { .. }));
+        // These two ask for what the relay gives a WebRTC party anyway (a=mid on every section,
+        // rtcp-mux only); toward any other party nothing is generated, and the reply says so.
+        if !gives_ice {
+            for flag in req.list("flags").unwrap_or_default().into_iter().filter(|f| matches!(f.as_str(), "generate-mid" | "rtcp-mux-require")) {
+                opt.warnings.push(format!("{flag} is acted on only toward a WebRTC party (ICE=force or UDP/TLS/RTP/SAVPF): this SDP is passed on as it is"));
+            }
+        }
         let rewritten = sdp.rewrite(&Rewrite {
             addr: ip,
             origin: opt.replace_origin,
@@ -1298,6 +1306,28 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         send(&mut e, &m, "o2", o);
         let r = send(&mut e, &m, "a2", answer(ANSWER_SDP));
         assert_eq!(attr(&text(&r, "sdp"), "ice-ufrag"), Some(ufrag));
+    }
+
+    #[test]
+    fn generate_mid_and_rtcp_mux_require_are_acted_on_toward_webrtc_only() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let flags = || ("flags", list(&["generate-mid", "rtcp-mux-require"]));
+        // Toward a plain party nothing is generated: said, not swallowed.
+        let mut o = offer(OFFER_SDP);
+        o[5] = flags();
+        let r = send(&mut e, &m, "plain", o);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let w = text(&r, "warning");
+        assert!(w.contains("generate-mid is acted on only toward a WebRTC party") && w.contains("rtcp-mux-require is acted on only"), "{w}");
+        assert_eq!(attr(&text(&r, "sdp"), "mid"), None);
+        // Toward a browser: a=mid and rtcp-mux, no warning.
+        let mut o = offer(OFFER_SDP);
+        (o[1].1, o[5]) = ("webrtc-call".into(), flags());
+        o.extend([("transport-protocol", "UDP/TLS/RTP/SAVPF".into()), ("ICE", "force".into())]);
+        let r = send(&mut e, &m, "webrtc", o);
+        assert!(r.get("warning").is_none(), "{r:?}");
+        let sdp = text(&r, "sdp");
+        assert!(attr(&sdp, "mid").is_some() && attr(&sdp, "rtcp-mux").is_some(), "{sdp}");
     }
 
     #[test]
