@@ -54,6 +54,14 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     if !(0.5..=60.0).contains(&args.seconds) {
         bail!("--seconds must be between 0.5 and 60");
     }
+    // Asked for browsers and none to run: an error, not a quiet skip (a demo that exits 0 would
+    // claim a WebRTC scenario that never ran). `--webrtc-participants 0` skips it on purpose.
+    let chromium = match args.webrtc_participants {
+        0 => None,
+        _ => Some(mediaplane_bench::browser::find_chromium().ok_or_else(|| {
+            anyhow::anyhow!("the WebRTC scenario needs chromium (`make deps` installs it); `--webrtc-participants 0` runs the demo without it")
+        })?),
+    };
     let profile = profile_named(&args.preset)?;
     let scenario = if args.two_streams { Scenario::TwoStreams } else { Scenario::OneStream };
     let tb = Testbed::star(args.participants).context("building the namespace testbed")?;
@@ -79,24 +87,19 @@ pub fn run(args: DemoArgs) -> anyhow::Result<()> {
     }
     print_side_by_side(&results);
     let mut webrtc_failed = Vec::new();
-    if args.webrtc_participants > 0 {
-        match mediaplane_bench::browser::find_chromium() {
-            None => println!("\nWebRTC scenario skipped: no chromium (`make deps` installs it)"),
-            Some(chromium) => {
-                let n = args.webrtc_participants.min(args.participants);
-                for dp in &args.dataplanes {
-                    match crate::webrtc_demo::run(&tb, dp, n, args.seconds, &chromium, &workdir.join(format!("mediaplane-demo-{}", tb.prefix))) {
-                        Ok(r) => {
-                            crate::webrtc_demo::print(&r);
-                            if !r.all_decoded {
-                                webrtc_failed.push(dp.clone());
-                            }
-                        }
-                        Err(e) => {
-                            println!("\n[{dp}] WebRTC scenario could not run: {e:#}");
-                            webrtc_failed.push(dp.clone());
-                        }
+    if let Some(chromium) = &chromium {
+        let n = args.webrtc_participants.min(args.participants);
+        for dp in &args.dataplanes {
+            match crate::webrtc_demo::run(&tb, dp, n, args.seconds, chromium, &workdir.join(format!("mediaplane-demo-{}", tb.prefix))) {
+                Ok(r) => {
+                    crate::webrtc_demo::print(&r);
+                    if !r.all_decoded {
+                        webrtc_failed.push(dp.clone());
                     }
+                }
+                Err(e) => {
+                    println!("\n[{dp}] WebRTC scenario could not run: {e:#}");
+                    webrtc_failed.push(dp.clone());
                 }
             }
         }
