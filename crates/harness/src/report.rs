@@ -417,12 +417,8 @@ fn target_checks(results: &[ConferenceResult]) -> Vec<(String, Option<bool>, Str
         e12.map(|a| a.p99 <= 50_000.0),
         e12.map(|a| format!("{:.1} µs", a.p99 / 1e3)).unwrap_or("not run".into()),
     ));
-    let ratio = e12.zip(u12).map(|(e, u)| u.p50 / e.p50.max(1.0));
-    v.push((
-        "eBPF p50 at least 5x below user space (N = 12, same run)".into(),
-        ratio.map(|r| r >= 5.0),
-        ratio.map(|r| format!("{r:.1}x")).unwrap_or("not run".into()),
-    ));
+    let (met, measured) = e12.zip(u12).map_or((None, "not run".into()), |(e, u)| ratio_check(e.p50, u.p50));
+    v.push(("eBPF p50 at least 5x below user space (N = 12, same run)".into(), met, measured));
     let nmax = results.iter().map(|r| r.participants.len()).max().unwrap_or(0);
     let lossy: Vec<String> =
         results.iter().filter(|r| r.lost > 0 || r.duplicates > 0).map(|r| format!("{} {} N={}", r.dataplane, scen(r.scenario), r.participants.len())).collect();
@@ -472,13 +468,77 @@ fn target_checks(results: &[ConferenceResult]) -> Vec<(String, Option<bool>, Str
             encrypted.iter().filter(|r| r.n <= 32 && r.lost > 0).map(|r| format!("{} {} N={}: {}", r.plane, r.suite(), r.n, r.lost)).collect();
         v.push(("encrypted fan-out: no loss up to N = 32".into(), Some(lossy.is_empty()), if lossy.is_empty() { "none".into() } else { lossy.join(", ") }));
     }
-    let flat = find(results, "ebpf", one, 2).and_then(|r| r.added_delay_ns).zip(e12).map(|(a2, a12)| (a2.mean, a12.mean));
+    let (met, measured) = flat_check(results);
     v.push((
-        "stays flat in N (thesis P4/BMv2 averaged 3.99 s at N = 12; its Python SFU collapsed at N = 3)".into(),
-        flat.map(|(a2, a12)| a12 < 100_000.0 && a2 < 100_000.0),
-        flat.map(|(a2, a12)| format!("eBPF mean added {:.1} µs at N = 2, {:.1} µs at N = 12", a2 / 1e3, a12 / 1e3)).unwrap_or("not run".into()),
+        format!(
+            "stays flat in N: eBPF mean added delay grows <= {:.1} µs per added participant, one-stream, smallest to largest N \
+             (thesis P4/BMv2: 0.4 s per participant, 3.99 s at N = 12; its Python SFU collapsed at N = 3)",
+            FLAT_SLOPE_NS / 1e3
+        ),
+        met,
+        measured,
     ));
     v
+}
+
+/// Below this, an added-delay p50 is within the run-to-run noise of the floor it is measured
+/// against, not a delay: the eBPF plane's added p50 at N = 2 and 3 measured -1.0, 0.1, 0.7 and
+/// 1.3 µs in the runs BENCHMARKS.md reports (floor p50 2-5 µs). A ratio against such a number
+/// says nothing (against 0.1 µs any user-space plane is "300x" slower).
+pub const ADDED_RESOLUTION_NS: f64 = 1_000.0;
+
+/// "eBPF p50 at least 5x below user space": the user-space plane's added p50 over the eBPF
+/// plane's. An eBPF p50 under [`ADDED_RESOLUTION_NS`] (zero or negative included) is not
+/// divided by: it can only be said to be at most that, so user space must be at least 5x that.
+fn ratio_check(ebpf_p50: f64, user_p50: f64) -> (Option<bool>, String) {
+    if ebpf_p50 < ADDED_RESOLUTION_NS {
+        let bound = 5.0 * ADDED_RESOLUTION_NS;
+        return (
+            Some(user_p50 >= bound),
+            format!(
+                "eBPF {:.1} µs is under the {:.1} µs resolution: no ratio; user space {:.1} µs against 5 x {:.1} µs",
+                ebpf_p50 / 1e3,
+                ADDED_RESOLUTION_NS / 1e3,
+                user_p50 / 1e3,
+                ADDED_RESOLUTION_NS / 1e3
+            ),
+        );
+    }
+    let r = user_p50 / ebpf_p50;
+    (Some(r >= 5.0), format!("{r:.1}x ({:.1} vs {:.1} µs)", user_p50 / 1e3, ebpf_p50 / 1e3))
+}
+
+/// What "flat in N" allows: the eBPF plane's mean added delay (one-stream) may grow by this much
+/// per added participant. Each participant adds one copy of every packet; a copy waits for the
+/// copies cloned before it, one `bpf_clone_redirect` + veth transmit each (≈ 0.7 µs measured),
+/// so the mean copy waits about half of that more per participant. Measured: 0.54 µs per
+/// participant (mean 6.4 µs at N = 2, 11.8 µs at N = 12: `bench sfu --scenarios one-stream
+/// --sizes 2,12 --seconds 5`, debug build on a busy 2-core VM); BENCHMARKS.md's p50s, 1.3 µs at
+/// N = 2 and 3.4 µs at N = 12 (median of nine runs), make 0.2. 1 µs is every copy paying a
+/// whole clone for each added participant: beyond it the fan-out is not flat.
+pub const FLAT_SLOPE_NS: f64 = 1_000.0;
+
+/// "Stays flat in N": the eBPF plane's one-stream mean added delay from the smallest N of the
+/// run to the largest, per added participant, against [`FLAT_SLOPE_NS`]. Not run with fewer
+/// than two sizes.
+fn flat_check(results: &[ConferenceResult]) -> (Option<bool>, String) {
+    let mut runs: Vec<(usize, f64)> = results
+        .iter()
+        .filter(|r| r.dataplane == "ebpf" && r.scenario == Scenario::OneStream)
+        .filter_map(|r| r.added_delay_ns.map(|a| (r.participants.len(), a.mean)))
+        .collect();
+    runs.sort_by_key(|r| r.0);
+    let (Some(&(n0, m0)), Some(&(n1, m1))) = (runs.first(), runs.last()) else {
+        return (None, "not run".into());
+    };
+    if n1 == n0 {
+        return (None, format!("not run (one size: N = {n0})"));
+    }
+    let slope = (m1 - m0) / (n1 - n0) as f64;
+    (
+        Some(slope <= FLAT_SLOPE_NS),
+        format!("{:.2} µs per participant: eBPF mean added {:.1} µs at N = {n0}, {:.1} µs at N = {n1}", slope / 1e3, m0 / 1e3, m1 / 1e3),
+    )
 }
 
 /// The run as Markdown: what BENCHMARKS.md is regenerated from.
@@ -766,4 +826,104 @@ fn html(meta: &RunMeta, results: &[ConferenceResult], failures: &[String], plots
     }
     h.push_str("</table></body></html>");
     h
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mediaplane_bench::added_delay::{AddedDelay, AddedDelayMethod};
+    use mediaplane_bench::qos::Summary;
+
+    /// A loss-free run of `plane` at N = `n` whose added delay has this p50 and mean (ns).
+    fn run(plane: &str, n: usize, p50: f64, mean: f64) -> ConferenceResult {
+        let added =
+            AddedDelay { method: AddedDelayMethod::QuantileDifference, count: 1000, direct_count: 1000, min: 0.0, p50, mean, p99: 2.0 * mean, max: 3.0 * mean };
+        ConferenceResult {
+            dataplane: plane.into(),
+            scenario: Scenario::OneStream,
+            participants: (0..n)
+                .map(|i| crate::conference::ParticipantResult {
+                    participant: format!("p{i}"),
+                    streams: n - 1,
+                    expected: 100,
+                    received: 100,
+                    lost: 0,
+                    duplicates: 0,
+                    unexpected: 0,
+                    delay_ns: Summary::default(),
+                })
+                .collect(),
+            copies_expected: 100,
+            copies_received: 100,
+            bytes_received: 0,
+            lost: 0,
+            duplicates: 0,
+            unexpected: 0,
+            delay_ns: Summary::default(),
+            direct_delay_ns: Summary::default(),
+            delay_cdf: Vec::new(),
+            floor_delay_ns: Some(Summary::default()),
+            added_delay_ns: Some(added),
+            added_delay_vs_direct_ns: None,
+            hooks_attached: None,
+            jitter_ns_mean: 0.0,
+            delay_variation_p99_ns: 0.0,
+            mos_mean: 4.41,
+            mos_min: 4.41,
+            serve_cpu_ns: 0,
+            bpf_run_ns: 0,
+            cpu_per_copy_ns: None,
+            daemon_stats: serde_json::Value::Null,
+            kernel_handled: None,
+            slow_path_packets: None,
+            kernel_share: None,
+            generator_cpu_ns: 0,
+        }
+    }
+
+    fn check(results: &[ConferenceResult], starts: &str) -> (Option<bool>, String) {
+        let (_, met, measured) = target_checks(results).into_iter().find(|c| c.0.starts_with(starts)).unwrap_or_else(|| panic!("no check {starts:?}"));
+        (met, measured)
+    }
+
+    const RATIO: &str = "eBPF p50 at least 5x below user space";
+    const FLAT: &str = "stays flat in N";
+
+    #[test]
+    fn the_5x_ratio_is_not_met_by_an_ebpf_p50_at_or_under_zero() {
+        // The old check divided by max(p50, 1 ns): eBPF at 0 or -1 µs made 3 µs of user space
+        // "3000x" below. Under the resolution it is compared with 5 x 1 µs instead.
+        for e in [0.0, -1_000.0, 0.4] {
+            let (met, measured) = check(&[run("ebpf", 12, e, 0.0), run("userspace", 12, 3_000.0, 3_000.0)], RATIO);
+            assert_eq!(met, Some(false), "eBPF p50 {e} ns: {measured}");
+            assert!(measured.contains("under the 1.0 µs resolution"), "{measured}");
+        }
+        // ... and met when user space is beyond 5 µs (what every run measures: 24-51 µs).
+        assert_eq!(check(&[run("ebpf", 12, 0.0, 0.0), run("userspace", 12, 30_000.0, 30_000.0)], RATIO).0, Some(true));
+        // Above the resolution it is the ratio, in both directions.
+        let (met, measured) = check(&[run("ebpf", 12, 3_400.0, 0.0), run("userspace", 12, 30_100.0, 0.0)], RATIO);
+        assert_eq!((met, measured.as_str()), (Some(true), "8.9x (30.1 vs 3.4 µs)"));
+        assert_eq!(check(&[run("ebpf", 12, 10_000.0, 0.0), run("userspace", 12, 30_000.0, 0.0)], RATIO).0, Some(false));
+        assert_eq!(check(&[run("ebpf", 12, 10_000.0, 0.0)], RATIO), (None, "not run".into()));
+    }
+
+    #[test]
+    fn flat_in_n_is_the_growth_per_participant_not_an_absolute_ceiling() {
+        // The old check passed whenever both means were under 100 µs: 1 µs at N = 2 growing to
+        // 90 µs at N = 12 (8.9 µs per participant) is not flat.
+        let (met, measured) = check(&[run("ebpf", 2, 1_000.0, 1_000.0), run("ebpf", 12, 90_000.0, 90_000.0)], FLAT);
+        assert_eq!(met, Some(false), "{measured}");
+        assert_eq!(measured, "8.90 µs per participant: eBPF mean added 1.0 µs at N = 2, 90.0 µs at N = 12");
+        // What the eBPF plane measures (1.3 -> 3.4 µs) is flat, and a level above 100 µs that
+        // does not grow is flat too (the old check failed it): flatness is not a level.
+        assert_eq!(check(&[run("ebpf", 2, 1_300.0, 1_300.0), run("ebpf", 12, 3_400.0, 3_400.0)], FLAT).0, Some(true));
+        assert_eq!(check(&[run("ebpf", 2, 150_000.0, 150_000.0), run("ebpf", 12, 150_500.0, 150_500.0)], FLAT).0, Some(true));
+        // Smallest to largest N of the run, whatever they are; the user-space plane is not it.
+        let runs = [run("ebpf", 4, 2_000.0, 2_000.0), run("ebpf", 8, 2_500.0, 2_500.0), run("ebpf", 32, 40_000.0, 40_000.0), run("userspace", 2, 0.0, 0.0)];
+        let (met, measured) = check(&runs, FLAT);
+        assert_eq!(met, Some(false), "{measured}");
+        assert!(measured.contains("at N = 4") && measured.contains("at N = 32"), "{measured}");
+        assert_eq!(check(&[run("ebpf", 12, 3_000.0, 3_000.0)], FLAT), (None, "not run (one size: N = 12)".into()));
+        assert_eq!(check(&[], FLAT), (None, "not run".into()));
+    }
 }
