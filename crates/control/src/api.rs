@@ -1,10 +1,11 @@
 //! The HTTP/JSON API (see the README for every endpoint with examples) and the Prometheus
-//! `/metrics` endpoint. Every error is a JSON body `{"error": "...", "code": "..."}` with a
-//! 4xx/5xx status; no input reaches a panic. Every request carries an `x-request-id` (the
+//! `/metrics` endpoint. Every error is a JSON body `{"error": "...", "code": "..."}` with the
+//! status of its code (one of [`ErrorCode`]); no input reaches a panic. Every request carries an `x-request-id` (the
 //! client's, or a new UUID), echoed in the response and logged with method, route, status and
 //! latency.
 
 use crate::config::MediaConfig;
+pub use crate::error_code::ErrorCode;
 use crate::manager::{allocate_local, ManagerError, SessionManager, Ticket};
 use crate::metrics::{Metrics, StatsReading};
 use crate::store::Change;
@@ -31,27 +32,31 @@ pub type AppState = Arc<SessionManager>;
 
 use crate::room_token::{Refused, RoomTokens};
 
+/// An error answer: its code (which decides its status) and what went wrong.
 #[derive(Debug)]
 pub struct ApiError {
-    status: StatusCode,
-    code: &'static str,
+    code: ErrorCode,
     message: String,
     /// Seconds a client should wait before trying again (`Retry-After`), if it should.
     retry_after: Option<u32>,
 }
 
 impl ApiError {
-    pub(crate) fn new(status: StatusCode, code: &'static str, message: impl Into<String>) -> Self {
-        ApiError { status, code, message: message.into(), retry_after: None }
+    pub(crate) fn new(code: ErrorCode, message: impl Into<String>) -> Self {
+        ApiError { code, message: message.into(), retry_after: None }
+    }
+
+    pub fn code(&self) -> ErrorCode {
+        self.code
     }
 }
 
 impl IntoResponse for ApiError {
     fn into_response(self) -> Response {
-        let body = Json(json!({"error": self.message, "code": self.code}));
+        let body = Json(json!({"error": self.message, "code": self.code.as_str()}));
         match self.retry_after {
-            Some(s) => (self.status, [(header::RETRY_AFTER, s.to_string())], body).into_response(),
-            None => (self.status, body).into_response(),
+            Some(s) => (self.code.status(), [(header::RETRY_AFTER, s.to_string())], body).into_response(),
+            None => (self.code.status(), body).into_response(),
         }
     }
 }
@@ -61,28 +66,28 @@ impl From<ManagerError> for ApiError {
         let msg = e.to_string();
         match e {
             ManagerError::Model(m) => match m {
-                ModelError::NotFound { .. } => ApiError::new(StatusCode::NOT_FOUND, "not_found", msg),
-                ModelError::Exists { .. } => ApiError::new(StatusCode::CONFLICT, "exists", msg),
-                ModelError::AddressInUse { .. } | ModelError::IngressInUse { .. } => ApiError::new(StatusCode::CONFLICT, "address_in_use", msg),
+                ModelError::NotFound { .. } => ApiError::new(ErrorCode::NotFound, msg),
+                ModelError::Exists { .. } => ApiError::new(ErrorCode::Exists, msg),
+                ModelError::AddressInUse { .. } | ModelError::IngressInUse { .. } => ApiError::new(ErrorCode::AddressInUse, msg),
                 ModelError::InvalidId(_)
                 | ModelError::BadAddress(_)
                 | ModelError::FamilyMismatch(_)
                 | ModelError::SelfSubscription
-                | ModelError::Invalid(_) => ApiError::new(StatusCode::BAD_REQUEST, "invalid", msg),
-                ModelError::Inconsistent(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", msg),
+                | ModelError::Invalid(_) => ApiError::new(ErrorCode::Invalid, msg),
+                ModelError::Inconsistent(_) => ApiError::new(ErrorCode::Store, msg),
             },
-            ManagerError::Limit { .. } => ApiError::new(StatusCode::FORBIDDEN, "limit", msg),
-            ManagerError::Interface(_) => ApiError::new(StatusCode::BAD_REQUEST, "invalid", msg),
-            ManagerError::NoFreePort { .. } => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "no_free_port", msg),
-            ManagerError::Dataplane(mediaplane_dataplane::DataplaneError::Full(_)) => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "dataplane_full", msg),
-            ManagerError::Dataplane(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "dataplane", msg),
-            ManagerError::Store(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "store", msg),
+            ManagerError::Limit { .. } => ApiError::new(ErrorCode::Limit, msg),
+            ManagerError::Interface(_) => ApiError::new(ErrorCode::Invalid, msg),
+            ManagerError::NoFreePort { .. } => ApiError::new(ErrorCode::NoFreePort, msg),
+            ManagerError::Dataplane(mediaplane_dataplane::DataplaneError::Full(_)) => ApiError::new(ErrorCode::DataplaneFull, msg),
+            ManagerError::Dataplane(_) => ApiError::new(ErrorCode::Dataplane, msg),
+            ManagerError::Store(_) => ApiError::new(ErrorCode::Store, msg),
             // The failing item's status and code, with the item named in the message.
             ManagerError::BatchItem { source, .. } => ApiError { message: msg, ..ApiError::from(*source) },
-            ManagerError::Abandoned => ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "timeout", msg),
-            ManagerError::Internal(_) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", msg),
-            ManagerError::Unsupported(_) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unsupported", msg),
-            ManagerError::NotReady(_) => ApiError { retry_after: Some(1), ..ApiError::new(StatusCode::SERVICE_UNAVAILABLE, "not_ready", msg) },
+            ManagerError::Abandoned => ApiError::new(ErrorCode::Timeout, msg),
+            ManagerError::Internal(_) => ApiError::new(ErrorCode::Internal, msg),
+            ManagerError::Unsupported(_) => ApiError::new(ErrorCode::Unsupported, msg),
+            ManagerError::NotReady(_) => ApiError { retry_after: Some(1), ..ApiError::new(ErrorCode::NotReady, msg) },
         }
     }
 }
@@ -94,9 +99,14 @@ impl From<ModelError> for ApiError {
 }
 
 /// A body axum refused (too large, unreadable, not the expected JSON), as this API's error.
-fn body_rejected(status: StatusCode, text: String) -> ApiError {
-    let code = if status == StatusCode::PAYLOAD_TOO_LARGE { "too_large" } else { "bad_request" };
-    ApiError::new(status, code, text)
+pub(crate) fn body_rejected(status: StatusCode, text: String) -> ApiError {
+    let code = match status {
+        StatusCode::PAYLOAD_TOO_LARGE => ErrorCode::TooLarge,
+        StatusCode::UNSUPPORTED_MEDIA_TYPE => ErrorCode::UnsupportedMediaType,
+        StatusCode::UNPROCESSABLE_ENTITY => ErrorCode::WrongShape,
+        _ => ErrorCode::BadRequest,
+    };
+    ApiError::new(code, text)
 }
 
 /// `Json` whose rejections (bad syntax, wrong types, missing fields, wrong content type) are
@@ -160,15 +170,16 @@ impl Pending {
     /// committing runs to its end, and the 503 waits for it and carries its result.
     async fn timed_out(&self, timeout: std::time::Duration) -> Response {
         let late = |what: &str| format!("request took longer than {timeout:?}; {what}");
+        let code = ErrorCode::Timeout;
         let body = if self.0.ticket.abandon() {
-            json!({"error": late("nothing was applied"), "code": "timeout", "applied": false})
+            json!({"error": late("nothing was applied"), "code": code.as_str(), "applied": false})
         } else {
             match self.wait_answer().await {
-                Ok((_, result)) => json!({"error": late("its change was applied"), "code": "timeout", "applied": true, "result": result}),
-                Err(e) => json!({"error": late(&format!("its change failed and was rolled back: {}", e.message)), "code": "timeout", "applied": false}),
+                Ok((_, result)) => json!({"error": late("its change was applied"), "code": code.as_str(), "applied": true, "result": result}),
+                Err(e) => json!({"error": late(&format!("its change failed and was rolled back: {}", e.message)), "code": code.as_str(), "applied": false}),
             }
         };
-        (StatusCode::SERVICE_UNAVAILABLE, Json(body)).into_response()
+        (code.status(), Json(body)).into_response()
     }
 }
 
@@ -194,16 +205,16 @@ pub(crate) async fn commit_value(
     let joined = tokio::task::spawn_blocking(move || {
         // A panic still answers: a request past its deadline waits for this answer.
         let done = std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| f(&m, &p.0.ticket)));
-        let done = done.unwrap_or_else(|_| Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", "the change failed inside the daemon")));
+        let done = done.unwrap_or_else(|_| Err(ApiError::new(ErrorCode::Internal, "the change failed inside the daemon")));
         let answer = done.and_then(|(status, v)| {
-            let raw = serde_json::value::to_raw_value(&v).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+            let raw = serde_json::value::to_raw_value(&v).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
             Ok((status, raw))
         });
         p.answer(answer);
     })
     .await;
     if let Err(e) = joined {
-        return Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("mutation failed: {e}")));
+        return Err(ApiError::new(ErrorCode::Internal, format!("mutation failed: {e}")));
     }
     pending.wait_answer().await
 }
@@ -222,7 +233,7 @@ impl<S: Send + Sync> FromRequest<S> for JsonBody {
             ct == "application/json" || (ct.starts_with("application/") && ct.ends_with("+json"))
         });
         if !json {
-            return Err(ApiError::new(StatusCode::UNSUPPORTED_MEDIA_TYPE, "bad_request", "Expected request with `Content-Type: application/json`"));
+            return Err(ApiError::new(ErrorCode::UnsupportedMediaType, "Expected request with `Content-Type: application/json`"));
         }
         match axum::body::Bytes::from_request(req, state).await {
             Ok(b) => Ok(JsonBody(b)),
@@ -235,16 +246,17 @@ impl JsonBody {
     /// Parse as `T`: a syntax error is a 400, a well-formed body of the wrong shape a 422, as
     /// [`ApiJson`] answers.
     fn parse<T: serde::de::DeserializeOwned>(&self) -> Result<T, ApiError> {
-        serde_json::from_slice(&self.0).map_err(|e| {
-            use serde_json::error::Category;
-            match e.classify() {
-                Category::Data => {
-                    ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_request", format!("Failed to deserialize the JSON body into the target type: {e}"))
-                }
-                _ => ApiError::new(StatusCode::BAD_REQUEST, "bad_request", format!("Failed to parse the request body as JSON: {e}")),
-            }
-        })
+        parse_json(&self.0)
     }
+}
+
+/// `body` as `T`: a syntax error is a 400 `bad_request`, a well-formed body of the wrong shape a
+/// 422 `wrong_shape`, as [`ApiJson`] answers.
+fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError> {
+    serde_json::from_slice(body).map_err(|e| match e.classify() {
+        serde_json::error::Category::Data => ApiError::new(ErrorCode::WrongShape, format!("Failed to deserialize the JSON body into the target type: {e}")),
+        _ => ApiError::new(ErrorCode::BadRequest, format!("Failed to parse the request body as JSON: {e}")),
+    })
 }
 
 #[derive(Deserialize)]
@@ -282,7 +294,7 @@ impl ParticipantSrtp {
     fn keys(&self) -> Result<mediaplane_core::srtp::LegSrtp, ApiError> {
         use base64::Engine as _;
         use mediaplane_core::srtp::{LegSrtp, SrtpKey, SrtpSuite};
-        let bad = |m: String| ApiError::new(StatusCode::BAD_REQUEST, "invalid", m);
+        let bad = |m: String| ApiError::new(ErrorCode::Invalid, m);
         let suite = std::iter::once(SrtpSuite::AeadAes128Gcm)
             .chain(SrtpSuite::ALL)
             .find(|s| s.name().eq_ignore_ascii_case(&self.suite))
@@ -426,13 +438,14 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         // Declared-too-large bodies are refused before a byte is read; chunked ones when they
-        // cross the limit.
+        // cross the limit. Only POST and PUT read a body (others are answered without it).
         .layer(axum::middleware::from_fn(move |req: Request, next: axum::middleware::Next| async move {
             let declared = req.headers().get(header::CONTENT_LENGTH).and_then(|v| v.to_str().ok()?.parse::<u64>().ok());
             let limit = if req.uri().path() == BATCH_PATH { max_batch_body } else { max_body };
+            let reads_body = req.method() == axum::http::Method::POST || req.method() == axum::http::Method::PUT;
             match declared {
-                Some(n) if n > limit as u64 => {
-                    ApiError::new(StatusCode::PAYLOAD_TOO_LARGE, "too_large", format!("request body of {n} bytes exceeds {limit}")).into_response()
+                Some(n) if n > limit as u64 && reads_body => {
+                    ApiError::new(ErrorCode::TooLarge, format!("request body of {n} bytes exceeds {limit}")).into_response()
                 }
                 _ => next.run(req).await,
             }
@@ -454,9 +467,7 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
             move |req: Request, next: axum::middleware::Next| {
                 let (token, room_tokens) = (token.clone(), room_tokens.clone());
                 async move {
-                    // The page is static and holds no secret: it asks for the token itself.
-                    let page = req.uri().path() == "/" && req.method() == axum::http::Method::GET;
-                    if let Some(expected) = token.filter(|_| !page) {
+                    if let Some(expected) = token.filter(|_| !open_to_all(&req)) {
                         let given = req.headers().get(header::AUTHORIZATION).and_then(|v| v.to_str().ok()).unwrap_or_default();
                         let admin = given.len() == expected.len() && openssl::memcmp::eq(given.as_bytes(), expected.as_bytes());
                         if !admin {
@@ -501,6 +512,16 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .with_state(state)
 }
 
+/// What answers without a token: the room page (static, no secret: it asks for the token
+/// itself), `/health` (liveness probes of service managers, load balancers and orchestrators
+/// carry no credentials; it tells counts, nothing of the sessions) and `/openapi.json` (the
+/// API's shape, the same for every daemon). By GET or HEAD; every other request needs the token.
+pub const OPEN_PATHS: [&str; 3] = ["/", "/health", "/openapi.json"];
+
+fn open_to_all(req: &Request) -> bool {
+    (req.method() == axum::http::Method::GET || req.method() == axum::http::Method::HEAD) && OPEN_PATHS.contains(&req.uri().path())
+}
+
 /// The OpenAPI 3 description of this router (`crates/control/openapi.json`; the test
 /// `crates/mediaplane/tests/openapi.rs` checks it against the real routes).
 pub const OPENAPI: &str = include_str!("../openapi.json");
@@ -510,11 +531,11 @@ async fn openapi() -> Response {
 }
 
 async fn not_found() -> ApiError {
-    ApiError::new(StatusCode::NOT_FOUND, "not_found", "no such endpoint; see the README for the API")
+    ApiError::new(ErrorCode::NotFound, "no such endpoint; see the README for the API")
 }
 
 async fn method_not_allowed() -> ApiError {
-    ApiError::new(StatusCode::METHOD_NOT_ALLOWED, "method_not_allowed", "method not allowed on this endpoint")
+    ApiError::new(ErrorCode::MethodNotAllowed, "method not allowed on this endpoint")
 }
 
 async fn health(State(m): State<AppState>) -> ApiResult {
@@ -590,16 +611,14 @@ async fn add_participant(
 /// A room token's request: through when the token is valid and reaches it (see
 /// [`crate::room_token::reaches`]), else why not (401, or 403 beyond its room's joining).
 fn room_token_allows(tokens: &RoomTokens, authorization: &str, req: &Request) -> Result<(), ApiError> {
-    let unauthorized = |m: &str| ApiError::new(StatusCode::UNAUTHORIZED, "unauthorized", m);
+    let unauthorized = |m: &str| ApiError::new(ErrorCode::Unauthorized, m);
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
     let presented = authorization.strip_prefix("Bearer ").unwrap_or_default();
     match tokens.verify(presented, now) {
         Ok(room) if crate::room_token::reaches(room, req.method(), req.uri().path()) => Ok(()),
-        Ok(room) => Err(ApiError::new(
-            StatusCode::FORBIDDEN,
-            "forbidden",
-            format!("a room token for {room:?} reaches only WHIP and WHEP into that room, reading it and leaving it"),
-        )),
+        Ok(room) => {
+            Err(ApiError::new(ErrorCode::Forbidden, format!("a room token for {room:?} reaches only WHIP and WHEP into that room, reading it and leaving it")))
+        }
         Err(Refused::Expired) => Err(unauthorized("the room token has expired")),
         Err(Refused::Malformed | Refused::BadSignature) => Err(unauthorized("missing or wrong bearer token")),
     }
@@ -618,14 +637,14 @@ async fn issue_room_token(Extension(tokens): Extension<RoomTokens>, Path(room): 
     // The body is optional: none asks for the default lifetime.
     let req: IssueRoomToken = match body.is_empty() {
         true => IssueRoomToken::default(),
-        false => serde_json::from_slice(&body).map_err(|e| ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "bad_request", format!("request body: {e}")))?,
+        false => parse_json(&body)?,
     };
     let ttl = req.ttl_s.unwrap_or(crate::room_token::DEFAULT_TTL_S);
     if !(1..=crate::room_token::MAX_TTL_S).contains(&ttl) {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("ttl_s must be 1 to {}", crate::room_token::MAX_TTL_S)));
+        return Err(ApiError::new(ErrorCode::Invalid, format!("ttl_s must be 1 to {}", crate::room_token::MAX_TTL_S)));
     }
     if room.is_empty() || room.len() > 64 || !room.bytes().all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.') {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("invalid room id {room:?}: use 1-64 characters of [A-Za-z0-9_.-]")));
+        return Err(ApiError::new(ErrorCode::Invalid, format!("invalid room id {room:?}: use 1-64 characters of [A-Za-z0-9_.-]")));
     }
     let expires = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs()) + ttl;
     Ok((StatusCode::CREATED, Json(json!({"room": room, "token": tokens.issue(&room, expires), "expires": expires}))).into_response())
@@ -659,17 +678,16 @@ async fn publish(
     ApiJson(req): ApiJson<Publish>,
 ) -> Result<Response, ApiError> {
     if req.clock_rate.is_some_and(|c| !(1..=1_000_000).contains(&c)) {
-        return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", "clock_rate must be 1 to 1000000 Hz"));
+        return Err(ApiError::new(ErrorCode::Invalid, "clock_rate must be 1 to 1000000 Hz"));
     }
     if let Some(f) = &req.format {
-        crate::whip::check_format(f).map_err(|e| ApiError::new(StatusCode::BAD_REQUEST, "invalid", e))?;
+        crate::whip::check_format(f).map_err(|e| ApiError::new(ErrorCode::Invalid, e))?;
     }
     let codec = match req.codec.as_deref() {
         None => None,
-        Some(c) => Some(
-            mediaplane_core::simulcast::Codec::parse(c)
-                .ok_or_else(|| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("codec {c:?} is not one of vp8, h264")))?,
-        ),
+        Some(c) => {
+            Some(mediaplane_core::simulcast::Codec::parse(c).ok_or_else(|| ApiError::new(ErrorCode::Invalid, format!("codec {c:?} is not one of vp8, h264")))?)
+        }
     };
     let spec = StreamSpec { local: req.local, ssrc: req.ssrc, rtp: req.rtp, clock_rate: req.clock_rate, layers: req.layers, codec, format: req.format.clone() };
     commit(m, p, move |m, t| {
@@ -742,16 +760,16 @@ async fn list_consumers(State(m): State<AppState>, Path(room): Path<String>) -> 
 }
 
 async fn get_consumer(State(m): State<AppState>, Path((room, id)): Path<(String, String)>) -> ApiResult {
-    let id: u32 = id.parse().map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("consumer id {id:?} is not a number")))?;
+    let id: u32 = id.parse().map_err(|_| ApiError::new(ErrorCode::Invalid, format!("consumer id {id:?} is not a number")))?;
     m.read(|model, _| model.room(&room).map(|_| ()))?;
     let m2 = m.clone();
     let room2 = room.clone();
     let found = tokio::task::spawn_blocking(move || m2.read(|model, _| crate::consumers::one(model, &room2, id, &**m2.dataplane())))
         .await
-        .map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("read failed: {e}")))?;
+        .map_err(|e| ApiError::new(ErrorCode::Internal, format!("read failed: {e}")))?;
     match found {
         Some(c) => ok(serde_json::to_value(c).unwrap()),
-        None => Err(ApiError::new(StatusCode::NOT_FOUND, "not_found", format!("consumer {id} not found in room {room}"))),
+        None => Err(ApiError::new(ErrorCode::NotFound, format!("consumer {id} not found in room {room}"))),
     }
 }
 
@@ -763,7 +781,7 @@ async fn set_consumer_layers(
     Path((room, id)): Path<(String, String)>,
     ApiJson(req): ApiJson<ConsumerLayers>,
 ) -> Result<Response, ApiError> {
-    let id: u32 = id.parse().map_err(|_| ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("consumer id {id:?} is not a number")))?;
+    let id: u32 = id.parse().map_err(|_| ApiError::new(ErrorCode::Invalid, format!("consumer id {id:?} is not a number")))?;
     commit(m, p, move |m, t| {
         let c = m.mutate_for(t, |model, _| {
             Ok((model.set_consumer_layers(&room, id, req.preferred, req.max, req.auto, req.temporal)?, vec![Change::Room(room.clone())]))
@@ -809,7 +827,7 @@ async fn relay_batch(State(m): State<AppState>, Extension(p): Extension<Pending>
         let req: RelayBatch = body.parse()?;
         let n = req.delete.len() + req.create.len();
         if n == 0 || n > MAX_BATCH {
-            return Err(ApiError::new(StatusCode::BAD_REQUEST, "invalid", format!("a batch holds 1 to {MAX_BATCH} operations, this one {n}")));
+            return Err(ApiError::new(ErrorCode::Invalid, format!("a batch holds 1 to {MAX_BATCH} operations, this one {n}")));
         }
         let item = |op: &str, i: usize, id: &str, e: ManagerError| ManagerError::BatchItem { item: format!("{op}[{i}] (id {id:?})"), source: Box::new(e) };
         // A big batch gives up as soon as its request has (the writer is free sooner).
@@ -908,8 +926,8 @@ struct StreamStatsOut<'a> {
 async fn read_blocking(f: impl FnOnce() -> Value + Send + 'static) -> Result<Response, ApiError> {
     match tokio::task::spawn_blocking(move || serde_json::to_vec(&f())).await {
         Ok(Ok(body)) => Ok(([(header::CONTENT_TYPE, "application/json")], body).into_response()),
-        Ok(Err(e)) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("serializing failed: {e}"))),
-        Err(e) => Err(ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", format!("read failed: {e}"))),
+        Ok(Err(e)) => Err(ApiError::new(ErrorCode::Internal, format!("serializing failed: {e}"))),
+        Err(e) => Err(ApiError::new(ErrorCode::Internal, format!("read failed: {e}"))),
     }
 }
 
@@ -965,7 +983,7 @@ async fn metrics_text(Extension(mx): Extension<Arc<Metrics>>, headers: HeaderMap
     let ctype = if openmetrics { "application/openmetrics-text; version=1.0.0; charset=utf-8" } else { "text/plain; version=0.0.4; charset=utf-8" };
     match body {
         Ok(body) => ([(header::CONTENT_TYPE, ctype)], body).into_response(),
-        Err(e) => ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "metrics", format!("collecting metrics failed: {e}")).into_response(),
+        Err(e) => ApiError::new(ErrorCode::Metrics, format!("collecting metrics failed: {e}")).into_response(),
     }
 }
 
@@ -977,9 +995,9 @@ mod tests {
     #[test]
     fn a_full_kernel_map_is_a_503_with_its_own_code_other_data_plane_errors_a_500() {
         let full: ApiError = ManagerError::Dataplane(DataplaneError::Full("kernel stats map full (4 streams)".into())).into();
-        assert_eq!((full.status, full.code), (StatusCode::SERVICE_UNAVAILABLE, "dataplane_full"));
+        assert_eq!((full.code.status(), full.code.as_str()), (StatusCode::SERVICE_UNAVAILABLE, "dataplane_full"));
         assert!(full.message.contains("kernel stats map full"), "{}", full.message);
         let other: ApiError = ManagerError::Dataplane(DataplaneError::Other("boom".into())).into();
-        assert_eq!((other.status, other.code), (StatusCode::INTERNAL_SERVER_ERROR, "dataplane"));
+        assert_eq!((other.code.status(), other.code.as_str()), (StatusCode::INTERNAL_SERVER_ERROR, "dataplane"));
     }
 }

@@ -6,6 +6,7 @@ pub mod api;
 pub mod config;
 pub mod consumers;
 pub mod crypto_legs;
+pub mod error_code;
 pub mod manager;
 pub mod metrics;
 pub mod room_token;

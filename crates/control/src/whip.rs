@@ -27,12 +27,12 @@
 //! Both take `?participant=<id>` to name the participant (one is made up otherwise). The
 //! handshake starts when the client's first ICE check arrives (`crate::crypto_legs`).
 
-use crate::api::{commit_value, ApiError, AppState, Pending};
+use crate::api::{body_rejected, commit_value, ApiError, AppState, ErrorCode, Pending};
 use crate::crypto_legs::CryptoLegSpec;
 use crate::manager::{allocate_local, ManagerError, SessionManager, Ticket};
 use crate::store::Change;
-use axum::extract::{Path, Query, State};
-use axum::http::{header, HeaderMap, StatusCode};
+use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
+use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
 use mediaplane_core::model::{Model, PayloadFormat, PendingSimulcast, StreamIdExtensions, StreamRef, StreamSpec, SIMULCAST_LEARNING_MS};
@@ -50,6 +50,37 @@ use std::net::SocketAddr;
 #[serde(deny_unknown_fields)]
 pub(crate) struct Naming {
     participant: Option<String>,
+}
+
+/// The query string, refused as this API's errors are (`invalid`: an unknown parameter).
+impl<S: Send + Sync> FromRequestParts<S> for Naming {
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
+        match Query::<Naming>::from_request_parts(parts, state).await {
+            Ok(Query(n)) => Ok(n),
+            Err(rej) => Err(ApiError::new(ErrorCode::Invalid, rej.body_text())),
+        }
+    }
+}
+
+/// The body of a WHIP or WHEP request: an SDP offer, sent as `application/sdp` (RFC 9725 §4.2).
+/// Refused as this API's errors are: another type is `unsupported_media_type`, a body too large
+/// `too_large`, one that is not UTF-8 `invalid_sdp`.
+pub(crate) struct SdpBody(String);
+
+impl<S: Send + Sync> FromRequest<S> for SdpBody {
+    type Rejection = ApiError;
+
+    async fn from_request(req: Request, state: &S) -> Result<Self, ApiError> {
+        let ctype = req.headers().get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
+        if !ctype.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/sdp") {
+            return Err(ApiError::new(ErrorCode::UnsupportedMediaType, format!("an SDP offer is sent as application/sdp, not {ctype:?}")));
+        }
+        let bytes = axum::body::Bytes::from_request(req, state).await.map_err(|rej| body_rejected(rej.status(), rej.body_text()))?;
+        let text = String::from_utf8(bytes.into()).map_err(|_| ApiError::new(ErrorCode::InvalidSdp, "not an SDP offer: the body is not UTF-8"))?;
+        Ok(SdpBody(text))
+    }
 }
 
 /// A payload format the API may store for a stream: what an SDP answer can carry.
@@ -75,14 +106,14 @@ pub fn check_format(f: &PayloadFormat) -> Result<(), String> {
 
 fn sdp_error(e: SdpError) -> ApiError {
     match e {
-        SdpError::Unsupported(_) => ApiError::new(StatusCode::UNPROCESSABLE_ENTITY, "unsupported_sdp", e.to_string()),
-        _ => ApiError::new(StatusCode::BAD_REQUEST, "invalid_sdp", e.to_string()),
+        SdpError::Unsupported(_) => ApiError::new(ErrorCode::UnsupportedSdp, e.to_string()),
+        _ => ApiError::new(ErrorCode::InvalidSdp, e.to_string()),
     }
 }
 
-/// What a WHIP or WHEP request asks, checked before anything changes: the offer in its body
-/// (which must be `application/sdp`, RFC 9725 §4.2), the SFU's DTLS role answering it, the
-/// participant's name, and the SFU's fresh ICE credentials for it.
+/// What a WHIP or WHEP request asks, checked before anything changes: the offer in its body,
+/// the SFU's DTLS role answering it, the participant's name, and the SFU's fresh ICE
+/// credentials for it.
 struct Session {
     offer: Offer,
     role: Role,
@@ -91,15 +122,7 @@ struct Session {
     ice: Credentials,
 }
 
-fn session_of(headers: &HeaderMap, body: &str, naming: Naming, prefix: &str) -> Result<Session, ApiError> {
-    let ctype = headers.get(header::CONTENT_TYPE).and_then(|v| v.to_str().ok()).unwrap_or("");
-    if !ctype.split(';').next().unwrap_or("").trim().eq_ignore_ascii_case("application/sdp") {
-        return Err(ApiError::new(
-            StatusCode::UNSUPPORTED_MEDIA_TYPE,
-            "unsupported_media_type",
-            format!("an SDP offer is sent as application/sdp, not {ctype:?}"),
-        ));
-    }
+fn session_of(body: &str, naming: Naming, prefix: &str) -> Result<Session, ApiError> {
     let offer = Offer::parse(body).map_err(sdp_error)?;
     let (role, setup) = offer.answer_role().map_err(sdp_error)?;
     let pid = naming.participant.unwrap_or_else(|| made_up(prefix));
@@ -146,7 +169,7 @@ async fn respond(
     f: impl FnOnce(&SessionManager, &Ticket) -> Result<(StatusCode, serde_json::Value), ApiError> + Send + 'static,
 ) -> Result<Response, ApiError> {
     let (status, raw) = commit_value(m, p, f).await?;
-    let v: serde_json::Value = serde_json::from_str(raw.get()).map_err(|e| ApiError::new(StatusCode::INTERNAL_SERVER_ERROR, "internal", e.to_string()))?;
+    let v: serde_json::Value = serde_json::from_str(raw.get()).map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))?;
     let (sdp, location) = (v["sdp"].as_str().unwrap_or_default().to_string(), v["location"].as_str().unwrap_or_default().to_string());
     Ok((status, [(header::CONTENT_TYPE, "application/sdp".to_string()), (header::LOCATION, location)], sdp).into_response())
 }
@@ -155,11 +178,10 @@ pub(crate) async fn whip(
     State(m): State<AppState>,
     Extension(p): Extension<Pending>,
     Path(room): Path<String>,
-    Query(naming): Query<Naming>,
-    headers: HeaderMap,
-    body: String,
+    naming: Naming,
+    SdpBody(body): SdpBody,
 ) -> Result<Response, ApiError> {
-    let session = session_of(&headers, &body, naming, "whip")?;
+    let session = session_of(&body, naming, "whip")?;
     respond(m, p, move |m, ticket| {
         let (offer, pid) = (&session.offer, &session.pid);
         let made = m.mutate_for(ticket, |model, media| {
@@ -306,11 +328,10 @@ pub(crate) async fn whep(
     State(m): State<AppState>,
     Extension(p): Extension<Pending>,
     Path((room, publisher)): Path<(String, String)>,
-    Query(naming): Query<Naming>,
-    headers: HeaderMap,
-    body: String,
+    naming: Naming,
+    SdpBody(body): SdpBody,
 ) -> Result<Response, ApiError> {
-    let session = session_of(&headers, &body, naming, "whep")?;
+    let session = session_of(&body, naming, "whep")?;
     respond(m, p, move |m, ticket| {
         let (offer, pid) = (&session.offer, &session.pid);
         let made = m.mutate_for(ticket, |model, media| {
@@ -338,7 +359,7 @@ pub(crate) async fn whep(
                 });
                 let Some((i, section)) = open else { continue };
                 let Some(f) = section.formats.iter().find(|f| f.pt == format.pt && f.same_encoding(&format.rtpmap)) else {
-                    mismatch.push(format!("{name} is {} on payload type {}", format.rtpmap, format.pt));
+                    mismatch.push(format!("{name} ({} on payload type {})", format.rtpmap, format.pt));
                     continue;
                 };
                 model.subscribe(&room, pid, StreamRef { publisher: publisher.clone(), stream: name.clone() })?;
@@ -348,7 +369,7 @@ pub(crate) async fn whep(
             if answered.iter().all(|a| a.format.is_none()) {
                 let why = match mismatch.is_empty() {
                     true => format!("{publisher} publishes nothing this offer can receive"),
-                    false => format!("the offer cannot receive {}: the SFU forwards payloads as they are", mismatch.join(", ")),
+                    false => format!("the offer cannot receive {}: the SFU forwards payloads as they are, without renumbering", mismatch.join(", ")),
                 };
                 return Err(unsupported(why));
             }

@@ -26,6 +26,18 @@ pub enum SdpError {
     Unsupported(String),
 }
 
+/// Why an `a=fingerprint` the SFU cannot check refuses the offer: one of a hash function
+/// RFC 8122 names but the SFU does not compute (`md5`, `md2`, `sha-224`) is a valid offer it
+/// cannot take; anything else (no hash function, bytes that are not hex or not its length) is
+/// not a fingerprint, malformed as a missing one is missing.
+fn fingerprint_refused(value: &str) -> SdpError {
+    let hash = value.trim().split_once(' ').map(|(h, _)| h.to_ascii_lowercase());
+    match hash.as_deref() {
+        Some(h @ ("md5" | "md2" | "sha-224")) => SdpError::Unsupported(format!("a=fingerprint in {h}: the SFU checks sha-1, sha-256, sha-384 or sha-512")),
+        _ => SdpError::Malformed(format!("a=fingerprint {value:?} is not <hash function> <its bytes in hex>")),
+    }
+}
+
 /// `audio` or `video` (other media sections are answered rejected).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Kind {
@@ -209,8 +221,8 @@ impl Offer {
             ufrag: find("ice-ufrag").ok_or(SdpError::Missing("a=ice-ufrag"))?.to_string(),
             pwd: find("ice-pwd").ok_or(SdpError::Missing("a=ice-pwd"))?.to_string(),
         };
-        let fingerprint =
-            Fingerprint::parse(find("fingerprint").ok_or(SdpError::Missing("a=fingerprint"))?).map_err(|e| SdpError::Unsupported(e.to_string()))?;
+        let fingerprint = find("fingerprint").ok_or(SdpError::Missing("a=fingerprint"))?;
+        let fingerprint = Fingerprint::parse(fingerprint).map_err(|_| fingerprint_refused(fingerprint))?;
         let setup = find("setup").unwrap_or("actpass").to_string();
         let mut media = Vec::new();
         if sections.len() > 64 {
@@ -573,7 +585,14 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         let no_mux = CHROME_OFFER.replace("a=rtcp-mux\r\n", "");
         assert!(matches!(Offer::parse(&no_mux), Err(SdpError::Unsupported(m)) if m.contains("rtcp-mux")));
         let bad_fp = CHROME_OFFER.replace("sha-256 0F:74", "md5 0F:74");
-        assert!(matches!(Offer::parse(&bad_fp), Err(SdpError::Unsupported(_))));
+        assert!(matches!(Offer::parse(&bad_fp), Err(SdpError::Unsupported(m)) if m.contains("md5")));
+        // A fingerprint that is not one is malformed, as a missing one is missing (400, not 422).
+        for garbage in ["sha-256 0F:74:31", "sha-256 ZZ:74", "nonsense", "sha-257 0F:74"] {
+            let bad = CHROME_OFFER.replace("sha-256 0F:74:31:25:CB:A2:13:EC:28:6F:6D:2C:61:FF:5D:C2:BC:B9:DB:3D:98:14:8D:1A:BB:EA:33:0C:A4:60:A8:8E", garbage);
+            assert!(matches!(Offer::parse(&bad), Err(SdpError::Malformed(m)) if m.contains("fingerprint")), "{garbage}");
+        }
+        let no_fp = CHROME_OFFER.lines().filter(|l| !l.starts_with("a=fingerprint")).map(|l| format!("{l}\r\n")).collect::<String>();
+        assert_eq!(Offer::parse(&no_fp), Err(SdpError::Missing("a=fingerprint")));
         // Nothing the answer would echo may break its lines.
         let injected = CHROME_OFFER.replace("a=mid:1", "a=mid:1\ra=evil");
         assert!(matches!(Offer::parse(&injected), Err(SdpError::Malformed(_))));
