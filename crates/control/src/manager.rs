@@ -535,4 +535,52 @@ mod tests {
         assert!(matches!(add("b", 40012), Err(ManagerError::Limit { what: "participants per room", max: 1 })));
         assert_eq!(mgr.read(|m, _| m.rooms["r"].participants.len()), 1, "nothing changed");
     }
+
+    /// A browser's simulcast section still learning its layers counts against
+    /// `max_streams_per_participant` from the offer on: an offer or a publish beyond the limit
+    /// is refused then, so the stream the section becomes once heard is refused by nothing (had
+    /// it been let in, every learning mutation would fail on the limit, all rooms' with it).
+    #[test]
+    fn a_pending_simulcast_section_counts_against_the_stream_limit() {
+        use mediaplane_core::model::{PendingSimulcast, StreamIdExtensions, StreamSpec};
+        let dp: Arc<dyn Dataplane> = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap());
+        let limits = Limits { max_streams_per_participant: 2, ..Default::default() };
+        let mgr = SessionManager::open(Store::in_memory().unwrap(), dp, media(), limits).unwrap();
+        let ids = StreamIdExtensions { rid: 10, mid: Some(9) };
+        let section = |name: &str, mid: &str| PendingSimulcast {
+            name: name.into(),
+            mid: mid.into(),
+            rids: vec!["q".into(), "h".into()],
+            ssrcs: vec![None; 2],
+            spec: StreamSpec { clock_rate: Some(90000), codec: Some(mediaplane_core::simulcast::Codec::Vp8), ..Default::default() },
+            heard_at_ms: None,
+            offered_at_ms: unix_ms(),
+        };
+        let uid = mgr
+            .mutate(|m, _| {
+                m.create_room("r")?;
+                let uid = m.add_webrtc_participant("r", "w", "127.78.0.1:40020".parse().unwrap())?;
+                m.publish("r", "w", "cam", StreamSpec { ssrc: Some(7), ..Default::default() })?;
+                Ok((uid, vec![Change::Room("r".into())]))
+            })
+            .unwrap();
+        let pend = |name: &str, mid: &str| {
+            let s = section(name, mid);
+            mgr.mutate(move |m, _| Ok((m.add_pending_simulcast("r", "w", ids, s)?, vec![Change::Room("r".into())])))
+        };
+        // One stream and one section learning: 2, at the limit.
+        pend("video", "1").unwrap();
+        // A second section, or a stream published through the API meanwhile, would make 3.
+        assert!(matches!(pend("video-2", "2"), Err(ManagerError::Limit { what: "streams per participant", max: 2 })));
+        let publish = mgr.mutate(|m, _| Ok((m.publish("r", "w", "mic", StreamSpec { ssrc: Some(8), ..Default::default() })?, vec![Change::Room("r".into())])));
+        assert!(matches!(publish, Err(ManagerError::Limit { what: "streams per participant", max: 2 })), "{publish:?}");
+        // Its layers heard: it becomes a stream, within the limit.
+        mgr.on_stream_id(uid, 100, Some("1"), "q");
+        mgr.on_stream_id(uid, 101, Some("1"), "h");
+        let (pending, video) = mgr.read(|m, _| {
+            let w = m.participant("r", "w").unwrap();
+            (w.webrtc.as_ref().unwrap().pending.len(), w.streams.get("video").map(|s| s.layers.iter().map(|l| l.ssrc).collect::<Vec<_>>()))
+        });
+        assert_eq!((pending, video), (0, Some(vec![100, 101])), "published with both layers");
+    }
 }
