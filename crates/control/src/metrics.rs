@@ -332,7 +332,13 @@ pub const RECEIVED_PACKETS: CounterFamily = fam("mediaplane_received_packets", "
 pub const RECEIVED_BYTES: CounterFamily = fam("mediaplane_received_bytes", "UDP payload bytes received on SFU addresses", None);
 pub const SENT_PACKETS: CounterFamily = fam("mediaplane_sent_packets", "Copies sent", None);
 pub const SENT_BYTES: CounterFamily = fam("mediaplane_sent_bytes", "UDP payload bytes of the copies sent", None);
-pub const SEND_ERRORS: CounterFamily = fam("mediaplane_send_errors", "Copies that could not be sent (socket error, no route or neighbour)", None);
+pub const SEND_ERRORS: CounterFamily =
+    fam("mediaplane_send_errors", "Copies that could not be sent (socket error, no route or neighbour, SRTP protect failed)", None);
+pub const UNKEYED_COPIES: CounterFamily = fam(
+    "mediaplane_unkeyed_copies",
+    "Copies not made because their subscriber speaks SRTP but has no key yet (its DTLS handshake not done): expected at every join, not send errors",
+    None,
+);
 pub const DROPPED: CounterFamily = fam("mediaplane_dropped_packets", "Packets dropped, by reason", Some("reason"));
 pub const SLOW_PATH: CounterFamily = fam("mediaplane_slow_path_packets", "Packets the slow path handled, by reason", Some("reason"));
 pub const KERNEL_FORWARDED: CounterFamily = fam("mediaplane_kernel_forwarded_packets", "Packets the kernel fast path forwarded entirely", None);
@@ -381,6 +387,7 @@ pub fn counter_family(field: &str) -> Option<(CounterFamily, Option<&str>)> {
         "tx_copies" => (SENT_PACKETS, None),
         "tx_bytes" => (SENT_BYTES, None),
         "tx_errors" => (SEND_ERRORS, None),
+        "tx_unkeyed" => (UNKEYED_COPIES, None),
         f => {
             if let Some(r) = f.strip_prefix("drop_") {
                 (DROPPED, Some(r))
@@ -608,6 +615,7 @@ fn stream_family(f: CounterFamily) -> CounterFamily {
         "mediaplane_sent_packets" => "mediaplane_stream_sent_packets",
         "mediaplane_sent_bytes" => "mediaplane_stream_sent_bytes",
         "mediaplane_send_errors" => "mediaplane_stream_send_errors",
+        "mediaplane_unkeyed_copies" => "mediaplane_stream_unkeyed_copies",
         "mediaplane_dropped_packets" => "mediaplane_stream_dropped_packets",
         "mediaplane_slow_path_packets" => "mediaplane_stream_slow_path_packets",
         "mediaplane_feedback_messages" => "mediaplane_stream_feedback_messages",

@@ -151,6 +151,10 @@ pub enum Effect<'p> {
     Send { from: SocketAddr, to: SocketAddr, packet: Cow<'p, [u8]>, copy: Option<CopyOf> },
     /// A copy that could not be made (SRTP protect failed): counted as not sent.
     CopyFailed { copy: CopyOf },
+    /// A copy for a subscriber that speaks SRTP but has no key yet (a browser before its DTLS
+    /// handshake is done, an SDES leg before the answer): not made, and counted apart from the
+    /// copies that failed (every browser's join makes some, which are no send errors).
+    CopyUnkeyed { copy: CopyOf },
 }
 
 /// The pipeline of one worker: its own state (the streams' rate limits), the rest in the
@@ -348,8 +352,12 @@ fn stream_ids(ids: crate::model::StreamIdExtensions, header: &RtpHeader, packet:
     Some((ids.mid.and_then(text), text(ids.rid)?))
 }
 
-/// One copy to `c`: sent protected as `c` wants it, or counted as failed if it cannot be.
+/// One copy to `c`: sent protected as `c` wants it, or counted as failed if it cannot be (as
+/// not keyed, without asking the plane, when `c` has no key yet).
 fn copy_effect<'p>(plane: &mut dyn Plane, c: &crate::table::Copy, copy: CopyOf, packet: Cow<'p, [u8]>) -> Effect<'p> {
+    if c.outbound == Protection::Srtp(None) {
+        return Effect::CopyUnkeyed { copy };
+    }
     match protected(plane, c.from, &c.outbound, packet) {
         Some(packet) => Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy) },
         None => Effect::CopyFailed { copy },
@@ -514,6 +522,7 @@ mod tests {
                 Effect::StreamId { ssrc, mid, rid, .. } => format!("stream id {ssrc} {mid:?} {rid}"),
                 Effect::Send { to, packet, copy, .. } => format!("send {to} {} {}", packet.len(), copy.map_or(0, |c| c.consumer)),
                 Effect::CopyFailed { copy } => format!("copy failed {}", copy.consumer),
+                Effect::CopyUnkeyed { copy } => format!("copy unkeyed {}", copy.consumer),
             })
             .collect()
     }
@@ -623,6 +632,25 @@ mod tests {
         plane.protect_fails = true;
         let got = run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &build_rtp(0, 8, 160, 9, &[1; 20]), 1);
         assert_eq!(got[3..], [format!("send 10.0.1.2:5000 33 {}", c[0]), format!("copy failed {}", c[1])]);
+    }
+
+    /// A copy to a subscriber that speaks SRTP but has no key yet (a browser whose DTLS is not
+    /// done) is not made and is told apart from a copy that failed; the plane is not asked to
+    /// protect it. Plain copies and layer copies alike.
+    #[test]
+    fn copies_to_a_subscriber_not_keyed_yet_are_told_apart_from_failures() {
+        let mut t = room();
+        main_entry(&mut t).copies[1].outbound = Protection::Srtp(None);
+        let c = consumers(&t);
+        let mut plane = FakePlane::default();
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &build_rtp(0, 7, 160, 9, &[1; 20]), 1);
+        assert_eq!(got[3..], [format!("send 10.0.1.2:5000 32 {}", c[0]), format!("copy unkeyed {}", c[1])]);
+        assert!(plane.asked.is_empty(), "{:?}", plane.asked);
+        let e = main_entry(&mut t);
+        e.simulcast = Some(SimulcastLayer { group: e.id, index: 0, layers: vec![(e.id, 9)], codec: Default::default() });
+        let got = run(&mut Pipeline::new(), &t, &mut plane, P0_LOCAL, P0, &build_rtp(0, 8, 160, 9, &[1; 20]), 1);
+        assert_eq!(got[3..], [format!("send 10.0.1.2:5000 33 {}", c[0]), format!("copy unkeyed {}", c[1])]);
+        assert_eq!(plane.asked, ["layer fan-out"]);
     }
 
     #[test]

@@ -124,8 +124,13 @@ pub struct Counters {
     /// Copies sent and their UDP payload bytes.
     pub tx_copies: u64,
     pub tx_bytes: u64,
-    /// Copies that could not be sent (socket error, no route or neighbour).
+    /// Copies that could not be sent (socket error, no route or neighbour, SRTP protect failed).
     pub tx_errors: u64,
+    /// Copies not made because their subscriber speaks SRTP but has no key yet (a browser before
+    /// its DTLS handshake is done, an SDES leg before the answer): expected at every join, so
+    /// not among `tx_errors`.
+    #[serde(default)]
+    pub tx_unkeyed: u64,
     pub drop_no_stream: u64,
     pub drop_stranger: u64,
     pub drop_malformed: u64,
@@ -185,6 +190,7 @@ impl Counters {
         self.tx_copies += o.tx_copies;
         self.tx_bytes += o.tx_bytes;
         self.tx_errors += o.tx_errors;
+        self.tx_unkeyed += o.tx_unkeyed;
         self.drop_no_stream += o.drop_no_stream;
         self.drop_stranger += o.drop_stranger;
         self.drop_malformed += o.drop_malformed;
@@ -241,13 +247,14 @@ impl Counters {
     }
 
     /// (name, value) pairs of the counters (not [`Counters::last_rx_ns`]), for metrics exposition.
-    pub fn fields(&self) -> [(&'static str, u64); 19] {
+    pub fn fields(&self) -> [(&'static str, u64); 20] {
         [
             ("rx_packets", self.rx_packets),
             ("rx_bytes", self.rx_bytes),
             ("tx_copies", self.tx_copies),
             ("tx_bytes", self.tx_bytes),
             ("tx_errors", self.tx_errors),
+            ("tx_unkeyed", self.tx_unkeyed),
             ("drop_no_stream", self.drop_no_stream),
             ("drop_stranger", self.drop_stranger),
             ("drop_malformed", self.drop_malformed),

@@ -217,6 +217,12 @@ impl WorkerCounters {
         }
     }
 
+    /// A copy of stream `stream` was not made: its subscriber has no SRTP key yet (not an error).
+    fn count_unkeyed(&mut self, stream: u32) {
+        self.streams.entry(stream).or_default().tx_unkeyed += 1;
+        self.total.tx_unkeyed += 1;
+    }
+
     /// A copy of stream `stream` for `consumer` (0: none, a relay leg's copy) went out, or not.
     fn count_copy(&mut self, stream: u32, consumer: u32, bytes: usize, sent: bool) {
         let sc = self.streams.entry(stream).or_default();
@@ -1490,6 +1496,7 @@ impl WorkerCtx {
                     Effect::Record { stream, label, packet } => crate::record::tap(stream, &label, src, local, &packet),
                     Effect::Send { from, to, packet, copy } => self.send_from(&state, from, to, packet, copy, &mut out, &mut delta),
                     Effect::CopyFailed { copy } => delta.count_copy(copy.stream, copy.consumer, 0, false),
+                    Effect::CopyUnkeyed { copy } => delta.count_unkeyed(copy.stream),
                 }
             }
         }
@@ -1549,5 +1556,70 @@ impl WorkerCtx {
         for (id, cc) in delta.consumers {
             c.consumers.entry(id).or_default().add(&cc);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use mediaplane_core::model::{StreamRef, StreamSpec};
+    use mediaplane_core::rtp::build_rtp;
+    use mediaplane_core::Model;
+    use std::net::UdpSocket;
+    use std::time::Duration;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    /// Datagrams `sock` receives until `quiet` passes without one (bounded: 5 s).
+    fn received(sock: &UdpSocket, quiet: Duration) -> Vec<Vec<u8>> {
+        sock.set_read_timeout(Some(quiet)).unwrap();
+        let (mut got, mut buf) = (Vec::new(), [0u8; 2048]);
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while std::time::Instant::now() < deadline {
+            match sock.recv(&mut buf) {
+                Ok(n) => got.push(buf[..n].to_vec()),
+                Err(_) => break,
+            }
+        }
+        got
+    }
+
+    /// Copies for a subscriber that speaks SRTP but is not keyed yet (a browser nominated by ICE,
+    /// its DTLS not done) are not sent and are counted `tx_unkeyed`, per stream and in total,
+    /// not `tx_errors` (which a send-error alert reads), nor the consumer's.
+    #[test]
+    fn copies_to_a_subscriber_not_keyed_yet_are_no_send_errors() {
+        let publisher = UdpSocket::bind("127.79.2.10:5000").unwrap();
+        let (browser, plain) = (UdpSocket::bind("127.79.2.11:5000").unwrap(), UdpSocket::bind("127.79.2.12:5000").unwrap());
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p", a("127.79.2.1:42000"), publisher.local_addr().unwrap()).unwrap();
+        m.publish("r", "p", "mic", StreamSpec { ssrc: Some(5), ..Default::default() }).unwrap();
+        m.add_webrtc_participant("r", "w", a("127.79.2.1:42002")).unwrap();
+        m.set_participant_nominated("r", "w", Some(browser.local_addr().unwrap())).unwrap();
+        m.add_participant("r", "plain", a("127.79.2.1:42004"), plain.local_addr().unwrap()).unwrap();
+        let to = || StreamRef { publisher: "p".into(), stream: "mic".into() };
+        let (unkeyed, keyed) = (m.subscribe("r", "w", to()).unwrap(), m.subscribe("r", "plain", to()).unwrap());
+        let table = ForwardingTable::compile(&m, 1);
+        let stream = table.streams.values().find(|e| e.label.ends_with("/mic")).unwrap().id;
+
+        let dp = UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap();
+        dp.apply(Arc::new(table)).unwrap();
+        for seq in 0..5 {
+            publisher.send_to(&build_rtp(0, seq, seq as u32 * 160, 5, &[7; 160]), "127.79.2.1:42000").unwrap();
+        }
+        let got = received(&plain, Duration::from_millis(200));
+        let to_browser = received(&browser, Duration::from_millis(50));
+        let (st, consumers) = (dp.stats(), dp.consumer_counters(&[unkeyed, keyed]));
+        dp.shutdown().unwrap();
+        assert_eq!((got.len(), to_browser.len()), (5, 0), "the plain subscriber gets every packet, the browser none");
+        let t = &st.total;
+        assert_eq!((t.tx_copies, t.tx_unkeyed, t.tx_errors), (5, 5, 0), "{t:?}");
+        let s = &st.streams[&stream];
+        assert_eq!((s.tx_copies, s.tx_unkeyed, s.tx_errors), (5, 5, 0), "{s:?}");
+        assert_eq!(consumers.get(&unkeyed).map_or((0, 0), |c| (c.tx_copies, c.tx_errors)), (0, 0), "{consumers:?}");
+        assert_eq!((consumers[&keyed].tx_copies, consumers[&keyed].tx_errors), (5, 0));
     }
 }

@@ -95,6 +95,9 @@ impl KernelStats {
             tx_copies: g("tx_copies"),
             tx_bytes: g("tx_bytes"),
             tx_errors: g("tx_errors"),
+            // The kernel makes no copy for a subscriber without its SRTP key: SRTP streams are
+            // the slow path's, which counts these.
+            tx_unkeyed: 0,
             drop_no_stream: g("drop_no_stream"),
             drop_stranger: g("drop_stranger"),
             drop_malformed: g("drop_malformed"),
