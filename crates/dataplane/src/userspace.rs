@@ -1564,6 +1564,7 @@ mod tests {
     use super::*;
     use mediaplane_core::model::{StreamRef, StreamSpec};
     use mediaplane_core::rtp::build_rtp;
+    use mediaplane_core::simulcast::{Codec, PacketInfo, RewriterState};
     use mediaplane_core::Model;
     use std::net::UdpSocket;
     use std::time::Duration;
@@ -1584,6 +1585,105 @@ mod tests {
             }
         }
         got
+    }
+
+    /// A sender spraying SSRCs fills the RID report throttle's map with entries all fresh: it is
+    /// started over, so it stays bounded and the next packets do not sweep it again each. One
+    /// SSRC's RID is reported at most once per interval.
+    #[test]
+    fn the_rid_report_throttle_stays_bounded_under_a_spray_of_ssrcs() {
+        let mut reported = HashMap::new();
+        let t0 = 1_000_000_000;
+        assert!(WorkerCtx::stream_id_due(&mut reported, (1, 7), t0));
+        assert!(!WorkerCtx::stream_id_due(&mut reported, (1, 7), t0 + STREAM_ID_REPORT_NS - 1), "within the interval");
+        assert!(WorkerCtx::stream_id_due(&mut reported, (1, 7), t0 + STREAM_ID_REPORT_NS), "the interval over");
+        let mut largest = 0;
+        for ssrc in 0..20_000u32 {
+            // 20,000 SSRCs within 20 µs: every entry is fresh when the map is full.
+            assert!(WorkerCtx::stream_id_due(&mut reported, (2, ssrc), t0 + STREAM_ID_REPORT_NS + ssrc as u64), "{ssrc}: a new SSRC is reported");
+            largest = largest.max(reported.len());
+        }
+        assert!(largest <= 4097, "the map grew to {largest} entries (each packet past 4,096 swept it)");
+    }
+
+    /// The kernel's simulcast states, faked: each consumer's as given, every layer stream
+    /// received anew at each read.
+    #[derive(Default)]
+    struct FakeKernel {
+        states: parking_lot::Mutex<HashMap<u32, RewriterState>>,
+        reads: AtomicU64,
+        /// Calls of `consumers`: reconciling ticks.
+        listed: AtomicU64,
+    }
+
+    impl KernelLayers for FakeKernel {
+        fn create(&self, consumer: u32, _: u32, _: u32) {
+            self.states.lock().entry(consumer).or_default();
+        }
+        fn remove(&self, consumer: u32) {
+            self.states.lock().remove(&consumer);
+        }
+        fn set_target(&self, consumer: u32, target: Option<u8>, _: Option<u8>) -> bool {
+            self.states.lock().get_mut(&consumer).map(|s| s.target = target).is_some()
+        }
+        fn consumers(&self) -> Vec<u32> {
+            self.listed.fetch_add(1, Ordering::Relaxed);
+            self.states.lock().keys().copied().collect()
+        }
+        fn decide(&self, _: u32, _: u8, _: Codec, _: u64, _: &[u8]) -> Option<Vec<u8>> {
+            None
+        }
+        fn state(&self, consumer: u32) -> Option<RewriterState> {
+            self.states.lock().get(&consumer).cloned()
+        }
+        fn received(&self, _: u32) -> Option<KernelReceived> {
+            let n = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
+            Some(KernelReceived { packets: n, bytes: n * 1000, last_ns: crate::monotonic_ns(), keyframes: 0 })
+        }
+    }
+
+    /// A consumer the tick has not aimed yet is read from the kernel on that first tick: a
+    /// restarted daemon's consumer whose pinned state already receives the top layer is taken
+    /// for what it is, not for one waiting for that layer (which would ask its publisher for a
+    /// keyframe nobody needs).
+    #[test]
+    fn the_tick_reads_a_consumer_it_has_not_aimed_yet() {
+        let (publisher, subscriber) = (UdpSocket::bind("127.79.1.10:5000").unwrap(), UdpSocket::bind("127.79.1.11:5000").unwrap());
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p", a("127.79.1.1:42000"), publisher.local_addr().unwrap()).unwrap();
+        m.add_participant("r", "s", a("127.79.1.1:42002"), subscriber.local_addr().unwrap()).unwrap();
+        let spec = StreamSpec { layers: vec![100, 101], codec: Some(Codec::Vp8), clock_rate: Some(90_000), ..Default::default() };
+        m.publish("r", "p", "cam", spec).unwrap();
+        let consumer = m.subscribe("r", "s", StreamRef { publisher: "p".into(), stream: "cam".into() }).unwrap();
+        // Its state in the kernel, pinned across the restart: on layer 1, the top one.
+        let mut rw = LayerRewriter::new(100, 90_000);
+        rw.set_target(Some(1));
+        let key = PacketInfo { sequence: 9, timestamp: 900, frame_start: true, keyframe_start: true, picture_id: None, tl0picidx: None, temporal: None };
+        rw.on_packet(1, &key, 1);
+        assert_eq!(rw.current(), Some(1));
+        let kernel = Arc::new(FakeKernel::default());
+        let handle = crate::kernel_layers::KernelLayersHandle(kernel.clone());
+        let dp = UserspaceDataplane::new(UserspaceConfig { workers: 1, kernel_layers: Some(handle), ..Default::default() }, None).unwrap();
+        // The consumer must first be met by a tick that does not reconcile (a reconciling one
+        // reads every consumer anyway): its table comes right after one that did (the next is
+        // RECONCILE_TICKS, 1 s, away).
+        dp.apply(Arc::new(ForwardingTable::compile(&Model::new(), 1))).unwrap();
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while kernel.listed.load(Ordering::Relaxed) == 0 && std::time::Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        assert!(kernel.listed.load(Ordering::Relaxed) > 0, "no reconciling tick in 5 s");
+        kernel.states.lock().insert(consumer, rw.state());
+        dp.apply(Arc::new(ForwardingTable::compile(&m, 2))).unwrap();
+        // 15 ticks at least.
+        let pli = received(&publisher, Duration::from_millis(300));
+        assert!(kernel.reads.load(Ordering::Relaxed) >= 2 * 5, "the tick ran");
+        let c = dp.consumer_counters(&[consumer]).remove(&consumer).and_then(|c| c.layer).unwrap();
+        dp.shutdown().unwrap();
+        assert_eq!((c.current, c.target), (Some(1), Some(1)), "{c:?}");
+        assert_eq!(c.stats.keyframe_requests, 0, "{c:?}");
+        assert!(pli.is_empty(), "the publisher was asked for a keyframe: {pli:?}");
     }
 
     /// Copies for a subscriber that speaks SRTP but is not keyed yet (a browser nominated by ICE,
