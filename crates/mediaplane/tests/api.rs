@@ -1,8 +1,10 @@
 //! Every API endpoint's success and error paths against a real `mediaplane serve`, and a check
 //! that no bad input takes the daemon down.
 
+mod api_doc;
 mod common;
 
+use api_doc::{assert_documented, assert_documented_text};
 use common::{Daemon, TempDir};
 use serde_json::{json, Value};
 
@@ -10,29 +12,37 @@ fn code(v: &Value) -> &str {
     v["code"].as_str().unwrap_or("")
 }
 
+/// [`Daemon::call`], holding every error answer to `openapi.json`: a code of the `ErrorCode`
+/// enum, with its status, that the operation lists in its `x-error-codes`.
+fn call(d: &Daemon, method: &str, path: &str, body: Option<Value>) -> (u16, Value) {
+    let (s, v) = d.call(method, path, body);
+    assert_documented(method, path, s, &v);
+    (s, v)
+}
+
 #[test]
 fn every_endpoint_success_and_error_paths() {
     let dir = TempDir::new("api");
     let mut d = Daemon::start(&dir.0.join("s.db"), &[]);
 
-    let (s, v) = d.call("GET", "/health", None);
+    let (s, v) = call(&d, "GET", "/health", None);
     assert_eq!((s, v["status"].as_str()), (200, Some("ok")));
     assert_eq!(v["dataplane"], "userspace");
 
     // Rooms.
-    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "conf"}))).0, 201);
-    let (s, v) = d.call("POST", "/v1/rooms", Some(json!({"id": "conf"})));
+    assert_eq!(call(&d, "POST", "/v1/rooms", Some(json!({"id": "conf"}))).0, 201);
+    let (s, v) = call(&d, "POST", "/v1/rooms", Some(json!({"id": "conf"})));
     assert_eq!((s, code(&v)), (409, "exists"));
-    let (s, v) = d.call("POST", "/v1/rooms", Some(json!({"id": "bad/id"})));
+    let (s, v) = call(&d, "POST", "/v1/rooms", Some(json!({"id": "bad/id"})));
     assert_eq!((s, code(&v)), (400, "invalid"));
     assert!(v["error"].as_str().unwrap().contains("invalid id"));
-    let (s, v) = d.call("POST", "/v1/rooms", Some(json!({"name": "conf"})));
-    assert_eq!(s, 422, "unknown/missing fields: {v}");
+    let (s, v) = call(&d, "POST", "/v1/rooms", Some(json!({"name": "conf"})));
+    assert_eq!((s, code(&v)), (422, "wrong_shape"), "unknown/missing fields: {v}");
     assert!(v["error"].as_str().unwrap().contains("id"), "{v}");
-    let (s, v) = d.call("GET", "/v1/rooms", None);
+    let (s, v) = call(&d, "GET", "/v1/rooms", None);
     assert_eq!((s, v["rooms"].clone()), (200, json!(["conf"])));
-    assert_eq!(d.call("GET", "/v1/rooms/conf", None).0, 200);
-    let (s, v) = d.call("GET", "/v1/rooms/nope", None);
+    assert_eq!(call(&d, "GET", "/v1/rooms/conf", None).0, 200);
+    let (s, v) = call(&d, "GET", "/v1/rooms/nope", None);
     assert_eq!((s, code(&v)), (404, "not_found"));
 
     // Malformed bodies: not JSON, wrong content type, too large.
@@ -42,7 +52,7 @@ fn every_endpoint_success_and_error_paths() {
         other => panic!("syntax error must be a 400: {other:?}"),
     }
     match ureq::post(&format!("{}/v1/rooms", d.api)).set("content-type", "text/plain").send_string("{}") {
-        Err(ureq::Error::Status(415, _)) => {}
+        Err(ureq::Error::Status(415, resp)) => assert_eq!(resp.into_json::<Value>().unwrap()["code"], "unsupported_media_type"),
         other => panic!("wrong content type must be a 415: {other:?}"),
     }
     // Announce a 200 kB body and wait: the limit must answer 413 before reading any of it.
@@ -60,83 +70,83 @@ fn every_endpoint_success_and_error_paths() {
 
     // Participants.
     let add = |id: &str, remote: &str, local: Option<&str>| json!({"id": id, "remote": remote, "local": local});
-    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("alice", "127.79.0.10:5000", Some("127.79.0.1:42000"))));
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants", Some(add("alice", "127.79.0.10:5000", Some("127.79.0.1:42000"))));
     assert_eq!((s, v["local"].as_str()), (201, Some("127.79.0.1:42000")));
-    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("bob", "127.79.0.11:5000", None)));
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants", Some(add("bob", "127.79.0.11:5000", None)));
     assert_eq!(s, 201, "{v}");
     assert!(v["local"].as_str().unwrap().starts_with("127.0.0.1:"), "allocated from the media range: {v}");
-    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("bob", "127.79.0.12:5000", None)));
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants", Some(add("bob", "127.79.0.12:5000", None)));
     assert_eq!((s, code(&v)), (409, "exists"));
-    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("carol", "127.79.0.12:5000", Some("127.79.0.1:42000"))));
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants", Some(add("carol", "127.79.0.12:5000", Some("127.79.0.1:42000"))));
     assert_eq!((s, code(&v)), (409, "address_in_use"));
-    let (s, _) = d.call("POST", "/v1/rooms/conf/participants", Some(json!({"id": "carol", "remote": "not-an-address"})));
-    assert_eq!(s, 422);
-    let (s, v) = d.call("POST", "/v1/rooms/conf/participants", Some(add("carol", "0.0.0.0:5000", None)));
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants", Some(json!({"id": "carol", "remote": "not-an-address"})));
+    assert_eq!((s, code(&v)), (422, "wrong_shape"));
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants", Some(add("carol", "0.0.0.0:5000", None)));
     assert_eq!((s, code(&v)), (400, "invalid"));
-    let (s, v) = d.call("POST", "/v1/rooms/nope/participants", Some(add("carol", "127.79.0.12:5000", None)));
+    let (s, v) = call(&d, "POST", "/v1/rooms/nope/participants", Some(add("carol", "127.79.0.12:5000", None)));
     assert_eq!((s, code(&v)), (404, "not_found"));
-    assert_eq!(d.call("GET", "/v1/rooms/conf/participants/alice", None).0, 200);
-    assert_eq!(d.call("GET", "/v1/rooms/conf/participants/zed", None).0, 404);
+    assert_eq!(call(&d, "GET", "/v1/rooms/conf/participants/alice", None).0, 200);
+    assert_eq!(call(&d, "GET", "/v1/rooms/conf/participants/zed", None).0, 404);
 
     // Streams and subscriptions.
-    let (s, v) = d.call("POST", "/v1/rooms/conf/participants/alice/streams", Some(json!({"name": "low", "ssrc": 1})));
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants/alice/streams", Some(json!({"name": "low", "ssrc": 1})));
     assert_eq!(s, 201, "{v}");
-    let (s, v) = d.call("POST", "/v1/rooms/conf/participants/alice/streams", Some(json!({"name": "low"})));
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants/alice/streams", Some(json!({"name": "low"})));
     assert_eq!((s, code(&v)), (409, "exists"));
-    let (s, v) = d.call("POST", "/v1/rooms/conf/participants/alice/streams", Some(json!({"name": "dup", "ssrc": 1})));
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants/alice/streams", Some(json!({"name": "dup", "ssrc": 1})));
     assert_eq!((s, code(&v)), (409, "address_in_use"));
-    assert_eq!(d.call("POST", "/v1/rooms/conf/participants/zed/streams", Some(json!({"name": "x"}))).0, 404);
+    assert_eq!(call(&d, "POST", "/v1/rooms/conf/participants/zed/streams", Some(json!({"name": "x"}))).0, 404);
     let sub = |p: &str, s: &str| json!({"publisher": p, "stream": s});
-    assert_eq!(d.call("POST", "/v1/rooms/conf/participants/bob/subscriptions", Some(sub("alice", "low"))).0, 201);
-    let (s, v) = d.call("POST", "/v1/rooms/conf/participants/alice/subscriptions", Some(sub("alice", "low")));
+    assert_eq!(call(&d, "POST", "/v1/rooms/conf/participants/bob/subscriptions", Some(sub("alice", "low"))).0, 201);
+    let (s, v) = call(&d, "POST", "/v1/rooms/conf/participants/alice/subscriptions", Some(sub("alice", "low")));
     assert_eq!((s, code(&v)), (400, "invalid"));
-    assert_eq!(d.call("POST", "/v1/rooms/conf/participants/bob/subscriptions", Some(sub("alice", "nope"))).0, 404);
-    let (s, t) = d.call("GET", "/v1/table", None);
+    assert_eq!(call(&d, "POST", "/v1/rooms/conf/participants/bob/subscriptions", Some(sub("alice", "nope"))).0, 404);
+    let (s, t) = call(&d, "GET", "/v1/table", None);
     assert_eq!(s, 200);
     assert_eq!(t["streams"][0]["copies"][0]["subscriber"], "conf/bob");
-    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/bob/subscriptions/alice/low", None).0, 200);
-    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/bob/subscriptions/alice/low", None).0, 404);
-    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/alice/streams/low", None).0, 200);
-    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/alice/streams/low", None).0, 404);
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/conf/participants/bob/subscriptions/alice/low", None).0, 200);
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/conf/participants/bob/subscriptions/alice/low", None).0, 404);
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/conf/participants/alice/streams/low", None).0, 200);
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/conf/participants/alice/streams/low", None).0, 404);
 
     // Relays.
     let relay = json!({"id": "call1", "a": {"remote": "127.79.1.10:7000"}, "b": {"remote": "127.79.1.11:7000", "strict": true}});
-    let (s, v) = d.call("POST", "/v1/relays", Some(relay.clone()));
+    let (s, v) = call(&d, "POST", "/v1/relays", Some(relay.clone()));
     assert_eq!(s, 201, "{v}");
     assert_ne!(v["a"]["local"], v["b"]["local"], "two distinct allocated ports");
-    assert_eq!(d.call("POST", "/v1/relays", Some(relay)).0, 409);
-    assert_eq!(d.call("GET", "/v1/relays", None).1["relays"], json!(["call1"]));
-    assert_eq!(d.call("GET", "/v1/relays/call1", None).0, 200);
-    assert_eq!(d.call("GET", "/v1/relays/nope", None).0, 404);
-    let (s, _) = d.call("POST", "/v1/relays", Some(json!({"id": "c2", "a": {}})));
+    assert_eq!(call(&d, "POST", "/v1/relays", Some(relay)).0, 409);
+    assert_eq!(call(&d, "GET", "/v1/relays", None).1["relays"], json!(["call1"]));
+    assert_eq!(call(&d, "GET", "/v1/relays/call1", None).0, 200);
+    assert_eq!(call(&d, "GET", "/v1/relays/nope", None).0, 404);
+    let (s, _) = call(&d, "POST", "/v1/relays", Some(json!({"id": "c2", "a": {}})));
     assert_eq!(s, 422, "missing leg b");
 
     // Relay batches: all or nothing, the failing item named with its own status and code.
     let batch_relay = |id: &str| json!({"id": id, "a": {"remote": "127.79.1.20:7000"}, "b": {"remote": "127.79.1.21:7000"}});
-    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"create": [batch_relay("b1"), batch_relay("b2"), batch_relay("call1")]})));
+    let (s, v) = call(&d, "POST", "/v1/batch/relays", Some(json!({"create": [batch_relay("b1"), batch_relay("b2"), batch_relay("call1")]})));
     assert_eq!((s, code(&v)), (409, "exists"), "{v}");
     assert!(v["error"].as_str().unwrap().starts_with("create[2] (id \"call1\")"), "{v}");
-    assert_eq!(d.call("GET", "/v1/relays", None).1["relays"], json!(["call1"]), "a failed batch changes nothing");
-    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"create": [batch_relay("b1"), batch_relay("b2")]})));
+    assert_eq!(call(&d, "GET", "/v1/relays", None).1["relays"], json!(["call1"]), "a failed batch changes nothing");
+    let (s, v) = call(&d, "POST", "/v1/batch/relays", Some(json!({"create": [batch_relay("b1"), batch_relay("b2")]})));
     assert_eq!(s, 200, "{v}");
     assert_eq!(v["created"].as_array().unwrap().len(), 2, "{v}");
     assert!(v["created"][1]["b"]["local"].is_string(), "allocated addresses are returned: {v}");
-    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"delete": ["b1", "nope"]})));
+    let (s, v) = call(&d, "POST", "/v1/batch/relays", Some(json!({"delete": ["b1", "nope"]})));
     assert_eq!((s, code(&v)), (404, "not_found"), "{v}");
     assert!(v["error"].as_str().unwrap().starts_with("delete[1] (id \"nope\")"), "{v}");
     // Deletes run first, so one batch can replace a relay.
-    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"delete": ["b1", "b2"], "create": [batch_relay("b2")]})));
+    let (s, v) = call(&d, "POST", "/v1/batch/relays", Some(json!({"delete": ["b1", "b2"], "create": [batch_relay("b2")]})));
     assert_eq!((s, v["deleted"].clone()), (200, json!(["b1", "b2"])), "{v}");
-    assert_eq!(d.call("GET", "/v1/relays", None).1["relays"], json!(["b2", "call1"]));
-    assert_eq!(d.call("DELETE", "/v1/relays/b2", None).0, 200);
-    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({})));
+    assert_eq!(call(&d, "GET", "/v1/relays", None).1["relays"], json!(["b2", "call1"]));
+    assert_eq!(call(&d, "DELETE", "/v1/relays/b2", None).0, 200);
+    let (s, v) = call(&d, "POST", "/v1/batch/relays", Some(json!({})));
     assert_eq!((s, code(&v)), (400, "invalid"), "an empty batch: {v}");
     let many: Vec<Value> = (0..10_001).map(|_| json!("x")).collect();
-    let (s, v) = d.call("POST", "/v1/batch/relays", Some(json!({"delete": many})));
+    let (s, v) = call(&d, "POST", "/v1/batch/relays", Some(json!({"delete": many})));
     assert_eq!((s, code(&v)), (400, "invalid"), "more than 10,000 operations: {v}");
 
     // Stats and metrics.
-    let (s, v) = d.call("GET", "/v1/stats", None);
+    let (s, v) = call(&d, "GET", "/v1/stats", None);
     assert_eq!(s, 200);
     assert_eq!(v["dataplane"], "userspace");
     assert!(v["streams"].as_array().unwrap().iter().any(|x| x["label"] == "relay:call1/a"), "{v}");
@@ -161,18 +171,18 @@ fn every_endpoint_success_and_error_paths() {
     assert_eq!(r.header("x-request-id").map(str::len), Some(36), "a UUID");
 
     // Unknown endpoint and wrong method are JSON errors too.
-    let (s, v) = d.call("GET", "/v2/nothing", None);
+    let (s, v) = call(&d, "GET", "/v2/nothing", None);
     assert_eq!((s, code(&v)), (404, "not_found"));
-    let (s, v) = d.call("PUT", "/v1/rooms", Some(json!({})));
+    let (s, v) = call(&d, "PUT", "/v1/rooms", Some(json!({})));
     assert_eq!((s, code(&v)), (405, "method_not_allowed"));
 
     // Deletions.
-    assert_eq!(d.call("DELETE", "/v1/relays/call1", None).0, 200);
-    assert_eq!(d.call("DELETE", "/v1/relays/call1", None).0, 404);
-    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/alice", None).0, 200);
-    assert_eq!(d.call("DELETE", "/v1/rooms/conf/participants/alice", None).0, 404);
-    assert_eq!(d.call("DELETE", "/v1/rooms/conf", None).0, 200);
-    assert_eq!(d.call("DELETE", "/v1/rooms/conf", None).0, 404);
+    assert_eq!(call(&d, "DELETE", "/v1/relays/call1", None).0, 200);
+    assert_eq!(call(&d, "DELETE", "/v1/relays/call1", None).0, 404);
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/conf/participants/alice", None).0, 200);
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/conf/participants/alice", None).0, 404);
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/conf", None).0, 200);
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/conf", None).0, 404);
 
     assert!(d.alive(), "no input may take the daemon down");
     assert!(d.terminate().success(), "graceful shutdown exits 0");
@@ -222,8 +232,28 @@ fn token_and_limits_are_enforced() {
         Err(ureq::Error::Status(401, _)) => {}
         other => panic!("a wrong token must be a 401: {other:?}"),
     }
-    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "one"}))).0, 201);
-    let (s, v) = d.call("POST", "/v1/rooms", Some(json!({"id": "two"})));
+    // Liveness probes and the API's description answer without credentials; nothing else does.
+    let anonymous = |method: &str, path: &str| match ureq::request(method, &format!("{}{path}", d.api)).call() {
+        Ok(r) => (r.status(), r.into_string().unwrap()),
+        Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
+        Err(e) => panic!("{method} {path}: {e}"),
+    };
+    let (s, body) = anonymous("GET", "/health");
+    assert!(s == 200 && body.contains("\"status\":\"ok\""), "{s} {body}");
+    assert_eq!(anonymous("HEAD", "/health").0, 200);
+    let (s, body) = anonymous("GET", "/openapi.json");
+    assert!(s == 200 && body.contains("\"openapi\""), "{s} {body}");
+    for (method, path) in
+        [("GET", "/metrics"), ("GET", "/v1/stats"), ("POST", "/v1/rooms"), ("DELETE", "/v1/rooms/x"), ("HEAD", "/v1/rooms"), ("POST", "/health")]
+    {
+        let (s, body) = anonymous(method, path);
+        assert_eq!(s, 401, "{method} {path} without the token: {body}");
+        if method != "HEAD" {
+            assert_documented_text(method, path, s, &body);
+        }
+    }
+    assert_eq!(call(&d, "POST", "/v1/rooms", Some(json!({"id": "one"}))).0, 201);
+    let (s, v) = call(&d, "POST", "/v1/rooms", Some(json!({"id": "two"})));
     assert_eq!((s, code(&v)), (403, "limit"));
     assert!(v["error"].as_str().unwrap().contains("at most 1 rooms"));
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_mediaplane"))
@@ -271,20 +301,39 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     let mut d = daemon_with_token(&cfg, &store, "s3cret");
     let post = |d: &Daemon, path: &str, ctype: &str, body: &str| -> (u16, String, String) {
         let r = ureq::post(&format!("{}{path}", d.api)).set("authorization", "Bearer s3cret").set("content-type", ctype).send_string(body);
-        match r {
+        let (s, location, body) = match r {
             Ok(r) => (r.status(), r.header("location").unwrap_or_default().to_string(), r.into_string().unwrap()),
             Err(ureq::Error::Status(s, r)) => (s, String::new(), r.into_string().unwrap()),
             Err(e) => panic!("{path}: {e}"),
-        }
+        };
+        assert_documented_text("POST", path, s, &body);
+        (s, location, body)
     };
     let (s, _, body) = post(&d, "/v1/whip/r", "application/json", &offer);
-    assert_eq!(s, 415, "{body}");
+    assert!(s == 415 && body.contains("unsupported_media_type"), "{s} {body}");
     let (s, _, body) = post(&d, "/v1/whip/r", "application/sdp", "v=0\r\nnot an offer");
-    assert_eq!(s, 400, "{body}");
+    assert!(s == 400 && body.contains("invalid_sdp"), "{s} {body}");
+    let (s, _, body) = post(&d, "/v1/whip/r?participant=x&nope=1", "application/sdp", &offer);
+    assert!(s == 400 && body.contains("\"invalid\"") && body.contains("nope"), "an unknown query parameter: {s} {body}");
+    // A fingerprint that is none is malformed as a missing one is (400); one in a hash the SFU
+    // does not compute is a valid offer it cannot take (422).
+    let fp = "sha-256 0F:74:31:25:CB:A2:13:EC:28:6F:6D:2C:61:FF:5D:C2:BC:B9:DB:3D:98:14:8D:1A:BB:EA:33:0C:A4:60:A8:8E";
+    let no_fp: String = offer.split_inclusive("\r\n").filter(|l| !l.starts_with("a=fingerprint")).collect();
+    for (what, bad, want) in [
+        ("missing", no_fp, (400, "invalid_sdp")),
+        ("malformed", offer.replace(fp, "sha-256 0F:74"), (400, "invalid_sdp")),
+        ("not hex", offer.replace(fp, "sha-256 not:hex"), (400, "invalid_sdp")),
+        ("in md5", offer.replace(fp, "md5 0F:74:31:25:CB:A2:13:EC:28:6F:6D:2C:61:FF:5D:C2"), (422, "unsupported_sdp")),
+    ] {
+        let (s, _, body) = post(&d, "/v1/whip/r", "application/sdp", &bad);
+        let v: Value = serde_json::from_str(&body).unwrap();
+        assert_eq!((s, code(&v)), want, "a fingerprint {what}: {body}");
+        assert!(v["error"].as_str().unwrap().contains("fingerprint"), "{body}");
+    }
     let simulcast = offer.replace("a=ssrc:2222 cname:c\r\n", "a=rid:h send\r\na=simulcast:send h\r\n");
     let (s, _, body) = post(&d, "/v1/whip/r", "application/sdp", &simulcast);
     assert!(s == 422 && body.contains("simulcast") && body.contains("rtp-stream-id"), "without the RID extension: {s} {body}");
-    assert_eq!(d.call("GET", "/v1/rooms/r", None).0, 404, "a refused offer changes nothing");
+    assert_eq!(call(&d, "GET", "/v1/rooms/r", None).0, 404, "a refused offer changes nothing");
 
     let (s, location, answer) = post(&d, "/v1/whip/r?participant=alice", "application/sdp", &offer);
     assert_eq!((s, location.as_str()), (201, "/v1/rooms/r/participants/alice"), "{answer}");
@@ -295,11 +344,18 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     let recv = offer.replace("a=sendonly", "a=recvonly").replace("a=ssrc:1111 cname:c\r\n", "").replace("a=ssrc:2222 cname:c\r\n", "");
     let renumbered = recv.replace("SAVPF 111", "SAVPF 109").replace("rtpmap:111", "rtpmap:109").replace("SAVPF 96", "SAVPF 100").replace(":96 ", ":100 ");
     let (s, _, body) = post(&d, "/v1/whep/r/alice", "application/sdp", &renumbered);
-    assert!(s == 422 && body.contains("payload type"), "{s} {body}");
+    let v: Value = serde_json::from_str(&body).unwrap();
+    assert_eq!((s, code(&v)), (422, "unsupported"), "{body}");
+    assert_eq!(
+        v["error"],
+        "the offer cannot receive audio (opus/48000/2 on payload type 111), video (VP8/90000 on payload type 96): \
+         the SFU forwards payloads as they are, without renumbering",
+        "{body}"
+    );
     let (s, location, answer) = post(&d, "/v1/whep/r/alice?participant=bob", "application/sdp", &recv);
     assert_eq!((s, location.as_str()), (201, "/v1/rooms/r/participants/bob"), "{answer}");
     assert!(answer.contains("a=ssrc:2222 cname:alice") && answer.contains("a=sendonly"), "{answer}");
-    let (_, room) = d.call("GET", "/v1/rooms/r", None);
+    let (_, room) = call(&d, "GET", "/v1/rooms/r", None);
     assert_eq!(room["participants"]["bob"]["subscriptions"].as_array().map(Vec::len), Some(2), "{room}");
     assert_eq!(room["participants"]["alice"]["remote"], "0.0.0.0:9", "no peer before ICE");
     // No trickle ICE: the SFU is ICE-lite and needs none of the client's candidates.
@@ -324,14 +380,17 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     ] {
         assert!(answer.lines().any(|l| l == line), "{line:?} missing from {answer}");
     }
-    let (_, room) = d.call("GET", "/v1/rooms/r", None);
+    let (_, room) = call(&d, "GET", "/v1/rooms/r", None);
     let carol = &room["participants"]["carol"];
     assert_eq!(carol["webrtc"]["pending"][0]["rids"], json!(["q", "h", "f"]), "lowest first by name: {carol}");
     assert!(carol["streams"]["audio"]["ssrc"] == 1111 && carol["streams"].get("video").is_none(), "{carol}");
     let whep =
         ureq::post(&format!("{}/v1/whep/r/carol", d.api)).set("authorization", "Bearer s3cret").set("content-type", "application/sdp").send_string(&recv);
     match whep {
-        Err(ureq::Error::Status(503, r)) => assert_eq!(r.header("retry-after"), Some("1")),
+        Err(ureq::Error::Status(503, r)) => {
+            assert_eq!(r.header("retry-after"), Some("1"));
+            assert_documented_text("POST", "/v1/whep/r/carol", 503, &r.into_string().unwrap());
+        }
         other => panic!("WHEP of a publisher still learning its layers: {other:?}"),
     }
     let vp9 = simulcast.replace("VP8/90000", "VP9/90000").replace("H264/90000", "AV1/90000");
@@ -341,7 +400,7 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     // A restart cannot resume the browsers' sessions: they are gone, the room stays.
     d.terminate();
     let d = Daemon::start_with_token(&store, &["--config", cfg.to_str().unwrap()], "s3cret");
-    let (s, room) = d.call("GET", "/v1/rooms/r", None);
+    let (s, room) = call(&d, "GET", "/v1/rooms/r", None);
     assert_eq!((s, room["participants"].as_object().map(|p| p.len())), (200, Some(0)), "{room}");
 }
 
@@ -354,9 +413,9 @@ fn sdes_participants_take_keys_that_no_response_shows() {
     let dir = TempDir::new("sdes-participant");
     let store = dir.0.join("s.db");
     let mut d = Daemon::start(&store, &[]);
-    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "r"}))).0, 201);
+    assert_eq!(call(&d, "POST", "/v1/rooms", Some(json!({"id": "r"}))).0, 201);
     let join =
-        |d: &Daemon, id: &str, srtp: Value| d.call("POST", "/v1/rooms/r/participants", Some(json!({"id": id, "remote": "127.0.0.1:5004", "srtp": srtp})));
+        |d: &Daemon, id: &str, srtp: Value| call(d, "POST", "/v1/rooms/r/participants", Some(json!({"id": id, "remote": "127.0.0.1:5004", "srtp": srtp})));
 
     let (s, v) = join(&d, "bad", json!({"suite": "F8_128_HMAC_SHA1_80", "inbound": b64(30, 1), "outbound": b64(30, 2)}));
     assert!(s == 400 && v["error"].as_str().unwrap().contains("suite"), "{v}");
@@ -366,20 +425,20 @@ fn sdes_participants_take_keys_that_no_response_shows() {
     assert!(s == 400 && v["error"].as_str().unwrap().contains("30-byte"), "{v}");
     let (s, v) = join(&d, "bad", json!({"suite": "AEAD_AES_128_GCM", "inbound": b64(28, 1)}));
     assert_eq!(s, 422, "both directions need a key (a body of the wrong shape, as everywhere in the API): {v}");
-    assert_eq!(d.call("GET", "/v1/rooms/r/participants/bad", None).0, 404, "a refused join changes nothing");
+    assert_eq!(call(&d, "GET", "/v1/rooms/r/participants/bad", None).0, 404, "a refused join changes nothing");
 
     let (s, v) = join(&d, "gw", json!({"suite": "aead_aes_128_gcm", "inbound": b64(28, 0x11), "outbound": b64(28, 0x22)}));
     assert_eq!((s, &v["srtp"]), (201, &json!({"suite": "AEAD_AES_128_GCM"})), "{v}");
-    let (s, v) = d.call("POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "data", "rtp": false})));
+    let (s, v) = call(&d, "POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "data", "rtp": false})));
     assert!(s == 400 && v["error"].as_str().unwrap().contains("RTP"), "{v}");
-    assert_eq!(d.call("POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "audio", "ssrc": 7}))).0, 201);
+    assert_eq!(call(&d, "POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "audio", "ssrc": 7}))).0, 201);
     // One address, one session per direction: no stream on an address of its own.
-    let (s, v) = d.call("POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "video", "ssrc": 8, "local": "127.0.0.1:41000"})));
+    let (s, v) = call(&d, "POST", "/v1/rooms/r/participants/gw/streams", Some(json!({"name": "video", "ssrc": 8, "local": "127.0.0.1:41000"})));
     assert!(s == 400 && v["error"].as_str().unwrap().contains("own address"), "{v}");
     // It receives RTP only: a plain participant's non-RTP stream cannot be subscribed to.
-    assert_eq!(d.call("POST", "/v1/rooms/r/participants", Some(json!({"id": "plain", "remote": "127.0.0.1:5006"}))).0, 201);
-    assert_eq!(d.call("POST", "/v1/rooms/r/participants/plain/streams", Some(json!({"name": "data", "rtp": false}))).0, 201);
-    let (s, v) = d.call("POST", "/v1/rooms/r/participants/gw/subscriptions", Some(json!({"publisher": "plain", "stream": "data"})));
+    assert_eq!(call(&d, "POST", "/v1/rooms/r/participants", Some(json!({"id": "plain", "remote": "127.0.0.1:5006"}))).0, 201);
+    assert_eq!(call(&d, "POST", "/v1/rooms/r/participants/plain/streams", Some(json!({"name": "data", "rtp": false}))).0, 201);
+    let (s, v) = call(&d, "POST", "/v1/rooms/r/participants/gw/subscriptions", Some(json!({"publisher": "plain", "stream": "data"})));
     assert!(s == 400 && v["error"].as_str().unwrap().contains("RTP only"), "{v}");
     // A key as an a=crypto line carries it is taken as well.
     let inline = format!("inline:{}|2^31|1:1", b64(30, 3));
@@ -387,8 +446,8 @@ fn sdes_participants_take_keys_that_no_response_shows() {
     assert_eq!(s, 201, "{v}");
 
     let shown = |d: &Daemon| {
-        let (_, p) = d.call("GET", "/v1/rooms/r/participants/gw", None);
-        let (_, room) = d.call("GET", "/v1/rooms/r", None);
+        let (_, p) = call(d, "GET", "/v1/rooms/r/participants/gw", None);
+        let (_, room) = call(d, "GET", "/v1/rooms/r", None);
         for text in [p.to_string(), room.to_string()] {
             assert!(!text.contains("master") && !text.contains(&b64(28, 0x11)) && !text.contains("17,17"), "a key is shown: {text}");
         }
@@ -416,29 +475,40 @@ fn room_tokens_reach_only_joining_and_leaving_their_room() {
             Some(body) => req.set("content-type", "application/sdp").send_string(body),
             None => req.call(),
         };
-        match r {
+        let (s, body) = match r {
             Ok(r) => (r.status(), r.into_string().unwrap()),
             Err(ureq::Error::Status(s, r)) => (s, r.into_string().unwrap()),
             Err(e) => panic!("{method} {path}: {e}"),
-        }
+        };
+        assert_documented_text(method, path, s, &body);
+        (s, body)
     };
 
-    let (s, v) = d.call("POST", "/v1/rooms/r/tokens", Some(json!({"ttl_s": 3600})));
+    let (s, v) = call(&d, "POST", "/v1/rooms/r/tokens", Some(json!({"ttl_s": 3600})));
     assert_eq!(s, 201, "{v}");
     let token = v["token"].as_str().unwrap().to_string();
     assert_eq!(v["room"], "r");
-    assert_eq!(d.call("POST", "/v1/rooms/r/tokens", Some(json!({"ttl_s": 0}))).0, 400);
-    assert_eq!(d.call("POST", "/v1/rooms/bad%20id/tokens", None).0, 400);
+    assert_eq!(call(&d, "POST", "/v1/rooms/r/tokens", Some(json!({"ttl_s": 0}))).0, 400);
+    let (s, v) = call(&d, "POST", "/v1/rooms/r/tokens", Some(json!({"ttl": 60})));
+    assert_eq!((s, code(&v)), (422, "wrong_shape"), "{v}");
+    let r = ureq::post(&format!("{}/v1/rooms/r/tokens", d.api)).set("authorization", "Bearer s3cret").send_string("{ttl_s");
+    match r {
+        Err(ureq::Error::Status(400, resp)) => assert_eq!(resp.into_json::<Value>().unwrap()["code"], "bad_request", "not JSON, as everywhere"),
+        other => panic!("a token request that is not JSON: {other:?}"),
+    }
+    assert_eq!(call(&d, "POST", "/v1/rooms/bad%20id/tokens", None).0, 400);
 
     // What joining needs: WHIP into r (which creates it), reading r, WHEP from it, leaving.
     let (s, body) = with(&d, &token, "POST", "/v1/whip/r?participant=alice", Some(&offer));
     assert_eq!(s, 201, "{body}");
     let (s, body) = with(&d, &token, "GET", "/v1/rooms/r", None);
     assert!(s == 200 && body.contains("alice"), "{s} {body}");
-    let (s, body) = with(&d, &token, "POST", "/v1/whep/r/alice?participant=bob", Some(&offer));
-    assert!(s == 201 || s == 422, "WHEP is reached (the example offer may not take alice's formats): {s} {body}");
+    // (WHEP with an offer that receives: the example offer sends only.)
+    let recv = offer.replace("a=sendonly", "a=recvonly").replace("a=ssrc:1111 cname:c\r\n", "").replace("a=ssrc:2222 cname:c\r\n", "");
+    let (s, body) = with(&d, &token, "POST", "/v1/whep/r/alice?participant=bob", Some(&recv));
+    assert!(s == 201 && body.contains("a=ssrc:2222 cname:alice"), "WHEP is reached and answered: {s} {body}");
     // Nothing beyond it: other rooms, the rest of the API, issuing tokens.
-    assert_eq!(d.call("POST", "/v1/rooms", Some(json!({"id": "other"}))).0, 201);
+    assert_eq!(call(&d, "POST", "/v1/rooms", Some(json!({"id": "other"}))).0, 201);
     for (method, path) in [
         ("GET", "/v1/rooms/other"),
         ("POST", "/v1/whip/other"),
@@ -449,7 +519,7 @@ fn room_tokens_reach_only_joining_and_leaving_their_room() {
         ("POST", "/v1/rooms/r/tokens"),
     ] {
         let (s, body) = with(&d, &token, method, path, if method == "POST" { Some(&offer) } else { None });
-        assert!(s == 403 && body.contains("room token"), "{method} {path}: {s} {body}");
+        assert!(s == 403 && body.contains("\"forbidden\"") && body.contains("room token"), "{method} {path}: {s} {body}");
     }
     let (s, _) = with(&d, &token, "DELETE", "/v1/rooms/r/participants/alice", None);
     assert_eq!(s, 200, "leaving");
@@ -458,7 +528,7 @@ fn room_tokens_reach_only_joining_and_leaving_their_room() {
         assert_eq!(with(&d, &forged, "GET", "/v1/rooms/r", None).0, 401, "{forged}");
     }
     // Expiry.
-    let (_, v) = d.call("POST", "/v1/rooms/r/tokens", Some(json!({"ttl_s": 1})));
+    let (_, v) = call(&d, "POST", "/v1/rooms/r/tokens", Some(json!({"ttl_s": 1})));
     let short = v["token"].as_str().unwrap().to_string();
     std::thread::sleep(std::time::Duration::from_millis(2100));
     let (s, body) = with(&d, &short, "GET", "/v1/rooms/r", None);

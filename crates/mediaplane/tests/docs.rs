@@ -1,5 +1,6 @@
 //! The man pages and shell completions come from the same clap definitions as `--help`: each
-//! names every user-facing subcommand and the serve options.
+//! names every user-facing subcommand and the serve options. The README's API error table is
+//! the `ErrorCode` enum's.
 
 mod common;
 
@@ -38,4 +39,18 @@ fn completions_for_each_shell_name_the_subcommands() {
     }
     let out = Command::new(env!("CARGO_BIN_EXE_mediaplane")).args(["completions", "tcsh"]).output().unwrap();
     assert!(!out.status.success(), "an unknown shell is an error");
+}
+
+/// The README's table of error codes is the one the enum makes: every code, its status and its
+/// meaning, no code the enum lacks. (On a difference, the table to paste is printed.)
+#[test]
+fn the_readme_error_table_is_the_error_codes() {
+    let readme = include_str!("../../../README.md");
+    let table = mediaplane_control::error_code::ErrorCode::markdown_table();
+    let header = table.lines().next().unwrap();
+    assert_eq!(readme.matches(header).count(), 1, "one error table in the README, starting {header:?}");
+    let start = readme.find(header).unwrap();
+    let len = readme[start..].find("\n\n").unwrap_or(readme.len() - start) + 1;
+    let documented = &readme[start..start + len];
+    assert!(documented == table, "the README's error table differs from ErrorCode's; it should read:\n{table}\nit reads:\n{documented}");
 }

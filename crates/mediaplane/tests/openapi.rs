@@ -2,10 +2,14 @@
 //! against the real daemon: the spec's operations and the router's routes (read from
 //! `crates/control/src/api.rs`) are the same set, and every operation, called on a running
 //! `mediaplane serve` with the spec's example body, answers the spec's success status (so no
-//! path is missing, no method wrong, no example rejected).
+//! path is missing, no method wrong, no example rejected). Its error codes are the
+//! `ErrorCode` enum's, and each operation's (`x-error-codes`) have its error responses'
+//! statuses; `tests/api.rs` holds every error the daemon answers it to them.
 
+mod api_doc;
 mod common;
 
+use mediaplane_control::error_code::ErrorCode;
 use serde_json::{json, Value};
 use std::collections::BTreeSet;
 
@@ -56,9 +60,12 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
     let d = common::Daemon::start(&tmp.0.join("s.db"), &[]);
     let (status, served) = d.call("GET", "/openapi.json", None);
     assert_eq!((status, &served), (200, &spec), "the daemon serves the spec");
-    // What the probes below must not see.
-    assert_eq!(d.call("GET", "/v1/nope", None).0, 404);
-    assert_eq!(d.call("PUT", "/v1/rooms", None).0, 405);
+    // What the probes below must not see (answered with codes the spec has for them).
+    for (method, path, status) in [("GET", "/v1/nope", 404), ("PUT", "/v1/rooms", 405)] {
+        let (s, v) = d.call(method, path, None);
+        assert_eq!(s, status, "{method} {path}: {v}");
+        api_doc::assert_documented(method, path, s, &v);
+    }
 
     // POSTs first (shortest path first: a room before its participants), then PUTs, GETs, then
     // DELETEs (longest path first). Path parameters: bob subscribes to alice's "main".
@@ -115,4 +122,58 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
     }
     assert!(setup_done);
     assert_eq!(d.call("GET", "/health", None).1["rooms"], 0, "everything the probes made, they deleted");
+}
+
+fn names(codes: impl IntoIterator<Item = ErrorCode>) -> BTreeSet<&'static str> {
+    codes.into_iter().map(ErrorCode::as_str).collect()
+}
+
+/// `Error.code` lists exactly the enum's codes.
+#[test]
+fn the_error_codes_are_the_enum() {
+    let spec: Value = serde_json::from_str(SPEC).unwrap();
+    let listed: BTreeSet<&str> =
+        spec["components"]["schemas"]["Error"]["properties"]["code"]["enum"].as_array().unwrap().iter().map(|c| c.as_str().unwrap()).collect();
+    let all = names(ErrorCode::ALL.iter().copied());
+    assert_eq!(all.difference(&listed).collect::<Vec<_>>(), Vec::<&&str>::new(), "codes missing from openapi.json's Error.code");
+    assert_eq!(listed.difference(&all).collect::<Vec<_>>(), Vec::<&&str>::new(), "openapi.json's Error.code names codes that do not exist");
+}
+
+/// Each operation lists the codes it can answer (`x-error-codes`, all of the enum), and its
+/// error responses are exactly their statuses; every code is answered somewhere; what answers
+/// without a token is what the router lets through (`api::OPEN_PATHS`), and everything else
+/// may answer 401 and 403.
+#[test]
+fn each_operation_documents_its_codes_and_their_statuses() {
+    let spec: Value = serde_json::from_str(SPEC).unwrap();
+    let mut answered: BTreeSet<&str> = names(api_doc::codes(&spec["x-fallback-error-codes"], "x-fallback-error-codes"));
+    let mut open = BTreeSet::new();
+    for (method, path) in spec_operations(&spec) {
+        let op = &spec["paths"][&path][method.to_lowercase()];
+        let what = format!("{method} {path}");
+        let codes = api_doc::codes(&op["x-error-codes"], &what);
+        let statuses: BTreeSet<String> = codes.iter().map(|c| c.status().as_u16().to_string()).collect();
+        let responses: BTreeSet<String> = op["responses"].as_object().unwrap().keys().filter(|k| !k.starts_with('2')).cloned().collect();
+        assert_eq!(responses, statuses, "{what}: its error responses are not the statuses of its x-error-codes {codes:?}");
+        for status in &responses {
+            assert_eq!(op["responses"][status]["$ref"], "#/components/responses/Error", "{what} {status}");
+        }
+        let needs_token = op.get("security") != Some(&json!([]));
+        assert_eq!(codes.contains(&ErrorCode::Unauthorized), needs_token, "{what}: 401 exactly when it needs the token");
+        assert_eq!(codes.contains(&ErrorCode::Forbidden), needs_token, "{what}: 403 (a room token beyond its room) exactly when it needs the token");
+        let json_body = op["requestBody"]["content"].get("application/json").is_some();
+        if json_body {
+            for c in [ErrorCode::BadRequest, ErrorCode::WrongShape, ErrorCode::TooLarge] {
+                assert!(codes.contains(&c), "{what} takes JSON: it can answer {c}");
+            }
+        }
+        if !needs_token {
+            open.insert(path.clone());
+        }
+        answered.extend(names(codes));
+    }
+    let all = names(ErrorCode::ALL.iter().copied());
+    assert_eq!(all.difference(&answered).collect::<Vec<_>>(), Vec::<&&str>::new(), "codes no operation lists");
+    let router_open: BTreeSet<String> = mediaplane_control::api::OPEN_PATHS.iter().map(|p| p.to_string()).collect();
+    assert_eq!(open, router_open, "the operations whose security is empty are the paths the router answers without a token");
 }

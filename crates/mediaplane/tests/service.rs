@@ -90,8 +90,11 @@ fn configuration_from_the_environment_and_the_token_from_a_file() {
         assert!(Instant::now() < deadline && p.alive(), "serve did not come up on the port MEDIAPLANE_API_LISTEN names");
         std::thread::sleep(Duration::from_millis(50));
     }
-    assert_eq!(status(&url, None), Some(401), "the token from the file is required");
-    assert_eq!(status(&url, Some("env-s3cre")), Some(401), "and only that token");
+    // (`/health` answers anyone, for liveness probes: the token guards the rest.)
+    let guarded = format!("http://127.0.0.1:{port}/v1/rooms");
+    assert_eq!(status(&guarded, Some("env-s3cret")), Some(200));
+    assert_eq!(status(&guarded, None), Some(401), "the token from the file is required");
+    assert_eq!(status(&guarded, Some("env-s3cre")), Some(401), "and only that token");
     assert!(p.terminate(Duration::from_secs(10)).unwrap().success());
     assert!(tmp.0.join("s.db").exists(), "store where MEDIAPLANE_STORE_PATH says");
 
