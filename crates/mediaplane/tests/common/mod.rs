@@ -142,3 +142,21 @@ pub fn unit_capabilities() -> Vec<String> {
     assert_eq!(ambient, unit_values(&unit, "CapabilityBoundingSet"), "the unit bounds the process to the capabilities it grants");
     ambient.iter().map(|c| c.strip_prefix("CAP_").unwrap_or_else(|| panic!("{c}")).to_lowercase()).collect()
 }
+
+/// One of the SRTP failure counters (`srtp_auth_failed`, `srtp_replayed`, ...) from a `GET
+/// /v1/stats` answer, whatever the data plane: the user-space plane counts them in `extra`
+/// under their own names; the eBPF planes' slow path (which does the crypto) under
+/// `extra["userspace.<name>"]` (crates/ebpf/src/dataplane.rs prefixes every slow-path extra).
+/// Both are summed when both are present. Panics when the GET failed, or when neither key is
+/// there or holds a count: a missing counter must not read as "no failure".
+pub fn srtp_counter(stats: &Result<Value, String>, name: &str) -> u64 {
+    let stats = stats.as_ref().unwrap_or_else(|e| panic!("GET /v1/stats failed, so {name} is unknown: {e}"));
+    let extra = &stats["extra"];
+    let found: Vec<u64> = [name.to_string(), format!("userspace.{name}")]
+        .iter()
+        .filter_map(|k| extra.get(k))
+        .map(|v| v.as_u64().unwrap_or_else(|| panic!("stats extra {name}: not a count: {v}")))
+        .collect();
+    assert!(!found.is_empty(), "stats have no {name} (nor userspace.{name}) in extra: {extra}");
+    found.iter().sum()
+}
