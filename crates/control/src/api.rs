@@ -1000,4 +1000,56 @@ mod tests {
         let other: ApiError = ManagerError::Dataplane(DataplaneError::Other("boom".into())).into();
         assert_eq!((other.code.status(), other.code.as_str()), (StatusCode::INTERNAL_SERVER_ERROR, "dataplane"));
     }
+
+    /// `auto_layer: true` is the default, so a subscription to a stream without layers takes it
+    /// as it takes its absence; what does need layers (`auto_layer: false`, a preferred or
+    /// maximum layer) is still refused there, and taken on a simulcast stream.
+    #[test]
+    fn auto_layer_true_is_taken_on_a_stream_without_layers() {
+        use crate::config::{ApiConfig, Limits, MetricsSection};
+        use mediaplane_dataplane::{UserspaceConfig, UserspaceDataplane};
+        let dp = UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap();
+        let media = MediaConfig { ip: "127.78.5.1".parse().unwrap(), port_min: 40000, port_max: 40099, ..Default::default() };
+        let mgr = Arc::new(SessionManager::open(crate::store::Store::in_memory().unwrap(), Arc::new(dp), media, Limits::default()).unwrap());
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        let url = format!("http://{}/v1/rooms", listener.local_addr().unwrap());
+        listener.set_nonblocking(true).unwrap();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
+            rt.block_on(async move {
+                let listener = tokio::net::TcpListener::from_std(listener).unwrap();
+                let metrics = Metrics::new(mgr.clone(), &MetricsSection::default());
+                axum::serve(listener, router(mgr, &ApiConfig::default(), metrics)).await.unwrap();
+            });
+        });
+        let post = |path: &str, body: Value| -> (u16, Value) {
+            match ureq::post(&format!("{url}{path}")).timeout(Duration::from_secs(10)).send_json(body) {
+                Ok(r) => (r.status(), r.into_json().unwrap()),
+                Err(ureq::Error::Status(code, r)) => (code, r.into_json().unwrap()),
+                Err(e) => panic!("POST {path}: {e}"),
+            }
+        };
+        assert_eq!(post("", json!({"id": "r"})).0, 201);
+        for (i, who) in ["p", "s1", "s2", "s3", "s4"].iter().enumerate() {
+            let (status, v) = post("/r/participants", json!({"id": who, "remote": format!("127.78.6.{}:5000", i + 1)}));
+            assert_eq!(status, 201, "{v}");
+        }
+        assert_eq!(post("/r/participants/p/streams", json!({"name": "mic", "ssrc": 5})).0, 201);
+        assert_eq!(post("/r/participants/p/streams", json!({"name": "cam", "layers": [10, 11], "codec": "vp8", "clock_rate": 90000})).0, 201);
+        let sub = |who: &str, extra: Value| {
+            let mut body = json!({"publisher": "p", "stream": "mic"});
+            body.as_object_mut().unwrap().extend(extra.as_object().unwrap().clone());
+            post(&format!("/r/participants/{who}/subscriptions"), body)
+        };
+        let (status, v) = sub("s1", json!({"auto_layer": true}));
+        assert_eq!(status, 201, "auto_layer true on a stream without layers: {v}");
+        assert!(v["consumer"].as_u64().is_some(), "{v}");
+        for (who, extra) in [("s2", json!({"auto_layer": false})), ("s3", json!({"preferred_layer": 0})), ("s4", json!({"max_layer": 0}))] {
+            let (status, v) = sub(who, extra.clone());
+            assert_eq!((status, v["code"].as_str()), (400, Some("invalid")), "{extra} on a stream without layers: {v}");
+            assert!(v["error"].as_str().unwrap().contains("has no layers"), "{v}");
+        }
+        let (status, v) = sub("s2", json!({"stream": "cam", "auto_layer": false, "max_layer": 0}));
+        assert_eq!(status, 201, "a simulcast stream takes them: {v}");
+    }
 }
