@@ -10,7 +10,7 @@ use crate::manager::{allocate_local, ManagerError, SessionManager, Ticket};
 use crate::metrics::{Metrics, StatsReading};
 use crate::store::Change;
 use axum::extract::rejection::JsonRejection;
-use axum::extract::{DefaultBodyLimit, FromRequest, MatchedPath, Path, Request, State};
+use axum::extract::{DefaultBodyLimit, FromRequest, FromRequestParts, MatchedPath, Request, State};
 use axum::http::{header, HeaderMap, HeaderName, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{delete, get, post, put};
@@ -123,6 +123,24 @@ where
         match Json::<T>::from_request(req, state).await {
             Ok(Json(v)) => Ok(ApiJson(v)),
             Err(rej) => Err(body_rejected(rej.status(), rej.body_text())),
+        }
+    }
+}
+
+/// The path's parameters (axum's `Path`), refused as this API's errors are: one that does not
+/// decode (`%FF` is no UTF-8) is `invalid`.
+pub struct Path<T>(pub T);
+
+impl<S: Send + Sync, T> FromRequestParts<S> for Path<T>
+where
+    T: serde::de::DeserializeOwned + Send,
+{
+    type Rejection = ApiError;
+
+    async fn from_request_parts(parts: &mut axum::http::request::Parts, state: &S) -> Result<Self, ApiError> {
+        match axum::extract::Path::<T>::from_request_parts(parts, state).await {
+            Ok(axum::extract::Path(v)) => Ok(Path(v)),
+            Err(rej) => Err(ApiError::new(ErrorCode::Invalid, rej.body_text())),
         }
     }
 }

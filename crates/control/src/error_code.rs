@@ -43,7 +43,7 @@ macro_rules! codes {
 
 codes! {
     BadRequest "bad_request" BAD_REQUEST "the body is not JSON, or could not be read";
-    Invalid "invalid" BAD_REQUEST "a value is not allowed: an id, an address, a key, a layer, a number out of range";
+    Invalid "invalid" BAD_REQUEST "a value is not allowed: an id, an address, a key, a layer, a number out of range, a path or query parameter";
     InvalidSdp "invalid_sdp" BAD_REQUEST "the WHIP/WHEP body is not an SDP offer, or lacks what one must carry (ICE credentials, a readable `a=fingerprint`)";
     Unauthorized "unauthorized" UNAUTHORIZED "no bearer token, a wrong one, or an expired or altered room token";
     Forbidden "forbidden" FORBIDDEN "a room token used beyond WHIP, WHEP, reading and leaving its own room";

@@ -27,11 +27,11 @@
 //! Both take `?participant=<id>` to name the participant (one is made up otherwise). The
 //! handshake starts when the client's first ICE check arrives (`crate::crypto_legs`).
 
-use crate::api::{body_rejected, commit_value, ApiError, AppState, ErrorCode, Pending};
+use crate::api::{body_rejected, commit_value, ApiError, AppState, ErrorCode, Path, Pending};
 use crate::crypto_legs::CryptoLegSpec;
 use crate::manager::{allocate_local, ManagerError, SessionManager, Ticket};
 use crate::store::Change;
-use axum::extract::{FromRequest, FromRequestParts, Path, Query, Request, State};
+use axum::extract::{FromRequest, FromRequestParts, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;

@@ -170,6 +170,12 @@ fn every_endpoint_success_and_error_paths() {
     let r = ureq::get(&format!("{}/health", d.api)).call().unwrap();
     assert_eq!(r.header("x-request-id").map(str::len), Some(36), "a UUID");
 
+    // A path parameter that does not decode is a JSON error too.
+    for path in ["/v1/rooms/%FF", "/v1/rooms/conf/consumers/%FF", "/v1/relays/%C3"] {
+        let (s, v) = call(&d, "GET", path, None);
+        assert!(s == 400 && code(&v) == "invalid" && v["error"].as_str().unwrap().contains("UTF-8"), "{path}: {s} {v}");
+    }
+
     // Unknown endpoint and wrong method are JSON errors too.
     let (s, v) = call(&d, "GET", "/v2/nothing", None);
     assert_eq!((s, code(&v)), (404, "not_found"));
