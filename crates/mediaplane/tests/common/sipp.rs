@@ -126,31 +126,45 @@ impl Bed {
         })
     }
 
-    /// On the eBPF plane, the media crossed the TC programs: most of the `received` packets were
-    /// forwarded in the kernel, or handed up to the slow path if not [`Bed::media_in_kernel`] (a
-    /// line in `report`, a failure if not).
+    /// On the eBPF plane, the media crossed the TC programs. With [`Bed::media_in_kernel`]: every
+    /// packet the endpoints `received` was forwarded in the kernel but those the BPF program
+    /// handed up to the slow path, and those are only the first packets of a leg whose source
+    /// was not latched yet (`pass_unlatched`, relayed by the slow path, which reports the source
+    /// to the kernel): no other reason to go up, and at most 2 % of what was received (measured:
+    /// 18 of 4,543 in interop_latching, 6 of 600 in interop_codecs). Without it (SRTP ↔ RTP is
+    /// per-packet crypto in user space): every received packet was handed up. A line in `report`,
+    /// a failure if not; a counter missing from the stats panics.
     fn check_kernel_path(&self, received: usize, report: &mut String, failures: &mut Vec<String>) {
         if self.relay != Relay::MediaplaneEbpf {
             return;
         }
         let stats = super::netns::try_api(&self.tb, "GET", "/v1/stats", None).unwrap_or_else(|e| panic!("GET /v1/stats: {e}"));
-        let counter = |k: &str| stats["extra"][k].as_u64().unwrap_or(0) as usize;
-        // Media the relay terminates (SRTP ↔ RTP) is handed up to the user-space slow path instead.
-        let (counted, how) = if self.media_in_kernel {
-            (counter("forwarded"), "forwarded by the BPF program")
+        let counter = |k: &str| stats["extra"][k].as_u64().unwrap_or_else(|| panic!("no {k} in the stats: {}", stats["extra"])) as usize;
+        let (forwarded, unlatched, slow_stream) = (counter("forwarded"), counter("pass_unlatched"), counter("pass_slow_stream"));
+        // Every other reason the kernel hands a packet of the relay's streams up.
+        let others: Vec<(&str, usize)> = mediaplane_ebpf::maps::SLOW_PATH_PASSES
+            .iter()
+            .filter(|k| !["pass_unlatched", "pass_slow_stream"].contains(k))
+            .map(|k| (*k, counter(k)))
+            .filter(|(_, n)| *n > 0)
+            .collect();
+        let (ok, line) = if self.media_in_kernel {
+            let ok = received > 0 && forwarded + unlatched >= received && unlatched * 50 <= received && slow_stream == 0 && others.is_empty();
+            (ok, format!("{forwarded} packets forwarded by the BPF program, {unlatched} handed up unlatched, {slow_stream} as slow streams, others {others:?}; {received} received by the endpoints"))
         } else {
-            (counter("pass_slow_stream"), "handed up by the BPF program to the slow path")
+            let ok = received > 0 && slow_stream + unlatched >= received;
+            (ok, format!("{slow_stream} packets handed up by the BPF program as slow streams and {unlatched} unlatched, {received} received by the endpoints"))
         };
-        let ok = counted * 2 >= received && received > 0;
-        let _ = writeln!(report, "  {} kernel path: {counted} packets {how}, {received} received by the endpoints", if ok { "ok  " } else { "FAIL" });
+        let _ = writeln!(report, "  {} kernel path: {line}", if ok { "ok  " } else { "FAIL" });
         if !ok {
-            failures.push(format!("only {counted} of {received} received packets were {how}"));
+            failures.push(format!("kernel path: {line}"));
         }
     }
 
-    /// Check the kernel path (eBPF plane: most of the `received` packets the endpoints counted
-    /// were forwarded, or handed up, by the BPF program), print the report; fail with `failures` and the logs'
-    /// tails, or stop the relay cleanly. MP_KEEP_TMP=1 keeps the run's directory.
+    /// Check the kernel path ([`Bed::check_kernel_path`]: on the eBPF plane, the `received`
+    /// packets the endpoints counted were forwarded in the kernel, or handed up), print the
+    /// report; fail with `failures` and the logs' tails, or stop the relay cleanly.
+    /// MP_KEEP_TMP=1 keeps the run's directory.
     pub fn finish(self, received: usize, mut report: String, mut failures: Vec<String>) {
         self.check_kernel_path(received, &mut report, &mut failures);
         let Bed { relay, tb, tmp, mut relay_proc, kamailio, started, .. } = self;
