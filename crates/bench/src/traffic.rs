@@ -47,6 +47,9 @@ use socket2::{SockAddr, SockRef};
 use crate::qos::{DelayVariation, EModel, Rfc3550Jitter, SeqTracker, Summary, ValueRecorder};
 use mediaplane_dataplane::srtp::{Context as SrtpContext, SrtpDrop};
 use mediaplane_dataplane::sys::Epoll;
+pub use rtcp::{RtcpSent, RTCP_INTERVAL};
+
+pub mod rtcp;
 
 pub const RTP_HEADER_LEN: usize = 12;
 /// Harness sequence + send time.
@@ -345,6 +348,9 @@ pub struct SenderSpec {
     /// Protect every packet with this SRTP session before sending (an SDES-SRTP party); the
     /// protect time is inside the measured one-way delay, and reported on its own.
     pub srtp: Option<Arc<SrtpContext>>,
+    /// Send an RTCP SR (+ SDES CNAME) about this flow to `dest` every [`RTCP_INTERVAL`], as a
+    /// browser's RTP sender does ([`rtcp`]). RTP formats only, not with `srtp`.
+    pub sender_reports: bool,
 }
 
 /// A receiving socket and the flows it should get; anything else is counted `unexpected`.
@@ -359,6 +365,19 @@ pub struct ReceiverSpec {
     /// Unprotect every datagram with this SRTP session before reading it (after its kernel
     /// receive time was taken); one that fails is counted `srtp_failed`.
     pub srtp: Option<Arc<SrtpContext>>,
+    /// Send the RTCP a browser's receive streams send ([`rtcp`]: an RR per received stream
+    /// every [`RTCP_INTERVAL`], a PLI at a start off a keyframe, NACKs for gaps) from `socket`.
+    /// RTP flows only, not with `srtp`.
+    pub feedback: Option<Feedback>,
+}
+
+/// Where a receiver's RTCP goes and whom it speaks for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Feedback {
+    /// The receiver's own SSRC (the sender SSRC of its RTCP).
+    pub ssrc: u32,
+    /// Where it sends its RTCP (the SFU address its media comes from: RTCP multiplexed).
+    pub to: SocketAddr,
 }
 
 #[derive(Debug)]
@@ -396,18 +415,37 @@ impl TrafficPlan {
     }
 
     pub fn sender(mut self, socket: impl Into<Arc<UdpSocket>>, dest: SocketAddr, flow_id: u32, profile: Profile) -> TrafficPlan {
-        self.senders.push(SenderSpec { socket: socket.into(), dest, flow_id, profile, srtp: None });
+        self.senders.push(SenderSpec { socket: socket.into(), dest, flow_id, profile, srtp: None, sender_reports: false });
+        self
+    }
+
+    /// [`TrafficPlan::sender`] that also sends an RTCP SR about its flow every [`RTCP_INTERVAL`].
+    pub fn sender_with_reports(mut self, socket: impl Into<Arc<UdpSocket>>, dest: SocketAddr, flow_id: u32, profile: Profile) -> TrafficPlan {
+        self.senders.push(SenderSpec { socket: socket.into(), dest, flow_id, profile, srtp: None, sender_reports: true });
         self
     }
 
     /// [`TrafficPlan::sender`] of SRTP: every packet protected with `srtp` (an outbound session).
     pub fn srtp_sender(mut self, socket: impl Into<Arc<UdpSocket>>, dest: SocketAddr, flow_id: u32, profile: Profile, srtp: Arc<SrtpContext>) -> TrafficPlan {
-        self.senders.push(SenderSpec { socket: socket.into(), dest, flow_id, profile, srtp: Some(srtp) });
+        self.senders.push(SenderSpec { socket: socket.into(), dest, flow_id, profile, srtp: Some(srtp), sender_reports: false });
         self
     }
 
     pub fn receiver(mut self, label: impl Into<String>, socket: impl Into<Arc<UdpSocket>>, expects: impl IntoIterator<Item = u32>) -> TrafficPlan {
-        self.receivers.push(ReceiverSpec { label: label.into(), socket: socket.into(), expects: expects.into_iter().collect(), srtp: None });
+        self.receivers.push(ReceiverSpec { label: label.into(), socket: socket.into(), expects: expects.into_iter().collect(), srtp: None, feedback: None });
+        self
+    }
+
+    /// [`TrafficPlan::receiver`] that sends a browser's RTCP about what it receives to `feedback.to`.
+    pub fn receiver_with_feedback(
+        mut self,
+        label: impl Into<String>,
+        socket: impl Into<Arc<UdpSocket>>,
+        expects: impl IntoIterator<Item = u32>,
+        feedback: Feedback,
+    ) -> TrafficPlan {
+        let expects = expects.into_iter().collect();
+        self.receivers.push(ReceiverSpec { label: label.into(), socket: socket.into(), expects, srtp: None, feedback: Some(feedback) });
         self
     }
 
@@ -419,7 +457,13 @@ impl TrafficPlan {
         expects: impl IntoIterator<Item = u32>,
         srtp: Arc<SrtpContext>,
     ) -> TrafficPlan {
-        self.receivers.push(ReceiverSpec { label: label.into(), socket: socket.into(), expects: expects.into_iter().collect(), srtp: Some(srtp) });
+        self.receivers.push(ReceiverSpec {
+            label: label.into(),
+            socket: socket.into(),
+            expects: expects.into_iter().collect(),
+            srtp: Some(srtp),
+            feedback: None,
+        });
         self
     }
 
@@ -434,6 +478,9 @@ impl TrafficPlan {
             if s.profile.format == PayloadFormat::Raw {
                 ensure!(s.flow_id <= u16::MAX as u32, "flow {}: raw flows need 16-bit flow ids", s.flow_id);
             }
+            if s.sender_reports {
+                ensure!(s.profile.format != PayloadFormat::Raw && s.srtp.is_none(), "flow {}: sender reports need plain RTP (not raw, not SRTP)", s.flow_id);
+            }
             let n = s.profile.planned_packets(self.duration);
             ensure!(planned.insert(s.flow_id, n).is_none(), "flow id {} used twice", s.flow_id);
             total += n;
@@ -442,6 +489,10 @@ impl TrafficPlan {
         for r in &self.receivers {
             for f in &r.expects {
                 ensure!(planned.contains_key(f), "receiver {} expects flow {f}, which no sender sends", r.label);
+                if r.feedback.is_some() {
+                    let raw = self.senders.iter().any(|s| s.flow_id == *f && s.profile.format == PayloadFormat::Raw);
+                    ensure!(!raw && r.srtp.is_none(), "receiver {}: feedback needs plain RTP flows (flow {f})", r.label);
+                }
             }
         }
         Ok(planned)
@@ -468,6 +519,11 @@ pub struct SenderReport {
     /// SRTP senders: packets libsrtp refused to protect (not sent; counted in `send_errors` too).
     #[serde(default)]
     pub srtp_protect_failed: u64,
+    /// RTCP SRs sent ([`SenderSpec::sender_reports`]), and those the socket refused.
+    #[serde(default)]
+    pub sender_reports: u64,
+    #[serde(default)]
+    pub rtcp_send_errors: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -493,6 +549,9 @@ pub struct ReceiverReport {
     pub srtp_replayed: u64,
     /// Packets without a kernel timestamp, stamped in user space instead.
     pub user_timestamps: u64,
+    /// The RTCP it sent ([`ReceiverSpec::feedback`]).
+    #[serde(default)]
+    pub rtcp_sent: RtcpSent,
 }
 
 /// One copy = one (flow, receiver) pair.
@@ -550,6 +609,9 @@ pub struct Totals {
     #[serde(default)]
     pub srtp_replayed: u64,
     pub send_errors: u64,
+    /// RTCP packets sent: senders' SRs and receivers' RRs, PLIs and NACKs.
+    #[serde(default)]
+    pub rtcp_sent: u64,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize)]
@@ -662,6 +724,8 @@ struct SenderAcc {
     /// SRTP senders only.
     protect: Option<ValueRecorder>,
     protect_failed: u64,
+    sender_reports: u64,
+    rtcp_send_errors: u64,
 }
 
 fn new_sender_accs(plan: &TrafficPlan) -> Vec<SenderAcc> {
@@ -675,6 +739,8 @@ fn new_sender_accs(plan: &TrafficPlan) -> Vec<SenderAcc> {
             lateness: ValueRecorder::compact(),
             protect: s.srtp.as_ref().map(|_| ValueRecorder::compact()),
             protect_failed: 0,
+            sender_reports: 0,
+            rtcp_send_errors: 0,
         })
         .collect()
 }
@@ -697,6 +763,26 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
         next_seq: u64,
         rtp_seq_base: u16,
         rtp_ts_base: u32,
+        /// Monotonic time of the first burst (media time 0).
+        first_ns: u64,
+    }
+    /// An SR about `flow` (RTP formats: validated): NTP now, the RTP timestamp of now on the
+    /// flow's media clock, what was sent so far.
+    fn send_sender_report(spec: &SenderSpec, flow: &FlowState, acc: &mut SenderAcc, now: u64) {
+        let clock_rate = match spec.profile.format {
+            PayloadFormat::Rtp { clock_rate, .. } => clock_rate,
+            PayloadFormat::Vp8 { .. } => 90_000,
+            PayloadFormat::Raw => return,
+        };
+        let media = (now.saturating_sub(flow.first_ns) as u128 * clock_rate as u128 / 1_000_000_000) as u32;
+        let payload_octets = acc.sent_bytes.saturating_sub(acc.sent * RTP_HEADER_LEN as u64);
+        let cname = spec.socket.local_addr().map(|a| a.to_string()).unwrap_or_default();
+        let sr =
+            rtcp::sender_report(spec.flow_id, rtcp::ntp(realtime_ns()), flow.rtp_ts_base.wrapping_add(media), acc.sent as u32, payload_octets as u32, &cname);
+        match SockRef::from(&spec.socket).send_to_with_flags(&sr, &flow.dest, libc::MSG_DONTWAIT) {
+            Ok(_) => acc.sender_reports += 1,
+            Err(_) => acc.rtcp_send_errors += 1,
+        }
     }
     let mut flows: Vec<FlowState> = plan
         .senders
@@ -717,18 +803,49 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
                 next_seq: 0,
                 rtp_seq_base: (mix >> 16) as u16,
                 rtp_ts_base: mix.rotate_left(7),
+                first_ns: t0 + offset_ns,
             }
         })
         .collect();
-    // Min-heap of (deadline, sender, burst index): bounded by the number of bursts in the plan.
-    let mut heap: BinaryHeap<Reverse<(u64, usize, u64)>> =
-        flows.iter().enumerate().filter(|(_, f)| f.bursts > 0).map(|(j, f)| Reverse((t0 + f.offset_ns, j, 0))).collect();
+    /// What is due: burst k of sender j, or its k-th SR (k from 1).
+    #[derive(PartialEq, Eq, PartialOrd, Ord)]
+    enum Due {
+        Burst(usize, u64),
+        Report(usize, u64),
+    }
+    let duration_ns = plan.duration.as_nanos() as u64;
+    // SR k (from 1) of a flow leaves k - 1/2 intervals after its first burst (libwebrtc's first
+    // report comes half an interval after the start), while within the duration.
+    let report_at = |f: &FlowState, k: u64| {
+        let after = k * rtcp::RTCP_INTERVAL_NS - rtcp::RTCP_INTERVAL_NS / 2;
+        (after < duration_ns).then(|| t0 + f.offset_ns + after)
+    };
+    // Min-heap of (deadline, what): bounded by the number of bursts and reports in the plan.
+    let mut heap: BinaryHeap<Reverse<(u64, Due)>> =
+        flows.iter().enumerate().filter(|(_, f)| f.bursts > 0).map(|(j, f)| Reverse((t0 + f.offset_ns, Due::Burst(j, 0)))).collect();
+    for (j, f) in flows.iter().enumerate().filter(|(j, f)| plan.senders[*j].sender_reports && f.bursts > 0) {
+        if let Some(at) = report_at(f, 1) {
+            heap.push(Reverse((at, Due::Report(j, 1))));
+        }
+    }
     let give_up_at = t0 + (plan.duration + MAX_LATENESS).as_nanos() as u64;
     let mut last_send = t0;
 
-    while let Some(Reverse((deadline, j, k))) = heap.pop() {
+    while let Some(Reverse((deadline, due))) = heap.pop() {
         sleep_until(deadline, spin_ns);
         let start = monotonic_ns();
+        let (j, k) = match due {
+            Due::Burst(j, k) => (j, k),
+            Due::Report(j, k) => {
+                if start <= give_up_at {
+                    send_sender_report(&plan.senders[j], &flows[j], &mut accs[j], start);
+                }
+                if let Some(at) = report_at(&flows[j], k + 1) {
+                    heap.push(Reverse((at, Due::Report(j, k + 1))));
+                }
+                continue;
+            }
+        };
         let spec = &plan.senders[j];
         let flow = &mut flows[j];
         let acc = &mut accs[j];
@@ -801,7 +918,7 @@ fn send_loop(plan: &TrafficPlan, mut accs: Vec<SenderAcc>, shared: &Shared, t0: 
         last_send = monotonic_ns();
         if k + 1 < flow.bursts {
             let next = t0 + flow.offset_ns + ((k + 1) as f64 * flow.interval_ns).round() as u64;
-            heap.push(Reverse((next, j, k + 1)));
+            heap.push(Reverse((next, Due::Burst(j, k + 1))));
         }
     }
     shared.sender_done_at.store(monotonic_ns(), Ordering::Release);
@@ -843,6 +960,8 @@ struct ReceiverAcc {
     srtp_failed: u64,
     srtp_replayed: u64,
     user_timestamps: u64,
+    /// Receivers that send RTCP: its state, and the media clock of each flow it expects.
+    feedback: Option<(rtcp::FeedbackState, HashMap<u32, u32>)>,
 }
 
 struct ReceiverOutcome {
@@ -871,9 +990,17 @@ fn prepare_receiver(socket: &UdpSocket) -> anyhow::Result<()> {
 }
 
 fn new_receiver_accs(plan: &TrafficPlan, planned: &HashMap<u32, u64>) -> Vec<ReceiverAcc> {
+    let clock_rate = |flow: &u32| match plan.senders.iter().find(|s| s.flow_id == *flow).map(|s| s.profile.format) {
+        Some(PayloadFormat::Rtp { clock_rate, .. }) => clock_rate,
+        _ => 90_000,
+    };
     plan.receivers
         .iter()
         .map(|r| ReceiverAcc {
+            feedback: r.feedback.map(|f| {
+                let cname = r.socket.local_addr().map(|a| a.to_string()).unwrap_or_default();
+                (rtcp::FeedbackState::new(f.ssrc, cname, u64::MAX), r.expects.iter().map(|f| (*f, clock_rate(f))).collect())
+            }),
             copies: r
                 .expects
                 .iter()
@@ -914,6 +1041,12 @@ fn receive_loop(plan: &TrafficPlan, mut accs: Vec<ReceiverAcc>, flow_index: &Has
     // SRTP receivers: the datagram unprotected.
     let mut clear = Vec::with_capacity(2048);
     let mut ready = Vec::with_capacity(64);
+    // Receivers' RTCP: reports until the media ends; what is to be sent.
+    let media_end = t0 + plan.duration.as_nanos() as u64;
+    for (fb, _) in accs.iter_mut().filter_map(|a| a.feedback.as_mut()) {
+        fb.until_ns = media_end;
+    }
+    let mut outbox: rtcp::Outbox = Vec::new();
 
     loop {
         let now = monotonic_ns();
@@ -927,6 +1060,12 @@ fn receive_loop(plan: &TrafficPlan, mut accs: Vec<ReceiverAcc>, flow_index: &Has
         }
         if now >= stop_at {
             break;
+        }
+        // Receiver reports that are due (checked at every wake-up: at most 10 ms late).
+        for (i, acc) in accs.iter_mut().enumerate() {
+            let ReceiverAcc { feedback: Some((fb, _)), copies, .. } = acc else { continue };
+            fb.due_reports(now, |flow| copies.get(&flow).map_or(0.0, |c| c.jitter.jitter_ns()), &mut outbox);
+            send_feedback(&plan.receivers[i], fb, &mut outbox);
         }
         // Wake at least every 10 ms to notice the sender finishing.
         let timeout_ms = ((stop_at - now) / 1_000_000).clamp(1, 10) as i32;
@@ -955,6 +1094,12 @@ fn receive_loop(plan: &TrafficPlan, mut accs: Vec<ReceiverAcc>, flow_index: &Has
                             d = &clear;
                         }
                         on_datagram(&mut accs[i], d, truncated, recv_ns, kernel_ns.is_none());
+                        if let Some((fb, clocks)) = accs[i].feedback.as_mut() {
+                            if !truncated {
+                                on_feedback(fb, clocks, d, &mut outbox);
+                                send_feedback(&plan.receivers[i], fb, &mut outbox);
+                            }
+                        }
                     }
                     Err(e) if e.kind() == io::ErrorKind::WouldBlock => break,
                     Err(e) if e.kind() == io::ErrorKind::Interrupted => continue,
@@ -965,6 +1110,31 @@ fn receive_loop(plan: &TrafficPlan, mut accs: Vec<ReceiverAcc>, flow_index: &Has
         }
     }
     Ok(ReceiverOutcome { per_receiver: accs, cpu_ns: thread_cpu_ns() })
+}
+
+/// A datagram at a receiver that sends RTCP: an SR's time is kept, an expected flow's RTP
+/// packet may call for a PLI or NACKs (into `outbox`).
+fn on_feedback(fb: &mut rtcp::FeedbackState, clocks: &HashMap<u32, u32>, d: &[u8], outbox: &mut rtcp::Outbox) {
+    let now = monotonic_ns();
+    if is_rtcp(d) {
+        fb.on_rtcp(d, now);
+        return;
+    }
+    let (Some(probe), Ok(h)) = (decode_probe(d), mediaplane_core::rtp::RtpHeader::parse(d)) else { return };
+    let Some(&clock_rate) = clocks.get(&probe.flow_id) else { return };
+    // A VP8 keyframe's first packet: S in the descriptor, P = 0 in the payload header.
+    let keyframe_start = (h.payload_type == VP8_PAYLOAD_TYPE)
+        .then(|| d.get(h.payload_offset..h.payload_offset + VP8_PREFIX_LEN).is_some_and(|p| p[0] & 0x10 != 0 && p[4] & 0x01 == 0));
+    fb.on_rtp(probe.flow_id, clock_rate, &h, keyframe_start, now, outbox);
+}
+
+/// Send what `outbox` holds from the receiver's socket to its RTCP destination, counted.
+fn send_feedback(spec: &ReceiverSpec, fb: &mut rtcp::FeedbackState, outbox: &mut rtcp::Outbox) {
+    let Some(to) = spec.feedback.map(|f| SockAddr::from(f.to)) else { return };
+    for (kind, p) in outbox.drain(..) {
+        let ok = SockRef::from(&*spec.socket).send_to_with_flags(&p, &to, libc::MSG_DONTWAIT).is_ok();
+        fb.sent.count(kind, ok);
+    }
 }
 
 fn all_complete(accs: &[ReceiverAcc], flow_index: &HashMap<u32, usize>, shared: &Shared) -> bool {
@@ -1022,6 +1192,8 @@ fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: R
             lateness_ns: acc.lateness.summary(),
             srtp_protect_ns: acc.protect.as_ref().map(ValueRecorder::summary),
             srtp_protect_failed: acc.protect_failed,
+            sender_reports: acc.sender_reports,
+            rtcp_send_errors: acc.rtcp_send_errors,
         })
         .collect();
     let sent_by_flow: HashMap<u32, u64> = senders.iter().map(|s| (s.flow_id, s.sent)).collect();
@@ -1074,6 +1246,7 @@ fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: R
             srtp_failed: acc.srtp_failed,
             srtp_replayed: acc.srtp_replayed,
             user_timestamps: acc.user_timestamps,
+            rtcp_sent: acc.feedback.as_ref().map(|(fb, _)| fb.sent).unwrap_or_default(),
         });
     }
 
@@ -1089,6 +1262,7 @@ fn build_report(plan: &TrafficPlan, started_unix_ns: i64, s: SenderOutcome, r: R
         srtp_failed: receivers.iter().map(|r| r.srtp_failed).sum(),
         srtp_replayed: receivers.iter().map(|r| r.srtp_replayed).sum(),
         send_errors: senders.iter().map(|s| s.send_errors).sum(),
+        rtcp_sent: senders.iter().map(|s| s.sender_reports).sum::<u64>() + receivers.iter().map(|r| r.rtcp_sent.packets()).sum::<u64>(),
     };
     TrafficReport {
         started_unix_ns,

@@ -185,6 +185,10 @@ pub struct ConferenceResult {
     #[serde(default)]
     pub kernel_share: Option<f64>,
     pub generator_cpu_ns: u64,
+    /// RTCP packets the participants sent the SFU during the run (simulcast scenarios: SRs,
+    /// RRs, PLIs, NACKs, as browsers send them; 0 elsewhere and on the floor).
+    #[serde(default)]
+    pub rtcp_sent: u64,
 }
 
 /// `mediaplane serve` running inside the SFU namespace; killed on drop if still up.
@@ -332,6 +336,10 @@ pub(crate) fn flow_main(i: usize) -> u32 {
 /// Layer `l` of participant i's simulcast video: 3000..5999 (up to 1,000 participants).
 fn flow_layer(i: usize, l: usize) -> u32 {
     3000 + 1000 * l as u32 + i as u32
+}
+/// Participant i's own SSRC as a receiver (its RTCP's sender SSRC): none of the flows'.
+fn receiver_ssrc(i: usize) -> u32 {
+    0x4d50_0000 + i as u32
 }
 fn flow_high(i: usize) -> u32 {
     2000 + i as u32
@@ -606,8 +614,9 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
                 }
             }
         } else if layered {
+            // As a browser: an SR a second per layer (see the receivers' RTCP below).
             for l in 0..LAYERS {
-                plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_layer(i, l), Profile::simulcast_layer(l as u8));
+                plan = plan.sender_with_reports(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_layer(i, l), Profile::simulcast_layer(l as u8));
             }
         } else {
             plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_main(i), profile.clone());
@@ -627,9 +636,14 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
                 expected[i].push(if floor { flow_mesh_high(j, i) } else { flow_high(j) });
             }
         }
-        plan = match srtp {
-            Some(suite) => plan.srtp_receiver(format!("p{i}"), sock, expected[i].clone(), participant_srtp(suite, i, true, false)?),
-            None => plan.receiver(format!("p{i}"), sock, expected[i].clone()),
+        // The simulcast scenarios' subscribers send a browser's RTCP to the SFU (an RR a second
+        // per received stream, PLI, NACK: traffic::rtcp), which counts in the kernel share: on
+        // the eBPF planes RTCP goes to the slow path. Not on the floor: there is no SFU.
+        let feedback = (layered && !floor).then(|| traffic::Feedback { ssrc: receiver_ssrc(i), to: SocketAddr::new(p.sfu_ip, SFU_PORT) });
+        plan = match (srtp, feedback) {
+            (Some(suite), _) => plan.srtp_receiver(format!("p{i}"), sock, expected[i].clone(), participant_srtp(suite, i, true, false)?),
+            (None, Some(f)) => plan.receiver_with_feedback(format!("p{i}"), sock, expected[i].clone(), f),
+            (None, None) => plan.receiver(format!("p{i}"), sock, expected[i].clone()),
         };
     }
     for (i, p) in tb.peers.iter().enumerate() {
@@ -751,6 +765,7 @@ fn summarise(
         slow_path_packets: None,
         kernel_share: None,
         generator_cpu_ns: report.generator_cpu_ns,
+        rtcp_sent: report.totals.rtcp_sent,
     }
 }
 
