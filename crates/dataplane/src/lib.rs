@@ -5,6 +5,7 @@
 //! packets according to [`ForwardingTable::classify`]; it never decides anything the table does
 //! not say. Slow-path events (a source to latch) go back to the control plane as [`DataplaneEvent`]s.
 
+pub mod engine;
 pub mod kernel_layers;
 pub mod record;
 pub mod srtp;

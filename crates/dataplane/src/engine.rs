@@ -1,0 +1,1185 @@
+//! The per-packet engine, sans-I/O (quinn-proto beside quinn-udp; str0m): every piece of state a
+//! data plane's per-packet decisions depend on, owned by one object that takes time as an
+//! argument and returns what to do. A driver (the socket plane, the eBPF plane's slow path, which
+//! is the socket plane in steered mode) receives datagrams, calls [`Engine::handle_datagram`],
+//! carries out the [`Output`]s in their order, tells the engine what it sent
+//! ([`Engine::on_transmitted`]), and runs [`Engine::handle_timeout`] when
+//! [`Engine::poll_timeout`] says so. It holds no decision code and no periodic thread.
+//!
+//! What the engine owns: the pipeline's stream rate limits ([`Pipeline`]), the per-source
+//! buckets, the feedback router, the simulcast consumers (their rewriters and layer choices,
+//! what publishers send of each layer), reception quality as received and as forwarded, the
+//! times sender reports passed, every counter, and the throttles on what goes to the control
+//! plane. What it is handed: the installed table, the SRTP contexts through [`Crypto`] (libsrtp
+//! in [`crate::srtp`]), and with the eBPF plane the kernel's simulcast states
+//! ([`KernelLayers`]).
+//!
+//! One engine serves all of a plane's workers, behind one lock taken per received batch for the
+//! decisions and once more for what the batch sent (never across a system call): a stream's
+//! state and a consumer's feedback are one, whichever worker SO_REUSEPORT put their flows on.
+
+use crate::kernel_layers::{KernelLayers, KernelReceived, RECONCILE_TICKS, TICK_NS};
+use crate::{ConsumerCounters, ConsumerReport, Counters, DataplaneEvent, DataplaneStats, LayerState};
+use mediaplane_core::call_quality::SenderReportTimes;
+use mediaplane_core::feedback::{FeedbackEntry, FeedbackRouter, LayerMap, Outcome};
+use mediaplane_core::layer_choice::{self, LayerActivity, LayerChoice};
+use mediaplane_core::pipeline::{CopyOf, Effect, LayerFanOut, Pipeline, Plane};
+use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
+use mediaplane_core::reception::{ReceptionReport, RtpReception};
+use mediaplane_core::rtp::{demux, MediaKind};
+use mediaplane_core::simulcast::{self, Decision, LayerRewriter};
+use mediaplane_core::srtp::{Protection, SrtpKey};
+use mediaplane_core::table::{IngressKey, SimulcastLayer, SlowReason, SourceRule, StreamEntry};
+use mediaplane_core::ForwardingTable;
+use std::borrow::Cow;
+use std::collections::{BTreeMap, HashMap, HashSet};
+use std::net::{IpAddr, SocketAddr};
+use std::sync::Arc;
+
+/// The SRTP contexts the engine protects and unprotects with (one per SFU address and
+/// direction); libsrtp's in the planes ([`crate::srtp::Contexts`]).
+pub trait Crypto {
+    /// An SRTP or SRTCP packet that arrived at `at`, unprotected with the address's inbound
+    /// `key`; None: dropped (no key, failed authentication, a replay: counted by the contexts).
+    fn unprotect(&mut self, at: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>>;
+    /// A packet sent from `from`, protected with the address's outbound `key`; None: not sent.
+    fn protect(&mut self, from: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>>;
+}
+
+/// No crypto: every SRTP packet is dropped and no protected copy is made (tests, and a table
+/// without SRTP legs).
+pub struct NoCrypto;
+
+impl Crypto for NoCrypto {
+    fn unprotect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, _: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
+    fn protect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, _: &[u8]) -> Option<Vec<u8>> {
+        None
+    }
+}
+
+/// The clocks a datagram or a timeout is handled at.
+#[derive(Debug, Clone, Copy)]
+pub struct Now {
+    /// The rate limits' clock (monotonic ns, never 0).
+    pub limits_ns: u64,
+    /// CLOCK_MONOTONIC ns ([`crate::monotonic_ns`]): measurements, feedback, timers.
+    pub mono_ns: u64,
+    /// The wall clock, µs since the Unix epoch (RTCP handed to the control plane).
+    pub wall_us: u64,
+}
+
+impl Now {
+    /// The clocks as they read now.
+    pub fn read() -> Now {
+        let wall_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
+        Now { limits_ns: limits_clock_ns(), mono_ns: crate::monotonic_ns(), wall_us }
+    }
+}
+
+/// Monotonic nanoseconds since the first call, plus 1 s (the buckets' clock: a zero theoretical
+/// arrival time is "idle", never "in the future").
+pub fn limits_clock_ns() -> u64 {
+    static EPOCH: std::sync::OnceLock<std::time::Instant> = std::sync::OnceLock::new();
+    EPOCH.get_or_init(std::time::Instant::now).elapsed().as_nanos() as u64 + 1_000_000_000
+}
+
+/// One received datagram as the driver read it.
+#[derive(Debug, Clone, Copy)]
+pub struct Datagram<'p> {
+    /// The SFU address it arrived at (None: unknown, a catch-all socket without the control
+    /// message).
+    pub local: Option<SocketAddr>,
+    /// Its source (None: not an IP address).
+    pub src: Option<SocketAddr>,
+    /// Cut short by the receive buffer.
+    pub truncated: bool,
+    pub payload: &'p [u8],
+}
+
+/// What the driver does, in order.
+#[derive(Debug)]
+pub enum Output<'p> {
+    /// Send `packet` from the SFU address `from` to `to`, then report it with
+    /// [`Engine::on_transmitted`]; `copy`: what it is a copy of (None: feedback or a keyframe
+    /// request to a publisher).
+    Transmit { from: SocketAddr, to: SocketAddr, packet: Cow<'p, [u8]>, copy: Option<CopyOf> },
+    /// For the control plane (never blocks the driver: a full queue drops it).
+    Event(DataplaneEvent),
+    /// A recorded stream's packet, clear, as it arrived from `src` at `local`.
+    Record { stream: u32, label: String, src: SocketAddr, local: SocketAddr, packet: Cow<'p, [u8]> },
+}
+
+/// How the engine is set up.
+#[derive(Clone, Default)]
+pub struct EngineConfig {
+    /// Measure each consumer's RTP as forwarded ([`crate::userspace::UserspaceConfig::forwarded_qos`]).
+    pub forwarded_qos: bool,
+    /// The control plane takes events: report what it must decide on (otherwise nothing is).
+    pub events: bool,
+    /// The kernel's simulcast states, when this engine is the eBPF plane's slow path.
+    pub kernel_layers: Option<Arc<dyn KernelLayers>>,
+}
+
+/// Every counter the engine keeps.
+#[derive(Default)]
+struct Accounting {
+    total: Counters,
+    streams: HashMap<u32, Counters>,
+    consumers: HashMap<u32, ConsumerCounters>,
+}
+
+impl Accounting {
+    /// A copy of stream `stream` was not made: its subscriber has no SRTP key yet (not an error).
+    fn count_unkeyed(&mut self, stream: u32) {
+        self.streams.entry(stream).or_default().tx_unkeyed += 1;
+        self.total.tx_unkeyed += 1;
+    }
+
+    /// A copy of stream `stream` for `consumer` (0: none, a relay leg's copy) went out, or not.
+    fn count_copy(&mut self, stream: u32, consumer: u32, bytes: usize, sent: bool) {
+        let sc = self.streams.entry(stream).or_default();
+        let cc = (consumer != 0).then(|| self.consumers.entry(consumer).or_default());
+        if sent {
+            sc.tx_copies += 1;
+            sc.tx_bytes += bytes as u64;
+            self.total.tx_copies += 1;
+            self.total.tx_bytes += bytes as u64;
+            if let Some(cc) = cc {
+                cc.tx_copies += 1;
+                cc.tx_bytes += bytes as u64;
+            }
+        } else {
+            sc.tx_errors += 1;
+            self.total.tx_errors += 1;
+            if let Some(cc) = cc {
+                cc.tx_errors += 1;
+            }
+        }
+    }
+}
+
+#[derive(Default)]
+struct SimulcastState {
+    consumers: HashMap<u32, LayerConsumer>,
+    /// What each simulcast stream's publisher sends, by the stream's uid (`SimulcastLayer::group`).
+    activity: HashMap<u32, LayerActivity>,
+    /// With kernel states: what the kernel had received of each layer stream at the last tick,
+    /// by stream id.
+    kernel_rx: HashMap<u32, KernelReceived>,
+}
+
+/// One simulcast consumer: the layer it should get (from the API's ceiling, its reports and
+/// what is sent) and the renumbering of what it gets.
+struct LayerConsumer {
+    /// With kernel states, a mirror of the kernel's: refreshed before a packet, a NACK or the
+    /// API reads it; by the tick while the consumer is new or on its way to a layer, and once a
+    /// second when settled (see [`Engine::handle_timeout`]).
+    rewriter: LayerRewriter,
+    choice: LayerChoice,
+    /// Its stream's uid, for the activity the choice reads.
+    group: u32,
+    /// With kernel states: the target and temporal ceiling last written there.
+    kernel_target: Option<(Option<u8>, Option<u8>)>,
+}
+
+impl LayerConsumer {
+    fn new(rewriter: LayerRewriter, group: u32) -> LayerConsumer {
+        LayerConsumer { rewriter, choice: LayerChoice::default(), group, kernel_target: None }
+    }
+
+    /// Aim at `target` with the temporal ceiling `temporal`: here, and in the kernel's state
+    /// when there is one.
+    fn set_target(&mut self, id: u32, target: Option<u8>, temporal: Option<u8>, kernel: Option<&dyn KernelLayers>) {
+        self.rewriter.set_target(target);
+        self.rewriter.set_temporal(temporal);
+        if let Some(k) = kernel {
+            // Remembered only once the kernel took it (a state created late is aimed then).
+            if self.kernel_target != Some((target, temporal)) && k.set_target(id, target, temporal) {
+                self.kernel_target = Some((target, temporal));
+            }
+        }
+    }
+}
+
+/// Per-source rate-limit buckets ([`ForwardingTable::source_limit`]), bounded: the least
+/// recently seen source is forgotten first (an idle bucket is equal to a fresh one, so only a
+/// source active while more than [`SourceBuckets::CAPACITY`] others are loses its state).
+pub struct SourceBuckets {
+    limit: Option<(RateLimit, RateParams)>,
+    buckets: hashlink::LruCache<IpAddr, RateState>,
+}
+
+impl Default for SourceBuckets {
+    fn default() -> Self {
+        Self::with_capacity(Self::CAPACITY)
+    }
+}
+
+impl SourceBuckets {
+    /// Sources whose buckets are kept (as many as the kernel plane keeps).
+    pub const CAPACITY: usize = 65536;
+
+    pub fn with_capacity(n: usize) -> Self {
+        SourceBuckets { limit: None, buckets: hashlink::LruCache::new(n.max(1)) }
+    }
+
+    /// Admit (and charge) a packet of `bytes` payload bytes from `src` at `now_ns` under `limit`.
+    /// A changed limit starts every bucket afresh.
+    pub fn admit(&mut self, limit: RateLimit, src: IpAddr, now_ns: u64, bytes: u64) -> bool {
+        let params = match self.limit {
+            Some((l, p)) if l == limit => p,
+            _ => {
+                self.buckets.clear();
+                let p = limit.params();
+                self.limit = Some((limit, p));
+                p
+            }
+        };
+        if let Some(st) = self.buckets.get_mut(&src) {
+            return params.admit(st, now_ns, bytes);
+        }
+        let mut st = RateState::default();
+        let ok = params.admit(&mut st, now_ns, bytes);
+        self.buckets.insert(src, st);
+        ok
+    }
+
+    pub fn len(&self) -> usize {
+        self.buckets.len()
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.buckets.is_empty()
+    }
+}
+
+/// How often the RID of one SSRC is reported while no stream claims it.
+pub const STREAM_ID_REPORT_NS: u64 = 100_000_000;
+
+/// The sender SSRC of the keyframe requests the SFU makes itself (a simulcast consumer waiting
+/// for a layer): "MPLI".
+const SFU_SSRC: u32 = 0x4d50_4c49;
+
+/// The decision state ([`Engine`] without its pipeline, which borrows it as its [`Plane`]).
+struct Decider {
+    sources: SourceBuckets,
+    /// Consumers' feedback: keyframe requests coalesced across subscribers.
+    feedback: FeedbackRouter,
+    /// Simulcast consumers' layer and renumbering, and what publishers send of each layer.
+    layers: SimulcastState,
+    kernel: Option<Arc<dyn KernelLayers>>,
+}
+
+/// What the pipeline asks of the engine for one datagram: its state, and the crypto.
+struct PlaneView<'a> {
+    decider: &'a mut Decider,
+    crypto: &'a mut dyn Crypto,
+}
+
+impl Plane for PlaneView<'_> {
+    fn admit_source(&mut self, limit: RateLimit, src: IpAddr, now_ns: u64, bytes: u64) -> bool {
+        self.decider.sources.admit(limit, src, now_ns, bytes)
+    }
+
+    fn route_feedback(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Option<Outcome> {
+        let d = &mut *self.decider;
+        d.feedback.route_with(entry, packet, now_ns, &Layers(&d.layers.consumers, d.kernel.as_deref())).ok()
+    }
+
+    fn unprotect(&mut self, at: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
+        self.crypto.unprotect(at, key, packet)
+    }
+
+    fn protect(&mut self, from: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
+        self.crypto.protect(from, key, packet)
+    }
+
+    fn layer_fan_out(&mut self, entry: &StreamEntry, layer: &SimulcastLayer, src: SocketAddr, packet: &[u8], now_ns: u64) -> LayerFanOut {
+        self.decider.layer_fan_out(entry, layer, src, packet, now_ns)
+    }
+}
+
+impl Decider {
+    /// The copies of one packet of a simulcast layer: to each consumer receiving that layer now,
+    /// renumbered for it ([`LayerRewriter`]); and a keyframe request to the publisher for each
+    /// layer a consumer waits for (coalesced with the consumers' own). The table is the
+    /// installed one (the engine's lock covers both a batch and an install's forgetting).
+    fn layer_fan_out(&mut self, entry: &StreamEntry, layer: &SimulcastLayer, src: SocketAddr, payload: &[u8], now_ns: u64) -> LayerFanOut {
+        let kind = demux(payload);
+        let info = match kind {
+            MediaKind::Rtp => simulcast::inspect(layer.codec, payload),
+            _ => None,
+        };
+        let out_ssrc = layer.layers[0].1;
+        let count = layer.layers.len() as u8;
+        let mut wanted: Vec<u8> = Vec::new();
+        let mut fan = LayerFanOut::default();
+        let kernel = self.kernel.as_deref();
+        let SimulcastState { consumers, activity, .. } = &mut self.layers;
+        let activity = activity.entry(layer.group).or_default();
+        if info.is_some() {
+            activity.on_packet(layer.index, payload.len(), now_ns);
+        }
+        for (i, copy) in entry.copies.iter().enumerate() {
+            if copy.to == src || copy.consumer == 0 {
+                continue;
+            }
+            let c = consumers.entry(copy.consumer).or_insert_with(|| {
+                if let Some(k) = kernel {
+                    k.create(copy.consumer, out_ssrc, entry.clock_rate);
+                }
+                LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group)
+            });
+            c.group = layer.group;
+            mirror(&mut c.rewriter, copy.consumer, kernel);
+            // The compiled layer is the API's ceiling (None: paused); the choice may lower it.
+            let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, activity, now_ns));
+            c.set_target(copy.consumer, target, copy.temporal_layer, kernel);
+            let rw = &mut c.rewriter;
+            match (kind, &info) {
+                (MediaKind::Rtp, Some(info)) => match kernel {
+                    // The kernel's state decides (it also renumbers the kernel's copies).
+                    Some(k) => {
+                        if let Some(bytes) = k.decide(copy.consumer, layer.index, layer.codec, now_ns, payload) {
+                            fan.copies.push((i, bytes));
+                        }
+                        mirror(rw, copy.consumer, kernel);
+                    }
+                    None => {
+                        if let Decision::Forward(r) = rw.on_packet(layer.index, info, now_ns) {
+                            let mut bytes = payload.to_vec();
+                            r.apply(info, &mut bytes);
+                            fan.copies.push((i, bytes));
+                        }
+                    }
+                },
+                (MediaKind::Rtcp, _) => {
+                    let mut bytes = payload.to_vec();
+                    if rw.rewrite_sender_report(layer.index, &mut bytes) {
+                        fan.copies.push((i, bytes));
+                    }
+                }
+                _ => {}
+            }
+            if let Some(l) = rw.keyframe_wanted(now_ns) {
+                if !wanted.contains(&l) {
+                    wanted.push(l);
+                }
+            }
+        }
+        // A keyframe answers the requests for its layer so far (see FeedbackRouter), once the
+        // consumers waiting for it switched on it above: as the tick, before the requests.
+        if info.as_ref().is_some_and(|i| i.keyframe_start) {
+            if let Some(&(stream, ssrc)) = layer.layers.get(layer.index as usize) {
+                self.feedback.keyframe_arrived(stream, ssrc);
+            }
+        }
+        let SourceRule::Fixed(publisher) = entry.source else { return fan };
+        for l in wanted {
+            let Some(&(stream, ssrc)) = layer.layers.get(l as usize) else { continue };
+            let Some(pli) = self.feedback.request_keyframe(stream, ssrc, SFU_SSRC, now_ns) else { continue };
+            fan.requests.push((entry.key.local, publisher, pli));
+        }
+        fan
+    }
+
+    /// A simulcast consumer's reports, NACKs and REMBs lower (or let rise) the layer it gets.
+    fn feed_layer_choice(&mut self, outcome: &Outcome, now_ns: u64) {
+        if outcome.reports.is_empty() && outcome.remb.is_empty() && outcome.nacks.is_empty() {
+            return;
+        }
+        let SimulcastState { consumers, activity, .. } = &mut self.layers;
+        for r in &outcome.reports {
+            if let Some(c) = consumers.get_mut(&r.consumer) {
+                c.choice.on_loss(r.block.fraction_lost, c.rewriter.current(), now_ns);
+            }
+        }
+        for (id, seqs) in &outcome.nacks {
+            if let Some(c) = consumers.get_mut(id) {
+                // What was sent it so far, fresh (the tick leaves a settled consumer's counters).
+                mirror(&mut c.rewriter, *id, self.kernel.as_deref());
+                c.choice.on_nacks(seqs, c.rewriter.stats.forwarded, c.rewriter.current(), now_ns);
+            }
+        }
+        // A REMB is one estimate for every SSRC it lists.
+        for remb in &outcome.remb {
+            let receiving: Vec<(u32, u64, bool)> = remb
+                .consumers
+                .iter()
+                .filter_map(|id| {
+                    let c = consumers.get(id)?;
+                    let current = c.rewriter.current()?;
+                    // A consumer with auto_layer off counts toward the total but cannot step.
+                    Some((*id, activity.get(&c.group)?.bitrate_bps(current, now_ns)?, current > 0 && c.choice.automatic()))
+                })
+                .collect();
+            if let Some(stepper) = layer_choice::remb_over(remb.bps, &receiving) {
+                for (id, _, _) in &receiving {
+                    if let Some(c) = consumers.get_mut(id) {
+                        c.choice.on_short_estimate(stepper == Some(*id), c.rewriter.current(), now_ns);
+                    }
+                }
+            }
+        }
+    }
+}
+
+/// Refresh `rw` from the kernel's state of `id` (nothing without one).
+fn mirror(rw: &mut LayerRewriter, id: u32, kernel: Option<&dyn KernelLayers>) {
+    if let Some(s) = kernel.and_then(|k| k.state(id)) {
+        rw.load_state(s);
+    }
+}
+
+/// The simulcast consumers' state as the feedback router asks for it (a NACK names what was
+/// just sent: with kernel states, read fresh).
+struct Layers<'a>(&'a HashMap<u32, LayerConsumer>, Option<&'a dyn KernelLayers>);
+
+impl LayerMap for Layers<'_> {
+    fn layer(&self, consumer: u32) -> Option<u8> {
+        self.0.get(&consumer).and_then(|c| c.rewriter.current().or(c.rewriter.target()))
+    }
+    fn original(&self, consumer: u32, out_seq: u16) -> Option<(u8, u16)> {
+        let c = self.0.get(&consumer)?;
+        match self.1.and_then(|k| k.state(consumer)) {
+            Some(s) => {
+                let mut rw = LayerRewriter::new(c.rewriter.ssrc(), c.rewriter.clock_rate());
+                rw.load_state(s);
+                rw.original(out_seq)
+            }
+            None => c.rewriter.original(out_seq),
+        }
+    }
+}
+
+/// The engine. See the module documentation.
+pub struct Engine {
+    cfg: EngineConfig,
+    /// The streams' rate limits.
+    pipeline: Pipeline,
+    decider: Decider,
+    counters: Accounting,
+    /// In-path reception quality per RTP stream.
+    reception: HashMap<u32, RtpReception>,
+    /// The same per consumer over the RTP copies sent to it.
+    forwarded: HashMap<u32, RtpReception>,
+    /// When each published stream's last sender reports passed (by stream id), for the
+    /// round-trip times its consumers' reports give.
+    sender_reports: HashMap<u32, SenderReportTimes>,
+    /// RTCP reports handed to the control plane per stream in the current second: (second, count).
+    rtcp_budget: HashMap<u32, (u64, u32)>,
+    /// When the RID of (transport, SSRC) was last reported: a layer's packets name it until the
+    /// control plane has learned it, and one report per [`STREAM_ID_REPORT_NS`] is enough.
+    stream_ids_reported: HashMap<(u32, u32), u64>,
+    /// With kernel states: when the next tick is due, and how many ran.
+    next_tick_ns: Option<u64>,
+    ticks: u64,
+}
+
+impl Engine {
+    pub fn new(cfg: EngineConfig) -> Engine {
+        let kernel = cfg.kernel_layers.clone();
+        Engine {
+            // The first tick at once (it reconciles the kernel's states with the table).
+            next_tick_ns: kernel.as_ref().map(|_| 0),
+            decider: Decider { sources: SourceBuckets::default(), feedback: FeedbackRouter::default(), layers: SimulcastState::default(), kernel },
+            cfg,
+            pipeline: Pipeline::new(),
+            counters: Accounting::default(),
+            reception: HashMap::new(),
+            forwarded: HashMap::new(),
+            sender_reports: HashMap::new(),
+            rtcp_budget: HashMap::new(),
+            stream_ids_reported: HashMap::new(),
+            ticks: 0,
+        }
+    }
+
+    /// Decide one datagram against the installed `table`; what the driver must do is appended to
+    /// `out`, in order.
+    pub fn handle_datagram<'p>(&mut self, now: Now, table: &ForwardingTable, crypto: &mut dyn Crypto, dgram: Datagram<'p>, out: &mut Vec<Output<'p>>) {
+        self.handle_batch(now, table, crypto, [dgram], out)
+    }
+
+    /// [`Engine::handle_datagram`] for each of a batch of datagrams that arrived together.
+    pub fn handle_batch<'p>(
+        &mut self,
+        now: Now,
+        table: &ForwardingTable,
+        crypto: &mut dyn Crypto,
+        batch: impl IntoIterator<Item = Datagram<'p>>,
+        out: &mut Vec<Output<'p>>,
+    ) {
+        let mut effects: Vec<Effect<'p>> = Vec::new();
+        for dgram in batch {
+            self.decide(now, table, crypto, dgram, &mut effects, out);
+        }
+    }
+
+    fn decide<'p>(
+        &mut self,
+        now: Now,
+        table: &ForwardingTable,
+        crypto: &mut dyn Crypto,
+        dgram: Datagram<'p>,
+        effects: &mut Vec<Effect<'p>>,
+        out: &mut Vec<Output<'p>>,
+    ) {
+        let total = &mut self.counters.total;
+        total.rx_packets += 1;
+        total.rx_bytes += dgram.payload.len() as u64;
+        let (Some(src), false) = (dgram.src, dgram.truncated) else {
+            total.drop_malformed += 1;
+            return;
+        };
+        let Some(local) = dgram.local else {
+            total.drop_no_stream += 1;
+            return;
+        };
+        let payload = dgram.payload;
+        let mut plane = PlaneView { decider: &mut self.decider, crypto };
+        // The decision is core's (mediaplane_core::pipeline); the engine keeps its books.
+        self.pipeline.process(table, local, src, payload, now.limits_ns, now.mono_ns, &mut plane, effects);
+        let received_at = now.mono_ns;
+        for effect in effects.drain(..) {
+            match effect {
+                Effect::Dropped { why, stream, received } => {
+                    self.counters.total.count_dropped(why);
+                    if let Some(id) = stream {
+                        let sc = self.counters.streams.entry(id).or_default();
+                        if let Some(bytes) = received {
+                            sc.rx_packets += 1;
+                            sc.rx_bytes += bytes as u64;
+                        }
+                        sc.count_dropped(why);
+                    }
+                }
+                Effect::SlowPath { reason, stream, handshake } => {
+                    self.counters.total.count_slow(reason);
+                    if let Some(id) = stream {
+                        self.counters.streams.entry(id).or_default().count_slow(reason);
+                    }
+                    if let (Some(stream), true) = (handshake, self.cfg.events) {
+                        // An ICE leg's connectivity check or DTLS: the control plane answers it.
+                        out.push(Output::Event(DataplaneEvent::Handshake { stream, local, source: src, at_ns: received_at, packet: payload.to_vec() }));
+                    }
+                }
+                Effect::Feedback(outcome) => self.count_feedback(&outcome, received_at),
+                Effect::Received { stream, bytes } => {
+                    let sc = self.counters.streams.entry(stream).or_default();
+                    sc.rx_packets += 1;
+                    sc.rx_bytes += bytes as u64;
+                }
+                Effect::Unlatched { stream, source } => {
+                    // Relayed like any packet; its source goes to the control plane, which
+                    // decides whether the leg follows it.
+                    self.counters.streams.entry(stream).or_default().count_slow(SlowReason::Unlatched);
+                    self.counters.total.count_slow(SlowReason::Unlatched);
+                    if self.cfg.events {
+                        out.push(Output::Event(DataplaneEvent::Unlatched { stream, source }));
+                    }
+                }
+                Effect::Accepted { stream } => self.counters.streams.entry(stream).or_default().last_rx_ns = received_at,
+                Effect::Rtp { stream, header, clock_rate } => {
+                    self.reception.entry(stream).or_default().on_packet(header.ssrc, header.sequence, header.timestamp, received_at, clock_rate);
+                }
+                // When a publisher's sender report passed, for its consumers' round-trip times.
+                Effect::SenderReport { stream, ntp_middle } => self.sender_reports.entry(stream).or_default().on_sender_report(ntp_middle, received_at),
+                Effect::RelayRtcp { stream, packet } => {
+                    if self.cfg.events && packet.len() <= crate::MAX_RTCP_REPORT && rtcp_admit(&mut self.rtcp_budget, stream, received_at) {
+                        out.push(Output::Event(DataplaneEvent::Rtcp {
+                            stream,
+                            source: src,
+                            at_ns: received_at,
+                            wall_us: now.wall_us,
+                            packet: packet.into_owned(),
+                        }));
+                    }
+                }
+                Effect::StreamId { transport, ssrc, mid, rid } => {
+                    if self.cfg.events && stream_id_due(&mut self.stream_ids_reported, (transport, ssrc), received_at) {
+                        out.push(Output::Event(DataplaneEvent::StreamId { transport, ssrc, mid, rid }));
+                    }
+                }
+                Effect::Record { stream, label, packet } => out.push(Output::Record { stream, label, src, local, packet }),
+                Effect::Send { from, to, packet, copy } => out.push(Output::Transmit { from, to, packet, copy }),
+                Effect::CopyFailed { copy } => self.counters.count_copy(copy.stream, copy.consumer, 0, false),
+                Effect::CopyUnkeyed { copy } => self.counters.count_unkeyed(copy.stream),
+            }
+        }
+    }
+
+    /// What became of an [`Output::Transmit`]: `bytes` sent (or not) at `received_at`, the time
+    /// its datagram arrived (a copy's quality as forwarded is measured at the arrival, as the
+    /// kernel does).
+    pub fn on_transmitted(&mut self, copy: Option<CopyOf>, bytes: usize, sent: bool, received_at: u64) {
+        match copy {
+            Some(c) => {
+                self.counters.count_copy(c.stream, c.consumer, bytes, sent);
+                if let (true, Some(r), true) = (sent, c.rtp, c.consumer != 0 && self.cfg.forwarded_qos) {
+                    self.forwarded.entry(c.consumer).or_default().on_packet(r.ssrc, r.sequence, r.timestamp, received_at, r.clock_rate);
+                }
+            }
+            // Feedback or a keyframe request to a publisher: only a failure is counted.
+            None => self.counters.total.tx_errors += u64::from(!sent),
+        }
+    }
+
+    /// When [`Engine::handle_timeout`] is due next (CLOCK_MONOTONIC ns); None: no timer.
+    pub fn poll_timeout(&self) -> Option<u64> {
+        self.next_tick_ns
+    }
+
+    /// Run what is due at `now`: with kernel simulcast states, the tick
+    /// ([`crate::kernel_layers::TICK_NS`]): what the kernel received of each layer feeds the
+    /// streams' activity; each consumer of the installed table gets its state, its target (the
+    /// API's ceiling as its reports and the activity lower it) and, while it waits for a layer,
+    /// a keyframe request to the publisher (coalesced with the consumers' own), appended to
+    /// `out`. Every [`RECONCILE_TICKS`]th tick also deletes the states of consumers the table no
+    /// longer has.
+    pub fn handle_timeout(&mut self, now: Now, table: &ForwardingTable, crypto: &mut dyn Crypto, out: &mut Vec<Output<'static>>) {
+        let Some(due) = self.next_tick_ns else { return };
+        if now.mono_ns < due {
+            return;
+        }
+        self.ticks += 1;
+        self.next_tick_ns = Some(now.mono_ns + TICK_NS);
+        self.layers_tick(table, crypto, now.mono_ns, self.ticks % RECONCILE_TICKS == 1, out);
+    }
+
+    fn layers_tick(&mut self, table: &ForwardingTable, crypto: &mut dyn Crypto, now_ns: u64, reconcile: bool, out: &mut Vec<Output<'static>>) {
+        let Some(kernel) = self.decider.kernel.clone() else { return };
+        let kernel = kernel.as_ref();
+        // One pass over the table; nothing more when it has no simulcast stream (a relay's).
+        let layered: Vec<&StreamEntry> = table.streams.values().filter(|e| e.simulcast.is_some()).collect();
+        if layered.is_empty() && !reconcile {
+            return;
+        }
+        // (stream entry, layer) whose keyframe someone waits for.
+        let mut wanted: Vec<(&StreamEntry, u8)> = Vec::new();
+        // (stream, SSRC) of layers the kernel forwarded a keyframe of since the last tick.
+        let mut answered: Vec<(u32, u32)> = Vec::new();
+        let SimulcastState { consumers, activity, kernel_rx } = &mut self.decider.layers;
+        let mut seen = HashSet::new();
+        for entry in layered.iter().copied() {
+            let Some(layer) = &entry.simulcast else { continue };
+            let act = activity.entry(layer.group).or_default();
+            if let Some(now) = kernel.received(entry.id) {
+                let before = kernel_rx.insert(entry.id, now).unwrap_or_default();
+                if now.packets > before.packets {
+                    act.on_packet(layer.index, now.bytes.saturating_sub(before.bytes) as usize, now.last_ns);
+                }
+                if now.keyframes > before.keyframes {
+                    answered.extend(layer.layers.get(layer.index as usize));
+                }
+            }
+            let (out_ssrc, count) = (layer.layers[0].1, layer.layers.len() as u8);
+            for copy in entry.copies.iter().filter(|c| c.consumer != 0) {
+                // Every layer's entry lists every consumer: one visit each.
+                if !seen.insert(copy.consumer) {
+                    continue;
+                }
+                let c = consumers.entry(copy.consumer).or_insert_with(|| LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group));
+                // Every tick: a state a failed create or a reconcile left missing comes back.
+                let new = c.kernel_target.is_none();
+                if new {
+                    kernel.create(copy.consumer, out_ssrc, entry.clock_rate);
+                }
+                c.group = layer.group;
+                // A settled consumer (receiving the layer it is aimed at) changes in the kernel
+                // only by its counters: the kernel switches a consumer only towards a target
+                // this engine set. Those are read where they are used (NACK windows, the API)
+                // and on reconciling ticks; a consumer not aimed yet (its state may be a
+                // restarted daemon's, pinned) or on its way to a layer, every tick.
+                if reconcile || new || c.rewriter.current() != c.rewriter.target() {
+                    mirror(&mut c.rewriter, copy.consumer, Some(kernel));
+                }
+                let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, act, now_ns));
+                c.set_target(copy.consumer, target, copy.temporal_layer, Some(kernel));
+                // Asked only once the publisher sends (as a packet's arrival asks on the
+                // user-space plane): a request before its socket is up is lost, and the next one
+                // would wait out the retry interval.
+                if let Some(l) = act.started().then(|| c.rewriter.keyframe_wanted(now_ns)).flatten() {
+                    let of = layer.layers.get(l as usize).and_then(|(stream, _)| layered.iter().copied().find(|e| e.id == *stream));
+                    if let Some(e) = of.filter(|e| !wanted.iter().any(|(w, _)| w.id == e.id)) {
+                        wanted.push((e, l));
+                    }
+                }
+            }
+        }
+        let ids: HashSet<u32> = layered.iter().map(|e| e.id).collect();
+        kernel_rx.retain(|id, _| ids.contains(id));
+        // Not before a table was installed (version 0: the plane's empty start): a restarted
+        // daemon's first tick would delete the pinned states of every consumer it restores.
+        if reconcile && table.version > 0 {
+            // Consumers no longer in the table (`seen` holds every simulcast consumer it has):
+            // their states go, here and in the kernel.
+            consumers.retain(|id, _| seen.contains(id));
+            for id in kernel.consumers().into_iter().filter(|id| !seen.contains(id)) {
+                kernel.remove(id);
+            }
+        }
+        // Before this tick's requests: one for a layer whose keyframe just went by is a new need.
+        for (stream, ssrc) in answered {
+            self.decider.feedback.keyframe_arrived(stream, ssrc);
+        }
+        for (entry, l) in wanted {
+            let (SourceRule::Fixed(publisher), Some(layer)) = (entry.source, &entry.simulcast) else { continue };
+            let Some(&(stream, ssrc)) = layer.layers.get(l as usize) else { continue };
+            let Some(pli) = self.decider.feedback.request_keyframe(stream, ssrc, SFU_SSRC, now_ns) else { continue };
+            // A WebRTC publisher's: SRTCP with its key (not sent without one).
+            let pli = match &entry.reverse {
+                Protection::Clear => pli,
+                Protection::Srtp(key) => match crypto.protect(entry.key.local, key.as_ref(), &pli) {
+                    Some(sealed) => sealed,
+                    None => continue,
+                },
+            };
+            out.push(Output::Transmit { from: entry.key.local, to: publisher, packet: Cow::Owned(pli), copy: None });
+        }
+    }
+
+    /// A consumer's feedback, routed: its tallies, what its reports and REMBs said, and what
+    /// they mean for its layer.
+    fn count_feedback(&mut self, outcome: &Outcome, received_at: u64) {
+        let c = &mut self.counters;
+        c.total.count_feedback(&outcome.total);
+        for (id, t) in &outcome.per_stream {
+            c.streams.entry(*id).or_default().count_feedback(t);
+        }
+        for (id, t) in &outcome.per_consumer {
+            let cc = c.consumers.entry(*id).or_default();
+            cc.feedback_routed += t.routed;
+            cc.feedback_coalesced += t.coalesced;
+        }
+        for r in &outcome.reports {
+            let b = &r.block;
+            let cc = c.consumers.entry(r.consumer).or_default();
+            cc.report = Some(ConsumerReport {
+                fraction_lost: b.fraction_lost,
+                cumulative_lost: b.cumulative_lost,
+                highest_seq: b.highest_seq,
+                jitter: b.jitter,
+                at_ns: received_at,
+            });
+            let rtt = self.sender_reports.get(&r.stream).and_then(|t| t.rtt_us(b.lsr, b.dlsr, received_at));
+            if rtt.is_some() {
+                (cc.rtt_us, cc.rtt_at_ns) = (rtt, received_at);
+            }
+        }
+        for remb in &outcome.remb {
+            for id in &remb.consumers {
+                let cc = c.consumers.entry(*id).or_default();
+                (cc.remb_bps, cc.remb_at_ns) = (Some(remb.bps), received_at);
+            }
+        }
+        self.decider.feed_layer_choice(outcome, received_at);
+    }
+
+    /// A new table replaces `old`; `changed` lists the keys that differ (None: everything may).
+    /// Streams and consumers that left it lose their state (ids are never reused: this only
+    /// bounds memory), here and in the kernel's simulcast states; a simulcast stream's activity
+    /// goes with its entries (one that only changed starts afresh: every layer presumed sent for
+    /// a second).
+    pub fn forget(&mut self, old: &ForwardingTable, new: &ForwardingTable, changed: Option<&[IngressKey]>) {
+        match changed {
+            Some(keys) => {
+                for e in keys.iter().filter_map(|k| old.streams.get(k)).filter(|e| new.streams.get(&e.key).map(|n| n.id) != Some(e.id)) {
+                    self.reception.remove(&e.id);
+                    self.sender_reports.remove(&e.id);
+                }
+            }
+            None => {
+                let ids: HashSet<u32> = new.streams.values().map(|e| e.id).collect();
+                self.reception.retain(|id, _| ids.contains(id));
+                self.sender_reports.retain(|id, _| ids.contains(id));
+            }
+        }
+        let consumers = |t: &ForwardingTable, keys: &mut dyn Iterator<Item = &IngressKey>| -> HashSet<u32> {
+            keys.filter_map(|k| t.streams.get(k)).flat_map(|e| e.copies.iter().map(|c| c.consumer)).filter(|c| *c != 0).collect()
+        };
+        let (gone, keep): (Vec<u32>, Option<HashSet<u32>>) = match changed {
+            Some(keys) => {
+                let now = consumers(new, &mut keys.iter());
+                (consumers(old, &mut keys.iter()).difference(&now).copied().collect(), None)
+            }
+            None => (Vec::new(), Some(consumers(new, &mut new.streams.keys()))),
+        };
+        let kernel = self.decider.kernel.as_deref();
+        let layers = &mut self.decider.layers;
+        match &keep {
+            Some(keep) => {
+                self.counters.consumers.retain(|id, _| keep.contains(id));
+                self.forwarded.retain(|id, _| keep.contains(id));
+                layers.consumers.retain(|id, _| {
+                    let kept = keep.contains(id);
+                    if let (false, Some(k)) = (kept, kernel) {
+                        k.remove(*id);
+                    }
+                    kept
+                });
+            }
+            None => {
+                for id in &gone {
+                    self.counters.consumers.remove(id);
+                    self.forwarded.remove(id);
+                    if layers.consumers.remove(id).is_some() {
+                        if let Some(k) = kernel {
+                            k.remove(*id);
+                        }
+                    }
+                }
+            }
+        }
+        let group = |t: &ForwardingTable, k: &IngressKey| t.streams.get(k).and_then(|e| e.simulcast.as_ref()).map(|l| l.group);
+        match changed {
+            Some(keys) => keys.iter().filter_map(|k| group(old, k).filter(|g| group(new, k) != Some(*g))).for_each(|g| {
+                layers.activity.remove(&g);
+            }),
+            None => {
+                let groups: HashSet<u32> = new.streams.keys().filter_map(|k| group(new, k)).collect();
+                layers.activity.retain(|g, _| groups.contains(g));
+            }
+        }
+    }
+
+    /// The totals, per stream counters and reception quality, into `st`.
+    pub fn stats_into(&self, st: &mut DataplaneStats) {
+        st.total.add(&self.counters.total);
+        for (id, sc) in &self.counters.streams {
+            st.streams.entry(*id).or_default().add(sc);
+        }
+        st.reception = self.reception.iter().map(|(id, r)| (*id, r.report())).collect();
+    }
+
+    /// The counters of consumers `ids`, with a simulcast consumer's layers as of `now_ns`.
+    pub fn consumer_counters(&mut self, ids: &[u32], now_ns: u64) -> BTreeMap<u32, ConsumerCounters> {
+        let mut out = BTreeMap::<u32, ConsumerCounters>::new();
+        for id in ids {
+            if let Some(cc) = self.counters.consumers.get(id) {
+                out.insert(*id, *cc);
+            }
+        }
+        let kernel = self.decider.kernel.as_deref();
+        let layers = &mut self.decider.layers;
+        for id in ids {
+            // Fresh counters from the kernel (the tick leaves a settled consumer's).
+            if let Some(c) = layers.consumers.get_mut(id) {
+                mirror(&mut c.rewriter, *id, kernel);
+            }
+            if let Some(c) = layers.consumers.get(id) {
+                let r = &c.rewriter;
+                let activity = layers.activity.get(&c.group);
+                out.entry(*id).or_default().layer = Some(LayerState {
+                    current: r.current(),
+                    target: r.target(),
+                    temporal_current: r.temporal_current(),
+                    ssrc: r.ssrc(),
+                    stats: r.stats,
+                    auto_limit: c.choice.limit(),
+                    choice: c.choice.stats,
+                    absent: activity.map_or(0, |a| a.absent_mask(now_ns)),
+                });
+            }
+        }
+        out
+    }
+
+    /// Reception quality of consumers `ids` as forwarded to them.
+    pub fn consumer_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
+        ids.iter().filter_map(|id| self.forwarded.get(id).map(|s| (*id, s.report()))).collect()
+    }
+
+    /// Reception quality of streams `ids` as received.
+    pub fn stream_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
+        ids.iter().filter_map(|id| self.reception.get(id).map(|s| (*id, s.report()))).collect()
+    }
+}
+
+/// Whether another RTCP report of `stream` may go to the control plane this second.
+fn rtcp_admit(budget: &mut HashMap<u32, (u64, u32)>, stream: u32, now_ns: u64) -> bool {
+    let second = now_ns / 1_000_000_000;
+    if budget.len() > 65_536 {
+        budget.retain(|_, (s, _)| *s == second);
+    }
+    let (s, n) = budget.entry(stream).or_insert((second, 0));
+    if *s != second {
+        (*s, *n) = (second, 0);
+    }
+    *n += 1;
+    *n <= crate::RTCP_REPORTS_PER_SECOND
+}
+
+/// Whether the RID of `key` (transport, SSRC) may be reported again now.
+fn stream_id_due(reported: &mut HashMap<(u32, u32), u64>, key: (u32, u32), now_ns: u64) -> bool {
+    if reported.len() > 4096 {
+        reported.retain(|_, at| now_ns.saturating_sub(*at) < STREAM_ID_REPORT_NS);
+        // Still full (a sender spraying SSRCs): start over rather than sweep every packet; a
+        // repeated report changes nothing in the model.
+        if reported.len() > 4096 {
+            reported.clear();
+        }
+    }
+    match reported.get(&key) {
+        Some(at) if now_ns.saturating_sub(*at) < STREAM_ID_REPORT_NS => false,
+        _ => {
+            reported.insert(key, now_ns);
+            true
+        }
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod test_support {
+    use crate::kernel_layers::{KernelLayers, KernelReceived};
+    use mediaplane_core::model::{StreamRef, StreamSpec};
+    use mediaplane_core::simulcast::{Codec, LayerRewriter, PacketInfo, RewriterState};
+    use mediaplane_core::Model;
+    use std::collections::HashMap;
+    use std::net::{IpAddr, SocketAddr};
+    use std::sync::atomic::{AtomicU64, Ordering};
+
+    /// A room where `publisher` sends a two-layer VP8 stream to the SFU address `sfu`:42000 and
+    /// `subscriber` (at `sfu`:42002) receives it: the model and the consumer's uid.
+    pub(crate) fn simulcast_room(sfu: IpAddr, publisher: SocketAddr, subscriber: SocketAddr) -> (Model, u32) {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p", SocketAddr::new(sfu, 42000), publisher).unwrap();
+        m.add_participant("r", "s", SocketAddr::new(sfu, 42002), subscriber).unwrap();
+        let spec = StreamSpec { layers: vec![100, 101], codec: Some(Codec::Vp8), clock_rate: Some(90_000), ..Default::default() };
+        m.publish("r", "p", "cam", spec).unwrap();
+        let consumer = m.subscribe("r", "s", StreamRef { publisher: "p".into(), stream: "cam".into() }).unwrap();
+        (m, consumer)
+    }
+
+    /// A consumer's state on layer 1, the top one, as a daemon pinned it before a restart.
+    pub(crate) fn state_on_top_layer() -> RewriterState {
+        let mut rw = LayerRewriter::new(100, 90_000);
+        rw.set_target(Some(1));
+        let key = PacketInfo { sequence: 9, timestamp: 900, frame_start: true, keyframe_start: true, picture_id: None, tl0picidx: None, temporal: None };
+        rw.on_packet(1, &key, 1);
+        assert_eq!(rw.current(), Some(1));
+        rw.state()
+    }
+
+    /// The kernel's simulcast states, faked: each consumer's as given, every layer stream
+    /// received anew at each read.
+    #[derive(Default)]
+    pub(crate) struct FakeKernel {
+        pub(crate) states: parking_lot::Mutex<HashMap<u32, RewriterState>>,
+        pub(crate) reads: AtomicU64,
+        /// Calls of `consumers`: reconciling ticks.
+        pub(crate) listed: AtomicU64,
+    }
+
+    impl KernelLayers for FakeKernel {
+        fn create(&self, consumer: u32, _: u32, _: u32) {
+            self.states.lock().entry(consumer).or_default();
+        }
+        fn remove(&self, consumer: u32) {
+            self.states.lock().remove(&consumer);
+        }
+        fn set_target(&self, consumer: u32, target: Option<u8>, _: Option<u8>) -> bool {
+            self.states.lock().get_mut(&consumer).map(|s| s.target = target).is_some()
+        }
+        fn consumers(&self) -> Vec<u32> {
+            self.listed.fetch_add(1, Ordering::Relaxed);
+            self.states.lock().keys().copied().collect()
+        }
+        fn decide(&self, _: u32, _: u8, _: Codec, _: u64, _: &[u8]) -> Option<Vec<u8>> {
+            None
+        }
+        fn state(&self, consumer: u32) -> Option<RewriterState> {
+            self.states.lock().get(&consumer).cloned()
+        }
+        fn received(&self, _: u32) -> Option<KernelReceived> {
+            let n = self.reads.fetch_add(1, Ordering::Relaxed) + 1;
+            Some(KernelReceived { packets: n, bytes: n * 1000, last_ns: crate::monotonic_ns(), keyframes: 0 })
+        }
+    }
+}
+
+/// The engine without sockets or threads: datagrams and time passed in, outputs read back.
+#[cfg(test)]
+mod tests {
+    use super::test_support::{simulcast_room, state_on_top_layer, FakeKernel};
+    use super::*;
+    use mediaplane_core::model::{StreamRef, StreamSpec};
+    use mediaplane_core::rtp::build_rtp;
+    use mediaplane_core::Model;
+    use std::sync::atomic::Ordering;
+
+    fn a(s: &str) -> SocketAddr {
+        s.parse().unwrap()
+    }
+
+    fn at(mono_ns: u64) -> Now {
+        Now { limits_ns: mono_ns, mono_ns, wall_us: mono_ns / 1000 }
+    }
+
+    /// Every transmit of `out`, reported sent.
+    fn send_all(e: &mut Engine, out: Vec<Output<'_>>, now: u64) -> Vec<(SocketAddr, SocketAddr, Vec<u8>)> {
+        let mut sent = Vec::new();
+        for o in out {
+            if let Output::Transmit { from, to, packet, copy } = o {
+                e.on_transmitted(copy, packet.len(), true, now);
+                sent.push((from, to, packet.into_owned()));
+            }
+        }
+        sent
+    }
+
+    /// A sender spraying SSRCs fills the RID report throttle's map with entries all fresh: it is
+    /// started over, so it stays bounded and the next packets do not sweep it again each. One
+    /// SSRC's RID is reported at most once per interval.
+    #[test]
+    fn the_rid_report_throttle_stays_bounded_under_a_spray_of_ssrcs() {
+        let mut reported = HashMap::new();
+        let t0 = 1_000_000_000;
+        assert!(stream_id_due(&mut reported, (1, 7), t0));
+        assert!(!stream_id_due(&mut reported, (1, 7), t0 + STREAM_ID_REPORT_NS - 1), "within the interval");
+        assert!(stream_id_due(&mut reported, (1, 7), t0 + STREAM_ID_REPORT_NS), "the interval over");
+        let mut largest = 0;
+        for ssrc in 0..20_000u32 {
+            // 20,000 SSRCs within 20 µs: every entry is fresh when the map is full.
+            assert!(stream_id_due(&mut reported, (2, ssrc), t0 + STREAM_ID_REPORT_NS + ssrc as u64), "{ssrc}: a new SSRC is reported");
+            largest = largest.max(reported.len());
+        }
+        assert!(largest <= 4097, "the map grew to {largest} entries (each packet past 4,096 swept it)");
+    }
+
+    /// A publisher's packet becomes one transmit per subscriber, counted once sent; a
+    /// subscriber that speaks SRTP without a key yet gets none and is counted `tx_unkeyed`, not
+    /// `tx_errors`; reception is measured at the arrival time passed in.
+    #[test]
+    fn copies_are_decided_and_counted_without_sockets() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p", a("10.0.0.1:42000"), a("10.0.1.1:5000")).unwrap();
+        m.publish("r", "p", "mic", StreamSpec { ssrc: Some(5), clock_rate: Some(8000), ..Default::default() }).unwrap();
+        m.add_participant("r", "s", a("10.0.0.1:42002"), a("10.0.1.2:5000")).unwrap();
+        m.add_webrtc_participant("r", "w", a("10.0.0.1:42004")).unwrap();
+        m.set_participant_nominated("r", "w", Some(a("10.0.1.3:5000"))).unwrap();
+        let to = || StreamRef { publisher: "p".into(), stream: "mic".into() };
+        let (plain, browser) = (m.subscribe("r", "s", to()).unwrap(), m.subscribe("r", "w", to()).unwrap());
+        let table = ForwardingTable::compile(&m, 1);
+        let stream = table.streams.values().find(|e| e.label.ends_with("/mic")).unwrap().id;
+        let mut e = Engine::new(EngineConfig { forwarded_qos: true, ..Default::default() });
+        for seq in 0..5u16 {
+            let t = 2_000_000_000 + seq as u64 * 20_000_000;
+            let packet = build_rtp(0, seq, seq as u32 * 160, 5, &[7; 160]);
+            let mut out = Vec::new();
+            let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet };
+            e.handle_datagram(at(t), &table, &mut NoCrypto, dgram, &mut out);
+            let sent = send_all(&mut e, out, t);
+            assert_eq!(sent, vec![(a("10.0.0.1:42002"), a("10.0.1.2:5000"), packet.clone())], "seq {seq}");
+        }
+        // From a stranger: dropped, counted, nothing out.
+        let mut out = Vec::new();
+        let stranger = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.9.9.9:5000")), truncated: false, payload: &[0x80, 0, 0, 9] };
+        e.handle_datagram(at(3_000_000_000), &table, &mut NoCrypto, stranger, &mut out);
+        assert!(out.is_empty());
+        let mut st = DataplaneStats::default();
+        e.stats_into(&mut st);
+        let t = &st.total;
+        assert_eq!((t.rx_packets, t.tx_copies, t.tx_unkeyed, t.tx_errors), (6, 5, 5, 0), "{t:?}");
+        assert_eq!(t.rx_packets - t.tx_copies, 1);
+        let s = &st.streams[&stream];
+        assert_eq!((s.rx_packets, s.tx_copies, s.tx_unkeyed), (5, 5, 5), "{s:?}");
+        assert_eq!(st.reception[&stream].packets, 5);
+        let counters = e.consumer_counters(&[plain, browser], 3_000_000_000);
+        assert_eq!(counters[&plain].tx_copies, 5);
+        assert!(!counters.contains_key(&browser) || counters[&browser].tx_errors == 0, "{counters:?}");
+        assert_eq!(e.consumer_reception(&[plain])[&plain].packets, 5, "quality as forwarded");
+        // The subscriber leaves: its state goes with it.
+        let before = table.clone();
+        m.unsubscribe("r", "s", &to()).unwrap();
+        let after = ForwardingTable::compile(&m, 2);
+        e.forget(&before, &after, None);
+        assert!(e.consumer_counters(&[plain], 3_000_000_000).is_empty());
+        assert!(e.consumer_reception(&[plain]).is_empty());
+    }
+
+    /// Without kernel states the engine has no timer; with them, the tick is due at once and
+    /// then every TICK_NS of the time passed in, and only then does it run.
+    #[test]
+    fn the_tick_follows_the_time_passed_in() {
+        assert_eq!(Engine::new(EngineConfig::default()).poll_timeout(), None);
+        let kernel = Arc::new(FakeKernel::default());
+        let mut e = Engine::new(EngineConfig { kernel_layers: Some(kernel.clone()), ..Default::default() });
+        let table = ForwardingTable::compile(&Model::new(), 1);
+        assert_eq!(e.poll_timeout(), Some(0));
+        let t0 = 5_000_000_000;
+        e.handle_timeout(at(t0), &table, &mut NoCrypto, &mut Vec::new());
+        assert_eq!(e.poll_timeout(), Some(t0 + TICK_NS));
+        assert_eq!(kernel.listed.load(Ordering::Relaxed), 1, "the first tick reconciles");
+        // Early: nothing runs.
+        e.handle_timeout(at(t0 + TICK_NS - 1), &table, &mut NoCrypto, &mut Vec::new());
+        assert_eq!(e.poll_timeout(), Some(t0 + TICK_NS));
+        // Every RECONCILE_TICKS ticks the next reconciles.
+        for k in 1..=RECONCILE_TICKS {
+            e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &mut Vec::new());
+        }
+        assert_eq!(kernel.listed.load(Ordering::Relaxed), 2);
+    }
+
+    /// A consumer the tick has not aimed yet is read from the kernel on that first tick: a
+    /// restarted daemon's consumer whose pinned state already receives the top layer is taken
+    /// for what it is, not for one waiting for that layer (which would ask its publisher for a
+    /// keyframe nobody needs). Time passed in: no waiting for a reconciling tick to go by.
+    #[test]
+    fn the_tick_reads_a_consumer_it_has_not_aimed_yet() {
+        let (m, consumer) = simulcast_room(a("10.0.0.1:1").ip(), a("10.0.1.1:5000"), a("10.0.1.2:5000"));
+        let kernel = Arc::new(FakeKernel::default());
+        let mut e = Engine::new(EngineConfig { kernel_layers: Some(kernel.clone()), ..Default::default() });
+        let (empty, table) = (ForwardingTable::compile(&Model::new(), 1), ForwardingTable::compile(&m, 2));
+        let t0 = 5_000_000_000;
+        // The first (reconciling) tick on the empty table, then the pinned state, then the table.
+        e.handle_timeout(at(t0), &empty, &mut NoCrypto, &mut Vec::new());
+        kernel.states.lock().insert(consumer, state_on_top_layer());
+        e.forget(&empty, &table, None);
+        let mut requests = Vec::new();
+        for k in 1..=5 {
+            let mut out = Vec::new();
+            e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &mut out);
+            requests.extend(send_all(&mut e, out, t0 + k * TICK_NS));
+        }
+        assert_eq!(kernel.listed.load(Ordering::Relaxed), 1, "no reconciling tick among them");
+        let c = e.consumer_counters(&[consumer], t0 + 6 * TICK_NS).remove(&consumer).and_then(|c| c.layer).unwrap();
+        assert_eq!((c.current, c.target), (Some(1), Some(1)), "{c:?}");
+        assert_eq!(c.stats.keyframe_requests, 0, "{c:?}");
+        assert!(requests.is_empty(), "the publisher was asked for a keyframe: {requests:?}");
+    }
+
+    /// A consumer on its way to a layer makes the tick ask the publisher for a keyframe, once
+    /// per the router's interval however often the tick runs, from the layer stream's SFU
+    /// address to the publisher.
+    #[test]
+    fn a_consumer_waiting_for_a_layer_asks_its_publisher_through_the_tick() {
+        let (m, _) = simulcast_room(a("10.0.0.1:1").ip(), a("10.0.1.1:5000"), a("10.0.1.2:5000"));
+        let kernel = Arc::new(FakeKernel::default());
+        let mut e = Engine::new(EngineConfig { kernel_layers: Some(kernel.clone()), ..Default::default() });
+        let table = ForwardingTable::compile(&m, 1);
+        let t0 = 5_000_000_000;
+        let mut requests = Vec::new();
+        for k in 0..10 {
+            let mut out = Vec::new();
+            e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &mut out);
+            requests.extend(send_all(&mut e, out, t0 + k * TICK_NS));
+        }
+        assert!(!requests.is_empty(), "no keyframe request in 10 ticks");
+        for (from, to, pli) in &requests {
+            assert_eq!((*from, *to), (a("10.0.0.1:42000"), a("10.0.1.1:5000")));
+            // A compound (RR first): one of its packets is a PLI (PT 206, FMT 1).
+            let (mut i, mut pli_found) = (0, false);
+            while i + 4 <= pli.len() {
+                pli_found |= pli[i + 1] == 206 && pli[i] & 0x1f == 1;
+                i += 4 * (u16::from_be_bytes([pli[i + 2], pli[i + 3]]) as usize + 1);
+            }
+            assert!(pli_found, "no PLI in {pli:?}");
+        }
+        assert!(requests.len() < 10, "coalesced: {} requests in 10 ticks", requests.len());
+    }
+}
