@@ -258,12 +258,12 @@ fn run(relay: Relay) {
     let test = format!("interop_webrtc_sipjs ({})", relay.name());
     let Some(chromium) = browser::chromium(&test) else { return };
     if !sipjs_dir().join("index.js").exists() {
-        assert!(std::env::var("CI").map_or(true, |v| v != "true"), "{test}: SIP.js is not installed (make deps), and CI=true");
+        assert!(!mediaplane_bench::in_ci(), "{test}: SIP.js is not installed (make deps), and CI=true");
         eprintln!("{test}: skipped: SIP.js is not installed (make deps)");
         return;
     }
     if !sip::kamailio_module_dir().is_some_and(|d| d.join("websocket.so").exists()) {
-        assert!(std::env::var("CI").map_or(true, |v| v != "true"), "{test}: Kamailio's websocket module is missing, and CI=true");
+        assert!(!mediaplane_bench::in_ci(), "{test}: Kamailio's websocket module is missing, and CI=true");
         eprintln!("{test}: skipped: no websocket module (kamailio-websocket-modules)");
         return;
     }
