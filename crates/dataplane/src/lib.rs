@@ -7,6 +7,7 @@
 
 pub mod engine;
 pub mod kernel_layers;
+pub mod netlink;
 pub mod record;
 pub mod srtp;
 pub mod sys;

@@ -122,7 +122,7 @@ pub struct EbpfDataplane {
     /// Bumps the next-hop cache generation on every route/neighbour/link change.
     _nh_watch: Option<crate::nhwatch::NextHopWatch>,
     /// Resolves new copies' next hops when they are installed.
-    resolver: Option<crate::neigh::NeighbourResolver>,
+    resolver: Option<mediaplane_dataplane::netlink::NeighbourResolver>,
     /// Slow-path steering (sk_lookup), detached when dropped.
     steering: Mutex<Option<crate::steer::SlowPathSteering>>,
     /// Holding this fd keeps the kernel's BPF run-time accounting on (BPF_ENABLE_STATS): it is
@@ -354,7 +354,7 @@ impl EbpfDataplane {
         }
         tracing::info!(?attachments, adopted = fast.adopted(), "ebpf data plane attached");
         // Without the watcher cached next hops still expire on their own (NH_CACHE_TTL_NS).
-        let refresh: crate::nhwatch::Refresh = Box::new(move || {
+        let refresh: mediaplane_dataplane::netlink::Refresh = Box::new(move || {
             rpf.refresh().unwrap_or_else(|e| {
                 tracing::warn!("updating reverse-path modes: {e}");
                 false
@@ -367,7 +367,7 @@ impl EbpfDataplane {
                 None
             }
         };
-        let resolver = crate::neigh::NeighbourResolver::start()
+        let resolver = mediaplane_dataplane::netlink::NeighbourResolver::start()
             .inspect_err(|e| tracing::warn!("no next-hop resolver ({e}): new subscribers' first packets take the slow path"))
             .ok();
         Ok(EbpfDataplane {

@@ -9,7 +9,8 @@
 //! * [`prefilter`]: [`Prefilter`], the XDP pre-filter (bpf/prefilter_xdp.bpf.c) that drops
 //!   certain strangers before TC, sharing the TC program's stream map;
 //! * [`attach`]: tcx / clsact / XDP hooks, pinned for hitless restarts;
-//! * [`neigh`]: resolves new subscribers' next hops when they are installed;
+//! * [`mediaplane_dataplane::netlink`] (shared with every plane): resolves new subscribers' next
+//!   hops when they are installed, and hears of route and neighbour changes;
 //! * [`nhwatch`]: invalidates the kernel's next-hop cache on route/neighbour changes;
 //! * [`path`]: the per-stream path state shared with the program (order acknowledgements);
 //! * [`rpf`]: keeps the program's reverse-path modes equal to the interfaces' rp_filter;
@@ -23,7 +24,6 @@ pub mod install;
 pub mod layers;
 pub mod loader;
 pub mod maps;
-pub mod neigh;
 pub mod nhwatch;
 pub mod path;
 pub mod pinlock;
