@@ -55,6 +55,13 @@ pub trait Plane {
     /// A packet the SFU sends from its address `from`, protected with that address's outbound
     /// `key`; None: not sent (counted by the plane).
     fn protect(&mut self, from: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>>;
+    /// True: the plane protects what it sends itself, after the decision (outside the locks it
+    /// decides under, so encrypting copies for different subscribers runs in parallel):
+    /// [`Plane::protect`] is not called, and a packet to protect with a key leaves as
+    /// [`Effect::Send`] with `seal` set, in the clear.
+    fn seals_later(&self) -> bool {
+        false
+    }
     /// A simulcast layer's packet (clear): the copies it makes for the consumers receiving that
     /// layer now, renumbered, and the keyframe requests to the publisher for layers consumers
     /// wait for (see `crate::simulcast`).
@@ -147,8 +154,10 @@ pub enum Effect<'p> {
     /// A recorded stream's packet, clear (SRTP legs are recorded decrypted).
     Record { stream: u32, label: String, packet: Cow<'p, [u8]> },
     /// Send `packet` from the SFU address `from` to `to`; `copy`: what it is a copy of (None:
-    /// feedback or a keyframe request to a publisher).
-    Send { from: SocketAddr, to: SocketAddr, packet: Cow<'p, [u8]>, copy: Option<CopyOf> },
+    /// feedback or a keyframe request to a publisher). `seal` (only with [`Plane::seals_later`]):
+    /// `packet` is clear, and the plane protects it with `from`'s outbound SRTP context before
+    /// sending it (if that fails: a copy is counted as not sent, anything else is not sent).
+    Send { from: SocketAddr, to: SocketAddr, packet: Cow<'p, [u8]>, copy: Option<CopyOf>, seal: bool },
     /// A copy that could not be made (SRTP protect failed): counted as not sent.
     CopyFailed { copy: CopyOf },
     /// A copy for a subscriber that speaks SRTP but has no key yet (a browser before its DTLS
@@ -227,8 +236,8 @@ impl Pipeline {
                 for r in routed {
                     // Every routed packet goes where one of the entry's routes does; if not, it is not sent.
                     let Some(key) = fb.routes.iter().find(|route| (route.from, route.to) == (r.from, r.to)).map(|route| &route.outbound) else { continue };
-                    if let Some(packet) = protected(plane, r.from, key, Cow::Owned(r.packet)) {
-                        out.push(Effect::Send { from: r.from, to: r.to, packet, copy: None });
+                    if let Some((packet, seal)) = protected(plane, r.from, key, Cow::Owned(r.packet)) {
+                        out.push(Effect::Send { from: r.from, to: r.to, packet, copy: None, seal });
                     }
                 }
                 // What remains of a sender's report goes on as its stream's media (clear now).
@@ -314,8 +323,8 @@ impl Pipeline {
                 out.push(copy_effect(plane, c, copy, Cow::Owned(bytes)));
             }
             for (from, to, packet) in fan.requests {
-                if let Some(packet) = protected(plane, from, &entry.reverse, Cow::Owned(packet)) {
-                    out.push(Effect::Send { from, to, packet, copy: None });
+                if let Some((packet, seal)) = protected(plane, from, &entry.reverse, Cow::Owned(packet)) {
+                    out.push(Effect::Send { from, to, packet, copy: None, seal });
                 }
             }
             return;
@@ -359,17 +368,19 @@ fn copy_effect<'p>(plane: &mut dyn Plane, c: &crate::table::Copy, copy: CopyOf, 
         return Effect::CopyUnkeyed { copy };
     }
     match protected(plane, c.from, &c.outbound, packet) {
-        Some(packet) => Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy) },
+        Some((packet, seal)) => Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy), seal },
         None => Effect::CopyFailed { copy },
     }
 }
 
 /// `packet` as it leaves the SFU address `from`: as it is, or protected with `protection`'s key
-/// (None: it cannot be, and is not sent).
-fn protected<'p>(plane: &mut dyn Plane, from: SocketAddr, protection: &Protection, packet: Cow<'p, [u8]>) -> Option<Cow<'p, [u8]>> {
+/// (None: it cannot be, and is not sent), or left for the plane to seal (`true`, see
+/// [`Plane::seals_later`]).
+fn protected<'p>(plane: &mut dyn Plane, from: SocketAddr, protection: &Protection, packet: Cow<'p, [u8]>) -> Option<(Cow<'p, [u8]>, bool)> {
     match protection {
-        Protection::Clear => Some(packet),
-        Protection::Srtp(key) => plane.protect(from, key.as_ref(), &packet).map(Cow::Owned),
+        Protection::Clear => Some((packet, false)),
+        Protection::Srtp(Some(_)) if plane.seals_later() => Some((packet, true)),
+        Protection::Srtp(key) => plane.protect(from, key.as_ref(), &packet).map(|p| (Cow::Owned(p), false)),
     }
 }
 

@@ -103,8 +103,11 @@ pub struct Datagram<'p> {
 pub enum Output<'p> {
     /// Send `packet` from the SFU address `from` to `to`, then report it with
     /// [`Engine::on_transmitted`]; `copy`: what it is a copy of (None: feedback or a keyframe
-    /// request to a publisher).
-    Transmit { from: SocketAddr, to: SocketAddr, packet: Cow<'p, [u8]>, copy: Option<CopyOf> },
+    /// request to a publisher). `seal`: `packet` is clear; protect it with `from`'s outbound
+    /// SRTP context first, outside the engine's lock (encrypting copies for different
+    /// subscribers then runs on every worker at once). If that fails it is not sent: a copy is
+    /// reported not sent, anything else not at all.
+    Transmit { from: SocketAddr, to: SocketAddr, packet: Cow<'p, [u8]>, copy: Option<CopyOf>, seal: bool },
     /// For the control plane (never blocks the driver: a full queue drops it).
     Event(DataplaneEvent),
     /// A recorded stream's packet, clear, as it arrived from `src` at `local`.
@@ -296,6 +299,11 @@ impl Plane for PlaneView<'_> {
         self.crypto.protect(from, key, packet)
     }
 
+    /// The driver seals ([`Output::Transmit`]'s `seal`).
+    fn seals_later(&self) -> bool {
+        true
+    }
+
     fn layer_fan_out(&mut self, entry: &StreamEntry, layer: &SimulcastLayer, src: SocketAddr, packet: &[u8], now_ns: u64) -> LayerFanOut {
         self.decider.layer_fan_out(entry, layer, src, packet, now_ns)
     }
@@ -454,6 +462,19 @@ impl LayerMap for Layers<'_> {
     }
 }
 
+/// What the kernel received of each simulcast layer stream of a table ([`KernelLayers::received`]),
+/// read by the driver outside the engine's lock: a read may wait for an install's map writes
+/// (the eBPF plane's installer lock, held through an RCU grace period at times), which must not
+/// stall the slow path's batches.
+#[derive(Debug, Default, Clone)]
+pub struct KernelReadings(HashMap<u32, KernelReceived>);
+
+impl KernelReadings {
+    pub fn read(kernel: &dyn KernelLayers, table: &ForwardingTable) -> KernelReadings {
+        KernelReadings(table.streams.values().filter(|e| e.simulcast.is_some()).filter_map(|e| Some((e.id, kernel.received(e.id)?))).collect())
+    }
+}
+
 /// The engine. See the module documentation.
 pub struct Engine {
     cfg: EngineConfig,
@@ -604,7 +625,7 @@ impl Engine {
                     }
                 }
                 Effect::Record { stream, label, packet } => out.push(Output::Record { stream, label, src, local, packet }),
-                Effect::Send { from, to, packet, copy } => out.push(Output::Transmit { from, to, packet, copy }),
+                Effect::Send { from, to, packet, copy, seal } => out.push(Output::Transmit { from, to, packet, copy, seal }),
                 Effect::CopyFailed { copy } => self.counters.count_copy(copy.stream, copy.consumer, 0, false),
                 Effect::CopyUnkeyed { copy } => self.counters.count_unkeyed(copy.stream),
             }
@@ -639,17 +660,27 @@ impl Engine {
     /// a keyframe request to the publisher (coalesced with the consumers' own), appended to
     /// `out`. Every [`RECONCILE_TICKS`]th tick also deletes the states of consumers the table no
     /// longer has.
-    pub fn handle_timeout(&mut self, now: Now, table: &ForwardingTable, crypto: &mut dyn Crypto, out: &mut Vec<Output<'static>>) {
+    /// `readings`: what the kernel received of the table's layer streams, read by the driver
+    /// before it took the engine's lock ([`KernelReadings::read`]).
+    pub fn handle_timeout(&mut self, now: Now, table: &ForwardingTable, crypto: &mut dyn Crypto, readings: &KernelReadings, out: &mut Vec<Output<'static>>) {
         let Some(due) = self.next_tick_ns else { return };
         if now.mono_ns < due {
             return;
         }
         self.ticks += 1;
         self.next_tick_ns = Some(now.mono_ns + TICK_NS);
-        self.layers_tick(table, crypto, now.mono_ns, self.ticks % RECONCILE_TICKS == 1, out);
+        self.layers_tick(table, crypto, readings, now.mono_ns, self.ticks % RECONCILE_TICKS == 1, out);
     }
 
-    fn layers_tick(&mut self, table: &ForwardingTable, crypto: &mut dyn Crypto, now_ns: u64, reconcile: bool, out: &mut Vec<Output<'static>>) {
+    fn layers_tick(
+        &mut self,
+        table: &ForwardingTable,
+        crypto: &mut dyn Crypto,
+        readings: &KernelReadings,
+        now_ns: u64,
+        reconcile: bool,
+        out: &mut Vec<Output<'static>>,
+    ) {
         let Some(kernel) = self.decider.kernel.clone() else { return };
         let kernel = kernel.as_ref();
         // One pass over the table; nothing more when it has no simulcast stream (a relay's).
@@ -666,7 +697,7 @@ impl Engine {
         for entry in layered.iter().copied() {
             let Some(layer) = &entry.simulcast else { continue };
             let act = activity.entry(layer.group).or_default();
-            if let Some(now) = kernel.received(entry.id) {
+            if let Some(&now) = readings.0.get(&entry.id) {
                 let before = kernel_rx.insert(entry.id, now).unwrap_or_default();
                 if now.packets > before.packets {
                     act.on_packet(layer.index, now.bytes.saturating_sub(before.bytes) as usize, now.last_ns);
@@ -729,15 +760,17 @@ impl Engine {
             let (SourceRule::Fixed(publisher), Some(layer)) = (entry.source, &entry.simulcast) else { continue };
             let Some(&(stream, ssrc)) = layer.layers.get(l as usize) else { continue };
             let Some(pli) = self.decider.feedback.request_keyframe(stream, ssrc, SFU_SSRC, now_ns) else { continue };
-            // A WebRTC publisher's: SRTCP with its key (not sent without one).
-            let pli = match &entry.reverse {
-                Protection::Clear => pli,
-                Protection::Srtp(key) => match crypto.protect(entry.key.local, key.as_ref(), &pli) {
-                    Some(sealed) => sealed,
-                    None => continue,
-                },
+            // A WebRTC publisher's: SRTCP with its key, sealed by the driver (not sent without one:
+            // the crypto counts it).
+            let seal = match &entry.reverse {
+                Protection::Clear => false,
+                Protection::Srtp(Some(_)) => true,
+                Protection::Srtp(None) => {
+                    let _ = crypto.protect(entry.key.local, None, &pli);
+                    continue;
+                }
             };
-            out.push(Output::Transmit { from: entry.key.local, to: publisher, packet: Cow::Owned(pli), copy: None });
+            out.push(Output::Transmit { from: entry.key.local, to: publisher, packet: Cow::Owned(pli), copy: None, seal });
         }
     }
 
@@ -1023,7 +1056,7 @@ mod tests {
     fn send_all(e: &mut Engine, out: Vec<Output<'_>>, now: u64) -> Vec<(SocketAddr, SocketAddr, Vec<u8>)> {
         let mut sent = Vec::new();
         for o in out {
-            if let Output::Transmit { from, to, packet, copy } = o {
+            if let Output::Transmit { from, to, packet, copy, .. } = o {
                 e.on_transmitted(copy, packet.len(), true, now);
                 sent.push((from, to, packet.into_owned()));
             }
@@ -1102,6 +1135,43 @@ mod tests {
         assert!(e.consumer_reception(&[plain]).is_empty());
     }
 
+    /// Copies to a subscriber keyed for SRTP leave the engine clear, marked to be sealed by the
+    /// driver after the lock is released: the engine never encrypts (its crypto is asked only to
+    /// unprotect).
+    #[test]
+    fn copies_to_an_srtp_subscriber_are_sealed_by_the_driver() {
+        struct UnprotectOnly;
+        impl Crypto for UnprotectOnly {
+            fn unprotect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
+                Some(packet.to_vec())
+            }
+            fn protect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, _: &[u8]) -> Option<Vec<u8>> {
+                panic!("the engine protected a packet under its lock");
+            }
+        }
+        let key = || SrtpKey::new(mediaplane_core::srtp::SrtpSuite::AesCm128HmacSha1_80, vec![7; 30]).unwrap();
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p", a("10.0.0.1:42000"), a("10.0.1.1:5000")).unwrap();
+        m.publish("r", "p", "mic", StreamSpec { ssrc: Some(5), ..Default::default() }).unwrap();
+        let srtp = mediaplane_core::srtp::LegSrtp { inbound: Some(key()), outbound: Some(key()) };
+        m.add_srtp_participant("r", "s", a("10.0.0.1:42002"), a("10.0.1.2:5000"), Some(srtp)).unwrap();
+        m.subscribe("r", "s", StreamRef { publisher: "p".into(), stream: "mic".into() }).unwrap();
+        let table = ForwardingTable::compile(&m, 1);
+        let mut e = Engine::new(EngineConfig::default());
+        let packet = build_rtp(0, 1, 160, 5, &[7; 160]);
+        let mut out = Vec::new();
+        let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet };
+        e.handle_datagram(at(2_000_000_000), &table, &mut UnprotectOnly, dgram, &mut out);
+        match &out[..] {
+            [Output::Transmit { from, to, packet: p, copy: Some(_), seal: true }] => {
+                assert_eq!((*from, *to), (a("10.0.0.1:42002"), a("10.0.1.2:5000")));
+                assert_eq!(&p[..], &packet[..], "clear until the driver seals it");
+            }
+            other => panic!("{other:?}"),
+        }
+    }
+
     /// Without kernel states the engine has no timer; with them, the tick is due at once and
     /// then every TICK_NS of the time passed in, and only then does it run.
     #[test]
@@ -1112,15 +1182,16 @@ mod tests {
         let table = ForwardingTable::compile(&Model::new(), 1);
         assert_eq!(e.poll_timeout(), Some(0));
         let t0 = 5_000_000_000;
-        e.handle_timeout(at(t0), &table, &mut NoCrypto, &mut Vec::new());
+        let none = KernelReadings::default();
+        e.handle_timeout(at(t0), &table, &mut NoCrypto, &none, &mut Vec::new());
         assert_eq!(e.poll_timeout(), Some(t0 + TICK_NS));
         assert_eq!(kernel.listed.load(Ordering::Relaxed), 1, "the first tick reconciles");
         // Early: nothing runs.
-        e.handle_timeout(at(t0 + TICK_NS - 1), &table, &mut NoCrypto, &mut Vec::new());
+        e.handle_timeout(at(t0 + TICK_NS - 1), &table, &mut NoCrypto, &none, &mut Vec::new());
         assert_eq!(e.poll_timeout(), Some(t0 + TICK_NS));
         // Every RECONCILE_TICKS ticks the next reconciles.
         for k in 1..=RECONCILE_TICKS {
-            e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &mut Vec::new());
+            e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &none, &mut Vec::new());
         }
         assert_eq!(kernel.listed.load(Ordering::Relaxed), 2);
     }
@@ -1137,13 +1208,13 @@ mod tests {
         let (empty, table) = (ForwardingTable::compile(&Model::new(), 1), ForwardingTable::compile(&m, 2));
         let t0 = 5_000_000_000;
         // The first (reconciling) tick on the empty table, then the pinned state, then the table.
-        e.handle_timeout(at(t0), &empty, &mut NoCrypto, &mut Vec::new());
+        e.handle_timeout(at(t0), &empty, &mut NoCrypto, &KernelReadings::default(), &mut Vec::new());
         kernel.states.lock().insert(consumer, state_on_top_layer());
         e.forget(&empty, &table, None);
         let mut requests = Vec::new();
         for k in 1..=5 {
             let mut out = Vec::new();
-            e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &mut out);
+            e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &KernelReadings::read(&*kernel, &table), &mut out);
             requests.extend(send_all(&mut e, out, t0 + k * TICK_NS));
         }
         assert_eq!(kernel.listed.load(Ordering::Relaxed), 1, "no reconciling tick among them");
@@ -1166,7 +1237,7 @@ mod tests {
         let mut requests = Vec::new();
         for k in 0..10 {
             let mut out = Vec::new();
-            e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &mut out);
+            e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &KernelReadings::read(&*kernel, &table), &mut out);
             requests.extend(send_all(&mut e, out, t0 + k * TICK_NS));
         }
         assert!(!requests.is_empty(), "no keyframe request in 10 ticks");

@@ -177,6 +177,12 @@ impl Contexts {
         self.0.get(&slot).map(|(c, _)| c).filter(|c| Some(&c.key) == key)
     }
 
+    /// The context of `slot`, whatever its key (for a packet decided with the table these
+    /// contexts were made for, whose keys they hold).
+    pub fn slot(&self, slot: SrtpSlot) -> Option<&Arc<Context>> {
+        self.0.get(&slot).map(|(c, _)| c)
+    }
+
     pub fn len(&self) -> usize {
         self.0.len()
     }

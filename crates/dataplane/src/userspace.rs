@@ -11,13 +11,16 @@
 //! Atomic updates: the table and the sockets it needs live in one immutable [`State`] snapshot
 //! swapped with `ArcSwap`; a worker loads it under the engine's lock, and an install swaps it and
 //! has the engine forget what left the table under the same lock, so a batch is decided entirely
-//! with the old or entirely with the new table, and never brings back what an install forgot.
+//! with the old or entirely with the new table. (Only the booking of what a batch sent, after its
+//! sends, may bring back the counters of a consumer an install forgot meanwhile: ids are never
+//! reused, and the next full apply sweeps them.)
 //!
 //! Updates cost what changed: the table and the socket map are persistent maps (O(1) clones),
 //! an update with its changed keys ([`Dataplane::apply_changes`]) only counts the addresses
 //! those entries use, and workers are told which sockets came and went rather than rescanning.
 
-use crate::engine::{Crypto, Datagram, Engine, EngineConfig, Now, Output};
+use crate::engine::{Crypto, Datagram, Engine, EngineConfig, KernelReadings, Now, Output};
+use crate::kernel_layers::KernelLayers;
 use crate::srtp::SrtpSlot;
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
 use crate::{ConsumerCounters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, HeaderPolicy};
@@ -29,6 +32,7 @@ use mediaplane_core::table::{IngressKey, StreamEntry};
 use mediaplane_core::ForwardingTable;
 use parking_lot::Mutex;
 use socket2::{Domain, Protocol, SockAddr, Socket, Type};
+use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
 use std::os::fd::{AsRawFd, RawFd};
@@ -205,8 +209,25 @@ struct Shared {
     events_dropped: AtomicU64,
     mark_ack: Option<MarkAck>,
     /// Every decision's state. Taken per batch to decide it and once more for what it sent;
-    /// never held across a system call. The installed `state` is swapped under it.
+    /// never held across a send. (Under it, the eBPF plane's simulcast fan-out and tick read and
+    /// aim the kernel's per-consumer states: map calls that take no lock of the eBPF plane's.)
+    /// The installed `state` is swapped under it.
     engine: Mutex<Engine>,
+    /// When the engine's next timer is due ([`Engine::poll_timeout`]; u64::MAX: none), for
+    /// worker 0 to read without the lock.
+    timer_due: AtomicU64,
+    /// The kernel's simulcast states, read outside the engine's lock for its tick.
+    kernel_layers: Option<Arc<dyn KernelLayers>>,
+}
+
+/// `packet` as it leaves `from`: as it is, or sealed with `from`'s outbound SRTP context of
+/// `state` (the snapshot it was decided with: its contexts are the table's keys); None: it could
+/// not be (counted by the contexts).
+fn sealed<'p>(state: &State, from: SocketAddr, packet: Cow<'p, [u8]>, seal: bool) -> Option<Cow<'p, [u8]>> {
+    if !seal {
+        return Some(packet);
+    }
+    crate::srtp::protect(state.srtp.slot(SrtpSlot { local: from, outbound: true }), &packet).map(Cow::Owned)
 }
 
 /// The SRTP contexts of the installed table, as the engine asks for them.
@@ -267,6 +288,9 @@ impl UserspaceDataplane {
             events,
             events_dropped: AtomicU64::new(0),
             mark_ack: cfg.mark_ack.clone(),
+            // A plane with kernel states ticks from the start (the engine's first tick is due at once).
+            timer_due: AtomicU64::new(if cfg.kernel_layers.is_some() { 0 } else { u64::MAX }),
+            kernel_layers: cfg.kernel_layers.as_ref().map(|k| k.0.clone()),
         });
         let steer: Vec<Arc<SteerSockets>> = if cfg.steered {
             (0..cfg.workers).map(|_| SteerSockets::open(cfg.socket_buffer, cfg.header).map(Arc::new)).collect::<Result<_, _>>()?
@@ -386,9 +410,6 @@ impl UserspaceDataplane {
         Ok(())
     }
 
-    /// Streams that left the table lose their reception state and their sender reports' times
-    /// (a stream id is never reused, so this only bounds memory). A full apply keeps only the new
-    /// table's streams: it also sweeps what a worker still on the old table put back.
     /// Make `new` the installed state, and have the engine forget what left the table, under the
     /// engine's lock: no batch is decided in between (see the module documentation).
     fn swap_state(&self, old: &ForwardingTable, new: State, changed: Option<&[IngressKey]>) {
@@ -590,7 +611,7 @@ impl WorkerCtx {
             if let Err(e) = self.epoll.wait(&mut ready, self.wait_ms()) {
                 tracing::error!(worker = self.id, error = %e, "epoll_wait failed");
                 std::thread::sleep(std::time::Duration::from_millis(10));
-                continue;
+                ready.clear();
             }
             for &tok in &ready {
                 if tok == WAKE_TOKEN {
@@ -613,28 +634,39 @@ impl WorkerCtx {
     /// engine timer due sooner.
     fn wait_ms(&self) -> i32 {
         const IDLE_MS: u64 = 200;
-        let due = (self.id == 0).then(|| self.shared.engine.lock().poll_timeout()).flatten();
-        match due {
-            Some(at) => at.saturating_sub(crate::monotonic_ns()).div_ceil(1_000_000).min(IDLE_MS) as i32,
-            None => IDLE_MS as i32,
+        match self.shared.timer_due.load(Ordering::Relaxed) {
+            u64::MAX => IDLE_MS as i32,
+            _ if self.id != 0 => IDLE_MS as i32,
+            at => at.saturating_sub(crate::monotonic_ns()).div_ceil(1_000_000).min(IDLE_MS) as i32,
         }
     }
 
     /// Worker 0: what the engine's timers ask for, sent outside the engine's lock.
     fn run_timers(&self) {
-        let mut out = Vec::new();
         let now = Now::read();
-        {
-            let mut engine = self.shared.engine.lock();
-            if engine.poll_timeout().is_none_or(|at| now.mono_ns < at) {
-                return;
-            }
-            let state = self.shared.state.load();
-            engine.handle_timeout(now, &state.table, &mut SrtpCrypto(&state.srtp), &mut out);
+        if now.mono_ns < self.shared.timer_due.load(Ordering::Relaxed) {
+            return;
         }
+        // The kernel's counters first, without the lock (see KernelReadings).
+        let readings = match &self.shared.kernel_layers {
+            Some(k) => KernelReadings::read(k.as_ref(), &self.shared.state.load().table),
+            None => KernelReadings::default(),
+        };
+        let mut out = Vec::new();
+        let state = {
+            let mut engine = self.shared.engine.lock();
+            let state = self.shared.state.load_full();
+            engine.handle_timeout(now, &state.table, &mut SrtpCrypto(&state.srtp), &readings, &mut out);
+            self.shared.timer_due.store(engine.poll_timeout().unwrap_or(u64::MAX), Ordering::Relaxed);
+            state
+        };
         let mut sent = Vec::with_capacity(out.len());
         for o in out {
-            if let Output::Transmit { from, to, packet, copy } = o {
+            if let Output::Transmit { from, to, packet, copy, seal } = o {
+                let Some(packet) = sealed(&state, from, packet, seal) else {
+                    sent.extend(copy.map(|c| (Some(c), 0, false)));
+                    continue;
+                };
                 let ok = send_datagram_with(&self.shared, self.steer.as_deref(), from, to, &packet);
                 if let Err(e) = &ok {
                     tracing::debug!(error = %e, "keyframe request to a publisher");
@@ -739,13 +771,19 @@ impl WorkerCtx {
         let mut sent: Vec<(Option<CopyOf>, usize, bool)> = Vec::new();
         for o in outputs {
             match o {
-                Output::Transmit { from, to, packet, copy } => match state.sockets.get(&from) {
-                    Some(group) => queued.push((group[self.id].as_raw_fd(), copy, Outgoing { to: SockAddr::from(to), payload: packet })),
-                    None => {
-                        let ok = self.steer.as_ref().is_some_and(|steer| send_raw_copy(steer, from, to, &packet));
-                        sent.push((copy, packet.len(), ok));
+                Output::Transmit { from, to, packet, copy, seal } => {
+                    let Some(packet) = sealed(&state, from, packet, seal) else {
+                        sent.extend(copy.map(|c| (Some(c), 0, false)));
+                        continue;
+                    };
+                    match state.sockets.get(&from) {
+                        Some(group) => queued.push((group[self.id].as_raw_fd(), copy, Outgoing { to: SockAddr::from(to), payload: packet })),
+                        None => {
+                            let ok = self.steer.as_ref().is_some_and(|steer| send_raw_copy(steer, from, to, &packet));
+                            sent.push((copy, packet.len(), ok));
+                        }
                     }
-                },
+                }
                 Output::Event(ev) => self.shared.report(ev),
                 Output::Record { stream, label, src, local, packet } => crate::record::tap(stream, &label, src, local, &packet),
             }

@@ -136,7 +136,7 @@ fn oracle(tb: &Testbed, table: &ForwardingTable) -> Delivered {
     for (from, registered, to, payload) in traffic(tb) {
         let src = SocketAddr::new(tb.peers[from].ip, if registered { MEDIA_PORT } else { STRANGER_PORT });
         for effect in reference(table, to, src, &payload) {
-            if let Effect::Send { from: sfu, to: dst, packet, copy: Some(_) } = effect {
+            if let Effect::Send { from: sfu, to: dst, packet, copy: Some(_), .. } = effect {
                 let who = tb.peers.iter().position(|p| SocketAddr::new(p.ip, MEDIA_PORT) == dst).unwrap();
                 want.get_mut(&who).unwrap().push((sfu, packet.to_vec()));
             }
