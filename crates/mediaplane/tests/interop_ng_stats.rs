@@ -290,16 +290,18 @@ fn ng_statistics_match_rtpengine_and_feed_kamailio() {
     let theirs = mos_avps(&rtpe.mos).unwrap_or_else(|| panic!("rtpengine computed no MOS: {}", rtpe.mos));
     // The round-trip time (µs) a relay measures from a party's SR to the other's report of it,
     // as it receives that report, is part of the round trip the party measures when the report
-    // reaches it (through the relay again, on the same clock): above 0, at most the parties'
-    // longest. Each run against its own parties, not against rtpengine's run: the time is the
-    // host's as much as the relay's (measured 0.13 to 0.96 ms, each at most its parties'
-    // longest, 0.29 to 2.2 ms; but once 5.2 ms on the eBPF plane while a build ran on the 2
-    // cores, where rtpengine's run had 0.5 ms: no tolerance between runs holds both).
+    // reaches it (through the relay again, on the same clock). Each run against its own
+    // parties, not against rtpengine's run: the time is the host's as much as the relay's
+    // (measured 0.13 to 0.96 ms, the parties' longest 0.29 to 2.9 ms; but once 5.2 ms on the
+    // eBPF plane while a build ran on the 2 cores, where rtpengine's run had 0.5 ms: no
+    // tolerance between runs holds both). Not "at most the parties' longest": the relay's
+    // samples are not the parties' (rtpengine's 403 µs once, against its parties' longest 381
+    // µs, in a CI run), hence twice that, which still catches a unit or clock error.
     for (relay, r) in &runs {
         let rtt = mos_avps(&r.mos).unwrap_or_else(|| panic!("[{relay}] Kamailio read no MOS: {}", r.mos))["roundtrip"];
         assert!(
-            rtt > 0.0 && rtt <= r.endpoint_rtt_us,
-            "[{relay}] MOS AVP roundtrip {rtt} µs: not within (0, {:.0}], the parties' longest round trip through the relay",
+            rtt > 0.0 && rtt <= 2.0 * r.endpoint_rtt_us,
+            "[{relay}] MOS AVP roundtrip {rtt} µs: not within (0, 2 x {:.0}], twice the parties' longest round trip through the relay",
             r.endpoint_rtt_us
         );
     }
