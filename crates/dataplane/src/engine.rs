@@ -497,6 +497,8 @@ pub struct Engine {
     /// With kernel states: when the next tick is due, and how many ran.
     next_tick_ns: Option<u64>,
     ticks: u64,
+    /// The latest limits' clock a batch was decided at.
+    limits_ns: u64,
 }
 
 impl Engine {
@@ -515,6 +517,7 @@ impl Engine {
             rtcp_budget: HashMap::new(),
             stream_ids_reported: HashMap::new(),
             ticks: 0,
+            limits_ns: 0,
         }
     }
 
@@ -533,6 +536,11 @@ impl Engine {
         batch: impl IntoIterator<Item = Datagram<'p>>,
         out: &mut Vec<Output<'p>>,
     ) {
+        // Workers read their clocks before they take the engine's lock, so batches can come in
+        // a little out of time order: the limits' clock is kept from going back (a rate limiter
+        // would take a late batch's packets for early ones).
+        let now = Now { limits_ns: now.limits_ns.max(self.limits_ns), ..now };
+        self.limits_ns = now.limits_ns;
         let mut effects: Vec<Effect<'p>> = Vec::new();
         for dgram in batch {
             self.decide(now, table, crypto, dgram, &mut effects, out);
@@ -1170,6 +1178,38 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// Batches decided out of their clocks' order (a worker read its clock, then waited for the
+    /// lock behind one that read later) are limited as if at the latest clock seen: a stream
+    /// at its rate limit is not cut for a packet that only looked early.
+    #[test]
+    fn the_limits_clock_does_not_go_back_between_batches() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p", a("10.0.0.1:42000"), a("10.0.1.1:5000")).unwrap();
+        m.add_participant("r", "s", a("10.0.0.1:42002"), a("10.0.1.2:5000")).unwrap();
+        m.publish("r", "p", "mic", StreamSpec::default()).unwrap();
+        m.subscribe("r", "s", StreamRef { publisher: "p".into(), stream: "mic".into() }).unwrap();
+        // 100 packets/s (10 ms apart), 10 ms of burst.
+        let rate = mediaplane_core::ratelimit::RateLimit { pps: 100, bps: 0, burst_ms: 10 };
+        let table = ForwardingTable::compile_with_rate(&m, 1, Some(rate));
+        let mut e = Engine::new(EngineConfig::default());
+        let t = 2_000_000_000;
+        let mut forwarded = |at_ms: u64, packets: usize| -> usize {
+            let now = t + at_ms * 1_000_000;
+            let packet = build_rtp(0, 1, 0, 5, &[0; 20]);
+            let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet };
+            let mut out = Vec::new();
+            e.handle_batch(at(now), &table, &mut NoCrypto, std::iter::repeat_n(dgram, packets), &mut out);
+            out.len()
+        };
+        assert_eq!(forwarded(0, 2), 2, "the burst");
+        assert_eq!(forwarded(20, 1), 1, "on time");
+        // Read at 15 ms, decided after the 20 ms batch: as if at 20 ms, it fits the burst (at
+        // 15 ms it would not: 15 ms ahead of its time).
+        assert_eq!(forwarded(15, 1), 1, "a packet that only looked early");
+        assert_eq!(forwarded(20, 1), 0, "the limit still holds");
     }
 
     /// Without kernel states the engine has no timer; with them, the tick is due at once and
