@@ -67,13 +67,15 @@ const SFU_PORT: u16 = 40000;
 const MEDIA_PORT: u16 = 5004;
 /// On loopback in each participant's namespace: where its pipelines send RTP and RTCP (the
 /// bridge carries it to the SFU), where a publisher's three sessions take RTCP (+ layer), where
-/// its receivers take RTP and RTCP (+ publisher).
-const GST_OUT: u16 = 47010;
-const PUB_RTCP_IN: u16 = 47011;
-const SUB_RTP_IN: u16 = 47020;
-const SUB_RTCP_IN: u16 = 47030;
+/// its receivers take RTP and RTCP (+ publisher). Below the kernel's ephemeral range (32768 on):
+/// the bridge's and GStreamer's own sockets bind port 0 in the same namespaces, and one once got
+/// 47032, which a receiver then could not bind (a CI run failed so).
+const GST_OUT: u16 = 27010;
+const PUB_RTCP_IN: u16 = 27011;
+const SUB_RTP_IN: u16 = 27020;
+const SUB_RTCP_IN: u16 = 27030;
 /// The test's own decoder, in its namespace.
-const DECODE_PORT: u16 = 47050;
+const DECODE_PORT: u16 = 27050;
 
 const PUBLISHERS: usize = 3;
 const PARTICIPANTS: usize = 6;
