@@ -664,8 +664,10 @@ impl LayerRewriter {
         let behind = self.top_seq.wrapping_sub(out);
         let newer = !first && seq_newer(out, self.top_seq);
         // Only the current segment extends the consumer's numbering (an older one's range is
-        // closed; pruning keeps it from coming back when its layer wraps around).
-        if !(i == 0 && self.open) && newer {
+        // closed; pruning keeps it from coming back when its layer wraps around), and the
+        // newest one, paused, into the numbers a cut kept for packets still on their way.
+        let kept_by_cut = i == 0 && self.cut.is_some_and(|c| seq_newer(c.next_seq, out));
+        if !(i == 0 && self.open) && !kept_by_cut && newer {
             self.stats.late += 1;
             return Decision::Skip(Skip::Late);
         }
@@ -972,6 +974,26 @@ mod tests {
         fwd(c.on_packet(0, &vp8t(8, 1, 0, 0, false, true, true), 0));
         c.on_packet(0, &vp8t(9, 2, 0, 2, false, true, false), 1);
         assert_eq!(fwd(c.on_packet(0, &vp8t(12, 3, 1, 0, false, false, false), 2)).sequence, a.wrapping_add(3));
+    }
+
+    /// CI's case (proptest regression b19f959c): a kept packet still on its way when a frame is
+    /// dropped has its number kept by the cut; it arrives after the consumer paused and must
+    /// still go out there, or the resumed segment leaves a hole no loss made.
+    #[test]
+    fn a_late_packet_before_a_cut_fills_its_number_while_paused() {
+        let mut c = LayerRewriter::new(9, 90_000);
+        c.set_target(Some(0));
+        c.set_temporal(Some(0));
+        assert_eq!(fwd(c.on_packet(0, &vp8t(22, 1, 0, 0, false, true, true), 0)).sequence, 22);
+        // Picture 2 (layer 0) is 23, still on its way; picture 3 (layer 1) in 24 and 25 is dropped.
+        assert_eq!(c.on_packet(0, &vp8t(24, 3, 1, 1, false, true, false), 1), Decision::Skip(Skip::TemporalLayer));
+        c.set_target(None);
+        assert_eq!(c.on_packet(0, &vp8t(25, 3, 1, 1, false, false, false), 2), Decision::Skip(Skip::Paused));
+        c.set_target(Some(0));
+        let late = fwd(c.on_packet(0, &vp8t(23, 2, 1, 0, false, true, false), 3));
+        assert_eq!((late.sequence, late.picture_id), (23, Some(2)));
+        let resumed = fwd(c.on_packet(0, &vp8t(26, 4, 2, 0, false, true, true), 4));
+        assert_eq!((resumed.sequence, resumed.picture_id), (24, Some(3)), "right after the kept number");
     }
 
     #[test]

@@ -267,7 +267,9 @@ static __always_inline int layer_emit(struct mp_layer_state *st, __u32 i, const 
 	__u16 behind = st->top_seq - o;
 	int newer = !first && seq_newer(o, st->top_seq);
 	int current = i == 0 && st->open;
-	if (!current && newer) {
+	/* Paused, the newest segment still takes the numbers a cut kept for packets on their way. */
+	int kept_by_cut = i == 0 && (st->cut & MP_CUT) && seq_newer(st->cut_next_seq, o);
+	if (!current && !kept_by_cut && newer) {
 		st->late += 1;
 		return MP_LAYER_LATE;
 	}
