@@ -667,7 +667,8 @@ impl LayerRewriter {
         // closed; pruning keeps it from coming back when its layer wraps around), and the
         // newest one, paused, into the numbers a cut kept for packets still on their way.
         let kept_by_cut = i == 0 && self.cut.is_some_and(|c| seq_newer(c.next_seq, out));
-        if !(i == 0 && self.open) && !kept_by_cut && newer {
+        let extends = (i == 0 && self.open) || kept_by_cut;
+        if newer && !extends {
             self.stats.late += 1;
             return Decision::Skip(Skip::Late);
         }
