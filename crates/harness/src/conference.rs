@@ -50,6 +50,10 @@ pub enum Scenario {
     /// The same layers, each published as a plain stream of its own (narrowed to its SSRC), and
     /// the same subscriptions to them: the same copies without the simulcast rewrite.
     SimulcastPlain,
+    /// [`Scenario::Simulcast`] with every participant on SRTP (SDES keys at join,
+    /// AEAD_AES_128_GCM), as a WebRTC room's browsers: on the eBPF planes every copy is
+    /// renumbered and protected by the slow path. No RTCP (the generator sends none on SRTP).
+    SimulcastSrtp,
     /// One publisher (p0), every other participant subscribed to it: a webinar, or one browser
     /// seen by N - 1 others. Plain RTP: the encrypted preset's baseline.
     Fanout,
@@ -62,9 +66,15 @@ pub enum Scenario {
 }
 
 impl Scenario {
-    /// Whether participants publish simulcast layers ([`Scenario::Simulcast`] or its plain twin).
+    /// Whether participants publish simulcast layers ([`Scenario::Simulcast`], its plain and
+    /// its SRTP twins).
     pub fn layered(self) -> bool {
-        matches!(self, Scenario::Simulcast | Scenario::SimulcastPlain)
+        matches!(self, Scenario::Simulcast | Scenario::SimulcastPlain | Scenario::SimulcastSrtp)
+    }
+
+    /// Whether subscribers are simulcast consumers (each copy renumbered for it).
+    pub fn rewritten(self) -> bool {
+        matches!(self, Scenario::Simulcast | Scenario::SimulcastSrtp)
     }
 
     /// Whether only p0 publishes (the fan-out scenarios).
@@ -75,7 +85,7 @@ impl Scenario {
     /// The SRTP suite every participant speaks, if any.
     pub fn srtp(self) -> Option<SrtpSuite> {
         match self {
-            Scenario::FanoutSrtpGcm => Some(SrtpSuite::AeadAes128Gcm),
+            Scenario::FanoutSrtpGcm | Scenario::SimulcastSrtp => Some(SrtpSuite::AeadAes128Gcm),
             Scenario::FanoutSrtpCm => Some(SrtpSuite::AesCm128HmacSha1_80),
             _ => None,
         }
@@ -464,7 +474,7 @@ pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool, 
                     api(tb, "POST", &streams, Some(json!({"name": "main", "ssrc": flow_main(0)})))?;
                 }
             }
-            Scenario::Simulcast => {
+            Scenario::Simulcast | Scenario::SimulcastSrtp => {
                 let layers: Vec<u32> = (0..LAYERS).map(|l| flow_layer(i, l)).collect();
                 api(tb, "POST", &streams, Some(json!({"name": "video", "layers": layers, "codec": "vp8", "clock_rate": 90_000})))?;
             }
@@ -494,7 +504,7 @@ pub(crate) fn setup_room(tb: &Testbed, n: usize, scenario: Scenario, rtp: bool, 
                         api(tb, "POST", &path, Some(json!({"publisher": publisher, "stream": "main"})))?;
                     }
                 }
-                Scenario::Simulcast => {
+                Scenario::Simulcast | Scenario::SimulcastSrtp => {
                     let l = layer_for(i, j);
                     api(tb, "POST", &path, Some(json!({"publisher": publisher, "stream": "video", "preferred_layer": l, "max_layer": l})))?;
                 }
@@ -556,7 +566,7 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
         let s = serve.insert(ServeProcess::start(tb, &spec.dataplane, &store, log.clone())?);
         wait_ready(tb, s)?;
         setup_room(tb, n, spec.scenario, rtp, true)?;
-        if spec.scenario == Scenario::Simulcast && ebpf {
+        if spec.scenario.rewritten() && ebpf {
             wait_layers_aimed(tb)?;
         }
     }
@@ -608,15 +618,24 @@ pub fn run(tb: &Testbed, spec: &ConferenceSpec, workdir: &std::path::Path) -> an
                 let to = SocketAddr::new(q.ip, MEDIA_PORT);
                 // A layered floor sends each subscriber just the layer it receives.
                 let main = if layered { Profile::simulcast_layer(layer_for(j, i) as u8) } else { profile.clone() };
-                plan = plan.sender(sock.try_clone()?, to, flow_mesh_main(i, j), main);
+                plan = match srtp {
+                    // Under the key the SFU would have protected the copy with.
+                    Some(suite) => plan.srtp_sender(sock.try_clone()?, to, flow_mesh_main(i, j), main, participant_srtp(suite, j, true, true)?),
+                    None => plan.sender(sock.try_clone()?, to, flow_mesh_main(i, j), main),
+                };
                 if two && high_half(j) {
                     plan = plan.sender(sock.try_clone()?, to, flow_mesh_high(i, j), profile.clone());
                 }
             }
         } else if layered {
-            // As a browser: an SR a second per layer (see the receivers' RTCP below).
+            // As a browser: an SR a second per layer (see the receivers' RTCP below); on SRTP
+            // each layer protected under the participant's key (a session per SSRC).
             for l in 0..LAYERS {
-                plan = plan.sender_with_reports(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_layer(i, l), Profile::simulcast_layer(l as u8));
+                let (to, flow, layer) = (SocketAddr::new(p.sfu_ip, SFU_PORT), flow_layer(i, l), Profile::simulcast_layer(l as u8));
+                plan = match srtp {
+                    Some(suite) => plan.srtp_sender(sock.try_clone()?, to, flow, layer, participant_srtp(suite, i, false, true)?),
+                    None => plan.sender_with_reports(sock.try_clone()?, to, flow, layer),
+                };
             }
         } else {
             plan = plan.sender(sock.try_clone()?, SocketAddr::new(p.sfu_ip, SFU_PORT), flow_main(i), profile.clone());
