@@ -171,15 +171,26 @@ struct SimulcastState {
     /// With kernel states: what the kernel had received of each layer stream at the last tick,
     /// by stream id.
     kernel_rx: HashMap<u32, KernelReceived>,
+    /// With kernel states: the consumers of the installed table that some stream the kernel
+    /// forwards itself copies to ([`KernelLayers::judges`]). Their states live in the kernel.
+    kernel_judged: HashSet<u32>,
 }
 
 /// One simulcast consumer: the layer it should get (from the API's ceiling, its reports and
 /// what is sent) and the renumbering of what it gets.
 struct LayerConsumer {
-    /// With kernel states, a mirror of the kernel's: refreshed before a packet, a NACK or the
-    /// API reads it; by the tick while the consumer is new or on its way to a layer, and once a
-    /// second when settled (see [`Engine::handle_timeout`]).
+    /// In the kernel, a mirror of the kernel's: refreshed before a packet, a NACK or the API
+    /// reads it; by the tick while the consumer is new or on its way to a layer, and once a
+    /// second when settled (see [`Engine::handle_timeout`]). Else the state itself.
     rewriter: LayerRewriter,
+    /// Its state lives in the kernel: the kernel makes the copies of some stream of it, and its
+    /// rules, one packet at a time, are then the only ones that may change the state. A
+    /// consumer only the slow path serves (every stream of it SRTP, recorded, too big…) is
+    /// decided here without a syscall. Set when the consumer is first seen; a consumer the
+    /// kernel comes to serve is handed over at the install ([`Engine::forget`]); one the kernel
+    /// stops serving stays there (the slow path cannot know when the kernel's last copy of it
+    /// was made: a rare change, and it costs only the syscalls).
+    in_kernel: bool,
     choice: LayerChoice,
     /// Its stream's uid, for the activity the choice reads.
     group: u32,
@@ -188,8 +199,13 @@ struct LayerConsumer {
 }
 
 impl LayerConsumer {
-    fn new(rewriter: LayerRewriter, group: u32) -> LayerConsumer {
-        LayerConsumer { rewriter, choice: LayerChoice::default(), group, kernel_target: None }
+    fn new(rewriter: LayerRewriter, group: u32, in_kernel: bool) -> LayerConsumer {
+        LayerConsumer { rewriter, choice: LayerChoice::default(), group, kernel_target: None, in_kernel }
+    }
+
+    /// The kernel, when its state lives there.
+    fn kernel<'k>(&self, kernel: Option<&'k dyn KernelLayers>) -> Option<&'k dyn KernelLayers> {
+        kernel.filter(|_| self.in_kernel)
     }
 
     /// Aim at `target` with the temporal ceiling `temporal`: here, and in the kernel's state
@@ -324,8 +340,8 @@ impl Decider {
         let count = layer.layers.len() as u8;
         let mut wanted: Vec<u8> = Vec::new();
         let mut fan = LayerFanOut::default();
-        let kernel = self.kernel.as_deref();
-        let SimulcastState { consumers, activity, .. } = &mut self.layers;
+        let all_kernel = self.kernel.as_deref();
+        let SimulcastState { consumers, activity, kernel_judged, .. } = &mut self.layers;
         let activity = activity.entry(layer.group).or_default();
         if info.is_some() {
             activity.on_packet(layer.index, payload.len(), now_ns);
@@ -335,12 +351,14 @@ impl Decider {
                 continue;
             }
             let c = consumers.entry(copy.consumer).or_insert_with(|| {
-                if let Some(k) = kernel {
+                let in_kernel = all_kernel.is_some() && kernel_judged.contains(&copy.consumer);
+                if let Some(k) = all_kernel.filter(|_| in_kernel) {
                     k.create(copy.consumer, out_ssrc, entry.clock_rate);
                 }
-                LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group)
+                LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group, in_kernel)
             });
             c.group = layer.group;
+            let kernel = c.kernel(all_kernel);
             mirror(&mut c.rewriter, copy.consumer, kernel);
             // The compiled layer is the API's ceiling (None: paused); the choice may lower it.
             let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, activity, now_ns));
@@ -407,7 +425,8 @@ impl Decider {
         for (id, seqs) in &outcome.nacks {
             if let Some(c) = consumers.get_mut(id) {
                 // What was sent it so far, fresh (the tick leaves a settled consumer's counters).
-                mirror(&mut c.rewriter, *id, self.kernel.as_deref());
+                let kernel = c.kernel(self.kernel.as_deref());
+                mirror(&mut c.rewriter, *id, kernel);
                 c.choice.on_nacks(seqs, c.rewriter.stats.forwarded, c.rewriter.current(), now_ns);
             }
         }
@@ -434,6 +453,12 @@ impl Decider {
     }
 }
 
+/// The consumers of `table`'s simulcast streams that the kernel forwards itself.
+fn kernel_judged(kernel: &dyn KernelLayers, table: &ForwardingTable) -> HashSet<u32> {
+    let judged = table.streams.values().filter(|e| e.simulcast.is_some() && kernel.judges(e));
+    judged.flat_map(|e| e.copies.iter().map(|c| c.consumer)).filter(|c| *c != 0).collect()
+}
+
 /// Refresh `rw` from the kernel's state of `id` (nothing without one).
 fn mirror(rw: &mut LayerRewriter, id: u32, kernel: Option<&dyn KernelLayers>) {
     if let Some(s) = kernel.and_then(|k| k.state(id)) {
@@ -451,7 +476,7 @@ impl LayerMap for Layers<'_> {
     }
     fn original(&self, consumer: u32, out_seq: u16) -> Option<(u8, u16)> {
         let c = self.0.get(&consumer)?;
-        match self.1.and_then(|k| k.state(consumer)) {
+        match c.kernel(self.1).and_then(|k| k.state(consumer)) {
             Some(s) => {
                 let mut rw = LayerRewriter::new(c.rewriter.ssrc(), c.rewriter.clock_rate());
                 rw.load_state(s);
@@ -700,7 +725,7 @@ impl Engine {
         let mut wanted: Vec<(&StreamEntry, u8)> = Vec::new();
         // (stream, SSRC) of layers the kernel forwarded a keyframe of since the last tick.
         let mut answered: Vec<(u32, u32)> = Vec::new();
-        let SimulcastState { consumers, activity, kernel_rx } = &mut self.decider.layers;
+        let SimulcastState { consumers, activity, kernel_rx, kernel_judged } = &mut self.decider.layers;
         let mut seen = HashSet::new();
         for entry in layered.iter().copied() {
             let Some(layer) = &entry.simulcast else { continue };
@@ -720,23 +745,29 @@ impl Engine {
                 if !seen.insert(copy.consumer) {
                     continue;
                 }
-                let c = consumers.entry(copy.consumer).or_insert_with(|| LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group));
-                // Every tick: a state a failed create or a reconcile left missing comes back.
-                let new = c.kernel_target.is_none();
-                if new {
-                    kernel.create(copy.consumer, out_ssrc, entry.clock_rate);
-                }
+                let c = consumers
+                    .entry(copy.consumer)
+                    .or_insert_with(|| LayerConsumer::new(LayerRewriter::new(out_ssrc, entry.clock_rate), layer.group, kernel_judged.contains(&copy.consumer)));
                 c.group = layer.group;
-                // A settled consumer (receiving the layer it is aimed at) changes in the kernel
-                // only by its counters: the kernel switches a consumer only towards a target
-                // this engine set. Those are read where they are used (NACK windows, the API)
-                // and on reconciling ticks; a consumer not aimed yet (its state may be a
-                // restarted daemon's, pinned) or on its way to a layer, every tick.
-                if reconcile || new || c.rewriter.current() != c.rewriter.target() {
-                    mirror(&mut c.rewriter, copy.consumer, Some(kernel));
-                }
                 let target = copy.layer.map(|ceiling| c.choice.choose(ceiling, copy.max_layer, copy.auto_layer, count, act, now_ns));
-                c.set_target(copy.consumer, target, copy.temporal_layer, Some(kernel));
+                // A consumer whose state is here is aimed as a packet would aim it.
+                if c.in_kernel {
+                    // Every tick: a state a failed create or a reconcile left missing comes back.
+                    let new = c.kernel_target.is_none();
+                    if new {
+                        kernel.create(copy.consumer, out_ssrc, entry.clock_rate);
+                    }
+                    // A settled consumer (receiving the layer it is aimed at) changes in the
+                    // kernel only by its counters: the kernel switches a consumer only towards a
+                    // target this engine set. Those are read where they are used (NACK windows,
+                    // the API) and on reconciling ticks; a consumer not aimed yet (its state may
+                    // be a restarted daemon's, pinned) or on its way to a layer, every tick.
+                    if reconcile || new || c.rewriter.current() != c.rewriter.target() {
+                        mirror(&mut c.rewriter, copy.consumer, Some(kernel));
+                    }
+                }
+                let k = c.kernel(Some(kernel));
+                c.set_target(copy.consumer, target, copy.temporal_layer, k);
                 // Asked only once the publisher sends (as a packet's arrival asks on the
                 // user-space plane): a request before its socket is up is lost, and the next one
                 // would wait out the retry interval.
@@ -854,9 +885,9 @@ impl Engine {
             Some(keep) => {
                 self.counters.consumers.retain(|id, _| keep.contains(id));
                 self.forwarded.retain(|id, _| keep.contains(id));
-                layers.consumers.retain(|id, _| {
+                layers.consumers.retain(|id, c| {
                     let kept = keep.contains(id);
-                    if let (false, Some(k)) = (kept, kernel) {
+                    if let (false, Some(k)) = (kept, c.kernel(kernel)) {
                         k.remove(*id);
                     }
                     kept
@@ -866,11 +897,22 @@ impl Engine {
                 for id in &gone {
                     self.counters.consumers.remove(id);
                     self.forwarded.remove(id);
-                    if layers.consumers.remove(id).is_some() {
-                        if let Some(k) = kernel {
-                            k.remove(*id);
-                        }
+                    if let Some(k) = layers.consumers.remove(id).and_then(|c| c.kernel(kernel)) {
+                        k.remove(*id);
                     }
+                }
+            }
+        }
+        if let Some(k) = kernel {
+            layers.kernel_judged = kernel_judged(k, new);
+            // Before the kernel's table (the eBPF plane installs the slow path's first): a
+            // consumer decided here until now whose stream the kernel comes to forward takes its
+            // state there, so the kernel's first copy continues its numbering.
+            for (id, c) in layers.consumers.iter_mut().filter(|(id, c)| !c.in_kernel && layers.kernel_judged.contains(id)) {
+                let rw = &c.rewriter;
+                if k.load(*id, rw.ssrc(), rw.clock_rate(), &rw.state()) {
+                    c.in_kernel = true;
+                    c.kernel_target = Some((rw.target(), rw.temporal_target()));
                 }
             }
         }
@@ -908,6 +950,7 @@ impl Engine {
         for id in ids {
             // Fresh counters from the kernel (the tick leaves a settled consumer's).
             if let Some(c) = layers.consumers.get_mut(id) {
+                let kernel = c.kernel(kernel);
                 mirror(&mut c.rewriter, *id, kernel);
             }
             if let Some(c) = layers.consumers.get(id) {
@@ -1006,23 +1049,42 @@ pub(crate) mod test_support {
     }
 
     /// The kernel's simulcast states, faked: each consumer's as given, every layer stream
-    /// received anew at each read.
+    /// received anew at each read; it forwards every stream unless `forwards_nothing`.
     #[derive(Default)]
     pub(crate) struct FakeKernel {
         pub(crate) states: parking_lot::Mutex<HashMap<u32, RewriterState>>,
         pub(crate) reads: AtomicU64,
         /// Calls of `consumers`: reconciling ticks.
         pub(crate) listed: AtomicU64,
+        pub(crate) forwards_nothing: std::sync::atomic::AtomicBool,
+        /// Calls about one consumer (create, set_target, decide, state, load): each a syscall.
+        pub(crate) consumer_calls: AtomicU64,
+    }
+
+    impl FakeKernel {
+        fn call(&self) {
+            self.consumer_calls.fetch_add(1, Ordering::Relaxed);
+        }
     }
 
     impl KernelLayers for FakeKernel {
         fn create(&self, consumer: u32, _: u32, _: u32) {
+            self.call();
             self.states.lock().entry(consumer).or_default();
         }
         fn remove(&self, consumer: u32) {
             self.states.lock().remove(&consumer);
         }
+        fn judges(&self, _: &mediaplane_core::StreamEntry) -> bool {
+            !self.forwards_nothing.load(Ordering::Relaxed)
+        }
+        fn load(&self, consumer: u32, _: u32, _: u32, state: &RewriterState) -> bool {
+            self.call();
+            self.states.lock().insert(consumer, state.clone());
+            true
+        }
         fn set_target(&self, consumer: u32, target: Option<u8>, _: Option<u8>) -> bool {
+            self.call();
             self.states.lock().get_mut(&consumer).map(|s| s.target = target).is_some()
         }
         fn consumers(&self) -> Vec<u32> {
@@ -1030,9 +1092,11 @@ pub(crate) mod test_support {
             self.states.lock().keys().copied().collect()
         }
         fn decide(&self, _: u32, _: u8, _: Codec, _: u64, _: &[u8]) -> Option<Vec<u8>> {
+            self.call();
             None
         }
         fn state(&self, consumer: u32) -> Option<RewriterState> {
+            self.call();
             self.states.lock().get(&consumer).cloned()
         }
         fn received(&self, _: u32) -> Option<KernelReceived> {
@@ -1292,5 +1356,68 @@ mod tests {
             assert!(pli_found, "no PLI in {pli:?}");
         }
         assert!(requests.len() < 10, "coalesced: {} requests in 10 ticks", requests.len());
+    }
+
+    /// A keyframe of `layer` of the room's publisher, as the SFU receives it.
+    fn layer_keyframe(e: &mut Engine, table: &ForwardingTable, layer: u32, seq: u16, t: u64) -> Vec<(SocketAddr, SocketAddr, Vec<u8>)> {
+        let packet = build_rtp(96, seq, 3000 * seq as u32, 100 + layer, &[0x90, 0x80, 0x05, 0x10, 0, 0, 0, 0]);
+        let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet };
+        let mut out = Vec::new();
+        e.handle_datagram(at(t), table, &mut NoCrypto, dgram, &mut out);
+        send_all(e, out, t)
+    }
+
+    /// A simulcast consumer no stream of which the kernel forwards (an SRTP subscriber's, as in
+    /// every WebRTC room on the eBPF plane) is decided here: renumbered onto its SSRC with no
+    /// call to the kernel, however many packets and ticks go by.
+    #[test]
+    fn a_consumer_only_the_slow_path_serves_costs_no_kernel_call() {
+        let (m, consumer) = simulcast_room(a("10.0.0.1:1").ip(), a("10.0.1.1:5000"), a("10.0.1.2:5000"));
+        let kernel = Arc::new(FakeKernel::default());
+        kernel.forwards_nothing.store(true, Ordering::Relaxed);
+        let mut e = Engine::new(EngineConfig { kernel_layers: Some(kernel.clone()), ..Default::default() });
+        let (empty, table) = (ForwardingTable::compile(&Model::new(), 1), ForwardingTable::compile(&m, 2));
+        e.forget(&empty, &table, None);
+        let t0 = 5_000_000_000;
+        let mut sent = Vec::new();
+        for k in 0..10u16 {
+            let t = t0 + k as u64 * TICK_NS;
+            e.handle_timeout(at(t), &table, &mut NoCrypto, &KernelReadings::read(&*kernel, &table), &mut Vec::new());
+            sent.extend(layer_keyframe(&mut e, &table, 1, 1000 + k, t));
+        }
+        assert_eq!(sent.len(), 10, "every keyframe of layer 1 goes to the subscriber: {sent:?}");
+        let seqs: Vec<u16> = sent.iter().map(|(_, _, p)| u16::from_be_bytes([p[2], p[3]])).collect();
+        assert!(seqs.windows(2).all(|w| w[1] == w[0].wrapping_add(1)), "{seqs:?}");
+        assert!(sent.iter().all(|(_, to, p)| *to == a("10.0.1.2:5000") && p[8..12] == 100u32.to_be_bytes()), "onto the consumer's SSRC");
+        assert_eq!(kernel.consumer_calls.load(Ordering::Relaxed), 0, "a call to the kernel about the consumer");
+        assert!(kernel.states.lock().get(&consumer).is_none());
+        let c = e.consumer_counters(&[consumer], t0 + 10 * TICK_NS).remove(&consumer).and_then(|c| c.layer).unwrap();
+        assert_eq!((c.current, c.stats.forwarded), (Some(1), 10), "{c:?}");
+    }
+
+    /// When a stream of such a consumer comes to the kernel (its last SRTP subscriber left, say),
+    /// the install hands the consumer's state over before the kernel's table changes, so the
+    /// kernel's copies continue its numbering; from then on the kernel decides.
+    #[test]
+    fn a_consumer_the_kernel_comes_to_serve_is_handed_over_at_the_install() {
+        let (m, consumer) = simulcast_room(a("10.0.0.1:1").ip(), a("10.0.1.1:5000"), a("10.0.1.2:5000"));
+        let kernel = Arc::new(FakeKernel::default());
+        kernel.forwards_nothing.store(true, Ordering::Relaxed);
+        let mut e = Engine::new(EngineConfig { kernel_layers: Some(kernel.clone()), ..Default::default() });
+        let (empty, table) = (ForwardingTable::compile(&Model::new(), 1), ForwardingTable::compile(&m, 2));
+        e.forget(&empty, &table, None);
+        let t0 = 5_000_000_000;
+        for k in 0..3u16 {
+            assert_eq!(layer_keyframe(&mut e, &table, 1, 1000 + k, t0 + k as u64).len(), 1);
+        }
+        kernel.forwards_nothing.store(false, Ordering::Relaxed);
+        let next = ForwardingTable::compile(&m, 3);
+        e.forget(&table, &next, None);
+        let handed = kernel.states.lock().get(&consumer).cloned().expect("the state went to the kernel");
+        assert_eq!((handed.forwarded, handed.target, handed.newest[1]), (3, Some(1), Some(1002)), "{handed:?}");
+        // The kernel decides now (the fake one forwards nothing).
+        let calls = kernel.consumer_calls.load(Ordering::Relaxed);
+        assert!(layer_keyframe(&mut e, &next, 1, 1003, t0 + 10).is_empty());
+        assert!(kernel.consumer_calls.load(Ordering::Relaxed) > calls);
     }
 }

@@ -5,6 +5,7 @@
 //! rules, applied one packet at a time, stay the only ones that change them.
 
 use mediaplane_core::simulcast::{Codec, RewriterState};
+use mediaplane_core::StreamEntry;
 use std::sync::Arc;
 
 /// How often the plane updates the kernel's targets, reads what the kernel received of each
@@ -19,6 +20,12 @@ pub trait KernelLayers: Send + Sync {
     /// Give `consumer` a state (no target yet) unless it has one.
     fn create(&self, consumer: u32, ssrc: u32, clock_rate: u32);
     fn remove(&self, consumer: u32);
+    /// Whether the kernel makes `entry`'s copies itself. A consumer no such stream copies to is
+    /// decided by the slow path alone, on a state of its own: no syscall per copy.
+    fn judges(&self, entry: &StreamEntry) -> bool;
+    /// Make `state` `consumer`'s in the kernel (created or replaced): the hand-over when a
+    /// stream of a consumer the slow path decided alone comes to the kernel. False: not done.
+    fn load(&self, consumer: u32, ssrc: u32, clock_rate: u32, state: &RewriterState) -> bool;
     /// Want `target` (None: pause) from its next keyframe on, and temporal layers up to
     /// `temporal` (None: all). False: not done (no state).
     fn set_target(&self, consumer: u32, target: Option<u8>, temporal: Option<u8>) -> bool;

@@ -13,6 +13,7 @@ use crate::loader::{bpf_err, FastPath};
 use crate::maps::Pod;
 use libbpf_rs::{MapCore, MapFlags, ProgramInput};
 use mediaplane_core::simulcast::{Codec, Cut, RewriterState, Segment, Skip, ALL_TEMPORAL, HISTORY, MAX_LAYERS};
+use mediaplane_core::StreamEntry;
 use mediaplane_dataplane::kernel_layers::{KernelLayers, KernelReceived};
 use mediaplane_dataplane::DataplaneError;
 
@@ -92,6 +93,46 @@ impl LayerStateRaw {
             temporal_current: ALL_TEMPORAL,
             ..Default::default()
         }
+    }
+
+    /// `state` in the kernel's layout, for a consumer receiving on `ssrc` (the inverse of
+    /// [`LayerStateRaw::to_state`]).
+    pub fn from_state(ssrc: u32, clock_rate: u32, state: &RewriterState) -> LayerStateRaw {
+        let mut raw = LayerStateRaw::new(ssrc, clock_rate);
+        raw.target = state.target.unwrap_or(LAYER_NONE);
+        raw.open = state.open as u8;
+        raw.nsegs = state.segments.len().min(HISTORY) as u8;
+        for (r, g) in raw.seg.iter_mut().zip(&state.segments) {
+            *r = LayerSegmentRaw {
+                start: g.start,
+                highest: g.highest,
+                seq_offset: g.seq_offset,
+                pic_offset: g.pic_offset,
+                ts_offset: g.ts_offset,
+                layer: g.layer,
+                tl0_offset: g.tl0_offset,
+                pad: 0,
+            };
+        }
+        for (l, n) in state.newest.iter().enumerate() {
+            if let Some(n) = n {
+                raw.newest_set |= 1 << l;
+                raw.newest[l] = *n;
+            }
+        }
+        (raw.top_seq, raw.top_ts, raw.top_pic, raw.top_tl0, raw.top_at_ns, raw.sent) =
+            (state.top_seq, state.top_ts, state.top_pic, state.top_tl0, state.top_at_ns, state.sent);
+        (raw.forwarded, raw.switches, raw.duplicates, raw.late) = (state.forwarded, state.switches, state.duplicates, state.late);
+        (raw.temporal_target, raw.temporal_current, raw.temporal_dropped) = (state.temporal_target, state.temporal_current, state.temporal_dropped);
+        if let Some(c) = state.cut {
+            raw.cut = CUT;
+            (raw.cut_next_seq, raw.cut_resume_seq) = (c.next_seq, c.resume_seq);
+            if let Some((next, resume)) = c.pictures {
+                raw.cut |= CUT_PICTURES;
+                (raw.cut_next_pic, raw.cut_resume_pic) = (next, resume);
+            }
+        }
+        raw
     }
 
     pub fn to_state(&self) -> RewriterState {
@@ -185,6 +226,15 @@ impl FastPath {
         }
     }
 
+    /// Make `state` `consumer`'s (created, or replaced under its lock): a consumer the slow path
+    /// decided alone until now hands its state to the kernel before the kernel's first copy.
+    pub fn layer_load(&self, consumer: u32, ssrc: u32, clock_rate: u32, state: &RewriterState) -> Result<(), DataplaneError> {
+        let v = LayerStateRaw::from_state(ssrc, clock_rate, state);
+        self.map("layer_state")
+            .update(consumer.as_bytes(), v.as_bytes(), MapFlags::LOCK)
+            .map_err(|e| bpf_err("loading a simulcast consumer's state into the kernel", e))
+    }
+
     /// Forget `consumer`'s state (nothing if it has none).
     pub fn layer_remove(&self, consumer: u32) {
         let _ = self.map("layer_state").delete(consumer.as_bytes());
@@ -252,6 +302,15 @@ impl KernelLayers for KernelStates {
     fn remove(&self, consumer: u32) {
         self.0.layer_remove(consumer);
     }
+    fn judges(&self, entry: &StreamEntry) -> bool {
+        crate::maps::kernel_forwards(entry)
+    }
+    fn load(&self, consumer: u32, ssrc: u32, clock_rate: u32, state: &RewriterState) -> bool {
+        self.0
+            .layer_load(consumer, ssrc, clock_rate, state)
+            .inspect_err(|e| tracing::warn!(consumer, error = %e, "handing a simulcast consumer to the kernel"))
+            .is_ok()
+    }
     fn set_target(&self, consumer: u32, target: Option<u8>, temporal: Option<u8>) -> bool {
         match self.0.layer_set_target(consumer, target, temporal) {
             Ok(LayerVerdict::Forward) => true,
@@ -303,6 +362,25 @@ mod tests {
         assert_eq!(offset_of!(types::mp_layer_state, cut_resume_seq), offset_of!(LayerStateRaw, cut_resume_seq));
         assert_eq!(offset_of!(types::mp_layer_state, cut_resume_pic), offset_of!(LayerStateRaw, cut_resume_pic));
         assert_eq!(size_of::<LayerRequestRaw>(), 24); // struct mp_layer_request (sfu_tc.bpf.c)
+    }
+
+    /// Every field goes into the kernel's layout and comes back.
+    #[test]
+    fn a_state_survives_the_kernel_layout() {
+        use mediaplane_core::simulcast::{Codec, LayerRewriter};
+        let mut rw = LayerRewriter::new(7, 48_000);
+        rw.set_target(Some(1));
+        rw.set_temporal(Some(0));
+        let vp8 = |seq: u16, tid: u8, key: bool| {
+            let payload = [0x90, 0xe0, 0x80, seq as u8, 3, tid << 6, if key { 0x10 } else { 0x11 }, 0];
+            mediaplane_core::simulcast::inspect(Codec::Vp8, &mediaplane_core::rtp::build_rtp(96, seq, 10 * seq as u32, 1, &payload)).unwrap()
+        };
+        rw.on_packet(1, &vp8(40, 0, true), 1);
+        rw.on_packet(1, &vp8(41, 1, false), 2);
+        rw.on_packet(0, &vp8(900, 0, false), 3);
+        let state = rw.state();
+        assert!(state.cut.is_some_and(|c| c.pictures.is_some()), "{state:?}");
+        assert_eq!(LayerStateRaw::from_state(7, 48_000, &state).to_state(), state);
     }
 
     #[test]

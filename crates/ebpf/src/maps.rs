@@ -624,13 +624,7 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
             None
         }
     };
-    let v4 = e.key.local.is_ipv4();
-    // The kernel rewrites headers in place: it cannot turn IPv4 into IPv6. Such streams (and
-    // fan-outs bigger than its scratch space) are left whole to the slow path.
-    let mixed = source.is_some_and(|s| s.is_ipv4() != v4) || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
-    // Recorded streams too: the slow path hands what it forwards to the recording tap. And SRTP
-    // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI.
-    if mixed || e.record || e.has_srtp() || e.copies.len() > MAX_FANOUT {
+    if !kernel_forwards(e) {
         f |= flags::SLOW;
     }
     if e.handshake && e.key.ssrc.is_none() {
@@ -649,6 +643,22 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
     }
     let copies = if f & flags::SLOW != 0 { Vec::new() } else { e.copies.iter().map(|c| CopyRaw::new(e.id, c.consumer, c.from, c.to)).collect() };
     KernelStream { id: e.id, flags: f, source, copies, rate, clock_rate: if e.rtp { e.clock_rate } else { 0 }, layer }
+}
+
+/// Whether the kernel makes `e`'s copies itself; else every packet of it goes to the slow path
+/// (`STREAM_F_SLOW`), which then alone decides its simulcast consumers.
+pub fn kernel_forwards(e: &StreamEntry) -> bool {
+    let v4 = e.key.local.is_ipv4();
+    let source = match e.source {
+        SourceRule::Fixed(s) | SourceRule::Learn(Some(s)) => Some(s),
+        SourceRule::Learn(None) | SourceRule::Any => None,
+    };
+    // The kernel rewrites headers in place: it cannot turn IPv4 into IPv6. Such streams (and
+    // fan-outs bigger than its scratch space) are left whole to the slow path.
+    let mixed = source.is_some_and(|s| s.is_ipv4() != v4) || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
+    // Recorded streams too: the slow path hands what it forwards to the recording tap. And SRTP
+    // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI.
+    !(mixed || e.record || e.has_srtp() || e.copies.len() > MAX_FANOUT)
 }
 
 /// `stream_value.codec` (bpf/layer_rewrite.h MP_CODEC_*).

@@ -9,6 +9,9 @@
 //! (`simulcast_copies_are_renumbered_per_consumer_with_valid_checksums`) drives the TC program
 //! itself, checksums included.
 //!
+//! Half the cases hand the consumer's state from core to the kernel at a random step
+//! (`FastPath::layer_load`, the slow path's hand-over) and go on there.
+//!
 //! A failure names its seed: `MP_LAYER_SEED=<seed> cargo test -p mediaplane-ebpf --test layers`
 //! replays it. `MP_LAYER_CASES` sets how many cases run (default 300).
 //!
@@ -133,7 +136,14 @@ fn run_case(fp: &FastPath, consumer: u32, seed: u64) -> Result<(usize, usize, us
     assert!(fp.layer_create(consumer, ssrc, clock_rate).unwrap());
     let mut core = LayerRewriter::new(ssrc, clock_rate);
     let (mut forwarded, mut temporal_dropped) = (0, 0);
+    // Half the cases hand the consumer over at some step, as the slow path does when a stream
+    // it decided alone comes to the kernel: core's state replaces the kernel's (`layer_load`).
+    let handover_at = rng.chance(50).then(|| rng.below_u64(events.len() as u64) as usize);
     for (step, e) in events.iter().enumerate() {
+        if handover_at == Some(step) {
+            fp.layer_remove(consumer);
+            fp.layer_load(consumer, ssrc, clock_rate, &core.state()).map_err(|e| format!("step {step}: loading: {e}"))?;
+        }
         match e {
             Event::Target(t, tt) => {
                 core.set_target(*t);
