@@ -81,7 +81,9 @@ fn parse_scenario(s: &str) -> anyhow::Result<Scenario> {
         "fanout" => Ok(Scenario::Fanout),
         "fanout-srtp-gcm" => Ok(Scenario::FanoutSrtpGcm),
         "fanout-srtp-cm" => Ok(Scenario::FanoutSrtpCm),
-        other => bail!("unknown scenario {other:?}: use one-stream, two-streams, simulcast, simulcast-plain, simulcast-srtp, fanout, fanout-srtp-gcm or fanout-srtp-cm"),
+        other => bail!(
+            "unknown scenario {other:?}: use one-stream, two-streams, simulcast, simulcast-plain, simulcast-srtp, fanout, fanout-srtp-gcm or fanout-srtp-cm"
+        ),
     }
 }
 
@@ -97,7 +99,10 @@ fn sfu(a: BenchSfuArgs) -> anyhow::Result<()> {
     let names = a.scenarios.clone().unwrap_or_else(|| default_scenarios.split(',').map(str::to_string).collect());
     let scenarios: Vec<Scenario> = names.iter().map(|s| parse_scenario(s)).collect::<anyhow::Result<_>>()?;
     if let Some(s) = scenarios.iter().find(|s| s.layered() != simulcast) {
-        bail!("scenario {s:?} does not go with preset {:?}: simulcast, simulcast-plain and simulcast-srtp need the simulcast preset, which needs them", a.preset);
+        bail!(
+            "scenario {s:?} does not go with preset {:?}: simulcast, simulcast-plain and simulcast-srtp need the simulcast preset, which needs them",
+            a.preset
+        );
     }
     let sizes = a.sizes.clone().unwrap_or_else(|| if a.quick { vec![2, 4] } else { (2..=12).chain([16, 32, 64]).collect() });
     if sizes.iter().any(|n| !(2..=64).contains(n)) {
