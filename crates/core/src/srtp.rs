@@ -34,6 +34,19 @@ impl SrtpSuite {
         Self::ALL.into_iter().find(|s| s.name().eq_ignore_ascii_case(name))
     }
 
+    /// Bytes a protected packet carries beyond the plain one (no MKI): the authentication tag;
+    /// SRTCP also its 4-byte E flag and index, and an 80-bit tag in both AES-CM suites
+    /// (RFC 4568 6.2: the 32-bit tag of `_32` is SRTP's only).
+    pub fn overhead(self, rtcp: bool) -> usize {
+        match (self, rtcp) {
+            (SrtpSuite::AesCm128HmacSha1_80, false) => 10,
+            (SrtpSuite::AesCm128HmacSha1_32, false) => 4,
+            (SrtpSuite::AesCm128HmacSha1_80 | SrtpSuite::AesCm128HmacSha1_32, true) => 4 + 10,
+            (SrtpSuite::AeadAes128Gcm, false) => 16,
+            (SrtpSuite::AeadAes128Gcm, true) => 4 + 16,
+        }
+    }
+
     /// Master key plus master salt, bytes: what an `inline:` key carries.
     pub fn master_len(self) -> usize {
         match self {

@@ -10,7 +10,7 @@
 //!   with the relay's `a=crypto` lines (AES_CM_128_HMAC_SHA1_80 among them); B answers the
 //!   AES_CM_128_HMAC_SHA1_80 line with a key of its own; A must be answered plain RTP/AVP.
 //!
-//! Then 2 s of G.711 both ways. GStreamer (`srtpenc`/`srtpdec`, libsrtp2) is the SRTP party's
+//! Then 2 s of G.711 both ways, and the call's `query` held to rtpengine's (`check_query`). GStreamer (`srtpenc`/`srtpdec`, libsrtp2) is the SRTP party's
 //! crypto: the test writes that party's plain RTP into an `srtpenc` pipeline on the party's
 //! loopback and sends what comes out from the party's media socket (the address its SDP names,
 //! so latching sees the party as signalled); what the relay sends the party goes through
@@ -551,6 +551,51 @@ fn check_media(sc: &Scenario, n: &Negotiated, flows: &[Flow], checks: &mut Check
     }
 }
 
+/// The `query` of the call after its media, as rtpengine 10.5 answers it (captured from the
+/// daemon in this test): per party its own protocol (`RTP/SAVP` for the SRTP party, `RTP/AVP`
+/// for the plain one); the SRTP party's media flagged `SDES` and each of its streams naming its
+/// `crypto suite`, the plain party's neither; the bytes received counted decrypted (each
+/// packet's plain size, as sent before srtpenc); and no stream `kernelized` (every packet of a
+/// bridged call needs the crypto: user space on every plane).
+fn check_query(tb: &Testbed, sc: &Scenario, index: u32, n: &Negotiated, checks: &mut Checks) {
+    let id = sc.id;
+    let reply = ng(tb, vec![("command", Value::str("query")), ("call-id", Value::from(format!("sdes-{index}@interop_sdes.test")))]);
+    if !checks.check(id, text(&reply, "result") == "ok", format!("query answered ok ({})", text(&reply, "result"))) {
+        return;
+    }
+    let plain_size = [12 + PAYLOAD_LEN, receiver_report(0, 0).len()];
+    for (party, tag) in ["caller", "callee"].into_iter().enumerate() {
+        let srtp = party == sc.srtp_party;
+        let Some(media) = reply.get("tags").and_then(|t| t.get(tag)).and_then(|t| t.get("medias")).and_then(|m| m.as_list()).and_then(|m| m.first()) else {
+            checks.check(id, false, format!("query: {tag} has a media: {reply:?}"));
+            continue;
+        };
+        let proto = media.get("protocol").and_then(Value::as_str).unwrap_or_default();
+        checks.check(id, proto == if srtp { "RTP/SAVP" } else { "RTP/AVP" }, format!("query: {tag}'s protocol is its own ({proto})"));
+        let flags: Vec<&str> = media.get("flags").and_then(Value::as_list).unwrap_or_default().iter().filter_map(Value::as_str).collect();
+        checks.check(id, flags.contains(&"SDES") == srtp, format!("query: {tag}'s media flags {flags:?} {} SDES", if srtp { "include" } else { "leave out" }));
+        for stream in media.get("streams").and_then(Value::as_list).unwrap_or_default() {
+            let flags: Vec<&str> = stream.get("flags").and_then(Value::as_list).unwrap_or_default().iter().filter_map(Value::as_str).collect();
+            let component = if flags.contains(&"RTCP") { RTCP } else { RTP };
+            let what = format!("query: {tag}'s {} stream", ["RTP", "RTCP"][component]);
+            let suite = stream.get("crypto suite").and_then(Value::as_str);
+            let want = srtp.then_some(n.suite.name);
+            checks.check(id, suite == want, format!("{what} names crypto suite {suite:?} (want {want:?})"));
+            checks.check(id, !flags.contains(&"kernelized"), format!("{what} is not kernelized ({flags:?})"));
+            let stats = stream.get("stats");
+            let (packets, bytes) = ["packets", "bytes"].map(|k| stats.and_then(|s| s.get(k)).and_then(Value::as_int).unwrap_or(-1)).into();
+            if component == RTCP && !sc.rtcp {
+                continue;
+            }
+            checks.check(
+                id,
+                packets > 0 && bytes == packets * plain_size[component] as i64,
+                format!("{what} counts {bytes} bytes for {packets} packets: decrypted, {} each", plain_size[component]),
+            );
+        }
+    }
+}
+
 /// Why GStreamer cannot be the SRTP peer here, if it cannot.
 fn gst_srtp_missing() -> Option<String> {
     let ok = std::process::Command::new("gst-inspect-1.0").args(["--exists", "srtpenc"]).status().is_ok_and(|s| s.success())
@@ -587,6 +632,7 @@ fn run(relay: Relay) {
         }
         let flows = media(&tb, &tmp.0, sc, index as u32, &n, &mut checks);
         check_media(sc, &n, &flows, &mut checks);
+        check_query(&tb, sc, index as u32, &n, &mut checks);
     }
     eprintln!("=== {} ({:.1} s, testbed {}) ===\n{}", relay.name(), started.elapsed().as_secs_f64(), tb.prefix, checks.report);
     let relay_log = sip::log_tail(relay_proc.log_path(), 15);

@@ -1277,6 +1277,20 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         assert_eq!(attr(&to_caller, "mid"), Some("0"), "the offer's mid");
         assert!(attr(&to_caller, "rtcp-mux").is_some() && attr(&to_caller, "end-of-candidates").is_some(), "{to_caller}");
         assert_eq!(attr(&to_caller, "fingerprint"), Some(m.dtls_fingerprint().to_sdp().as_str()));
+        // `query` reports each party in its own protocol, the browser's media flagged as
+        // rtpengine flags what it terminates (its ng_stats_media: "DTLS-SRTP", "ICE"); no crypto
+        // suite before the handshake keyed the leg.
+        let q = send(&mut e, &m, "q1", vec![("command", "query".into()), ("call-id", "cfBXzDSZqhYNcXM".into())]);
+        let media = |tag: &str| {
+            q.get("tags").and_then(|t| t.get(tag)).and_then(|t| t.get("medias")).and_then(|m| m.as_list()).and_then(|m| m.first()).cloned().unwrap()
+        };
+        let flags = |m: &Value| m.get("flags").and_then(Value::as_list).unwrap().iter().filter_map(|f| f.as_str().map(str::to_string)).collect::<Vec<_>>();
+        let (caller, callee) = (media("mS9rSAn0Cr"), media("8fa3b2"));
+        assert_eq!(caller.get("protocol").and_then(Value::as_str), Some("UDP/TLS/RTP/SAVPF"));
+        assert_eq!(flags(&caller), ["initialized", "send", "recv", "DTLS-SRTP", "ICE"]);
+        assert_eq!(callee.get("protocol").and_then(Value::as_str), Some("RTP/AVP"));
+        assert_eq!(flags(&callee), ["initialized", "send", "recv"]);
+        assert!(!q.encode().windows(12).any(|w| w == b"crypto suite"), "{q:?}");
         let (ufrag, pwd) = (attr(&to_caller, "ice-ufrag").unwrap(), attr(&to_caller, "ice-pwd").unwrap());
         assert!(ufrag.len() >= 4 && pwd.len() >= 22);
         // The control plane has the leg's handshake: a check signed with the relay's password

@@ -10,8 +10,9 @@ use crate::bencode::Value;
 use crate::calls::{self, Call, MediaState};
 use mediaplane_control::config::MediaConfig;
 use mediaplane_core::call_quality::{MosTotals, QualitySample, QualitySummary};
-use mediaplane_core::model::{Follow, Side};
+use mediaplane_core::model::{Follow, Leg, Side};
 use mediaplane_core::reception::ReceptionReport;
+use mediaplane_core::srtp::SrtpSuite;
 use mediaplane_core::Model;
 use mediaplane_dataplane::Counters;
 use std::collections::BTreeMap;
@@ -153,13 +154,16 @@ pub struct Traffic {
 }
 
 impl Traffic {
-    /// What a stream received from its party.
-    pub fn received(c: &Counters) -> Traffic {
-        Traffic { packets: c.rx_packets, bytes: c.rx_bytes, errors: errors(c) }
+    /// What a stream received from its party on `leg` (of the RTCP relay: `rtcp`), as
+    /// rtpengine counts it: the bytes of an SRTP leg decrypted (the wire's less each packet's
+    /// tag, and SRTCP's index; RTCP muxed on the RTP leg is counted as SRTP, 4 bytes short).
+    pub fn received(c: &Counters, leg: &Leg, rtcp: bool) -> Traffic {
+        let overhead = leg_suite(leg).map_or(0, |s| s.overhead(rtcp) as u64);
+        Traffic { packets: c.rx_packets, bytes: c.rx_bytes.saturating_sub(c.rx_packets * overhead), errors: errors(c) }
     }
 
     /// What the relay sent on (rtpengine's "relayed").
-    pub fn relayed(c: &Counters) -> Traffic {
+    pub fn relayed(c: &Counters, _: &Leg, _: bool) -> Traffic {
         Traffic { packets: c.tx_copies, bytes: c.tx_bytes, errors: errors(c) }
     }
 
@@ -200,9 +204,9 @@ impl TrafficTotals {
             for id in [calls::rtp_relay_id(&call.key, i), calls::rtcp_relay_id(&call.key, i)] {
                 let Some(r) = model.relays.get(&id) else { continue };
                 let rx = |uid| streams.get(&uid).map_or(0, |c| c.rx_packets);
-                for uid in [r.a.uid, r.b.uid] {
-                    if let Some(c) = streams.get(&uid) {
-                        self.ended.add(Traffic::relayed(c));
+                for leg in [&r.a, &r.b] {
+                    if let Some(c) = streams.get(&leg.uid) {
+                        self.ended.add(Traffic::relayed(c, leg, false));
                     }
                 }
                 if id == calls::rtp_relay_id(&call.key, i) {
@@ -237,20 +241,26 @@ impl TrafficTotals {
 }
 
 /// The traffic of every stream of `call`, split into RTP and RTCP.
-pub fn call_traffic(call: &Call, model: &Model, streams: &BTreeMap<u32, Counters>, f: fn(&Counters) -> Traffic) -> (Traffic, Traffic) {
+pub fn call_traffic(call: &Call, model: &Model, streams: &BTreeMap<u32, Counters>, f: fn(&Counters, &Leg, bool) -> Traffic) -> (Traffic, Traffic) {
     let (mut rtp, mut rtcp) = (Traffic::default(), Traffic::default());
     for i in call.media.iter().enumerate().filter(|(_, m)| m.active).map(|(i, _)| i) {
-        for (id, acc) in [(calls::rtp_relay_id(&call.key, i), &mut rtp), (calls::rtcp_relay_id(&call.key, i), &mut rtcp)] {
+        for (id, acc, is_rtcp) in [(calls::rtp_relay_id(&call.key, i), &mut rtp, false), (calls::rtcp_relay_id(&call.key, i), &mut rtcp, true)] {
             if let Some(r) = model.relays.get(&id) {
-                for uid in [r.a.uid, r.b.uid] {
-                    if let Some(c) = streams.get(&uid) {
-                        acc.add(f(c));
+                for leg in [&r.a, &r.b] {
+                    if let Some(c) = streams.get(&leg.uid) {
+                        acc.add(f(c, leg, is_rtcp));
                     }
                 }
             }
         }
     }
     (rtp, rtcp)
+}
+
+/// The SRTP suite the relay terminates on `leg` (SDES or DTLS-SRTP), once keyed.
+fn leg_suite(leg: &Leg) -> Option<SrtpSuite> {
+    let srtp = leg.srtp.as_ref()?;
+    srtp.inbound.as_ref().or(srtp.outbound.as_ref()).map(|k| k.suite)
 }
 
 fn traffic_value(t: Traffic) -> Value {
@@ -405,8 +415,9 @@ fn media_value(
     if m.active {
         for (id, label) in [(calls::rtp_relay_id(&call.key, i), "RTP"), (calls::rtcp_relay_id(&call.key, i), "RTCP")] {
             let Some(r) = model.relays.get(&id) else { continue };
-            let leg = if side == Side::A { &r.a } else { &r.b };
+            let (leg, other) = if side == Side::A { (&r.a, &r.b) } else { (&r.b, &r.a) };
             let c = streams.get(&leg.uid).copied().unwrap_or_default();
+            let suite = leg_suite(leg);
             // Before its first packet rtpengine reports the stream's creation.
             let last = if c.last_rx_ns > 0 { v.clock.unix_secs(c.last_rx_ns) } else { unix_secs(call.created) };
             let mut flags = vec![Value::str(label)];
@@ -417,7 +428,9 @@ fn media_value(
             if leg.latched.is_some() && !leg.learning.open {
                 flags.push(Value::str("confirmed"));
             }
-            if v.kernel && peer.is_some() {
+            // What the kernel forwards itself: not a leg it would have to decrypt, encrypt for
+            // the other party, or record (those go through the slow path on the eBPF plane).
+            if v.kernel && peer.is_some() && leg.srtp.is_none() && other.srtp.is_none() && !call.recording {
                 flags.push(Value::str("kernelized"));
             }
             match leg.follow {
@@ -436,12 +449,16 @@ fn media_value(
             if let Some(p) = leg.remote {
                 d.push(("advertised endpoint", endpoint(p)));
             }
+            if let Some(s) = suite {
+                d.push(("crypto suite", Value::str(s.name())));
+            }
             d.push(("last packet", Value::Int(last)));
             if let Some(r) = reception.get(&leg.uid) {
                 d.push(("SSRC", int(r.ssrc as u64)));
             }
             d.push(("flags", Value::List(flags)));
-            let mut stats = vec![("packets", int(c.rx_packets)), ("bytes", int(c.rx_bytes)), ("errors", int(errors(&c)))];
+            let received = Traffic::received(&c, leg, label == "RTCP");
+            let mut stats = vec![("packets", int(received.packets)), ("bytes", int(received.bytes)), ("errors", int(received.errors))];
             // mediaplane's own: copies sent on (rtpengine counts what it received).
             stats.push(("relayed", int(c.tx_copies)));
             d.push(("stats", Value::dict(stats)));
@@ -455,7 +472,20 @@ fn media_value(
     if m.mux {
         flags.push(Value::str("rtcp-mux"));
     }
-    let mut d = vec![("index", Value::Int(i as i64 + 1)), ("type", Value::from(m.kind.clone())), ("protocol", Value::from(m.proto.clone()))];
+    // What the relay terminates toward this side's party, in rtpengine's order.
+    let s = calls::side_index(side);
+    if m.webrtc[s].is_some() {
+        flags.push(Value::str("DTLS-SRTP"));
+    }
+    if m.sdes[s].is_some() {
+        flags.push(Value::str("SDES"));
+    }
+    if m.webrtc[s].is_some() {
+        flags.push(Value::str("ICE"));
+    }
+    // The protocol this side's party speaks (the two differ when the relay bridges SRTP).
+    let proto = m.proto_of[s].clone().unwrap_or_else(|| m.proto.clone());
+    let mut d = vec![("index", Value::Int(i as i64 + 1)), ("type", Value::from(m.kind.clone())), ("protocol", Value::from(proto))];
     if let Some(Some(codec)) = v.codecs.get(i) {
         d.push(("codec", Value::from(codec.clone())));
     }
