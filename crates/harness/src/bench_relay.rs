@@ -78,6 +78,10 @@ pub struct BenchRelayArgs {
     /// Seconds of media once every call is up (default 30; quick 1).
     #[arg(long)]
     seconds: Option<f64>,
+    /// Seconds the relay's CPU is measured with every call up and latched but silent, before
+    /// the media (default 10; quick 1; 0 skips it): what calls on hold cost.
+    #[arg(long)]
+    idle_seconds: Option<f64>,
     /// Relay sessions to install in the capacity phase (default 1,000,000; quick 2,000).
     #[arg(long)]
     capacity: Option<usize>,
@@ -501,6 +505,8 @@ pub struct RunSpec {
     pub calls: usize,
     pub setup_rate: f64,
     pub seconds: f64,
+    /// Seconds of the silent phase ([`RelayRun::idle_cpu_ms_per_s`]); 0: none.
+    pub idle_seconds: f64,
     pub media: Media,
 }
 
@@ -581,6 +587,21 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
         None
     };
     let latch_seconds = t_latch.elapsed().as_secs_f64();
+
+    // Silence: every call up and latched, nothing sent. What the relay's process uses now is
+    // what its calls cost while nobody speaks (timers, polling), not media.
+    let idle_cpu_ms_per_s = match relay.as_ref().map(RelayProc::pid) {
+        Some(pid) if spec.idle_seconds > 0.0 => {
+            // Let the latching packets' work settle first, and the learning windows (3 s from
+            // the last answer; mediaplane and rtpengine alike) lock what they heard: that is
+            // set-up work, not what a call on hold costs.
+            std::thread::sleep(Duration::from_secs(4));
+            let (cpu0, t0) = (process_cpu_ns(pid), Instant::now());
+            std::thread::sleep(Duration::from_secs_f64(spec.idle_seconds));
+            Some(process_cpu_ns(pid).saturating_sub(cpu0) as f64 / 1e6 / t0.elapsed().as_secs_f64())
+        }
+        _ => None,
+    };
 
     // Media.
     let profile = Profile::voice();
@@ -684,6 +705,7 @@ pub fn run_one(tb: &Testbed, relay_name: &str, spec: &RunSpec, dir: &Path) -> an
         answer_ns: summary(&setup.answer),
         legs,
         legs_latched,
+        idle_cpu_ms_per_s,
         latch_seconds,
         seconds: spec.seconds,
         planned,
@@ -1025,6 +1047,7 @@ pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
         bail!("--setup-rate must be in (0, 100000]");
     }
     let seconds = a.seconds.unwrap_or(if a.quick { 1.0 } else { 30.0 });
+    let idle_seconds = a.idle_seconds.unwrap_or(if a.quick { 1.0 } else { 10.0 });
     if !(seconds > 0.0 && seconds <= 3600.0) {
         bail!("--seconds must be in (0, 3600]");
     }
@@ -1051,7 +1074,7 @@ pub fn run(a: BenchRelayArgs) -> anyhow::Result<()> {
                     continue;
                 }
                 eprintln!("bench relay: {r}, {n} calls ({}) at {setup_rate}/s, {seconds} s of media ...", media.name());
-                let spec = RunSpec { calls: n, setup_rate, seconds, media };
+                let spec = RunSpec { calls: n, setup_rate, seconds, idle_seconds, media };
                 match run_one(&tb, r, &spec, &dir) {
                     Ok(run) => {
                         eprintln!(

@@ -12,7 +12,7 @@ fn opt<T: std::fmt::Display>(v: Option<T>) -> String {
 }
 
 pub const CSV_HEADER: &str = "relay,media,calls,calls_up,setup_failures,setup_rate_target,setup_rate_achieved,offer_p50_ms,offer_p99_ms,answer_p50_ms,answer_p99_ms,\
-legs,legs_latched,latch_s,seconds,planned,sent,send_errors,received,lost,loss_pct,legs_with_loss,duplicates,unexpected,srtp_failed,srtp_replayed,\
+legs,legs_latched,latch_s,idle_cpu_ms_per_s,seconds,planned,sent,send_errors,received,lost,loss_pct,legs_with_loss,duplicates,unexpected,srtp_failed,srtp_replayed,\
 delay_p50_us,delay_mean_us,delay_p99_us,delay_max_us,added_delay_p50_us,added_delay_p99_us,dv_p99_median_us,dv_p99_max_us,jitter_mean_us,mos_mean,mos_min,\
 generator_srtp_protect_p50_ns,relay_cpu_ms,bpf_run_ms,cpu_pct,cpu_per_packet_ns,machine_cpu_per_packet_ns,kernel_forwarded,slow_path_rx,relay_rss_mib,bpf_memlock_mib,generator_cpu_ms,receiver_cpu_ms,\
 delete_failures,delete_p50_ms,left_after_delete";
@@ -35,6 +35,7 @@ fn csv_row(r: &RelayRun) -> String {
         r.legs.to_string(),
         opt(r.legs_latched),
         format!("{:.2}", r.latch_seconds),
+        r.idle_cpu_ms_per_s.map(|c| format!("{c:.3}")).unwrap_or_default(),
         format!("{:.1}", r.seconds),
         r.planned.to_string(),
         r.sent.to_string(),
@@ -79,7 +80,7 @@ fn csv_row(r: &RelayRun) -> String {
 
 pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
     println!(
-        "\n{:<32} {:>6} {:>6} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>9} {:>11} {:>8} {:>8}",
+        "\n{:<32} {:>6} {:>6} {:>7} {:>8} {:>8} {:>9} {:>8} {:>8} {:>8} {:>8} {:>8} {:>6} {:>7} {:>9} {:>11} {:>8} {:>8} {:>9}",
         "relay",
         "calls",
         "up",
@@ -97,11 +98,12 @@ pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
         "ns/pkt",
         "machine/pkt",
         "gen CPU",
-        "RSS MiB"
+        "RSS MiB",
+        "idle ms/s"
     );
     for r in runs {
         println!(
-            "{:<32} {:>6} {:>6} {:>7} {:>8.1} {:>8.2} {:>9} {:>8.3} {:>8.1} {:>8.1} {:>8} {:>8.1} {:>6.2} {:>7.1} {:>9} {:>11} {:>7.0}% {:>8.1}",
+            "{:<32} {:>6} {:>6} {:>7} {:>8.1} {:>8.2} {:>9} {:>8.3} {:>8.1} {:>8.1} {:>8} {:>8.1} {:>6.2} {:>7.1} {:>9} {:>11} {:>7.0}% {:>8.1} {:>9}",
             r.label(),
             r.calls,
             r.calls_up,
@@ -119,7 +121,8 @@ pub fn print_table(runs: &[RelayRun], cap: Option<&Capacity>) {
             r.cpu_per_packet_ns.map(|c| format!("{c:.0}")).unwrap_or("-".into()),
             r.machine_cpu_per_packet_ns.map(|c| format!("{c:.0}")).unwrap_or("-".into()),
             100.0 * r.generator_cpu_ns as f64 / (r.seconds * 1e9),
-            r.relay_rss_kib as f64 / 1024.0
+            r.relay_rss_kib as f64 / 1024.0,
+            r.idle_cpu_ms_per_s.map(|c| format!("{c:.2}")).unwrap_or("-".into())
         );
     }
     if let Some(c) = cap {

@@ -26,6 +26,9 @@ pub struct RelayRun {
     /// Legs the relay had latched before media started (mediaplane only; rtpengine: None).
     pub legs_latched: Option<usize>,
     pub latch_seconds: f64,
+    /// CPU of the relay process, ms per second, with every call up and latched but silent
+    /// (`--idle-seconds`, before the media); None: not measured (or no relay).
+    pub idle_cpu_ms_per_s: Option<f64>,
     pub seconds: f64,
     /// Packets the generator planned and sent; the difference is generator shortfall (it fell
     /// more than 1 s behind, or its socket buffer was full), not relay loss.
