@@ -495,8 +495,36 @@ impl LayerMap for Layers<'_> {
 pub struct KernelReadings(HashMap<u32, KernelReceived>);
 
 impl KernelReadings {
+    /// What the kernel received of `table`'s layer streams (walks the table: see
+    /// [`KernelReadings::read_with`]).
     pub fn read(kernel: &dyn KernelLayers, table: &ForwardingTable) -> KernelReadings {
-        KernelReadings(table.streams.values().filter(|e| e.simulcast.is_some()).filter_map(|e| Some((e.id, kernel.received(e.id)?))).collect())
+        KernelReadings::read_with(kernel, table, &mut LayeredStreams::default())
+    }
+
+    /// [`KernelReadings::read`] with the layer streams found once per table in `layered`.
+    pub fn read_with(kernel: &dyn KernelLayers, table: &ForwardingTable, layered: &mut LayeredStreams) -> KernelReadings {
+        KernelReadings(layered.entries(table).into_iter().filter_map(|e| Some((e.id, kernel.received(e.id)?))).collect())
+    }
+}
+
+/// The simulcast layer streams of a table, found once per table rather than on every tick: a
+/// relay's table holds thousands of streams and none of them layered, and a walk of it every
+/// [`TICK_NS`] was most of what an idle eBPF relay cost. The table is known by its map's
+/// identity (an `imbl` map shares its root until it changes), so a new table is never missed.
+#[derive(Debug, Default)]
+pub struct LayeredStreams {
+    of: Option<imbl::OrdMap<IngressKey, StreamEntry>>,
+    keys: Vec<IngressKey>,
+}
+
+impl LayeredStreams {
+    /// The entries of `table` that are simulcast layers, in key order.
+    pub fn entries<'t>(&mut self, table: &'t ForwardingTable) -> Vec<&'t StreamEntry> {
+        if !self.of.as_ref().is_some_and(|m| m.ptr_eq(&table.streams)) {
+            self.keys = table.streams.iter().filter(|(_, e)| e.simulcast.is_some()).map(|(k, _)| *k).collect();
+            self.of = Some(table.streams.clone());
+        }
+        self.keys.iter().filter_map(|k| table.streams.get(k)).collect()
     }
 }
 
@@ -522,6 +550,8 @@ pub struct Engine {
     /// With kernel states: when the next tick is due, and how many ran.
     next_tick_ns: Option<u64>,
     ticks: u64,
+    /// The installed table's layer streams, for the tick.
+    layered: LayeredStreams,
     /// The latest limits' clock a batch was decided at.
     limits_ns: u64,
 }
@@ -542,6 +572,7 @@ impl Engine {
             rtcp_budget: HashMap::new(),
             stream_ids_reported: HashMap::new(),
             ticks: 0,
+            layered: LayeredStreams::default(),
             limits_ns: 0,
         }
     }
@@ -716,8 +747,8 @@ impl Engine {
     ) {
         let Some(kernel) = self.decider.kernel.clone() else { return };
         let kernel = kernel.as_ref();
-        // One pass over the table; nothing more when it has no simulcast stream (a relay's).
-        let layered: Vec<&StreamEntry> = table.streams.values().filter(|e| e.simulcast.is_some()).collect();
+        // Nothing more when the table has no simulcast stream (a relay's).
+        let layered = self.layered.entries(table);
         if layered.is_empty() && !reconcile {
             return;
         }
@@ -1298,6 +1329,27 @@ mod tests {
             e.handle_timeout(at(t0 + k * TICK_NS), &table, &mut NoCrypto, &none, &mut Vec::new());
         }
         assert_eq!(kernel.listed.load(Ordering::Relaxed), 2);
+    }
+
+    /// The layer streams the tick visits are found once per table, and a new table (a new
+    /// map, or the same one changed) is never taken for the last one.
+    #[test]
+    fn the_layer_streams_follow_the_table() {
+        let (m, _) = simulcast_room(a("10.0.0.1:1").ip(), a("10.0.1.1:5000"), a("10.0.1.2:5000"));
+        let mut layered = LayeredStreams::default();
+        assert!(layered.entries(&ForwardingTable::compile(&Model::new(), 1)).is_empty());
+        let table = ForwardingTable::compile(&m, 2);
+        let want: Vec<u32> = table.streams.values().filter(|e| e.simulcast.is_some()).map(|e| e.id).collect();
+        assert!(want.len() >= 2, "{want:?}");
+        let ids = |l: &mut LayeredStreams, t: &ForwardingTable| l.entries(t).iter().map(|e| e.id).collect::<Vec<u32>>();
+        assert_eq!(ids(&mut layered, &table), want);
+        assert_eq!(ids(&mut layered, &table), want, "the same table again");
+        // A copy of the table with one layer gone (the copy shares the map until it changes).
+        let mut fewer = table.clone();
+        let gone = fewer.streams.values().find(|e| e.simulcast.is_some()).map(|e| e.key).unwrap();
+        fewer.streams.remove(&gone);
+        assert_eq!(ids(&mut layered, &fewer), want[1..].to_vec());
+        assert_eq!(ids(&mut layered, &table), want, "back to the first");
     }
 
     /// A consumer the tick has not aimed yet is read from the kernel on that first tick: a

@@ -19,7 +19,7 @@
 //! an update with its changed keys ([`Dataplane::apply_changes`]) only counts the addresses
 //! those entries use, and workers are told which sockets came and went rather than rescanning.
 
-use crate::engine::{Crypto, Datagram, Engine, EngineConfig, KernelReadings, Now, Output};
+use crate::engine::{Crypto, Datagram, Engine, EngineConfig, KernelReadings, LayeredStreams, Now, Output};
 use crate::kernel_layers::KernelLayers;
 use crate::srtp::SrtpSlot;
 use crate::sys::{self, Epoll, EventFd, Outgoing, RecvBatch};
@@ -321,6 +321,7 @@ impl UserspaceDataplane {
                 steer: steer.get(id).cloned(),
                 slot_of: HashMap::new(),
                 free_slots: Vec::new(),
+                layered: LayeredStreams::default(),
             };
             let thread = std::thread::Builder::new().name(format!("mp-worker-{id}")).spawn(move || ctx.run()).map_err(|e| io_err("spawn worker", e))?;
             workers.push(Worker { thread: Some(thread), wake, changes });
@@ -538,6 +539,8 @@ struct WorkerCtx {
     free_slots: Vec<usize>,
     /// Steered mode: this worker's catch-all and raw sockets.
     steer: Option<Arc<SteerSockets>>,
+    /// Worker 0: the installed table's layer streams, for the kernel readings of the timers.
+    layered: LayeredStreams,
 }
 
 fn send_datagram_with(shared: &Shared, steer: Option<&SteerSockets>, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> Result<(), DataplaneError> {
@@ -642,14 +645,14 @@ impl WorkerCtx {
     }
 
     /// Worker 0: what the engine's timers ask for, sent outside the engine's lock.
-    fn run_timers(&self) {
+    fn run_timers(&mut self) {
         let now = Now::read();
         if now.mono_ns < self.shared.timer_due.load(Ordering::Relaxed) {
             return;
         }
         // The kernel's counters first, without the lock (see KernelReadings).
         let readings = match &self.shared.kernel_layers {
-            Some(k) => KernelReadings::read(k.as_ref(), &self.shared.state.load().table),
+            Some(k) => KernelReadings::read_with(k.as_ref(), &self.shared.state.load().table, &mut self.layered),
             None => KernelReadings::default(),
         };
         let mut out = Vec::new();
