@@ -170,6 +170,67 @@ pub(crate) fn percpu_sum<T: Pod>(map: &libbpf_rs::Map<'_>, key: u32, add: impl F
     Ok(acc)
 }
 
+/// [`percpu_sum`] of each of `slots` of the per-CPU array `map`, read with
+/// `BPF_MAP_LOOKUP_BATCH` over runs of neighbouring slots (one syscall a run rather than one a
+/// slot; the slots in a run that were not asked for are read and dropped, so a run breaks
+/// where the gap exceeds [`MAX_SLOT_GAP`]).
+pub(crate) fn percpu_sum_slots<T: Pod>(map: &libbpf_rs::Map<'_>, slots: &[u32], add: impl Fn(&mut T, &T)) -> Result<BTreeMap<u32, T>, DataplaneError> {
+    const MAX_SLOT_GAP: u32 = 64;
+    let mut wanted: Vec<u32> = slots.to_vec();
+    wanted.sort_unstable();
+    wanted.dedup();
+    let ncpu = libbpf_rs::num_possible_cpus().map_err(|e| bpf_err("counting CPUs", e))?;
+    // The kernel lays out each element's per-CPU values 8-byte aligned.
+    let stride = size_of::<T>().next_multiple_of(8);
+    let mut out = BTreeMap::new();
+    let mut i = 0;
+    while i < wanted.len() {
+        let (lo, mut hi) = (wanted[i], wanted[i]);
+        let mut j = i + 1;
+        while j < wanted.len() && wanted[j] - hi <= MAX_SLOT_GAP {
+            hi = wanted[j];
+            j += 1;
+        }
+        let mut count = hi - lo + 1;
+        let mut keys = vec![0u32; count as usize];
+        let mut values = vec![0u8; count as usize * ncpu * stride];
+        // An array's batch starts after the key given (none: at 0) and ends after `out`.
+        let start = lo.wrapping_sub(1);
+        let mut next = 0u32;
+        let opts = libbpf_rs::libbpf_sys::bpf_map_batch_opts { sz: size_of::<libbpf_rs::libbpf_sys::bpf_map_batch_opts>() as _, ..Default::default() };
+        // SAFETY: keys and values hold `count` elements of the map's key size (u32) and per-CPU
+        // value size; the kernel writes at most `count` and says how many.
+        let r = unsafe {
+            libbpf_rs::libbpf_sys::bpf_map_lookup_batch(
+                map.as_fd().as_raw_fd(),
+                if lo == 0 { std::ptr::null_mut() } else { (&start as *const u32).cast_mut().cast() },
+                (&mut next as *mut u32).cast(),
+                keys.as_mut_ptr().cast(),
+                values.as_mut_ptr().cast(),
+                &mut count,
+                &opts,
+            )
+        };
+        // ENOENT: the map ended within the run (what was read is still given).
+        if r < 0 && -r != libc::ENOENT {
+            return Err(DataplaneError::Other(format!("reading counters in a batch: {}", std::io::Error::from_raw_os_error(-r))));
+        }
+        for (k, key) in keys.iter().take(count as usize).enumerate() {
+            if wanted[i..j].binary_search(key).is_err() {
+                continue;
+            }
+            let mut acc = T::default();
+            for cpu in 0..ncpu {
+                let at = (k * ncpu + cpu) * stride;
+                add(&mut acc, &T::from_bytes(&values[at..at + size_of::<T>()]));
+            }
+            out.insert(*key, acc);
+        }
+        i = j;
+    }
+    Ok(out)
+}
+
 /// (total run time ns, runs) of `prog`, as accounted by the kernel while BPF run-time statistics
 /// are enabled; `None` if the kernel does not report them.
 pub(crate) fn prog_run_stats(prog: &Program<'_>) -> Option<(u64, u64)> {
@@ -617,14 +678,18 @@ impl FastPath {
 
     /// The kernel's counters of just these streams (one map read per stream, where
     /// [`FastPath::kernel_stats`] reads every installed stream).
+    ///
+    /// Read in batches of neighbouring slots ([`percpu_sum_slots`]): a media-timeout sweep reads
+    /// every call's streams each second, and one syscall per stream was most of what an idle
+    /// relay of 1,000 calls cost.
     pub fn kernel_stream_counters(&self, ids: &[u32]) -> Result<BTreeMap<u32, Counters>, DataplaneError> {
-        let mut out = BTreeMap::new();
-        for id in ids {
-            if let Some(c) = self.kernel_stream_raw(*id)? {
-                out.insert(*id, c.to_counters());
-            }
-        }
-        Ok(out)
+        let slot_of: Vec<(u32, u32)> = {
+            let inst = self.installer.lock();
+            ids.iter().filter_map(|id| Some((*id, inst.stats_slot(*id)?))).collect()
+        };
+        let slots: Vec<u32> = slot_of.iter().map(|(_, s)| *s).collect();
+        let sums = percpu_sum_slots::<StreamCountersRaw>(&self.map("stream_stats"), &slots, |a, b| a.add(b))?;
+        Ok(slot_of.into_iter().filter_map(|(id, slot)| Some((id, sums.get(&slot)?.to_counters()))).collect())
     }
 
     /// The kernel's counters of stream `id` as the map holds them, summed over CPUs (None: not

@@ -1188,3 +1188,37 @@ fn each_consumer_is_accounted_what_it_was_forwarded() {
     assert_eq!((off[&1002].report().packets, off[&1003].report().packets), (r.packets + 1, 1), "accounted with forwarded_qos off");
     assert_eq!(rig.fp.kernel_stats().unwrap().consumers[&1003].tx_copies, 2, "but forwarded");
 }
+
+/// The counters of many streams read at once (in batches of neighbouring slots) are what each
+/// stream's own read gives: slots asked for and not, runs broken by gaps, the map's first slot,
+/// and ids with no slot left out.
+#[test]
+fn stream_counters_read_in_batches_match_each_streams_own() {
+    root_or_skip!("stream_counters_read_in_batches_match_each_streams_own");
+    let rig = Rig::new();
+    let n = 400u32;
+    let entries = (1..=n).map(|id| entry(id, &format!("10.200.0.1:{}", 4000 + 2 * id), None, SourceRule::Any, true, vec![])).collect();
+    let t = table(1, entries);
+    rig.apply(&t);
+    // Stream i receives i % 4 packets.
+    for id in 1..=n {
+        for k in 0..id % 4 {
+            let frame = v4_frame(PUBLISHER, &format!("10.200.0.1:{}", 4000 + 2 * id), &rtp(id * 10 + k));
+            rig.fp.test_run(&frame, Some(rig.ifindex)).unwrap();
+        }
+    }
+    // Every stream; a sparse choice (gaps beyond a batch run); a run in the middle; the first
+    // and the last alone; unknown ids.
+    let every: Vec<u32> = (1..=n).collect();
+    let sparse: Vec<u32> = (1..=n).filter(|id| id % 97 == 1).chain([n + 1, 0]).collect();
+    let middle: Vec<u32> = (n / 2..n / 2 + 30).filter(|id| id % 3 != 0).collect();
+    for ids in [every, sparse, middle, vec![1], vec![n], vec![n + 7]] {
+        let batched = rig.fp.kernel_stream_counters(&ids).unwrap();
+        let one_by_one: BTreeMap<u32, _> = ids.iter().filter_map(|id| Some((*id, rig.fp.kernel_stream_raw(*id).unwrap()?.to_counters()))).collect();
+        assert_eq!(batched.len(), ids.iter().filter(|id| (1..=n).contains(*id)).count());
+        assert_eq!(batched, one_by_one);
+        for (id, c) in &batched {
+            assert_eq!(c.rx_packets, u64::from(id % 4), "stream {id}");
+        }
+    }
+}
