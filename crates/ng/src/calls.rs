@@ -16,7 +16,7 @@ use crate::sdp::{ConnAddr, Sdp};
 use mediaplane_control::config::{InterfaceError, MediaConfig};
 use mediaplane_control::manager::{allocate_on, ManagerError};
 use mediaplane_control::store::Change;
-use mediaplane_core::model::{Follow, LegSpec, Side};
+use mediaplane_core::model::{Follow, LegSpec, Relay, Side};
 use mediaplane_core::LegSignal;
 use mediaplane_core::Model;
 use std::collections::{BTreeMap, HashMap};
@@ -522,7 +522,26 @@ pub fn delete_call(model: &mut Model, call: &Call) -> Result<Vec<Change>, Manage
 
 /// Stream ids (leg uids) of a call's relays, for counters.
 pub fn stream_ids(model: &Model, call: &Call) -> Vec<u32> {
-    call.relay_ids().iter().filter_map(|id| model.relays.get(id)).flat_map(|r| [r.a.uid, r.b.uid]).collect()
+    leg_uids(&call_relays(model, call))
+}
+
+/// The relays of `call` in the model ([`Call::relay_ids`]), each with whether it carries RTCP:
+/// looked up once where several things are read of them (a sweep over every call reads each
+/// call's counters, traffic and last packet).
+pub fn call_relays<'m>(model: &'m Model, call: &Call) -> Vec<(&'m Relay, bool)> {
+    let mut out = Vec::new();
+    for (i, m) in call.media.iter().enumerate().filter(|(_, m)| m.active) {
+        out.extend(model.relays.get(&rtp_relay_id(&call.key, i)).map(|r| (r, false)));
+        if m.rtcp {
+            out.extend(model.relays.get(&rtcp_relay_id(&call.key, i)).map(|r| (r, true)));
+        }
+    }
+    out
+}
+
+/// The stream ids (leg uids) of `relays`.
+pub fn leg_uids(relays: &[(&Relay, bool)]) -> Vec<u32> {
+    relays.iter().flat_map(|(r, _)| [r.a.uid, r.b.uid]).collect()
 }
 
 /// Calls by key (hash of the Call-ID).

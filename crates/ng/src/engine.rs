@@ -335,6 +335,12 @@ fn not_acted_on(req: &Request, command: &str) -> Option<String> {
 type SectionCodecs = (Vec<Option<Vec<u8>>>, Vec<Vec<CodecSpec>>);
 
 /// `reply` with `warning` added (joined to one it already has).
+/// No packet of `call` is known for `timeout` at `now`: its counters must be read (and, when
+/// they show none either, it ends).
+fn deadline_passed(call: &Call, now: Instant, timeout: Duration) -> bool {
+    now.saturating_duration_since(call.last_activity) >= timeout
+}
+
 fn with_warning(reply: Value, warning: String) -> Value {
     let Value::Dict(mut d) = reply else { return reply };
     let joined = match d.get(b"warning".as_slice()).and_then(Value::as_str) {
@@ -513,7 +519,7 @@ impl Engine {
             "delete" => self.delete(mgr, &req),
             "query" => self.query(mgr, &req),
             "list" => self.list(&req),
-            "statistics" => Ok(self.statistics(mgr)),
+            "statistics" => Ok(self.statistics(mgr, now)),
             "start recording" | "start-recording" => self.set_recording(mgr, &req, true),
             "stop recording" | "stop-recording" => self.set_recording(mgr, &req, false),
             other => Err(NgError::Call(format!("unknown command {other:?}"))),
@@ -848,7 +854,9 @@ impl Engine {
         Ok(Value::dict(reply))
     }
 
-    fn statistics(&self, mgr: &SessionManager) -> Value {
+    /// The rates (`packetrate`, `byterate`, `errorrate`) are averages since the previous
+    /// `statistics` request (0 in the first reply): this is where every call's counters are read.
+    fn statistics(&mut self, mgr: &SessionManager, now: Instant) -> Value {
         let (live, media, ports_used, last_port) = mgr.read(|model, _| {
             let mut live = Traffic::default();
             let mut media = 0u64;
@@ -863,6 +871,7 @@ impl Engine {
             let in_range = |a: &&SocketAddr| a.ip() == mc.ip && (mc.port_min..=mc.port_max).contains(&a.port());
             (live, media, model.local_addresses().filter(in_range).count() as u64, model.last_claimed_port())
         });
+        self.traffic.sample(now, live);
         let t = self.totals();
         let input = StatisticsInput {
             sessions: self.registry.len() as u64,
@@ -887,10 +896,15 @@ impl Engine {
     /// than the configured timeout, by the data planes' per-stream last-packet times. Called
     /// once per sweep interval, a call ends within one interval of `last packet + timeout`.
     /// Returns the Call-IDs (or keys) deleted.
+    ///
+    /// Only the calls whose deadline passed (no packet known for the timeout) have their
+    /// counters read: a call that had one is read again only a timeout later, so a sweep over
+    /// thousands of live calls costs next to nothing (it read every stream every second, most
+    /// of an idle relay's CPU), and a call still ends within one sweep of `last packet + timeout`.
     pub fn expire(&mut self, mgr: &SessionManager, now: Instant) -> Vec<String> {
-        // Only the counters of NG calls' streams: the data plane may hold far more sessions
-        // (e.g. relays made over HTTP), and reading all of them would cost a map read each.
-        let ids: Vec<u32> = mgr.read(|model, _| self.registry.calls().flat_map(|c| calls::stream_ids(model, c)).collect());
+        let timeout = self.cfg.media_timeout;
+        let ids: Vec<u32> =
+            mgr.read(|model, _| self.registry.calls().filter(|c| deadline_passed(c, now, timeout)).flat_map(|c| calls::stream_ids(model, c)).collect());
         let streams = if ids.is_empty() { BTreeMap::new() } else { mgr.stream_counters(&ids) };
         let stats = DataplaneStats { streams, ..Default::default() };
         self.expire_with(mgr, &stats, now, mediaplane_dataplane::monotonic_ns())
@@ -900,29 +914,25 @@ impl Engine {
     /// ([`mediaplane_dataplane::monotonic_ns`]) are the same instant on the two clocks.
     pub fn expire_with(&mut self, mgr: &SessionManager, stats: &DataplaneStats, now: Instant, now_mono_ns: u64) -> Vec<String> {
         let timeout = self.cfg.media_timeout;
-        // The sweep also samples the rates `statistics` reports.
+        // The sweep also samples the request rates `statistics` reports.
         self.control.sample(now);
         let traffic = &mut self.traffic;
         let idle: Vec<Call> = mgr.read(|model, _| {
-            let mut live = Traffic::default();
-            for call in self.registry.calls() {
-                let (rtp, rtcp) = ngstats::call_traffic(call, model, &stats.streams, Traffic::relayed);
-                live.add(rtp);
-                live.add(rtcp);
-            }
-            traffic.sample(now, live);
             let mut idle = Vec::new();
-            for call in self.registry.calls_mut() {
-                let last = calls::stream_ids(model, call).iter().filter_map(|u| stats.streams.get(u)).map(|c| c.last_rx_ns).max().unwrap_or(0);
+            for call in self.registry.calls_mut().filter(|c| deadline_passed(c, now, timeout)) {
+                let relays = calls::call_relays(model, call);
+                let last = calls::leg_uids(&relays).iter().filter_map(|u| stats.streams.get(u)).map(|c| c.last_rx_ns).max().unwrap_or(0);
                 if last > call.last_rx {
                     call.last_rx = last;
                     let packet_at = now.checked_sub(Duration::from_nanos(now_mono_ns.saturating_sub(last))).unwrap_or(now);
                     call.last_activity = call.last_activity.max(packet_at);
                 }
-                if now.saturating_duration_since(call.last_activity) >= timeout {
-                    traffic.call_ended(call, model, &stats.streams, SystemTime::now());
+                if deadline_passed(call, now, timeout) {
                     idle.push(call.clone());
                 }
+            }
+            for call in &idle {
+                traffic.call_ended(call, model, &stats.streams, SystemTime::now());
             }
             idle
         });
@@ -974,6 +984,32 @@ mod tests {
         }
         fn stats(&self) -> DataplaneStats {
             DataplaneStats::default()
+        }
+        fn shutdown(&self) -> Result<(), DataplaneError> {
+            Ok(())
+        }
+    }
+
+    /// Counters set by the test, and every read of them recorded.
+    #[derive(Default)]
+    struct CountingDataplane {
+        streams: parking_lot::Mutex<BTreeMap<u32, Counters>>,
+        reads: parking_lot::Mutex<Vec<Vec<u32>>>,
+    }
+    impl Dataplane for CountingDataplane {
+        fn name(&self) -> &'static str {
+            "counting"
+        }
+        fn apply(&self, _t: Arc<ForwardingTable>) -> Result<(), DataplaneError> {
+            Ok(())
+        }
+        fn stats(&self) -> DataplaneStats {
+            DataplaneStats { streams: self.streams.lock().clone(), ..Default::default() }
+        }
+        fn stream_counters(&self, ids: &[u32]) -> BTreeMap<u32, Counters> {
+            self.reads.lock().push(ids.to_vec());
+            let s = self.streams.lock();
+            ids.iter().filter_map(|id| Some((*id, *s.get(id)?))).collect()
         }
         fn shutdown(&self) -> Result<(), DataplaneError> {
             Ok(())
@@ -1835,6 +1871,79 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
 
     fn list(items: &[&str]) -> Value {
         Value::List(items.iter().map(|s| Value::str(s)).collect())
+    }
+
+    /// The sweep reads the counters of a call only once its deadline passed (a call that had a
+    /// packet is not read again until a timeout after it), and still ends it on time.
+    #[test]
+    fn the_sweep_reads_a_call_only_past_its_deadline() {
+        let dp = Arc::new(CountingDataplane::default());
+        let m = SessionManager::open(
+            Store::in_memory().unwrap(),
+            dp.clone(),
+            MediaConfig { ip: "203.0.113.5".parse().unwrap(), port_min: 30000, port_max: 30019, ..Default::default() },
+            Limits::default(),
+        )
+        .unwrap();
+        let mut e = Engine::new(EngineConfig { media_timeout: Duration::from_secs(5), ..Default::default() });
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        send(&mut e, &m, "a1", answer(ANSWER_SDP));
+        let t0 = e.registry().get("cfBXzDSZqhYNcXM").unwrap().last_activity;
+        let mut uids: Vec<u32> = m.read(|md, _| md.relays.values().flat_map(|r| [r.a.uid, r.b.uid]).collect());
+        uids.sort();
+        let s = Duration::from_secs_f64;
+        let reads = |dp: &CountingDataplane| {
+            std::mem::take(&mut *dp.reads.lock())
+                .into_iter()
+                .map(|mut r| {
+                    r.sort();
+                    r
+                })
+                .collect::<Vec<_>>()
+        };
+        assert!(e.expire(&m, t0 + s(1.0)).is_empty());
+        assert!(e.expire(&m, t0 + s(4.9)).is_empty());
+        assert_eq!(reads(&dp), Vec::<Vec<u32>>::new(), "no call was due");
+        // At 5 s the call is due: read, and a packet half a second ago keeps it.
+        dp.streams.lock().insert(uids[0], Counters { tx_copies: 1, last_rx_ns: mediaplane_dataplane::monotonic_ns() - 500_000_000, ..Default::default() });
+        assert!(e.expire(&m, t0 + s(5.0)).is_empty(), "a packet at 4.5 s");
+        assert_eq!(reads(&dp), vec![uids.clone()]);
+        // Not read again until 5 s after that packet; then read, and ended.
+        assert!(e.expire(&m, t0 + s(9.0)).is_empty());
+        assert_eq!(reads(&dp), Vec::<Vec<u32>>::new(), "due only at 9.5 s");
+        assert_eq!(e.expire(&m, t0 + s(9.6)), vec!["cfBXzDSZqhYNcXM".to_string()]);
+        assert_eq!(reads(&dp), vec![uids.clone()]);
+    }
+
+    /// `statistics`' current rates are what every call relayed since the previous request.
+    #[test]
+    fn statistics_rates_are_averages_since_the_previous_request() {
+        let dp = Arc::new(CountingDataplane::default());
+        let m = SessionManager::open(
+            Store::in_memory().unwrap(),
+            dp.clone(),
+            MediaConfig { ip: "203.0.113.5".parse().unwrap(), port_min: 30000, port_max: 30019, ..Default::default() },
+            Limits::default(),
+        )
+        .unwrap();
+        let mut e = Engine::new(EngineConfig::default());
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        let uid = m.read(|md, _| md.relays.values().next().unwrap().a.uid);
+        let t = Instant::now();
+        let mut rate_at = |cookie: &str, at: Instant, copies: u64| {
+            dp.streams.lock().insert(uid, Counters { tx_copies: copies, tx_bytes: 172 * copies, ..Default::default() });
+            let r = e.handle_datagram(&m, CLIENT.parse().unwrap(), &req(cookie, vec![("command", "statistics".into())]), at).unwrap();
+            let v = protocol::parse_frame(&r).unwrap().1;
+            let current = v.get("statistics").unwrap().get("currentstatistics").unwrap().clone();
+            let int = |k: &str| match current.get(k) {
+                Some(Value::Int(i)) => *i,
+                other => panic!("{k}: {other:?}"),
+            };
+            (int("packetrate"), int("byterate"))
+        };
+        assert_eq!(rate_at("s1", t, 1_000), (0, 0), "no earlier request");
+        assert_eq!(rate_at("s2", t + Duration::from_secs(2), 1_100), (50, 50 * 172));
+        assert_eq!(rate_at("s3", t + Duration::from_secs(12), 1_100), (0, 0), "nothing since");
     }
 
     #[test]

@@ -10,7 +10,7 @@ use crate::bencode::Value;
 use crate::calls::{self, Call, MediaState};
 use mediaplane_control::config::MediaConfig;
 use mediaplane_core::call_quality::{MosTotals, QualitySample, QualitySummary};
-use mediaplane_core::model::{Follow, Leg, Side};
+use mediaplane_core::model::{Follow, Leg, Relay, Side};
 use mediaplane_core::reception::ReceptionReport;
 use mediaplane_core::srtp::SrtpSuite;
 use mediaplane_core::Model;
@@ -183,7 +183,7 @@ fn errors(c: &Counters) -> u64 {
     c.drop_stranger + c.drop_malformed + c.drop_rate_limited + c.drop_bad_checksum + c.drop_spoofed + c.tx_errors
 }
 
-/// Totals since start: what ended calls carried, and rates sampled at the sweeps.
+/// Totals since start: what ended calls carried, and rates sampled at `statistics` requests.
 #[derive(Debug, Default)]
 pub struct TrafficTotals {
     ended: Traffic,
@@ -224,7 +224,7 @@ impl TrafficTotals {
         self.durations.2 += 1;
     }
 
-    /// Sample the rate of what live calls (`live`) and ended ones relayed, at a sweep.
+    /// Sample the rate of what live calls (`live`) and ended ones relayed since the last sample.
     pub fn sample(&mut self, now: Instant, live: Traffic) {
         let mut total = self.ended;
         total.add(live);
@@ -242,15 +242,17 @@ impl TrafficTotals {
 
 /// The traffic of every stream of `call`, split into RTP and RTCP.
 pub fn call_traffic(call: &Call, model: &Model, streams: &BTreeMap<u32, Counters>, f: fn(&Counters, &Leg, bool) -> Traffic) -> (Traffic, Traffic) {
+    relays_traffic(&calls::call_relays(model, call), streams, f)
+}
+
+/// [`call_traffic`] of a call's relays ([`calls::call_relays`]).
+pub fn relays_traffic(relays: &[(&Relay, bool)], streams: &BTreeMap<u32, Counters>, f: fn(&Counters, &Leg, bool) -> Traffic) -> (Traffic, Traffic) {
     let (mut rtp, mut rtcp) = (Traffic::default(), Traffic::default());
-    for i in call.media.iter().enumerate().filter(|(_, m)| m.active).map(|(i, _)| i) {
-        for (id, acc, is_rtcp) in [(calls::rtp_relay_id(&call.key, i), &mut rtp, false), (calls::rtcp_relay_id(&call.key, i), &mut rtcp, true)] {
-            if let Some(r) = model.relays.get(&id) {
-                for leg in [&r.a, &r.b] {
-                    if let Some(c) = streams.get(&leg.uid) {
-                        acc.add(f(c, leg, is_rtcp));
-                    }
-                }
+    for &(r, is_rtcp) in relays {
+        let acc = if is_rtcp { &mut rtcp } else { &mut rtp };
+        for leg in [&r.a, &r.b] {
+            if let Some(c) = streams.get(&leg.uid) {
+                acc.add(f(c, leg, is_rtcp));
             }
         }
     }
