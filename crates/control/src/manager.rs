@@ -14,7 +14,7 @@ use crate::config::{Limits, MediaConfig};
 use crate::store::{Change, Store, StoreError};
 use arc_swap::ArcSwap;
 use mediaplane_core::call_quality::{CallQuality, MosTotals, QualitySummary};
-use mediaplane_core::model::{ModelError, Side};
+use mediaplane_core::model::{ModelError, Relay, Side};
 use mediaplane_core::{ForwardingTable, Model};
 use mediaplane_dataplane::{Dataplane, DataplaneError, DataplaneStats};
 use parking_lot::Mutex;
@@ -99,6 +99,9 @@ pub struct Snapshot {
     pub table: Arc<ForwardingTable>,
 }
 
+/// The model's relays by id.
+type Relays = imbl::OrdMap<String, Relay>;
+
 pub struct SessionManager {
     /// Held by the one writer for a whole mutation; readers never take it.
     store: Mutex<Store>,
@@ -115,6 +118,9 @@ pub struct SessionManager {
     mos_totals: Mutex<MosTotals>,
     /// ICE-lite and DTLS-SRTP state of the ICE relay legs ([`crate::crypto_legs`]).
     crypto_legs: crate::crypto_legs::CryptoLegs,
+    /// The relays the first learning window to close was found in, and when it closes
+    /// ([`SessionManager::close_learning`]).
+    next_window_close: Mutex<Option<(Relays, Option<u64>)>>,
 }
 
 impl SessionManager {
@@ -139,6 +145,7 @@ impl SessionManager {
             quality: Mutex::new(HashMap::new()),
             mos_totals: Mutex::new(MosTotals::default()),
             crypto_legs: crate::crypto_legs::CryptoLegs::new()?,
+            next_window_close: Mutex::new(None),
         })
     }
 
@@ -243,13 +250,28 @@ impl SessionManager {
     /// relays changed.
     pub fn close_learning(&self) -> Result<usize, ManagerError> {
         let now = unix_ms();
-        if !self.read(|m, _| m.relays.values().any(|r| r.a.window_due(now) || r.b.window_due(now))) {
+        if !self.read(|m, _| self.next_window_close(m).is_some_and(|at| now >= at)) {
             return Ok(0);
         }
         self.mutate(|m, _| {
             let ids = m.close_learning(now);
             Ok((ids.len(), ids.into_iter().map(Change::Relay).collect()))
         })
+    }
+
+    /// When the first learning window of `m`'s relays ends with a source to lock, found once
+    /// per set of relays (a window only opens or latches by a mutation, which makes a new map):
+    /// the check runs ten times a second and walked thousands of relays each time.
+    fn next_window_close(&self, m: &Model) -> Option<u64> {
+        let mut next = self.next_window_close.lock();
+        match &*next {
+            Some((relays, at)) if relays.ptr_eq(&m.relays) => *at,
+            _ => {
+                let at = m.relays.values().flat_map(|r| [r.a.window_closes_at(), r.b.window_closes_at()]).flatten().min();
+                *next = Some((m.relays.clone(), at));
+                at
+            }
+        }
     }
 
     pub fn stats(&self) -> DataplaneStats {
@@ -447,6 +469,41 @@ mod tests {
             allocate_local(&m, &media(), &[a1, SocketAddr::new(a1.ip(), 40003)]).map_err(|e| e.to_string()).unwrap_err(),
             "no free port left in 127.78.0.1 40001-40006"
         );
+    }
+
+    /// A learning window is locked once it ends, also one opened after the check last looked
+    /// (the first window to end is found once per set of relays, not on every check).
+    #[test]
+    fn learning_windows_close_when_due_however_the_relays_changed() {
+        use mediaplane_core::model::LegSpec;
+        let dp: Arc<dyn Dataplane> = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap());
+        let mgr = SessionManager::open(Store::in_memory().unwrap(), dp, media(), Limits::default()).unwrap();
+        let leg = |local: &str, remote: &str| LegSpec {
+            local: local.parse().unwrap(),
+            remote: Some(remote.parse().unwrap()),
+            strict: false,
+            rtp: true,
+            follow: Default::default(),
+        };
+        let relay = |id: &str, ports: (u16, u16), window_ms: u64| {
+            mgr.mutate(|m, _| {
+                m.create_relay(id, leg(&format!("127.78.0.1:{}", ports.0), "127.78.2.1:6000"), leg(&format!("127.78.0.1:{}", ports.1), "127.78.2.2:7000"))?;
+                let now = unix_ms();
+                m.open_learning(id, Side::A, now + window_ms)?;
+                m.latch(id, Side::A, "127.78.2.9:6000".parse().unwrap(), now)?;
+                Ok(((), vec![Change::Relay(id.into())]))
+            })
+            .unwrap()
+        };
+        let open = |id: &str| mgr.read(|m, _| m.relays[id].a.learning.open);
+        relay("far", (40002, 40004), 60_000);
+        assert_eq!(mgr.close_learning().unwrap(), 0);
+        // A window that ends before the one the last check found.
+        relay("near", (40006, 40001), 50);
+        assert_eq!(mgr.close_learning().unwrap(), 0);
+        std::thread::sleep(std::time::Duration::from_millis(80));
+        assert_eq!(mgr.close_learning().unwrap(), 1, "the near window ended");
+        assert!(!open("near") && open("far"));
     }
 
     /// RTCP of a relay leg is evaluated only from the address the leg follows, and a relay

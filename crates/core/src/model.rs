@@ -512,7 +512,12 @@ impl Leg {
 
     /// Its learning window ended by `now_ms` and it heard a source to lock.
     pub fn window_due(&self, now_ms: u64) -> bool {
-        self.has_window() && self.learning.open && self.latched.is_some() && now_ms >= self.learning.until_ms
+        self.window_closes_at().is_some_and(|at| now_ms >= at)
+    }
+
+    /// When its learning window ends with a source to lock (unix ms); None: nothing to lock.
+    pub fn window_closes_at(&self) -> Option<u64> {
+        (self.has_window() && self.learning.open && self.latched.is_some()).then_some(self.learning.until_ms)
     }
 }
 
