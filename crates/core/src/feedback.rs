@@ -7,7 +7,7 @@
 //! | message                              | what happens                                          |
 //! |--------------------------------------|-------------------------------------------------------|
 //! | PLI (PSFB 1), FIR (PSFB 4, per entry)| routed to the publisher of the media SSRC it names, at most one keyframe request per stream and SSRC per [`KEYFRAME_REQUEST_INTERVAL_NS`] (the rest coalesced: 50 subscribers asking at once cause one keyframe; the SFU's own request for a consumer waiting for a layer goes at once when the last one's keyframe already passed, [`FeedbackRouter::request_keyframe`]) |
-//! | generic NACK (RTPFB 1)               | routed to the publisher (it retransmits)              |
+//! | generic NACK (RTPFB 1)               | routed to the publisher (it retransmits), each sequence number at most once per [`NACK_REPEAT_INTERVAL_NS`] however many subscribers ask (the retransmission reaches them all), and within the stream's NACK budget ([`NACK_SHARE`] of its packets): one subscriber on a thin link cannot multiply its publisher's uplink; a NACK left with no number is coalesced |
 //! | RR and the report blocks of an SR    | consumed: the receiver's view of each stream ([`Outcome::reports`]) |
 //! | REMB (PSFB 15 "REMB")                | consumed: the receiver's estimate ([`Outcome::remb`]) for the consumers of the SSRCs it lists, input to layer choice |
 //! | TWCC (RTPFB 15), other feedback, XR  | consumed (the SFU would have to answer them itself)   |
@@ -34,6 +34,19 @@ use std::net::SocketAddr;
 pub const KEYFRAME_REQUEST_INTERVAL_NS: u64 = 500_000_000;
 /// Keyframe request times kept; beyond it, the ones older than the interval are forgotten.
 const MAX_KEYFRAME_STATES: usize = 65_536;
+
+/// A publisher is asked for a sequence number at most once in this interval.
+pub const NACK_REPEAT_INTERVAL_NS: u64 = 100_000_000;
+/// Sequence numbers a publisher is asked to retransmit, per published stream: at most this share
+/// of the stream's packets the SFU saw (1.2x its rate at worst, retransmissions included) ...
+pub const NACK_SHARE: f64 = 0.2;
+/// ... plus this many at once (a keyframe's worth of lost packets, also the start) ...
+pub const NACK_BURST: f64 = 64.0;
+/// ... and this many a second, for streams the SFU does not see packet by packet (plain RTP the
+/// kernel forwards: [`FeedbackRouter::on_media`] is not called for them).
+pub const NACK_FLOOR_PER_S: f64 = 20.0;
+/// NACK budgets kept; beyond it, the ones unused for a second are forgotten.
+const MAX_NACK_STATES: usize = 65_536;
 
 const SR: u8 = 200;
 const RR: u8 = 201;
@@ -243,10 +256,50 @@ fn nack_fci(seqs: &[u16]) -> Vec<u8> {
 }
 
 /// The routing state that outlives a packet: when each stream last had a keyframe requested, and
-/// whether its keyframe passed since.
+/// whether its keyframe passed since; what each stream's publisher was asked to retransmit.
 #[derive(Debug, Default)]
 pub struct FeedbackRouter {
     keyframe_requested: HashMap<(u32, u32), KeyframeRequest>,
+    nacks: HashMap<u32, NackBudget>,
+}
+
+/// What a published stream's publisher may still be asked to retransmit (a token bucket fed by
+/// the stream's packets and by time), and what it was asked lately.
+#[derive(Debug)]
+struct NackBudget {
+    credit: f64,
+    /// The stream's packets seen ([`FeedbackRouter::on_media`]), and how many of them were
+    /// turned into credit.
+    packets: u64,
+    credited: u64,
+    at_ns: u64,
+    /// (sequence number, when asked), oldest first, none older than the repeat interval.
+    asked: std::collections::VecDeque<(u16, u64)>,
+}
+
+impl NackBudget {
+    fn new(now_ns: u64) -> NackBudget {
+        NackBudget { credit: NACK_BURST, packets: 0, credited: 0, at_ns: now_ns, asked: Default::default() }
+    }
+
+    /// Keep of `seqs` what may be asked now, and note it as asked.
+    fn admit(&mut self, seqs: &mut Vec<u16>, now_ns: u64) {
+        let secs = now_ns.saturating_sub(self.at_ns) as f64 / 1e9;
+        let earned = NACK_SHARE * self.packets.saturating_sub(self.credited) as f64 + NACK_FLOOR_PER_S * secs;
+        self.credit = (self.credit + earned).min(NACK_BURST);
+        (self.credited, self.at_ns) = (self.packets, self.at_ns.max(now_ns));
+        while self.asked.front().is_some_and(|(_, at)| now_ns.saturating_sub(*at) >= NACK_REPEAT_INTERVAL_NS) {
+            self.asked.pop_front();
+        }
+        seqs.retain(|seq| {
+            if self.asked.iter().any(|(s, _)| s == seq) || self.credit < 1.0 {
+                return false;
+            }
+            self.credit -= 1.0;
+            self.asked.push_back((*seq, now_ns));
+            true
+        });
+    }
 }
 
 /// The last keyframe request for a stream and SSRC.
@@ -346,21 +399,16 @@ impl FeedbackRouter {
                             None if !sent.is_empty() => out.nacks.push((route.consumer, sent)),
                             None => {}
                         }
-                        for (layer, mut seqs) in by_layer {
+                        for (layer, seqs) in by_layer {
                             let Some(&(stream, ssrc)) = route.layers.get(layer as usize) else { continue };
-                            let anchor = seqs[0].wrapping_sub(0x4000);
-                            seqs.sort_by_key(|s| s.wrapping_sub(anchor));
-                            seqs.dedup();
-                            let fci = nack_fci(&seqs);
-                            let mut m = Vec::with_capacity(12 + fci.len());
-                            m.extend_from_slice(&[0x80 | FMT_NACK, RTPFB]);
-                            m.extend_from_slice(&((2 + fci.len() / 4) as u16).to_be_bytes());
-                            m.extend_from_slice(&b[4..8]);
-                            m.extend_from_slice(&ssrc.to_be_bytes());
-                            m.extend_from_slice(&fci);
                             let r = FeedbackRoute { stream, publisher_ssrc: ssrc, ..route.clone() };
-                            send(&r, m);
-                            out.tally(Some(&r), |t| t.routed += 1);
+                            match self.nack_message(&r, &b[4..8], seqs, now_ns) {
+                                Some(m) => {
+                                    send(&r, m);
+                                    out.tally(Some(&r), |t| t.routed += 1);
+                                }
+                                None => out.tally(Some(&r), |t| t.coalesced += 1),
+                            }
                         }
                         continue;
                     }
@@ -369,14 +417,22 @@ impl FeedbackRouter {
                         continue;
                     };
                     let route = &*route;
-                    if p.packet_type == PSFB && !self.keyframe_due(route, now_ns) {
-                        out.tally(Some(route), |t| t.coalesced += 1);
-                        continue;
+                    let message = match p.packet_type {
+                        PSFB if !self.keyframe_due(route, now_ns) => None,
+                        PSFB => {
+                            let mut m = b.to_vec();
+                            m[8..12].copy_from_slice(&route.publisher_ssrc.to_be_bytes());
+                            Some(m)
+                        }
+                        _ => self.nack_message(route, &b[4..8], nack_sequences(&b[12..]), now_ns),
+                    };
+                    match message {
+                        Some(m) => {
+                            send(route, m);
+                            out.tally(Some(route), |t| t.routed += 1);
+                        }
+                        None => out.tally(Some(route), |t| t.coalesced += 1),
                     }
-                    let mut m = b.to_vec();
-                    m[8..12].copy_from_slice(&route.publisher_ssrc.to_be_bytes());
-                    send(route, m);
-                    out.tally(Some(route), |t| t.routed += 1);
                 }
                 (PSFB, FMT_FIR) => {
                     // Each FCI entry (SSRC, sequence number, 3 reserved bytes) asks one sender.
@@ -440,6 +496,37 @@ impl FeedbackRouter {
             })
             .collect();
         Ok(out)
+    }
+
+    /// `route`'s stream had a packet (the data plane saw it): it earns its NACK budget.
+    pub fn on_media(&mut self, stream: u32) {
+        if let Some(b) = self.nacks.get_mut(&stream) {
+            b.packets += 1;
+        }
+    }
+
+    /// The NACK to send `route`'s publisher for `seqs` (in its numbering) from `sender` (the
+    /// subscriber's SSRC, 4 bytes): the numbers not asked within the repeat interval and within
+    /// the stream's budget; None when none is left.
+    fn nack_message(&mut self, route: &FeedbackRoute, sender: &[u8], mut seqs: Vec<u16>, now_ns: u64) -> Option<Vec<u8>> {
+        let anchor = seqs.first()?.wrapping_sub(0x4000);
+        seqs.sort_by_key(|s| s.wrapping_sub(anchor));
+        seqs.dedup();
+        if self.nacks.len() >= MAX_NACK_STATES && !self.nacks.contains_key(&route.stream) {
+            self.nacks.retain(|_, b| now_ns.saturating_sub(b.at_ns) < 1_000_000_000);
+        }
+        self.nacks.entry(route.stream).or_insert_with(|| NackBudget::new(now_ns)).admit(&mut seqs, now_ns);
+        if seqs.is_empty() {
+            return None;
+        }
+        let fci = nack_fci(&seqs);
+        let mut m = Vec::with_capacity(12 + fci.len());
+        m.extend_from_slice(&[0x80 | FMT_NACK, RTPFB]);
+        m.extend_from_slice(&((2 + fci.len() / 4) as u16).to_be_bytes());
+        m.extend_from_slice(sender);
+        m.extend_from_slice(&route.publisher_ssrc.to_be_bytes());
+        m.extend_from_slice(&fci);
+        Some(m)
     }
 
     /// Whether a subscriber's keyframe request for `route` may go now (and note it if so): not
@@ -644,6 +731,63 @@ mod tests {
         assert_eq!(o.forward, None);
     }
 
+    /// The sequence numbers NACKed by a route's publisher-bound messages so far.
+    fn nacked(o: &Outcome) -> Vec<u16> {
+        let mut seqs = Vec::new();
+        for routed in &o.routed {
+            for p in parse_rtcp_compound(&routed.packet).unwrap().iter().filter(|p| p.packet_type == RTPFB) {
+                seqs.extend(nack_sequences(&p.bytes[12..]));
+            }
+        }
+        seqs
+    }
+
+    /// A sequence number goes to the publisher once per repeat interval however many subscribers
+    /// ask for it; the others of the same NACK still go.
+    #[test]
+    fn a_nacked_number_is_asked_once_per_interval() {
+        let (e, ms) = (entry(), 1_000_000);
+        let mut r = FeedbackRouter::default();
+        let mut nack = |pid: u16, blp: u16, at: u64| nacked(&r.route(&e, &[rr(&[]), build::nack(99, 20, pid, blp)].concat(), at).unwrap());
+        assert_eq!(nack(7, 0b101, 0), [7, 8, 10]);
+        // Another subscriber lost 8 and 9: only 9 is new.
+        assert_eq!(nack(8, 0b1, 30 * ms), [9]);
+        assert_eq!(nack(7, 0, 99 * ms), Vec::<u16>::new());
+        // A repeat interval later the publisher is asked again (its retransmission was lost too).
+        assert_eq!(nack(7, 0b1, 100 * ms), [7, 8]);
+        let o = r.route(&e, &[rr(&[]), build::nack(99, 20, 7, 0)].concat(), 101 * ms).unwrap();
+        assert_eq!((o.total.routed, o.total.coalesced), (0, 1), "nothing left to ask: coalesced");
+    }
+
+    /// One subscriber NACKing everything cannot make the publisher send more than the stream's
+    /// rate times 1 + NACK_SHARE (after the initial burst), where the SFU sees the stream's
+    /// packets; where it does not, the floor rate holds.
+    #[test]
+    fn nacks_stay_within_the_streams_budget() {
+        let (e, ms) = (entry(), 1_000_000u64);
+        let mut r = FeedbackRouter::default();
+        let mut asked = 0usize;
+        // 10 s of a 100 packet/s stream, every packet NACKed 20 ms after it was sent (each a new
+        // number: no repeat is involved).
+        for i in 0..1000u64 {
+            r.on_media(2);
+            let o = r.route(&e, &[rr(&[]), build::nack(99, 20, i as u16, 0)].concat(), i * 10 * ms + 20 * ms).unwrap();
+            asked += nacked(&o).len();
+        }
+        let bound = NACK_BURST + 1000.0 * NACK_SHARE + 10.0 * NACK_FLOOR_PER_S;
+        assert!(asked as f64 <= bound, "{asked} asked of 1000, bound {bound}");
+        assert!(asked as f64 >= bound - 2.0, "{asked} asked: the budget is used, not starved");
+        // Another stream the SFU never sees a packet of: the burst, then the floor rate.
+        let mut r = FeedbackRouter::default();
+        let mut asked = 0usize;
+        for i in 0..1000u64 {
+            let o = r.route(&e, &[rr(&[]), build::nack(99, 20, i as u16, 0)].concat(), i * 10 * ms).unwrap();
+            asked += nacked(&o).len();
+        }
+        let bound = NACK_BURST + 10.0 * NACK_FLOOR_PER_S;
+        assert!(asked as f64 <= bound && asked as f64 >= bound - 2.0, "{asked} asked, bound {bound}");
+    }
+
     #[test]
     fn keyframe_requests_are_coalesced_per_stream_for_half_a_second() {
         let e = entry();
@@ -657,9 +801,9 @@ mod tests {
         // Another stream is asked at once; the first one again after the interval.
         assert_eq!(routed(&mut r, build::fir(98, &[(20, 1)]), 499 * ms).routed, 1);
         assert_eq!(routed(&mut r, build::pli(98, 10), 500 * ms).routed, 1);
-        // NACKs are never coalesced.
+        // NACKs are not keyframe requests: one goes whatever the keyframe interval says (see
+        // below for what holds them back).
         assert_eq!(routed(&mut r, build::nack(98, 10, 1, 0), 501 * ms).routed, 1);
-        assert_eq!(routed(&mut r, build::nack(98, 10, 1, 0), 502 * ms).routed, 1);
         // The SFU's own request for a waiting consumer: coalesced while the keyframe is on its
         // way (another stream's keyframe answers nothing of this one) ...
         assert_eq!(routed(&mut r, build::pli(98, 10), 600 * ms).coalesced, 1);

@@ -669,6 +669,8 @@ impl Engine {
                 Effect::Accepted { stream } => self.counters.streams.entry(stream).or_default().last_rx_ns = received_at,
                 Effect::Rtp { stream, header, clock_rate } => {
                     self.reception.entry(stream).or_default().on_packet(header.ssrc, header.sequence, header.timestamp, received_at, clock_rate);
+                    // Each packet earns its stream's NACK budget.
+                    self.decider.feedback.on_media(stream);
                 }
                 // When a publisher's sender report passed, for its consumers' round-trip times.
                 Effect::SenderReport { stream, ntp_middle } => self.sender_reports.entry(stream).or_default().on_sender_report(ntp_middle, received_at),

@@ -1,7 +1,8 @@
 //! RTCP feedback in a room, through `mediaplane serve` on every data plane: subscribers' PLI,
 //! FIR and NACK sent to their own SFU address reach the publisher of the SSRC they name (from
 //! the address the publisher sends to), keyframe requests coalesced; receiver reports and REMB
-//! stop at the SFU; a publisher-subscriber's sender report still reaches its subscribers, without
+//! stop at the SFU; NACKs ask each number once and within the stream's budget, however a
+//! subscriber floods them; a publisher-subscriber's sender report still reaches its subscribers, without
 //! the feedback it carried; spoofed, unroutable and malformed feedback goes nowhere, counted.
 //! Each subscription's consumer counts its copies and feedback and keeps its latest report, and
 //! the round-trip time a report echoing a sender report the SFU forwarded it gives.
@@ -228,6 +229,36 @@ fn run_plane(tb: &Testbed, plane: &str) {
     }
     let one = serve.api("GET", &format!("/v1/rooms/f/consumers/{}", p2["id"]), None);
     assert_eq!(sent(&one), sent(&p2), "[{plane}] {one}");
+
+    // A subscriber on a thin link NACKs everything: 40 NACKs of 17 numbers each, 5 ms apart,
+    // and another subscriber asks at once for the first 17 again. p0 is asked each number once,
+    // and no more of them than its stream's NACK budget: a burst of 64, then 20 a second (the
+    // SFU sees none of p0's packets meanwhile).
+    let t_flood = Instant::now();
+    for k in 0..40u16 {
+        send(4, feedback(4, build::nack(RECEIVER[4], P0_SSRC, 1000 + 17 * k, 0xffff)));
+        if k == 0 {
+            send(2, feedback(2, build::nack(RECEIVER[2], P0_SSRC, 1000, 0xffff)));
+        }
+    }
+    let flood_secs = t_flood.elapsed().as_secs_f64();
+    std::thread::sleep(Duration::from_millis(300));
+    let mut asked: Vec<u16> = Vec::new();
+    for (from, p) in &drain(&socks)[&0] {
+        // An empty receiver report, then the NACK: its FCI entries (packet id, bitmask).
+        assert_eq!((*from, p[9]), (sfu(0, SFU_PORT), 205), "[{plane}] {p:?}");
+        for e in p[20..].chunks_exact(4) {
+            let (pid, blp) = (u16::from_be_bytes([e[0], e[1]]), u16::from_be_bytes([e[2], e[3]]));
+            asked.push(pid);
+            asked.extend((0..16).filter(|b| blp & (1 << b) != 0).map(|b| pid + b + 1));
+        }
+    }
+    let n = asked.len();
+    asked.sort();
+    asked.dedup();
+    assert_eq!(asked.len(), n, "[{plane}] a number asked twice");
+    let bound = 64 + (20.0 * (flood_secs + 0.3)).ceil() as usize;
+    assert!((63..=bound).contains(&n), "[{plane}] p0 asked for {n} of 680 numbers in {flood_secs:.2} s; the budget allows 64 + 20/s = {bound}");
 }
 
 #[test]
