@@ -9,6 +9,7 @@
 //! * [`reception`] in-path reception quality of an RTP stream (loss, duplicates, reordering, jitter);
 //! * [`simulcast`] one layer of a simulcast stream per consumer, renumbered exactly across switches;
 //! * [`ratelimit`] per-stream packet/bit-rate limits (token buckets), shared by the data planes;
+//! * [`transport_feedback`] transport-wide congestion-control feedback to a publisher's transport;
 //! * [`table`] compiles a model into forwarding tables and holds [`table::ForwardingTable::classify`],
 //!   the reference decision every data plane must reproduce packet for packet.
 //!
@@ -28,6 +29,7 @@ pub mod rtp;
 pub mod simulcast;
 pub mod srtp;
 pub mod table;
+pub mod transport_feedback;
 
 pub use model::{Model, ModelError};
 pub use model_ng::LegSignal;
