@@ -370,6 +370,11 @@ pub const SRTP_DROPPED: CounterFamily = fam(
     "Packets of SRTP legs dropped: on arrival (no_key yet, auth_failed, replayed, invalid) or as copies (protect_failed)",
     Some("reason"),
 );
+pub const TRANSPORT_FEEDBACK: CounterFamily = fam(
+    "mediaplane_transport_feedback_packets",
+    "Transport-wide congestion-control feedback to publishers' transports: packets sent, and publishers' packets that arrived after their number was reported lost (late)",
+    Some("kind"),
+);
 pub const FEEDBACK: CounterFamily = fam(
     "mediaplane_feedback_messages",
     "Consumers' RTCP feedback messages, by result: routed to the publisher, coalesced (a keyframe request shortly after another), consumed by the SFU (receiver reports, REMB, TWCC), unroutable (an SSRC the consumer does not receive)",
@@ -411,7 +416,7 @@ pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
     // tap's) under its own prefix.
     let name = name
         .strip_prefix("userspace.")
-        .filter(|n| n.starts_with("host_") || n.starts_with("srtp_") || ["not_recorded", "events_dropped"].contains(n))
+        .filter(|n| ["host_", "srtp_", "transport_feedback_"].iter().any(|p| n.starts_with(p)) || ["not_recorded", "events_dropped"].contains(n))
         .unwrap_or(name);
     Some(match name {
         "forwarded" => (KERNEL_FORWARDED, None),
@@ -426,7 +431,14 @@ pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
         "not_recorded" => (NOT_RECORDED, None),
         "events_dropped" => (EVENTS_DROPPED, None),
         n => {
-            let prefixed = [("pass_", PASSED), ("xdp_drop_", XDP_DROPPED), ("neigh_resolve_", NEIGHBOUR), ("host_", HOST_DROPPED), ("srtp_", SRTP_DROPPED)];
+            let prefixed = [
+                ("transport_feedback_", TRANSPORT_FEEDBACK),
+                ("pass_", PASSED),
+                ("xdp_drop_", XDP_DROPPED),
+                ("neigh_resolve_", NEIGHBOUR),
+                ("host_", HOST_DROPPED),
+                ("srtp_", SRTP_DROPPED),
+            ];
             let (r, f) = prefixed.into_iter().find_map(|(p, f)| Some((n.strip_prefix(p)?, f)))?;
             (f, Some(r))
         }
@@ -742,6 +754,7 @@ mod tests {
         assert_eq!(extra_family("userspace.not_recorded"), Some((NOT_RECORDED, None)));
         assert_eq!(extra_family("userspace.events_dropped"), Some((EVENTS_DROPPED, None)));
         assert_eq!(extra_family("userspace.srtp_replayed"), Some((SRTP_DROPPED, Some("replayed"))));
+        assert_eq!(extra_family("userspace.transport_feedback_sent"), Some((TRANSPORT_FEEDBACK, Some("sent"))));
         assert_eq!(extra_family("srtp_auth_failed"), Some((SRTP_DROPPED, Some("auth_failed"))));
         assert_eq!(extra_family("bpf_run_time_ns").map(|(f, _)| f.nanoseconds), Some(true));
         assert_eq!(extra_family("userspace.rx_packets"), None);

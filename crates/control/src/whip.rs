@@ -40,7 +40,7 @@ use mediaplane_core::simulcast::{Codec, MAX_LAYERS};
 use mediaplane_webrtc::dtls::Role;
 use mediaplane_webrtc::ice::Credentials;
 use mediaplane_webrtc::sdp::{
-    choose_format, Answer, AnsweredMedia, Direction, Offer, OfferedMedia, SdpError, Sending, SimulcastAnswer, RTP_STREAM_ID, SDES_MID,
+    choose_format, Answer, AnsweredMedia, Direction, Offer, OfferedMedia, SdpError, Sending, SimulcastAnswer, RTP_STREAM_ID, SDES_MID, TRANSPORT_CC_URI,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -201,16 +201,21 @@ pub(crate) async fn whip(
                 let format = PayloadFormat { kind: kind.name().into(), pt: f.pt, rtpmap: f.rtpmap.clone(), fmtp: f.fmtp.clone() };
                 check_format(&format).map_err(|e| unsupported(format!("section {:?}: {e}", section.mid)))?;
                 let spec = StreamSpec { clock_rate: f.clock_rate(), format: Some(format), ..Default::default() };
+                // Its arrivals are fed back, so the publisher's send-side estimate can grow.
+                let transport_cc = section.extmap(TRANSPORT_CC_URI).filter(|&id| id > 0);
+                if let Some(id) = transport_cc {
+                    model.set_transport_cc(&room, pid, id)?;
+                }
                 if !section.rids.is_empty() {
                     let simulcast = pend_simulcast(model, &room, pid, section, name, spec)?;
-                    answered.push(AnsweredMedia { simulcast: Some(simulcast), ..AnsweredMedia::receiving(f.clone()) });
+                    answered.push(AnsweredMedia { simulcast: Some(simulcast), transport_cc, ..AnsweredMedia::receiving(f.clone()) });
                     continue;
                 }
                 let Some(&ssrc) = section.ssrcs.first() else {
                     return Err(unsupported(format!("section {:?} names no SSRC (a=ssrc)", section.mid)));
                 };
                 model.publish(&room, pid, &name, StreamSpec { ssrc: Some(ssrc), ..spec })?;
-                answered.push(AnsweredMedia::receiving(f.clone()));
+                answered.push(AnsweredMedia { transport_cc, ..AnsweredMedia::receiving(f.clone()) });
             }
             if answered.iter().all(|a| a.format.is_none()) {
                 return Err(unsupported("the offer sends no audio or video the SFU can take".into()));
@@ -364,7 +369,8 @@ pub(crate) async fn whep(
                 };
                 model.subscribe(&room, pid, StreamRef { publisher: publisher.clone(), stream: name.clone() })?;
                 let sending = Sending { ssrc, cname: publisher.clone(), msid: (publisher.clone(), name.clone()) };
-                answered[i] = AnsweredMedia { format: Some(f.clone()), direction: Direction::SendOnly, sending: Some(sending), simulcast: None };
+                answered[i] =
+                    AnsweredMedia { format: Some(f.clone()), direction: Direction::SendOnly, sending: Some(sending), simulcast: None, transport_cc: None };
             }
             if answered.iter().all(|a| a.format.is_none()) {
                 let why = match mismatch.is_empty() {

@@ -192,6 +192,10 @@ pub struct WebrtcTransport {
     /// waits for its layers ([`WebrtcTransport::pending`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_ids: Option<StreamIdExtensions>,
+    /// The id its offer gave the transport-wide sequence number header extension, when the SFU
+    /// answered transport-cc: its arrivals are fed back so its send-side estimate can grow.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport_cc: Option<u8>,
     /// Simulcast sections whose layers' SSRCs are learned from the first packets
     /// ([`Model::learn_layer`]); each becomes a stream when they are.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -797,7 +801,7 @@ impl Model {
         check_id(pid)?;
         check_addr(local)?;
         let uid = self.uid();
-        let webrtc = Some(WebrtcTransport { uid, nominated: false, srtp: Default::default(), stream_ids: None, pending: Vec::new() });
+        let webrtc = Some(WebrtcTransport { uid, nominated: false, srtp: Default::default(), stream_ids: None, transport_cc: None, pending: Vec::new() });
         let mut p = Participant { local, remote: local, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc, srtp: None };
         // Its `remote` until ICE nominates one: nobody's address (see `Participant::source`).
         p.remote = p.source();
@@ -875,6 +879,20 @@ impl Model {
         let changed = w.srtp != srtp;
         w.srtp = srtp;
         Ok(changed)
+    }
+
+    /// A WebRTC participant's packets carry transport-wide sequence numbers in header extension
+    /// `id` (as its offer mapped it; 0 is no extension's): the SFU feeds back.
+    pub fn set_transport_cc(&mut self, room: &str, pid: &str, id: u8) -> Result<(), ModelError> {
+        if id == 0 {
+            return Err(ModelError::Invalid("transport-cc header extension id 0".into()));
+        }
+        let (_, w) = self.webrtc_mut(room, pid)?;
+        if w.transport_cc.is_some_and(|known| known != id) {
+            return Err(ModelError::Invalid("one transport, one mapping of header extensions".into()));
+        }
+        w.transport_cc = Some(id);
+        Ok(())
     }
 
     /// Let a WebRTC participant publish `section` once its layers are heard: its packets name

@@ -135,6 +135,11 @@ pub struct StreamEntry {
     /// with its SSRC ([`crate::pipeline::Effect::StreamId`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_ids: Option<crate::model::StreamIdExtensions>,
+    /// The id of the transport-wide sequence number header extension its source's RTP carries
+    /// (a WebRTC publisher that negotiated transport-cc): each arrival is reported back to it
+    /// ([`crate::pipeline::Effect::TransportSeq`], [`crate::transport_feedback`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport_cc: Option<u8>,
     /// How what the SFU sends back to the stream's source (keyframe requests, the consumers'
     /// feedback routed to it) is protected: a WebRTC publisher's SRTCP key.
     #[serde(default, skip_serializing_if = "Protection::is_clear")]
@@ -300,6 +305,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             simulcast: None,
             handshake: false,
             stream_ids: None,
+            transport_cc: p.webrtc.as_ref().and_then(|w| w.transport_cc),
             reverse: p.outbound(),
         };
         if let Some(w) = &p.webrtc {
@@ -430,6 +436,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             simulcast: None,
             handshake: from_leg.ice,
             stream_ids: None,
+            transport_cc: None,
             reverse: Protection::Clear,
         }
     })

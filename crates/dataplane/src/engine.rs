@@ -9,7 +9,8 @@
 //! What the engine owns: the pipeline's stream rate limits ([`Pipeline`]), the per-source
 //! buckets, the feedback router, the simulcast consumers (their rewriters and layer choices,
 //! what publishers send of each layer), reception quality as received and as forwarded, the
-//! times sender reports passed, every counter, and the throttles on what goes to the control
+//! times sender reports passed, the arrivals fed back to publishers' transports (transport-cc),
+//! every counter, and the throttles on what goes to the control
 //! plane. What it is handed: the installed table, the SRTP contexts through [`Crypto`] (libsrtp
 //! in [`crate::srtp`]), and with the eBPF plane the kernel's simulcast states
 //! ([`KernelLayers`]).
@@ -30,6 +31,7 @@ use mediaplane_core::rtp::{demux, MediaKind};
 use mediaplane_core::simulcast::{self, Decision, LayerRewriter};
 use mediaplane_core::srtp::{Protection, SrtpKey};
 use mediaplane_core::table::{IngressKey, SimulcastLayer, SlowReason, SourceRule, StreamEntry};
+use mediaplane_core::transport_feedback::TransportFeedback;
 use mediaplane_core::ForwardingTable;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -71,6 +73,14 @@ pub struct Now {
 }
 
 impl Now {
+    /// A kernel receive time on the wall clock (ns, SO_TIMESTAMPNS) as a monotonic time, by
+    /// this reading's offset between the clocks; None if it is not within the last second (a
+    /// wall clock stepped since, or a datagram that waited that long: the reading stands in).
+    pub fn arrival(&self, realtime_ns: i64) -> Option<u64> {
+        let waited = (self.wall_us as i64 * 1_000).checked_sub(realtime_ns)?.max(0) as u64;
+        (waited < 1_000_000_000).then(|| self.mono_ns.saturating_sub(waited))
+    }
+
     /// The clocks as they read now.
     pub fn read() -> Now {
         let wall_us = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_micros() as u64);
@@ -96,6 +106,9 @@ pub struct Datagram<'p> {
     /// Cut short by the receive buffer.
     pub truncated: bool,
     pub payload: &'p [u8],
+    /// When the kernel received it, on the monotonic clock ([`Now::arrival`]; None: not known,
+    /// the batch's reading stands in). What publishers' transports are told of their arrivals.
+    pub arrived_ns: Option<u64>,
 }
 
 /// What the driver does, in order.
@@ -277,8 +290,8 @@ impl SourceBuckets {
 /// How often the RID of one SSRC is reported while no stream claims it.
 pub const STREAM_ID_REPORT_NS: u64 = 100_000_000;
 
-/// The sender SSRC of the keyframe requests the SFU makes itself (a simulcast consumer waiting
-/// for a layer): "MPLI".
+/// The sender SSRC of the keyframe requests and transport feedback the SFU makes itself (a
+/// simulcast consumer waiting for a layer; a publisher's arrivals): "MPLI".
 const SFU_SSRC: u32 = 0x4d50_4c49;
 
 /// The decision state ([`Engine`] without its pipeline, which borrows it as its [`Plane`]).
@@ -528,6 +541,17 @@ impl LayeredStreams {
     }
 }
 
+/// A publisher's transport that negotiated transport-cc: its arrivals, and where their feedback
+/// goes (from the SFU address its packets came to, to the address they came from, protected as
+/// the entry they last came on says).
+struct PublisherTransport {
+    feedback: TransportFeedback,
+    entry: IngressKey,
+    peer: SocketAddr,
+    /// The SSRC of its latest packet: the feedback's media SSRC (receivers read the numbers).
+    ssrc: u32,
+}
+
 /// The engine. See the module documentation.
 pub struct Engine {
     cfg: EngineConfig,
@@ -554,6 +578,14 @@ pub struct Engine {
     layered: LayeredStreams,
     /// The latest limits' clock a batch was decided at.
     limits_ns: u64,
+    /// Publishers' transports fed back to, by the SFU address they send to.
+    transports: HashMap<SocketAddr, PublisherTransport>,
+    /// When the first of them has feedback due.
+    next_feedback_ns: Option<u64>,
+    /// Transport feedback packets handed to the driver; publishers' packets that arrived after
+    /// their number was reported lost.
+    feedback_sent: u64,
+    feedback_late: u64,
 }
 
 impl Engine {
@@ -574,6 +606,10 @@ impl Engine {
             ticks: 0,
             layered: LayeredStreams::default(),
             limits_ns: 0,
+            transports: HashMap::new(),
+            next_feedback_ns: None,
+            feedback_sent: 0,
+            feedback_late: 0,
         }
     }
 
@@ -623,7 +659,7 @@ impl Engine {
             total.drop_no_stream += 1;
             return;
         };
-        let payload = dgram.payload;
+        let (payload, dgram_arrived) = (dgram.payload, dgram.arrived_ns);
         let mut plane = PlaneView { decider: &mut self.decider, crypto };
         // The decision is core's (mediaplane_core::pipeline); the engine keeps its books.
         self.pipeline.process(table, local, src, payload, now.limits_ns, now.mono_ns, &mut plane, effects);
@@ -690,6 +726,20 @@ impl Engine {
                         out.push(Output::Event(DataplaneEvent::StreamId { transport, ssrc, mid, rid }));
                     }
                 }
+                Effect::TransportSeq { entry, source, ssrc, seq } => {
+                    let arrived = dgram_arrived.unwrap_or(received_at);
+                    let t = self.transports.entry(entry.local).or_insert_with(|| PublisherTransport {
+                        feedback: TransportFeedback::new(),
+                        entry,
+                        peer: source,
+                        ssrc,
+                    });
+                    (t.entry, t.peer, t.ssrc) = (entry, source, ssrc);
+                    let late = t.feedback.late;
+                    t.feedback.on_packet(seq, arrived);
+                    self.feedback_late += t.feedback.late - late;
+                    self.next_feedback_ns = earliest(self.next_feedback_ns, t.feedback.poll_timeout());
+                }
                 Effect::Record { stream, label, packet } => out.push(Output::Record { stream, label, src, local, packet }),
                 Effect::Send { from, to, packet, copy, seal } => out.push(Output::Transmit { from, to, packet, copy, seal }),
                 Effect::CopyFailed { copy } => self.counters.count_copy(copy.stream, copy.consumer, 0, false),
@@ -716,7 +766,7 @@ impl Engine {
 
     /// When [`Engine::handle_timeout`] is due next (CLOCK_MONOTONIC ns); None: no timer.
     pub fn poll_timeout(&self) -> Option<u64> {
-        self.next_tick_ns
+        earliest(self.next_tick_ns, self.next_feedback_ns)
     }
 
     /// Run what is due at `now`: with kernel simulcast states, the tick
@@ -729,6 +779,9 @@ impl Engine {
     /// `readings`: what the kernel received of the table's layer streams, read by the driver
     /// before it took the engine's lock ([`KernelReadings::read`]).
     pub fn handle_timeout(&mut self, now: Now, table: &ForwardingTable, crypto: &mut dyn Crypto, readings: &KernelReadings, out: &mut Vec<Output<'static>>) {
+        if self.next_feedback_ns.is_some_and(|due| now.mono_ns >= due) {
+            self.feed_back(now.mono_ns, table, crypto, out);
+        }
         let Some(due) = self.next_tick_ns else { return };
         if now.mono_ns < due {
             return;
@@ -736,6 +789,32 @@ impl Engine {
         self.ticks += 1;
         self.next_tick_ns = Some(now.mono_ns + TICK_NS);
         self.layers_tick(table, crypto, readings, now.mono_ns, self.ticks % RECONCILE_TICKS == 1, out);
+    }
+
+    /// The transport feedback due at `now_ns`, to each publisher's transport (SRTCP with its
+    /// key, sealed by the driver; not sent without one: the crypto counts it). A transport whose
+    /// entry left the table is forgotten.
+    fn feed_back(&mut self, now_ns: u64, table: &ForwardingTable, crypto: &mut dyn Crypto, out: &mut Vec<Output<'static>>) {
+        let mut next = None;
+        let feedback_sent = &mut self.feedback_sent;
+        self.transports.retain(|_, t| {
+            let Some(entry) = table.streams.get(&t.entry) else { return false };
+            for packet in t.feedback.handle_timeout(now_ns, SFU_SSRC, t.ssrc) {
+                let seal = match &entry.reverse {
+                    Protection::Clear => false,
+                    Protection::Srtp(Some(_)) => true,
+                    Protection::Srtp(None) => {
+                        let _ = crypto.protect(entry.key.local, None, &packet);
+                        continue;
+                    }
+                };
+                out.push(Output::Transmit { from: entry.key.local, to: t.peer, packet: Cow::Owned(packet), copy: None, seal });
+                *feedback_sent += 1;
+            }
+            next = earliest(next, t.feedback.poll_timeout());
+            true
+        });
+        self.next_feedback_ns = next;
     }
 
     fn layers_tick(
@@ -902,6 +981,7 @@ impl Engine {
                 self.sender_reports.retain(|id, _| ids.contains(id));
             }
         }
+        self.transports.retain(|_, t| new.streams.contains_key(&t.entry));
         let consumers = |t: &ForwardingTable, keys: &mut dyn Iterator<Item = &IngressKey>| -> HashSet<u32> {
             keys.filter_map(|k| t.streams.get(k)).flat_map(|e| e.copies.iter().map(|c| c.consumer)).filter(|c| *c != 0).collect()
         };
@@ -968,6 +1048,8 @@ impl Engine {
             st.streams.entry(*id).or_default().add(sc);
         }
         st.reception = self.reception.iter().map(|(id, r)| (*id, r.report())).collect();
+        st.extra.insert("transport_feedback_sent".into(), self.feedback_sent);
+        st.extra.insert("transport_feedback_late".into(), self.feedback_late);
     }
 
     /// The counters of consumers `ids`, with a simulcast consumer's layers as of `now_ns`.
@@ -1016,6 +1098,14 @@ impl Engine {
 }
 
 /// Whether another RTCP report of `stream` may go to the control plane this second.
+/// The earlier of two optional deadlines.
+fn earliest(a: Option<u64>, b: Option<u64>) -> Option<u64> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
+    }
+}
+
 fn rtcp_admit(budget: &mut HashMap<u32, (u64, u32)>, stream: u32, now_ns: u64) -> bool {
     let second = now_ns / 1_000_000_000;
     if budget.len() > 65_536 {
@@ -1209,14 +1299,15 @@ mod tests {
             let t = 2_000_000_000 + seq as u64 * 20_000_000;
             let packet = build_rtp(0, seq, seq as u32 * 160, 5, &[7; 160]);
             let mut out = Vec::new();
-            let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet };
+            let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet, arrived_ns: None };
             e.handle_datagram(at(t), &table, &mut NoCrypto, dgram, &mut out);
             let sent = send_all(&mut e, out, t);
             assert_eq!(sent, vec![(a("10.0.0.1:42002"), a("10.0.1.2:5000"), packet.clone())], "seq {seq}");
         }
         // From a stranger: dropped, counted, nothing out.
         let mut out = Vec::new();
-        let stranger = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.9.9.9:5000")), truncated: false, payload: &[0x80, 0, 0, 9] };
+        let stranger =
+            Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.9.9.9:5000")), truncated: false, payload: &[0x80, 0, 0, 9], arrived_ns: None };
         e.handle_datagram(at(3_000_000_000), &table, &mut NoCrypto, stranger, &mut out);
         assert!(out.is_empty());
         let mut st = DataplaneStats::default();
@@ -1266,7 +1357,7 @@ mod tests {
         let mut e = Engine::new(EngineConfig::default());
         let packet = build_rtp(0, 1, 160, 5, &[7; 160]);
         let mut out = Vec::new();
-        let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet };
+        let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet, arrived_ns: None };
         e.handle_datagram(at(2_000_000_000), &table, &mut UnprotectOnly, dgram, &mut out);
         match &out[..] {
             [Output::Transmit { from, to, packet: p, copy: Some(_), seal: true }] => {
@@ -1275,6 +1366,86 @@ mod tests {
             }
             other => panic!("{other:?}"),
         }
+    }
+
+    /// A kernel receive time on the wall clock maps onto the monotonic clock by the reading's
+    /// offset; one from the future is now, one older than a second is not trusted.
+    #[test]
+    fn kernel_receive_times_map_onto_the_monotonic_clock() {
+        let now = Now { limits_ns: 1, mono_ns: 5_000_000_000, wall_us: 1_700_000_000_000_000 };
+        let wall_ns = 1_700_000_000_000_000_000i64;
+        assert_eq!(now.arrival(wall_ns - 3_000_000), Some(4_997_000_000));
+        assert_eq!(now.arrival(wall_ns + 3_000_000), Some(5_000_000_000));
+        assert_eq!(now.arrival(wall_ns - 1_000_000_000), None);
+    }
+
+    /// A WebRTC publisher that negotiated transport-cc gets its arrivals fed back every
+    /// interval, from the address it sends to, sealed with its key by the driver; the engine's
+    /// timer says when; one that did not negotiate it gets nothing.
+    #[test]
+    fn a_publishers_transport_gets_its_arrivals_fed_back() {
+        use mediaplane_core::transport_feedback::FEEDBACK_INTERVAL_NS;
+        struct Clear;
+        impl Crypto for Clear {
+            fn unprotect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
+                Some(packet.to_vec())
+            }
+            fn protect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, _: &[u8]) -> Option<Vec<u8>> {
+                panic!("the engine protected a packet under its lock");
+            }
+        }
+        let key = || SrtpKey::new(mediaplane_core::srtp::SrtpSuite::AesCm128HmacSha1_80, vec![7; 30]).unwrap();
+        let (local, browser) = (a("10.0.0.1:42004"), a("10.0.1.3:5000"));
+        let run = |negotiated: bool| {
+            let mut m = Model::new();
+            m.create_room("r").unwrap();
+            m.add_webrtc_participant("r", "w", local).unwrap();
+            m.set_participant_nominated("r", "w", Some(browser)).unwrap();
+            m.set_participant_srtp("r", "w", mediaplane_core::srtp::LegSrtp { inbound: Some(key()), outbound: Some(key()) }).unwrap();
+            if negotiated {
+                m.set_transport_cc("r", "w", 3).unwrap();
+            }
+            m.publish("r", "w", "video", StreamSpec { ssrc: Some(5), clock_rate: Some(90_000), ..Default::default() }).unwrap();
+            let table = ForwardingTable::compile(&m, 1);
+            let mut e = Engine::new(EngineConfig::default());
+            let t0 = 2_000_000_000;
+            for seq in [10u16, 11, 13] {
+                // RTP with the one-byte header extension: id 3, two bytes of transport-wide number.
+                let mut packet = build_rtp(96, seq, 0, 5, &[7; 100]);
+                packet[0] |= 0x10;
+                let ext = [0xbe, 0xde, 0, 1, 0x31, (seq >> 8) as u8, seq as u8, 0];
+                packet.splice(12..12, ext);
+                // All read in one batch 10 ms after the last arrived: the kernel's times are fed back.
+                let arrived_ns = Some(t0 + u64::from(seq) * 1_000_000);
+                let dgram = Datagram { local: Some(local), src: Some(browser), truncated: false, payload: &packet, arrived_ns };
+                e.handle_datagram(at(t0 + 23_000_000), &table, &mut Clear, dgram, &mut Vec::new());
+            }
+            let due = e.poll_timeout();
+            let mut out = Vec::new();
+            e.handle_timeout(at(t0 + 10_000_000 + FEEDBACK_INTERVAL_NS), &table, &mut Clear, &KernelReadings::default(), &mut out);
+            let mut st = DataplaneStats::default();
+            e.stats_into(&mut st);
+            (
+                due,
+                out.into_iter()
+                    .map(|o| match o {
+                        Output::Transmit { from, to, packet, copy: None, seal: true } => (from, to, packet.into_owned()),
+                        other => panic!("{other:?}"),
+                    })
+                    .collect::<Vec<_>>(),
+                st.extra["transport_feedback_sent"],
+                e.poll_timeout(),
+            )
+        };
+        let (due, sent, counted, after) = run(true);
+        assert_eq!(due, Some(2_000_000_000 + 10_000_000 + FEEDBACK_INTERVAL_NS), "due an interval after the first arrival");
+        let [(from, to, fb)] = &sent[..] else { panic!("{sent:?}") };
+        assert_eq!((*from, *to, fb[0] & 0x1f, fb[1]), (local, browser, 15, 205));
+        assert_eq!((u16::from_be_bytes([fb[12], fb[13]]), u16::from_be_bytes([fb[14], fb[15]])), (10, 4), "10 to 13, 12 lost");
+        // One status chunk, then the deltas in 250 µs ticks: 11 came 1 ms after 10, 13 2 ms after 11.
+        assert_eq!((fb[23], fb[24]), (4, 8), "the kernel's arrival times, not the batch's");
+        assert_eq!((counted, after), (1, None));
+        assert_eq!(run(false).1, vec![], "not negotiated: nothing fed back");
     }
 
     /// Batches decided out of their clocks' order (a worker read its clock, then waited for the
@@ -1296,7 +1467,7 @@ mod tests {
         let mut forwarded = |at_ms: u64, packets: usize| -> usize {
             let now = t + at_ms * 1_000_000;
             let packet = build_rtp(0, 1, 0, 5, &[0; 20]);
-            let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet };
+            let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet, arrived_ns: None };
             let mut out = Vec::new();
             e.handle_batch(at(now), &table, &mut NoCrypto, std::iter::repeat_n(dgram, packets), &mut out);
             out.len()
@@ -1415,7 +1586,7 @@ mod tests {
     /// A keyframe of `layer` of the room's publisher, as the SFU receives it.
     fn layer_keyframe(e: &mut Engine, table: &ForwardingTable, layer: u32, seq: u16, t: u64) -> Vec<(SocketAddr, SocketAddr, Vec<u8>)> {
         let packet = build_rtp(96, seq, 3000 * seq as u32, 100 + layer, &[0x90, 0x80, 0x05, 0x10, 0, 0, 0, 0]);
-        let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet };
+        let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet, arrived_ns: None };
         let mut out = Vec::new();
         e.handle_datagram(at(t), table, &mut NoCrypto, dgram, &mut out);
         send_all(e, out, t)

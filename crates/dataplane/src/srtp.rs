@@ -386,6 +386,7 @@ mod tests {
             simulcast: None,
             handshake: false,
             stream_ids: None,
+            transport_cc: None,
             reverse: Protection::Clear,
         }
     }

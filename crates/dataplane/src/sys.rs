@@ -15,8 +15,8 @@ fn cvt(r: libc::c_int) -> io::Result<libc::c_int> {
     }
 }
 
-/// Control-message space per datagram: room for one IP(V6)_ORIGDSTADDR (a sockaddr_in6) and
-/// one SO_MARK.
+/// Control-message space per datagram: room for one IP(V6)_ORIGDSTADDR (a sockaddr_in6), one
+/// SO_MARK and one SCM_TIMESTAMPNS (48 + 24 + 32 bytes).
 const CTRL_LEN: usize = 128;
 
 /// Receive buffers for up to `batch` datagrams, reused across calls.
@@ -81,50 +81,63 @@ impl RecvBatch {
 }
 
 impl RecvBatch {
-    /// Where the i-th datagram was sent to, from its IP(V6)_ORIGDSTADDR control message (only
-    /// on sockets with [`set_recv_orig_dst`]: packets steered to a catch-all socket).
-    pub fn orig_dst(&self, i: usize) -> Option<SocketAddr> {
+    /// The first control message of the i-th datagram that `read` makes something of: it gets
+    /// each message's (level, type, data).
+    fn control<T>(&self, i: usize, mut read: impl FnMut(libc::c_int, libc::c_int, *const u8) -> Option<T>) -> Option<T> {
         let h = &self.hdrs[i].msg_hdr;
         // SAFETY: the CMSG_* macros walk the control buffer the kernel filled, bounded by
-        // msg_controllen; the payload is copied out unaligned.
+        // msg_controllen; `read` copies payloads out unaligned.
         unsafe {
             let mut c = libc::CMSG_FIRSTHDR(h);
             while !c.is_null() {
-                let (level, kind) = ((*c).cmsg_level, (*c).cmsg_type);
-                let data = libc::CMSG_DATA(c);
-                if level == libc::SOL_IP && kind == libc::IP_ORIGDSTADDR {
-                    let sa: libc::sockaddr_in = std::ptr::read_unaligned(data.cast());
-                    let ip = std::net::Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr));
-                    return Some(SocketAddr::new(ip.into(), u16::from_be(sa.sin_port)));
-                }
-                if level == libc::SOL_IPV6 && kind == libc::IPV6_ORIGDSTADDR {
-                    let sa: libc::sockaddr_in6 = std::ptr::read_unaligned(data.cast());
-                    let ip = std::net::Ipv6Addr::from(sa.sin6_addr.s6_addr);
-                    return Some(SocketAddr::new(ip.into(), u16::from_be(sa.sin6_port)));
+                if let Some(v) = read((*c).cmsg_level, (*c).cmsg_type, libc::CMSG_DATA(c)) {
+                    return Some(v);
                 }
                 c = libc::CMSG_NXTHDR(h, c);
             }
         }
         None
     }
-}
 
-/// The i-th datagram's fwmark, from its SO_MARK control message (sockets with
-/// [`set_recv_mark`]; 0 when it carried none).
-impl RecvBatch {
-    pub fn mark(&self, i: usize) -> u32 {
-        let h = &self.hdrs[i].msg_hdr;
-        // SAFETY: as in orig_dst.
-        unsafe {
-            let mut c = libc::CMSG_FIRSTHDR(h);
-            while !c.is_null() {
-                if (*c).cmsg_level == libc::SOL_SOCKET && (*c).cmsg_type == libc::SO_MARK {
-                    return std::ptr::read_unaligned(libc::CMSG_DATA(c).cast::<u32>());
-                }
-                c = libc::CMSG_NXTHDR(h, c);
+    /// Where the i-th datagram was sent to, from its IP(V6)_ORIGDSTADDR control message (only
+    /// on sockets with [`set_recv_orig_dst`]: packets steered to a catch-all socket).
+    pub fn orig_dst(&self, i: usize) -> Option<SocketAddr> {
+        // SAFETY (both reads): the kernel wrote a sockaddr of the type's size after this header.
+        self.control(i, |level, kind, data| match (level, kind) {
+            (libc::SOL_IP, libc::IP_ORIGDSTADDR) => {
+                let sa: libc::sockaddr_in = unsafe { std::ptr::read_unaligned(data.cast()) };
+                let ip = std::net::Ipv4Addr::from(u32::from_be(sa.sin_addr.s_addr));
+                Some(SocketAddr::new(ip.into(), u16::from_be(sa.sin_port)))
             }
-        }
-        0
+            (libc::SOL_IPV6, libc::IPV6_ORIGDSTADDR) => {
+                let sa: libc::sockaddr_in6 = unsafe { std::ptr::read_unaligned(data.cast()) };
+                let ip = std::net::Ipv6Addr::from(sa.sin6_addr.s6_addr);
+                Some(SocketAddr::new(ip.into(), u16::from_be(sa.sin6_port)))
+            }
+            _ => None,
+        })
+    }
+
+    /// The i-th datagram's fwmark, from its SO_MARK control message (sockets with
+    /// [`set_recv_mark`]; 0 when it carried none).
+    pub fn mark(&self, i: usize) -> u32 {
+        // SAFETY: SO_MARK's payload is a u32.
+        self.control(i, |level, kind, data| {
+            (level == libc::SOL_SOCKET && kind == libc::SO_MARK).then(|| unsafe { std::ptr::read_unaligned(data.cast::<u32>()) })
+        })
+        .unwrap_or(0)
+    }
+
+    /// When the kernel received the i-th datagram (CLOCK_REALTIME ns), from its SCM_TIMESTAMPNS
+    /// control message (sockets with [`set_recv_timestamps`]).
+    pub fn received_realtime_ns(&self, i: usize) -> Option<i64> {
+        self.control(i, |level, kind, data| {
+            (level == libc::SOL_SOCKET && kind == libc::SCM_TIMESTAMPNS).then(|| {
+                // SAFETY: SCM_TIMESTAMPNS's payload is a timespec.
+                let ts: libc::timespec = unsafe { std::ptr::read_unaligned(data.cast()) };
+                ts.tv_sec * 1_000_000_000 + ts.tv_nsec
+            })
+        })
     }
 }
 
@@ -152,6 +165,14 @@ pub fn set_recv_mark(fd: RawFd) -> io::Result<()> {
     let one: libc::c_int = 1;
     // SAFETY: setsockopt with a pointer to a live c_int of the stated size.
     cvt(unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, SO_RCVMARK, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) }).map(drop)
+}
+
+/// Ask for each datagram's kernel receive time (SO_TIMESTAMPNS): what a receiver feeds back
+/// to a sender's delay-based estimate is when packets arrived, not when a worker got to them.
+pub fn set_recv_timestamps(fd: RawFd) -> io::Result<()> {
+    let one: libc::c_int = 1;
+    // SAFETY: setsockopt with a pointer to a live c_int of the stated size.
+    cvt(unsafe { libc::setsockopt(fd, libc::SOL_SOCKET, libc::SO_TIMESTAMPNS, (&one as *const libc::c_int).cast(), size_of::<libc::c_int>() as u32) }).map(drop)
 }
 
 /// Ask for each datagram's original destination (IP_RECVORIGDSTADDR / IPV6_RECVORIGDSTADDR).

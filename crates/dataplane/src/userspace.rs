@@ -133,6 +133,7 @@ impl SteerSockets {
             s.bind(&SockAddr::from(addr))?;
             sys::set_recv_orig_dst(s.as_raw_fd(), addr.is_ipv6())?;
             sys::set_recv_mark(s.as_raw_fd())?;
+            sys::set_recv_timestamps(s.as_raw_fd())?;
             s.set_nonblocking(true)?;
             Ok(s)
         };
@@ -439,6 +440,7 @@ fn open_socket(addr: SocketAddr, buffer: usize, header: &HeaderPolicy) -> Result
     s.set_reuse_port(true).map_err(bind_err)?;
     s.set_nonblocking(true).map_err(bind_err)?;
     sys::set_header_policy(s.as_raw_fd(), addr.is_ipv6(), header).map_err(bind_err)?;
+    sys::set_recv_timestamps(s.as_raw_fd()).map_err(bind_err)?;
     if addr.is_ipv6() {
         s.set_only_v6(true).map_err(bind_err)?;
     } else {
@@ -763,9 +765,14 @@ impl WorkerCtx {
             let batch = &self.batch;
             let dgrams = (0..n).map(|i| {
                 let (src, payload, truncated) = batch.get(i);
-                Datagram { local: local.or_else(|| batch.orig_dst(i)), src, truncated, payload }
+                let arrived_ns = batch.received_realtime_ns(i).and_then(|t| now.arrival(t));
+                Datagram { local: local.or_else(|| batch.orig_dst(i)), src, truncated, payload, arrived_ns }
             });
             engine.handle_batch(now, &state.table, &mut SrtpCrypto(&state.srtp), dgrams, &mut outputs);
+            // A packet can bring a timer forward (a publisher's first transport feedback).
+            if let Some(due) = engine.poll_timeout() {
+                self.shared.timer_due.fetch_min(due, Ordering::Relaxed);
+            }
             state
         };
         // (egress fd, what it is a copy of, message) for every packet queued on a socket; the

@@ -160,6 +160,8 @@ pub struct OfferedMedia {
 }
 
 /// RFC 8852's RTP stream id header extension: a simulcast encoding's RID in its packets.
+/// The transport-wide sequence number header extension (transport-cc).
+pub use mediaplane_core::transport_feedback::TRANSPORT_CC_URI;
 pub const RTP_STREAM_ID: &str = "urn:ietf:params:rtp-hdrext:sdes:rtp-stream-id";
 /// RFC 8843's MID header extension: the media section a packet belongs to.
 pub const SDES_MID: &str = "urn:ietf:params:rtp-hdrext:sdes:mid";
@@ -385,6 +387,9 @@ pub struct AnsweredMedia {
     pub sending: Option<Sending>,
     /// A simulcast publisher's section.
     pub simulcast: Option<SimulcastAnswer>,
+    /// A publisher's section whose offer mapped the transport-wide sequence number extension to
+    /// this id: answered with it and `transport-cc` feedback (the SFU feeds back its arrivals).
+    pub transport_cc: Option<u8>,
 }
 
 /// How a simulcast publisher's section is answered: the RIDs the SFU receives (`a=rid:<id>
@@ -398,12 +403,12 @@ pub struct SimulcastAnswer {
 impl AnsweredMedia {
     /// A section nothing flows on.
     pub fn inactive() -> AnsweredMedia {
-        AnsweredMedia { format: None, direction: Direction::Inactive, sending: None, simulcast: None }
+        AnsweredMedia { format: None, direction: Direction::Inactive, sending: None, simulcast: None, transport_cc: None }
     }
 
     /// A section the SFU receives `format` on (a publisher's).
     pub fn receiving(format: Format) -> AnsweredMedia {
-        AnsweredMedia { format: Some(format), direction: Direction::RecvOnly, sending: None, simulcast: None }
+        AnsweredMedia { format: Some(format), direction: Direction::RecvOnly, sending: None, simulcast: None, transport_cc: None }
     }
 }
 
@@ -419,7 +424,8 @@ pub struct Answer<'a> {
     pub media: Vec<AnsweredMedia>,
 }
 
-/// The feedback the SFU takes part in: it routes keyframe requests and NACKs, and reads REMB.
+/// The feedback the SFU takes part in: it routes keyframe requests and NACKs, and reads REMB
+/// (and sends `transport-cc` feedback where [`AnsweredMedia::transport_cc`] says).
 const FEEDBACK: [&str; 4] = ["nack", "nack pli", "ccm fir", "goog-remb"];
 
 impl Answer<'_> {
@@ -453,11 +459,15 @@ impl Answer<'_> {
             if let Some(fmtp) = &f.fmtp {
                 let _ = write!(s, "a=fmtp:{} {fmtp}\r\n", f.pt);
             }
-            for fb in f.feedback.iter().filter(|fb| FEEDBACK.contains(&fb.as_str())) {
+            let transport_cc = a.transport_cc.filter(|_| a.format.is_some());
+            for fb in f.feedback.iter().filter(|fb| FEEDBACK.contains(&fb.as_str()) || (fb.as_str() == "transport-cc" && transport_cc.is_some())) {
                 let _ = write!(s, "a=rtcp-fb:{} {fb}\r\n", f.pt);
             }
             if let Some(out) = &a.sending {
                 let _ = write!(s, "a=msid:{} {}\r\na=ssrc:{} cname:{}\r\n", out.msid.0, out.msid.1, out.ssrc, out.cname);
+            }
+            if let Some(id) = transport_cc {
+                let _ = write!(s, "a=extmap:{id} {TRANSPORT_CC_URI}\r\n");
             }
             if let Some(SimulcastAnswer { rids, extmaps }) = a.simulcast.as_ref().filter(|_| a.format.is_some()) {
                 for (id, uri) in extmaps {
@@ -515,7 +525,10 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
 
     /// Every section of `o` answered as received (the first format the SFU takes, if any).
     fn receive_all(o: &Offer) -> Vec<AnsweredMedia> {
-        o.media.iter().map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None }).collect()
+        o.media
+            .iter()
+            .map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None, transport_cc: None })
+            .collect()
     }
 
     fn assert_lines(answer: &str, lines: &[&str]) {
@@ -558,6 +571,26 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         assert_eq!(back.media.iter().map(|m| m.formats.len()).collect::<Vec<_>>(), [1, 1]);
     }
 
+    /// A publisher whose offer maps the transport-wide sequence number extension is answered
+    /// with it and with `transport-cc` feedback on its sections (the SFU feeds back); the
+    /// extension's id is the offer's.
+    #[test]
+    fn transport_cc_is_answered_where_the_sfu_feeds_back() {
+        let offer = CHROME_OFFER.replace("a=mid:1\r\n", &format!("a=mid:1\r\na=extmap:3 {TRANSPORT_CC_URI}\r\n"));
+        let o = Offer::parse(&offer).unwrap();
+        let video = &o.media[1];
+        assert_eq!(video.extmap(TRANSPORT_CC_URI), Some(3), "{offer}");
+        let media: Vec<AnsweredMedia> = o
+            .media
+            .iter()
+            .map(|m| AnsweredMedia { transport_cc: m.extmap(TRANSPORT_CC_URI), ..AnsweredMedia::receiving(choose_format(m).unwrap().clone()) })
+            .collect();
+        let a = answer_to(&o, media);
+        assert_lines(&a, &["m=video 40000 UDP/TLS/RTP/SAVPF 96", "a=rtcp-fb:96 transport-cc", &format!("a=extmap:3 {TRANSPORT_CC_URI}")]);
+        let counts = (a.matches("a=rtcp-fb:96 transport-cc").count(), a.matches(TRANSPORT_CC_URI).count(), a.matches("transport-cc").count());
+        assert_eq!(counts, (1, 1, 1), "the video section only (the audio offered no extension):\n{a}");
+    }
+
     /// A subscriber's section nothing is sent on (a publisher without audio): still bundled,
     /// inactive, with a format and the transport (a browser refuses a bundle whose first section
     /// is rejected).
@@ -568,7 +601,13 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         let sending = Sending { ssrc: 42, cname: "gst".into(), msid: ("gst".into(), "video".into()) };
         let media = vec![
             AnsweredMedia::inactive(),
-            AnsweredMedia { format: choose_format(&o.media[1]).cloned(), direction: Direction::SendOnly, sending: Some(sending), simulcast: None },
+            AnsweredMedia {
+                format: choose_format(&o.media[1]).cloned(),
+                direction: Direction::SendOnly,
+                sending: Some(sending),
+                simulcast: None,
+                transport_cc: None,
+            },
         ];
         let a = answer_to(&o, media);
         assert_lines(&a, &["a=group:BUNDLE 0 1", "m=audio 40000 UDP/TLS/RTP/SAVPF 111", "a=inactive", "a=sendonly", "a=ssrc:42 cname:gst", "a=msid:gst video"]);

@@ -1,0 +1,143 @@
+//! Interop, congestion control towards publishers (issue 41): a headless Chromium publishing a
+//! 1280x720 camera through the SFU ramps its encoder up, because the SFU answers transport-cc
+//! and feeds back every arrival on its transport (draft-holmer-rmcat-transport-wide-cc-
+//! extensions-01). Without the feedback Chromium's send-side estimate never grows: the encoder
+//! stays at its start rate for the whole call (measured before the feedback: a target of
+//! 300 kbit/s after 15 s).
+//!
+//! Testbed: the daemon in the SFU namespace, two browsers each in a namespace of their own
+//! (veth links, unshaped), both on the daemon's room page: b0 publishes 1280x720, b1 receives it
+//! (and publishes its own 640x360, which is fed back as well).
+//!
+//! Checked on every plane, from the pages' getStats (their console lines) and the daemon's stats:
+//! - b0's encoder target (`targetBitrate`) reaches 1,500 kbit/s within 10 s of its first video
+//!   packet (the issue's bar for a 720p publisher). Measured, every run alike: 500 kbit/s at
+//!   first, 600 at 2 s, 1,417 at 6 s, 1,700 at 8 s (a first reading late enough shows 1,417 at
+//!   once). The fake camera's picture needs about 300 kbit/s, and libwebrtc holds its estimate
+//!   near 1.5x what is acknowledged while the encoder sends less than it may; its periodic probes
+//!   in that state lift it. Without the feedback: about 290 kbit/s for 20 s;
+//! - b1 decodes b0's video and receives at least 90 % of the bitrate b0 sends (one-second
+//!   readings of both pages over six seconds);
+//! - the daemon counted the transport feedback it sent (`transport_feedback_sent`).
+//!
+//! Needs root and chromium; skipped without them, except under CI=true, where that is a failure.
+
+mod common;
+
+use common::browser::{self, Browser};
+use common::netns::NetnsServe;
+use mediaplane_bench::netns::Testbed;
+use serde_json::Value;
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "bandwidth-interop-token";
+const API_PORT: u16 = 7581;
+/// The issue's bar: a 720p single-layer publisher reaches 1.5 Mbit/s within 10 s.
+const TARGET_KBPS: u64 = 1_500;
+const WITHIN: Duration = Duration::from_secs(10);
+
+fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -> Vec<String> {
+    let mut failures = Vec::new();
+    let mut check = |ok: bool, what: String| {
+        eprintln!("  [{plane}] {} {what}", if ok { "ok  " } else { "FAIL" });
+        if !ok {
+            failures.push(format!("{plane}: {what}"));
+        }
+    };
+    let config = dir.join(format!("{plane}.toml"));
+    std::fs::write(&config, format!("[api]\ntoken = \"{TOKEN}\"\n[media]\nip = \"{}\"\n", tb.peers[0].sfu_ip)).unwrap();
+    let _serve =
+        NetnsServe::start_on(tb, &format!("0.0.0.0:{API_PORT}"), plane, &dir.join(format!("{plane}.db")), &["--reset", "-c", config.to_str().unwrap()]);
+
+    let start = |i: usize, name: &str, size: &str| {
+        let bdir = dir.join(format!("{plane}-{name}"));
+        std::fs::create_dir_all(&bdir).unwrap();
+        let origin = format!("http://{}:{API_PORT}", tb.peers[i].sfu_ip);
+        let page = format!("{origin}/?room=bw&name={name}&join=1&token={TOKEN}&size={size}");
+        let mut launcher = tb.command(&tb.peers[i].ns, chromium);
+        launcher.arg(format!("--unsafely-treat-insecure-origin-as-secure={origin}"));
+        Browser::start(launcher, &bdir, &page)
+    };
+    let publisher = start(0, "b0", "1280x720");
+    let viewer = start(1, "b1", "640x360");
+
+    // From b0's first video packet, its encoder's target once a reading (about a second apart).
+    let sent = |b: &Browser| b.page_stats().map(|s| s["sent"]["out_video"].clone()).unwrap_or(Value::Null);
+    let deadline = Instant::now() + Duration::from_secs(40);
+    let mut first_packet: Option<Instant> = None;
+    let mut trace: Vec<(f64, u64, String)> = Vec::new();
+    let mut reached = None;
+    while Instant::now() < deadline && reached.is_none() {
+        let v = sent(&publisher);
+        if v["packets"].as_u64().unwrap_or(0) > 0 {
+            let t0 = *first_packet.get_or_insert_with(Instant::now);
+            let target = v["target_kbps"].as_u64().unwrap_or(0);
+            let at = t0.elapsed().as_secs_f64();
+            if trace.last().is_none_or(|(_, t, _)| *t != target) {
+                trace.push((at, target, v["limited_by"].as_str().unwrap_or("-").to_string()));
+            }
+            if target >= TARGET_KBPS {
+                reached = Some(t0.elapsed());
+            }
+            if t0.elapsed() > WITHIN + Duration::from_secs(10) {
+                break;
+            }
+        }
+        std::thread::sleep(Duration::from_millis(200));
+    }
+    let trace_text: Vec<String> = trace.iter().map(|(t, k, why)| format!("{t:.1}s {k} kbit/s ({why})")).collect();
+    check(
+        reached.is_some_and(|r| r <= WITHIN),
+        format!("b0's encoder target reached {TARGET_KBPS} kbit/s within {WITHIN:?} of its first packet: {reached:?}; targets: {}", trace_text.join(", ")),
+    );
+    if first_packet.is_none() {
+        eprintln!("  b0 log tail:\n{}", publisher.log_tail(20));
+    }
+
+    // b1 receives what b0 sends. (Not necessarily at 1280x720: on two busy cores Chromium
+    // scales its frames down for CPU, `limited_by` cpu, and the fake camera's simple picture
+    // needs far less than the target at any size.)
+    let (mut sent_kbps, mut received_kbps, mut frames, mut size) = (Vec::new(), Vec::new(), 0, (0, 0));
+    for _ in 0..6 {
+        std::thread::sleep(Duration::from_millis(1000));
+        let v = viewer.page_stats().map(|s| s["received"]["b0"]["in_video"].clone()).unwrap_or(Value::Null);
+        size = (v["frame_width"].as_u64().unwrap_or(0), v["frame_height"].as_u64().unwrap_or(0));
+        frames = v["frames_decoded"].as_u64().unwrap_or(0);
+        received_kbps.push(v["kbps"].as_u64().unwrap_or(0));
+        sent_kbps.push(sent(&publisher)["kbps"].as_u64().unwrap_or(0));
+    }
+    let (sent_sum, received_sum) = (sent_kbps.iter().sum::<u64>(), received_kbps.iter().sum::<u64>());
+    check(
+        frames > 0 && sent_sum > 0 && received_sum * 10 >= sent_sum * 9,
+        format!("b1 decodes b0's video ({frames} frames, {}x{}): kbit/s received {received_kbps:?}, sent by b0 {sent_kbps:?}", size.0, size.1),
+    );
+
+    let stats = common::netns::try_api_as(tb, &format!("127.0.0.1:{API_PORT}"), Some(TOKEN), "GET", "/v1/stats", None).unwrap_or_default();
+    let extra = |k: &str| stats["extra"][k].as_u64().or(stats["extra"][format!("userspace.{k}")].as_u64()).unwrap_or(0);
+    let (fed, late) = (extra("transport_feedback_sent"), extra("transport_feedback_late"));
+    check(
+        fed > 20,
+        format!(
+            "the daemon sent {fed} transport feedback packets ({late} packets arrived after their number was reported lost; {} SRTP packets before their key)",
+            extra("srtp_no_key")
+        ),
+    );
+    drop((publisher, viewer));
+    failures
+}
+
+#[test]
+fn a_chromium_publisher_ramps_up_on_the_sfus_transport_feedback() {
+    if !mediaplane_bench::require_root("interop_webrtc_bandwidth") {
+        return;
+    }
+    let Some(chromium) = browser::chromium("interop_webrtc_bandwidth") else { return };
+    let tb = Testbed::star(2).expect("testbed");
+    let dir = common::TempDir::new("webrtc-bandwidth");
+    let mut failures = Vec::new();
+    for plane in common::planes() {
+        eprintln!("interop_webrtc_bandwidth: {plane}");
+        failures.extend(run_plane(&tb, &plane, &dir.0, &chromium));
+    }
+    assert!(failures.is_empty(), "{failures:#?}");
+}
