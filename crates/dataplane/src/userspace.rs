@@ -399,6 +399,19 @@ impl UserspaceDataplane {
                 refs.insert(addr, n);
             }
         }
+        // Kernel receive times where a publisher's transport is fed back: a control message on
+        // every packet, so only those addresses' sockets ask (idempotent for the ones that did).
+        let entries: Vec<&StreamEntry> = match changed {
+            Some(keys) => keys.iter().filter_map(|k| table.streams.get(k)).collect(),
+            None => table.streams.values().collect(),
+        };
+        for e in entries.into_iter().filter(|e| e.transport_cc.is_some()) {
+            for s in sockets.get(&e.key.local).map_or(&[][..], |g| &g[..]) {
+                if let Err(error) = sys::set_recv_timestamps(s.as_raw_fd()) {
+                    tracing::warn!(%error, local = %e.key.local, "SO_TIMESTAMPNS refused: transport feedback uses the batch's time");
+                }
+            }
+        }
         self.swap_state(&old.table, State { table, sockets, srtp }, changed);
         if !changes.is_empty() {
             for w in self.workers.lock().iter() {
@@ -440,7 +453,6 @@ fn open_socket(addr: SocketAddr, buffer: usize, header: &HeaderPolicy) -> Result
     s.set_reuse_port(true).map_err(bind_err)?;
     s.set_nonblocking(true).map_err(bind_err)?;
     sys::set_header_policy(s.as_raw_fd(), addr.is_ipv6(), header).map_err(bind_err)?;
-    sys::set_recv_timestamps(s.as_raw_fd()).map_err(bind_err)?;
     if addr.is_ipv6() {
         s.set_only_v6(true).map_err(bind_err)?;
     } else {
@@ -919,5 +931,35 @@ mod tests {
         assert_eq!((s.tx_copies, s.tx_unkeyed, s.tx_errors), (5, 5, 0), "{s:?}");
         assert_eq!(consumers.get(&unkeyed).map_or((0, 0), |c| (c.tx_copies, c.tx_errors)), (0, 0), "{consumers:?}");
         assert_eq!((consumers[&keyed].tx_copies, consumers[&keyed].tx_errors), (5, 0));
+    }
+    /// Only the sockets of an address whose publisher's transport is fed back ask for kernel
+    /// receive times (a control message on every packet): a browser publisher's that negotiated
+    /// transport-cc, not a plain participant's.
+    #[test]
+    fn only_fed_back_transports_ask_for_receive_times() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "plain", a("127.79.3.1:42000"), a("127.79.3.10:5000")).unwrap();
+        m.publish("r", "plain", "mic", StreamSpec { ssrc: Some(5), ..Default::default() }).unwrap();
+        m.add_webrtc_participant("r", "w", a("127.79.3.1:42002")).unwrap();
+        m.set_transport_cc("r", "w", 3).unwrap();
+        let dp = UserspaceDataplane::new(UserspaceConfig { workers: 2, ..Default::default() }, None).unwrap();
+        dp.apply(Arc::new(ForwardingTable::compile(&m, 1))).unwrap();
+        let asks = |addr: &str| -> Vec<bool> {
+            let state = dp.shared.state.load();
+            state.sockets[&a(addr)]
+                .iter()
+                .map(|s| {
+                    let (mut v, mut len): (libc::c_int, libc::socklen_t) = (0, size_of::<libc::c_int>() as u32);
+                    // SAFETY: getsockopt into a live c_int of the stated size.
+                    let r = unsafe { libc::getsockopt(s.as_raw_fd(), libc::SOL_SOCKET, libc::SO_TIMESTAMPNS, (&mut v as *mut libc::c_int).cast(), &mut len) };
+                    assert_eq!(r, 0);
+                    v != 0
+                })
+                .collect()
+        };
+        let (browser, plain) = (asks("127.79.3.1:42002"), asks("127.79.3.1:42000"));
+        dp.shutdown().unwrap();
+        assert_eq!((browser, plain), (vec![true, true], vec![false, false]));
     }
 }
