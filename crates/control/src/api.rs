@@ -281,6 +281,15 @@ fn parse_json<T: serde::de::DeserializeOwned>(body: &[u8]) -> Result<T, ApiError
 #[serde(deny_unknown_fields)]
 struct CreateRoom {
     id: String,
+    /// The most each WebRTC publisher may send (kbit/s), told to it as a REMB.
+    publisher_max_kbps: Option<u32>,
+}
+
+/// A room's settings (`PUT /v1/rooms/{room}`): all replaced, absent = none.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct RoomSettings {
+    publisher_max_kbps: Option<u32>,
 }
 
 #[derive(Deserialize)]
@@ -435,7 +444,7 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .route("/metrics", get(metrics_text))
         .route("/openapi.json", get(openapi))
         .route("/v1/rooms", get(list_rooms).post(create_room))
-        .route("/v1/rooms/{room}", get(get_room).delete(delete_room))
+        .route("/v1/rooms/{room}", get(get_room).put(configure_room).delete(delete_room))
         .route("/v1/rooms/{room}/participants", post(add_participant))
         .route("/v1/rooms/{room}/participants/{pid}", get(get_participant).delete(remove_participant))
         .route("/v1/rooms/{room}/participants/{pid}/streams", post(publish))
@@ -574,9 +583,28 @@ async fn create_room(State(m): State<AppState>, Extension(p): Extension<Pending>
     commit(m, p, move |m, t| {
         m.mutate_for(t, |model, _| {
             model.create_room(&req.id)?;
+            if req.publisher_max_kbps.is_some() {
+                model.set_publisher_max_kbps(&req.id, req.publisher_max_kbps)?;
+            }
             Ok(((), vec![Change::Room(req.id.clone())]))
         })?;
         Ok((StatusCode::CREATED, json!({"id": req.id})))
+    })
+    .await
+}
+
+async fn configure_room(
+    State(m): State<AppState>,
+    Extension(p): Extension<Pending>,
+    Path(room): Path<String>,
+    ApiJson(req): ApiJson<RoomSettings>,
+) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        m.mutate_for(t, |model, _| {
+            model.set_publisher_max_kbps(&room, req.publisher_max_kbps)?;
+            Ok(((), vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::OK, json!({"id": room, "publisher_max_kbps": req.publisher_max_kbps})))
     })
     .await
 }
@@ -586,7 +614,11 @@ async fn get_room(State(m): State<AppState>, Path(room): Path<String>) -> ApiRes
     if let Some(ps) = r["participants"].as_object_mut() {
         ps.values_mut().for_each(|p| with_handshake(&m, p));
     }
-    ok(json!({"id": room, "participants": r["participants"]}))
+    let mut out = json!({"id": room, "participants": r["participants"]});
+    if let Some(k) = r.get("publisher_max_kbps") {
+        out["publisher_max_kbps"] = k.clone();
+    }
+    ok(out)
 }
 
 async fn delete_room(State(m): State<AppState>, Extension(p): Extension<Pending>, Path(room): Path<String>) -> Result<Response, ApiError> {

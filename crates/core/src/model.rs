@@ -211,6 +211,11 @@ pub struct StreamIdExtensions {
     pub mid: Option<u8>,
 }
 
+/// The range of a room's publisher ceiling (kbit/s): below 30 not even audio passes; above
+/// 100 Mbit/s it caps nothing a browser sends.
+pub const MIN_PUBLISHER_KBPS: u32 = 30;
+pub const MAX_PUBLISHER_KBPS: u32 = 100_000;
+
 /// How long after a pending simulcast section's first layer is heard it is published with the
 /// layers heard so far: a browser leaves out the encodings its bandwidth or resolution does
 /// not allow, and they would never come.
@@ -410,6 +415,9 @@ mod subscription_list {
 #[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Room {
     pub participants: BTreeMap<String, Participant>,
+    /// The most a WebRTC publisher of the room may send (kbit/s): the SFU sends it as a REMB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub publisher_max_kbps: Option<u32>,
 }
 
 /// One side of a relayed call: media from `peer` arrives at `local` and is sent on from the
@@ -733,6 +741,15 @@ impl Model {
             return Err(ModelError::Exists { kind: "room", id: id.into() });
         }
         self.rooms.insert(id.into(), Room::default());
+        Ok(())
+    }
+
+    /// The most each WebRTC publisher of `room` may send (kbit/s; None: what its link carries).
+    pub fn set_publisher_max_kbps(&mut self, room: &str, max_kbps: Option<u32>) -> Result<(), ModelError> {
+        if let Some(k) = max_kbps.filter(|k| !(MIN_PUBLISHER_KBPS..=MAX_PUBLISHER_KBPS).contains(k)) {
+            return Err(ModelError::Invalid(format!("publisher_max_kbps {k}: {MIN_PUBLISHER_KBPS} to {MAX_PUBLISHER_KBPS}")));
+        }
+        self.room_mut(room)?.publisher_max_kbps = max_kbps;
         Ok(())
     }
 

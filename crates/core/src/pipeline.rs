@@ -147,10 +147,13 @@ pub enum Effect<'p> {
     /// encoding `rid` (and its section `mid`) in its header extensions: for the control plane,
     /// which learns the layer's SSRC ([`crate::model::Model::learn_layer`]).
     StreamId { transport: u32, ssrc: u32, mid: Option<String>, rid: String },
-    /// An RTP packet of `entry` (`ssrc`) from `source` carried transport-wide sequence number
-    /// `seq`: the plane records its arrival and feeds back to the transport `entry.local` is
-    /// (a packet the rate limit dropped never gets here: its sender sees it lost).
-    TransportSeq { entry: crate::IngressKey, source: SocketAddr, ssrc: u32, seq: u16 },
+    /// An RTP packet of `entry` (`ssrc`), whose source the SFU feeds back to
+    /// ([`crate::table::PublisherFeedback`]), came from `source`, with transport-wide sequence
+    /// number `seq` when it carries one: the plane records its arrival and feeds back to the
+    /// transport `entry.local` is (a packet the rate limit dropped never gets here: its sender
+    /// sees it lost).
+    /// `max_bitrate_bps`: the room's ceiling on what its publishers send (a REMB).
+    PublisherRtp { entry: crate::IngressKey, source: SocketAddr, ssrc: u32, seq: Option<u16>, max_bitrate_bps: Option<u64> },
     /// A publisher's sender report passed (its NTP middle bits), for consumers' round-trip times.
     SenderReport { stream: u32, ntp_middle: u32 },
     /// A relay leg's RTCP for the control plane to evaluate (the plane applies its budget).
@@ -303,8 +306,9 @@ impl Pipeline {
                     if let Some((mid, rid)) = entry.stream_ids.and_then(|ids| stream_ids(ids, &header, &payload)) {
                         out.push(Effect::StreamId { transport: entry.id, ssrc: header.ssrc, mid, rid });
                     }
-                    if let Some(seq) = entry.transport_cc.and_then(|id| crate::transport_feedback::sequence_of(&header, &payload, id)) {
-                        out.push(Effect::TransportSeq { entry: entry.key, source: src, ssrc: header.ssrc, seq });
+                    if let Some(fb) = &entry.publisher_feedback {
+                        let seq = fb.transport_cc.and_then(|id| crate::transport_feedback::sequence_of(&header, &payload, id));
+                        out.push(Effect::PublisherRtp { entry: entry.key, source: src, ssrc: header.ssrc, seq, max_bitrate_bps: fb.max_bitrate_bps });
                     }
                     rtp = Some(CopyRtp { ssrc: header.ssrc, sequence: header.sequence, timestamp: header.timestamp, clock_rate: entry.clock_rate });
                     out.push(Effect::Rtp { stream: entry.id, header, clock_rate: entry.clock_rate });
@@ -538,7 +542,7 @@ mod tests {
                 Effect::RelayRtcp { .. } => "relay rtcp".into(),
                 Effect::Record { .. } => "record".into(),
                 Effect::StreamId { ssrc, mid, rid, .. } => format!("stream id {ssrc} {mid:?} {rid}"),
-                Effect::TransportSeq { ssrc, seq, .. } => format!("transport seq {ssrc} {seq}"),
+                Effect::PublisherRtp { ssrc, seq, .. } => format!("publisher rtp {ssrc} {seq:?}"),
                 Effect::Send { to, packet, copy, .. } => format!("send {to} {} {}", packet.len(), copy.map_or(0, |c| c.consumer)),
                 Effect::CopyFailed { copy } => format!("copy failed {}", copy.consumer),
                 Effect::CopyUnkeyed { copy } => format!("copy unkeyed {}", copy.consumer),

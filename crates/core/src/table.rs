@@ -135,15 +135,35 @@ pub struct StreamEntry {
     /// with its SSRC ([`crate::pipeline::Effect::StreamId`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub stream_ids: Option<crate::model::StreamIdExtensions>,
-    /// The id of the transport-wide sequence number header extension its source's RTP carries
-    /// (a WebRTC publisher that negotiated transport-cc): each arrival is reported back to it
-    /// ([`crate::pipeline::Effect::TransportSeq`], [`crate::transport_feedback`]).
+    /// What the SFU feeds back to its source of its own accord (a WebRTC publisher's transport):
+    /// see [`PublisherFeedback`] and [`crate::pipeline::Effect::PublisherRtp`].
     #[serde(default, skip_serializing_if = "Option::is_none")]
-    pub transport_cc: Option<u8>,
+    pub publisher_feedback: Option<PublisherFeedback>,
     /// How what the SFU sends back to the stream's source (keyframe requests, the consumers'
     /// feedback routed to it) is protected: a WebRTC publisher's SRTCP key.
     #[serde(default, skip_serializing_if = "Protection::is_clear")]
     pub reverse: Protection,
+}
+
+/// What the SFU sends a WebRTC publisher's transport of its own accord.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct PublisherFeedback {
+    /// The id of the transport-wide sequence number header extension its RTP carries (it
+    /// negotiated transport-cc): each arrival is reported back ([`crate::transport_feedback`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub transport_cc: Option<u8>,
+    /// The room's ceiling on what a publisher sends (bits/s): a REMB with it goes to the
+    /// transport every second (browsers cap their send-side estimate at a REMB).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_bitrate_bps: Option<u64>,
+}
+
+impl PublisherFeedback {
+    /// None when there is nothing to feed back.
+    pub fn of(transport_cc: Option<u8>, max_kbps: Option<u32>) -> Option<PublisherFeedback> {
+        let max_bitrate_bps = max_kbps.map(|k| u64::from(k) * 1000);
+        (transport_cc.is_some() || max_bitrate_bps.is_some()).then_some(PublisherFeedback { transport_cc, max_bitrate_bps })
+    }
 }
 
 fn is_zero(v: &u32) -> bool {
@@ -305,7 +325,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             simulcast: None,
             handshake: false,
             stream_ids: None,
-            transport_cc: p.webrtc.as_ref().and_then(|w| w.transport_cc),
+            publisher_feedback: p.webrtc.as_ref().and_then(|w| PublisherFeedback::of(w.transport_cc, room.publisher_max_kbps)),
             reverse: p.outbound(),
         };
         if let Some(w) = &p.webrtc {
@@ -436,7 +456,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             simulcast: None,
             handshake: from_leg.ice,
             stream_ids: None,
-            transport_cc: None,
+            publisher_feedback: None,
             reverse: Protection::Clear,
         }
     })

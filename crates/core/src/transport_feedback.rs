@@ -193,6 +193,25 @@ fn chunks(symbols: &[u8]) -> Vec<u16> {
     out
 }
 
+/// A REMB (draft-alvestrand-rmcat-remb-03) from `sender_ssrc`: `bps` is the most the
+/// transport sending `ssrcs` should send (browsers cap their send-side estimate at it).
+pub fn remb(sender_ssrc: u32, bps: u64, ssrcs: &[u32]) -> Vec<u8> {
+    let ssrcs = &ssrcs[..ssrcs.len().min(255)];
+    // An 18-bit mantissa and a 6-bit exponent: the value rounded down to what they can say.
+    let exp = (64 - bps.leading_zeros()).saturating_sub(18);
+    let mantissa = (bps >> exp) as u32;
+    let mut p = vec![0x80 | 15, 206, 0, (4 + ssrcs.len()) as u8];
+    p.extend_from_slice(&sender_ssrc.to_be_bytes());
+    p.extend_from_slice(&[0; 4]); // media SSRC: unused
+    p.extend_from_slice(b"REMB");
+    p.push(ssrcs.len() as u8);
+    p.extend_from_slice(&((exp << 18 | mantissa) & 0xff_ffff).to_be_bytes()[1..]);
+    for s in ssrcs {
+        p.extend_from_slice(&s.to_be_bytes());
+    }
+    p
+}
+
 /// The transport-wide sequence number a packet carries in extension element `id`, if any.
 pub fn sequence_of(header: &crate::rtp::RtpHeader, packet: &[u8], id: u8) -> Option<u16> {
     let elements = header.extension_elements(packet).ok()?;
@@ -395,6 +414,19 @@ mod tests {
                 // The crate reads µs; the tick is 250 µs.
                 proptest::prop_assert_eq!(reported.get(&s).copied(), Some((at / TICK_NS) as i64 * 250 % ((1 << 24) * 64_000)), "seq {}", s);
             }
+        }
+    }
+
+    /// REMB as webrtc-rs's parser reads it: the bitrate (rounded down to 18 significant bits)
+    /// and the SSRCs.
+    #[test]
+    fn remb_says_the_ceiling_for_the_ssrcs() {
+        use rtcp::payload_feedbacks::receiver_estimated_maximum_bitrate::ReceiverEstimatedMaximumBitrate;
+        use webrtc_util::Unmarshal;
+        for (bps, expect) in [(400_000u64, 400_000f32), (10_000_000_000, 9_999_941_632.0), (262_143, 262_143.0), (30_000, 30_000.0)] {
+            let p = remb(7, bps, &[1, 2]);
+            let r = ReceiverEstimatedMaximumBitrate::unmarshal(&mut &p[..]).unwrap();
+            assert_eq!((r.sender_ssrc, r.bitrate, r.ssrcs), (7, expect, vec![1, 2]), "{bps}");
         }
     }
 

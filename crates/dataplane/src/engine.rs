@@ -31,7 +31,7 @@ use mediaplane_core::rtp::{demux, MediaKind};
 use mediaplane_core::simulcast::{self, Decision, LayerRewriter};
 use mediaplane_core::srtp::{Protection, SrtpKey};
 use mediaplane_core::table::{IngressKey, SimulcastLayer, SlowReason, SourceRule, StreamEntry};
-use mediaplane_core::transport_feedback::TransportFeedback;
+use mediaplane_core::transport_feedback::{self, TransportFeedback};
 use mediaplane_core::ForwardingTable;
 use std::borrow::Cow;
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -541,15 +541,49 @@ impl LayeredStreams {
     }
 }
 
-/// A publisher's transport that negotiated transport-cc: its arrivals, and where their feedback
-/// goes (from the SFU address its packets came to, to the address they came from, protected as
-/// the entry they last came on says).
+/// A WebRTC publisher's transport the SFU feeds back to: its arrivals (transport-cc), its
+/// room's ceiling (REMB), and where they go (from the SFU address its packets came to, to the
+/// address they came from, protected as the entry they last came on says).
 struct PublisherTransport {
     feedback: TransportFeedback,
     entry: IngressKey,
     peer: SocketAddr,
-    /// The SSRC of its latest packet: the feedback's media SSRC (receivers read the numbers).
-    ssrc: u32,
+    /// The SSRCs it sent lately, latest first (a REMB names them; the transport feedback's media
+    /// SSRC is the latest: receivers read the numbers).
+    ssrcs: Vec<u32>,
+    /// The room's ceiling (bits/s), as the latest packet or table said.
+    ceiling: Option<u64>,
+    /// The latest REMB: (bits/s, when). Once capped, a transport hears a REMB every
+    /// [`REMB_INTERVAL_NS`] for as long as it lasts, [`UNCAPPED_BPS`] when the cap is lifted (a
+    /// browser keeps the last REMB's limit until another comes).
+    remb: Option<(u64, u64)>,
+}
+
+/// How often a capped publisher's transport is told its ceiling.
+const REMB_INTERVAL_NS: u64 = 1_000_000_000;
+/// The REMB that lifts a cap: 10 Gbit/s, more than any browser sends.
+const UNCAPPED_BPS: u64 = 10_000_000_000;
+/// SSRCs a REMB names at most.
+const REMB_SSRCS: usize = 8;
+
+impl PublisherTransport {
+    /// The REMB it is due: (bits/s, when).
+    fn remb_due(&self) -> Option<(u64, u64)> {
+        let value = match (self.ceiling, self.remb) {
+            (Some(c), _) => c,
+            (None, Some(_)) => UNCAPPED_BPS,
+            (None, None) => return None,
+        };
+        Some(match self.remb {
+            Some((sent, at)) if sent == value => (value, at + REMB_INTERVAL_NS),
+            _ => (value, 0), // a new value goes at once
+        })
+    }
+
+    /// When it has anything due.
+    fn poll_timeout(&self) -> Option<u64> {
+        earliest(self.feedback.poll_timeout(), self.remb_due().map(|(_, at)| at))
+    }
 }
 
 /// The engine. See the module documentation.
@@ -586,6 +620,8 @@ pub struct Engine {
     /// their number was reported lost.
     feedback_sent: u64,
     feedback_late: u64,
+    /// REMBs with a room's ceiling (or its lifting) sent to publishers.
+    remb_sent: u64,
 }
 
 impl Engine {
@@ -610,6 +646,7 @@ impl Engine {
             next_feedback_ns: None,
             feedback_sent: 0,
             feedback_late: 0,
+            remb_sent: 0,
         }
     }
 
@@ -726,19 +763,27 @@ impl Engine {
                         out.push(Output::Event(DataplaneEvent::StreamId { transport, ssrc, mid, rid }));
                     }
                 }
-                Effect::TransportSeq { entry, source, ssrc, seq } => {
-                    let arrived = dgram_arrived.unwrap_or(received_at);
+                Effect::PublisherRtp { entry, source, ssrc, seq, max_bitrate_bps } => {
                     let t = self.transports.entry(entry.local).or_insert_with(|| PublisherTransport {
                         feedback: TransportFeedback::new(),
                         entry,
                         peer: source,
-                        ssrc,
+                        ssrcs: Vec::new(),
+                        ceiling: None,
+                        remb: None,
                     });
-                    (t.entry, t.peer, t.ssrc) = (entry, source, ssrc);
-                    let late = t.feedback.late;
-                    t.feedback.on_packet(seq, arrived);
-                    self.feedback_late += t.feedback.late - late;
-                    self.next_feedback_ns = earliest(self.next_feedback_ns, t.feedback.poll_timeout());
+                    (t.entry, t.peer, t.ceiling) = (entry, source, max_bitrate_bps);
+                    if t.ssrcs.first() != Some(&ssrc) {
+                        t.ssrcs.retain(|s| *s != ssrc);
+                        t.ssrcs.insert(0, ssrc);
+                        t.ssrcs.truncate(REMB_SSRCS);
+                    }
+                    if let Some(seq) = seq {
+                        let late = t.feedback.late;
+                        t.feedback.on_packet(seq, dgram_arrived.unwrap_or(received_at));
+                        self.feedback_late += t.feedback.late - late;
+                    }
+                    self.next_feedback_ns = earliest(self.next_feedback_ns, t.poll_timeout());
                 }
                 Effect::Record { stream, label, packet } => out.push(Output::Record { stream, label, src, local, packet }),
                 Effect::Send { from, to, packet, copy, seal } => out.push(Output::Transmit { from, to, packet, copy, seal }),
@@ -791,15 +836,24 @@ impl Engine {
         self.layers_tick(table, crypto, readings, now.mono_ns, self.ticks % RECONCILE_TICKS == 1, out);
     }
 
-    /// The transport feedback due at `now_ns`, to each publisher's transport (SRTCP with its
-    /// key, sealed by the driver; not sent without one: the crypto counts it). A transport whose
-    /// entry left the table is forgotten.
+    /// What is due at `now_ns` to each publisher's transport: its transport feedback and its
+    /// REMB (SRTCP with its key, sealed by the driver; not sent without one: the crypto counts
+    /// it). A transport whose entry left the table is forgotten; its ceiling is the table's.
     fn feed_back(&mut self, now_ns: u64, table: &ForwardingTable, crypto: &mut dyn Crypto, out: &mut Vec<Output<'static>>) {
         let mut next = None;
-        let feedback_sent = &mut self.feedback_sent;
+        let (feedback_sent, remb_sent) = (&mut self.feedback_sent, &mut self.remb_sent);
         self.transports.retain(|_, t| {
             let Some(entry) = table.streams.get(&t.entry) else { return false };
-            for packet in t.feedback.handle_timeout(now_ns, SFU_SSRC, t.ssrc) {
+            t.ceiling = entry.publisher_feedback.and_then(|f| f.max_bitrate_bps);
+            let ssrc = t.ssrcs.first().copied().unwrap_or(0);
+            let mut packets = t.feedback.handle_timeout(now_ns, SFU_SSRC, ssrc);
+            *feedback_sent += packets.len() as u64;
+            if let Some((bps, _)) = t.remb_due().filter(|(_, at)| *at <= now_ns) {
+                packets.push(transport_feedback::remb(SFU_SSRC, bps, &t.ssrcs));
+                t.remb = Some((bps, now_ns));
+                *remb_sent += 1;
+            }
+            for packet in packets {
                 let seal = match &entry.reverse {
                     Protection::Clear => false,
                     Protection::Srtp(Some(_)) => true,
@@ -809,9 +863,8 @@ impl Engine {
                     }
                 };
                 out.push(Output::Transmit { from: entry.key.local, to: t.peer, packet: Cow::Owned(packet), copy: None, seal });
-                *feedback_sent += 1;
             }
-            next = earliest(next, t.feedback.poll_timeout());
+            next = earliest(next, t.poll_timeout());
             true
         });
         self.next_feedback_ns = next;
@@ -1050,6 +1103,7 @@ impl Engine {
         st.reception = self.reception.iter().map(|(id, r)| (*id, r.report())).collect();
         st.extra.insert("transport_feedback_sent".into(), self.feedback_sent);
         st.extra.insert("transport_feedback_late".into(), self.feedback_late);
+        st.extra.insert("transport_feedback_remb".into(), self.remb_sent);
     }
 
     /// The counters of consumers `ids`, with a simulcast consumer's layers as of `now_ns`.
@@ -1247,6 +1301,31 @@ mod tests {
         Now { limits_ns: mono_ns, mono_ns, wall_us: mono_ns / 1000 }
     }
 
+    /// Hands packets through clear (they are in these tests); protecting under the engine's
+    /// lock would be a bug (the driver seals).
+    struct UnprotectOnly;
+    impl Crypto for UnprotectOnly {
+        fn unprotect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
+            Some(packet.to_vec())
+        }
+        fn protect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, _: &[u8]) -> Option<Vec<u8>> {
+            panic!("the engine protected a packet under its lock");
+        }
+    }
+
+    /// Room "r" with WebRTC publisher "w" at `local`, nominated at `browser`, keyed, publishing
+    /// "video" on SSRC 5.
+    fn webrtc_publisher(local: SocketAddr, browser: SocketAddr) -> Model {
+        let key = || SrtpKey::new(mediaplane_core::srtp::SrtpSuite::AesCm128HmacSha1_80, vec![7; 30]).unwrap();
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_webrtc_participant("r", "w", local).unwrap();
+        m.set_participant_nominated("r", "w", Some(browser)).unwrap();
+        m.set_participant_srtp("r", "w", mediaplane_core::srtp::LegSrtp { inbound: Some(key()), outbound: Some(key()) }).unwrap();
+        m.publish("r", "w", "video", StreamSpec { ssrc: Some(5), clock_rate: Some(90_000), ..Default::default() }).unwrap();
+        m
+    }
+
     /// Every transmit of `out`, reported sent.
     fn send_all(e: &mut Engine, out: Vec<Output<'_>>, now: u64) -> Vec<(SocketAddr, SocketAddr, Vec<u8>)> {
         let mut sent = Vec::new();
@@ -1336,15 +1415,6 @@ mod tests {
     /// unprotect).
     #[test]
     fn copies_to_an_srtp_subscriber_are_sealed_by_the_driver() {
-        struct UnprotectOnly;
-        impl Crypto for UnprotectOnly {
-            fn unprotect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
-                Some(packet.to_vec())
-            }
-            fn protect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, _: &[u8]) -> Option<Vec<u8>> {
-                panic!("the engine protected a packet under its lock");
-            }
-        }
         let key = || SrtpKey::new(mediaplane_core::srtp::SrtpSuite::AesCm128HmacSha1_80, vec![7; 30]).unwrap();
         let mut m = Model::new();
         m.create_room("r").unwrap();
@@ -1385,27 +1455,12 @@ mod tests {
     #[test]
     fn a_publishers_transport_gets_its_arrivals_fed_back() {
         use mediaplane_core::transport_feedback::FEEDBACK_INTERVAL_NS;
-        struct Clear;
-        impl Crypto for Clear {
-            fn unprotect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
-                Some(packet.to_vec())
-            }
-            fn protect(&mut self, _: SocketAddr, _: Option<&SrtpKey>, _: &[u8]) -> Option<Vec<u8>> {
-                panic!("the engine protected a packet under its lock");
-            }
-        }
-        let key = || SrtpKey::new(mediaplane_core::srtp::SrtpSuite::AesCm128HmacSha1_80, vec![7; 30]).unwrap();
         let (local, browser) = (a("10.0.0.1:42004"), a("10.0.1.3:5000"));
         let run = |negotiated: bool| {
-            let mut m = Model::new();
-            m.create_room("r").unwrap();
-            m.add_webrtc_participant("r", "w", local).unwrap();
-            m.set_participant_nominated("r", "w", Some(browser)).unwrap();
-            m.set_participant_srtp("r", "w", mediaplane_core::srtp::LegSrtp { inbound: Some(key()), outbound: Some(key()) }).unwrap();
+            let mut m = webrtc_publisher(local, browser);
             if negotiated {
                 m.set_transport_cc("r", "w", 3).unwrap();
             }
-            m.publish("r", "w", "video", StreamSpec { ssrc: Some(5), clock_rate: Some(90_000), ..Default::default() }).unwrap();
             let table = ForwardingTable::compile(&m, 1);
             let mut e = Engine::new(EngineConfig::default());
             let t0 = 2_000_000_000;
@@ -1418,11 +1473,11 @@ mod tests {
                 // All read in one batch 10 ms after the last arrived: the kernel's times are fed back.
                 let arrived_ns = Some(t0 + u64::from(seq) * 1_000_000);
                 let dgram = Datagram { local: Some(local), src: Some(browser), truncated: false, payload: &packet, arrived_ns };
-                e.handle_datagram(at(t0 + 23_000_000), &table, &mut Clear, dgram, &mut Vec::new());
+                e.handle_datagram(at(t0 + 23_000_000), &table, &mut UnprotectOnly, dgram, &mut Vec::new());
             }
             let due = e.poll_timeout();
             let mut out = Vec::new();
-            e.handle_timeout(at(t0 + 10_000_000 + FEEDBACK_INTERVAL_NS), &table, &mut Clear, &KernelReadings::default(), &mut out);
+            e.handle_timeout(at(t0 + 10_000_000 + FEEDBACK_INTERVAL_NS), &table, &mut UnprotectOnly, &KernelReadings::default(), &mut out);
             let mut st = DataplaneStats::default();
             e.stats_into(&mut st);
             (
@@ -1446,6 +1501,50 @@ mod tests {
         assert_eq!((fb[23], fb[24]), (4, 8), "the kernel's arrival times, not the batch's");
         assert_eq!((counted, after), (1, None));
         assert_eq!(run(false).1, vec![], "not negotiated: nothing fed back");
+    }
+
+    /// A room's ceiling reaches its WebRTC publishers as a REMB at their first packet and every
+    /// second after; a new ceiling goes at once, and lifting it sends the uncapped value (a
+    /// browser keeps the last REMB's limit); a room without one sends none.
+    #[test]
+    fn a_rooms_ceiling_reaches_its_publishers_as_remb() {
+        let (local, browser) = (a("10.0.0.1:42004"), a("10.0.1.3:5000"));
+        let mut m = webrtc_publisher(local, browser);
+        let uncapped = ForwardingTable::compile(&m, 1);
+        m.set_publisher_max_kbps("r", Some(400)).unwrap();
+        let capped = ForwardingTable::compile(&m, 2);
+        let mut e = Engine::new(EngineConfig::default());
+        // REMBs (bits/s) sent when the timer is run at `t` with `table`.
+        let remb_at = |e: &mut Engine, t: u64, table: &ForwardingTable| -> Vec<u64> {
+            let mut out = Vec::new();
+            e.handle_timeout(at(t), table, &mut UnprotectOnly, &KernelReadings::default(), &mut out);
+            out.iter()
+                .filter_map(|o| match o {
+                    Output::Transmit { to, packet, seal: true, .. } if *to == browser && &packet[12..16] == b"REMB" => {
+                        let (exp, mantissa) = (packet[17] >> 2, u32::from_be_bytes([0, packet[17] & 3, packet[18], packet[19]]));
+                        assert_eq!(u32::from_be_bytes(packet[20..24].try_into().unwrap()), 5, "it names the publisher's SSRC");
+                        Some(u64::from(mantissa) << exp)
+                    }
+                    _ => None,
+                })
+                .collect()
+        };
+        let packet = |e: &mut Engine, t: u64, table: &ForwardingTable| {
+            let p = build_rtp(96, (t / 1_000_000) as u16, 0, 5, &[7; 100]);
+            let dgram = Datagram { local: Some(local), src: Some(browser), truncated: false, payload: &p, arrived_ns: None };
+            e.handle_datagram(at(t), table, &mut UnprotectOnly, dgram, &mut Vec::new());
+        };
+        let t0 = 2_000_000_000;
+        packet(&mut e, t0, &uncapped);
+        assert_eq!((e.poll_timeout(), remb_at(&mut e, t0 + 10 * REMB_INTERVAL_NS, &uncapped)), (None, vec![]), "no ceiling, no REMB");
+        packet(&mut e, t0 + 1, &capped);
+        assert_eq!(e.poll_timeout(), Some(0), "the ceiling goes at once");
+        assert_eq!(remb_at(&mut e, t0 + 2, &capped), vec![400_000]);
+        assert_eq!(remb_at(&mut e, t0 + REMB_INTERVAL_NS, &capped), vec![], "once a second");
+        assert_eq!(remb_at(&mut e, t0 + 2 + REMB_INTERVAL_NS, &capped), vec![400_000]);
+        // Lifted: the table says so at the next timer.
+        assert_eq!(remb_at(&mut e, t0 + 2 + 2 * REMB_INTERVAL_NS, &uncapped), vec![UNCAPPED_BPS >> 16 << 16]);
+        assert_eq!(remb_at(&mut e, t0 + 2 + 3 * REMB_INTERVAL_NS, &uncapped), vec![UNCAPPED_BPS >> 16 << 16], "and goes on saying so");
     }
 
     /// Batches decided out of their clocks' order (a worker read its clock, then waited for the

@@ -386,7 +386,7 @@ mod tests {
             simulcast: None,
             handshake: false,
             stream_ids: None,
-            transport_cc: None,
+            publisher_feedback: None,
             reverse: Protection::Clear,
         }
     }

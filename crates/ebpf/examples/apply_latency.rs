@@ -45,7 +45,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         simulcast: None,
         handshake: false,
         stream_ids: None,
-        transport_cc: None,
+        publisher_feedback: None,
         reverse: mediaplane_core::srtp::Protection::Clear,
     }
 }

@@ -44,6 +44,19 @@ fn every_endpoint_success_and_error_paths() {
     assert_eq!(call(&d, "GET", "/v1/rooms/conf", None).0, 200);
     let (s, v) = call(&d, "GET", "/v1/rooms/nope", None);
     assert_eq!((s, code(&v)), (404, "not_found"));
+    // A room's ceiling on its publishers: set, shown, refused out of range, lifted.
+    let (s, v) = call(&d, "PUT", "/v1/rooms/conf", Some(json!({"publisher_max_kbps": 800})));
+    assert_eq!((s, v["publisher_max_kbps"].as_u64()), (200, Some(800)), "{v}");
+    assert_eq!(call(&d, "GET", "/v1/rooms/conf", None).1["publisher_max_kbps"], 800);
+    let (s, v) = call(&d, "PUT", "/v1/rooms/conf", Some(json!({"publisher_max_kbps": 5})));
+    assert_eq!((s, code(&v)), (400, "invalid"), "{v}");
+    assert!(v["error"].as_str().unwrap().contains("30 to 100000"), "{v}");
+    assert_eq!(call(&d, "PUT", "/v1/rooms/nope", Some(json!({}))).0, 404);
+    assert_eq!(call(&d, "PUT", "/v1/rooms/conf", Some(json!({}))).0, 200);
+    assert!(call(&d, "GET", "/v1/rooms/conf", None).1.get("publisher_max_kbps").is_none(), "lifted");
+    let (s, v) = call(&d, "POST", "/v1/rooms", Some(json!({"id": "capped", "publisher_max_kbps": 10})));
+    assert_eq!((s, code(&v)), (400, "invalid"), "a room is not created with a ceiling out of range: {v}");
+    assert_eq!(call(&d, "GET", "/v1/rooms/capped", None).0, 404, "nothing half-made");
 
     // Malformed bodies: not JSON, wrong content type, too large.
     let r = ureq::post(&format!("{}/v1/rooms", d.api)).set("content-type", "application/json").send_string("{not json");

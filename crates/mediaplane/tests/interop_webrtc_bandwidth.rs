@@ -18,7 +18,11 @@
 //!   in that state lift it. Without the feedback: about 290 kbit/s for 20 s;
 //! - b1 decodes b0's video and receives at least 90 % of the bitrate b0 sends (one-second
 //!   readings of both pages over six seconds);
-//! - the daemon counted the transport feedback it sent (`transport_feedback_sent`).
+//! - capped by the operator (`PUT /v1/rooms/bw {"publisher_max_kbps": 400}`: a REMB every
+//!   second), b0's target comes down to 400 kbit/s or less within 5 s and stays there; the cap
+//!   lifted, it is back to 1,500 within 15 s;
+//! - the daemon counted the transport feedback and REMBs it sent (`transport_feedback_sent`,
+//!   `transport_feedback_remb`).
 //!
 //! Needs root and chromium; skipped without them, except under CI=true, where that is a failure.
 
@@ -35,6 +39,8 @@ const API_PORT: u16 = 7581;
 /// The bar: a 720p single-layer publisher reaches 1.5 Mbit/s within 10 s.
 const TARGET_KBPS: u64 = 1_500;
 const WITHIN: Duration = Duration::from_secs(10);
+/// The room's ceiling the operator sets.
+const CAP_KBPS: u64 = 400;
 
 fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -> Vec<String> {
     let mut failures = Vec::new();
@@ -112,13 +118,40 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
         format!("b1 decodes b0's video ({frames} frames, {}x{}): kbit/s received {received_kbps:?}, sent by b0 {sent_kbps:?}", size.0, size.1),
     );
 
+    // The operator caps the room's publishers: b0's target follows the REMB down, and back up
+    // once the cap is lifted.
+    let api = |body: Value| common::netns::try_api_as(tb, &format!("127.0.0.1:{API_PORT}"), Some(TOKEN), "PUT", "/v1/rooms/bw", Some(body));
+    let follow = |within: Duration, fits: &dyn Fn(u64) -> bool| -> (Option<Duration>, Vec<u64>) {
+        let (start, mut seen) = (Instant::now(), Vec::new());
+        while start.elapsed() < within {
+            let target = sent(&publisher)["target_kbps"].as_u64().unwrap_or(0);
+            if seen.last() != Some(&target) {
+                seen.push(target);
+            }
+            if fits(target) {
+                return (Some(start.elapsed()), seen);
+            }
+            std::thread::sleep(Duration::from_millis(200));
+        }
+        (None, seen)
+    };
+    let capped = api(serde_json::json!({"publisher_max_kbps": CAP_KBPS}));
+    let (down, seen) = follow(Duration::from_secs(5), &|t| t > 0 && t <= CAP_KBPS);
+    check(capped.is_ok() && down.is_some(), format!("capped at {CAP_KBPS} kbit/s, b0's target came down in {down:?}: {seen:?} ({capped:?})"));
+    std::thread::sleep(Duration::from_secs(3));
+    let (held, seen) = follow(Duration::from_secs(3), &|t| t > CAP_KBPS);
+    check(held.is_none(), format!("b0's target stays under the cap: {seen:?}"));
+    let lifted = api(serde_json::json!({}));
+    let (up, seen) = follow(Duration::from_secs(15), &|t| t >= TARGET_KBPS);
+    check(lifted.is_ok() && up.is_some(), format!("the cap lifted, b0's target is back to {TARGET_KBPS} kbit/s in {up:?}: {seen:?}"));
+
     let stats = common::netns::try_api_as(tb, &format!("127.0.0.1:{API_PORT}"), Some(TOKEN), "GET", "/v1/stats", None).unwrap_or_default();
     let extra = |k: &str| stats["extra"][k].as_u64().or(stats["extra"][format!("userspace.{k}")].as_u64()).unwrap_or(0);
-    let (fed, late) = (extra("transport_feedback_sent"), extra("transport_feedback_late"));
+    let (fed, late, remb) = (extra("transport_feedback_sent"), extra("transport_feedback_late"), extra("transport_feedback_remb"));
     check(
-        fed > 20,
+        fed > 20 && remb >= 3,
         format!(
-            "the daemon sent {fed} transport feedback packets ({late} packets arrived after their number was reported lost; {} SRTP packets before their key)",
+            "the daemon sent {fed} transport feedback packets and {remb} REMBs ({late} packets arrived after their number was reported lost; {} SRTP packets before their key)",
             extra("srtp_no_key")
         ),
     );

@@ -87,7 +87,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         simulcast: None,
         handshake: false,
         stream_ids: None,
-        transport_cc: None,
+        publisher_feedback: None,
         reverse: mediaplane_core::srtp::Protection::Clear,
     }
 }
