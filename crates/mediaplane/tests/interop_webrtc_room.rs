@@ -17,9 +17,12 @@
 //! Checked, on the user-space and the eBPF plane in turn, from each page's getStats (its
 //! console lines) after a few seconds of media:
 //! - every browser decodes the video of the two other browsers and of the GStreamer participant
-//!   (frames decoded grow between two readings) and receives the two browsers' audio; no packet
-//!   lost (getStats' packetsLost 0: the links are veth pairs, and every run measured 0 of the
-//!   125-390 packets of each stream, on every plane); DTLS connected;
+//!   (frames decoded grow between two readings) and receives the two browsers' audio; nothing
+//!   lost on the way through the SFU (getStats' packetsLost at most what the SFU's own reception
+//!   found missing on arrival from the publisher: the links are veth pairs and lose nothing, but
+//!   a Chromium publishing with transport-cc now and then leaves a number or two of its top
+//!   layer unsent, seen in about one run in three; before transport-cc every run measured 0 of
+//!   the 125-390 packets of each stream, on every plane); DTLS connected;
 //! - the plain participant (which asks for a keyframe of each video it subscribes to, as a
 //!   decoder joining mid-stream does) receives each browser's audio and video decrypted: clear RTP on the
 //!   SSRCs the browsers send, whose VP8 GStreamer's decoder turns into frames;
@@ -133,6 +136,15 @@ fn encoder(tb: &Testbed, ns: &str, log: &std::path::Path) -> mediaplane_bench::p
     );
     cmd.args(pipeline.split_whitespace()).stdout(Stdio::null()).stderr(std::fs::File::create(log).unwrap());
     sip::spawn_group("gst-launch-1.0", &mut cmd).unwrap_or_else(|e| panic!("{e}"))
+}
+
+/// Packets of `publisher`'s `stream` (every layer of a simulcast one) the SFU found missing on
+/// arrival: its reception's loss, from `/v1/stats`.
+fn arrival_loss(stats: &Value, publisher: &str, stream: &str) -> i64 {
+    let label = format!("w/{publisher}/{stream}");
+    let of_stream = |l: &str| l == label || l.strip_prefix(&label).is_some_and(|rest| rest.starts_with('#'));
+    let streams = stats["streams"].as_array().into_iter().flatten();
+    streams.filter(|s| s["label"].as_str().is_some_and(of_stream)).map(|s| s["reception"]["lost"].as_i64().unwrap_or(0).max(0)).sum()
 }
 
 /// Wait up to `timeout` for `f` to hold; its last value.
@@ -252,6 +264,9 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
     }
     std::thread::sleep(Duration::from_secs(4));
     let later: Vec<Option<Value>> = browsers.iter().map(Browser::page_stats).collect();
+    // What the SFU received of each stream (its reception: losses on the way in), read after
+    // the pages' readings.
+    let sfu = api(tb, "GET", "/v1/stats", None).unwrap_or_default();
     for (i, (a, b)) in first.iter().zip(&later).enumerate() {
         let (Some(a), Some(b)) = (a, b) else {
             check(false, format!("{}: no stats", names[i]));
@@ -266,13 +281,25 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
                 v(b, "frames_decoded") > v(a, "frames_decoded"),
                 format!("{} decodes {from}'s video: {} then {} frames", names[i], v(a, "frames_decoded"), v(b, "frames_decoded")),
             );
-            // Nothing lost, and none duplicated (packetsLost goes negative): the links lose nothing.
-            let (got, lost) = (v(b, "packets"), &b["received"][from]["in_video"]["lost"]);
-            check(got > 0 && lost.as_i64() == Some(0), format!("{} lost {lost} of {got} video packets from {from}", names[i]));
+            // Nothing lost on the way through, and none duplicated (packetsLost goes negative): a
+            // subscriber misses no more than the SFU itself saw missing on arrival from the
+            // publisher (the links lose nothing: 0 in every run before transport-cc; with it,
+            // Chromium now and then leaves a number or two of its top layer unsent, which the
+            // SFU's reception counts as lost on arrival, with no drop of its own).
+            let (got, lost) = (v(b, "packets"), b["received"][from]["in_video"]["lost"].as_i64());
+            let upstream = arrival_loss(&sfu, from, "video");
+            check(
+                got > 0 && lost.is_some_and(|l| (0..=upstream).contains(&l)),
+                format!("{} lost {lost:?} of {got} video packets from {from} (the SFU saw {upstream} missing on arrival)", names[i]),
+            );
             if from != "gst" {
                 let audio = b["received"][from]["in_audio"]["packets"].as_u64().unwrap_or(0);
-                let lost = &b["received"][from]["in_audio"]["lost"];
-                check(audio > 100 && lost.as_i64() == Some(0), format!("{} receives {from}'s audio: {audio} packets, {lost} lost", names[i]));
+                let lost = b["received"][from]["in_audio"]["lost"].as_i64();
+                let upstream = arrival_loss(&sfu, from, "audio");
+                check(
+                    audio > 100 && lost.is_some_and(|l| (0..=upstream).contains(&l)),
+                    format!("{} receives {from}'s audio: {audio} packets, {lost:?} lost (the SFU saw {upstream} missing on arrival)", names[i]),
+                );
             }
         }
     }
