@@ -285,6 +285,14 @@ struct CreateRoom {
     publisher_max_kbps: Option<u32>,
 }
 
+/// A WebRTC participant's settings (`PUT /v1/rooms/{room}/participants/{pid}`): all replaced,
+/// absent = none.
+#[derive(Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ParticipantSettings {
+    max_kbps: Option<u32>,
+}
+
 /// A room's settings (`PUT /v1/rooms/{room}`): all replaced, absent = none.
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
@@ -446,7 +454,7 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .route("/v1/rooms", get(list_rooms).post(create_room))
         .route("/v1/rooms/{room}", get(get_room).put(configure_room).delete(delete_room))
         .route("/v1/rooms/{room}/participants", post(add_participant))
-        .route("/v1/rooms/{room}/participants/{pid}", get(get_participant).delete(remove_participant))
+        .route("/v1/rooms/{room}/participants/{pid}", get(get_participant).put(configure_participant).delete(remove_participant))
         .route("/v1/rooms/{room}/participants/{pid}/streams", post(publish))
         .route("/v1/rooms/{room}/participants/{pid}/streams/{stream}", delete(unpublish))
         .route("/v1/rooms/{room}/participants/{pid}/subscriptions", post(subscribe))
@@ -704,6 +712,22 @@ async fn get_participant(State(m): State<AppState>, Path((room, pid)): Path<(Str
     let mut p = m.read(|model, _| model.participant(&room, &pid).map(|p| without_keys(serde_json::to_value(p).unwrap())))?;
     with_handshake(&m, &mut p);
     ok(p)
+}
+
+async fn configure_participant(
+    State(m): State<AppState>,
+    Extension(p): Extension<Pending>,
+    Path((room, pid)): Path<(String, String)>,
+    ApiJson(req): ApiJson<ParticipantSettings>,
+) -> Result<Response, ApiError> {
+    commit(m, p, move |m, t| {
+        m.mutate_for(t, |model, _| {
+            model.set_participant_max_kbps(&room, &pid, req.max_kbps)?;
+            Ok(((), vec![Change::Room(room.clone())]))
+        })?;
+        Ok((StatusCode::OK, json!({"id": pid, "max_kbps": req.max_kbps})))
+    })
+    .await
 }
 
 async fn remove_participant(

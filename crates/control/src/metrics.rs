@@ -372,7 +372,7 @@ pub const SRTP_DROPPED: CounterFamily = fam(
 );
 pub const TRANSPORT_FEEDBACK: CounterFamily = fam(
     "mediaplane_transport_feedback_packets",
-    "Feedback the SFU sends publishers' transports of its own accord: transport-wide congestion-control feedback packets (sent), publishers' packets that arrived after their number was reported lost (late), REMBs with the room's ceiling (remb)",
+    "Feedback the SFU sends publishers' transports of its own accord: transport-wide congestion-control feedback packets (sent), publishers' packets that arrived after their number was reported lost (late), REMBs with the room's ceiling (remb), receiver reports (rr)",
     Some("kind"),
 );
 pub const FEEDBACK: CounterFamily = fam(

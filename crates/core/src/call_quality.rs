@@ -223,6 +223,11 @@ impl SenderReportTimes {
         self.passed.push_back((ntp_middle, at_ns));
     }
 
+    /// The latest SR: (NTP middle 32 bits, when it passed), what a receiver report echoes.
+    pub fn last(&self) -> Option<(u32, u64)> {
+        self.passed.back().copied()
+    }
+
     /// The round-trip time (µs) a block arriving at `at_ns` with `lsr` and `dlsr` gives: at_ns −
     /// when that SR passed − DLSR. None when it echoes no SR (LSR or DLSR 0), one not kept here,
     /// or the result is not in (0, [`MAX_RTT_US`]] (a wrong LSR/DLSR).

@@ -196,6 +196,9 @@ pub struct WebrtcTransport {
     /// answered transport-cc: its arrivals are fed back so its send-side estimate can grow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport_cc: Option<u8>,
+    /// The most it may send (kbit/s), below its room's ceiling: told to it as a REMB.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_kbps: Option<u32>,
     /// Simulcast sections whose layers' SSRCs are learned from the first packets
     /// ([`Model::learn_layer`]); each becomes a stream when they are.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -215,6 +218,13 @@ pub struct StreamIdExtensions {
 /// 100 Mbit/s it caps nothing a browser sends.
 pub const MIN_PUBLISHER_KBPS: u32 = 30;
 pub const MAX_PUBLISHER_KBPS: u32 = 100_000;
+
+fn check_publisher_kbps(name: &str, kbps: Option<u32>) -> Result<(), ModelError> {
+    match kbps.filter(|k| !(MIN_PUBLISHER_KBPS..=MAX_PUBLISHER_KBPS).contains(k)) {
+        Some(k) => Err(ModelError::Invalid(format!("{name} {k}: {MIN_PUBLISHER_KBPS} to {MAX_PUBLISHER_KBPS}"))),
+        None => Ok(()),
+    }
+}
 
 /// How long after a pending simulcast section's first layer is heard it is published with the
 /// layers heard so far: a browser leaves out the encodings its bandwidth or resolution does
@@ -746,10 +756,16 @@ impl Model {
 
     /// The most each WebRTC publisher of `room` may send (kbit/s; None: what its link carries).
     pub fn set_publisher_max_kbps(&mut self, room: &str, max_kbps: Option<u32>) -> Result<(), ModelError> {
-        if let Some(k) = max_kbps.filter(|k| !(MIN_PUBLISHER_KBPS..=MAX_PUBLISHER_KBPS).contains(k)) {
-            return Err(ModelError::Invalid(format!("publisher_max_kbps {k}: {MIN_PUBLISHER_KBPS} to {MAX_PUBLISHER_KBPS}")));
-        }
+        check_publisher_kbps("publisher_max_kbps", max_kbps)?;
         self.room_mut(room)?.publisher_max_kbps = max_kbps;
+        Ok(())
+    }
+
+    /// The most WebRTC participant `pid` may send (kbit/s; None: its room's ceiling, if any; the
+    /// lower of the two holds).
+    pub fn set_participant_max_kbps(&mut self, room: &str, pid: &str, max_kbps: Option<u32>) -> Result<(), ModelError> {
+        check_publisher_kbps("max_kbps", max_kbps)?;
+        self.webrtc_mut(room, pid)?.1.max_kbps = max_kbps;
         Ok(())
     }
 
@@ -818,7 +834,15 @@ impl Model {
         check_id(pid)?;
         check_addr(local)?;
         let uid = self.uid();
-        let webrtc = Some(WebrtcTransport { uid, nominated: false, srtp: Default::default(), stream_ids: None, transport_cc: None, pending: Vec::new() });
+        let webrtc = Some(WebrtcTransport {
+            uid,
+            nominated: false,
+            srtp: Default::default(),
+            stream_ids: None,
+            transport_cc: None,
+            max_kbps: None,
+            pending: Vec::new(),
+        });
         let mut p = Participant { local, remote: local, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc, srtp: None };
         // Its `remote` until ICE nominates one: nobody's address (see `Participant::source`).
         p.remote = p.source();

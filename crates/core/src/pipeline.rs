@@ -314,7 +314,9 @@ impl Pipeline {
                     out.push(Effect::Rtp { stream: entry.id, header, clock_rate: entry.clock_rate });
                 }
             }
-            MediaKind::Rtcp if entry.times_sender_reports() => {
+            // Timed for its consumers' round-trip times, and for the receiver reports the SFU
+            // sends a publisher it feeds back to (their LSR and DLSR).
+            MediaKind::Rtcp if entry.times_sender_reports() || entry.publisher_feedback.is_some() => {
                 if let Some(sr) = parse_reports(&payload).and_then(|(srs, _)| srs.into_iter().next()) {
                     out.push(Effect::SenderReport { stream: entry.id, ntp_middle: sr.ntp_middle });
                 }

@@ -195,6 +195,31 @@ impl RtpReception {
         self.expected() as i64 - self.received_total() as i64
     }
 
+    /// The report block (RFC 3550 6.4.1) a receiver sends `reporter`'s sender about this stream:
+    /// `since` is (expected, received) at the previous block (updated here; fraction lost is of
+    /// the interval), `last_sr` the sender's latest SR (NTP middle bits, when it passed) and
+    /// `now_ns` the time of the report (for DLSR).
+    pub fn report_block(&self, reporter: u32, since: &mut (u64, u64), last_sr: Option<(u32, u64)>, now_ns: u64) -> crate::call_quality::ReportBlock {
+        let (expected, received) = (self.expected(), self.received_total());
+        let expected_interval = expected.saturating_sub(since.0);
+        let lost_interval = expected_interval as i64 - received.saturating_sub(since.1) as i64;
+        *since = (expected, received);
+        let fraction_lost = if expected_interval == 0 || lost_interval <= 0 { 0 } else { (((lost_interval as u64) << 8) / expected_interval).min(255) as u8 };
+        let (lsr, dlsr) =
+            last_sr.map_or((0, 0), |(mid, at)| (mid, ((now_ns.saturating_sub(at) as u128 * 65_536) / 1_000_000_000).min(u32::MAX as u128) as u32));
+        crate::call_quality::ReportBlock {
+            reporter,
+            about: self.ssrc,
+            fraction_lost,
+            // 24 bits, signed.
+            cumulative_lost: self.lost().clamp(-0x80_0000, 0x7f_ffff) as i32,
+            highest_seq: self.max_ext.wrapping_sub(0x1_0000),
+            jitter: self.jitter_q4 >> 4,
+            lsr,
+            dlsr,
+        }
+    }
+
     /// The summary the API and metrics show.
     pub fn report(&self) -> ReceptionReport {
         let expected = self.expected();

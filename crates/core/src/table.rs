@@ -145,7 +145,8 @@ pub struct StreamEntry {
     pub reverse: Protection,
 }
 
-/// What the SFU sends a WebRTC publisher's transport of its own accord.
+/// What the SFU sends a WebRTC publisher's transport of its own accord: receiver reports always,
+/// transport feedback and a REMB ceiling when these say so.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PublisherFeedback {
     /// The id of the transport-wide sequence number header extension its RTP carries (it
@@ -159,10 +160,16 @@ pub struct PublisherFeedback {
 }
 
 impl PublisherFeedback {
-    /// None when there is nothing to feed back.
-    pub fn of(transport_cc: Option<u8>, max_kbps: Option<u32>) -> Option<PublisherFeedback> {
-        let max_bitrate_bps = max_kbps.map(|k| u64::from(k) * 1000);
-        (transport_cc.is_some() || max_bitrate_bps.is_some()).then_some(PublisherFeedback { transport_cc, max_bitrate_bps })
+    pub fn of(transport_cc: Option<u8>, max_kbps: Option<u32>) -> PublisherFeedback {
+        PublisherFeedback { transport_cc, max_bitrate_bps: max_kbps.map(|k| u64::from(k) * 1000) }
+    }
+}
+
+/// The lower of two optional ceilings.
+fn lower(a: Option<u32>, b: Option<u32>) -> Option<u32> {
+    match (a, b) {
+        (Some(a), Some(b)) => Some(a.min(b)),
+        (a, b) => a.or(b),
     }
 }
 
@@ -325,7 +332,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             simulcast: None,
             handshake: false,
             stream_ids: None,
-            publisher_feedback: p.webrtc.as_ref().and_then(|w| PublisherFeedback::of(w.transport_cc, room.publisher_max_kbps)),
+            publisher_feedback: p.webrtc.as_ref().map(|w| PublisherFeedback::of(w.transport_cc, lower(room.publisher_max_kbps, w.max_kbps))),
             reverse: p.outbound(),
         };
         if let Some(w) = &p.webrtc {
@@ -710,6 +717,35 @@ mod tests {
 
     fn a(s: &str) -> SocketAddr {
         s.parse().unwrap()
+    }
+
+    /// A WebRTC publisher's entries carry what the SFU feeds back: its transport-cc id, and the
+    /// lower of its room's and its own ceiling; a plain participant's carry nothing.
+    #[test]
+    fn webrtc_entries_carry_the_lower_ceiling() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_webrtc_participant("r", "w", a("10.0.0.1:4000")).unwrap();
+        m.publish("r", "w", "video", StreamSpec { ssrc: Some(5), ..Default::default() }).unwrap();
+        m.add_participant("r", "plain", a("10.0.0.1:4002"), a("10.0.1.2:5000")).unwrap();
+        m.publish("r", "plain", "mic", StreamSpec { ssrc: Some(6), ..Default::default() }).unwrap();
+        let fed = |m: &Model| -> Vec<(String, Option<PublisherFeedback>)> {
+            let t = ForwardingTable::compile(m, 1);
+            let mut v: Vec<_> = t.streams.values().map(|e| (e.label.clone(), e.publisher_feedback)).collect();
+            v.sort_by(|x, y| x.0.cmp(&y.0));
+            v
+        };
+        let w = |cc, max| Some(PublisherFeedback { transport_cc: cc, max_bitrate_bps: max });
+        assert_eq!(fed(&m), vec![("r/plain/mic".into(), None), ("r/w".into(), w(None, None)), ("r/w/video".into(), w(None, None))]);
+        m.set_transport_cc("r", "w", 3).unwrap();
+        m.set_publisher_max_kbps("r", Some(800)).unwrap();
+        m.set_participant_max_kbps("r", "w", Some(500)).unwrap();
+        assert_eq!(fed(&m)[2], ("r/w/video".into(), w(Some(3), Some(500_000))));
+        m.set_participant_max_kbps("r", "w", Some(1_000)).unwrap();
+        assert_eq!(fed(&m)[2], ("r/w/video".into(), w(Some(3), Some(800_000))), "the room's is lower");
+        m.set_publisher_max_kbps("r", None).unwrap();
+        assert_eq!(fed(&m)[2], ("r/w/video".into(), w(Some(3), Some(1_000_000))));
+        assert!(m.set_participant_max_kbps("r", "plain", Some(500)).is_err(), "a plain participant has no REMB to obey");
     }
 
     /// n participants p0..p(n-1); each publishes "main" and subscribes to everybody else's.

@@ -21,7 +21,7 @@
 
 use crate::kernel_layers::{KernelLayers, KernelReceived, RECONCILE_TICKS, TICK_NS};
 use crate::{ConsumerCounters, ConsumerReport, Counters, DataplaneEvent, DataplaneStats, LayerState};
-use mediaplane_core::call_quality::SenderReportTimes;
+use mediaplane_core::call_quality::{build_report, ReportBlock, SenderReportTimes};
 use mediaplane_core::feedback::{FeedbackEntry, FeedbackRouter, LayerMap, Outcome};
 use mediaplane_core::layer_choice::{self, LayerActivity, LayerChoice};
 use mediaplane_core::pipeline::{CopyOf, Effect, LayerFanOut, Pipeline, Plane};
@@ -553,11 +553,22 @@ struct PublisherTransport {
     ssrcs: Vec<u32>,
     /// The room's ceiling (bits/s), as the latest packet or table said.
     ceiling: Option<u64>,
+    /// Its streams (entries narrowed to an SSRC) and, per stream, (expected, received) at the
+    /// previous receiver report: each gets a report block every [`RR_INTERVAL_NS`].
+    streams: Vec<(IngressKey, (u64, u64))>,
+    /// When its next receiver report is due.
+    rr_due_ns: u64,
     /// The latest REMB: (bits/s, when). Once capped, a transport hears a REMB every
     /// [`REMB_INTERVAL_NS`] for as long as it lasts, [`UNCAPPED_BPS`] when the cap is lifted (a
     /// browser keeps the last REMB's limit until another comes).
     remb: Option<(u64, u64)>,
 }
+
+/// How often a publisher's transport gets a receiver report (libwebrtc's video interval): its
+/// loss, jitter and round-trip time as the SFU sees them.
+const RR_INTERVAL_NS: u64 = 1_000_000_000;
+/// Streams of one transport reported on at most (an RR holds 31 blocks).
+const RR_STREAMS: usize = 31;
 
 /// How often a capped publisher's transport is told its ceiling.
 const REMB_INTERVAL_NS: u64 = 1_000_000_000;
@@ -582,7 +593,8 @@ impl PublisherTransport {
 
     /// When it has anything due.
     fn poll_timeout(&self) -> Option<u64> {
-        earliest(self.feedback.poll_timeout(), self.remb_due().map(|(_, at)| at))
+        let rr = (!self.streams.is_empty()).then_some(self.rr_due_ns);
+        earliest(earliest(self.feedback.poll_timeout(), self.remb_due().map(|(_, at)| at)), rr)
     }
 }
 
@@ -622,6 +634,8 @@ pub struct Engine {
     feedback_late: u64,
     /// REMBs with a room's ceiling (or its lifting) sent to publishers.
     remb_sent: u64,
+    /// Receiver reports sent to publishers.
+    rr_sent: u64,
 }
 
 impl Engine {
@@ -647,6 +661,7 @@ impl Engine {
             feedback_sent: 0,
             feedback_late: 0,
             remb_sent: 0,
+            rr_sent: 0,
         }
     }
 
@@ -771,7 +786,12 @@ impl Engine {
                         ssrcs: Vec::new(),
                         ceiling: None,
                         remb: None,
+                        streams: Vec::new(),
+                        rr_due_ns: received_at + RR_INTERVAL_NS,
                     });
+                    if entry.ssrc.is_some() && t.streams.len() < RR_STREAMS && !t.streams.iter().any(|(k, _)| *k == entry) {
+                        t.streams.push((entry, (0, 0)));
+                    }
                     (t.entry, t.peer, t.ceiling) = (entry, source, max_bitrate_bps);
                     if t.ssrcs.first() != Some(&ssrc) {
                         t.ssrcs.retain(|s| *s != ssrc);
@@ -841,9 +861,11 @@ impl Engine {
     /// it). A transport whose entry left the table is forgotten; its ceiling is the table's.
     fn feed_back(&mut self, now_ns: u64, table: &ForwardingTable, crypto: &mut dyn Crypto, out: &mut Vec<Output<'static>>) {
         let mut next = None;
-        let (feedback_sent, remb_sent) = (&mut self.feedback_sent, &mut self.remb_sent);
+        let (feedback_sent, remb_sent, rr_sent) = (&mut self.feedback_sent, &mut self.remb_sent, &mut self.rr_sent);
+        let (reception, sender_reports) = (&self.reception, &self.sender_reports);
         self.transports.retain(|_, t| {
             let Some(entry) = table.streams.get(&t.entry) else { return false };
+            t.streams.retain(|(k, _)| table.streams.contains_key(k));
             t.ceiling = entry.publisher_feedback.and_then(|f| f.max_bitrate_bps);
             let ssrc = t.ssrcs.first().copied().unwrap_or(0);
             let mut packets = t.feedback.handle_timeout(now_ns, SFU_SSRC, ssrc);
@@ -852,6 +874,22 @@ impl Engine {
                 packets.push(transport_feedback::remb(SFU_SSRC, bps, &t.ssrcs));
                 t.remb = Some((bps, now_ns));
                 *remb_sent += 1;
+            }
+            if !t.streams.is_empty() && t.rr_due_ns <= now_ns {
+                t.rr_due_ns = now_ns + RR_INTERVAL_NS;
+                let blocks: Vec<ReportBlock> = t
+                    .streams
+                    .iter_mut()
+                    .filter_map(|(k, since)| {
+                        let id = table.streams.get(k)?.id;
+                        let r = reception.get(&id).filter(|r| r.started)?;
+                        Some(r.report_block(SFU_SSRC, since, sender_reports.get(&id).and_then(SenderReportTimes::last), now_ns))
+                    })
+                    .collect();
+                if !blocks.is_empty() {
+                    packets.push(build_report(SFU_SSRC, None, &blocks));
+                    *rr_sent += 1;
+                }
             }
             for packet in packets {
                 let seal = match &entry.reverse {
@@ -1104,6 +1142,7 @@ impl Engine {
         st.extra.insert("transport_feedback_sent".into(), self.feedback_sent);
         st.extra.insert("transport_feedback_late".into(), self.feedback_late);
         st.extra.insert("transport_feedback_remb".into(), self.remb_sent);
+        st.extra.insert("transport_feedback_rr".into(), self.rr_sent);
     }
 
     /// The counters of consumers `ids`, with a simulcast consumer's layers as of `now_ns`.
@@ -1499,7 +1538,7 @@ mod tests {
         assert_eq!((u16::from_be_bytes([fb[12], fb[13]]), u16::from_be_bytes([fb[14], fb[15]])), (10, 4), "10 to 13, 12 lost");
         // One status chunk, then the deltas in 250 µs ticks: 11 came 1 ms after 10, 13 2 ms after 11.
         assert_eq!((fb[23], fb[24]), (4, 8), "the kernel's arrival times, not the batch's");
-        assert_eq!((counted, after), (1, None));
+        assert_eq!((counted, after), (1, Some(2_000_000_000 + 23_000_000 + RR_INTERVAL_NS)), "then a receiver report is next");
         assert_eq!(run(false).1, vec![], "not negotiated: nothing fed back");
     }
 
@@ -1536,7 +1575,7 @@ mod tests {
         };
         let t0 = 2_000_000_000;
         packet(&mut e, t0, &uncapped);
-        assert_eq!((e.poll_timeout(), remb_at(&mut e, t0 + 10 * REMB_INTERVAL_NS, &uncapped)), (None, vec![]), "no ceiling, no REMB");
+        assert_eq!(remb_at(&mut e, t0 + 10 * REMB_INTERVAL_NS, &uncapped), vec![], "no ceiling, no REMB");
         packet(&mut e, t0 + 1, &capped);
         assert_eq!(e.poll_timeout(), Some(0), "the ceiling goes at once");
         assert_eq!(remb_at(&mut e, t0 + 2, &capped), vec![400_000]);
@@ -1545,6 +1584,49 @@ mod tests {
         // Lifted: the table says so at the next timer.
         assert_eq!(remb_at(&mut e, t0 + 2 + 2 * REMB_INTERVAL_NS, &uncapped), vec![UNCAPPED_BPS >> 16 << 16]);
         assert_eq!(remb_at(&mut e, t0 + 2 + 3 * REMB_INTERVAL_NS, &uncapped), vec![UNCAPPED_BPS >> 16 << 16], "and goes on saying so");
+    }
+
+    /// A WebRTC publisher gets a receiver report every second about each of its streams: the
+    /// loss of the interval and in all, the highest number, and its latest SR echoed with the
+    /// delay since.
+    #[test]
+    fn a_publisher_gets_receiver_reports() {
+        use mediaplane_core::call_quality::parse_reports;
+        let (local, browser) = (a("10.0.0.1:42004"), a("10.0.1.3:5000"));
+        let table = ForwardingTable::compile(&webrtc_publisher(local, browser), 1);
+        let mut e = Engine::new(EngineConfig::default());
+        let t0 = 2_000_000_000;
+        let send = |e: &mut Engine, t: u64, p: &[u8]| {
+            let dgram = Datagram { local: Some(local), src: Some(browser), truncated: false, payload: p, arrived_ns: None };
+            e.handle_datagram(at(t), &table, &mut UnprotectOnly, dgram, &mut Vec::new());
+        };
+        // Ten numbers, 3 lost; an SR in between.
+        for seq in (0..10u16).filter(|s| *s != 3) {
+            send(&mut e, t0 + u64::from(seq) * 20_000_000, &build_rtp(96, seq, u32::from(seq) * 3000, 5, &[7; 100]));
+        }
+        send(&mut e, t0 + 300_000_000, &mediaplane_core::call_quality::build_report(5, Some(0x1234_5678), &[]));
+        let reports = |e: &mut Engine, t: u64| -> Vec<ReportBlock> {
+            let mut out = Vec::new();
+            e.handle_timeout(at(t), &table, &mut UnprotectOnly, &KernelReadings::default(), &mut out);
+            out.iter()
+                .filter_map(|o| match o {
+                    Output::Transmit { to, packet, seal: true, .. } if *to == browser && packet[1] == 201 => parse_reports(packet).map(|(_, b)| b),
+                    _ => None,
+                })
+                .flatten()
+                .collect()
+        };
+        assert_eq!(reports(&mut e, t0 + RR_INTERVAL_NS - 1), vec![], "a second after its first packet");
+        let now = t0 + 800_000_000 + RR_INTERVAL_NS;
+        let blocks = reports(&mut e, now);
+        let [b] = &blocks[..] else { panic!("{blocks:?}") };
+        // 1 of 10 lost: 25/256; the SR 1.5 s before: 98,304/65,536 s.
+        assert_eq!((b.reporter, b.about, b.fraction_lost, b.cumulative_lost, b.highest_seq & 0xffff), (SFU_SSRC, 5, 25, 1, 9));
+        assert_eq!((b.lsr, b.dlsr), (0x1234_5678, 98_304));
+        // The next second: nothing new, nothing lost in it.
+        send(&mut e, now + 1, &build_rtp(96, 10, 30_000, 5, &[7; 100]));
+        let blocks = reports(&mut e, now + RR_INTERVAL_NS);
+        assert_eq!(blocks.iter().map(|b| (b.fraction_lost, b.cumulative_lost, b.highest_seq & 0xffff)).collect::<Vec<_>>(), vec![(0, 1, 10)]);
     }
 
     /// Batches decided out of their clocks' order (a worker read its clock, then waited for the

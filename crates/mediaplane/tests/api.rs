@@ -52,8 +52,14 @@ fn every_endpoint_success_and_error_paths() {
     assert_eq!((s, code(&v)), (400, "invalid"), "{v}");
     assert!(v["error"].as_str().unwrap().contains("30 to 100000"), "{v}");
     assert_eq!(call(&d, "PUT", "/v1/rooms/nope", Some(json!({}))).0, 404);
+    assert_eq!(call(&d, "POST", "/v1/rooms/conf/participants", Some(json!({"id": "plain", "remote": "127.0.0.1:5000"}))).0, 201);
+    let (s, v) = call(&d, "PUT", "/v1/rooms/conf/participants/plain", Some(json!({"max_kbps": 600})));
+    assert!(s == 400 && v["error"].as_str().unwrap().contains("not a WebRTC participant"), "a plain participant has no REMB to obey: {s} {v}");
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/conf/participants/plain", None).0, 200);
     assert_eq!(call(&d, "PUT", "/v1/rooms/conf", Some(json!({}))).0, 200);
     assert!(call(&d, "GET", "/v1/rooms/conf", None).1.get("publisher_max_kbps").is_none(), "lifted");
+    let (s, v) = call(&d, "PUT", "/v1/rooms/conf/participants/nobody", Some(json!({"max_kbps": 600})));
+    assert_eq!((s, code(&v)), (404, "not_found"), "{v}");
     let (s, v) = call(&d, "POST", "/v1/rooms", Some(json!({"id": "capped", "publisher_max_kbps": 10})));
     assert_eq!((s, code(&v)), (400, "invalid"), "a room is not created with a ceiling out of range: {v}");
     assert_eq!(call(&d, "GET", "/v1/rooms/capped", None).0, 404, "nothing half-made");
@@ -382,6 +388,14 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     assert!(matches!(patch, Err(ureq::Error::Status(405, _))), "{patch:?}");
     // The page loads without the token.
     assert_eq!(ureq::get(&format!("{}/", d.api)).call().unwrap().status(), 200);
+    // A WebRTC participant's own ceiling: set and shown; refused out of range; lifted.
+    let (s, v) = call(&d, "PUT", "/v1/rooms/r/participants/alice", Some(json!({"max_kbps": 600})));
+    assert_eq!((s, v["max_kbps"].as_u64()), (200, Some(600)), "{v}");
+    assert_eq!(call(&d, "GET", "/v1/rooms/r/participants/alice", None).1["webrtc"]["max_kbps"], 600);
+    let (s, v) = call(&d, "PUT", "/v1/rooms/r/participants/alice", Some(json!({"max_kbps": 200_000})));
+    assert_eq!((s, code(&v)), (400, "invalid"), "{v}");
+    assert_eq!(call(&d, "PUT", "/v1/rooms/r/participants/alice", Some(json!({}))).0, 200);
+    assert!(call(&d, "GET", "/v1/rooms/r/participants/alice", None).1["webrtc"].get("max_kbps").is_none(), "lifted");
 
     // Simulcast as Chromium offers it (RIDs, the extensions naming them, no SSRC): answered
     // with the RIDs, waiting for the layers' first packets; WHEP of it meanwhile says when to

@@ -21,8 +21,9 @@
 //! - capped by the operator (`PUT /v1/rooms/bw {"publisher_max_kbps": 400}`: a REMB every
 //!   second), b0's target comes down to 400 kbit/s or less within 5 s and stays there; the cap
 //!   lifted, it is back to 1,500 within 15 s;
-//! - the daemon counted the transport feedback and REMBs it sent (`transport_feedback_sent`,
-//!   `transport_feedback_remb`).
+//! - b0's getStats has the SFU's receiver reports (`remote-inbound-rtp`: round-trip times);
+//! - the daemon counted the transport feedback, REMBs and receiver reports it sent
+//!   (`transport_feedback_sent`, `_remb`, `_rr`).
 //!
 //! Needs root and chromium; skipped without them, except under CI=true, where that is a failure.
 
@@ -145,13 +146,21 @@ fn run_plane(tb: &Testbed, plane: &str, dir: &std::path::Path, chromium: &str) -
     let (up, seen) = follow(Duration::from_secs(15), &|t| t >= TARGET_KBPS);
     check(lifted.is_ok() && up.is_some(), format!("the cap lifted, b0's target is back to {TARGET_KBPS} kbit/s in {up:?}: {seen:?}"));
 
+    // The SFU's receiver reports reach b0: its view of what it sends has a round-trip time.
+    let remote = publisher.page_stats().map(|s| s["sent"]["remote_video"].clone()).unwrap_or(Value::Null);
+    check(
+        remote["rtt_measurements"].as_u64().unwrap_or(0) >= 3 && remote["rtt_ms"].as_f64().is_some(),
+        format!("b0 reads the SFU's receiver reports: {remote}"),
+    );
+
     let stats = common::netns::try_api_as(tb, &format!("127.0.0.1:{API_PORT}"), Some(TOKEN), "GET", "/v1/stats", None).unwrap_or_default();
     let extra = |k: &str| stats["extra"][k].as_u64().or(stats["extra"][format!("userspace.{k}")].as_u64()).unwrap_or(0);
-    let (fed, late, remb) = (extra("transport_feedback_sent"), extra("transport_feedback_late"), extra("transport_feedback_remb"));
+    let (fed, late, remb, rr) =
+        (extra("transport_feedback_sent"), extra("transport_feedback_late"), extra("transport_feedback_remb"), extra("transport_feedback_rr"));
     check(
-        fed > 20 && remb >= 3,
+        fed > 20 && remb >= 3 && rr >= 10,
         format!(
-            "the daemon sent {fed} transport feedback packets and {remb} REMBs ({late} packets arrived after their number was reported lost; {} SRTP packets before their key)",
+            "the daemon sent {fed} transport feedback packets, {remb} REMBs and {rr} receiver reports ({late} packets arrived after their number was reported lost; {} SRTP packets before their key)",
             extra("srtp_no_key")
         ),
     );

@@ -85,6 +85,11 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
             .replace("{publisher}", "alice")
             .replace("{id}", "call1")
             .replace("{consumer}", &consumer);
+        // A participant's settings are a WebRTC participant's (bob is plain: refused).
+        let url = match (&method[..], &path[..]) {
+            ("PUT", "/v1/rooms/{room}/participants/{pid}") => url.replace("/bob", &format!("/{whip_publisher}")),
+            _ => url,
+        };
         if method == "POST" && path == "/v1/rooms/{room}/participants/{pid}/streams" && !setup_done {
             // Beside the examples: bob, and alice's stream for bob to subscribe to.
             assert_eq!(d.call("POST", "/v1/rooms/r1/participants", Some(json!({"id": "bob", "remote": "127.0.0.1:5006"}))).0, 201);
