@@ -844,6 +844,8 @@ mod tests {
             [
                 "received",
                 "accepted",
+                // A WebRTC publisher's packet, for what the SFU feeds back to it (no transport-cc here).
+                "publisher rtp 4660 None",
                 "rtp 7 0",
                 &format!("send {P1} {} {}", rtp.len() + 1, t.streams.values().find(|e| e.key.ssrc == Some(0x1234)).unwrap().copies[0].consumer)
             ]

@@ -71,7 +71,19 @@ pub fn is_stun(d: &[u8]) -> bool {
 }
 
 impl RtpHeader {
+    /// [`RtpHeader::parse`] of an SRTP packet: its header and extension are in the clear, the
+    /// rest is not. The padding count (the payload's last byte) is ciphertext, or the
+    /// authentication tag's last byte, so it is not read: `padding_len` is 0 and
+    /// `payload_len` runs to the end (what unprotecting it gives has the real ones).
+    pub fn parse_srtp(d: &[u8]) -> Result<RtpHeader, RtpError> {
+        RtpHeader::parse_with(d, false)
+    }
+
     pub fn parse(d: &[u8]) -> Result<RtpHeader, RtpError> {
+        RtpHeader::parse_with(d, true)
+    }
+
+    fn parse_with(d: &[u8], read_padding: bool) -> Result<RtpHeader, RtpError> {
         if d.len() < 12 {
             return Err(RtpError::Truncated);
         }
@@ -100,7 +112,7 @@ impl RtpHeader {
         } else {
             None
         };
-        let padding_len = if padding {
+        let padding_len = if padding && read_padding {
             let p = *d.last().unwrap() as usize;
             if p == 0 || off + p > d.len() {
                 return Err(RtpError::BadPadding);
