@@ -43,6 +43,9 @@ struct CryptoLeg {
     /// DTLS from anywhere but a valid ICE pair's source, or before a fingerprint is known.
     dtls_refused: u64,
     keyed: bool,
+    /// The first address an ICE check of it was answered for went to the model (see
+    /// [`mediaplane_core::Model::set_participant_checked`]): once is enough.
+    checked: bool,
     /// When signalling set it up: a browser's session that is not keyed within
     /// [`HANDSHAKE_DEADLINE`] ends.
     since: std::time::Instant,
@@ -108,6 +111,8 @@ impl CryptoLegs {
 #[derive(Default)]
 struct Decided {
     send: Vec<(SocketAddr, SocketAddr, Vec<u8>)>,
+    /// The first address a check was answered for, before any nomination.
+    checked: Option<SocketAddr>,
     nominated: Option<SocketAddr>,
     keys: Option<LegSrtp>,
 }
@@ -137,7 +142,7 @@ impl SessionManager {
             }
             None => {
                 let agent = LiteAgent::new(spec.local_ice.clone(), spec.remote_ice.clone());
-                legs.insert(uid, CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed: false, since: std::time::Instant::now() });
+                legs.insert(uid, CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed: false, checked: false, since: std::time::Instant::now() });
             }
         }
     }
@@ -210,6 +215,10 @@ impl SessionManager {
                 match leg.agent.on_stun(packet, source, at_ns) {
                     CheckOutcome::Answered { reply, nominated } => {
                         d.send.push((local, source, reply));
+                        if !nominated && !leg.checked {
+                            leg.checked = true;
+                            d.checked = Some(source);
+                        }
                         if nominated {
                             d.nominated = Some(source);
                             if leg.start_client(ctx, stream) {
@@ -226,6 +235,14 @@ impl SessionManager {
                     }
                     CheckOutcome::Ignored { .. } => {}
                 }
+            }
+        }
+        // A browser sends media on a checked pair as soon as its DTLS is done, which can be
+        // before it nominates (and its first packets are its bandwidth probes): accepted from
+        // there, not sent to, until a nomination.
+        if let Some(addr) = d.checked {
+            if let Err(e) = self.set_transport(stream, |m, t| t.checked(m, addr)) {
+                tracing::warn!(stream, %addr, error = %e, "could not take the checked address");
             }
         }
         // The model first: the nominated address is the only one media goes to and comes from.
@@ -337,6 +354,14 @@ impl Transport {
         match self {
             Transport::RelayLeg(id, side) => m.set_leg_nominated(id, *side, addr),
             Transport::Participant(room, pid) => m.set_participant_nominated(room, pid, addr),
+        }
+    }
+
+    fn checked(&self, m: &mut mediaplane_core::Model, addr: SocketAddr) -> Result<bool, mediaplane_core::model::ModelError> {
+        match self {
+            // A relay leg's peer is a SIP endpoint's ICE agent: it waits for the nomination.
+            Transport::RelayLeg(..) => Ok(false),
+            Transport::Participant(room, pid) => m.set_participant_checked(room, pid, addr),
         }
     }
 

@@ -199,6 +199,10 @@ pub struct WebrtcTransport {
     /// The most it may send (kbit/s), below its room's ceiling: told to it as a REMB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_kbps: Option<u32>,
+    /// The first address an ICE check of it was answered for (the check authenticated with its
+    /// ICE password), before any nomination: media is accepted from it, not sent to it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub checked: Option<SocketAddr>,
     /// Simulcast sections whose layers' SSRCs are learned from the first packets
     /// ([`Model::learn_layer`]); each becomes a stream when they are.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
@@ -293,10 +297,12 @@ impl Participant {
     }
 
     /// The only address it may send from: `remote`, or for a WebRTC participant the address ICE
-    /// nominated (before, or after its consent ended: the unspecified address, nobody's).
+    /// nominated (before: the first address a check was answered for, if any; else, or after its
+    /// consent ended, the unspecified address, nobody's).
     pub fn source(&self) -> SocketAddr {
         let nobody: std::net::IpAddr = if self.local.is_ipv4() { std::net::Ipv4Addr::UNSPECIFIED.into() } else { std::net::Ipv6Addr::UNSPECIFIED.into() };
-        self.peer().unwrap_or(SocketAddr::new(nobody, 9))
+        let checked = self.webrtc.as_ref().and_then(|w| w.checked.filter(|_| !w.nominated));
+        self.peer().or(checked).unwrap_or(SocketAddr::new(nobody, 9))
     }
 
     /// Whether it speaks SRTP (a browser, or keyed at join): it sends and receives RTP only.
@@ -841,6 +847,7 @@ impl Model {
             stream_ids: None,
             transport_cc: None,
             max_kbps: None,
+            checked: None,
             pending: Vec::new(),
         });
         let mut p = Participant { local, remote: local, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc, srtp: None };
@@ -912,6 +919,18 @@ impl Model {
                 Ok(changed)
             }
         }
+    }
+
+    /// An ICE check of a WebRTC participant from `addr` was answered before any nomination: its
+    /// media is accepted from there until ICE nominates (only the first such address, and not
+    /// after a nomination); true if that changed anything.
+    pub fn set_participant_checked(&mut self, room: &str, pid: &str, addr: SocketAddr) -> Result<bool, ModelError> {
+        let (remote, w) = self.webrtc_mut(room, pid)?;
+        if w.nominated || w.checked.is_some() || addr.is_ipv4() != remote.is_ipv4() {
+            return Ok(false);
+        }
+        w.checked = Some(addr);
+        Ok(true)
     }
 
     /// The keys a WebRTC participant's DTLS handshake exported; true if that changed anything.
