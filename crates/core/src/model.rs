@@ -207,6 +207,11 @@ pub struct WebrtcTransport {
     /// ([`Model::learn_layer`]); each becomes a stream when they are.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub pending: Vec<PendingSimulcast>,
+    /// Sections published with fewer layers than offered: a browser enables its higher
+    /// encodings as its bandwidth estimate grows, and a layer heard later above the stream's
+    /// top one joins it ([`Model::learn_layer`]).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub late: Vec<PendingSimulcast>,
 }
 
 /// The ids of the RTP header extensions a browser names a packet's simulcast encoding (RFC
@@ -232,8 +237,13 @@ fn check_publisher_kbps(name: &str, kbps: Option<u32>) -> Result<(), ModelError>
 
 /// How long after a pending simulcast section's first layer is heard it is published with the
 /// layers heard so far: a browser leaves out the encodings its bandwidth or resolution does
-/// not allow, and they would never come.
+/// not allow (those it enables later join the stream above its top layer).
 pub const SIMULCAST_LEARNING_MS: u64 = 2_000;
+
+/// How long a section with only one of several layers heard waits for a second one: a browser
+/// starting at a low bandwidth estimate sends its lowest encoding alone for a second or two,
+/// and a stream published with one layer is a plain stream, which layers cannot join.
+pub const SIMULCAST_ONE_LAYER_MS: u64 = 5_000;
 
 /// What publishing learned simulcast sections changed: the rooms, and why a section that was
 /// due could not become a stream (it is dropped).
@@ -274,10 +284,17 @@ impl PendingSimulcast {
     /// Heard long enough ago to be published with the layers heard (or, none heard, waited for
     /// long enough to be dropped).
     fn due(&self, now_ms: u64) -> bool {
+        let one_of_several = self.rids.len() > 1 && self.ssrcs.iter().flatten().count() == 1;
+        let wait = if one_of_several { SIMULCAST_ONE_LAYER_MS } else { SIMULCAST_LEARNING_MS };
         match self.heard_at_ms {
-            Some(t) => now_ms.saturating_sub(t) >= SIMULCAST_LEARNING_MS,
+            Some(t) => now_ms.saturating_sub(t) >= wait,
             None => now_ms.saturating_sub(self.offered_at_ms) >= SIMULCAST_UNHEARD_MS,
         }
+    }
+
+    /// An offered layer above the highest one heard is not heard yet.
+    fn has_room_above(&self) -> bool {
+        self.ssrcs.last().is_some_and(Option::is_none)
     }
 
     /// The layers learned, lowest first: (RID, SSRC).
@@ -849,6 +866,7 @@ impl Model {
             max_kbps: None,
             checked: None,
             pending: Vec::new(),
+            late: Vec::new(),
         });
         let mut p = Participant { local, remote: local, streams: BTreeMap::new(), subscriptions: BTreeMap::new(), webrtc, srtp: None };
         // Its `remote` until ICE nominates one: nobody's address (see `Participant::source`).
@@ -986,13 +1004,19 @@ impl Model {
         let p = self.participant(&room, &pid).ok()?;
         let w = p.webrtc.as_ref()?;
         let named = |s: &&PendingSimulcast| s.rids.iter().any(|r| r == rid) && mid.is_none_or(|m| m == s.mid);
-        let matching: Vec<usize> = w.pending.iter().enumerate().filter(|(_, s)| named(s)).map(|(i, _)| i).collect();
-        // Without a MID, a RID two sections share names neither.
-        let [i] = matching[..] else { return None };
-        let layer = w.pending[i].rids.iter().position(|r| r == rid).expect("matched");
         // An SSRC already a stream's or another layer's is not this one's.
         let used = p.streams.values().any(|s| s.ssrc == Some(ssrc) || s.layers.iter().any(|l| l.ssrc == ssrc))
-            || w.pending.iter().any(|s| s.ssrcs.contains(&Some(ssrc)));
+            || w.pending.iter().chain(&w.late).any(|s| s.ssrcs.contains(&Some(ssrc)));
+        let matching: Vec<usize> = w.pending.iter().enumerate().filter(|(_, s)| named(s)).map(|(i, _)| i).collect();
+        // Without a MID, a RID two sections share names neither.
+        let [i] = matching[..] else {
+            let late: Vec<usize> = w.late.iter().enumerate().filter(|(_, s)| named(s)).map(|(i, _)| i).collect();
+            return match (&late[..], used) {
+                (&[i], false) => self.join_late_layer(&room, &pid, i, rid, ssrc),
+                _ => None,
+            };
+        };
+        let layer = w.pending[i].rids.iter().position(|r| r == rid).expect("matched");
         if used || w.pending[i].ssrcs[layer].is_some() {
             return None;
         }
@@ -1049,20 +1073,62 @@ impl Model {
     fn publish_pending(&mut self, room: &str, pid: &str, i: usize) -> Result<(), ModelError> {
         let (_, w) = self.webrtc_mut(room, pid)?;
         let section = w.pending.remove(i);
-        if w.pending.is_empty() {
-            w.stream_ids = None;
-        }
         let learned = section.learned();
-        let mut spec = section.spec;
+        let mut spec = section.spec.clone();
         match learned.len() {
-            0 => return Ok(()),
+            0 => {}
             1 => (spec.ssrc, spec.codec) = (Some(learned[0].1), None),
             _ => spec.layers = learned.iter().map(|(_, s)| *s).collect(),
         }
-        self.publish(room, pid, &section.name, spec)?;
-        let stream = self.room_mut(room)?.participants.get_mut(pid).and_then(|p| p.streams.get_mut(&section.name)).expect("just published");
-        stream.rids = learned.into_iter().map(|(r, _)| r).collect();
+        let published = if learned.is_empty() { Ok(0) } else { self.publish(room, pid, &section.name, spec) };
+        let (_, w) = self.webrtc_mut(room, pid)?;
+        // Layers above the top one heard may still come (a plain stream takes none).
+        if published.is_ok() && learned.len() > 1 && section.has_room_above() {
+            w.late.push(section.clone());
+        }
+        if w.pending.is_empty() && w.late.is_empty() {
+            w.stream_ids = None;
+        }
+        published?;
+        if let Some(stream) = self.room_mut(room)?.participants.get_mut(pid).and_then(|p| p.streams.get_mut(&section.name)) {
+            stream.rids = learned.into_iter().map(|(r, _)| r).collect();
+        }
         Ok(())
+    }
+
+    /// Layer `rid` of late section `i`, heard on `ssrc`, joins its stream if it is above the
+    /// stream's top layer (below, the layers' order, and the consumers' choices and SSRC with
+    /// it, would change: it is left out). The section is done once no offered layer is left
+    /// above the top one.
+    fn join_late_layer(&mut self, room: &str, pid: &str, i: usize, rid: &str, ssrc: u32) -> Option<SimulcastPublished> {
+        let layer_uid = self.uid();
+        let (_, w) = self.webrtc_mut(room, pid).ok()?;
+        let section = &mut w.late[i];
+        let layer = section.rids.iter().position(|r| r == rid)?;
+        if section.ssrcs[layer].is_some() {
+            return None;
+        }
+        section.ssrcs[layer] = Some(ssrc);
+        let above_top = section.ssrcs[layer + 1..].iter().all(Option::is_none);
+        let name = section.name.clone();
+        let done = !section.has_room_above();
+        if done {
+            w.late.remove(i);
+            if w.pending.is_empty() && w.late.is_empty() {
+                w.stream_ids = None;
+            }
+        }
+        let mut out = SimulcastPublished { rooms: vec![room.to_string()], refused: Vec::new() };
+        let stream = self.room_mut(room).ok()?.participants.get_mut(pid).and_then(|p| p.streams.get_mut(&name));
+        match stream {
+            Some(s) if above_top && s.layers.len() < MAX_LAYERS => {
+                s.layers.push(Layer { uid: layer_uid, ssrc });
+                s.rids.push(rid.to_string());
+            }
+            Some(_) => out.refused.push(format!("{room}/{pid}/{name}: layer {rid} was heard after a higher one, and is left out")),
+            None => out.refused.push(format!("{room}/{pid}/{name}: the stream is gone")),
+        }
+        Some(out)
     }
 
     /// Remove a participant, its streams, and every subscription to them.
@@ -1171,6 +1237,12 @@ impl Model {
         let r = self.room_mut(room)?;
         let p = r.participants.get_mut(pid).ok_or_else(|| not_found("participant", pid))?;
         let s = p.streams.remove(name).ok_or_else(|| not_found("stream", name))?;
+        if let Some(w) = &mut p.webrtc {
+            w.late.retain(|l| l.name != name);
+            if w.pending.is_empty() && w.late.is_empty() {
+                w.stream_ids = None;
+            }
+        }
         let gone = StreamRef { publisher: pid.into(), stream: name.into() };
         for other in r.participants.values_mut() {
             other.subscriptions.remove(&gone);
@@ -1705,10 +1777,73 @@ mod tests {
         let w = m.participant("r", "w").unwrap();
         assert!(w.webrtc.as_ref().unwrap().pending.is_empty() && !w.streams.contains_key("mute"));
 
-        // One layer heard: a plain stream on its SSRC.
+        // One layer heard: waited for a second one longer, then a plain stream on its SSRC,
+        // which no layer joins.
         m.add_pending_simulcast("r", "w", ids, section("solo", "5", &["l", "h"])).unwrap();
-        m.learn_layer(uid, Some("5"), "h", 500, 10_000).unwrap();
-        assert_eq!(m.publish_heard_simulcast(12_000).refused, Vec::<String>::new());
+        m.learn_layer(uid, Some("5"), "l", 500, 10_000).unwrap();
+        assert!(!m.simulcast_due(10_000 + SIMULCAST_ONE_LAYER_MS - 1) && m.simulcast_due(10_000 + SIMULCAST_ONE_LAYER_MS));
+        assert_eq!(m.publish_heard_simulcast(15_000).refused, Vec::<String>::new());
         assert_eq!(m.participant("r", "w").unwrap().streams["solo"].ssrc, Some(500));
+        assert!(m.learn_layer(uid, Some("5"), "h", 501, 16_000).is_none() && entry(&m).stream_ids.is_none());
+    }
+
+    /// A browser enables its higher encodings as its bandwidth estimate grows: a layer heard
+    /// after its stream was published joins it above its top layer (consumers that want the
+    /// top move up to it, their SSRC, the lowest layer's, stays); one below the top does not.
+    #[test]
+    fn simulcast_layers_heard_late_join_their_stream_above_its_top() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        let uid = m.add_webrtc_participant("r", "w", a("10.0.0.1:4000")).unwrap();
+        m.add_participant("r", "viewer", a("10.0.0.1:4002"), a("10.0.1.2:5000")).unwrap();
+        let ids = StreamIdExtensions { rid: 10, mid: Some(9) };
+        let section = |name: &str, mid: &str, rids: &[&str]| PendingSimulcast {
+            name: name.into(),
+            mid: mid.into(),
+            rids: rids.iter().map(|r| r.to_string()).collect(),
+            ssrcs: vec![None; rids.len()],
+            spec: StreamSpec { clock_rate: Some(90000), codec: Some(Codec::Vp8), ..Default::default() },
+            heard_at_ms: None,
+            offered_at_ms: 0,
+        };
+        m.add_pending_simulcast("r", "w", ids, section("video", "1", &["q", "h", "f"])).unwrap();
+        m.learn_layer(uid, Some("1"), "q", 100, 1_000).unwrap();
+        m.learn_layer(uid, Some("1"), "h", 101, 1_500).unwrap();
+        m.publish_heard_simulcast(3_000);
+        let c = m.subscribe("r", "viewer", StreamRef { publisher: "w".into(), stream: "video".into() }).unwrap();
+        let layers = |m: &Model| m.participant("r", "w").unwrap().streams["video"].layers.iter().map(|l| l.ssrc).collect::<Vec<_>>();
+        let table = |m: &Model| crate::ForwardingTable::compile(m, 1);
+        assert_eq!(layers(&m), [100, 101]);
+        assert_eq!(table(&m).streams[&crate::IngressKey { local: a("10.0.0.1:4000"), ssrc: None }].stream_ids, Some(ids), "f is listened for");
+        assert!(m.learn_layer(uid, Some("1"), "f", 100, 9_000).is_none(), "an SSRC is one layer's");
+
+        let joined = m.learn_layer(uid, Some("1"), "f", 102, 9_000).unwrap();
+        assert_eq!(joined, SimulcastPublished { rooms: vec!["r".into()], refused: vec![] });
+        let v = &m.participant("r", "w").unwrap().streams["video"];
+        assert_eq!((layers(&m), v.rids.join(",")), (vec![100, 101, 102], "q,h,f".to_string()));
+        let t = table(&m);
+        let top = &t.streams[&crate::IngressKey { local: a("10.0.0.1:4000"), ssrc: Some(102) }];
+        let info = top.simulcast.as_ref().unwrap();
+        assert_eq!((info.index, info.layers.len(), info.layers[0].1), (2, 3, 100), "a layer of its own, the consumers' SSRC the lowest layer's");
+        assert_eq!((top.copies[0].consumer, top.copies[0].layer), (c, Some(2)), "a consumer wanting the top gets the new top");
+        assert!(t.streams[&crate::IngressKey { local: a("10.0.0.1:4000"), ssrc: None }].stream_ids.is_none(), "nothing left to listen for");
+        assert!(m.learn_layer(uid, Some("1"), "f", 103, 9_100).is_none());
+
+        // h late, f in time: h stays out (the layers' order would change under the consumers).
+        m.add_pending_simulcast("r", "w", ids, section("cam", "2", &["q", "h", "f"])).unwrap();
+        m.learn_layer(uid, Some("2"), "q", 200, 10_000).unwrap();
+        m.learn_layer(uid, Some("2"), "f", 202, 10_000).unwrap();
+        m.publish_heard_simulcast(12_000);
+        assert!(m.learn_layer(uid, Some("2"), "h", 201, 13_000).is_none());
+        assert_eq!(m.participant("r", "w").unwrap().streams["cam"].layers.len(), 2);
+
+        // A stream unpublished stops listening for its layers.
+        m.add_pending_simulcast("r", "w", ids, section("screen", "3", &["q", "h", "f"])).unwrap();
+        m.learn_layer(uid, Some("3"), "q", 300, 20_000).unwrap();
+        m.learn_layer(uid, Some("3"), "h", 301, 20_000).unwrap();
+        m.publish_heard_simulcast(22_000);
+        m.unpublish("r", "w", "screen").unwrap();
+        assert!(m.learn_layer(uid, Some("3"), "f", 302, 23_000).is_none());
+        assert!(m.participant("r", "w").unwrap().webrtc.as_ref().unwrap().late.is_empty());
     }
 }

@@ -337,7 +337,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
         };
         if let Some(w) = &p.webrtc {
             let key = IngressKey { local: p.local, ssrc: None };
-            let stream_ids = w.stream_ids.filter(|_| !w.pending.is_empty());
+            let stream_ids = w.stream_ids.filter(|_| !w.pending.is_empty() || !w.late.is_empty());
             out.push(StreamEntry { handshake: true, stream_ids, ..base(w.uid, format!("{rid}/{pid}"), key, Vec::new()) });
         }
         for (sid, s) in &p.streams {
