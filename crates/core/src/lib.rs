@@ -25,6 +25,7 @@ pub mod packet;
 pub mod pipeline;
 pub mod ratelimit;
 pub mod reception;
+pub mod remote_estimate;
 pub mod rtp;
 pub mod simulcast;
 pub mod srtp;
