@@ -40,7 +40,8 @@ use mediaplane_core::simulcast::{Codec, MAX_LAYERS};
 use mediaplane_webrtc::dtls::Role;
 use mediaplane_webrtc::ice::Credentials;
 use mediaplane_webrtc::sdp::{
-    choose_format, Answer, AnsweredMedia, Direction, Offer, OfferedMedia, SdpError, Sending, SimulcastAnswer, RTP_STREAM_ID, SDES_MID, TRANSPORT_CC_URI,
+    choose_format, Answer, AnsweredMedia, Direction, Offer, OfferedMedia, SdpError, Sending, SimulcastAnswer, ABS_SEND_TIME_URI, RTP_STREAM_ID, SDES_MID,
+    TRANSPORT_CC_URI,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -206,16 +207,21 @@ pub(crate) async fn whip(
                 if let Some(id) = transport_cc {
                     model.set_transport_cc(&room, pid, id)?;
                 }
+                // Without it, the SFU estimates the path itself from the send times (REMB).
+                let abs_send_time = section.extmap(ABS_SEND_TIME_URI).filter(|&id| id > 0 && transport_cc.is_none());
+                if let Some(id) = abs_send_time {
+                    model.set_abs_send_time(&room, pid, id)?;
+                }
                 if !section.rids.is_empty() {
                     let simulcast = pend_simulcast(model, &room, pid, section, name, spec)?;
-                    answered.push(AnsweredMedia { simulcast: Some(simulcast), transport_cc, ..AnsweredMedia::receiving(f.clone()) });
+                    answered.push(AnsweredMedia { simulcast: Some(simulcast), transport_cc, abs_send_time, ..AnsweredMedia::receiving(f.clone()) });
                     continue;
                 }
                 let Some(&ssrc) = section.ssrcs.first() else {
                     return Err(unsupported(format!("section {:?} names no SSRC (a=ssrc)", section.mid)));
                 };
                 model.publish(&room, pid, &name, StreamSpec { ssrc: Some(ssrc), ..spec })?;
-                answered.push(AnsweredMedia { transport_cc, ..AnsweredMedia::receiving(f.clone()) });
+                answered.push(AnsweredMedia { transport_cc, abs_send_time, ..AnsweredMedia::receiving(f.clone()) });
             }
             if answered.iter().all(|a| a.format.is_none()) {
                 return Err(unsupported("the offer sends no audio or video the SFU can take".into()));
@@ -369,8 +375,14 @@ pub(crate) async fn whep(
                 };
                 model.subscribe(&room, pid, StreamRef { publisher: publisher.clone(), stream: name.clone() })?;
                 let sending = Sending { ssrc, cname: publisher.clone(), msid: (publisher.clone(), name.clone()) };
-                answered[i] =
-                    AnsweredMedia { format: Some(f.clone()), direction: Direction::SendOnly, sending: Some(sending), simulcast: None, transport_cc: None };
+                answered[i] = AnsweredMedia {
+                    format: Some(f.clone()),
+                    direction: Direction::SendOnly,
+                    sending: Some(sending),
+                    simulcast: None,
+                    transport_cc: None,
+                    abs_send_time: None,
+                };
             }
             if answered.iter().all(|a| a.format.is_none()) {
                 let why = match mismatch.is_empty() {

@@ -196,6 +196,11 @@ pub struct WebrtcTransport {
     /// answered transport-cc: its arrivals are fed back so its send-side estimate can grow.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport_cc: Option<u8>,
+    /// The id its offer gave the abs-send-time header extension, answered when it did not offer
+    /// transport-cc: the SFU estimates what its path carries from the send times and tells it
+    /// in a REMB ([`crate::remote_estimate`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abs_send_time: Option<u8>,
     /// The most it may send (kbit/s), below its room's ceiling: told to it as a REMB.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub max_kbps: Option<u32>,
@@ -863,6 +868,7 @@ impl Model {
             srtp: Default::default(),
             stream_ids: None,
             transport_cc: None,
+            abs_send_time: None,
             max_kbps: None,
             checked: None,
             pending: Vec::new(),
@@ -970,6 +976,20 @@ impl Model {
             return Err(ModelError::Invalid("one transport, one mapping of header extensions".into()));
         }
         w.transport_cc = Some(id);
+        Ok(())
+    }
+
+    /// A WebRTC publisher's packets carry their send time (abs-send-time) in header extension
+    /// `id`: estimated from when it has no transport-cc.
+    pub fn set_abs_send_time(&mut self, room: &str, pid: &str, id: u8) -> Result<(), ModelError> {
+        if id == 0 {
+            return Err(ModelError::Invalid("abs-send-time header extension id 0".into()));
+        }
+        let (_, w) = self.webrtc_mut(room, pid)?;
+        if w.abs_send_time.is_some_and(|known| known != id) {
+            return Err(ModelError::Invalid("one transport, one mapping of header extensions".into()));
+        }
+        w.abs_send_time = Some(id);
         Ok(())
     }
 

@@ -152,8 +152,17 @@ pub enum Effect<'p> {
     /// number `seq` when it carries one: the plane records its arrival and feeds back to the
     /// transport `entry.local` is (a packet the rate limit dropped never gets here: its sender
     /// sees it lost).
-    /// `max_bitrate_bps`: the room's ceiling on what its publishers send (a REMB).
-    PublisherRtp { entry: crate::IngressKey, source: SocketAddr, ssrc: u32, seq: Option<u16>, max_bitrate_bps: Option<u64> },
+    /// `send_time`: its abs-send-time, when the SFU estimates the transport from those (`size`:
+    /// its bytes). `max_bitrate_bps`: the room's ceiling on what its publishers send (a REMB).
+    PublisherRtp {
+        entry: crate::IngressKey,
+        source: SocketAddr,
+        ssrc: u32,
+        seq: Option<u16>,
+        send_time: Option<u32>,
+        size: usize,
+        max_bitrate_bps: Option<u64>,
+    },
     /// A publisher's sender report passed (its NTP middle bits), for consumers' round-trip times.
     SenderReport { stream: u32, ntp_middle: u32 },
     /// A relay leg's RTCP for the control plane to evaluate (the plane applies its budget).
@@ -308,7 +317,12 @@ impl Pipeline {
                     }
                     if let Some(fb) = &entry.publisher_feedback {
                         let seq = fb.transport_cc.and_then(|id| crate::transport_feedback::sequence_of(&header, &payload, id));
-                        out.push(Effect::PublisherRtp { entry: entry.key, source: src, ssrc: header.ssrc, seq, max_bitrate_bps: fb.max_bitrate_bps });
+                        // Video only (90 kHz): a browser's REMB governs its video encoders, its audio
+                        // is sent on top; counted in what arrives, audio would let video take its share.
+                        let video = entry.clock_rate == crate::remote_estimate::VIDEO_CLOCK_RATE;
+                        let send_time = fb.abs_send_time.filter(|_| video).and_then(|id| crate::remote_estimate::send_time_of(&header, &payload, id));
+                        let (ssrc, size, max_bitrate_bps) = (header.ssrc, payload.len(), fb.max_bitrate_bps);
+                        out.push(Effect::PublisherRtp { entry: entry.key, source: src, ssrc, seq, send_time, size, max_bitrate_bps });
                     }
                     rtp = Some(CopyRtp { ssrc: header.ssrc, sequence: header.sequence, timestamp: header.timestamp, clock_rate: entry.clock_rate });
                     out.push(Effect::Rtp { stream: entry.id, header, clock_rate: entry.clock_rate });

@@ -153,6 +153,10 @@ pub struct PublisherFeedback {
     /// negotiated transport-cc): each arrival is reported back ([`crate::transport_feedback`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub transport_cc: Option<u8>,
+    /// Without transport-cc: the id of the abs-send-time header extension its RTP carries,
+    /// which the SFU's own estimate of its path reads ([`crate::remote_estimate`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub abs_send_time: Option<u8>,
     /// The room's ceiling on what a publisher sends (bits/s): a REMB with it goes to the
     /// transport every second (browsers cap their send-side estimate at a REMB).
     #[serde(default, skip_serializing_if = "Option::is_none")]
@@ -160,8 +164,13 @@ pub struct PublisherFeedback {
 }
 
 impl PublisherFeedback {
-    pub fn of(transport_cc: Option<u8>, max_kbps: Option<u32>) -> PublisherFeedback {
-        PublisherFeedback { transport_cc, max_bitrate_bps: max_kbps.map(|k| u64::from(k) * 1000) }
+    pub fn of(w: &crate::model::WebrtcTransport, max_kbps: Option<u32>) -> PublisherFeedback {
+        PublisherFeedback {
+            transport_cc: w.transport_cc,
+            // Transport-cc, when negotiated, is what the publisher estimates on.
+            abs_send_time: w.abs_send_time.filter(|_| w.transport_cc.is_none()),
+            max_bitrate_bps: max_kbps.map(|k| u64::from(k) * 1000),
+        }
     }
 }
 
@@ -332,7 +341,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             simulcast: None,
             handshake: false,
             stream_ids: None,
-            publisher_feedback: p.webrtc.as_ref().map(|w| PublisherFeedback::of(w.transport_cc, lower(room.publisher_max_kbps, w.max_kbps))),
+            publisher_feedback: p.webrtc.as_ref().map(|w| PublisherFeedback::of(w, lower(room.publisher_max_kbps, w.max_kbps))),
             reverse: p.outbound(),
         };
         if let Some(w) = &p.webrtc {
@@ -740,7 +749,7 @@ mod tests {
             v.sort_by(|x, y| x.0.cmp(&y.0));
             v
         };
-        let w = |cc, max| Some(PublisherFeedback { transport_cc: cc, max_bitrate_bps: max });
+        let w = |cc, max| Some(PublisherFeedback { transport_cc: cc, abs_send_time: None, max_bitrate_bps: max });
         assert_eq!(fed(&m), vec![("r/plain/mic".into(), None), ("r/w".into(), w(None, None)), ("r/w/video".into(), w(None, None))]);
         m.set_transport_cc("r", "w", 3).unwrap();
         m.set_publisher_max_kbps("r", Some(800)).unwrap();

@@ -27,6 +27,7 @@ use mediaplane_core::layer_choice::{self, LayerActivity, LayerChoice};
 use mediaplane_core::pipeline::{CopyOf, Effect, LayerFanOut, Pipeline, Plane};
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::reception::{ReceptionReport, RtpReception};
+use mediaplane_core::remote_estimate::{self, RemoteEstimate};
 use mediaplane_core::rtp::{demux, MediaKind};
 use mediaplane_core::simulcast::{self, Decision, LayerRewriter};
 use mediaplane_core::srtp::{Protection, SrtpKey};
@@ -553,6 +554,8 @@ struct PublisherTransport {
     ssrcs: Vec<u32>,
     /// The room's ceiling (bits/s), as the latest packet or table said.
     ceiling: Option<u64>,
+    /// Without transport-cc, the SFU's own estimate of its path from its packets' send times.
+    estimate: Option<RemoteEstimate>,
     /// Its streams (entries narrowed to an SSRC) and, per stream, (expected, received) at the
     /// previous receiver report: each gets a report block every [`RR_INTERVAL_NS`].
     streams: Vec<(IngressKey, (u64, u64))>,
@@ -578,16 +581,22 @@ const UNCAPPED_BPS: u64 = 10_000_000_000;
 const REMB_SSRCS: usize = 8;
 
 impl PublisherTransport {
-    /// The REMB it is due: (bits/s, when).
+    /// The REMB it is due: (bits/s, when). The lower of the ceiling and the estimate; an
+    /// estimate goes every second, at once when it falls (remote_estimate::remb_at); a
+    /// ceiling alone at once when it changes.
     fn remb_due(&self) -> Option<(u64, u64)> {
-        let value = match (self.ceiling, self.remb) {
-            (Some(c), _) => c,
-            (None, Some(_)) => UNCAPPED_BPS,
-            (None, None) => return None,
+        let estimate = self.estimate.as_ref().and_then(RemoteEstimate::estimate_bps);
+        let value = match (self.ceiling, estimate, self.remb) {
+            (Some(c), Some(e), _) => c.min(e),
+            (Some(c), None, _) => c,
+            (None, Some(e), _) => e,
+            (None, None, Some(_)) => UNCAPPED_BPS,
+            (None, None, None) => return None,
         };
         Some(match self.remb {
             Some((sent, at)) if sent == value => (value, at + REMB_INTERVAL_NS),
-            _ => (value, 0), // a new value goes at once
+            last if estimate.is_some() => (value, remote_estimate::remb_at(value, last)),
+            _ => (value, 0), // a new ceiling goes at once
         })
     }
 
@@ -778,13 +787,14 @@ impl Engine {
                         out.push(Output::Event(DataplaneEvent::StreamId { transport, ssrc, mid, rid }));
                     }
                 }
-                Effect::PublisherRtp { entry, source, ssrc, seq, max_bitrate_bps } => {
+                Effect::PublisherRtp { entry, source, ssrc, seq, send_time, size, max_bitrate_bps } => {
                     let t = self.transports.entry(entry.local).or_insert_with(|| PublisherTransport {
                         feedback: TransportFeedback::new(),
                         entry,
                         peer: source,
                         ssrcs: Vec::new(),
                         ceiling: None,
+                        estimate: None,
                         remb: None,
                         streams: Vec::new(),
                         rr_due_ns: received_at + RR_INTERVAL_NS,
@@ -802,6 +812,9 @@ impl Engine {
                         let late = t.feedback.late;
                         t.feedback.on_packet(seq, dgram_arrived.unwrap_or(received_at));
                         self.feedback_late += t.feedback.late - late;
+                    }
+                    if let Some(sent) = send_time {
+                        t.estimate.get_or_insert_with(RemoteEstimate::new).on_packet(sent, dgram_arrived.unwrap_or(received_at), size);
                     }
                     self.next_feedback_ns = earliest(self.next_feedback_ns, t.poll_timeout());
                 }
@@ -1584,6 +1597,51 @@ mod tests {
         // Lifted: the table says so at the next timer.
         assert_eq!(remb_at(&mut e, t0 + 2 + 2 * REMB_INTERVAL_NS, &uncapped), vec![UNCAPPED_BPS >> 16 << 16]);
         assert_eq!(remb_at(&mut e, t0 + 2 + 3 * REMB_INTERVAL_NS, &uncapped), vec![UNCAPPED_BPS >> 16 << 16], "and goes on saying so");
+    }
+
+    /// A publisher without transport-cc whose packets carry abs-send-time gets the SFU's own
+    /// estimate of its path as a REMB (about what arrives, growing while the path is clear),
+    /// at most its room's ceiling; one whose packets carry no send time gets none.
+    #[test]
+    fn a_publisher_without_transport_cc_gets_the_sfus_estimate_as_remb() {
+        let (local, browser) = (a("10.0.0.1:42004"), a("10.0.1.3:5000"));
+        let run = |stamped: bool, ceiling: Option<u32>| -> Vec<u64> {
+            let mut m = webrtc_publisher(local, browser);
+            m.set_abs_send_time("r", "w", 2).unwrap();
+            m.set_publisher_max_kbps("r", ceiling).unwrap();
+            let table = ForwardingTable::compile(&m, 1);
+            let mut e = Engine::new(EngineConfig::default());
+            let mut rembs = Vec::new();
+            let t0 = 2_000_000_000u64;
+            // 800 kbit/s for 3 s: a 1,000-byte packet every 10 ms, sent as they arrive.
+            for i in 0..300u64 {
+                let t = t0 + i * 10_000_000;
+                let mut packet = build_rtp(96, i as u16, 0, 5, &[7; 976]);
+                if stamped {
+                    let sent = ((i * 10_000_000) as u128 * (1 << 18) / 1_000_000_000) as u32;
+                    packet[0] |= 0x10;
+                    packet.splice(12..12, [0xbe, 0xde, 0, 1, 0x22, (sent >> 16) as u8, (sent >> 8) as u8, sent as u8]);
+                }
+                let dgram = Datagram { local: Some(local), src: Some(browser), truncated: false, payload: &packet, arrived_ns: Some(t) };
+                e.handle_datagram(at(t), &table, &mut UnprotectOnly, dgram, &mut Vec::new());
+                let mut out = Vec::new();
+                e.handle_timeout(at(t), &table, &mut UnprotectOnly, &KernelReadings::default(), &mut out);
+                rembs.extend(out.iter().filter_map(|o| match o {
+                    Output::Transmit { to, packet, .. } if *to == browser && &packet[12..16] == b"REMB" => {
+                        let (exp, mantissa) = (packet[17] >> 2, u32::from_be_bytes([0, packet[17] & 3, packet[18], packet[19]]));
+                        Some(u64::from(mantissa) << exp)
+                    }
+                    _ => None,
+                }));
+            }
+            rembs
+        };
+        let estimated = run(true, None);
+        assert!(estimated.len() >= 2 && estimated.len() <= 3, "about one a second once a rate is known: {estimated:?}");
+        assert!(estimated.iter().all(|b| (800_000..1_300_000).contains(b)), "about the 0.8 Mbit/s that arrive, growing: {estimated:?}");
+        assert!(estimated.windows(2).all(|w| w[1] > w[0]), "{estimated:?}");
+        assert!(run(true, Some(500)).iter().all(|b| *b == 500_000), "the ceiling holds");
+        assert_eq!(run(false, None), Vec::<u64>::new(), "no send times, no estimate");
     }
 
     /// A WebRTC publisher gets a receiver report every second about each of its streams: the

@@ -399,13 +399,14 @@ impl UserspaceDataplane {
                 refs.insert(addr, n);
             }
         }
-        // Kernel receive times where a publisher's transport is fed back: a control message on
-        // every packet, so only those addresses' sockets ask (idempotent for the ones that did).
+        // Kernel receive times where a publisher's transport is fed back or estimated: a control
+        // message on every packet, so only those addresses' sockets ask (idempotent for the ones
+        // that did).
         let entries: Vec<&StreamEntry> = match changed {
             Some(keys) => keys.iter().filter_map(|k| table.streams.get(k)).collect(),
             None => table.streams.values().collect(),
         };
-        for e in entries.into_iter().filter(|e| e.publisher_feedback.is_some_and(|f| f.transport_cc.is_some())) {
+        for e in entries.into_iter().filter(|e| e.publisher_feedback.is_some_and(|f| f.transport_cc.is_some() || f.abs_send_time.is_some())) {
             for s in sockets.get(&e.key.local).map_or(&[][..], |g| &g[..]) {
                 if let Err(error) = sys::set_recv_timestamps(s.as_raw_fd()) {
                     tracing::warn!(%error, local = %e.key.local, "SO_TIMESTAMPNS refused: transport feedback uses the batch's time");

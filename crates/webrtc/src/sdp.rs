@@ -161,6 +161,7 @@ pub struct OfferedMedia {
 
 /// RFC 8852's RTP stream id header extension: a simulcast encoding's RID in its packets.
 /// The transport-wide sequence number header extension (transport-cc).
+pub use mediaplane_core::remote_estimate::ABS_SEND_TIME_URI;
 pub use mediaplane_core::transport_feedback::TRANSPORT_CC_URI;
 pub const RTP_STREAM_ID: &str = "urn:ietf:params:rtp-hdrext:sdes:rtp-stream-id";
 /// RFC 8843's MID header extension: the media section a packet belongs to.
@@ -390,6 +391,9 @@ pub struct AnsweredMedia {
     /// A publisher's section whose offer mapped the transport-wide sequence number extension to
     /// this id: answered with it and `transport-cc` feedback (the SFU feeds back its arrivals).
     pub transport_cc: Option<u8>,
+    /// A publisher's section without transport-cc whose offer mapped abs-send-time to this id:
+    /// answered with it (the SFU estimates the path from the send times and sends REMBs).
+    pub abs_send_time: Option<u8>,
 }
 
 /// How a simulcast publisher's section is answered: the RIDs the SFU receives (`a=rid:<id>
@@ -403,12 +407,12 @@ pub struct SimulcastAnswer {
 impl AnsweredMedia {
     /// A section nothing flows on.
     pub fn inactive() -> AnsweredMedia {
-        AnsweredMedia { format: None, direction: Direction::Inactive, sending: None, simulcast: None, transport_cc: None }
+        AnsweredMedia { format: None, direction: Direction::Inactive, sending: None, simulcast: None, transport_cc: None, abs_send_time: None }
     }
 
     /// A section the SFU receives `format` on (a publisher's).
     pub fn receiving(format: Format) -> AnsweredMedia {
-        AnsweredMedia { format: Some(format), direction: Direction::RecvOnly, sending: None, simulcast: None, transport_cc: None }
+        AnsweredMedia { format: Some(format), direction: Direction::RecvOnly, sending: None, simulcast: None, transport_cc: None, abs_send_time: None }
     }
 }
 
@@ -469,6 +473,9 @@ impl Answer<'_> {
             if let Some(id) = transport_cc {
                 let _ = write!(s, "a=extmap:{id} {TRANSPORT_CC_URI}\r\n");
             }
+            if let Some(id) = a.abs_send_time.filter(|_| a.format.is_some()) {
+                let _ = write!(s, "a=extmap:{id} {ABS_SEND_TIME_URI}\r\n");
+            }
             if let Some(SimulcastAnswer { rids, extmaps }) = a.simulcast.as_ref().filter(|_| a.format.is_some()) {
                 for (id, uri) in extmaps {
                     let _ = write!(s, "a=extmap:{id} {uri}\r\n");
@@ -527,7 +534,14 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
     fn receive_all(o: &Offer) -> Vec<AnsweredMedia> {
         o.media
             .iter()
-            .map(|m| AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::RecvOnly, sending: None, simulcast: None, transport_cc: None })
+            .map(|m| AnsweredMedia {
+                format: choose_format(m).cloned(),
+                direction: Direction::RecvOnly,
+                sending: None,
+                simulcast: None,
+                transport_cc: None,
+                abs_send_time: None,
+            })
             .collect()
     }
 
@@ -591,6 +605,22 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
         assert_eq!(counts, (1, 1, 1), "the video section only (the audio offered no extension):\n{a}");
     }
 
+    /// Without transport-cc, a section's abs-send-time is answered (with goog-remb, which the
+    /// offer lists): the SFU estimates the path and sends REMBs.
+    #[test]
+    fn abs_send_time_is_answered_where_the_sfu_estimates() {
+        let offer = CHROME_OFFER.replace("a=mid:1\r\n", &format!("a=mid:1\r\na=extmap:2 {ABS_SEND_TIME_URI}\r\n"));
+        let o = Offer::parse(&offer).unwrap();
+        let media: Vec<AnsweredMedia> = o
+            .media
+            .iter()
+            .map(|m| AnsweredMedia { abs_send_time: m.extmap(ABS_SEND_TIME_URI), ..AnsweredMedia::receiving(choose_format(m).unwrap().clone()) })
+            .collect();
+        let a = answer_to(&o, media);
+        assert_lines(&a, &["m=video 40000 UDP/TLS/RTP/SAVPF 96", "a=rtcp-fb:96 goog-remb", &format!("a=extmap:2 {ABS_SEND_TIME_URI}")]);
+        assert_eq!(a.matches(ABS_SEND_TIME_URI).count(), 1, "{a}");
+    }
+
     /// A subscriber's section nothing is sent on (a publisher without audio): still bundled,
     /// inactive, with a format and the transport (a browser refuses a bundle whose first section
     /// is rejected).
@@ -607,6 +637,7 @@ a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
                 sending: Some(sending),
                 simulcast: None,
                 transport_cc: None,
+                abs_send_time: None,
             },
         ];
         let a = answer_to(&o, media);
