@@ -35,7 +35,9 @@ use axum::extract::{FromRequest, FromRequestParts, Query, Request, State};
 use axum::http::{header, StatusCode};
 use axum::response::{IntoResponse, Response};
 use axum::Extension;
-use mediaplane_core::model::{Model, PayloadFormat, PendingSimulcast, StreamIdExtensions, StreamRef, StreamSpec, SIMULCAST_LEARNING_MS};
+use mediaplane_core::model::{
+    Model, PayloadFormat, PendingSimulcast, StreamIdExtensions, StreamRef, StreamSpec, SIMULCAST_LEARNING_MS, SIMULCAST_ONE_LAYER_MS,
+};
 use mediaplane_core::simulcast::{Codec, MAX_LAYERS};
 use mediaplane_webrtc::dtls::Role;
 use mediaplane_webrtc::ice::Credentials;
@@ -349,8 +351,9 @@ pub(crate) async fn whep(
             let pending = model.participant(&room, &publisher)?.webrtc.as_ref().map_or(0, |w| w.pending.len());
             if pending > 0 {
                 return Err(ManagerError::NotReady(format!(
-                    "{publisher}'s simulcast layers are still being learned from its first packets (at most {} s after the first)",
-                    SIMULCAST_LEARNING_MS / 1000
+                    "{publisher}'s simulcast layers are still being learned from its first packets ({} s after the first, {} s if only one is heard)",
+                    SIMULCAST_LEARNING_MS / 1000,
+                    SIMULCAST_ONE_LAYER_MS / 1000
                 )));
             }
             let streams: Vec<(String, u32, PayloadFormat)> = model

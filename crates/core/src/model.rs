@@ -933,8 +933,10 @@ impl Model {
         match addr {
             Some(a) if a.is_ipv4() != remote.is_ipv4() => Err(ModelError::FamilyMismatch(format!("participant {room}/{pid}"))),
             Some(a) => {
-                let changed = !w.nominated || *remote != a;
-                (*remote, w.nominated) = (a, true);
+                let changed = !w.nominated || *remote != a || w.checked.is_some();
+                // The checked address served until now; a consent that ends later does not
+                // bring it back.
+                (*remote, w.nominated, w.checked) = (a, true, None);
                 Ok(changed)
             }
             None => {
@@ -1028,14 +1030,17 @@ impl Model {
         let used = p.streams.values().any(|s| s.ssrc == Some(ssrc) || s.layers.iter().any(|l| l.ssrc == ssrc))
             || w.pending.iter().chain(&w.late).any(|s| s.ssrcs.contains(&Some(ssrc)));
         let matching: Vec<usize> = w.pending.iter().enumerate().filter(|(_, s)| named(s)).map(|(i, _)| i).collect();
-        // Without a MID, a RID two sections share names neither.
+        let late: Vec<usize> = w.late.iter().enumerate().filter(|(_, s)| named(s)).map(|(i, _)| i).collect();
+        // Without a MID, a RID two sections share (learning or published) names neither.
         let [i] = matching[..] else {
-            let late: Vec<usize> = w.late.iter().enumerate().filter(|(_, s)| named(s)).map(|(i, _)| i).collect();
-            return match (&late[..], used) {
-                (&[i], false) => self.join_late_layer(&room, &pid, i, rid, ssrc),
+            return match (&matching[..], &late[..], used) {
+                (&[], &[i], false) => self.join_late_layer(&room, &pid, i, rid, ssrc),
                 _ => None,
             };
         };
+        if !late.is_empty() {
+            return None;
+        }
         let layer = w.pending[i].rids.iter().position(|r| r == rid).expect("matched");
         if used || w.pending[i].ssrcs[layer].is_some() {
             return None;

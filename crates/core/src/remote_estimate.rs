@@ -51,6 +51,9 @@ const MIN_BPS: f64 = 30_000.0;
 const HEADROOM_BPS: f64 = 10_000.0;
 /// At most one back-off per this long (the path needs a round trip to show the last one).
 const DECREASE_EVERY_NS: u64 = 200_000_000;
+/// An estimate nothing arrived for this long is dropped (libwebrtc's receive side forgets a
+/// stream after 2 s).
+pub const STALE_NS: u64 = 2_000_000_000;
 /// A REMB goes every second, and at once when the estimate falls below 97 % of the last one.
 pub const REMB_INTERVAL_NS: u64 = 1_000_000_000;
 const REMB_DROP: f64 = 0.97;
@@ -81,6 +84,8 @@ pub struct RemoteEstimate {
     current: Option<Group>,
     previous: Option<Group>,
     first_arrival: Option<u64>,
+    /// The latest arrival: the clock the estimate runs on never steps back.
+    last_arrival: u64,
     accumulated_ms: f64,
     smoothed_ms: f64,
     /// (arrival ms since the first, smoothed delay ms) of the latest groups.
@@ -117,6 +122,7 @@ impl RemoteEstimate {
             current: None,
             previous: None,
             first_arrival: None,
+            last_arrival: 0,
             accumulated_ms: 0.0,
             smoothed_ms: 0.0,
             window: VecDeque::with_capacity(WINDOW + 1),
@@ -140,11 +146,21 @@ impl RemoteEstimate {
     /// A packet of `size` bytes sent at `abs_send_time` (the extension's 24 bits) arrived at
     /// `arrival_ns`.
     pub fn on_packet(&mut self, abs_send_time: u32, arrival_ns: u64, size: usize) {
+        // Arrival times come from two clocks (the kernel's, else the batch's) and may step back a
+        // little: never before the latest.
+        let arrival_ns = arrival_ns.max(self.last_arrival);
+        self.last_arrival = arrival_ns;
         let raw = abs_send_time & 0xff_ffff;
         // 2^-18 s ticks, wrapping every 64 s: a step is read as the shorter way round.
         let step = ((raw.wrapping_sub(self.last_raw) << 8) as i32 >> 8) as i64;
-        let send = match self.send_ns {
-            Some(s) => s + step * 1_000_000_000 / (1 << 18),
+        let send = match self.send_ns.map(|s| s.checked_add(step * 1_000_000_000 / (1 << 18))) {
+            Some(Some(s)) => s,
+            // A sender stepping its clock 32 s forward with every packet runs the sum out after
+            // ~3e8 packets: start over rather than wrap.
+            Some(None) => {
+                *self = RemoteEstimate { last_arrival: arrival_ns, ..RemoteEstimate::new() };
+                0
+            }
             None => 0,
         };
         (self.send_ns, self.last_raw) = (Some(send), raw);
@@ -177,7 +193,7 @@ impl RemoteEstimate {
         self.deltas = (self.deltas + 1).min(1000);
         self.accumulated_ms += arrival_delta_ms - send_delta_ms;
         self.smoothed_ms = SMOOTHING * self.smoothed_ms + (1.0 - SMOOTHING) * self.accumulated_ms;
-        let since_first_ms = (arrival_ns - self.first_arrival.unwrap_or(arrival_ns)) as f64 / 1e6;
+        let since_first_ms = arrival_ns.saturating_sub(self.first_arrival.unwrap_or(arrival_ns)) as f64 / 1e6;
         self.window.push_back((since_first_ms, self.smoothed_ms));
         if self.window.len() > WINDOW {
             self.window.pop_front();
@@ -193,7 +209,7 @@ impl RemoteEstimate {
         if modified > self.threshold {
             let since = *self.over_since.get_or_insert(now_ns.saturating_sub((send_delta_ms.max(0.0) * 1e6) as u64));
             self.over_count += 1;
-            if now_ns - since > OVERUSE_NS && self.over_count > 1 && self.trend >= self.previous_trend {
+            if now_ns.saturating_sub(since) > OVERUSE_NS && self.over_count > 1 && self.trend >= self.previous_trend {
                 (self.over_since, self.over_count) = (None, 0);
                 self.usage = Usage::Overusing;
             }
@@ -206,7 +222,7 @@ impl RemoteEstimate {
         }
         self.previous_trend = self.trend;
         // The threshold follows the trend (slowly up, faster down), except for spikes far above it.
-        let elapsed_ms = self.threshold_updated.map_or(0.0, |t| ((now_ns - t) as f64 / 1e6).min(100.0));
+        let elapsed_ms = self.threshold_updated.map_or(0.0, |t| (now_ns.saturating_sub(t) as f64 / 1e6).min(100.0));
         self.threshold_updated = Some(now_ns);
         if modified.abs() <= self.threshold + 15.0 {
             let k = if modified.abs() < self.threshold { K_DOWN } else { K_UP };
@@ -223,11 +239,12 @@ impl RemoteEstimate {
         }
     }
 
-    /// What arrived over the last second (bits/s), once a second's worth has been seen.
+    /// What arrived over the last second (bits/s), once half a second's worth has been seen.
+    /// (After a pause, little: it then only keeps the estimate from growing.)
     pub fn incoming_bps(&self) -> Option<f64> {
         let last = self.arrivals.back()?.0;
         // Over the window, or over what was seen of it at first.
-        let span = (last - self.first_arrival?).min(RATE_WINDOW_NS);
+        let span = last.saturating_sub(self.first_arrival?).min(RATE_WINDOW_NS);
         (span >= RATE_WINDOW_NS / 2).then(|| self.bytes_in_window as f64 * 8.0 * 1e9 / span as f64)
     }
 
@@ -240,14 +257,23 @@ impl RemoteEstimate {
         let next = match self.usage {
             Usage::Normal => current * (1.0 + INCREASE_PER_S).powf(dt_s),
             Usage::Underusing => current,
-            Usage::Overusing if self.decreased_ns.is_none_or(|t| now_ns - t >= DECREASE_EVERY_NS) => {
+            Usage::Overusing if self.decreased_ns.is_none_or(|t| now_ns.saturating_sub(t) >= DECREASE_EVERY_NS) => {
                 self.decreased_ns = Some(now_ns);
                 self.usage = Usage::Normal;
                 (BETA * incoming).min(current)
             }
             Usage::Overusing => current,
         };
-        self.estimate_bps = Some(next.min(1.5 * incoming + HEADROOM_BPS).max(MIN_BPS));
+        // What arrives bounds the growth only: a sender that sends less than it may (a
+        // simple picture, a paused track) is not cut for it.
+        let next = if next > current { next.min(current.max(1.5 * incoming + HEADROOM_BPS)) } else { next };
+        self.estimate_bps = Some(next.max(MIN_BPS));
+    }
+
+    /// Whether nothing arrived for [`STALE_NS`] before `now_ns`: its estimate says nothing
+    /// about the path now.
+    pub fn is_stale(&self, now_ns: u64) -> bool {
+        now_ns.saturating_sub(self.last_arrival) > STALE_NS
     }
 
     /// The estimate (bits/s), once there is one.
@@ -438,6 +464,31 @@ mod tests {
             proptest::prop_assert!(rate > 0.55 * capacity && rate < 1.1 * capacity, "{rate} of {capacity}");
             proptest::prop_assert!(queue < 250.0, "{queue} ms");
         }
+    }
+
+    /// A sender that pauses (a muted camera, a static screen) or sends less than it may is not
+    /// cut for it: what arrives bounds only the growth. Arrival times that step back (two
+    /// clocks) are taken as the latest.
+    #[test]
+    fn a_pause_or_a_quiet_sender_does_not_cut_the_estimate() {
+        let ms = 1_000_000u64;
+        let mut e = RemoteEstimate::new();
+        // 2 Mbit/s for 2 s: 1,000-byte packets every 4 ms.
+        for i in 0..500u64 {
+            e.on_packet(abs(i * 4 * ms), i * 4 * ms, 1000);
+        }
+        let before = e.estimate_bps().unwrap();
+        assert!(before > 1_800_000, "{before}");
+        // 3 s of nothing, then 100 kbit/s (one 1,000-byte packet every 80 ms) for 2 s, one of
+        // them stamped 5 ms before its predecessor's arrival.
+        for i in 0..25u64 {
+            let t = 5_000 * ms + i * 80 * ms;
+            let arrival = if i == 10 { t - 85 * ms } else { t };
+            e.on_packet(abs(t), arrival, 1000);
+        }
+        let after = e.estimate_bps().unwrap();
+        assert!(after >= before, "{after} after {before}");
+        assert!(e.is_stale(5_000 * ms + 24 * 80 * ms + STALE_NS + 1) && !e.is_stale(5_000 * ms + 24 * 80 * ms + STALE_NS));
     }
 
     #[test]

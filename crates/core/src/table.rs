@@ -341,7 +341,8 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             simulcast: None,
             handshake: false,
             stream_ids: None,
-            publisher_feedback: p.webrtc.as_ref().map(|w| PublisherFeedback::of(w, lower(room.publisher_max_kbps, w.max_kbps))),
+            // Once nominated: before, its media may come from a checked address, where nothing is sent.
+            publisher_feedback: p.webrtc.as_ref().filter(|w| w.nominated).map(|w| PublisherFeedback::of(w, lower(room.publisher_max_kbps, w.max_kbps))),
             reverse: p.outbound(),
         };
         if let Some(w) = &p.webrtc {
@@ -740,6 +741,7 @@ mod tests {
         let mut m = Model::new();
         m.create_room("r").unwrap();
         m.add_webrtc_participant("r", "w", a("10.0.0.1:4000")).unwrap();
+        m.set_participant_nominated("r", "w", Some(a("10.0.1.1:5000"))).unwrap();
         m.publish("r", "w", "video", StreamSpec { ssrc: Some(5), ..Default::default() }).unwrap();
         m.add_participant("r", "plain", a("10.0.0.1:4002"), a("10.0.1.2:5000")).unwrap();
         m.publish("r", "plain", "mic", StreamSpec { ssrc: Some(6), ..Default::default() }).unwrap();
@@ -812,8 +814,13 @@ mod tests {
         m.set_participant_checked("r", "viewer", a("10.0.1.2:5000")).unwrap();
         let t = ForwardingTable::compile(&m, 2);
         assert!(t.streams.values().all(|e| e.copies.is_empty()), "nothing is sent to a checked address");
+        assert!(t.streams.values().all(|e| e.publisher_feedback.is_none()), "no feedback either (it would go there)");
         m.set_participant_nominated("r", "w", Some(a("10.0.1.1:6000"))).unwrap();
         assert!((heard(&m, "10.0.1.1:5000"), heard(&m, "10.0.1.1:6000")) == (false, true), "the nomination decides");
+        let fed_back = ForwardingTable::compile(&m, 3).streams.values().filter(|e| e.publisher_feedback.is_some()).count();
+        assert!(fed_back > 0, "fed back once nominated");
+        m.set_participant_nominated("r", "w", None).unwrap();
+        assert!((heard(&m, "10.0.1.1:5000"), heard(&m, "10.0.1.1:6000")) == (false, false), "consent over: not the checked address again");
     }
 
     /// n participants p0..p(n-1); each publishes "main" and subscribes to everybody else's.

@@ -880,6 +880,12 @@ impl Engine {
             let Some(entry) = table.streams.get(&t.entry) else { return false };
             t.streams.retain(|(k, _)| table.streams.contains_key(k));
             t.ceiling = entry.publisher_feedback.and_then(|f| f.max_bitrate_bps);
+            // An estimate the table no longer asks for, or with nothing arriving, is forgotten
+            // (it starts afresh from the next packets).
+            let estimated = entry.publisher_feedback.is_some_and(|f| f.abs_send_time.is_some());
+            if !estimated || t.estimate.as_ref().is_some_and(|e| e.is_stale(now_ns)) {
+                t.estimate = None;
+            }
             let ssrc = t.ssrcs.first().copied().unwrap_or(0);
             let mut packets = t.feedback.handle_timeout(now_ns, SFU_SSRC, ssrc);
             *feedback_sent += packets.len() as u64;

@@ -959,8 +959,13 @@ mod tests {
                 })
                 .collect()
         };
+        // Fed back once nominated (before, its media may come from a checked address): the
+        // table that nominates it turns them on.
+        let before = asks("127.79.3.1:42002");
+        m.set_participant_nominated("r", "w", Some(a("127.79.3.11:5000"))).unwrap();
+        dp.apply(Arc::new(ForwardingTable::compile(&m, 2))).unwrap();
         let (browser, plain) = (asks("127.79.3.1:42002"), asks("127.79.3.1:42000"));
         dp.shutdown().unwrap();
-        assert_eq!((browser, plain), (vec![true, true], vec![false, false]));
+        assert_eq!((before, browser, plain), (vec![false, false], vec![true, true], vec![false, false]));
     }
 }
