@@ -5,7 +5,9 @@
 use libfuzzer_sys::fuzz_target;
 use mediaplane_webrtc::dtls::Fingerprint;
 use mediaplane_webrtc::ice::Credentials;
-use mediaplane_webrtc::sdp::{choose_format, Answer, AnsweredMedia, Direction, Offer, Sending, SimulcastAnswer, RTP_STREAM_ID, SDES_MID};
+use mediaplane_webrtc::sdp::{
+    choose_format, Answer, AnsweredMedia, Direction, Offer, Sending, SimulcastAnswer, ABS_SEND_TIME_URI, RTP_STREAM_ID, SDES_MID, TRANSPORT_CC_URI,
+};
 
 fuzz_target!(|data: &[u8]| {
     let Ok(text) = std::str::from_utf8(data) else { return };
@@ -20,7 +22,11 @@ fuzz_target!(|data: &[u8]| {
             // A simulcast section is answered as WHIP does: its RIDs, and the extensions naming them.
             let extmaps: Vec<(u8, String)> = m.extmaps.iter().filter(|(_, u)| u == RTP_STREAM_ID || u == SDES_MID).cloned().collect();
             let simulcast = (!m.rids.is_empty()).then(|| SimulcastAnswer { rids: m.rids.clone(), extmaps });
-            AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::SendOnly, sending, simulcast }
+            // The congestion-control extensions as WHIP answers them: transport-cc when offered,
+            // else abs-send-time.
+            let transport_cc = m.extmap(TRANSPORT_CC_URI);
+            let abs_send_time = m.extmap(ABS_SEND_TIME_URI).filter(|_| transport_cc.is_none());
+            AnsweredMedia { format: choose_format(m).cloned(), direction: Direction::SendOnly, sending, simulcast, transport_cc, abs_send_time }
         })
         .collect();
     // The handlers refuse an offer of which nothing is taken; any other answer must parse.
