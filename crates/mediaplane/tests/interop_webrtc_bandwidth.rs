@@ -29,7 +29,7 @@
 //!   abs-send-time, as REMBs, holds it under the link, so over the last 10 s of 25 its round
 //!   trip's median stays under 100 ms (measured 1-47 ms; its target 150-230 kbit/s). The anchor,
 //!   the same page also without abs-send-time (`&abs=0`) on the same link: Chromium's loss-based
-//!   estimate grows on the receiver reports alone and fills the queue (574-588 ms, held over
+//!   estimate grows on the receiver reports alone and fills the queue (541-588 ms, held over
 //!   300). On an unshaped link the REMB holds a Chromium that sends less than its target near
 //!   1.5x what arrives, as libwebrtc's receive side does (measured once, before only video was
 //!   counted: 540 kbit/s at 11 s, where the anchor's grew to 1.3 Mbit/s).
@@ -51,7 +51,7 @@ const TARGET_KBPS: u64 = 1_500;
 const WITHIN: Duration = Duration::from_secs(10);
 /// The REMB-only publisher's shaped uplink, how long each run lasts, the median round trip
 /// (ms) of its last 10 s with the SFU's estimate (measured 1-47 ms), and the least the anchor
-/// without it must show for the shaping to have bitten (measured 574-588 ms: the queue full).
+/// without it must show for the shaping to have bitten (measured 541-588 ms: the queue full).
 const SHAPED_KBPS: u64 = 250;
 const SHAPED_RUN: Duration = Duration::from_secs(25);
 const SHAPED_RTT_MS: f64 = 100.0;
