@@ -491,6 +491,46 @@ pub struct Leg {
     /// one sent to or accepted; nothing is learnt from media.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ice: bool,
+    /// Call control of what this leg's peer sends (directional: NG `block media` and the like
+    /// with a `from-tag`); the relay's own [`Relay::control`] adds to it.
+    #[serde(default, skip_serializing_if = "MediaControl::is_off")]
+    pub control: MediaControl,
+    /// The RTP payload types its peer's SDP maps to `telephone-event` (RFC 4733): what
+    /// [`MediaControl`] tells apart from media.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub telephone_events: Vec<u8>,
+}
+
+/// Call control of one direction of a relay (rtpengine's `block media`, `silence media` and
+/// `block DTMF`). A packet is told to be DTMF by its payload type (the legs'
+/// [`Leg::telephone_events`]); any other RTP is media. RTCP is never touched.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct MediaControl {
+    /// Media is dropped; DTMF events still pass (as rtpengine does).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub block_media: bool,
+    /// Media of a codec with a silence pattern (G.711) goes on with its payload silenced.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub silence_media: bool,
+    /// DTMF events are dropped.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub block_dtmf: bool,
+}
+
+impl MediaControl {
+    /// Nothing is blocked or changed.
+    pub fn is_off(&self) -> bool {
+        *self == MediaControl::default()
+    }
+
+    /// What applies when both hold (the call's and the direction's).
+    pub fn or(self, o: MediaControl) -> MediaControl {
+        MediaControl {
+            block_media: self.block_media || o.block_media,
+            silence_media: self.silence_media || o.silence_media,
+            block_dtmf: self.block_dtmf || o.block_dtmf,
+        }
+    }
 }
 
 /// How a leg follows its peer's source address (rtpengine's endpoint learning).
@@ -591,6 +631,19 @@ pub struct Relay {
     /// Both directions are recorded ([`crate::StreamEntry::record`]).
     #[serde(default)]
     pub record: bool,
+    /// Call control of both directions (NG `block media` and the like without a participant);
+    /// a leg's own [`Leg::control`] adds to it and outlives this one's end.
+    #[serde(default, skip_serializing_if = "MediaControl::is_off")]
+    pub control: MediaControl,
+}
+
+impl Relay {
+    pub fn leg(&self, side: Side) -> &Leg {
+        match side {
+            Side::A => &self.a,
+            Side::B => &self.b,
+        }
+    }
 }
 
 /// Which side of a relay.
@@ -1379,12 +1432,14 @@ impl Model {
             srtp: None,
             clock_rate: None,
             ice: false,
+            control: MediaControl::default(),
+            telephone_events: Vec::new(),
         };
         let a = mk(self, a);
         let b = mk(self, b);
         self.legs.insert(a.uid, (id.into(), Side::A));
         self.legs.insert(b.uid, (id.into(), Side::B));
-        self.relays.insert(id.into(), Relay { a, b, record: false });
+        self.relays.insert(id.into(), Relay { a, b, record: false, control: MediaControl::default() });
         Ok(())
     }
 

@@ -1,6 +1,6 @@
 //! Model operations the SIP relay (NG protocol) needs beyond the basic ones in `model.rs`.
 
-use crate::model::{Follow, Model, ModelError, Side};
+use crate::model::{Follow, MediaControl, Model, ModelError, Side};
 use crate::srtp::LegSrtp;
 use std::net::SocketAddr;
 
@@ -97,6 +97,32 @@ impl Model {
         };
         let changed = leg.srtp != srtp;
         leg.srtp = srtp;
+        Ok(changed)
+    }
+}
+
+impl Model {
+    /// Call control of a relay: of what one leg's peer sends (`Some(side)`), or of the whole
+    /// relay (`None`, the call's, which adds to each leg's own); true if that changed anything.
+    pub fn set_media_control(&mut self, id: &str, side: Option<Side>, control: MediaControl) -> Result<bool, ModelError> {
+        let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
+        let slot = match side {
+            None => &mut r.control,
+            Some(Side::A) => &mut r.a.control,
+            Some(Side::B) => &mut r.b.control,
+        };
+        let changed = *slot != control;
+        *slot = control;
+        Ok(changed)
+    }
+
+    /// The `telephone-event` payload types a leg's peer signalled; true if that changed anything.
+    pub fn set_leg_telephone_events(&mut self, id: &str, side: Side, mut payload_types: Vec<u8>) -> Result<bool, ModelError> {
+        payload_types.sort_unstable();
+        payload_types.dedup();
+        let leg = self.leg_mut(id, side)?;
+        let changed = leg.telephone_events != payload_types;
+        leg.telephone_events = payload_types;
         Ok(changed)
     }
 }

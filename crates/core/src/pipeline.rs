@@ -35,7 +35,7 @@ use crate::feedback::Outcome;
 use crate::ratelimit::{RateLimit, RateState};
 use crate::rtp::{demux, MediaKind, RtpHeader};
 use crate::srtp::{Protection, SrtpKey};
-use crate::table::{DropReason, ForwardingTable, SimulcastLayer, SlowReason, StreamEntry, Verdict};
+use crate::table::{Controlled, DropReason, ForwardingTable, SimulcastLayer, SlowReason, StreamEntry, Verdict};
 use std::borrow::Cow;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -91,6 +91,9 @@ pub enum Dropped {
     /// A consumer's feedback the router could not parse (classify passed it): counted as
     /// malformed. (The kernel hands all feedback up: this is the slow path's drop.)
     MalformedFeedback,
+    /// RTP that call control blocks ([`crate::table::StreamControl`]: NG `block media`, `block
+    /// DTMF`). Not an error: counted apart.
+    Blocked,
 }
 
 /// What a copy is a copy of: its stream and consumer, for the counters of both.
@@ -286,7 +289,7 @@ impl Pipeline {
         out: &mut Vec<Effect<'p>>,
     ) {
         out.push(Effect::Received { stream: entry.id, bytes: payload.len() });
-        let payload: Cow<'p, [u8]> = match &entry.inbound {
+        let mut payload: Cow<'p, [u8]> = match &entry.inbound {
             _ if clear => payload,
             Protection::Clear => payload,
             Protection::Srtp(key) => match plane.unprotect(entry.key.local, key.as_ref(), &payload) {
@@ -326,6 +329,20 @@ impl Pipeline {
                     }
                     rtp = Some(CopyRtp { ssrc: header.ssrc, sequence: header.sequence, timestamp: header.timestamp, clock_rate: entry.clock_rate });
                     out.push(Effect::Rtp { stream: entry.id, header, clock_rate: entry.clock_rate });
+                    // After the reception accounting: a blocked party is still heard (its
+                    // quality, its media timeout), only not passed on.
+                    match entry.control.judge(header.payload_type) {
+                        Controlled::Pass => {}
+                        Controlled::Drop => {
+                            out.push(Effect::Dropped { why: Dropped::Blocked, stream: Some(entry.id), received: None });
+                            return;
+                        }
+                        Controlled::Silence(byte) => {
+                            let mut silenced = payload.into_owned();
+                            silenced[header.payload_offset..header.payload_offset + header.payload_len].fill(byte);
+                            payload = Cow::Owned(silenced);
+                        }
+                    }
                 }
             }
             // Timed for its consumers' round-trip times, and for the receiver reports the SFU
@@ -882,5 +899,82 @@ mod tests {
         let forged = [&compound[..], &[0]].concat();
         assert_eq!(run(&mut Pipeline::new(), &t, &mut plane, P1_LOCAL, P1, &forged, 1), ["dropped Malformed true"]);
         assert_eq!(plane.asked, [format!("unprotect at {P1_LOCAL}")]);
+    }
+
+    /// A relay 10.0.0.1:6000 (A, peer 10.0.2.1:4000) <-> 10.0.0.1:6002 (B, peer 10.0.2.2:4000),
+    /// A's SDP mapping `telephone-event` to 101, under call control `call` and A's own `a`.
+    fn controlled_relay(call: crate::model::MediaControl, a_own: crate::model::MediaControl) -> ForwardingTable {
+        use crate::model::{LegSpec, Side};
+        let mut m = Model::default();
+        let leg = |local: &str, remote: &str| LegSpec { local: a(local), remote: Some(a(remote)), strict: false, rtp: true, follow: Default::default() };
+        m.create_relay("call", leg("10.0.0.1:6000", "10.0.2.1:4000"), leg("10.0.0.1:6002", "10.0.2.2:4000")).unwrap();
+        m.set_leg_telephone_events("call", Side::A, vec![101]).unwrap();
+        m.set_media_control("call", None, call).unwrap();
+        m.set_media_control("call", Some(Side::A), a_own).unwrap();
+        ForwardingTable::compile(&m, 1)
+    }
+
+    /// What leaves for B of a packet A sends: the payload after the 12-byte header, or why not.
+    fn relayed(t: &ForwardingTable, packet: &[u8]) -> Result<Vec<u8>, String> {
+        let mut out = Vec::new();
+        Pipeline::new().process(t, a("10.0.0.1:6000"), a("10.0.2.1:4000"), packet, 1, 1, &mut FakePlane::default(), &mut out);
+        let sent: Vec<&[u8]> = out.iter().filter_map(|e| if let Effect::Send { packet, .. } = e { Some(&packet[..]) } else { None }).collect();
+        let dropped: Vec<String> = out.iter().filter_map(|e| if let Effect::Dropped { why, .. } = e { Some(format!("{why:?}")) } else { None }).collect();
+        // A blocked packet is still heard: counted, measured, accepted from its source.
+        assert!(out.iter().any(|e| matches!(e, Effect::Accepted { .. })) && out.iter().any(|e| matches!(e, Effect::Rtp { .. })));
+        match (&sent[..], &dropped[..]) {
+            ([p], []) => Ok(p[12..].to_vec()),
+            ([], [why]) => Err(why.clone()),
+            _ => panic!("{out:?}"),
+        }
+    }
+
+    #[test]
+    fn call_control_blocks_media_or_dtmf_and_silences_g711_but_never_rtcp() {
+        use crate::model::MediaControl;
+        let off = MediaControl::default();
+        let block = MediaControl { block_media: true, ..off };
+        let silence = MediaControl { silence_media: true, ..off };
+        let dtmf = MediaControl { block_dtmf: true, ..off };
+        let (pcma, pcmu, opus, event) = (
+            build_rtp(8, 1, 0, 9, &[0x2a; 160]),
+            build_rtp(0, 2, 0, 9, &[0x2a; 160]),
+            build_rtp(111, 3, 0, 9, &[0x2a; 40]),
+            build_rtp(101, 4, 0, 9, &[1, 0x8a, 0, 160]),
+        );
+        let t = controlled_relay(off, off);
+        assert!(t.streams.values().all(|e| e.control.is_off()), "no control: nothing compiled, the kernel keeps the relay");
+        assert_eq!(relayed(&t, &pcma), Ok(vec![0x2a; 160]));
+
+        // The whole call's block reaches both directions; DTMF still passes.
+        let t = controlled_relay(block, off);
+        assert!(t.streams.values().all(|e| e.control.control.block_media && e.control.telephone_events == [101]));
+        assert_eq!(relayed(&t, &pcma), Err("Blocked".into()));
+        assert_eq!(relayed(&t, &event), Ok(vec![1, 0x8a, 0, 160]));
+        // A's own: only what A sends.
+        let t = controlled_relay(off, block);
+        let from_b = t.streams.values().find(|e| e.key.local == a("10.0.0.1:6002")).unwrap();
+        assert!(from_b.control.is_off());
+        assert_eq!(relayed(&t, &pcmu), Err("Blocked".into()));
+
+        // Silence: G.711 payloads become their silence byte; what has none passes as it was.
+        let t = controlled_relay(off, silence);
+        assert_eq!(relayed(&t, &pcma), Ok(vec![0xd5; 160]));
+        assert_eq!(relayed(&t, &pcmu), Ok(vec![0xff; 160]));
+        assert_eq!(relayed(&t, &opus), Ok(vec![0x2a; 40]));
+        assert_eq!(relayed(&t, &event), Ok(vec![1, 0x8a, 0, 160]));
+
+        // Blocked DTMF; media passes. Both together: only silence would be left, nothing is.
+        let t = controlled_relay(dtmf, off);
+        assert_eq!(relayed(&t, &event), Err("Blocked".into()));
+        assert_eq!(relayed(&t, &pcma), Ok(vec![0x2a; 160]));
+        let t = controlled_relay(dtmf, block);
+        assert_eq!((relayed(&t, &event), relayed(&t, &opus)), (Err("Blocked".into()), Err("Blocked".into())));
+
+        // RTCP (a muxed receiver report) is never blocked.
+        let rr = [0x80, 201, 0, 1, 0, 0, 0, 9];
+        let mut out = Vec::new();
+        Pipeline::new().process(&t, a("10.0.0.1:6000"), a("10.0.2.1:4000"), &rr, 1, 1, &mut FakePlane::default(), &mut out);
+        assert!(out.iter().any(|e| matches!(e, Effect::Send { .. })), "{out:?}");
     }
 }

@@ -6,7 +6,7 @@
 //! inject into it ([`SourceRule`]: one fixed source; a relay leg learning its peer's; anyone).
 
 use crate::feedback::{FeedbackEntry, FeedbackRoute};
-use crate::model::{Leg, Model, Relay, Room, StreamRef};
+use crate::model::{Leg, MediaControl, Model, Relay, Room, StreamRef};
 use crate::ratelimit::RateLimit;
 use crate::rtp::{self, MediaKind, RtpHeader};
 use crate::srtp::Protection;
@@ -143,6 +143,60 @@ pub struct StreamEntry {
     /// feedback routed to it) is protected: a WebRTC publisher's SRTCP key.
     #[serde(default, skip_serializing_if = "Protection::is_clear")]
     pub reverse: Protection,
+    /// Call control of a relay direction (NG `block media` and the like): the slow path's.
+    #[serde(default, skip_serializing_if = "StreamControl::is_off")]
+    pub control: StreamControl,
+}
+
+/// A relay direction's call control as the pipeline applies it: the call's and the sending
+/// leg's [`MediaControl`], and the `telephone-event` payload types of both legs' SDPs (a party
+/// sends with the numbers either side mapped; they agree after an answer).
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct StreamControl {
+    pub control: MediaControl,
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub telephone_events: Vec<u8>,
+}
+
+/// What call control makes of one RTP packet.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Controlled {
+    Pass,
+    Drop,
+    /// Its payload is replaced with this codec's silence byte.
+    Silence(u8),
+}
+
+impl StreamControl {
+    pub fn is_off(&self) -> bool {
+        self.control.is_off()
+    }
+
+    /// What becomes of an RTP packet of `payload_type`.
+    pub fn judge(&self, payload_type: u8) -> Controlled {
+        let c = self.control;
+        if self.telephone_events.contains(&payload_type) {
+            return if c.block_dtmf { Controlled::Drop } else { Controlled::Pass };
+        }
+        if c.block_media {
+            return Controlled::Drop;
+        }
+        match silence_byte(payload_type) {
+            Some(b) if c.silence_media => Controlled::Silence(b),
+            _ => Controlled::Pass,
+        }
+    }
+}
+
+/// The byte that is silence in every sample of a codec with a static payload type, for those
+/// that have one: G.711 µ-law (0) and A-law (8), one byte per sample. Others (G.722's silence
+/// depends on its encoder state, compressed codecs have none) pass unchanged.
+pub fn silence_byte(payload_type: u8) -> Option<u8> {
+    match payload_type {
+        0 => Some(0xff),
+        8 => Some(0xd5),
+        _ => None,
+    }
 }
 
 /// What the SFU sends a WebRTC publisher's transport of its own accord: receiver reports always,
@@ -344,6 +398,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             // Once nominated: before, its media may come from a checked address, where nothing is sent.
             publisher_feedback: p.webrtc.as_ref().filter(|w| w.nominated).map(|w| PublisherFeedback::of(w, lower(room.publisher_max_kbps, w.max_kbps))),
             reverse: p.outbound(),
+            control: StreamControl::default(),
         };
         if let Some(w) = &p.webrtc {
             let key = IngressKey { local: p.local, ssrc: None };
@@ -475,8 +530,20 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             stream_ids: None,
             publisher_feedback: None,
             reverse: Protection::Clear,
+            control: relay_control(r, from_leg, to_leg),
         }
     })
+}
+
+fn relay_control(r: &Relay, from_leg: &Leg, to_leg: &Leg) -> StreamControl {
+    let control = r.control.or(from_leg.control);
+    if control.is_off() || !from_leg.rtp {
+        return StreamControl::default();
+    }
+    let mut telephone_events: Vec<u8> = from_leg.telephone_events.iter().chain(&to_leg.telephone_events).copied().collect();
+    telephone_events.sort_unstable();
+    telephone_events.dedup();
+    StreamControl { control, telephone_events }
 }
 
 fn compile_owner_feedback(model: &Model, owner: Owner) -> Vec<FeedbackEntry> {

@@ -157,6 +157,10 @@ pub struct Counters {
     /// by the kernel path (for the user-space plane the host drops them: `IPReversePathFilter`).
     #[serde(default)]
     pub drop_spoofed: u64,
+    /// RTP that call control blocks (NG `block media`, `block DTMF`): the party is heard (it
+    /// counts as received), not passed on. Not an error.
+    #[serde(default)]
+    pub drop_blocked: u64,
     /// RTCP feedback messages of consumers ([`mediaplane_core::feedback`]): sent on to the
     /// publisher; keyframe requests coalesced (one went shortly before); consumed by the SFU
     /// (receiver reports, REMB, TWCC...); naming an SSRC the consumer does not receive. Per
@@ -203,6 +207,7 @@ impl Counters {
         self.drop_source_limited += o.drop_source_limited;
         self.drop_bad_checksum += o.drop_bad_checksum;
         self.drop_spoofed += o.drop_spoofed;
+        self.drop_blocked += o.drop_blocked;
         self.feedback_routed += o.feedback_routed;
         self.feedback_coalesced += o.feedback_coalesced;
         self.feedback_consumed += o.feedback_consumed;
@@ -229,6 +234,7 @@ impl Counters {
             Dropped::SourceLimited => self.drop_source_limited += 1,
             Dropped::RateLimited => self.drop_rate_limited += 1,
             Dropped::Malformed | Dropped::MalformedFeedback => self.drop_malformed += 1,
+            Dropped::Blocked => self.drop_blocked += 1,
         }
     }
 
@@ -249,7 +255,7 @@ impl Counters {
     }
 
     /// (name, value) pairs of the counters (not [`Counters::last_rx_ns`]), for metrics exposition.
-    pub fn fields(&self) -> [(&'static str, u64); 20] {
+    pub fn fields(&self) -> [(&'static str, u64); 21] {
         [
             ("rx_packets", self.rx_packets),
             ("rx_bytes", self.rx_bytes),
@@ -267,6 +273,7 @@ impl Counters {
             ("drop_source_limited", self.drop_source_limited),
             ("drop_bad_checksum", self.drop_bad_checksum),
             ("drop_spoofed", self.drop_spoofed),
+            ("drop_blocked", self.drop_blocked),
             ("feedback_routed", self.feedback_routed),
             ("feedback_coalesced", self.feedback_coalesced),
             ("feedback_consumed", self.feedback_consumed),

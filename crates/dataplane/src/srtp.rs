@@ -388,6 +388,7 @@ mod tests {
             stream_ids: None,
             publisher_feedback: None,
             reverse: Protection::Clear,
+            control: Default::default(),
         }
     }
 

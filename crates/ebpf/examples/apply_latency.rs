@@ -47,6 +47,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         stream_ids: None,
         publisher_feedback: None,
         reverse: mediaplane_core::srtp::Protection::Clear,
+        control: Default::default(),
     }
 }
 

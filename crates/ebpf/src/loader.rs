@@ -108,6 +108,8 @@ impl KernelStats {
             drop_source_limited: g("drop_source_limited"),
             drop_bad_checksum: g("drop_bad_checksum"),
             drop_spoofed: g("drop_spoofed"),
+            // Call control is the slow path's (such streams are handed up whole).
+            drop_blocked: 0,
             // Decided by the slow path, which routes the feedback the kernel hands up.
             feedback_routed: 0,
             feedback_coalesced: 0,

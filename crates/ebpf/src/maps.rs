@@ -657,8 +657,10 @@ pub fn kernel_forwards(e: &StreamEntry) -> bool {
     // fan-outs bigger than its scratch space) are left whole to the slow path.
     let mixed = source.is_some_and(|s| s.is_ipv4() != v4) || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
     // Recorded streams too: the slow path hands what it forwards to the recording tap. And SRTP
-    // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI.
-    !(mixed || e.record || e.has_srtp() || e.copies.len() > MAX_FANOUT)
+    // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI. And those
+    // under call control (blocked or silenced media, blocked DTMF): rare, and decided per
+    // payload type, which the kernel path does not look at.
+    !(mixed || e.record || e.has_srtp() || !e.control.is_off() || e.copies.len() > MAX_FANOUT)
 }
 
 /// `stream_value.codec` (bpf/layer_rewrite.h MP_CODEC_*).

@@ -200,6 +200,8 @@ pub struct MediaSignal {
     pub mux: bool,
     /// Clock rate of the section's first payload type (what the party sends first), if known.
     pub clock_rate: Option<u32>,
+    /// Its payload types mapped to `telephone-event` (RFC 4733 DTMF).
+    pub telephone_events: Vec<u8>,
 }
 
 /// How the media address of a party is found (rtpengine's `trust address`,
@@ -224,8 +226,10 @@ pub fn media_signals(sdp: &Sdp, policy: &AddressPolicy, strip_mux: bool) -> Resu
     for (i, m) in sdp.media.iter().enumerate() {
         let mux = m.rtcp_mux && !strip_mux;
         let clock_rate = m.formats.first().and_then(|f| f.codec.as_ref()).map(|c| c.clock).filter(|c| *c > 0);
+        let telephone_events =
+            m.formats.iter().filter(|f| f.codec.as_ref().is_some_and(|c| c.name.eq_ignore_ascii_case("telephone-event"))).map(|f| f.pt).collect();
         if m.port == 0 {
-            out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: true, rtp: None, rtcp: None, mux, clock_rate });
+            out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: true, rtp: None, rtcp: None, mux, clock_rate, telephone_events });
             continue;
         }
         let sdp_ip = sdp.media_addr(i).and_then(ConnAddr::ip);
@@ -239,7 +243,7 @@ pub fn media_signals(sdp: &Sdp, policy: &AddressPolicy, strip_mux: bool) -> Resu
             };
             (rport != 0 && !rip.is_unspecified()).then_some(SocketAddr::new(rip, rport))
         });
-        out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: false, rtp, rtcp, mux, clock_rate });
+        out.push(MediaSignal { kind: m.kind.clone(), proto: m.proto.clone(), disabled: false, rtp, rtcp, mux, clock_rate, telephone_events });
     }
     Ok(out)
 }
@@ -328,6 +332,8 @@ pub fn apply_signal(
         // A party that moved interface or family gets a new socket: the section's relays are
         // made again, the other party keeping its port and signalled address.
         let moved = m.active && (m.local[0].ip() != wanted[0] || m.local[1].ip() != wanted[1]);
+        // Call control (`block media` and the like) outlives the move.
+        let before = model.relays.get(&rtp_id).cloned();
         if moved {
             model.delete_relay(&rtp_id)?;
             if m.rtcp {
@@ -356,12 +362,20 @@ pub fn apply_signal(
             }
             m.active = true;
             m.rtcp = false;
+            if let (true, Some(r)) = (moved, &before) {
+                model.set_media_control(&rtp_id, None, r.control)?;
+                model.set_media_control(&rtp_id, Some(Side::A), r.a.control)?;
+                model.set_media_control(&rtp_id, Some(Side::B), r.b.control)?;
+                let o = other(from);
+                model.set_leg_telephone_events(&rtp_id, o, r.leg(o).telephone_events.clone())?;
+            }
             changes.push(Change::Relay(rtp_id.clone()));
         } else {
             model.set_leg_signal(&rtp_id, from, LegSignal { clock_rate: sig.clock_rate, ..signal(sig.rtp, sig.rtp.is_none()) })?;
             m.peer[s] = sig.rtp;
             changes.push(Change::Relay(rtp_id.clone()));
         }
+        model.set_leg_telephone_events(&rtp_id, from, sig.telephone_events.clone())?;
         m.peer_rtcp[s] = sig.rtcp;
         m.kind.clone_from(&sig.kind);
         m.proto.clone_from(&sig.proto);
@@ -469,6 +483,22 @@ fn leg_ip(cfg: &MediaConfig, name: Option<&str>, v4: Option<bool>, hard: bool, c
         Err(InterfaceError::NoFamily(..)) if !hard => Ok(cfg.interface_address(name.as_deref(), None)?.ip),
         Err(e) => Err(e.into()),
     }
+}
+
+/// An active audio section between two parties (for tests).
+#[cfg(test)]
+pub(crate) fn media_between(a: SocketAddr, b: SocketAddr) -> MediaState {
+    let sig = MediaSignal {
+        kind: "audio".into(),
+        proto: "RTP/AVP".into(),
+        disabled: false,
+        rtp: None,
+        rtcp: None,
+        mux: false,
+        clock_rate: None,
+        telephone_events: Vec::new(),
+    };
+    MediaState { active: true, peer: [Some(a), Some(b)], ..inactive(&sig) }
 }
 
 fn inactive(sig: &MediaSignal) -> MediaState {
@@ -608,7 +638,16 @@ impl Registry {
             call.answered = true;
             let len = medias.keys().max().map_or(0, |m| m + 1);
             for i in 0..len {
-                let sig = MediaSignal { kind: "audio".into(), proto: "RTP/AVP".into(), disabled: true, rtp: None, rtcp: None, mux: false, clock_rate: None };
+                let sig = MediaSignal {
+                    kind: "audio".into(),
+                    proto: "RTP/AVP".into(),
+                    disabled: true,
+                    rtp: None,
+                    rtcp: None,
+                    mux: false,
+                    clock_rate: None,
+                    telephone_events: Vec::new(),
+                };
                 let mut m = inactive(&sig);
                 if let Some(&(true, rtcp)) = medias.get(&i) {
                     let r = &model.relays[&rtp_relay_id(&key, i)];
@@ -640,7 +679,16 @@ mod tests {
 
     fn sig(rtp: &str, mux: bool) -> MediaSignal {
         let rtp: SocketAddr = rtp.parse().unwrap();
-        MediaSignal { kind: "audio".into(), proto: "RTP/AVP".into(), disabled: false, rtp: Some(rtp), rtcp: Some(rtcp_addr(rtp)), mux, clock_rate: None }
+        MediaSignal {
+            kind: "audio".into(),
+            proto: "RTP/AVP".into(),
+            disabled: false,
+            rtp: Some(rtp),
+            rtcp: Some(rtcp_addr(rtp)),
+            mux,
+            clock_rate: None,
+            telephone_events: Vec::new(),
+        }
     }
 
     #[test]

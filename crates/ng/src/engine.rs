@@ -3,6 +3,7 @@
 //! datagrams and calls [`Engine::handle_datagram`], and calls [`Engine::expire`] every second.
 
 use crate::bencode::Value;
+use crate::call_control;
 use crate::calls::{self, other, AddressPolicy, Call, MediaState, Phase, Placement, Registry, SignalOptions};
 use crate::codecs::{self, CodecFilter, CodecSpec, Filtered};
 use crate::protocol::{self, error_reply, normalize, ReplyCache, Request, RequestError};
@@ -244,6 +245,9 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
         // The whole call is recorded, whichever of its parties the tags name.
         "start recording" | "stop recording" | "start-recording" | "stop-recording" => &["call-id", "from-tag", "to-tag"],
         "list" => &["limit"],
+        c if call_control::Command::parse(c).is_some() => {
+            &["call-id", "from-tag", "to-tag", "address", "label", "from-label", "to-label", "all", "flags", "dtmf-security"]
+        }
         _ => &[],
     }
 }
@@ -275,6 +279,8 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
             "rtcp-mux-require",
         ],
         "delete" => &["fatal"],
+        // `directional` is how Kamailio's module is told to send the From tag: the tag selects.
+        c if call_control::Command::parse(c).is_some() => &["all", "directional"],
         _ => &[],
     }
 }
@@ -428,7 +434,7 @@ impl Engine {
     /// `start recording` / `stop recording`: the call's relays are (no longer) recorded.
     fn set_recording(&mut self, mgr: &SessionManager, req: &Request, on: bool) -> Result<Value, NgError> {
         let call_id = req.nonempty("call-id")?;
-        let Some(call) = self.registry.get(call_id).filter(|c| c.call_id == call_id) else {
+        let Some(call) = self.registry.get(call_id).filter(|c| c.call_id.is_empty() || c.call_id == call_id) else {
             return Err(NgError::Call(format!("unknown call-id {call_id:?}")));
         };
         if self.recordings.is_none() {
@@ -444,6 +450,44 @@ impl Engine {
         })?;
         self.recording_metadata(&call, None);
         self.registry.insert(call);
+        Ok(Value::dict([("result", Value::str("ok"))]))
+    }
+
+    /// `block media`, `silence media`, `block DTMF` and their ends ([`call_control`]), on every
+    /// media section of the call.
+    fn media_control(&mut self, mgr: &SessionManager, req: &Request, command: call_control::Command) -> Result<Value, NgError> {
+        let call_id = req.nonempty("call-id")?;
+        let Some(call) = self.registry.get(call_id).filter(|c| c.call_id.is_empty() || c.call_id == call_id) else {
+            return Err(NgError::Call(format!("unknown call-id {call_id:?}")));
+        };
+        let target = call_control::select(call, req, command).map_err(|e| NgError::Call(e.to_string()))?;
+        let relays: Vec<String> = (0..call.media.len()).filter(|i| call.media[*i].active).map(|i| calls::rtp_relay_id(&call.key, i)).collect();
+        mgr.mutate(|model, _| {
+            let mut changes = Vec::new();
+            for id in relays {
+                let Some(r) = model.relays.get(&id).cloned() else { continue };
+                let mut changed = false;
+                match &target {
+                    call_control::Target::Call { and_participants } => {
+                        changed |= model.set_media_control(&id, None, command.apply(r.control))?;
+                        if *and_participants && !command.on {
+                            for side in [Side::A, Side::B] {
+                                changed |= model.set_media_control(&id, Some(side), command.apply(r.leg(side).control))?;
+                            }
+                        }
+                    }
+                    call_control::Target::Participants(sides) => {
+                        for side in sides {
+                            changed |= model.set_media_control(&id, Some(*side), command.apply(r.leg(*side).control))?;
+                        }
+                    }
+                }
+                if changed {
+                    changes.push(Change::Relay(id));
+                }
+            }
+            Ok(((), changes))
+        })?;
         Ok(Value::dict([("result", Value::str("ok"))]))
     }
 
@@ -522,7 +566,10 @@ impl Engine {
             "statistics" => Ok(self.statistics(mgr, now)),
             "start recording" | "start-recording" => self.set_recording(mgr, &req, true),
             "stop recording" | "stop-recording" => self.set_recording(mgr, &req, false),
-            other => Err(NgError::Call(format!("unknown command {other:?}"))),
+            other => match call_control::Command::parse(other) {
+                Some(c) => self.media_control(mgr, &req, c),
+                None => Err(NgError::Call(format!("unknown command {other:?}"))),
+            },
         };
         // Also in our own log: Kamailio's module does not log a reply's warning.
         let result = result.map(|v| match not_acted_on(&req, &command) {
@@ -1779,6 +1826,68 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         let r3 = e.handle_datagram(&m, client, &d2, Instant::now()).unwrap();
         assert_eq!(&r3[5..], &r1[5..], "same ports, same SDP");
         assert_eq!(m.read(|md, _| md.relays.len()), 2);
+    }
+
+    #[test]
+    fn call_control_reaches_the_relays_by_participant_or_for_the_whole_call() {
+        use mediaplane_core::model::MediaControl;
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        send(&mut e, &m, "a1", answer(ANSWER_SDP));
+        let id = calls::rtp_relay_id(&calls::call_key("cfBXzDSZqhYNcXM"), 0);
+        let relay = |m: &SessionManager| m.read(|model, _| model.relays.get(&id).cloned().unwrap());
+        let control = |pairs: Vec<(&'static str, Value)>, cookie: &str, e: &mut Engine| {
+            let mut req = vec![("call-id", Value::from("cfBXzDSZqhYNcXM"))];
+            req.extend(pairs);
+            let r = send(e, &m, cookie, req);
+            assert_eq!(text(&r, "result"), "ok", "{r:?}");
+            assert!(r.get("warning").is_none(), "{r:?}");
+        };
+        // The offerer's SDP maps telephone-event; the answerer's does not.
+        assert_eq!((relay(&m).a.telephone_events, relay(&m).b.telephone_events), (vec![101], vec![]));
+        let blocked = MediaControl { block_media: true, ..Default::default() };
+
+        control(vec![("command", "block media".into()), ("from-tag", "8fa3b2".into())], "c1", &mut e);
+        assert_eq!((relay(&m).control, relay(&m).a.control, relay(&m).b.control), (MediaControl::default(), MediaControl::default(), blocked));
+        control(vec![("command", "block media".into())], "c2", &mut e);
+        assert_eq!(relay(&m).control, blocked);
+        // Unblocking the call leaves the participant's block; with `all`, not.
+        control(vec![("command", "unblock media".into())], "c3", &mut e);
+        assert_eq!((relay(&m).control, relay(&m).b.control), (MediaControl::default(), blocked));
+        control(vec![("command", "unblock media".into()), ("flags", Value::List(vec!["all".into()]))], "c4", &mut e);
+        assert_eq!(relay(&m).b.control, MediaControl::default());
+        // By address, and the other controls beside one another.
+        control(vec![("command", "silence media".into()), ("address", "198.51.100.1".into())], "c5", &mut e);
+        control(vec![("command", "block DTMF".into()), ("from-tag", "mS9rSAn0Cr".into()), ("DTMF-security", "drop".into())], "c6", &mut e);
+        assert_eq!(relay(&m).a.control, MediaControl { silence_media: true, block_dtmf: true, ..Default::default() });
+        // What is set survives a re-INVITE.
+        send(&mut e, &m, "o2", offer(OFFER_SDP));
+        assert_eq!(relay(&m).a.control, MediaControl { silence_media: true, block_dtmf: true, ..Default::default() });
+
+        // As Kamailio's `block_media("directional")` sends it: no warning.
+        control(
+            vec![
+                ("command", "block media".into()),
+                ("flags", Value::List(vec!["directional".into()])),
+                ("received-from", Value::List(vec!["IP4".into(), "127.0.0.1".into()])),
+                ("from-tag", "8fa3b2".into()),
+            ],
+            "c9",
+            &mut e,
+        );
+        assert_eq!(relay(&m).b.control, blocked);
+
+        // After a restart (the call adopted from the store, its tags not known yet) the whole
+        // call is still reached.
+        let mut e = Engine::new(EngineConfig::default());
+        assert_eq!(e.adopt(&m, Instant::now()), 1);
+        control(vec![("command", "block DTMF".into())], "c10", &mut e);
+        assert!(relay(&m).control.block_dtmf);
+
+        let r = send(&mut e, &m, "c7", vec![("command", "block media".into()), ("call-id", "nope".into())]);
+        assert_eq!(text(&r, "error-reason"), "unknown call-id \"nope\"");
+        let r = send(&mut e, &m, "c8", vec![("command", "block media".into()), ("call-id", "cfBXzDSZqhYNcXM".into()), ("label", "caller".into())]);
+        assert_eq!(text(&r, "result"), "error", "{r:?}");
     }
 
     #[test]

@@ -16,6 +16,7 @@
 //! Sans-I/O: everything but [`serve_ng`] is testable without sockets.
 
 pub mod bencode;
+pub mod call_control;
 pub mod calls;
 pub mod client;
 pub mod codecs;

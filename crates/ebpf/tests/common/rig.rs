@@ -89,6 +89,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         stream_ids: None,
         publisher_feedback: None,
         reverse: mediaplane_core::srtp::Protection::Clear,
+        control: Default::default(),
     }
 }
 
