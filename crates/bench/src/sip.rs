@@ -221,6 +221,36 @@ event_route[xhttp:request] {
 }
 "#;
 
+/// A Kamailio script of one worker on UDP `listen`, stateless (sl, textops, pv, xlog) with the
+/// rtpengine module talking NG to `ng`: `modparams` (more of the module's, e.g. MOS AVPs) and
+/// `request_route` (its body) are the test's.
+pub fn script(listen: SocketAddr, ng: SocketAddr, modules: &Path, modparams: &str, request_route: &str) -> String {
+    format!(
+        r#"#!KAMAILIO
+debug=2
+log_stderror=yes
+children=1
+disable_tcp=yes
+auto_aliases=no
+listen=udp:{listen}
+mpath="{modules}/"
+loadmodule "sl.so"
+loadmodule "textops.so"
+loadmodule "siputils.so"
+loadmodule "pv.so"
+loadmodule "xlog.so"
+loadmodule "rtpengine.so"
+modparam("rtpengine", "rtpengine_sock", "udp:{ng}")
+{modparams}
+request_route {{
+{request_route}
+    exit;
+}}
+"#,
+        modules = modules.display()
+    )
+}
+
 /// A Kamailio started from a [`KamailioConfig`], logging to `kamailio.log` in its directory.
 pub struct Kamailio {
     pub proc: Supervised,
@@ -231,14 +261,20 @@ impl Kamailio {
     /// Write the configuration into `dir` and run `launcher` (`kamailio` itself, or e.g.
     /// `ip netns exec NS kamailio`, which execs it) in the foreground with it, in a process group
     /// of its own; returns once it has bound its SIP port and its workers pinged the relay.
-    pub fn start(mut launcher: Command, cfg: &KamailioConfig, dir: &Path) -> Result<Kamailio, String> {
+    pub fn start(launcher: Command, cfg: &KamailioConfig, dir: &Path) -> Result<Kamailio, String> {
+        Kamailio::start_script(launcher, &cfg.render(), cfg.listen.port(), dir)
+    }
+
+    /// [`Kamailio::start`] with a script of the test's own (e.g. [`script`]'s) listening on
+    /// UDP `port`.
+    pub fn start_script(mut launcher: Command, script: &str, port: u16, dir: &Path) -> Result<Kamailio, String> {
         let path = dir.join("kamailio.cfg");
-        std::fs::write(&path, cfg.render()).map_err(|e| format!("writing {}: {e}", path.display()))?;
+        std::fs::write(&path, script).map_err(|e| format!("writing {}: {e}", path.display()))?;
         let log = dir.join("kamailio.log");
         let logf = std::fs::File::create(&log).map_err(|e| e.to_string())?;
         launcher.args(["-DD", "-E", "-m", "32", "-M", "8", "-f"]).arg(&path).arg("-Y").arg(dir).arg("-P").arg(dir.join("kamailio.pid")).arg("-w").arg(dir);
         let mut proc = spawn_group("kamailio", launcher.stdout(Stdio::null()).stderr(logf))?;
-        wait_udp_bound(&mut proc, cfg.listen.port(), Duration::from_secs(10)).map_err(|e| format!("{e}\n{}", log_tail(&log, 20)))?;
+        wait_udp_bound(&mut proc, port, Duration::from_secs(10)).map_err(|e| format!("{e}\n{}", log_tail(&log, 20)))?;
         // Its workers ping the relay in child_init, after the main process bound the port.
         std::thread::sleep(Duration::from_millis(500));
         Ok(Kamailio { proc, log })

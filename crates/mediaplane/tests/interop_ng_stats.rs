@@ -21,7 +21,6 @@ mod common;
 mod ng_common;
 
 use mediaplane_bench::netns::Testbed;
-use mediaplane_bench::process::Supervised;
 use mediaplane_bench::sip;
 use mediaplane_core::rtp::build_rtp;
 use mediaplane_harness::bench_relay::{RelayProc, RelaySetup, NG};
@@ -30,7 +29,6 @@ use ng_common::*;
 use std::collections::BTreeMap;
 use std::net::{SocketAddr, UdpSocket};
 use std::path::Path;
-use std::process::Stdio;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
 const CALL: &str = "ng-stats-interop@interop_ng_stats.test";
@@ -40,42 +38,24 @@ const SSRC_CALLER: u32 = 0x11111111;
 const SSRC_CALLEE: u32 = 0x22222222;
 
 fn kamailio_cfg(modules: &Path) -> String {
-    format!(
-        r#"#!KAMAILIO
-debug=2
-log_stderror=yes
-children=1
-disable_tcp=yes
-auto_aliases=no
-listen=udp:{KAMAILIO}
-mpath="{modules}/"
-loadmodule "sl.so"
-loadmodule "textops.so"
-loadmodule "siputils.so"
-loadmodule "pv.so"
-loadmodule "xlog.so"
-loadmodule "rtpengine.so"
-modparam("rtpengine", "rtpengine_sock", "udp:{NG}")
-modparam("rtpengine", "mos_min_pv", "$avp(mos_min)")
-modparam("rtpengine", "mos_max_pv", "$avp(mos_max)")
-modparam("rtpengine", "mos_average_pv", "$avp(mos_average)")
-modparam("rtpengine", "mos_average_packetloss_pv", "$avp(mos_average_packetloss)")
-modparam("rtpengine", "mos_average_jitter_pv", "$avp(mos_average_jitter)")
-modparam("rtpengine", "mos_average_roundtrip_pv", "$avp(mos_average_roundtrip)")
-modparam("rtpengine", "mos_average_samples_pv", "$avp(mos_average_samples)")
-
-request_route {{
-    if (is_method("BYE")) {{
+    let modparams = [
+        ("mos_min_pv", "mos_min"),
+        ("mos_max_pv", "mos_max"),
+        ("mos_average_pv", "mos_average"),
+        ("mos_average_packetloss_pv", "mos_average_packetloss"),
+        ("mos_average_jitter_pv", "mos_average_jitter"),
+        ("mos_average_roundtrip_pv", "mos_average_roundtrip"),
+        ("mos_average_samples_pv", "mos_average_samples"),
+    ]
+    .map(|(param, avp)| format!("modparam(\"rtpengine\", \"{param}\", \"$avp({avp})\")\n"))
+    .concat();
+    let route = r#"    if (is_method("BYE")) {
         xlog("L_NOTICE", "NGSTATS rtpstat=[$rtpstat]\n");
         rtpengine_delete();
         xlog("L_NOTICE", "NGSTATS mos min=[$avp(mos_min)] max=[$avp(mos_max)] average=[$avp(mos_average)] packetloss=[$avp(mos_average_packetloss)] jitter=[$avp(mos_average_jitter)] roundtrip=[$avp(mos_average_roundtrip)] samples=[$avp(mos_average_samples)]\n");
         sl_send_reply("200", "OK");
-    }}
-    exit;
-}}
-"#,
-        modules = modules.display()
-    )
+    }"#;
+    sip::script(KAMAILIO.parse().unwrap(), NG.parse().unwrap(), modules, &modparams, route)
 }
 
 /// Fraction lost (of 256) every report block gives: 1 % in the MOS blocks.
@@ -189,15 +169,10 @@ fn run(relay: &str, tmp: &Path) -> Run {
         .unwrap_or_else(|e| panic!("starting {relay}: {e:#}"));
     let dir = tmp.join(relay);
     std::fs::create_dir_all(&dir).unwrap();
-    let cfg = dir.join("kamailio.cfg");
-    std::fs::write(&cfg, kamailio_cfg(&sip::kamailio_module_dir().unwrap())).unwrap();
-    let log = dir.join("kamailio.log");
-    let mut launcher = tb.command(&tb.sfu_ns, sip::which("kamailio").unwrap().to_str().unwrap());
-    launcher.args(["-DD", "-E", "-m", "32", "-M", "8", "-f"]).arg(&cfg).arg("-Y").arg(&dir).arg("-P").arg(dir.join("kamailio.pid")).arg("-w").arg(&dir);
-    let mut kamailio: Supervised = sip::spawn_group("kamailio", launcher.stdout(Stdio::null()).stderr(std::fs::File::create(&log).unwrap()))
+    let launcher = tb.command(&tb.sfu_ns, sip::which("kamailio").unwrap().to_str().unwrap());
+    let mut kamailio = sip::Kamailio::start_script(launcher, &kamailio_cfg(&sip::kamailio_module_dir().unwrap()), 5060, &dir)
         .unwrap_or_else(|e| panic!("starting kamailio: {e}"));
-    sip::wait_udp_bound(&mut kamailio, 5060, Duration::from_secs(10)).unwrap_or_else(|e| panic!("{e}\n{}", sip::log_tail(&log, 20)));
-    std::thread::sleep(Duration::from_millis(500)); // its worker pings the relay in child_init
+    let log = kamailio.log.clone();
 
     let (cip, eip) = (caller.ip.to_string(), callee.ip.to_string());
     let offer = ng(&tb, offer_answer("offer", CALL, "caller-tag", None, &sdp(&cip, 6000, 1), &cip));
@@ -239,7 +214,7 @@ fn run(relay: &str, tmp: &Path) -> Run {
     let line = |tag: &str| logged.lines().find_map(|l| l.split_once(tag).map(|(_, rest)| rest.to_string())).unwrap_or_default();
     let (rtpstat, mos) = (line("NGSTATS rtpstat="), line("NGSTATS mos "));
     assert!(!rtpstat.is_empty() && !mos.is_empty(), "[{relay}] Kamailio logged no statistics:\n{}", sip::log_tail(&log, 30));
-    let _ = kamailio.terminate(Duration::from_secs(3));
+    let _ = kamailio.proc.terminate(Duration::from_secs(3));
     relay_proc.stop().unwrap_or_else(|e| panic!("{e:#}"));
     Run { query, statistics, rtpstat, mos, endpoint_rtt_us }
 }
