@@ -635,6 +635,29 @@ pub struct Relay {
     /// a leg's own [`Leg::control`] adds to it and outlives this one's end.
     #[serde(default, skip_serializing_if = "MediaControl::is_off")]
     pub control: MediaControl,
+    /// Copies of what a party sends to third parties (NG `subscribe request`).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub forks: Vec<Fork>,
+}
+
+/// A copy of what one party of a relay sends, for a third party (NG `subscribe request`: call
+/// monitoring, a SIPREC recorder): one more copy of the party's stream, in the kernel on the
+/// eBPF plane, leaving from an address of its own.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Fork {
+    /// The subscription it belongs to (NG `to-tag`).
+    pub tag: String,
+    /// Whose media: the peer of this leg.
+    pub of: Side,
+    /// Its media section's place in the subscription's SDP (what the subscriber's answer
+    /// addresses it by).
+    #[serde(default)]
+    pub position: u16,
+    /// Where the copies leave from (claimed like a leg's address).
+    pub local: SocketAddr,
+    /// Where they go; None until the subscriber answers.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<SocketAddr>,
 }
 
 impl Relay {
@@ -778,6 +801,9 @@ impl Model {
         for (id, r) in &self.relays {
             fresh.claim(r.a.local, format!("relay {id}/a"))?;
             fresh.claim(r.b.local, format!("relay {id}/b"))?;
+            for f in &r.forks {
+                fresh.claim(f.local, format!("relay {id}/fork {}", f.tag))?;
+            }
             fresh.legs.insert(r.a.uid, (id.clone(), Side::A));
             fresh.legs.insert(r.b.uid, (id.clone(), Side::B));
         }
@@ -788,7 +814,11 @@ impl Model {
         Ok(())
     }
 
-    fn claim(&mut self, addr: SocketAddr, owner: String) -> Result<(), ModelError> {
+    pub(crate) fn owners_remove(&mut self, addr: SocketAddr) {
+        self.owners.remove(&addr);
+    }
+
+    pub(crate) fn claim(&mut self, addr: SocketAddr, owner: String) -> Result<(), ModelError> {
         match self.owners.get(&addr) {
             Some(o) if *o != owner => Err(ModelError::AddressInUse { addr, owner: o.clone() }),
             _ => {
@@ -1439,7 +1469,7 @@ impl Model {
         let b = mk(self, b);
         self.legs.insert(a.uid, (id.into(), Side::A));
         self.legs.insert(b.uid, (id.into(), Side::B));
-        self.relays.insert(id.into(), Relay { a, b, record: false, control: MediaControl::default() });
+        self.relays.insert(id.into(), Relay { a, b, record: false, control: MediaControl::default(), forks: Vec::new() });
         Ok(())
     }
 
@@ -1447,6 +1477,9 @@ impl Model {
         let r = self.relays.remove(id).ok_or_else(|| not_found("relay", id))?;
         self.owners.remove(&r.a.local);
         self.owners.remove(&r.b.local);
+        for f in &r.forks {
+            self.owners.remove(&f.local);
+        }
         self.legs.remove(&r.a.uid);
         self.legs.remove(&r.b.uid);
         Ok(r)

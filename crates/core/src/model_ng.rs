@@ -1,6 +1,6 @@
 //! Model operations the SIP relay (NG protocol) needs beyond the basic ones in `model.rs`.
 
-use crate::model::{Follow, MediaControl, Model, ModelError, Side};
+use crate::model::{Follow, Fork, MediaControl, Model, ModelError, Side};
 use crate::srtp::LegSrtp;
 use std::net::SocketAddr;
 
@@ -124,6 +124,46 @@ impl Model {
         let changed = leg.telephone_events != payload_types;
         leg.telephone_events = payload_types;
         Ok(changed)
+    }
+}
+
+impl Model {
+    /// Fork what one party of a relay sends (NG `subscribe request`): its address is claimed
+    /// now, copies go once [`Model::set_fork_remote`] gives it a peer.
+    pub fn add_fork(&mut self, id: &str, fork: Fork) -> Result<(), ModelError> {
+        let r = self.relays.get(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
+        if fork.local.is_ipv4() != r.leg(fork.of).local.is_ipv4() {
+            return Err(ModelError::FamilyMismatch(format!("relay {id}")));
+        }
+        if r.forks.iter().any(|f| f.tag == fork.tag && f.of == fork.of) {
+            return Err(ModelError::Exists { kind: "fork", id: format!("{id}/{}", fork.tag) });
+        }
+        self.claim(fork.local, format!("relay {id}/fork {}", fork.tag))?;
+        self.relays.get_mut(id).expect("found above").forks.push(fork);
+        Ok(())
+    }
+
+    /// Where a fork's copies go (the subscriber's answer); true if that changed anything.
+    pub fn set_fork_remote(&mut self, id: &str, tag: &str, of: Side, remote: SocketAddr) -> Result<bool, ModelError> {
+        let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
+        let f = r.forks.iter_mut().find(|f| f.tag == tag && f.of == of).ok_or_else(|| ModelError::NotFound { kind: "fork", id: format!("{id}/{tag}") })?;
+        if remote.is_ipv4() != f.local.is_ipv4() {
+            return Err(ModelError::FamilyMismatch(format!("relay {id} fork {tag}")));
+        }
+        let changed = f.remote != Some(remote);
+        f.remote = Some(remote);
+        Ok(changed)
+    }
+
+    /// End a relay's forks of one subscription, releasing their addresses; true if there were any.
+    pub fn remove_forks(&mut self, id: &str, tag: &str) -> Result<bool, ModelError> {
+        let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
+        let (gone, kept): (Vec<Fork>, Vec<Fork>) = r.forks.drain(..).partition(|f| f.tag == tag);
+        r.forks = kept;
+        for f in &gone {
+            self.owners_remove(f.local);
+        }
+        Ok(!gone.is_empty())
     }
 }
 

@@ -6,7 +6,7 @@
 //! inject into it ([`SourceRule`]: one fixed source; a relay leg learning its peer's; anyone).
 
 use crate::feedback::{FeedbackEntry, FeedbackRoute};
-use crate::model::{Leg, MediaControl, Model, Relay, Room, StreamRef};
+use crate::model::{Leg, MediaControl, Model, Relay, Room, Side, StreamRef};
 use crate::ratelimit::RateLimit;
 use crate::rtp::{self, MediaKind, RtpHeader};
 use crate::srtp::Protection;
@@ -498,7 +498,7 @@ fn compile_room_feedback(rid: &str, room: &Room) -> Vec<FeedbackEntry> {
 
 /// The two entries of a relay: each leg's ingress, a fan-out of one to the other leg's peer.
 fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 2] {
-    [(&r.a, &r.b, "a", "b"), (&r.b, &r.a, "b", "a")].map(|(from_leg, to_leg, side, other)| {
+    [(&r.a, &r.b, "a", "b", Side::A), (&r.b, &r.a, "b", "a", Side::B)].map(|(from_leg, to_leg, side, other, from_side)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
         let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
         let copy = |to| Copy {
@@ -512,7 +512,21 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             auto_layer: true,
             temporal_layer: None,
         };
-        let copies = to_leg.peer().map(|to| vec![copy(to)]).unwrap_or_default();
+        let mut copies: Vec<Copy> = to_leg.peer().map(|to| vec![copy(to)]).unwrap_or_default();
+        // A subscriber gets what the relay has in clear (it unprotects a party's SRTP it terminates).
+        copies.extend(r.forks.iter().filter(|f| f.of == from_side).filter_map(|f| {
+            Some(Copy {
+                subscriber: format!("relay:{id}/fork:{}", f.tag),
+                from: f.local,
+                to: f.remote?,
+                outbound: Protection::Clear,
+                consumer: 0,
+                layer: None,
+                max_layer: None,
+                auto_layer: true,
+                temporal_layer: None,
+            })
+        }));
         StreamEntry {
             id: from_leg.uid,
             label: format!("relay:{id}/{side}"),

@@ -133,10 +133,6 @@ fn through_kamailio(tb: &Testbed, function: &str, cseq: usize) -> String {
     .unwrap()
 }
 
-fn ng(tb: &Testbed, pairs: Vec<(&'static str, Value)>) -> Value {
-    tb.in_ns(&tb.sfu_ns, move || ng_client(NG.parse().unwrap()).cmd(pairs)).unwrap()
-}
-
 /// One phase of media: the caller's A-law (every fifth packet an event), the callee's A-law;
 /// what each received, read until 200 ms after the last was sent.
 fn media(caller: (&UdpSocket, SocketAddr), callee: (&UdpSocket, SocketAddr), seq0: u16) -> Heard {
@@ -185,20 +181,9 @@ type Run = Vec<(&'static str, String, Heard)>;
 
 fn run(relay: &str, tmp: &Path) -> Run {
     let tb = Testbed::star(2).expect("testbed");
-    let (caller, callee) = (&tb.peers[0], &tb.peers[1]);
     let mut relay_proc = RelayProc::start_binary(&tb, relay, tmp, Path::new(env!("CARGO_BIN_EXE_mediaplane")), &RelaySetup::default())
         .unwrap_or_else(|e| panic!("starting {relay}: {e:#}"));
-    let (cip, eip) = (caller.ip.to_string(), callee.ip.to_string());
-    let offer = ng(&tb, offer_answer("offer", CALL, CALLER_TAG, None, &sdp(&cip, 6000, 1), &cip));
-    let to_callee = advertised(&offer);
-    let answer = ng(&tb, offer_answer("answer", CALL, CALLER_TAG, Some(CALLEE_TAG), &sdp(&eip, 7000, 2), &eip));
-    let to_caller = advertised(&answer);
-    let sock = |ns: &str, ip, port| {
-        let s = tb.udp_socket(ns, SocketAddr::new(ip, port)).unwrap();
-        s.set_nonblocking(true).unwrap();
-        s
-    };
-    let (a, b) = (sock(&caller.ns, caller.ip, 6000), sock(&callee.ns, callee.ip, 7000));
+    let TestCall { caller: a, callee: b, to_caller, to_callee } = set_up_call(&tb, CALL, CALLER_TAG, CALLEE_TAG);
     // Both parties heard once (the relays latch), what arrives meanwhile read and dropped.
     media((&a, to_caller), (&b, to_callee), 0);
     let dir = tmp.join(relay);
@@ -214,7 +199,7 @@ fn run(relay: &str, tmp: &Path) -> Run {
             Via::Ng(request) => {
                 let mut pairs = vec![("call-id", Value::str(CALL))];
                 pairs.extend(request);
-                let r = ng(&tb, pairs);
+                let r = ng_in(&tb, pairs);
                 let mut reply = text(&r, "result");
                 for k in ["error-reason", "warning"] {
                     if let Some(v) = r.get(k).and_then(Value::as_str) {
@@ -234,7 +219,7 @@ fn run(relay: &str, tmp: &Path) -> Run {
     for line in logged.lines().filter(|l| l.contains("ERROR") || l.contains("proxy")) {
         eprintln!("[{relay}] kamailio: {line}");
     }
-    ng(&tb, delete(CALL, CALLER_TAG, CALLEE_TAG));
+    ng_in(&tb, delete(CALL, CALLER_TAG, CALLEE_TAG));
     relay_proc.stop().unwrap_or_else(|e| panic!("{e:#}"));
     out
 }

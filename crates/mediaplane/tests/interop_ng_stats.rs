@@ -158,10 +158,6 @@ struct Run {
     endpoint_rtt_us: f64,
 }
 
-fn ng(tb: &Testbed, pairs: Vec<(&'static str, Value)>) -> Value {
-    tb.in_ns(&tb.sfu_ns, move || ng_client(NG.parse().unwrap()).cmd(pairs)).unwrap()
-}
-
 fn run(relay: &str, tmp: &Path) -> Run {
     let tb = Testbed::star(2).expect("testbed");
     let (caller, callee) = (&tb.peers[0], &tb.peers[1]);
@@ -175,9 +171,9 @@ fn run(relay: &str, tmp: &Path) -> Run {
     let log = kamailio.log.clone();
 
     let (cip, eip) = (caller.ip.to_string(), callee.ip.to_string());
-    let offer = ng(&tb, offer_answer("offer", CALL, "caller-tag", None, &sdp(&cip, 6000, 1), &cip));
+    let offer = ng_in(&tb, offer_answer("offer", CALL, "caller-tag", None, &sdp(&cip, 6000, 1), &cip));
     let to_callee = advertised(&offer);
-    let answer = ng(&tb, offer_answer("answer", CALL, "caller-tag", Some("callee-tag"), &sdp(&eip, 7000, 2), &eip));
+    let answer = ng_in(&tb, offer_answer("answer", CALL, "caller-tag", Some("callee-tag"), &sdp(&eip, 7000, 2), &eip));
     let to_caller = advertised(&answer);
     let rtcp = |a: SocketAddr| SocketAddr::new(a.ip(), a.port() + 1);
     let sock = |ns: &str, ip, port| tb.udp_socket(ns, SocketAddr::new(ip, port)).unwrap();
@@ -186,8 +182,8 @@ fn run(relay: &str, tmp: &Path) -> Run {
     let endpoint_rtt_us =
         media([(&a, to_caller, SSRC_CALLER), (&b, to_callee, SSRC_CALLEE)], [(&a_rtcp, rtcp(to_caller), SSRC_CALLER), (&b_rtcp, rtcp(to_callee), SSRC_CALLEE)]);
     std::thread::sleep(Duration::from_millis(300));
-    let query = ng(&tb, vec![("command", "query".into()), ("call-id", CALL.into())]);
-    let statistics = ng(&tb, vec![("command", "statistics".into())]);
+    let query = ng_in(&tb, vec![("command", "query".into()), ("call-id", CALL.into())]);
+    let statistics = ng_in(&tb, vec![("command", "statistics".into())]);
 
     // The BYE, as a SIP UA sends it through the proxy: Kamailio deletes the call over NG.
     let bye = tb
@@ -207,7 +203,7 @@ fn run(relay: &str, tmp: &Path) -> Run {
         .unwrap();
     let bye = bye.unwrap_or_else(|e| panic!("[{relay}] no reply to the BYE: {e}\n{}", sip::log_tail(&log, 20)));
     assert!(bye.starts_with("SIP/2.0 200"), "[{relay}] {bye}");
-    let list = ng(&tb, vec![("command", "list".into())]);
+    let list = ng_in(&tb, vec![("command", "list".into())]);
     assert_eq!(list.get("calls").and_then(Value::as_list).map(<[Value]>::len), Some(0), "[{relay}] the BYE deleted the call: {list:?}");
 
     let logged = std::fs::read_to_string(&log).unwrap_or_default();

@@ -100,6 +100,8 @@ pub struct MediaState {
     pub proto_of: [Option<String>; 2],
     /// The SRTP the relay terminates toward each party [A, B] (SDES).
     pub sdes: [Option<crate::sdes::SdesSide>; 2],
+    /// The formats each party's last SDP described [A, B]: what a subscriber to it is offered.
+    pub formats_of: [Option<crate::sdp::FormatDescription>; 2],
     /// The last offer went on in another protocol than its sender's (`transport-protocol`).
     pub translated: bool,
     /// ICE + DTLS-SRTP the relay terminates toward each party [A, B] (a WebRTC party).
@@ -514,6 +516,7 @@ fn inactive(sig: &MediaSignal) -> MediaState {
         mux_offered: false,
         mux: false,
         proto_of: Default::default(),
+        formats_of: Default::default(),
         sdes: Default::default(),
         translated: false,
         webrtc: Default::default(),

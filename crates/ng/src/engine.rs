@@ -11,6 +11,7 @@ use crate::recording::{self, Recordings};
 use crate::sdes;
 use crate::sdp::{MediaRewrite, Rewrite, Sdp, SdpError};
 use crate::stats::{self as ngstats, CallView, Clock, ControlStats, StatisticsInput, Traffic, TrafficTotals};
+use crate::subscribe;
 use mediaplane_control::manager::{ManagerError, SessionManager};
 use mediaplane_control::metrics::{CallEnd, NgMetrics};
 use mediaplane_control::store::Change;
@@ -245,6 +246,8 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
         // The whole call is recorded, whichever of its parties the tags name.
         "start recording" | "stop recording" | "start-recording" | "stop-recording" => &["call-id", "from-tag", "to-tag"],
         "list" => &["limit"],
+        "subscribe request" | "subscribe-request" => &["call-id", "from-tag", "from-tags", "to-tag", "all", "flags"],
+        "subscribe answer" | "subscribe-answer" | "unsubscribe" => &["call-id", "to-tag", "sdp", "flags"],
         c if call_control::Command::parse(c).is_some() => {
             &["call-id", "from-tag", "to-tag", "address", "label", "from-label", "to-label", "all", "flags", "dtmf-security"]
         }
@@ -279,6 +282,7 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
             "rtcp-mux-require",
         ],
         "delete" => &["fatal"],
+        "subscribe request" | "subscribe-request" => &["all"],
         // `directional` is how Kamailio's module is told to send the From tag: the tag selects.
         c if call_control::Command::parse(c).is_some() => &["all", "directional"],
         _ => &[],
@@ -491,6 +495,125 @@ impl Engine {
         Ok(Value::dict([("result", Value::str("ok"))]))
     }
 
+    /// The call a request's `call-id` names (one adopted after a restart too).
+    fn call_of(&self, req: &Request) -> Result<&Call, NgError> {
+        let call_id = req.nonempty("call-id")?;
+        self.registry.get(call_id).filter(|c| c.call_id.is_empty() || c.call_id == call_id).ok_or_else(|| NgError::Call(format!("unknown call-id {call_id:?}")))
+    }
+
+    /// `subscribe request` ([`subscribe`]): fork the selected parties' media sections to new
+    /// addresses; the reply offers them `sendonly`.
+    fn subscribe_request(&mut self, mgr: &SessionManager, req: &Request) -> Result<Value, NgError> {
+        let call = self.call_of(req)?.clone();
+        let err = |e: subscribe::SubscribeError| NgError::Call(e.to_string());
+        let parties = subscribe::parties(&call, req).map_err(err)?;
+        let sections = subscribe::sections(&call, &parties).map_err(err)?;
+        let tag = match req.opt_nonempty("to-tag")? {
+            Some(t) if call.side_of(t).is_some() => return Err(err(subscribe::SubscribeError::PartyTag(t.to_string()))),
+            Some(t) => t.to_string(),
+            None => subscribe::new_tag(),
+        };
+        let relays = call.relay_ids();
+        let placed = mgr.mutate(|model, media| {
+            let mut changes = Vec::new();
+            // A request with an existing to-tag replaces that subscription.
+            for id in &relays {
+                if model.relays.contains_key(id) && model.remove_forks(id, &tag)? {
+                    changes.push(Change::Relay(id.clone()));
+                }
+            }
+            let mut placed = Vec::new();
+            for (position, s) in sections.iter().enumerate() {
+                let local = mediaplane_control::manager::allocate_on(model, media, s.ip, &[])?;
+                for (id, fork) in subscribe::forks(&call, &tag, position, s, local) {
+                    model.add_fork(&id, fork)?;
+                    if !changes.contains(&Change::Relay(id.clone())) {
+                        changes.push(Change::Relay(id));
+                    }
+                }
+                let advertised = media.interface_of(local.ip()).map_or(local.ip(), |i| i.advertised());
+                placed.push((s.clone(), SocketAddr::new(advertised, local.port())));
+            }
+            Ok((placed, changes))
+        })?;
+        let session = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        let sdp = subscribe::offer_sdp(session, &placed);
+        let tag_of = |s: Side| if s == Side::A { call.tag_a.clone() } else { call.tag_b.clone() }.unwrap_or_default();
+        let from_tags: Vec<Value> = parties.iter().map(|s| Value::from(tag_of(*s))).collect();
+        let mut reply =
+            vec![("result", Value::str("ok")), ("sdp", Value::from(sdp)), ("to-tag", Value::from(tag.clone())), ("from-tags", Value::List(from_tags))];
+        if let [one] = parties[..] {
+            reply.push(("from-tag", Value::from(tag_of(one))));
+        }
+        tracing::info!(call_id = %call.call_id, to_tag = %tag, sections = placed.len(), "subscription offered");
+        Ok(Value::dict(reply))
+    }
+
+    /// The forks of the subscription `tag` on `call`'s relays: (relay id, fork).
+    fn forks_of(mgr: &SessionManager, call: &Call, tag: &str) -> Vec<(String, mediaplane_core::model::Fork)> {
+        let relays = call.relay_ids();
+        mgr.read(|model, _| {
+            relays
+                .iter()
+                .filter_map(|id| model.relays.get(id).map(|r| (id, r)))
+                .flat_map(|(id, r)| r.forks.iter().filter(|f| f.tag == tag).map(move |f| (id.clone(), f.clone())))
+                .collect()
+        })
+    }
+
+    /// `subscribe answer`: the subscriber's SDP says where each forked section goes.
+    fn subscribe_answer(&mut self, mgr: &SessionManager, req: &Request) -> Result<Value, NgError> {
+        let call = self.call_of(req)?.clone();
+        let tag = req.nonempty("to-tag")?.to_string();
+        let sdp = Sdp::parse(req.sdp()?)?;
+        let forks = Self::forks_of(mgr, &call, &tag);
+        let err = |e: subscribe::SubscribeError| NgError::Call(e.to_string());
+        if forks.is_empty() {
+            return Err(err(subscribe::SubscribeError::UnknownSubscription(tag)));
+        }
+        let want = forks.iter().map(|(_, f)| f.position as usize + 1).max().unwrap_or(0);
+        if sdp.media.len() < want {
+            return Err(err(subscribe::SubscribeError::TooFewSections { got: sdp.media.len(), want }));
+        }
+        let signals = calls::media_signals(&sdp, &AddressPolicy::default(), false)?;
+        mgr.mutate(|model, _| {
+            let mut changes = Vec::new();
+            for (id, f) in &forks {
+                let sig = &signals[f.position as usize];
+                // The RTCP relay's fork goes to the section's RTCP address; a rejected section
+                // (port 0) or one on hold gets nothing.
+                let rtcp = calls::parse_relay_id(id).is_some_and(|(_, _, rtcp)| rtcp);
+                let Some(to) = (if rtcp { sig.rtcp } else { sig.rtp }) else { continue };
+                if model.set_fork_remote(id, &tag, f.of, to)? && !changes.contains(&Change::Relay(id.clone())) {
+                    changes.push(Change::Relay(id.clone()));
+                }
+            }
+            Ok(((), changes))
+        })?;
+        tracing::info!(call_id = %call.call_id, to_tag = %tag, "subscription answered");
+        Ok(Value::dict([("result", Value::str("ok"))]))
+    }
+
+    /// `unsubscribe`: end the subscription `to-tag` names.
+    fn unsubscribe(&mut self, mgr: &SessionManager, req: &Request) -> Result<Value, NgError> {
+        let call = self.call_of(req)?.clone();
+        let tag = req.nonempty("to-tag")?.to_string();
+        let forks = Self::forks_of(mgr, &call, &tag);
+        if forks.is_empty() {
+            return Err(NgError::Call(subscribe::SubscribeError::UnknownSubscription(tag).to_string()));
+        }
+        mgr.mutate(|model, _| {
+            let mut changes = Vec::new();
+            for (id, _) in forks {
+                if model.remove_forks(&id, &tag)? && !changes.contains(&Change::Relay(id.clone())) {
+                    changes.push(Change::Relay(id));
+                }
+            }
+            Ok(((), changes))
+        })?;
+        Ok(Value::dict([("result", Value::str("ok"))]))
+    }
+
     /// The `loop-protect` mark this engine puts in SDP.
     pub fn instance_id(&self) -> &str {
         &self.cfg.instance_id
@@ -566,6 +689,9 @@ impl Engine {
             "statistics" => Ok(self.statistics(mgr, now)),
             "start recording" | "start-recording" => self.set_recording(mgr, &req, true),
             "stop recording" | "stop-recording" => self.set_recording(mgr, &req, false),
+            "subscribe request" | "subscribe-request" => self.subscribe_request(mgr, &req),
+            "subscribe answer" | "subscribe-answer" => self.subscribe_answer(mgr, &req),
+            "unsubscribe" => self.unsubscribe(mgr, &req),
             other => match call_control::Command::parse(other) {
                 Some(c) => self.media_control(mgr, &req, c),
                 None => Err(NgError::Call(format!("unknown command {other:?}"))),
@@ -765,6 +891,9 @@ impl Engine {
             call.codecs_removed = codecs_removed;
         }
         call.last_signal = SystemTime::now();
+        for (i, m) in call.media.iter_mut().enumerate() {
+            m.formats_of[calls::side_index(sender)] = sdp.format_description(i);
+        }
         if phase == Phase::Answer {
             call.answered = true;
         }
@@ -1887,6 +2016,56 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         let r = send(&mut e, &m, "c7", vec![("command", "block media".into()), ("call-id", "nope".into())]);
         assert_eq!(text(&r, "error-reason"), "unknown call-id \"nope\"");
         let r = send(&mut e, &m, "c8", vec![("command", "block media".into()), ("call-id", "cfBXzDSZqhYNcXM".into()), ("label", "caller".into())]);
+        assert_eq!(text(&r, "result"), "error", "{r:?}");
+    }
+
+    #[test]
+    fn a_subscription_forks_each_partys_media_to_the_subscriber_until_it_unsubscribes() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        send(&mut e, &m, "a1", answer(ANSWER_SDP));
+        let call = |cmd: &str, more: Vec<(&'static str, Value)>| {
+            let mut v = vec![("command", Value::from(cmd)), ("call-id", "cfBXzDSZqhYNcXM".into())];
+            v.extend(more);
+            v
+        };
+        let r = send(&mut e, &m, "s1", call("subscribe request", vec![("flags", Value::List(vec!["all".into()])), ("to-tag", "mon".into())]));
+        assert_eq!((text(&r, "result"), text(&r, "to-tag")), ("ok".into(), "mon".into()), "{r:?}");
+        assert_eq!(r.get("from-tags"), Some(&Value::List(vec!["mS9rSAn0Cr".into(), "8fa3b2".into()])));
+        let offered = Sdp::parse(text(&r, "sdp").as_bytes()).unwrap();
+        // Each party's formats: the caller's A-law and events, the callee's A-law.
+        assert_eq!(offered.media.iter().map(|m| m.formats.iter().map(|f| f.pt).collect::<Vec<_>>()).collect::<Vec<_>>(), [vec![8, 101], vec![8]]);
+        let ports: Vec<u16> = offered.media.iter().map(|m| m.port).collect();
+        let table = |m: &SessionManager| m.read(|model, _| mediaplane_core::ForwardingTable::compile(model, 1));
+        let fork_copies = |m: &SessionManager| {
+            table(m)
+                .streams
+                .values()
+                .flat_map(|e| e.copies.iter().filter(|c| c.subscriber.contains("/fork:")).map(|c| (c.from.port(), c.to)).collect::<Vec<_>>())
+                .collect::<Vec<_>>()
+        };
+        assert!(fork_copies(&m).is_empty(), "no copies before the subscriber answers");
+
+        let answer_sdp = "v=0\r\no=- 1 1 IN IP4 198.51.100.9\r\ns=-\r\nc=IN IP4 198.51.100.9\r\nt=0 0\r\nm=audio 9000 RTP/AVP 8\r\na=recvonly\r\nm=audio 9002 RTP/AVP 8\r\na=recvonly\r\n";
+        let r = send(&mut e, &m, "s2", call("subscribe answer", vec![("to-tag", "mon".into()), ("sdp", answer_sdp.into())]));
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let mut copies = fork_copies(&m);
+        copies.sort();
+        let to = |p: u16| SocketAddr::new("198.51.100.9".parse().unwrap(), p);
+        // RTP and RTCP of each party, from the subscription's ports.
+        let mut want = vec![(ports[0], to(9000)), (ports[0] + 1, to(9001)), (ports[1], to(9002)), (ports[1] + 1, to(9003))];
+        want.sort();
+        assert_eq!(copies, want);
+
+        let r = send(&mut e, &m, "s3", call("unsubscribe", vec![("to-tag", "mon".into())]));
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        assert!(fork_copies(&m).is_empty());
+        assert!(m
+            .read(|model, _| model.owner_of(&to(0)).is_none()
+                && ports.iter().all(|p| model.owner_of(&SocketAddr::new("203.0.113.5".parse().unwrap(), *p)).is_none())));
+        let r = send(&mut e, &m, "s4", call("unsubscribe", vec![("to-tag", "mon".into())]));
+        assert_eq!(text(&r, "error-reason"), "no subscription with to-tag \"mon\"");
+        let r = send(&mut e, &m, "s5", call("subscribe request", vec![("to-tag", "8fa3b2".into()), ("from-tag", "mS9rSAn0Cr".into())]));
         assert_eq!(text(&r, "result"), "error", "{r:?}");
     }
 

@@ -26,6 +26,7 @@ pub mod recording;
 pub mod sdes;
 pub mod sdp;
 pub mod stats;
+pub mod subscribe;
 pub mod webrtc;
 
 pub use engine::{Engine, EngineConfig};

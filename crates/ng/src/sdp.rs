@@ -131,6 +131,14 @@ fn attr_pt(value: &[u8]) -> Option<u8> {
     std::str::from_utf8(&value[..end]).ok()?.parse::<u8>().ok().filter(|&pt| pt < 128)
 }
 
+/// A media section's formats as an SDP describes them ([`Sdp::format_description`]).
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct FormatDescription {
+    pub payload_types: Vec<u8>,
+    /// `rtpmap:…` and `fmtp:…` attribute values, in their order.
+    pub attrs: Vec<String>,
+}
+
 /// One media section (`m=` line up to the next one).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Media {
@@ -516,6 +524,22 @@ impl Sdp {
     }
 
     /// The connection address that applies to media section `i` (its own or the session's).
+    /// Section `i`'s payload types and its `a=rtpmap` and `a=fmtp` lines (as they were, without
+    /// `a=`): what an SDP of the relay's own offering the same formats carries. None for a
+    /// section that is not RTP (its formats are not payload types).
+    pub fn format_description(&self, i: usize) -> Option<FormatDescription> {
+        let m = self.media.get(i).filter(|m| !m.formats.is_empty())?;
+        let attrs = m
+            .format_lines
+            .iter()
+            .filter_map(|(l, _)| {
+                let text = std::str::from_utf8(&self.lines[*l].text).ok()?.strip_prefix("a=")?;
+                (text.starts_with("rtpmap:") || text.starts_with("fmtp:")).then(|| text.to_string())
+            })
+            .collect();
+        Some(FormatDescription { payload_types: m.formats.iter().map(|f| f.pt).collect(), attrs })
+    }
+
     pub fn media_addr(&self, i: usize) -> Option<&ConnAddr> {
         let m = self.media.get(i)?;
         m.connection.as_ref().or(self.session_connection.as_ref()).map(|c| &c.addr)

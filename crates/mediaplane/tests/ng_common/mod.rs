@@ -26,3 +26,34 @@ pub fn rtp_relay(call: &str) -> String {
 pub fn free_udp_port() -> u16 {
     UdpSocket::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
 }
+
+/// One NG command to the relay of a namespace testbed (at `bench_relay::NG` in its SFU
+/// namespace); its reply, whatever its result.
+pub fn ng_in(tb: &mediaplane_bench::netns::Testbed, pairs: Vec<(&'static str, Value)>) -> Value {
+    tb.in_ns(&tb.sfu_ns, move || ng_client(mediaplane_harness::bench_relay::NG.parse().unwrap()).cmd(pairs)).unwrap()
+}
+
+/// A nonblocking UDP socket of a testbed peer's namespace.
+pub fn peer_socket(tb: &mediaplane_bench::netns::Testbed, peer: usize, port: u16) -> UdpSocket {
+    let p = &tb.peers[peer];
+    let s = tb.udp_socket(&p.ns, SocketAddr::new(p.ip, port)).unwrap();
+    s.set_nonblocking(true).unwrap();
+    s
+}
+
+/// A call set up over NG between a testbed's first two peers (caller on :6000, callee on
+/// :7000, A-law and telephone-event): their RTP sockets and where each sends.
+pub struct TestCall {
+    pub caller: UdpSocket,
+    pub callee: UdpSocket,
+    /// Where the caller sends (the answer's address), and the callee (the offer's).
+    pub to_caller: SocketAddr,
+    pub to_callee: SocketAddr,
+}
+
+pub fn set_up_call(tb: &mediaplane_bench::netns::Testbed, call: &str, caller_tag: &str, callee_tag: &str) -> TestCall {
+    let (cip, eip) = (tb.peers[0].ip.to_string(), tb.peers[1].ip.to_string());
+    let offer = ng_in(tb, offer_answer("offer", call, caller_tag, None, &sdp(&cip, 6000, 1), &cip));
+    let answer = ng_in(tb, offer_answer("answer", call, caller_tag, Some(callee_tag), &sdp(&eip, 7000, 2), &eip));
+    TestCall { caller: peer_socket(tb, 0, 6000), callee: peer_socket(tb, 1, 7000), to_caller: advertised(&answer), to_callee: advertised(&offer) }
+}
