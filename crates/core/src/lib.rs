@@ -17,6 +17,7 @@
 //! and move packets; they never re-derive forwarding decisions from the model.
 
 pub mod call_quality;
+pub mod dtmf_inject;
 pub mod feedback;
 pub mod layer_choice;
 pub mod model;

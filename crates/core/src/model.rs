@@ -499,6 +499,32 @@ pub struct Leg {
     /// [`MediaControl`] tells apart from media.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub telephone_events: Vec<u8>,
+    /// DTMF events to put into what its peer sends (NG `play DTMF`), in order.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dtmf: Vec<DtmfEvent>,
+}
+
+/// One RFC 4733 event to put into a party's audio (NG `play DTMF`). The party's own packets
+/// carry it: from the first one after it is queued, each is sent as an event packet (same
+/// SSRC and sequence number, the event's start as timestamp, a growing duration; the last three
+/// with the end bit) until the duration is reached; then audio again, or after `pause_ms` the
+/// next event. So no packet is added and no sequence number moves (audio during an event is
+/// replaced, as rtpengine suppresses it); a party that sends nothing plays nothing.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DtmfEvent {
+    /// Increasing over a model's life: the data plane plays each once, in order.
+    pub id: u32,
+    /// 0-9, 10 (*), 11 (#), 12-15 (A-D).
+    pub code: u8,
+    /// Attenuation in dB below 0 dBm0 (RFC 4733's volume field, 0-63).
+    pub volume: u8,
+    pub duration_ms: u32,
+    /// Silence after it before the next event, ms.
+    pub pause_ms: u32,
+    /// The receiving party's `telephone-event` payload type.
+    pub payload_type: u8,
+    /// When it was queued (Unix ms): it is dropped from the model once it must be over.
+    pub queued_ms: u64,
 }
 
 /// Call control of one direction of a relay (rtpengine's `block media`, `silence media` and
@@ -836,7 +862,7 @@ impl Model {
         }
     }
 
-    fn uid(&mut self) -> u32 {
+    pub(crate) fn uid(&mut self) -> u32 {
         let u = self.next_uid.max(1);
         self.next_uid = u + 1;
         u
@@ -1464,6 +1490,7 @@ impl Model {
             ice: false,
             control: MediaControl::default(),
             telephone_events: Vec::new(),
+            dtmf: Vec::new(),
         };
         let a = mk(self, a);
         let b = mk(self, b);

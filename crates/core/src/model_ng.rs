@@ -1,6 +1,6 @@
 //! Model operations the SIP relay (NG protocol) needs beyond the basic ones in `model.rs`.
 
-use crate::model::{Follow, Fork, MediaControl, Model, ModelError, Side};
+use crate::model::{DtmfEvent, Follow, Fork, MediaControl, Model, ModelError, Side};
 use crate::srtp::LegSrtp;
 use std::net::SocketAddr;
 
@@ -164,6 +164,42 @@ impl Model {
             self.owners_remove(f.local);
         }
         Ok(!gone.is_empty())
+    }
+}
+
+impl Model {
+    /// Queue a DTMF event into what one leg's peer sends (its `id` is given here); the id.
+    pub fn queue_dtmf(&mut self, id: &str, side: Side, mut event: DtmfEvent) -> Result<u32, ModelError> {
+        self.leg_mut(id, side)?;
+        event.id = self.uid();
+        self.leg_mut(id, side)?.dtmf.push(event);
+        Ok(event.id)
+    }
+
+    /// Drop the DTMF events that must be over at `now_ms` (each starts no earlier than it was
+    /// queued and than the one before ended; 5 s of slack for a party that paused). The relays
+    /// that changed.
+    pub fn expire_dtmf(&mut self, now_ms: u64) -> Vec<String> {
+        const SLACK_MS: u64 = 5_000;
+        let mut changed = Vec::new();
+        let ids: Vec<String> = self.relays.iter().filter(|(_, r)| !r.a.dtmf.is_empty() || !r.b.dtmf.is_empty()).map(|(id, _)| id.clone()).collect();
+        for id in ids {
+            let r = self.relays.get_mut(&id).expect("listed");
+            let mut any = false;
+            for leg in [&mut r.a, &mut r.b] {
+                let mut end = 0u64;
+                let before = leg.dtmf.len();
+                leg.dtmf.retain(|e| {
+                    end = end.max(e.queued_ms) + u64::from(e.duration_ms) + u64::from(e.pause_ms);
+                    end + SLACK_MS > now_ms
+                });
+                any |= leg.dtmf.len() != before;
+            }
+            if any {
+                changed.push(id);
+            }
+        }
+        changed
     }
 }
 

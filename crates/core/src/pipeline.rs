@@ -191,6 +191,8 @@ pub enum Effect<'p> {
 pub struct Pipeline {
     /// Per stream id: the limit its state was made for, and the state.
     rates: HashMap<u32, (RateLimit, RateState)>,
+    /// Per stream id: where its DTMF events stand (kept while it has any).
+    dtmf: HashMap<u32, crate::dtmf_inject::Injector>,
 }
 
 impl Pipeline {
@@ -342,6 +344,14 @@ impl Pipeline {
                             silenced[header.payload_offset..header.payload_offset + header.payload_len].fill(byte);
                             payload = Cow::Owned(silenced);
                         }
+                    }
+                    if !entry.dtmf.is_empty() {
+                        if let Some(event) = self.dtmf.entry(entry.id).or_default().rewrite(&entry.dtmf, entry.clock_rate, &header, &payload) {
+                            payload = Cow::Owned(event);
+                        }
+                    } else if !self.dtmf.is_empty() {
+                        // Its events are over (the ids of new ones only grow: a fresh state plays them).
+                        self.dtmf.remove(&entry.id);
                     }
                 }
             }

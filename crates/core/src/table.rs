@@ -146,6 +146,9 @@ pub struct StreamEntry {
     /// Call control of a relay direction (NG `block media` and the like): the slow path's.
     #[serde(default, skip_serializing_if = "StreamControl::is_off")]
     pub control: StreamControl,
+    /// DTMF events to put into the stream (NG `play DTMF`): the slow path's while any is queued.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub dtmf: Vec<crate::model::DtmfEvent>,
 }
 
 /// A relay direction's call control as the pipeline applies it: the call's and the sending
@@ -399,6 +402,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
             publisher_feedback: p.webrtc.as_ref().filter(|w| w.nominated).map(|w| PublisherFeedback::of(w, lower(room.publisher_max_kbps, w.max_kbps))),
             reverse: p.outbound(),
             control: StreamControl::default(),
+            dtmf: Vec::new(),
         };
         if let Some(w) = &p.webrtc {
             let key = IngressKey { local: p.local, ssrc: None };
@@ -545,6 +549,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             publisher_feedback: None,
             reverse: Protection::Clear,
             control: relay_control(r, from_leg, to_leg),
+            dtmf: if from_leg.rtp { from_leg.dtmf.clone() } else { Vec::new() },
         }
     })
 }

@@ -389,6 +389,7 @@ mod tests {
             publisher_feedback: None,
             reverse: Protection::Clear,
             control: Default::default(),
+            dtmf: Vec::new(),
         }
     }
 

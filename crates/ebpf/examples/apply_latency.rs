@@ -48,6 +48,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
         publisher_feedback: None,
         reverse: mediaplane_core::srtp::Protection::Clear,
         control: Default::default(),
+        dtmf: Vec::new(),
     }
 }
 

@@ -658,9 +658,9 @@ pub fn kernel_forwards(e: &StreamEntry) -> bool {
     let mixed = source.is_some_and(|s| s.is_ipv4() != v4) || e.copies.iter().any(|c| c.from.is_ipv4() != v4 || c.to.is_ipv4() != v4);
     // Recorded streams too: the slow path hands what it forwards to the recording tap. And SRTP
     // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI. And those
-    // under call control (blocked or silenced media, blocked DTMF): rare, and decided per
-    // payload type, which the kernel path does not look at.
-    !(mixed || e.record || e.has_srtp() || !e.control.is_off() || e.copies.len() > MAX_FANOUT)
+    // under call control (blocked or silenced media, blocked DTMF) or with DTMF to put in:
+    // rare, and decided per payload type or packet, which the kernel path does not look at.
+    !(mixed || e.record || e.has_srtp() || !e.control.is_off() || !e.dtmf.is_empty() || e.copies.len() > MAX_FANOUT)
 }
 
 /// `stream_value.codec` (bpf/layer_rewrite.h MP_CODEC_*).

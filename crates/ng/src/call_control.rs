@@ -105,6 +105,15 @@ pub fn select(call: &Call, req: &Request, command: Command) -> Result<Target, Se
         None => None,
     };
     let all = flag_all || all.as_deref() == Some("all");
+    Ok(match participants(call, req)? {
+        Some(sides) => Target::Participants(sides),
+        None => Target::Call { and_participants: all },
+    })
+}
+
+/// The participants a request names (`from-tag`, with a `to-tag` naming the other party, or
+/// `address`: every party whose SDP media address it is); None when it names none.
+pub fn participants(call: &Call, req: &Request) -> Result<Option<Vec<Side>>, SelectError> {
     if req.get("label").is_some() || req.get("from-label").is_some() || req.get("to-label").is_some() {
         return Err(SelectError::Label);
     }
@@ -116,7 +125,7 @@ pub fn select(call: &Call, req: &Request, command: Command) -> Result<Target, Se
                 return Err(SelectError::NoSuchFlow { from: from.to_string(), to: to.to_string() });
             }
         }
-        return Ok(Target::Participants(vec![side]));
+        return Ok(Some(vec![side]));
     }
     if to_tag.is_some() {
         return Err(SelectError::FlowWithoutSource);
@@ -128,9 +137,63 @@ pub fn select(call: &Call, req: &Request, command: Command) -> Result<Target, Se
         if sides.is_empty() {
             return Err(SelectError::UnknownAddress(address.to_string()));
         }
-        return Ok(Target::Participants(sides));
+        return Ok(Some(sides));
     }
-    Ok(Target::Call { and_participants: all })
+    Ok(None)
+}
+
+/// What a `play DTMF` request asks for, checked, with rtpengine's defaults and bounds.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DtmfRequest {
+    pub code: u8,
+    pub duration_ms: u32,
+    /// Attenuation in dB (RFC 4733's volume).
+    pub volume: u8,
+    pub pause_ms: u32,
+}
+
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum DtmfError {
+    #[error("play DTMF needs code (or digit): 0-15, or one of 0-9 * # A-D")]
+    NoCode,
+    #[error("code {0:?} is not a DTMF event: 0-15, or one of 0-9 * # A-D")]
+    BadCode(String),
+    #[error("{0} must be an integer")]
+    NotInteger(&'static str),
+}
+
+impl DtmfRequest {
+    pub fn parse(req: &Request) -> Result<DtmfRequest, DtmfError> {
+        let raw = req.get("code").or_else(|| req.get("digit")).ok_or(DtmfError::NoCode)?;
+        let code = match (raw.as_int(), raw.as_str()) {
+            (Some(n), _) => u8::try_from(n).ok().filter(|n| *n <= 15).ok_or_else(|| DtmfError::BadCode(n.to_string()))?,
+            (None, Some(s)) => event_code(s).ok_or_else(|| DtmfError::BadCode(s.to_string()))?,
+            _ => return Err(DtmfError::NoCode),
+        };
+        let int = |key: &'static str| req.int(key).map_err(|_| DtmfError::NotInteger(key));
+        // rtpengine's defaults and bounds: 250 ms (100-5000), -8 dB (a positive volume is the
+        // same attenuation), a pause of 100 ms (100-5000).
+        let duration_ms = int("duration")?.unwrap_or(250).clamp(100, 5000) as u32;
+        let volume = int("volume")?.unwrap_or(-8).unsigned_abs().min(63) as u8;
+        let pause_ms = int("pause")?.unwrap_or(100).clamp(100, 5000) as u32;
+        Ok(DtmfRequest { code, duration_ms, volume, pause_ms })
+    }
+}
+
+/// RFC 4733's event code of a DTMF character.
+fn event_code(s: &str) -> Option<u8> {
+    let mut chars = s.chars();
+    let c = chars.next()?;
+    if chars.next().is_some() {
+        return None;
+    }
+    Some(match c.to_ascii_uppercase() {
+        d @ '0'..='9' => d as u8 - b'0',
+        '*' => 10,
+        '#' => 11,
+        l @ 'A'..='D' => 12 + (l as u8 - b'A'),
+        _ => return None,
+    })
 }
 
 #[cfg(test)]
@@ -186,5 +249,18 @@ mod tests {
         assert_eq!(err(vec![("DTMF-security", "random".into())], "block DTMF"), SelectError::DtmfSecurity("random".into()));
         // Unblocking takes no mode.
         assert!(select_with(vec![("DTMF-security", "random".into())], "unblock DTMF").is_ok());
+    }
+
+    #[test]
+    fn play_dtmf_takes_rtpengines_codes_defaults_and_bounds() {
+        let parse = |pairs: Vec<(&str, Value)>| DtmfRequest::parse(&Request::new(&Value::dict(pairs)));
+        assert_eq!(parse(vec![("code", "5".into())]), Ok(DtmfRequest { code: 5, duration_ms: 250, volume: 8, pause_ms: 100 }));
+        let clamped = parse(vec![("digit", "#".into()), ("duration", Value::Int(50)), ("volume", Value::Int(10)), ("pause", Value::Int(9000))]);
+        assert_eq!(clamped, Ok(DtmfRequest { code: 11, duration_ms: 100, volume: 10, pause_ms: 5000 }));
+        assert_eq!(parse(vec![("code", Value::Int(15))]).map(|d| d.code), Ok(15));
+        assert_eq!(parse(vec![("code", "d".into())]).map(|d| d.code), Ok(15));
+        assert_eq!(parse(vec![("code", Value::Int(16))]), Err(DtmfError::BadCode("16".into())));
+        assert_eq!(parse(vec![("code", "55".into())]), Err(DtmfError::BadCode("55".into())));
+        assert_eq!(parse(vec![]), Err(DtmfError::NoCode));
     }
 }

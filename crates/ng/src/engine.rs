@@ -246,6 +246,9 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
         // The whole call is recorded, whichever of its parties the tags name.
         "start recording" | "stop recording" | "start-recording" | "stop-recording" => &["call-id", "from-tag", "to-tag"],
         "list" => &["limit"],
+        "play DTMF" | "play-DTMF" | "play dtmf" | "play-dtmf" => {
+            &["call-id", "from-tag", "to-tag", "address", "label", "from-label", "to-label", "all", "flags", "code", "digit", "duration", "volume", "pause"]
+        }
         "subscribe request" | "subscribe-request" => &["call-id", "from-tag", "from-tags", "to-tag", "all", "flags"],
         "subscribe answer" | "subscribe-answer" | "unsubscribe" => &["call-id", "to-tag", "sdp", "flags"],
         c if call_control::Command::parse(c).is_some() => {
@@ -280,9 +283,13 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
             // (offer_answer).
             "generate-mid",
             "rtcp-mux-require",
+            // rtpengine needs it for `play DTMF` (it then transcodes everything); here the
+            // events ride the party's own packets, nothing to prepare.
+            "inject-dtmf",
         ],
         "delete" => &["fatal"],
         "subscribe request" | "subscribe-request" => &["all"],
+        "play DTMF" | "play-DTMF" | "play dtmf" | "play-dtmf" => &["all"],
         // `directional` is how Kamailio's module is told to send the From tag: the tag selects.
         c if call_control::Command::parse(c).is_some() => &["all", "directional"],
         _ => &[],
@@ -495,6 +502,51 @@ impl Engine {
         Ok(Value::dict([("result", Value::str("ok"))]))
     }
 
+    /// `play DTMF`: an RFC 4733 event into what the selected party sends (toward the other),
+    /// on every audio section whose receiving party's SDP has `telephone-event`
+    /// ([`mediaplane_core::model::DtmfEvent`]).
+    fn play_dtmf(&mut self, mgr: &SessionManager, req: &Request) -> Result<Value, NgError> {
+        let call = self.call_of(req)?.clone();
+        let dtmf = call_control::DtmfRequest::parse(req).map_err(|e| NgError::Call(e.to_string()))?;
+        let all = req.list("flags")?.iter().any(|f| normalize(f) == "all") || req.opt_str("all")?.is_some_and(|a| normalize(a) == "all");
+        let sides = match call_control::participants(&call, req).map_err(|e| NgError::Call(e.to_string()))? {
+            Some(sides) => sides,
+            None if all => vec![Side::A, Side::B],
+            None => return Err(NgError::Call("play DTMF needs the party that sends it: from-tag, address or all".into())),
+        };
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let relays: Vec<String> =
+            (0..call.media.len()).filter(|i| call.media[*i].active && call.media[*i].kind == "audio").map(|i| calls::rtp_relay_id(&call.key, i)).collect();
+        let queued = mgr.mutate(|model, _| {
+            let mut changes = Vec::new();
+            for id in &relays {
+                let Some(r) = model.relays.get(id).cloned() else { continue };
+                for &side in &sides {
+                    // The receiver's own number for telephone-event.
+                    let Some(&payload_type) = r.leg(other(side)).telephone_events.first() else { continue };
+                    let event = mediaplane_core::model::DtmfEvent {
+                        id: 0,
+                        code: dtmf.code,
+                        volume: dtmf.volume,
+                        duration_ms: dtmf.duration_ms,
+                        pause_ms: dtmf.pause_ms,
+                        payload_type,
+                        queued_ms: now_ms,
+                    };
+                    model.queue_dtmf(id, side, event)?;
+                    if !changes.contains(&Change::Relay(id.clone())) {
+                        changes.push(Change::Relay(id.clone()));
+                    }
+                }
+            }
+            Ok((!changes.is_empty(), changes))
+        })?;
+        if !queued {
+            return Err(NgError::Call("no audio section whose receiving party's SDP has telephone-event: in-band tones are not generated".into()));
+        }
+        Ok(Value::dict([("result", Value::str("ok"))]))
+    }
+
     /// The call a request's `call-id` names (one adopted after a restart too).
     fn call_of(&self, req: &Request) -> Result<&Call, NgError> {
         let call_id = req.nonempty("call-id")?;
@@ -692,6 +744,7 @@ impl Engine {
             "subscribe request" | "subscribe-request" => self.subscribe_request(mgr, &req),
             "subscribe answer" | "subscribe-answer" => self.subscribe_answer(mgr, &req),
             "unsubscribe" => self.unsubscribe(mgr, &req),
+            "play DTMF" | "play-DTMF" | "play dtmf" | "play-dtmf" => self.play_dtmf(mgr, &req),
             other => match call_control::Command::parse(other) {
                 Some(c) => self.media_control(mgr, &req, c),
                 None => Err(NgError::Call(format!("unknown command {other:?}"))),
@@ -1086,12 +1139,25 @@ impl Engine {
         self.expire_with(mgr, &stats, now, mediaplane_dataplane::monotonic_ns())
     }
 
+    fn expire_dtmf(&self, mgr: &SessionManager) {
+        if !mgr.read(|model, _| model.relays.values().any(|r| !r.a.dtmf.is_empty() || !r.b.dtmf.is_empty())) {
+            return;
+        }
+        let now_ms = SystemTime::now().duration_since(UNIX_EPOCH).map_or(0, |d| d.as_millis() as u64);
+        let r = mgr.mutate(|model: &mut Model, _| Ok(((), model.expire_dtmf(now_ms).into_iter().map(Change::Relay).collect())));
+        if let Err(e) = r {
+            tracing::error!(error = %e, "could not drop played DTMF events");
+        }
+    }
+
     /// [`Engine::expire`] with the counters read and the time given: `now` and `now_mono_ns`
     /// ([`mediaplane_dataplane::monotonic_ns`]) are the same instant on the two clocks.
     pub fn expire_with(&mut self, mgr: &SessionManager, stats: &DataplaneStats, now: Instant, now_mono_ns: u64) -> Vec<String> {
         let timeout = self.cfg.media_timeout;
-        // The sweep also samples the request rates `statistics` reports.
+        // The sweep also samples the request rates `statistics` reports, and drops DTMF events
+        // that must be over (their relays go back to the kernel on the eBPF plane).
         self.control.sample(now);
+        self.expire_dtmf(mgr);
         let traffic = &mut self.traffic;
         let idle: Vec<Call> = mgr.read(|model, _| {
             let mut idle = Vec::new();
@@ -2067,6 +2133,40 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         assert_eq!(text(&r, "error-reason"), "no subscription with to-tag \"mon\"");
         let r = send(&mut e, &m, "s5", call("subscribe request", vec![("to-tag", "8fa3b2".into()), ("from-tag", "mS9rSAn0Cr".into())]));
         assert_eq!(text(&r, "result"), "error", "{r:?}");
+    }
+
+    #[test]
+    fn play_dtmf_queues_the_event_on_the_senders_leg_in_the_receivers_payload_type() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        send(&mut e, &m, "a1", answer(ANSWER_SDP));
+        let id = calls::rtp_relay_id(&calls::call_key("cfBXzDSZqhYNcXM"), 0);
+        let play = |from: &str, cookie: &str, e: &mut Engine| {
+            let req = vec![("command", "play DTMF".into()), ("call-id", "cfBXzDSZqhYNcXM".into()), ("from-tag", from.into()), ("code", "*".into())];
+            send(e, &m, cookie, req)
+        };
+        // The callee (B) sends it to the caller, whose SDP maps telephone-event to 101.
+        let r = play("8fa3b2", "p1", &mut e);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let queued = m.read(|model, _| model.relays[&id].b.dtmf.clone());
+        assert_eq!(queued.iter().map(|d| (d.code, d.payload_type, d.duration_ms, d.volume, d.pause_ms)).collect::<Vec<_>>(), [(10, 101, 250, 8, 100)]);
+        assert_eq!(m.read(|model, _| mediaplane_core::ForwardingTable::compile(model, 1)).streams.values().filter(|s| !s.dtmf.is_empty()).count(), 1);
+        // The callee's SDP has no telephone-event: nothing to send the caller's event in.
+        let r = play("mS9rSAn0Cr", "p2", &mut e);
+        assert!(text(&r, "error-reason").contains("telephone-event"), "{r:?}");
+        // Once it must be over (queued + 250 + 100 ms + 5 s of slack) it leaves the model.
+        let queued_ms = queued[0].queued_ms;
+        let expire = |now_ms| {
+            m.mutate(|model, _| {
+                let changed = model.expire_dtmf(now_ms);
+                Ok((changed.clone(), changed.into_iter().map(Change::Relay).collect()))
+            })
+            .unwrap()
+        };
+        assert!(expire(queued_ms + 5_000).is_empty(), "not yet");
+        let changed = expire(queued_ms + 5_351);
+        assert_eq!(changed, std::slice::from_ref(&id));
+        assert!(m.read(|model, _| model.relays[&id].b.dtmf.is_empty()));
     }
 
     #[test]

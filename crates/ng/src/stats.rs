@@ -431,9 +431,9 @@ fn media_value(
                 flags.push(Value::str("confirmed"));
             }
             // What the kernel forwards itself: not a leg it would have to decrypt, encrypt for
-            // the other party, record, or judge by payload type for call control (those go
+            // the other party, record, judge by payload type or put DTMF into (those go
             // through the slow path on the eBPF plane).
-            let controlled = !r.control.or(leg.control).is_off();
+            let controlled = !r.control.or(leg.control).is_off() || !leg.dtmf.is_empty();
             if v.kernel && peer.is_some() && leg.srtp.is_none() && other.srtp.is_none() && !call.recording && !controlled {
                 flags.push(Value::str("kernelized"));
             }

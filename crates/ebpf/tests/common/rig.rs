@@ -90,6 +90,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
         publisher_feedback: None,
         reverse: mediaplane_core::srtp::Protection::Clear,
         control: Default::default(),
+        dtmf: Vec::new(),
     }
 }
 

@@ -52,8 +52,21 @@ pub struct TestCall {
 }
 
 pub fn set_up_call(tb: &mediaplane_bench::netns::Testbed, call: &str, caller_tag: &str, callee_tag: &str) -> TestCall {
+    set_up_call_with(tb, call, caller_tag, callee_tag, &[])
+}
+
+/// [`set_up_call`] with more flags on the offer and the answer.
+pub fn set_up_call_with(tb: &mediaplane_bench::netns::Testbed, call: &str, caller_tag: &str, callee_tag: &str, flags: &[&str]) -> TestCall {
     let (cip, eip) = (tb.peers[0].ip.to_string(), tb.peers[1].ip.to_string());
-    let offer = ng_in(tb, offer_answer("offer", call, caller_tag, None, &sdp(&cip, 6000, 1), &cip));
-    let answer = ng_in(tb, offer_answer("answer", call, caller_tag, Some(callee_tag), &sdp(&eip, 7000, 2), &eip));
+    let with_flags = |mut req: Vec<(&'static str, Value)>| {
+        for (k, v) in req.iter_mut() {
+            if let (&mut "flags", Value::List(l)) = (k, v) {
+                l.extend(flags.iter().map(|f| Value::str(f)));
+            }
+        }
+        req
+    };
+    let offer = ng_in(tb, with_flags(offer_answer("offer", call, caller_tag, None, &sdp(&cip, 6000, 1), &cip)));
+    let answer = ng_in(tb, with_flags(offer_answer("answer", call, caller_tag, Some(callee_tag), &sdp(&eip, 7000, 2), &eip)));
     TestCall { caller: peer_socket(tb, 0, 6000), callee: peer_socket(tb, 1, 7000), to_caller: advertised(&answer), to_callee: advertised(&offer) }
 }
