@@ -14,6 +14,7 @@ packages=(
   gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad  # SDES interop peer (srtpenc/srtpdec)
   chromium                                                         # WebRTC interop: a real browser (headless, fake media) calls through the relay
   prometheus                                                       # promtool: the /metrics test lints the exposition
+  redis-server                                                     # the Redis store's tests run a real Redis (7.x)
   systemd man-db util-linux                                        # unit verification (systemd-analyze, man pages), setpriv
 )
 # rtpengine runs in user space, started by the tests and benchmarks themselves (its kernel module

@@ -16,6 +16,7 @@ pub mod flood;
 pub mod netns;
 pub mod process;
 pub mod qos;
+pub mod redis;
 pub mod sip;
 pub mod traffic;
 

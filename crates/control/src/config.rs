@@ -355,8 +355,14 @@ impl MediaConfig {
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 #[serde(default, deny_unknown_fields)]
 pub struct StoreConfig {
-    /// SQLite file holding sessions across restarts.
+    /// SQLite file holding sessions across restarts (the embedded store, the default).
     pub path: PathBuf,
+    /// A Redis server instead (`redis://host:port/db` or `redis+unix:///path/redis.sock`): the
+    /// sessions outside this machine.
+    pub url: Option<String>,
+    /// The Redis keys' prefix (`<prefix>:rooms`, `<prefix>:relays`, ...): one per deployment
+    /// sharing a Redis.
+    pub key_prefix: String,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -400,7 +406,7 @@ impl Default for MediaConfig {
 }
 impl Default for StoreConfig {
     fn default() -> Self {
-        StoreConfig { path: PathBuf::from("mediaplane.db") }
+        StoreConfig { path: PathBuf::from("mediaplane.db"), url: None, key_prefix: "mediaplane".into() }
     }
 }
 impl Default for LogConfig {

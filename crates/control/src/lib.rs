@@ -98,11 +98,15 @@ pub async fn serve_with(
     shutdown: impl Future<Output = ()> + Send + 'static,
     start: impl FnOnce(Arc<manager::SessionManager>, Arc<metrics::Metrics>),
 ) -> anyhow::Result<()> {
-    let mut store = store::Store::open(&cfg.store.path).with_context(|| format!("opening store {}", cfg.store.path.display()))?;
+    let mut store = store::Store::from_config(&cfg.store).with_context(|| match &cfg.store.url {
+        Some(url) => format!("opening store {url}"),
+        None => format!("opening store {}", cfg.store.path.display()),
+    })?;
     if reset {
         store.clear()?;
-        tracing::warn!(path = %cfg.store.path.display(), "store cleared (--reset)");
+        tracing::warn!(store = %store.describe(), "store cleared (--reset)");
     }
+    tracing::info!(store = %store.describe(), "store open");
     let manager =
         Arc::new(manager::SessionManager::open(store, dataplane.clone(), cfg.media.clone(), cfg.limits.clone()).context("restoring stored sessions")?);
     let (rooms, relays) = manager.read(|m, _| (m.rooms.len(), m.relays.len()));

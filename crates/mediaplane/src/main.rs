@@ -67,7 +67,8 @@ struct ServeArgs {
     /// undo each other's tables. Not needed after a crash: a dead instance's pins are adopted.
     #[arg(long)]
     adopt_live_pins: bool,
-    /// SQLite store path (overrides store.path).
+    /// Store: a SQLite file path (overrides store.path), or a Redis URL (`redis://host:port/db`,
+    /// `redis+unix:///path/redis.sock`; overrides store.url).
     #[arg(long)]
     store: Option<PathBuf>,
     /// User-space worker threads, 0 = one per core (overrides dataplane.workers).
@@ -211,7 +212,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         cfg.dataplane.adopt_live_pins = true;
     }
     if let Some(s) = args.store {
-        cfg.store.path = s;
+        match s.to_str().filter(|s| s.starts_with("redis://") || s.starts_with("rediss://") || s.starts_with("redis+unix://")) {
+            Some(url) => cfg.store.url = Some(url.to_string()),
+            None => cfg.store.path = s,
+        }
     }
     if let Some(w) = args.workers {
         cfg.dataplane.workers = w;
