@@ -5,7 +5,7 @@ set -euo pipefail
 
 packages=(
   clang llvm libelf-dev zlib1g-dev pkg-config bpftool libbpf-dev   # BPF programs + libbpf-rs
-  iproute2 ethtool                                                 # network-namespace testbed
+  iproute2 ethtool iptables                                        # network-namespace testbed (iptables: random loss in a namespace)
   kamailio sip-tester                                              # SIP interop tests (Kamailio + SIPp)
   kamailio-websocket-modules                                       # SIP over WebSocket for the browser SIP client (SIP.js)
   rtpengine-daemon                                                 # the latching interop test's baseline, and make bench's

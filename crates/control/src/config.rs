@@ -189,6 +189,10 @@ pub struct DataplaneConfig {
     /// `mediaplane_consumer_rtp_*`). Off saves the eBPF program a locked update per copy
     /// (BENCHMARKS.md); consumers then have no `forwarded`.
     pub forwarded_qos: bool,
+    /// Every plane: keep what went to each video consumer the SFU makes copies for in user
+    /// space (a browser's, all SRTP) for a second, and answer its NACKs from that instead of
+    /// asking the publisher. Off: NACKs go to the publisher (rate-bounded), as before.
+    pub retransmit: bool,
 }
 
 /// A reverse-path check mode, as rp_filter names them.
@@ -396,6 +400,7 @@ impl Default for DataplaneConfig {
             rp_filter_v6: RpFilterMode::Off,
             hold_order: true,
             forwarded_qos: true,
+            retransmit: true,
         }
     }
 }

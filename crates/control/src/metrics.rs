@@ -375,6 +375,11 @@ pub const TRANSPORT_FEEDBACK: CounterFamily = fam(
     "Feedback the SFU sends publishers' transports of its own accord: transport-wide congestion-control feedback packets (sent), publishers' packets that arrived after their number was reported lost (late), REMBs with the room's ceiling (remb), receiver reports (rr)",
     Some("kind"),
 );
+pub const RETRANSMITTED: CounterFamily = fam(
+    "mediaplane_retransmitted_packets",
+    "Copies the SFU sent a consumer again from its send history, answering the consumer's NACK instead of asking the publisher (sent), and NACKed copies it did not send again: in flight less than 20 ms, or sent three times already (suppressed)",
+    Some("result"),
+);
 pub const FEEDBACK: CounterFamily = fam(
     "mediaplane_feedback_messages",
     "Consumers' RTCP feedback messages, by result: routed to the publisher, coalesced (a keyframe request shortly after another), consumed by the SFU (receiver reports, REMB, TWCC), unroutable (an SSRC the consumer does not receive)",
@@ -416,7 +421,7 @@ pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
     // tap's) under its own prefix.
     let name = name
         .strip_prefix("userspace.")
-        .filter(|n| ["host_", "srtp_", "transport_feedback_"].iter().any(|p| n.starts_with(p)) || ["not_recorded", "events_dropped"].contains(n))
+        .filter(|n| ["host_", "srtp_", "transport_feedback_", "retransmit_"].iter().any(|p| n.starts_with(p)) || ["not_recorded", "events_dropped"].contains(n))
         .unwrap_or(name);
     Some(match name {
         "forwarded" => (KERNEL_FORWARDED, None),
@@ -433,6 +438,7 @@ pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
         n => {
             let prefixed = [
                 ("transport_feedback_", TRANSPORT_FEEDBACK),
+                ("retransmit_", RETRANSMITTED),
                 ("pass_", PASSED),
                 ("xdp_drop_", XDP_DROPPED),
                 ("neigh_resolve_", NEIGHBOUR),
@@ -755,6 +761,7 @@ mod tests {
         assert_eq!(extra_family("userspace.events_dropped"), Some((EVENTS_DROPPED, None)));
         assert_eq!(extra_family("userspace.srtp_replayed"), Some((SRTP_DROPPED, Some("replayed"))));
         assert_eq!(extra_family("userspace.transport_feedback_sent"), Some((TRANSPORT_FEEDBACK, Some("sent"))));
+        assert_eq!(extra_family("userspace.retransmit_sent"), Some((RETRANSMITTED, Some("sent"))));
         assert_eq!(extra_family("srtp_auth_failed"), Some((SRTP_DROPPED, Some("auth_failed"))));
         assert_eq!(extra_family("bpf_run_time_ns").map(|(f, _)| f.nanoseconds), Some(true));
         assert_eq!(extra_family("userspace.rx_packets"), None);

@@ -171,6 +171,9 @@ pub struct Outcome {
     /// none while they lose packets ([`crate::layer_choice::LayerChoice::on_nacks`]). (A receiver also NACKs a packet
     /// that is late, e.g. the next one while its publisher is silent: that is no loss.)
     pub nacks: Vec<(u32, Vec<u16>)>,
+    /// What consumers NACKed that the SFU holds ([`LayerMap::holds`]), in their numbering: sent
+    /// again from its history, not asked of the publisher.
+    pub resend: Vec<(u32, Vec<u16>)>,
     pub total: Tally,
     /// Per published stream the messages were about (routed and coalesced ones).
     pub per_stream: Vec<(u32, Tally)>,
@@ -203,6 +206,11 @@ pub trait LayerMap {
     fn layer(&self, consumer: u32) -> Option<u8>;
     /// The layer and sequence number of what went out to the consumer as `out_seq`.
     fn original(&self, consumer: u32, out_seq: u16) -> Option<(u8, u16)>;
+    /// The SFU still has what it sent the consumer as `out_seq` and can send it again itself
+    /// ([`Outcome::resend`]) instead of asking the publisher.
+    fn holds(&self, _consumer: u32, _out_seq: u16) -> bool {
+        false
+    }
 }
 
 /// No simulcast consumers.
@@ -383,7 +391,13 @@ impl FeedbackRouter {
                         // layer and number it was sent from.
                         let mut by_layer: Vec<(u8, Vec<u16>)> = Vec::new();
                         let mut sent = Vec::new();
+                        let mut held = Vec::new();
                         for seq in nack_sequences(&b[12..]) {
+                            if layers.holds(route.consumer, seq) {
+                                sent.push(seq);
+                                held.push(seq);
+                                continue;
+                            }
                             let Some((layer, orig)) = layers.original(route.consumer, seq) else { continue };
                             sent.push(seq);
                             match by_layer.iter_mut().find(|(l, _)| *l == layer) {
@@ -391,7 +405,12 @@ impl FeedbackRouter {
                                 None => by_layer.push((layer, vec![orig])),
                             }
                         }
-                        if by_layer.is_empty() {
+                        if !held.is_empty() {
+                            out.resend.push((route.consumer, held));
+                            if by_layer.is_empty() {
+                                out.tally(None, |t| t.consumed += 1);
+                            }
+                        } else if by_layer.is_empty() {
                             out.tally(None, |t| t.unroutable += 1);
                         }
                         match out.nacks.iter_mut().find(|(c, _)| *c == route.consumer) {
@@ -424,7 +443,17 @@ impl FeedbackRouter {
                             m[8..12].copy_from_slice(&route.publisher_ssrc.to_be_bytes());
                             Some(m)
                         }
-                        _ => self.nack_message(route, &b[4..8], nack_sequences(&b[12..]), now_ns),
+                        _ => {
+                            let (held, asked): (Vec<u16>, Vec<u16>) = nack_sequences(&b[12..]).into_iter().partition(|s| layers.holds(route.consumer, *s));
+                            if !held.is_empty() {
+                                out.resend.push((route.consumer, held));
+                                if asked.is_empty() {
+                                    out.tally(Some(route), |t| t.consumed += 1);
+                                    continue;
+                                }
+                            }
+                            self.nack_message(route, &b[4..8], asked, now_ns)
+                        }
                     };
                     match message {
                         Some(m) => {
@@ -732,6 +761,35 @@ mod tests {
     }
 
     /// The sequence numbers NACKed by a route's publisher-bound messages so far.
+    /// What the SFU holds of consumer 102's packets (stream 2, SSRC 20): 8 and 9.
+    struct Holds;
+    impl LayerMap for Holds {
+        fn layer(&self, _: u32) -> Option<u8> {
+            None
+        }
+        fn original(&self, _: u32, _: u16) -> Option<(u8, u16)> {
+            None
+        }
+        fn holds(&self, consumer: u32, seq: u16) -> bool {
+            consumer == 102 && (8..=9).contains(&seq)
+        }
+    }
+
+    #[test]
+    fn what_the_sfu_holds_is_sent_again_by_it_and_only_the_rest_asked_of_the_publisher() {
+        let e = entry();
+        let mut r = FeedbackRouter::default();
+        // NACK of 7, 8, 9: the SFU sends 8 and 9 again, the publisher is asked for 7.
+        let o = r.route_with(&e, &[rr(&[]), build::nack(99, 20, 7, 0b11)].concat(), 1_000, &Holds).unwrap();
+        assert_eq!(o.resend, vec![(102, vec![8, 9])]);
+        assert_eq!(nacked(&o), [7]);
+        assert_eq!(o.total, Tally { routed: 1, consumed: 1, ..Default::default() });
+        // All held: nothing goes to the publisher, the NACK is the SFU's.
+        let o = r.route_with(&e, &[rr(&[]), build::nack(99, 20, 8, 0b1)].concat(), 2_000_000_000, &Holds).unwrap();
+        assert_eq!((o.resend, o.routed.len()), (vec![(102, vec![8, 9])], 0));
+        assert_eq!(o.total, Tally { consumed: 2, ..Default::default() });
+    }
+
     fn nacked(o: &Outcome) -> Vec<u16> {
         let mut seqs = Vec::new();
         for routed in &o.routed {

@@ -28,6 +28,7 @@ pub mod ratelimit;
 pub mod reception;
 pub mod remote_estimate;
 pub mod rtp;
+pub mod send_history;
 pub mod simulcast;
 pub mod srtp;
 pub mod table;

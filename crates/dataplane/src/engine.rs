@@ -24,11 +24,12 @@ use crate::{ConsumerCounters, ConsumerReport, Counters, DataplaneEvent, Dataplan
 use mediaplane_core::call_quality::{build_report, ReportBlock, SenderReportTimes};
 use mediaplane_core::feedback::{FeedbackEntry, FeedbackRouter, LayerMap, Outcome};
 use mediaplane_core::layer_choice::{self, LayerActivity, LayerChoice};
-use mediaplane_core::pipeline::{CopyOf, Effect, LayerFanOut, Pipeline, Plane};
+use mediaplane_core::pipeline::{CopyOf, CopyRtp, Effect, LayerFanOut, Pipeline, Plane};
 use mediaplane_core::ratelimit::{RateLimit, RateParams, RateState};
 use mediaplane_core::reception::{ReceptionReport, RtpReception};
-use mediaplane_core::remote_estimate::{self, RemoteEstimate};
+use mediaplane_core::remote_estimate::{self, RemoteEstimate, VIDEO_CLOCK_RATE};
 use mediaplane_core::rtp::{demux, MediaKind};
+use mediaplane_core::send_history::SendHistory;
 use mediaplane_core::simulcast::{self, Decision, LayerRewriter};
 use mediaplane_core::srtp::{Protection, SrtpKey};
 use mediaplane_core::table::{IngressKey, SimulcastLayer, SlowReason, SourceRule, StreamEntry};
@@ -133,6 +134,9 @@ pub enum Output<'p> {
 pub struct EngineConfig {
     /// Measure each consumer's RTP as forwarded ([`crate::userspace::UserspaceConfig::forwarded_qos`]).
     pub forwarded_qos: bool,
+    /// Keep what video consumers were sent, to answer their NACKs ([`SendHistory`]); off, their
+    /// NACKs go to the publisher.
+    pub retransmit: bool,
     /// The control plane takes events: report what it must decide on (otherwise nothing is).
     pub events: bool,
     /// The kernel's simulcast states, when this engine is the eBPF plane's slow path.
@@ -303,6 +307,8 @@ struct Decider {
     /// Simulcast consumers' layer and renumbering, and what publishers send of each layer.
     layers: SimulcastState,
     kernel: Option<Arc<dyn KernelLayers>>,
+    /// What video consumers were sent lately: their NACKs are answered from it.
+    history: SendHistory,
 }
 
 /// What the pipeline asks of the engine for one datagram: its state, and the crypto.
@@ -318,7 +324,7 @@ impl Plane for PlaneView<'_> {
 
     fn route_feedback(&mut self, entry: &FeedbackEntry, packet: &[u8], now_ns: u64) -> Option<Outcome> {
         let d = &mut *self.decider;
-        d.feedback.route_with(entry, packet, now_ns, &Layers(&d.layers.consumers, d.kernel.as_deref())).ok()
+        d.feedback.route_with(entry, packet, now_ns, &Layers(&d.layers.consumers, d.kernel.as_deref(), &d.history)).ok()
     }
 
     fn unprotect(&mut self, at: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
@@ -482,9 +488,12 @@ fn mirror(rw: &mut LayerRewriter, id: u32, kernel: Option<&dyn KernelLayers>) {
 
 /// The simulcast consumers' state as the feedback router asks for it (a NACK names what was
 /// just sent: with kernel states, read fresh).
-struct Layers<'a>(&'a HashMap<u32, LayerConsumer>, Option<&'a dyn KernelLayers>);
+struct Layers<'a>(&'a HashMap<u32, LayerConsumer>, Option<&'a dyn KernelLayers>, &'a SendHistory);
 
 impl LayerMap for Layers<'_> {
+    fn holds(&self, consumer: u32, out_seq: u16) -> bool {
+        self.2.holds(consumer, out_seq)
+    }
     fn layer(&self, consumer: u32) -> Option<u8> {
         self.0.get(&consumer).and_then(|c| c.rewriter.current().or(c.rewriter.target()))
     }
@@ -653,7 +662,13 @@ impl Engine {
         Engine {
             // The first tick at once (it reconciles the kernel's states with the table).
             next_tick_ns: kernel.as_ref().map(|_| 0),
-            decider: Decider { sources: SourceBuckets::default(), feedback: FeedbackRouter::default(), layers: SimulcastState::default(), kernel },
+            decider: Decider {
+                sources: SourceBuckets::default(),
+                feedback: FeedbackRouter::default(),
+                layers: SimulcastState::default(),
+                kernel,
+                history: SendHistory::default(),
+            },
             cfg,
             pipeline: Pipeline::new(),
             counters: Accounting::default(),
@@ -748,7 +763,17 @@ impl Engine {
                         out.push(Output::Event(DataplaneEvent::Handshake { stream, local, source: src, at_ns: received_at, packet: payload.to_vec() }));
                     }
                 }
-                Effect::Feedback(outcome) => self.count_feedback(&outcome, received_at),
+                Effect::Feedback(outcome) => {
+                    self.count_feedback(&outcome, received_at);
+                    for (consumer, seqs) in &outcome.resend {
+                        for seq in seqs {
+                            if let Some(s) = self.decider.history.resend(*consumer, *seq, received_at) {
+                                let packet = Cow::Owned(s.packet.clone());
+                                out.push(Output::Transmit { from: s.from, to: s.to, packet, copy: None, seal: s.seal });
+                            }
+                        }
+                    }
+                }
                 Effect::Received { stream, bytes } => {
                     let sc = self.counters.streams.entry(stream).or_default();
                     sc.rx_packets += 1;
@@ -819,7 +844,14 @@ impl Engine {
                     self.next_feedback_ns = earliest(self.next_feedback_ns, t.poll_timeout());
                 }
                 Effect::Record { stream, label, packet } => out.push(Output::Record { stream, label, src, local, packet }),
-                Effect::Send { from, to, packet, copy, seal } => out.push(Output::Transmit { from, to, packet, copy, seal }),
+                Effect::Send { from, to, packet, copy, seal } => {
+                    // A video consumer's copy is kept to answer its NACKs (audio is not resent).
+                    let kept = |(c, r): &(CopyOf, CopyRtp)| self.cfg.retransmit && c.consumer != 0 && r.clock_rate == VIDEO_CLOCK_RATE;
+                    if let Some((c, r)) = copy.and_then(|c| Some((c, c.rtp?))).filter(kept) {
+                        self.decider.history.record(c.consumer, r.sequence, received_at, (from, to), &packet, seal);
+                    }
+                    out.push(Output::Transmit { from, to, packet, copy, seal })
+                }
                 Effect::CopyFailed { copy } => self.counters.count_copy(copy.stream, copy.consumer, 0, false),
                 Effect::CopyUnkeyed { copy } => self.counters.count_unkeyed(copy.stream),
             }
@@ -1108,6 +1140,7 @@ impl Engine {
             Some(keep) => {
                 self.counters.consumers.retain(|id, _| keep.contains(id));
                 self.forwarded.retain(|id, _| keep.contains(id));
+                self.decider.history.retain(|id| keep.contains(&id));
                 layers.consumers.retain(|id, c| {
                     let kept = keep.contains(id);
                     if let (false, Some(k)) = (kept, c.kernel(kernel)) {
@@ -1117,6 +1150,7 @@ impl Engine {
                 });
             }
             None => {
+                self.decider.history.retain(|id| !gone.contains(&id));
                 for id in &gone {
                     self.counters.consumers.remove(id);
                     self.forwarded.remove(id);
@@ -1162,6 +1196,8 @@ impl Engine {
         st.extra.insert("transport_feedback_late".into(), self.feedback_late);
         st.extra.insert("transport_feedback_remb".into(), self.remb_sent);
         st.extra.insert("transport_feedback_rr".into(), self.rr_sent);
+        st.extra.insert("retransmit_sent".into(), self.decider.history.resent);
+        st.extra.insert("retransmit_suppressed".into(), self.decider.history.suppressed);
     }
 
     /// The counters of consumers `ids`, with a simulcast consumer's layers as of `now_ns`.
@@ -1466,6 +1502,47 @@ mod tests {
         e.forget(&before, &after, None);
         assert!(e.consumer_counters(&[plain], 3_000_000_000).is_empty());
         assert!(e.consumer_reception(&[plain]).is_empty());
+    }
+
+    /// A video subscriber's NACK is answered from what the SFU sent it: the copy goes again, as
+    /// it went; only what the SFU no longer has is asked of the publisher.
+    #[test]
+    fn a_subscribers_nack_is_answered_from_the_send_history() {
+        let mut m = Model::new();
+        m.create_room("r").unwrap();
+        m.add_participant("r", "p", a("10.0.0.1:42000"), a("10.0.1.1:5000")).unwrap();
+        m.publish("r", "p", "cam", StreamSpec { ssrc: Some(5), clock_rate: Some(90_000), ..Default::default() }).unwrap();
+        m.add_participant("r", "s", a("10.0.0.1:42002"), a("10.0.1.2:5000")).unwrap();
+        m.subscribe("r", "s", StreamRef { publisher: "p".into(), stream: "cam".into() }).unwrap();
+        let table = ForwardingTable::compile(&m, 1);
+        let mut e = Engine::new(EngineConfig { retransmit: true, ..Default::default() });
+        let sent_copy = |seq: u16| build_rtp(96, seq, seq as u32 * 3000, 5, &[seq as u8; 900]);
+        for seq in 0..5u16 {
+            let (packet, mut out) = (sent_copy(seq), Vec::new());
+            let dgram = Datagram { local: Some(a("10.0.0.1:42000")), src: Some(a("10.0.1.1:5000")), truncated: false, payload: &packet, arrived_ns: None };
+            e.handle_datagram(at(2_000_000_000 + seq as u64 * 33_000_000), &table, &mut NoCrypto, dgram, &mut out);
+            send_all(&mut e, out, 0);
+        }
+        // The subscriber lost 2 and 3, and asks for 9 (never sent).
+        let nack = |pid, blp| [vec![0x80, 201, 0, 1, 0, 0, 0, 77], mediaplane_core::feedback::build::nack(77, 5, pid, blp)].concat();
+        let feedback = |packet: &[u8], t: u64, e: &mut Engine| {
+            let mut out = Vec::new();
+            let dgram = Datagram { local: Some(a("10.0.0.1:42002")), src: Some(a("10.0.1.2:5000")), truncated: false, payload: packet, arrived_ns: None };
+            e.handle_datagram(at(t), &table, &mut NoCrypto, dgram, &mut out);
+            send_all(e, out, t)
+        };
+        let out = feedback(&[nack(2, 0b1), mediaplane_core::feedback::build::nack(77, 5, 9, 0)].concat(), 2_200_000_000, &mut e);
+        let to_subscriber: Vec<&Vec<u8>> = out.iter().filter(|(_, to, _)| *to == a("10.0.1.2:5000")).map(|(_, _, p)| p).collect();
+        assert_eq!(to_subscriber, [&sent_copy(2), &sent_copy(3)], "sent again as they went");
+        let to_publisher: Vec<&Vec<u8>> = out.iter().filter(|(_, to, _)| *to == a("10.0.1.1:5000")).map(|(_, _, p)| p).collect();
+        assert_eq!(to_publisher.len(), 1, "{out:?}");
+        assert_eq!(to_publisher[0][8..], mediaplane_core::feedback::build::nack(77, 5, 9, 0)[..], "only what the SFU does not have");
+        // Asked again at once: in flight, not sent twice.
+        assert!(feedback(&nack(2, 0), 2_205_000_000, &mut e).is_empty());
+        let mut st = DataplaneStats::default();
+        e.stats_into(&mut st);
+        assert_eq!((st.extra["retransmit_sent"], st.extra["retransmit_suppressed"]), (2, 1));
+        // Audio is not kept: its NACKs go to the publisher as before (checked by the other tests).
     }
 
     /// Copies to a subscriber keyed for SRTP leave the engine clear, marked to be sealed by the

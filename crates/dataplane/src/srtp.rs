@@ -94,7 +94,10 @@ impl std::fmt::Debug for Context {
 impl Context {
     pub fn new(key: &SrtpKey, outbound: bool) -> Result<Context, String> {
         let (rtp, rtcp) = policy(key.suite);
-        let p = StreamPolicy { rtp, rtcp, key: &key.master, ..Default::default() };
+        // A copy sent again (a consumer's NACK answered from the send history) is protected
+        // again with its sequence number: libsrtp refuses that unless told (the same packet, so
+        // the same keystream over the same bytes).
+        let p = StreamPolicy { rtp, rtcp, key: &key.master, allow_repeat_tx: outbound, ..Default::default() };
         let session = if outbound { Session::with_outbound_template(p) } else { Session::with_inbound_template(p) };
         let session = session.map_err(|e| format!("libsrtp refused a {} session: {e}", key.suite.name()))?;
         Ok(Context { key: key.clone(), session: Mutex::new(session) })

@@ -74,6 +74,8 @@ pub struct UserspaceConfig {
     /// Account each consumer's RTP as forwarded ([`Dataplane::consumer_reception`]); off, a
     /// consumer has none (and the eBPF plane's program saves its per-copy accounting).
     pub forwarded_qos: bool,
+    /// Answer video consumers' NACKs from what was sent them ([`EngineConfig::retransmit`]).
+    pub retransmit: bool,
 }
 
 /// See [`UserspaceConfig::mark_ack`].
@@ -97,6 +99,7 @@ impl Default for UserspaceConfig {
             mark_ack: None,
             kernel_layers: None,
             forwarded_qos: true,
+            retransmit: true,
         }
     }
 }
@@ -283,6 +286,7 @@ impl UserspaceDataplane {
             stop: AtomicBool::new(false),
             engine: Mutex::new(Engine::new(EngineConfig {
                 forwarded_qos: cfg.forwarded_qos,
+                retransmit: cfg.retransmit,
                 events: events.is_some(),
                 kernel_layers: cfg.kernel_layers.as_ref().map(|k| k.0.clone()),
             })),

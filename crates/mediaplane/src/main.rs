@@ -273,6 +273,7 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::SyncSender<DataplaneEv
         batch: cfg.dataplane.batch,
         header: mediaplane_dataplane::HeaderPolicy::from_host(cfg.dataplane.dscp),
         forwarded_qos: cfg.dataplane.forwarded_qos,
+        retransmit: cfg.dataplane.retransmit,
         ..Default::default()
     };
     match cfg.dataplane.kind {
