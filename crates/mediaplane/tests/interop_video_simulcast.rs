@@ -39,7 +39,8 @@
 //! GStreamer's `gst-launch` cannot send and receive on one socket (symmetric RTP): its pipelines
 //! use loopback ports inside each participant's namespace, and the test's bridge at the
 //! participant's address carries their packets to and from the SFU and logs them.
-//! MP_KEEP_TMP=1 keeps GStreamer's logs.
+//! The SFU's own answers to NACKs are off here (`dataplane.retransmit = false`): they would hide
+//! the loss this test holds the SFU's reactions to. MP_KEEP_TMP=1 keeps GStreamer's logs.
 
 // Indices are participants' numbers (p0, p1, ...), which the bridges and pipelines share.
 #![allow(clippy::needless_range_loop)]
@@ -325,7 +326,13 @@ fn consumer(consumers: &[Value], subscriber: usize, publisher: usize) -> &Value 
 }
 
 fn run_plane(tb: &Testbed, plane: &str, dir: &Path) {
-    let serve = NetnsServe::start(tb, plane, &dir.join(format!("{plane}.db")), &["--reset"]);
+    // The SFU's own answers to NACKs (`dataplane.retransmit`) off: this test holds what the
+    // consumers' loss does (their reports and NACKs step them down, their NACKs reach the
+    // publishers), which copies sent again would hide. interop_webrtc_nack and sfu_feedback
+    // hold the answers.
+    let config = dir.join(format!("{plane}.toml"));
+    std::fs::write(&config, "[dataplane]\nretransmit = false\n").unwrap();
+    let serve = NetnsServe::start(tb, plane, &dir.join(format!("{plane}.db")), &["--reset", "-c", config.to_str().unwrap()]);
     serve.api("POST", "/v1/rooms", Some(json!({"id": "v"})));
     for (i, p) in tb.peers.iter().enumerate() {
         let body = json!({"id": format!("p{i}"), "local": SocketAddr::new(p.sfu_ip, SFU_PORT), "remote": SocketAddr::new(p.ip, MEDIA_PORT)});

@@ -205,7 +205,11 @@ fn run_plane(tb: &Testbed, plane: &str) {
     let sent = |c: &Value| ["tx_copies", "tx_bytes", "tx_errors", "feedback_routed", "feedback_coalesced"].map(|k| c[k].as_u64().unwrap());
     // p0's three 412-byte packets to each of its subscribers; p3's report (SR + SDES) to p0.
     assert_eq!(sent(&consumer(2, 0)), [3, 3 * 412, 0, 1, 0], "[{plane}] p2<-p0: its PLI went");
-    assert_eq!(sent(&consumer(3, 0)), [3, 3 * 412, 0, 1 + nack_routed, 1], "[{plane}] p3<-p0: its NACK (unless answered) and late PLI went, its first PLI was coalesced");
+    assert_eq!(
+        sent(&consumer(3, 0)),
+        [3, 3 * 412, 0, 1 + nack_routed, 1],
+        "[{plane}] p3<-p0: its NACK (unless answered) and late PLI went, its first PLI was coalesced"
+    );
     assert_eq!(sent(&consumer(4, 0)), [3, 3 * 412, 0, 0, 1], "[{plane}] p4<-p0: its FIR was coalesced");
     assert_eq!(sent(&consumer(2, 1)), [1, 28, 0, 1, 0], "[{plane}] p2<-p1: p1's SR, its NACK");
     assert_eq!(sent(&consumer(3, 1)), [1, 28, 0, 0, 0], "[{plane}] p3<-p1: p1's SR");
