@@ -671,6 +671,9 @@ pub struct Relay {
 /// eBPF plane, leaving from an address of its own.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Fork {
+    /// Its ingress stream's id (what the subscriber sends it: its RTCP, counted and consumed).
+    #[serde(default)]
+    pub uid: u32,
     /// The subscription it belongs to (NG `to-tag`).
     pub tag: String,
     /// Whose media: the peer of this leg.

@@ -130,7 +130,7 @@ impl Model {
 impl Model {
     /// Fork what one party of a relay sends (NG `subscribe request`): its address is claimed
     /// now, copies go once [`Model::set_fork_remote`] gives it a peer.
-    pub fn add_fork(&mut self, id: &str, fork: Fork) -> Result<(), ModelError> {
+    pub fn add_fork(&mut self, id: &str, mut fork: Fork) -> Result<(), ModelError> {
         let r = self.relays.get(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
         if fork.local.is_ipv4() != r.leg(fork.of).local.is_ipv4() {
             return Err(ModelError::FamilyMismatch(format!("relay {id}")));
@@ -139,6 +139,7 @@ impl Model {
             return Err(ModelError::Exists { kind: "fork", id: format!("{id}/{}", fork.tag) });
         }
         self.claim(fork.local, format!("relay {id}/fork {}", fork.tag))?;
+        fork.uid = self.uid();
         self.relays.get_mut(id).expect("found above").forks.push(fork);
         Ok(())
     }

@@ -501,8 +501,8 @@ fn compile_room_feedback(rid: &str, room: &Room) -> Vec<FeedbackEntry> {
 }
 
 /// The two entries of a relay: each leg's ingress, a fan-out of one to the other leg's peer.
-fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 2] {
-    [(&r.a, &r.b, "a", "b", Side::A), (&r.b, &r.a, "b", "a", Side::B)].map(|(from_leg, to_leg, side, other, from_side)| {
+fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> Vec<StreamEntry> {
+    let legs = [(&r.a, &r.b, "a", "b", Side::A), (&r.b, &r.a, "b", "a", Side::B)].map(|(from_leg, to_leg, side, other, from_side)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
         let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
         let copy = |to| Copy {
@@ -551,7 +551,33 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> [StreamEntry; 
             control: relay_control(r, from_leg, to_leg),
             dtmf: if from_leg.rtp { from_leg.dtmf.clone() } else { Vec::new() },
         }
-    })
+    });
+    // What an answered subscriber sends its fork's address (its RTCP) is heard and consumed,
+    // not dropped as a stranger's or counted as no stream's.
+    let forks = r.forks.iter().filter_map(|f| {
+        let remote = f.remote?;
+        Some(StreamEntry {
+            id: f.uid,
+            label: format!("relay:{id}/fork:{}", f.tag),
+            key: IngressKey { local: f.local, ssrc: None },
+            source: SourceRule::Fixed(remote),
+            rtp: true,
+            copies: Vec::new(),
+            rate,
+            record: false,
+            inbound: Protection::Clear,
+            clock_rate: 0,
+            evaluate_rtcp: false,
+            simulcast: None,
+            handshake: false,
+            stream_ids: None,
+            publisher_feedback: None,
+            reverse: Protection::Clear,
+            control: StreamControl::default(),
+            dtmf: Vec::new(),
+        })
+    });
+    legs.into_iter().chain(forks).collect()
 }
 
 fn relay_control(r: &Relay, from_leg: &Leg, to_leg: &Leg) -> StreamControl {
@@ -575,7 +601,7 @@ fn compile_owner_feedback(model: &Model, owner: Owner) -> Vec<FeedbackEntry> {
 fn compile_owner(model: &Model, owner: Owner, rate: Option<RateLimit>) -> Vec<StreamEntry> {
     match owner {
         Owner::Room(id) => model.rooms.get(id).map(|r| compile_room(id, r, rate)).unwrap_or_default(),
-        Owner::Relay(id) => model.relays.get(id).map(|r| compile_relay(id, r, rate).into()).unwrap_or_default(),
+        Owner::Relay(id) => model.relays.get(id).map(|r| compile_relay(id, r, rate)).unwrap_or_default(),
     }
 }
 

@@ -100,6 +100,8 @@ struct Run {
     heard: [Heard; 3],
     /// On the eBPF plane: packets the BPF program forwarded while subscribed to both.
     in_kernel: Option<u64>,
+    /// On mediaplane: the monitor's three receiver reports counted as packets for no stream.
+    reports_dropped: Option<u64>,
 }
 
 fn ok(relay: &str, what: &str, r: &Value) {
@@ -131,6 +133,24 @@ fn run(relay: &str, tmp: &Path) -> Run {
     ok(relay, "subscribe request (all)", &both);
     let r = ng_in(&tb, cmd("subscribe answer", vec![("to-tag", Value::str("monitor")), ("sdp", Value::from(monitor_answer(&mip, 2)))]));
     ok(relay, "subscribe answer", &r);
+    // The monitor's receiver reports reach the subscription's address (section 1's, from its
+    // RTP port): heard and consumed there, not counted as packets for no stream.
+    let offered = mediaplane_ng::sdp::Sdp::parse(text(&both, "sdp").as_bytes()).unwrap();
+    let fork = match offered.media_addr(0) {
+        Some(mediaplane_ng::sdp::ConnAddr::Ip(ip)) => SocketAddr::new(*ip, offered.media[0].port),
+        other => panic!("[{relay}] the offer's address: {other:?}"),
+    };
+    let no_stream = || {
+        relay
+            .starts_with("mediaplane")
+            .then(|| common::netns::try_api(&tb, "GET", "/v1/stats", None).expect("GET /v1/stats")["total"]["drop_no_stream"].as_u64().unwrap_or(0))
+    };
+    let no_stream_before = no_stream();
+    for _ in 0..3 {
+        mon[0].send_to(&[0x80, 201, 0, 1, 0x33, 0x33, 0x33, 0x33], fork).unwrap();
+    }
+    std::thread::sleep(Duration::from_millis(100));
+    let reports_dropped = no_stream().zip(no_stream_before).map(|(a, b)| a - b);
     // On the eBPF plane the forks are copies the kernel makes: every packet of the phase is
     // forwarded by the BPF program (`extra.forwarded`), none goes up to the slow path.
     let forwarded = || {
@@ -159,6 +179,7 @@ fn run(relay: &str, tmp: &Path) -> Run {
         offered: [payload_types(relay, &both), payload_types(relay, &one)],
         heard: [subscribed, unsubscribed, caller_only],
         in_kernel,
+        reports_dropped,
     }
 }
 
@@ -185,6 +206,7 @@ fn a_monitor_subscribes_to_a_call_as_with_rtpengine_on_both_planes() {
         assert_eq!(r.heard, want, "[{relay}]");
         assert_eq!(r.reply_keys, rtpe.reply_keys, "[{relay}] the replies' keys");
         assert_eq!(r.offered, rtpe.offered, "[{relay}] the offers' formats");
+        assert_eq!(r.reports_dropped, Some(0), "[{relay}] the monitor's receiver reports are heard at its fork");
     }
     let ebpf = &runs[2].1;
     assert_eq!(ebpf.in_kernel, Some(2 * PACKETS as u64), "[mediaplane-ebpf] every packet of both parties forwarded (and forked) in the kernel");

@@ -77,8 +77,10 @@ pub enum SelectError {
     UnknownAddress(String),
     #[error("{0:?} is not an IP address")]
     BadAddress(String),
-    #[error("labels are not kept (an offer's label is not acted on): select the participant by from-tag or address")]
-    Label,
+    #[error("no party of the call is labelled {0:?}")]
+    UnknownLabel(String),
+    #[error("to-label {to:?} does not name the other party of the one selected")]
+    NoSuchLabelledFlow { to: String },
     #[error("all={0:?} selects only media flows made by subscriptions, which mediaplane does not make")]
     NoSubscriptions(String),
     #[error("unknown all={0:?} (all, none, offer-answer, except-offer-answer or flows)")]
@@ -114,20 +116,27 @@ pub fn select(call: &Call, req: &Request, command: Command) -> Result<Target, Se
 /// The participants a request names (`from-tag`, with a `to-tag` naming the other party, or
 /// `address`: every party whose SDP media address it is); None when it names none.
 pub fn participants(call: &Call, req: &Request) -> Result<Option<Vec<Side>>, SelectError> {
-    if req.get("label").is_some() || req.get("from-label").is_some() || req.get("to-label").is_some() {
-        return Err(SelectError::Label);
-    }
     let to_tag = req.opt_nonempty("to-tag")?;
-    if let Some(from) = req.opt_nonempty("from-tag")? {
-        let side = call.side_of(from).ok_or_else(|| SelectError::UnknownTag(from.to_string()))?;
+    let to_label = req.opt_nonempty("to-label")?;
+    let from = match (req.opt_nonempty("from-tag")?, req.opt_nonempty("label")?.or(req.opt_nonempty("from-label")?)) {
+        (Some(tag), _) => Some(call.side_of(tag).ok_or_else(|| SelectError::UnknownTag(tag.to_string()))?),
+        (None, Some(label)) => Some(call.side_labelled(label).ok_or_else(|| SelectError::UnknownLabel(label.to_string()))?),
+        (None, None) => None,
+    };
+    if let Some(side) = from {
         if let Some(to) = to_tag {
             if call.side_of(to) != Some(other(side)) {
-                return Err(SelectError::NoSuchFlow { from: from.to_string(), to: to.to_string() });
+                return Err(SelectError::NoSuchFlow { from: call_tag(call, side), to: to.to_string() });
+            }
+        }
+        if let Some(to) = to_label {
+            if call.side_labelled(to) != Some(other(side)) {
+                return Err(SelectError::NoSuchLabelledFlow { to: to.to_string() });
             }
         }
         return Ok(Some(vec![side]));
     }
-    if to_tag.is_some() {
+    if to_tag.is_some() || to_label.is_some() {
         return Err(SelectError::FlowWithoutSource);
     }
     if let Some(address) = req.opt_nonempty("address")? {
@@ -180,6 +189,10 @@ impl DtmfRequest {
     }
 }
 
+fn call_tag(call: &Call, side: Side) -> String {
+    if side == Side::A { call.tag_a.clone() } else { call.tag_b.clone() }.unwrap_or_default()
+}
+
 /// RFC 4733's event code of a DTMF character.
 fn event_code(s: &str) -> Option<u8> {
     let mut chars = s.chars();
@@ -206,6 +219,7 @@ mod tests {
         let mut c = Call::new("c1", Instant::now());
         c.tag_a = Some("alice".into());
         c.tag_b = Some("bob".into());
+        c.labels[0] = Some("caller".into());
         c.media.push(crate::calls::media_between("192.0.2.1:4000".parse().unwrap(), "192.0.2.2:5000".parse().unwrap()));
         c
     }
@@ -235,6 +249,8 @@ mod tests {
         assert_eq!(select_with(vec![("from-tag", "bob".into())], "block media"), Ok(Target::Participants(vec![Side::B])));
         assert_eq!(select_with(vec![("from-tag", "alice".into()), ("to-tag", "bob".into())], "block media"), Ok(Target::Participants(vec![Side::A])));
         assert_eq!(select_with(vec![("address", "192.0.2.2".into())], "block DTMF"), Ok(Target::Participants(vec![Side::B])));
+        assert_eq!(select_with(vec![("label", "caller".into())], "block media"), Ok(Target::Participants(vec![Side::A])));
+        assert_eq!(select_with(vec![("from-label", "caller".into())], "block media"), Ok(Target::Participants(vec![Side::A])));
     }
 
     #[test]
@@ -244,7 +260,11 @@ mod tests {
         assert!(matches!(err(vec![("from-tag", "alice".into()), ("to-tag", "alice".into())], "block media"), SelectError::NoSuchFlow { .. }));
         assert_eq!(err(vec![("to-tag", "bob".into())], "block media"), SelectError::FlowWithoutSource);
         assert_eq!(err(vec![("address", "192.0.2.9".into())], "block media"), SelectError::UnknownAddress("192.0.2.9".into()));
-        assert_eq!(err(vec![("label", "caller".into())], "block media"), SelectError::Label);
+        assert_eq!(err(vec![("label", "callee".into())], "block media"), SelectError::UnknownLabel("callee".into()));
+        assert_eq!(
+            err(vec![("label", "caller".into()), ("to-label", "caller".into())], "block media"),
+            SelectError::NoSuchLabelledFlow { to: "caller".into() }
+        );
         assert_eq!(err(vec![("all", "except-offer-answer".into())], "block media"), SelectError::NoSubscriptions("except-offer-answer".into()));
         assert_eq!(err(vec![("DTMF-security", "random".into())], "block DTMF"), SelectError::DtmfSecurity("random".into()));
         // Unblocking takes no mode.

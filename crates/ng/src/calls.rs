@@ -121,6 +121,10 @@ pub struct Call {
     pub key: String,
     pub tag_a: Option<String>,
     pub tag_b: Option<String>,
+    /// The label each party was given (an offer's or answer's `label`/`from-label` names its
+    /// sender's, an answer's `to-label` the offerer's) [A, B]: what `label` selects by. Kept
+    /// in memory only: after a restart a call's labels are known again when they are signalled.
+    pub labels: [Option<String>; 2],
     pub created: SystemTime,
     pub last_signal: SystemTime,
     pub media: Vec<MediaState>,
@@ -146,6 +150,7 @@ impl Call {
             key: call_key(call_id),
             tag_a: None,
             tag_b: None,
+            labels: [None, None],
             created: t,
             last_signal: t,
             media: Vec::new(),
@@ -160,6 +165,11 @@ impl Call {
 
     /// The side a tag belongs to; unknown tags of a call whose tags are unknown (adopted) are
     /// taken for A, then B.
+    /// The party labelled `label`.
+    pub fn side_labelled(&self, label: &str) -> Option<Side> {
+        [Side::A, Side::B].into_iter().find(|s| self.labels[ix(*s)].as_deref() == Some(label))
+    }
+
     pub fn side_of(&self, tag: &str) -> Option<Side> {
         if self.tag_a.as_deref() == Some(tag) {
             Some(Side::A)

@@ -240,6 +240,9 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
             "transport-protocol",
             "sdes",
             "dtls",
+            "label",
+            "from-label",
+            "to-label",
         ],
         "delete" => &["call-id", "from-tag", "to-tag", "flags"],
         "query" => &["call-id", "from-tag", "to-tag"],
@@ -821,6 +824,14 @@ impl Engine {
             Phase::Offer => offerer,
             Phase::Answer => other(offerer),
         };
+        // Labels, as rtpengine keeps them: `label` (or `from-label`) names the SDP's sender,
+        // `to-label` the other party; what call control may select by later.
+        if let Some(l) = req.opt_nonempty("label")?.or(req.opt_nonempty("from-label")?) {
+            call.labels[calls::side_index(sender)] = Some(l.to_string());
+        }
+        if let Some(l) = req.opt_nonempty("to-label")? {
+            call.labels[calls::side_index(other(sender))] = Some(l.to_string());
+        }
         if phase == Phase::Answer {
             if signals.len() > call.media.len() {
                 return Err(NgError::Call(format!("the answer has {} media sections, the offer had {}", signals.len(), call.media.len())));
@@ -2072,6 +2083,16 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         );
         assert_eq!(relay(&m).b.control, blocked);
 
+        // Labels: the answer labels its sender, the callee; call control selects by it, and
+        // query shows it.
+        let mut a = answer(ANSWER_SDP);
+        a.push(("label", "callee".into()));
+        send(&mut e, &m, "a2", a);
+        control(vec![("command", "unblock media".into()), ("label", "callee".into())], "c11", &mut e);
+        assert_eq!(relay(&m).b.control, MediaControl::default());
+        let q = send(&mut e, &m, "q1", vec![("command", "query".into()), ("call-id", "cfBXzDSZqhYNcXM".into())]);
+        assert_eq!(q.get("tags").and_then(|t| t.get("8fa3b2")).and_then(|t| t.get("label")), Some(&Value::from("callee")), "{q:?}");
+
         // After a restart (the call adopted from the store, its tags not known yet) the whole
         // call is still reached.
         let mut e = Engine::new(EngineConfig::default());
@@ -2082,7 +2103,7 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         let r = send(&mut e, &m, "c7", vec![("command", "block media".into()), ("call-id", "nope".into())]);
         assert_eq!(text(&r, "error-reason"), "unknown call-id \"nope\"");
         let r = send(&mut e, &m, "c8", vec![("command", "block media".into()), ("call-id", "cfBXzDSZqhYNcXM".into()), ("label", "caller".into())]);
-        assert_eq!(text(&r, "result"), "error", "{r:?}");
+        assert_eq!(text(&r, "error-reason"), "no party of the call is labelled \"caller\"", "{r:?}");
     }
 
     #[test]
@@ -2122,10 +2143,20 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         let mut want = vec![(ports[0], to(9000)), (ports[0] + 1, to(9001)), (ports[1], to(9002)), (ports[1] + 1, to(9003))];
         want.sort();
         assert_eq!(copies, want);
+        // What the subscriber sends back (its RTCP) is heard at each fork's address, from it.
+        let ingress = |m: &SessionManager| {
+            let t = table(m);
+            let mut v: Vec<(u16, mediaplane_core::SourceRule, usize)> =
+                t.streams.values().filter(|e| e.label.contains("/fork:")).map(|e| (e.key.local.port(), e.source, e.copies.len())).collect();
+            v.sort_by_key(|x| x.0);
+            v
+        };
+        let fixed = |p| mediaplane_core::SourceRule::Fixed(to(p));
+        assert_eq!(ingress(&m), [(ports[0], fixed(9000), 0), (ports[0] + 1, fixed(9001), 0), (ports[1], fixed(9002), 0), (ports[1] + 1, fixed(9003), 0)]);
 
         let r = send(&mut e, &m, "s3", call("unsubscribe", vec![("to-tag", "mon".into())]));
         assert_eq!(text(&r, "result"), "ok", "{r:?}");
-        assert!(fork_copies(&m).is_empty());
+        assert!(fork_copies(&m).is_empty() && ingress(&m).is_empty());
         assert!(m
             .read(|model, _| model.owner_of(&to(0)).is_none()
                 && ports.iter().all(|p| model.owner_of(&SocketAddr::new("203.0.113.5".parse().unwrap(), *p)).is_none())));

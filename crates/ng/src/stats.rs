@@ -315,6 +315,9 @@ pub fn call_reply(
         };
         let medias = call.media.iter().enumerate().map(|(i, m)| media_value(model, streams, reception, v, i, m, side)).collect();
         let mut d = vec![("tag", Value::from(tag.clone())), ("created", Value::Int(created.as_secs() as i64))];
+        if let Some(label) = &call.labels[crate::calls::side_index(side)] {
+            d.push(("label", Value::from(label.clone())));
+        }
         if let Some(p) = peer {
             // rtpengine up to 10.x before subscriptions said "in dialogue with"; 10.5 lists both ways.
             d.push(("in dialogue with", Value::from(p.clone())));

@@ -100,7 +100,7 @@ pub fn sections(call: &Call, parties: &[Side]) -> Result<Vec<Section>, Subscribe
 
 /// The forks of one section (RTP, and RTCP one port up when it has its own), by relay id.
 pub fn forks(call: &Call, tag: &str, position: usize, s: &Section, local: SocketAddr) -> Vec<(String, Fork)> {
-    let fork = |local| Fork { tag: tag.to_string(), of: s.of, position: position as u16, local, remote: None };
+    let fork = |local| Fork { uid: 0, tag: tag.to_string(), of: s.of, position: position as u16, local, remote: None };
     let mut v = vec![(rtp_relay_id(&call.key, s.media), fork(local))];
     if s.rtcp {
         v.push((rtcp_relay_id(&call.key, s.media), fork(SocketAddr::new(local.ip(), local.port() + 1))));
