@@ -206,7 +206,7 @@ pub trait LayerMap {
     fn layer(&self, consumer: u32) -> Option<u8>;
     /// The layer and sequence number of what went out to the consumer as `out_seq`.
     fn original(&self, consumer: u32, out_seq: u16) -> Option<(u8, u16)>;
-    /// The SFU still has what it sent the consumer as `out_seq` and can send it again itself
+    /// The SFU still has what it sent the consumer as `out_seq`: it answers the NACK itself
     /// ([`Outcome::resend`]) instead of asking the publisher.
     fn holds(&self, _consumer: u32, _out_seq: u16) -> bool {
         false

