@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 
 const BTF: &str = "/sys/kernel/btf/vmlinux";
-const PROGRAMS: &[&str] = &["sfu_tc", "prefilter_xdp", "slow_path_sk_lookup"];
+const PROGRAMS: &[&str] = &["sfu_tc", "prefilter_xdp", "slow_path_sk_lookup", "xsk_redirect"];
 
 fn main() {
     let out = PathBuf::from(std::env::var_os("OUT_DIR").expect("OUT_DIR"));

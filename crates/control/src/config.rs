@@ -147,6 +147,9 @@ pub struct ApiConfig {
 pub enum DataplaneKind {
     Userspace,
     Ebpf,
+    /// Kernel bypass: an XDP program hands the SFU's datagrams to AF_XDP sockets on
+    /// `interfaces`; the user-space engine forwards them from its own frames.
+    Afxdp,
 }
 
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
@@ -156,7 +159,7 @@ pub struct DataplaneConfig {
     /// User-space workers (0 = one per core) and datagrams per recvmmsg.
     pub workers: usize,
     pub batch: usize,
-    /// eBPF: interfaces to attach the TC program to (media arrives on them).
+    /// eBPF and AF_XDP: interfaces to attach the programs to (media arrives on them).
     pub interfaces: Vec<String>,
     /// eBPF: bpffs directory for pinned maps and links (per instance).
     pub pin_dir: PathBuf,

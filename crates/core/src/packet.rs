@@ -195,6 +195,14 @@ pub fn udp_checksum(src: IpAddr, dst: IpAddr, udp: &[u8]) -> u16 {
     }
 }
 
+/// What a UDP checksum field holds when the sender left the checksum to its NIC (Linux's
+/// CHECKSUM_PARTIAL: the folded pseudo-header sum, not complemented) and the frame never went
+/// through one: a local sender over veth. A driver that reads raw frames without the kernel's
+/// `ip_summed` sees these (AF_XDP on veth); on a wire every checksum is complete.
+pub fn udp_checksum_partial(src: IpAddr, dst: IpAddr, udp_len: usize) -> u16 {
+    csum_fold(pseudo_header_sum(src, dst, udp_len))
+}
+
 /// Checks of a frame's checksums: IPv4 header checksum and UDP checksum (zero is accepted on IPv4).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct ChecksumReport {
@@ -241,51 +249,75 @@ impl FrameSpec {
     }
 }
 
+/// The length of the frame [`write_frame`] makes around a payload of `payload_len` bytes.
+pub fn frame_len(spec: &FrameSpec, payload_len: usize) -> usize {
+    let vlan = if spec.vlan.is_some() { 4 } else { 0 };
+    let ip = if spec.dst.is_ipv4() { 20 } else { 40 };
+    ETH_HLEN + vlan + ip + UDP_HLEN + payload_len
+}
+
 /// Build an Ethernet + IP + UDP frame with valid checksums around `payload`.
 pub fn build_frame(spec: &FrameSpec, payload: &[u8]) -> Vec<u8> {
-    let mut f = Vec::with_capacity(ETH_HLEN + 4 + 40 + UDP_HLEN + payload.len());
-    f.extend_from_slice(&spec.dst_mac);
-    f.extend_from_slice(&spec.src_mac);
-    if let Some(v) = spec.vlan {
-        f.extend_from_slice(&ETH_P_8021Q.to_be_bytes());
-        f.extend_from_slice(&(v & 0x0fff).to_be_bytes());
-    }
+    let mut f = vec![0; frame_len(spec, payload.len())];
+    write_frame(spec, payload, &mut f);
+    f
+}
+
+/// [`build_frame`] into `out` (a data plane's own frame buffer): the frame's length, or None
+/// when it does not fit. Panics if source and destination are of different families.
+pub fn write_frame(spec: &FrameSpec, payload: &[u8], out: &mut [u8]) -> Option<usize> {
+    let len = frame_len(spec, payload.len());
     let udp_len = UDP_HLEN + payload.len();
-    let l3 = f.len();
-    match (spec.src, spec.dst) {
+    if len > out.len() || udp_len > u16::MAX as usize {
+        return None;
+    }
+    let f = &mut out[..len];
+    f[0..6].copy_from_slice(&spec.dst_mac);
+    f[6..12].copy_from_slice(&spec.src_mac);
+    let mut at = 12;
+    if let Some(v) = spec.vlan {
+        f[12..14].copy_from_slice(&ETH_P_8021Q.to_be_bytes());
+        f[14..16].copy_from_slice(&(v & 0x0fff).to_be_bytes());
+        at = 16;
+    }
+    let l4 = match (spec.src, spec.dst) {
         (SocketAddr::V4(s), SocketAddr::V4(d)) => {
-            f.extend_from_slice(&ETH_P_IPV4.to_be_bytes());
-            let l3 = f.len();
-            let total = (20 + udp_len) as u16;
-            f.extend_from_slice(&[0x45, spec.tos]);
-            f.extend_from_slice(&total.to_be_bytes());
-            f.extend_from_slice(&spec.ident.to_be_bytes());
-            f.extend_from_slice(&[0x40, 0, spec.ttl, IPPROTO_UDP, 0, 0]);
-            f.extend_from_slice(&s.ip().octets());
-            f.extend_from_slice(&d.ip().octets());
-            let c = internet_checksum(&f[l3..l3 + 20]);
-            f[l3 + 10..l3 + 12].copy_from_slice(&c.to_be_bytes());
+            f[at..at + 2].copy_from_slice(&ETH_P_IPV4.to_be_bytes());
+            let l3 = at + 2;
+            let ip = &mut f[l3..l3 + 20];
+            ip[0] = 0x45;
+            ip[1] = spec.tos;
+            ip[2..4].copy_from_slice(&((20 + udp_len) as u16).to_be_bytes());
+            ip[4..6].copy_from_slice(&spec.ident.to_be_bytes());
+            ip[6..12].copy_from_slice(&[0x40, 0, spec.ttl, IPPROTO_UDP, 0, 0]);
+            ip[12..16].copy_from_slice(&s.ip().octets());
+            ip[16..20].copy_from_slice(&d.ip().octets());
+            let c = internet_checksum(ip);
+            ip[10..12].copy_from_slice(&c.to_be_bytes());
+            l3 + 20
         }
         (SocketAddr::V6(s), SocketAddr::V6(d)) => {
-            f.extend_from_slice(&ETH_P_IPV6.to_be_bytes());
-            f.extend_from_slice(&[0x60 | (spec.tos >> 4), spec.tos << 4, 0, 0]);
-            f.extend_from_slice(&(udp_len as u16).to_be_bytes());
-            f.extend_from_slice(&[IPPROTO_UDP, spec.ttl]);
-            f.extend_from_slice(&s.ip().octets());
-            f.extend_from_slice(&d.ip().octets());
+            f[at..at + 2].copy_from_slice(&ETH_P_IPV6.to_be_bytes());
+            let l3 = at + 2;
+            let ip = &mut f[l3..l3 + 40];
+            ip[0..4].copy_from_slice(&[0x60 | (spec.tos >> 4), spec.tos << 4, 0, 0]);
+            ip[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+            ip[6..8].copy_from_slice(&[IPPROTO_UDP, spec.ttl]);
+            ip[8..24].copy_from_slice(&s.ip().octets());
+            ip[24..40].copy_from_slice(&d.ip().octets());
+            l3 + 40
         }
-        _ => panic!("build_frame: source and destination must be the same address family"),
-    }
-    let _ = l3;
-    let l4 = f.len();
-    f.extend_from_slice(&spec.src.port().to_be_bytes());
-    f.extend_from_slice(&spec.dst.port().to_be_bytes());
-    f.extend_from_slice(&(udp_len as u16).to_be_bytes());
-    f.extend_from_slice(&[0, 0]);
-    f.extend_from_slice(payload);
-    let c = udp_checksum(spec.src.ip(), spec.dst.ip(), &f[l4..]);
-    f[l4 + 6..l4 + 8].copy_from_slice(&c.to_be_bytes());
-    f
+        _ => panic!("write_frame: source and destination must be the same address family"),
+    };
+    let udp = &mut f[l4..];
+    udp[0..2].copy_from_slice(&spec.src.port().to_be_bytes());
+    udp[2..4].copy_from_slice(&spec.dst.port().to_be_bytes());
+    udp[4..6].copy_from_slice(&(udp_len as u16).to_be_bytes());
+    udp[6..8].copy_from_slice(&[0, 0]);
+    udp[8..].copy_from_slice(payload);
+    let c = udp_checksum(spec.src.ip(), spec.dst.ip(), udp);
+    udp[6..8].copy_from_slice(&c.to_be_bytes());
+    Some(len)
 }
 
 #[cfg(test)]

@@ -1186,6 +1186,14 @@ impl Engine {
     }
 
     /// The totals, per stream counters and reception quality, into `st`.
+    /// Datagrams a driver that sees raw frames dropped for a wrong IPv4 header or UDP checksum
+    /// before deciding them (the socket plane never sees these: the host drops them). Counted in
+    /// totals only, as received and as `drop_bad_checksum`.
+    pub fn count_bad_checksums(&mut self, n: u64) {
+        self.counters.total.rx_packets += n;
+        self.counters.total.drop_bad_checksum += n;
+    }
+
     pub fn stats_into(&self, st: &mut DataplaneStats) {
         st.total.add(&self.counters.total);
         for (id, sc) in &self.counters.streams {

@@ -5,9 +5,11 @@
 //! packets according to [`ForwardingTable::classify`]; it never decides anything the table does
 //! not say. Slow-path events (a source to latch) go back to the control plane as [`DataplaneEvent`]s.
 
+pub mod afxdp;
 pub mod engine;
 pub mod kernel_layers;
 pub mod netlink;
+pub mod reassembly;
 pub mod record;
 pub mod srtp;
 pub mod sys;

@@ -76,6 +76,10 @@ pub struct UserspaceConfig {
     pub forwarded_qos: bool,
     /// Answer video consumers' NACKs from what was sent them ([`EngineConfig::retransmit`]).
     pub retransmit: bool,
+    /// The AF_XDP plane: also receive and send on these AF_XDP sockets, whose XDP program
+    /// hands them the SFU's datagrams; the sockets then carry only what that program passes to
+    /// the host stack ([`crate::afxdp`]).
+    pub xsk: Option<crate::afxdp::XskConfig>,
 }
 
 /// See [`UserspaceConfig::mark_ack`].
@@ -100,6 +104,7 @@ impl Default for UserspaceConfig {
             kernel_layers: None,
             forwarded_qos: true,
             retransmit: true,
+            xsk: None,
         }
     }
 }
@@ -187,11 +192,11 @@ impl SteerSockets {
 }
 
 /// What workers see: the table and, per SFU address, one socket per worker.
-struct State {
-    table: Arc<ForwardingTable>,
-    sockets: imbl::HashMap<SocketAddr, Arc<Vec<Socket>>>,
+pub(crate) struct State {
+    pub(crate) table: Arc<ForwardingTable>,
+    pub(crate) sockets: imbl::HashMap<SocketAddr, Arc<Vec<Socket>>>,
     /// The SRTP sessions of the table's SRTP legs.
-    srtp: crate::srtp::Contexts,
+    pub(crate) srtp: crate::srtp::Contexts,
 }
 
 /// A change to the socket set, queued for each worker's epoll set.
@@ -205,9 +210,9 @@ fn addresses_of(e: &StreamEntry) -> impl Iterator<Item = SocketAddr> + '_ {
     std::iter::once(e.key.local).chain(e.copies.iter().map(|c| c.from))
 }
 
-struct Shared {
-    state: ArcSwap<State>,
-    stop: AtomicBool,
+pub(crate) struct Shared {
+    pub(crate) state: ArcSwap<State>,
+    pub(crate) stop: AtomicBool,
     events: Option<SyncSender<DataplaneEvent>>,
     /// Events not queued because the control plane was behind ([`crate::EVENT_QUEUE`]).
     events_dropped: AtomicU64,
@@ -216,10 +221,10 @@ struct Shared {
     /// never held across a send. (Under it, the eBPF plane's simulcast fan-out and tick read and
     /// aim the kernel's per-consumer states: map calls that take no lock of the eBPF plane's.)
     /// The installed `state` is swapped under it.
-    engine: Mutex<Engine>,
+    pub(crate) engine: Mutex<Engine>,
     /// When the engine's next timer is due ([`Engine::poll_timeout`]; u64::MAX: none), for
     /// worker 0 to read without the lock.
-    timer_due: AtomicU64,
+    pub(crate) timer_due: AtomicU64,
     /// The kernel's simulcast states, read outside the engine's lock for its tick.
     kernel_layers: Option<Arc<dyn KernelLayers>>,
 }
@@ -227,7 +232,7 @@ struct Shared {
 /// `packet` as it leaves `from`: as it is, or sealed with `from`'s outbound SRTP context of
 /// `state` (the snapshot it was decided with: its contexts are the table's keys); None: it could
 /// not be (counted by the contexts).
-fn sealed<'p>(state: &State, from: SocketAddr, packet: Cow<'p, [u8]>, seal: bool) -> Option<Cow<'p, [u8]>> {
+pub(crate) fn sealed<'p>(state: &State, from: SocketAddr, packet: Cow<'p, [u8]>, seal: bool) -> Option<Cow<'p, [u8]>> {
     if !seal {
         return Some(packet);
     }
@@ -235,7 +240,7 @@ fn sealed<'p>(state: &State, from: SocketAddr, packet: Cow<'p, [u8]>, seal: bool
 }
 
 /// The SRTP contexts of the installed table, as the engine asks for them.
-struct SrtpCrypto<'a>(&'a crate::srtp::Contexts);
+pub(crate) struct SrtpCrypto<'a>(pub(crate) &'a crate::srtp::Contexts);
 
 impl Crypto for SrtpCrypto<'_> {
     fn unprotect(&mut self, at: SocketAddr, key: Option<&SrtpKey>, packet: &[u8]) -> Option<Vec<u8>> {
@@ -262,11 +267,14 @@ pub struct UserspaceDataplane {
     apply_lock: Mutex<HashMap<SocketAddr, u32>>,
     /// Steered mode: per worker.
     steer: Vec<Arc<SteerSockets>>,
+    /// The AF_XDP thread ([`UserspaceConfig::xsk`]) and what it counts.
+    xsk: Mutex<Option<(JoinHandle<()>, Arc<EventFd>)>>,
+    xsk_stats: Option<Arc<crate::afxdp::XskStats>>,
 }
 
 impl Shared {
     /// Queue an event for the control plane; never blocks a worker (a full queue drops it).
-    fn report(&self, ev: DataplaneEvent) {
+    pub(crate) fn report(&self, ev: DataplaneEvent) {
         if let Some(tx) = &self.events {
             if let Err(TrySendError::Full(_)) = tx.try_send(ev) {
                 self.events_dropped.fetch_add(1, Ordering::Relaxed);
@@ -331,7 +339,30 @@ impl UserspaceDataplane {
             let thread = std::thread::Builder::new().name(format!("mp-worker-{id}")).spawn(move || ctx.run()).map_err(|e| io_err("spawn worker", e))?;
             workers.push(Worker { thread: Some(thread), wake, changes });
         }
-        Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(HashMap::new()), steer })
+        let (xsk, xsk_stats) = match cfg.xsk.clone() {
+            Some(xcfg) => {
+                let stats = Arc::new(crate::afxdp::XskStats::default());
+                let wake = Arc::new(EventFd::new().map_err(|e| io_err("eventfd", e))?);
+                let started = crate::afxdp::start(xcfg, shared.clone(), cfg.header, stats.clone(), wake.clone());
+                let thread = match started {
+                    Ok(t) => t,
+                    Err(e) => {
+                        // The socket workers started above must not outlive a failed start.
+                        shared.stop.store(true, Ordering::SeqCst);
+                        for w in &mut workers {
+                            w.wake.notify();
+                            if let Some(t) = w.thread.take() {
+                                let _ = t.join();
+                            }
+                        }
+                        return Err(e);
+                    }
+                };
+                (Some((thread, wake)), Some(stats))
+            }
+            None => (None, None),
+        };
+        Ok(UserspaceDataplane { shared, workers: Mutex::new(workers), cfg, apply_lock: Mutex::new(HashMap::new()), steer, xsk: Mutex::new(xsk), xsk_stats })
     }
 
     /// Steered mode: the catch-all receive sockets (IPv4, IPv6) the sk_lookup program must
@@ -418,6 +449,17 @@ impl UserspaceDataplane {
             }
         }
         self.swap_state(&old.table, State { table, sockets, srtp }, changed);
+        if let Some(x) = self.cfg.xsk.as_ref().filter(|_| !changes.is_empty()) {
+            // The XDP program hands over datagrams to addresses that have their socket now.
+            let (mut added, mut removed) = (Vec::new(), Vec::new());
+            for c in &changes {
+                match c {
+                    SocketChange::Added(a, _) => added.push(*a),
+                    SocketChange::Removed(a) => removed.push(*a),
+                }
+            }
+            (x.addresses)(&added, &removed);
+        }
         if !changes.is_empty() {
             for w in self.workers.lock().iter() {
                 w.changes.lock().extend(changes.iter().map(|c| match c {
@@ -473,7 +515,11 @@ fn open_socket(addr: SocketAddr, buffer: usize, header: &HeaderPolicy) -> Result
 
 impl Dataplane for UserspaceDataplane {
     fn name(&self) -> &'static str {
-        "userspace"
+        if self.cfg.xsk.is_some() {
+            "afxdp"
+        } else {
+            "userspace"
+        }
     }
 
     fn send_datagram(&self, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> Result<(), DataplaneError> {
@@ -497,6 +543,9 @@ impl Dataplane for UserspaceDataplane {
         st.extra.insert("not_recorded".into(), crate::record::not_recorded());
         st.extra.insert("events_dropped".into(), self.shared.events_dropped.load(Ordering::Relaxed));
         st.extra.extend(crate::srtp::failures().into_iter().map(|(k, v)| (k.to_string(), v)));
+        if let Some(x) = &self.xsk_stats {
+            st.extra.extend(x.fields().into_iter().map(|(k, v)| (k.to_string(), v)));
+        }
         st
     }
 
@@ -522,6 +571,10 @@ impl Dataplane for UserspaceDataplane {
             if let Some(t) = w.thread.take() {
                 let _ = t.join();
             }
+        }
+        if let Some((thread, wake)) = self.xsk.lock().take() {
+            wake.notify();
+            let _ = thread.join();
         }
         self.shared.state.store(Arc::new(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default(), srtp: Default::default() }));
         self.apply_lock.lock().clear();
@@ -612,7 +665,7 @@ fn send_raw_copy(steer: &SteerSockets, from: SocketAddr, to: SocketAddr, payload
 
 /// An IPv4 ID for a raw copy, as the kernel path and the host's UDP sockets give one (DF is set:
 /// an atomic datagram's ID means nothing, but a constant one would set the slow path apart).
-fn next_ip_id() -> u16 {
+pub(crate) fn next_ip_id() -> u16 {
     thread_local!(static STATE: std::cell::Cell<u32> = std::cell::Cell::new(crate::engine::limits_clock_ns() as u32 | 1));
     STATE.with(|s| {
         // xorshift32

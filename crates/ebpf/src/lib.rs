@@ -18,6 +18,7 @@
 //! * [`pinlock`]: one live daemon per pin directory (a kill -9'd one's pins are still adopted);
 //! * [`dataplane`]: [`EbpfDataplane`], the [`mediaplane_dataplane::Dataplane`] named "ebpf".
 
+pub mod afxdp;
 pub mod attach;
 pub mod dataplane;
 pub mod install;
@@ -37,6 +38,7 @@ mod skel {
     include!(concat!(env!("OUT_DIR"), "/sfu_tc.skel.rs"));
 }
 
+pub use afxdp::{AfxdpConfig, AfxdpDataplane};
 pub use attach::AttachMode;
 pub use dataplane::{mount_bpffs_if_missing, remove_pins, EbpfConfig, EbpfDataplane, XdpPrefilter};
 pub use install::ApplyReport;

@@ -25,7 +25,7 @@ pub struct BenchSfuArgs {
     /// A seconds-long smoke run: N = 2 and 4, one second each.
     #[arg(long)]
     quick: bool,
-    /// Data planes to compare (userspace, ebpf, ebpf-xdp, ebpf-noxdp: the eBPF plane as it starts
+    /// Data planes to compare (userspace, afxdp, ebpf, ebpf-xdp, ebpf-noxdp: the eBPF plane as it starts
     /// by default, with its XDP pre-filter forced on, off). The kernel-forward floor always
     /// runs first at each N and scenario.
     #[arg(long, value_delimiter = ',', default_value = "userspace,ebpf")]

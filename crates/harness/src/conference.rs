@@ -236,7 +236,7 @@ impl ServeProcess {
         if let Some(x) = xdp {
             cmd.args(["--xdp-prefilter", x]);
         }
-        if kind == "ebpf" {
+        if kind == "ebpf" || kind == "afxdp" {
             for p in &tb.peers {
                 cmd.args(["--interface", &p.sfu_if]);
             }

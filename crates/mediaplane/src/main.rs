@@ -97,7 +97,8 @@ fn parse_kind(s: &str) -> Result<DataplaneKind, String> {
     match s {
         "userspace" => Ok(DataplaneKind::Userspace),
         "ebpf" => Ok(DataplaneKind::Ebpf),
-        _ => Err(format!("unknown data plane {s:?}: use userspace or ebpf")),
+        "afxdp" => Ok(DataplaneKind::Afxdp),
+        _ => Err(format!("unknown data plane {s:?}: use userspace, ebpf or afxdp")),
     }
 }
 
@@ -181,6 +182,10 @@ fn raise_fd_limit(cfg: &Config) {
         }
         DataplaneKind::Ebpf => {
             tracing::info!(fd_limit = limit, raised, "the ebpf plane's sessions cost no file descriptors (kernel map entries: dataplane.max_streams)")
+        }
+        DataplaneKind::Afxdp => {
+            // As the user-space plane: its sockets carry what the XDP program passes to the stack.
+            tracing::info!(fd_limit = limit, raised, "the afxdp plane keeps a socket per SFU address and worker, as the user-space plane does")
         }
     }
 }
@@ -278,6 +283,12 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::SyncSender<DataplaneEv
     };
     match cfg.dataplane.kind {
         DataplaneKind::Userspace => Ok(Arc::new(UserspaceDataplane::new(us, Some(events)).context("starting the user-space data plane")?)),
+        DataplaneKind::Afxdp => {
+            let acfg = mediaplane_ebpf::AfxdpConfig { interfaces: cfg.dataplane.interfaces.clone(), userspace: us };
+            let dp = mediaplane_ebpf::AfxdpDataplane::new(acfg, Some(events)).context("starting the afxdp data plane")?;
+            tracing::info!(interfaces = ?cfg.dataplane.interfaces, "AF_XDP sockets bound, XDP program attached");
+            Ok(Arc::new(dp))
+        }
         DataplaneKind::Ebpf => {
             let mut ecfg = mediaplane_ebpf::EbpfConfig::new(cfg.dataplane.interfaces.clone(), cfg.dataplane.pin_dir.clone());
             ecfg.userspace = us;

@@ -163,7 +163,7 @@ fn every_data_plane_delivers_exactly_what_the_model_says() {
         assert_eq!(want[&3].len(), 40, "p0/main + p0/hi");
         for i in 0..N {
             let (g, w) = (&got[&i], &want[&i]);
-            assert_eq!(g.len(), w.len(), "[{plane}] p{i}: {} copies, the model says {}", g.len(), w.len());
+            assert_eq!(g.len(), w.len(), "[{plane}] p{i}: {} copies, the model says {}; {}", g.len(), w.len(), stats["extra"]);
             assert!(g == w, "[{plane}] p{i}: copies differ from the model (source address or payload)");
         }
         let t = &stats["total"];
@@ -178,6 +178,14 @@ fn every_data_plane_delivers_exactly_what_the_model_says() {
             assert_eq!((xdp, xdp_no_stream), (15, 5), "[{plane}] the XDP pre-filter drops the strangers: {}", stats["extra"]);
         }
         assert_eq!(t["drop_malformed"], 10, "[{plane}] garbage + truncated: {t}");
+        if plane == "afxdp" {
+            // Every datagram came by an AF_XDP socket and every copy left by a TX ring: none took
+            // the socket path underneath.
+            let x = &stats["extra"];
+            let copies: usize = want.values().map(Vec::len).sum();
+            assert_eq!(x["xsk_redirected"], traffic(&tb).len(), "[{plane}] {x}");
+            assert_eq!(x["afxdp_tx_frames"], copies, "[{plane}] {x}");
+        }
         per_plane.push((plane, got));
     }
     for w in per_plane.windows(2) {

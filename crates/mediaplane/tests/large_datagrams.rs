@@ -148,6 +148,17 @@ fn run(tb: &Testbed, plane: &str, socks: &[UdpSocket], cap: &OwnedFd) -> Vec<Fra
         t["tx_copies"], t["tx_errors"], stats["extra"]["pass_fragment"], stats["extra"]["pass_fib_fail"], stats["extra"]["pass_in_order"]
     );
     assert_eq!(t["tx_errors"].as_u64(), Some(0), "[{plane}] no send failed: {t}");
+    if plane == "afxdp" {
+        // Nothing went round by the host stack: p0's fragments were reassembled from AF_XDP
+        // frames, p1's jumbo datagrams gathered from several; the copies too big for a link left
+        // by the socket (the kernel fragments them).
+        let x = &stats["extra"];
+        let n = |k: &str| x[k].as_u64().unwrap_or_else(|| panic!("[{plane}] no {k}: {x}"));
+        eprintln!("[{plane}] {x}");
+        assert_eq!(n("xsk_pass_fragment"), 0, "[{plane}] {x}");
+        assert!(n("afxdp_rx_reassembled") > 0 && n("afxdp_rx_gathered") > 0 && n("afxdp_tx_socket_too_big") > 0, "[{plane}] {x}");
+        assert_eq!(n("afxdp_reassembly_timeouts") + n("afxdp_reassembly_dropped"), 0, "[{plane}] {x}");
+    }
     assert_eq!(t["tx_copies"].as_u64(), Some(expected_copies), "[{plane}] {t}");
     drop(s);
     drain_shapes(cap, sfu0, p0)
@@ -176,7 +187,7 @@ fn large_datagrams_are_fragmented_as_the_host_would_on_both_planes() {
     }
     let cap = capture(&tb, &tb.peers[0].ns, &tb.peers[0].peer_if);
     let mut shapes = BTreeMap::new();
-    for plane in ["userspace", "ebpf"] {
+    for plane in ["userspace", "ebpf", "afxdp"] {
         shapes.insert(plane, run(&tb, plane, &socks, &cap));
     }
     // What p0 received from its SFU address (p1's datagrams), frame by frame.
@@ -204,4 +215,5 @@ fn large_datagrams_are_fragmented_as_the_host_would_on_both_planes() {
         normalized.insert(*plane, v);
     }
     assert_eq!(normalized["userspace"], normalized["ebpf"], "the same frames on the wire from both planes");
+    assert_eq!(normalized["userspace"], normalized["afxdp"], "the same frames on the wire from the AF_XDP plane");
 }

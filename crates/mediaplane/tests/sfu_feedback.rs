@@ -149,7 +149,7 @@ fn run_plane(tb: &Testbed, plane: &str) {
     // The user-space plane makes p0's video copies itself and keeps them: p3's NACK of one it
     // was sent is answered by the SFU (the copy again), not routed to p0. The eBPF planes'
     // kernel makes these copies (plain RTP): the NACK goes to p0.
-    let answered = plane == "userspace";
+    let answered = common::copies_in_user_space(plane);
     let mut want_p0 = vec![
         (sfu(0, SFU_PORT), routed(2, build::pli(RECEIVER[2], P0_SSRC))),
         (sfu(0, SFU_PORT), [build_report(P3_SSRC, Some(0x0102_0304), &[]), sdes].concat()),

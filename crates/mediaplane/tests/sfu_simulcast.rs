@@ -198,7 +198,7 @@ fn run_plane(tb: &Testbed, plane: &str) {
     // The user-space plane made p2's copies itself and kept them: it answers the NACK by
     // sending them again. The eBPF planes' kernel renumbered them: the NACK goes to the
     // publisher, in layer 1's numbers.
-    let answered = plane == "userspace";
+    let answered = common::copies_in_user_space(plane);
     if answered {
         assert!(nacks.is_empty(), "[{plane}] the NACK was answered by the SFU, not sent on: {nacks:?}");
     } else {
@@ -231,7 +231,13 @@ fn run_plane(tb: &Testbed, plane: &str) {
     // to the slow path (the sender reports go up by design; a first packet before the
     // neighbours were resolved may too).
     let mut handed_up = 0;
-    if plane != "userspace" {
+    if plane == "afxdp" {
+        // Every media packet reached the engine by an AF_XDP socket, not the sockets underneath.
+        let stats = serve.api("GET", "/v1/stats", None);
+        let redirected = stats["extra"]["xsk_redirected"].as_u64().unwrap_or(0);
+        let sent = FRAMES as u64 * 3 * 2 + 1;
+        assert!(redirected >= sent, "[{plane}] {redirected} of {sent} media packets came by AF_XDP: {}", stats["extra"]);
+    } else if plane != "userspace" {
         let stats = serve.api("GET", "/v1/stats", None);
         let counter = |k: &str| stats["extra"][k].as_u64().unwrap_or(0);
         let sent = FRAMES as u64 * 3 * 2 + 1;
@@ -260,7 +266,7 @@ fn run_plane(tb: &Testbed, plane: &str) {
         let f = &v["forwarded"];
         let n = |k: &str| f[k].as_u64().unwrap_or_else(|| panic!("[{plane}] forwarded.{k}: {v}"));
         assert_eq!((n("ssrc"), f["lost"].as_i64(), n("duplicates"), n("reordered")), (u64::from(LAYERS[0]), Some(0), 0, 1), "[{plane}] {v}");
-        let missed = if plane == "userspace" { 0 } else { handed_up };
+        let missed = if common::copies_in_user_space(plane) { 0 } else { handed_up };
         assert!(n("packets") <= got.len() as u64 && n("packets") + missed >= got.len() as u64, "[{plane}] {} of {} forwarded: {v}", n("packets"), got.len());
     }
     assert_eq!(v1["tx_copies"].as_u64(), Some(got1.len() as u64 + 1), "[{plane}] its packets and its sender report: {v1}");

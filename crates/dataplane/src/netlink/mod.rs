@@ -5,5 +5,5 @@
 pub mod neigh;
 mod watch;
 
-pub use neigh::NeighbourResolver;
+pub use neigh::{NeighbourResolver, NextHop, NextHopLookup};
 pub use watch::{OnChange, Refresh, RouteWatch};

@@ -205,8 +205,10 @@ fn request(sock: &OwnedFd, kind: u16, flags: u16, seq: &mut u32, body: &[u8]) ->
     }
 }
 
-/// Route to `dst`, then have that route's neighbour resolved.
-fn resolve_one(sock: &OwnedFd, dst: IpAddr, seq: &mut u32) -> io::Result<()> {
+/// The route to `dst`: its output interface and the address whose neighbour entry a frame to
+/// `dst` needs (the gateway, or `dst` on a connected route); None for a route that is not
+/// unicast (local, blackhole, unreachable...).
+fn route_to(sock: &OwnedFd, dst: IpAddr, seq: &mut u32) -> io::Result<Option<(u32, Vec<u8>)>> {
     let (family, bytes) = family_and_bytes(dst);
     // struct rtmsg: family, dst_len, src_len, tos, table, protocol, scope, type, flags(u32).
     let mut body = vec![family, (bytes.len() * 8) as u8, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0];
@@ -216,31 +218,101 @@ fn resolve_one(sock: &OwnedFd, dst: IpAddr, seq: &mut u32) -> io::Result<()> {
         return Err(io::Error::other("no route reply"));
     }
     if reply[7] != RTN_UNICAST {
-        return Ok(()); // local, blackhole...: nothing to resolve
+        return Ok(None);
     }
     let (mut oif, mut gateway) = (None, None);
-    let mut at = 12;
-    while at + 4 <= reply.len() {
-        let len = u16::from_ne_bytes(reply[at..at + 2].try_into().unwrap()) as usize;
-        let kind = u16::from_ne_bytes(reply[at + 2..at + 4].try_into().unwrap());
-        if len < 4 || at + len > reply.len() {
-            break;
-        }
-        let data = &reply[at + 4..at + len];
+    for (kind, data) in attrs(&reply[12..]) {
         match kind {
             RTA_OIF if data.len() == 4 => oif = Some(u32::from_ne_bytes(data.try_into().unwrap())),
             RTA_GATEWAY if data.len() == bytes.len() => gateway = Some(data.to_vec()),
             _ => {}
         }
-        at += len.next_multiple_of(4);
     }
     let oif = oif.ok_or_else(|| io::Error::other("route without an output interface"))?;
+    Ok(Some((oif, gateway.unwrap_or(bytes))))
+}
+
+/// The (type, data) of each rtnetlink attribute in `buf`.
+fn attrs(buf: &[u8]) -> impl Iterator<Item = (u16, &[u8])> {
+    let mut at = 0;
+    std::iter::from_fn(move || {
+        if at + 4 > buf.len() {
+            return None;
+        }
+        let len = u16::from_ne_bytes(buf[at..at + 2].try_into().unwrap()) as usize;
+        let kind = u16::from_ne_bytes(buf[at + 2..at + 4].try_into().unwrap());
+        if len < 4 || at + len > buf.len() {
+            return None;
+        }
+        let data = &buf[at + 4..at + len];
+        at += len.next_multiple_of(4);
+        Some((kind, data))
+    })
+}
+
+/// Route to `dst`, then have that route's neighbour resolved.
+fn resolve_one(sock: &OwnedFd, dst: IpAddr, seq: &mut u32) -> io::Result<()> {
+    let Some((oif, neighbour)) = route_to(sock, dst, seq)? else {
+        return Ok(()); // local, blackhole...: nothing to resolve
+    };
+    let (family, _) = family_and_bytes(dst);
     // struct ndmsg: family, pad1, pad2(u16), ifindex(i32), state(u16), flags, type.
     let mut body = vec![family, 0, 0, 0];
     body.extend_from_slice(&(oif as i32).to_ne_bytes());
     body.extend_from_slice(&0u16.to_ne_bytes()); // NUD_NONE: a new entry, resolved on use
     body.push(NTF_USE);
     body.push(0);
-    attr(&mut body, NDA_DST, gateway.as_deref().unwrap_or(&bytes));
+    attr(&mut body, NDA_DST, &neighbour);
     request(sock, RTM_NEWNEIGH, NLM_F_ACK | NLM_F_CREATE | NLM_F_REPLACE, seq, &body).map(drop)
+}
+
+/// Where a frame to a destination goes: out of `ifindex`, to the link-layer address `mac`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NextHop {
+    pub ifindex: u32,
+    pub mac: [u8; 6],
+}
+
+/// What a plane that builds its own frames asks of the host's routing: the route to a
+/// destination and its neighbour's link-layer address, as the host would send a datagram there.
+pub struct NextHopLookup {
+    sock: OwnedFd,
+    seq: u32,
+}
+
+/// Neighbour states whose link-layer address can be used (NUD_REACHABLE, STALE, DELAY, PROBE,
+/// NOARP, PERMANENT): the same the kernel sends on.
+const NUD_VALID: u16 = 0x02 | 0x04 | 0x08 | 0x10 | 0x40 | 0x80;
+const RTM_GETNEIGH: u16 = 30;
+const NDA_LLADDR: u16 = 2;
+
+impl NextHopLookup {
+    /// In the calling thread's network namespace.
+    pub fn open() -> io::Result<NextHopLookup> {
+        Ok(NextHopLookup { sock: open()?, seq: 1 })
+    }
+
+    /// The next hop of a unicast route to `dst` with a valid Ethernet neighbour; None when there
+    /// is none (no route, a local or blackhole route, a neighbour not resolved yet: the host's
+    /// own stack must send it, and resolves it meanwhile).
+    pub fn lookup(&mut self, dst: IpAddr) -> io::Result<Option<NextHop>> {
+        let Some((oif, neighbour)) = route_to(&self.sock, dst, &mut self.seq)? else { return Ok(None) };
+        let (family, _) = family_and_bytes(dst);
+        let mut body = vec![family, 0, 0, 0];
+        body.extend_from_slice(&(oif as i32).to_ne_bytes());
+        body.extend_from_slice(&[0, 0, 0, 0]);
+        attr(&mut body, NDA_DST, &neighbour);
+        let reply = match request(&self.sock, RTM_GETNEIGH, 0, &mut self.seq, &body) {
+            Ok((RTM_NEWNEIGH, reply)) if reply.len() >= 12 => reply,
+            Ok(_) => return Err(io::Error::other("no neighbour reply")),
+            Err(e) if e.raw_os_error() == Some(libc::ENOENT) => return Ok(None),
+            Err(e) => return Err(e),
+        };
+        let state = u16::from_ne_bytes(reply[8..10].try_into().unwrap());
+        if state & NUD_VALID == 0 {
+            return Ok(None);
+        }
+        let mac = attrs(&reply[12..]).find(|(k, d)| *k == NDA_LLADDR && d.len() == 6).map(|(_, d)| <[u8; 6]>::try_from(d).unwrap());
+        Ok(mac.map(|mac| NextHop { ifindex: oif, mac }))
+    }
 }

@@ -26,7 +26,14 @@ pub struct Daemon {
 
 /// Data planes under test; `MEDIAPLANE_CONFORMANCE_PLANES` narrows it (e.g. "userspace").
 pub fn planes() -> Vec<String> {
-    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp".into()).split(',').map(String::from).collect()
+    std::env::var("MEDIAPLANE_CONFORMANCE_PLANES").unwrap_or_else(|_| "userspace,ebpf,ebpf-xdp,afxdp".into()).split(',').map(String::from).collect()
+}
+
+/// Does `plane` make every copy in user space (and so keep what it sent: it answers NACKs, and
+/// its forwarded view sees every copy)? The socket plane and the AF_XDP plane do; the eBPF
+/// planes' kernel makes plain copies itself.
+pub fn copies_in_user_space(plane: &str) -> bool {
+    matches!(plane, "userspace" | "afxdp")
 }
 
 pub fn free_port() -> u16 {

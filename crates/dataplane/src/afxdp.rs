@@ -1,0 +1,733 @@
+//! AF_XDP I/O: the kernel-bypass driver of the per-packet [`Engine`](crate::engine::Engine).
+//!
+//! An XDP program (mediaplane-ebpf's `xsk_redirect`) hands the datagrams sent to the SFU's
+//! addresses to one AF_XDP socket per interface queue ([`XskPortSpec`]); one thread here reads
+//! them from the sockets' rings, has the engine (the same one, under the same lock, as the socket
+//! workers of the plane it belongs to) decide each batch, builds every copy's Ethernet, IP and UDP
+//! headers into a frame of its egress port's UMEM and puts it on that port's TX ring: no system
+//! call per packet, one wake-up per batch and port.
+//!
+//! The socket plane stays underneath: what the XDP program passes to the host stack (fragments,
+//! frames too large for a UMEM frame, sources whose reverse path is not the ingress interface) is
+//! judged by the stack and delivered to the plane's socket on that address; copies this thread
+//! cannot frame (no valid neighbour yet, a local destination, larger than the egress MTU, a full
+//! ring) leave by that socket, where the kernel resolves, routes and fragments as it does for the
+//! socket plane. The same counters count both paths.
+//!
+//! Library: `xdpilone` (pure Rust rings over libc, no libbpf or libxdp): the XDP program and its
+//! maps are mediaplane's own and loaded with libbpf-rs by the eBPF crate, so only the rings are
+//! needed here, and xdpilone is those rings and nothing else.
+
+use crate::engine::{Datagram, Now, Output};
+use crate::netlink::{NextHopLookup, RouteWatch};
+use crate::reassembly::{FragmentKey, Reassembler};
+use crate::userspace::{sealed, Shared, SrtpCrypto};
+use crate::{DataplaneError, HeaderPolicy};
+use mediaplane_core::packet::{frame_len, parse_frame, udp_checksum_partial, verify_checksums, write_frame, FrameSpec, UdpFrame, UDP_HLEN};
+use mediaplane_core::pipeline::CopyOf;
+use socket2::SockAddr;
+use std::collections::HashMap;
+use std::net::{IpAddr, SocketAddr};
+use std::num::NonZeroU32;
+use std::os::fd::RawFd;
+use std::ptr::NonNull;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use xdpilone::xdp::XdpDesc;
+use xdpilone::{DeviceQueue, IfInfo, RingRx, RingTx, Socket, SocketConfig, Umem, UmemConfig, User};
+
+/// Bytes per UMEM frame: one Ethernet frame of a 1500-byte MTU with room to spare. Larger frames
+/// take the socket path (the XDP program passes them to the stack).
+pub const FRAME_SIZE: u32 = 2048;
+/// Frames per port: half are the receive fill, half carry copies out.
+const FRAMES: u32 = 4096;
+const RING: u32 = FRAMES / 2;
+/// Descriptors read from one port before looking at the others.
+const BATCH: u32 = 64;
+/// sockaddr_xdp flags (linux/if_xdp.h): wake-ups only when the kernel asks; frames larger than
+/// one UMEM frame arrive in several (descriptors with XDP_PKT_CONTD).
+const XDP_USE_NEED_WAKEUP: u16 = 1 << 3;
+const XDP_USE_SG: u16 = 1 << 4;
+const XDP_PKT_CONTD: u32 = 1;
+/// A destination whose neighbour is not resolved is asked for again after this long (its copies
+/// take the socket path meanwhile, which has the kernel resolve it).
+const UNRESOLVED_RETRY_NS: u64 = 50_000_000;
+
+/// One interface queue to receive on and send from.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct XskPortSpec {
+    pub ifname: String,
+    pub ifindex: u32,
+    pub queue: u32,
+    /// The interface's own MAC: the source of the frames it sends.
+    pub mac: [u8; 6],
+}
+
+/// Puts a bound socket's fd in the XDP program's XSKMAP for its (interface, queue).
+pub type RegisterXsk = Arc<dyn Fn(&XskPortSpec, RawFd) -> Result<(), DataplaneError> + Send + Sync>;
+
+/// Told which SFU addresses came (their socket is open) and went, so that the XDP program
+/// hands over exactly the datagrams to the plane's addresses. Best effort: what it does not hand
+/// over reaches the address's socket.
+pub type SyncAddresses = Arc<dyn Fn(&[SocketAddr], &[SocketAddr]) + Send + Sync>;
+
+/// The AF_XDP driver's configuration (see [`crate::UserspaceConfig::xsk`]).
+#[derive(Clone)]
+pub struct XskConfig {
+    pub ports: Vec<XskPortSpec>,
+    pub register: RegisterXsk,
+    pub addresses: SyncAddresses,
+}
+
+impl std::fmt::Debug for XskConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("XskConfig").field("ports", &self.ports).finish_non_exhaustive()
+    }
+}
+
+/// What the AF_XDP thread did, for `DataplaneStats::extra` (`afxdp_*`).
+#[derive(Debug, Default)]
+pub struct XskStats {
+    pub rx_frames: AtomicU64,
+    /// Copies put on a TX ring.
+    pub tx_frames: AtomicU64,
+    /// Copies sent by the socket instead (see the module documentation), by why.
+    pub tx_socket_no_neighbour: AtomicU64,
+    pub tx_socket_too_big: AtomicU64,
+    pub tx_socket_ring_full: AtomicU64,
+    pub tx_socket_errors: AtomicU64,
+    /// Frames whose IPv4 header or UDP checksum is wrong (also `drop_bad_checksum`).
+    pub rx_bad_checksum: AtomicU64,
+    /// Frames accepted with a local sender's unfinished UDP checksum (see `checksums_ok`).
+    pub rx_checksum_partial: AtomicU64,
+    /// Route or neighbour lookups (once per destination and routing change).
+    pub next_hop_lookups: AtomicU64,
+    /// IP fragments received, and the datagrams reassembled from them.
+    pub rx_fragments: AtomicU64,
+    pub rx_reassembled: AtomicU64,
+    /// Frames larger than one UMEM frame, gathered from several descriptors.
+    pub rx_gathered: AtomicU64,
+    /// Fragments that made no datagram (see [`crate::reassembly`]), and reassembled datagrams
+    /// whose UDP header or checksum is wrong.
+    pub reassembly_timeouts: AtomicU64,
+    pub reassembly_dropped: AtomicU64,
+}
+
+impl XskStats {
+    pub fn fields(&self) -> [(&'static str, u64); 14] {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        [
+            ("afxdp_rx_frames", g(&self.rx_frames)),
+            ("afxdp_tx_frames", g(&self.tx_frames)),
+            ("afxdp_tx_socket_no_neighbour", g(&self.tx_socket_no_neighbour)),
+            ("afxdp_tx_socket_too_big", g(&self.tx_socket_too_big)),
+            ("afxdp_tx_socket_ring_full", g(&self.tx_socket_ring_full)),
+            ("afxdp_tx_socket_errors", g(&self.tx_socket_errors)),
+            ("afxdp_rx_bad_checksum", g(&self.rx_bad_checksum)),
+            ("afxdp_rx_checksum_partial", g(&self.rx_checksum_partial)),
+            ("afxdp_next_hop_lookups", g(&self.next_hop_lookups)),
+            ("afxdp_rx_fragments", g(&self.rx_fragments)),
+            ("afxdp_rx_reassembled", g(&self.rx_reassembled)),
+            ("afxdp_rx_gathered", g(&self.rx_gathered)),
+            ("afxdp_reassembly_timeouts", g(&self.reassembly_timeouts)),
+            ("afxdp_reassembly_dropped", g(&self.reassembly_dropped)),
+        ]
+    }
+}
+
+/// An anonymous, page-aligned mapping: a port's UMEM.
+struct Area {
+    ptr: NonNull<u8>,
+    len: usize,
+}
+
+impl Area {
+    fn new(len: usize) -> std::io::Result<Area> {
+        // SAFETY: a fresh anonymous private mapping; checked for failure.
+        let p = unsafe {
+            libc::mmap(std::ptr::null_mut(), len, libc::PROT_READ | libc::PROT_WRITE, libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_POPULATE, -1, 0)
+        };
+        if p == libc::MAP_FAILED {
+            return Err(std::io::Error::last_os_error());
+        }
+        Ok(Area { ptr: NonNull::new(p.cast()).expect("mmap returned null"), len })
+    }
+}
+
+impl Drop for Area {
+    fn drop(&mut self) {
+        // SAFETY: our own mapping; the rings and sockets using it are dropped before (field order
+        // of Port).
+        unsafe { libc::munmap(self.ptr.as_ptr().cast(), self.len) };
+    }
+}
+
+/// One bound AF_XDP socket and its UMEM. Field order is drop order: rings, then the socket,
+/// then the memory they point into.
+struct Port {
+    rx: RingRx,
+    tx: RingTx,
+    fq_cq: DeviceQueue,
+    _user: User,
+    _sock: Socket,
+    _umem: Umem,
+    area: Area,
+    spec: XskPortSpec,
+    /// Frame addresses free to carry a copy.
+    free_tx: Vec<u64>,
+    /// Copies on the TX ring not yet handed to the kernel with a wake-up.
+    unsent: bool,
+    /// A frame larger than one UMEM frame, gathered from its descriptors so far.
+    gathering: Option<Vec<u8>>,
+    /// Received frames to give back to the fill ring (it may show less room than the kernel
+    /// took: its consumer index is published lazily).
+    to_fill: Vec<u64>,
+    mtu: usize,
+}
+
+fn errno(context: &str, e: xdpilone::Errno) -> DataplaneError {
+    DataplaneError::Io { context: context.into(), source: std::io::Error::from_raw_os_error(e.get_raw()) }
+}
+
+fn mtu_of(ifname: &str) -> usize {
+    std::fs::read_to_string(format!("/sys/class/net/{ifname}/mtu")).ok().and_then(|m| m.trim().parse().ok()).unwrap_or(1500)
+}
+
+impl Port {
+    fn open(spec: &XskPortSpec, register: &RegisterXsk) -> Result<Port, DataplaneError> {
+        let ctx = |what: &str| format!("AF_XDP {what} on {} queue {}", spec.ifname, spec.queue);
+        let area = Area::new((FRAMES * FRAME_SIZE) as usize).map_err(|source| DataplaneError::Io { context: ctx("UMEM"), source })?;
+        let slice = NonNull::slice_from_raw_parts(area.ptr, area.len);
+        let cfg = UmemConfig { fill_size: RING, complete_size: RING, frame_size: FRAME_SIZE, headroom: 0, flags: 0 };
+        // SAFETY: the area is page aligned, FRAMES * FRAME_SIZE long, and outlives the UMEM (Port's
+        // field order).
+        let umem = unsafe { Umem::new(cfg, slice) }.map_err(|e| errno(&ctx("UMEM registration"), e))?;
+        let mut info = IfInfo::invalid();
+        info.from_ifindex(spec.ifindex).map_err(|e| errno(&ctx("interface"), e))?;
+        info.set_queue(spec.queue);
+        let sock = Socket::with_shared(&info, &umem).map_err(|e| errno(&ctx("socket"), e))?;
+        let mut fq_cq = umem.fq_cq(&sock).map_err(|e| errno(&ctx("fill/completion rings"), e))?;
+        let sc = SocketConfig { rx_size: NonZeroU32::new(RING), tx_size: NonZeroU32::new(RING), bind_flags: XDP_USE_NEED_WAKEUP | XDP_USE_SG };
+        let user = umem.rx_tx(&sock, &sc).map_err(|e| errno(&ctx("rx/tx rings"), e))?;
+        let rx = user.map_rx().map_err(|e| errno(&ctx("rx ring"), e))?;
+        let tx = user.map_tx().map_err(|e| errno(&ctx("tx ring"), e))?;
+        umem.bind(&user)
+            .map_err(|e| errno(&ctx("bind (does the driver support AF_XDP? the kernel needs CONFIG_XDP_SOCKETS, and another program may own the queue)"), e))?;
+        {
+            let mut fill = fq_cq.fill(RING);
+            let n = fill.insert((0..RING).map(|i| u64::from(i * FRAME_SIZE)));
+            fill.commit();
+            if n != RING {
+                return Err(DataplaneError::Other(format!("{}: the fill ring took {n} of {RING} frames", ctx("setup"))));
+            }
+        }
+        register(spec, rx.as_raw_fd())?;
+        let free_tx = (RING..FRAMES).map(|i| u64::from(i * FRAME_SIZE)).collect();
+        Ok(Port {
+            rx,
+            tx,
+            fq_cq,
+            _user: user,
+            _sock: sock,
+            _umem: umem,
+            area,
+            spec: spec.clone(),
+            free_tx,
+            unsent: false,
+            gathering: None,
+            to_fill: Vec::new(),
+            mtu: mtu_of(&spec.ifname),
+        })
+    }
+
+    fn frame_mut(&mut self, addr: u64) -> &mut [u8] {
+        let base = (addr - addr % u64::from(FRAME_SIZE)) as usize;
+        // SAFETY: addr is one of this UMEM's frame addresses (we only use those we handed out), so
+        // [base, base + FRAME_SIZE) lies inside the area; a free frame is not referenced elsewhere.
+        unsafe { std::slice::from_raw_parts_mut(self.area.ptr.as_ptr().add(base), FRAME_SIZE as usize) }
+    }
+
+    /// Give received frames back to the kernel to fill.
+    fn refill(&mut self) {
+        if self.to_fill.is_empty() {
+            return;
+        }
+        let mut fill = self.fq_cq.fill(self.to_fill.len() as u32);
+        let n = fill.insert(self.to_fill.iter().copied()) as usize;
+        fill.commit();
+        drop(fill);
+        self.to_fill.drain(..n);
+    }
+
+    /// Take back frames the kernel has sent.
+    fn reap(&mut self) {
+        let mut done = self.fq_cq.complete(RING);
+        while let Some(addr) = done.read() {
+            self.free_tx.push(addr - addr % u64::from(FRAME_SIZE));
+        }
+        done.release();
+    }
+
+    /// Hand what is on the TX ring to the kernel (copy mode sends in this call).
+    fn flush(&mut self) {
+        if std::mem::take(&mut self.unsent) && self.tx.needs_wakeup() {
+            self.tx.wake();
+        }
+    }
+}
+
+/// The frame's IPv4 header and UDP checksums are right, or its UDP checksum is a local sender's
+/// unfinished one (see [`udp_checksum_partial`]; counted): on veth the peer's stack leaves it to
+/// an offload that never happens, and the kernel, which knows (`CHECKSUM_PARTIAL`), accepts it;
+/// AF_XDP does not say, so the partial value is taken as the kernel takes it. A corrupted
+/// datagram then passes with twice a checksum's 1 in 65,536 chance.
+fn checksums_ok(frame: &[u8], u: &UdpFrame, stats: &XskStats) -> bool {
+    let report = verify_checksums(frame, u);
+    if report.ok() {
+        return true;
+    }
+    let udp_len = UDP_HLEN + u.payload_len;
+    let stored = u16::from_be_bytes([frame[u.l4 + 6], frame[u.l4 + 7]]);
+    let partial = report.ip_ok && stored == udp_checksum_partial(u.src.ip(), u.dst.ip(), udp_len);
+    if partial {
+        stats.rx_checksum_partial.fetch_add(1, Ordering::Relaxed);
+    }
+    partial
+}
+
+/// Where copies to a destination go: out of a port to a MAC, or by the socket.
+#[derive(Clone, Copy)]
+struct Route {
+    port: Option<(usize, [u8; 6])>,
+    /// For an unresolved one: when to ask again (monotonic ns).
+    retry_at: u64,
+}
+
+/// The AF_XDP thread's state.
+pub(crate) struct XskWorker {
+    shared: Arc<Shared>,
+    ports: Vec<Port>,
+    header: HeaderPolicy,
+    stats: Arc<XskStats>,
+    lookup: NextHopLookup,
+    routes: HashMap<IpAddr, Route>,
+    /// Bumped by the route watcher on every routing or neighbour change: the cache is dropped.
+    generation: Arc<AtomicU64>,
+    seen_generation: u64,
+    /// The generation the ports' MTUs were read at.
+    mtu_generation: u64,
+    _watch: RouteWatch,
+    wake: Arc<crate::sys::EventFd>,
+    reassembly: Reassembler,
+}
+
+/// Start the AF_XDP thread; returns once its sockets are bound (or with why they could not be).
+pub(crate) fn start(
+    cfg: XskConfig,
+    shared: Arc<Shared>,
+    header: HeaderPolicy,
+    stats: Arc<XskStats>,
+    wake: Arc<crate::sys::EventFd>,
+) -> Result<std::thread::JoinHandle<()>, DataplaneError> {
+    let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let thread = std::thread::Builder::new()
+        .name("mp-afxdp".into())
+        .spawn(move || {
+            // Built on this thread: the UMEM and rings are not Send.
+            let worker = (|| -> Result<XskWorker, DataplaneError> {
+                let ports = cfg.ports.iter().map(|p| Port::open(p, &cfg.register)).collect::<Result<Vec<_>, _>>()?;
+                let generation = Arc::new(AtomicU64::new(0));
+                let g = generation.clone();
+                let watch = RouteWatch::start(
+                    Box::new(move || {
+                        g.fetch_add(1, Ordering::Relaxed);
+                    }),
+                    None,
+                )?;
+                let lookup = NextHopLookup::open().map_err(|source| DataplaneError::Io { context: "rtnetlink socket".into(), source })?;
+                Ok(XskWorker {
+                    shared,
+                    ports,
+                    header,
+                    stats,
+                    lookup,
+                    routes: HashMap::new(),
+                    generation,
+                    seen_generation: 0,
+                    mtu_generation: 0,
+                    _watch: watch,
+                    wake,
+                    reassembly: Reassembler::default(),
+                })
+            })();
+            match worker {
+                Ok(w) => {
+                    let _ = tx.send(Ok(()));
+                    w.run();
+                }
+                Err(e) => {
+                    let _ = tx.send(Err(e));
+                }
+            }
+        })
+        .map_err(|source| DataplaneError::Io { context: "spawn AF_XDP thread".into(), source })?;
+    match rx.recv() {
+        Ok(Ok(())) => Ok(thread),
+        Ok(Err(e)) => {
+            let _ = thread.join();
+            Err(e)
+        }
+        Err(_) => Err(DataplaneError::Other("the AF_XDP thread ended during setup".into())),
+    }
+}
+
+impl XskWorker {
+    fn run(mut self) {
+        let mut fds: Vec<libc::pollfd> = self.ports.iter().map(|p| libc::pollfd { fd: p.rx.as_raw_fd(), events: libc::POLLIN, revents: 0 }).collect();
+        fds.push(libc::pollfd { fd: self.wake.raw(), events: libc::POLLIN, revents: 0 });
+        while !self.shared.stop.load(Ordering::Relaxed) {
+            // SAFETY: fds is a valid array of pollfd for its length.
+            let n = unsafe { libc::poll(fds.as_mut_ptr(), fds.len() as libc::nfds_t, 200) };
+            if n < 0 {
+                let e = std::io::Error::last_os_error();
+                if e.kind() != std::io::ErrorKind::Interrupted {
+                    tracing::error!(error = %e, "AF_XDP poll failed");
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                }
+                continue;
+            }
+            if fds.last().is_some_and(|w| w.revents != 0) {
+                self.wake.drain();
+            }
+            let g = self.generation.load(Ordering::Relaxed);
+            if g != self.mtu_generation {
+                // A link changed (its MTU among what netlink announces).
+                self.mtu_generation = g;
+                for p in &mut self.ports {
+                    p.mtu = mtu_of(&p.spec.ifname);
+                }
+            }
+            let ready: Vec<usize> = fds[..self.ports.len()].iter().enumerate().filter(|(_, f)| f.revents != 0).map(|(i, _)| i).collect();
+            for i in ready {
+                self.serve(i);
+            }
+            for p in &mut self.ports {
+                p.reap();
+                p.refill();
+            }
+        }
+    }
+
+    /// Read, decide and send what port `i` received.
+    fn serve(&mut self, i: usize) {
+        loop {
+            let mut descs: Vec<XdpDesc> = Vec::with_capacity(BATCH as usize);
+            {
+                let mut rx = self.ports[i].rx.receive(BATCH);
+                while let Some(d) = rx.read() {
+                    descs.push(d);
+                }
+                rx.release();
+            }
+            if descs.is_empty() {
+                return;
+            }
+            self.stats.rx_frames.fetch_add(descs.len() as u64, Ordering::Relaxed);
+            // Frames in arrival order: in their UMEM frame, or gathered from several.
+            let mut frames: Vec<Received> = Vec::with_capacity(descs.len());
+            let mut gathered: Vec<Vec<u8>> = Vec::new();
+            for d in &descs {
+                let port = &mut self.ports[i];
+                let more = d.options & XDP_PKT_CONTD != 0;
+                if port.gathering.is_none() && !more {
+                    frames.push(Received::InUmem(*d));
+                    continue;
+                }
+                let buf = port.gathering.get_or_insert_with(Vec::new);
+                // SAFETY: as in `frame_bytes`.
+                buf.extend_from_slice(unsafe { std::slice::from_raw_parts(port.area.ptr.as_ptr().add(d.addr as usize), d.len as usize) });
+                if !more {
+                    self.stats.rx_gathered.fetch_add(1, Ordering::Relaxed);
+                    frames.push(Received::Gathered(gathered.len()));
+                    gathered.push(port.gathering.take().expect("gathering"));
+                }
+            }
+            self.forward(i, &frames, &gathered);
+            let port = &mut self.ports[i];
+            port.to_fill.extend(descs.iter().map(|d| d.addr - d.addr % u64::from(FRAME_SIZE)));
+            port.refill();
+            for p in &mut self.ports {
+                p.flush();
+            }
+            if descs.len() < BATCH as usize {
+                return;
+            }
+        }
+    }
+
+    /// Decide one batch of frames of port `i` and send its copies.
+    fn forward(&mut self, i: usize, frames: &[Received], gathered: &[Vec<u8>]) {
+        let now = Now::read();
+        let base = self.ports[i].area.ptr.as_ptr();
+        let bytes = |r: &Received| -> &[u8] {
+            match r {
+                // SAFETY: the kernel hands out descriptors inside our UMEM; these frames are ours
+                // until they go back on the fill ring after this call, and no copy is written
+                // into them (copies go into free TX frames).
+                Received::InUmem(d) => unsafe { std::slice::from_raw_parts(base.add(d.addr as usize), d.len as usize) },
+                Received::Gathered(g) => &gathered[*g],
+            }
+        };
+        // First what each frame is (reassembly keeps what it completes), then the datagrams.
+        let mut whole: Vec<Vec<u8>> = Vec::new();
+        let mut items: Vec<Item> = Vec::with_capacity(frames.len());
+        let mut bad_checksums = 0;
+        for (n, r) in frames.iter().enumerate() {
+            let f = bytes(r);
+            match parse_frame(f) {
+                Ok(u) if checksums_ok(f, &u, &self.stats) => items.push(Item::Frame(n, u.src, u.dst, u.payload..u.payload + u.payload_len)),
+                Ok(_) => bad_checksums += 1,
+                Err(mediaplane_core::packet::FrameError::Fragment) => {
+                    self.stats.rx_fragments.fetch_add(1, Ordering::Relaxed);
+                    let Some(frag) = parse_fragment(f) else {
+                        items.push(Item::Malformed(n));
+                        continue;
+                    };
+                    let before = self.reassembly.drops;
+                    let done = self.reassembly.offer(frag.key, frag.offset, frag.more, frag.data, now.mono_ns);
+                    let after = self.reassembly.drops;
+                    self.stats.reassembly_timeouts.fetch_add(after.timeouts - before.timeouts, Ordering::Relaxed);
+                    let dropped = (after.overlaps + after.too_big + after.over_budget) - (before.overlaps + before.too_big + before.over_budget);
+                    self.stats.reassembly_dropped.fetch_add(dropped, Ordering::Relaxed);
+                    let Some(udp) = done else { continue };
+                    match whole_datagram(frag.key, &udp) {
+                        Some((src, dst)) => {
+                            self.stats.rx_reassembled.fetch_add(1, Ordering::Relaxed);
+                            items.push(Item::Whole(whole.len(), src, dst));
+                            whole.push(udp);
+                        }
+                        None => {
+                            self.stats.reassembly_dropped.fetch_add(1, Ordering::Relaxed);
+                            bad_checksums += 1;
+                        }
+                    }
+                }
+                // The XDP program only hands over what parses: anything else is malformed.
+                Err(_) => items.push(Item::Malformed(n)),
+            }
+        }
+        let dgrams = items.iter().map(|item| match item {
+            Item::Frame(n, src, dst, range) => {
+                Datagram { local: Some(*dst), src: Some(*src), truncated: false, payload: &bytes(&frames[*n])[range.clone()], arrived_ns: None }
+            }
+            Item::Whole(w, src, dst) => Datagram { local: Some(*dst), src: Some(*src), truncated: false, payload: &whole[*w][UDP_HLEN..], arrived_ns: None },
+            Item::Malformed(n) => Datagram { local: None, src: None, truncated: true, payload: bytes(&frames[*n]), arrived_ns: None },
+        });
+        let mut outputs: Vec<Output<'_>> = Vec::new();
+        let state = {
+            let mut engine = self.shared.engine.lock();
+            let state = self.shared.state.load_full();
+            engine.count_bad_checksums(bad_checksums);
+            engine.handle_batch(now, &state.table, &mut SrtpCrypto(&state.srtp), dgrams, &mut outputs);
+            if let Some(due) = engine.poll_timeout() {
+                self.shared.timer_due.fetch_min(due, Ordering::Relaxed);
+            }
+            state
+        };
+        self.stats.rx_bad_checksum.fetch_add(bad_checksums, Ordering::Relaxed);
+        let mut sent: Vec<(Option<CopyOf>, usize, bool)> = Vec::with_capacity(outputs.len());
+        for o in outputs {
+            match o {
+                Output::Transmit { from, to, packet, copy, seal } => {
+                    let Some(packet) = sealed(&state, from, packet, seal) else {
+                        sent.extend(copy.map(|c| (Some(c), 0, false)));
+                        continue;
+                    };
+                    let ok = self.transmit(&state, from, to, &packet, now.mono_ns);
+                    sent.push((copy, packet.len(), ok));
+                }
+                Output::Event(ev) => self.shared.report(ev),
+                Output::Record { stream, label, src, local, packet } => crate::record::tap(stream, &label, src, local, &packet),
+            }
+        }
+        if !sent.is_empty() {
+            let mut engine = self.shared.engine.lock();
+            for (copy, bytes, ok) in sent {
+                engine.on_transmitted(copy, bytes, ok, now.mono_ns);
+            }
+        }
+    }
+
+    /// One copy: onto its egress port's TX ring, or by the socket bound to `from`.
+    fn transmit(&mut self, state: &crate::userspace::State, from: SocketAddr, to: SocketAddr, payload: &[u8], now_ns: u64) -> bool {
+        let why = match self.onto_ring(from, to, payload, now_ns) {
+            Ok(()) => {
+                self.stats.tx_frames.fetch_add(1, Ordering::Relaxed);
+                return true;
+            }
+            Err(why) => why,
+        };
+        why.fetch_add(1, Ordering::Relaxed);
+        // What is on the rings goes first: a copy by the socket must not overtake the copies
+        // before it (copy mode sends in the wake-up call, the socket in sendto).
+        for p in &mut self.ports {
+            p.flush();
+        }
+        let ok = state.sockets.get(&from).is_some_and(|g| g[0].send_to(payload, &SockAddr::from(to)).is_ok());
+        if !ok {
+            self.stats.tx_socket_errors.fetch_add(1, Ordering::Relaxed);
+        }
+        ok
+    }
+
+    /// Frame a copy into a free TX frame of its egress port and queue it; Err: the counter of
+    /// why it must go by the socket instead.
+    fn onto_ring(&mut self, from: SocketAddr, to: SocketAddr, payload: &[u8], now_ns: u64) -> Result<(), &AtomicU64> {
+        let stats = &*self.stats;
+        if from.is_ipv4() != to.is_ipv4() {
+            return Err(&stats.tx_socket_errors);
+        }
+        let Some((pi, mac)) = route(&mut self.routes, &mut self.lookup, &self.ports, &self.generation, &mut self.seen_generation, stats, to.ip(), now_ns)
+        else {
+            return Err(&stats.tx_socket_no_neighbour);
+        };
+        let port = &mut self.ports[pi];
+        let mut spec = FrameSpec::new(from, to);
+        spec.dst_mac = mac;
+        spec.src_mac = port.spec.mac;
+        spec.ttl = if to.is_ipv4() { self.header.ttl } else { self.header.hop_limit };
+        spec.tos = self.header.tos();
+        spec.ident = crate::userspace::next_ip_id();
+        let len = frame_len(&spec, payload.len());
+        if len > FRAME_SIZE as usize || len > port.mtu + mediaplane_core::packet::ETH_HLEN {
+            return Err(&stats.tx_socket_too_big);
+        }
+        if port.free_tx.is_empty() {
+            port.reap();
+        }
+        let Some(addr) = port.free_tx.pop() else { return Err(&stats.tx_socket_ring_full) };
+        let written = write_frame(&spec, payload, port.frame_mut(addr)).expect("checked against FRAME_SIZE");
+        let queued = {
+            let mut w = port.tx.transmit(1);
+            let n = w.insert(std::iter::once(XdpDesc { addr, len: written as u32, options: 0 }));
+            w.commit();
+            n == 1
+        };
+        if !queued {
+            port.free_tx.push(addr);
+            return Err(&stats.tx_socket_ring_full);
+        }
+        port.unsent = true;
+        Ok(())
+    }
+}
+
+/// The port and MAC of `dst`'s next hop, when it leaves by one of our ports with a valid
+/// neighbour (cached per destination until routing changes; an unresolved one is asked again
+/// after [`UNRESOLVED_RETRY_NS`]).
+#[allow(clippy::too_many_arguments)]
+fn route(
+    routes: &mut HashMap<IpAddr, Route>,
+    lookup: &mut NextHopLookup,
+    ports: &[Port],
+    generation: &AtomicU64,
+    seen_generation: &mut u64,
+    stats: &XskStats,
+    dst: IpAddr,
+    now_ns: u64,
+) -> Option<(usize, [u8; 6])> {
+    let g = generation.load(Ordering::Relaxed);
+    if g != *seen_generation {
+        *seen_generation = g;
+        routes.clear();
+    }
+    if let Some(r) = routes.get(&dst) {
+        if r.port.is_some() || now_ns < r.retry_at {
+            return r.port;
+        }
+    }
+    stats.next_hop_lookups.fetch_add(1, Ordering::Relaxed);
+    let port = match lookup.lookup(dst) {
+        Ok(Some(hop)) => ports.iter().position(|p| p.spec.ifindex == hop.ifindex).map(|i| (i, hop.mac)),
+        Ok(None) => None,
+        Err(e) => {
+            tracing::debug!(%dst, error = %e, "next-hop lookup");
+            None
+        }
+    };
+    routes.insert(dst, Route { port, retry_at: now_ns + UNRESOLVED_RETRY_NS });
+    port
+}
+
+/// A received frame: in its UMEM frame, or gathered from several (an index into the batch's).
+enum Received {
+    InUmem(XdpDesc),
+    Gathered(usize),
+}
+
+/// What one frame of a batch turned out to be.
+enum Item {
+    /// A datagram: frame index, source, destination, its payload's range in the frame.
+    Frame(usize, SocketAddr, SocketAddr, std::ops::Range<usize>),
+    /// A reassembled datagram: index of its UDP header + payload, source, destination.
+    Whole(usize, SocketAddr, SocketAddr),
+    Malformed(usize),
+}
+
+/// An IP fragment of a UDP datagram in an (untagged) Ethernet frame.
+struct Fragment<'f> {
+    key: FragmentKey,
+    offset: usize,
+    more: bool,
+    data: &'f [u8],
+}
+
+fn parse_fragment(f: &[u8]) -> Option<Fragment<'_>> {
+    let be16 = |at: usize| Some(u16::from_be_bytes([*f.get(at)?, *f.get(at + 1)?]));
+    let l3 = mediaplane_core::packet::ETH_HLEN;
+    match be16(12)? {
+        0x0800 => {
+            let ip = f.get(l3..l3 + 20)?;
+            let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
+            if ip[0] != 0x45 || ip[9] != 17 || total < 20 {
+                return None;
+            }
+            let frag = u16::from_be_bytes([ip[6], ip[7]]);
+            let key = FragmentKey {
+                src: IpAddr::from(<[u8; 4]>::try_from(&ip[12..16]).ok()?),
+                dst: IpAddr::from(<[u8; 4]>::try_from(&ip[16..20]).ok()?),
+                id: u32::from(u16::from_be_bytes([ip[4], ip[5]])),
+            };
+            Some(Fragment { key, offset: usize::from(frag & 0x1fff) * 8, more: frag & 0x2000 != 0, data: f.get(l3 + 20..l3 + total)? })
+        }
+        0x86dd => {
+            let ip = f.get(l3..l3 + 48)?;
+            let payload_len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
+            // The fragment header right after the base header, carrying UDP.
+            if ip[6] != 44 || ip[40] != 17 || payload_len < 8 {
+                return None;
+            }
+            let frag = u16::from_be_bytes([ip[42], ip[43]]);
+            let key = FragmentKey {
+                src: IpAddr::from(<[u8; 16]>::try_from(&ip[8..24]).ok()?),
+                dst: IpAddr::from(<[u8; 16]>::try_from(&ip[24..40]).ok()?),
+                id: u32::from_be_bytes(ip[44..48].try_into().ok()?),
+            };
+            Some(Fragment { key, offset: usize::from(frag & 0xfff8), more: frag & 1 != 0, data: f.get(l3 + 48..l3 + 40 + payload_len)? })
+        }
+        _ => None,
+    }
+}
+
+/// The source and destination of a reassembled UDP datagram whose length and checksum are right.
+fn whole_datagram(key: FragmentKey, udp: &[u8]) -> Option<(SocketAddr, SocketAddr)> {
+    if udp.len() < UDP_HLEN || usize::from(u16::from_be_bytes([udp[4], udp[5]])) != udp.len() {
+        return None;
+    }
+    let stored = u16::from_be_bytes([udp[6], udp[7]]);
+    if !(stored == 0 && key.src.is_ipv4()) && mediaplane_core::packet::udp_checksum(key.src, key.dst, udp) != stored {
+        return None;
+    }
+    let port = |at: usize| u16::from_be_bytes([udp[at], udp[at + 1]]);
+    Some((SocketAddr::new(key.src, port(0)), SocketAddr::new(key.dst, port(2))))
+}

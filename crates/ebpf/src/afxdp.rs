@@ -1,0 +1,252 @@
+//! `--dataplane afxdp`: the kernel-bypass plane. The XDP program `xsk_redirect`
+//! (bpf/xsk_redirect.bpf.c) hands the datagrams sent to the SFU's addresses to AF_XDP sockets,
+//! and the user-space plane's AF_XDP driver ([`mediaplane_dataplane::afxdp`]) runs the engine on
+//! them and sends the copies from its UMEM. This module loads the program, attaches it to the
+//! configured interfaces, keeps its maps (the SFU addresses, the sockets per queue) in step with
+//! the plane, and reports its counters (`xsk_*` in `extra`).
+
+use crate::attach::{self, Attachment};
+use libbpf_rs::{MapCore, MapFlags, MapHandle, Object, ObjectBuilder};
+use mediaplane_core::reception::ReceptionReport;
+use mediaplane_core::table::IngressKey;
+use mediaplane_core::ForwardingTable;
+use mediaplane_dataplane::afxdp::{XskConfig, XskPortSpec};
+use mediaplane_dataplane::{ConsumerCounters, Counters, Dataplane, DataplaneError, DataplaneEvent, DataplaneStats, UserspaceConfig, UserspaceDataplane};
+use parking_lot::Mutex;
+use std::collections::BTreeMap;
+use std::net::SocketAddr;
+use std::sync::mpsc::SyncSender;
+use std::sync::Arc;
+
+/// The compiled program (bpf/xsk_redirect.bpf.c), embedded.
+pub const XSK_OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/xsk_redirect.bpf.o"));
+pub const XSK_PROGRAM: &str = "xsk_redirect";
+/// enum xsk_counter, with their names in `DataplaneStats.extra`.
+pub const XSK_COUNTERS: [&str; 5] = ["xsk_redirected", "xsk_pass_fragment", "xsk_fragments", "xsk_pass_reverse_path", "xsk_pass_no_socket"];
+
+fn bpf_err(context: impl std::fmt::Display, e: libbpf_rs::Error) -> DataplaneError {
+    DataplaneError::Other(format!("{context}: {e}"))
+}
+
+#[derive(Debug, Clone)]
+pub struct AfxdpConfig {
+    /// Interfaces media arrives on and leaves by: every receive queue of each gets a socket.
+    pub interfaces: Vec<String>,
+    /// The socket plane underneath (workers, header policy, ...); its `xsk` is set here.
+    pub userspace: UserspaceConfig,
+}
+
+pub struct AfxdpDataplane {
+    inner: UserspaceDataplane,
+    /// Detached on shutdown.
+    links: Mutex<Vec<Attachment>>,
+    counters: MapHandle,
+    /// Keeps the program and its maps loaded.
+    _obj: Object,
+}
+
+/// An `sfu_addrs` key (struct xsk_addr).
+fn addr_key(a: &SocketAddr) -> [u8; 20] {
+    let mut k = [0u8; 20];
+    k[2..4].copy_from_slice(&a.port().to_be_bytes());
+    match a {
+        SocketAddr::V4(v) => {
+            k[0] = 4;
+            k[4..8].copy_from_slice(&v.ip().octets());
+        }
+        SocketAddr::V6(v) => {
+            k[0] = 6;
+            k[4..20].copy_from_slice(&v.ip().octets());
+        }
+    }
+    k
+}
+
+fn queue_key(ifindex: u32, queue: u32) -> [u8; 8] {
+    let mut k = [0u8; 8];
+    k[..4].copy_from_slice(&ifindex.to_ne_bytes());
+    k[4..].copy_from_slice(&queue.to_ne_bytes());
+    k
+}
+
+/// The MAC of `ifname` (sysfs).
+fn mac_of(ifname: &str) -> Result<[u8; 6], DataplaneError> {
+    let text = std::fs::read_to_string(format!("/sys/class/net/{ifname}/address"))
+        .map_err(|source| DataplaneError::Io { context: format!("MAC of {ifname}"), source })?;
+    let bytes: Vec<u8> = text.trim().split(':').filter_map(|b| u8::from_str_radix(b, 16).ok()).collect();
+    <[u8; 6]>::try_from(bytes)
+        .map_err(|_| DataplaneError::Unsupported(format!("{ifname} has no Ethernet address ({}): AF_XDP needs Ethernet interfaces", text.trim())))
+}
+
+/// The receive queues of `ifname` (sysfs `queues/rx-N`; at least one).
+fn rx_queues(ifname: &str) -> u32 {
+    let n = std::fs::read_dir(format!("/sys/class/net/{ifname}/queues"))
+        .map(|d| d.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with("rx-")).count())
+        .unwrap_or(0);
+    (n as u32).max(1)
+}
+
+impl AfxdpDataplane {
+    pub fn new(cfg: AfxdpConfig, events: Option<SyncSender<DataplaneEvent>>) -> Result<AfxdpDataplane, DataplaneError> {
+        if cfg.interfaces.is_empty() {
+            return Err(DataplaneError::Other("the afxdp data plane needs at least one interface (--interface)".into()));
+        }
+        let obj = ObjectBuilder::default()
+            .open_memory(XSK_OBJECT)
+            .and_then(|o| o.load())
+            .map_err(|e| bpf_err("loading the AF_XDP redirect program (needs CAP_BPF and CAP_NET_ADMIN)", e))?;
+        let handle = |name: &str| -> Result<MapHandle, DataplaneError> {
+            let m = obj.maps().find(|m| m.name() == name).ok_or_else(|| DataplaneError::Other(format!("map {name} missing")))?;
+            MapHandle::try_from(&m).map_err(|e| bpf_err(format!("map {name}"), e))
+        };
+        let (addrs, slots, xsks, counters) = (handle("sfu_addrs")?, handle("xsk_slots")?, handle("xsks")?, handle("xsk_counters")?);
+        let mut ports = Vec::new();
+        for ifname in &cfg.interfaces {
+            if ifname == "lo" {
+                return Err(DataplaneError::Unsupported(
+                    "the afxdp data plane cannot run on the loopback interface: give it Ethernet (or veth) interfaces".into(),
+                ));
+            }
+            let ifindex = attach::ifindex_of(ifname)?;
+            let mac = mac_of(ifname)?;
+            for queue in 0..rx_queues(ifname) {
+                let slot = ports.len() as u32;
+                slots.update(&queue_key(ifindex, queue), &slot.to_ne_bytes(), MapFlags::ANY).map_err(|e| bpf_err("xsk_slots", e))?;
+                ports.push(XskPortSpec { ifname: ifname.clone(), ifindex, queue, mac });
+            }
+        }
+        let slot_of: BTreeMap<(u32, u32), u32> = ports.iter().enumerate().map(|(i, p)| ((p.ifindex, p.queue), i as u32)).collect();
+        let xsks = Arc::new(xsks);
+        let register: mediaplane_dataplane::afxdp::RegisterXsk = Arc::new(move |p: &XskPortSpec, fd| {
+            let slot = slot_of[&(p.ifindex, p.queue)];
+            xsks.update(&slot.to_ne_bytes(), &(fd as u32).to_ne_bytes(), MapFlags::ANY)
+                .map_err(|e| bpf_err(format!("registering the AF_XDP socket of {} queue {}", p.ifname, p.queue), e))
+        });
+        let addrs = Arc::new(Mutex::new(addrs));
+        let sync: mediaplane_dataplane::afxdp::SyncAddresses = Arc::new(move |added: &[SocketAddr], removed: &[SocketAddr]| {
+            let m = addrs.lock();
+            for a in removed {
+                let _ = m.delete(&addr_key(a));
+            }
+            for a in added {
+                if let Err(e) = m.update(&addr_key(a), &[1], MapFlags::ANY) {
+                    // Not lost: its datagrams take the socket path.
+                    tracing::warn!(addr = %a, error = %e, "AF_XDP address map: this address's media stays on the socket path");
+                }
+            }
+        });
+        let mut us = cfg.userspace;
+        us.steered = false;
+        us.xsk = Some(XskConfig { ports, register, addresses: sync });
+        let inner = UserspaceDataplane::new(us, events)?;
+        let prog = obj.progs().find(|p| p.name() == XSK_PROGRAM).expect("program in the embedded object");
+        let mut links = Vec::new();
+        for ifname in &cfg.interfaces {
+            match attach::attach_xdp(&prog, ifname, None) {
+                Ok(l) => links.push(l),
+                Err(DataplaneError::Other(e)) => {
+                    links.into_iter().for_each(|l: Attachment| drop(l.detach()));
+                    let _ = inner.shutdown();
+                    let e = e.split(" (another XDP program").next().unwrap_or(&e).to_string();
+                    return Err(DataplaneError::Other(format!(
+                        "{e}: the afxdp plane needs its XDP program on every media interface (is another XDP program attached there?)"
+                    )));
+                }
+                Err(e) => {
+                    links.into_iter().for_each(|l: Attachment| drop(l.detach()));
+                    let _ = inner.shutdown();
+                    return Err(e);
+                }
+            }
+        }
+        Ok(AfxdpDataplane { inner, links: Mutex::new(links), counters, _obj: obj })
+    }
+
+    /// The XDP program's counters (enum xsk_counter), summed over CPUs.
+    fn xsk_counters(&self) -> Vec<(&'static str, u64)> {
+        XSK_COUNTERS
+            .iter()
+            .enumerate()
+            .map(|(i, name)| {
+                let sum = self
+                    .counters
+                    .lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)
+                    .ok()
+                    .flatten()
+                    .map_or(0, |per_cpu| per_cpu.iter().map(|v| u64::from_ne_bytes(v[..8].try_into().unwrap_or([0; 8]))).sum());
+                (*name, sum)
+            })
+            .collect()
+    }
+}
+
+impl Dataplane for AfxdpDataplane {
+    fn name(&self) -> &'static str {
+        "afxdp"
+    }
+
+    fn apply(&self, table: Arc<ForwardingTable>) -> Result<(), DataplaneError> {
+        self.inner.apply(table)
+    }
+
+    fn apply_changes(&self, table: Arc<ForwardingTable>, changed: &[IngressKey]) -> Result<(), DataplaneError> {
+        self.inner.apply_changes(table, changed)
+    }
+
+    fn stats(&self) -> DataplaneStats {
+        let mut st = self.inner.stats();
+        st.dataplane = self.name().into();
+        st.extra.extend(self.xsk_counters().into_iter().map(|(k, v)| (k.to_string(), v)));
+        st
+    }
+
+    fn consumer_counters(&self, ids: &[u32]) -> BTreeMap<u32, ConsumerCounters> {
+        self.inner.consumer_counters(ids)
+    }
+
+    fn consumer_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
+        self.inner.consumer_reception(ids)
+    }
+
+    fn stream_reception(&self, ids: &[u32]) -> BTreeMap<u32, ReceptionReport> {
+        self.inner.stream_reception(ids)
+    }
+
+    fn stream_counters(&self, ids: &[u32]) -> BTreeMap<u32, Counters> {
+        self.inner.stream_counters(ids)
+    }
+
+    fn send_datagram(&self, from: SocketAddr, to: SocketAddr, payload: &[u8]) -> Result<(), DataplaneError> {
+        self.inner.send_datagram(from, to, payload)
+    }
+
+    fn shutdown(&self) -> Result<(), DataplaneError> {
+        // The program first: datagrams go back to the stack (and the sockets) before the AF_XDP
+        // sockets close.
+        for l in self.links.lock().drain(..) {
+            l.detach()?;
+        }
+        self.inner.shutdown()
+    }
+}
+
+impl Drop for AfxdpDataplane {
+    fn drop(&mut self) {
+        let _ = self.shutdown();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn address_keys_are_struct_xsk_addr() {
+        let k = addr_key(&"10.1.2.3:40000".parse().unwrap());
+        assert_eq!(&k[..8], &[4, 0, 0x9c, 0x40, 10, 1, 2, 3]);
+        assert!(k[8..].iter().all(|b| *b == 0));
+        let k = addr_key(&"[fd00::1]:5".parse().unwrap());
+        assert_eq!(&k[..4], &[6, 0, 0, 5]);
+        assert_eq!(k[19], 1);
+    }
+}
