@@ -113,7 +113,7 @@ fn copies_carry_the_sfus_own_header_on_every_plane() {
     // No DF, so Linux gives each datagram an IP ID.
     setsockopt(publisher, libc::IPPROTO_IP, libc::IP_MTU_DISCOVER, libc::IP_PMTUDISC_DONT);
     let to = SocketAddr::new(st.tb.peers[0].sfu_ip, SFU_PORT);
-    for plane in ["userspace", "ebpf", "ebpf-xdp"] {
+    for plane in ["userspace", "ebpf", "ebpf-xdp", "afxdp"] {
         let s = serve(&st, plane, &dir, "");
         for seq in 0..20u16 {
             publisher.send_to(&build_rtp(111, seq, 0, SSRC, &[seq as u8; 200]), to).unwrap();
@@ -206,7 +206,7 @@ fn no_packet_overtakes_another_when_neighbours_are_flushed() {
     const GAP: Duration = Duration::from_micros(100);
     let st = star();
     let dir = common::TempDir::new("wire-order");
-    for plane in ["userspace", "ebpf", "ebpf-xdp"] {
+    for plane in ["userspace", "ebpf", "ebpf-xdp", "afxdp"] {
         let s = serve(&st, plane, &dir, "");
         let (reorders, losses, dups) = flush_and_send(&st, ROUNDS, BURST, GAP);
         let t = stats(&s);
@@ -215,6 +215,11 @@ fn no_packet_overtakes_another_when_neighbours_are_flushed() {
         if plane.starts_with("ebpf") {
             let x = |k: &str| t["extra"][k].as_u64().unwrap_or(0);
             assert!(x("pass_no_neigh") >= ROUNDS as u64, "[{plane}] the slow path took the unresolved starts: {}", t["extra"]);
+        }
+        if plane == "afxdp" {
+            // Unresolved starts left by the socket (the kernel resolves), the rest by the rings.
+            let x = |k: &str| t["extra"][k].as_u64().unwrap_or(0);
+            assert!(x("afxdp_tx_socket_no_neighbour") >= ROUNDS as u64 && x("afxdp_tx_frames") > 0, "[{plane}] {}", t["extra"]);
         }
         drop(s);
     }
@@ -290,7 +295,7 @@ fn bad_checksums_and_spoofed_sources_are_never_fanned_out() {
         mediaplane_core::packet::build_frame(&spec, &build_rtp(96, seq, 0, SSRC, &[7; 300]))
     };
     const EACH: u64 = 10;
-    for plane in ["userspace", "ebpf", "ebpf-xdp"] {
+    for plane in ["userspace", "ebpf", "ebpf-xdp", "afxdp"] {
         let s = serve(&st, plane, &dir, "");
         let before = stats(&s);
         let (sfu0, sfu1) = (mac_of(tb, &tb.sfu_ns, &p0.sfu_if), mac_of(tb, &tb.sfu_ns, &p1.sfu_if));
@@ -318,6 +323,12 @@ fn bad_checksums_and_spoofed_sources_are_never_fanned_out() {
         if plane.starts_with("ebpf") {
             assert_eq!(d("total", "drop_bad_checksum"), 2 * EACH, "[{plane}] {}", after["total"]);
             assert_eq!(d("total", "drop_spoofed"), EACH, "[{plane}] {}", after["total"]);
+        } else if plane == "afxdp" {
+            // The checksums are checked by the plane (AF_XDP frames are raw); a source whose
+            // reverse path is not its link goes to the stack, whose rp_filter decides.
+            assert_eq!(d("total", "drop_bad_checksum"), 2 * EACH, "[{plane}] {}", after["total"]);
+            assert_eq!(d("extra", "xsk_pass_reverse_path"), EACH, "[{plane}] {}", after["extra"]);
+            assert_eq!(d("extra", "host_ip_reverse_path_filter"), EACH, "[{plane}] {}", after["extra"]);
         } else {
             // The host dropped them before the plane's sockets: its counters say so.
             assert_eq!(d("extra", "host_udp_in_csum_errors"), EACH, "[{plane}] {}", after["extra"]);
@@ -345,7 +356,7 @@ fn an_rp_filter_change_applies_within_50_ms() {
     let (p0, p1) = (&tb.peers[0], &tb.peers[1]);
     let (publisher, sfu) = (SocketAddr::new(p0.ip, MEDIA_PORT), SocketAddr::new(p0.sfu_ip, SFU_PORT));
     let on_p1 = injector(tb, &p1.ns, &p1.peer_if);
-    for plane in ["userspace", "ebpf", "ebpf-xdp"] {
+    for plane in ["userspace", "ebpf", "ebpf-xdp", "afxdp"] {
         sysctl("net.ipv4.conf.all.rp_filter", 0);
         for p in &tb.peers {
             sysctl(&format!("net.ipv4.conf.{}.rp_filter", p.sfu_if), 0);
@@ -371,6 +382,7 @@ fn an_rp_filter_change_applies_within_50_ms() {
             let after = stats(&s);
             if strict {
                 assert_eq!(fanned, 0, "[{plane}] round {round}: spoofed source fanned out 50 ms after rp_filter=1");
+                // (The AF_XDP plane leaves such a source to the stack's rp_filter, as the socket plane.)
                 let (sec, key) = if plane.starts_with("ebpf") { ("total", "drop_spoofed") } else { ("extra", "host_ip_reverse_path_filter") };
                 let d = after[sec][key].as_u64().unwrap_or(0) - before[sec][key].as_u64().unwrap_or(0);
                 assert_eq!(d, 1, "[{plane}] round {round}: counted under {key}: {}", after[sec]);
