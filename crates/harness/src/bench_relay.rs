@@ -53,7 +53,8 @@ const MAX_CALLS: usize = 12_000;
 /// the pre-filter costs relayed media: on veth, XDP copies every packet into a page first).
 /// `kernel-forward` is no relay at all: the parties send to each other through the relay
 /// namespace's IP forwarding, the floor every relay's machine CPU per packet is compared with.
-pub const RELAYS: [&str; 6] = ["mediaplane-userspace", "mediaplane-ebpf", "mediaplane-ebpf-xdp", "mediaplane-ebpf-noxdp", "rtpengine", KERNEL_FORWARD];
+pub const RELAYS: [&str; 7] =
+    ["mediaplane-userspace", "mediaplane-afxdp", "mediaplane-ebpf", "mediaplane-ebpf-xdp", "mediaplane-ebpf-noxdp", "rtpengine", KERNEL_FORWARD];
 
 #[derive(clap::Args)]
 pub struct BenchRelayArgs {
@@ -63,7 +64,7 @@ pub struct BenchRelayArgs {
     /// Concurrent calls per run (default 750,1500,1800,5000,10000; quick: 20,50).
     #[arg(long, value_delimiter = ',')]
     calls: Option<Vec<usize>>,
-    /// Relays to compare: mediaplane-userspace, mediaplane-ebpf, mediaplane-ebpf-xdp, mediaplane-ebpf-noxdp, rtpengine,
+    /// Relays to compare: mediaplane-userspace, mediaplane-afxdp, mediaplane-ebpf, mediaplane-ebpf-xdp, mediaplane-ebpf-noxdp, rtpengine,
     /// and kernel-forward (no relay: the baseline of machine CPU per packet).
     #[arg(long, value_delimiter = ',', default_value = "kernel-forward,mediaplane-userspace,mediaplane-ebpf,mediaplane-ebpf-xdp,rtpengine")]
     relays: Vec<String>,
@@ -239,7 +240,7 @@ impl RelayProc {
         let logf = std::fs::File::create(&log)?;
         let mut cmd;
         match name {
-            "mediaplane-userspace" | "mediaplane-ebpf" | "mediaplane-ebpf-noxdp" | "mediaplane-ebpf-xdp" => {
+            "mediaplane-userspace" | "mediaplane-afxdp" | "mediaplane-ebpf" | "mediaplane-ebpf-noxdp" | "mediaplane-ebpf-xdp" => {
                 let (plane, xdp) = crate::conference::plane_variant(name.trim_start_matches("mediaplane-"));
                 let cfg = dir.join(format!("{}-{name}.toml", tb.prefix));
                 // Debug quoting is a TOML basic string for these (ASCII, no control characters).
@@ -264,7 +265,7 @@ impl RelayProc {
                 if let Some(w) = workers {
                     cmd.args(["--workers", &w.to_string()]);
                 }
-                if plane == "ebpf" {
+                if plane == "ebpf" || plane == "afxdp" {
                     for p in &tb.peers {
                         cmd.args(["--interface", &p.sfu_if]);
                     }

@@ -115,7 +115,7 @@ fn twelve_participants_both_scenarios_every_copy_on_the_wire_with_valid_checksum
     }
     let caps: Vec<OwnedFd> = tb.peers.iter().map(|p| capture(&tb, &p.ns, &p.peer_if)).collect();
     let socks: Vec<UdpSocket> = tb.peers.iter().map(|p| tb.udp_socket(&p.ns, SocketAddr::new(p.ip, MEDIA_PORT)).unwrap()).collect();
-    for plane in ["userspace", "ebpf"] {
+    for plane in ["userspace", "ebpf", "afxdp"] {
         for two in [false, true] {
             run(&tb, plane, two, &caps, &socks);
         }
