@@ -196,6 +196,19 @@ pub struct DataplaneConfig {
     /// space (a browser's, all SRTP) for a second, and answer its NACKs from that instead of
     /// asking the publisher. Off: NACKs go to the publisher (rate-bounded), as before.
     pub retransmit: bool,
+    /// AF_XDP: how its sockets bind: "auto" (zero-copy where the driver supports it, copy
+    /// otherwise), "copy", or "zerocopy" (a start-up error where the driver cannot).
+    pub afxdp_mode: AfxdpMode,
+}
+
+/// See [`DataplaneConfig::afxdp_mode`].
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(rename_all = "lowercase")]
+pub enum AfxdpMode {
+    #[default]
+    Auto,
+    Copy,
+    Zerocopy,
 }
 
 /// A reverse-path check mode, as rp_filter names them.
@@ -398,6 +411,7 @@ impl Default for DataplaneConfig {
             max_streams: 16384,
             max_copies: 65536,
             xdp_prefilter: XdpPrefilterMode::Auto,
+            afxdp_mode: AfxdpMode::Auto,
             dscp: 0,
             verify_checksums: true,
             rp_filter_v6: RpFilterMode::Off,

@@ -20,7 +20,7 @@
 
 use crate::engine::{Datagram, Now, Output};
 use crate::netlink::{NextHopLookup, RouteWatch};
-use crate::reassembly::{FragmentKey, Reassembler};
+use crate::reassembly::{parse_fragment, whole_datagram, Reassembler};
 use crate::userspace::{sealed, Shared, SrtpCrypto};
 use crate::{DataplaneError, HeaderPolicy};
 use mediaplane_core::packet::{frame_len, parse_frame, udp_checksum_partial, verify_checksums, write_frame, FrameSpec, UdpFrame, UDP_HLEN};
@@ -46,8 +46,14 @@ const RING: u32 = FRAMES / 2;
 const BATCH: u32 = 64;
 /// sockaddr_xdp flags (linux/if_xdp.h): wake-ups only when the kernel asks; frames larger than
 /// one UMEM frame arrive in several (descriptors with XDP_PKT_CONTD).
+const XDP_COPY: u16 = 1 << 1;
+const XDP_ZEROCOPY: u16 = 1 << 2;
 const XDP_USE_NEED_WAKEUP: u16 = 1 << 3;
 const XDP_USE_SG: u16 = 1 << 4;
+/// getsockopt(SOL_XDP, XDP_OPTIONS): struct xdp_options { u32 flags }, XDP_OPTIONS_ZEROCOPY.
+const SOL_XDP: libc::c_int = 283;
+const XDP_OPTIONS: libc::c_int = 8;
+const XDP_OPTIONS_ZEROCOPY: u32 = 1;
 const XDP_PKT_CONTD: u32 = 1;
 /// A destination whose neighbour is not resolved is asked for again after this long (its copies
 /// take the socket path meanwhile, which has the kernel resolve it).
@@ -71,12 +77,24 @@ pub type RegisterXsk = Arc<dyn Fn(&XskPortSpec, RawFd) -> Result<(), DataplaneEr
 /// over reaches the address's socket.
 pub type SyncAddresses = Arc<dyn Fn(&[SocketAddr], &[SocketAddr]) + Send + Sync>;
 
+/// How the sockets bind.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum BindMode {
+    /// Zero-copy where the driver supports it, copy mode otherwise.
+    #[default]
+    Auto,
+    Copy,
+    /// Zero-copy or a start-up error.
+    ZeroCopy,
+}
+
 /// The AF_XDP driver's configuration (see [`crate::UserspaceConfig::xsk`]).
 #[derive(Clone)]
 pub struct XskConfig {
     pub ports: Vec<XskPortSpec>,
     pub register: RegisterXsk,
     pub addresses: SyncAddresses,
+    pub mode: BindMode,
 }
 
 impl std::fmt::Debug for XskConfig {
@@ -102,6 +120,8 @@ pub struct XskStats {
     pub rx_checksum_partial: AtomicU64,
     /// Route or neighbour lookups (once per destination and routing change).
     pub next_hop_lookups: AtomicU64,
+    /// Queues whose socket is bound in zero-copy mode (the rest: copy mode).
+    pub zero_copy_queues: AtomicU64,
     /// IP fragments received, and the datagrams reassembled from them.
     pub rx_fragments: AtomicU64,
     pub rx_reassembled: AtomicU64,
@@ -114,7 +134,7 @@ pub struct XskStats {
 }
 
 impl XskStats {
-    pub fn fields(&self) -> [(&'static str, u64); 14] {
+    pub fn fields(&self) -> [(&'static str, u64); 15] {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         [
             ("afxdp_rx_frames", g(&self.rx_frames)),
@@ -126,6 +146,7 @@ impl XskStats {
             ("afxdp_rx_bad_checksum", g(&self.rx_bad_checksum)),
             ("afxdp_rx_checksum_partial", g(&self.rx_checksum_partial)),
             ("afxdp_next_hop_lookups", g(&self.next_hop_lookups)),
+            ("afxdp_zero_copy_queues", g(&self.zero_copy_queues)),
             ("afxdp_rx_fragments", g(&self.rx_fragments)),
             ("afxdp_rx_reassembled", g(&self.rx_reassembled)),
             ("afxdp_rx_gathered", g(&self.rx_gathered)),
@@ -182,6 +203,8 @@ struct Port {
     /// Received frames to give back to the fill ring (it may show less room than the kernel
     /// took: its consumer index is published lazily).
     to_fill: Vec<u64>,
+    /// Bound in zero-copy mode (the driver's own rings), not copy mode.
+    zero_copy: bool,
     mtu: usize,
 }
 
@@ -189,12 +212,21 @@ fn errno(context: &str, e: xdpilone::Errno) -> DataplaneError {
     DataplaneError::Io { context: context.into(), source: std::io::Error::from_raw_os_error(e.get_raw()) }
 }
 
+/// Whether a bound AF_XDP socket runs in zero-copy mode.
+fn zero_copy(fd: RawFd) -> bool {
+    let mut flags: u32 = 0;
+    let mut len = std::mem::size_of::<u32>() as libc::socklen_t;
+    // SAFETY: a u32 out-parameter of its size (struct xdp_options).
+    let r = unsafe { libc::getsockopt(fd, SOL_XDP, XDP_OPTIONS, (&mut flags as *mut u32).cast(), &mut len) };
+    r == 0 && flags & XDP_OPTIONS_ZEROCOPY != 0
+}
+
 fn mtu_of(ifname: &str) -> usize {
-    std::fs::read_to_string(format!("/sys/class/net/{ifname}/mtu")).ok().and_then(|m| m.trim().parse().ok()).unwrap_or(1500)
+    crate::sys::if_mtu(ifname).map_or(1500, |m| m as usize)
 }
 
 impl Port {
-    fn open(spec: &XskPortSpec, register: &RegisterXsk) -> Result<Port, DataplaneError> {
+    fn open(spec: &XskPortSpec, register: &RegisterXsk, mode: BindMode) -> Result<Port, DataplaneError> {
         let ctx = |what: &str| format!("AF_XDP {what} on {} queue {}", spec.ifname, spec.queue);
         let area = Area::new((FRAMES * FRAME_SIZE) as usize).map_err(|source| DataplaneError::Io { context: ctx("UMEM"), source })?;
         let slice = NonNull::slice_from_raw_parts(area.ptr, area.len);
@@ -207,12 +239,21 @@ impl Port {
         info.set_queue(spec.queue);
         let sock = Socket::with_shared(&info, &umem).map_err(|e| errno(&ctx("socket"), e))?;
         let mut fq_cq = umem.fq_cq(&sock).map_err(|e| errno(&ctx("fill/completion rings"), e))?;
-        let sc = SocketConfig { rx_size: NonZeroU32::new(RING), tx_size: NonZeroU32::new(RING), bind_flags: XDP_USE_NEED_WAKEUP | XDP_USE_SG };
+        let mode_flag = match mode {
+            BindMode::Auto => 0,
+            BindMode::Copy => XDP_COPY,
+            BindMode::ZeroCopy => XDP_ZEROCOPY,
+        };
+        let sc = SocketConfig { rx_size: NonZeroU32::new(RING), tx_size: NonZeroU32::new(RING), bind_flags: XDP_USE_NEED_WAKEUP | XDP_USE_SG | mode_flag };
         let user = umem.rx_tx(&sock, &sc).map_err(|e| errno(&ctx("rx/tx rings"), e))?;
         let rx = user.map_rx().map_err(|e| errno(&ctx("rx ring"), e))?;
         let tx = user.map_tx().map_err(|e| errno(&ctx("tx ring"), e))?;
-        umem.bind(&user)
-            .map_err(|e| errno(&ctx("bind (does the driver support AF_XDP? the kernel needs CONFIG_XDP_SOCKETS, and another program may own the queue)"), e))?;
+        umem.bind(&user).map_err(|e| match mode {
+            BindMode::ZeroCopy => errno(&ctx("zero-copy bind (the driver cannot: set dataplane.afxdp_mode = \"auto\" or \"copy\")"), e),
+            _ => errno(&ctx("bind (does the driver support AF_XDP? the kernel needs CONFIG_XDP_SOCKETS, and another program may own the queue)"), e),
+        })?;
+        let zero_copy = zero_copy(rx.as_raw_fd());
+        tracing::info!(ifname = spec.ifname, queue = spec.queue, zero_copy, "AF_XDP socket bound");
         {
             let mut fill = fq_cq.fill(RING);
             let n = fill.insert((0..RING).map(|i| u64::from(i * FRAME_SIZE)));
@@ -236,6 +277,7 @@ impl Port {
             unsent: false,
             gathering: None,
             to_fill: Vec::new(),
+            zero_copy,
             mtu: mtu_of(&spec.ifname),
         })
     }
@@ -335,7 +377,8 @@ pub(crate) fn start(
         .spawn(move || {
             // Built on this thread: the UMEM and rings are not Send.
             let worker = (|| -> Result<XskWorker, DataplaneError> {
-                let ports = cfg.ports.iter().map(|p| Port::open(p, &cfg.register)).collect::<Result<Vec<_>, _>>()?;
+                let ports = cfg.ports.iter().map(|p| Port::open(p, &cfg.register, cfg.mode)).collect::<Result<Vec<_>, _>>()?;
+                stats.zero_copy_queues.store(ports.iter().filter(|p| p.zero_copy).count() as u64, Ordering::Relaxed);
                 let generation = Arc::new(AtomicU64::new(0));
                 let g = generation.clone();
                 let watch = RouteWatch::start(
@@ -672,62 +715,4 @@ enum Item {
     /// A reassembled datagram: index of its UDP header + payload, source, destination.
     Whole(usize, SocketAddr, SocketAddr),
     Malformed(usize),
-}
-
-/// An IP fragment of a UDP datagram in an (untagged) Ethernet frame.
-struct Fragment<'f> {
-    key: FragmentKey,
-    offset: usize,
-    more: bool,
-    data: &'f [u8],
-}
-
-fn parse_fragment(f: &[u8]) -> Option<Fragment<'_>> {
-    let be16 = |at: usize| Some(u16::from_be_bytes([*f.get(at)?, *f.get(at + 1)?]));
-    let l3 = mediaplane_core::packet::ETH_HLEN;
-    match be16(12)? {
-        0x0800 => {
-            let ip = f.get(l3..l3 + 20)?;
-            let total = usize::from(u16::from_be_bytes([ip[2], ip[3]]));
-            if ip[0] != 0x45 || ip[9] != 17 || total < 20 {
-                return None;
-            }
-            let frag = u16::from_be_bytes([ip[6], ip[7]]);
-            let key = FragmentKey {
-                src: IpAddr::from(<[u8; 4]>::try_from(&ip[12..16]).ok()?),
-                dst: IpAddr::from(<[u8; 4]>::try_from(&ip[16..20]).ok()?),
-                id: u32::from(u16::from_be_bytes([ip[4], ip[5]])),
-            };
-            Some(Fragment { key, offset: usize::from(frag & 0x1fff) * 8, more: frag & 0x2000 != 0, data: f.get(l3 + 20..l3 + total)? })
-        }
-        0x86dd => {
-            let ip = f.get(l3..l3 + 48)?;
-            let payload_len = usize::from(u16::from_be_bytes([ip[4], ip[5]]));
-            // The fragment header right after the base header, carrying UDP.
-            if ip[6] != 44 || ip[40] != 17 || payload_len < 8 {
-                return None;
-            }
-            let frag = u16::from_be_bytes([ip[42], ip[43]]);
-            let key = FragmentKey {
-                src: IpAddr::from(<[u8; 16]>::try_from(&ip[8..24]).ok()?),
-                dst: IpAddr::from(<[u8; 16]>::try_from(&ip[24..40]).ok()?),
-                id: u32::from_be_bytes(ip[44..48].try_into().ok()?),
-            };
-            Some(Fragment { key, offset: usize::from(frag & 0xfff8), more: frag & 1 != 0, data: f.get(l3 + 48..l3 + 40 + payload_len)? })
-        }
-        _ => None,
-    }
-}
-
-/// The source and destination of a reassembled UDP datagram whose length and checksum are right.
-fn whole_datagram(key: FragmentKey, udp: &[u8]) -> Option<(SocketAddr, SocketAddr)> {
-    if udp.len() < UDP_HLEN || usize::from(u16::from_be_bytes([udp[4], udp[5]])) != udp.len() {
-        return None;
-    }
-    let stored = u16::from_be_bytes([udp[6], udp[7]]);
-    if !(stored == 0 && key.src.is_ipv4()) && mediaplane_core::packet::udp_checksum(key.src, key.dst, udp) != stored {
-        return None;
-    }
-    let port = |at: usize| u16::from_be_bytes([udp[at], udp[at + 1]]);
-    Some((SocketAddr::new(key.src, port(0)), SocketAddr::new(key.dst, port(2))))
 }

@@ -401,3 +401,71 @@ pub fn host_drop_counters() -> Vec<(&'static str, u64)> {
     .filter_map(|(k, v)| Some((k, v?)))
     .collect()
 }
+
+/// An interface ioctl on a throwaway socket of the calling thread's network namespace (sysfs may
+/// show another namespace's devices, e.g. under `nsenter --net`). `fill` sets the request's
+/// union; the answer is read from the returned ifreq.
+fn if_ioctl(name: &str, request: libc::c_ulong, fill: impl FnOnce(&mut libc::ifreq)) -> io::Result<libc::ifreq> {
+    if name.is_empty() || name.len() >= libc::IFNAMSIZ {
+        return Err(io::Error::new(io::ErrorKind::InvalidInput, format!("bad interface name {name:?}")));
+    }
+    // SAFETY: a zeroed ifreq naming the device, passed to an ioctl that reads and writes only it;
+    // the socket is closed before returning.
+    unsafe {
+        let fd = libc::socket(libc::AF_INET, libc::SOCK_DGRAM | libc::SOCK_CLOEXEC, 0);
+        if fd < 0 {
+            return Err(io::Error::last_os_error());
+        }
+        let mut ifr: libc::ifreq = std::mem::zeroed();
+        for (d, s) in ifr.ifr_name.iter_mut().zip(name.bytes()) {
+            *d = s as libc::c_char;
+        }
+        fill(&mut ifr);
+        let r = libc::ioctl(fd, request, &mut ifr);
+        let err = io::Error::last_os_error();
+        libc::close(fd);
+        if r != 0 {
+            return Err(err);
+        }
+        Ok(ifr)
+    }
+}
+
+/// The MTU of `name`.
+pub fn if_mtu(name: &str) -> io::Result<u32> {
+    // SAFETY: SIOCGIFMTU answers in ifr_mtu.
+    if_ioctl(name, libc::SIOCGIFMTU, |_| {}).map(|r| unsafe { r.ifr_ifru.ifru_mtu } as u32)
+}
+
+/// The Ethernet address of `name`; an error for a device without one (loopback, tun, ...).
+pub fn if_mac(name: &str) -> io::Result<[u8; 6]> {
+    let r = if_ioctl(name, libc::SIOCGIFHWADDR, |_| {})?;
+    // SAFETY: SIOCGIFHWADDR answers in ifr_hwaddr.
+    let hw = unsafe { r.ifr_ifru.ifru_hwaddr };
+    if hw.sa_family != libc::ARPHRD_ETHER {
+        return Err(io::Error::new(io::ErrorKind::Unsupported, format!("{name} is not an Ethernet device (ARPHRD {})", hw.sa_family)));
+    }
+    let mut mac = [0u8; 6];
+    for (m, b) in mac.iter_mut().zip(hw.sa_data.iter()) {
+        *m = *b as u8;
+    }
+    Ok(mac)
+}
+
+/// The receive queues of `name` (ETHTOOL_GCHANNELS: rx + combined channels); 1 when the driver
+/// does not say.
+pub fn if_rx_queues(name: &str) -> u32 {
+    const SIOCETHTOOL: libc::c_ulong = 0x8946;
+    const ETHTOOL_GCHANNELS: u32 = 0x3c;
+    // struct ethtool_channels: cmd, max_rx, max_tx, max_other, max_combined, rx_count,
+    // tx_count, other_count, combined_count.
+    let mut ch = [0u32; 9];
+    ch[0] = ETHTOOL_GCHANNELS;
+    let ptr = ch.as_mut_ptr();
+    let ok = if_ioctl(name, SIOCETHTOOL, |ifr| ifr.ifr_ifru.ifru_data = ptr.cast()).is_ok();
+    if ok {
+        (ch[5] + ch[8]).max(1)
+    } else {
+        1
+    }
+}

@@ -34,6 +34,7 @@ pub struct AfxdpConfig {
     pub interfaces: Vec<String>,
     /// The socket plane underneath (workers, header policy, ...); its `xsk` is set here.
     pub userspace: UserspaceConfig,
+    pub mode: mediaplane_dataplane::afxdp::BindMode,
 }
 
 pub struct AfxdpDataplane {
@@ -69,21 +70,9 @@ fn queue_key(ifindex: u32, queue: u32) -> [u8; 8] {
     k
 }
 
-/// The MAC of `ifname` (sysfs).
+/// The MAC of `ifname`.
 fn mac_of(ifname: &str) -> Result<[u8; 6], DataplaneError> {
-    let text = std::fs::read_to_string(format!("/sys/class/net/{ifname}/address"))
-        .map_err(|source| DataplaneError::Io { context: format!("MAC of {ifname}"), source })?;
-    let bytes: Vec<u8> = text.trim().split(':').filter_map(|b| u8::from_str_radix(b, 16).ok()).collect();
-    <[u8; 6]>::try_from(bytes)
-        .map_err(|_| DataplaneError::Unsupported(format!("{ifname} has no Ethernet address ({}): AF_XDP needs Ethernet interfaces", text.trim())))
-}
-
-/// The receive queues of `ifname` (sysfs `queues/rx-N`; at least one).
-fn rx_queues(ifname: &str) -> u32 {
-    let n = std::fs::read_dir(format!("/sys/class/net/{ifname}/queues"))
-        .map(|d| d.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with("rx-")).count())
-        .unwrap_or(0);
-    (n as u32).max(1)
+    mediaplane_dataplane::sys::if_mac(ifname).map_err(|e| DataplaneError::Unsupported(format!("{ifname}: {e}: AF_XDP needs Ethernet interfaces")))
 }
 
 impl AfxdpDataplane {
@@ -109,7 +98,7 @@ impl AfxdpDataplane {
             }
             let ifindex = attach::ifindex_of(ifname)?;
             let mac = mac_of(ifname)?;
-            for queue in 0..rx_queues(ifname) {
+            for queue in 0..mediaplane_dataplane::sys::if_rx_queues(ifname) {
                 let slot = ports.len() as u32;
                 slots.update(&queue_key(ifindex, queue), &slot.to_ne_bytes(), MapFlags::ANY).map_err(|e| bpf_err("xsk_slots", e))?;
                 ports.push(XskPortSpec { ifname: ifname.clone(), ifindex, queue, mac });
@@ -137,7 +126,7 @@ impl AfxdpDataplane {
         });
         let mut us = cfg.userspace;
         us.steered = false;
-        us.xsk = Some(XskConfig { ports, register, addresses: sync });
+        us.xsk = Some(XskConfig { ports, register, addresses: sync, mode: cfg.mode });
         let inner = UserspaceDataplane::new(us, events)?;
         let prog = obj.progs().find(|p| p.name() == XSK_PROGRAM).expect("program in the embedded object");
         let mut links = Vec::new();

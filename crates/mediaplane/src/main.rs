@@ -284,7 +284,12 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::SyncSender<DataplaneEv
     match cfg.dataplane.kind {
         DataplaneKind::Userspace => Ok(Arc::new(UserspaceDataplane::new(us, Some(events)).context("starting the user-space data plane")?)),
         DataplaneKind::Afxdp => {
-            let acfg = mediaplane_ebpf::AfxdpConfig { interfaces: cfg.dataplane.interfaces.clone(), userspace: us };
+            let mode = match cfg.dataplane.afxdp_mode {
+                mediaplane_control::config::AfxdpMode::Auto => mediaplane_dataplane::afxdp::BindMode::Auto,
+                mediaplane_control::config::AfxdpMode::Copy => mediaplane_dataplane::afxdp::BindMode::Copy,
+                mediaplane_control::config::AfxdpMode::Zerocopy => mediaplane_dataplane::afxdp::BindMode::ZeroCopy,
+            };
+            let acfg = mediaplane_ebpf::AfxdpConfig { interfaces: cfg.dataplane.interfaces.clone(), userspace: us, mode };
             let dp = mediaplane_ebpf::AfxdpDataplane::new(acfg, Some(events)).context("starting the afxdp data plane")?;
             tracing::info!(interfaces = ?cfg.dataplane.interfaces, "AF_XDP sockets bound, XDP program attached");
             Ok(Arc::new(dp))
