@@ -25,6 +25,7 @@ use crate::userspace::{sealed, Shared, SrtpCrypto};
 use crate::{DataplaneError, HeaderPolicy};
 use mediaplane_core::packet::{frame_len, parse_frame, udp_checksum_partial, verify_checksums, write_frame, FrameSpec, UdpFrame, UDP_HLEN};
 use mediaplane_core::pipeline::CopyOf;
+use mediaplane_core::table::DropReason;
 use socket2::SockAddr;
 use std::collections::HashMap;
 use std::net::{IpAddr, SocketAddr};
@@ -116,6 +117,10 @@ pub struct XskStats {
     pub tx_socket_errors: AtomicU64,
     /// Frames whose IPv4 header or UDP checksum is wrong (also `drop_bad_checksum`).
     pub rx_bad_checksum: AtomicU64,
+    /// Datagrams whose source fails the ingress interface's reverse-path check (also
+    /// `drop_spoofed`), and the kernel lookups made to know (once per source and routing change).
+    pub rx_spoofed: AtomicU64,
+    pub source_lookups: AtomicU64,
     /// Frames accepted with a local sender's unfinished UDP checksum (see `checksums_ok`).
     pub rx_checksum_partial: AtomicU64,
     /// Route or neighbour lookups (once per destination and routing change).
@@ -134,7 +139,7 @@ pub struct XskStats {
 }
 
 impl XskStats {
-    pub fn fields(&self) -> [(&'static str, u64); 15] {
+    pub fn fields(&self) -> [(&'static str, u64); 17] {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         [
             ("afxdp_rx_frames", g(&self.rx_frames)),
@@ -144,6 +149,8 @@ impl XskStats {
             ("afxdp_tx_socket_ring_full", g(&self.tx_socket_ring_full)),
             ("afxdp_tx_socket_errors", g(&self.tx_socket_errors)),
             ("afxdp_rx_bad_checksum", g(&self.rx_bad_checksum)),
+            ("afxdp_rx_spoofed", g(&self.rx_spoofed)),
+            ("afxdp_source_lookups", g(&self.source_lookups)),
             ("afxdp_rx_checksum_partial", g(&self.rx_checksum_partial)),
             ("afxdp_next_hop_lookups", g(&self.next_hop_lookups)),
             ("afxdp_zero_copy_queues", g(&self.zero_copy_queues)),
@@ -337,6 +344,45 @@ fn checksums_ok(frame: &[u8], u: &UdpFrame, stats: &XskStats) -> bool {
     partial
 }
 
+/// The host's verdict on sources, per (source, SFU address, ingress interface), asked of the
+/// kernel's input route lookup ([`NextHopLookup::source_ok`]: rp_filter as the stack applies it)
+/// and kept until routing or an rp_filter setting changes (the route watch's generation).
+#[derive(Default)]
+struct SourceCheck {
+    verdicts: HashMap<(IpAddr, IpAddr, u32), bool>,
+    generation: u64,
+}
+
+impl SourceCheck {
+    fn admits(&mut self, lookup: &mut NextHopLookup, generation: &AtomicU64, stats: &XskStats, src: IpAddr, dst: IpAddr, iif: u32) -> bool {
+        let g = generation.load(Ordering::Relaxed);
+        if g != self.generation {
+            self.generation = g;
+            self.verdicts.clear();
+        }
+        if let Some(ok) = self.verdicts.get(&(src, dst, iif)) {
+            return *ok;
+        }
+        stats.source_lookups.fetch_add(1, Ordering::Relaxed);
+        match lookup.source_ok(src, dst, iif) {
+            Ok(ok) => {
+                // Bounded: a spoofing flood of random sources must not grow it without end.
+                if self.verdicts.len() >= 65_536 {
+                    self.verdicts.clear();
+                }
+                self.verdicts.insert((src, dst, iif), ok);
+                ok
+            }
+            Err(e) => {
+                // The question could not be asked: let it through, as the kernel path does when
+                // its lookup fails (not cached: asked again).
+                tracing::debug!(%src, error = %e, "reverse-path lookup");
+                true
+            }
+        }
+    }
+}
+
 /// Where copies to a destination go: out of a port to a MAC, or by the socket.
 #[derive(Clone, Copy)]
 struct Route {
@@ -361,6 +407,7 @@ pub(crate) struct XskWorker {
     _watch: RouteWatch,
     wake: Arc<crate::sys::EventFd>,
     reassembly: Reassembler,
+    sources: SourceCheck,
 }
 
 /// Start the AF_XDP thread; returns once its sockets are bound (or with why they could not be).
@@ -401,6 +448,7 @@ pub(crate) fn start(
                     _watch: watch,
                     wake,
                     reassembly: Reassembler::default(),
+                    sources: SourceCheck::default(),
                 })
             })();
             match worker {
@@ -559,6 +607,19 @@ impl XskWorker {
                 Err(_) => items.push(Item::Malformed(n)),
             }
         }
+        // The reverse-path check the stack makes before a socket sees a datagram.
+        let ingress = self.ports[i].spec.ifindex;
+        let mut spoofed = 0;
+        items.retain(|item| {
+            let (src, dst) = match item {
+                Item::Frame(_, src, dst, _) | Item::Whole(_, src, dst) => (src.ip(), dst.ip()),
+                Item::Malformed(_) => return true,
+            };
+            let ok = self.sources.admits(&mut self.lookup, &self.generation, &self.stats, src, dst, ingress);
+            spoofed += u64::from(!ok);
+            ok
+        });
+        self.stats.rx_spoofed.fetch_add(spoofed, Ordering::Relaxed);
         let dgrams = items.iter().map(|item| match item {
             Item::Frame(n, src, dst, range) => {
                 Datagram { local: Some(*dst), src: Some(*src), truncated: false, payload: &bytes(&frames[*n])[range.clone()], arrived_ns: None }
@@ -570,7 +631,8 @@ impl XskWorker {
         let state = {
             let mut engine = self.shared.engine.lock();
             let state = self.shared.state.load_full();
-            engine.count_bad_checksums(bad_checksums);
+            engine.count_driver_drops(DropReason::BadChecksum, bad_checksums);
+            engine.count_driver_drops(DropReason::Spoofed, spoofed);
             engine.handle_batch(now, &state.table, &mut SrtpCrypto(&state.srtp), dgrams, &mut outputs);
             if let Some(due) = engine.poll_timeout() {
                 self.shared.timer_due.fetch_min(due, Ordering::Relaxed);

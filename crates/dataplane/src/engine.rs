@@ -1186,12 +1186,15 @@ impl Engine {
     }
 
     /// The totals, per stream counters and reception quality, into `st`.
-    /// Datagrams a driver that sees raw frames dropped for a wrong IPv4 header or UDP checksum
-    /// before deciding them (the socket plane never sees these: the host drops them). Counted in
-    /// totals only, as received and as `drop_bad_checksum`.
-    pub fn count_bad_checksums(&mut self, n: u64) {
+    /// Datagrams a driver that sees raw frames dropped before deciding them, for what the host
+    /// stack drops before the socket plane sees anything: a wrong IPv4 header or UDP checksum
+    /// (`BadChecksum`), a source failing the reverse-path check (`Spoofed`). Counted in totals
+    /// only, as received and under the reason.
+    pub fn count_driver_drops(&mut self, reason: mediaplane_core::table::DropReason, n: u64) {
         self.counters.total.rx_packets += n;
-        self.counters.total.drop_bad_checksum += n;
+        for _ in 0..n {
+            self.counters.total.count_drop(reason);
+        }
     }
 
     pub fn stats_into(&self, st: &mut DataplaneStats) {

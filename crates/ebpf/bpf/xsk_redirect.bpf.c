@@ -11,15 +11,15 @@
  *     too: user space reassembles them. A later fragment arriving before its first passes to the
  *     stack (senders send them in order; such a datagram is then lost on both sides, counted as
  *     user space's reassembly timeouts);
- *   - the reverse path of its source leaves by the interface it came in on (the strictest
- *     rp_filter: a source that fails it may still pass a loose filter, which the stack decides);
  *   - any size: frames larger than one AF_XDP frame arrive in several (the sockets are bound
  *     with XDP_USE_SG; this program is loaded with frags).
  * Everything else passes (XDP_PASS) to the host stack, which judges it as it judges it for the
- * socket plane (fragments reassembled, rp_filter, checksums) and delivers what it accepts to the
- * same plane's socket on that address: what this program does not redirect is not lost, it takes
- * the socket path. Checksums of redirected frames are verified in user space (XDP cannot sum a
- * payload of any length cheaply). Counters: enum xsk_counter, `xsk_*` in the plane's stats. */
+ * socket plane and delivers what it accepts to the same plane's socket on that address: what
+ * this program does not redirect is not lost, it takes the socket path. What the stack would
+ * check of a redirected datagram, user space checks: checksums (XDP cannot sum a payload of any
+ * length cheaply) and the source's reverse path (asked of the kernel's input route lookup, which
+ * applies rp_filter as the stack does: bpf_fib_lookup answers nothing where forwarding is off,
+ * as on most media servers). Counters: enum xsk_counter, `xsk_*` in the plane's stats. */
 
 #include "vmlinux.h"
 #include <bpf/bpf_helpers.h>
@@ -85,7 +85,6 @@ enum xsk_counter {
 	XSK_CNT_REDIRECTED,
 	XSK_CNT_PASS_FRAGMENT,
 	XSK_CNT_FRAGMENT,
-	XSK_CNT_PASS_REVERSE_PATH,
 	XSK_CNT_PASS_NO_SOCKET,
 	XSK_CNT__MAX,
 };
@@ -102,27 +101,6 @@ static __always_inline void xcount(__u32 idx)
 	__u64 *c = bpf_map_lookup_elem(&xsk_counters, &idx);
 	if (c)
 		*c += 1;
-}
-
-/* Does the route back to the source leave by the interface the packet came in on? */
-static __always_inline int reverse_path_ok(struct xdp_md *ctx, struct mp_xsk_addr *dst, const __u8 *src, __be16 sport)
-{
-	struct bpf_fib_lookup fib = {};
-	fib.l4_protocol = IPPROTO_UDP_NR;
-	fib.sport = dst->port;
-	fib.dport = sport;
-	fib.ifindex = ctx->ingress_ifindex;
-	if (dst->family == MP_FAMILY_V4) {
-		fib.family = AF_INET;
-		__builtin_memcpy(&fib.ipv4_src, dst->addr, 4);
-		__builtin_memcpy(&fib.ipv4_dst, src, 4);
-	} else {
-		fib.family = AF_INET6;
-		__builtin_memcpy(fib.ipv6_src, dst->addr, 16);
-		__builtin_memcpy(fib.ipv6_dst, src, 16);
-	}
-	long rc = bpf_fib_lookup(ctx, &fib, sizeof(fib), BPF_FIB_LOOKUP_SKIP_NEIGH);
-	return rc == BPF_FIB_LKUP_RET_SUCCESS && fib.ifindex == ctx->ingress_ifindex;
 }
 
 /* xdp.frags: loaded as able to see multi-buffer frames, so that interfaces with an MTU above a
@@ -195,10 +173,6 @@ int xsk_redirect(struct xdp_md *ctx)
 		dst.port = udp->dest;
 		if (!bpf_map_lookup_elem(&sfu_addrs, &dst))
 			return XDP_PASS;
-		if (!reverse_path_ok(ctx, &dst, src, udp->source)) {
-			xcount(XSK_CNT_PASS_REVERSE_PATH);
-			return XDP_PASS;
-		}
 		if (fragment) {
 			__u8 one = 1;
 			bpf_map_update_elem(&frag_flows, &frag, &one, BPF_ANY);

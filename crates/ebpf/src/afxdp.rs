@@ -22,7 +22,7 @@ use std::sync::Arc;
 pub const XSK_OBJECT: &[u8] = include_bytes!(concat!(env!("OUT_DIR"), "/xsk_redirect.bpf.o"));
 pub const XSK_PROGRAM: &str = "xsk_redirect";
 /// enum xsk_counter, with their names in `DataplaneStats.extra`.
-pub const XSK_COUNTERS: [&str; 5] = ["xsk_redirected", "xsk_pass_fragment", "xsk_fragments", "xsk_pass_reverse_path", "xsk_pass_no_socket"];
+pub const XSK_COUNTERS: [&str; 4] = ["xsk_redirected", "xsk_pass_fragment", "xsk_fragments", "xsk_pass_no_socket"];
 
 fn bpf_err(context: impl std::fmt::Display, e: libbpf_rs::Error) -> DataplaneError {
     DataplaneError::Other(format!("{context}: {e}"))
@@ -43,7 +43,7 @@ pub struct AfxdpDataplane {
     links: Mutex<Vec<Attachment>>,
     counters: MapHandle,
     /// Keeps the program and its maps loaded.
-    _obj: Object,
+    _xdp: XskRedirect,
 }
 
 /// An `sfu_addrs` key (struct xsk_addr).
@@ -75,20 +75,74 @@ fn mac_of(ifname: &str) -> Result<[u8; 6], DataplaneError> {
     mediaplane_dataplane::sys::if_mac(ifname).map_err(|e| DataplaneError::Unsupported(format!("{ifname}: {e}: AF_XDP needs Ethernet interfaces")))
 }
 
+/// The loaded XDP program (bpf/xsk_redirect.bpf.c) and its maps, not attached anywhere.
+pub struct XskRedirect {
+    obj: Object,
+}
+
+impl XskRedirect {
+    pub fn load() -> Result<XskRedirect, DataplaneError> {
+        let obj = ObjectBuilder::default()
+            .open_memory(XSK_OBJECT)
+            .and_then(|o| o.load())
+            .map_err(|e| bpf_err("loading the AF_XDP redirect program (needs CAP_BPF and CAP_NET_ADMIN)", e))?;
+        Ok(XskRedirect { obj })
+    }
+
+    /// An owned handle of one of its maps (usable from any thread).
+    pub fn map(&self, name: &str) -> Result<MapHandle, DataplaneError> {
+        let m = self.obj.maps().find(|m| m.name() == name).ok_or_else(|| DataplaneError::Other(format!("map {name} missing")))?;
+        MapHandle::try_from(&m).map_err(|e| bpf_err(format!("map {name}"), e))
+    }
+
+    pub fn program(&self) -> libbpf_rs::Program<'_> {
+        self.obj.progs().find(|p| p.name() == XSK_PROGRAM).expect("program in the embedded object")
+    }
+
+    /// Datagrams to (interface `ifindex`, queue) go to XSKMAP slot `slot`.
+    pub fn set_slot(&self, ifindex: u32, queue: u32, slot: u32) -> Result<(), DataplaneError> {
+        self.map("xsk_slots")?.update(&queue_key(ifindex, queue), &slot.to_ne_bytes(), MapFlags::ANY).map_err(|e| bpf_err("xsk_slots", e))
+    }
+
+    /// Make `addrs` SFU addresses (their datagrams are handed over).
+    pub fn add_addresses(&self, addrs: &[SocketAddr]) -> Result<(), DataplaneError> {
+        let m = self.map("sfu_addrs")?;
+        addrs.iter().try_for_each(|a| m.update(&addr_key(a), &[1], MapFlags::ANY).map_err(|e| bpf_err(format!("sfu_addrs {a}"), e)))
+    }
+
+    /// The program's counters (enum xsk_counter), summed over CPUs.
+    pub fn counters(&self) -> Result<BTreeMap<&'static str, u64>, DataplaneError> {
+        counters_of(&self.map("xsk_counters")?)
+    }
+
+    /// Run the program once on `frame` (`BPF_PROG_TEST_RUN`), as if it arrived on queue 0 of
+    /// the calling thread's namespace's loopback device; returns the XDP verdict.
+    // ProgramInput is non-exhaustive: no struct literal possible.
+    #[allow(clippy::field_reassign_with_default)]
+    pub fn test_run(&self, frame: &[u8]) -> Result<u32, DataplaneError> {
+        let mut input = libbpf_rs::ProgramInput::default();
+        input.data_in = Some(frame);
+        let prog = self.obj.progs_mut().find(|p| p.name() == XSK_PROGRAM).expect("program in the embedded object");
+        Ok(prog.test_run(input).map_err(|e| bpf_err("BPF_PROG_TEST_RUN (XDP)", e))?.return_value)
+    }
+}
+
+fn counters_of(map: &MapHandle) -> Result<BTreeMap<&'static str, u64>, DataplaneError> {
+    let mut out = BTreeMap::new();
+    for (i, name) in XSK_COUNTERS.iter().enumerate() {
+        let per_cpu = map.lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY).map_err(|e| bpf_err("xsk_counters", e))?.unwrap_or_default();
+        out.insert(*name, per_cpu.iter().map(|v| u64::from_ne_bytes(v[..8].try_into().unwrap_or([0; 8]))).sum());
+    }
+    Ok(out)
+}
+
 impl AfxdpDataplane {
     pub fn new(cfg: AfxdpConfig, events: Option<SyncSender<DataplaneEvent>>) -> Result<AfxdpDataplane, DataplaneError> {
         if cfg.interfaces.is_empty() {
             return Err(DataplaneError::Other("the afxdp data plane needs at least one interface (--interface)".into()));
         }
-        let obj = ObjectBuilder::default()
-            .open_memory(XSK_OBJECT)
-            .and_then(|o| o.load())
-            .map_err(|e| bpf_err("loading the AF_XDP redirect program (needs CAP_BPF and CAP_NET_ADMIN)", e))?;
-        let handle = |name: &str| -> Result<MapHandle, DataplaneError> {
-            let m = obj.maps().find(|m| m.name() == name).ok_or_else(|| DataplaneError::Other(format!("map {name} missing")))?;
-            MapHandle::try_from(&m).map_err(|e| bpf_err(format!("map {name}"), e))
-        };
-        let (addrs, slots, xsks, counters) = (handle("sfu_addrs")?, handle("xsk_slots")?, handle("xsks")?, handle("xsk_counters")?);
+        let xdp = XskRedirect::load()?;
+        let (addrs, xsks, counters) = (xdp.map("sfu_addrs")?, xdp.map("xsks")?, xdp.map("xsk_counters")?);
         let mut ports = Vec::new();
         for ifname in &cfg.interfaces {
             if ifname == "lo" {
@@ -100,7 +154,7 @@ impl AfxdpDataplane {
             let mac = mac_of(ifname)?;
             for queue in 0..mediaplane_dataplane::sys::if_rx_queues(ifname) {
                 let slot = ports.len() as u32;
-                slots.update(&queue_key(ifindex, queue), &slot.to_ne_bytes(), MapFlags::ANY).map_err(|e| bpf_err("xsk_slots", e))?;
+                xdp.set_slot(ifindex, queue, slot)?;
                 ports.push(XskPortSpec { ifname: ifname.clone(), ifindex, queue, mac });
             }
         }
@@ -128,7 +182,7 @@ impl AfxdpDataplane {
         us.steered = false;
         us.xsk = Some(XskConfig { ports, register, addresses: sync, mode: cfg.mode });
         let inner = UserspaceDataplane::new(us, events)?;
-        let prog = obj.progs().find(|p| p.name() == XSK_PROGRAM).expect("program in the embedded object");
+        let prog = xdp.program();
         let mut links = Vec::new();
         for ifname in &cfg.interfaces {
             match attach::attach_xdp(&prog, ifname, None) {
@@ -148,24 +202,15 @@ impl AfxdpDataplane {
                 }
             }
         }
-        Ok(AfxdpDataplane { inner, links: Mutex::new(links), counters, _obj: obj })
+        Ok(AfxdpDataplane { inner, links: Mutex::new(links), counters, _xdp: xdp })
     }
 
     /// The XDP program's counters (enum xsk_counter), summed over CPUs.
     fn xsk_counters(&self) -> Vec<(&'static str, u64)> {
-        XSK_COUNTERS
-            .iter()
-            .enumerate()
-            .map(|(i, name)| {
-                let sum = self
-                    .counters
-                    .lookup_percpu(&(i as u32).to_ne_bytes(), MapFlags::ANY)
-                    .ok()
-                    .flatten()
-                    .map_or(0, |per_cpu| per_cpu.iter().map(|v| u64::from_ne_bytes(v[..8].try_into().unwrap_or([0; 8]))).sum());
-                (*name, sum)
-            })
-            .collect()
+        counters_of(&self.counters).map(|c| c.into_iter().collect()).unwrap_or_else(|e| {
+            tracing::warn!("reading the AF_XDP program's counters: {e}");
+            Vec::new()
+        })
     }
 }
 

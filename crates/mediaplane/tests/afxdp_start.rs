@@ -49,3 +49,47 @@ fn afxdp_refuses_what_it_cannot_run_on_and_says_what_it_bound() {
         assert!(!has_xdp(&tb, &p.sfu_if), "{}: the XDP program detached at shutdown", p.sfu_if);
     }
 }
+
+/// On a host that does not forward (most media servers: `ip_forward` 0), the plane still takes
+/// every datagram by AF_XDP and sends every copy by its rings; a source is judged by the input
+/// route lookup, which needs no forwarding (`bpf_fib_lookup` answers nothing there).
+#[test]
+fn afxdp_forwards_on_a_host_that_does_not_forward() {
+    if !mediaplane_bench::require_root("afxdp_forwards_on_a_host_that_does_not_forward") {
+        return;
+    }
+    let tb = Testbed::star(2).unwrap();
+    for key in ["net.ipv4.ip_forward=0", "net.ipv4.conf.all.rp_filter=1", "net.ipv4.conf.default.rp_filter=1"] {
+        assert!(tb.command(&tb.sfu_ns, "sysctl").args(["-qw", key]).status().unwrap().success(), "{key}");
+    }
+    let dir = common::TempDir::new("afxdp-nofwd");
+    let s = NetnsServe::start(&tb, "afxdp", &dir.0.join("store.db"), &["--reset"]);
+    let sfu = |i: usize| std::net::SocketAddr::new(tb.peers[i].sfu_ip, 40000);
+    let peer = |i: usize| std::net::SocketAddr::new(tb.peers[i].ip, 5004);
+    s.api("POST", "/v1/rooms", Some(serde_json::json!({"id": "r"})));
+    for i in 0..2 {
+        s.api("POST", "/v1/rooms/r/participants", Some(serde_json::json!({"id": format!("p{i}"), "local": sfu(i), "remote": peer(i)})));
+    }
+    s.api("POST", "/v1/rooms/r/participants/p0/streams", Some(serde_json::json!({"name": "main"})));
+    s.api("POST", "/v1/rooms/r/participants/p1/subscriptions", Some(serde_json::json!({"publisher": "p0", "stream": "main"})));
+    let socks: Vec<std::net::UdpSocket> = (0..2).map(|i| tb.udp_socket(&tb.peers[i].ns, peer(i)).unwrap()).collect();
+    // The SFU's neighbour entry for p1 first, as a real participant's signalling would make it.
+    socks[1].send_to(b"", std::net::SocketAddr::new(tb.peers[1].sfu_ip, 9)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    for seq in 0..20u16 {
+        socks[0].send_to(&mediaplane_core::rtp::build_rtp(0, seq, 0, 42, &[seq as u8; 160]), sfu(0)).unwrap();
+        std::thread::sleep(Duration::from_millis(2));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    socks[1].set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 2048];
+    let mut got = 0;
+    while let Ok((_, from)) = socks[1].recv_from(&mut buf) {
+        assert_eq!(from, sfu(1), "copies come from p1's SFU address");
+        got += 1;
+    }
+    let extra = &s.api("GET", "/v1/stats", None)["extra"];
+    assert_eq!(got, 20, "every packet reached the subscriber: {extra}");
+    assert_eq!((extra["xsk_redirected"].as_u64(), extra["afxdp_tx_frames"].as_u64()), (Some(20), Some(20)), "all by AF_XDP: {extra}");
+    assert_eq!(extra["afxdp_rx_spoofed"].as_u64(), Some(0), "{extra}");
+}

@@ -25,6 +25,8 @@ const NLM_F_ACK: u16 = 0x4;
 const NLM_F_REPLACE: u16 = 0x100;
 const NLM_F_CREATE: u16 = 0x400;
 const RTA_DST: u16 = 1;
+const RTA_SRC: u16 = 2;
+const RTA_IIF: u16 = 3;
 const RTA_OIF: u16 = 4;
 const RTA_GATEWAY: u16 = 5;
 const RTN_UNICAST: u8 = 1;
@@ -290,6 +292,29 @@ impl NextHopLookup {
     /// In the calling thread's network namespace.
     pub fn open() -> io::Result<NextHopLookup> {
         Ok(NextHopLookup { sock: open()?, seq: 1 })
+    }
+
+    /// Whether the host would accept a datagram from `src` to its own `dst` arriving on
+    /// `iif`: the input route lookup (`ip route get <dst> from <src> iif <dev>`), which applies
+    /// the interface's `rp_filter` as the stack does. Err: the question could not be asked.
+    pub fn source_ok(&mut self, src: IpAddr, dst: IpAddr, iif: u32) -> io::Result<bool> {
+        let (family, dst_bytes) = family_and_bytes(dst);
+        let (_, src_bytes) = family_and_bytes(src);
+        if src.is_ipv4() != dst.is_ipv4() {
+            return Ok(false);
+        }
+        let mut body = vec![family, (dst_bytes.len() * 8) as u8, (src_bytes.len() * 8) as u8, 0, 0, 0, 0, 0, 0, 0, 0, 0];
+        attr(&mut body, RTA_DST, &dst_bytes);
+        attr(&mut body, RTA_SRC, &src_bytes);
+        attr(&mut body, RTA_IIF, &iif.to_ne_bytes());
+        match request(&self.sock, RTM_GETROUTE, 0, &mut self.seq, &body) {
+            Ok((RTM_NEWROUTE, _)) => Ok(true),
+            Ok(_) => Err(io::Error::other("no route reply")),
+            // What the stack answers a source it drops: a reverse-path failure (EXDEV), a martian
+            // (EINVAL), no route back (ENETUNREACH, EHOSTUNREACH).
+            Err(e) if matches!(e.raw_os_error(), Some(libc::EXDEV | libc::EINVAL | libc::ENETUNREACH | libc::EHOSTUNREACH)) => Ok(false),
+            Err(e) => Err(e),
+        }
     }
 
     /// The next hop of a unicast route to `dst` with a valid Ethernet neighbour; None when there
