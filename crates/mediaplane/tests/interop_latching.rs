@@ -744,4 +744,4 @@ fn run_scenarios(relay: Relay) {
     bed.finish(received, report, failures);
 }
 
-relay_tests!(run_scenarios, latching_rtpengine, latching_mediaplane_userspace, latching_mediaplane_ebpf);
+relay_tests!(run_scenarios, latching_rtpengine, latching_mediaplane_userspace, latching_mediaplane_ebpf, latching_mediaplane_afxdp);

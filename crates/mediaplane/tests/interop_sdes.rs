@@ -651,7 +651,7 @@ fn run(relay: Relay) {
     relay_proc.stop().unwrap_or_else(|e| panic!("{e:#}"));
 }
 
-relay_tests!(run, sdes_rtpengine, sdes_mediaplane_userspace, sdes_mediaplane_ebpf);
+relay_tests!(run, sdes_rtpengine, sdes_mediaplane_userspace, sdes_mediaplane_ebpf, sdes_mediaplane_afxdp);
 
 #[test]
 fn base64_round_trips_and_rejects_garbage() {

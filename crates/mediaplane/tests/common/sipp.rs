@@ -46,6 +46,14 @@ macro_rules! relay_tests {
             $run($crate::common::sipp::Relay::MediaplaneEbpf);
         }
     };
+    ($run:ident, $rtpengine:ident, $userspace:ident, $ebpf:ident, $afxdp:ident) => {
+        relay_tests!($run, $rtpengine, $userspace, $ebpf);
+
+        #[test]
+        fn $afxdp() {
+            $run($crate::common::sipp::Relay::MediaplaneAfxdp);
+        }
+    };
 }
 
 #[derive(Clone, Copy, PartialEq, Eq, Debug)]
@@ -53,6 +61,8 @@ pub enum Relay {
     Rtpengine,
     MediaplaneUserspace,
     MediaplaneEbpf,
+    /// The AF_XDP plane (`--dataplane afxdp`; a relay's SRTP per packet in its AF_XDP thread).
+    MediaplaneAfxdp,
 }
 
 impl Relay {
@@ -62,6 +72,7 @@ impl Relay {
             Relay::Rtpengine => "rtpengine",
             Relay::MediaplaneUserspace => "mediaplane-userspace",
             Relay::MediaplaneEbpf => "mediaplane-ebpf",
+            Relay::MediaplaneAfxdp => "mediaplane-afxdp",
         }
     }
 }
