@@ -199,6 +199,9 @@ pub struct DataplaneConfig {
     /// AF_XDP: how its sockets bind: "auto" (zero-copy where the driver supports it, copy
     /// otherwise), "copy", or "zerocopy" (a start-up error where the driver cannot).
     pub afxdp_mode: AfxdpMode,
+    /// AF_XDP: packet frames (2 KiB each) per interface queue, a power of two from 64 to 65,536:
+    /// half receive, half carry copies out. Locked memory (RLIMIT_MEMLOCK).
+    pub afxdp_frames: u32,
 }
 
 /// See [`DataplaneConfig::afxdp_mode`].
@@ -412,6 +415,7 @@ impl Default for DataplaneConfig {
             max_copies: 65536,
             xdp_prefilter: XdpPrefilterMode::Auto,
             afxdp_mode: AfxdpMode::Auto,
+            afxdp_frames: 4096,
             dscp: 0,
             verify_checksums: true,
             rp_filter_v6: RpFilterMode::Off,

@@ -40,9 +40,8 @@ use xdpilone::{DeviceQueue, IfInfo, RingRx, RingTx, Socket, SocketConfig, Umem, 
 /// Bytes per UMEM frame: one Ethernet frame of a 1500-byte MTU with room to spare. Larger frames
 /// take the socket path (the XDP program passes them to the stack).
 pub const FRAME_SIZE: u32 = 2048;
-/// Frames per port: half are the receive fill, half carry copies out.
-const FRAMES: u32 = 4096;
-const RING: u32 = FRAMES / 2;
+/// Frames per port by default (8 MiB): half are the receive fill, half carry copies out.
+pub const DEFAULT_FRAMES: u32 = 4096;
 /// Descriptors read from one port before looking at the others.
 const BATCH: u32 = 64;
 /// sockaddr_xdp flags (linux/if_xdp.h): wake-ups only when the kernel asks; frames larger than
@@ -96,6 +95,9 @@ pub struct XskConfig {
     pub register: RegisterXsk,
     pub addresses: SyncAddresses,
     pub mode: BindMode,
+    /// UMEM frames per port (a power of two, 64 to 65,536; [`DEFAULT_FRAMES`]): each is
+    /// [`FRAME_SIZE`] of locked memory.
+    pub frames: u32,
 }
 
 impl std::fmt::Debug for XskConfig {
@@ -233,14 +235,27 @@ fn mtu_of(ifname: &str) -> usize {
 }
 
 impl Port {
-    fn open(spec: &XskPortSpec, register: &RegisterXsk, mode: BindMode) -> Result<Port, DataplaneError> {
+    fn open(spec: &XskPortSpec, register: &RegisterXsk, mode: BindMode, frames: u32) -> Result<Port, DataplaneError> {
+        if !frames.is_power_of_two() || !(64..=65_536).contains(&frames) {
+            return Err(DataplaneError::Other(format!("AF_XDP frames per queue must be a power of two from 64 to 65536, not {frames}")));
+        }
+        let ring = frames / 2;
         let ctx = |what: &str| format!("AF_XDP {what} on {} queue {}", spec.ifname, spec.queue);
-        let area = Area::new((FRAMES * FRAME_SIZE) as usize).map_err(|source| DataplaneError::Io { context: ctx("UMEM"), source })?;
+        let area = Area::new((frames * FRAME_SIZE) as usize).map_err(|source| DataplaneError::Io { context: ctx("UMEM"), source })?;
         let slice = NonNull::slice_from_raw_parts(area.ptr, area.len);
-        let cfg = UmemConfig { fill_size: RING, complete_size: RING, frame_size: FRAME_SIZE, headroom: 0, flags: 0 };
-        // SAFETY: the area is page aligned, FRAMES * FRAME_SIZE long, and outlives the UMEM (Port's
+        let cfg = UmemConfig { fill_size: ring, complete_size: ring, frame_size: FRAME_SIZE, headroom: 0, flags: 0 };
+        // SAFETY: the area is page aligned, frames * FRAME_SIZE long, and outlives the UMEM (Port's
         // field order).
-        let umem = unsafe { Umem::new(cfg, slice) }.map_err(|e| errno(&ctx("UMEM registration"), e))?;
+        let umem = unsafe { Umem::new(cfg, slice) }.map_err(|e| match e.get_raw() {
+            libc::ENOBUFS | libc::EPERM | libc::ENOMEM => errno(
+                &ctx(&format!(
+                    "UMEM registration ({} MiB per queue counts against the locked-memory limit, RLIMIT_MEMLOCK: raise it, e.g. LimitMEMLOCK=infinity in the systemd unit or ulimit -l)",
+                    (frames * FRAME_SIZE) >> 20
+                )),
+                e,
+            ),
+            _ => errno(&ctx("UMEM registration"), e),
+        })?;
         let mut info = IfInfo::invalid();
         info.from_ifindex(spec.ifindex).map_err(|e| errno(&ctx("interface"), e))?;
         info.set_queue(spec.queue);
@@ -251,7 +266,7 @@ impl Port {
             BindMode::Copy => XDP_COPY,
             BindMode::ZeroCopy => XDP_ZEROCOPY,
         };
-        let sc = SocketConfig { rx_size: NonZeroU32::new(RING), tx_size: NonZeroU32::new(RING), bind_flags: XDP_USE_NEED_WAKEUP | XDP_USE_SG | mode_flag };
+        let sc = SocketConfig { rx_size: NonZeroU32::new(ring), tx_size: NonZeroU32::new(ring), bind_flags: XDP_USE_NEED_WAKEUP | XDP_USE_SG | mode_flag };
         let user = umem.rx_tx(&sock, &sc).map_err(|e| errno(&ctx("rx/tx rings"), e))?;
         let rx = user.map_rx().map_err(|e| errno(&ctx("rx ring"), e))?;
         let tx = user.map_tx().map_err(|e| errno(&ctx("tx ring"), e))?;
@@ -262,15 +277,15 @@ impl Port {
         let zero_copy = zero_copy(rx.as_raw_fd());
         tracing::info!(ifname = spec.ifname, queue = spec.queue, zero_copy, "AF_XDP socket bound");
         {
-            let mut fill = fq_cq.fill(RING);
-            let n = fill.insert((0..RING).map(|i| u64::from(i * FRAME_SIZE)));
+            let mut fill = fq_cq.fill(ring);
+            let n = fill.insert((0..ring).map(|i| u64::from(i * FRAME_SIZE)));
             fill.commit();
-            if n != RING {
-                return Err(DataplaneError::Other(format!("{}: the fill ring took {n} of {RING} frames", ctx("setup"))));
+            if n != ring {
+                return Err(DataplaneError::Other(format!("{}: the fill ring took {n} of {ring} frames", ctx("setup"))));
             }
         }
         register(spec, rx.as_raw_fd())?;
-        let free_tx = (RING..FRAMES).map(|i| u64::from(i * FRAME_SIZE)).collect();
+        let free_tx = (ring..frames).map(|i| u64::from(i * FRAME_SIZE)).collect();
         Ok(Port {
             rx,
             tx,
@@ -310,7 +325,7 @@ impl Port {
 
     /// Take back frames the kernel has sent.
     fn reap(&mut self) {
-        let mut done = self.fq_cq.complete(RING);
+        let mut done = self.fq_cq.complete(u32::MAX);
         while let Some(addr) = done.read() {
             self.free_tx.push(addr - addr % u64::from(FRAME_SIZE));
         }
@@ -424,7 +439,7 @@ pub(crate) fn start(
         .spawn(move || {
             // Built on this thread: the UMEM and rings are not Send.
             let worker = (|| -> Result<XskWorker, DataplaneError> {
-                let ports = cfg.ports.iter().map(|p| Port::open(p, &cfg.register, cfg.mode)).collect::<Result<Vec<_>, _>>()?;
+                let ports = cfg.ports.iter().map(|p| Port::open(p, &cfg.register, cfg.mode, cfg.frames)).collect::<Result<Vec<_>, _>>()?;
                 stats.zero_copy_queues.store(ports.iter().filter(|p| p.zero_copy).count() as u64, Ordering::Relaxed);
                 let generation = Arc::new(AtomicU64::new(0));
                 let g = generation.clone();

@@ -35,6 +35,8 @@ pub struct AfxdpConfig {
     /// The socket plane underneath (workers, header policy, ...); its `xsk` is set here.
     pub userspace: UserspaceConfig,
     pub mode: mediaplane_dataplane::afxdp::BindMode,
+    /// UMEM frames per interface queue (see [`mediaplane_dataplane::afxdp::XskConfig::frames`]).
+    pub frames: u32,
 }
 
 pub struct AfxdpDataplane {
@@ -180,7 +182,7 @@ impl AfxdpDataplane {
         });
         let mut us = cfg.userspace;
         us.steered = false;
-        us.xsk = Some(XskConfig { ports, register, addresses: sync, mode: cfg.mode });
+        us.xsk = Some(XskConfig { ports, register, addresses: sync, mode: cfg.mode, frames: cfg.frames });
         let inner = UserspaceDataplane::new(us, events)?;
         let prog = xdp.program();
         let mut links = Vec::new();

@@ -184,10 +184,27 @@ fn raise_fd_limit(cfg: &Config) {
             tracing::info!(fd_limit = limit, raised, "the ebpf plane's sessions cost no file descriptors (kernel map entries: dataplane.max_streams)")
         }
         DataplaneKind::Afxdp => {
+            raise_memlock_limit();
             // As the user-space plane: its sockets carry what the XDP program passes to the stack.
             tracing::info!(fd_limit = limit, raised, "the afxdp plane keeps a socket per SFU address and worker, as the user-space plane does")
         }
     }
+}
+
+/// Raise the soft RLIMIT_MEMLOCK to the hard limit: the AF_XDP plane's packet memory (UMEM) is
+/// charged to it.
+fn raise_memlock_limit() {
+    let mut r = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit/setrlimit with a valid struct.
+    unsafe {
+        if libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r) == 0 && r.rlim_cur != r.rlim_max {
+            r.rlim_cur = r.rlim_max;
+            libc::setrlimit(libc::RLIMIT_MEMLOCK, &r);
+        }
+        libc::getrlimit(libc::RLIMIT_MEMLOCK, &mut r);
+    }
+    let limit = if r.rlim_cur == libc::RLIM_INFINITY { "unlimited".to_string() } else { format!("{} MiB", r.rlim_cur >> 20) };
+    tracing::info!(memlock = %limit, "the afxdp plane's packet memory (dataplane.afxdp_frames x 2 KiB per interface queue) counts against the locked-memory limit");
 }
 
 fn serve(args: ServeArgs) -> anyhow::Result<()> {
@@ -289,7 +306,7 @@ fn build_dataplane(cfg: &Config, events: std::sync::mpsc::SyncSender<DataplaneEv
                 mediaplane_control::config::AfxdpMode::Copy => mediaplane_dataplane::afxdp::BindMode::Copy,
                 mediaplane_control::config::AfxdpMode::Zerocopy => mediaplane_dataplane::afxdp::BindMode::ZeroCopy,
             };
-            let acfg = mediaplane_ebpf::AfxdpConfig { interfaces: cfg.dataplane.interfaces.clone(), userspace: us, mode };
+            let acfg = mediaplane_ebpf::AfxdpConfig { interfaces: cfg.dataplane.interfaces.clone(), userspace: us, mode, frames: cfg.dataplane.afxdp_frames };
             let dp = mediaplane_ebpf::AfxdpDataplane::new(acfg, Some(events)).context("starting the afxdp data plane")?;
             tracing::info!(interfaces = ?cfg.dataplane.interfaces, "AF_XDP sockets bound, XDP program attached");
             Ok(Arc::new(dp))
