@@ -385,6 +385,25 @@ pub const FEEDBACK: CounterFamily = fam(
     "Consumers' RTCP feedback messages, by result: routed to the publisher, coalesced (a keyframe request shortly after another), consumed by the SFU (receiver reports, REMB, TWCC), unroutable (an SSRC the consumer does not receive)",
     Some("result"),
 );
+pub const AFXDP_HANDED_OVER: CounterFamily =
+    fam("mediaplane_afxdp_handed_over_packets", "Packets the AF_XDP plane's XDP program handed to its sockets, by kind (datagram, fragment)", Some("kind"));
+pub const AFXDP_PASSED: CounterFamily = fam(
+    "mediaplane_afxdp_passed_packets",
+    "Packets to the SFU's addresses the AF_XDP plane's XDP program left to the host stack (and the plane's sockets), by reason",
+    Some("reason"),
+);
+pub const AFXDP_SENT: CounterFamily = fam("mediaplane_afxdp_sent_frames", "Copies the AF_XDP plane sent from its TX rings", None);
+pub const AFXDP_BY_SOCKET: CounterFamily = fam(
+    "mediaplane_afxdp_socket_sends",
+    "Copies the AF_XDP plane sent by its socket instead of a ring, by reason (no_neighbour, too_big, ring_full; errors: the socket refused)",
+    Some("reason"),
+);
+pub const AFXDP_RECEIVED: CounterFamily = fam(
+    "mediaplane_afxdp_received",
+    "What the AF_XDP plane's thread read and did, by kind: frames, fragments, reassembled, gathered, bad_checksum, checksum_partial, spoofed, reassembly_timeouts, reassembly_dropped, next_hop_lookups, source_lookups",
+    Some("kind"),
+);
+
 /// Where a counter nobody classified goes: still exported, and visible as such.
 pub const OTHER: CounterFamily = fam("mediaplane_dataplane_other", "Data-plane counters without a family of their own, by name", Some("counter"));
 
@@ -435,6 +454,9 @@ pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
         "slow_path_steer_failed" => (STEERING, Some("failed")),
         "not_recorded" => (NOT_RECORDED, None),
         "events_dropped" => (EVENTS_DROPPED, None),
+        "xsk_redirected" => (AFXDP_HANDED_OVER, Some("datagram")),
+        "xsk_fragments" => (AFXDP_HANDED_OVER, Some("fragment")),
+        "afxdp_tx_frames" => (AFXDP_SENT, None),
         n => {
             let prefixed = [
                 ("transport_feedback_", TRANSPORT_FEEDBACK),
@@ -444,6 +466,10 @@ pub fn extra_family(name: &str) -> Option<(CounterFamily, Option<&str>)> {
                 ("neigh_resolve_", NEIGHBOUR),
                 ("host_", HOST_DROPPED),
                 ("srtp_", SRTP_DROPPED),
+                ("xsk_pass_", AFXDP_PASSED),
+                ("afxdp_tx_socket_", AFXDP_BY_SOCKET),
+                ("afxdp_rx_", AFXDP_RECEIVED),
+                ("afxdp_", AFXDP_RECEIVED),
             ];
             let (r, f) = prefixed.into_iter().find_map(|(p, f)| Some((n.strip_prefix(p)?, f)))?;
             (f, Some(r))
@@ -689,6 +715,11 @@ fn families(snap: &StatsReading, labels: &HashMap<u32, String>) -> Families {
     let mut f = Families::default();
     f.counters(&st.total, &vec![], false);
     for (name, v) in &st.extra {
+        if name == "afxdp_zero_copy_queues" {
+            // A state, not a count.
+            f.gauge("mediaplane_afxdp_zero_copy_queues", "AF_XDP sockets bound in zero-copy mode (the rest: copy mode)", vec![], *v);
+            continue;
+        }
         match extra_family(name) {
             Some((fam, label)) => f.counter(fam, label, vec![], *v),
             None => f.counter(OTHER, Some(name), vec![], *v),
@@ -765,6 +796,18 @@ mod tests {
         assert_eq!(extra_family("srtp_auth_failed"), Some((SRTP_DROPPED, Some("auth_failed"))));
         assert_eq!(extra_family("bpf_run_time_ns").map(|(f, _)| f.nanoseconds), Some(true));
         assert_eq!(extra_family("userspace.rx_packets"), None);
+        assert_eq!(extra_family("xsk_pass_fragment"), Some((AFXDP_PASSED, Some("fragment"))));
+        assert_eq!(extra_family("afxdp_tx_socket_no_neighbour"), Some((AFXDP_BY_SOCKET, Some("no_neighbour"))));
+        assert_eq!(extra_family("afxdp_rx_spoofed"), Some((AFXDP_RECEIVED, Some("spoofed"))));
+        assert_eq!(extra_family("afxdp_reassembly_timeouts"), Some((AFXDP_RECEIVED, Some("reassembly_timeouts"))));
+        // Every AF_XDP counter has a family (its XDP program's: ebpf::afxdp::XSK_COUNTERS);
+        // the zero-copy count is a gauge of its own.
+        for (name, _) in mediaplane_dataplane::afxdp::XskStats::default().fields().into_iter().filter(|(n, _)| *n != "afxdp_zero_copy_queues") {
+            assert!(extra_family(name).is_some(), "{name} has no metric family");
+        }
+        for name in ["xsk_redirected", "xsk_fragments", "xsk_pass_fragment", "xsk_pass_no_socket"] {
+            assert!(extra_family(name).is_some(), "{name} has no metric family");
+        }
     }
 
     fn stats() -> StatsReading {

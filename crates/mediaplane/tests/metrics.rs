@@ -358,6 +358,41 @@ fn ebpf_plane_metrics_pass_promtool_and_cover_the_dashboard() {
 }
 
 /// With metrics.per_consumer: p1's consumer of p0's stream in `/v1/stats` and its series.
+#[test]
+fn afxdp_plane_metrics_pass_promtool() {
+    if !mediaplane_bench::require_root("afxdp_plane_metrics") || !have_promtool("afxdp_plane_metrics") {
+        return;
+    }
+    let tb = Testbed::star(2).unwrap();
+    let (p0, p1) = (&tb.peers[0], &tb.peers[1]);
+    let tmp = TempDir::new("metrics-afxdp");
+    let cfg = tmp.0.join("mediaplane.toml");
+    std::fs::write(&cfg, format!("[media]\nip = \"{}\"\nport_min = 30000\nport_max = 30099\n[metrics]\nper_stream = true\nper_consumer = true\n", p0.sfu_ip))
+        .unwrap();
+    let serve = NetnsServe::start(&tb, "afxdp", &tmp.0.join("store.db"), &["--reset", "--ng-listen", NG, "--config", cfg.to_str().unwrap()]);
+    serve.two_party_room();
+    let ng = |pairs: Vec<(&'static str, Ng)>| tb.in_ns(&tb.sfu_ns, move || ng_client(NG.parse().unwrap()).cmd(pairs)).unwrap();
+    assert_eq!(text(&ng(vec![("command", "ping".into())]), "result"), "pong");
+    let to = SocketAddr::new(p0.sfu_ip, 40000);
+    let media = tb.udp_socket(&p0.ns, SocketAddr::new(p0.ip, 5004)).unwrap();
+    let stranger = tb.udp_socket(&p0.ns, SocketAddr::new(p0.ip, 5006)).unwrap();
+    let _sink = tb.udp_socket(&p1.ns, SocketAddr::new(p1.ip, 5004)).unwrap();
+    send(&media, to, 0x5eed, 200);
+    send(&stranger, to, 0xbad, 3);
+    let stats = wait_stats(|| try_api(&tb, "GET", "/v1/stats", None).unwrap(), |s| s["total"]["tx_copies"] == 200 && s["total"]["drop_stranger"] == 3);
+    let ng_stats = ng(vec![("command", "statistics".into())]);
+    let url = format!("http://{}/metrics", serve.listen);
+    let m = tb.in_ns(&tb.sfu_ns, move || http_get(&url, None).1).unwrap();
+    // Every AF_XDP counter in a family of its own (none in mediaplane_dataplane_other).
+    check_common(&m, &stats, &ng_stats);
+    let build = format!("mediaplane_build_info{{version=\"{}\",dataplane=\"afxdp\"}}", env!("CARGO_PKG_VERSION"));
+    assert_eq!(sample(&m, &build), Some(1.0), "{m}");
+    assert_eq!(sample(&m, "mediaplane_afxdp_handed_over_packets_total{kind=\"datagram\"}"), Some(203.0), "{m}");
+    assert!(sample(&m, "mediaplane_afxdp_sent_frames_total").is_some_and(|v| v >= 199.0), "the first copy may leave by the socket (neighbour): {m}");
+    assert_eq!(sample(&m, "mediaplane_afxdp_zero_copy_queues"), Some(0.0), "veth: copy mode: {m}");
+    consumer_series(&m, &stats, 200);
+}
+
 fn consumer_series(m: &str, stats: &Value, copies: u64) {
     let listed = stats["consumers"].as_array().unwrap_or_else(|| panic!("consumers in /v1/stats: {stats}"));
     assert_eq!(listed.len(), 1, "{listed:?}");
