@@ -715,9 +715,13 @@ fn families(snap: &StatsReading, labels: &HashMap<u32, String>) -> Families {
     let mut f = Families::default();
     f.counters(&st.total, &vec![], false);
     for (name, v) in &st.extra {
+        // States, not counts.
         if name == "afxdp_zero_copy_queues" {
-            // A state, not a count.
             f.gauge("mediaplane_afxdp_zero_copy_queues", "AF_XDP sockets bound in zero-copy mode (the rest: copy mode)", vec![], *v);
+            continue;
+        }
+        if name == "afxdp_thread_failed" {
+            f.gauge("mediaplane_afxdp_thread_failed", "1 once the AF_XDP thread failed: the plane then runs on its sockets until restarted", vec![], *v);
             continue;
         }
         match extra_family(name) {
@@ -802,7 +806,11 @@ mod tests {
         assert_eq!(extra_family("afxdp_reassembly_timeouts"), Some((AFXDP_RECEIVED, Some("reassembly_timeouts"))));
         // Every AF_XDP counter has a family (its XDP program's: ebpf::afxdp::XSK_COUNTERS);
         // the zero-copy count is a gauge of its own.
-        for (name, _) in mediaplane_dataplane::afxdp::XskStats::default().fields().into_iter().filter(|(n, _)| *n != "afxdp_zero_copy_queues") {
+        for (name, _) in mediaplane_dataplane::afxdp::XskStats::default()
+            .fields()
+            .into_iter()
+            .filter(|(n, _)| !["afxdp_zero_copy_queues", "afxdp_thread_failed"].contains(n))
+        {
             assert!(extra_family(name).is_some(), "{name} has no metric family");
         }
         for name in ["xsk_redirected", "xsk_fragments", "xsk_pass_fragment", "xsk_pass_no_socket"] {

@@ -129,6 +129,8 @@ pub struct XskStats {
     pub next_hop_lookups: AtomicU64,
     /// Queues whose socket is bound in zero-copy mode (the rest: copy mode).
     pub zero_copy_queues: AtomicU64,
+    /// 1 once the AF_XDP thread failed (the plane then runs on its sockets).
+    pub thread_failed: Arc<AtomicU64>,
     /// IP fragments received, and the datagrams reassembled from them.
     pub rx_fragments: AtomicU64,
     pub rx_reassembled: AtomicU64,
@@ -141,7 +143,7 @@ pub struct XskStats {
 }
 
 impl XskStats {
-    pub fn fields(&self) -> [(&'static str, u64); 17] {
+    pub fn fields(&self) -> [(&'static str, u64); 18] {
         let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
         [
             ("afxdp_rx_frames", g(&self.rx_frames)),
@@ -156,6 +158,7 @@ impl XskStats {
             ("afxdp_rx_checksum_partial", g(&self.rx_checksum_partial)),
             ("afxdp_next_hop_lookups", g(&self.next_hop_lookups)),
             ("afxdp_zero_copy_queues", g(&self.zero_copy_queues)),
+            ("afxdp_thread_failed", g(&self.thread_failed)),
             ("afxdp_rx_fragments", g(&self.rx_fragments)),
             ("afxdp_rx_reassembled", g(&self.rx_reassembled)),
             ("afxdp_rx_gathered", g(&self.rx_gathered)),
@@ -434,6 +437,7 @@ pub(crate) fn start(
     wake: Arc<crate::sys::EventFd>,
 ) -> Result<std::thread::JoinHandle<()>, DataplaneError> {
     let (tx, rx) = std::sync::mpsc::sync_channel(1);
+    let failed = stats.thread_failed.clone();
     let thread = std::thread::Builder::new()
         .name("mp-afxdp".into())
         .spawn(move || {
@@ -469,7 +473,15 @@ pub(crate) fn start(
             match worker {
                 Ok(w) => {
                     let _ = tx.send(Ok(()));
-                    w.run();
+                    // A failure of this thread must not take the media with it: its sockets close
+                    // as it unwinds, which empties their XSKMAP slots, and the XDP program's
+                    // redirect then passes every datagram to the stack and the plane's sockets.
+                    if std::panic::catch_unwind(std::panic::AssertUnwindSafe(|| w.run())).is_err() {
+                        failed.store(1, Ordering::Relaxed);
+                        tracing::error!(
+                            "the AF_XDP thread failed: the plane carries on by its sockets (the socket plane's costs); restart the daemon to use AF_XDP again"
+                        );
+                    }
                 }
                 Err(e) => {
                     let _ = tx.send(Err(e));
@@ -526,6 +538,15 @@ impl XskWorker {
 
     /// Read, decide and send what port `i` received.
     fn serve(&mut self, i: usize) {
+        // Debug builds only: a deliberate failure after this many frames, so that tests can show
+        // what a failure of this thread costs (MEDIAPLANE_AFXDP_FAIL_AFTER).
+        #[cfg(debug_assertions)]
+        {
+            static FAIL_AFTER: std::sync::OnceLock<Option<u64>> = std::sync::OnceLock::new();
+            if let Some(n) = *FAIL_AFTER.get_or_init(|| std::env::var("MEDIAPLANE_AFXDP_FAIL_AFTER").ok().and_then(|v| v.parse().ok())) {
+                assert!(self.stats.rx_frames.load(Ordering::Relaxed) < n, "MEDIAPLANE_AFXDP_FAIL_AFTER={n}: a deliberate failure");
+            }
+        }
         loop {
             let mut descs: Vec<XdpDesc> = Vec::with_capacity(BATCH as usize);
             {

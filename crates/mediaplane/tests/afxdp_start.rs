@@ -93,3 +93,50 @@ fn afxdp_forwards_on_a_host_that_does_not_forward() {
     assert_eq!((extra["xsk_redirected"].as_u64(), extra["afxdp_tx_frames"].as_u64()), (Some(20), Some(20)), "all by AF_XDP: {extra}");
     assert_eq!(extra["afxdp_rx_spoofed"].as_u64(), Some(0), "{extra}");
 }
+
+/// If the AF_XDP thread fails (here on purpose: MEDIAPLANE_AFXDP_FAIL_AFTER, debug builds), the
+/// media carries on by the plane's sockets: the thread's sockets close as it unwinds, their
+/// XSKMAP slots empty, and the XDP program passes the datagrams to the stack. Only what was on
+/// its rings then is lost; the failure is logged and shown (afxdp_thread_failed).
+#[test]
+fn a_failed_afxdp_thread_leaves_the_media_to_the_sockets() {
+    if !mediaplane_bench::require_root("a_failed_afxdp_thread_leaves_the_media_to_the_sockets") {
+        return;
+    }
+    let tb = Testbed::star(2).unwrap();
+    let dir = common::TempDir::new("afxdp-fail");
+    // No backtrace: printing one (as under RUST_BACKTRACE=1) keeps the failed thread's sockets,
+    // and what reaches them, for as long as it takes.
+    let env = [("MEDIAPLANE_AFXDP_FAIL_AFTER", "10"), ("RUST_BACKTRACE", "0")];
+    let s = NetnsServe::start_with_env(&tb, "afxdp", &dir.0.join("store.db"), &["--reset"], &env);
+    let sfu = |i: usize| std::net::SocketAddr::new(tb.peers[i].sfu_ip, 40000);
+    let peer = |i: usize| std::net::SocketAddr::new(tb.peers[i].ip, 5004);
+    s.api("POST", "/v1/rooms", Some(serde_json::json!({"id": "r"})));
+    for i in 0..2 {
+        s.api("POST", "/v1/rooms/r/participants", Some(serde_json::json!({"id": format!("p{i}"), "local": sfu(i), "remote": peer(i)})));
+    }
+    s.api("POST", "/v1/rooms/r/participants/p0/streams", Some(serde_json::json!({"name": "main"})));
+    s.api("POST", "/v1/rooms/r/participants/p1/subscriptions", Some(serde_json::json!({"publisher": "p0", "stream": "main"})));
+    let socks: Vec<std::net::UdpSocket> = (0..2).map(|i| tb.udp_socket(&tb.peers[i].ns, peer(i)).unwrap()).collect();
+    socks[1].send_to(b"", std::net::SocketAddr::new(tb.peers[1].sfu_ip, 9)).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    const SENT: u16 = 40;
+    for seq in 0..SENT {
+        socks[0].send_to(&mediaplane_core::rtp::build_rtp(0, seq, 0, 42, &[seq as u8; 160]), sfu(0)).unwrap();
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::thread::sleep(Duration::from_millis(300));
+    socks[1].set_nonblocking(true).unwrap();
+    let mut buf = [0u8; 2048];
+    let mut got = 0u16;
+    while socks[1].recv_from(&mut buf).is_ok() {
+        got += 1;
+    }
+    let stats = s.api("GET", "/v1/stats", None);
+    let extra = &stats["extra"];
+    assert_eq!(extra["afxdp_thread_failed"], 1, "{extra}");
+    assert!(s.api("GET", "/health", None).is_object(), "the daemon is up");
+    // Ten went by AF_XDP; the eleventh was on the ring as the thread failed; the rest by the sockets.
+    assert!(got >= SENT - 1, "{got} of {SENT} reached the subscriber after the AF_XDP thread failed: {extra}");
+    assert_eq!(extra["afxdp_tx_frames"], 10, "{extra}");
+}

@@ -24,6 +24,15 @@ impl<'t> NetnsServe<'t> {
         Self::spawn(tb, cmd, API)
     }
 
+    /// [`NetnsServe::start`] with more of the daemon's environment (its own, not this process's:
+    /// tests of one binary run side by side).
+    pub fn start_with_env(tb: &'t Testbed, plane: &str, store: &std::path::Path, extra: &[&str], env: &[(&str, &str)]) -> NetnsServe<'t> {
+        let mut cmd = tb.command(&tb.sfu_ns, env!("CARGO_BIN_EXE_mediaplane"));
+        Self::args(&mut cmd, tb, plane, store, API, extra);
+        cmd.envs(env.iter().copied());
+        Self::spawn(tb, cmd, API)
+    }
+
     /// [`NetnsServe::start`] with its API on `listen`.
     pub fn start_on(tb: &'t Testbed, listen: &str, plane: &str, store: &std::path::Path, extra: &[&str]) -> NetnsServe<'t> {
         let mut cmd = tb.command(&tb.sfu_ns, env!("CARGO_BIN_EXE_mediaplane"));
