@@ -50,7 +50,7 @@ lint: deps
 # for simulcast layers, core's per-consumer rewriter) over BPF_FUZZ_FRAMES
 # random and mutated frames (`make test` runs 10000 of them in cargo test); a failure prints its
 # seed, MEDIAPLANE_FUZZ_SEED=<seed> replays it.
-FUZZ_TARGETS := frame rtp_rtcp classify api_json bencode sdp stun whip_offer dtls_record srtp_input fragments
+FUZZ_TARGETS := frame rtp_rtcp classify api_json bencode sdp stun whip_offer dtls_record srtp_input fragments rtsp
 FUZZ_SECONDS ?= 300
 BPF_FUZZ_FRAMES ?= 500000
 fuzz-smoke:

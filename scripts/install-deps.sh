@@ -12,6 +12,8 @@ packages=(
   make libssl-dev                                                  # SRTP: the srtp crate builds libsrtp against OpenSSL
   openssl                                                          # DTLS interop: s_server / s_client as the independent DTLS-SRTP peer
   gstreamer1.0-tools gstreamer1.0-plugins-base gstreamer1.0-plugins-good gstreamer1.0-plugins-bad  # SDES interop peer (srtpenc/srtpdec)
+  gstreamer1.0-rtsp gir1.2-gst-rtsp-server-1.0 python3-gi        # RTSP interop: gst-rtsp-server as the camera (tests/peers/camera.py)
+  ffmpeg                                                           # RTSP interop: the viewers
   chromium                                                         # WebRTC interop: a real browser (headless, fake media) calls through the relay
   prometheus                                                       # promtool: the /metrics test lints the exposition
   redis-server                                                     # the Redis store's tests run a real Redis (7.x)

@@ -21,6 +21,43 @@ pub struct Config {
     pub limits: Limits,
     pub ng: NgSection,
     pub metrics: MetricsSection,
+    pub rtsp: RtspSection,
+}
+
+/// The RTSP proxy: cameras and media servers pulled once, watched by many viewers.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(default, deny_unknown_fields)]
+pub struct RtspSection {
+    /// TCP address of the RTSP server; none = no RTSP proxy.
+    pub listen: Option<SocketAddr>,
+    /// A viewer's session ends this long after its last request (RFC 2326 §12.37; clients
+    /// keep it alive with GET_PARAMETER or OPTIONS).
+    pub session_timeout_secs: u64,
+    /// The paths served: `rtsp://<listen>/<name>` is `source` pulled once.
+    pub paths: Vec<RtspPath>,
+}
+
+impl Default for RtspSection {
+    fn default() -> Self {
+        RtspSection { listen: None, session_timeout_secs: 60, paths: Vec::new() }
+    }
+}
+
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct RtspPath {
+    /// Letters, digits, '-', '_' or '.': the URL path viewers ask for.
+    pub name: String,
+    /// The upstream: `rtsp://host[:port]/path` (a camera, another server).
+    pub source: String,
+}
+
+impl RtspPath {
+    /// `name=rtsp://...`, as `--rtsp-path` takes it.
+    pub fn parse_arg(s: &str) -> Result<RtspPath, String> {
+        let (name, source) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected name=rtsp://host/path"))?;
+        Ok(RtspPath { name: name.to_string(), source: source.to_string() })
+    }
 }
 
 /// What `/metrics` exports beyond the per-plane totals.
@@ -517,6 +554,22 @@ impl Config {
             if !ng.ip().is_loopback() && self.ng.allow.is_empty() {
                 return Err(format!("ng.listen {ng} is not loopback: set ng.allow to the SIP servers that may send commands"));
             }
+        }
+        let mut names = std::collections::BTreeSet::new();
+        for p in &self.rtsp.paths {
+            // It becomes part of a room id (`rtsp.<name>`), so the same characters.
+            if p.name.is_empty() || p.name.len() > 48 || !p.name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
+                return Err(format!("rtsp.paths: name {:?} must be 1-48 letters, digits, '-', '_' or '.'", p.name));
+            }
+            if !names.insert(p.name.as_str()) {
+                return Err(format!("rtsp.paths: {:?} is declared twice", p.name));
+            }
+            if !p.source.starts_with("rtsp://") {
+                return Err(format!("rtsp.paths: {:?}: source {:?} must be an rtsp:// URL", p.name, p.source));
+            }
+        }
+        if self.rtsp.session_timeout_secs == 0 {
+            return Err("rtsp.session_timeout_secs must be at least 1".into());
         }
         if let Some(id) = &self.ng.instance_id {
             // It becomes an SDP attribute value: one token.

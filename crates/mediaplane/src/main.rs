@@ -78,6 +78,13 @@ struct ServeArgs {
     /// UDP address (overrides ng.listen).
     #[arg(long)]
     ng_listen: Option<SocketAddr>,
+    /// RTSP proxy on this TCP address (overrides rtsp.listen).
+    #[arg(long)]
+    rtsp_listen: Option<SocketAddr>,
+    /// RTSP: serve an upstream as a path, `name=rtsp://host[:port]/path` (repeatable; added to
+    /// rtsp.paths).
+    #[arg(long = "rtsp-path", value_parser = mediaplane_control::config::RtspPath::parse_arg)]
+    rtsp_paths: Vec<mediaplane_control::config::RtspPath>,
     /// NG: delete calls whose media stopped for this many seconds (overrides ng.media_timeout_secs).
     #[arg(long)]
     ng_media_timeout: Option<u64>,
@@ -245,6 +252,10 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(l) = args.ng_listen {
         cfg.ng.listen = Some(l);
     }
+    if let Some(l) = args.rtsp_listen {
+        cfg.rtsp.listen = Some(l);
+    }
+    cfg.rtsp.paths.extend(args.rtsp_paths.iter().cloned());
     if let Some(t) = args.ng_media_timeout {
         cfg.ng.media_timeout_secs = t;
     }
@@ -273,13 +284,27 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         recording_dir: cfg.ng.recording_dir.clone(),
         instance_id: cfg.ng.instance_id.clone(),
     };
+    let rtsp = match cfg.rtsp.listen {
+        Some(listen) => Some(rt.block_on(tokio::net::TcpListener::bind(listen)).with_context(|| format!("binding RTSP on {listen}"))?),
+        None => None,
+    };
+    let rtsp_cfg = cfg.rtsp.clone();
     let api_listen = cfg.api.listen;
     rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager, metrics| {
         if let Some(socket) = ng {
             tracing::info!(listen = %ng_cfg.listen, "NG protocol listening");
+            let manager = manager.clone();
             tokio::spawn(async move {
                 if let Err(e) = mediaplane_ng::serve_ng(socket, manager, ng_cfg, metrics.ng.clone()).await {
                     tracing::error!(error = %e, "NG listener stopped");
+                }
+            });
+        }
+        if let Some(listener) = rtsp {
+            tracing::info!(listen = ?listener.local_addr().ok(), paths = rtsp_cfg.paths.len(), "RTSP proxy listening");
+            tokio::spawn(async move {
+                if let Err(e) = mediaplane_rtsp::serve_rtsp(listener, manager, rtsp_cfg).await {
+                    tracing::error!(error = format!("{e:#}"), "RTSP proxy stopped");
                 }
             });
         }

@@ -1,0 +1,321 @@
+//! Interop, the RTSP proxy (issue 43): GStreamer's RTSP server (gst-rtsp-server through
+//! Python's GObject bindings, Debian's `gir1.2-gst-rtsp-server-1.0`) is the camera, H.264 video
+//! and Opus audio; `mediaplane serve --rtsp-path cam=...` pulls it once; ffmpeg viewers (UDP)
+//! watch it through the proxy while one ffmpeg watches the camera directly as the anchor.
+//!
+//! On loopback with the socket plane. The peers are installed by `make deps`; a missing one is a
+//! failure, not a skip.
+
+mod common;
+
+use common::netns::NetnsServe;
+use common::{free_port, Daemon, TempDir};
+use mediaplane_bench::netns::Testbed;
+use mediaplane_bench::process::Supervised;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::net::TcpStream;
+use std::process::{Command, Stdio};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+const CAMERA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../rtsp/tests/peers/camera.py");
+const FPS: u32 = 25;
+
+/// The camera: its process and the lines it printed (`ready`, `client <n>`).
+struct Camera {
+    _proc: Supervised,
+    lines: Arc<Mutex<Vec<String>>>,
+    url: String,
+}
+
+impl Camera {
+    fn start() -> Camera {
+        Camera::start_with(Command::new("/usr/bin/python3"), "127.0.0.1")
+    }
+
+    /// The camera run by `python3` (a command that may enter a namespace first) on `address`.
+    fn start_with(mut cmd: Command, address: &str) -> Camera {
+        let port = free_port();
+        cmd.args([CAMERA, &port.to_string(), &FPS.to_string(), address]).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        let mut proc = Supervised::spawn("camera (gst-rtsp-server)", &mut cmd).expect("python3 with gst-rtsp-server (make deps installs it)");
+        let out = proc.child_mut().stdout.take().unwrap();
+        let lines = Arc::new(Mutex::new(Vec::new()));
+        let sink = lines.clone();
+        std::thread::spawn(move || {
+            for l in BufReader::new(out).lines().map_while(Result::ok) {
+                sink.lock().unwrap().push(l);
+            }
+        });
+        let deadline = Instant::now() + Duration::from_secs(15);
+        while !lines.lock().unwrap().iter().any(|l| l == "ready") {
+            assert!(Instant::now() < deadline, "the camera did not start");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Camera { _proc: proc, lines, url: format!("rtsp://{address}:{port}/cam") }
+    }
+
+    /// RTSP connections the camera accepted.
+    fn clients(&self) -> usize {
+        self.lines.lock().unwrap().iter().filter(|l| l.starts_with("client ")).count()
+    }
+}
+
+/// An ffmpeg viewer decoding `secs` of the video over UDP; `frames()` when it is done.
+struct Viewer {
+    proc: Supervised,
+    url: String,
+}
+
+impl Viewer {
+    fn start(url: &str, secs: u32) -> Viewer {
+        Viewer::start_with(Command::new("ffmpeg"), url, secs)
+    }
+
+    fn start_with(mut cmd: Command, url: &str, secs: u32) -> Viewer {
+        cmd.args(["-nostdin", "-loglevel", "error", "-rtsp_transport", "udp", "-i", url, "-t", &secs.to_string()])
+            .args(["-map", "0:v", "-f", "null", "-progress", "pipe:1", "-"])
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        Viewer { proc: Supervised::spawn("ffmpeg viewer", &mut cmd).expect("ffmpeg (make deps installs it)"), url: url.to_string() }
+    }
+
+    /// Frames decoded, and what ffmpeg said on stderr.
+    fn frames(mut self, within: Duration) -> (u64, String) {
+        let status = self.proc.wait_timeout(within).unwrap().unwrap_or_else(|| panic!("ffmpeg on {} did not finish in {within:?}", self.url));
+        let (mut out, mut err) = (String::new(), String::new());
+        self.proc.child_mut().stdout.take().unwrap().read_to_string(&mut out).unwrap();
+        self.proc.child_mut().stderr.take().unwrap().read_to_string(&mut err).unwrap();
+        assert!(status.success(), "ffmpeg on {} failed ({status}): {err}", self.url);
+        let frames = out.lines().filter_map(|l| l.strip_prefix("frame=")).filter_map(|v| v.trim().parse().ok()).max().unwrap_or(0);
+        (frames, err)
+    }
+}
+
+/// The daemon, its media on loopback address `media_ip` (one per test: the tests run side by side
+/// and each daemon allocates the same ports), proxying the camera as `cam`.
+fn serve(tmp: &TempDir, camera: &Camera, media_ip: &str) -> (Daemon, String) {
+    serve_with(tmp, camera, media_ip, "")
+}
+
+/// [`serve`] with more of the config file.
+fn serve_with(tmp: &TempDir, camera: &Camera, media_ip: &str, config: &str) -> (Daemon, String) {
+    let rtsp = format!("127.0.0.1:{}", free_port());
+    let path = format!("cam={}", camera.url);
+    let cfg = tmp.0.join("mediaplane.toml");
+    std::fs::write(&cfg, format!("[media]\nip = \"{media_ip}\"\n{config}")).unwrap();
+    let d = Daemon::start(&tmp.0.join("store.db"), &["--config", cfg.to_str().unwrap(), "--rtsp-listen", &rtsp, "--rtsp-path", &path]);
+    (d, format!("rtsp://{rtsp}/cam"))
+}
+
+/// One raw request on a fresh connection, and the status line and body of the answer.
+fn raw(addr: &str, request: &[u8]) -> String {
+    let mut s = TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    s.write_all(request).unwrap();
+    let mut out = Vec::new();
+    let mut buf = [0u8; 4096];
+    // Until the server closes or a complete answer arrived.
+    while let Ok(n) = s.read(&mut buf) {
+        if n == 0 {
+            break;
+        }
+        out.extend_from_slice(&buf[..n]);
+        if let Ok(Some(_)) = mediaplane_rtsp::message::decode(&out) {
+            break;
+        }
+    }
+    String::from_utf8_lossy(&out).into_owned()
+}
+
+#[test]
+fn one_pull_from_the_camera_many_udp_viewers() {
+    const VIEWERS: usize = 4;
+    const SECS: u32 = 5;
+    let tmp = TempDir::new("rtsp-fanout");
+    let camera = Camera::start();
+    let (d, url) = serve(&tmp, &camera, "127.43.0.1");
+    let started = Instant::now();
+    while camera.clients() < 1 {
+        assert!(started.elapsed() < Duration::from_secs(10), "the proxy did not pull the camera");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let viewers: Vec<Viewer> = (0..VIEWERS).map(|_| Viewer::start(&url, SECS)).collect();
+    let anchor = Viewer::start(&camera.url, SECS);
+
+    // While they play: the room holds the camera's two tracks and every viewer's two (the
+    // viewers start side by side with other tests: polled until all are in).
+    let deadline = Instant::now() + Duration::from_secs(SECS as u64);
+    let room = loop {
+        let (status, room) = d.call("GET", "/v1/rooms/rtsp.cam", None);
+        assert_eq!(status, 200, "{room}");
+        let participants = room["participants"].as_object().unwrap();
+        let subscribed = participants.values().filter(|p| p["subscriptions"].as_array().is_some_and(|s| !s.is_empty())).count();
+        if subscribed == VIEWERS * 2 || Instant::now() > deadline {
+            break room;
+        }
+        std::thread::sleep(Duration::from_millis(100));
+    };
+    let participants = room["participants"].as_object().unwrap();
+    assert!(participants.contains_key("source-0") && participants.contains_key("source-1"), "{room}");
+    let subscribed = participants.values().filter(|p| p["subscriptions"].as_array().is_some_and(|s| !s.is_empty())).count();
+    assert_eq!(subscribed, VIEWERS * 2, "every viewer's video and audio consume the camera's: {room}");
+
+    let wait = Duration::from_secs(SECS as u64 + 20);
+    let (anchor_frames, _) = anchor.frames(wait);
+    let frames: Vec<(u64, String)> = viewers.into_iter().map(|v| v.frames(wait)).collect();
+    eprintln!("frames decoded: direct {anchor_frames}, through the proxy {:?}", frames.iter().map(|f| f.0).collect::<Vec<_>>());
+    assert!(anchor_frames >= (SECS * FPS / 2) as u64, "the anchor decoded {anchor_frames} frames: the camera is not working");
+    for (f, err) in &frames {
+        assert!(*f + 5 >= anchor_frames, "a viewer through the proxy decoded {f} frames, the direct one {anchor_frames}; ffmpeg said: {err}");
+    }
+    // The camera saw the proxy's one session and the anchor, never a viewer.
+    assert_eq!(camera.clients(), 2, "camera lines: {:?}", camera.lines.lock().unwrap());
+
+    // Every viewer sent TEARDOWN: only the camera's sources are left.
+    let (_, room) = d.call("GET", "/v1/rooms/rtsp.cam", None);
+    let left: Vec<&String> = room["participants"].as_object().unwrap().keys().collect();
+    assert_eq!(left, vec!["source-0", "source-1"], "{room}");
+}
+
+#[test]
+fn bad_requests_get_an_answer_and_the_server_carries_on() {
+    let tmp = TempDir::new("rtsp-bad");
+    let camera = Camera::start();
+    let (_d, url) = serve(&tmp, &camera, "127.43.0.2");
+    let addr = url.trim_start_matches("rtsp://").trim_end_matches("/cam").to_string();
+
+    let garbage = raw(&addr, b"\x16\x03\x01 not rtsp at all\r\n\r\n");
+    assert!(garbage.starts_with("RTSP/1.0 400 "), "{garbage}");
+    let huge = raw(&addr, &vec![b'A'; 20_000]);
+    assert!(huge.starts_with("RTSP/1.0 400 "), "{huge}");
+    let unknown = raw(&addr, format!("DESCRIBE rtsp://{addr}/nope RTSP/1.0\r\nCSeq: 1\r\n\r\n").as_bytes());
+    assert!(unknown.starts_with("RTSP/1.0 404 ") && unknown.contains("CSeq: 1"), "{unknown}");
+    let tcp = raw(&addr, format!("SETUP {url}/trackID=0 RTSP/1.0\r\nCSeq: 2\r\nTransport: RTP/AVP/TCP;unicast;interleaved=0-1\r\n\r\n").as_bytes());
+    assert!(tcp.starts_with("RTSP/1.0 461 "), "{tcp}");
+    let elsewhere = raw(
+        &addr,
+        format!("SETUP {url}/trackID=0 RTSP/1.0\r\nCSeq: 3\r\nTransport: RTP/AVP;unicast;destination=192.0.2.1;client_port=5000-5001\r\n\r\n").as_bytes(),
+    );
+    assert!(elsewhere.starts_with("RTSP/1.0 403 "), "a viewer may not send the camera to a third address: {elsewhere}");
+    let no_session = raw(&addr, format!("PLAY {url} RTSP/1.0\r\nCSeq: 4\r\nSession: 0123456789abcdef\r\n\r\n").as_bytes());
+    assert!(no_session.starts_with("RTSP/1.0 454 "), "{no_session}");
+    let options = raw(&addr, format!("OPTIONS {url} RTSP/1.0\r\nCSeq: 5\r\n\r\n").as_bytes());
+    assert!(options.starts_with("RTSP/1.0 200 ") && options.contains("Public: OPTIONS, DESCRIBE, SETUP"), "{options}");
+
+    // And a real viewer still plays.
+    let (frames, err) = Viewer::start(&url, 2).frames(Duration::from_secs(20));
+    assert!(frames > 0, "after the bad requests a viewer decoded nothing: {err}");
+}
+
+/// A viewer that vanishes without TEARDOWN (killed) loses its session after
+/// `rtsp.session_timeout_secs`, and the camera's copies to it stop; one that keeps the session
+/// alive with GET_PARAMETER keeps it.
+#[test]
+fn a_silent_viewer_times_out() {
+    let tmp = TempDir::new("rtsp-timeout");
+    let camera = Camera::start();
+    let (d, url) = serve_with(&tmp, &camera, "127.43.0.3", "[rtsp]\nsession_timeout_secs = 2\n");
+    let viewers = |d: &Daemon| {
+        let (_, room) = d.call("GET", "/v1/rooms/rtsp.cam", None);
+        room["participants"].as_object().map(|p| p.keys().filter(|k| k.starts_with('v')).count()).unwrap_or(0)
+    };
+    let addr = url.trim_start_matches("rtsp://").trim_end_matches("/cam").to_string();
+    // A hand-made session that keeps itself alive for 4 s, then goes silent.
+    let mut s = TcpStream::connect(&addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut ask = |req: String| {
+        s.write_all(req.as_bytes()).unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 4096];
+        loop {
+            if let Ok(Some((mediaplane_rtsp::message::Message::Response(r), _))) = mediaplane_rtsp::message::decode(&buf) {
+                return r;
+            }
+            let n = s.read(&mut chunk).unwrap();
+            assert!(n > 0, "the server closed the connection");
+            buf.extend_from_slice(&chunk[..n]);
+        }
+    };
+    let port = free_port();
+    let setup = ask(format!("SETUP {url}/trackID=0 RTSP/1.0\r\nCSeq: 1\r\nTransport: RTP/AVP;unicast;client_port={port}-{}\r\n\r\n", port + 1));
+    assert_eq!(setup.status, 200, "{setup:?}");
+    let session = setup.headers.session().unwrap().to_string();
+    assert!(setup.headers.get("Session").unwrap().ends_with(";timeout=2"), "{setup:?}");
+    let play = ask(format!("PLAY {url} RTSP/1.0\r\nCSeq: 2\r\nSession: {session}\r\n\r\n"));
+    assert_eq!(play.status, 200, "{play:?}");
+    for cseq in 3..7 {
+        std::thread::sleep(Duration::from_secs(1));
+        let alive = ask(format!("GET_PARAMETER {url} RTSP/1.0\r\nCSeq: {cseq}\r\nSession: {session}\r\n\r\n"));
+        assert_eq!(alive.status, 200, "kept alive, the session lasts beyond its timeout: {alive:?}");
+    }
+    assert_eq!(viewers(&d), 1);
+    // Silent from here on: gone within the timeout and the reaper's second.
+    std::thread::sleep(Duration::from_millis(3500));
+    assert_eq!(viewers(&d), 0, "a silent session outlived its timeout");
+    let late = ask(format!("GET_PARAMETER {url} RTSP/1.0\r\nCSeq: 9\r\nSession: {session}\r\n\r\n"));
+    assert_eq!(late.status, 454, "{late:?}");
+}
+
+/// Camera, SFU and viewers in network namespaces of their own, on every data plane: the camera
+/// in p0, the viewers (and the anchor, routed through the SFU namespace by its stack) in p1.
+/// On the eBPF planes the viewers' copies are made by the kernel: its forwarded counter covers
+/// them, and no camera packet goes up to the daemon once the path is playing.
+#[test]
+fn viewers_in_a_namespace_on_every_plane() {
+    if !mediaplane_bench::require_root("interop_rtsp::viewers_in_a_namespace_on_every_plane") {
+        return;
+    }
+    const VIEWERS: usize = 3;
+    const SECS: u32 = 5;
+    for plane in common::planes() {
+        let tb = Testbed::star(2).unwrap();
+        let (cam_ns, view_ns) = (&tb.peers[0], &tb.peers[1]);
+        let tmp = TempDir::new(&format!("rtsp-ns-{plane}"));
+        let camera = Camera::start_with(tb.command(&cam_ns.ns, "/usr/bin/python3"), &cam_ns.ip.to_string());
+        let cfg = tmp.0.join("mediaplane.toml");
+        std::fs::write(&cfg, format!("[media]\nip = \"{}\"\n", cam_ns.sfu_ip)).unwrap();
+        let rtsp = format!("{}:8554", cam_ns.sfu_ip);
+        let path = format!("cam={}", camera.url);
+        let serve = NetnsServe::start(&tb, &plane, &tmp.0.join("store.db"), &["--config", cfg.to_str().unwrap(), "--rtsp-listen", &rtsp, "--rtsp-path", &path]);
+        let started = Instant::now();
+        while camera.clients() < 1 {
+            assert!(started.elapsed() < Duration::from_secs(10), "{plane}: the proxy did not pull the camera");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        // The path plays before the viewers come: what reaches the daemon from now on is counted.
+        std::thread::sleep(Duration::from_secs(1));
+        let before = serve.api("GET", "/v1/stats", None);
+        let url = format!("rtsp://{rtsp}/cam");
+        let viewers: Vec<Viewer> = (0..VIEWERS).map(|_| Viewer::start_with(tb.command(&view_ns.ns, "ffmpeg"), &url, SECS)).collect();
+        let anchor = Viewer::start_with(tb.command(&view_ns.ns, "ffmpeg"), &camera.url, SECS);
+        let wait = Duration::from_secs(SECS as u64 + 20);
+        let (anchor_frames, _) = anchor.frames(wait);
+        let frames: Vec<(u64, String)> = viewers.into_iter().map(|v| v.frames(wait)).collect();
+        let after = serve.api("GET", "/v1/stats", None);
+        let delta = |path: &[&str]| {
+            let get = |v: &serde_json::Value| path.iter().fold(v, |v, k| &v[*k]).as_u64().unwrap_or(0);
+            get(&after) - get(&before)
+        };
+        eprintln!(
+            "{plane}: frames direct {anchor_frames}, through the proxy {:?}; copies {} (kernel-forwarded {}), camera packets in {}",
+            frames.iter().map(|f| f.0).collect::<Vec<_>>(),
+            delta(&["total", "tx_copies"]),
+            delta(&["extra", "forwarded"]),
+            delta(&["total", "rx_packets"]),
+        );
+        assert!(anchor_frames >= (SECS * FPS / 2) as u64, "{plane}: the anchor decoded {anchor_frames} frames: the camera is not working");
+        for (f, err) in &frames {
+            assert!(*f + 5 >= anchor_frames, "{plane}: a viewer through the proxy decoded {f} frames, the direct one {anchor_frames}; ffmpeg said: {err}");
+        }
+        assert_eq!(camera.clients(), 2, "{plane}: camera lines: {:?}", camera.lines.lock().unwrap());
+        if !common::copies_in_user_space(&plane) {
+            // The seed's claim: every camera packet was copied to the viewers by the kernel.
+            assert!(delta(&["total", "rx_packets"]) > 0, "{plane}: {after}");
+            assert_eq!(
+                delta(&["extra", "forwarded"]),
+                delta(&["total", "rx_packets"]),
+                "{plane}: not every camera packet was forwarded by the kernel: {after}"
+            );
+        }
+    }
+}

@@ -1,0 +1,257 @@
+//! Pulling a path's upstream: DESCRIBE, SETUP of every track over UDP to ports of the SFU, PLAY,
+//! then keep-alives while its media flows; reconnect with backoff when it fails or goes quiet.
+//!
+//! Each track's sender becomes a publisher in the path's room (participant `source-<i>`, local =
+//! the `client_port` given upstream, remote = the upstream's `server_port`), so only the
+//! camera's address may inject into it (the forwarding model's source check).
+
+use crate::describe::{control_url, Presentation};
+use crate::message::{decode, Message, Request, Response};
+use crate::server::{ensure_room, subscribe_viewers, Live, PathState};
+use crate::transport::TransportSpec;
+use crate::{room_of, source_of, RtspProxy, STREAM};
+use anyhow::{anyhow, bail, Context};
+use mediaplane_control::manager::allocate_local;
+use mediaplane_control::store::Change;
+use mediaplane_core::model::StreamSpec;
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+const REQUEST_TIMEOUT: Duration = Duration::from_secs(5);
+/// An upstream whose tracks all stay silent this long is reconnected (a camera that restarted
+/// behind a connection that did not close, a session it dropped).
+const MEDIA_TIMEOUT: Duration = Duration::from_secs(5);
+const BACKOFF_FIRST: Duration = Duration::from_millis(500);
+const BACKOFF_MAX: Duration = Duration::from_secs(30);
+const USER_AGENT: &str = concat!("mediaplane/", env!("CARGO_PKG_VERSION"));
+
+/// Pull `path` for as long as the process runs.
+pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
+    let mut backoff = BACKOFF_FIRST;
+    loop {
+        let started = Instant::now();
+        let result = pull_once(&proxy, &path).await;
+        path.live.send_replace(None);
+        if let Err(e) = release_sources(&proxy, &path.name).await {
+            tracing::warn!(path = %path.name, error = %e, "removing the upstream's sources failed");
+        }
+        match result {
+            Ok(()) => tracing::info!(path = %path.name, "upstream ended"),
+            Err(e) => tracing::warn!(path = %path.name, source = %path.source, error = format!("{e:#}"), "upstream lost"),
+        }
+        // A session that ran for a while starts the backoff again.
+        if started.elapsed() > BACKOFF_MAX {
+            backoff = BACKOFF_FIRST;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(BACKOFF_MAX);
+    }
+}
+
+async fn pull_once(proxy: &RtspProxy, path: &PathState) -> anyhow::Result<()> {
+    let url = &path.source;
+    let host = url.host_str().ok_or_else(|| anyhow!("{url} has no host"))?;
+    let port = url.port().unwrap_or(554);
+    let media = proxy.manager.media_config().clone();
+    let tcp = tokio::time::timeout(REQUEST_TIMEOUT, connect_from(media.ip, host, port)).await.context("connecting")??;
+    let peer = tcp.peer_addr()?;
+    let mut c = Client { tcp, buf: Vec::new(), cseq: 0, session: None };
+
+    let r = c.request("DESCRIBE", url.as_str(), &[("Accept", "application/sdp")]).await?;
+    if r.status != 200 {
+        bail!("DESCRIBE answered {} {}", r.status, r.reason);
+    }
+    let presentation = Presentation::parse(&r.body).context("upstream SDP")?;
+    let base = r.headers.get("Content-Base").or(r.headers.get("Content-Location")).and_then(|b| url::Url::parse(b).ok()).unwrap_or_else(|| url.clone());
+
+    // Ports for every track, then SETUP each to them.
+    let locals = proxy.manager.read(|model, _| {
+        let mut picked: Vec<SocketAddr> = Vec::new();
+        for _ in &presentation.tracks {
+            picked.push(allocate_local(model, &media, &picked)?);
+        }
+        Ok::<_, mediaplane_control::manager::ManagerError>(picked)
+    })?;
+    let mut remotes = Vec::new();
+    for (track, local) in presentation.tracks.iter().zip(&locals) {
+        let at = control_url(&base, track.control.as_deref()).ok_or_else(|| anyhow!("bad control URL {:?}", track.control))?;
+        let ask = TransportSpec::udp((local.port(), local.port() + 1)).to_header();
+        let r = c.request("SETUP", at.as_str(), &[("Transport", ask.as_str())]).await?;
+        if r.status != 200 {
+            bail!("SETUP {at} answered {} {}", r.status, r.reason);
+        }
+        let t = TransportSpec::parse(r.headers.get("Transport").unwrap_or("")).context("SETUP answer's Transport")?;
+        let (server_rtp, _) = t.server_port.ok_or_else(|| anyhow!("SETUP {at}: no server_port in the answer"))?;
+        remotes.push(SocketAddr::new(peer.ip(), server_rtp));
+        if c.session.is_none() {
+            c.session = r.headers.session().map(String::from);
+        }
+    }
+
+    // The sources go into the model before PLAY, so the first packet finds them.
+    let room = room_of(&path.name);
+    let viewers = proxy.playing_viewers(&path.name);
+    let rates: Vec<Option<u32>> = presentation.tracks.iter().map(|t| t.clock_rate).collect();
+    let stream_uids = proxy
+        .blocking(move |model, _| {
+            ensure_room(model, &room)?;
+            let mut uids = Vec::new();
+            for (i, (local, remote)) in locals.iter().zip(&remotes).enumerate() {
+                let pid = source_of(i);
+                if model.room(&room)?.participants.contains_key(&pid) {
+                    model.remove_participant(&room, &pid)?;
+                }
+                model.add_participant(&room, &pid, *local, *remote)?;
+                uids.push(model.publish(&room, &pid, STREAM, StreamSpec { clock_rate: rates[i], ..StreamSpec::default() })?);
+            }
+            subscribe_viewers(model, &room, &viewers)?;
+            Ok((uids, vec![Change::Room(room)]))
+        })
+        .await?;
+
+    let r = c.request("PLAY", base.as_str(), &[("Range", "npt=0.000-")]).await?;
+    if r.status != 200 {
+        bail!("PLAY answered {} {}", r.status, r.reason);
+    }
+    tracing::info!(path = %path.name, source = %url, tracks = stream_uids.len(), "upstream playing");
+    let keepalive = r.headers.get("Session").and_then(session_timeout).unwrap_or(60).clamp(2, 600) / 2;
+    path.live.send_replace(Some(Arc::new(Live { presentation, stream_uids: stream_uids.clone() })));
+    let result = c.keep_alive(proxy, &base, Duration::from_secs(keepalive), &stream_uids).await;
+    if c.session.is_some() {
+        // Best effort: the upstream times the session out anyway.
+        let _ = tokio::time::timeout(Duration::from_millis(500), c.send("TEARDOWN", base.as_str(), &[])).await;
+    }
+    result
+}
+
+/// A connection to the upstream from the media address: an RTSP server sends UDP media to the
+/// address the connection came from, which must be the one the SFU's ports are on.
+async fn connect_from(ip: std::net::IpAddr, host: &str, port: u16) -> anyhow::Result<TcpStream> {
+    let mut last = None;
+    for to in tokio::net::lookup_host((host, port)).await?.filter(|a| a.is_ipv4() == ip.is_ipv4()) {
+        let socket = if ip.is_ipv4() { tokio::net::TcpSocket::new_v4()? } else { tokio::net::TcpSocket::new_v6()? };
+        socket.bind(SocketAddr::new(ip, 0))?;
+        match socket.connect(to).await {
+            Ok(s) => return Ok(s),
+            Err(e) => last = Some(e),
+        }
+    }
+    Err(last.map(Into::into).unwrap_or_else(|| anyhow!("{host} has no address of the media address's family ({ip})")))
+}
+
+async fn release_sources(proxy: &RtspProxy, path: &str) -> Result<(), mediaplane_control::manager::ManagerError> {
+    let room = room_of(path);
+    proxy
+        .blocking(move |model, _| {
+            let Ok(r) = model.room(&room) else { return Ok(((), vec![])) };
+            let sources: Vec<String> = r.participants.keys().filter(|p| p.starts_with("source-")).cloned().collect();
+            for pid in &sources {
+                model.remove_participant(&room, pid)?;
+            }
+            Ok(((), vec![Change::Room(room)]))
+        })
+        .await
+}
+
+/// `Session: id;timeout=N`'s N.
+fn session_timeout(v: &str) -> Option<u64> {
+    v.split(';').skip(1).find_map(|p| p.trim().strip_prefix("timeout=")).and_then(|t| t.trim().parse().ok())
+}
+
+struct Client {
+    tcp: TcpStream,
+    buf: Vec<u8>,
+    cseq: u32,
+    session: Option<String>,
+}
+
+impl Client {
+    async fn send(&mut self, method: &str, uri: &str, headers: &[(&str, &str)]) -> anyhow::Result<u32> {
+        self.cseq += 1;
+        let mut req = Request::new(method, uri, self.cseq);
+        req.headers.set("User-Agent", USER_AGENT);
+        for (n, v) in headers {
+            req.headers.set(n, *v);
+        }
+        if let Some(s) = &self.session {
+            req.headers.set("Session", s.clone());
+        }
+        self.tcp.write_all(&req.to_bytes()).await?;
+        Ok(self.cseq)
+    }
+
+    /// One request and its response (interleaved data and other messages in between are
+    /// skipped).
+    async fn request(&mut self, method: &str, uri: &str, headers: &[(&str, &str)]) -> anyhow::Result<Response> {
+        let cseq = self.send(method, uri, headers).await?;
+        let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
+        loop {
+            while let Some(msg) = self.next_message()? {
+                if let Message::Response(r) = msg {
+                    if r.headers.cseq() == Some(cseq) {
+                        return Ok(r);
+                    }
+                }
+            }
+            tokio::time::timeout_at(deadline, self.fill()).await.map_err(|_| anyhow!("{method}: no answer in {REQUEST_TIMEOUT:?}"))??;
+        }
+    }
+
+    fn next_message(&mut self) -> anyhow::Result<Option<Message>> {
+        match decode(&self.buf).context("upstream's RTSP framing")? {
+            Some((m, used)) => {
+                self.buf.drain(..used);
+                Ok(Some(m))
+            }
+            None => Ok(None),
+        }
+    }
+
+    async fn fill(&mut self) -> anyhow::Result<()> {
+        let mut chunk = [0u8; 4096];
+        let n = self.tcp.read(&mut chunk).await?;
+        if n == 0 {
+            bail!("the upstream closed the connection");
+        }
+        self.buf.extend_from_slice(&chunk[..n]);
+        Ok(())
+    }
+
+    /// Keep the upstream's session alive while its media arrives; return when the connection
+    /// closes, the framing breaks, or every track has been silent for [`MEDIA_TIMEOUT`].
+    async fn keep_alive(&mut self, proxy: &RtspProxy, base: &url::Url, every: Duration, uids: &[u32]) -> anyhow::Result<()> {
+        let mut keepalive = tokio::time::interval(every);
+        keepalive.tick().await;
+        let mut watchdog = tokio::time::interval(Duration::from_secs(1));
+        let (mut last_count, mut last_change) = (0u64, Instant::now());
+        let mut method = "GET_PARAMETER";
+        loop {
+            tokio::select! {
+                _ = keepalive.tick() => { self.send(method, base.as_str(), &[]).await?; }
+                r = self.fill() => {
+                    r?;
+                    while let Some(m) = self.next_message()? {
+                        if let Message::Response(r) = m {
+                            if matches!(r.status, 405 | 501) && method == "GET_PARAMETER" {
+                                // Servers without GET_PARAMETER take OPTIONS as a keep-alive.
+                                method = "OPTIONS";
+                            }
+                        }
+                    }
+                }
+                _ = watchdog.tick() => {
+                    let counters = proxy.manager.stream_counters(uids);
+                    let count: u64 = counters.values().map(|c| c.rx_packets).sum();
+                    if count != last_count {
+                        (last_count, last_change) = (count, Instant::now());
+                    } else if last_change.elapsed() > MEDIA_TIMEOUT {
+                        bail!("no media for {MEDIA_TIMEOUT:?}");
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,43 @@
+#!/usr/bin/python3
+"""A camera for the RTSP tests: GStreamer's RTSP server (gst-rtsp-server, Debian's
+gir1.2-gst-rtsp-server-1.0) serving H.264 video and Opus audio at rtsp://<address>:<port>/cam
+(usage: camera.py <port> [fps] [address, 127.0.0.1 by default]),
+one shared pipeline for every client. Prints `ready` when it listens, and `client <n>` each
+time a client connects, so a test can count the upstream sessions it saw."""
+import sys
+
+import gi
+
+gi.require_version("Gst", "1.0")
+gi.require_version("GstRtspServer", "1.0")
+from gi.repository import GLib, Gst, GstRtspServer  # noqa: E402
+
+port = sys.argv[1]
+fps = int(sys.argv[2]) if len(sys.argv) > 2 else 25
+address = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1"
+Gst.init(None)
+server = GstRtspServer.RTSPServer()
+server.set_address(address)
+server.set_service(port)
+factory = GstRtspServer.RTSPMediaFactory()
+factory.set_launch(
+    f"( videotestsrc is-live=true pattern=ball ! video/x-raw,width=320,height=240,framerate={fps}/1 "
+    f"! openh264enc gop-size={fps} ! h264parse config-interval=-1 ! rtph264pay name=pay0 pt=96 "
+    "audiotestsrc is-live=true ! audio/x-raw,rate=48000,channels=2 ! opusenc ! rtpopuspay name=pay1 pt=97 )"
+)
+factory.set_shared(True)
+server.get_mount_points().add_factory("/cam", factory)
+clients = 0
+
+
+def on_client(_server, _client):
+    global clients
+    clients += 1
+    print(f"client {clients}", flush=True)
+
+
+server.connect("client-connected", on_client)
+if server.attach(None) == 0:
+    sys.exit(f"cannot listen on {port}")
+print("ready", flush=True)
+GLib.MainLoop().run()
