@@ -1030,6 +1030,7 @@ async fn stats(State(m): State<AppState>, Extension(mx): Extension<Arc<Metrics>>
             "maps": st.maps,
             "memory": snap.memory,
             "ng": mx.ng.totals(),
+            "rtsp": mx.rtsp.totals(),
         });
         if let Some(c) = consumers {
             out["consumers"] = serde_json::to_value(c).unwrap();

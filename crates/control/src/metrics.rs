@@ -31,6 +31,7 @@ pub struct Metrics {
     registry: Registry,
     pub http: HttpMetrics,
     pub ng: NgMetrics,
+    pub rtsp: RtspMetrics,
     /// Consumers are listed in `/v1/stats` and have series here (`metrics.per_consumer`).
     pub per_consumer: bool,
 }
@@ -149,6 +150,94 @@ impl Default for NgMetrics {
     }
 }
 
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+struct PathLabels {
+    path: String,
+}
+
+/// The RTSP proxy's viewers and upstreams. Its media is counted where every room's is (the
+/// path's room `rtsp.<path>`); these are what only the proxy knows.
+#[derive(Clone, Debug, Default)]
+pub struct RtspMetrics {
+    sessions: Gauge,
+    sessions_ended: Family<ReasonLabels, Counter>,
+    upstream_playing: Family<PathLabels, Gauge>,
+    upstream_pulls: Family<PathLabels, Counter>,
+    tcp_dropped: Counter,
+    /// The paths declared (families cannot be listed), for the totals.
+    paths: Arc<parking_lot::Mutex<Vec<String>>>,
+}
+
+/// Why an RTSP viewer's session ended.
+#[derive(Debug, Clone, Copy)]
+pub enum RtspSessionEnd {
+    Teardown,
+    Timeout,
+    ConnectionClosed,
+}
+
+/// The RTSP proxy's totals, as `/v1/stats` shows them.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct RtspTotals {
+    pub sessions: u64,
+    pub sessions_ended: u64,
+    pub upstreams_playing: u64,
+    pub upstream_pulls: u64,
+    pub tcp_dropped: u64,
+}
+
+const RTSP_END_REASONS: [&str; 3] = ["teardown", "timeout", "connection_closed"];
+
+impl RtspMetrics {
+    /// Series for every configured path from the start.
+    pub fn declare_paths<'a>(&self, paths: impl Iterator<Item = &'a str>) {
+        for path in paths {
+            self.paths.lock().push(path.to_string());
+            let l = PathLabels { path: path.to_string() };
+            drop(self.upstream_playing.get_or_create(&l));
+            drop(self.upstream_pulls.get_or_create(&l));
+        }
+        for reason in RTSP_END_REASONS {
+            drop(self.sessions_ended.get_or_create(&ReasonLabels { reason }));
+        }
+    }
+
+    pub fn set_sessions(&self, n: usize) {
+        self.sessions.set(n as i64);
+    }
+
+    pub fn session_ended(&self, why: RtspSessionEnd) {
+        let reason = RTSP_END_REASONS[why as usize];
+        self.sessions_ended.get_or_create(&ReasonLabels { reason }).inc();
+    }
+
+    /// The path's upstream started playing (`true`) or was lost (`false`).
+    pub fn upstream(&self, path: &str, playing: bool) {
+        let l = PathLabels { path: path.to_string() };
+        self.upstream_playing.get_or_create(&l).set(playing as i64);
+        if playing {
+            self.upstream_pulls.get_or_create(&l).inc();
+        }
+    }
+
+    pub fn tcp_dropped(&self) {
+        self.tcp_dropped.inc();
+    }
+
+    pub fn totals(&self) -> RtspTotals {
+        let ended = RTSP_END_REASONS.iter().map(|&reason| self.sessions_ended.get(&ReasonLabels { reason }).map_or(0, |c| c.get())).sum();
+        RtspTotals { sessions: self.sessions.get().max(0) as u64, sessions_ended: ended, tcp_dropped: self.tcp_dropped.get(), ..self.path_totals() }
+    }
+
+    fn path_totals(&self) -> RtspTotals {
+        let paths = self.paths.lock();
+        let labels = paths.iter().map(|path| PathLabels { path: path.clone() });
+        let playing = labels.clone().map(|l| self.upstream_playing.get(&l).map_or(0, |g| g.get().max(0) as u64)).sum();
+        let pulls = labels.map(|l| self.upstream_pulls.get(&l).map_or(0, |c| c.get())).sum();
+        RtspTotals { upstreams_playing: playing, upstream_pulls: pulls, ..Default::default() }
+    }
+}
+
 /// What NG `statistics` reports from the registry.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
 pub struct NgTotals {
@@ -221,7 +310,7 @@ impl Metrics {
     /// The registry over `manager`'s data plane and model.
     pub fn new(manager: Arc<SessionManager>, cfg: &MetricsSection) -> Arc<Metrics> {
         let mut registry = Registry::default();
-        let (http, ng) = (HttpMetrics::default(), NgMetrics::default());
+        let (http, ng, rtsp) = (HttpMetrics::default(), NgMetrics::default(), RtspMetrics::default());
         registry.register("mediaplane_http_requests", "HTTP API requests by method, matched route and status", http.requests.clone());
         registry.register("mediaplane_http_request_duration_seconds", "HTTP API request latency by method and route", http.duration.clone());
         registry.register("mediaplane_ng_requests", "NG requests by command and result (ok or error)", ng.requests.clone());
@@ -230,8 +319,21 @@ impl Metrics {
         registry.register("mediaplane_ng_calls", "NG calls held", ng.calls.clone());
         registry.register("mediaplane_ng_calls_created", "NG calls created", ng.calls_created.clone());
         registry.register("mediaplane_ng_calls_ended", "NG calls ended, by reason (deleted or timeout)", ng.calls_ended.clone());
+        registry.register("mediaplane_rtsp_sessions", "RTSP viewer sessions held", rtsp.sessions.clone());
+        registry.register(
+            "mediaplane_rtsp_sessions_ended",
+            "RTSP viewer sessions ended, by reason (teardown, timeout, connection_closed)",
+            rtsp.sessions_ended.clone(),
+        );
+        registry.register("mediaplane_rtsp_upstream_playing", "1 while the path's upstream is pulled and playing", rtsp.upstream_playing.clone());
+        registry.register(
+            "mediaplane_rtsp_upstream_pulls",
+            "Times the path's upstream started playing (the first pull and every reconnection)",
+            rtsp.upstream_pulls.clone(),
+        );
+        registry.register("mediaplane_rtsp_tcp_dropped", "Interleaved RTP not queued to a TCP viewer that read too slowly", rtsp.tcp_dropped.clone());
         registry.register_collector(Box::new(DataplaneCollector { manager, per_stream: cfg.per_stream, per_consumer: cfg.per_consumer }));
-        Arc::new(Metrics { registry, http, ng, per_consumer: cfg.per_consumer })
+        Arc::new(Metrics { registry, http, ng, rtsp, per_consumer: cfg.per_consumer })
     }
 
     /// The OpenMetrics text exposition (what `prometheus-client` writes).

@@ -293,17 +293,18 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager, metrics| {
         if let Some(socket) = ng {
             tracing::info!(listen = %ng_cfg.listen, "NG protocol listening");
-            let manager = manager.clone();
+            let (manager, ng_metrics) = (manager.clone(), metrics.ng.clone());
             tokio::spawn(async move {
-                if let Err(e) = mediaplane_ng::serve_ng(socket, manager, ng_cfg, metrics.ng.clone()).await {
+                if let Err(e) = mediaplane_ng::serve_ng(socket, manager, ng_cfg, ng_metrics).await {
                     tracing::error!(error = %e, "NG listener stopped");
                 }
             });
         }
         if let Some(listener) = rtsp {
+            let rtsp_metrics = metrics.rtsp.clone();
             tracing::info!(listen = ?listener.local_addr().ok(), paths = rtsp_cfg.paths.len(), "RTSP proxy listening");
             tokio::spawn(async move {
-                if let Err(e) = mediaplane_rtsp::serve_rtsp(listener, manager, rtsp_cfg).await {
+                if let Err(e) = mediaplane_rtsp::serve_rtsp(listener, manager, rtsp_cfg, rtsp_metrics).await {
                     tracing::error!(error = format!("{e:#}"), "RTSP proxy stopped");
                 }
             });

@@ -34,9 +34,14 @@ impl Camera {
     }
 
     /// The camera run by `python3` (a command that may enter a namespace first) on `address`.
-    fn start_with(mut cmd: Command, address: &str) -> Camera {
+    fn start_with(cmd: Command, address: &str) -> Camera {
+        Camera::start_at_rate(cmd, address, None)
+    }
+
+    /// [`Camera::start_with`], its video at `bitrate` bit/s (a noisy picture) when given.
+    fn start_at_rate(mut cmd: Command, address: &str, bitrate: Option<u32>) -> Camera {
         let port = free_port();
-        cmd.args([CAMERA, &port.to_string(), &FPS.to_string(), address]).stdout(Stdio::piped()).stderr(Stdio::inherit());
+        cmd.args([CAMERA, &port.to_string(), &FPS.to_string(), address]).args(bitrate.map(|b| b.to_string())).stdout(Stdio::piped()).stderr(Stdio::inherit());
         let mut proc = Supervised::spawn("camera (gst-rtsp-server)", &mut cmd).expect("python3 with gst-rtsp-server (make deps installs it)");
         let out = proc.child_mut().stdout.take().unwrap();
         let lines = Arc::new(Mutex::new(Vec::new()));
@@ -60,10 +65,14 @@ impl Camera {
     }
 }
 
-/// An ffmpeg viewer decoding `secs` of the video over UDP; `frames()` when it is done.
+/// An ffmpeg viewer decoding `secs` of the video over UDP (or TCP, interleaved); `frames()`
+/// when it is done.
 struct Viewer {
     proc: Supervised,
     url: String,
+    /// Its stdout and stderr, read as they come (a full pipe would stall it).
+    out: std::thread::JoinHandle<String>,
+    err: std::thread::JoinHandle<String>,
 }
 
 impl Viewer {
@@ -71,20 +80,36 @@ impl Viewer {
         Viewer::start_with(Command::new("ffmpeg"), url, secs)
     }
 
-    fn start_with(mut cmd: Command, url: &str, secs: u32) -> Viewer {
-        cmd.args(["-nostdin", "-loglevel", "error", "-rtsp_transport", "udp", "-i", url, "-t", &secs.to_string()])
+    fn start_tcp(url: &str, secs: u32) -> Viewer {
+        Viewer::over(Command::new("ffmpeg"), "tcp", url, secs)
+    }
+
+    fn start_with(cmd: Command, url: &str, secs: u32) -> Viewer {
+        Viewer::over(cmd, "udp", url, secs)
+    }
+
+    fn over(mut cmd: Command, transport: &str, url: &str, secs: u32) -> Viewer {
+        cmd.args(["-nostdin", "-loglevel", "error", "-rtsp_transport", transport, "-i", url, "-t", &secs.to_string()])
             .args(["-map", "0:v", "-f", "null", "-progress", "pipe:1", "-"])
             .stdout(Stdio::piped())
             .stderr(Stdio::piped());
-        Viewer { proc: Supervised::spawn("ffmpeg viewer", &mut cmd).expect("ffmpeg (make deps installs it)"), url: url.to_string() }
+        let mut proc = Supervised::spawn("ffmpeg viewer", &mut cmd).expect("ffmpeg (make deps installs it)");
+        let read_all = |mut r: Box<dyn Read + Send>| {
+            std::thread::spawn(move || {
+                let mut s = String::new();
+                let _ = r.read_to_string(&mut s);
+                s
+            })
+        };
+        let out = read_all(Box::new(proc.child_mut().stdout.take().unwrap()));
+        let err = read_all(Box::new(proc.child_mut().stderr.take().unwrap()));
+        Viewer { proc, url: url.to_string(), out, err }
     }
 
     /// Frames decoded, and what ffmpeg said on stderr.
     fn frames(mut self, within: Duration) -> (u64, String) {
         let status = self.proc.wait_timeout(within).unwrap().unwrap_or_else(|| panic!("ffmpeg on {} did not finish in {within:?}", self.url));
-        let (mut out, mut err) = (String::new(), String::new());
-        self.proc.child_mut().stdout.take().unwrap().read_to_string(&mut out).unwrap();
-        self.proc.child_mut().stderr.take().unwrap().read_to_string(&mut err).unwrap();
+        let (out, err) = (self.out.join().unwrap(), self.err.join().unwrap());
         assert!(status.success(), "ffmpeg on {} failed ({status}): {err}", self.url);
         let frames = out.lines().filter_map(|l| l.strip_prefix("frame=")).filter_map(|v| v.trim().parse().ok()).max().unwrap_or(0);
         (frames, err)
@@ -128,8 +153,9 @@ fn raw(addr: &str, request: &[u8]) -> String {
 }
 
 #[test]
-fn one_pull_from_the_camera_many_udp_viewers() {
-    const VIEWERS: usize = 4;
+fn one_pull_from_the_camera_many_udp_and_tcp_viewers() {
+    const UDP_VIEWERS: usize = 3;
+    const VIEWERS: usize = UDP_VIEWERS + 2;
     const SECS: u32 = 5;
     let tmp = TempDir::new("rtsp-fanout");
     let camera = Camera::start();
@@ -139,7 +165,7 @@ fn one_pull_from_the_camera_many_udp_viewers() {
         assert!(started.elapsed() < Duration::from_secs(10), "the proxy did not pull the camera");
         std::thread::sleep(Duration::from_millis(50));
     }
-    let viewers: Vec<Viewer> = (0..VIEWERS).map(|_| Viewer::start(&url, SECS)).collect();
+    let viewers: Vec<Viewer> = (0..VIEWERS).map(|i| if i < UDP_VIEWERS { Viewer::start(&url, SECS) } else { Viewer::start_tcp(&url, SECS) }).collect();
     let anchor = Viewer::start(&camera.url, SECS);
 
     // While they play: the room holds the camera's two tracks and every viewer's two (the
@@ -163,7 +189,7 @@ fn one_pull_from_the_camera_many_udp_viewers() {
     let wait = Duration::from_secs(SECS as u64 + 20);
     let (anchor_frames, _) = anchor.frames(wait);
     let frames: Vec<(u64, String)> = viewers.into_iter().map(|v| v.frames(wait)).collect();
-    eprintln!("frames decoded: direct {anchor_frames}, through the proxy {:?}", frames.iter().map(|f| f.0).collect::<Vec<_>>());
+    eprintln!("frames decoded: direct {anchor_frames}, through the proxy (UDP, then TCP) {:?}", frames.iter().map(|f| f.0).collect::<Vec<_>>());
     assert!(anchor_frames >= (SECS * FPS / 2) as u64, "the anchor decoded {anchor_frames} frames: the camera is not working");
     for (f, err) in &frames {
         assert!(*f + 5 >= anchor_frames, "a viewer through the proxy decoded {f} frames, the direct one {anchor_frames}; ffmpeg said: {err}");
@@ -190,8 +216,8 @@ fn bad_requests_get_an_answer_and_the_server_carries_on() {
     assert!(huge.starts_with("RTSP/1.0 400 "), "{huge}");
     let unknown = raw(&addr, format!("DESCRIBE rtsp://{addr}/nope RTSP/1.0\r\nCSeq: 1\r\n\r\n").as_bytes());
     assert!(unknown.starts_with("RTSP/1.0 404 ") && unknown.contains("CSeq: 1"), "{unknown}");
-    let tcp = raw(&addr, format!("SETUP {url}/trackID=0 RTSP/1.0\r\nCSeq: 2\r\nTransport: RTP/AVP/TCP;unicast;interleaved=0-1\r\n\r\n").as_bytes());
-    assert!(tcp.starts_with("RTSP/1.0 461 "), "{tcp}");
+    let multicast = raw(&addr, format!("SETUP {url}/trackID=0 RTSP/1.0\r\nCSeq: 2\r\nTransport: RTP/AVP;multicast;client_port=5000-5001\r\n\r\n").as_bytes());
+    assert!(multicast.starts_with("RTSP/1.0 461 "), "{multicast}");
     let elsewhere = raw(
         &addr,
         format!("SETUP {url}/trackID=0 RTSP/1.0\r\nCSeq: 3\r\nTransport: RTP/AVP;unicast;destination=192.0.2.1;client_port=5000-5001\r\n\r\n").as_bytes(),
@@ -317,5 +343,84 @@ fn viewers_in_a_namespace_on_every_plane() {
                 "{plane}: not every camera packet was forwarded by the kernel: {after}"
             );
         }
+
+        // A TCP viewer (media interleaved on its RTSP connection) beside a UDP one. Its copies
+        // go to the proxy's relay socket, a local address the kernel path does not deliver to:
+        // on the eBPF planes the path's packets take the slow path while it watches.
+        let pair = [Viewer::over(tb.command(&view_ns.ns, "ffmpeg"), "tcp", &url, SECS), Viewer::start_with(tb.command(&view_ns.ns, "ffmpeg"), &url, SECS)];
+        for (kind, v) in ["TCP", "UDP"].into_iter().zip(pair) {
+            let (f, err) = v.frames(wait);
+            eprintln!("{plane}: {kind} viewer beside a TCP one: {f} frames");
+            assert!(f + 5 >= anchor_frames, "{plane}: a {kind} viewer decoded {f} frames, the direct one {anchor_frames}; ffmpeg said: {err}");
+        }
     }
+}
+
+/// A TCP viewer that stops reading (a small receive window, never read) fills its own queue: its
+/// media is dropped and counted, and a TCP viewer beside it decodes every frame the anchor does.
+/// Closing its connection ends its session.
+#[test]
+fn a_slow_tcp_viewer_stalls_nobody_else() {
+    const SECS: u32 = 5;
+    let tmp = TempDir::new("rtsp-slow");
+    // 3 Mbit/s of video: the stalled viewer's socket buffers and queue fill within seconds.
+    let camera = Camera::start_at_rate(Command::new("/usr/bin/python3"), "127.0.0.1", Some(3_000_000));
+    let (d, url) = serve(&tmp, &camera, "127.43.0.4");
+    let addr: std::net::SocketAddr = url.trim_start_matches("rtsp://").trim_end_matches("/cam").parse().unwrap();
+    let socket = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    socket.connect(&addr.into()).unwrap();
+    let mut slow: TcpStream = socket.into();
+    slow.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut session = None;
+    let mut cseq = 0;
+    let mut ask = |slow: &mut TcpStream, method: &str, uri: String, extra: &str, session: &Option<String>| {
+        cseq += 1;
+        let s = session.as_ref().map(|s| format!("Session: {s}\r\n")).unwrap_or_default();
+        slow.write_all(format!("{method} {uri} RTSP/1.0\r\nCSeq: {cseq}\r\n{s}{extra}\r\n").as_bytes()).unwrap();
+        let mut buf = Vec::new();
+        let mut chunk = [0u8; 1];
+        // Byte by byte up to the end of the answer: nothing after it is read.
+        loop {
+            if let Ok(Some((mediaplane_rtsp::message::Message::Response(r), _))) = mediaplane_rtsp::message::decode(&buf) {
+                return r;
+            }
+            assert_eq!(slow.read(&mut chunk).unwrap(), 1, "the server closed the connection");
+            buf.push(chunk[0]);
+        }
+    };
+    for track in 0..2 {
+        let r = ask(&mut slow, "SETUP", format!("{url}/trackID={track}"), "Transport: RTP/AVP/TCP;unicast\r\n", &session);
+        assert_eq!(r.status, 200, "{r:?}");
+        assert!(r.headers.get("Transport").unwrap().contains(&format!("interleaved={}-{}", track * 2, track * 2 + 1)), "{r:?}");
+        session = r.headers.session().map(String::from);
+    }
+    let r = ask(&mut slow, "PLAY", url.clone(), "", &session);
+    assert_eq!(r.status, 200, "{r:?}");
+    // Long enough for its socket buffers and its queue to fill.
+    std::thread::sleep(Duration::from_secs(4));
+    let viewer = Viewer::start_tcp(&url, SECS);
+    let anchor = Viewer::start(&camera.url, SECS);
+    let wait = Duration::from_secs(SECS as u64 + 20);
+    let (anchor_frames, _) = anchor.frames(wait);
+    let (frames, err) = viewer.frames(wait);
+    let (_, stats) = d.call("GET", "/v1/stats", None);
+    eprintln!("direct {anchor_frames} frames, TCP viewer beside the stalled one {frames}; {}; camera {}", stats["rtsp"], stats["total"]);
+    assert!(frames + 5 >= anchor_frames, "the TCP viewer decoded {frames} frames, the direct one {anchor_frames}: {err}");
+    assert!(stats["rtsp"]["tcp_dropped"].as_u64().unwrap() > 0, "the stalled viewer's media was not dropped: {}", stats["rtsp"]);
+    assert_eq!(stats["rtsp"]["sessions"], 1, "{}", stats["rtsp"]);
+
+    drop(slow);
+    let deadline = Instant::now() + Duration::from_secs(5);
+    loop {
+        let (_, stats) = d.call("GET", "/v1/stats", None);
+        if stats["rtsp"]["sessions"] == 0 {
+            break;
+        }
+        assert!(Instant::now() < deadline, "closing an interleaved session's connection did not end it: {}", stats["rtsp"]);
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let (_, room) = d.call("GET", "/v1/rooms/rtsp.cam", None);
+    let left: Vec<&String> = room["participants"].as_object().unwrap().keys().collect();
+    assert_eq!(left, vec!["source-0", "source-1"], "{room}");
 }

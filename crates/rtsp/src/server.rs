@@ -12,6 +12,7 @@ use crate::transport::{Lower, TransportSpec};
 use crate::{room_of, source_of, STREAM};
 use mediaplane_control::config::{MediaConfig, RtspSection};
 use mediaplane_control::manager::{allocate_local, ManagerError, SessionManager};
+use mediaplane_control::metrics::{RtspMetrics, RtspSessionEnd};
 use mediaplane_control::store::Change;
 use mediaplane_core::model::{Model, StreamRef};
 use parking_lot::Mutex;
@@ -21,7 +22,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
-use tokio::sync::watch;
+use tokio::sync::{mpsc, watch};
 
 /// How long a DESCRIBE waits for an upstream being (re)connected before answering 503.
 const DESCRIBE_WAIT: Duration = Duration::from_secs(3);
@@ -51,7 +52,32 @@ struct ViewerSession {
     tracks: BTreeMap<usize, String>,
     playing: bool,
     last_seen: Instant,
+    /// Interleaved on this connection (RTP over RTSP's TCP): the session ends with it.
+    connection: Option<u64>,
+    /// The tasks that carry its tracks' copies onto that connection.
+    relays: Vec<tokio::task::AbortHandle>,
 }
+
+impl Drop for ViewerSession {
+    fn drop(&mut self) {
+        for r in &self.relays {
+            r.abort();
+        }
+    }
+}
+
+/// What one RTSP connection's handler needs besides the request: where its writes go (in
+/// order: answers, then interleaved media) and its id.
+struct Connection {
+    id: u64,
+    peer: SocketAddr,
+    out: mpsc::Sender<Vec<u8>>,
+}
+
+/// Frames queued for one TCP connection. A viewer that reads slower than its media arrives
+/// fills it, and its media is dropped (counted) instead of stalling anyone else.
+const TCP_QUEUE: usize = 512;
+const TCP_SEND_BUFFER: usize = 256 * 1024;
 
 pub struct RtspProxy {
     pub(crate) manager: Arc<SessionManager>,
@@ -59,12 +85,14 @@ pub struct RtspProxy {
     sessions: Mutex<HashMap<String, ViewerSession>>,
     timeout: Duration,
     connections: std::sync::atomic::AtomicUsize,
+    next_connection: std::sync::atomic::AtomicU64,
+    pub(crate) metrics: RtspMetrics,
 }
 
 /// Serve RTSP on `listener` until the process ends: pull every configured path and answer
 /// viewers. Rooms of paths left from an earlier run (their viewers' sessions died with it) are
 /// removed first.
-pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg: RtspSection) -> anyhow::Result<()> {
+pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg: RtspSection, metrics: RtspMetrics) -> anyhow::Result<()> {
     let mut paths = BTreeMap::new();
     for p in &cfg.paths {
         let source = url::Url::parse(&p.source).map_err(|e| anyhow::anyhow!("rtsp path {}: source {:?}: {e}", p.name, p.source))?;
@@ -77,7 +105,10 @@ pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg
         sessions: Mutex::new(HashMap::new()),
         timeout: Duration::from_secs(cfg.session_timeout_secs),
         connections: Default::default(),
+        next_connection: Default::default(),
+        metrics,
     });
+    proxy.metrics.declare_paths(proxy.paths.keys().map(String::as_str));
     let stale = proxy.blocking(|model, _| {
         let rooms: Vec<String> = model.rooms.keys().filter(|r| r.starts_with("rtsp.")).cloned().collect();
         for r in &rooms {
@@ -107,7 +138,7 @@ pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg
         }
         let p = proxy.clone();
         tokio::spawn(async move {
-            if let Err(e) = p.connection(stream, peer).await {
+            if let Err(e) = p.clone().connection(stream, peer).await {
                 tracing::debug!(%peer, error = %e, "RTSP connection ended");
             }
             p.connections.fetch_sub(1, Relaxed);
@@ -126,7 +157,7 @@ async fn reap(proxy: Arc<RtspProxy>) {
         };
         for id in expired {
             tracing::info!(session = %id, "RTSP session timed out");
-            if let Err(e) = proxy.end_session(&id).await {
+            if let Err(e) = proxy.end_session(&id, RtspSessionEnd::Timeout).await {
                 tracing::warn!(session = %id, error = %e, "removing a timed-out RTSP session failed");
             }
         }
@@ -151,18 +182,46 @@ impl RtspProxy {
         sessions.values().filter(|s| s.path == path && s.playing).flat_map(|s| s.tracks.iter().map(|(t, pid)| (pid.clone(), *t))).collect()
     }
 
-    async fn connection(&self, mut stream: TcpStream, peer: SocketAddr) -> std::io::Result<()> {
+    async fn connection(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) -> std::io::Result<()> {
         let _ = stream.set_nodelay(true);
+        // What the kernel holds for a viewer that stopped reading is bounded too (autotuning
+        // would let it grow to megabytes per connection); enough for 16 Mbit/s at 100 ms.
+        let _ = socket2::SockRef::from(&stream).set_send_buffer_size(TCP_SEND_BUFFER);
+        let (mut rd, mut wr) = stream.into_split();
+        let (out, mut queued) = mpsc::channel::<Vec<u8>>(TCP_QUEUE);
+        let writer = tokio::spawn(async move {
+            while let Some(bytes) = queued.recv().await {
+                if wr.write_all(&bytes).await.is_err() {
+                    return;
+                }
+            }
+        });
+        let conn = Connection { id: self.next_connection.fetch_add(1, std::sync::atomic::Ordering::Relaxed), peer, out };
+        let result = self.read_requests(&mut rd, &conn).await;
+        // Interleaved sessions end with their connection (RFC 2326 §10.12); UDP ones time out.
+        let mine: Vec<String> = self.sessions.lock().iter().filter(|(_, s)| s.connection == Some(conn.id)).map(|(id, _)| id.clone()).collect();
+        for id in mine {
+            if let Err(e) = self.end_session(&id, RtspSessionEnd::ConnectionClosed).await {
+                tracing::warn!(session = %id, error = %e, "removing an interleaved session failed");
+            }
+        }
+        drop(conn);
+        let _ = writer.await;
+        result
+    }
+
+    async fn read_requests(self: &Arc<Self>, rd: &mut tokio::net::tcp::OwnedReadHalf, conn: &Connection) -> std::io::Result<()> {
         let mut buf: Vec<u8> = Vec::with_capacity(4096);
         let mut chunk = [0u8; 4096];
+        let closed = || std::io::Error::new(std::io::ErrorKind::BrokenPipe, "writer gone");
         loop {
             loop {
                 match decode(&buf) {
                     Ok(Some((msg, used))) => {
                         buf.drain(..used);
                         if let Message::Request(req) = msg {
-                            let resp = self.handle(&req, peer).await;
-                            stream.write_all(&resp.to_bytes()).await?;
+                            let resp = self.handle(&req, conn).await;
+                            conn.out.send(resp.to_bytes()).await.map_err(|_| closed())?;
                         }
                         // Interleaved frames (a TCP viewer's RTCP) and stray responses: nothing
                         // to do with them yet.
@@ -172,7 +231,7 @@ impl RtspProxy {
                         let mut resp = Response { status: 400, reason: "Bad Request".into(), headers: Default::default(), body: Vec::new() };
                         resp.headers.set("Connection", "close");
                         resp = resp.with_body("text/plain", format!("{e}\n").into_bytes());
-                        stream.write_all(&resp.to_bytes()).await?;
+                        conn.out.send(resp.to_bytes()).await.map_err(|_| closed())?;
                         return Ok(());
                     }
                 }
@@ -180,7 +239,7 @@ impl RtspProxy {
             if buf.len() > MAX_HEAD + MAX_BODY + 4 {
                 return Ok(());
             }
-            let n = stream.read(&mut chunk).await?;
+            let n = rd.read(&mut chunk).await?;
             if n == 0 {
                 return Ok(());
             }
@@ -188,7 +247,7 @@ impl RtspProxy {
         }
     }
 
-    async fn handle(&self, req: &Request, peer: SocketAddr) -> Response {
+    async fn handle(self: &Arc<Self>, req: &Request, conn: &Connection) -> Response {
         if req.headers.cseq().is_none() {
             return Response::to(req, 400).with_body("text/plain", b"missing CSeq\n".to_vec());
         }
@@ -200,7 +259,7 @@ impl RtspProxy {
         let result = match req.method.as_str() {
             "OPTIONS" => Ok(Response::to(req, 200).with("Public", METHODS)),
             "DESCRIBE" => self.describe(req).await,
-            "SETUP" => self.setup(req, peer).await,
+            "SETUP" => self.setup(req, conn).await,
             "PLAY" => self.play(req, true).await,
             "PAUSE" => self.play(req, false).await,
             "TEARDOWN" => self.teardown(req).await,
@@ -256,7 +315,7 @@ impl RtspProxy {
         Ok(Response::to(req, 200).with("Content-Base", base).with_body("application/sdp", sdp.into_bytes()))
     }
 
-    async fn setup(&self, req: &Request, peer: SocketAddr) -> Result<Response, (u16, String)> {
+    async fn setup(self: &Arc<Self>, req: &Request, conn: &Connection) -> Result<Response, (u16, String)> {
         let (path, track) = self.target(&req.uri)?;
         let live = self.live(&path).await.ok_or((503, format!("upstream of {} is not available", path.name)))?;
         let track = match (track, live.presentation.tracks.len()) {
@@ -266,16 +325,16 @@ impl RtspProxy {
             (None, _) => return Err((459, "SETUP names the path of several tracks: name one (trackID=<i>)".into())),
         };
         let offered = TransportSpec::parse_list(req.headers.get("Transport").unwrap_or(""));
-        // UDP unicast to the viewer's own address; TCP interleaved and multicast are not served yet.
-        let Some(mut chosen) = offered.into_iter().find(|t| t.lower == Lower::Udp && !t.multicast && t.client_port.is_some()) else {
-            return Err((461, "only RTP/AVP over UDP unicast with client_port is served".into()));
+        // The first choice served: UDP unicast to the viewer's own address, or interleaved on
+        // this connection. Multicast is not served yet.
+        let Some(mut chosen) = offered.into_iter().find(|t| !t.multicast && (t.lower == Lower::Tcp || t.client_port.is_some())) else {
+            return Err((461, "served: RTP/AVP over UDP unicast with client_port, or RTP/AVP/TCP interleaved".into()));
         };
-        if chosen.destination.as_deref().is_some_and(|d| d.parse::<std::net::IpAddr>().ok() != Some(peer.ip())) {
+        let interleaved = chosen.lower == Lower::Tcp;
+        if chosen.destination.as_deref().is_some_and(|d| d.parse::<std::net::IpAddr>().ok() != Some(conn.peer.ip())) {
             // Sending a camera's media to a third address on a viewer's say-so is an amplifier.
             return Err((403, "destination must be the viewer's own address".into()));
         }
-        let (rtp_port, _) = chosen.client_port.unwrap_or_default();
-        let remote = SocketAddr::new(peer.ip(), rtp_port);
         let (session_id, new) = match req.headers.session() {
             Some(id) => {
                 let sessions = self.sessions.lock();
@@ -285,6 +344,9 @@ impl RtspProxy {
                 }
                 if s.tracks.contains_key(&track) {
                     return Err((455, format!("track {track} is set up already")));
+                }
+                if s.connection != interleaved.then_some(conn.id) {
+                    return Err((461, "a session's tracks all go over UDP, or all interleaved on the connection that set it up".into()));
                 }
                 (id.to_string(), false)
             }
@@ -297,16 +359,39 @@ impl RtspProxy {
         };
         let room = room_of(&path.name);
         let pid = format!("v{session_id}-{track}");
+        let media_ip = self.manager.media_config().ip;
+        // An interleaved track's copies go to the proxy itself, at the odd port beside the
+        // participant's (reserved with it, never handed out): it frames them onto the connection.
+        let viewer = SocketAddr::new(conn.peer.ip(), chosen.client_port.unwrap_or_default().0);
+        let remote = move |local: SocketAddr| match interleaved {
+            true => SocketAddr::new(media_ip, local.port() + 1),
+            false => viewer,
+        };
         let local = {
-            let (room, pid) = (room.clone(), pid.clone());
+            let (room, pid, remote) = (room.clone(), pid.clone(), remote);
             self.blocking(move |model, media| {
                 ensure_room(model, &room)?;
                 let local = allocate_local(model, media, &[])?;
-                model.add_participant(&room, &pid, local, remote)?;
+                model.add_participant(&room, &pid, local, remote(local))?;
                 Ok((local, vec![Change::Room(room)]))
             })
         };
         let local = local.await.map_err(|e| (500, e.to_string()))?;
+        let relay = match interleaved {
+            false => None,
+            true => {
+                let channel = chosen.interleaved.map(|(rtp, _)| rtp).unwrap_or((track * 2) as u8);
+                chosen.interleaved = Some((channel, channel.wrapping_add(1)));
+                match self.relay_interleaved(local, remote(local), channel, conn.out.clone()) {
+                    Ok(handle) => Some(handle),
+                    Err(e) => {
+                        let (room, pid) = (room.clone(), pid.clone());
+                        let _ = self.blocking(move |model, _| Ok((model.remove_participant(&room, &pid)?, vec![Change::Room(room)]))).await;
+                        return Err((500, format!("binding the interleaved relay at {}: {e}", remote(local))));
+                    }
+                }
+            }
+        };
         {
             let mut sessions = self.sessions.lock();
             let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession {
@@ -314,15 +399,56 @@ impl RtspProxy {
                 tracks: BTreeMap::new(),
                 playing: false,
                 last_seen: Instant::now(),
+                connection: interleaved.then_some(conn.id),
+                relays: Vec::new(),
             });
             s.tracks.insert(track, pid);
+            s.relays.extend(relay);
+            self.metrics.set_sessions(sessions.len());
         }
         if new {
-            tracing::info!(path = %path.name, session = %session_id, viewer = %remote, "RTSP viewer set up");
+            tracing::info!(path = %path.name, session = %session_id, viewer = %conn.peer, interleaved, "RTSP viewer set up");
         }
-        chosen.server_port = Some((local.port(), local.port() + 1));
-        chosen.interleaved = None;
+        if interleaved {
+            chosen.client_port = None;
+        } else {
+            chosen.server_port = Some((local.port(), local.port() + 1));
+            chosen.interleaved = None;
+        }
         Ok(Response::to(req, 200).with("Transport", chosen.to_header()).with("Session", format!("{session_id};timeout={}", self.timeout.as_secs())))
+    }
+
+    /// Carry the copies the data plane sends from `from` to `at` onto a viewer's connection as
+    /// interleaved frames on `channel`; what its queue has no room for is dropped and counted.
+    fn relay_interleaved(
+        self: &Arc<Self>,
+        from: SocketAddr,
+        at: SocketAddr,
+        channel: u8,
+        out: mpsc::Sender<Vec<u8>>,
+    ) -> std::io::Result<tokio::task::AbortHandle> {
+        let socket = std::net::UdpSocket::bind(at)?;
+        socket.set_nonblocking(true)?;
+        let socket = tokio::net::UdpSocket::from_std(socket)?;
+        let proxy = self.clone();
+        let task = tokio::spawn(async move {
+            let mut buf = vec![0u8; 65536];
+            loop {
+                let Ok((n, source)) = socket.recv_from(&mut buf).await else { return };
+                if source != from {
+                    continue; // only the data plane's copies, from the participant's own address
+                }
+                let Some(frame) = crate::message::interleaved(channel, &buf[..n]) else { continue };
+                match out.try_send(frame) {
+                    Ok(()) => {}
+                    Err(mpsc::error::TrySendError::Full(_)) => {
+                        proxy.metrics.tcp_dropped();
+                    }
+                    Err(mpsc::error::TrySendError::Closed(_)) => return,
+                }
+            }
+        });
+        Ok(task.abort_handle())
     }
 
     async fn play(&self, req: &Request, play: bool) -> Result<Response, (u16, String)> {
@@ -364,12 +490,18 @@ impl RtspProxy {
         if !self.sessions.lock().contains_key(&id) {
             return Err((454, "no such session".into()));
         }
-        self.end_session(&id).await.map_err(|e| (500, e.to_string()))?;
+        self.end_session(&id, RtspSessionEnd::Teardown).await.map_err(|e| (500, e.to_string()))?;
         Ok(Response::to(req, 200))
     }
 
-    async fn end_session(&self, id: &str) -> Result<(), ManagerError> {
-        let Some(s) = self.sessions.lock().remove(id) else { return Ok(()) };
+    async fn end_session(&self, id: &str, why: RtspSessionEnd) -> Result<(), ManagerError> {
+        let s = {
+            let mut sessions = self.sessions.lock();
+            let Some(s) = sessions.remove(id) else { return Ok(()) };
+            self.metrics.set_sessions(sessions.len());
+            s
+        };
+        self.metrics.session_ended(why);
         let room = room_of(&s.path);
         tracing::info!(path = %s.path, session = %id, "RTSP session ended");
         self.blocking(move |model, _| {

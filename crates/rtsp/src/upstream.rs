@@ -34,7 +34,9 @@ pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
     loop {
         let started = Instant::now();
         let result = pull_once(&proxy, &path).await;
-        path.live.send_replace(None);
+        if path.live.send_replace(None).is_some() {
+            proxy.metrics.upstream(&path.name, false);
+        }
         if let Err(e) = release_sources(&proxy, &path.name).await {
             tracing::warn!(path = %path.name, error = %e, "removing the upstream's sources failed");
         }
@@ -119,6 +121,7 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState) -> anyhow::Result<()> {
     tracing::info!(path = %path.name, source = %url, tracks = stream_uids.len(), "upstream playing");
     let keepalive = r.headers.get("Session").and_then(session_timeout).unwrap_or(60).clamp(2, 600) / 2;
     path.live.send_replace(Some(Arc::new(Live { presentation, stream_uids: stream_uids.clone() })));
+    proxy.metrics.upstream(&path.name, true);
     let result = c.keep_alive(proxy, &base, Duration::from_secs(keepalive), &stream_uids).await;
     if c.session.is_some() {
         // Best effort: the upstream times the session out anyway.

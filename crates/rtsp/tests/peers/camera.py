@@ -1,7 +1,8 @@
 #!/usr/bin/python3
 """A camera for the RTSP tests: GStreamer's RTSP server (gst-rtsp-server, Debian's
 gir1.2-gst-rtsp-server-1.0) serving H.264 video and Opus audio at rtsp://<address>:<port>/cam
-(usage: camera.py <port> [fps] [address, 127.0.0.1 by default]),
+(usage: camera.py <port> [fps] [address, 127.0.0.1 by default] [video bit rate, bit/s; a
+noisy picture when given, so the encoder reaches it]),
 one shared pipeline for every client. Prints `ready` when it listens, and `client <n>` each
 time a client connects, so a test can count the upstream sessions it saw."""
 import sys
@@ -15,14 +16,17 @@ from gi.repository import GLib, Gst, GstRtspServer  # noqa: E402
 port = sys.argv[1]
 fps = int(sys.argv[2]) if len(sys.argv) > 2 else 25
 address = sys.argv[3] if len(sys.argv) > 3 else "127.0.0.1"
+bitrate = int(sys.argv[4]) if len(sys.argv) > 4 else None
+picture = "pattern=snow" if bitrate else "pattern=ball"
+encoder = f"openh264enc gop-size={fps}" + (" rate-control=off" if bitrate else "")
 Gst.init(None)
 server = GstRtspServer.RTSPServer()
 server.set_address(address)
 server.set_service(port)
 factory = GstRtspServer.RTSPMediaFactory()
 factory.set_launch(
-    f"( videotestsrc is-live=true pattern=ball ! video/x-raw,width=320,height=240,framerate={fps}/1 "
-    f"! openh264enc gop-size={fps} ! h264parse config-interval=-1 ! rtph264pay name=pay0 pt=96 "
+    f"( videotestsrc is-live=true {picture} ! video/x-raw,width=320,height=240,framerate={fps}/1 "
+    f"! {encoder} ! h264parse config-interval=-1 ! rtph264pay name=pay0 pt=96 "
     "audiotestsrc is-live=true ! audio/x-raw,rate=48000,channels=2 ! opusenc ! rtpopuspay name=pay1 pt=97 )"
 )
 factory.set_shared(True)
