@@ -50,13 +50,23 @@ pub struct RtspPath {
     pub name: String,
     /// The upstream: `rtsp://host[:port]/path` (a camera, another server).
     pub source: String,
+    /// Pulled only while watched: from the first viewer's DESCRIBE or SETUP until
+    /// `release_after_secs` after the last viewer left. Otherwise pulled from start-up on.
+    #[serde(default)]
+    pub on_demand: bool,
+    #[serde(default = "default_release_after")]
+    pub release_after_secs: u64,
+}
+
+fn default_release_after() -> u64 {
+    10
 }
 
 impl RtspPath {
     /// `name=rtsp://...`, as `--rtsp-path` takes it.
     pub fn parse_arg(s: &str) -> Result<RtspPath, String> {
         let (name, source) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected name=rtsp://host/path"))?;
-        Ok(RtspPath { name: name.to_string(), source: source.to_string() })
+        Ok(RtspPath { name: name.to_string(), source: source.to_string(), on_demand: false, release_after_secs: default_release_after() })
     }
 }
 

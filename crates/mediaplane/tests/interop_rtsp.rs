@@ -124,12 +124,17 @@ fn serve(tmp: &TempDir, camera: &Camera, media_ip: &str) -> (Daemon, String) {
 
 /// [`serve`] with more of the config file.
 fn serve_with(tmp: &TempDir, camera: &Camera, media_ip: &str, config: &str) -> (Daemon, String) {
+    let (d, rtsp) = serve_paths(tmp, media_ip, config, &["--rtsp-path", &format!("cam={}", camera.url)]);
+    (d, format!("{rtsp}/cam"))
+}
+
+/// The daemon with the RTSP proxy and the paths `config` and `args` declare; `rtsp://<its address>`.
+fn serve_paths(tmp: &TempDir, media_ip: &str, config: &str, args: &[&str]) -> (Daemon, String) {
     let rtsp = format!("127.0.0.1:{}", free_port());
-    let path = format!("cam={}", camera.url);
     let cfg = tmp.0.join("mediaplane.toml");
     std::fs::write(&cfg, format!("[media]\nip = \"{media_ip}\"\n{config}")).unwrap();
-    let d = Daemon::start(&tmp.0.join("store.db"), &["--config", cfg.to_str().unwrap(), "--rtsp-listen", &rtsp, "--rtsp-path", &path]);
-    (d, format!("rtsp://{rtsp}/cam"))
+    let d = Daemon::start(&tmp.0.join("store.db"), &[&["--config", cfg.to_str().unwrap(), "--rtsp-listen", &rtsp], args].concat());
+    (d, format!("rtsp://{rtsp}"))
 }
 
 /// One raw request on a fresh connection, and the status line and body of the answer.
@@ -231,6 +236,47 @@ fn bad_requests_get_an_answer_and_the_server_carries_on() {
     // And a real viewer still plays.
     let (frames, err) = Viewer::start(&url, 2).frames(Duration::from_secs(20));
     assert!(frames > 0, "after the bad requests a viewer decoded nothing: {err}");
+}
+
+/// An on-demand path: the camera is not pulled until a viewer asks for it, is pulled within 1 s
+/// of the first DESCRIBE, and is released (its connection closed) after the last viewer left.
+#[test]
+fn an_on_demand_path_is_pulled_while_watched() {
+    let tmp = TempDir::new("rtsp-demand");
+    let camera = Camera::start();
+    let config = format!("[rtsp]\n[[rtsp.paths]]\nname = \"lobby\"\nsource = \"{}\"\non_demand = true\nrelease_after_secs = 1\n", camera.url);
+    let (d, rtsp) = serve_paths(&tmp, "127.43.0.5", &config, &[]);
+    let url = format!("{rtsp}/lobby");
+    std::thread::sleep(Duration::from_secs(2));
+    assert_eq!(camera.clients(), 0, "an on-demand path was pulled with nobody watching");
+
+    let asked = Instant::now();
+    let viewer = Viewer::start(&url, 3);
+    while camera.clients() == 0 {
+        assert!(asked.elapsed() < Duration::from_secs(5), "the viewer's DESCRIBE did not make the proxy pull the camera");
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    // ffmpeg's start-up is in it too: DESCRIBE is its first request.
+    let pulled_after = asked.elapsed();
+    let (frames, err) = viewer.frames(Duration::from_secs(25));
+    assert!(frames >= (3 * FPS / 2) as u64, "{frames} frames through an on-demand path: {err}");
+    assert!(pulled_after < Duration::from_secs(1), "pulled {pulled_after:?} after the viewer started");
+
+    // The viewer sent TEARDOWN: released about a second later.
+    let left = Instant::now();
+    while !camera.lines.lock().unwrap().iter().any(|l| l == "closed 1") {
+        assert!(left.elapsed() < Duration::from_secs(5), "the camera was not released: {:?}", camera.lines.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (_, stats) = d.call("GET", "/v1/stats", None);
+    assert_eq!(stats["rtsp"]["upstreams_playing"], 0, "{}", stats["rtsp"]);
+    assert_eq!(stats["rtsp"]["upstream_pulls"], 1, "{}", stats["rtsp"]);
+    eprintln!("pulled {pulled_after:?} after the viewer started; released {:?} after it left", left.elapsed());
+
+    // And pulled again for the next viewer.
+    let (frames, err) = Viewer::start(&url, 2).frames(Duration::from_secs(25));
+    assert!(frames > 0, "a second viewer got nothing: {err}");
+    assert_eq!(camera.clients(), 2);
 }
 
 /// A viewer that vanishes without TEARDOWN (killed) loses its session after

@@ -44,6 +44,10 @@ pub(crate) struct PathState {
     pub name: String,
     pub source: url::Url,
     pub live: watch::Sender<Option<Arc<Live>>>,
+    /// Pulled only while watched, released this long after the last viewer left.
+    pub on_demand: Option<Duration>,
+    /// Bumped by every DESCRIBE and SETUP: what wakes an on-demand path's pull.
+    pub demand: watch::Sender<u64>,
 }
 
 struct ViewerSession {
@@ -97,7 +101,9 @@ pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg
     for p in &cfg.paths {
         let source = url::Url::parse(&p.source).map_err(|e| anyhow::anyhow!("rtsp path {}: source {:?}: {e}", p.name, p.source))?;
         let (live, _) = watch::channel(None);
-        paths.insert(p.name.clone(), Arc::new(PathState { name: p.name.clone(), source, live }));
+        let (demand, _) = watch::channel(0);
+        let on_demand = p.on_demand.then(|| Duration::from_secs(p.release_after_secs));
+        paths.insert(p.name.clone(), Arc::new(PathState { name: p.name.clone(), source, live, on_demand, demand }));
     }
     let proxy = Arc::new(RtspProxy {
         manager,
@@ -173,6 +179,11 @@ impl RtspProxy {
     ) -> Result<R, ManagerError> {
         let m = self.manager.clone();
         tokio::task::spawn_blocking(move || m.mutate(f)).await.unwrap_or_else(|e| Err(ManagerError::Internal(format!("model change task failed: {e}"))))
+    }
+
+    /// Viewer sessions of `path`.
+    pub(crate) fn viewers_of(&self, path: &str) -> usize {
+        self.sessions.lock().values().filter(|s| s.path == path).count()
     }
 
     /// The participants of playing viewers of `path`, with their track: what a (re)connected
@@ -298,6 +309,7 @@ impl RtspProxy {
     }
 
     async fn live(&self, path: &PathState) -> Option<Arc<Live>> {
+        path.demand.send_modify(|n| *n += 1);
         let mut rx = path.live.subscribe();
         let wait = async { rx.wait_for(|l| l.is_some()).await.ok().and_then(|l| l.clone()) };
         tokio::time::timeout(DESCRIBE_WAIT, wait).await.ok().flatten()

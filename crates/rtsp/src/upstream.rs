@@ -31,7 +31,15 @@ const USER_AGENT: &str = concat!("mediaplane/", env!("CARGO_PKG_VERSION"));
 /// Pull `path` for as long as the process runs.
 pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
     let mut backoff = BACKOFF_FIRST;
+    let mut demand = path.demand.subscribe();
     loop {
+        if path.on_demand.is_some() && proxy.viewers_of(&path.name) == 0 {
+            // Nobody watches: wait for a DESCRIBE or SETUP (one that came meanwhile counts).
+            if demand.changed().await.is_err() {
+                return;
+            }
+        }
+        demand.mark_unchanged();
         let started = Instant::now();
         let result = pull_once(&proxy, &path).await;
         if path.live.send_replace(None).is_some() {
@@ -41,7 +49,11 @@ pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
             tracing::warn!(path = %path.name, error = %e, "removing the upstream's sources failed");
         }
         match result {
-            Ok(()) => tracing::info!(path = %path.name, "upstream ended"),
+            Ok(()) => {
+                tracing::info!(path = %path.name, "upstream released");
+                backoff = BACKOFF_FIRST;
+                continue;
+            }
             Err(e) => tracing::warn!(path = %path.name, source = %path.source, error = format!("{e:#}"), "upstream lost"),
         }
         // A session that ran for a while starts the backoff again.
@@ -122,7 +134,7 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState) -> anyhow::Result<()> {
     let keepalive = r.headers.get("Session").and_then(session_timeout).unwrap_or(60).clamp(2, 600) / 2;
     path.live.send_replace(Some(Arc::new(Live { presentation, stream_uids: stream_uids.clone() })));
     proxy.metrics.upstream(&path.name, true);
-    let result = c.keep_alive(proxy, &base, Duration::from_secs(keepalive), &stream_uids).await;
+    let result = c.keep_alive(proxy, path, &base, Duration::from_secs(keepalive), &stream_uids).await;
     if c.session.is_some() {
         // Best effort: the upstream times the session out anyway.
         let _ = tokio::time::timeout(Duration::from_millis(500), c.send("TEARDOWN", base.as_str(), &[])).await;
@@ -223,9 +235,11 @@ impl Client {
         Ok(())
     }
 
-    /// Keep the upstream's session alive while its media arrives; return when the connection
-    /// closes, the framing breaks, or every track has been silent for [`MEDIA_TIMEOUT`].
-    async fn keep_alive(&mut self, proxy: &RtspProxy, base: &url::Url, every: Duration, uids: &[u32]) -> anyhow::Result<()> {
+    /// Keep the upstream's session alive while its media arrives; fail when the connection
+    /// closes, the framing breaks, or every track has been silent for [`MEDIA_TIMEOUT`]; end
+    /// (Ok) when an on-demand path has had no viewer for its release time.
+    async fn keep_alive(&mut self, proxy: &RtspProxy, path: &PathState, base: &url::Url, every: Duration, uids: &[u32]) -> anyhow::Result<()> {
+        let mut unwatched_since = Instant::now();
         let mut keepalive = tokio::time::interval(every);
         keepalive.tick().await;
         let mut watchdog = tokio::time::interval(Duration::from_secs(1));
@@ -246,6 +260,13 @@ impl Client {
                     }
                 }
                 _ = watchdog.tick() => {
+                    if let Some(release) = path.on_demand {
+                        if proxy.viewers_of(&path.name) > 0 {
+                            unwatched_since = Instant::now();
+                        } else if unwatched_since.elapsed() >= release {
+                            return Ok(());
+                        }
+                    }
                     let counters = proxy.manager.stream_counters(uids);
                     let count: u64 = counters.values().map(|c| c.rx_packets).sum();
                     if count != last_count {

@@ -3,8 +3,9 @@
 gir1.2-gst-rtsp-server-1.0) serving H.264 video and Opus audio at rtsp://<address>:<port>/cam
 (usage: camera.py <port> [fps] [address, 127.0.0.1 by default] [video bit rate, bit/s; a
 noisy picture when given, so the encoder reaches it]),
-one shared pipeline for every client. Prints `ready` when it listens, and `client <n>` each
-time a client connects, so a test can count the upstream sessions it saw."""
+one shared pipeline for every client. Prints `ready` when it listens, `client <n>` each time a
+client connects and `closed <n>` when its connection closes, so a test can count the upstream
+sessions it saw."""
 import sys
 
 import gi
@@ -34,10 +35,12 @@ server.get_mount_points().add_factory("/cam", factory)
 clients = 0
 
 
-def on_client(_server, _client):
+def on_client(_server, client):
     global clients
     clients += 1
-    print(f"client {clients}", flush=True)
+    n = clients
+    print(f"client {n}", flush=True)
+    client.connect("closed", lambda _c: print(f"closed {n}", flush=True))
 
 
 server.connect("client-connected", on_client)
