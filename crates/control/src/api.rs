@@ -466,6 +466,8 @@ pub fn router(state: AppState, cfg: &crate::config::ApiConfig, metrics: Arc<Metr
         .route("/v1/relays", get(list_relays).post(create_relay))
         .route("/v1/relays/{id}", get(get_relay).delete(delete_relay))
         .route(BATCH_PATH, post(relay_batch).layer(DefaultBodyLimit::max(max_batch_body)))
+        .route("/v1/rtsp/paths", get(list_rtsp_paths).post(add_rtsp_path))
+        .route("/v1/rtsp/paths/{name}", get(get_rtsp_path).delete(remove_rtsp_path))
         .route("/v1/stats", get(stats))
         .route("/v1/table", get(table))
         .route("/v1/whip/{room}", post(crate::whip::whip))
@@ -581,6 +583,41 @@ async fn health(State(m): State<AppState>) -> ApiResult {
 /// The room page (WebRTC through WHIP/WHEP): `GET /`, without the token.
 async fn page() -> axum::response::Html<&'static str> {
     axum::response::Html(include_str!("page/index.html"))
+}
+
+fn rtsp_of(m: &AppState) -> Result<Arc<dyn crate::rtsp_paths::RtspPaths>, ApiError> {
+    m.rtsp_paths().cloned().ok_or_else(|| ApiError::new(ErrorCode::NotFound, "the RTSP proxy is not serving (set rtsp.listen)"))
+}
+
+impl From<crate::rtsp_paths::RtspPathError> for ApiError {
+    fn from(e: crate::rtsp_paths::RtspPathError) -> Self {
+        use crate::rtsp_paths::RtspPathError as E;
+        let code = match &e {
+            E::Invalid(_) => ErrorCode::Invalid,
+            E::Exists(_) => ErrorCode::Exists,
+            E::NotFound(_) => ErrorCode::NotFound,
+            E::Failed(_) => ErrorCode::Internal,
+        };
+        ApiError::new(code, e.to_string())
+    }
+}
+
+async fn list_rtsp_paths(State(m): State<AppState>) -> ApiResult {
+    ok(json!({"paths": rtsp_of(&m)?.list()}))
+}
+async fn get_rtsp_path(State(m): State<AppState>, Path(name): Path<String>) -> ApiResult {
+    let path = rtsp_of(&m)?.get(&name).ok_or_else(|| ApiError::new(ErrorCode::NotFound, format!("no RTSP path {name:?}")))?;
+    ok(path)
+}
+async fn add_rtsp_path(State(m): State<AppState>, ApiJson(req): ApiJson<crate::config::RtspPath>) -> Result<Response, ApiError> {
+    let state = rtsp_of(&m)?.add(req)?;
+    Ok((StatusCode::CREATED, Json(state)).into_response())
+}
+async fn remove_rtsp_path(State(m): State<AppState>, Path(name): Path<String>) -> ApiResult {
+    let rtsp = rtsp_of(&m)?;
+    let gone = name.clone();
+    tokio::task::spawn_blocking(move || rtsp.remove(&gone)).await.map_err(|e| ApiError::new(ErrorCode::Internal, e.to_string()))??;
+    ok(json!({"deleted": name}))
 }
 
 async fn list_rooms(State(m): State<AppState>) -> ApiResult {

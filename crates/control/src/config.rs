@@ -58,11 +58,39 @@ pub struct RtspPath {
     pub release_after_secs: u64,
 }
 
+/// The host of an `rtsp://` URL (None: not one).
+fn url_host(s: &str) -> Option<&str> {
+    let rest = s.strip_prefix("rtsp://")?;
+    let authority = rest.split(['/', '?', '#']).next().unwrap_or("");
+    let host_port = authority.rsplit('@').next().unwrap_or("");
+    Some(match host_port.strip_prefix('[') {
+        Some(v6) => v6.split(']').next().unwrap_or(""),
+        None => host_port.split(':').next().unwrap_or(""),
+    })
+}
+
 fn default_release_after() -> u64 {
     10
 }
 
 impl RtspPath {
+    /// What a path must be, declared in the config or through the API.
+    pub fn validate(&self) -> Result<(), String> {
+        // It becomes part of a room id (`rtsp.<name>`), so the same characters.
+        let name = &self.name;
+        if name.is_empty() || name.len() > 48 || !name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
+            return Err(format!("name {name:?} must be 1-48 letters, digits, '-', '_' or '.'"));
+        }
+        let url = url_host(&self.source).ok_or_else(|| format!("{name:?}: source {:?} must be an rtsp://host[:port]/path URL", self.source))?;
+        if url.is_empty() {
+            return Err(format!("{name:?}: source {:?} has no host", self.source));
+        }
+        if self.release_after_secs == 0 && self.on_demand {
+            return Err(format!("{name:?}: release_after_secs must be at least 1"));
+        }
+        Ok(())
+    }
+
     /// `name=rtsp://...`, as `--rtsp-path` takes it.
     pub fn parse_arg(s: &str) -> Result<RtspPath, String> {
         let (name, source) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected name=rtsp://host/path"))?;
@@ -567,15 +595,9 @@ impl Config {
         }
         let mut names = std::collections::BTreeSet::new();
         for p in &self.rtsp.paths {
-            // It becomes part of a room id (`rtsp.<name>`), so the same characters.
-            if p.name.is_empty() || p.name.len() > 48 || !p.name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
-                return Err(format!("rtsp.paths: name {:?} must be 1-48 letters, digits, '-', '_' or '.'", p.name));
-            }
+            p.validate().map_err(|e| format!("rtsp.paths: {e}"))?;
             if !names.insert(p.name.as_str()) {
                 return Err(format!("rtsp.paths: {:?} is declared twice", p.name));
-            }
-            if !p.source.starts_with("rtsp://") {
-                return Err(format!("rtsp.paths: {:?}: source {:?} must be an rtsp:// URL", p.name, p.source));
             }
         }
         if self.rtsp.session_timeout_secs == 0 {

@@ -10,6 +10,7 @@ pub mod error_code;
 pub mod manager;
 pub mod metrics;
 pub mod room_token;
+pub mod rtsp_paths;
 pub mod store;
 pub mod whip;
 

@@ -121,6 +121,8 @@ pub struct SessionManager {
     /// The relays the first learning window to close was found in, and when it closes
     /// ([`SessionManager::close_learning`]).
     next_window_close: Mutex<Option<(Relays, Option<u64>)>>,
+    /// The RTSP proxy, when it serves (the API's `/v1/rtsp` routes ask it).
+    rtsp: std::sync::OnceLock<Arc<dyn crate::rtsp_paths::RtspPaths>>,
 }
 
 impl SessionManager {
@@ -146,7 +148,17 @@ impl SessionManager {
             mos_totals: Mutex::new(MosTotals::default()),
             crypto_legs: crate::crypto_legs::CryptoLegs::new()?,
             next_window_close: Mutex::new(None),
+            rtsp: std::sync::OnceLock::new(),
         })
+    }
+
+    /// The RTSP proxy registers itself (once) when it starts serving.
+    pub fn set_rtsp_paths(&self, paths: Arc<dyn crate::rtsp_paths::RtspPaths>) {
+        let _ = self.rtsp.set(paths);
+    }
+
+    pub fn rtsp_paths(&self) -> Option<&Arc<dyn crate::rtsp_paths::RtspPaths>> {
+        self.rtsp.get()
     }
 
     pub(crate) fn crypto_legs(&self) -> &crate::crypto_legs::CryptoLegs {

@@ -192,7 +192,11 @@ impl RtspMetrics {
     /// Series for every configured path from the start.
     pub fn declare_paths<'a>(&self, paths: impl Iterator<Item = &'a str>) {
         for path in paths {
-            self.paths.lock().push(path.to_string());
+            let mut known = self.paths.lock();
+            if !known.iter().any(|p| p == path) {
+                known.push(path.to_string());
+            }
+            drop(known);
             let l = PathLabels { path: path.to_string() };
             drop(self.upstream_playing.get_or_create(&l));
             drop(self.upstream_pulls.get_or_create(&l));

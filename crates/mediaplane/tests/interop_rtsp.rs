@@ -12,6 +12,7 @@ use common::netns::NetnsServe;
 use common::{free_port, Daemon, TempDir};
 use mediaplane_bench::netns::Testbed;
 use mediaplane_bench::process::Supervised;
+use serde_json::json;
 use std::io::{BufRead, BufReader, Read, Write};
 use std::net::TcpStream;
 use std::process::{Command, Stdio};
@@ -277,6 +278,57 @@ fn an_on_demand_path_is_pulled_while_watched() {
     let (frames, err) = Viewer::start(&url, 2).frames(Duration::from_secs(25));
     assert!(frames > 0, "a second viewer got nothing: {err}");
     assert_eq!(camera.clients(), 2);
+}
+
+/// Paths through the REST API: added (pulled at once), their state while a viewer watches,
+/// removed (upstream released, room gone); bad requests refused with the API's codes.
+#[test]
+fn paths_added_and_removed_through_the_api() {
+    let tmp = TempDir::new("rtsp-api");
+    let camera = Camera::start();
+    let (d, rtsp) = serve_paths(&tmp, "127.43.0.6", "", &[]);
+    assert_eq!(d.call("GET", "/v1/rtsp/paths", None).1["paths"], json!([]));
+
+    let (status, added) = d.call("POST", "/v1/rtsp/paths", Some(json!({"name": "yard", "source": camera.url})));
+    assert_eq!(status, 201, "{added}");
+    assert_eq!((added["name"].as_str(), added["room"].as_str(), added["on_demand"].as_bool()), (Some("yard"), Some("rtsp.yard"), Some(false)), "{added}");
+    for (body, code) in [
+        (json!({"name": "yard", "source": camera.url}), "exists"),
+        (json!({"name": "no/slash", "source": camera.url}), "invalid"),
+        (json!({"name": "x", "source": "http://example.invalid/"}), "invalid"),
+        (json!({"name": "x", "source": camera.url, "colour": "blue"}), "wrong_shape"),
+    ] {
+        let (status, err) = d.call("POST", "/v1/rtsp/paths", Some(body.clone()));
+        assert_eq!(err["code"], code, "{body}: {status} {err}");
+    }
+    assert_eq!(d.call("GET", "/v1/rtsp/paths/nope", None).1["code"], "not_found");
+
+    let viewer = Viewer::start(&format!("{rtsp}/yard"), 4);
+    std::thread::sleep(Duration::from_secs(3));
+    let (_, state) = d.call("GET", "/v1/rtsp/paths/yard", None);
+    assert_eq!((state["upstream"]["playing"].as_bool(), state["viewers"].as_u64()), (Some(true), Some(1)), "{state}");
+    let tracks = state["upstream"]["tracks"].as_array().unwrap();
+    assert_eq!(tracks.iter().map(|t| t["kind"].as_str().unwrap()).collect::<Vec<_>>(), vec!["video", "audio"], "{state}");
+    assert!(tracks.iter().all(|t| t["rx_packets"].as_u64() > Some(0) && t["copies"].as_u64() > Some(0)), "{state}");
+    let (frames, err) = viewer.frames(Duration::from_secs(25));
+    assert!(frames > 0, "a viewer of a path added through the API got nothing: {err}");
+
+    let (status, deleted) = d.call("DELETE", "/v1/rtsp/paths/yard", None);
+    assert_eq!((status, &deleted), (200, &json!({"deleted": "yard"})));
+    let released = Instant::now();
+    while !camera.lines.lock().unwrap().iter().any(|l| l == "closed 1") {
+        assert!(released.elapsed() < Duration::from_secs(5), "the camera was not released: {:?}", camera.lines.lock().unwrap());
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(d.call("GET", "/v1/rooms/rtsp.yard", None).0, 404, "the path's room outlived it");
+    assert_eq!(d.call("GET", "/v1/rtsp/paths/yard", None).0, 404);
+    let refused = raw(rtsp.trim_start_matches("rtsp://"), format!("DESCRIBE {rtsp}/yard RTSP/1.0\r\nCSeq: 1\r\n\r\n").as_bytes());
+    assert!(refused.starts_with("RTSP/1.0 404 "), "{refused}");
+
+    // Without the proxy, its routes are not found.
+    let tmp2 = TempDir::new("rtsp-api-off");
+    let off = Daemon::start(&tmp2.0.join("store.db"), &[]);
+    assert_eq!(off.call("GET", "/v1/rtsp/paths", None).1["code"], "not_found");
 }
 
 /// A viewer that vanishes without TEARDOWN (killed) loses its session after

@@ -57,7 +57,9 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
     assert_eq!(ops.difference(&routes).collect::<Vec<_>>(), Vec::<&(String, String)>::new(), "spec operations the router does not have");
 
     let tmp = common::TempDir::new("openapi");
-    let d = common::Daemon::start(&tmp.0.join("s.db"), &[]);
+    // With the RTSP proxy, so its routes answer (the example path is on demand: never pulled).
+    let rtsp = format!("127.0.0.1:{}", common::free_port());
+    let d = common::Daemon::start(&tmp.0.join("s.db"), &["--rtsp-listen", &rtsp]);
     let (status, served) = d.call("GET", "/openapi.json", None);
     assert_eq!((status, &served), (200, &spec), "the daemon serves the spec");
     // What the probes below must not see (answered with codes the spec has for them).
@@ -84,6 +86,7 @@ fn the_spec_describes_exactly_the_routes_and_its_examples_work() {
             .replace("{stream}", "main")
             .replace("{publisher}", "alice")
             .replace("{id}", "call1")
+            .replace("{name}", "door")
             .replace("{consumer}", &consumer);
         // A participant's settings are a WebRTC participant's (bob is plain: refused).
         let url = match (&method[..], &path[..]) {

@@ -10,9 +10,10 @@ use crate::describe::Presentation;
 use crate::message::{decode, Message, Request, Response, MAX_BODY, MAX_HEAD};
 use crate::transport::{Lower, TransportSpec};
 use crate::{room_of, source_of, STREAM};
-use mediaplane_control::config::{MediaConfig, RtspSection};
+use mediaplane_control::config::{MediaConfig, RtspPath, RtspSection};
 use mediaplane_control::manager::{allocate_local, ManagerError, SessionManager};
 use mediaplane_control::metrics::{RtspMetrics, RtspSessionEnd};
+use mediaplane_control::rtsp_paths::{RtspPathError, RtspPaths};
 use mediaplane_control::store::Change;
 use mediaplane_core::model::{Model, StreamRef};
 use parking_lot::Mutex;
@@ -42,6 +43,9 @@ pub(crate) struct Live {
 
 pub(crate) struct PathState {
     pub name: String,
+    pub config: RtspPath,
+    /// Its pull, aborted when the path is removed.
+    pull: Mutex<Option<tokio::task::AbortHandle>>,
     pub source: url::Url,
     pub live: watch::Sender<Option<Arc<Live>>>,
     /// Pulled only while watched, released this long after the last viewer left.
@@ -85,36 +89,32 @@ const TCP_SEND_BUFFER: usize = 256 * 1024;
 
 pub struct RtspProxy {
     pub(crate) manager: Arc<SessionManager>,
-    pub(crate) paths: BTreeMap<String, Arc<PathState>>,
+    pub(crate) paths: Mutex<BTreeMap<String, Arc<PathState>>>,
     sessions: Mutex<HashMap<String, ViewerSession>>,
     timeout: Duration,
     connections: std::sync::atomic::AtomicUsize,
     next_connection: std::sync::atomic::AtomicU64,
     pub(crate) metrics: RtspMetrics,
+    /// Where paths added through the API start their pulls (the API calls in from its own tasks).
+    runtime: tokio::runtime::Handle,
+    me: std::sync::Weak<RtspProxy>,
 }
 
 /// Serve RTSP on `listener` until the process ends: pull every configured path and answer
 /// viewers. Rooms of paths left from an earlier run (their viewers' sessions died with it) are
 /// removed first.
 pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg: RtspSection, metrics: RtspMetrics) -> anyhow::Result<()> {
-    let mut paths = BTreeMap::new();
-    for p in &cfg.paths {
-        let source = url::Url::parse(&p.source).map_err(|e| anyhow::anyhow!("rtsp path {}: source {:?}: {e}", p.name, p.source))?;
-        let (live, _) = watch::channel(None);
-        let (demand, _) = watch::channel(0);
-        let on_demand = p.on_demand.then(|| Duration::from_secs(p.release_after_secs));
-        paths.insert(p.name.clone(), Arc::new(PathState { name: p.name.clone(), source, live, on_demand, demand }));
-    }
-    let proxy = Arc::new(RtspProxy {
+    let proxy = Arc::new_cyclic(|me| RtspProxy {
         manager,
-        paths,
+        paths: Mutex::new(BTreeMap::new()),
         sessions: Mutex::new(HashMap::new()),
         timeout: Duration::from_secs(cfg.session_timeout_secs),
         connections: Default::default(),
         next_connection: Default::default(),
         metrics,
+        runtime: tokio::runtime::Handle::current(),
+        me: me.clone(),
     });
-    proxy.metrics.declare_paths(proxy.paths.keys().map(String::as_str));
     let stale = proxy.blocking(|model, _| {
         let rooms: Vec<String> = model.rooms.keys().filter(|r| r.starts_with("rtsp.")).cloned().collect();
         for r in &rooms {
@@ -123,9 +123,10 @@ pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg
         Ok(((), rooms.into_iter().map(Change::Room).collect()))
     });
     stale.await?;
-    for path in proxy.paths.values() {
-        tokio::spawn(crate::upstream::pull(proxy.clone(), path.clone()));
+    for p in &cfg.paths {
+        proxy.start_path(p.clone()).map_err(|e| anyhow::anyhow!("rtsp path {}: {e}", p.name))?;
     }
+    proxy.manager.set_rtsp_paths(proxy.clone());
     tokio::spawn(reap(proxy.clone()));
     loop {
         let (stream, peer) = match listener.accept().await {
@@ -171,6 +172,60 @@ async fn reap(proxy: Arc<RtspProxy>) {
 }
 
 impl RtspProxy {
+    /// Serve `config` as a path: pulled from now on, or when first asked for.
+    fn start_path(&self, config: RtspPath) -> Result<Arc<PathState>, RtspPathError> {
+        config.validate().map_err(RtspPathError::Invalid)?;
+        let source = url::Url::parse(&config.source).map_err(|e| RtspPathError::Invalid(format!("source {:?}: {e}", config.source)))?;
+        let mut paths = self.paths.lock();
+        if paths.contains_key(&config.name) {
+            return Err(RtspPathError::Exists(config.name));
+        }
+        let (live, _) = watch::channel(None);
+        let (demand, _) = watch::channel(0);
+        let on_demand = config.on_demand.then(|| Duration::from_secs(config.release_after_secs));
+        let name = config.name.clone();
+        let path = Arc::new(PathState { name: name.clone(), config, pull: Mutex::new(None), source, live, on_demand, demand });
+        let me = self.me.upgrade().ok_or_else(|| RtspPathError::Failed("the proxy is shutting down".into()))?;
+        let task = self.runtime.spawn(crate::upstream::pull(me, path.clone()));
+        *path.pull.lock() = Some(task.abort_handle());
+        paths.insert(name.clone(), path.clone());
+        self.metrics.declare_paths(std::iter::once(name.as_str()));
+        Ok(path)
+    }
+
+    /// A path's state as the API shows it.
+    fn describe_path(&self, path: &PathState) -> serde_json::Value {
+        let live = path.live.borrow().clone();
+        let tracks: Vec<serde_json::Value> = match &live {
+            None => Vec::new(),
+            Some(l) => {
+                let counters = self.manager.stream_counters(&l.stream_uids);
+                l.presentation
+                    .tracks
+                    .iter()
+                    .zip(&l.stream_uids)
+                    .map(|(t, uid)| {
+                        let c = counters.get(uid).cloned().unwrap_or_default();
+                        serde_json::json!({"kind": t.kind, "clock_rate": t.clock_rate, "stream": uid, "rx_packets": c.rx_packets, "rx_bytes": c.rx_bytes, "copies": c.tx_copies})
+                    })
+                    .collect()
+            }
+        };
+        let mut source = path.source.clone();
+        if source.password().is_some() {
+            let _ = source.set_password(Some("***"));
+        }
+        serde_json::json!({
+            "name": path.name,
+            "source": source.as_str(),
+            "on_demand": path.config.on_demand,
+            "release_after_secs": path.config.release_after_secs,
+            "room": room_of(&path.name),
+            "upstream": {"playing": live.is_some(), "tracks": tracks},
+            "viewers": self.viewers_of(&path.name),
+        })
+    }
+
     /// Run a model change on the blocking pool (the manager's writer lock and the data plane's
     /// install are synchronous).
     pub(crate) async fn blocking<R: Send + 'static>(
@@ -304,8 +359,8 @@ impl RtspProxy {
             }
             _ => (path, None),
         };
-        let state = self.paths.get(name).ok_or_else(|| (404, format!("no path {name:?}")))?;
-        Ok((state.clone(), track))
+        let state = self.paths.lock().get(name).cloned().ok_or_else(|| (404, format!("no path {name:?}")))?;
+        Ok((state, track))
     }
 
     async fn live(&self, path: &PathState) -> Option<Arc<Live>> {
@@ -525,6 +580,56 @@ impl RtspProxy {
             Ok(((), vec![Change::Room(room)]))
         })
         .await
+    }
+}
+
+impl RtspPaths for RtspProxy {
+    fn list(&self) -> Vec<serde_json::Value> {
+        let paths: Vec<Arc<PathState>> = self.paths.lock().values().cloned().collect();
+        paths.iter().map(|p| self.describe_path(p)).collect()
+    }
+
+    fn get(&self, name: &str) -> Option<serde_json::Value> {
+        let path = self.paths.lock().get(name).cloned()?;
+        Some(self.describe_path(&path))
+    }
+
+    fn add(&self, config: RtspPath) -> Result<serde_json::Value, RtspPathError> {
+        let path = self.start_path(config)?;
+        tracing::info!(path = %path.name, source = %path.source, "RTSP path added");
+        Ok(self.describe_path(&path))
+    }
+
+    fn remove(&self, name: &str) -> Result<(), RtspPathError> {
+        let path = self.paths.lock().remove(name).ok_or_else(|| RtspPathError::NotFound(name.to_string()))?;
+        if let Some(pull) = path.pull.lock().take() {
+            pull.abort();
+        }
+        if path.live.send_replace(None).is_some() {
+            self.metrics.upstream(name, false);
+        }
+        let ended: Vec<ViewerSession> = {
+            let mut sessions = self.sessions.lock();
+            let ids: Vec<String> = sessions.iter().filter(|(_, s)| s.path == name).map(|(id, _)| id.clone()).collect();
+            let ended = ids.iter().filter_map(|id| sessions.remove(id)).collect();
+            self.metrics.set_sessions(sessions.len());
+            ended
+        };
+        for _ in &ended {
+            self.metrics.session_ended(RtspSessionEnd::Teardown);
+        }
+        drop(ended); // their relays stop
+        let room = room_of(name);
+        self.manager
+            .mutate(|model, _| {
+                if model.rooms.contains_key(&room) {
+                    model.delete_room(&room)?;
+                }
+                Ok(((), vec![Change::Room(room.clone())]))
+            })
+            .map_err(|e| RtspPathError::Failed(e.to_string()))?;
+        tracing::info!(path = %name, "RTSP path removed");
+        Ok(())
     }
 }
 
