@@ -331,6 +331,33 @@ fn paths_added_and_removed_through_the_api() {
     assert_eq!(off.call("GET", "/v1/rtsp/paths", None).1["code"], "not_found");
 }
 
+/// A camera that asks for credentials (Digest, then Basic): pulled with the ones in the source
+/// URL (percent-encoded), never shown back; without them, or with wrong ones, not pulled, and a
+/// viewer is told 503.
+#[test]
+fn a_camera_behind_digest_or_basic_authentication() {
+    for method in ["digest", "basic"] {
+        let tmp = TempDir::new(&format!("rtsp-auth-{method}"));
+        let mut cmd = Command::new("/usr/bin/python3");
+        cmd.env("CAMERA_AUTH", format!("ann:s3cr%t:{method}"));
+        let camera = Camera::start_with(cmd, "127.0.0.1");
+        let with = camera.url.replace("rtsp://", "rtsp://ann:s3cr%25t@");
+        let wrong = camera.url.replace("rtsp://", "rtsp://ann:guess@");
+        let args = ["--rtsp-path", &format!("good={with}"), "--rtsp-path", &format!("none={}", camera.url), "--rtsp-path", &format!("wrong={wrong}")];
+        let (d, rtsp) = serve_paths(&tmp, if method == "digest" { "127.43.0.7" } else { "127.43.0.8" }, "", &args);
+        let (frames, err) = Viewer::start(&format!("{rtsp}/good"), 2).frames(Duration::from_secs(25));
+        assert!(frames > 0, "{method}: nothing through a path with credentials: {err}");
+        let (_, good) = d.call("GET", "/v1/rtsp/paths/good", None);
+        assert_eq!(good["source"], camera.url.replace("rtsp://", "rtsp://ann:***@"), "{method}: {good}");
+        for refused in ["none", "wrong"] {
+            let (_, state) = d.call("GET", &format!("/v1/rtsp/paths/{refused}"), None);
+            assert_eq!(state["upstream"]["playing"], false, "{method}: {state}");
+            let answer = raw(rtsp.trim_start_matches("rtsp://"), format!("DESCRIBE {rtsp}/{refused} RTSP/1.0\r\nCSeq: 1\r\n\r\n").as_bytes());
+            assert!(answer.starts_with("RTSP/1.0 503 "), "{method} {refused}: {answer}");
+        }
+    }
+}
+
 /// A viewer that vanishes without TEARDOWN (killed) loses its session after
 /// `rtsp.session_timeout_secs`, and the camera's copies to it stop; one that keeps the session
 /// alive with GET_PARAMETER keeps it.

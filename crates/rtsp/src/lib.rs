@@ -7,6 +7,7 @@
 //! `message`, `transport` and `describe` are sans-I/O (and fuzzed); `upstream` and `server`
 //! are the tokio tasks that speak them.
 
+pub mod auth;
 pub mod describe;
 pub mod message;
 mod server;

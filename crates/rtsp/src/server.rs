@@ -54,6 +54,17 @@ pub(crate) struct PathState {
     pub demand: watch::Sender<u64>,
 }
 
+impl PathState {
+    /// The source URL as shown in logs and the API: its password as `***`.
+    pub fn config_source(&self) -> String {
+        let mut shown = self.source.clone();
+        if shown.password().is_some() {
+            let _ = shown.set_password(Some("***"));
+        }
+        shown.to_string()
+    }
+}
+
 struct ViewerSession {
     path: String,
     /// Track index → its participant id.
@@ -211,13 +222,9 @@ impl RtspProxy {
                     .collect()
             }
         };
-        let mut source = path.source.clone();
-        if source.password().is_some() {
-            let _ = source.set_password(Some("***"));
-        }
         serde_json::json!({
             "name": path.name,
-            "source": source.as_str(),
+            "source": path.config_source(),
             "on_demand": path.config.on_demand,
             "release_after_secs": path.config.release_after_secs,
             "room": room_of(&path.name),
@@ -596,7 +603,7 @@ impl RtspPaths for RtspProxy {
 
     fn add(&self, config: RtspPath) -> Result<serde_json::Value, RtspPathError> {
         let path = self.start_path(config)?;
-        tracing::info!(path = %path.name, source = %path.source, "RTSP path added");
+        tracing::info!(path = %path.name, source = %path.config_source(), "RTSP path added");
         Ok(self.describe_path(&path))
     }
 

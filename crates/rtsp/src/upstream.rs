@@ -5,6 +5,7 @@
 //! the `client_port` given upstream, remote = the upstream's `server_port`), so only the
 //! camera's address may inject into it (the forwarding model's source check).
 
+use crate::auth::Challenge;
 use crate::describe::{control_url, Presentation};
 use crate::message::{decode, Message, Request, Response};
 use crate::server::{ensure_room, subscribe_viewers, Live, PathState};
@@ -54,7 +55,7 @@ pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
                 backoff = BACKOFF_FIRST;
                 continue;
             }
-            Err(e) => tracing::warn!(path = %path.name, source = %path.source, error = format!("{e:#}"), "upstream lost"),
+            Err(e) => tracing::warn!(path = %path.name, source = %path.config_source(), error = format!("{e:#}"), "upstream lost"),
         }
         // A session that ran for a while starts the backoff again.
         if started.elapsed() > BACKOFF_MAX {
@@ -66,15 +67,23 @@ pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
 }
 
 async fn pull_once(proxy: &RtspProxy, path: &PathState) -> anyhow::Result<()> {
-    let url = &path.source;
+    // Credentials go in Authorization headers, never in request lines (or logs).
+    let credentials = credentials_of(&path.source);
+    let mut bare = path.source.clone();
+    let _ = bare.set_username("");
+    let _ = bare.set_password(None);
+    let url = &bare;
     let host = url.host_str().ok_or_else(|| anyhow!("{url} has no host"))?;
     let port = url.port().unwrap_or(554);
     let media = proxy.manager.media_config().clone();
     let tcp = tokio::time::timeout(REQUEST_TIMEOUT, connect_from(media.ip, host, port)).await.context("connecting")??;
     let peer = tcp.peer_addr()?;
-    let mut c = Client { tcp, buf: Vec::new(), cseq: 0, session: None };
+    let mut c = Client { tcp, buf: Vec::new(), cseq: 0, session: None, credentials, challenge: None, nc: 0 };
 
     let r = c.request("DESCRIBE", url.as_str(), &[("Accept", "application/sdp")]).await?;
+    if r.status == 401 && c.credentials.is_none() {
+        bail!("the upstream asks for credentials: give them in the source URL (rtsp://user:password@host/path)");
+    }
     if r.status != 200 {
         bail!("DESCRIBE answered {} {}", r.status, r.reason);
     }
@@ -181,6 +190,18 @@ struct Client {
     buf: Vec<u8>,
     cseq: u32,
     session: Option<String>,
+    /// User and password from the source URL.
+    credentials: Option<(String, String)>,
+    /// The upstream's latest challenge, answered in every request from then on.
+    challenge: Option<Challenge>,
+    /// Requests answered to the challenge's nonce (Digest's `nc`).
+    nc: u32,
+}
+
+/// The percent-decoded user and password of a URL, if it has a user.
+fn credentials_of(url: &url::Url) -> Option<(String, String)> {
+    let decode = |s: &str| percent_encoding::percent_decode_str(s).decode_utf8_lossy().into_owned();
+    (!url.username().is_empty()).then(|| (decode(url.username()), decode(url.password().unwrap_or(""))))
 }
 
 impl Client {
@@ -194,6 +215,11 @@ impl Client {
         if let Some(s) = &self.session {
             req.headers.set("Session", s.clone());
         }
+        if let (Some(c), Some((user, password))) = (&self.challenge, &self.credentials) {
+            self.nc += 1;
+            let cnonce = format!("{:08x}", self.cseq.wrapping_mul(0x9e37_79b9) ^ std::process::id());
+            req.headers.set("Authorization", c.authorization(user, password, method, uri, self.nc, &cnonce));
+        }
         self.tcp.write_all(&req.to_bytes()).await?;
         Ok(self.cseq)
     }
@@ -201,6 +227,25 @@ impl Client {
     /// One request and its response (interleaved data and other messages in between are
     /// skipped).
     async fn request(&mut self, method: &str, uri: &str, headers: &[(&str, &str)]) -> anyhow::Result<Response> {
+        let r = self.request_once(method, uri, headers).await?;
+        if r.status != 401 || self.credentials.is_none() {
+            return Ok(r);
+        }
+        // Challenged (first time, or a stale nonce): answer it once.
+        let offered = r.headers.0.iter().filter(|(n, _)| n.eq_ignore_ascii_case("WWW-Authenticate")).map(|(_, v)| v.as_str());
+        let challenge = Challenge::choose(offered).ok_or_else(|| {
+            let all: Vec<&str> = r.headers.0.iter().filter(|(n, _)| n.eq_ignore_ascii_case("WWW-Authenticate")).map(|(_, v)| v.as_str()).collect();
+            anyhow!("{method}: the upstream asks for an authentication this proxy does not speak: {all:?}")
+        })?;
+        (self.challenge, self.nc) = (Some(challenge), 0);
+        let r = self.request_once(method, uri, headers).await?;
+        if r.status == 401 {
+            bail!("{method}: the upstream refused the source URL's credentials");
+        }
+        Ok(r)
+    }
+
+    async fn request_once(&mut self, method: &str, uri: &str, headers: &[(&str, &str)]) -> anyhow::Result<Response> {
         let cseq = self.send(method, uri, headers).await?;
         let deadline = tokio::time::Instant::now() + REQUEST_TIMEOUT;
         loop {

@@ -5,14 +5,17 @@ gir1.2-gst-rtsp-server-1.0) serving H.264 video and Opus audio at rtsp://<addres
 noisy picture when given, so the encoder reaches it]),
 one shared pipeline for every client. Prints `ready` when it listens, `client <n>` each time a
 client connects and `closed <n>` when its connection closes, so a test can count the upstream
-sessions it saw."""
+sessions it saw. With CAMERA_AUTH=<user>:<password>:<basic|digest> in the environment it
+asks every client for those credentials by that method."""
+import os
 import sys
 
 import gi
 
 gi.require_version("Gst", "1.0")
 gi.require_version("GstRtspServer", "1.0")
-from gi.repository import GLib, Gst, GstRtspServer  # noqa: E402
+gi.require_version("GstRtsp", "1.0")
+from gi.repository import GLib, Gst, GstRtsp, GstRtspServer  # noqa: E402
 
 port = sys.argv[1]
 fps = int(sys.argv[2]) if len(sys.argv) > 2 else 25
@@ -31,6 +34,21 @@ factory.set_launch(
     "audiotestsrc is-live=true ! audio/x-raw,rate=48000,channels=2 ! opusenc ! rtpopuspay name=pay1 pt=97 )"
 )
 factory.set_shared(True)
+if os.environ.get("CAMERA_AUTH"):
+    user, password, method = os.environ["CAMERA_AUTH"].split(":")
+    auth = GstRtspServer.RTSPAuth()
+    token = GstRtspServer.RTSPToken()
+    token.set_string("media.factory.role", "viewer")
+    if method == "digest":
+        auth.add_digest(user, password, token)
+        auth.set_supported_methods(GstRtsp.RTSPAuthMethod.DIGEST)
+    else:
+        auth.add_basic(GstRtspServer.RTSPAuth.make_basic(user, password), token)
+    server.set_auth(auth)
+    permissions = GstRtspServer.RTSPPermissions()
+    permissions.add_permission_for_role("viewer", "media.factory.access", True)
+    permissions.add_permission_for_role("viewer", "media.factory.construct", True)
+    factory.set_permissions(permissions)
 server.get_mount_points().add_factory("/cam", factory)
 clients = 0
 
