@@ -125,5 +125,6 @@ pub async fn serve_with(
     axum::serve(listener, app).with_graceful_shutdown(shutdown).await?;
     tracing::info!("shutting down data plane");
     dataplane.shutdown()?;
+    tracing::info!("data plane stopped");
     Ok(())
 }

@@ -562,6 +562,10 @@ impl Dataplane for UserspaceDataplane {
     }
 
     fn shutdown(&self) -> Result<(), DataplaneError> {
+        // The locks in the order an apply takes them (apply_lock, then workers): a change being
+        // installed while the daemon stops (an RTSP session ending) finishes first instead of
+        // deadlocking against this.
+        let mut applied = self.apply_lock.lock();
         self.shared.stop.store(true, Ordering::SeqCst);
         let mut workers = self.workers.lock();
         for w in workers.iter() {
@@ -577,7 +581,7 @@ impl Dataplane for UserspaceDataplane {
             let _ = thread.join();
         }
         self.shared.state.store(Arc::new(State { table: Arc::new(ForwardingTable::default()), sockets: Default::default(), srtp: Default::default() }));
-        self.apply_lock.lock().clear();
+        applied.clear();
         Ok(())
     }
 }

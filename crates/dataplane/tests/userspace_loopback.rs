@@ -404,3 +404,39 @@ fn srtp_leg_is_unprotected_protected_and_only_its_key_holder_is_learnt() {
     }
     dp.shutdown().unwrap();
 }
+
+/// Stopping the plane while another thread installs changes finishes (the two once took their
+/// locks in opposite orders and deadlocked: an RTSP session ending as the daemon stopped).
+#[test]
+fn stopping_while_changes_are_installed_finishes() {
+    const NET: u8 = 9;
+    let _x = exclusive();
+    for round in 0..8 {
+        let dp = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 2, ..Default::default() }, None).unwrap());
+        let installer = {
+            let dp = dp.clone();
+            std::thread::spawn(move || {
+                let deadline = std::time::Instant::now() + Duration::from_millis(400);
+                let mut n = 0;
+                while std::time::Instant::now() < deadline {
+                    // Tables with a different set of sockets each time: every install changes sockets.
+                    let model = conference(NET, 2 + n % 3);
+                    let _ = dp.apply(Arc::new(ForwardingTable::compile(&model, n as u64 + 1)));
+                    n += 1;
+                }
+            })
+        };
+        std::thread::sleep(Duration::from_millis(5 + round));
+        let (done, finished) = std::sync::mpsc::channel();
+        let stopper = {
+            let dp = dp.clone();
+            std::thread::spawn(move || {
+                dp.shutdown().unwrap();
+                let _ = done.send(());
+            })
+        };
+        assert!(finished.recv_timeout(Duration::from_secs(10)).is_ok(), "round {round}: shutdown did not finish beside an install");
+        stopper.join().unwrap();
+        installer.join().unwrap();
+    }
+}

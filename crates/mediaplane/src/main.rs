@@ -290,7 +290,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     };
     let rtsp_cfg = cfg.rtsp.clone();
     let api_listen = cfg.api.listen;
-    rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager, metrics| {
+    let served = rt.block_on(mediaplane_control::serve_with(cfg, dataplane, Some(rx), args.reset, shutdown_signal(), move |manager, metrics| {
         if let Some(socket) = ng {
             tracing::info!(listen = %ng_cfg.listen, "NG protocol listening");
             let (manager, ng_metrics) = (manager.clone(), metrics.ng.clone());
@@ -312,7 +312,11 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         // Store open, sessions restored, data plane up, NG and the API bound.
         tracing::info!("ready");
         sd_notify(&format!("READY=1\nSTATUS=serving the API on {api_listen}\nMAINPID={}", std::process::id()));
-    }))
+    }));
+    // Tasks still running (an RTSP session ending, a pull giving up) may be waiting on the data
+    // plane that just stopped: they are not waited for beyond this.
+    rt.shutdown_timeout(std::time::Duration::from_secs(2));
+    served
 }
 
 fn build_dataplane(cfg: &Config, events: std::sync::mpsc::SyncSender<DataplaneEvent>, reset: bool) -> anyhow::Result<Arc<dyn Dataplane>> {
