@@ -99,6 +99,9 @@ bench: release
 	# SRTP <-> RTP bridging (the caller SDES-SRTP, the callee plain RTP) beside the same calls in plain RTP.
 	target/release/mediaplane bench relay --calls 200,750 --seconds 10 --media rtp,sdes-rtp --relays kernel-forward,mediaplane-userspace,mediaplane-ebpf,rtpengine --skip-capacity --out bench-results/relay-srtp
 	target/release/mediaplane bench overload --out bench-results/overload
+	# RTSP: one camera to 1, 10, 100 UDP viewers and 10 TCP ones, mediaplane's proxy on the socket
+	# and eBPF planes beside gst-rtsp-server restreaming the same camera (about 3 min here).
+	target/release/mediaplane bench rtsp --out bench-results/rtsp
 	# Round trip through one relay pair, sockperf ping-pong: no relay, mediaplane, rtpengine.
 	scripts/bench-pingpong.sh --out bench-results/pingpong
 

@@ -61,6 +61,8 @@ pub enum BenchCommand {
     Overload(crate::bench_overload::BenchOverloadArgs),
     /// SIP media relay: N concurrent calls over NG through mediaplane (user space, eBPF) and rtpengine.
     Relay(crate::bench_relay::BenchRelayArgs),
+    /// RTSP proxy: one camera, 1 to 100 viewers, mediaplane's planes beside gst-rtsp-server restreaming it.
+    Rtsp(crate::bench_rtsp::BenchRtspArgs),
 }
 
 pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
@@ -68,6 +70,7 @@ pub fn run(cmd: BenchCommand) -> anyhow::Result<()> {
         BenchCommand::Sfu(a) => sfu(a),
         BenchCommand::Overload(a) => crate::bench_overload::run(a),
         BenchCommand::Relay(a) => crate::bench_relay::run(a),
+        BenchCommand::Rtsp(a) => crate::bench_rtsp::run(a),
     }
 }
 

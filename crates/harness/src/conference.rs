@@ -34,7 +34,7 @@ const SFU_HIGH_PORT: u16 = 40002;
 /// Participant ports: media through the SFU, and the direct-path baseline.
 pub(crate) const MEDIA_PORT: u16 = 5004;
 const DIRECT_PORT: u16 = 5006;
-const API: &str = "127.0.0.1:7580";
+pub(crate) const API: &str = "127.0.0.1:7580";
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "kebab-case")]

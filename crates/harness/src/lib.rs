@@ -13,6 +13,7 @@
 
 pub mod bench_overload;
 pub mod bench_relay;
+pub mod bench_rtsp;
 pub mod bench_sfu;
 pub mod conference;
 pub mod demo;

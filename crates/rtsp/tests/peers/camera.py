@@ -6,7 +6,9 @@ noisy picture when given, so the encoder reaches it]),
 one shared pipeline for every client. Prints `ready` when it listens, `client <n>` each time a
 client connects and `closed <n>` when its connection closes, so a test can count the upstream
 sessions it saw. With CAMERA_AUTH=<user>:<password>:<basic|digest> in the environment it
-asks every client for those credentials by that method."""
+asks every client for those credentials by that method. With CAMERA_SOURCE=<rtsp URL> it is
+not a camera but gst-rtsp-server restreaming that URL (the benchmark's anchor): its H.264 and
+Opus depayloaded and payloaded again, one pull for every client."""
 import os
 import sys
 
@@ -28,11 +30,18 @@ server = GstRtspServer.RTSPServer()
 server.set_address(address)
 server.set_service(port)
 factory = GstRtspServer.RTSPMediaFactory()
-factory.set_launch(
+launch = (
     f"( videotestsrc is-live=true {picture} ! video/x-raw,width=320,height=240,framerate={fps}/1 "
     f"! {encoder} ! h264parse config-interval=-1 ! rtph264pay name=pay0 pt=96 "
     "audiotestsrc is-live=true ! audio/x-raw,rate=48000,channels=2 ! opusenc ! rtpopuspay name=pay1 pt=97 )"
 )
+if os.environ.get("CAMERA_SOURCE"):
+    launch = (
+        f"( rtspsrc location={os.environ['CAMERA_SOURCE']} latency=0 protocols=udp name=src "
+        "src. ! application/x-rtp,media=video ! rtph264depay ! h264parse config-interval=-1 ! rtph264pay name=pay0 pt=96 "
+        "src. ! application/x-rtp,media=audio ! rtpopusdepay ! rtpopuspay name=pay1 pt=97 )"
+    )
+factory.set_launch(launch)
 factory.set_shared(True)
 if os.environ.get("CAMERA_AUTH"):
     user, password, method = os.environ["CAMERA_AUTH"].split(":")
