@@ -56,6 +56,10 @@ pub struct RtspPath {
     pub on_demand: bool,
     #[serde(default = "default_release_after")]
     pub release_after_secs: u64,
+    /// Who may watch, as `name:password` (Digest or Basic); empty: anyone who reaches
+    /// `rtsp.listen`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub read_users: Vec<String>,
 }
 
 /// The host of an `rtsp://` URL (None: not one).
@@ -85,6 +89,11 @@ impl RtspPath {
         if url.is_empty() {
             return Err(format!("{name:?}: source {:?} has no host", self.source));
         }
+        for u in &self.read_users {
+            if !u.split_once(':').is_some_and(|(n, p)| !n.is_empty() && !p.is_empty() && !n.contains(['"', '\\'])) {
+                return Err(format!("{name:?}: read_users entries are name:password (both non-empty, no quote in the name)"));
+            }
+        }
         if self.release_after_secs == 0 && self.on_demand {
             return Err(format!("{name:?}: release_after_secs must be at least 1"));
         }
@@ -94,7 +103,13 @@ impl RtspPath {
     /// `name=rtsp://...`, as `--rtsp-path` takes it.
     pub fn parse_arg(s: &str) -> Result<RtspPath, String> {
         let (name, source) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected name=rtsp://host/path"))?;
-        Ok(RtspPath { name: name.to_string(), source: source.to_string(), on_demand: false, release_after_secs: default_release_after() })
+        Ok(RtspPath {
+            name: name.to_string(),
+            source: source.to_string(),
+            on_demand: false,
+            release_after_secs: default_release_after(),
+            read_users: Vec::new(),
+        })
     }
 }
 

@@ -164,6 +164,7 @@ pub struct RtspMetrics {
     upstream_playing: Family<PathLabels, Gauge>,
     upstream_pulls: Family<PathLabels, Counter>,
     tcp_dropped: Counter,
+    unauthorized: Counter,
     /// The paths declared (families cannot be listed), for the totals.
     paths: Arc<parking_lot::Mutex<Vec<String>>>,
 }
@@ -184,6 +185,7 @@ pub struct RtspTotals {
     pub upstreams_playing: u64,
     pub upstream_pulls: u64,
     pub tcp_dropped: u64,
+    pub unauthorized: u64,
 }
 
 const RTSP_END_REASONS: [&str; 3] = ["teardown", "timeout", "connection_closed"];
@@ -228,9 +230,20 @@ impl RtspMetrics {
         self.tcp_dropped.inc();
     }
 
+    /// A request refused for want of a reader's credentials (401).
+    pub fn unauthorized(&self) {
+        self.unauthorized.inc();
+    }
+
     pub fn totals(&self) -> RtspTotals {
         let ended = RTSP_END_REASONS.iter().map(|&reason| self.sessions_ended.get(&ReasonLabels { reason }).map_or(0, |c| c.get())).sum();
-        RtspTotals { sessions: self.sessions.get().max(0) as u64, sessions_ended: ended, tcp_dropped: self.tcp_dropped.get(), ..self.path_totals() }
+        RtspTotals {
+            sessions: self.sessions.get().max(0) as u64,
+            sessions_ended: ended,
+            tcp_dropped: self.tcp_dropped.get(),
+            unauthorized: self.unauthorized.get(),
+            ..self.path_totals()
+        }
     }
 
     fn path_totals(&self) -> RtspTotals {
@@ -336,6 +349,11 @@ impl Metrics {
             rtsp.upstream_pulls.clone(),
         );
         registry.register("mediaplane_rtsp_tcp_dropped", "Interleaved RTP not queued to a TCP viewer that read too slowly", rtsp.tcp_dropped.clone());
+        registry.register(
+            "mediaplane_rtsp_unauthorized",
+            "RTSP requests refused (401) on a path with read_users, for want of valid credentials",
+            rtsp.unauthorized.clone(),
+        );
         registry.register_collector(Box::new(DataplaneCollector { manager, per_stream: cfg.per_stream, per_consumer: cfg.per_consumer }));
         Arc::new(Metrics { registry, http, ng, rtsp, per_consumer: cfg.per_consumer })
     }

@@ -358,6 +358,45 @@ fn a_camera_behind_digest_or_basic_authentication() {
     }
 }
 
+/// A path with `read_users`: a viewer without credentials or with wrong ones is answered 401
+/// (Digest and Basic offered) and counted; ffmpeg with the right ones watches (it answers
+/// Digest); a Basic answer is taken too.
+#[test]
+fn a_path_only_its_readers_may_watch() {
+    let tmp = TempDir::new("rtsp-readers");
+    let camera = Camera::start();
+    let config = format!("[rtsp]\n[[rtsp.paths]]\nname = \"locked\"\nsource = \"{}\"\nread_users = [\"ann:s3cret\"]\n", camera.url);
+    let (d, rtsp) = serve_paths(&tmp, "127.43.0.9", &config, &[]);
+    let addr = rtsp.trim_start_matches("rtsp://").to_string();
+    let url = format!("{rtsp}/locked");
+
+    let anonymous = raw(&addr, format!("DESCRIBE {url} RTSP/1.0\r\nCSeq: 1\r\n\r\n").as_bytes());
+    assert!(anonymous.starts_with("RTSP/1.0 401 "), "{anonymous}");
+    assert!(
+        anonymous.contains("WWW-Authenticate: Digest realm=\"mediaplane\"") && anonymous.contains("WWW-Authenticate: Basic realm=\"mediaplane\""),
+        "{anonymous}"
+    );
+    let basic = |pair: &str| {
+        use base64::Engine as _;
+        let b = base64::engine::general_purpose::STANDARD.encode(pair);
+        raw(&addr, format!("DESCRIBE {url} RTSP/1.0\r\nCSeq: 2\r\nAuthorization: Basic {b}\r\n\r\n").as_bytes())
+    };
+    assert!(basic("ann:s3cret").starts_with("RTSP/1.0 200 "), "{}", basic("ann:s3cret"));
+    assert!(basic("ann:guess").starts_with("RTSP/1.0 401 "));
+    // OPTIONS needs no credentials (clients ask it first).
+    assert!(raw(&addr, format!("OPTIONS {url} RTSP/1.0\r\nCSeq: 3\r\n\r\n").as_bytes()).starts_with("RTSP/1.0 200 "));
+
+    let (frames, err) = Viewer::start(&url.replace("rtsp://", "rtsp://ann:s3cret@"), 2).frames(Duration::from_secs(25));
+    assert!(frames > 0, "ffmpeg with the reader's credentials got nothing: {err}");
+    let mut refused = Viewer::start(&url.replace("rtsp://", "rtsp://ann:guess@"), 2);
+    let status = refused.proc.wait_timeout(Duration::from_secs(20)).unwrap().expect("ffmpeg with wrong credentials gave up");
+    assert!(!status.success(), "ffmpeg with wrong credentials was served");
+    let (_, stats) = d.call("GET", "/v1/stats", None);
+    assert!(stats["rtsp"]["unauthorized"].as_u64().unwrap() >= 3, "{}", stats["rtsp"]);
+    let (_, state) = d.call("GET", "/v1/rtsp/paths/locked", None);
+    assert_eq!(state["read_users"], json!(["ann"]), "names only: {state}");
+}
+
 /// A viewer that vanishes without TEARDOWN (killed) loses its session after
 /// `rtsp.session_timeout_secs`, and the camera's copies to it stop; one that keeps the session
 /// alive with GET_PARAMETER keeps it.

@@ -57,6 +57,76 @@ impl Challenge {
     }
 }
 
+/// The server side: who may read a path, and whether a request's `Authorization` says it is one
+/// of them. Digest nonces are stateless (issue time and a keyed hash of it, valid
+/// [`NONCE_LIFETIME_SECS`]), so nothing is held per client.
+pub struct Verifier {
+    realm: String,
+    /// A per-process secret the nonces are keyed with.
+    secret: String,
+}
+
+pub const NONCE_LIFETIME_SECS: u64 = 300;
+
+impl Verifier {
+    pub fn new(realm: &str, secret: &str) -> Verifier {
+        Verifier { realm: realm.to_string(), secret: secret.to_string() }
+    }
+
+    /// The challenges of a 401: Digest (MD5, qop=auth) and Basic, in that order.
+    pub fn challenges(&self, now_secs: u64) -> [String; 2] {
+        [format!("Digest realm=\"{}\", nonce=\"{}\", algorithm=MD5, qop=\"auth\"", self.realm, self.nonce(now_secs)), format!("Basic realm=\"{}\"", self.realm)]
+    }
+
+    fn nonce(&self, at_secs: u64) -> String {
+        format!("{at_secs:x}.{}", &md5_hex(&format!("{}:{at_secs:x}", self.secret))[..16])
+    }
+
+    fn nonce_fresh(&self, nonce: &str, now_secs: u64) -> bool {
+        let Some(at) = nonce.split_once('.').and_then(|(t, _)| u64::from_str_radix(t, 16).ok()) else { return false };
+        at <= now_secs && now_secs - at <= NONCE_LIFETIME_SECS && constant_time_eq(nonce.as_bytes(), self.nonce(at).as_bytes())
+    }
+
+    /// Whether `authorization` (the header's value) proves one of `users` (`(name, password)`)
+    /// for `method` now.
+    pub fn verify(&self, authorization: Option<&str>, method: &str, users: &[(String, String)], now_secs: u64) -> bool {
+        let Some(value) = authorization else { return false };
+        let (scheme, rest) = value.trim().split_once(' ').unwrap_or((value.trim(), ""));
+        if scheme.eq_ignore_ascii_case("Basic") {
+            let Ok(decoded) = base64::engine::general_purpose::STANDARD.decode(rest.trim()) else { return false };
+            let Ok(pair) = String::from_utf8(decoded) else { return false };
+            let Some((user, password)) = pair.split_once(':') else { return false };
+            return users.iter().any(|(u, p)| u == user && constant_time_eq(p.as_bytes(), password.as_bytes()));
+        }
+        if !scheme.eq_ignore_ascii_case("Digest") {
+            return false;
+        }
+        let p = params_of(rest);
+        let get = |k: &str| p.iter().find(|(n, _)| n.eq_ignore_ascii_case(k)).map(|(_, v)| v.as_str());
+        let (Some(user), Some(realm), Some(nonce), Some(uri), Some(response)) = (get("username"), get("realm"), get("nonce"), get("uri"), get("response"))
+        else {
+            return false;
+        };
+        if realm != self.realm || !self.nonce_fresh(nonce, now_secs) {
+            return false;
+        }
+        let Some((_, password)) = users.iter().find(|(u, _)| u == user) else { return false };
+        let ha1 = md5_hex(&format!("{user}:{realm}:{password}"));
+        let ha2 = md5_hex(&format!("{method}:{uri}"));
+        let expected = match (get("qop"), get("nc"), get("cnonce")) {
+            (Some(q), Some(nc), Some(cnonce)) if q.eq_ignore_ascii_case("auth") => md5_hex(&format!("{ha1}:{nonce}:{nc}:{cnonce}:auth:{ha2}")),
+            (None, _, _) => md5_hex(&format!("{ha1}:{nonce}:{ha2}")),
+            _ => return false,
+        };
+        constant_time_eq(expected.as_bytes(), response.to_ascii_lowercase().as_bytes())
+    }
+}
+
+/// Equal, in a time that depends on the lengths only.
+fn constant_time_eq(a: &[u8], b: &[u8]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).fold(0u8, |acc, (x, y)| acc | (x ^ y)) == 0
+}
+
 fn md5_hex(s: &str) -> String {
     Md5::digest(s.as_bytes()).iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -84,6 +154,32 @@ fn params_of(s: &str) -> Vec<(String, String)> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_server_verifies_what_the_client_side_answers() {
+        let v = Verifier::new("mediaplane", "k3y");
+        let users = vec![("ann".to_string(), "s3cret".to_string())];
+        let now = 1_000_000;
+        for offered in v.challenges(now) {
+            let c = Challenge::choose(std::iter::once(offered.as_str())).unwrap();
+            let good = c.authorization("ann", "s3cret", "DESCRIBE", "rtsp://h/cam", 1, "c0ffee");
+            assert!(v.verify(Some(&good), "DESCRIBE", &users, now + 10), "{offered}: {good}");
+            let wrong = c.authorization("ann", "guess", "DESCRIBE", "rtsp://h/cam", 1, "c0ffee");
+            assert!(!v.verify(Some(&wrong), "DESCRIBE", &users, now + 10), "{offered}");
+            let stranger = c.authorization("bob", "s3cret", "DESCRIBE", "rtsp://h/cam", 1, "c0ffee");
+            assert!(!v.verify(Some(&stranger), "DESCRIBE", &users, now + 10), "{offered}");
+            if offered.starts_with("Digest") {
+                // Another method than answered, a stale nonce, a nonce not ours.
+                assert!(!v.verify(Some(&good), "TEARDOWN", &users, now + 10));
+                assert!(!v.verify(Some(&good), "DESCRIBE", &users, now + NONCE_LIFETIME_SECS + 1));
+                let forged = good.replace(&v.nonce(now), &format!("{now:x}.0000000000000000"));
+                assert!(!v.verify(Some(&forged), "DESCRIBE", &users, now + 10));
+            }
+        }
+        assert!(!v.verify(None, "DESCRIBE", &users, now));
+        assert!(!v.verify(Some("Bearer x"), "DESCRIBE", &users, now));
+        assert!(!v.verify(Some("Basic !!!"), "DESCRIBE", &users, now));
+    }
 
     #[test]
     fn rfc2617_digest_example() {

@@ -6,6 +6,7 @@
 //! and `client_port`. PLAY subscribes each of its participants to the source of its track, PAUSE
 //! unsubscribes, TEARDOWN (or the session timeout) removes them. The copies are the data plane's.
 
+use crate::auth::Verifier;
 use crate::describe::Presentation;
 use crate::message::{decode, Message, Request, Response, MAX_BODY, MAX_HEAD};
 use crate::transport::{Lower, TransportSpec};
@@ -44,6 +45,8 @@ pub(crate) struct Live {
 pub(crate) struct PathState {
     pub name: String,
     pub config: RtspPath,
+    /// `read_users` split into (name, password).
+    read_users: Vec<(String, String)>,
     /// Its pull, aborted when the path is removed.
     pull: Mutex<Option<tokio::task::AbortHandle>>,
     pub source: url::Url,
@@ -109,6 +112,7 @@ pub struct RtspProxy {
     /// Where paths added through the API start their pulls (the API calls in from its own tasks).
     runtime: tokio::runtime::Handle,
     me: std::sync::Weak<RtspProxy>,
+    verifier: Verifier,
 }
 
 /// Serve RTSP on `listener` until the process ends: pull every configured path and answer
@@ -125,6 +129,7 @@ pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg
         metrics,
         runtime: tokio::runtime::Handle::current(),
         me: me.clone(),
+        verifier: Verifier::new("mediaplane", &session_id()),
     });
     let stale = proxy.blocking(|model, _| {
         let rooms: Vec<String> = model.rooms.keys().filter(|r| r.starts_with("rtsp.")).cloned().collect();
@@ -195,7 +200,8 @@ impl RtspProxy {
         let (demand, _) = watch::channel(0);
         let on_demand = config.on_demand.then(|| Duration::from_secs(config.release_after_secs));
         let name = config.name.clone();
-        let path = Arc::new(PathState { name: name.clone(), config, pull: Mutex::new(None), source, live, on_demand, demand });
+        let read_users = config.read_users.iter().filter_map(|u| u.split_once(':')).map(|(n, p)| (n.to_string(), p.to_string())).collect();
+        let path = Arc::new(PathState { name: name.clone(), config, read_users, pull: Mutex::new(None), source, live, on_demand, demand });
         let me = self.me.upgrade().ok_or_else(|| RtspPathError::Failed("the proxy is shutting down".into()))?;
         let task = self.runtime.spawn(crate::upstream::pull(me, path.clone()));
         *path.pull.lock() = Some(task.abort_handle());
@@ -227,6 +233,7 @@ impl RtspProxy {
             "source": path.config_source(),
             "on_demand": path.config.on_demand,
             "release_after_secs": path.config.release_after_secs,
+            "read_users": path.read_users.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
             "room": room_of(&path.name),
             "upstream": {"playing": live.is_some(), "tracks": tracks},
             "viewers": self.viewers_of(&path.name),
@@ -329,6 +336,11 @@ impl RtspProxy {
                 s.last_seen = Instant::now();
             }
         }
+        if req.method != "OPTIONS" {
+            if let Some(refused) = self.refuse_unauthenticated(req) {
+                return refused;
+            }
+        }
         let result = match req.method.as_str() {
             "OPTIONS" => Ok(Response::to(req, 200).with("Public", METHODS)),
             "DESCRIBE" => self.describe(req).await,
@@ -353,6 +365,25 @@ impl RtspProxy {
                 r
             }
         }
+    }
+
+    /// A 401 for a request on a path with `read_users` that does not prove one of them.
+    fn refuse_unauthenticated(&self, req: &Request) -> Option<Response> {
+        let (path, _) = self.target(&req.uri).ok()?;
+        let users = &path.read_users;
+        if users.is_empty() {
+            return None;
+        }
+        let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs());
+        if self.verifier.verify(req.headers.get("Authorization"), &req.method, users, now) {
+            return None;
+        }
+        self.metrics.unauthorized();
+        let mut r = Response::to(req, 401);
+        for c in self.verifier.challenges(now) {
+            r.headers.0.push(("WWW-Authenticate".into(), c));
+        }
+        Some(r)
     }
 
     /// The path and track a request URL names: `rtsp://host/<path>[/trackID=<i>]`.
