@@ -269,9 +269,12 @@ fn an_on_demand_path_is_pulled_while_watched() {
         assert!(left.elapsed() < Duration::from_secs(5), "the camera was not released: {:?}", camera.lines.lock().unwrap());
         std::thread::sleep(Duration::from_millis(50));
     }
+    // Released for good: not pulled again by the requests of the viewer that left (it once was).
+    std::thread::sleep(Duration::from_secs(1));
     let (_, stats) = d.call("GET", "/v1/stats", None);
     assert_eq!(stats["rtsp"]["upstreams_playing"], 0, "{}", stats["rtsp"]);
     assert_eq!(stats["rtsp"]["upstream_pulls"], 1, "{}", stats["rtsp"]);
+    assert_eq!(camera.clients(), 1, "{:?}", camera.lines.lock().unwrap());
     eprintln!("pulled {pulled_after:?} after the viewer started; released {:?} after it left", left.elapsed());
 
     // And pulled again for the next viewer.
@@ -395,6 +398,71 @@ fn a_path_only_its_readers_may_watch() {
     assert!(stats["rtsp"]["unauthorized"].as_u64().unwrap() >= 3, "{}", stats["rtsp"]);
     let (_, state) = d.call("GET", "/v1/rtsp/paths/locked", None);
     assert_eq!(state["read_users"], json!(["ann"]), "names only: {state}");
+}
+
+/// The camera's sender reports reach the viewers unchanged (the same SSRC as the RTP they get):
+/// a UDP viewer's at its client RTCP port from its server RTCP port, a TCP viewer's interleaved
+/// on the channel after its RTP's.
+#[test]
+fn the_cameras_sender_reports_reach_the_viewers() {
+    let tmp = TempDir::new("rtsp-rtcp");
+    let camera = Camera::start();
+    let (_d, url) = serve(&tmp, &camera, "127.43.0.10");
+    let addr = url.trim_start_matches("rtsp://").trim_end_matches("/cam").to_string();
+    let request = |s: &mut TcpStream, req: String| -> mediaplane_rtsp::message::Response {
+        s.write_all(req.as_bytes()).unwrap();
+        let mut buf = Vec::new();
+        let mut byte = [0u8; 1];
+        loop {
+            if let Ok(Some((mediaplane_rtsp::message::Message::Response(r), _))) = mediaplane_rtsp::message::decode(&buf) {
+                return r;
+            }
+            assert_eq!(s.read(&mut byte).unwrap(), 1);
+            buf.push(byte[0]);
+        }
+    };
+    let sender_ssrc = |p: &[u8]| (p.len() >= 8 && p[1] == 200).then(|| u32::from_be_bytes([p[4], p[5], p[6], p[7]]));
+
+    // UDP: RTP and RTCP sockets of its own.
+    let rtp = std::net::UdpSocket::bind("127.0.0.1:0").unwrap();
+    let port = rtp.local_addr().unwrap().port();
+    let rtcp = std::net::UdpSocket::bind(("127.0.0.1", port + 1)).expect("the port after the RTP socket's is free");
+    rtcp.set_read_timeout(Some(Duration::from_secs(12))).unwrap();
+    rtp.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    let mut udp = TcpStream::connect(&addr).unwrap();
+    let setup = request(&mut udp, format!("SETUP {url}/trackID=0 RTSP/1.0\r\nCSeq: 1\r\nTransport: RTP/AVP;unicast;client_port={port}-{}\r\n\r\n", port + 1));
+    assert_eq!(setup.status, 200, "{setup:?}");
+    let server_rtcp = mediaplane_rtsp::transport::TransportSpec::parse(setup.headers.get("Transport").unwrap()).unwrap().server_port.unwrap().1;
+    let session = setup.headers.session().unwrap().to_string();
+    assert_eq!(request(&mut udp, format!("PLAY {url} RTSP/1.0\r\nCSeq: 2\r\nSession: {session}\r\n\r\n")).status, 200);
+    let mut buf = [0u8; 2048];
+    rtp.recv(&mut buf).expect("RTP through the proxy");
+    let media_ssrc = u32::from_be_bytes([buf[8], buf[9], buf[10], buf[11]]);
+    let (n, from) = rtcp.recv_from(&mut buf).expect("a sender report within 12 s");
+    assert_eq!(from.port(), server_rtcp, "from the server RTCP port its SETUP answered");
+    assert_eq!(sender_ssrc(&buf[..n]), Some(media_ssrc), "the camera's SR for the SSRC of the RTP: {:02x?}", &buf[..n.min(16)]);
+
+    // TCP: the SR on channel 1 of its connection.
+    let mut tcp = TcpStream::connect(&addr).unwrap();
+    tcp.set_read_timeout(Some(Duration::from_secs(12))).unwrap();
+    let setup = request(&mut tcp, format!("SETUP {url}/trackID=0 RTSP/1.0\r\nCSeq: 1\r\nTransport: RTP/AVP/TCP;unicast;interleaved=0-1\r\n\r\n"));
+    let session = setup.headers.session().unwrap().to_string();
+    assert_eq!(request(&mut tcp, format!("PLAY {url} RTSP/1.0\r\nCSeq: 2\r\nSession: {session}\r\n\r\n")).status, 200);
+    let deadline = Instant::now() + Duration::from_secs(12);
+    let mut stream = Vec::new();
+    let mut chunk = [0u8; 4096];
+    'read: loop {
+        assert!(Instant::now() < deadline, "no sender report on channel 1 within 12 s");
+        let n = tcp.read(&mut chunk).unwrap();
+        stream.extend_from_slice(&chunk[..n]);
+        while let Ok(Some((m, used))) = mediaplane_rtsp::message::decode(&stream) {
+            stream.drain(..used);
+            if let mediaplane_rtsp::message::Message::Interleaved { channel: 1, data } = m {
+                assert_eq!(sender_ssrc(&data), Some(media_ssrc), "{data:02x?}");
+                break 'read;
+            }
+        }
+    }
 }
 
 /// A viewer that vanishes without TEARDOWN (killed) loses its session after

@@ -76,8 +76,21 @@ struct ViewerSession {
     last_seen: Instant,
     /// Interleaved on this connection (RTP over RTSP's TCP): the session ends with it.
     connection: Option<u64>,
-    /// The tasks that carry its tracks' copies onto that connection.
+    /// The tasks that carry its tracks' copies onto that connection, or take its receiver
+    /// reports.
     relays: Vec<tokio::task::AbortHandle>,
+    /// Track index → where the camera's RTCP for it goes.
+    rtcp: BTreeMap<usize, RtcpSink>,
+}
+
+/// Where a viewer's track gets the camera's RTCP (its sender reports: what players synchronise
+/// audio and video with). RTCP is forwarded unchanged, as the media is: same SSRCs, same clock.
+enum RtcpSink {
+    /// From the odd port beside its participant's (its `server_port`'s second) to its
+    /// `client_port`'s second.
+    Udp { socket: Arc<tokio::net::UdpSocket>, to: SocketAddr },
+    /// Interleaved on its connection, on the channel after its RTP's.
+    Interleaved { out: mpsc::Sender<Vec<u8>>, channel: u8 },
 }
 
 impl Drop for ViewerSession {
@@ -208,6 +221,10 @@ impl RtspProxy {
         paths.insert(name.clone(), path.clone());
         self.metrics.declare_paths(std::iter::once(name.as_str()));
         Ok(path)
+    }
+
+    pub(crate) fn me(&self) -> std::sync::Weak<RtspProxy> {
+        self.me.clone()
     }
 
     /// A path's state as the API shows it.
@@ -482,19 +499,25 @@ impl RtspProxy {
             })
         };
         let local = local.await.map_err(|e| (500, e.to_string()))?;
-        let relay = match interleaved {
-            false => None,
+        let rtcp_at = SocketAddr::new(local.ip(), local.port() + 1);
+        let bound = match interleaved {
+            false => {
+                let to = SocketAddr::new(conn.peer.ip(), chosen.client_port.map_or(0, |(_, rtcp)| rtcp));
+                self.take_receiver_reports(rtcp_at).map(|(socket, task)| (task, RtcpSink::Udp { socket, to }))
+            }
             true => {
                 let channel = chosen.interleaved.map(|(rtp, _)| rtp).unwrap_or((track * 2) as u8);
                 chosen.interleaved = Some((channel, channel.wrapping_add(1)));
-                match self.relay_interleaved(local, remote(local), channel, conn.out.clone()) {
-                    Ok(handle) => Some(handle),
-                    Err(e) => {
-                        let (room, pid) = (room.clone(), pid.clone());
-                        let _ = self.blocking(move |model, _| Ok((model.remove_participant(&room, &pid)?, vec![Change::Room(room)]))).await;
-                        return Err((500, format!("binding the interleaved relay at {}: {e}", remote(local))));
-                    }
-                }
+                let sink = RtcpSink::Interleaved { out: conn.out.clone(), channel: channel.wrapping_add(1) };
+                self.relay_interleaved(local, remote(local), channel, conn.out.clone()).map(|task| (task, sink))
+            }
+        };
+        let (relay, sink) = match bound {
+            Ok(b) => b,
+            Err(e) => {
+                let (room, pid) = (room.clone(), pid.clone());
+                let _ = self.blocking(move |model, _| Ok((model.remove_participant(&room, &pid)?, vec![Change::Room(room)]))).await;
+                return Err((500, format!("binding {rtcp_at}: {e}")));
             }
         };
         {
@@ -506,9 +529,11 @@ impl RtspProxy {
                 last_seen: Instant::now(),
                 connection: interleaved.then_some(conn.id),
                 relays: Vec::new(),
+                rtcp: BTreeMap::new(),
             });
             s.tracks.insert(track, pid);
-            s.relays.extend(relay);
+            s.relays.push(relay);
+            s.rtcp.insert(track, sink);
             self.metrics.set_sessions(sessions.len());
         }
         if new {
@@ -521,6 +546,40 @@ impl RtspProxy {
             chosen.interleaved = None;
         }
         Ok(Response::to(req, 200).with("Transport", chosen.to_header()).with("Session", format!("{session_id};timeout={}", self.timeout.as_secs())))
+    }
+
+    /// A UDP viewer's RTCP port on the proxy's side: its receiver reports arrive there (read and
+    /// let go, so its sender gets no ICMP errors) and the camera's sender reports leave from it.
+    fn take_receiver_reports(&self, at: SocketAddr) -> std::io::Result<(Arc<tokio::net::UdpSocket>, tokio::task::AbortHandle)> {
+        let socket = std::net::UdpSocket::bind(at)?;
+        socket.set_nonblocking(true)?;
+        let socket = Arc::new(tokio::net::UdpSocket::from_std(socket)?);
+        let reader = socket.clone();
+        let task = tokio::spawn(async move {
+            let mut buf = vec![0u8; 2048];
+            while reader.recv_from(&mut buf).await.is_ok() {}
+        });
+        Ok((socket, task.abort_handle()))
+    }
+
+    /// The camera's RTCP for `track` of `path`, to every playing viewer of it.
+    pub(crate) fn forward_rtcp(&self, path: &str, track: usize, packet: &[u8]) {
+        let sessions = self.sessions.lock();
+        for s in sessions.values().filter(|s| s.playing && s.path == path) {
+            match s.rtcp.get(&track) {
+                Some(RtcpSink::Udp { socket, to }) => {
+                    let _ = socket.try_send_to(packet, *to);
+                }
+                Some(RtcpSink::Interleaved { out, channel }) => {
+                    if let Some(frame) = crate::message::interleaved(*channel, packet) {
+                        if out.try_send(frame).is_err() {
+                            self.metrics.tcp_dropped();
+                        }
+                    }
+                }
+                None => {}
+            }
+        }
     }
 
     /// Carry the copies the data plane sends from `from` to `at` onto a viewer's connection as

@@ -53,6 +53,8 @@ pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
             Ok(()) => {
                 tracing::info!(path = %path.name, "upstream released");
                 backoff = BACKOFF_FIRST;
+                // The requests of the viewers it served are spent: only a new one pulls again.
+                demand.mark_unchanged();
                 continue;
             }
             Err(e) => tracing::warn!(path = %path.name, source = %path.config_source(), error = format!("{e:#}"), "upstream lost"),
@@ -118,11 +120,12 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState) -> anyhow::Result<()> {
     let room = room_of(&path.name);
     let viewers = proxy.playing_viewers(&path.name);
     let rates: Vec<Option<u32>> = presentation.tracks.iter().map(|t| t.clock_rate).collect();
+    let claimed = locals.clone();
     let stream_uids = proxy
         .blocking(move |model, _| {
             ensure_room(model, &room)?;
             let mut uids = Vec::new();
-            for (i, (local, remote)) in locals.iter().zip(&remotes).enumerate() {
+            for (i, (local, remote)) in claimed.iter().zip(&remotes).enumerate() {
                 let pid = source_of(i);
                 if model.room(&room)?.participants.contains_key(&pid) {
                     model.remove_participant(&room, &pid)?;
@@ -135,6 +138,8 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState) -> anyhow::Result<()> {
         })
         .await?;
 
+    // The camera's RTCP (sender reports) to the odd port beside each track's: on to its viewers.
+    let _rtcp = relay_sender_reports(proxy, &path.name, &locals, peer.ip())?;
     let r = c.request("PLAY", base.as_str(), &[("Range", "npt=0.000-")]).await?;
     if r.status != 200 {
         bail!("PLAY answered {} {}", r.status, r.reason);
@@ -164,6 +169,42 @@ async fn connect_from(ip: std::net::IpAddr, host: &str, port: u16) -> anyhow::Re
         }
     }
     Err(last.map(Into::into).unwrap_or_else(|| anyhow!("{host} has no address of the media address's family ({ip})")))
+}
+
+/// Tasks that end when this is dropped.
+struct Tasks(Vec<tokio::task::JoinHandle<()>>);
+
+impl Drop for Tasks {
+    fn drop(&mut self) {
+        for t in &self.0 {
+            t.abort();
+        }
+    }
+}
+
+/// Listen at each track's RTCP port (its RTP port + 1) for what the camera at `camera` sends,
+/// and hand it to the proxy for the track's viewers.
+fn relay_sender_reports(proxy: &RtspProxy, path: &str, locals: &[SocketAddr], camera: std::net::IpAddr) -> anyhow::Result<Tasks> {
+    let mut tasks = Tasks(Vec::new());
+    for (track, local) in locals.iter().enumerate() {
+        let at = SocketAddr::new(local.ip(), local.port() + 1);
+        let socket = std::net::UdpSocket::bind(at).with_context(|| format!("binding the RTCP port {at}"))?;
+        socket.set_nonblocking(true)?;
+        let socket = tokio::net::UdpSocket::from_std(socket)?;
+        let (me, path) = (proxy.me(), path.to_string());
+        tasks.0.push(tokio::spawn(async move {
+            let mut buf = vec![0u8; 2048];
+            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                let rtcp = n >= 8 && buf[0] >> 6 == 2 && (200..=204).contains(&buf[1]);
+                if from.ip() == camera && rtcp {
+                    if let Some(proxy) = me.upgrade() {
+                        proxy.forward_rtcp(&path, track, &buf[..n]);
+                    }
+                }
+            }
+        }));
+    }
+    Ok(tasks)
 }
 
 async fn release_sources(proxy: &RtspProxy, path: &str) -> Result<(), mediaplane_control::manager::ManagerError> {
