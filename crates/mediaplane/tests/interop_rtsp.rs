@@ -465,6 +465,45 @@ fn the_cameras_sender_reports_reach_the_viewers() {
     }
 }
 
+/// An upstream that answers garbage (a TCP server writing junk, then a valid RTSP answer with an
+/// SDP that is not one) is retried with backoff, not played, and disturbs neither the daemon nor
+/// the viewers of another path.
+#[test]
+fn a_garbage_upstream_disturbs_no_other_path() {
+    let tmp = TempDir::new("rtsp-garbage");
+    let camera = Camera::start();
+    let junk = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let junk_url = format!("rtsp://{}/x", junk.local_addr().unwrap());
+    let accepted = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let count = accepted.clone();
+    std::thread::spawn(move || {
+        for (i, conn) in junk.incoming().enumerate() {
+            let Ok(mut c) = conn else { return };
+            count.fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+            let _ = c.set_read_timeout(Some(Duration::from_millis(500)));
+            let mut buf = [0u8; 2048];
+            let _ = c.read(&mut buf);
+            let answer: &[u8] = match i % 3 {
+                0 => b"\x00\xff garbage \r\n\r\n",
+                1 => b"RTSP/1.0 200 OK\r\nCSeq: 1\r\nContent-Length: 9\r\n\r\nnot a sdp",
+                _ => b"RTSP/1.0 200 OK\r\nCSeq: 1\r\nContent-Length: 99999999\r\n\r\n",
+            };
+            let _ = c.write_all(answer);
+        }
+    });
+    let args = ["--rtsp-path", &format!("cam={}", camera.url), "--rtsp-path", &format!("junk={junk_url}")];
+    let (mut d, rtsp) = serve_paths(&tmp, "127.43.0.11", "", &args);
+    let (frames, err) = Viewer::start(&format!("{rtsp}/cam"), 4).frames(Duration::from_secs(25));
+    assert!(frames >= (4 * FPS / 2) as u64, "a viewer of the good path got {frames} frames beside a garbage upstream: {err}");
+    let tries = accepted.load(std::sync::atomic::Ordering::SeqCst);
+    eprintln!("the garbage upstream was tried {tries} times");
+    // Measured: 4 (at 0, 0.5, 1.5 and 3.5 s); the fifth would be at 7.5 s.
+    assert!((3..=5).contains(&tries), "the garbage upstream was tried {tries} times in ~5 s (backoff 0.5 s doubling)");
+    let (_, state) = d.call("GET", "/v1/rtsp/paths/junk", None);
+    assert_eq!(state["upstream"]["playing"], false, "{state}");
+    assert!(d.alive());
+}
+
 /// A viewer that vanishes without TEARDOWN (killed) loses its session after
 /// `rtsp.session_timeout_secs`, and the camera's copies to it stop; one that keeps the session
 /// alive with GET_PARAMETER keeps it.
