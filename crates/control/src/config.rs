@@ -85,9 +85,10 @@ impl RtspPath {
         if name.is_empty() || name.len() > 48 || !name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
             return Err(format!("name {name:?} must be 1-48 letters, digits, '-', '_' or '.'"));
         }
-        let url = url_host(&self.source).ok_or_else(|| format!("{name:?}: source {:?} must be an rtsp://host[:port]/path URL", self.source))?;
+        // The source is never repeated back: it may carry a password.
+        let url = url_host(&self.source).ok_or_else(|| format!("{name:?}: the source must be an rtsp://[user:password@]host[:port]/path URL"))?;
         if url.is_empty() {
-            return Err(format!("{name:?}: source {:?} has no host", self.source));
+            return Err(format!("{name:?}: the source has no host"));
         }
         for u in &self.read_users {
             if !u.split_once(':').is_some_and(|(n, p)| !n.is_empty() && !p.is_empty() && !n.contains(['"', '\\'])) {

@@ -19,6 +19,13 @@ use std::process::{Command, Stdio};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+/// One test at a time: each runs a camera encoding H.264 and several decoders, and two cores
+/// shared by several of them drop frames at the viewers (seen: 78 frames of 106).
+fn one_at_a_time() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: Mutex<()> = Mutex::new(());
+    LOCK.lock().unwrap_or_else(|e| e.into_inner())
+}
+
 const CAMERA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/../rtsp/tests/peers/camera.py");
 const FPS: u32 = 25;
 
@@ -160,6 +167,7 @@ fn raw(addr: &str, request: &[u8]) -> String {
 
 #[test]
 fn one_pull_from_the_camera_many_udp_and_tcp_viewers() {
+    let _one = one_at_a_time();
     const UDP_VIEWERS: usize = 3;
     const VIEWERS: usize = UDP_VIEWERS + 2;
     const SECS: u32 = 5;
@@ -211,6 +219,7 @@ fn one_pull_from_the_camera_many_udp_and_tcp_viewers() {
 
 #[test]
 fn bad_requests_get_an_answer_and_the_server_carries_on() {
+    let _one = one_at_a_time();
     let tmp = TempDir::new("rtsp-bad");
     let camera = Camera::start();
     let (_d, url) = serve(&tmp, &camera, "127.43.0.2");
@@ -243,6 +252,7 @@ fn bad_requests_get_an_answer_and_the_server_carries_on() {
 /// of the first DESCRIBE, and is released (its connection closed) after the last viewer left.
 #[test]
 fn an_on_demand_path_is_pulled_while_watched() {
+    let _one = one_at_a_time();
     let tmp = TempDir::new("rtsp-demand");
     let camera = Camera::start();
     let config = format!("[rtsp]\n[[rtsp.paths]]\nname = \"lobby\"\nsource = \"{}\"\non_demand = true\nrelease_after_secs = 1\n", camera.url);
@@ -287,6 +297,7 @@ fn an_on_demand_path_is_pulled_while_watched() {
 /// removed (upstream released, room gone); bad requests refused with the API's codes.
 #[test]
 fn paths_added_and_removed_through_the_api() {
+    let _one = one_at_a_time();
     let tmp = TempDir::new("rtsp-api");
     let camera = Camera::start();
     let (d, rtsp) = serve_paths(&tmp, "127.43.0.6", "", &[]);
@@ -339,6 +350,7 @@ fn paths_added_and_removed_through_the_api() {
 /// viewer is told 503.
 #[test]
 fn a_camera_behind_digest_or_basic_authentication() {
+    let _one = one_at_a_time();
     for method in ["digest", "basic"] {
         let tmp = TempDir::new(&format!("rtsp-auth-{method}"));
         let mut cmd = Command::new("/usr/bin/python3");
@@ -366,6 +378,7 @@ fn a_camera_behind_digest_or_basic_authentication() {
 /// Digest); a Basic answer is taken too.
 #[test]
 fn a_path_only_its_readers_may_watch() {
+    let _one = one_at_a_time();
     let tmp = TempDir::new("rtsp-readers");
     let camera = Camera::start();
     let config = format!("[rtsp]\n[[rtsp.paths]]\nname = \"locked\"\nsource = \"{}\"\nread_users = [\"ann:s3cret\"]\n", camera.url);
@@ -405,6 +418,7 @@ fn a_path_only_its_readers_may_watch() {
 /// on the channel after its RTP's.
 #[test]
 fn the_cameras_sender_reports_reach_the_viewers() {
+    let _one = one_at_a_time();
     let tmp = TempDir::new("rtsp-rtcp");
     let camera = Camera::start();
     let (_d, url) = serve(&tmp, &camera, "127.43.0.10");
@@ -470,6 +484,7 @@ fn the_cameras_sender_reports_reach_the_viewers() {
 /// the viewers of another path.
 #[test]
 fn a_garbage_upstream_disturbs_no_other_path() {
+    let _one = one_at_a_time();
     let tmp = TempDir::new("rtsp-garbage");
     let camera = Camera::start();
     let junk = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
@@ -509,6 +524,7 @@ fn a_garbage_upstream_disturbs_no_other_path() {
 /// alive with GET_PARAMETER keeps it.
 #[test]
 fn a_silent_viewer_times_out() {
+    let _one = one_at_a_time();
     let tmp = TempDir::new("rtsp-timeout");
     let camera = Camera::start();
     let (d, url) = serve_with(&tmp, &camera, "127.43.0.3", "[rtsp]\nsession_timeout_secs = 2\n");
@@ -559,6 +575,7 @@ fn a_silent_viewer_times_out() {
 /// them, and no camera packet goes up to the daemon once the path is playing.
 #[test]
 fn viewers_in_a_namespace_on_every_plane() {
+    let _one = one_at_a_time();
     if !mediaplane_bench::require_root("interop_rtsp::viewers_in_a_namespace_on_every_plane") {
         return;
     }
@@ -632,6 +649,7 @@ fn viewers_in_a_namespace_on_every_plane() {
 /// Closing its connection ends its session.
 #[test]
 fn a_slow_tcp_viewer_stalls_nobody_else() {
+    let _one = one_at_a_time();
     const SECS: u32 = 5;
     let tmp = TempDir::new("rtsp-slow");
     // 3 Mbit/s of video: the stalled viewer's socket buffers and queue fill within seconds.

@@ -73,9 +73,27 @@ impl Verifier {
         Verifier { realm: realm.to_string(), secret: secret.to_string() }
     }
 
-    /// The challenges of a 401: Digest (MD5, qop=auth) and Basic, in that order.
-    pub fn challenges(&self, now_secs: u64) -> [String; 2] {
-        [format!("Digest realm=\"{}\", nonce=\"{}\", algorithm=MD5, qop=\"auth\"", self.realm, self.nonce(now_secs)), format!("Basic realm=\"{}\"", self.realm)]
+    /// The challenges of a 401: Digest (MD5, qop=auth) and Basic, in that order. `stale`: the
+    /// client's nonce was ours but expired, so it retries with its credentials instead of
+    /// taking them for wrong (RFC 7616 3.3).
+    pub fn challenges(&self, now_secs: u64, stale: bool) -> [String; 2] {
+        let stale = if stale { ", stale=true" } else { "" };
+        [
+            format!("Digest realm=\"{}\", nonce=\"{}\", algorithm=MD5, qop=\"auth\"{stale}", self.realm, self.nonce(now_secs)),
+            format!("Basic realm=\"{}\"", self.realm),
+        ]
+    }
+
+    /// Whether `authorization` is a Digest answer to a nonce of ours that has expired.
+    pub fn is_stale(&self, authorization: Option<&str>, now_secs: u64) -> bool {
+        let Some((scheme, rest)) = authorization.map(str::trim).and_then(|v| v.split_once(' ')) else { return false };
+        if !scheme.eq_ignore_ascii_case("Digest") {
+            return false;
+        }
+        let p = params_of(rest);
+        let Some(nonce) = p.iter().find(|(n, _)| n.eq_ignore_ascii_case("nonce")).map(|(_, v)| v.as_str()) else { return false };
+        let Some(at) = nonce.split_once('.').and_then(|(t, _)| u64::from_str_radix(t, 16).ok()) else { return false };
+        constant_time_eq(nonce.as_bytes(), self.nonce(at).as_bytes()) && now_secs.saturating_sub(at) > NONCE_LIFETIME_SECS
     }
 
     fn nonce(&self, at_secs: u64) -> String {
@@ -160,7 +178,7 @@ mod tests {
         let v = Verifier::new("mediaplane", "k3y");
         let users = vec![("ann".to_string(), "s3cret".to_string())];
         let now = 1_000_000;
-        for offered in v.challenges(now) {
+        for offered in v.challenges(now, false) {
             let c = Challenge::choose(std::iter::once(offered.as_str())).unwrap();
             let good = c.authorization("ann", "s3cret", "DESCRIBE", "rtsp://h/cam", 1, "c0ffee");
             assert!(v.verify(Some(&good), "DESCRIBE", &users, now + 10), "{offered}: {good}");
@@ -172,6 +190,8 @@ mod tests {
                 // Another method than answered, a stale nonce, a nonce not ours.
                 assert!(!v.verify(Some(&good), "TEARDOWN", &users, now + 10));
                 assert!(!v.verify(Some(&good), "DESCRIBE", &users, now + NONCE_LIFETIME_SECS + 1));
+                assert!(v.is_stale(Some(&good), now + NONCE_LIFETIME_SECS + 1) && !v.is_stale(Some(&good), now + 10));
+                assert!(v.challenges(now, true)[0].ends_with(", stale=true"));
                 let forged = good.replace(&v.nonce(now), &format!("{now:x}.0000000000000000"));
                 assert!(!v.verify(Some(&forged), "DESCRIBE", &users, now + 10));
             }

@@ -116,6 +116,11 @@ pub fn control_url(base: &url::Url, control: Option<&str>) -> Option<url::Url> {
     if c.contains("://") {
         return url::Url::parse(c).ok();
     }
+    // A base with a query (`rtsp://cam/realmonitor?channel=1&subtype=0/`, as many cameras say):
+    // appended to, as ffmpeg and live555 do; resolving would drop the query.
+    if base.query().is_some() {
+        return url::Url::parse(&format!("{}/{c}", base.as_str().trim_end_matches('/'))).ok();
+    }
     // Relative to the base as a directory, as servers mean it (`rtsp://h/cam` + `stream=0`).
     let mut dir = base.clone();
     if !dir.path().ends_with('/') {
@@ -176,6 +181,8 @@ mod tests {
         assert_eq!(control_url(&base, p.tracks[1].control.as_deref()).unwrap().as_str(), "rtsp://127.0.0.1:8554/cam/stream=1");
         let abs = control_url(&base, Some("rtsp://10.0.0.1/x/track1")).unwrap();
         assert_eq!(abs.as_str(), "rtsp://10.0.0.1/x/track1");
+        let query = url::Url::parse("rtsp://cam/cam/realmonitor?channel=1&subtype=0/").unwrap();
+        assert_eq!(control_url(&query, Some("trackID=0")).unwrap().as_str(), "rtsp://cam/cam/realmonitor?channel=1&subtype=0/trackID=0");
     }
 
     #[test]

@@ -105,6 +105,7 @@ impl Drop for ViewerSession {
 /// order: answers, then interleaved media) and its id.
 struct Connection {
     id: u64,
+    /// The viewer's address (an IPv4 one as such, even on a dual-stack listener).
     peer: SocketAddr,
     out: mpsc::Sender<Vec<u8>>,
 }
@@ -126,6 +127,27 @@ pub struct RtspProxy {
     runtime: tokio::runtime::Handle,
     me: std::sync::Weak<RtspProxy>,
     verifier: Verifier,
+    /// Ports an upstream pull picked and asked its camera to send to, not yet claimed in the
+    /// model: no one else is given them meanwhile.
+    reserved: Mutex<Vec<SocketAddr>>,
+}
+
+/// Ports held in [`RtspProxy::reserved`] until this is dropped.
+pub(crate) struct Reservation<'a> {
+    proxy: &'a RtspProxy,
+    ports: Vec<SocketAddr>,
+}
+
+impl Reservation<'_> {
+    pub(crate) fn ports(&self) -> &[SocketAddr] {
+        &self.ports
+    }
+}
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        self.proxy.reserved.lock().retain(|a| !self.ports.contains(a));
+    }
 }
 
 /// Serve RTSP on `listener` until the process ends: pull every configured path and answer
@@ -143,6 +165,7 @@ pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg
         runtime: tokio::runtime::Handle::current(),
         me: me.clone(),
         verifier: Verifier::new("mediaplane", &session_id()),
+        reserved: Mutex::new(Vec::new()),
     });
     let stale = proxy.blocking(|model, _| {
         let rooms: Vec<String> = model.rooms.keys().filter(|r| r.starts_with("rtsp.")).cloned().collect();
@@ -204,7 +227,7 @@ impl RtspProxy {
     /// Serve `config` as a path: pulled from now on, or when first asked for.
     fn start_path(&self, config: RtspPath) -> Result<Arc<PathState>, RtspPathError> {
         config.validate().map_err(RtspPathError::Invalid)?;
-        let source = url::Url::parse(&config.source).map_err(|e| RtspPathError::Invalid(format!("source {:?}: {e}", config.source)))?;
+        let source = url::Url::parse(&config.source).map_err(|e| RtspPathError::Invalid(format!("the source is not a URL: {e}")))?;
         let mut paths = self.paths.lock();
         if paths.contains_key(&config.name) {
             return Err(RtspPathError::Exists(config.name));
@@ -221,6 +244,22 @@ impl RtspProxy {
         paths.insert(name.clone(), path.clone());
         self.metrics.declare_paths(std::iter::once(name.as_str()));
         Ok(path)
+    }
+
+    /// `n` free local addresses, held from everyone else until the reservation is dropped.
+    pub(crate) fn reserve(&self, n: usize) -> Result<Reservation<'_>, ManagerError> {
+        let media = self.manager.media_config().clone();
+        let mut reserved = self.reserved.lock();
+        let mut picked: Vec<SocketAddr> = Vec::new();
+        self.manager.read(|model, _| {
+            for _ in 0..n {
+                let exclude: Vec<SocketAddr> = reserved.iter().chain(&picked).copied().collect();
+                picked.push(allocate_local(model, &media, &exclude)?);
+            }
+            Ok::<_, ManagerError>(())
+        })?;
+        reserved.extend(&picked);
+        Ok(Reservation { proxy: self, ports: picked })
     }
 
     pub(crate) fn me(&self) -> std::sync::Weak<RtspProxy> {
@@ -293,6 +332,7 @@ impl RtspProxy {
                 }
             }
         });
+        let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
         let conn = Connection { id: self.next_connection.fetch_add(1, std::sync::atomic::Ordering::Relaxed), peer, out };
         let result = self.read_requests(&mut rd, &conn).await;
         // Interleaved sessions end with their connection (RFC 2326 §10.12); UDP ones time out.
@@ -397,7 +437,8 @@ impl RtspProxy {
         }
         self.metrics.unauthorized();
         let mut r = Response::to(req, 401);
-        for c in self.verifier.challenges(now) {
+        let stale = self.verifier.is_stale(req.headers.get("Authorization"), now);
+        for c in self.verifier.challenges(now, stale) {
             r.headers.0.push(("WWW-Authenticate".into(), c));
         }
         Some(r)
@@ -433,7 +474,11 @@ impl RtspProxy {
         let live = self.live(&path).await.ok_or((503, format!("upstream of {} is not available", path.name)))?;
         let origin = self.manager.media_config().ip;
         let sdp = live.presentation.served(origin, session_version());
-        let base = format!("{}/", req.uri.trim_end_matches('/'));
+        // Scheme, host and path only: a query would end up between the path and a track's name.
+        let mut base = url::Url::parse(&req.uri).map_err(|_| (400, "bad URL".to_string()))?;
+        base.set_query(None);
+        base.set_fragment(None);
+        let base = format!("{}/", base.as_str().trim_end_matches('/'));
         Ok(Response::to(req, 200).with("Content-Base", base).with_body("application/sdp", sdp.into_bytes()))
     }
 
@@ -449,7 +494,9 @@ impl RtspProxy {
         let offered = TransportSpec::parse_list(req.headers.get("Transport").unwrap_or(""));
         // The first choice served: UDP unicast to the viewer's own address, or interleaved on
         // this connection. Multicast is not served yet.
-        let Some(mut chosen) = offered.into_iter().find(|t| !t.multicast && (t.lower == Lower::Tcp || t.client_port.is_some())) else {
+        // Plain RTP (AVP, AVPF) only: the media is not protected, so SAVP would be a lie.
+        let served = |t: &TransportSpec| !t.multicast && !t.profile.to_ascii_uppercase().contains("SAVP") && (t.lower == Lower::Tcp || t.client_port.is_some());
+        let Some(mut chosen) = offered.into_iter().find(served) else {
             return Err((461, "served: RTP/AVP over UDP unicast with client_port, or RTP/AVP/TCP interleaved".into()));
         };
         let interleaved = chosen.lower == Lower::Tcp;
@@ -491,9 +538,10 @@ impl RtspProxy {
         };
         let local = {
             let (room, pid, remote) = (room.clone(), pid.clone(), remote);
+            let reserved = self.reserved.lock().clone();
             self.blocking(move |model, media| {
                 ensure_room(model, &room)?;
-                let local = allocate_local(model, media, &[])?;
+                let local = allocate_local(model, media, &reserved)?;
                 model.add_participant(&room, &pid, local, remote(local))?;
                 Ok((local, vec![Change::Room(room)]))
             })
@@ -503,7 +551,7 @@ impl RtspProxy {
         let bound = match interleaved {
             false => {
                 let to = SocketAddr::new(conn.peer.ip(), chosen.client_port.map_or(0, |(_, rtcp)| rtcp));
-                self.take_receiver_reports(rtcp_at).map(|(socket, task)| (task, RtcpSink::Udp { socket, to }))
+                self.take_receiver_reports(rtcp_at, &session_id).map(|(socket, task)| (task, RtcpSink::Udp { socket, to }))
             }
             true => {
                 let channel = chosen.interleaved.map(|(rtp, _)| rtp).unwrap_or((track * 2) as u8);
@@ -512,14 +560,31 @@ impl RtspProxy {
                 self.relay_interleaved(local, remote(local), channel, conn.out.clone()).map(|task| (task, sink))
             }
         };
+        let undo = || {
+            let (room, pid) = (room.clone(), pid.clone());
+            self.blocking(move |model, _| Ok((model.remove_participant(&room, &pid)?, vec![Change::Room(room)])))
+        };
         let (relay, sink) = match bound {
             Ok(b) => b,
             Err(e) => {
-                let (room, pid) = (room.clone(), pid.clone());
-                let _ = self.blocking(move |model, _| Ok((model.remove_participant(&room, &pid)?, vec![Change::Room(room)]))).await;
+                let _ = undo().await;
                 return Err((500, format!("binding {rtcp_at}: {e}")));
             }
         };
+        // What changed while the participant was added: the session ended (TEARDOWN, timeout)
+        // or the path was removed. Nothing is brought back to life.
+        let gone = if !self.paths.lock().contains_key(&path.name) {
+            Some((404, format!("path {} was removed", path.name)))
+        } else if !new && !self.sessions.lock().contains_key(&session_id) {
+            Some((454, "the session ended".to_string()))
+        } else {
+            None
+        };
+        if let Some(refusal) = gone {
+            relay.abort();
+            let _ = undo().await;
+            return Err(refusal);
+        }
         {
             let mut sessions = self.sessions.lock();
             let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession {
@@ -550,14 +615,22 @@ impl RtspProxy {
 
     /// A UDP viewer's RTCP port on the proxy's side: its receiver reports arrive there (read and
     /// let go, so its sender gets no ICMP errors) and the camera's sender reports leave from it.
-    fn take_receiver_reports(&self, at: SocketAddr) -> std::io::Result<(Arc<tokio::net::UdpSocket>, tokio::task::AbortHandle)> {
+    /// Its reports keep the session alive, as requests do (RFC 2326 12.37).
+    fn take_receiver_reports(&self, at: SocketAddr, session: &str) -> std::io::Result<(Arc<tokio::net::UdpSocket>, tokio::task::AbortHandle)> {
         let socket = std::net::UdpSocket::bind(at)?;
         socket.set_nonblocking(true)?;
         let socket = Arc::new(tokio::net::UdpSocket::from_std(socket)?);
         let reader = socket.clone();
+        let (me, session) = (self.me.clone(), session.to_string());
         let task = tokio::spawn(async move {
             let mut buf = vec![0u8; 2048];
-            while reader.recv_from(&mut buf).await.is_ok() {}
+            while reader.recv_from(&mut buf).await.is_ok() {
+                let Some(proxy) = me.upgrade() else { return };
+                let mut sessions = proxy.sessions.lock();
+                if let Some(s) = sessions.get_mut(&session) {
+                    s.last_seen = Instant::now();
+                }
+            }
         });
         Ok((socket, task.abort_handle()))
     }
@@ -624,7 +697,6 @@ impl RtspProxy {
             if s.tracks.is_empty() {
                 return Err((455, "no track set up".into()));
             }
-            s.playing = play;
             s.tracks.iter().map(|(t, pid)| (pid.clone(), *t)).collect()
         };
         let room = room_of(&path.name);
@@ -642,6 +714,11 @@ impl RtspProxy {
             Ok(((), vec![Change::Room(room)]))
         });
         r.await.map_err(|e| (500, e.to_string()))?;
+        // Playing only once subscribed: a refused PLAY (a limit) leaves it as it was, and an
+        // upstream reconnecting subscribes only what played.
+        if let Some(s) = self.sessions.lock().get_mut(&id) {
+            s.playing = play;
+        }
         let mut resp = Response::to(req, 200).with("Session", format!("{id};timeout={}", self.timeout.as_secs()));
         if play {
             resp = resp.with("Range", "npt=0.000-");

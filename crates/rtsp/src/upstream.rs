@@ -12,7 +12,6 @@ use crate::server::{ensure_room, subscribe_viewers, Live, PathState};
 use crate::transport::TransportSpec;
 use crate::{room_of, source_of, RtspProxy, STREAM};
 use anyhow::{anyhow, bail, Context};
-use mediaplane_control::manager::allocate_local;
 use mediaplane_control::store::Change;
 use mediaplane_core::model::StreamSpec;
 use std::net::SocketAddr;
@@ -92,14 +91,10 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState) -> anyhow::Result<()> {
     let presentation = Presentation::parse(&r.body).context("upstream SDP")?;
     let base = r.headers.get("Content-Base").or(r.headers.get("Content-Location")).and_then(|b| url::Url::parse(b).ok()).unwrap_or_else(|| url.clone());
 
-    // Ports for every track, then SETUP each to them.
-    let locals = proxy.manager.read(|model, _| {
-        let mut picked: Vec<SocketAddr> = Vec::new();
-        for _ in &presentation.tracks {
-            picked.push(allocate_local(model, &media, &picked)?);
-        }
-        Ok::<_, mediaplane_control::manager::ManagerError>(picked)
-    })?;
+    // Ports for every track (held from other pulls and viewers until claimed), then SETUP each
+    // to them.
+    let reservation = proxy.reserve(presentation.tracks.len())?;
+    let locals = reservation.ports().to_vec();
     let mut remotes = Vec::new();
     for (track, local) in presentation.tracks.iter().zip(&locals) {
         let at = control_url(&base, track.control.as_deref()).ok_or_else(|| anyhow!("bad control URL {:?}", track.control))?;
