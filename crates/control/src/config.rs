@@ -48,7 +48,9 @@ impl Default for RtspSection {
 pub struct RtspPath {
     /// Letters, digits, '-', '_' or '.': the URL path viewers ask for.
     pub name: String,
-    /// The upstream: `rtsp://host[:port]/path` (a camera, another server).
+    /// The upstream: `rtsp://host[:port]/path` (a camera, another server); or `publisher`: the
+    /// path is published into (ANNOUNCE and RECORD, as ffmpeg and GStreamer's `rtspclientsink`
+    /// do), one publisher at a time.
     pub source: String,
     /// Pulled only while watched: from the first viewer's DESCRIBE or SETUP until
     /// `release_after_secs` after the last viewer left. Otherwise pulled from start-up on.
@@ -60,7 +62,14 @@ pub struct RtspPath {
     /// `rtsp.listen`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub read_users: Vec<String>,
+    /// Who may publish into a `publisher` path, as `name:password`; empty: anyone who reaches
+    /// `rtsp.listen`.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub publish_users: Vec<String>,
 }
+
+/// [`RtspPath::source`] of a path that is published into rather than pulled.
+pub const RTSP_PUBLISHER: &str = "publisher";
 
 /// The host of an `rtsp://` URL (None: not one).
 fn url_host(s: &str) -> Option<&str> {
@@ -85,14 +94,24 @@ impl RtspPath {
         if name.is_empty() || name.len() > 48 || !name.bytes().all(|b| b.is_ascii_alphanumeric() || matches!(b, b'-' | b'_' | b'.')) {
             return Err(format!("name {name:?} must be 1-48 letters, digits, '-', '_' or '.'"));
         }
-        // The source is never repeated back: it may carry a password.
-        let url = url_host(&self.source).ok_or_else(|| format!("{name:?}: the source must be an rtsp://[user:password@]host[:port]/path URL"))?;
-        if url.is_empty() {
-            return Err(format!("{name:?}: the source has no host"));
+        if self.is_published() {
+            if self.on_demand {
+                return Err(format!("{name:?}: a publisher path is not pulled, so not on demand either"));
+            }
+        } else {
+            // The source is never repeated back: it may carry a password.
+            let url = url_host(&self.source)
+                .ok_or_else(|| format!("{name:?}: the source must be an rtsp://[user:password@]host[:port]/path URL, or {RTSP_PUBLISHER:?}"))?;
+            if url.is_empty() {
+                return Err(format!("{name:?}: the source has no host"));
+            }
+            if !self.publish_users.is_empty() {
+                return Err(format!("{name:?}: publish_users is for a path whose source is {RTSP_PUBLISHER:?}"));
+            }
         }
-        for u in &self.read_users {
-            if !u.split_once(':').is_some_and(|(n, p)| !n.is_empty() && !p.is_empty() && !n.contains(['"', '\\'])) {
-                return Err(format!("{name:?}: read_users entries are name:password (both non-empty, no quote in the name)"));
+        for (list, users) in [("read_users", &self.read_users), ("publish_users", &self.publish_users)] {
+            if !users.iter().all(|u| u.split_once(':').is_some_and(|(n, p)| !n.is_empty() && !p.is_empty() && !n.contains(['"', '\\']))) {
+                return Err(format!("{name:?}: {list} entries are name:password (both non-empty, no quote in the name)"));
             }
         }
         if self.release_after_secs == 0 && self.on_demand {
@@ -103,14 +122,20 @@ impl RtspPath {
 
     /// `name=rtsp://...`, as `--rtsp-path` takes it.
     pub fn parse_arg(s: &str) -> Result<RtspPath, String> {
-        let (name, source) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected name=rtsp://host/path"))?;
+        let (name, source) = s.split_once('=').ok_or_else(|| format!("{s:?}: expected name=rtsp://host/path or name=publisher"))?;
         Ok(RtspPath {
             name: name.to_string(),
             source: source.to_string(),
             on_demand: false,
             release_after_secs: default_release_after(),
             read_users: Vec::new(),
+            publish_users: Vec::new(),
         })
+    }
+
+    /// Published into (ANNOUNCE/RECORD) rather than pulled from an upstream.
+    pub fn is_published(&self) -> bool {
+        self.source == RTSP_PUBLISHER
     }
 }
 
@@ -827,6 +852,23 @@ mod tests {
         assert!(c.validate().unwrap_err().contains("api.token_file"));
         c.api.token = Some("t".into());
         c.validate().unwrap();
+    }
+
+    #[test]
+    fn rtsp_paths_pulled_or_published() {
+        let path = |extra: &str| Config::from_toml(&format!("[rtsp]\n[[rtsp.paths]]\nname = \"p\"\n{extra}\n")).and_then(|c| c.validate());
+        path("source = \"rtsp://cam/x\"").unwrap();
+        path("source = \"publisher\"\npublish_users = [\"ann:pw\"]\nread_users = [\"bob:pw\"]").unwrap();
+        for (extra, says) in [
+            ("source = \"http://cam/x\"", "rtsp://"),
+            ("source = \"rtsp://cam/x\"\npublish_users = [\"ann:pw\"]", "publish_users is for"),
+            ("source = \"publisher\"\non_demand = true", "not on demand"),
+            ("source = \"publisher\"\npublish_users = [\"ann\"]", "publish_users entries"),
+        ] {
+            let e = path(extra).unwrap_err();
+            assert!(e.contains(says), "{extra}: {e}");
+        }
+        assert!(RtspPath::parse_arg("in=publisher").unwrap().is_published());
     }
 
     #[test]

@@ -175,6 +175,8 @@ pub enum RtspSessionEnd {
     Teardown,
     Timeout,
     ConnectionClosed,
+    /// A publisher's, when a newer publisher of its path announced.
+    Replaced,
 }
 
 /// The RTSP proxy's totals, as `/v1/stats` shows them.
@@ -188,7 +190,7 @@ pub struct RtspTotals {
     pub unauthorized: u64,
 }
 
-const RTSP_END_REASONS: [&str; 3] = ["teardown", "timeout", "connection_closed"];
+const RTSP_END_REASONS: [&str; 4] = ["teardown", "timeout", "connection_closed", "replaced"];
 
 impl RtspMetrics {
     /// Series for every configured path from the start.
@@ -339,7 +341,7 @@ impl Metrics {
         registry.register("mediaplane_rtsp_sessions", "RTSP viewer sessions held", rtsp.sessions.clone());
         registry.register(
             "mediaplane_rtsp_sessions_ended",
-            "RTSP viewer sessions ended, by reason (teardown, timeout, connection_closed)",
+            "RTSP sessions (viewers' and publishers') ended, by reason (teardown, timeout, connection_closed, replaced)",
             rtsp.sessions_ended.clone(),
         );
         registry.register("mediaplane_rtsp_upstream_playing", "1 while the path's upstream is pulled and playing", rtsp.upstream_playing.clone());

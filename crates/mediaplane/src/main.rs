@@ -81,8 +81,8 @@ struct ServeArgs {
     /// RTSP proxy on this TCP address (overrides rtsp.listen).
     #[arg(long)]
     rtsp_listen: Option<SocketAddr>,
-    /// RTSP: serve an upstream as a path, `name=rtsp://host[:port]/path` (repeatable; added to
-    /// rtsp.paths).
+    /// RTSP: serve an upstream as a path, `name=rtsp://host[:port]/path`, or a path publishers
+    /// RECORD into, `name=publisher` (repeatable; added to rtsp.paths).
     #[arg(long = "rtsp-path", value_parser = mediaplane_control::config::RtspPath::parse_arg)]
     rtsp_paths: Vec<mediaplane_control::config::RtspPath>,
     /// NG: delete calls whose media stopped for this many seconds (overrides ng.media_timeout_secs).

@@ -241,7 +241,7 @@ fn bad_requests_get_an_answer_and_the_server_carries_on() {
     let no_session = raw(&addr, format!("PLAY {url} RTSP/1.0\r\nCSeq: 4\r\nSession: 0123456789abcdef\r\n\r\n").as_bytes());
     assert!(no_session.starts_with("RTSP/1.0 454 "), "{no_session}");
     let options = raw(&addr, format!("OPTIONS {url} RTSP/1.0\r\nCSeq: 5\r\n\r\n").as_bytes());
-    assert!(options.starts_with("RTSP/1.0 200 ") && options.contains("Public: OPTIONS, DESCRIBE, SETUP"), "{options}");
+    assert!(options.starts_with("RTSP/1.0 200 ") && options.contains("Public: OPTIONS, DESCRIBE, ANNOUNCE, SETUP"), "{options}");
 
     // And a real viewer still plays.
     let (frames, err) = Viewer::start(&url, 2).frames(Duration::from_secs(20));
@@ -712,4 +712,126 @@ fn a_slow_tcp_viewer_stalls_nobody_else() {
     let (_, room) = d.call("GET", "/v1/rooms/rtsp.cam", None);
     let left: Vec<&String> = room["participants"].as_object().unwrap().keys().collect();
     assert_eq!(left, vec!["source-0", "source-1"], "{room}");
+}
+
+/// A publisher: ffmpeg (`-f rtsp`) or GStreamer's `rtspclientsink` sending `secs` of H.264 at
+/// [`FPS`] (with Opus audio from ffmpeg) to `url` with ANNOUNCE and RECORD, as `user:password`.
+fn publish(url: &str, (user, password): (&str, &str), tool: &str, transport: &str, secs: u32) -> Supervised {
+    let mut cmd = match tool {
+        "ffmpeg" => {
+            let mut c = Command::new("ffmpeg");
+            c.args(["-nostdin", "-loglevel", "error", "-re", "-f", "lavfi", "-i", &format!("testsrc2=size=320x240:rate={FPS}")])
+                .args(["-f", "lavfi", "-i", "sine=f=440:sample_rate=48000", "-t", &secs.to_string()])
+                .args(["-c:v", "libx264", "-preset", "ultrafast", "-tune", "zerolatency", "-g", &FPS.to_string(), "-c:a", "libopus"])
+                .args(["-rtsp_transport", transport, "-f", "rtsp", &url.replace("rtsp://", &format!("rtsp://{user}:{password}@"))]);
+            c
+        }
+        _ => {
+            let mut c = Command::new("gst-launch-1.0");
+            let pipeline = format!(
+                "videotestsrc is-live=true pattern=ball num-buffers={} ! video/x-raw,width=320,height=240,framerate={FPS}/1 \
+                 ! openh264enc gop-size={FPS} ! h264parse config-interval=-1 \
+                 ! rtspclientsink protocols={transport} location={url} user-id={user} user-pw={password}",
+                secs * FPS,
+            );
+            c.arg("-q").args(pipeline.split_whitespace());
+            c
+        }
+    };
+    cmd.stdout(Stdio::null()).stderr(Stdio::inherit());
+    Supervised::spawn(tool, &mut cmd).unwrap_or_else(|e| panic!("{tool} (make deps installs it): {e}"))
+}
+
+/// Wait until the path's state says its source plays (or, `playing` false, no longer does).
+fn wait_playing(d: &Daemon, path: &str, playing: bool, within: Duration) -> serde_json::Value {
+    let deadline = Instant::now() + within;
+    loop {
+        let (_, state) = d.call("GET", &format!("/v1/rtsp/paths/{path}"), None);
+        if state["upstream"]["playing"] == playing {
+            return state;
+        }
+        assert!(Instant::now() < deadline, "path {path} did not turn playing={playing} in {within:?}: {state}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// A path published into (`source = "publisher"`): ffmpeg publishes H.264 + Opus with ANNOUNCE
+/// and RECORD, over UDP then interleaved on TCP, and GStreamer's rtspclientsink publishes too;
+/// ffmpeg viewers over UDP and TCP decode each. Only `publish_users` may publish (401 without),
+/// a viewer may not (455 on a path pulled from a camera), and a newer publisher takes the path
+/// from the one before (an encoder that restarted).
+#[test]
+fn publishers_record_into_a_path_and_viewers_watch() {
+    let _one = one_at_a_time();
+    const SECS: u32 = 4;
+    // A viewer starts at the next keyframe (one a second), so it decodes at least the seconds
+    // after it; 10% less, for frames a loaded machine drops at the decoder (seen: 81 of 100).
+    const ENOUGH: u64 = ((SECS - 1) * FPS * 9 / 10) as u64;
+    let tmp = TempDir::new("rtsp-publish");
+    let camera = Camera::start();
+    let config = format!(
+        "[rtsp]\n[[rtsp.paths]]\nname = \"live\"\nsource = \"publisher\"\npublish_users = [\"pub:pw\"]\n[[rtsp.paths]]\nname = \"cam\"\nsource = \"{}\"\n",
+        camera.url
+    );
+    let (d, rtsp) = serve_paths(&tmp, "127.43.0.12", &config, &[]);
+    let addr = rtsp.trim_start_matches("rtsp://").to_string();
+    let url = format!("{rtsp}/live");
+    let with = ("pub", "pw");
+
+    let sdp = "v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=x\r\nt=0 0\r\nm=video 0 RTP/AVP 96\r\na=rtpmap:96 H264/90000\r\na=control:streamid=0\r\n";
+    let announce =
+        |path: &str| format!("ANNOUNCE {rtsp}/{path} RTSP/1.0\r\nCSeq: 1\r\nContent-Type: application/sdp\r\nContent-Length: {}\r\n\r\n{sdp}", sdp.len());
+    let anonymous = raw(&addr, announce("live").as_bytes());
+    assert!(anonymous.starts_with("RTSP/1.0 401 "), "{anonymous}");
+    let onto_a_camera = raw(&addr, announce("cam").as_bytes());
+    assert!(onto_a_camera.starts_with("RTSP/1.0 455 "), "{onto_a_camera}");
+    let mut wrong = publish(&url, ("pub", "guess"), "ffmpeg", "udp", 2);
+    let status = wrong.wait_timeout(Duration::from_secs(20)).unwrap().expect("ffmpeg with wrong credentials gave up");
+    assert!(!status.success(), "ffmpeg published with wrong credentials");
+    assert_eq!(d.call("GET", "/v1/rtsp/paths/live", None).1["upstream"]["playing"], false);
+
+    for transport in ["udp", "tcp"] {
+        let mut publisher = publish(&url, with, "ffmpeg", transport, SECS + 6);
+        wait_playing(&d, "live", true, Duration::from_secs(10));
+        let viewers = [Viewer::start(&url, SECS), Viewer::start_tcp(&url, SECS)];
+        let frames: Vec<(u64, String)> = viewers.into_iter().map(|v| v.frames(Duration::from_secs(25))).collect();
+        eprintln!("ffmpeg publishing over {transport}: frames decoded by a UDP and a TCP viewer {:?}", frames.iter().map(|f| f.0).collect::<Vec<_>>());
+        for (f, err) in &frames {
+            assert!(*f >= ENOUGH, "published over {transport}: a viewer decoded {f} frames; ffmpeg said: {err}");
+        }
+        let (_, state) = d.call("GET", "/v1/rtsp/paths/live", None);
+        let tracks = state["upstream"]["tracks"].as_array().unwrap();
+        assert_eq!(tracks.iter().map(|t| t["kind"].as_str().unwrap()).collect::<Vec<_>>(), vec!["video", "audio"], "{state}");
+        assert!(tracks.iter().all(|t| t["rx_packets"].as_u64() > Some(0) && t["copies"].as_u64() > Some(0)), "{state}");
+        let status = publisher.wait_timeout(Duration::from_secs(20)).unwrap().expect("the publisher did not finish");
+        assert!(status.success(), "ffmpeg publishing over {transport} failed: {status}");
+        // It sent TEARDOWN: the path goes quiet, its room keeps no source.
+        wait_playing(&d, "live", false, Duration::from_secs(3));
+        let (_, room) = d.call("GET", "/v1/rooms/rtsp.live", None);
+        assert!(room["participants"].as_object().unwrap().is_empty(), "{room}");
+    }
+
+    // GStreamer publishes; ffmpeg, started after it, takes the path over.
+    let _gst = publish(&url, with, "gst", "udp", 30);
+    wait_playing(&d, "live", true, Duration::from_secs(10));
+    let (frames, err) = Viewer::start(&url, SECS).frames(Duration::from_secs(25));
+    assert!(frames >= ENOUGH, "published by rtspclientsink: {frames} frames; ffmpeg said: {err}");
+    let mut newer = publish(&url, with, "ffmpeg", "udp", SECS + 6);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        let (_, stats) = d.call("GET", "/v1/stats", None);
+        let tracks = d.call("GET", "/v1/rtsp/paths/live", None).1["upstream"]["tracks"].as_array().map_or(0, Vec::len);
+        // ffmpeg's has audio too.
+        if tracks == 2 {
+            assert!(stats["rtsp"]["sessions_ended"].as_u64() >= Some(1), "{}", stats["rtsp"]);
+            break;
+        }
+        assert!(Instant::now() < deadline, "the newer publisher did not take the path: {}", d.call("GET", "/v1/rtsp/paths/live", None).1);
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let (frames, err) = Viewer::start(&url, SECS).frames(Duration::from_secs(25));
+    assert!(frames >= ENOUGH, "from the newer publisher: {frames} frames; ffmpeg said: {err}");
+    let metrics = ureq::get(&format!("{}/metrics", d.api)).call().unwrap().into_string().unwrap();
+    assert!(metrics.contains("mediaplane_rtsp_sessions_ended_total{reason=\"replaced\"} 1"), "the replaced publisher is counted");
+    assert!(newer.wait_timeout(Duration::from_secs(20)).unwrap().is_some_and(|s| s.success()));
 }

@@ -16,7 +16,7 @@ use mediaplane_control::manager::{allocate_local, ManagerError, SessionManager};
 use mediaplane_control::metrics::{RtspMetrics, RtspSessionEnd};
 use mediaplane_control::rtsp_paths::{RtspPathError, RtspPaths};
 use mediaplane_control::store::Change;
-use mediaplane_core::model::{Model, StreamRef};
+use mediaplane_core::model::{Model, StreamRef, StreamSpec};
 use parking_lot::Mutex;
 use std::collections::{BTreeMap, HashMap};
 use std::net::SocketAddr;
@@ -32,7 +32,7 @@ const DESCRIBE_WAIT: Duration = Duration::from_secs(3);
 const MAX_SESSIONS: usize = 4096;
 /// Concurrent RTSP connections.
 const MAX_CONNECTIONS: usize = 4096;
-const METHODS: &str = "OPTIONS, DESCRIBE, SETUP, PLAY, PAUSE, TEARDOWN, GET_PARAMETER, SET_PARAMETER";
+const METHODS: &str = "OPTIONS, DESCRIBE, ANNOUNCE, SETUP, PLAY, PAUSE, RECORD, TEARDOWN, GET_PARAMETER, SET_PARAMETER";
 
 /// A path while its upstream is pulled: its description and the uid of each track's stream.
 #[derive(Debug)]
@@ -45,11 +45,16 @@ pub(crate) struct Live {
 pub(crate) struct PathState {
     pub name: String,
     pub config: RtspPath,
-    /// `read_users` split into (name, password).
+    /// `read_users` and `publish_users` split into (name, password).
     read_users: Vec<(String, String)>,
+    publish_users: Vec<(String, String)>,
     /// Its pull, aborted when the path is removed.
     pull: Mutex<Option<tokio::task::AbortHandle>>,
-    pub source: url::Url,
+    /// The upstream it is pulled from; None: published into (ANNOUNCE, SETUP, RECORD).
+    pub source: Option<url::Url>,
+    /// A publisher path's description, as the connection that announced it gave it (until that
+    /// connection closes, or its session ends).
+    announced: Mutex<Option<Announcement>>,
     pub live: watch::Sender<Option<Arc<Live>>>,
     /// Pulled only while watched, released this long after the last viewer left.
     pub on_demand: Option<Duration>,
@@ -57,10 +62,17 @@ pub(crate) struct PathState {
     pub demand: watch::Sender<u64>,
 }
 
+/// What a publisher's ANNOUNCE said, kept for its SETUPs and RECORD.
+struct Announcement {
+    connection: u64,
+    presentation: Presentation,
+}
+
 impl PathState {
     /// The source URL as shown in logs and the API: its password as `***`.
     pub fn config_source(&self) -> String {
-        let mut shown = self.source.clone();
+        let Some(source) = &self.source else { return self.config.source.clone() };
+        let mut shown = source.clone();
         if shown.password().is_some() {
             let _ = shown.set_password(Some("***"));
         }
@@ -68,10 +80,15 @@ impl PathState {
     }
 }
 
+/// A viewer's session, or a publisher's (`publishes`: its tracks are the path's sources).
 struct ViewerSession {
     path: String,
     /// Track index → its participant id.
     tracks: BTreeMap<usize, String>,
+    /// A publisher's: track index → its stream's uid.
+    streams: BTreeMap<usize, u32>,
+    publishes: bool,
+    /// Playing (a viewer), or recording (a publisher).
     playing: bool,
     last_seen: Instant,
     /// Interleaved on this connection (RTP over RTSP's TCP): the session ends with it.
@@ -93,6 +110,22 @@ enum RtcpSink {
     Interleaved { out: mpsc::Sender<Vec<u8>>, channel: u8 },
 }
 
+impl ViewerSession {
+    fn new(path: &str, publishes: bool, connection: Option<u64>) -> ViewerSession {
+        ViewerSession {
+            path: path.to_string(),
+            tracks: BTreeMap::new(),
+            streams: BTreeMap::new(),
+            publishes,
+            playing: false,
+            last_seen: Instant::now(),
+            connection,
+            relays: Vec::new(),
+            rtcp: BTreeMap::new(),
+        }
+    }
+}
+
 impl Drop for ViewerSession {
     fn drop(&mut self) {
         for r in &self.relays {
@@ -108,6 +141,17 @@ struct Connection {
     /// The viewer's address (an IPv4 one as such, even on a dual-stack listener).
     peer: SocketAddr,
     out: mpsc::Sender<Vec<u8>>,
+    /// What an interleaved publisher's frames on each channel are.
+    inbound: Mutex<HashMap<u8, Inbound>>,
+}
+
+/// A channel of an interleaved publisher (RTP over its RTSP connection).
+enum Inbound {
+    /// A track's RTP: handed to the data plane at `to` (its source's address) from `socket`,
+    /// the address the source was declared with, so the source check holds.
+    Rtp { socket: Arc<std::net::UdpSocket>, to: SocketAddr },
+    /// A track's RTCP (its sender reports): on to the track's viewers.
+    Rtcp { path: String, track: usize },
 }
 
 /// Frames queued for one TCP connection. A viewer that reads slower than its media arrives
@@ -212,7 +256,8 @@ async fn reap(proxy: Arc<RtspProxy>) {
         tick.tick().await;
         let expired: Vec<String> = {
             let sessions = proxy.sessions.lock();
-            sessions.iter().filter(|(_, s)| s.last_seen.elapsed() > proxy.timeout).map(|(id, _)| id.clone()).collect()
+            // A publisher's session ends with its connection (ffmpeg sends no keep-alive).
+            sessions.iter().filter(|(_, s)| !s.publishes && s.last_seen.elapsed() > proxy.timeout).map(|(id, _)| id.clone()).collect()
         };
         for id in expired {
             tracing::info!(session = %id, "RTSP session timed out");
@@ -227,7 +272,10 @@ impl RtspProxy {
     /// Serve `config` as a path: pulled from now on, or when first asked for.
     fn start_path(&self, config: RtspPath) -> Result<Arc<PathState>, RtspPathError> {
         config.validate().map_err(RtspPathError::Invalid)?;
-        let source = url::Url::parse(&config.source).map_err(|e| RtspPathError::Invalid(format!("the source is not a URL: {e}")))?;
+        let source = match config.is_published() {
+            true => None,
+            false => Some(url::Url::parse(&config.source).map_err(|e| RtspPathError::Invalid(format!("the source is not a URL: {e}")))?),
+        };
         let mut paths = self.paths.lock();
         if paths.contains_key(&config.name) {
             return Err(RtspPathError::Exists(config.name));
@@ -236,11 +284,25 @@ impl RtspProxy {
         let (demand, _) = watch::channel(0);
         let on_demand = config.on_demand.then(|| Duration::from_secs(config.release_after_secs));
         let name = config.name.clone();
-        let read_users = config.read_users.iter().filter_map(|u| u.split_once(':')).map(|(n, p)| (n.to_string(), p.to_string())).collect();
-        let path = Arc::new(PathState { name: name.clone(), config, read_users, pull: Mutex::new(None), source, live, on_demand, demand });
+        let split = |users: &[String]| users.iter().filter_map(|u| u.split_once(':')).map(|(n, p)| (n.to_string(), p.to_string())).collect();
+        let (read_users, publish_users) = (split(&config.read_users), split(&config.publish_users));
+        let path = Arc::new(PathState {
+            name: name.clone(),
+            config,
+            read_users,
+            publish_users,
+            pull: Mutex::new(None),
+            source,
+            announced: Mutex::new(None),
+            live,
+            on_demand,
+            demand,
+        });
         let me = self.me.upgrade().ok_or_else(|| RtspPathError::Failed("the proxy is shutting down".into()))?;
-        let task = self.runtime.spawn(crate::upstream::pull(me, path.clone()));
-        *path.pull.lock() = Some(task.abort_handle());
+        if let Some(url) = path.source.clone() {
+            let task = self.runtime.spawn(crate::upstream::pull(me, path.clone(), url));
+            *path.pull.lock() = Some(task.abort_handle());
+        }
         paths.insert(name.clone(), path.clone());
         self.metrics.declare_paths(std::iter::once(name.as_str()));
         Ok(path)
@@ -290,6 +352,7 @@ impl RtspProxy {
             "on_demand": path.config.on_demand,
             "release_after_secs": path.config.release_after_secs,
             "read_users": path.read_users.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+            "publish_users": path.publish_users.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
             "room": room_of(&path.name),
             "upstream": {"playing": live.is_some(), "tracks": tracks},
             "viewers": self.viewers_of(&path.name),
@@ -308,14 +371,14 @@ impl RtspProxy {
 
     /// Viewer sessions of `path`.
     pub(crate) fn viewers_of(&self, path: &str) -> usize {
-        self.sessions.lock().values().filter(|s| s.path == path).count()
+        self.sessions.lock().values().filter(|s| s.path == path && !s.publishes).count()
     }
 
     /// The participants of playing viewers of `path`, with their track: what a (re)connected
     /// upstream's sources are subscribed to.
     pub(crate) fn playing_viewers(&self, path: &str) -> Vec<(String, usize)> {
         let sessions = self.sessions.lock();
-        sessions.values().filter(|s| s.path == path && s.playing).flat_map(|s| s.tracks.iter().map(|(t, pid)| (pid.clone(), *t))).collect()
+        sessions.values().filter(|s| s.path == path && s.playing && !s.publishes).flat_map(|s| s.tracks.iter().map(|(t, pid)| (pid.clone(), *t))).collect()
     }
 
     async fn connection(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) -> std::io::Result<()> {
@@ -333,13 +396,20 @@ impl RtspProxy {
             }
         });
         let peer = SocketAddr::new(peer.ip().to_canonical(), peer.port());
-        let conn = Connection { id: self.next_connection.fetch_add(1, std::sync::atomic::Ordering::Relaxed), peer, out };
+        let conn = Connection { id: self.next_connection.fetch_add(1, std::sync::atomic::Ordering::Relaxed), peer, out, inbound: Default::default() };
         let result = self.read_requests(&mut rd, &conn).await;
         // Interleaved sessions end with their connection (RFC 2326 §10.12); UDP ones time out.
         let mine: Vec<String> = self.sessions.lock().iter().filter(|(_, s)| s.connection == Some(conn.id)).map(|(id, _)| id.clone()).collect();
         for id in mine {
             if let Err(e) = self.end_session(&id, RtspSessionEnd::ConnectionClosed).await {
                 tracing::warn!(session = %id, error = %e, "removing an interleaved session failed");
+            }
+        }
+        // An announcement not followed by a session is forgotten with its connection.
+        for path in self.paths.lock().values() {
+            let mut announced = path.announced.lock();
+            if announced.as_ref().is_some_and(|a| a.connection == conn.id) {
+                *announced = None;
             }
         }
         drop(conn);
@@ -356,12 +426,15 @@ impl RtspProxy {
                 match decode(&buf) {
                     Ok(Some((msg, used))) => {
                         buf.drain(..used);
-                        if let Message::Request(req) = msg {
-                            let resp = self.handle(&req, conn).await;
-                            conn.out.send(resp.to_bytes()).await.map_err(|_| closed())?;
+                        match msg {
+                            Message::Request(req) => {
+                                let resp = self.handle(&req, conn).await;
+                                conn.out.send(resp.to_bytes()).await.map_err(|_| closed())?;
+                            }
+                            Message::Interleaved { channel, data } => self.inbound(conn, channel, &data),
+                            // Stray responses: nothing to do with them.
+                            Message::Response(_) => {}
                         }
-                        // Interleaved frames (a TCP viewer's RTCP) and stray responses: nothing
-                        // to do with them yet.
                     }
                     Ok(None) => break,
                     Err(e) => {
@@ -401,9 +474,11 @@ impl RtspProxy {
         let result = match req.method.as_str() {
             "OPTIONS" => Ok(Response::to(req, 200).with("Public", METHODS)),
             "DESCRIBE" => self.describe(req).await,
+            "ANNOUNCE" => self.announce(req, conn).await,
             "SETUP" => self.setup(req, conn).await,
             "PLAY" => self.play(req, true).await,
             "PAUSE" => self.play(req, false).await,
+            "RECORD" => self.record(req, conn).await,
             "TEARDOWN" => self.teardown(req).await,
             "GET_PARAMETER" | "SET_PARAMETER" => match req.headers.session() {
                 Some(id) if !self.sessions.lock().contains_key(id) => Err((454, "no such session".into())),
@@ -424,10 +499,11 @@ impl RtspProxy {
         }
     }
 
-    /// A 401 for a request on a path with `read_users` that does not prove one of them.
+    /// A 401 for a request on a path with `read_users` (or, to publish, `publish_users`) that
+    /// does not prove one of them.
     fn refuse_unauthenticated(&self, req: &Request) -> Option<Response> {
         let (path, _) = self.target(&req.uri).ok()?;
-        let users = &path.read_users;
+        let users = if self.publishing(req) { &path.publish_users } else { &path.read_users };
         if users.is_empty() {
             return None;
         }
@@ -444,18 +520,32 @@ impl RtspProxy {
         Some(r)
     }
 
-    /// The path and track a request URL names: `rtsp://host/<path>[/trackID=<i>]`.
-    fn target(&self, uri: &str) -> Result<(Arc<PathState>, Option<usize>), (u16, String)> {
+    /// A request of a publisher: ANNOUNCE, RECORD, a SETUP to record, or one in a publisher's
+    /// session.
+    fn publishing(&self, req: &Request) -> bool {
+        match req.method.as_str() {
+            "ANNOUNCE" | "RECORD" => true,
+            "SETUP" if records(req) => true,
+            _ => req.headers.session().is_some_and(|id| self.sessions.lock().get(id).is_some_and(|s| s.publishes)),
+        }
+    }
+
+    /// The path and track a request URL names: `rtsp://host/<path>[/<track>]`, the track as
+    /// this proxy's viewers name it (`trackID=<i>`) or a publisher's announcement did.
+    fn target(&self, uri: &str) -> Result<(Arc<PathState>, TrackName), (u16, String)> {
         let url = url::Url::parse(uri).map_err(|_| (400, format!("bad URL {uri:?}")))?;
         let path = url.path().trim_matches('/');
-        let (name, track) = match path.rsplit_once('/') {
-            Some((name, last)) if last.starts_with("trackID=") => {
-                let i = last["trackID=".len()..].parse::<usize>().map_err(|_| (404, format!("no track {last:?}")))?;
-                (name, Some(i))
-            }
-            _ => (path, None),
+        let paths = self.paths.lock();
+        if let Some(state) = paths.get(path) {
+            return Ok((state.clone(), TrackName::Path));
+        }
+        let no_path = || (404, format!("no path {path:?}"));
+        let (name, last) = path.rsplit_once('/').ok_or_else(no_path)?;
+        let state = paths.get(name).cloned().ok_or_else(no_path)?;
+        let track = match last.strip_prefix("trackID=") {
+            Some(i) => TrackName::Index(i.parse().map_err(|_| (404, format!("no track {last:?}")))?),
+            None => TrackName::Control(last.to_string()),
         };
-        let state = self.paths.lock().get(name).cloned().ok_or_else(|| (404, format!("no path {name:?}")))?;
         Ok((state, track))
     }
 
@@ -468,7 +558,7 @@ impl RtspProxy {
 
     async fn describe(&self, req: &Request) -> Result<Response, (u16, String)> {
         let (path, track) = self.target(&req.uri)?;
-        if track.is_some() {
+        if track != TrackName::Path {
             return Err((404, "DESCRIBE names a path, not a track".into()));
         }
         let live = self.live(&path).await.ok_or((503, format!("upstream of {} is not available", path.name)))?;
@@ -484,12 +574,16 @@ impl RtspProxy {
 
     async fn setup(self: &Arc<Self>, req: &Request, conn: &Connection) -> Result<Response, (u16, String)> {
         let (path, track) = self.target(&req.uri)?;
+        if records(req) {
+            return self.setup_publisher(req, conn, path, track).await;
+        }
         let live = self.live(&path).await.ok_or((503, format!("upstream of {} is not available", path.name)))?;
         let track = match (track, live.presentation.tracks.len()) {
-            (Some(t), n) if t < n => t,
-            (None, 1) => 0,
-            (Some(t), _) => return Err((404, format!("no track {t}"))),
-            (None, _) => return Err((459, "SETUP names the path of several tracks: name one (trackID=<i>)".into())),
+            (TrackName::Index(t), n) if t < n => t,
+            (TrackName::Path, 1) => 0,
+            (TrackName::Index(t), _) => return Err((404, format!("no track {t}"))),
+            (TrackName::Control(c), _) => return Err((404, format!("no track {c:?}"))),
+            (TrackName::Path, _) => return Err((459, "SETUP names the path of several tracks: name one (trackID=<i>)".into())),
         };
         let offered = TransportSpec::parse_list(req.headers.get("Transport").unwrap_or(""));
         // The first choice served: UDP unicast to the viewer's own address, or interleaved on
@@ -507,7 +601,7 @@ impl RtspProxy {
         let (session_id, new) = match req.headers.session() {
             Some(id) => {
                 let sessions = self.sessions.lock();
-                let s = sessions.get(id).ok_or((454, "no such session".to_string()))?;
+                let s = sessions.get(id).filter(|s| !s.publishes).ok_or((454, "no such session".to_string()))?;
                 if s.path != path.name {
                     return Err((459, "a session's tracks must belong to one path".into()));
                 }
@@ -571,15 +665,7 @@ impl RtspProxy {
                 return Err((500, format!("binding {rtcp_at}: {e}")));
             }
         };
-        // What changed while the participant was added: the session ended (TEARDOWN, timeout)
-        // or the path was removed. Nothing is brought back to life.
-        let gone = if !self.paths.lock().contains_key(&path.name) {
-            Some((404, format!("path {} was removed", path.name)))
-        } else if !new && !self.sessions.lock().contains_key(&session_id) {
-            Some((454, "the session ended".to_string()))
-        } else {
-            None
-        };
+        let gone = self.gone_meanwhile(&path.name, &session_id, new);
         if let Some(refusal) = gone {
             relay.abort();
             let _ = undo().await;
@@ -587,15 +673,7 @@ impl RtspProxy {
         }
         {
             let mut sessions = self.sessions.lock();
-            let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession {
-                path: path.name.clone(),
-                tracks: BTreeMap::new(),
-                playing: false,
-                last_seen: Instant::now(),
-                connection: interleaved.then_some(conn.id),
-                relays: Vec::new(),
-                rtcp: BTreeMap::new(),
-            });
+            let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, false, interleaved.then_some(conn.id)));
             s.tracks.insert(track, pid);
             s.relays.push(relay);
             s.rtcp.insert(track, sink);
@@ -607,10 +685,24 @@ impl RtspProxy {
         if interleaved {
             chosen.client_port = None;
         } else {
+            // From and to the media address, which is not the RTSP listener's.
             chosen.server_port = Some((local.port(), local.port() + 1));
+            chosen.source = Some(local.ip().to_string());
             chosen.interleaved = None;
         }
         Ok(Response::to(req, 200).with("Transport", chosen.to_header()).with("Session", format!("{session_id};timeout={}", self.timeout.as_secs())))
+    }
+
+    /// What ended while a SETUP added its participant: the path (removed) or the session it
+    /// joins (TEARDOWN, timeout). Nothing is brought back to life.
+    fn gone_meanwhile(&self, path: &str, session: &str, new: bool) -> Option<(u16, String)> {
+        if !self.paths.lock().contains_key(path) {
+            Some((404, format!("path {path} was removed")))
+        } else if !new && !self.sessions.lock().contains_key(session) {
+            Some((454, "the session ended".to_string()))
+        } else {
+            None
+        }
     }
 
     /// A UDP viewer's RTCP port on the proxy's side: its receiver reports arrive there (read and
@@ -638,7 +730,7 @@ impl RtspProxy {
     /// The camera's RTCP for `track` of `path`, to every playing viewer of it.
     pub(crate) fn forward_rtcp(&self, path: &str, track: usize, packet: &[u8]) {
         let sessions = self.sessions.lock();
-        for s in sessions.values().filter(|s| s.playing && s.path == path) {
+        for s in sessions.values().filter(|s| s.playing && s.path == path && !s.publishes) {
             match s.rtcp.get(&track) {
                 Some(RtcpSink::Udp { socket, to }) => {
                     let _ = socket.try_send_to(packet, *to);
@@ -694,6 +786,9 @@ impl RtspProxy {
         let tracks: Vec<(String, usize)> = {
             let mut sessions = self.sessions.lock();
             let s = sessions.get_mut(&id).filter(|s| s.path == path.name).ok_or((454, "no such session".to_string()))?;
+            if s.publishes {
+                return Err((455, "a publisher's session RECORDs; it does not PLAY".into()));
+            }
             if s.tracks.is_empty() {
                 return Err((455, "no track set up".into()));
             }
@@ -726,6 +821,222 @@ impl RtspProxy {
         Ok(resp)
     }
 
+    /// A publisher's ANNOUNCE: the description of what it will RECORD into a publisher path.
+    /// One publisher at a time, the newest: an encoder that restarts (or lost its connection
+    /// without a FIN) takes its path back at once, from the one it left behind.
+    async fn announce(&self, req: &Request, conn: &Connection) -> Result<Response, (u16, String)> {
+        let (path, track) = self.target(&req.uri)?;
+        if track != TrackName::Path {
+            return Err((404, "ANNOUNCE names a path, not a track".into()));
+        }
+        if path.source.is_some() {
+            return Err((455, format!("path {} is pulled from its upstream; it takes no publisher", path.name)));
+        }
+        if !req.headers.get("Content-Type").is_some_and(|t| t.trim().to_ascii_lowercase().starts_with("application/sdp")) {
+            return Err((415, "ANNOUNCE carries an SDP (Content-Type: application/sdp)".into()));
+        }
+        let presentation = Presentation::parse(&req.body).map_err(|e| (400, format!("the announced SDP: {e}")))?;
+        let previous: Vec<String> = self.sessions.lock().iter().filter(|(_, s)| s.publishes && s.path == path.name).map(|(id, _)| id.clone()).collect();
+        for id in previous {
+            tracing::info!(path = %path.name, session = %id, publisher = %conn.peer, "RTSP publisher replaced by a newer one");
+            self.end_session(&id, RtspSessionEnd::Replaced).await.map_err(|e| (500, e.to_string()))?;
+        }
+        tracing::info!(path = %path.name, publisher = %conn.peer, tracks = presentation.tracks.len(), "RTSP publisher announced");
+        *path.announced.lock() = Some(Announcement { connection: conn.id, presentation });
+        Ok(Response::to(req, 200))
+    }
+
+    /// A publisher's SETUP of one announced track: the track becomes the path's source
+    /// `source-<i>`, on a fresh port of the SFU (its `server_port`), accepting only the
+    /// publisher's `client_port`; or, interleaved, fed from its frames on this connection.
+    async fn setup_publisher(self: &Arc<Self>, req: &Request, conn: &Connection, path: Arc<PathState>, name: TrackName) -> Result<Response, (u16, String)> {
+        if path.source.is_some() {
+            return Err((455, format!("path {} is pulled from its upstream; it takes no publisher", path.name)));
+        }
+        let (track, clock_rate) = {
+            let announced = path.announced.lock();
+            let a = announced.as_ref().filter(|a| a.connection == conn.id).ok_or((455, "ANNOUNCE the path on this connection first".to_string()))?;
+            let i = announced_track(&a.presentation, &name).ok_or((404, "no such track in the announcement".to_string()))?;
+            (i, a.presentation.tracks[i].clock_rate)
+        };
+        let offered = TransportSpec::parse_list(req.headers.get("Transport").unwrap_or(""));
+        let served = |t: &TransportSpec| !t.multicast && !t.profile.to_ascii_uppercase().contains("SAVP") && (t.lower == Lower::Tcp || t.client_port.is_some());
+        let mut chosen =
+            offered.into_iter().find(served).ok_or((461, "recorded: RTP/AVP over UDP unicast with client_port, or RTP/AVP/TCP interleaved".to_string()))?;
+        let interleaved = chosen.lower == Lower::Tcp;
+        let (session_id, new) = match req.headers.session() {
+            Some(id) => {
+                let sessions = self.sessions.lock();
+                let s = sessions.get(id).filter(|s| s.publishes && s.path == path.name).ok_or((454, "no such session".to_string()))?;
+                if s.tracks.contains_key(&track) {
+                    return Err((455, format!("track {track} is set up already")));
+                }
+                (id.to_string(), false)
+            }
+            None => {
+                let sessions = self.sessions.lock();
+                if sessions.len() >= MAX_SESSIONS {
+                    return Err((453, format!("{MAX_SESSIONS} sessions open")));
+                }
+                if sessions.values().any(|s| s.publishes && s.path == path.name) {
+                    return Err((455, format!("path {} has a publisher", path.name)));
+                }
+                (session_id(), true)
+            }
+        };
+        let room = room_of(&path.name);
+        let pid = source_of(track);
+        let publisher = SocketAddr::new(conn.peer.ip(), chosen.client_port.unwrap_or_default().0);
+        let reserved = self.reserved.lock().clone();
+        let added = {
+            let (room, pid) = (room.clone(), pid.clone());
+            self.blocking(move |model, media| {
+                ensure_room(model, &room)?;
+                if model.room(&room)?.participants.contains_key(&pid) {
+                    model.remove_participant(&room, &pid)?;
+                }
+                let local = allocate_local(model, media, &reserved)?;
+                // Interleaved media enters from the odd port beside the source's (reserved with
+                // it): the proxy sends each frame from there.
+                let remote = if interleaved { SocketAddr::new(media.ip, local.port() + 1) } else { publisher };
+                model.add_participant(&room, &pid, local, remote)?;
+                let uid = model.publish(&room, &pid, STREAM, StreamSpec { clock_rate, ..StreamSpec::default() })?;
+                Ok(((local, uid), vec![Change::Room(room)]))
+            })
+        };
+        let (local, uid) = added.await.map_err(|e| (500, e.to_string()))?;
+        let undo = || {
+            let (room, pid) = (room.clone(), pid.clone());
+            self.blocking(move |model, _| Ok((model.remove_participant(&room, &pid)?, vec![Change::Room(room)])))
+        };
+        let side = SocketAddr::new(local.ip(), local.port() + 1);
+        let socket = match std::net::UdpSocket::bind(side).and_then(|s| s.set_nonblocking(true).map(|()| s)) {
+            Ok(s) => s,
+            Err(e) => {
+                let _ = undo().await;
+                return Err((500, format!("binding {side}: {e}")));
+            }
+        };
+        let relay = match interleaved {
+            true => {
+                let channel = chosen.interleaved.map(|(rtp, _)| rtp).unwrap_or((track * 2) as u8);
+                chosen.interleaved = Some((channel, channel.wrapping_add(1)));
+                let mut inbound = conn.inbound.lock();
+                inbound.insert(channel, Inbound::Rtp { socket: Arc::new(socket), to: local });
+                inbound.insert(channel.wrapping_add(1), Inbound::Rtcp { path: path.name.clone(), track });
+                None
+            }
+            false => match self.relay_publisher_rtcp(socket, conn.peer.ip(), &path.name, track) {
+                Ok(task) => Some(task),
+                Err(e) => {
+                    let _ = undo().await;
+                    return Err((500, format!("listening at {side}: {e}")));
+                }
+            },
+        };
+        let gone = self.gone_meanwhile(&path.name, &session_id, new);
+        if let Some(refusal) = gone {
+            if let Some(r) = relay {
+                r.abort();
+            }
+            let _ = undo().await;
+            return Err(refusal);
+        }
+        {
+            let mut sessions = self.sessions.lock();
+            let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, true, Some(conn.id)));
+            s.tracks.insert(track, pid);
+            s.streams.insert(track, uid);
+            s.relays.extend(relay);
+            self.metrics.set_sessions(sessions.len());
+        }
+        if interleaved {
+            chosen.client_port = None;
+        } else {
+            // To the media address, which is not the RTSP listener's: ffmpeg sends to `source`,
+            // GStreamer to `destination` (where the stream goes, RFC 2326 §12.39).
+            chosen.server_port = Some((local.port(), local.port() + 1));
+            chosen.source = Some(local.ip().to_string());
+            chosen.destination = Some(local.ip().to_string());
+            chosen.interleaved = None;
+        }
+        Ok(Response::to(req, 200).with("Transport", chosen.to_header()).with("Session", format!("{session_id};timeout={}", self.timeout.as_secs())))
+    }
+
+    /// A UDP publisher's RTCP port on the SFU's side: its sender reports arrive there, and go on
+    /// to the track's viewers.
+    fn relay_publisher_rtcp(
+        &self,
+        socket: std::net::UdpSocket,
+        publisher: std::net::IpAddr,
+        path: &str,
+        track: usize,
+    ) -> std::io::Result<tokio::task::AbortHandle> {
+        let socket = tokio::net::UdpSocket::from_std(socket)?;
+        let (me, path) = (self.me.clone(), path.to_string());
+        let task = tokio::spawn(async move {
+            let mut buf = vec![0u8; 2048];
+            while let Ok((n, from)) = socket.recv_from(&mut buf).await {
+                let rtcp = n >= 8 && buf[0] >> 6 == 2 && (200..=204).contains(&buf[1]);
+                if from.ip() == publisher && rtcp {
+                    let Some(proxy) = me.upgrade() else { return };
+                    proxy.forward_rtcp(&path, track, &buf[..n]);
+                }
+            }
+        });
+        Ok(task.abort_handle())
+    }
+
+    /// A frame an interleaved publisher sent on `channel`: into the data plane (RTP), or on to
+    /// the viewers (RTCP). A viewer's frames (its receiver reports) are let go.
+    fn inbound(&self, conn: &Connection, channel: u8, data: &[u8]) {
+        match conn.inbound.lock().get(&channel) {
+            // Counted with the TCP drops: a frame lost on its way between TCP and the data plane.
+            Some(Inbound::Rtp { socket, to }) if socket.send_to(data, *to).is_err() => self.metrics.tcp_dropped(),
+            Some(Inbound::Rtp { .. }) => {}
+            Some(Inbound::Rtcp { path, track }) => self.forward_rtcp(path, *track, data),
+            None => {}
+        }
+    }
+
+    /// A publisher's RECORD: its tracks, all set up, become the path's sources; the viewers
+    /// waiting for it start receiving.
+    async fn record(&self, req: &Request, conn: &Connection) -> Result<Response, (u16, String)> {
+        let (path, _) = self.target(&req.uri)?;
+        let id = req.headers.session().ok_or((454, "RECORD needs a Session".to_string()))?.to_string();
+        let streams = {
+            let sessions = self.sessions.lock();
+            let s = sessions.get(&id).filter(|s| s.path == path.name && s.publishes).ok_or((454, "no such session".to_string()))?;
+            s.streams.clone()
+        };
+        let presentation = path
+            .announced
+            .lock()
+            .as_ref()
+            .filter(|a| a.connection == conn.id)
+            .map(|a| a.presentation.clone())
+            .ok_or((455, "ANNOUNCE the path on this connection first".to_string()))?;
+        if let Some(missing) = (0..presentation.tracks.len()).find(|t| !streams.contains_key(t)) {
+            return Err((455, format!("track {missing} is not set up")));
+        }
+        let room = room_of(&path.name);
+        let viewers = self.playing_viewers(&path.name);
+        let subscribed = self.blocking(move |model, _| {
+            subscribe_viewers(model, &room, &viewers)?;
+            Ok(((), vec![Change::Room(room)]))
+        });
+        subscribed.await.map_err(|e| (500, e.to_string()))?;
+        match self.sessions.lock().get_mut(&id) {
+            Some(s) => s.playing = true,
+            None => return Err((454, "the session ended".into())),
+        }
+        let tracks = streams.len();
+        path.live.send_replace(Some(Arc::new(Live { presentation, stream_uids: streams.into_values().collect() })));
+        self.metrics.upstream(&path.name, true);
+        tracing::info!(path = %path.name, publisher = %conn.peer, tracks, "RTSP publisher recording");
+        Ok(Response::to(req, 200).with("Session", format!("{id};timeout={}", self.timeout.as_secs())))
+    }
+
     async fn teardown(&self, req: &Request) -> Result<Response, (u16, String)> {
         let id = req.headers.session().ok_or((454, "TEARDOWN needs a Session".to_string()))?.to_string();
         if !self.sessions.lock().contains_key(&id) {
@@ -743,6 +1054,19 @@ impl RtspProxy {
             s
         };
         self.metrics.session_ended(why);
+        if s.publishes {
+            // The path goes quiet until the next publisher; its viewers stay and wait for it.
+            if let Some(path) = self.paths.lock().get(&s.path) {
+                if path.live.send_replace(None).is_some() {
+                    self.metrics.upstream(&s.path, false);
+                }
+                let mut announced = path.announced.lock();
+                if announced.as_ref().is_some_and(|a| Some(a.connection) == s.connection) {
+                    *announced = None;
+                }
+            }
+            tracing::info!(path = %s.path, session = %id, "RTSP publisher ended");
+        }
         let room = room_of(&s.path);
         tracing::info!(path = %s.path, session = %id, "RTSP session ended");
         self.blocking(move |model, _| {
@@ -807,6 +1131,34 @@ impl RtspPaths for RtspProxy {
     }
 }
 
+/// What a request URL names below its path.
+#[derive(Debug, Clone, PartialEq, Eq)]
+enum TrackName {
+    /// Nothing: the path itself.
+    Path,
+    /// `trackID=<i>`, as this proxy's descriptions name tracks.
+    Index(usize),
+    /// Anything else: a publisher's own control (`streamid=0` from ffmpeg, `stream=0` from
+    /// GStreamer).
+    Control(String),
+}
+
+/// A SETUP that asks to record (a publisher's: `mode=record` in any choice it offers).
+fn records(req: &Request) -> bool {
+    TransportSpec::parse_list(req.headers.get("Transport").unwrap_or("")).iter().any(|t| t.mode.as_deref() == Some("RECORD"))
+}
+
+/// The index of the announced track a publisher's SETUP names.
+fn announced_track(presentation: &Presentation, name: &TrackName) -> Option<usize> {
+    let tracks = &presentation.tracks;
+    let named = |c: &str| tracks.iter().position(|t| t.control.as_deref().is_some_and(|tc| tc == c || tc.ends_with(&format!("/{c}"))));
+    match name {
+        TrackName::Path => (tracks.len() == 1).then_some(0),
+        TrackName::Index(i) => named(&format!("trackID={i}")).or((*i < tracks.len()).then_some(*i)),
+        TrackName::Control(c) => named(c),
+    }
+}
+
 /// Subscribe each viewer participant to its track's source, where the source is there (an
 /// upstream being reconnected subscribes them when it is back).
 pub(crate) fn subscribe_viewers(model: &mut Model, room: &str, viewers: &[(String, usize)]) -> Result<(), ManagerError> {
@@ -837,4 +1189,22 @@ fn session_id() -> String {
 
 fn session_version() -> u64 {
     std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map(|d| d.as_secs()).unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_publishers_setup_names_an_announced_track() {
+        let sdp = b"v=0\r\ns=-\r\nt=0 0\r\nm=video 0 RTP/AVP 96\r\na=control:streamid=0\r\nm=audio 0 RTP/AVP 97\r\na=control:rtsp://h/live/streamid=1\r\n";
+        let p = Presentation::parse(sdp).unwrap();
+        let track = |n: TrackName| announced_track(&p, &n);
+        assert_eq!(track(TrackName::Control("streamid=0".into())), Some(0));
+        assert_eq!(track(TrackName::Control("streamid=1".into())), Some(1), "an absolute control URL");
+        assert_eq!(track(TrackName::Control("stream=0".into())), None);
+        assert_eq!(track(TrackName::Index(1)), Some(1));
+        assert_eq!(track(TrackName::Index(2)), None);
+        assert_eq!(track(TrackName::Path), None, "two tracks: the path alone names none");
+    }
 }

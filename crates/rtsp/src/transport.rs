@@ -20,6 +20,9 @@ pub struct TransportSpec {
     pub interleaved: Option<(u8, u8)>,
     pub ssrc: Option<u32>,
     pub destination: Option<String>,
+    /// Where the server's media comes from and goes to (RFC 2326 §12.39): its media address,
+    /// when that is not the RTSP connection's (ffmpeg publishes to it).
+    pub source: Option<String>,
     pub mode: Option<String>,
 }
 
@@ -43,6 +46,7 @@ impl TransportSpec {
             interleaved: None,
             ssrc: None,
             destination: None,
+            source: None,
             mode: None,
         }
     }
@@ -77,6 +81,7 @@ impl TransportSpec {
                 }
                 ("ssrc", Some(v)) => t.ssrc = Some(u32::from_str_radix(v, 16).map_err(|_| bad())?),
                 ("destination", Some(v)) => t.destination = Some(v.to_string()),
+                ("source", Some(v)) => t.source = Some(v.to_string()),
                 ("mode", Some(v)) => t.mode = Some(v.trim_matches('"').to_ascii_uppercase()),
                 // Parameters this server does not act on (ttl, layers, source, append...).
                 _ => {}
@@ -98,6 +103,9 @@ impl TransportSpec {
         s.push_str(if self.multicast { ";multicast" } else { ";unicast" });
         if let Some(d) = &self.destination {
             let _ = write!(s, ";destination={d}");
+        }
+        if let Some(src) = &self.source {
+            let _ = write!(s, ";source={src}");
         }
         if let Some((a, b)) = self.client_port {
             let _ = write!(s, ";client_port={a}-{b}");
@@ -149,7 +157,8 @@ mod tests {
         let mut t = TransportSpec::udp((5000, 5001));
         t.server_port = Some((30000, 30001));
         t.ssrc = Some(0xdeadbeef);
-        assert_eq!(t.to_header(), "RTP/AVP;unicast;client_port=5000-5001;server_port=30000-30001;ssrc=DEADBEEF");
+        t.source = Some("192.0.2.7".into());
+        assert_eq!(t.to_header(), "RTP/AVP;unicast;source=192.0.2.7;client_port=5000-5001;server_port=30000-30001;ssrc=DEADBEEF");
         assert_eq!(TransportSpec::parse(&t.to_header()).unwrap(), t);
     }
 

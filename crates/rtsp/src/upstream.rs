@@ -29,7 +29,7 @@ const BACKOFF_MAX: Duration = Duration::from_secs(30);
 const USER_AGENT: &str = concat!("mediaplane/", env!("CARGO_PKG_VERSION"));
 
 /// Pull `path` for as long as the process runs.
-pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
+pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>, source: url::Url) {
     let mut backoff = BACKOFF_FIRST;
     let mut demand = path.demand.subscribe();
     loop {
@@ -41,7 +41,7 @@ pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
         }
         demand.mark_unchanged();
         let started = Instant::now();
-        let result = pull_once(&proxy, &path).await;
+        let result = pull_once(&proxy, &path, &source).await;
         if path.live.send_replace(None).is_some() {
             proxy.metrics.upstream(&path.name, false);
         }
@@ -67,10 +67,10 @@ pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>) {
     }
 }
 
-async fn pull_once(proxy: &RtspProxy, path: &PathState) -> anyhow::Result<()> {
+async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> anyhow::Result<()> {
     // Credentials go in Authorization headers, never in request lines (or logs).
-    let credentials = credentials_of(&path.source);
-    let mut bare = path.source.clone();
+    let credentials = credentials_of(source);
+    let mut bare = source.clone();
     let _ = bare.set_username("");
     let _ = bare.set_password(None);
     let url = &bare;
