@@ -42,8 +42,8 @@ use mediaplane_core::simulcast::{Codec, MAX_LAYERS};
 use mediaplane_webrtc::dtls::Role;
 use mediaplane_webrtc::ice::Credentials;
 use mediaplane_webrtc::sdp::{
-    choose_format, Answer, AnsweredMedia, Direction, Offer, OfferedMedia, SdpError, Sending, SimulcastAnswer, ABS_SEND_TIME_URI, RTP_STREAM_ID, SDES_MID,
-    TRANSPORT_CC_URI,
+    choose_format, Answer, AnsweredMedia, Direction, Format, Offer, OfferedMedia, SdpError, Sending, SimulcastAnswer, ABS_SEND_TIME_URI, RTP_STREAM_ID,
+    SDES_MID, TRANSPORT_CC_URI,
 };
 use serde::Deserialize;
 use serde_json::json;
@@ -337,6 +337,28 @@ fn unsupported(why: String) -> ManagerError {
     ManagerError::Unsupported(why)
 }
 
+/// The offered format a stream in `format` goes out as: on its own payload type if the offer has
+/// it there, else on the one the offer gives the same encoding (its copies then renumbered). For
+/// H.264 the packetization mode must agree (RFC 6184: 0 when not said), and the same profile is
+/// preferred.
+fn receivable<'a>(offered: &'a [Format], format: &PayloadFormat) -> Option<&'a Format> {
+    let same = |f: &&Format| f.same_encoding(&format.rtpmap);
+    if let Some(f) = offered.iter().filter(same).find(|f| f.pt == format.pt) {
+        return Some(f);
+    }
+    if !format.rtpmap.to_ascii_lowercase().starts_with("h264/") {
+        return offered.iter().find(same);
+    }
+    let param = |fmtp: Option<&str>, key: &str| -> Option<String> {
+        fmtp?.split(';').filter_map(|kv| kv.trim().split_once('=')).find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| v.trim().to_ascii_lowercase())
+    };
+    let mode = |fmtp: Option<&str>| param(fmtp, "packetization-mode").unwrap_or_else(|| "0".into());
+    let profile = |fmtp: Option<&str>| param(fmtp, "profile-level-id").map(|p| p.chars().take(2).collect::<String>());
+    let wanted = format.fmtp.as_deref();
+    let modes: Vec<&Format> = offered.iter().filter(same).filter(|f| mode(f.fmtp.as_deref()) == mode(wanted)).collect();
+    modes.iter().find(|f| profile(f.fmtp.as_deref()) == profile(wanted)).or(modes.first()).copied()
+}
+
 pub(crate) async fn whep(
     State(m): State<AppState>,
     Extension(p): Extension<Pending>,
@@ -372,11 +394,15 @@ pub(crate) async fn whep(
                     fits.then_some((i, o))
                 });
                 let Some((i, section)) = open else { continue };
-                let Some(f) = section.formats.iter().find(|f| f.pt == format.pt && f.same_encoding(&format.rtpmap)) else {
+                let Some(f) = receivable(&section.formats, &format) else {
                     mismatch.push(format!("{name} ({} on payload type {})", format.rtpmap, format.pt));
                     continue;
                 };
-                model.subscribe(&room, pid, StreamRef { publisher: publisher.clone(), stream: name.clone() })?;
+                let stream = StreamRef { publisher: publisher.clone(), stream: name.clone() };
+                model.subscribe(&room, pid, stream.clone())?;
+                if f.pt != format.pt {
+                    model.set_consumer_payload_type(&room, pid, &stream, Some(f.pt))?;
+                }
                 let sending = Sending { ssrc, cname: publisher.clone(), msid: (publisher.clone(), name.clone()) };
                 answered[i] = AnsweredMedia {
                     format: Some(f.clone()),
@@ -390,7 +416,7 @@ pub(crate) async fn whep(
             if answered.iter().all(|a| a.format.is_none()) {
                 let why = match mismatch.is_empty() {
                     true => format!("{publisher} publishes nothing this offer can receive"),
-                    false => format!("the offer cannot receive {}: the SFU forwards payloads as they are, without renumbering", mismatch.join(", ")),
+                    false => format!("the offer cannot receive {}", mismatch.join(", ")),
                 };
                 return Err(unsupported(why));
             }

@@ -373,11 +373,16 @@ pub struct Consumer {
     /// without temporal layers is not affected.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temporal_layer: Option<u8>,
+    /// The payload type its copies carry in place of the stream's [`Stream::format`]'s: a
+    /// WebRTC subscriber whose offer numbered the same format differently (a camera's H.264 on
+    /// 96, which a browser numbers 102). None: as the publisher sends it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_type: Option<u8>,
 }
 
 impl Default for Consumer {
     fn default() -> Consumer {
-        Consumer { uid: 0, preferred_layer: None, max_layer: None, auto_layer: true, temporal_layer: None }
+        Consumer { uid: 0, preferred_layer: None, max_layer: None, auto_layer: true, temporal_layer: None, payload_type: None }
     }
 }
 
@@ -418,6 +423,8 @@ mod subscription_list {
         auto_layer: bool,
         #[serde(default, skip_serializing_if = "Option::is_none")]
         temporal_layer: Option<u8>,
+        #[serde(default, skip_serializing_if = "Option::is_none")]
+        payload_type: Option<u8>,
     }
 
     pub fn serialize<S: Serializer>(subs: &BTreeMap<StreamRef, Consumer>, s: S) -> Result<S::Ok, S::Error> {
@@ -429,6 +436,7 @@ mod subscription_list {
             max_layer: c.max_layer,
             auto_layer: c.auto_layer,
             temporal_layer: c.temporal_layer,
+            payload_type: c.payload_type,
         }))
     }
 
@@ -443,6 +451,7 @@ mod subscription_list {
                     max_layer: e.max_layer,
                     auto_layer: e.auto_layer,
                     temporal_layer: e.temporal_layer,
+                    payload_type: e.payload_type,
                 };
                 (StreamRef { publisher: e.publisher, stream: e.stream }, c)
             })
@@ -1414,6 +1423,17 @@ impl Model {
         let uid = self.uid();
         self.room_mut(room)?.participants.get_mut(subscriber).unwrap().subscriptions.insert(to, Consumer { uid, ..Default::default() });
         Ok(uid)
+    }
+
+    /// The payload type `subscriber`'s copies of `to` carry (see [`Consumer::payload_type`]).
+    pub fn set_consumer_payload_type(&mut self, room: &str, subscriber: &str, to: &StreamRef, pt: Option<u8>) -> Result<(), ModelError> {
+        if pt.is_some_and(|pt| pt > 127) {
+            return Err(ModelError::Invalid(format!("payload type {pt:?} is not 0-127")));
+        }
+        let p = self.room_mut(room)?.participants.get_mut(subscriber).ok_or_else(|| not_found("participant", subscriber))?;
+        let c = p.subscriptions.get_mut(to).ok_or_else(|| not_found("subscription", &format!("{}/{}", to.publisher, to.stream)))?;
+        c.payload_type = pt;
+        Ok(())
     }
 
     /// Choose the layers consumer `uid` of `room` receives of its simulcast stream (None: the top

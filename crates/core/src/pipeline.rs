@@ -417,9 +417,15 @@ fn stream_ids(ids: crate::model::StreamIdExtensions, header: &RtpHeader, packet:
 
 /// One copy to `c`: sent protected as `c` wants it, or counted as failed if it cannot be (as
 /// not keyed, without asking the plane, when `c` has no key yet).
-fn copy_effect<'p>(plane: &mut dyn Plane, c: &crate::table::Copy, copy: CopyOf, packet: Cow<'p, [u8]>) -> Effect<'p> {
+fn copy_effect<'p>(plane: &mut dyn Plane, c: &crate::table::Copy, copy: CopyOf, mut packet: Cow<'p, [u8]>) -> Effect<'p> {
     if c.outbound == Protection::Srtp(None) {
         return Effect::CopyUnkeyed { copy };
+    }
+    if let Some((from, to)) = c.payload_type {
+        // RTP only (`copy.rtp`): the byte is RTCP's packet type otherwise.
+        if copy.rtp.is_some() && packet.len() > 1 && packet[1] & 0x7f == from {
+            packet.to_mut()[1] = (packet[1] & 0x80) | (to & 0x7f);
+        }
     }
     match protected(plane, c.from, &c.outbound, packet) {
         Some((packet, seal)) => Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy), seal },
@@ -665,6 +671,33 @@ mod tests {
         out.clear();
         Pipeline::new().process(&t, a(P0_LOCAL), a(P0), &rr, 1, 1, &mut FakePlane::default(), &mut out);
         assert!(out.iter().any(|e| matches!(e, Effect::Send { copy: Some(CopyOf { rtp: None, .. }), .. })), "{out:?}");
+    }
+
+    /// A copy renumbering the payload type (a browser's, over WHEP) carries its own on the RTP
+    /// of the stream's payload type; other payload types, RTCP and the other copies are as sent.
+    #[test]
+    fn a_copy_renumbering_the_payload_type_carries_its_own() {
+        let mut t = room();
+        main_entry(&mut t).copies[1].payload_type = Some((96, 102));
+        let sent = |packet: &[u8]| {
+            let mut out = Vec::new();
+            Pipeline::new().process(&t, a(P0_LOCAL), a(P0), packet, 1, 1, &mut FakePlane::default(), &mut out);
+            out.iter()
+                .filter_map(|e| match e {
+                    Effect::Send { packet, .. } => Some(packet.to_vec()),
+                    _ => None,
+                })
+                .collect::<Vec<_>>()
+        };
+        let mut marked = build_rtp(96, 7, 160, 9, &[1; 20]);
+        marked[1] |= 0x80;
+        let copies = sent(&marked);
+        assert_eq!((copies[0][1], copies[1][1]), (0x80 | 96, 0x80 | 102), "the marker bit kept");
+        assert_eq!(copies[1][2..], marked[2..], "nothing else changed");
+        let other = sent(&build_rtp(97, 8, 160, 9, &[1; 20]));
+        assert_eq!((other[0][1], other[1][1]), (97, 97));
+        let rr = crate::call_quality::build_report(9, None, &[]);
+        assert!(sent(&rr).iter().all(|c| *c == rr), "RTCP is not RTP: its second byte is its type");
     }
 
     #[test]

@@ -64,6 +64,11 @@ pub struct Copy {
     /// [`crate::model::Consumer::temporal_layer`]).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub temporal_layer: Option<u8>,
+    /// (the stream's payload type, the one this copy carries instead): the consumer's
+    /// [`crate::model::Consumer::payload_type`]. Its RTP packets of that payload type are
+    /// renumbered before they are protected; the kernel path leaves such streams to the slow path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub payload_type: Option<(u8, u8)>,
 }
 
 fn yes() -> bool {
@@ -430,6 +435,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                         max_layer,
                         auto_layer: c.auto_layer,
                         temporal_layer: c.temporal_layer.filter(|_| simulcast),
+                        payload_type: s.format.as_ref().zip(c.payload_type).map(|(f, to)| (f.pt, to)).filter(|(from, to)| from != to),
                     })
                 })
                 .collect();
@@ -515,6 +521,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> Vec<StreamEntr
             max_layer: None,
             auto_layer: true,
             temporal_layer: None,
+            payload_type: None,
         };
         let mut copies: Vec<Copy> = to_leg.peer().map(|to| vec![copy(to)]).unwrap_or_default();
         // A subscriber gets what the relay has in clear (it unprotects a party's SRTP it terminates).
@@ -529,6 +536,7 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> Vec<StreamEntr
                 max_layer: None,
                 auto_layer: true,
                 temporal_layer: None,
+                payload_type: None,
             })
         }));
         StreamEntry {
@@ -1157,7 +1165,8 @@ mod tests {
                         layer: None,
                         max_layer: None,
                         auto_layer: true,
-                        temporal_layer: None
+                        temporal_layer: None,
+                        payload_type: None,
                     }]
                 )
             }

@@ -380,6 +380,7 @@ mod tests {
                 max_layer: None,
                 auto_layer: true,
                 temporal_layer: None,
+                payload_type: None,
             }],
             rate: None,
             record: false,

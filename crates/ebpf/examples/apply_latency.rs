@@ -35,6 +35,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
                 max_layer: None,
                 auto_layer: true,
                 temporal_layer: None,
+                payload_type: None,
             })
             .collect(),
         rate: None,

@@ -659,8 +659,10 @@ pub fn kernel_forwards(e: &StreamEntry) -> bool {
     // Recorded streams too: the slow path hands what it forwards to the recording tap. And SRTP
     // ones: the kernel has no AES-CM/HMAC, the slow path has libsrtp and AES-NI. And those
     // under call control (blocked or silenced media, blocked DTMF) or with DTMF to put in:
-    // rare, and decided per payload type or packet, which the kernel path does not look at.
-    !(mixed || e.record || e.has_srtp() || !e.control.is_off() || !e.dtmf.is_empty() || e.copies.len() > MAX_FANOUT)
+    // rare, and decided per payload type or packet, which the kernel path does not look at. So
+    // are copies that renumber the payload type (a browser's over WHEP: SRTP anyway).
+    let renumbered = e.copies.iter().any(|c| c.payload_type.is_some());
+    !(mixed || e.record || e.has_srtp() || renumbered || !e.control.is_off() || !e.dtmf.is_empty() || e.copies.len() > MAX_FANOUT)
 }
 
 /// `stream_value.codec` (bpf/layer_rewrite.h MP_CODEC_*).

@@ -365,18 +365,23 @@ fn whip_and_whep_answer_offers_and_refuse_what_they_cannot_take() {
     assert!(answer.contains("a=ice-lite") && answer.contains("a=setup:passive") && answer.contains("m=video"), "{answer}");
     let (s, _, _) = post(&d, "/v1/whip/r?participant=alice", "application/sdp", &offer);
     assert_eq!(s, 409, "the name is taken");
-    // WHEP: what alice publishes; a section offering VP8 on another payload type cannot get it.
+    // WHEP: what alice publishes; a section offering its formats on other payload types gets
+    // them renumbered (its consumers say to which); one offering other encodings cannot.
     let recv = offer.replace("a=sendonly", "a=recvonly").replace("a=ssrc:1111 cname:c\r\n", "").replace("a=ssrc:2222 cname:c\r\n", "");
     let renumbered = recv.replace("SAVPF 111", "SAVPF 109").replace("rtpmap:111", "rtpmap:109").replace("SAVPF 96", "SAVPF 100").replace(":96 ", ":100 ");
-    let (s, _, body) = post(&d, "/v1/whep/r/alice", "application/sdp", &renumbered);
+    let (s, _, answer) = post(&d, "/v1/whep/r/alice?participant=carol", "application/sdp", &renumbered);
+    assert!(s == 201 && answer.contains("a=rtpmap:100 VP8/90000") && answer.contains("a=rtpmap:109 opus/48000/2"), "{s} {answer}");
+    let (_, room) = call(&d, "GET", "/v1/rooms/r", None);
+    let mut renumbered_to: Vec<u64> =
+        room["participants"]["carol"]["subscriptions"].as_array().unwrap().iter().filter_map(|c| c["payload_type"].as_u64()).collect();
+    renumbered_to.sort();
+    assert_eq!(renumbered_to, [100, 109], "{room}");
+    assert_eq!(call(&d, "DELETE", "/v1/rooms/r/participants/carol", None).0, 200);
+    let other = recv.replace("VP8/90000", "VP9/90000").replace("opus/48000/2", "G722/8000");
+    let (s, _, body) = post(&d, "/v1/whep/r/alice", "application/sdp", &other);
     let v: Value = serde_json::from_str(&body).unwrap();
     assert_eq!((s, code(&v)), (422, "unsupported"), "{body}");
-    assert_eq!(
-        v["error"],
-        "the offer cannot receive audio (opus/48000/2 on payload type 111), video (VP8/90000 on payload type 96): \
-         the SFU forwards payloads as they are, without renumbering",
-        "{body}"
-    );
+    assert_eq!(v["error"], "the offer cannot receive audio (opus/48000/2 on payload type 111), video (VP8/90000 on payload type 96)", "{body}");
     let (s, location, answer) = post(&d, "/v1/whep/r/alice?participant=bob", "application/sdp", &recv);
     assert_eq!((s, location.as_str()), (201, "/v1/rooms/r/participants/bob"), "{answer}");
     assert!(answer.contains("a=ssrc:2222 cname:alice") && answer.contains("a=sendonly"), "{answer}");

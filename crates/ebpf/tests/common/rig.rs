@@ -77,6 +77,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
                 max_layer: None,
                 auto_layer: true,
                 temporal_layer: None,
+                payload_type: None,
             })
             .collect(),
         rate: None,
