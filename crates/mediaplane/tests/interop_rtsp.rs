@@ -835,3 +835,80 @@ fn publishers_record_into_a_path_and_viewers_watch() {
     assert!(metrics.contains("mediaplane_rtsp_sessions_ended_total{reason=\"replaced\"} 1"), "the replaced publisher is counted");
     assert!(newer.wait_timeout(Duration::from_secs(20)).unwrap().is_some_and(|s| s.success()));
 }
+
+/// WHEP from a path: a headless Chromium opens the daemon's room page for the path's room
+/// (`rtsp.cam`), which subscribes to each of the camera's sources over WHEP, and decodes the
+/// camera's H.264 and receives its Opus as the camera sent them (the SFU never decodes; the
+/// browser numbers H.264 otherwise than the camera's 96, so its copies are renumbered), beside
+/// an ffmpeg viewer over RTSP. Camera, browser and viewer each in a namespace, on every plane.
+///
+/// Needs root and chromium; skipped without them, except under CI=true, where that is a failure.
+#[test]
+fn a_browser_watches_the_camera_over_whep() {
+    let _one = one_at_a_time();
+    if !mediaplane_bench::require_root("interop_rtsp::a_browser_watches_the_camera_over_whep") {
+        return;
+    }
+    let Some(chromium) = common::browser::chromium("interop_rtsp::a_browser_watches_the_camera_over_whep") else { return };
+    const TOKEN: &str = "rtsp-whep-token";
+    const API_PORT: u16 = 7586;
+    for plane in common::planes() {
+        let tb = Testbed::star(2).unwrap();
+        let (cam_ns, view_ns) = (&tb.peers[0], &tb.peers[1]);
+        let tmp = TempDir::new(&format!("rtsp-whep-{plane}"));
+        let camera = Camera::start_with(tb.command(&cam_ns.ns, "/usr/bin/python3"), &cam_ns.ip.to_string());
+        let cfg = tmp.0.join("mediaplane.toml");
+        std::fs::write(&cfg, format!("[api]\ntoken = \"{TOKEN}\"\n[media]\nip = \"{}\"\n", cam_ns.sfu_ip)).unwrap();
+        let rtsp = format!("{}:8554", cam_ns.sfu_ip);
+        let path = format!("cam={}", camera.url);
+        let store = tmp.0.join("store.db");
+        let _serve = NetnsServe::start_on(
+            &tb,
+            &format!("0.0.0.0:{API_PORT}"),
+            &plane,
+            &store,
+            &["--config", cfg.to_str().unwrap(), "--rtsp-listen", &rtsp, "--rtsp-path", &path],
+        );
+        let api =
+            |method: &str, path: &str| common::netns::try_api_as(&tb, &format!("127.0.0.1:{API_PORT}"), Some(TOKEN), method, path, None).unwrap_or_default();
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while api("GET", "/v1/rtsp/paths/cam")["upstream"]["playing"] != true {
+            assert!(Instant::now() < deadline, "{plane}: the proxy did not pull the camera");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+
+        let origin = format!("http://{}:{API_PORT}", view_ns.sfu_ip);
+        let mut launcher = tb.command(&view_ns.ns, &chromium);
+        launcher.arg(format!("--unsafely-treat-insecure-origin-as-secure={origin}"));
+        let bdir = tmp.0.join("browser");
+        std::fs::create_dir_all(&bdir).unwrap();
+        let page = common::browser::Browser::start(launcher, &bdir, &format!("{origin}/?room=rtsp.cam&name=b&join=1&token={TOKEN}"));
+        let viewer = Viewer::start_with(tb.command(&view_ns.ns, "ffmpeg"), &format!("rtsp://{rtsp}/cam"), 4);
+
+        // Video flows, then 3 s of it: frames decoded and audio received grow throughout.
+        let received = |what: &str, kind: &str| page.page_stats().map(|s| s["received"][what][kind].clone()).unwrap_or_default();
+        let deadline = Instant::now() + Duration::from_secs(30);
+        while received("source-0", "in_video")["frames_decoded"].as_u64().unwrap_or(0) == 0 {
+            assert!(Instant::now() < deadline, "{plane}: the browser decoded nothing of the camera: {}", page.log_tail(40));
+            std::thread::sleep(Duration::from_millis(300));
+        }
+        let (video0, audio0) = (received("source-0", "in_video"), received("source-1", "in_audio"));
+        std::thread::sleep(Duration::from_secs(3));
+        let (video, audio) = (received("source-0", "in_video"), received("source-1", "in_audio"));
+        let grew = |a: &serde_json::Value, b: &serde_json::Value, k: &str| b[k].as_u64().unwrap_or(0).saturating_sub(a[k].as_u64().unwrap_or(0));
+        let (frames, packets) = (grew(&video0, &video, "frames_decoded"), grew(&audio0, &audio, "packets"));
+        eprintln!("{plane}: the browser decoded {frames} frames of the camera's H.264 in 3 s ({video}); audio packets {packets} ({audio})");
+        // 25 fps and 50 audio packets a second; the page reports once a second, so two readings
+        // 3 s apart span 2 to 4 s of them (measured: 74-75 frames, 150 packets).
+        assert!(frames >= 50, "{plane}: {frames} frames in 3 s: {video}");
+        assert!(packets >= 100, "{plane}: {packets} audio packets in 3 s (50 a second): {audio}");
+        assert_eq!((video["frame_width"].as_u64(), video["lost"].as_u64()), (Some(320), Some(0)), "{plane}: {video}");
+
+        // The browser's subscription renumbers the camera's H.264 (96) to its own payload type.
+        let room = api("GET", "/v1/rooms/rtsp.cam");
+        let subs = room["participants"]["b.sees.source-0"]["subscriptions"].as_array().cloned().unwrap_or_default();
+        assert!(subs.len() == 1 && subs[0]["payload_type"].as_u64().is_some_and(|pt| pt != 96), "{plane}: {room}");
+        let (f, err) = viewer.frames(Duration::from_secs(25));
+        assert!(f >= (3 * FPS) as u64, "{plane}: the RTSP viewer beside the browser decoded {f} frames: {err}");
+    }
+}

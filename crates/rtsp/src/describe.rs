@@ -109,6 +109,44 @@ impl Presentation {
     }
 }
 
+impl Track {
+    /// What `a=rtpmap` says of its first payload type after the number (`H264/90000`,
+    /// `opus/48000/2`), or RFC 3551's name of a static one that browsers take (PCMU, PCMA, G722).
+    pub fn rtpmap(&self) -> Option<String> {
+        let pt = *self.payload_types.first()?;
+        let mapped = self.attribute("a=rtpmap:", pt);
+        mapped.or_else(|| {
+            let name = match pt {
+                0 => "PCMU/8000",
+                8 => "PCMA/8000",
+                9 => "G722/8000",
+                _ => return None,
+            };
+            Some(name.to_string())
+        })
+    }
+
+    /// `a=fmtp` of its first payload type, after the number.
+    pub fn fmtp(&self) -> Option<String> {
+        self.attribute("a=fmtp:", *self.payload_types.first()?)
+    }
+
+    /// The SSRC its `a=ssrc` lines name (RFC 5576), when they name one.
+    pub fn ssrc(&self) -> Option<u32> {
+        let mut named = self.attributes.iter().filter_map(|l| l.strip_prefix("a=ssrc:")?.split_whitespace().next()?.parse::<u32>().ok());
+        let first = named.next()?;
+        named.all(|s| s == first).then_some(first)
+    }
+
+    /// The value of `<prefix><pt> value`.
+    fn attribute(&self, prefix: &str, pt: u8) -> Option<String> {
+        self.attributes.iter().find_map(|l| {
+            let (p, v) = l.strip_prefix(prefix)?.split_once(' ')?;
+            (p.trim().parse::<u8>().ok()? == pt).then(|| v.trim().to_string())
+        })
+    }
+}
+
 /// The URL a track is set up at: its control resolved against the base (Content-Base, else
 /// Content-Location, else the DESCRIBE URL; RFC 2326 C.1.1).
 pub fn control_url(base: &url::Url, control: Option<&str>) -> Option<url::Url> {
@@ -195,6 +233,20 @@ mod tests {
         let again = Presentation::parse(served.as_bytes()).unwrap();
         assert_eq!(again.tracks.iter().map(|t| t.control.clone()).collect::<Vec<_>>(), vec![Some("trackID=0".into()), Some("trackID=1".into())]);
         assert_eq!(again.tracks[0].clock_rate, Some(90000));
+    }
+
+    #[test]
+    fn each_tracks_format_and_ssrc_for_browsers() {
+        let sdp = GST.replace("a=control:stream=0\r\n", "a=control:stream=0\r\na=ssrc:1718335435 cname:u@h\r\n");
+        let p = Presentation::parse(sdp.as_bytes()).unwrap();
+        let v = &p.tracks[0];
+        assert_eq!(
+            (v.rtpmap().as_deref(), v.fmtp().as_deref(), v.ssrc()),
+            (Some("H264/90000"), Some("packetization-mode=1;profile-level-id=42c01f"), Some(1718335435))
+        );
+        assert_eq!((p.tracks[1].rtpmap().as_deref(), p.tracks[1].fmtp(), p.tracks[1].ssrc()), (Some("OPUS/48000/2"), None, None));
+        let pcmu = Presentation::parse(b"v=0\r\nm=audio 0 RTP/AVP 0\r\na=ssrc:1 cname:a\r\na=ssrc:2 cname:b\r\n").unwrap();
+        assert_eq!((pcmu.tracks[0].rtpmap().as_deref(), pcmu.tracks[0].ssrc()), (Some("PCMU/8000"), None), "two SSRCs name none");
     }
 
     #[test]

@@ -13,7 +13,7 @@ use crate::transport::TransportSpec;
 use crate::{room_of, source_of, RtspProxy, STREAM};
 use anyhow::{anyhow, bail, Context};
 use mediaplane_control::store::Change;
-use mediaplane_core::model::StreamSpec;
+use mediaplane_core::model::{PayloadFormat, StreamSpec};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -96,6 +96,7 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
     let reservation = proxy.reserve(presentation.tracks.len())?;
     let locals = reservation.ports().to_vec();
     let mut remotes = Vec::new();
+    let mut ssrcs = Vec::new();
     for (track, local) in presentation.tracks.iter().zip(&locals) {
         let at = control_url(&base, track.control.as_deref()).ok_or_else(|| anyhow!("bad control URL {:?}", track.control))?;
         let ask = TransportSpec::udp((local.port(), local.port() + 1)).to_header();
@@ -106,6 +107,7 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
         let t = TransportSpec::parse(r.headers.get("Transport").unwrap_or("")).context("SETUP answer's Transport")?;
         let (server_rtp, _) = t.server_port.ok_or_else(|| anyhow!("SETUP {at}: no server_port in the answer"))?;
         remotes.push(SocketAddr::new(peer.ip(), server_rtp));
+        ssrcs.push(t.ssrc.or(track.ssrc()));
         if c.session.is_none() {
             c.session = r.headers.session().map(String::from);
         }
@@ -114,7 +116,9 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
     // The sources go into the model before PLAY, so the first packet finds them.
     let room = room_of(&path.name);
     let viewers = proxy.playing_viewers(&path.name);
-    let rates: Vec<Option<u32>> = presentation.tracks.iter().map(|t| t.clock_rate).collect();
+    // Each track's SSRC and format as SDP names them, so that browsers can watch the path over
+    // WHEP from its room (the SFU announces the SSRC; its copies keep the camera's).
+    let specs: Vec<StreamSpec> = presentation.tracks.iter().zip(&ssrcs).map(|(t, ssrc)| source_spec(t, *ssrc)).collect();
     let claimed = locals.clone();
     let stream_uids = proxy
         .blocking(move |model, _| {
@@ -126,7 +130,7 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
                     model.remove_participant(&room, &pid)?;
                 }
                 model.add_participant(&room, &pid, *local, *remote)?;
-                uids.push(model.publish(&room, &pid, STREAM, StreamSpec { clock_rate: rates[i], ..StreamSpec::default() })?);
+                uids.push(model.publish(&room, &pid, STREAM, specs[i].clone())?);
             }
             subscribe_viewers(model, &room, &viewers)?;
             Ok((uids, vec![Change::Room(room)]))
@@ -149,6 +153,19 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
         let _ = tokio::time::timeout(Duration::from_millis(500), c.send("TEARDOWN", base.as_str(), &[])).await;
     }
     result
+}
+
+/// What a source publishes for `track`: its clock, and, for audio and video, the format and
+/// SSRC a WHEP answer needs (a camera that names no SSRC is watched over RTSP only).
+pub(crate) fn source_spec(track: &crate::describe::Track, ssrc: Option<u32>) -> StreamSpec {
+    let media = matches!(track.kind.as_str(), "audio" | "video") && ssrc.is_some();
+    let format = track.rtpmap().filter(|_| media).zip(track.payload_types.first()).map(|(rtpmap, &pt)| PayloadFormat {
+        kind: track.kind.clone(),
+        pt,
+        rtpmap,
+        fmtp: track.fmtp(),
+    });
+    StreamSpec { clock_rate: track.clock_rate, ssrc: ssrc.filter(|_| format.is_some()), format, ..StreamSpec::default() }
 }
 
 /// A connection to the upstream from the media address: an RTSP server sends UDP media to the
