@@ -33,13 +33,16 @@ pub struct RtspSection {
     /// A viewer's session ends this long after its last request (RFC 2326 §12.37; clients
     /// keep it alive with GET_PARAMETER or OPTIONS).
     pub session_timeout_secs: u64,
+    /// Connections one client address may hold at once (viewers behind one NAT share one);
+    /// more are closed at once and counted.
+    pub max_connections_per_client: usize,
     /// The paths served: `rtsp://<listen>/<name>` is `source` pulled once.
     pub paths: Vec<RtspPath>,
 }
 
 impl Default for RtspSection {
     fn default() -> Self {
-        RtspSection { listen: None, session_timeout_secs: 60, paths: Vec::new() }
+        RtspSection { listen: None, session_timeout_secs: 60, max_connections_per_client: 64, paths: Vec::new() }
     }
 }
 
@@ -643,6 +646,9 @@ impl Config {
         }
         if self.rtsp.session_timeout_secs == 0 {
             return Err("rtsp.session_timeout_secs must be at least 1".into());
+        }
+        if self.rtsp.max_connections_per_client == 0 {
+            return Err("rtsp.max_connections_per_client must be at least 1".into());
         }
         if let Some(id) = &self.ng.instance_id {
             // It becomes an SDP attribute value: one token.

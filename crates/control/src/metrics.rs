@@ -165,6 +165,8 @@ pub struct RtspMetrics {
     upstream_pulls: Family<PathLabels, Counter>,
     tcp_dropped: Counter,
     unauthorized: Counter,
+    connections_refused: Counter,
+    connections_timed_out: Counter,
     /// The paths declared (families cannot be listed), for the totals.
     paths: Arc<parking_lot::Mutex<Vec<String>>>,
 }
@@ -188,6 +190,8 @@ pub struct RtspTotals {
     pub upstream_pulls: u64,
     pub tcp_dropped: u64,
     pub unauthorized: u64,
+    pub connections_refused: u64,
+    pub connections_timed_out: u64,
 }
 
 const RTSP_END_REASONS: [&str; 4] = ["teardown", "timeout", "connection_closed", "replaced"];
@@ -237,6 +241,17 @@ impl RtspMetrics {
         self.unauthorized.inc();
     }
 
+    /// A connection closed as soon as accepted: its client address (or the server) held too many.
+    pub fn connection_refused(&self) {
+        self.connections_refused.inc();
+    }
+
+    /// A connection closed for holding no session while silent, or for a request it did not
+    /// finish in time.
+    pub fn connection_timed_out(&self) {
+        self.connections_timed_out.inc();
+    }
+
     pub fn totals(&self) -> RtspTotals {
         let ended = RTSP_END_REASONS.iter().map(|&reason| self.sessions_ended.get(&ReasonLabels { reason }).map_or(0, |c| c.get())).sum();
         RtspTotals {
@@ -244,6 +259,8 @@ impl RtspMetrics {
             sessions_ended: ended,
             tcp_dropped: self.tcp_dropped.get(),
             unauthorized: self.unauthorized.get(),
+            connections_refused: self.connections_refused.get(),
+            connections_timed_out: self.connections_timed_out.get(),
             ..self.path_totals()
         }
     }
@@ -353,8 +370,18 @@ impl Metrics {
         registry.register("mediaplane_rtsp_tcp_dropped", "Interleaved RTP not queued to a TCP viewer that read too slowly", rtsp.tcp_dropped.clone());
         registry.register(
             "mediaplane_rtsp_unauthorized",
-            "RTSP requests refused (401) on a path with read_users, for want of valid credentials",
+            "RTSP requests refused (401) on a path with read_users or publish_users, for want of valid credentials",
             rtsp.unauthorized.clone(),
+        );
+        registry.register(
+            "mediaplane_rtsp_connections_refused",
+            "RTSP connections closed when accepted: their client address held rtsp.max_connections_per_client, or the server 4096",
+            rtsp.connections_refused.clone(),
+        );
+        registry.register(
+            "mediaplane_rtsp_connections_timed_out",
+            "RTSP connections closed for idling without a session, or for a request not finished in time",
+            rtsp.connections_timed_out.clone(),
         );
         registry.register_collector(Box::new(DataplaneCollector { manager, per_stream: cfg.per_stream, per_consumer: cfg.per_consumer }));
         Arc::new(Metrics { registry, http, ng, rtsp, per_consumer: cfg.per_consumer })

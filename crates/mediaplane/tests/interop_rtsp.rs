@@ -912,3 +912,86 @@ fn a_browser_watches_the_camera_over_whep() {
         assert!(f >= (3 * FPS) as u64, "{plane}: the RTSP viewer beside the browser decoded {f} frames: {err}");
     }
 }
+
+/// Connections are bounded: at most `max_connections_per_client` from one address (the next is
+/// closed at once); one that idles without a session is closed after the session timeout, and
+/// one trickling a request is closed when the request is not done in time, however many bytes
+/// it sends; one whose session lasts stays open while silent. Each closing is counted.
+#[test]
+fn connections_are_bounded_per_client_and_in_time() {
+    let _one = one_at_a_time();
+    let tmp = TempDir::new("rtsp-conns");
+    let config = "[rtsp]\nsession_timeout_secs = 2\nmax_connections_per_client = 3\n[[rtsp.paths]]\nname = \"live\"\nsource = \"publisher\"\n";
+    let (d, rtsp) = serve_paths(&tmp, "127.43.0.13", config, &[]);
+    let addr = rtsp.trim_start_matches("rtsp://").to_string();
+    let connect = || {
+        let s = TcpStream::connect(&addr).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
+        s
+    };
+    // Closed by the server: a read returns nothing (or the connection was reset), and when.
+    let closed_after = |s: &mut TcpStream, since: Instant| {
+        let mut b = [0u8; 256];
+        let n = s.read(&mut b).unwrap_or(0);
+        assert_eq!(n, 0, "the server answered instead of closing: {}", String::from_utf8_lossy(&b[..n]));
+        since.elapsed()
+    };
+    let t0 = Instant::now();
+    let mut idle = connect();
+    let mut trickling = connect();
+    let mut with_session = connect();
+    let mut fourth = connect();
+    assert!(closed_after(&mut fourth, t0) < Duration::from_secs(1), "a fourth connection from one address was kept");
+
+    let sdp = "v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=x\r\nt=0 0\r\nm=video 0 RTP/AVP 96\r\na=rtpmap:96 H264/90000\r\na=control:streamid=0\r\n";
+    let ask = |s: &mut TcpStream, req: String| {
+        s.write_all(req.as_bytes()).unwrap();
+        let mut got = Vec::new();
+        let mut b = [0u8; 4096];
+        while !matches!(mediaplane_rtsp::message::decode(&got), Ok(Some(_))) {
+            let n = s.read(&mut b).unwrap();
+            assert!(n > 0, "closed mid-answer");
+            got.extend_from_slice(&b[..n]);
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    let url = format!("{rtsp}/live");
+    let a =
+        ask(&mut with_session, format!("ANNOUNCE {url} RTSP/1.0\r\nCSeq: 1\r\nContent-Type: application/sdp\r\nContent-Length: {}\r\n\r\n{sdp}", sdp.len()));
+    assert!(a.starts_with("RTSP/1.0 200 "), "{a}");
+    let a = ask(
+        &mut with_session,
+        format!("SETUP {url}/streamid=0 RTSP/1.0\r\nCSeq: 2\r\nTransport: RTP/AVP/UDP;unicast;client_port=40000-40001;mode=record\r\n\r\n"),
+    );
+    assert!(a.starts_with("RTSP/1.0 200 "), "{a}");
+
+    let t1 = Instant::now();
+    trickling.write_all(b"OPTIONS ").unwrap();
+    let writer = {
+        let mut w = trickling.try_clone().unwrap();
+        std::thread::spawn(move || {
+            for _ in 0..16 {
+                std::thread::sleep(Duration::from_millis(250));
+                if w.write_all(b"x").is_err() {
+                    return;
+                }
+            }
+        })
+    };
+    let idled = closed_after(&mut idle, t0);
+    let trickled = closed_after(&mut trickling, t1);
+    writer.join().unwrap();
+    eprintln!("closed: silent after {idled:?}, trickling after {trickled:?}");
+    assert!(idled >= Duration::from_millis(1900) && idled < Duration::from_secs(4), "a silent connection without a session: {idled:?}");
+    assert!(trickled >= Duration::from_millis(1900) && trickled < Duration::from_secs(4), "a request trickled for {trickled:?}");
+
+    // The publisher's connection idled as long, and is still served; and the closed ones were
+    // given back: a new connection is admitted.
+    std::thread::sleep(Duration::from_secs(1));
+    let a = ask(&mut with_session, format!("OPTIONS {url} RTSP/1.0\r\nCSeq: 3\r\n\r\n"));
+    assert!(a.starts_with("RTSP/1.0 200 "), "{a}");
+    let a = ask(&mut connect(), format!("OPTIONS {url} RTSP/1.0\r\nCSeq: 1\r\n\r\n"));
+    assert!(a.starts_with("RTSP/1.0 200 "), "{a}");
+    let (_, stats) = d.call("GET", "/v1/stats", None);
+    assert_eq!((stats["rtsp"]["connections_refused"].as_u64(), stats["rtsp"]["connections_timed_out"].as_u64()), (Some(1), Some(2)), "{}", stats["rtsp"]);
+}

@@ -32,6 +32,9 @@ const DESCRIBE_WAIT: Duration = Duration::from_secs(3);
 const MAX_SESSIONS: usize = 4096;
 /// Concurrent RTSP connections.
 const MAX_CONNECTIONS: usize = 4096;
+/// A request must arrive whole within this of its first byte (or the session timeout, if
+/// shorter): a client trickling a request holds no connection for longer.
+const REQUEST_DEADLINE: Duration = Duration::from_secs(10);
 const METHODS: &str = "OPTIONS, DESCRIBE, ANNOUNCE, SETUP, PLAY, PAUSE, RECORD, TEARDOWN, GET_PARAMETER, SET_PARAMETER";
 
 /// A path while its upstream is pulled: its description and the uid of each track's stream.
@@ -93,6 +96,8 @@ struct ViewerSession {
     last_seen: Instant,
     /// Interleaved on this connection (RTP over RTSP's TCP): the session ends with it.
     connection: Option<u64>,
+    /// The connection that set it up: not closed for idling while the session lasts.
+    origin: u64,
     /// The tasks that carry its tracks' copies onto that connection, or take its receiver
     /// reports.
     relays: Vec<tokio::task::AbortHandle>,
@@ -111,7 +116,7 @@ enum RtcpSink {
 }
 
 impl ViewerSession {
-    fn new(path: &str, publishes: bool, connection: Option<u64>) -> ViewerSession {
+    fn new(path: &str, publishes: bool, connection: Option<u64>, origin: u64) -> ViewerSession {
         ViewerSession {
             path: path.to_string(),
             tracks: BTreeMap::new(),
@@ -120,6 +125,7 @@ impl ViewerSession {
             playing: false,
             last_seen: Instant::now(),
             connection,
+            origin,
             relays: Vec::new(),
             rtcp: BTreeMap::new(),
         }
@@ -165,6 +171,9 @@ pub struct RtspProxy {
     sessions: Mutex<HashMap<String, ViewerSession>>,
     timeout: Duration,
     connections: std::sync::atomic::AtomicUsize,
+    /// Connections held per client address, at most `max_per_client` each.
+    per_client: Mutex<HashMap<std::net::IpAddr, usize>>,
+    max_per_client: usize,
     next_connection: std::sync::atomic::AtomicU64,
     pub(crate) metrics: RtspMetrics,
     /// Where paths added through the API start their pulls (the API calls in from its own tasks).
@@ -204,6 +213,8 @@ pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg
         sessions: Mutex::new(HashMap::new()),
         timeout: Duration::from_secs(cfg.session_timeout_secs),
         connections: Default::default(),
+        per_client: Default::default(),
+        max_per_client: cfg.max_connections_per_client,
         next_connection: Default::default(),
         metrics,
         runtime: tokio::runtime::Handle::current(),
@@ -233,18 +244,16 @@ pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg
                 continue;
             }
         };
-        use std::sync::atomic::Ordering::Relaxed;
-        if proxy.connections.fetch_add(1, Relaxed) >= MAX_CONNECTIONS {
-            proxy.connections.fetch_sub(1, Relaxed);
-            tracing::warn!(%peer, "RTSP connection refused: {MAX_CONNECTIONS} open");
-            continue;
-        }
+        let Some(held) = proxy.admit(peer.ip()) else {
+            proxy.metrics.connection_refused();
+            continue; // dropped: closed
+        };
         let p = proxy.clone();
         tokio::spawn(async move {
             if let Err(e) = p.clone().connection(stream, peer).await {
                 tracing::debug!(%peer, error = %e, "RTSP connection ended");
             }
-            p.connections.fetch_sub(1, Relaxed);
+            drop(held);
         });
     }
 }
@@ -268,7 +277,45 @@ async fn reap(proxy: Arc<RtspProxy>) {
     }
 }
 
+/// A connection counted against the server's and its client's limits until dropped.
+struct Admitted {
+    proxy: Arc<RtspProxy>,
+    client: std::net::IpAddr,
+}
+
+impl Drop for Admitted {
+    fn drop(&mut self) {
+        self.proxy.connections.fetch_sub(1, std::sync::atomic::Ordering::Relaxed);
+        let mut per_client = self.proxy.per_client.lock();
+        if let Some(n) = per_client.get_mut(&self.client) {
+            *n -= 1;
+            if *n == 0 {
+                per_client.remove(&self.client);
+            }
+        }
+    }
+}
+
 impl RtspProxy {
+    /// Count a new connection from `client`, or None when it or the server holds too many.
+    fn admit(self: &Arc<Self>, client: std::net::IpAddr) -> Option<Admitted> {
+        let client = client.to_canonical();
+        let mut per_client = self.per_client.lock();
+        let held = per_client.get(&client).copied().unwrap_or(0);
+        if held >= self.max_per_client {
+            tracing::warn!(%client, "RTSP connection refused: {held} open from this address (rtsp.max_connections_per_client)");
+            return None;
+        }
+        use std::sync::atomic::Ordering::Relaxed;
+        if self.connections.fetch_add(1, Relaxed) >= MAX_CONNECTIONS {
+            self.connections.fetch_sub(1, Relaxed);
+            tracing::warn!(%client, "RTSP connection refused: {MAX_CONNECTIONS} open");
+            return None;
+        }
+        per_client.insert(client, held + 1);
+        Some(Admitted { proxy: self.clone(), client })
+    }
+
     /// Serve `config` as a path: pulled from now on, or when first asked for.
     fn start_path(&self, config: RtspPath) -> Result<Arc<PathState>, RtspPathError> {
         config.validate().map_err(RtspPathError::Invalid)?;
@@ -421,11 +468,14 @@ impl RtspProxy {
         let mut buf: Vec<u8> = Vec::with_capacity(4096);
         let mut chunk = [0u8; 4096];
         let closed = || std::io::Error::new(std::io::ErrorKind::BrokenPipe, "writer gone");
+        // When the bytes of the message under way began to come (None: none under way).
+        let mut request_started: Option<Instant> = None;
         loop {
             loop {
                 match decode(&buf) {
                     Ok(Some((msg, used))) => {
                         buf.drain(..used);
+                        request_started = None;
                         match msg {
                             Message::Request(req) => {
                                 let resp = self.handle(&req, conn).await;
@@ -449,7 +499,21 @@ impl RtspProxy {
             if buf.len() > MAX_HEAD + MAX_BODY + 4 {
                 return Ok(());
             }
-            let n = rd.read(&mut chunk).await?;
+            // A request under way must be done by its deadline; a connection between requests
+            // may idle as long as a session it set up lasts, else for the session timeout.
+            let wait = match buf.is_empty() {
+                true => self.timeout,
+                false => self.timeout.min(REQUEST_DEADLINE).saturating_sub(request_started.get_or_insert_with(Instant::now).elapsed()),
+            };
+            let n = match tokio::time::timeout(wait, rd.read(&mut chunk)).await {
+                Ok(read) => read?,
+                Err(_) if buf.is_empty() && self.sessions.lock().values().any(|s| s.origin == conn.id) => continue,
+                Err(_) => {
+                    tracing::debug!(peer = %conn.peer, partial = buf.len(), "RTSP connection closed: silent without a session, or a request not finished in time");
+                    self.metrics.connection_timed_out();
+                    return Ok(());
+                }
+            };
             if n == 0 {
                 return Ok(());
             }
@@ -673,7 +737,7 @@ impl RtspProxy {
         }
         {
             let mut sessions = self.sessions.lock();
-            let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, false, interleaved.then_some(conn.id)));
+            let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, false, interleaved.then_some(conn.id), conn.id));
             s.tracks.insert(track, pid);
             s.relays.push(relay);
             s.rtcp.insert(track, sink);
@@ -944,7 +1008,7 @@ impl RtspProxy {
         }
         {
             let mut sessions = self.sessions.lock();
-            let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, true, Some(conn.id)));
+            let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, true, Some(conn.id), conn.id));
             s.tracks.insert(track, pid);
             s.streams.insert(track, uid);
             s.relays.extend(relay);
