@@ -718,10 +718,7 @@ impl RtspProxy {
                 self.relay_interleaved(local, remote(local), channel, conn.out.clone()).map(|task| (task, sink))
             }
         };
-        let undo = || {
-            let (room, pid) = (room.clone(), pid.clone());
-            self.blocking(move |model, _| Ok((model.remove_participant(&room, &pid)?, vec![Change::Room(room)])))
-        };
+        let undo = || self.undo_setup(&path.name, &pid);
         let (relay, sink) = match bound {
             Ok(b) => b,
             Err(e) => {
@@ -755,6 +752,23 @@ impl RtspProxy {
             chosen.interleaved = None;
         }
         Ok(Response::to(req, 200).with("Transport", chosen.to_header()).with("Session", format!("{session_id};timeout={}", self.timeout.as_secs())))
+    }
+
+    /// Take back the participant a SETUP of `path` added; and the path's room, which that SETUP
+    /// made again, if the path was removed meanwhile and nobody else is in it.
+    async fn undo_setup(&self, path: &str, pid: &str) -> Result<(), ManagerError> {
+        let gone = !self.paths.lock().contains_key(path);
+        let (room, pid) = (room_of(path), pid.to_string());
+        self.blocking(move |model, _| {
+            if model.room(&room).is_ok_and(|r| r.participants.contains_key(&pid)) {
+                model.remove_participant(&room, &pid)?;
+            }
+            if gone && model.room(&room).is_ok_and(|r| r.participants.is_empty()) {
+                model.delete_room(&room)?;
+            }
+            Ok(((), vec![Change::Room(room)]))
+        })
+        .await
     }
 
     /// What ended while a SETUP added its participant: the path (removed) or the session it
@@ -969,10 +983,7 @@ impl RtspProxy {
             })
         };
         let (local, uid) = added.await.map_err(|e| (500, e.to_string()))?;
-        let undo = || {
-            let (room, pid) = (room.clone(), pid.clone());
-            self.blocking(move |model, _| Ok((model.remove_participant(&room, &pid)?, vec![Change::Room(room)])))
-        };
+        let undo = || self.undo_setup(&path.name, &pid);
         let side = SocketAddr::new(local.ip(), local.port() + 1);
         let socket = match std::net::UdpSocket::bind(side).and_then(|s| s.set_nonblocking(true).map(|()| s)) {
             Ok(s) => s,

@@ -97,6 +97,7 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
     let locals = reservation.ports().to_vec();
     let mut remotes = Vec::new();
     let mut ssrcs = Vec::new();
+    let mut timeout = None;
     for (track, local) in presentation.tracks.iter().zip(&locals) {
         let at = control_url(&base, track.control.as_deref()).ok_or_else(|| anyhow!("bad control URL {:?}", track.control))?;
         let ask = TransportSpec::udp((local.port(), local.port() + 1)).to_header();
@@ -111,6 +112,8 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
         if c.session.is_none() {
             c.session = r.headers.session().map(String::from);
         }
+        // The session's timeout is told here (RFC 2326 §12.37); PLAY's answer seldom repeats it.
+        timeout = r.headers.get("Session").and_then(session_timeout).or(timeout);
     }
 
     // The sources go into the model before PLAY, so the first packet finds them.
@@ -144,7 +147,7 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
         bail!("PLAY answered {} {}", r.status, r.reason);
     }
     tracing::info!(path = %path.name, source = %url, tracks = stream_uids.len(), "upstream playing");
-    let keepalive = r.headers.get("Session").and_then(session_timeout).unwrap_or(60).clamp(2, 600) / 2;
+    let keepalive = r.headers.get("Session").and_then(session_timeout).or(timeout).unwrap_or(60).clamp(2, 600) / 2;
     path.live.send_replace(Some(Arc::new(Live { presentation, stream_uids: stream_uids.clone() })));
     proxy.metrics.upstream(&path.name, true);
     let result = c.keep_alive(proxy, path, &base, Duration::from_secs(keepalive), &stream_uids).await;
@@ -343,17 +346,28 @@ impl Client {
         let mut watchdog = tokio::time::interval(Duration::from_secs(1));
         let (mut last_count, mut last_change) = (0u64, Instant::now());
         let mut method = "GET_PARAMETER";
+        // A keep-alive sent again to answer a fresh challenge (at most once in a row).
+        let mut answered_challenge = false;
         loop {
             tokio::select! {
                 _ = keepalive.tick() => { self.send(method, base.as_str(), &[]).await?; }
                 r = self.fill() => {
                     r?;
                     while let Some(m) = self.next_message()? {
-                        if let Message::Response(r) = m {
-                            if matches!(r.status, 405 | 501) && method == "GET_PARAMETER" {
-                                // Servers without GET_PARAMETER take OPTIONS as a keep-alive.
-                                method = "OPTIONS";
+                        let Message::Response(r) = m else { continue };
+                        if matches!(r.status, 405 | 501) && method == "GET_PARAMETER" {
+                            // Servers without GET_PARAMETER take OPTIONS as a keep-alive.
+                            method = "OPTIONS";
+                        }
+                        // A Digest nonce expired (a camera's live for minutes): answer the new
+                        // challenge now, or the session would lapse unrefreshed.
+                        let offered = r.headers.0.iter().filter(|(n, _)| n.eq_ignore_ascii_case("WWW-Authenticate")).map(|(_, v)| v.as_str());
+                        match Challenge::choose(offered) {
+                            Some(c) if r.status == 401 && !answered_challenge && self.credentials.is_some() => {
+                                (self.challenge, self.nc, answered_challenge) = (Some(c), 0, true);
+                                self.send(method, base.as_str(), &[]).await?;
                             }
+                            _ => answered_challenge = false,
                         }
                     }
                 }
