@@ -65,8 +65,8 @@ pub struct RtspPath {
     /// `rtsp.listen`.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub read_users: Vec<String>,
-    /// Who may publish into a `publisher` path, as `name:password`; empty: anyone who reaches
-    /// `rtsp.listen`.
+    /// Who may publish into a `publisher` path, as `name:password` (at least one: the newest
+    /// publisher takes the path).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub publish_users: Vec<String>,
 }
@@ -100,6 +100,11 @@ impl RtspPath {
         if self.is_published() {
             if self.on_demand {
                 return Err(format!("{name:?}: a publisher path is not pulled, so not on demand either"));
+            }
+            // The newest publisher takes the path: without credentials anyone who reaches the
+            // listener could replace it, and feed its viewers.
+            if self.publish_users.is_empty() {
+                return Err(format!("{name:?}: a publisher path needs publish_users (name:password of each encoder allowed)"));
             }
         } else {
             // The source is never repeated back: it may carry a password.
@@ -874,6 +879,8 @@ mod tests {
             let e = path(extra).unwrap_err();
             assert!(e.contains(says), "{extra}: {e}");
         }
+        let e = path("source = \"publisher\"").unwrap_err();
+        assert!(e.contains("needs publish_users"), "{e}");
         assert!(RtspPath::parse_arg("in=publisher").unwrap().is_published());
     }
 

@@ -342,21 +342,16 @@ fn unsupported(why: String) -> ManagerError {
 /// H.264 the packetization mode must agree (RFC 6184: 0 when not said), and the same profile is
 /// preferred.
 fn receivable<'a>(offered: &'a [Format], format: &PayloadFormat) -> Option<&'a Format> {
-    let same = |f: &&Format| f.same_encoding(&format.rtpmap);
-    if let Some(f) = offered.iter().filter(same).find(|f| f.pt == format.pt) {
-        return Some(f);
-    }
-    if !format.rtpmap.to_ascii_lowercase().starts_with("h264/") {
-        return offered.iter().find(same);
-    }
     let param = |fmtp: Option<&str>, key: &str| -> Option<String> {
         fmtp?.split(';').filter_map(|kv| kv.trim().split_once('=')).find(|(k, _)| k.eq_ignore_ascii_case(key)).map(|(_, v)| v.trim().to_ascii_lowercase())
     };
+    let h264 = format.rtpmap.to_ascii_lowercase().starts_with("h264/");
     let mode = |fmtp: Option<&str>| param(fmtp, "packetization-mode").unwrap_or_else(|| "0".into());
     let profile = |fmtp: Option<&str>| param(fmtp, "profile-level-id").map(|p| p.chars().take(2).collect::<String>());
     let wanted = format.fmtp.as_deref();
-    let modes: Vec<&Format> = offered.iter().filter(same).filter(|f| mode(f.fmtp.as_deref()) == mode(wanted)).collect();
-    modes.iter().find(|f| profile(f.fmtp.as_deref()) == profile(wanted)).or(modes.first()).copied()
+    let fits: Vec<&Format> = offered.iter().filter(|f| f.same_encoding(&format.rtpmap) && (!h264 || mode(f.fmtp.as_deref()) == mode(wanted))).collect();
+    let same_profile = || fits.iter().find(|f| !h264 || profile(f.fmtp.as_deref()) == profile(wanted));
+    fits.iter().find(|f| f.pt == format.pt).or_else(same_profile).or(fits.first()).copied()
 }
 
 pub(crate) async fn whep(
@@ -425,4 +420,35 @@ pub(crate) async fn whep(
         answer(m, &room, session, made)
     })
     .await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn offered(pt: u8, rtpmap: &str, fmtp: Option<&str>) -> Format {
+        Format { pt, rtpmap: rtpmap.into(), fmtp: fmtp.map(String::from), feedback: Vec::new() }
+    }
+
+    /// A camera's H.264 goes to the offer's H.264 of the same packetization mode, its own
+    /// payload type first (only if the mode agrees), then the same profile; other encodings on
+    /// the same or another number.
+    #[test]
+    fn a_stream_goes_out_as_an_offered_format_of_its_encoding() {
+        let chromium = [
+            offered(96, "VP8/90000", None),
+            offered(97, "H264/90000", Some("level-asymmetry-allowed=1;packetization-mode=0;profile-level-id=42001f")),
+            offered(102, "H264/90000", Some("level-asymmetry-allowed=1;packetization-mode=1;profile-level-id=4d001f")),
+            offered(104, "H264/90000", Some("level-asymmetry-allowed=1;packetization-mode=1;profile-level-id=42e01f")),
+            offered(111, "opus/48000/2", Some("minptime=10;useinbandfec=1")),
+        ];
+        let camera = |pt: u8, rtpmap: &str, fmtp: Option<&str>| PayloadFormat { kind: "video".into(), pt, rtpmap: rtpmap.into(), fmtp: fmtp.map(String::from) };
+        let pt = |f: PayloadFormat| receivable(&chromium, &f).map(|f| f.pt);
+        assert_eq!(pt(camera(96, "H264/90000", Some("packetization-mode=1;profile-level-id=42c00d"))), Some(104), "same mode and profile");
+        assert_eq!(pt(camera(97, "H264/90000", Some("packetization-mode=1;profile-level-id=4d0028"))), Some(102), "97 is mode 0 here");
+        assert_eq!(pt(camera(96, "H264/90000", None)), Some(97), "no fmtp: mode 0");
+        assert_eq!(pt(camera(96, "VP8/90000", None)), Some(96));
+        assert_eq!(pt(camera(97, "OPUS/48000/2", None)), Some(111), "names compared without case");
+        assert_eq!(pt(camera(8, "PCMA/8000", None)), None);
+    }
 }

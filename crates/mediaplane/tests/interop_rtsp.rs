@@ -47,8 +47,12 @@ impl Camera {
     }
 
     /// [`Camera::start_with`], its video at `bitrate` bit/s (a noisy picture) when given.
-    fn start_at_rate(mut cmd: Command, address: &str, bitrate: Option<u32>) -> Camera {
-        let port = free_port();
+    fn start_at_rate(cmd: Command, address: &str, bitrate: Option<u32>) -> Camera {
+        Camera::start_on(cmd, address, free_port(), bitrate)
+    }
+
+    /// The camera on `port` (a restarted one: where the first was).
+    fn start_on(mut cmd: Command, address: &str, port: u16, bitrate: Option<u32>) -> Camera {
         cmd.args([CAMERA, &port.to_string(), &FPS.to_string(), address]).args(bitrate.map(|b| b.to_string())).stdout(Stdio::piped()).stderr(Stdio::inherit());
         let mut proc = Supervised::spawn("camera (gst-rtsp-server)", &mut cmd).expect("python3 with gst-rtsp-server (make deps installs it)");
         let out = proc.child_mut().stdout.take().unwrap();
@@ -840,7 +844,9 @@ fn publishers_record_into_a_path_and_viewers_watch() {
 /// (`rtsp.cam`), which subscribes to each of the camera's sources over WHEP, and decodes the
 /// camera's H.264 and receives its Opus as the camera sent them (the SFU never decodes; the
 /// browser numbers H.264 otherwise than the camera's 96, so its copies are renumbered), beside
-/// an ffmpeg viewer over RTSP. Camera, browser and viewer each in a namespace, on every plane.
+/// an ffmpeg viewer over RTSP; then the camera restarts, and the browser is subscribed again to
+/// the new sources, renumbered as before. Camera, browser and viewer each in a namespace, on
+/// every plane.
 ///
 /// Needs root and chromium; skipped without them, except under CI=true, where that is a failure.
 #[test]
@@ -910,6 +916,39 @@ fn a_browser_watches_the_camera_over_whep() {
         assert!(subs.len() == 1 && subs[0]["payload_type"].as_u64().is_some_and(|pt| pt != 96), "{plane}: {room}");
         let (f, err) = viewer.frames(Duration::from_secs(25));
         assert!(f >= (3 * FPS) as u64, "{plane}: the RTSP viewer beside the browser decoded {f} frames: {err}");
+
+        // The camera restarts (a new process on its port): the proxy pulls it again, and the
+        // browser's subscriptions come back with the sources, renumbered as before.
+        let port: u16 = camera.url.rsplit(':').next().and_then(|p| p.split('/').next()).and_then(|p| p.parse().ok()).unwrap();
+        drop(camera);
+        let deadline = Instant::now() + Duration::from_secs(10);
+        while api("GET", "/v1/rtsp/paths/cam")["upstream"]["playing"] != false {
+            assert!(Instant::now() < deadline, "{plane}: the camera's end was not noticed");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let _camera = Camera::start_on(tb.command(&cam_ns.ns, "/usr/bin/python3"), &cam_ns.ip.to_string(), port, None);
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while api("GET", "/v1/rtsp/paths/cam")["upstream"]["playing"] != true {
+            assert!(Instant::now() < deadline, "{plane}: the restarted camera was not pulled again");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        let room = api("GET", "/v1/rooms/rtsp.cam");
+        let again = room["participants"]["b.sees.source-0"]["subscriptions"].as_array().cloned().unwrap_or_default();
+        assert_eq!(again.first().map(|c| &c["payload_type"]), subs.first().map(|c| &c["payload_type"]), "{plane}: {room}");
+        // Copies of the new stream go to the browser (its only consumer now). Whether Chromium
+        // decodes them is its own choice: the new SSRC is not the one its answer announced, and
+        // it took it as the section's in some runs and not in others (until the proxy keeps
+        // the stream continuous across upstream sessions, issue 43).
+        let deadline = Instant::now() + Duration::from_secs(10);
+        let copies = || api("GET", "/v1/rtsp/paths/cam")["upstream"]["tracks"][0]["copies"].as_u64().unwrap_or(0);
+        while copies() == 0 {
+            assert!(Instant::now() < deadline, "{plane}: no copy of the restarted camera to the browser: {}", api("GET", "/v1/rtsp/paths/cam"));
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        std::thread::sleep(Duration::from_secs(3));
+        let later = received("source-0", "in_video");
+        let decoding = later["ssrc"] != video["ssrc"];
+        eprintln!("{plane}: after the camera restarted, {} copies to the browser; it decodes the new stream: {decoding} ({later})", copies());
     }
 }
 
@@ -921,7 +960,7 @@ fn a_browser_watches_the_camera_over_whep() {
 fn connections_are_bounded_per_client_and_in_time() {
     let _one = one_at_a_time();
     let tmp = TempDir::new("rtsp-conns");
-    let config = "[rtsp]\nsession_timeout_secs = 2\nmax_connections_per_client = 3\n[[rtsp.paths]]\nname = \"live\"\nsource = \"publisher\"\n";
+    let config = "[rtsp]\nsession_timeout_secs = 2\nmax_connections_per_client = 3\n[[rtsp.paths]]\nname = \"live\"\nsource = \"publisher\"\npublish_users = [\"pub:pw\"]\n";
     let (d, rtsp) = serve_paths(&tmp, "127.43.0.13", config, &[]);
     let addr = rtsp.trim_start_matches("rtsp://").to_string();
     let connect = || {
@@ -956,13 +995,15 @@ fn connections_are_bounded_per_client_and_in_time() {
         String::from_utf8_lossy(&got).into_owned()
     };
     let url = format!("{rtsp}/live");
-    let a =
-        ask(&mut with_session, format!("ANNOUNCE {url} RTSP/1.0\r\nCSeq: 1\r\nContent-Type: application/sdp\r\nContent-Length: {}\r\n\r\n{sdp}", sdp.len()));
+    let auth = {
+        use base64::Engine as _;
+        format!("Authorization: Basic {}\r\n", base64::engine::general_purpose::STANDARD.encode("pub:pw"))
+    };
+    let announce = format!("ANNOUNCE {url} RTSP/1.0\r\nCSeq: 1\r\n{auth}Content-Type: application/sdp\r\nContent-Length: {}\r\n\r\n{sdp}", sdp.len());
+    let a = ask(&mut with_session, announce);
     assert!(a.starts_with("RTSP/1.0 200 "), "{a}");
-    let a = ask(
-        &mut with_session,
-        format!("SETUP {url}/streamid=0 RTSP/1.0\r\nCSeq: 2\r\nTransport: RTP/AVP/UDP;unicast;client_port=40000-40001;mode=record\r\n\r\n"),
-    );
+    let setup = format!("SETUP {url}/streamid=0 RTSP/1.0\r\nCSeq: 2\r\n{auth}Transport: RTP/AVP/UDP;unicast;client_port=40000-40001;mode=record\r\n\r\n");
+    let a = ask(&mut with_session, setup);
     assert!(a.starts_with("RTSP/1.0 200 "), "{a}");
 
     let t1 = Instant::now();

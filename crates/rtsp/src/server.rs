@@ -63,6 +63,12 @@ pub(crate) struct PathState {
     pub on_demand: Option<Duration>,
     /// Bumped by every DESCRIBE and SETUP: what wakes an on-demand path's pull.
     pub demand: watch::Sender<u64>,
+    /// Subscribers of its sources other than RTSP viewers (browsers over WHEP), as (participant,
+    /// track, payload type) when the upstream was lost: subscribed again when it is back.
+    pub kept_subscribers: Mutex<Vec<(String, usize, Option<u8>)>>,
+    /// The upstream's packets did not carry the SSRC it named: its sources take any (and are
+    /// watched over RTSP only).
+    pub ssrc_unreliable: std::sync::atomic::AtomicBool,
 }
 
 /// What a publisher's ANNOUNCE said, kept for its SETUPs and RECORD.
@@ -98,6 +104,8 @@ struct ViewerSession {
     connection: Option<u64>,
     /// The connection that set it up: not closed for idling while the session lasts.
     origin: u64,
+    /// An interleaved publisher's channels on its connection, taken out when it ends.
+    inbound: Option<(InboundChannels, Vec<u8>)>,
     /// The tasks that carry its tracks' copies onto that connection, or take its receiver
     /// reports.
     relays: Vec<tokio::task::AbortHandle>,
@@ -126,6 +134,7 @@ impl ViewerSession {
             last_seen: Instant::now(),
             connection,
             origin,
+            inbound: None,
             relays: Vec::new(),
             rtcp: BTreeMap::new(),
         }
@@ -137,6 +146,12 @@ impl Drop for ViewerSession {
         for r in &self.relays {
             r.abort();
         }
+        if let Some((map, channels)) = &self.inbound {
+            let mut map = map.lock();
+            for c in channels {
+                map.remove(c);
+            }
+        }
     }
 }
 
@@ -147,9 +162,12 @@ struct Connection {
     /// The viewer's address (an IPv4 one as such, even on a dual-stack listener).
     peer: SocketAddr,
     out: mpsc::Sender<Vec<u8>>,
-    /// What an interleaved publisher's frames on each channel are.
-    inbound: Mutex<HashMap<u8, Inbound>>,
+    /// What an interleaved publisher's frames on each channel are (its session takes its
+    /// channels out when it ends).
+    inbound: InboundChannels,
 }
+
+type InboundChannels = Arc<Mutex<HashMap<u8, Inbound>>>;
 
 /// A channel of an interleaved publisher (RTP over its RTSP connection).
 enum Inbound {
@@ -344,6 +362,8 @@ impl RtspProxy {
             live,
             on_demand,
             demand,
+            kept_subscribers: Mutex::new(Vec::new()),
+            ssrc_unreliable: Default::default(),
         });
         let me = self.me.upgrade().ok_or_else(|| RtspPathError::Failed("the proxy is shutting down".into()))?;
         if let Some(url) = path.source.clone() {
@@ -421,6 +441,12 @@ impl RtspProxy {
         self.sessions.lock().values().filter(|s| s.path == path && !s.publishes).count()
     }
 
+    /// The participants of every viewer session of `path`.
+    pub(crate) fn viewer_participants(&self, path: &str) -> std::collections::HashSet<String> {
+        let sessions = self.sessions.lock();
+        sessions.values().filter(|s| s.path == path).flat_map(|s| s.tracks.values().cloned()).collect()
+    }
+
     /// The participants of playing viewers of `path`, with their track: what a (re)connected
     /// upstream's sources are subscribed to.
     pub(crate) fn playing_viewers(&self, path: &str) -> Vec<(String, usize)> {
@@ -430,6 +456,10 @@ impl RtspProxy {
 
     async fn connection(self: Arc<Self>, stream: TcpStream, peer: SocketAddr) -> std::io::Result<()> {
         let _ = stream.set_nodelay(true);
+        // A peer gone without a FIN (a NAT that dropped the connection, a crashed encoder) is
+        // found within about a minute: a publisher's session ends with its connection.
+        let keepalive = socket2::TcpKeepalive::new().with_time(Duration::from_secs(30)).with_interval(Duration::from_secs(10)).with_retries(3);
+        let _ = socket2::SockRef::from(&stream).set_tcp_keepalive(&keepalive);
         // What the kernel holds for a viewer that stopped reading is bounded too (autotuning
         // would let it grow to megabytes per connection); enough for 16 Mbit/s at 100 ms.
         let _ = socket2::SockRef::from(&stream).set_send_buffer_size(TCP_SEND_BUFFER);
@@ -566,7 +596,12 @@ impl RtspProxy {
     /// A 401 for a request on a path with `read_users` (or, to publish, `publish_users`) that
     /// does not prove one of them.
     fn refuse_unauthenticated(&self, req: &Request) -> Option<Response> {
-        let (path, _) = self.target(&req.uri).ok()?;
+        // A request in a session acts on the session's path, whatever its URL names.
+        let of_session = req.headers.session().and_then(|id| self.sessions.lock().get(id).map(|s| s.path.clone()));
+        let path = match of_session {
+            Some(name) => self.paths.lock().get(&name).cloned()?,
+            None => self.target(&req.uri).ok()?.0,
+        };
         let users = if self.publishing(req) { &path.publish_users } else { &path.read_users };
         if users.is_empty() {
             return None;
@@ -765,6 +800,19 @@ impl RtspProxy {
             }
             if gone && model.room(&room).is_ok_and(|r| r.participants.is_empty()) {
                 model.delete_room(&room)?;
+            }
+            Ok(((), vec![Change::Room(room)]))
+        })
+        .await
+    }
+
+    /// Take back the source a publisher's SETUP added, if it is still the one it added (a newer
+    /// publisher's SETUP may have replaced it meanwhile).
+    async fn undo_source(&self, path: &str, pid: &str, uid: u32) -> Result<(), ManagerError> {
+        let (room, pid) = (room_of(path), pid.to_string());
+        self.blocking(move |model, _| {
+            if source_uid(model, &room, &pid) == Some(uid) {
+                model.remove_participant(&room, &pid)?;
             }
             Ok(((), vec![Change::Room(room)]))
         })
@@ -983,7 +1031,7 @@ impl RtspProxy {
             })
         };
         let (local, uid) = added.await.map_err(|e| (500, e.to_string()))?;
-        let undo = || self.undo_setup(&path.name, &pid);
+        let undo = || self.undo_source(&path.name, &pid, uid);
         let side = SocketAddr::new(local.ip(), local.port() + 1);
         let socket = match std::net::UdpSocket::bind(side).and_then(|s| s.set_nonblocking(true).map(|()| s)) {
             Ok(s) => s,
@@ -992,6 +1040,7 @@ impl RtspProxy {
                 return Err((500, format!("binding {side}: {e}")));
             }
         };
+        let mut interleaved_on = None;
         let relay = match interleaved {
             true => {
                 let channel = chosen.interleaved.map(|(rtp, _)| rtp).unwrap_or((track * 2) as u8);
@@ -999,6 +1048,7 @@ impl RtspProxy {
                 let mut inbound = conn.inbound.lock();
                 inbound.insert(channel, Inbound::Rtp { socket: Arc::new(socket), to: local });
                 inbound.insert(channel.wrapping_add(1), Inbound::Rtcp { path: path.name.clone(), track });
+                interleaved_on = Some(channel);
                 None
             }
             false => match self.relay_publisher_rtcp(socket, conn.peer.ip(), &path.name, track) {
@@ -1009,21 +1059,42 @@ impl RtspProxy {
                 }
             },
         };
-        let gone = self.gone_meanwhile(&path.name, &session_id, new);
-        if let Some(refusal) = gone {
+        let forget_channels = || {
+            if let Some(c) = interleaved_on {
+                let mut map = conn.inbound.lock();
+                map.remove(&c);
+                map.remove(&c.wrapping_add(1));
+            }
+        };
+        // What changed while the source was added: the path or the session went, or a newer
+        // publisher announced (it took the path: this one's SETUP is refused).
+        let mut refusal = self.gone_meanwhile(&path.name, &session_id, new);
+        {
+            let mut sessions = self.sessions.lock();
+            let announced = path.announced.lock().as_ref().is_some_and(|a| a.connection == conn.id);
+            let other = sessions.iter().any(|(id, s)| s.publishes && s.path == path.name && *id != session_id);
+            if refusal.is_none() && (!announced || other) {
+                refusal = Some((455, format!("path {} has a newer publisher", path.name)));
+            }
+            if refusal.is_none() {
+                let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, true, Some(conn.id), conn.id));
+                s.tracks.insert(track, pid.clone());
+                s.streams.insert(track, uid);
+                s.relays.extend(relay.clone());
+                if let Some(c) = interleaved_on {
+                    let (_, channels) = s.inbound.get_or_insert_with(|| (conn.inbound.clone(), Vec::new()));
+                    channels.extend([c, c.wrapping_add(1)]);
+                }
+                self.metrics.set_sessions(sessions.len());
+            }
+        }
+        if let Some(refusal) = refusal {
             if let Some(r) = relay {
                 r.abort();
             }
-            let _ = undo().await;
+            forget_channels();
+            let _ = self.undo_source(&path.name, &pid, uid).await;
             return Err(refusal);
-        }
-        {
-            let mut sessions = self.sessions.lock();
-            let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, true, Some(conn.id), conn.id));
-            s.tracks.insert(track, pid);
-            s.streams.insert(track, uid);
-            s.relays.extend(relay);
-            self.metrics.set_sessions(sessions.len());
         }
         if interleaved {
             chosen.client_port = None;
@@ -1052,8 +1123,7 @@ impl RtspProxy {
         let task = tokio::spawn(async move {
             let mut buf = vec![0u8; 2048];
             while let Ok((n, from)) = socket.recv_from(&mut buf).await {
-                let rtcp = n >= 8 && buf[0] >> 6 == 2 && (200..=204).contains(&buf[1]);
-                if from.ip() == publisher && rtcp {
+                if from.ip() == publisher && is_rtcp(&buf[..n]) {
                     let Some(proxy) = me.upgrade() else { return };
                     proxy.forward_rtcp(&path, track, &buf[..n]);
                 }
@@ -1069,7 +1139,8 @@ impl RtspProxy {
             // Counted with the TCP drops: a frame lost on its way between TCP and the data plane.
             Some(Inbound::Rtp { socket, to }) if socket.send_to(data, *to).is_err() => self.metrics.tcp_dropped(),
             Some(Inbound::Rtp { .. }) => {}
-            Some(Inbound::Rtcp { path, track }) => self.forward_rtcp(path, *track, data),
+            Some(Inbound::Rtcp { path, track }) if is_rtcp(data) => self.forward_rtcp(path, *track, data),
+            Some(Inbound::Rtcp { .. }) => {}
             None => {}
         }
     }
@@ -1101,12 +1172,15 @@ impl RtspProxy {
             Ok(((), vec![Change::Room(room)]))
         });
         subscribed.await.map_err(|e| (500, e.to_string()))?;
-        match self.sessions.lock().get_mut(&id) {
-            Some(s) => s.playing = true,
-            None => return Err((454, "the session ended".into())),
-        }
         let tracks = streams.len();
-        path.live.send_replace(Some(Arc::new(Live { presentation, stream_uids: streams.into_values().collect() })));
+        {
+            // Under the sessions lock: a session ended meanwhile (a newer publisher) does not
+            // come back as the path's description.
+            let mut sessions = self.sessions.lock();
+            let s = sessions.get_mut(&id).filter(|s| s.streams == streams).ok_or((454, "the session ended".to_string()))?;
+            s.playing = true;
+            path.live.send_replace(Some(Arc::new(Live { presentation, stream_uids: streams.into_values().collect() })));
+        }
         self.metrics.upstream(&path.name, true);
         tracing::info!(path = %path.name, publisher = %conn.peer, tracks, "RTSP publisher recording");
         Ok(Response::to(req, 200).with("Session", format!("{id};timeout={}", self.timeout.as_secs())))
@@ -1129,10 +1203,13 @@ impl RtspProxy {
             s
         };
         self.metrics.session_ended(why);
+        let mine: Vec<u32> = s.streams.values().copied().collect();
         if s.publishes {
             // The path goes quiet until the next publisher; its viewers stay and wait for it.
+            // What a newer publisher holds already (its description, its announcement) stays.
             if let Some(path) = self.paths.lock().get(&s.path) {
-                if path.live.send_replace(None).is_some() {
+                let live_is_mine = path.live.borrow().as_ref().is_some_and(|l| l.stream_uids == mine);
+                if live_is_mine && path.live.send_replace(None).is_some() {
                     self.metrics.upstream(&s.path, false);
                 }
                 let mut announced = path.announced.lock();
@@ -1144,9 +1221,15 @@ impl RtspProxy {
         }
         let room = room_of(&s.path);
         tracing::info!(path = %s.path, session = %id, "RTSP session ended");
+        let publishes = s.publishes;
+        let pids: Vec<(usize, String)> = s.tracks.iter().map(|(t, p)| (*t, p.clone())).collect();
+        let streams = s.streams.clone();
+        drop(s); // its relays and interleaved channels stop
         self.blocking(move |model, _| {
-            for pid in s.tracks.values() {
-                if model.room(&room).is_ok_and(|r| r.participants.contains_key(pid)) {
+            for (track, pid) in &pids {
+                // A publisher's sources only while they are its own (a newer one's replaced them).
+                let own = !publishes || source_uid(model, &room, pid) == streams.get(track).copied();
+                if own && model.room(&room).is_ok_and(|r| r.participants.contains_key(pid)) {
                     model.remove_participant(&room, pid)?;
                 }
             }
@@ -1216,6 +1299,16 @@ enum TrackName {
     /// Anything else: a publisher's own control (`streamid=0` from ffmpeg, `stream=0` from
     /// GStreamer).
     Control(String),
+}
+
+/// RTCP as a sender's reports start: version 2, a packet type of RFC 3550's (SR to APP).
+pub(crate) fn is_rtcp(p: &[u8]) -> bool {
+    p.len() >= 8 && p[0] >> 6 == 2 && (200..=204).contains(&p[1])
+}
+
+/// The uid of the stream source `pid` of `room` publishes, if it does.
+fn source_uid(model: &Model, room: &str, pid: &str) -> Option<u32> {
+    model.room(room).ok()?.participants.get(pid)?.streams.get(STREAM).map(|s| s.uid)
 }
 
 /// A SETUP that asks to record (a publisher's: `mode=record` in any choice it offers).

@@ -13,7 +13,7 @@ use crate::transport::TransportSpec;
 use crate::{room_of, source_of, RtspProxy, STREAM};
 use anyhow::{anyhow, bail, Context};
 use mediaplane_control::store::Change;
-use mediaplane_core::model::{PayloadFormat, StreamSpec};
+use mediaplane_core::model::{PayloadFormat, StreamRef, StreamSpec};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -45,7 +45,7 @@ pub(crate) async fn pull(proxy: Arc<RtspProxy>, path: Arc<PathState>, source: ur
         if path.live.send_replace(None).is_some() {
             proxy.metrics.upstream(&path.name, false);
         }
-        if let Err(e) = release_sources(&proxy, &path.name).await {
+        if let Err(e) = release_sources(&proxy, &path).await {
             tracing::warn!(path = %path.name, error = %e, "removing the upstream's sources failed");
         }
         match result {
@@ -121,7 +121,11 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
     let viewers = proxy.playing_viewers(&path.name);
     // Each track's SSRC and format as SDP names them, so that browsers can watch the path over
     // WHEP from its room (the SFU announces the SSRC; its copies keep the camera's).
-    let specs: Vec<StreamSpec> = presentation.tracks.iter().zip(&ssrcs).map(|(t, ssrc)| source_spec(t, *ssrc)).collect();
+    // Unless an earlier pull found that its packets carry another one.
+    let trusted = !path.ssrc_unreliable.load(std::sync::atomic::Ordering::Relaxed);
+    let specs: Vec<StreamSpec> = presentation.tracks.iter().zip(&ssrcs).map(|(t, ssrc)| source_spec(t, ssrc.filter(|_| trusted))).collect();
+    let narrowed = specs.iter().any(|s| s.ssrc.is_some());
+    let kept = std::mem::take(&mut *path.kept_subscribers.lock());
     let claimed = locals.clone();
     let stream_uids = proxy
         .blocking(move |model, _| {
@@ -136,6 +140,15 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
                 uids.push(model.publish(&room, &pid, STREAM, specs[i].clone())?);
             }
             subscribe_viewers(model, &room, &viewers)?;
+            // Browsers that watched before the upstream was lost, if they are still there.
+            for (pid, track, pt) in &kept {
+                let to = StreamRef { publisher: source_of(*track), stream: STREAM.into() };
+                let r = model.room(&room)?;
+                if r.participants.contains_key(pid) && r.participants.get(&to.publisher).is_some_and(|p| p.streams.contains_key(STREAM)) {
+                    model.subscribe(&room, pid, to.clone())?;
+                    model.set_consumer_payload_type(&room, pid, &to, *pt)?;
+                }
+            }
             Ok((uids, vec![Change::Room(room)]))
         })
         .await?;
@@ -150,7 +163,7 @@ async fn pull_once(proxy: &RtspProxy, path: &PathState, source: &url::Url) -> an
     let keepalive = r.headers.get("Session").and_then(session_timeout).or(timeout).unwrap_or(60).clamp(2, 600) / 2;
     path.live.send_replace(Some(Arc::new(Live { presentation, stream_uids: stream_uids.clone() })));
     proxy.metrics.upstream(&path.name, true);
-    let result = c.keep_alive(proxy, path, &base, Duration::from_secs(keepalive), &stream_uids).await;
+    let result = c.keep_alive(proxy, path, &base, Duration::from_secs(keepalive), &stream_uids, narrowed).await;
     if c.session.is_some() {
         // Best effort: the upstream times the session out anyway.
         let _ = tokio::time::timeout(Duration::from_millis(500), c.send("TEARDOWN", base.as_str(), &[])).await;
@@ -210,8 +223,7 @@ fn relay_sender_reports(proxy: &RtspProxy, path: &str, locals: &[SocketAddr], ca
         tasks.0.push(tokio::spawn(async move {
             let mut buf = vec![0u8; 2048];
             while let Ok((n, from)) = socket.recv_from(&mut buf).await {
-                let rtcp = n >= 8 && buf[0] >> 6 == 2 && (200..=204).contains(&buf[1]);
-                if from.ip() == camera && rtcp {
+                if from.ip() == camera && crate::server::is_rtcp(&buf[..n]) {
                     if let Some(proxy) = me.upgrade() {
                         proxy.forward_rtcp(&path, track, &buf[..n]);
                     }
@@ -222,18 +234,31 @@ fn relay_sender_reports(proxy: &RtspProxy, path: &str, locals: &[SocketAddr], ca
     Ok(tasks)
 }
 
-async fn release_sources(proxy: &RtspProxy, path: &str) -> Result<(), mediaplane_control::manager::ManagerError> {
-    let room = room_of(path);
-    proxy
+/// Remove the path's sources; remember who else than its RTSP viewers subscribed to them.
+async fn release_sources(proxy: &RtspProxy, path: &PathState) -> Result<(), mediaplane_control::manager::ManagerError> {
+    let room = room_of(&path.name);
+    let viewers = proxy.viewer_participants(&path.name);
+    let kept = proxy
         .blocking(move |model, _| {
-            let Ok(r) = model.room(&room) else { return Ok(((), vec![])) };
+            let Ok(r) = model.room(&room) else { return Ok((Vec::new(), vec![])) };
             let sources: Vec<String> = r.participants.keys().filter(|p| p.starts_with("source-")).cloned().collect();
+            let mut kept = Vec::new();
+            for (pid, p) in r.participants.iter().filter(|(pid, _)| !viewers.contains(*pid) && !sources.contains(pid)) {
+                for (to, c) in &p.subscriptions {
+                    let track = to.publisher.strip_prefix("source-").and_then(|i| i.parse::<usize>().ok());
+                    if let Some(track) = track.filter(|_| sources.contains(&to.publisher)) {
+                        kept.push((pid.clone(), track, c.payload_type));
+                    }
+                }
+            }
             for pid in &sources {
                 model.remove_participant(&room, pid)?;
             }
-            Ok(((), vec![Change::Room(room)]))
+            Ok((kept, vec![Change::Room(room)]))
         })
-        .await
+        .await?;
+    path.kept_subscribers.lock().extend(kept);
+    Ok(())
 }
 
 /// `Session: id;timeout=N`'s N.
@@ -339,7 +364,7 @@ impl Client {
     /// Keep the upstream's session alive while its media arrives; fail when the connection
     /// closes, the framing breaks, or every track has been silent for [`MEDIA_TIMEOUT`]; end
     /// (Ok) when an on-demand path has had no viewer for its release time.
-    async fn keep_alive(&mut self, proxy: &RtspProxy, path: &PathState, base: &url::Url, every: Duration, uids: &[u32]) -> anyhow::Result<()> {
+    async fn keep_alive(&mut self, proxy: &RtspProxy, path: &PathState, base: &url::Url, every: Duration, uids: &[u32], narrowed: bool) -> anyhow::Result<()> {
         let mut unwatched_since = Instant::now();
         let mut keepalive = tokio::time::interval(every);
         keepalive.tick().await;
@@ -384,6 +409,12 @@ impl Client {
                     if count != last_count {
                         (last_count, last_change) = (count, Instant::now());
                     } else if last_change.elapsed() > MEDIA_TIMEOUT {
+                        if narrowed && count == 0 {
+                            // Nothing at all on the SSRC the camera named: perhaps everything on
+                            // another (`drop_no_stream`). The next pull takes any.
+                            path.ssrc_unreliable.store(true, std::sync::atomic::Ordering::Relaxed);
+                            bail!("no media on the SSRC the upstream named for {MEDIA_TIMEOUT:?}: pulled again taking any SSRC (WHEP off for this path)");
+                        }
                         bail!("no media for {MEDIA_TIMEOUT:?}");
                     }
                 }
