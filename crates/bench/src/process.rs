@@ -141,8 +141,14 @@ mod tests {
 
     #[test]
     fn a_child_ignoring_sigterm_is_killed_after_the_grace_period() {
-        let mut p = Supervised::spawn("trap", Command::new("sh").args(["-c", "trap '' TERM; sleep 30"])).unwrap();
-        std::thread::sleep(Duration::from_millis(100));
+        // It says when the trap is set: on a loaded machine 100 ms was once not enough, and the
+        // SIGTERM ended the shell before it ignored it.
+        let mut cmd = Command::new("sh");
+        cmd.args(["-c", "trap '' TERM; echo trapped; sleep 30"]).stdout(Stdio::piped());
+        let mut p = Supervised::spawn("trap", &mut cmd).unwrap();
+        let mut line = String::new();
+        std::io::BufRead::read_line(&mut std::io::BufReader::new(p.child_mut().stdout.as_mut().unwrap()), &mut line).unwrap();
+        assert_eq!(line, "trapped\n");
         let t = Instant::now();
         assert!(p.terminate(Duration::from_millis(300)).is_err());
         assert!(t.elapsed() < Duration::from_secs(5));

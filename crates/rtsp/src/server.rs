@@ -583,7 +583,12 @@ impl RtspProxy {
         match result {
             Ok(r) => r,
             Err((status, why)) => {
-                tracing::debug!(method = %req.method, uri = %req.uri, status, why = %why, "RTSP request refused");
+                if status >= 500 && status != 503 {
+                    // The server's own failure (not an upstream that is away): worth a look.
+                    tracing::warn!(method = %req.method, uri = %req.uri, status, why = %why, "RTSP request failed");
+                } else {
+                    tracing::debug!(method = %req.method, uri = %req.uri, status, why = %why, "RTSP request refused");
+                }
                 let mut r = Response::to(req, status).with_body("text/plain", format!("{why}\n").into_bytes());
                 if status == 405 || status == 501 {
                     r = r.with("Allow", METHODS);
