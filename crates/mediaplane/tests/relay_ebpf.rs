@@ -126,9 +126,9 @@ fn relay_call_is_forwarded_by_the_kernel_and_follows_a_new_binding() {
     assert_eq!(steered(&s1), steered(&s0), "nothing was steered to the user-space slow path after latching: {s1}");
     // Each party hears from the relay address it sends to (symmetric RTP), and delay is small:
     // one-way p50 measured 4.9-5.5 µs in six runs, 8.8 and 9.3 µs in two (this VM has whole runs
-    // at about 3x: BENCHMARKS.md), p99 8.8-52.5 µs (debug build, 2-core VM). Bounds: 25 µs at
-    // p50 (the slow mode and some; a hop through user space, the plane's slow path, adds 25-50
-    // µs at the median in BENCHMARKS.md), 100 µs at p99 (twice the largest measured).
+    // at about 3x: BENCHMARKS.md), 25.6 µs once in a loaded CI run; p99 8.8-73.8 µs (debug
+    // build, 2-core VM). Bounds: 40 µs at p50 (the loaded run and some; that nothing took the
+    // slow path is the counters' check above), 150 µs at p99 (twice the largest measured).
     for c in &report.copies {
         eprintln!(
             "relay copy {}: one-way p50 {:.1} µs, p99 {:.1} µs, max {:.1} µs",
@@ -137,7 +137,7 @@ fn relay_call_is_forwarded_by_the_kernel_and_follows_a_new_binding() {
             c.delay_ns.p99 / 1e3,
             c.delay_ns.max / 1e3
         );
-        assert!(c.delay_ns.p50 <= 25_000.0 && c.delay_ns.p99 <= 100_000.0, "{c:?}");
+        assert!(c.delay_ns.p50 <= 40_000.0 && c.delay_ns.p99 <= 150_000.0, "{c:?}");
     }
 
     // query counts the relayed packets (the two latching ones too); delete removes everything.
