@@ -176,11 +176,14 @@ pub struct NgSection {
     /// This relay's mark in SDP it produces with the `loop-protect` flag (`a=rtpengine:<id>`);
     /// none: 12 random hex digits chosen at start (as rtpengine does), stable until a restart.
     pub instance_id: Option<String>,
+    /// Each DTMF event a party of an NG call sends is reported here, one JSON object per UDP
+    /// datagram, as rtpengine's `--dtmf-log-dest` does. None: not reported.
+    pub dtmf_log_dest: Option<SocketAddr>,
 }
 
 impl Default for NgSection {
     fn default() -> Self {
-        NgSection { listen: None, media_timeout_secs: 60, allow: Vec::new(), recording_dir: None, instance_id: None }
+        NgSection { listen: None, media_timeout_secs: 60, allow: Vec::new(), recording_dir: None, instance_id: None, dtmf_log_dest: None }
     }
 }
 

@@ -40,7 +40,8 @@ pub async fn serve(
 /// legs whose learning window has ended lock their source
 /// ([`manager::SessionManager::close_learning`]). Relayed RTCP ([`DataplaneEvent::Rtcp`]) goes
 /// to [`manager::SessionManager::on_rtcp`]; the RIDs of a browser's simulcast layers
-/// ([`DataplaneEvent::StreamId`]) to [`manager::SessionManager::on_stream_id`]. Ends when the data plane's sender is gone
+/// ([`DataplaneEvent::StreamId`]) to [`manager::SessionManager::on_stream_id`]; DTMF events'
+/// ends ([`DataplaneEvent::Dtmf`]) to [`manager::SessionManager::on_dtmf`]. Ends when the data plane's sender is gone
 /// (with no events at all, it runs for the life of the process).
 pub fn learn_sources(manager: Arc<manager::SessionManager>, events: Option<Receiver<DataplaneEvent>>) -> std::io::Result<std::thread::JoinHandle<()>> {
     const TICK: std::time::Duration = std::time::Duration::from_millis(100);
@@ -71,6 +72,7 @@ pub fn learn_sources(manager: Arc<manager::SessionManager>, events: Option<Recei
                 Some(DataplaneEvent::Rtcp { stream, source, at_ns, wall_us, packet }) => manager.on_rtcp(stream, source, at_ns, wall_us, &packet),
                 Some(DataplaneEvent::Handshake { stream, local, source, at_ns, packet }) => manager.on_handshake(stream, local, source, at_ns, &packet),
                 Some(DataplaneEvent::StreamId { transport, ssrc, mid, rid }) => manager.on_stream_id(transport, ssrc, mid.as_deref(), &rid),
+                Some(DataplaneEvent::Dtmf { stream, source, event, wall_us, .. }) => manager.on_dtmf(stream, source, event, wall_us),
                 None => {}
             }
             if std::time::Instant::now() >= next_close {

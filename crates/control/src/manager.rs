@@ -123,6 +123,28 @@ pub struct SessionManager {
     next_window_close: Mutex<Option<(Relays, Option<u64>)>>,
     /// The RTSP proxy, when it serves (the API's `/v1/rtsp` routes ask it).
     rtsp: std::sync::OnceLock<Arc<dyn crate::rtsp_paths::RtspPaths>>,
+    /// Where the DTMF events of relays that report them go ([`SessionManager::report_dtmf_to`]).
+    dtmf_reports: std::sync::OnceLock<std::sync::mpsc::SyncSender<DtmfReport>>,
+}
+
+/// An RFC 4733 event a relay's party sent (reported at its end, once), for whoever logs them
+/// (NG's DTMF log).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct DtmfReport {
+    pub relay: String,
+    /// The leg whose peer sent it.
+    pub side: Side,
+    pub source: SocketAddr,
+    /// 0-9, 10 (*), 11 (#), 12-15 (A-D), or another event code.
+    pub code: u8,
+    /// RFC 4733's volume field (dB below 0 dBm0).
+    pub volume: u8,
+    /// How long it lasted, in RTP timestamp units of `clock_rate`.
+    pub duration: u16,
+    /// The leg's clock rate (8000 if unknown).
+    pub clock_rate: u32,
+    /// When its end arrived, µs since the Unix epoch.
+    pub wall_us: u64,
 }
 
 impl SessionManager {
@@ -149,6 +171,7 @@ impl SessionManager {
             crypto_legs: crate::crypto_legs::CryptoLegs::new()?,
             next_window_close: Mutex::new(None),
             rtsp: std::sync::OnceLock::new(),
+            dtmf_reports: std::sync::OnceLock::new(),
         })
     }
 
@@ -323,6 +346,41 @@ impl SessionManager {
         if !computed.is_empty() {
             let mut totals = self.mos_totals.lock();
             computed.into_iter().for_each(|mos| totals.add(mos));
+        }
+    }
+
+    /// Hand the DTMF events of relays with [`Relay::report_dtmf`] to `reports` (once; later
+    /// calls are ignored). A full queue loses the report, with a warning.
+    pub fn report_dtmf_to(&self, reports: std::sync::mpsc::SyncSender<DtmfReport>) {
+        let _ = self.dtmf_reports.set(reports);
+    }
+
+    /// An event's end the slow path saw on `stream` from `source`
+    /// ([`DataplaneEvent::Dtmf`](mediaplane_dataplane::DataplaneEvent::Dtmf)): reported if the
+    /// stream is a relay leg whose peer is `source` and someone takes reports.
+    pub fn on_dtmf(&self, stream: u32, source: SocketAddr, event: [u8; 4], wall_us: u64) {
+        let Some(reports) = self.dtmf_reports.get() else { return };
+        let Some((relay, side, clock_rate)) = self.read(|m, _| {
+            let (id, side) = m.relay_leg_by_uid(stream)?;
+            let relay = m.relays.get(id)?;
+            let (leg, receives) = if side == Side::A { (&relay.a, &relay.b) } else { (&relay.b, &relay.a) };
+            (relay.report_dtmf && leg.peer() == Some(source)).then(|| (id.to_string(), side, leg.clock_rate.or(receives.clock_rate)))
+        }) else {
+            return;
+        };
+        let [code, flags, d0, d1] = event;
+        let report = DtmfReport {
+            relay,
+            side,
+            source,
+            code,
+            volume: flags & 0x3f,
+            duration: u16::from_be_bytes([d0, d1]),
+            clock_rate: clock_rate.filter(|r| *r > 0).unwrap_or(8000),
+            wall_us,
+        };
+        if let Err(e) = reports.try_send(report) {
+            tracing::warn!(stream, %source, error = %e, "DTMF event not reported: the reporter is behind or gone");
         }
     }
 

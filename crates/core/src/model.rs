@@ -673,6 +673,10 @@ pub struct Relay {
     /// Copies of what a party sends to third parties (NG `subscribe request`).
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub forks: Vec<Fork>,
+    /// The RFC 4733 events either party sends are reported to the control plane (NG's DTMF
+    /// log): on the eBPF plane those packets, and only those, go through the slow path.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub report_dtmf: bool,
 }
 
 /// A copy of what one party of a relay sends, for a third party (NG `subscribe request`: call
@@ -1519,7 +1523,7 @@ impl Model {
         let b = mk(self, b);
         self.legs.insert(a.uid, (id.into(), Side::A));
         self.legs.insert(b.uid, (id.into(), Side::B));
-        self.relays.insert(id.into(), Relay { a, b, record: false, control: MediaControl::default(), forks: Vec::new() });
+        self.relays.insert(id.into(), Relay { a, b, record: false, control: MediaControl::default(), forks: Vec::new(), report_dtmf: false });
         Ok(())
     }
 

@@ -116,6 +116,14 @@ impl Model {
         Ok(changed)
     }
 
+    /// Whether the DTMF events of a relay's parties are reported; true if that changed anything.
+    pub fn set_report_dtmf(&mut self, id: &str, on: bool) -> Result<bool, ModelError> {
+        let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
+        let changed = r.report_dtmf != on;
+        r.report_dtmf = on;
+        Ok(changed)
+    }
+
     /// The `telephone-event` payload types a leg's peer signalled; true if that changed anything.
     pub fn set_leg_telephone_events(&mut self, id: &str, side: Side, mut payload_types: Vec<u8>) -> Result<bool, ModelError> {
         payload_types.sort_unstable();

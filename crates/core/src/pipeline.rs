@@ -146,6 +146,11 @@ pub enum Effect<'p> {
     Accepted { stream: u32 },
     /// An RTP packet measured in the path (reception quality).
     Rtp { stream: u32, header: RtpHeader, clock_rate: u32 },
+    /// An RFC 4733 event packet with the end bit, of a stream whose events are reported
+    /// ([`crate::table::StreamControl::report_dtmf`]): `event` is its first report (event code,
+    /// E/R/volume, duration). A sender repeats the end packet (usually three times, with the
+    /// event's timestamp): whoever reports it keeps one per `timestamp`.
+    DtmfEnd { stream: u32, ssrc: u32, timestamp: u32, event: [u8; 4] },
     /// A packet on WebRTC transport `transport` that no stream claims named its simulcast
     /// encoding `rid` (and its section `mid`) in its header extensions: for the control plane,
     /// which learns the layer's SSRC ([`crate::model::Model::learn_layer`]).
@@ -331,6 +336,15 @@ impl Pipeline {
                     }
                     rtp = Some(CopyRtp { ssrc: header.ssrc, sequence: header.sequence, timestamp: header.timestamp, clock_rate: entry.clock_rate });
                     out.push(Effect::Rtp { stream: entry.id, header, clock_rate: entry.clock_rate });
+                    // What the party sent is reported, blocked or not.
+                    if entry.control.reports(header.payload_type) {
+                        let event = &payload[header.payload_offset..header.payload_offset + header.payload_len];
+                        if let [code, flags, d0, d1, ..] = *event {
+                            if flags & 0x80 != 0 {
+                                out.push(Effect::DtmfEnd { stream: entry.id, ssrc: header.ssrc, timestamp: header.timestamp, event: [code, flags, d0, d1] });
+                            }
+                        }
+                    }
                     // After the reception accounting: a blocked party is still heard (its
                     // quality, its media timeout), only not passed on.
                     match entry.control.judge(header.payload_type) {
@@ -595,6 +609,7 @@ mod tests {
                 Effect::Send { to, packet, copy, .. } => format!("send {to} {} {}", packet.len(), copy.map_or(0, |c| c.consumer)),
                 Effect::CopyFailed { copy } => format!("copy failed {}", copy.consumer),
                 Effect::CopyUnkeyed { copy } => format!("copy unkeyed {}", copy.consumer),
+                Effect::DtmfEnd { timestamp, event, .. } => format!("dtmf end {timestamp} {}", event[0]),
             })
             .collect()
     }
@@ -970,6 +985,48 @@ mod tests {
             ([], [why]) => Err(why.clone()),
             _ => panic!("{out:?}"),
         }
+    }
+
+    #[test]
+    fn reported_dtmf_is_each_end_packet_of_the_senders_events_blocked_or_not() {
+        use crate::model::{MediaControl, Side};
+        let ends = |t: &ForwardingTable, packet: &[u8]| -> Vec<(u32, [u8; 4])> {
+            let mut out = Vec::new();
+            Pipeline::new().process(t, a("10.0.0.1:6000"), a("10.0.2.1:4000"), packet, 1, 1, &mut FakePlane::default(), &mut out);
+            out.iter().filter_map(|e| if let Effect::DtmfEnd { timestamp, event, .. } = e { Some((*timestamp, *event)) } else { None }).collect()
+        };
+        let (start, end, audio, short) = (
+            build_rtp(101, 4, 800, 9, &[5, 0x0a, 0, 160]),
+            build_rtp(101, 5, 800, 9, &[5, 0x8a, 2, 128]),
+            build_rtp(8, 6, 960, 9, &[0x2a; 160]),
+            build_rtp(101, 7, 1120, 9, &[5, 0x8a]),
+        );
+        let off = MediaControl::default();
+        let mut m = Model::default();
+        let leg = |local: &str, remote: &str| crate::model::LegSpec {
+            local: a(local),
+            remote: Some(a(remote)),
+            strict: false,
+            rtp: true,
+            follow: Default::default(),
+        };
+        m.create_relay("call", leg("10.0.0.1:6000", "10.0.2.1:4000"), leg("10.0.0.1:6002", "10.0.2.2:4000")).unwrap();
+        m.set_leg_telephone_events("call", Side::A, vec![101]).unwrap();
+        // Not asked for: nothing reported, nothing compiled.
+        let t = ForwardingTable::compile(&m, 1);
+        assert!(ends(&t, &end).is_empty());
+        assert!(t.streams.values().all(|e| e.control.is_off()));
+        m.set_report_dtmf("call", true).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        assert!(t.streams.values().all(|e| e.control.report_dtmf && e.control.control == off));
+        assert_eq!(ends(&t, &end), [(800, [5, 0x8a, 2, 128])]);
+        assert!(ends(&t, &start).is_empty() && ends(&t, &audio).is_empty() && ends(&t, &short).is_empty());
+        // Reported and still relayed; blocked DTMF is still reported (the party sent it).
+        assert_eq!(relayed(&t, &end), Ok(vec![5, 0x8a, 2, 128]));
+        m.set_media_control("call", Some(Side::A), MediaControl { block_dtmf: true, ..off }).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        assert_eq!(relayed(&t, &end), Err("Blocked".into()));
+        assert_eq!(ends(&t, &end).len(), 1);
     }
 
     #[test]

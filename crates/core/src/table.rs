@@ -164,6 +164,10 @@ pub struct StreamControl {
     pub control: MediaControl,
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub telephone_events: Vec<u8>,
+    /// The events the party sends are reported ([`crate::pipeline::Effect::Dtmf`]); the rest
+    /// of the stream is not judged (the kernel forwards it).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub report_dtmf: bool,
 }
 
 /// What call control makes of one RTP packet.
@@ -176,8 +180,14 @@ pub enum Controlled {
 }
 
 impl StreamControl {
+    /// Nothing to judge or report.
     pub fn is_off(&self) -> bool {
-        self.control.is_off()
+        self.control.is_off() && !self.report_dtmf
+    }
+
+    /// Whether a packet of `payload_type` carries an event to report.
+    pub fn reports(&self, payload_type: u8) -> bool {
+        self.report_dtmf && self.telephone_events.contains(&payload_type)
     }
 
     /// What becomes of an RTP packet of `payload_type`.
@@ -590,13 +600,14 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> Vec<StreamEntr
 
 fn relay_control(r: &Relay, from_leg: &Leg, to_leg: &Leg) -> StreamControl {
     let control = r.control.or(from_leg.control);
-    if control.is_off() || !from_leg.rtp {
-        return StreamControl::default();
-    }
     let mut telephone_events: Vec<u8> = from_leg.telephone_events.iter().chain(&to_leg.telephone_events).copied().collect();
     telephone_events.sort_unstable();
     telephone_events.dedup();
-    StreamControl { control, telephone_events }
+    let report_dtmf = r.report_dtmf && !telephone_events.is_empty();
+    if (control.is_off() && !report_dtmf) || !from_leg.rtp {
+        return StreamControl::default();
+    }
+    StreamControl { control, telephone_events, report_dtmf }
 }
 
 fn compile_owner_feedback(model: &Model, owner: Owner) -> Vec<FeedbackEntry> {

@@ -632,6 +632,10 @@ pub struct Engine {
     sender_reports: HashMap<u32, SenderReportTimes>,
     /// RTCP reports handed to the control plane per stream in the current second: (second, count).
     rtcp_budget: HashMap<u32, (u64, u32)>,
+    /// Per stream, the (SSRC, timestamp) of the DTMF event last reported: its repeated end
+    /// packets are not reported again. And the reports' own per-second budget.
+    dtmf_reported: HashMap<u32, (u32, u32)>,
+    dtmf_budget: HashMap<u32, (u64, u32)>,
     /// When the RID of (transport, SSRC) was last reported: a layer's packets name it until the
     /// control plane has learned it, and one report per [`STREAM_ID_REPORT_NS`] is enough.
     stream_ids_reported: HashMap<(u32, u32), u64>,
@@ -676,6 +680,8 @@ impl Engine {
             forwarded: HashMap::new(),
             sender_reports: HashMap::new(),
             rtcp_budget: HashMap::new(),
+            dtmf_reported: HashMap::new(),
+            dtmf_budget: HashMap::new(),
             stream_ids_reported: HashMap::new(),
             ticks: 0,
             layered: LayeredStreams::default(),
@@ -805,6 +811,15 @@ impl Engine {
                             wall_us: now.wall_us,
                             packet: packet.into_owned(),
                         }));
+                    }
+                }
+                Effect::DtmfEnd { stream, ssrc, timestamp, event } => {
+                    if self.dtmf_reported.len() > 65_536 {
+                        self.dtmf_reported.clear();
+                    }
+                    let new = self.dtmf_reported.insert(stream, (ssrc, timestamp)) != Some((ssrc, timestamp));
+                    if self.cfg.events && new && rtcp_admit(&mut self.dtmf_budget, stream, received_at) {
+                        out.push(Output::Event(DataplaneEvent::Dtmf { stream, source: src, ssrc, timestamp, event, wall_us: now.wall_us }));
                     }
                 }
                 Effect::StreamId { transport, ssrc, mid, rid } => {

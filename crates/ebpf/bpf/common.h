@@ -55,6 +55,8 @@
                                          participant's transport, an ICE relay leg): all that is not
                                          STUN goes to the slow path, which judges it as classify()
                                          does (DTLS, SRTP, and SRTCP, which cannot be walked here) */
+#define STREAM_F_PT_UP (1u << 12)   /* RTP of the payload types in up_pt goes to the slow path (a relay
+                                       leg's RFC 4733 events, reported from there); the rest is forwarded */
 
 /* Source addresses whose rate-limit buckets the kernel keeps (LRU). */
 #define MAX_SOURCES 65536

@@ -715,6 +715,11 @@ int sfu_ingress(struct __sk_buff *skb)
 	/* A few packets per second, not held in order: RTP does not wait for them. */
 	if ((entry->flags & STREAM_F_RTCP_UP) && kind == MK_RTCP)
 		return pass_slow(sc, CNT_PASS_RTCP);
+	if ((entry->flags & STREAM_F_PT_UP) && kind == MK_RTP && head.have >= 2) {
+		__u8 pt = head.b[1] & 0x7f;
+		if (pt == entry->up_pt[0] || pt == entry->up_pt[1])
+			return pass_in_order(skb, sc, sp, entry->stats_slot, cflags, t0, CNT_PASS_DTMF);
+	}
 	if ((entry->flags & STREAM_F_RATE) && !rate_admit(entry->stats_slot, t0, p.payload_len))
 		return drop(sc, CNT_DROP_RATE_LIMITED, p.payload_len);
 	__u32 slot = entry->stats_slot;

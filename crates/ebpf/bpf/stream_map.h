@@ -21,8 +21,15 @@ struct mp_stream_value {
 	__u32 flags;      /* STREAM_F_* */
 	__u8 src_addr[16];/* the Fixed source (unless STREAM_F_LATCH) */
 	__be16 src_port;
-	__u8 layer;       /* STREAM_F_SIMULCAST: which layer of its stream this is (0 = lowest) */
-	__u8 codec;       /* STREAM_F_SIMULCAST: MP_CODEC_* (where keyframes and picture ids are) */
+	union {
+		struct {
+			__u8 layer; /* STREAM_F_SIMULCAST: which layer of its stream this is (0 = lowest) */
+			__u8 codec; /* STREAM_F_SIMULCAST: MP_CODEC_* (where keyframes and picture ids are) */
+		};
+		/* STREAM_F_PT_UP (a relay leg, never simulcast): RTP of these payload types goes to the
+		 * slow path (0xff: none); the rest is forwarded here. */
+		__u8 up_pt[2];
+	};
 	__u32 stats_slot; /* index into stream_stats */
 	__u32 copies_base;/* first index into copies[] */
 	__u32 copies_count;

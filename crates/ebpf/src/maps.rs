@@ -48,6 +48,9 @@ pub mod flags {
     /// (wildcard entry only) an ICE + DTLS-SRTP address ([`StreamEntry::handshake`]): all but
     /// STUN goes to the slow path, which judges it (SRTCP cannot be walked in the kernel).
     pub const ADDRESS_UP: u32 = 1 << 11;
+    /// RTP of the (up to two) payload types in `layer`/`codec` goes to the slow path, the rest
+    /// is forwarded: a relay leg whose RFC 4733 events are reported from there.
+    pub const PT_UP: u32 = 1 << 12;
 }
 
 /// Copies per stream the kernel fans out itself (MAX_FANOUT); bigger streams take the slow path.
@@ -59,7 +62,7 @@ include!(concat!(env!("OUT_DIR"), "/counters.rs"));
 /// the user-space slow path; the other `pass_*` counters are traffic that is not theirs (not
 /// IP, not UDP, not to one of their addresses, ...). The benches split a run's packets into
 /// kernel and slow path with it.
-pub const SLOW_PATH_PASSES: [&str; 10] = [
+pub const SLOW_PATH_PASSES: [&str; 11] = [
     "pass_stun",
     "pass_unlatched",
     "pass_slow_stream",
@@ -70,7 +73,11 @@ pub const SLOW_PATH_PASSES: [&str; 10] = [
     "pass_in_order",
     "pass_rtcp",
     "pass_feedback",
+    "pass_dtmf",
 ];
+
+/// An unused `up_pt` slot (payload types are 7 bits).
+pub const NO_PT: u8 = 0xff;
 
 /// Index of a global counter by name (panics on a typo: names are compile-time constants).
 pub fn counter_index(name: &str) -> u32 {
@@ -121,7 +128,9 @@ pub struct StreamValueRaw {
     pub flags: u32,
     pub src_addr: [u8; 16],
     pub src_port: [u8; 2],
-    /// With `flags::SIMULCAST`: the layer (0 = lowest) and the codec (`CODEC_*`).
+    /// With `flags::SIMULCAST`: the layer (0 = lowest) and the codec (`CODEC_*`). With
+    /// `flags::PT_UP` (never simulcast): the two payload types that go up (`NO_PT`: none); the
+    /// C struct names these two bytes `up_pt`.
     pub layer: u8,
     pub codec: u8,
     pub stats_slot: u32,
@@ -637,6 +646,12 @@ fn kernel_stream(e: &StreamEntry, narrowed: bool) -> KernelStream {
         f |= flags::SIMULCAST | flags::RTCP_UP;
         layer = (l.index, codec_raw(l.codec));
     }
+    // A leg whose DTMF is reported: its events go up, its audio stays here.
+    if f & flags::SLOW == 0 && e.control.report_dtmf {
+        f |= flags::PT_UP;
+        let pts = &e.control.telephone_events;
+        layer = (pts.first().copied().unwrap_or(NO_PT), pts.get(1).copied().unwrap_or(NO_PT));
+    }
     let rate = e.rate.filter(|r| !r.is_unlimited());
     if rate.is_some() {
         f |= flags::RATE;
@@ -662,7 +677,10 @@ pub fn kernel_forwards(e: &StreamEntry) -> bool {
     // rare, and decided per payload type or packet, which the kernel path does not look at. So
     // are copies that renumber the payload type (a browser's over WHEP: SRTP anyway).
     let renumbered = e.copies.iter().any(|c| c.payload_type.is_some());
-    !(mixed || e.record || e.has_srtp() || renumbered || !e.control.is_off() || !e.dtmf.is_empty() || e.copies.len() > MAX_FANOUT)
+    // Reported DTMF is not judged: the kernel passes up those payload types only (`PT_UP`),
+    // two of them at most.
+    let judged = !e.control.control.is_off() || e.control.telephone_events.len() > 2 && e.control.report_dtmf;
+    !(mixed || e.record || e.has_srtp() || renumbered || judged || !e.dtmf.is_empty() || e.copies.len() > MAX_FANOUT)
 }
 
 /// `stream_value.codec` (bpf/layer_rewrite.h MP_CODEC_*).
@@ -868,6 +886,26 @@ mod tests {
         assert_eq!((ph.flags, ph.source), (flags::FEEDBACK, Some(a("10.0.1.2:5000"))));
         // The publisher subscribes to nothing: its narrowed-only placeholder stays as it was.
         assert_eq!(e[&KeyRaw::new(a("10.0.0.1:4000"), None)].flags, flags::NARROWED | flags::ONE_SOURCE);
+    }
+
+    #[test]
+    fn a_leg_whose_dtmf_is_reported_passes_up_only_its_event_payload_types() {
+        use mediaplane_core::model::{LegSpec, MediaControl, Side};
+        let mut m = Model::new();
+        let leg = |local: &str, remote: &str| LegSpec { local: a(local), remote: Some(a(remote)), strict: false, rtp: true, follow: Default::default() };
+        m.create_relay("call", leg("10.0.0.1:6000", "10.0.2.1:4000"), leg("10.0.0.1:6002", "10.0.2.2:4000")).unwrap();
+        m.set_leg_telephone_events("call", Side::A, vec![101]).unwrap();
+        m.set_leg_telephone_events("call", Side::B, vec![96]).unwrap();
+        let from_a = |m: &Model| kernel_entries(&ForwardingTable::compile(m, 1), None)[&KeyRaw::new(a("10.0.0.1:6000"), None)].clone();
+        assert_eq!(from_a(&m).flags & (flags::PT_UP | flags::SLOW), 0);
+        m.set_report_dtmf("call", true).unwrap();
+        let s = from_a(&m);
+        assert_eq!(s.flags & (flags::PT_UP | flags::SLOW), flags::PT_UP);
+        assert_eq!((s.copies.len(), s.layer), (1, (96, 101)), "the kernel still forwards, events of either number go up");
+        assert_eq!(s.value(0, 0).codec, 101);
+        // Judged per packet (blocked DTMF): the whole leg goes up, as before.
+        m.set_media_control("call", Some(Side::A), MediaControl { block_dtmf: true, ..Default::default() }).unwrap();
+        assert_eq!(from_a(&m).flags & (flags::PT_UP | flags::SLOW), flags::SLOW);
     }
 
     #[test]

@@ -304,6 +304,28 @@ fn a_webrtc_transport_goes_to_user_space_whole() {
 }
 
 #[test]
+fn a_relay_reporting_dtmf_passes_up_its_events_and_forwards_its_audio() {
+    root_or_skip!("a_relay_reporting_dtmf_passes_up_its_events_and_forwards_its_audio");
+    use mediaplane_core::model::{LegSpec, Model, Side};
+    let rig = Rig::new();
+    let mut m = Model::new();
+    // Strict: each leg's source is the one signalled (no learning window).
+    let leg = |local: &str, remote: &str| LegSpec { local: a(local), remote: Some(a(remote)), strict: true, rtp: true, follow: Default::default() };
+    // The callee where the lab's subscribers are (a resolved neighbour).
+    m.create_relay("call", leg(LOCAL, PUBLISHER), leg("10.200.0.1:4002", "10.200.0.2:5001")).unwrap();
+    m.set_leg_telephone_events("call", Side::A, vec![101]).unwrap();
+    m.set_report_dtmf("call", true).unwrap();
+    let t = mediaplane_core::ForwardingTable::compile(&m, 1);
+    rig.apply(&t);
+    let (audio, event, other) = (build_rtp(8, 1, 160, 7, &[0xd5; 160]), build_rtp(101, 2, 320, 7, &[5, 0x8a, 1, 64]), build_rtp(0, 3, 480, 7, &[0xff; 160]));
+    for payload in [&audio, &event, &other, &event] {
+        rig.check(&t, &v4_frame(PUBLISHER, LOCAL, payload));
+    }
+    let s = rig.fp.kernel_stats().unwrap();
+    assert_eq!((s.global["forwarded"], s.global["pass_dtmf"]), (2, 2));
+}
+
+#[test]
 fn ssrc_narrowed_streams_and_rtcp_demux() {
     root_or_skip!("ssrc_narrowed_streams_and_rtcp_demux");
     let rig = Rig::new();

@@ -210,6 +210,9 @@ pub struct RelaySetup {
     pub interfaces: Vec<String>,
     /// Record calls that ask for it into this directory (rtpengine: pcap, Ethernet frames).
     pub recording_dir: Option<PathBuf>,
+    /// Report each DTMF event a party sends, as JSON over UDP to this address (rtpengine's
+    /// `--dtmf-log-dest`, mediaplane's `ng.dtmf_log_dest`).
+    pub dtmf_log_dest: Option<std::net::SocketAddr>,
 }
 
 /// A relay running in the relay namespace; SIGTERM then SIGKILL by PID on stop, SIGKILL on drop.
@@ -231,7 +234,7 @@ impl RelayProc {
     /// [`RelayProc::start`] with `mediaplane` as the mediaplane binary (a test passes
     /// `CARGO_BIN_EXE_mediaplane`: its own executable is not the daemon).
     pub fn start_binary(tb: &Testbed, name: &str, dir: &Path, mediaplane: &Path, setup: &RelaySetup) -> anyhow::Result<RelayProc> {
-        let RelaySetup { workers, sessions, interfaces, recording_dir } = setup;
+        let RelaySetup { workers, sessions, interfaces, recording_dir, dtmf_log_dest } = setup;
         let (workers, sessions) = (*workers, *sessions);
         let media_ip = tb.peers[0].sfu_ip;
         // rtpengine's notation, which mediaplane's media.interfaces takes too.
@@ -247,8 +250,14 @@ impl RelayProc {
                 let quoted: Vec<String> = interfaces.iter().map(|i| format!("{i:?}")).collect();
                 let mut toml =
                     format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\ninterfaces = [{}]\n", quoted.join(", "));
+                if recording_dir.is_some() || dtmf_log_dest.is_some() {
+                    toml += "[ng]\n";
+                }
                 if let Some(dir) = recording_dir {
-                    toml += &format!("[ng]\nrecording_dir = {:?}\n", dir.display().to_string());
+                    toml += &format!("recording_dir = {:?}\n", dir.display().to_string());
+                }
+                if let Some(dest) = dtmf_log_dest {
+                    toml += &format!("dtmf_log_dest = \"{dest}\"\n");
                 }
                 if let Some(n) = sessions {
                     // Two stream entries and two copies per relay session, plus headroom.
@@ -293,6 +302,7 @@ impl RelayProc {
                         .iter()
                         .flat_map(|d| [format!("--recording-dir={}", d.display()), "--recording-method=pcap".into(), "--recording-format=eth".into()]),
                 )
+                .args(dtmf_log_dest.iter().map(|d| format!("--dtmf-log-dest={d}")))
                 .arg(format!("--listen-ng={NG}"))
                 .arg(format!("--port-min={RELAY_PORT_MIN}"))
                 .arg(format!("--port-max={RELAY_PORT_MAX}"));
@@ -308,6 +318,14 @@ impl RelayProc {
     /// `ip netns exec` execs the relay: the child's pid is the relay's.
     pub fn pid(&self) -> u32 {
         self.proc.pid()
+    }
+
+    /// mediaplane's `GET /v1/stats` (an error for rtpengine, which has no such API).
+    pub fn stats(&self, tb: &Testbed) -> anyhow::Result<Json> {
+        if !self.mediaplane {
+            bail!("{} has no /v1/stats", self.name);
+        }
+        api(tb, "GET", "/v1/stats", None)
     }
 
     fn wait_ready(&mut self, tb: &Testbed) -> anyhow::Result<()> {

@@ -88,6 +88,10 @@ struct ServeArgs {
     /// NG: delete calls whose media stopped for this many seconds (overrides ng.media_timeout_secs).
     #[arg(long)]
     ng_media_timeout: Option<u64>,
+    /// NG: report each DTMF event a party sends, as JSON over UDP to this address (rtpengine's
+    /// --dtmf-log-dest; overrides ng.dtmf_log_dest).
+    #[arg(long)]
+    dtmf_log_dest: Option<SocketAddr>,
     /// Start empty: forget stored sessions (and, for eBPF, stale pinned state).
     #[arg(long)]
     reset: bool,
@@ -259,6 +263,9 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
     if let Some(t) = args.ng_media_timeout {
         cfg.ng.media_timeout_secs = t;
     }
+    if let Some(d) = args.dtmf_log_dest {
+        cfg.ng.dtmf_log_dest = Some(d);
+    }
     use mediaplane_control::config::XdpPrefilterMode;
     match (args.xdp_prefilter.as_deref(), args.no_xdp_prefilter) {
         (_, true) | (Some("off"), _) => cfg.dataplane.xdp_prefilter = XdpPrefilterMode::Off,
@@ -283,6 +290,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         allow: cfg.ng.allow.clone(),
         recording_dir: cfg.ng.recording_dir.clone(),
         instance_id: cfg.ng.instance_id.clone(),
+        dtmf_log_dest: cfg.ng.dtmf_log_dest,
     };
     let rtsp = match cfg.rtsp.listen {
         Some(listen) => Some(rt.block_on(tokio::net::TcpListener::bind(listen)).with_context(|| format!("binding RTSP on {listen}"))?),

@@ -388,6 +388,7 @@ pub fn apply_signal(
             changes.push(Change::Relay(rtp_id.clone()));
         }
         model.set_leg_telephone_events(&rtp_id, from, sig.telephone_events.clone())?;
+        model.set_report_dtmf(&rtp_id, opts.report_dtmf)?;
         m.peer_rtcp[s] = sig.rtcp;
         m.kind.clone_from(&sig.kind);
         m.proto.clone_from(&sig.proto);
@@ -465,6 +466,8 @@ pub struct SignalOptions {
     /// Unix milliseconds: the learning windows it opens start here.
     pub at_ms: u64,
     pub placement: Placement,
+    /// The section's RFC 4733 events are reported ([`mediaplane_core::model::Relay::report_dtmf`]).
+    pub report_dtmf: bool,
 }
 
 /// Where the parties' legs live (rtpengine's `direction`, `from-interface`/`to-interface`,

@@ -31,6 +31,8 @@ pub struct EngineConfig {
     pub reply_cache_entries: usize,
     /// This relay's mark in the SDP it produces with `loop-protect` (`a=rtpengine:<id>`).
     pub instance_id: String,
+    /// The DTMF events of calls are reported ([`crate::dtmf_log`]): their relays say so.
+    pub report_dtmf: bool,
 }
 
 impl Default for EngineConfig {
@@ -40,6 +42,7 @@ impl Default for EngineConfig {
             reply_ttl: Duration::from_secs(30),
             reply_cache_entries: 65_536,
             instance_id: generate_instance_id(),
+            report_dtmf: false,
         }
     }
 }
@@ -863,7 +866,12 @@ impl Engine {
         let answer_names = if phase == Phase::Answer { to_sender.take() } else { None };
         interface[calls::side_index(sender)] = to_sender;
         interface[calls::side_index(other(sender))] = to_receiver;
-        let leg = SignalOptions { at_ms: mediaplane_control::manager::unix_ms(), placement: Placement { interface, out_v4: opt.out_v4 }, ..opt.leg.clone() };
+        let leg = SignalOptions {
+            at_ms: mediaplane_control::manager::unix_ms(),
+            placement: Placement { interface, out_v4: opt.out_v4 },
+            report_dtmf: self.cfg.report_dtmf,
+            ..opt.leg.clone()
+        };
         if let Some(on) = opt.record {
             if self.recordings.is_some() {
                 call.recording = on;

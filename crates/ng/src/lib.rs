@@ -20,6 +20,7 @@ pub mod call_control;
 pub mod calls;
 pub mod client;
 pub mod codecs;
+pub mod dtmf_log;
 pub mod engine;
 pub mod protocol;
 pub mod recording;
@@ -52,6 +53,8 @@ pub struct NgConfig {
     pub recording_dir: Option<std::path::PathBuf>,
     /// The `loop-protect` mark (`a=rtpengine:<id>`); None: generated at start.
     pub instance_id: Option<String>,
+    /// Where each DTMF event of a call is reported (see [`dtmf_log`]); None: not reported.
+    pub dtmf_log_dest: Option<SocketAddr>,
 }
 
 impl Default for NgConfig {
@@ -62,6 +65,7 @@ impl Default for NgConfig {
             allow: Vec::new(),
             recording_dir: None,
             instance_id: None,
+            dtmf_log_dest: None,
         }
     }
 }
@@ -85,7 +89,7 @@ impl Drop for AbortOnDrop {
 /// restart are adopted so they still time out and can still be deleted. Requests and calls
 /// are counted in `metrics` (the daemon's registry's: `Metrics::ng`).
 pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager>, cfg: NgConfig, metrics: NgMetrics) -> anyhow::Result<()> {
-    let mut engine_cfg = EngineConfig { media_timeout: cfg.media_timeout, ..Default::default() };
+    let mut engine_cfg = EngineConfig { media_timeout: cfg.media_timeout, report_dtmf: cfg.dtmf_log_dest.is_some(), ..Default::default() };
     if let Some(id) = cfg.instance_id.clone() {
         engine_cfg.instance_id = id;
     }
@@ -97,6 +101,10 @@ pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager
     }
     let engine = Arc::new(Mutex::new(engine));
     let adopted = engine.lock().adopt(&manager, Instant::now());
+    if let Some(dest) = cfg.dtmf_log_dest {
+        dtmf_log::start(dest, &manager, engine.clone())?;
+        tracing::info!(%dest, "DTMF events are reported");
+    }
     let local = socket.local_addr()?;
     if !local.ip().is_loopback() && cfg.allow.is_empty() {
         tracing::warn!(%local, "NG listens beyond loopback and accepts commands from anyone: set an allow list");

@@ -210,12 +210,18 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
             if effects.iter().any(|e| matches!(e, Effect::Unlatched { .. })) {
                 return Expect::Pass("pass_unlatched");
             }
-            let slow = kernel_entries(t, None)[&mediaplane_ebpf::maps::KeyRaw::new(e.key.local, e.key.ssrc)].flags & flags::SLOW != 0;
+            let k = &kernel_entries(t, None)[&mediaplane_ebpf::maps::KeyRaw::new(e.key.local, e.key.ssrc)];
+            let slow = k.flags & flags::SLOW != 0;
+            // A relay leg whose DTMF is reported: its event payload types go up, the rest stays.
+            let event_up =
+                k.flags & flags::PT_UP != 0 && demux(payload) == MediaKind::Rtp && payload.get(1).is_some_and(|b| [k.layer.0, k.layer.1].contains(&(b & 0x7f)));
             let ip_len = f.payload + f.payload_len - f.l3;
             if slow {
                 Expect::Pass("pass_slow_stream")
             } else if e.rtcp_to_slow_path() && e.rtp && e.inbound.is_clear() && demux(payload) == MediaKind::Rtcp {
                 Expect::Pass("pass_rtcp")
+            } else if event_up {
+                Expect::Pass("pass_dtmf")
             } else if !e.copies.is_empty() && ip_len > LAB_MTU {
                 // Copies too big for the egress link: the slow path (and the stack) deal with it.
                 Expect::Pass("pass_fib_fail")

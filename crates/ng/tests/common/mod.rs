@@ -36,7 +36,14 @@ impl Relay {
         let rt = tokio::runtime::Builder::new_multi_thread().worker_threads(1).enable_all().build().unwrap();
         let sock = rt.block_on(tokio::net::UdpSocket::bind("127.0.0.1:0")).unwrap();
         let ng = sock.local_addr().unwrap();
-        let cfg = NgConfig { listen: ng, media_timeout, allow: vec!["127.0.0.1".parse().unwrap()], recording_dir: None, instance_id: Some(INSTANCE_ID.into()) };
+        let cfg = NgConfig {
+            listen: ng,
+            media_timeout,
+            allow: vec!["127.0.0.1".parse().unwrap()],
+            recording_dir: None,
+            dtmf_log_dest: None,
+            instance_id: Some(INSTANCE_ID.into()),
+        };
         rt.spawn(serve_ng(sock, mgr.clone(), cfg, Default::default()));
         Relay { mgr, ng, dp, rt: Some(rt) }
     }
