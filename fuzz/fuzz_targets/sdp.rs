@@ -38,7 +38,7 @@ fuzz_target!(|data: &[u8]| {
                 formats: formats[i].clone(),
                 // Every fourth section turns SDES: a new protocol and one key line.
                 proto: (i % 4 == 1).then(|| "RTP/SAVP".to_string()),
-                crypto: (i % 4 == 1).then(|| vec![crypto_line(1, "AES_CM_128_HMAC_SHA1_80", &[7; 30])]),
+                crypto: (i % 4 == 1).then(|| vec![crypto_line(1, "AES_CM_128_HMAC_SHA1_80", &[7; 30], false)]),
                 // Every fourth section (another one) gets the relay's ICE and DTLS instead of
                 // its own, as toward a WebRTC party.
                 transport: (i % 4 == 3).then(|| vec!["ice-ufrag:fuzz".to_string(), "setup:passive".to_string()]),

@@ -317,7 +317,8 @@ struct AddParticipant {
 #[derive(Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ParticipantSrtp {
-    /// AES_CM_128_HMAC_SHA1_80, AES_CM_128_HMAC_SHA1_32 or AEAD_AES_128_GCM.
+    /// AEAD_AES_256_GCM, AEAD_AES_128_GCM, AES_256_CM_HMAC_SHA1_80 or _32, AES_192_CM_HMAC_SHA1_80
+    /// or _32, AES_CM_128_HMAC_SHA1_80 or _32.
     suite: String,
     /// What the participant protects its packets with.
     inbound: String,
@@ -330,10 +331,10 @@ impl ParticipantSrtp {
         use base64::Engine as _;
         use mediaplane_core::srtp::{LegSrtp, SrtpKey, SrtpSuite};
         let bad = |m: String| ApiError::new(ErrorCode::Invalid, m);
-        let suite = std::iter::once(SrtpSuite::AeadAes128Gcm)
-            .chain(SrtpSuite::ALL)
-            .find(|s| s.name().eq_ignore_ascii_case(&self.suite))
-            .ok_or_else(|| bad(format!("srtp suite {:?} is not one of AES_CM_128_HMAC_SHA1_80, AES_CM_128_HMAC_SHA1_32, AEAD_AES_128_GCM", self.suite)))?;
+        let suite = SrtpSuite::from_name(&self.suite).ok_or_else(|| {
+            let names: Vec<&str> = SrtpSuite::ALL.iter().map(|s| s.name()).collect();
+            bad(format!("srtp suite {:?} is not one of {}", self.suite, names.join(", ")))
+        })?;
         let key = |which: &str, b64: &str| {
             // An a=crypto key parameter as it is pasted works too: `inline:<base64>|2^31|1:1`.
             let b64 = b64.trim().strip_prefix("inline:").unwrap_or(b64.trim());

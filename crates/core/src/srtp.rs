@@ -4,7 +4,8 @@
 
 use serde::{Deserialize, Serialize};
 
-/// An SRTP crypto suite (RFC 4568 §6.2 names, as SDES `a=crypto` lines carry them).
+/// An SRTP crypto suite (RFC 4568 §6.2, RFC 6188 and RFC 7714 names, as SDES `a=crypto` lines
+/// carry them).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord, Hash, Serialize, Deserialize)]
 pub enum SrtpSuite {
     #[serde(rename = "AES_CM_128_HMAC_SHA1_80")]
@@ -14,18 +15,44 @@ pub enum SrtpSuite {
     /// RFC 7714 (AES-GCM, a 16-byte tag): what DTLS-SRTP prefers, when the peer offers it.
     #[serde(rename = "AEAD_AES_128_GCM")]
     AeadAes128Gcm,
+    /// RFC 6188: AES-CM with 192- and 256-bit keys.
+    #[serde(rename = "AES_192_CM_HMAC_SHA1_80")]
+    Aes192CmHmacSha1_80,
+    #[serde(rename = "AES_192_CM_HMAC_SHA1_32")]
+    Aes192CmHmacSha1_32,
+    #[serde(rename = "AES_256_CM_HMAC_SHA1_80")]
+    Aes256CmHmacSha1_80,
+    #[serde(rename = "AES_256_CM_HMAC_SHA1_32")]
+    Aes256CmHmacSha1_32,
+    #[serde(rename = "AEAD_AES_256_GCM")]
+    AeadAes256Gcm,
 }
 
 impl SrtpSuite {
-    /// Every suite mediaplane offers in SDES `a=crypto` lines, in that order (strongest tag
-    /// first, as rtpengine and browsers do). AES-GCM is negotiated over DTLS-SRTP only.
-    pub const ALL: [SrtpSuite; 2] = [SrtpSuite::AesCm128HmacSha1_80, SrtpSuite::AesCm128HmacSha1_32];
+    /// Every suite mediaplane offers in SDES `a=crypto` lines, in that order: rtpengine 10.5's
+    /// order (AEAD first, then the longer keys), without its F8 and NULL suites (libsrtp has no
+    /// F8; a NULL cipher sends the media in the clear).
+    pub const ALL: [SrtpSuite; 8] = [
+        SrtpSuite::AeadAes256Gcm,
+        SrtpSuite::AeadAes128Gcm,
+        SrtpSuite::Aes256CmHmacSha1_80,
+        SrtpSuite::Aes256CmHmacSha1_32,
+        SrtpSuite::Aes192CmHmacSha1_80,
+        SrtpSuite::Aes192CmHmacSha1_32,
+        SrtpSuite::AesCm128HmacSha1_80,
+        SrtpSuite::AesCm128HmacSha1_32,
+    ];
 
     pub fn name(self) -> &'static str {
         match self {
             SrtpSuite::AesCm128HmacSha1_80 => "AES_CM_128_HMAC_SHA1_80",
             SrtpSuite::AesCm128HmacSha1_32 => "AES_CM_128_HMAC_SHA1_32",
             SrtpSuite::AeadAes128Gcm => "AEAD_AES_128_GCM",
+            SrtpSuite::Aes192CmHmacSha1_80 => "AES_192_CM_HMAC_SHA1_80",
+            SrtpSuite::Aes192CmHmacSha1_32 => "AES_192_CM_HMAC_SHA1_32",
+            SrtpSuite::Aes256CmHmacSha1_80 => "AES_256_CM_HMAC_SHA1_80",
+            SrtpSuite::Aes256CmHmacSha1_32 => "AES_256_CM_HMAC_SHA1_32",
+            SrtpSuite::AeadAes256Gcm => "AEAD_AES_256_GCM",
         }
     }
 
@@ -34,26 +61,32 @@ impl SrtpSuite {
         Self::ALL.into_iter().find(|s| s.name().eq_ignore_ascii_case(name))
     }
 
+    /// An AEAD suite (AES-GCM, RFC 7714): no separate authentication.
+    pub fn is_aead(self) -> bool {
+        matches!(self, SrtpSuite::AeadAes128Gcm | SrtpSuite::AeadAes256Gcm)
+    }
+
     /// Bytes a protected packet carries beyond the plain one (no MKI): the authentication tag;
-    /// SRTCP also its 4-byte E flag and index, and an 80-bit tag in both AES-CM suites
-    /// (RFC 4568 6.2: the 32-bit tag of `_32` is SRTP's only).
+    /// SRTCP also its 4-byte E flag and index, and an 80-bit tag in every AES-CM suite
+    /// (RFC 4568 6.2, RFC 6188: the 32-bit tag of `_32` is SRTP's only).
     pub fn overhead(self, rtcp: bool) -> usize {
-        match (self, rtcp) {
-            (SrtpSuite::AesCm128HmacSha1_80, false) => 10,
-            (SrtpSuite::AesCm128HmacSha1_32, false) => 4,
-            (SrtpSuite::AesCm128HmacSha1_80 | SrtpSuite::AesCm128HmacSha1_32, true) => 4 + 10,
-            (SrtpSuite::AeadAes128Gcm, false) => 16,
-            (SrtpSuite::AeadAes128Gcm, true) => 4 + 16,
-        }
+        let tag = match (self.is_aead(), self.name().ends_with("_32"), rtcp) {
+            (true, _, _) => 16,
+            (false, true, false) => 4,
+            (false, _, _) => 10,
+        };
+        tag + if rtcp { 4 } else { 0 }
     }
 
     /// Master key plus master salt, bytes: what an `inline:` key carries.
     pub fn master_len(self) -> usize {
-        match self {
-            SrtpSuite::AesCm128HmacSha1_80 | SrtpSuite::AesCm128HmacSha1_32 => 16 + 14,
-            // RFC 7714 §12: a 96-bit master salt.
-            SrtpSuite::AeadAes128Gcm => 16 + 12,
-        }
+        let key = match self {
+            SrtpSuite::AesCm128HmacSha1_80 | SrtpSuite::AesCm128HmacSha1_32 | SrtpSuite::AeadAes128Gcm => 16,
+            SrtpSuite::Aes192CmHmacSha1_80 | SrtpSuite::Aes192CmHmacSha1_32 => 24,
+            SrtpSuite::Aes256CmHmacSha1_80 | SrtpSuite::Aes256CmHmacSha1_32 | SrtpSuite::AeadAes256Gcm => 32,
+        };
+        // RFC 7714 §12: a 96-bit master salt for AES-GCM; 112 bits for AES-CM.
+        key + if self.is_aead() { 12 } else { 14 }
     }
 }
 
@@ -119,8 +152,23 @@ mod tests {
             assert_eq!(SrtpSuite::from_name(&s.name().to_lowercase()), Some(s));
             assert!(SrtpKey::new(s, vec![7; s.master_len()]).is_ok());
             let err = SrtpKey::new(s, vec![7; 16]).unwrap_err();
-            assert!(err.contains("30-byte"), "{err}");
+            assert!(err.contains(&format!("{}-byte", s.master_len())), "{err}");
         }
+        // RFC 4568, 6188 and 7714: key plus salt, and the SRTP / SRTCP overhead.
+        let sizes: Vec<(&str, usize, usize, usize)> = SrtpSuite::ALL.iter().map(|s| (s.name(), s.master_len(), s.overhead(false), s.overhead(true))).collect();
+        assert_eq!(
+            sizes,
+            [
+                ("AEAD_AES_256_GCM", 44, 16, 20),
+                ("AEAD_AES_128_GCM", 28, 16, 20),
+                ("AES_256_CM_HMAC_SHA1_80", 46, 10, 14),
+                ("AES_256_CM_HMAC_SHA1_32", 46, 4, 14),
+                ("AES_192_CM_HMAC_SHA1_80", 38, 10, 14),
+                ("AES_192_CM_HMAC_SHA1_32", 38, 4, 14),
+                ("AES_CM_128_HMAC_SHA1_80", 30, 10, 14),
+                ("AES_CM_128_HMAC_SHA1_32", 30, 4, 14),
+            ]
+        );
         assert_eq!(SrtpSuite::from_name("F8_128_HMAC_SHA1_80"), None);
         let k = SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, vec![0xab; 30]).unwrap();
         assert!(!format!("{k:?}").contains("ab"), "keys never reach debug output");

@@ -74,6 +74,12 @@ fn policy(suite: SrtpSuite) -> (CryptoPolicy, CryptoPolicy) {
         SrtpSuite::AesCm128HmacSha1_32 => (CryptoPolicy::aes_cm_128_hmac_sha1_32(), CryptoPolicy::aes_cm_128_hmac_sha1_80()),
         // RFC 7714: SRTP and SRTCP both AEAD with a 16-byte tag.
         SrtpSuite::AeadAes128Gcm => (CryptoPolicy::aes_gcm_128_16_auth(), CryptoPolicy::aes_gcm_128_16_auth()),
+        SrtpSuite::AeadAes256Gcm => (CryptoPolicy::aes_gcm_256_16_auth(), CryptoPolicy::aes_gcm_256_16_auth()),
+        // RFC 6188 §4: as their 128-bit siblings, SRTCP with the 80-bit tag.
+        SrtpSuite::Aes192CmHmacSha1_80 => (CryptoPolicy::aes_cm_192_hmac_sha1_80(), CryptoPolicy::aes_cm_192_hmac_sha1_80()),
+        SrtpSuite::Aes192CmHmacSha1_32 => (CryptoPolicy::aes_cm_192_hmac_sha1_32(), CryptoPolicy::aes_cm_192_hmac_sha1_80()),
+        SrtpSuite::Aes256CmHmacSha1_80 => (CryptoPolicy::aes_cm_256_hmac_sha1_80(), CryptoPolicy::aes_cm_256_hmac_sha1_80()),
+        SrtpSuite::Aes256CmHmacSha1_32 => (CryptoPolicy::aes_cm_256_hmac_sha1_32(), CryptoPolicy::aes_cm_256_hmac_sha1_80()),
     }
 }
 
@@ -321,7 +327,7 @@ mod tests {
 
     #[test]
     fn what_one_side_protects_the_other_unprotects_rtp_and_rtcp() {
-        for suite in [SrtpSuite::AesCm128HmacSha1_80, SrtpSuite::AesCm128HmacSha1_32, SrtpSuite::AeadAes128Gcm] {
+        for suite in SrtpSuite::ALL {
             let k = SrtpKey::new(suite, (1..=suite.master_len() as u8).collect()).unwrap();
             let (tx, rx) = (Arc::new(Context::new(&k, true).unwrap()), Arc::new(Context::new(&k, false).unwrap()));
             for clear in [build_rtp(0, 100, 160, 0x1234, &[9; 160]), rtcp_rr(0x1234), build_rtp(0, 101, 320, 0x1234, &[8; 160])] {
@@ -330,10 +336,10 @@ mod tests {
                 assert_eq!(&sealed[..8], &clear[..8], "headers stay readable");
                 let rtcp = rtp::demux(&clear) == MediaKind::Rtcp;
                 let tag = match suite {
-                    SrtpSuite::AeadAes128Gcm => 16 + if rtcp { 4 } else { 0 },
+                    SrtpSuite::AeadAes128Gcm | SrtpSuite::AeadAes256Gcm => 16 + if rtcp { 4 } else { 0 },
                     _ if rtcp => 4 + 10,
-                    SrtpSuite::AesCm128HmacSha1_32 => 4,
-                    SrtpSuite::AesCm128HmacSha1_80 => 10,
+                    SrtpSuite::AesCm128HmacSha1_32 | SrtpSuite::Aes192CmHmacSha1_32 | SrtpSuite::Aes256CmHmacSha1_32 => 4,
+                    _ => 10,
                 };
                 assert_eq!(sealed.len(), clear.len() + tag, "{suite:?}: the suite's tag (and SRTCP's index)");
                 assert_eq!(unprotect(Some(&rx), &sealed).unwrap(), clear);

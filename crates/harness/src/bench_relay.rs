@@ -182,7 +182,7 @@ fn random_key() -> anyhow::Result<SrtpKey> {
 /// The caller's SDES offer: the plain SDP as RTP/SAVP with its key (tag 1).
 fn sdes_sdp(ip: IpAddr, port: u16, session: usize, key: &SrtpKey) -> String {
     let plain = sdp(ip, port, session).replace(" RTP/AVP ", " RTP/SAVP ");
-    format!("{plain}a={}\r\n", crypto_line(1, SUITE.name(), &key.master))
+    format!("{plain}a={}\r\n", crypto_line(1, SUITE.name(), &key.master, false))
 }
 
 /// The first media section of a reply's SDP: its protocol and the key of its first `a=crypto`

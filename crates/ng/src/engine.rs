@@ -1526,7 +1526,7 @@ a=sendrecv\r\n";
     fn inline_key(line: &str) -> Vec<u8> {
         use base64::Engine as _;
         let b64 = line.split("inline:").nth(1).unwrap().split(['|', ' ']).next().unwrap();
-        base64::engine::general_purpose::STANDARD.decode(b64).unwrap()
+        base64::engine::general_purpose::STANDARD_NO_PAD.decode(b64.trim_end_matches('=')).unwrap()
     }
 
     /// What Chrome offers for one microphone (trimmed): DTLS-SRTP with ICE, rtcp-mux, a mid.
@@ -1764,14 +1764,26 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         let to_callee = text(&r, "sdp");
         assert_eq!(m_line(&to_callee), "m=audio 30002 RTP/SAVP 8 101");
         let offered = crypto_lines(&to_callee);
-        assert_eq!(offered.len(), 2, "{to_callee}");
-        assert!(offered[0].starts_with("a=crypto:1 AES_CM_128_HMAC_SHA1_80 inline:") && offered[1].starts_with("a=crypto:2 AES_CM_128_HMAC_SHA1_32 inline:"));
-        assert!(to_callee.ends_with(&format!("{}\r\n", offered[1])), "added at the end of the section");
+        // rtpengine 10.5's suites, tags and order (without its F8 and NULL suites, 9-12).
+        let suites: Vec<(String, usize)> = offered.iter().map(|l| (l.split(" inline:").next().unwrap().to_string(), inline_key(l).len())).collect();
+        let want = [
+            ("a=crypto:1 AEAD_AES_256_GCM", 44),
+            ("a=crypto:2 AEAD_AES_128_GCM", 28),
+            ("a=crypto:3 AES_256_CM_HMAC_SHA1_80", 46),
+            ("a=crypto:4 AES_256_CM_HMAC_SHA1_32", 46),
+            ("a=crypto:5 AES_192_CM_HMAC_SHA1_80", 38),
+            ("a=crypto:6 AES_192_CM_HMAC_SHA1_32", 38),
+            ("a=crypto:7 AES_CM_128_HMAC_SHA1_80", 30),
+            ("a=crypto:8 AES_CM_128_HMAC_SHA1_32", 30),
+        ];
+        assert_eq!(suites, want.map(|(l, n)| (l.to_string(), n)), "{to_callee}");
+        assert!(offered.iter().all(|l| !l.split(" inline:").nth(1).unwrap().contains('=')), "no base64 padding, as rtpengine: {offered:?}");
+        assert!(to_callee.ends_with(&format!("{}\r\n", offered[7])), "added at the end of the section");
 
-        // The callee accepts tag 2 with its own key.
+        // The callee accepts tag 8 with its own key.
         let callee_key = b"zyxwvutsrqponmlkjihgfedcba0987".to_vec();
         let answer_sdp = ANSWER_SDP.replace("RTP/AVP 8", "RTP/SAVP 8")
-            + &format!("a=crypto:2 AES_CM_128_HMAC_SHA1_32 inline:{}\r\n", {
+            + &format!("a=crypto:8 AES_CM_128_HMAC_SHA1_32 inline:{}\r\n", {
                 use base64::Engine as _;
                 base64::engine::general_purpose::STANDARD.encode(&callee_key)
             });
@@ -1784,12 +1796,16 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         assert!(a.is_none());
         let b = b.unwrap();
         assert_eq!(b.inbound.map(|k| k.master), Some(callee_key));
-        assert_eq!(b.outbound.map(|k| k.master), Some(inline_key(&offered[1])), "the relay's key under the accepted tag");
+        assert_eq!(b.outbound.map(|k| k.master), Some(inline_key(&offered[7])), "the relay's key under the accepted tag");
 
         // An answer accepting no offered tag is refused, and changes nothing.
-        let bad = answer_sdp.replace("a=crypto:2", "a=crypto:7");
+        let bad = answer_sdp.replace("a=crypto:8", "a=crypto:9");
         let r = send(&mut e, &m, "a2", answer(&bad));
-        assert_eq!(text(&r, "error-reason"), "media section 1: the answer accepts none of the a=crypto keys offered to it (tags 1, 2)", "{r:?}");
+        assert_eq!(
+            text(&r, "error-reason"),
+            "media section 1: the answer accepts none of the a=crypto keys offered to it (tags 1, 2, 3, 4, 5, 6, 7, 8)",
+            "{r:?}"
+        );
         let r = send(&mut e, &m, "a3", answer(ANSWER_SDP));
         assert!(text(&r, "error-reason").contains("refuses SRTP (RTP/AVP)"), "{r:?}");
         assert!(leg_srtp(&m)[1].is_some());
@@ -1802,13 +1818,16 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
         let mut o = offer(OFFER_SDP);
         o[5].1 = Value::List(vec!["trust address".into(), "RTP/SAVP".into(), "SDES-no-AES_CM_128_HMAC_SHA1_80".into()]);
-        o.push(("SDES", Value::List(vec!["lifetime".into(), "order:AES_CM_128_HMAC_SHA1_32".into(), "unencrypted_srtp".into()])));
+        o.push(("SDES", Value::List(vec!["lifetime".into(), "order:AES_CM_128_HMAC_SHA1_32".into(), "unencrypted_srtp".into(), "pad".into()])));
         let r = send(&mut e, &m, "o1", o);
         assert_eq!(text(&r, "result"), "ok", "{r:?}");
         let offered = crypto_lines(&text(&r, "sdp"));
-        assert_eq!(offered.len(), 1, "{offered:?}");
-        assert!(offered[0].starts_with("a=crypto:2 AES_CM_128_HMAC_SHA1_32 inline:") && offered[0].ends_with("|2^31"), "{offered:?}");
+        assert_eq!(offered.len(), 7, "{offered:?}");
+        assert!(offered[0].starts_with("a=crypto:8 AES_CM_128_HMAC_SHA1_32 inline:") && offered[0].ends_with("|2^31"), "{offered:?}");
+        assert!(offered.iter().all(|l| !l.contains("a=crypto:7 ")), "the suite of tag 7 is not offered");
         assert_eq!(inline_key(&offered[0]).len(), 30);
+        // `pad`: the 28-byte AEAD_AES_128_GCM key keeps its two `=`.
+        assert!(offered.iter().any(|l| l.starts_with("a=crypto:2 AEAD_AES_128_GCM inline:") && l.ends_with("==|2^31")), "{offered:?}");
         let warning = text(&r, "warning");
         assert!(warning.contains("unencrypted-srtp") && !warning.contains("lifetime") && !warning.contains("sdes-no"), "{warning}");
 
@@ -1818,7 +1837,7 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         o[5].1 = Value::List(vec!["RTP/SAVP".into(), "SDES-only-AES_CM_128_HMAC_SHA1_80".into(), "SDES-no-AES_CM_128_HMAC_SHA1_80".into()]);
         let r = send(&mut e, &m, "o1", o);
         let offered = crypto_lines(&text(&r, "sdp"));
-        assert!(offered.len() == 1 && offered[0].starts_with("a=crypto:1 AES_CM_128_HMAC_SHA1_80 inline:"), "{r:?}");
+        assert!(offered.len() == 1 && offered[0].starts_with("a=crypto:7 AES_CM_128_HMAC_SHA1_80 inline:"), "{r:?}");
         let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
         let mut o = offer(OFFER_SDP);
         o[5].1 = Value::List(vec!["RTP/SAVP".into(), "SDES-nonew".into()]);

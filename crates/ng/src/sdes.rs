@@ -57,6 +57,8 @@ pub struct SdesOptions {
     pub offerer_pref: Vec<String>,
     /// `lifetime`: every key the relay gives carries the lifetime `2^31`.
     pub lifetime: bool,
+    /// `pad`: the keys the relay gives keep their base64 `=` padding.
+    pub pad: bool,
 }
 
 impl SdesOptions {
@@ -79,9 +81,7 @@ impl SdesOptions {
                 match v {
                     "nonew" => o.nonew = true,
                     "lifetime" => o.lifetime = true,
-                    // RFC 4568 leaves the padding open; the 30-byte keys of the suites spoken
-                    // here have none either way.
-                    "pad" => {}
+                    "pad" => o.pad = true,
                     _ => ignored.push(v.to_string()),
                 }
             }
@@ -110,7 +110,7 @@ impl SdesOptions {
 
     /// The `a=crypto` value for a key the relay gives.
     fn line(&self, tag: u32, key: &SrtpKey) -> String {
-        let line = crypto_line(tag, key.suite.name(), &key.master);
+        let line = crypto_line(tag, key.suite.name(), &key.master, self.pad);
         if self.lifetime {
             line + "|2^31"
         } else {

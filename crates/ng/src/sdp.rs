@@ -201,10 +201,13 @@ fn parse_crypto(line: usize, value: &str) -> Option<CryptoAttr> {
     Some(CryptoAttr { line, tag, suite: suite.to_string(), key })
 }
 
-/// The `a=crypto` value offering `key` under `tag`.
-pub fn crypto_line(tag: u32, suite: &str, key: &[u8]) -> String {
+/// The `a=crypto` value offering `key` under `tag`; the base64 key without `=` padding unless
+/// `pad` (RFC 4568 §6.1 is read both ways; rtpengine leaves it out unless asked `SDES-pad`).
+pub fn crypto_line(tag: u32, suite: &str, key: &[u8], pad: bool) -> String {
+    use base64::engine::general_purpose::{STANDARD, STANDARD_NO_PAD};
     use base64::Engine as _;
-    format!("crypto:{tag} {suite} inline:{}", base64::engine::general_purpose::STANDARD.encode(key))
+    let key = if pad { STANDARD.encode(key) } else { STANDARD_NO_PAD.encode(key) };
+    format!("crypto:{tag} {suite} inline:{key}")
 }
 
 impl Media {

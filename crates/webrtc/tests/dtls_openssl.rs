@@ -166,6 +166,8 @@ fn profile_name(suite: SrtpSuite) -> &'static str {
         SrtpSuite::AeadAes128Gcm => "SRTP_AEAD_AES_128_GCM",
         SrtpSuite::AesCm128HmacSha1_80 => "SRTP_AES128_CM_SHA1_80",
         SrtpSuite::AesCm128HmacSha1_32 => "SRTP_AES128_CM_SHA1_32",
+        // SDES-only here: the DTLS side offers the three profiles above.
+        other => unreachable!("{} is not a DTLS-SRTP profile mediaplane offers", other.name()),
     }
 }
 
