@@ -70,7 +70,8 @@ pub struct KamailioConfig<'a> {
     /// Also SIP over WebSocket (RFC 7118) on this TCP address, as a WebRTC deployment runs it:
     /// REGISTER is saved in memory, INVITEs are record-routed, and an INVITE that came over
     /// WebSocket is offered with `RTP/AVP ICE=remove rtcp-mux-demux` (plain RTP, RTCP on its own
-    /// port, toward the SIP side) and its
+    /// port, toward the SIP side; an `X-Callee-Protocol` header names another, e.g. `RTP/SAVP`
+    /// for an SDES-SRTP callee) and its
     /// answer gets `UDP/TLS/RTP/SAVPF ICE=force` (DTLS-SRTP and ICE back toward the browser),
     /// after the flags above. In-dialog requests then follow the route set (`loose_route`).
     pub websocket: Option<SocketAddr>,
@@ -206,7 +207,12 @@ const WS_REQUEST: &str = r#"
 
 const WS_FLAGS: &str = r#"
         if (nat_uac_test("64")) {
-            $avp(rtp_flags) = $avp(rtp_flags) + " RTP/AVP ICE=remove rtcp-mux-demux";
+            if (is_present_hf("X-Callee-Protocol")) {
+                $avp(rtp_flags) = $avp(rtp_flags) + " " + $hdr(X-Callee-Protocol);
+            } else {
+                $avp(rtp_flags) = $avp(rtp_flags) + " RTP/AVP";
+            }
+            $avp(rtp_flags) = $avp(rtp_flags) + " ICE=remove rtcp-mux-demux";
             $avp(rtp_answer_flags) = $avp(rtp_answer_flags) + " UDP/TLS/RTP/SAVPF ICE=force";
         }"#;
 

@@ -21,6 +21,13 @@
 //! browser leg in the API is an ICE leg whose peer is one of the browser's host candidates,
 //! keyed by the handshake, with no key material in the relay's or the table's view.
 //!
+//! The same call to an SDES-SRTP callee (`webrtc_sdes_*`: DTLS-SRTP bridged to SDES-SRTP, the
+//! browser's INVITE asking `X-Callee-Protocol: RTP/SAVP`, which Kamailio's script puts in the
+//! offer's flags instead of `RTP/AVP`): the UAS must be offered RTP/SAVP with the relay's
+//! AES_CM_128_HMAC_SHA1_80 key under tag 7 and nothing of ICE, answers with its own key under
+//! that tag, and the plain party's socket protects what it sends and unprotects what it gets
+//! with those keys (libsrtp, mediaplane's dataplane crate); every packet must unprotect.
+//!
 //! One test per relay: rtpengine 10.5 in user space (the baseline), `mediaplane serve` on the
 //! user-space and on the eBPF plane. Needs root, kamailio with its websocket module, sipp,
 //! chromium, and SIP.js installed by `make deps` (npm); skipped without them, except under
@@ -32,6 +39,8 @@ use common::browser::{self, Browser};
 use common::sipp::{recv_offer, sipp_command, Bed, Relay};
 use mediaplane_bench::sip::{self, parse_sipp_event, sipp_result, LogTail, UAS_BYE_OK};
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
+use mediaplane_core::srtp::{SrtpKey, SrtpSuite};
+use mediaplane_dataplane::srtp::{protect, unprotect, Context};
 use serde_json::{json, Value as Json};
 use std::collections::HashSet;
 use std::fmt::Write as _;
@@ -111,7 +120,7 @@ try {
   }));
   await registerer.register();
   await registered;
-  const inviter = new Inviter(ua, UserAgent.makeURI(cfg.target), {sessionDescriptionHandlerOptions: {constraints: {audio: true, video: false}}});
+  const inviter = new Inviter(ua, UserAgent.makeURI(cfg.target), {extraHeaders: cfg.headers || [], sessionDescriptionHandlerOptions: {constraints: {audio: true, video: false}}});
   inviter.stateChange.addListener(s => events.push('session:' + s));
   call = inviter;
   await inviter.invite();
@@ -120,12 +129,49 @@ try {
 }
 </script>"#;
 
-/// The UAS: the offer must be plain RTP/AVP with nothing of WebRTC left (its relay address is
-/// logged as "offered 1 IP PORT"); it answers PCMU on the plain party's address, keeping the
-/// route set, and waits for the BYE.
-fn uas_xml(plain: SocketAddr) -> String {
-    let secure = r#"
-      <ereg regexp="a=fingerprint|a=candidate|a=ice-|SAVP" search_in="body" check_it_inverse="true" assign_to="webrtc_left"/>"#;
+/// What the browser calls: a plain RTP party, or an SDES-SRTP one (DTLS-SRTP bridged to SDES).
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Callee {
+    Plain,
+    /// Keyed with this AES_CM_128_HMAC_SHA1_80 key || salt (its answer's a=crypto, tag 7).
+    Sdes([u8; 30]),
+}
+
+/// The SDES callee answers the relay's tag 7: AES_CM_128_HMAC_SHA1_80 in rtpengine's and
+/// mediaplane's offers alike.
+const SDES_TAG: &str = "7 AES_CM_128_HMAC_SHA1_80";
+
+/// The UAS: the offer must be plain RTP/AVP (or, for an SDES callee, RTP/SAVP with the relay's
+/// AES_CM_128_HMAC_SHA1_80 key, logged as "relay-key 1 KEY") with nothing of WebRTC left (its
+/// relay address is logged as "offered 1 IP PORT"; rtpengine also offers an SDES callee DTLS
+/// on RTP/SAVP, a=fingerprint and a=setup beside the a=crypto lines, which an answer with
+/// a=crypto and no fingerprint declines); it answers PCMU on the plain party's
+/// address (SDES: RTP/SAVP with its own key under the same tag), keeping the route set, and
+/// waits for the BYE.
+fn uas_xml(plain: SocketAddr, callee: Callee) -> String {
+    use base64::Engine as _;
+    let (m_regexp, proto, crypto, secure) = match callee {
+        Callee::Plain => (
+            "m=audio ([0-9]+) RTP/AVP ",
+            "RTP/AVP",
+            String::new(),
+            r#"
+      <ereg regexp="a=fingerprint|a=candidate|a=ice-|SAVP" search_in="body" check_it_inverse="true" assign_to="webrtc_left"/>"#
+                .to_string(),
+        ),
+        Callee::Sdes(key) => (
+            "m=audio ([0-9]+) RTP/SAVP ",
+            "RTP/SAVP",
+            format!("      a=crypto:{SDES_TAG} inline:{}\n", base64::engine::general_purpose::STANDARD_NO_PAD.encode(key)),
+            format!(
+                r#"
+      <ereg regexp="a=candidate|a=ice-|UDP/TLS" search_in="body" check_it_inverse="true" assign_to="webrtc_left"/>
+      <ereg regexp="a=crypto:{SDES_TAG} inline:([A-Za-z0-9+/=]+)" search_in="body" check_it="true" assign_to="crypto_line,relay_key"/>
+      <log message="relay-key 1 [$relay_key]"/>"#
+            ),
+        ),
+    };
+    let refs = if callee == Callee::Plain { "c_line,m_line,webrtc_left" } else { "c_line,m_line,webrtc_left,crypto_line,relay_key" };
     format!(
         r#"<?xml version="1.0" encoding="ISO-8859-1" ?>
 <!DOCTYPE scenario SYSTEM "sipp.dtd">
@@ -148,17 +194,17 @@ fn uas_xml(plain: SocketAddr) -> String {
       s=-
       c=IN IP4 {ip}
       t=0 0
-      m=audio {port} RTP/AVP 0
+      m=audio {port} {proto} 0
       a=rtpmap:0 PCMU/8000
-      a=ptime:20
+{crypto}      a=ptime:20
       a=sendrecv
 
   ]]></send>
   <recv request="ACK" crlf="true"/>
-{bye}  <Reference variables="c_line,m_line,webrtc_left"/>
+{bye}  <Reference variables="{refs}"/>
 </scenario>
 "#,
-        offer = recv_offer(1, "m=audio ([0-9]+) RTP/AVP ", secure),
+        offer = recv_offer(1, m_regexp, &secure),
         ip = plain.ip(),
         port = plain.port(),
         bye = UAS_BYE_OK,
@@ -227,10 +273,13 @@ struct Receipts {
     seen: HashSet<(u32, u16)>,
     duplicates: u64,
     ssrcs: HashSet<u32>,
+    srtp_failed: u64,
 }
 
 impl Receipts {
-    fn drain(&mut self, socket: &UdpSocket) {
+    /// What arrived on the plain party's socket; SRTP unprotected with `srtp` (an SDES callee;
+    /// what fails to unprotect is counted in `srtp_failed`).
+    fn drain(&mut self, socket: &UdpSocket, srtp: Option<&Arc<Context>>) {
         let mut buf = [0u8; 2048];
         loop {
             match socket.recv_from(&mut buf) {
@@ -239,7 +288,17 @@ impl Receipts {
                     if n < 2 || (200..=204).contains(&buf[1]) {
                         continue;
                     }
-                    if let Ok(h) = RtpHeader::parse(&buf[..n]) {
+                    let clear = match srtp {
+                        None => buf[..n].to_vec(),
+                        Some(ctx) => match unprotect(Some(ctx), &buf[..n]) {
+                            Ok(clear) => clear,
+                            Err(_) => {
+                                self.srtp_failed += 1;
+                                continue;
+                            }
+                        },
+                    };
+                    if let Ok(h) = RtpHeader::parse(&clear) {
                         self.ssrcs.insert(h.ssrc);
                         self.packets += 1;
                         if !self.seen.insert((h.ssrc, h.sequence)) {
@@ -254,8 +313,19 @@ impl Receipts {
     }
 }
 
-fn run(relay: Relay) {
-    let test = format!("interop_webrtc_sipjs ({})", relay.name());
+fn run_plain(relay: Relay) {
+    run(relay, Callee::Plain);
+}
+
+/// DTLS-SRTP bridged to SDES-SRTP: the callee's key is fresh per run.
+fn run_sdes(relay: Relay) {
+    let mut key = [0u8; 30];
+    std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut key)).expect("reading /dev/urandom");
+    run(relay, Callee::Sdes(key));
+}
+
+fn run(relay: Relay, callee: Callee) {
+    let test = format!("interop_webrtc_sipjs ({}, {callee:?})", relay.name());
     let Some(chromium) = browser::chromium(&test) else { return };
     if !sipjs_dir().join("index.js").exists() {
         assert!(!mediaplane_bench::in_ci(), "{test}: SIP.js is not installed (make deps), and CI=true");
@@ -267,7 +337,8 @@ fn run(relay: Relay) {
         eprintln!("{test}: skipped: no websocket module (kamailio-websocket-modules)");
         return;
     }
-    let Some(mut bed) = Bed::start_websocket("webrtc-sipjs", relay, BASE_FLAGS) else { return };
+    let prefix = if callee == Callee::Plain { "webrtc-sipjs" } else { "webrtc-sdes" };
+    let Some(mut bed) = Bed::start_websocket(prefix, relay, BASE_FLAGS) else { return };
     bed.media_in_kernel = false;
     let tb = &bed.tb;
     let dir = bed.tmp.0.clone();
@@ -276,7 +347,7 @@ fn run(relay: Relay) {
     let plain = tb.udp_socket(&plain_ns, plain_addr).unwrap();
     plain.set_nonblocking(true).unwrap();
 
-    std::fs::write(dir.join("call-uas.xml"), uas_xml(plain_addr)).unwrap();
+    std::fs::write(dir.join("call-uas.xml"), uas_xml(plain_addr, callee)).unwrap();
     let mut uas = sip::spawn_group("sipp uas", &mut sipp_command(tb, &dir, "call", "uas", UAS_PORT)).unwrap();
     sip::wait_udp_bound(&mut uas, UAS_PORT, Duration::from_secs(10)).unwrap();
     let mut uas_log = LogTail::new(dir.join("call-uas.log"));
@@ -287,6 +358,7 @@ fn run(relay: Relay) {
         "ws": format!("ws://{}", bed.websocket.unwrap()),
         "aor": "sip:alice@interop.test",
         "target": format!("sip:bob@127.0.0.1:{UAS_PORT}"),
+        "headers": if callee == Callee::Plain { vec![] } else { vec!["X-Callee-Protocol: RTP/SAVP"] },
     });
     let (stats, hangup) = (Arc::new(Mutex::new(Json::Null)), Arc::new(Mutex::new(false)));
     let served = Arc::new(Served::default());
@@ -305,6 +377,13 @@ fn run(relay: Relay) {
     // DTLS connected, and the plain party knows where the relay wants its media (the address in
     // the UAS's offer).
     let mut relay_for_plain = None;
+    // An SDES callee: it protects with its own key and unprotects with the relay's (from the
+    // offer it received).
+    let own_srtp = match callee {
+        Callee::Plain => None,
+        Callee::Sdes(key) => Some(Arc::new(Context::new(&SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, key.to_vec()).unwrap(), true).unwrap())),
+    };
+    let mut relay_srtp: Option<Arc<Context>> = None;
     let mut receipts = Receipts::default();
     let (mut next, mut media_start) = (0u16, None::<Instant>);
     let deadline = Instant::now() + Duration::from_secs(40);
@@ -315,22 +394,34 @@ fn run(relay: Relay) {
                     relay_for_plain = addr;
                 }
             }
+            if let Some(b64) = line.strip_prefix("relay-key 1 ") {
+                use base64::Engine as _;
+                let key = base64::engine::general_purpose::STANDARD_NO_PAD.decode(b64.trim().trim_end_matches('=')).ok();
+                let key = key.and_then(|k| SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, k).ok());
+                relay_srtp = key.and_then(|k| Context::new(&k, false).ok()).map(Arc::new);
+            }
         }
         let s = stats.lock().unwrap().clone();
         if !s["error"].is_null() || s["state"] == "Terminated" {
             break;
         }
         // Established is the answer applied; the keys come with DTLS, after ICE.
-        if media_start.is_none() && s["state"] == "Established" && s["dtls"] == "connected" && relay_for_plain.is_some() {
+        let keyed = callee == Callee::Plain || relay_srtp.is_some();
+        if media_start.is_none() && s["state"] == "Established" && s["dtls"] == "connected" && relay_for_plain.is_some() && keyed {
             media_start = Some(Instant::now());
         }
         if let (Some(start), Some(to)) = (media_start, relay_for_plain) {
             while next < PACKETS && start.elapsed() >= Duration::from_millis(20 * next as u64) {
-                plain.send_to(&build_rtp(0, next, next as u32 * 160, PLAIN_SSRC, &[0xff; 160]), to).unwrap();
+                let packet = build_rtp(0, next, next as u32 * 160, PLAIN_SSRC, &[0xff; 160]);
+                let packet = match &own_srtp {
+                    Some(ctx) => protect(Some(ctx), &packet).expect("SRTP protect"),
+                    None => packet,
+                };
+                plain.send_to(&packet, to).unwrap();
                 next += 1;
             }
         }
-        receipts.drain(&plain);
+        receipts.drain(&plain, relay_srtp.as_ref());
         if next == PACKETS && (num(&s, "in_packets") >= PACKETS as u64 || media_start.is_some_and(|t| t.elapsed() > Duration::from_secs(8))) {
             break;
         }
@@ -340,7 +431,7 @@ fn run(relay: Relay) {
     let s = stats.lock().unwrap().clone();
     let drain = Instant::now();
     while drain.elapsed() < Duration::from_millis(600) {
-        receipts.drain(&plain);
+        receipts.drain(&plain, relay_srtp.as_ref());
         std::thread::sleep(Duration::from_millis(5));
     }
     let events = s["events"].as_array().map(|e| e.iter().filter_map(Json::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default();
@@ -349,7 +440,14 @@ fn run(relay: Relay) {
     check(s["error"].is_null(), format!("the page ran without error{}", if s["error"].is_null() { String::new() } else { format!(": {}", s["error"]) }));
     check(events.contains("register:Registered"), format!("SIP.js registered through Kamailio's websocket module (events: {events})"));
     check(events.contains("session:Established"), "the browser's call was established".into());
-    check(relay_for_plain.is_some(), format!("the UAS was offered plain RTP/AVP at the relay: {relay_for_plain:?}"));
+    match callee {
+        Callee::Plain => check(relay_for_plain.is_some(), format!("the UAS was offered plain RTP/AVP at the relay: {relay_for_plain:?}")),
+        Callee::Sdes(_) => {
+            check(relay_for_plain.is_some(), format!("the UAS was offered RTP/SAVP at the relay: {relay_for_plain:?}"));
+            check(relay_srtp.is_some(), format!("with the relay's key under a=crypto:{SDES_TAG}"));
+            check(receipts.srtp_failed == 0, format!("the SDES callee unprotected everything it got ({} failed)", receipts.srtp_failed));
+        }
+    }
     check(s["dtls"] == "connected", format!("the browser's DTLS is connected ({}, {})", s["dtls"], s["srtp_cipher"]));
     let (in_packets, in_lost) = (num(&s, "in_packets"), num(&s, "in_lost"));
     check(in_packets >= PACKETS as u64 * 95 / 100, format!("the browser received {in_packets} of the plain party's {PACKETS} packets (getStats)"));
@@ -407,4 +505,9 @@ fn run(relay: Relay) {
     bed.finish(receipts.packets as usize + in_packets as usize, report, failures);
 }
 
-relay_tests!(run, webrtc_sipjs_rtpengine, webrtc_sipjs_mediaplane_userspace, webrtc_sipjs_mediaplane_ebpf);
+relay_tests!(run_plain, webrtc_sipjs_rtpengine, webrtc_sipjs_mediaplane_userspace, webrtc_sipjs_mediaplane_ebpf);
+
+mod sdes {
+    use super::*;
+    relay_tests!(run_sdes, webrtc_sdes_rtpengine, webrtc_sdes_mediaplane_userspace, webrtc_sdes_mediaplane_ebpf);
+}

@@ -1687,6 +1687,77 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
     }
 
     #[test]
+    fn dtls_srtp_bridged_to_sdes_srtp_both_ways() {
+        // A browser (DTLS-SRTP) calls an SDES party: the callee is offered RTP/SAVP with the
+        // relay's keys and nothing of ICE or DTLS; its answer's key keys its leg; the browser
+        // gets the relay's ICE and DTLS attributes and no a=crypto.
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(WEBRTC_OFFER);
+        o.extend([("transport-protocol", "RTP/SAVP".into()), ("ICE", "remove".into())]);
+        let r = send(&mut e, &m, "o1", o);
+        assert_eq!((text(&r, "result"), text(&r, "warning")), ("ok".into(), String::new()), "{r:?}");
+        let to_callee = text(&r, "sdp");
+        assert_eq!(m_line(&to_callee), "m=audio 30002 RTP/SAVP 111 0");
+        for gone in ["candidate", "ice-ufrag", "fingerprint", "setup"] {
+            assert_eq!(attr(&to_callee, gone), None, "{gone} stripped: {to_callee}");
+        }
+        let offered = crypto_lines(&to_callee);
+        assert_eq!(offered.len(), 8, "{to_callee}");
+        let callee_key = b"zyxwvutsrqponmlkjihgfedcba0987".to_vec();
+        let answer_sdp = ANSWER_SDP.replace("RTP/AVP 8", "RTP/SAVP 0")
+            + &format!("a=crypto:7 AES_CM_128_HMAC_SHA1_80 inline:{}\r\n", {
+                use base64::Engine as _;
+                base64::engine::general_purpose::STANDARD_NO_PAD.encode(&callee_key)
+            });
+        let r = send(&mut e, &m, "a1", answer(&answer_sdp));
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let to_caller = text(&r, "sdp");
+        assert_eq!(m_line(&to_caller), "m=audio 30000 UDP/TLS/RTP/SAVPF 0");
+        assert!(crypto_lines(&to_caller).is_empty(), "{to_caller}");
+        for needed in ["ice-ufrag", "ice-pwd", "fingerprint", "setup", "candidate"] {
+            assert!(attr(&to_caller, needed).is_some(), "{needed}: {to_caller}");
+        }
+        let (a, b) = m.read(|model, _| model.relays.values().next().map(|r| ((r.a.ice, r.a.srtp.clone()), (r.b.ice, r.b.srtp.clone()))).unwrap());
+        assert_eq!(a, (true, Some(Default::default())), "the browser's leg waits for its handshake");
+        let b_srtp = b.1.expect("the SDES leg is keyed");
+        assert!(!b.0);
+        assert_eq!(b_srtp.inbound.map(|k| k.master), Some(callee_key));
+        assert_eq!(b_srtp.outbound.map(|k| k.master), Some(inline_key(&offered[6])), "the relay's key under the accepted tag 7");
+        let q = send(&mut e, &m, "q1", vec![("command", "query".into()), ("call-id", "cfBXzDSZqhYNcXM".into())]);
+        let flags = |tag: &str| {
+            let medias = q.get("tags").and_then(|t| t.get(tag)).and_then(|t| t.get("medias")).and_then(|m| m.as_list()).unwrap();
+            medias[0].get("flags").and_then(Value::as_list).unwrap().iter().filter_map(|f| f.as_str().map(str::to_string)).collect::<Vec<_>>()
+        };
+        assert_eq!(flags("mS9rSAn0Cr"), ["initialized", "send", "recv", "DTLS-SRTP", "ICE"]);
+        assert_eq!(flags("8fa3b2"), ["initialized", "send", "recv", "SDES"]);
+
+        // An SDES caller to a browser: the browser gets the relay's ICE and DTLS and no
+        // a=crypto; the caller is answered RTP/SAVP with the relay's key under its tag.
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(SRTP_OFFER);
+        o.extend([("transport-protocol", "UDP/TLS/RTP/SAVPF".into()), ("ICE", "force".into())]);
+        let r = send(&mut e, &m, "o1", o);
+        assert_eq!((text(&r, "result"), text(&r, "warning")), ("ok".into(), String::new()), "{r:?}");
+        let to_browser = text(&r, "sdp");
+        assert_eq!(m_line(&to_browser), "m=audio 30002 UDP/TLS/RTP/SAVPF 0");
+        assert!(crypto_lines(&to_browser).is_empty() && attr(&to_browser, "fingerprint").is_some(), "{to_browser}");
+        let browser = WEBRTC_OFFER.replace("m=audio 50000 UDP/TLS/RTP/SAVPF 111 0", "m=audio 50000 UDP/TLS/RTP/SAVPF 0");
+        let r = send(&mut e, &m, "a1", answer(&browser));
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        let to_caller = text(&r, "sdp");
+        assert_eq!(m_line(&to_caller), "m=audio 30000 RTP/SAVP 0");
+        let answered = crypto_lines(&to_caller);
+        assert!(answered.len() == 1 && answered[0].starts_with("a=crypto:2 AES_CM_128_HMAC_SHA1_80 inline:"), "{to_caller}");
+        for gone in ["candidate", "ice-ufrag", "fingerprint", "setup"] {
+            assert_eq!(attr(&to_caller, gone), None, "{gone} stripped: {to_caller}");
+        }
+        let (a, b) = m.read(|model, _| model.relays.values().next().map(|r| ((r.a.ice, r.a.srtp.clone()), (r.b.ice, r.b.srtp.clone()))).unwrap());
+        assert!(!a.0 && b.0, "the caller's leg is SDES, the browser's ICE");
+        assert_eq!(a.1.and_then(|l| l.outbound).map(|k| k.master), Some(inline_key(&answered[0])));
+        assert_eq!(b.1, Some(Default::default()), "the browser's leg waits for its handshake");
+    }
+
+    #[test]
     fn sdes_caller_bridged_to_a_plain_callee() {
         let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
         let mut o = offer(SRTP_OFFER);
@@ -1882,12 +1953,12 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         let r = send(&mut e, &m, "o2", offer(SRTP_OFFER));
         assert_eq!(crypto_lines(&text(&r, "sdp")).len(), 3);
         assert_eq!(leg_srtp(&m), [None, None]);
-        // DTLS-SRTP to SDES-SRTP is not bridged (plain RTP to DTLS-SRTP is: see the webrtc tests).
+        // SDES-SRTP to DTLS-SRTP is bridged (see dtls_srtp_bridged_to_sdes_srtp_both_ways).
         let mut o = offer(SRTP_OFFER);
         o.push(("transport-protocol", "UDP/TLS/RTP/SAVPF".into()));
         let r = send(&mut e, &m, "o3", o);
-        assert!(text(&r, "warning").contains("would bridge DTLS-SRTP to SDES-SRTP, which is not done"), "{r:?}");
-        assert_eq!(m_line(&text(&r, "sdp")), "m=audio 30002 RTP/SAVP 0");
+        assert!(r.get("warning").is_none(), "{r:?}");
+        assert_eq!(m_line(&text(&r, "sdp")), "m=audio 30002 UDP/TLS/RTP/SAVPF 0");
         let mut o = offer(OFFER_SDP);
         o.push(("transport-protocol", "RTP/XYZ".into()));
         assert!(text(&send(&mut e, &m, "o4", o), "error-reason").contains("is not one of RTP/AVP"));

@@ -209,19 +209,8 @@ pub fn plan(
                     p.proto = Some(target.to_string());
                 }
                 p.translated = Some(p.proto.is_some());
-                if (is_dtls(target) || is_dtls(&sm.proto)) && p.proto.is_some() {
-                    if is_sdes(target) || is_sdes(&sm.proto) {
-                        warnings.push(format!(
-                            "media section {section}: {} to {target} would bridge DTLS-SRTP to SDES-SRTP, which is not done: the section keeps {}",
-                            sm.proto, sm.proto
-                        ));
-                        p.proto = None;
-                        p.translated = Some(false);
-                    }
-                    // DTLS-SRTP to plain RTP: terminated by `crate::webrtc`, no SDES here.
-                    out.push(p);
-                    continue;
-                }
+                // DTLS-SRTP is terminated by `crate::webrtc`; toward an SDES party (DTLS-SRTP
+                // bridged to SDES-SRTP) the other leg's keys are this plan's, as toward any.
                 match (is_sdes(&sm.proto), is_sdes(target)) {
                     (true, false) => {
                         let usable: Vec<(u32, SrtpKey)> = sm

@@ -11,12 +11,15 @@
 //!   (`a=setup:actpass` unless `DTLS` says otherwise, a `mid` and `rtcp-mux` where the offer had
 //!   none); its answer gives its own, which the relay takes, and reaches the offerer stripped.
 //!
+//! The other leg may speak SDES-SRTP instead of plain RTP (DTLS-SRTP bridged to SDES-SRTP, as
+//! rtpengine does): its keys are `crate::sdes`'s, each leg keyed on its own.
+//!
 //! Both legs speaking DTLS-SRTP pass through untouched. [`plan`] decides from the SDP and the
 //! call (no side effects); [`install`] marks the legs in the model; the engine then hands each
 //! WebRTC leg's handshake parameters to the control plane ([`hand_over_legs`]).
 
 use crate::calls::{rtp_relay_id, side_index, Call, Phase};
-use crate::sdes::{is_dtls, is_sdes, SectionPlan};
+use crate::sdes::{is_dtls, SectionPlan};
 use crate::sdp::Sdp;
 use mediaplane_control::crypto_legs::CryptoLegSpec;
 use mediaplane_control::manager::{ManagerError, SessionManager};
@@ -123,7 +126,7 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, secure: &[Sectio
             Phase::Offer => {
                 let target = secure.get(i).and_then(|x| x.proto.clone()).unwrap_or_else(|| sm.proto.clone());
                 match (is_dtls(&sm.proto), is_dtls(&target)) {
-                    (true, false) if !is_sdes(&target) => {
+                    (true, false) => {
                         let (remote_ice, fp) = theirs(sdp, i, "offer")?;
                         let old = prev_side(s);
                         // The same party re-offering without an ICE restart keeps the relay's
@@ -148,7 +151,7 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, secure: &[Sectio
                         p.sides[s] = Some(WebrtcSide { local_ice, remote_ice: Some(remote_ice), remote_fingerprint: Some(fp), role, mid });
                         p.outgoing = Outgoing::Strip;
                     }
-                    (false, true) if !is_sdes(&sm.proto) => {
+                    (false, true) => {
                         let old = prev_side(r);
                         let (role, setup) = match dtls {
                             DtlsOption::Active => (Role::Client, "active"),
