@@ -179,11 +179,14 @@ pub struct NgSection {
     /// Each DTMF event a party of an NG call sends is reported here, one JSON object per UDP
     /// datagram, as rtpengine's `--dtmf-log-dest` does. None: not reported.
     pub dtmf_log_dest: Option<SocketAddr>,
+    /// Where NG `start forwarding` sends a call's media: one more copy of each party's RTP,
+    /// from an address of its own per party. None: the command is an error.
+    pub forward_to: Option<SocketAddr>,
 }
 
 impl Default for NgSection {
     fn default() -> Self {
-        NgSection { listen: None, media_timeout_secs: 60, allow: Vec::new(), recording_dir: None, instance_id: None, dtmf_log_dest: None }
+        NgSection { listen: None, media_timeout_secs: 60, allow: Vec::new(), recording_dir: None, instance_id: None, dtmf_log_dest: None, forward_to: None }
     }
 }
 

@@ -166,8 +166,17 @@ impl Model {
 
     /// End a relay's forks of one subscription, releasing their addresses; true if there were any.
     pub fn remove_forks(&mut self, id: &str, tag: &str) -> Result<bool, ModelError> {
+        self.remove_forks_where(id, |f| f.tag == tag)
+    }
+
+    /// [`Model::remove_forks`] of one party's media only (`of`).
+    pub fn remove_forks_of(&mut self, id: &str, tag: &str, of: Side) -> Result<bool, ModelError> {
+        self.remove_forks_where(id, |f| f.tag == tag && f.of == of)
+    }
+
+    fn remove_forks_where(&mut self, id: &str, gone: impl Fn(&Fork) -> bool) -> Result<bool, ModelError> {
         let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
-        let (gone, kept): (Vec<Fork>, Vec<Fork>) = r.forks.drain(..).partition(|f| f.tag == tag);
+        let (gone, kept): (Vec<Fork>, Vec<Fork>) = r.forks.drain(..).partition(|f| gone(f));
         r.forks = kept;
         for f in &gone {
             self.owners_remove(f.local);

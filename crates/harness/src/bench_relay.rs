@@ -213,6 +213,9 @@ pub struct RelaySetup {
     /// Report each DTMF event a party sends, as JSON over UDP to this address (rtpengine's
     /// `--dtmf-log-dest`, mediaplane's `ng.dtmf_log_dest`).
     pub dtmf_log_dest: Option<std::net::SocketAddr>,
+    /// mediaplane's `ng.forward_to` (NG `start forwarding`; rtpengine hands that command to its
+    /// recording daemon, which the bench does not run).
+    pub forward_to: Option<std::net::SocketAddr>,
 }
 
 /// A relay running in the relay namespace; SIGTERM then SIGKILL by PID on stop, SIGKILL on drop.
@@ -234,7 +237,7 @@ impl RelayProc {
     /// [`RelayProc::start`] with `mediaplane` as the mediaplane binary (a test passes
     /// `CARGO_BIN_EXE_mediaplane`: its own executable is not the daemon).
     pub fn start_binary(tb: &Testbed, name: &str, dir: &Path, mediaplane: &Path, setup: &RelaySetup) -> anyhow::Result<RelayProc> {
-        let RelaySetup { workers, sessions, interfaces, recording_dir, dtmf_log_dest } = setup;
+        let RelaySetup { workers, sessions, interfaces, recording_dir, dtmf_log_dest, forward_to } = setup;
         let (workers, sessions) = (*workers, *sessions);
         let media_ip = tb.peers[0].sfu_ip;
         // rtpengine's notation, which mediaplane's media.interfaces takes too.
@@ -250,7 +253,7 @@ impl RelayProc {
                 let quoted: Vec<String> = interfaces.iter().map(|i| format!("{i:?}")).collect();
                 let mut toml =
                     format!("[media]\nip = \"{media_ip}\"\nport_min = {RELAY_PORT_MIN}\nport_max = {RELAY_PORT_MAX}\ninterfaces = [{}]\n", quoted.join(", "));
-                if recording_dir.is_some() || dtmf_log_dest.is_some() {
+                if recording_dir.is_some() || dtmf_log_dest.is_some() || forward_to.is_some() {
                     toml += "[ng]\n";
                 }
                 if let Some(dir) = recording_dir {
@@ -258,6 +261,9 @@ impl RelayProc {
                 }
                 if let Some(dest) = dtmf_log_dest {
                     toml += &format!("dtmf_log_dest = \"{dest}\"\n");
+                }
+                if let Some(to) = forward_to {
+                    toml += &format!("forward_to = \"{to}\"\n");
                 }
                 if let Some(n) = sessions {
                     // Two stream entries and two copies per relay session, plus headroom.

@@ -291,6 +291,7 @@ fn serve(args: ServeArgs) -> anyhow::Result<()> {
         recording_dir: cfg.ng.recording_dir.clone(),
         instance_id: cfg.ng.instance_id.clone(),
         dtmf_log_dest: cfg.ng.dtmf_log_dest,
+        forward_to: cfg.ng.forward_to,
     };
     let rtsp = match cfg.rtsp.listen {
         Some(listen) => Some(rt.block_on(tokio::net::TcpListener::bind(listen)).with_context(|| format!("binding RTSP on {listen}"))?),

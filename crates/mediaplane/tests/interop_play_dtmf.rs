@@ -54,12 +54,7 @@ fn run(relay: &str, tmp: &Path) -> Run {
         let mut req = vec![("command", Value::str("play DTMF")), ("call-id", Value::str(CALL)), ("from-tag", Value::str(CALLER_TAG))];
         req.extend([("code", Value::str(code)), ("duration", Value::Int(duration))]);
         req.extend(volume.map(|v| ("volume", Value::Int(v))));
-        let r = ng_in(&tb, req);
-        let mut reply = text(&r, "result");
-        if let Some(e) = r.get("error-reason").and_then(Value::as_str) {
-            reply += &format!(" ({e})");
-        }
-        reply
+        outcome(&ng_in(&tb, req))
     };
     let mut received: Vec<Vec<u8>> = Vec::new();
     let mut buf = [0u8; 2048];

@@ -33,6 +33,9 @@ pub struct EngineConfig {
     pub instance_id: String,
     /// The DTMF events of calls are reported ([`crate::dtmf_log`]): their relays say so.
     pub report_dtmf: bool,
+    /// Where `start forwarding` sends a call's media (one more copy of each party's RTP);
+    /// None: the command is an error.
+    pub forward_to: Option<SocketAddr>,
 }
 
 impl Default for EngineConfig {
@@ -43,9 +46,13 @@ impl Default for EngineConfig {
             reply_cache_entries: 65_536,
             instance_id: generate_instance_id(),
             report_dtmf: false,
+            forward_to: None,
         }
     }
 }
+
+/// The fork tag of `start forwarding`'s copies (reserved: no subscription may take it).
+pub const FORWARDING_TAG: &str = "mediaplane-forwarding";
 
 /// 12 random hex digits (from std's randomly keyed hasher), as rtpengine's instance ids.
 pub fn generate_instance_id() -> String {
@@ -257,6 +264,7 @@ fn keys_acted_on(command: &str) -> &'static [&'static str] {
         }
         "subscribe request" | "subscribe-request" => &["call-id", "from-tag", "from-tags", "to-tag", "all", "flags"],
         "subscribe answer" | "subscribe-answer" | "unsubscribe" => &["call-id", "to-tag", "sdp", "flags"],
+        "start forwarding" | "start-forwarding" | "stop forwarding" | "stop-forwarding" => &["call-id", "from-tag", "all", "flags"],
         c if call_control::Command::parse(c).is_some() => {
             &["call-id", "from-tag", "to-tag", "address", "label", "from-label", "to-label", "all", "flags", "dtmf-security"]
         }
@@ -295,6 +303,7 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
         ],
         "delete" => &["fatal"],
         "subscribe request" | "subscribe-request" => &["all"],
+        "start forwarding" | "start-forwarding" | "stop forwarding" | "stop-forwarding" => &["all"],
         "play DTMF" | "play-DTMF" | "play dtmf" | "play-dtmf" => &["all"],
         // `directional` is how Kamailio's module is told to send the From tag: the tag selects.
         c if call_control::Command::parse(c).is_some() => &["all", "directional"],
@@ -560,14 +569,14 @@ impl Engine {
     }
 
     /// `subscribe request` ([`subscribe`]): fork the selected parties' media sections to new
-    /// addresses; the reply offers them `sendonly`.
+    /// addresses; the reply offers them `sendonly`. The forwarding tag is not a subscriber's.
     fn subscribe_request(&mut self, mgr: &SessionManager, req: &Request) -> Result<Value, NgError> {
         let call = self.call_of(req)?.clone();
         let err = |e: subscribe::SubscribeError| NgError::Call(e.to_string());
         let parties = subscribe::parties(&call, req).map_err(err)?;
         let sections = subscribe::sections(&call, &parties).map_err(err)?;
         let tag = match req.opt_nonempty("to-tag")? {
-            Some(t) if call.side_of(t).is_some() => return Err(err(subscribe::SubscribeError::PartyTag(t.to_string()))),
+            Some(t) if call.side_of(t).is_some() || t == FORWARDING_TAG => return Err(err(subscribe::SubscribeError::PartyTag(t.to_string()))),
             Some(t) => t.to_string(),
             None => subscribe::new_tag(),
         };
@@ -605,6 +614,52 @@ impl Engine {
         }
         tracing::info!(call_id = %call.call_id, to_tag = %tag, sections = placed.len(), "subscription offered");
         Ok(Value::dict(reply))
+    }
+
+    /// `start forwarding` / `stop forwarding`: one more copy of each selected party's RTP
+    /// (`from-tag`, else both) to `ng.forward_to`, leaving from an address of its own per party
+    /// and section (so the host tells them apart) and made where the party's other copies are
+    /// (in the kernel on eBPF). rtpengine hands this to its recording daemon; here it is a fork
+    /// ([`mediaplane_core::model::Fork`]) under the reserved tag [`FORWARDING_TAG`]. Starting
+    /// again replaces what was forwarded; stopping what is not forwarded is not an error.
+    fn forwarding(&mut self, mgr: &SessionManager, req: &Request, on: bool) -> Result<Value, NgError> {
+        let call = self.call_of(req)?.clone();
+        let Some(to) = self.cfg.forward_to else {
+            return Err(NgError::Call("forwarding is not configured (ng.forward_to)".into()));
+        };
+        let err = |e: subscribe::SubscribeError| NgError::Call(e.to_string());
+        let parties = match req.opt_nonempty("from-tag")? {
+            Some(t) => vec![call.side_of(t).ok_or_else(|| err(subscribe::SubscribeError::UnknownTag(t.to_string())))?],
+            None => vec![Side::A, Side::B],
+        };
+        let sections = if on { subscribe::sections(&call, &parties).map_err(err)? } else { Vec::new() };
+        let relays = call.relay_ids();
+        mgr.mutate(|model, media| {
+            let mut changes = Vec::new();
+            for id in &relays {
+                for of in &parties {
+                    if model.relays.contains_key(id) && model.remove_forks_of(id, FORWARDING_TAG, *of)? && !changes.contains(&Change::Relay(id.clone())) {
+                        changes.push(Change::Relay(id.clone()));
+                    }
+                }
+            }
+            for (position, s) in sections.iter().enumerate() {
+                // RTP only: the host gets the media, not the parties' reports.
+                let s = subscribe::Section { rtcp: false, ..s.clone() };
+                let local = mediaplane_control::manager::allocate_on(model, media, s.ip, &[])?;
+                for (id, fork) in subscribe::forks(&call, FORWARDING_TAG, position, &s, local) {
+                    let of = fork.of;
+                    model.add_fork(&id, fork)?;
+                    model.set_fork_remote(&id, FORWARDING_TAG, of, to)?;
+                    if !changes.contains(&Change::Relay(id.clone())) {
+                        changes.push(Change::Relay(id));
+                    }
+                }
+            }
+            Ok(((), changes))
+        })?;
+        tracing::info!(call_id = %call.call_id, on, %to, parties = parties.len(), "forwarding");
+        Ok(Value::dict([("result", Value::str("ok"))]))
     }
 
     /// The forks of the subscription `tag` on `call`'s relays: (relay id, fork).
@@ -750,6 +805,8 @@ impl Engine {
             "subscribe request" | "subscribe-request" => self.subscribe_request(mgr, &req),
             "subscribe answer" | "subscribe-answer" => self.subscribe_answer(mgr, &req),
             "unsubscribe" => self.unsubscribe(mgr, &req),
+            "start forwarding" | "start-forwarding" => self.forwarding(mgr, &req, true),
+            "stop forwarding" | "stop-forwarding" => self.forwarding(mgr, &req, false),
             "play DTMF" | "play-DTMF" | "play dtmf" | "play-dtmf" => self.play_dtmf(mgr, &req),
             other => match call_control::Command::parse(other) {
                 Some(c) => self.media_control(mgr, &req, c),
@@ -2261,6 +2318,55 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         let r = send(&mut e, &m, "s4", call("unsubscribe", vec![("to-tag", "mon".into())]));
         assert_eq!(text(&r, "error-reason"), "no subscription with to-tag \"mon\"");
         let r = send(&mut e, &m, "s5", call("subscribe request", vec![("to-tag", "8fa3b2".into()), ("from-tag", "mS9rSAn0Cr".into())]));
+        assert_eq!(text(&r, "result"), "error", "{r:?}");
+    }
+
+    #[test]
+    fn start_forwarding_copies_each_partys_rtp_to_the_forwarding_host_until_stopped() {
+        let to: SocketAddr = "198.51.100.77:5000".parse().unwrap();
+        let call = |cmd: &str, more: Vec<(&'static str, Value)>| {
+            let mut v = vec![("command", Value::from(cmd)), ("call-id", "cfBXzDSZqhYNcXM".into())];
+            v.extend(more);
+            v
+        };
+        // Not configured: an error, as `start recording` without a directory.
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        let r = send(&mut e, &m, "f0", call("start forwarding", vec![]));
+        assert_eq!(text(&r, "error-reason"), "forwarding is not configured (ng.forward_to)", "{r:?}");
+
+        let (m, mut e) = (manager(), Engine::new(EngineConfig { forward_to: Some(to), ..Default::default() }));
+        send(&mut e, &m, "o1", offer(OFFER_SDP));
+        send(&mut e, &m, "a1", answer(ANSWER_SDP));
+        // (from port, to) of every forwarding copy in the table; RTP only.
+        let forwarded = |m: &SessionManager| {
+            let t = m.read(|model, _| mediaplane_core::ForwardingTable::compile(model, 1));
+            let mut v: Vec<(String, SocketAddr)> = t
+                .streams
+                .values()
+                .flat_map(|e| e.copies.iter().filter(|c| c.subscriber.contains(FORWARDING_TAG)).map(|c| (e.label.clone(), c.to)).collect::<Vec<_>>())
+                .collect();
+            v.sort();
+            v
+        };
+        let r = send(&mut e, &m, "f1", call("start forwarding", vec![]));
+        assert_eq!(r, Value::dict([("result", Value::str("ok"))]), "rtpengine's reply");
+        let both = forwarded(&m);
+        assert_eq!(both.len(), 2, "each party's RTP once: {both:?}");
+        assert!(both.iter().all(|(_, t)| *t == to));
+        // Again: replaced, not doubled; one party stopped, then the other.
+        send(&mut e, &m, "f2", call("start forwarding", vec![]));
+        assert_eq!(forwarded(&m), both);
+        let r = send(&mut e, &m, "f3", call("stop forwarding", vec![("from-tag", "mS9rSAn0Cr".into())]));
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        assert_eq!(forwarded(&m).len(), 1);
+        send(&mut e, &m, "f4", call("stop forwarding", vec![]));
+        assert!(forwarded(&m).is_empty());
+        assert_eq!(text(&send(&mut e, &m, "f5", call("stop forwarding", vec![])), "result"), "ok", "nothing to stop is not an error");
+        // The reserved tag is no subscriber's.
+        let r = send(&mut e, &m, "s1", call("subscribe request", vec![("to-tag", FORWARDING_TAG.into()), ("from-tag", "mS9rSAn0Cr".into())]));
+        assert_eq!(text(&r, "result"), "error", "{r:?}");
+        let r = send(&mut e, &m, "f6", call("start forwarding", vec![("from-tag", "nobody".into())]));
         assert_eq!(text(&r, "result"), "error", "{r:?}");
     }
 

@@ -55,6 +55,8 @@ pub struct NgConfig {
     pub instance_id: Option<String>,
     /// Where each DTMF event of a call is reported (see [`dtmf_log`]); None: not reported.
     pub dtmf_log_dest: Option<SocketAddr>,
+    /// Where `start forwarding` sends calls' media; None: not configured.
+    pub forward_to: Option<SocketAddr>,
 }
 
 impl Default for NgConfig {
@@ -66,6 +68,7 @@ impl Default for NgConfig {
             recording_dir: None,
             instance_id: None,
             dtmf_log_dest: None,
+            forward_to: None,
         }
     }
 }
@@ -89,7 +92,8 @@ impl Drop for AbortOnDrop {
 /// restart are adopted so they still time out and can still be deleted. Requests and calls
 /// are counted in `metrics` (the daemon's registry's: `Metrics::ng`).
 pub async fn serve_ng(socket: tokio::net::UdpSocket, manager: Arc<SessionManager>, cfg: NgConfig, metrics: NgMetrics) -> anyhow::Result<()> {
-    let mut engine_cfg = EngineConfig { media_timeout: cfg.media_timeout, report_dtmf: cfg.dtmf_log_dest.is_some(), ..Default::default() };
+    let mut engine_cfg =
+        EngineConfig { media_timeout: cfg.media_timeout, report_dtmf: cfg.dtmf_log_dest.is_some(), forward_to: cfg.forward_to, ..Default::default() };
     if let Some(id) = cfg.instance_id.clone() {
         engine_cfg.instance_id = id;
     }

@@ -33,6 +33,14 @@ pub fn ng_in(tb: &mediaplane_bench::netns::Testbed, pairs: Vec<(&'static str, Va
     tb.in_ns(&tb.sfu_ns, move || ng_client(mediaplane_harness::bench_relay::NG.parse().unwrap()).cmd(pairs)).unwrap()
 }
 
+/// A reply's result, with its `error-reason` in parentheses if it has one ("ok", "error (…)").
+pub fn outcome(r: &Value) -> String {
+    match r.get("error-reason").and_then(Value::as_str) {
+        Some(e) => format!("{} ({e})", text(r, "result")),
+        None => text(r, "result"),
+    }
+}
+
 /// A nonblocking UDP socket of a testbed peer's namespace.
 pub fn peer_socket(tb: &mediaplane_bench::netns::Testbed, peer: usize, port: u16) -> UdpSocket {
     let p = &tb.peers[peer];

@@ -42,6 +42,7 @@ impl Relay {
             allow: vec!["127.0.0.1".parse().unwrap()],
             recording_dir: None,
             dtmf_log_dest: None,
+            forward_to: None,
             instance_id: Some(INSTANCE_ID.into()),
         };
         rt.spawn(serve_ng(sock, mgr.clone(), cfg, Default::default()));
