@@ -36,13 +36,16 @@ pub struct RtspSection {
     /// Connections one client address may hold at once (viewers behind one NAT share one);
     /// more are closed at once and counted.
     pub max_connections_per_client: usize,
+    /// Sessions (viewers' and publishers') one client address may hold at once; the next SETUP
+    /// that would open another is answered 453.
+    pub max_sessions_per_client: usize,
     /// The paths served: `rtsp://<listen>/<name>` is `source` pulled once.
     pub paths: Vec<RtspPath>,
 }
 
 impl Default for RtspSection {
     fn default() -> Self {
-        RtspSection { listen: None, session_timeout_secs: 60, max_connections_per_client: 64, paths: Vec::new() }
+        RtspSection { listen: None, session_timeout_secs: 60, max_connections_per_client: 64, max_sessions_per_client: 64, paths: Vec::new() }
     }
 }
 
@@ -660,6 +663,9 @@ impl Config {
         }
         if self.rtsp.max_connections_per_client == 0 {
             return Err("rtsp.max_connections_per_client must be at least 1".into());
+        }
+        if self.rtsp.max_sessions_per_client == 0 {
+            return Err("rtsp.max_sessions_per_client must be at least 1".into());
         }
         if let Some(id) = &self.ng.instance_id {
             // It becomes an SDP attribute value: one token.

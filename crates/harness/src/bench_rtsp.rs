@@ -176,7 +176,7 @@ fn measure(
     } else {
         let cfg = work.join("mediaplane.toml");
         // Every viewer connects from the viewers' one namespace address.
-        std::fs::write(&cfg, format!("[media]\nip = \"{sfu_ip}\"\n[rtsp]\nmax_connections_per_client = {}\n", n + 2))?;
+        std::fs::write(&cfg, format!("[media]\nip = \"{sfu_ip}\"\n[rtsp]\nmax_connections_per_client = {}\nmax_sessions_per_client = {}\n", n + 2, n + 2))?;
         let store = work.join(format!("{subject}-{n}.db"));
         let listen = format!("{sfu_ip}:{PROXY_PORT}");
         let path = format!("cam={camera_url}");

@@ -952,6 +952,53 @@ fn a_browser_watches_the_camera_over_whep() {
     }
 }
 
+/// Sessions are bounded too: at most `max_sessions_per_client` from one address, here two
+/// publishers; a third SETUP is answered 453 (and changes nothing), and once one session is torn
+/// down the address may open another.
+#[test]
+fn sessions_are_bounded_per_client() {
+    let _one = one_at_a_time();
+    let tmp = TempDir::new("rtsp-sessions");
+    let paths: String = (1..=3).map(|i| format!("[[rtsp.paths]]\nname = \"live{i}\"\nsource = \"publisher\"\npublish_users = [\"pub:pw\"]\n")).collect();
+    let (_d, rtsp) = serve_paths(&tmp, "127.43.0.15", &format!("[rtsp]\nmax_sessions_per_client = 2\n{paths}"), &[]);
+    let mut s = TcpStream::connect(rtsp.trim_start_matches("rtsp://")).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
+    let mut cseq = 0;
+    let mut ask = |head: &str, extra: &str, body: &str| {
+        cseq += 1;
+        let auth = {
+            use base64::Engine as _;
+            format!("Authorization: Basic {}\r\n", base64::engine::general_purpose::STANDARD.encode("pub:pw"))
+        };
+        let len = if body.is_empty() { String::new() } else { format!("Content-Type: application/sdp\r\nContent-Length: {}\r\n", body.len()) };
+        s.write_all(format!("{head} RTSP/1.0\r\nCSeq: {cseq}\r\n{auth}{extra}{len}\r\n{body}").as_bytes()).unwrap();
+        let (mut got, mut b) = (Vec::new(), [0u8; 4096]);
+        while !matches!(mediaplane_rtsp::message::decode(&got), Ok(Some(_))) {
+            let n = s.read(&mut b).unwrap();
+            assert!(n > 0, "closed mid-answer");
+            got.extend_from_slice(&b[..n]);
+        }
+        String::from_utf8_lossy(&got).into_owned()
+    };
+    let sdp = "v=0\r\no=- 0 0 IN IP4 127.0.0.1\r\ns=x\r\nt=0 0\r\nm=video 0 RTP/AVP 96\r\na=rtpmap:96 H264/90000\r\na=control:streamid=0\r\n";
+    let publish = |ask: &mut dyn FnMut(&str, &str, &str) -> String, i: u16| {
+        let a = ask(&format!("ANNOUNCE {rtsp}/live{i}"), "", sdp);
+        assert!(a.starts_with("RTSP/1.0 200 "), "{a}");
+        let transport = format!("Transport: RTP/AVP/UDP;unicast;client_port={}-{};mode=record\r\n", 40000 + 2 * i, 40001 + 2 * i);
+        ask(&format!("SETUP {rtsp}/live{i}/streamid=0"), &transport, "")
+    };
+    let first = publish(&mut ask, 1);
+    assert!(first.starts_with("RTSP/1.0 200 "), "{first}");
+    assert!(publish(&mut ask, 2).starts_with("RTSP/1.0 200 "));
+    let third = publish(&mut ask, 3);
+    assert!(third.starts_with("RTSP/1.0 453 ") && third.contains("rtsp.max_sessions_per_client"), "{third}");
+    let session = first.lines().find_map(|l| l.strip_prefix("Session: ")).unwrap().split(';').next().unwrap().trim().to_string();
+    let a = ask(&format!("TEARDOWN {rtsp}/live1"), &format!("Session: {session}\r\n"), "");
+    assert!(a.starts_with("RTSP/1.0 200 "), "{a}");
+    let again = publish(&mut ask, 3);
+    assert!(again.starts_with("RTSP/1.0 200 "), "a session given back may be opened again: {again}");
+}
+
 /// Connections are bounded: at most `max_connections_per_client` from one address (the next is
 /// closed at once); one that idles without a session is closed after the session timeout, and
 /// one trickling a request is closed when the request is not done in time, however many bytes

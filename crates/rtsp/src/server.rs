@@ -104,6 +104,8 @@ struct ViewerSession {
     connection: Option<u64>,
     /// The connection that set it up: not closed for idling while the session lasts.
     origin: u64,
+    /// The address that set it up (`rtsp.max_sessions_per_client` counts by it).
+    client: std::net::IpAddr,
     /// An interleaved publisher's channels on its connection, taken out when it ends.
     inbound: Option<(InboundChannels, Vec<u8>)>,
     /// The tasks that carry its tracks' copies onto that connection, or take its receiver
@@ -124,7 +126,7 @@ enum RtcpSink {
 }
 
 impl ViewerSession {
-    fn new(path: &str, publishes: bool, connection: Option<u64>, origin: u64) -> ViewerSession {
+    fn new(path: &str, publishes: bool, connection: Option<u64>, origin: u64, client: std::net::IpAddr) -> ViewerSession {
         ViewerSession {
             path: path.to_string(),
             tracks: BTreeMap::new(),
@@ -134,6 +136,7 @@ impl ViewerSession {
             last_seen: Instant::now(),
             connection,
             origin,
+            client,
             inbound: None,
             relays: Vec::new(),
             rtcp: BTreeMap::new(),
@@ -192,6 +195,8 @@ pub struct RtspProxy {
     /// Connections held per client address, at most `max_per_client` each.
     per_client: Mutex<HashMap<std::net::IpAddr, usize>>,
     max_per_client: usize,
+    /// Sessions one client address may hold (`rtsp.max_sessions_per_client`).
+    max_sessions_per_client: usize,
     next_connection: std::sync::atomic::AtomicU64,
     pub(crate) metrics: RtspMetrics,
     /// Where paths added through the API start their pulls (the API calls in from its own tasks).
@@ -233,6 +238,7 @@ pub async fn serve_rtsp(listener: TcpListener, manager: Arc<SessionManager>, cfg
         connections: Default::default(),
         per_client: Default::default(),
         max_per_client: cfg.max_connections_per_client,
+        max_sessions_per_client: cfg.max_sessions_per_client,
         next_connection: Default::default(),
         metrics,
         runtime: tokio::runtime::Handle::current(),
@@ -676,6 +682,19 @@ impl RtspProxy {
         Ok(Response::to(req, 200).with("Content-Base", base).with_body("application/sdp", sdp.into_bytes()))
     }
 
+    /// Whether `client` may open one more session: 453 past the proxy's or its own limit.
+    fn may_open_session(&self, sessions: &HashMap<String, ViewerSession>, client: std::net::IpAddr) -> Result<(), (u16, String)> {
+        if sessions.len() >= MAX_SESSIONS {
+            return Err((453, format!("{MAX_SESSIONS} sessions open")));
+        }
+        let held = sessions.values().filter(|s| s.client == client).count();
+        if held >= self.max_sessions_per_client {
+            tracing::warn!(%client, held, "RTSP session refused (rtsp.max_sessions_per_client)");
+            return Err((453, format!("{held} sessions open from this address (rtsp.max_sessions_per_client)")));
+        }
+        Ok(())
+    }
+
     async fn setup(self: &Arc<Self>, req: &Request, conn: &Connection) -> Result<Response, (u16, String)> {
         let (path, track) = self.target(&req.uri)?;
         if records(req) {
@@ -718,9 +737,7 @@ impl RtspProxy {
                 (id.to_string(), false)
             }
             None => {
-                if self.sessions.lock().len() >= MAX_SESSIONS {
-                    return Err((453, format!("{MAX_SESSIONS} sessions open")));
-                }
+                self.may_open_session(&self.sessions.lock(), conn.peer.ip())?;
                 (session_id(), true)
             }
         };
@@ -774,7 +791,9 @@ impl RtspProxy {
         }
         {
             let mut sessions = self.sessions.lock();
-            let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, false, interleaved.then_some(conn.id), conn.id));
+            let s = sessions
+                .entry(session_id.clone())
+                .or_insert_with(|| ViewerSession::new(&path.name, false, interleaved.then_some(conn.id), conn.id, conn.peer.ip()));
             s.tracks.insert(track, pid);
             s.relays.push(relay);
             s.rtcp.insert(track, sink);
@@ -1006,9 +1025,7 @@ impl RtspProxy {
             }
             None => {
                 let sessions = self.sessions.lock();
-                if sessions.len() >= MAX_SESSIONS {
-                    return Err((453, format!("{MAX_SESSIONS} sessions open")));
-                }
+                self.may_open_session(&sessions, conn.peer.ip())?;
                 if sessions.values().any(|s| s.publishes && s.path == path.name) {
                     return Err((455, format!("path {} has a publisher", path.name)));
                 }
@@ -1082,7 +1099,7 @@ impl RtspProxy {
                 refusal = Some((455, format!("path {} has a newer publisher", path.name)));
             }
             if refusal.is_none() {
-                let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, true, Some(conn.id), conn.id));
+                let s = sessions.entry(session_id.clone()).or_insert_with(|| ViewerSession::new(&path.name, true, Some(conn.id), conn.id, conn.peer.ip()));
                 s.tracks.insert(track, pid.clone());
                 s.streams.insert(track, uid);
                 s.relays.extend(relay.clone());
