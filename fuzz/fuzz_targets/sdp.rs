@@ -34,6 +34,8 @@ fuzz_target!(|data: &[u8]| {
                 port: Some(30000 + 2 * i as u16),
                 rtcp_port: 30001 + 2 * i as u16,
                 strip_rtcp_mux: i % 2 == 1,
+                // Asked of the others, as toward the muxing party of `rtcp-mux-demux`.
+                add_rtcp_mux: i % 2 == 0,
                 hold: i % 3 == 2,
                 formats: formats[i].clone(),
                 // Every fourth section turns SDES: a new protocol and one key line.

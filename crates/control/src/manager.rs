@@ -259,6 +259,9 @@ impl SessionManager {
     /// follow it if the leg's rules say so ([`Model::latch`]). Nothing is written when nothing
     /// changes (most reports: a straggler, a source after the window).
     pub fn latch(&self, stream: u32, source: SocketAddr) -> Result<bool, ManagerError> {
+        if self.read(|m, _| m.demuxed_rtcp_by_uid(stream).is_some()) {
+            return self.latch_demuxed_rtcp(stream, source);
+        }
         let now = unix_ms();
         let follows = |m: &Model| {
             let (id, side) = m.relay_leg_by_uid(stream).map(|(id, s)| (id.to_string(), s))?;
@@ -276,6 +279,24 @@ impl SessionManager {
             let changed = m.latch(&id, side, source, now)?;
             if changed {
                 tracing::info!(relay = %id, side = ?side, %source, "following a new source");
+            }
+            Ok((changed, if changed { vec![Change::Relay(id)] } else { vec![] }))
+        })
+    }
+
+    /// [`SessionManager::latch`] for the RTCP address of a party that keeps RTCP apart
+    /// ([`mediaplane_core::model::DemuxedRtcp`]).
+    fn latch_demuxed_rtcp(&self, stream: u32, source: SocketAddr) -> Result<bool, ManagerError> {
+        if self.read(|m, _| m.clone().latch_demuxed_rtcp(stream, source).ok()) != Some(true) {
+            return Ok(false);
+        }
+        self.mutate(|m, _| {
+            let Some(id) = m.demuxed_rtcp_by_uid(stream).map(|(id, _)| id.to_string()) else {
+                return Ok((false, vec![]));
+            };
+            let changed = m.latch_demuxed_rtcp(stream, source)?;
+            if changed {
+                tracing::info!(relay = %id, %source, "following a new RTCP source");
             }
             Ok((changed, if changed { vec![Change::Relay(id)] } else { vec![] }))
         })
@@ -329,10 +350,14 @@ impl SessionManager {
     /// RTCP of anything but a relay leg is ignored.
     pub fn on_rtcp(&self, stream: u32, source: SocketAddr, at_ns: u64, wall_us: u64, packet: &[u8]) {
         let Some((id, generation, clock_rate)) = self.read(|m, _| {
-            let (id, side) = m.relay_leg_by_uid(stream)?;
+            // A party's RTCP on its RTP leg, or on the RTCP address it keeps apart.
+            let (id, side, peer) = match m.relay_leg_by_uid(stream) {
+                Some((id, side)) => (id, side, m.relays.get(id)?.leg(side).peer()),
+                None => m.demuxed_rtcp_by_uid(stream).map(|(id, d)| (id, d.of, d.peer()))?,
+            };
             let relay = m.relays.get(id)?;
-            let (leg, receives) = if side == Side::A { (&relay.a, &relay.b) } else { (&relay.b, &relay.a) };
-            (leg.peer() == Some(source)).then(|| (id.to_string(), relay.a.uid, receives.clock_rate))
+            let receives = relay.leg(side.other());
+            (peer == Some(source)).then(|| (id.to_string(), relay.a.uid, receives.clock_rate))
         }) else {
             return;
         };

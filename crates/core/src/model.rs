@@ -677,6 +677,52 @@ pub struct Relay {
     /// log): on the eBPF plane those packets, and only those, go through the slow path.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub report_dtmf: bool,
+    /// One party multiplexes RTCP with RTP and the other does not (NG `rtcp-mux-demux`): the
+    /// latter's RTCP has an address of its own here instead of a relay of its own.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rtcp_demux: Option<DemuxedRtcp>,
+}
+
+/// The RTCP of a relay party that does not multiplex it while the other party does (NG
+/// `rtcp-mux-demux`, a browser calling a plain SIP phone): the muxing party's RTCP, which
+/// arrives on its RTP address, goes to this party's RTCP address from `local`; this party's RTCP
+/// arrives at `local` and goes to the muxing party's RTP address, from its RTP address. On the
+/// eBPF plane RTCP of a relay leg goes through the slow path already (it is evaluated), so this
+/// adds no kernel work.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct DemuxedRtcp {
+    /// Its ingress stream's id.
+    #[serde(default)]
+    pub uid: u32,
+    /// The party that does not multiplex.
+    pub of: Side,
+    /// Its RTCP address on the relay (claimed like a leg's; the port above its RTP leg's).
+    pub local: SocketAddr,
+    /// Its RTCP peer as signalled (`a=rtcp`, or the RTP port + 1).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<SocketAddr>,
+    /// The source its RTCP came from, followed while its party's RTP leg learns (NAT).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub latched: Option<SocketAddr>,
+}
+
+impl DemuxedRtcp {
+    /// Where the other party's RTCP goes.
+    pub fn peer(&self) -> Option<SocketAddr> {
+        self.latched.or(self.remote)
+    }
+
+    /// It follows the source of what arrives now, by the rules of its party's RTP `leg`:
+    /// during that leg's window, or until it heard a first source; always on a handover leg;
+    /// never on a pinned, ICE or asymmetric one.
+    pub fn learns(&self, leg: &Leg) -> bool {
+        match leg.follow {
+            _ if leg.ice || leg.pinned() => false,
+            Follow::Asymmetric => false,
+            Follow::Handover => true,
+            Follow::Window | Follow::Strict => leg.learning.open || self.latched.is_none(),
+        }
+    }
 }
 
 /// A copy of what one party of a relay sends, for a third party (NG `subscribe request`: call
@@ -719,6 +765,16 @@ pub enum Side {
     B,
 }
 
+impl Side {
+    /// The other party of a relay.
+    pub fn other(self) -> Side {
+        match self {
+            Side::A => Side::B,
+            Side::B => Side::A,
+        }
+    }
+}
+
 /// Rooms, relays and the derived indexes live in persistent maps: cloning a model is O(1) and a
 /// mutation copies only the path to what it changes. That is what lets the control plane apply
 /// each change to a copy (and drop the copy on failure) at any number of sessions.
@@ -733,6 +789,9 @@ pub struct Model {
     /// Relay leg uid -> (relay id, side); derived, rebuilt on load.
     #[serde(skip)]
     legs: OrdMap<u32, (String, Side)>,
+    /// [`DemuxedRtcp`] uid -> relay id; derived, rebuilt on load.
+    #[serde(skip)]
+    pub(crate) demuxed: OrdMap<u32, String>,
     /// WebRTC transport uid -> (room, participant); derived, rebuilt on load.
     #[serde(skip)]
     transports: OrdMap<u32, (String, String)>,
@@ -846,11 +905,16 @@ impl Model {
             for f in &r.forks {
                 fresh.claim(f.local, format!("relay {id}/fork {}", f.tag))?;
             }
+            if let Some(d) = &r.rtcp_demux {
+                fresh.claim(d.local, format!("relay {id}/rtcp"))?;
+                fresh.demuxed.insert(d.uid, id.clone());
+            }
             fresh.legs.insert(r.a.uid, (id.clone(), Side::A));
             fresh.legs.insert(r.b.uid, (id.clone(), Side::B));
         }
         self.owners = fresh.owners;
         self.legs = fresh.legs;
+        self.demuxed = fresh.demuxed;
         self.transports = fresh.transports;
         self.next_uid = fresh.next_uid;
         Ok(())
@@ -1523,7 +1587,7 @@ impl Model {
         let b = mk(self, b);
         self.legs.insert(a.uid, (id.into(), Side::A));
         self.legs.insert(b.uid, (id.into(), Side::B));
-        self.relays.insert(id.into(), Relay { a, b, record: false, control: MediaControl::default(), forks: Vec::new(), report_dtmf: false });
+        self.relays.insert(id.into(), Relay { a, b, record: false, control: MediaControl::default(), forks: Vec::new(), report_dtmf: false, rtcp_demux: None });
         Ok(())
     }
 
@@ -1533,6 +1597,10 @@ impl Model {
         self.owners.remove(&r.b.local);
         for f in &r.forks {
             self.owners.remove(&f.local);
+        }
+        if let Some(d) = &r.rtcp_demux {
+            self.owners.remove(&d.local);
+            self.demuxed.remove(&d.uid);
         }
         self.legs.remove(&r.a.uid);
         self.legs.remove(&r.b.uid);

@@ -1,6 +1,6 @@
 //! Model operations the SIP relay (NG protocol) needs beyond the basic ones in `model.rs`.
 
-use crate::model::{DtmfEvent, Follow, Fork, MediaControl, Model, ModelError, Side};
+use crate::model::{DemuxedRtcp, DtmfEvent, Follow, Fork, MediaControl, Model, ModelError, Side};
 use crate::srtp::LegSrtp;
 use std::net::SocketAddr;
 
@@ -182,6 +182,73 @@ impl Model {
             self.owners_remove(f.local);
         }
         Ok(!gone.is_empty())
+    }
+}
+
+impl Model {
+    /// `of`'s RTCP goes apart from its RTP while the other party multiplexes
+    /// ([`DemuxedRtcp`]): its address `local` is claimed (kept if it is already this relay's),
+    /// `remote` is its signalled RTCP peer. True if that changed anything.
+    pub fn set_rtcp_demux(&mut self, id: &str, of: Side, local: SocketAddr, remote: Option<SocketAddr>) -> Result<bool, ModelError> {
+        let r = self.relays.get(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
+        if local.is_ipv4() != r.leg(of).local.is_ipv4() || remote.is_some_and(|a| a.is_ipv4() != local.is_ipv4()) {
+            return Err(ModelError::FamilyMismatch(format!("relay {id} rtcp")));
+        }
+        match &r.rtcp_demux {
+            Some(d) if d.of == of && d.local == local => {
+                let changed = d.remote != remote;
+                let d = self.relays.get_mut(id).expect("found above").rtcp_demux.as_mut().expect("matched above");
+                if changed {
+                    // A new signalled address is followed afresh.
+                    d.latched = None;
+                }
+                d.remote = remote;
+                return Ok(changed);
+            }
+            Some(_) => {
+                self.clear_rtcp_demux(id)?;
+            }
+            None => {}
+        }
+        self.claim(local, format!("relay {id}/rtcp"))?;
+        let uid = self.uid();
+        self.demuxed.insert(uid, id.to_string());
+        self.relays.get_mut(id).expect("found above").rtcp_demux = Some(DemuxedRtcp { uid, of, local, remote, latched: None });
+        Ok(true)
+    }
+
+    /// Both parties' RTCP goes the usual way again; its address is released. True if there was
+    /// a [`DemuxedRtcp`].
+    pub fn clear_rtcp_demux(&mut self, id: &str) -> Result<bool, ModelError> {
+        let r = self.relays.get_mut(id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.to_string() })?;
+        let Some(d) = r.rtcp_demux.take() else { return Ok(false) };
+        self.owners_remove(d.local);
+        self.demuxed.remove(&d.uid);
+        Ok(true)
+    }
+
+    /// The relay and party a [`DemuxedRtcp`] ingress id belongs to.
+    pub fn demuxed_rtcp_by_uid(&self, uid: u32) -> Option<(&str, &DemuxedRtcp)> {
+        let id = self.demuxed.get(&uid)?;
+        Some((id.as_str(), self.relays.get(id)?.rtcp_demux.as_ref()?))
+    }
+
+    /// RTCP from `source` reached a [`DemuxedRtcp`] that follows its party's source: followed
+    /// while that party's RTP leg learns (its window is open, or it takes any source), as that
+    /// leg follows its RTP. True if it changed.
+    pub fn latch_demuxed_rtcp(&mut self, uid: u32, source: SocketAddr) -> Result<bool, ModelError> {
+        let Some(id) = self.demuxed.get(&uid).cloned() else { return Ok(false) };
+        let r = self.relays.get_mut(&id).ok_or_else(|| ModelError::NotFound { kind: "relay", id: id.clone() })?;
+        let Some(d) = r.rtcp_demux.as_mut() else { return Ok(false) };
+        let leg = match d.of {
+            Side::A => &r.a,
+            Side::B => &r.b,
+        };
+        if !d.learns(leg) || source.port() == 0 || source.is_ipv4() != d.local.is_ipv4() || d.latched == Some(source) {
+            return Ok(false);
+        }
+        d.latched = Some(source);
+        Ok(true)
     }
 }
 

@@ -388,7 +388,7 @@ impl Pipeline {
                 let c = &entry.copies[i];
                 let copy = CopyOf { stream: entry.id, consumer: c.consumer, rtp: rtp.map(|r| r.renumbered(&bytes)) };
                 // Renumbered first, then protected for its subscriber (a browser's is SRTP).
-                out.push(copy_effect(plane, c, copy, Cow::Owned(bytes)));
+                out.push(copy_effect(plane, c, (c.from, c.to), copy, Cow::Owned(bytes)));
             }
             for (from, to, packet) in fan.requests {
                 if let Some((packet, seal)) = protected(plane, from, &entry.reverse, Cow::Owned(packet)) {
@@ -397,12 +397,14 @@ impl Pipeline {
             }
             return;
         }
+        // A receiver that keeps RTCP apart from RTP gets it on its RTCP address (`Copy::rtcp`).
+        let rtcp = rtp.is_none() && entry.rtp && entry.copies.iter().any(|c| c.rtcp.is_some()) && demux(&payload) == MediaKind::Rtcp;
         for c in &entry.copies {
             if c.to == src {
                 continue; // never back to the sender, whatever the table says
             }
             let copy = CopyOf { stream: entry.id, consumer: c.consumer, rtp };
-            out.push(copy_effect(plane, c, copy, payload.clone()));
+            out.push(copy_effect(plane, c, c.route(rtcp), copy, payload.clone()));
         }
     }
 
@@ -429,9 +431,10 @@ fn stream_ids(ids: crate::model::StreamIdExtensions, header: &RtpHeader, packet:
     Some((ids.mid.and_then(text), text(ids.rid)?))
 }
 
-/// One copy to `c`: sent protected as `c` wants it, or counted as failed if it cannot be (as
-/// not keyed, without asking the plane, when `c` has no key yet).
-fn copy_effect<'p>(plane: &mut dyn Plane, c: &crate::table::Copy, copy: CopyOf, mut packet: Cow<'p, [u8]>) -> Effect<'p> {
+/// One copy to `c`, from and to `route` (its own, or its RTCP's): sent protected as `c` wants it,
+/// or counted as failed if it cannot be (as not keyed, without asking the plane, when `c` has no
+/// key yet).
+fn copy_effect<'p>(plane: &mut dyn Plane, c: &crate::table::Copy, route: (SocketAddr, SocketAddr), copy: CopyOf, mut packet: Cow<'p, [u8]>) -> Effect<'p> {
     if c.outbound == Protection::Srtp(None) {
         return Effect::CopyUnkeyed { copy };
     }
@@ -441,8 +444,9 @@ fn copy_effect<'p>(plane: &mut dyn Plane, c: &crate::table::Copy, copy: CopyOf, 
             packet.to_mut()[1] = (packet[1] & 0x80) | (to & 0x7f);
         }
     }
-    match protected(plane, c.from, &c.outbound, packet) {
-        Some((packet, seal)) => Effect::Send { from: c.from, to: c.to, packet, copy: Some(copy), seal },
+    let (from, to) = route;
+    match protected(plane, from, &c.outbound, packet) {
+        Some((packet, seal)) => Effect::Send { from, to, packet, copy: Some(copy), seal },
         None => Effect::CopyFailed { copy },
     }
 }
@@ -1076,5 +1080,48 @@ mod tests {
         let mut out = Vec::new();
         Pipeline::new().process(&t, a("10.0.0.1:6000"), a("10.0.2.1:4000"), &rr, 1, 1, &mut FakePlane::default(), &mut out);
         assert!(out.iter().any(|e| matches!(e, Effect::Send { .. })), "{out:?}");
+    }
+
+    /// `rtcp-mux-demux`: A (a browser) multiplexes, B keeps RTCP on its own port. A's RTCP on
+    /// A's RTP address goes to B's RTCP address from B's RTCP address, A's RTP as before; B's
+    /// RTCP at its RTCP address goes to A's RTP address from A's RTP address, from B's source only.
+    #[test]
+    fn demuxed_rtcp_goes_between_the_muxed_rtp_address_and_the_other_partys_rtcp_address() {
+        use crate::model::{LegSpec, Side};
+        let mut m = Model::default();
+        let leg = |local: &str, remote: &str| LegSpec { local: a(local), remote: Some(a(remote)), strict: false, rtp: true, follow: Default::default() };
+        m.create_relay("call", leg("10.0.0.1:6000", "10.0.2.1:4000"), leg("10.0.0.1:6002", "10.0.2.2:4000")).unwrap();
+        let sends = |t: &ForwardingTable, local: &str, src: &str, packet: &[u8]| -> Vec<(SocketAddr, SocketAddr)> {
+            let mut out = Vec::new();
+            Pipeline::new().process(t, a(local), a(src), packet, 1, 1, &mut FakePlane::default(), &mut out);
+            out.iter().filter_map(|e| if let Effect::Send { from, to, .. } = e { Some((*from, *to)) } else { None }).collect()
+        };
+        let (rtp, rr) = (build_rtp(0, 1, 0, 9, &[0xff; 160]), [0x80, 201, 0, 1, 0, 0, 0, 9]);
+        // Without: RTCP rides with RTP.
+        let t = ForwardingTable::compile(&m, 1);
+        assert_eq!(sends(&t, "10.0.0.1:6000", "10.0.2.1:4000", &rr), [(a("10.0.0.1:6002"), a("10.0.2.2:4000"))]);
+        assert!(!t.streams.values().any(|e| e.key.local == a("10.0.0.1:6003")));
+
+        m.set_rtcp_demux("call", Side::B, a("10.0.0.1:6003"), Some(a("10.0.2.2:4001"))).unwrap();
+        let t = ForwardingTable::compile(&m, 1);
+        assert_eq!(sends(&t, "10.0.0.1:6000", "10.0.2.1:4000", &rr), [(a("10.0.0.1:6003"), a("10.0.2.2:4001"))]);
+        assert_eq!(sends(&t, "10.0.0.1:6000", "10.0.2.1:4000", &rtp), [(a("10.0.0.1:6002"), a("10.0.2.2:4000"))]);
+        assert_eq!(sends(&t, "10.0.0.1:6003", "10.0.2.2:4001", &rr), [(a("10.0.0.1:6000"), a("10.0.2.1:4000"))]);
+        // B's RTCP address is no way in for anyone else once its source is locked.
+        let demuxed = t.streams.values().find(|e| e.key.local == a("10.0.0.1:6003")).unwrap();
+        assert!(demuxed.rtcp_to_slow_path() && t.streams.values().find(|e| e.key.local == a("10.0.0.1:6000")).unwrap().rtcp_to_slow_path());
+        assert_eq!(demuxed.source, SourceRule::Learn(None));
+        let uid = demuxed.id;
+        assert!(m.latch_demuxed_rtcp(uid, a("10.0.2.2:4001")).unwrap());
+        m.close_learning(u64::MAX);
+        let t = ForwardingTable::compile(&m, 1);
+        assert_eq!(t.streams.values().find(|e| e.id == uid).unwrap().source, SourceRule::Any, "a window leg relays any source once locked");
+        // Its address is the relay's, released with it.
+        assert!(m.claim(a("10.0.0.1:6003"), "x".into()).is_err());
+        assert!(m.clear_rtcp_demux("call").unwrap());
+        assert!(m.demuxed_rtcp_by_uid(uid).is_none());
+        m.set_rtcp_demux("call", Side::B, a("10.0.0.1:6003"), None).unwrap();
+        m.delete_relay("call").unwrap();
+        m.claim(a("10.0.0.1:6003"), "x".into()).unwrap();
     }
 }

@@ -69,6 +69,20 @@ pub struct Copy {
     /// renumbered before they are protected; the kernel path leaves such streams to the slow path.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub payload_type: Option<(u8, u8)>,
+    /// (from, to) the stream's RTCP goes instead: the receiver does not multiplex RTCP with RTP
+    /// ([`crate::model::DemuxedRtcp`]). Streams with such a copy leave their RTCP to the slow path.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub rtcp: Option<(SocketAddr, SocketAddr)>,
+}
+
+impl Copy {
+    /// Where a packet of this copy leaves from and goes: RTCP by [`Copy::rtcp`] if it has one.
+    pub fn route(&self, rtcp: bool) -> (SocketAddr, SocketAddr) {
+        match self.rtcp {
+            Some(route) if rtcp => route,
+            _ => (self.from, self.to),
+        }
+    }
 }
 
 fn yes() -> bool {
@@ -270,7 +284,7 @@ impl StreamEntry {
     /// [`StreamEntry::evaluate_rtcp`]) or timed ([`StreamEntry::times_sender_reports`]). A few
     /// packets a second.
     pub fn rtcp_to_slow_path(&self) -> bool {
-        self.evaluate_rtcp || self.times_sender_reports()
+        self.evaluate_rtcp || self.times_sender_reports() || self.copies.iter().any(|c| c.rtcp.is_some())
     }
 
     /// Some packet of this stream needs SRTP work (unprotecting it, or protecting a copy).
@@ -446,6 +460,7 @@ fn compile_room(rid: &str, room: &Room, rate: Option<RateLimit>) -> Vec<StreamEn
                         auto_layer: c.auto_layer,
                         temporal_layer: c.temporal_layer.filter(|_| simulcast),
                         payload_type: s.format.as_ref().zip(c.payload_type).map(|(f, to)| (f.pt, to)).filter(|(from, to)| from != to),
+                        rtcp: None,
                     })
                 })
                 .collect();
@@ -521,34 +536,18 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> Vec<StreamEntr
     let legs = [(&r.a, &r.b, "a", "b", Side::A), (&r.b, &r.a, "b", "a", Side::B)].map(|(from_leg, to_leg, side, other, from_side)| {
         let key = IngressKey { local: from_leg.local, ssrc: None };
         let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
-        let copy = |to| Copy {
-            subscriber: format!("relay:{id}/{other}"),
-            from: to_leg.local,
-            to,
-            outbound,
-            consumer: 0,
-            layer: None,
-            max_layer: None,
-            auto_layer: true,
-            temporal_layer: None,
-            payload_type: None,
-        };
+        // The other party keeps its RTCP apart while this one multiplexes: this leg's RTCP
+        // goes to that party's RTCP address.
+        let rtcp = r.rtcp_demux.as_ref().filter(|d| d.of != from_side).and_then(|d| Some((d.local, d.peer()?)));
+        let copy = |to| Copy { rtcp, ..relay_copy(format!("relay:{id}/{other}"), to_leg.local, to, outbound.clone()) };
         let mut copies: Vec<Copy> = to_leg.peer().map(|to| vec![copy(to)]).unwrap_or_default();
         // A subscriber gets what the relay has in clear (it unprotects a party's SRTP it terminates).
-        copies.extend(r.forks.iter().filter(|f| f.of == from_side).filter_map(|f| {
-            Some(Copy {
-                subscriber: format!("relay:{id}/fork:{}", f.tag),
-                from: f.local,
-                to: f.remote?,
-                outbound: Protection::Clear,
-                consumer: 0,
-                layer: None,
-                max_layer: None,
-                auto_layer: true,
-                temporal_layer: None,
-                payload_type: None,
-            })
-        }));
+        copies.extend(
+            r.forks
+                .iter()
+                .filter(|f| f.of == from_side)
+                .filter_map(|f| Some(relay_copy(format!("relay:{id}/fork:{}", f.tag), f.local, f.remote?, Protection::Clear))),
+        );
         StreamEntry {
             id: from_leg.uid,
             label: format!("relay:{id}/{side}"),
@@ -595,7 +594,52 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> Vec<StreamEntr
             dtmf: Vec::new(),
         })
     });
-    legs.into_iter().chain(forks).collect()
+    legs.into_iter().chain(forks).chain(r.rtcp_demux.as_ref().map(|d| compile_demuxed_rtcp(id, r, d, rate))).collect()
+}
+
+/// The RTCP address of a party that does not multiplex ([`crate::model::DemuxedRtcp`]): what
+/// arrives goes to the other party's RTP address from its RTP leg, protected as that leg's
+/// copies are.
+fn compile_demuxed_rtcp(id: &str, r: &Relay, d: &crate::model::DemuxedRtcp, rate: Option<RateLimit>) -> StreamEntry {
+    let (leg, to_leg) = match d.of {
+        Side::A => (&r.a, &r.b),
+        Side::B => (&r.b, &r.a),
+    };
+    let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
+    let other = if d.of == Side::A { "b" } else { "a" };
+    let copies = to_leg.peer().map(|to| relay_copy(format!("relay:{id}/{other}"), to_leg.local, to, outbound)).into_iter().collect();
+    let source = match leg.follow {
+        _ if leg.pinned() => d.remote.map_or(SourceRule::Any, SourceRule::Fixed),
+        crate::model::Follow::Asymmetric => SourceRule::Any,
+        _ if d.learns(leg) => SourceRule::Learn(d.latched),
+        crate::model::Follow::Strict => d.peer().map_or(SourceRule::Any, SourceRule::Fixed),
+        _ => SourceRule::Any,
+    };
+    StreamEntry {
+        id: d.uid,
+        label: format!("relay:{id}/{}-rtcp", if d.of == Side::A { "a" } else { "b" }),
+        key: IngressKey { local: d.local, ssrc: None },
+        source,
+        rtp: true,
+        copies,
+        rate,
+        record: false,
+        inbound: leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.inbound.clone())),
+        clock_rate: 0,
+        evaluate_rtcp: true,
+        simulcast: None,
+        handshake: false,
+        stream_ids: None,
+        publisher_feedback: None,
+        reverse: Protection::Clear,
+        control: StreamControl::default(),
+        dtmf: Vec::new(),
+    }
+}
+
+/// A copy a relay sends (to a party or a fork): no consumer, no layer, no rewrite.
+fn relay_copy(subscriber: String, from: SocketAddr, to: SocketAddr, outbound: Protection) -> Copy {
+    Copy { subscriber, from, to, outbound, consumer: 0, layer: None, max_layer: None, auto_layer: true, temporal_layer: None, payload_type: None, rtcp: None }
 }
 
 fn relay_control(r: &Relay, from_leg: &Leg, to_leg: &Leg) -> StreamControl {
@@ -1178,6 +1222,7 @@ mod tests {
                         auto_layer: true,
                         temporal_layer: None,
                         payload_type: None,
+                        rtcp: None,
                     }]
                 )
             }

@@ -289,12 +289,13 @@ fn feedback_slots(table: &ForwardingTable) -> std::collections::HashMap<SrtpSlot
 }
 
 /// Every context an entry uses, once each: its address's inbound one, the outbound one toward
-/// its source (feedback, keyframe requests), and each protected copy's sender address's.
+/// its source (feedback, keyframe requests), and each protected copy's sender address's (its
+/// RTCP's too, when that leaves from another address).
 fn slots(e: &StreamEntry) -> Vec<(SrtpSlot, &SrtpKey)> {
     let mut out: Vec<(SrtpSlot, &SrtpKey)> = Vec::new();
     let at = |local, outbound| SrtpSlot { local, outbound };
-    let all =
-        [(at(e.key.local, false), &e.inbound), (at(e.key.local, true), &e.reverse)].into_iter().chain(e.copies.iter().map(|c| (at(c.from, true), &c.outbound)));
+    let copies = e.copies.iter().flat_map(|c| std::iter::once(c.from).chain(c.rtcp.map(|(from, _)| from)).map(move |from| (at(from, true), &c.outbound)));
+    let all = [(at(e.key.local, false), &e.inbound), (at(e.key.local, true), &e.reverse)].into_iter().chain(copies);
     for (slot, p) in all {
         if let Protection::Srtp(Some(k)) = p {
             if !out.iter().any(|(s, _)| *s == slot) {
@@ -387,6 +388,7 @@ mod tests {
                 auto_layer: true,
                 temporal_layer: None,
                 payload_type: None,
+                rtcp: None,
             }],
             rate: None,
             record: false,
@@ -431,6 +433,20 @@ mod tests {
         let c3 = c2.update(&t2, &t2, None);
         assert!(Arc::ptr_eq(c2.get(inbound, Some(&k1)).unwrap(), c3.get(inbound, Some(&k1)).unwrap()));
         assert!(c3.update(&t2, &table(vec![entry(1, Protection::Clear, Protection::Clear)]), None).is_empty());
+    }
+
+    /// `rtcp-mux-demux` toward an SDES party: its RTCP leaves from its RTCP address, which
+    /// needs an outbound context of its own with the copy's key.
+    #[test]
+    fn a_copy_whose_rtcp_leaves_from_another_address_has_a_context_there() {
+        let k = key(3, SrtpSuite::AesCm128HmacSha1_80);
+        let mut e = entry(1, Protection::Clear, Protection::Srtp(Some(k.clone())));
+        e.copies[0].rtcp = Some(("127.0.0.1:30001".parse().unwrap(), "127.0.0.2:30001".parse().unwrap()));
+        let c = Contexts::default().update(&ForwardingTable::default(), &table(vec![e]), None);
+        for port in [30000, 30001] {
+            let slot = SrtpSlot { local: format!("127.0.0.1:{port}").parse().unwrap(), outbound: true };
+            assert_eq!(c.get(slot, Some(&k)).map(|c| &c.key), Some(&k), "{port}");
+        }
     }
 
     #[test]

@@ -36,6 +36,7 @@ fn entry(i: u32, subs: u16) -> StreamEntry {
                 auto_layer: true,
                 temporal_layer: None,
                 payload_type: None,
+                rtcp: None,
             })
             .collect(),
         rate: None,

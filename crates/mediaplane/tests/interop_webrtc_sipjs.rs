@@ -16,7 +16,10 @@
 //! ends: the plain party sends 200 PCMU packets of one SSRC and counts the browser's by SSRC and
 //! sequence number (≥ 95 % of what the browser's getStats says it sent, no duplicate); the
 //! browser's getStats shows ≥ 95 % of the 200 received, from the plain party's SSRC, ≤ 5 % lost,
-//! DTLS connected. Then the browser hangs up: the BYE reaches the UAS through the route set and
+//! DTLS connected. RTCP demultiplexed: the UAS is offered no `a=rtcp-mux`, the browser's RTCP
+//! reaches the plain party on its RTCP port (the port above; none on its RTP port), and the
+//! plain party's sender reports, sent from that port to the relay's RTCP port, reach the browser
+//! (getStats has a remote-inbound-rtp). Then the browser hangs up: the BYE reaches the UAS through the route set and
 //! SIPp completes its scenario. On mediaplane also: no SRTP failure counted, and the call's
 //! browser leg in the API is an ICE leg whose peer is one of the browser's host candidates,
 //! keyed by the handshake, with no key material in the relay's or the table's view.
@@ -38,6 +41,7 @@ mod common;
 use common::browser::{self, Browser};
 use common::sipp::{recv_offer, sipp_command, Bed, Relay};
 use mediaplane_bench::sip::{self, parse_sipp_event, sipp_result, LogTail, UAS_BYE_OK};
+use mediaplane_core::call_quality::{build_report, ReportBlock};
 use mediaplane_core::rtp::{build_rtp, RtpHeader};
 use mediaplane_core::srtp::{SrtpKey, SrtpSuite};
 use mediaplane_dataplane::srtp::{protect, unprotect, Context};
@@ -78,6 +82,9 @@ setInterval(async () => {
       (await pc.getStats()).forEach(r => {
         if (r.type === 'inbound-rtp' && r.kind === 'audio') Object.assign(out, {in_packets: r.packetsReceived, in_lost: r.packetsLost, in_ssrc: r.ssrc});
         if (r.type === 'outbound-rtp' && r.kind === 'audio') Object.assign(out, {out_packets: r.packetsSent, out_ssrc: r.ssrc});
+        // A receiver report about what it sends, and a sender report of what it receives.
+        if (r.type === 'remote-inbound-rtp' && r.kind === 'audio') Object.assign(out, {rr_in: true});
+        if (r.type === 'remote-outbound-rtp' && r.kind === 'audio') Object.assign(out, {sr_in: true});
         if (r.type === 'transport') Object.assign(out, {dtls: r.dtlsState, srtp_cipher: r.srtpCipher});
       });
     }
@@ -142,7 +149,8 @@ enum Callee {
 const SDES_TAG: &str = "7 AES_CM_128_HMAC_SHA1_80";
 
 /// The UAS: the offer must be plain RTP/AVP (or, for an SDES callee, RTP/SAVP with the relay's
-/// AES_CM_128_HMAC_SHA1_80 key, logged as "relay-key 1 KEY") with nothing of WebRTC left (its
+/// AES_CM_128_HMAC_SHA1_80 key, logged as "relay-key 1 KEY") with nothing of WebRTC left, nor
+/// `a=rtcp-mux` (`rtcp-mux-demux`: the UAS keeps RTCP on the port above its RTP port) (its
 /// relay address is logged as "offered 1 IP PORT"; rtpengine also offers an SDES callee DTLS
 /// on RTP/SAVP, a=fingerprint and a=setup beside the a=crypto lines, which an answer with
 /// a=crypto and no fingerprint declines); it answers PCMU on the plain party's
@@ -156,7 +164,7 @@ fn uas_xml(plain: SocketAddr, callee: Callee) -> String {
             "RTP/AVP",
             String::new(),
             r#"
-      <ereg regexp="a=fingerprint|a=candidate|a=ice-|SAVP" search_in="body" check_it_inverse="true" assign_to="webrtc_left"/>"#
+      <ereg regexp="a=fingerprint|a=candidate|a=ice-|SAVP|a=rtcp-mux" search_in="body" check_it_inverse="true" assign_to="webrtc_left"/>"#
                 .to_string(),
         ),
         Callee::Sdes(key) => (
@@ -165,7 +173,7 @@ fn uas_xml(plain: SocketAddr, callee: Callee) -> String {
             format!("      a=crypto:{SDES_TAG} inline:{}\n", base64::engine::general_purpose::STANDARD_NO_PAD.encode(key)),
             format!(
                 r#"
-      <ereg regexp="a=candidate|a=ice-|UDP/TLS" search_in="body" check_it_inverse="true" assign_to="webrtc_left"/>
+      <ereg regexp="a=candidate|a=ice-|UDP/TLS|a=rtcp-mux" search_in="body" check_it_inverse="true" assign_to="webrtc_left"/>
       <ereg regexp="a=crypto:{SDES_TAG} inline:([A-Za-z0-9+/=]+)" search_in="body" check_it="true" assign_to="crypto_line,relay_key"/>
       <log message="relay-key 1 [$relay_key]"/>"#
             ),
@@ -274,6 +282,9 @@ struct Receipts {
     duplicates: u64,
     ssrcs: HashSet<u32>,
     srtp_failed: u64,
+    /// The browser's RTCP on the plain party's RTCP port (`rtcp-mux-demux`), and on its RTP port.
+    rtcp: u64,
+    rtcp_on_rtp_port: u64,
 }
 
 impl Receipts {
@@ -284,8 +295,9 @@ impl Receipts {
         loop {
             match socket.recv_from(&mut buf) {
                 Ok((n, _)) => {
-                    // The browser's RTCP, multiplexed on the RTP port, is not media.
+                    // The browser multiplexes its RTCP: the relay must demultiplex it.
                     if n < 2 || (200..=204).contains(&buf[1]) {
+                        self.rtcp_on_rtp_port += 1;
                         continue;
                     }
                     let clear = match srtp {
@@ -308,6 +320,29 @@ impl Receipts {
                 }
                 Err(e) if e.kind() == ErrorKind::WouldBlock => return,
                 Err(e) => panic!("plain party receiving: {e}"),
+            }
+        }
+    }
+
+    /// What arrived on the plain party's RTCP port: the browser's RTCP (SRTCP unprotected with
+    /// `srtp`: what fails counts in `srtp_failed`).
+    fn drain_rtcp(&mut self, socket: &UdpSocket, srtp: Option<&Arc<Context>>) {
+        let mut buf = [0u8; 2048];
+        loop {
+            match socket.recv_from(&mut buf) {
+                Ok((n, _)) => {
+                    let clear = match srtp {
+                        None => Ok(buf[..n].to_vec()),
+                        Some(ctx) => unprotect(Some(ctx), &buf[..n]),
+                    };
+                    match clear {
+                        Ok(p) if p.len() >= 8 && (200..=204).contains(&p[1]) => self.rtcp += 1,
+                        Ok(_) => {}
+                        Err(_) => self.srtp_failed += 1,
+                    }
+                }
+                Err(e) if e.kind() == ErrorKind::WouldBlock => return,
+                Err(e) => panic!("plain party receiving RTCP: {e}"),
             }
         }
     }
@@ -346,6 +381,9 @@ fn run(relay: Relay, callee: Callee) {
     let plain_addr = SocketAddr::new(tb.peers[1].ip, 31000);
     let plain = tb.udp_socket(&plain_ns, plain_addr).unwrap();
     plain.set_nonblocking(true).unwrap();
+    // Its RTCP: on the port above, as its SDP (no a=rtcp, no a=rtcp-mux) implies.
+    let plain_rtcp = tb.udp_socket(&plain_ns, SocketAddr::new(plain_addr.ip(), plain_addr.port() + 1)).unwrap();
+    plain_rtcp.set_nonblocking(true).unwrap();
 
     std::fs::write(dir.join("call-uas.xml"), uas_xml(plain_addr, callee)).unwrap();
     let mut uas = sip::spawn_group("sipp uas", &mut sipp_command(tb, &dir, "call", "uas", UAS_PORT)).unwrap();
@@ -385,7 +423,7 @@ fn run(relay: Relay, callee: Callee) {
     };
     let mut relay_srtp: Option<Arc<Context>> = None;
     let mut receipts = Receipts::default();
-    let (mut next, mut media_start) = (0u16, None::<Instant>);
+    let (mut next, mut media_start, mut reports_sent) = (0u16, None::<Instant>, 0u64);
     let deadline = Instant::now() + Duration::from_secs(40);
     while Instant::now() < deadline {
         for line in uas_log.lines() {
@@ -422,7 +460,27 @@ fn run(relay: Relay, callee: Callee) {
             }
         }
         receipts.drain(&plain, relay_srtp.as_ref());
-        if next == PACKETS && (num(&s, "in_packets") >= PACKETS as u64 || media_start.is_some_and(|t| t.elapsed() > Duration::from_secs(8))) {
+        receipts.drain_rtcp(&plain_rtcp, relay_srtp.as_ref());
+        // Once a second, a sender report with a block about the browser's stream, from the RTCP
+        // port to the relay's RTCP port (the port above the one offered).
+        let browser_ssrc = receipts.ssrcs.iter().next().copied();
+        if let (Some(start), Some(to), Some(about)) = (media_start, relay_for_plain, browser_ssrc) {
+            if start.elapsed() >= Duration::from_secs(reports_sent) {
+                let block = ReportBlock { reporter: PLAIN_SSRC, about, highest_seq: 1, ..Default::default() };
+                let report = build_report(PLAIN_SSRC, Some(0x1234_5678), &[block]);
+                let report = match &own_srtp {
+                    Some(ctx) => protect(Some(ctx), &report).expect("SRTCP protect"),
+                    None => report,
+                };
+                plain_rtcp.send_to(&report, SocketAddr::new(to.ip(), to.port() + 1)).unwrap();
+                reports_sent += 1;
+            }
+        }
+        // Done when the media is through and the RTCP has gone both ways (or after 12 s: a
+        // browser reports its audio every 5 s on average, the first one sooner).
+        let rtcp_through = receipts.rtcp > 0 && s["rr_in"] == true;
+        if next == PACKETS && ((num(&s, "in_packets") >= PACKETS as u64 && rtcp_through) || media_start.is_some_and(|t| t.elapsed() > Duration::from_secs(12)))
+        {
             break;
         }
         std::thread::sleep(Duration::from_millis(5));
@@ -432,6 +490,7 @@ fn run(relay: Relay, callee: Callee) {
     let drain = Instant::now();
     while drain.elapsed() < Duration::from_millis(600) {
         receipts.drain(&plain, relay_srtp.as_ref());
+        receipts.drain_rtcp(&plain_rtcp, relay_srtp.as_ref());
         std::thread::sleep(Duration::from_millis(5));
     }
     let events = s["events"].as_array().map(|e| e.iter().filter_map(Json::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default();
@@ -460,6 +519,13 @@ fn run(relay: Relay, callee: Callee) {
         receipts.ssrcs.iter().all(|x| Some(*x) == browser_ssrc) && receipts.duplicates == 0,
         format!("one SSRC, the browser's ({:x?} vs {browser_ssrc:x?}), {} duplicates", receipts.ssrcs, receipts.duplicates),
     );
+    // rtcp-mux-demux: the browser's RTCP reaches the plain party on its RTCP port, never its
+    // RTP port; the plain party's reports from its RTCP port reach the browser.
+    check(
+        receipts.rtcp > 0 && receipts.rtcp_on_rtp_port == 0,
+        format!("the browser's RTCP reached the plain party's RTCP port ({} packets; {} on its RTP port)", receipts.rtcp, receipts.rtcp_on_rtp_port),
+    );
+    check(s["rr_in"] == true, format!("the plain party's reports ({reports_sent} sent) reached the browser (getStats: remote-inbound-rtp)"));
 
     if relay != Relay::Rtpengine {
         // (On the eBPF plane the slow path's counters; a counter missing panics, not reads as 0.)

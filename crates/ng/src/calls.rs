@@ -96,6 +96,9 @@ pub struct MediaState {
     /// The last offer proposed rtcp-mux; the answer accepted it.
     pub mux_offered: bool,
     pub mux: bool,
+    /// `rtcp-mux-demux`: this party keeps RTCP apart (on its RTP port + 1) while the other
+    /// multiplexes it ([`mediaplane_core::model::DemuxedRtcp`] on the RTP relay, no RTCP relay).
+    pub demux: Option<Side>,
     /// The protocol each party's last SDP spoke [A, B] (an answer goes back in the offerer's).
     pub proto_of: [Option<String>; 2],
     /// The SRTP the relay terminates toward each party [A, B] (SDES).
@@ -406,6 +409,27 @@ pub fn apply_signal(
         if phase == Phase::Offer && want_rtcp {
             m.mux = false;
         }
+        // `rtcp-mux-demux`: an offerer that multiplexes gets its RTCP demultiplexed toward a
+        // receiver offered none; that stays so while the receiver answers or re-offers without
+        // it, and the offerer answers with it.
+        let demux = match phase {
+            Phase::Offer if opts.rtcp_demux && sig.mux => Some(other(from)),
+            Phase::Offer if m.demux == Some(from) && !sig.mux => Some(from),
+            Phase::Answer if m.demux == Some(from) => Some(from),
+            Phase::Answer if m.demux == Some(other(from)) && sig.mux => Some(other(from)),
+            _ => None,
+        };
+        m.demux = demux;
+        let want_rtcp = if demux.is_some() {
+            (m.mux, m.mux_offered) = (false, false);
+            false
+        } else {
+            // Its address goes before an RTCP relay claims it.
+            if model.clear_rtcp_demux(&rtp_id)? {
+                changes.push(Change::Relay(rtp_id.clone()));
+            }
+            want_rtcp
+        };
         match (want_rtcp, m.rtcp) {
             (true, false) => {
                 let [pa, pb] = m.peer_rtcp;
@@ -441,6 +465,10 @@ pub fn apply_signal(
             }
             (false, false) => {}
         }
+        if let Some(d) = demux {
+            model.set_rtcp_demux(&rtp_id, d, rtcp_addr(m.local[ix(d)]), m.peer_rtcp[ix(d)])?;
+            changes.push(Change::Relay(rtp_id.clone()));
+        }
     }
     // Every offer and answer re-opens learning on both parties' legs (rtpengine does the same):
     // a re-INVITE may move either, and NAT bindings change with them.
@@ -468,6 +496,9 @@ pub struct SignalOptions {
     pub placement: Placement,
     /// The section's RFC 4733 events are reported ([`mediaplane_core::model::Relay::report_dtmf`]).
     pub report_dtmf: bool,
+    /// `rtcp-mux: [demux]` (`rtcp-mux-demux`): an offer that multiplexes RTCP goes on without
+    /// it ([`MediaState::demux`]).
+    pub rtcp_demux: bool,
 }
 
 /// Where the parties' legs live (rtpengine's `direction`, `from-interface`/`to-interface`,
@@ -528,6 +559,7 @@ fn inactive(sig: &MediaSignal) -> MediaState {
         peer_rtcp: [None; 2],
         mux_offered: false,
         mux: false,
+        demux: None,
         proto_of: Default::default(),
         formats_of: Default::default(),
         sdes: Default::default(),
@@ -549,6 +581,7 @@ fn remove_media(model: &mut Model, call: &mut Call, i: usize, changes: &mut Vec<
     }
     m.active = false;
     m.rtcp = false;
+    m.demux = None;
     m.peer = [None; 2];
     m.peer_rtcp = [None; 2];
     Ok(())
@@ -587,7 +620,8 @@ pub fn call_relays<'m>(model: &'m Model, call: &Call) -> Vec<(&'m Relay, bool)> 
 
 /// The stream ids (leg uids) of `relays`.
 pub fn leg_uids(relays: &[(&Relay, bool)]) -> Vec<u32> {
-    relays.iter().flat_map(|(r, _)| [r.a.uid, r.b.uid]).collect()
+    // A party's RTCP kept apart (`rtcp-mux-demux`) is a stream of its RTP relay.
+    relays.iter().flat_map(|(r, _)| [Some(r.a.uid), Some(r.b.uid), r.rtcp_demux.as_ref().map(|d| d.uid)]).flatten().collect()
 }
 
 /// Calls by key (hash of the Call-ID).

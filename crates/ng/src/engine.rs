@@ -141,7 +141,7 @@ fn options(req: &Request) -> Result<Options, RequestError> {
     let has = |f: &str| flags.iter().any(|x| x == f);
     let mut warnings = Vec::new();
     for m in &mux {
-        if matches!(m.as_str(), "offer" | "require" | "demux") {
+        if matches!(m.as_str(), "offer" | "require") {
             warnings.push(format!("rtcp-mux {m} is not supported; rtcp-mux is passed through as offered"));
         }
     }
@@ -169,6 +169,7 @@ fn options(req: &Request) -> Result<Options, RequestError> {
             } else {
                 Follow::Window
             },
+            rtcp_demux: mux.iter().any(|m| m == "demux") || has("rtcp-mux-demux"),
             ..Default::default()
         },
         replace_origin: replace.iter().any(|r| r == "origin") || has("replace-origin"),
@@ -297,6 +298,8 @@ fn flags_acted_on(command: &str) -> &'static [&'static str] {
             // (offer_answer).
             "generate-mid",
             "rtcp-mux-require",
+            // The same as `rtcp-mux: [demux]`.
+            "rtcp-mux-demux",
             // rtpengine needs it for `play DTMF` (it then transcodes everything); here the
             // events ride the party's own packets, nothing to prepare.
             "inject-dtmf",
@@ -983,10 +986,14 @@ impl Engine {
                 // A WebRTC party's SDP says nothing of its address (ICE does): never a hold.
                 let webrtc_sender = call.media.get(i).is_some_and(|m| m.webrtc[calls::side_index(sender)].is_some());
                 let hold = sig.rtp.is_none() && !opt.replace_zero_address && !webrtc_sender;
+                // `rtcp-mux-demux`: the party keeping RTCP apart is offered none; the other is
+                // told RTCP is multiplexed.
+                let (apart, muxed) = (m.demux == Some(to), m.demux == Some(sender));
                 MediaRewrite {
                     port: Some(port),
-                    rtcp_port: if m.rtcp { port + 1 } else { port },
-                    strip_rtcp_mux: opt.strip_mux,
+                    rtcp_port: if m.rtcp || apart { port + 1 } else { port },
+                    strip_rtcp_mux: opt.strip_mux || apart,
+                    add_rtcp_mux: muxed,
                     hold,
                     formats,
                     proto,
@@ -2486,10 +2493,55 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         o.push(("rtcp-mux", list(&["reject"])));
         let r = send(&mut e, &m, "o2", o);
         assert!(!text(&r, "sdp").contains("a=rtcp-mux"), "{r:?}");
+    }
+
+    /// `rtcp-mux: [demux]` (Kamailio's `rtcp-mux-demux`): the muxing offerer's receiver is offered
+    /// RTCP on the port above (`a=rtcp`, no `a=rtcp-mux`), the answer back says `a=rtcp-mux`, and
+    /// the RTP relay carries the receiver's RTCP address (no RTCP relay); a re-offer without the
+    /// flag goes back to an RTCP relay.
+    #[test]
+    fn rtcp_mux_demux_keeps_the_receivers_rtcp_apart() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mux = OFFER_SDP.replace("a=sendrecv\r\n", "a=rtcp:49170\r\na=rtcp-mux\r\na=sendrecv\r\n");
         let mut o = offer(&mux);
-        o[1].1 = "third-call".into();
         o.push(("rtcp-mux", list(&["demux"])));
-        assert!(text(&send(&mut e, &m, "o3", o), "warning").contains("rtcp-mux demux is not supported"));
+        let r = send(&mut e, &m, "o1", o);
+        let sdp = text(&r, "sdp");
+        assert!(!sdp.contains("a=rtcp-mux") && r.get("warning").is_none(), "{r:?}");
+        let port: u16 = attr(&sdp, "rtcp").unwrap().split(' ').next().unwrap().parse().unwrap();
+        let rtp_port: u16 = sdp.split("m=audio ").nth(1).unwrap().split(' ').next().unwrap().parse().unwrap();
+        assert_eq!(port, rtp_port + 1, "{sdp}");
+        let r = send(&mut e, &m, "a1", answer(ANSWER_SDP));
+        let sdp = text(&r, "sdp");
+        assert!(sdp.contains("a=rtcp-mux\r\n") && attr(&sdp, "rtcp").is_none(), "{sdp}");
+        let relays = m.read(|md, _| md.relays.clone());
+        assert_eq!(relays.len(), 1, "no RTCP relay");
+        let d = relays.values().next().unwrap().rtcp_demux.clone().expect("the callee's RTCP apart");
+        assert_eq!((d.of, d.local.port(), d.remote), (mediaplane_core::model::Side::B, rtp_port + 1, Some("198.51.100.2:3457".parse().unwrap())));
+        // `query`: the caller multiplexes; the callee has an RTCP stream on the port above.
+        let q = send(&mut e, &m, "q1", vec![("command", "query".into()), ("call-id", "cfBXzDSZqhYNcXM".into())]);
+        let media =
+            |tag: &str| q.get("tags").and_then(|t| t.get(tag)).and_then(|t| t.get("medias")).and_then(Value::as_list).and_then(|m| m.first()).cloned().unwrap();
+        let strings = |v: Option<&Value>| v.and_then(Value::as_list).unwrap().iter().filter_map(|f| f.as_str().map(str::to_string)).collect::<Vec<_>>();
+        let (caller, callee) = (media("mS9rSAn0Cr"), media("8fa3b2"));
+        assert!(strings(caller.get("flags")).contains(&"rtcp-mux".to_string()) && !strings(callee.get("flags")).contains(&"rtcp-mux".to_string()));
+        let streams = |m: &Value| m.get("streams").and_then(Value::as_list).unwrap().to_vec();
+        assert_eq!(streams(&caller).len(), 1);
+        let callee_streams = streams(&callee);
+        let rtcp = callee_streams.iter().find(|s| strings(s.get("flags")).contains(&"RTCP".to_string())).expect("the callee's RTCP stream");
+        assert_eq!(rtcp.get("local port").and_then(Value::as_int), Some(rtp_port as i64 + 1));
+        // The same offer again (a re-INVITE), the flag as a flag: nothing moves.
+        let mut o = offer(&mux);
+        o[5].1 = list(&["trust address", "rtcp-mux-demux"]);
+        assert!(send(&mut e, &m, "o2", o).get("warning").is_none());
+        send(&mut e, &m, "a2", answer(ANSWER_SDP));
+        assert_eq!(m.read(|md, _| md.relays.values().next().unwrap().rtcp_demux.clone()), Some(d));
+        // Without the flag the offer goes on muxed; unanswered with mux, RTCP has a relay again.
+        send(&mut e, &m, "o3", offer(&mux));
+        send(&mut e, &m, "a3", answer(ANSWER_SDP));
+        let relays = m.read(|md, _| md.relays.clone());
+        assert_eq!(relays.len(), 2);
+        assert!(relays.values().all(|r| r.rtcp_demux.is_none()));
     }
 
     fn list(items: &[&str]) -> Value {

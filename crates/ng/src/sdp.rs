@@ -278,6 +278,8 @@ pub struct MediaRewrite {
     pub rtcp_port: u16,
     /// Drop `a=rtcp-mux` (the relay does not offer it onward).
     pub strip_rtcp_mux: bool,
+    /// Say `a=rtcp-mux` where the section does not (nor [`MediaRewrite::transport`]).
+    pub add_rtcp_mux: bool,
     /// The sender is on hold (a zero connection address): the zero address is passed through,
     /// so the other party sends nothing, as rtpengine does.
     pub hold: bool,
@@ -645,6 +647,8 @@ impl Sdp {
                 for &l in &m.rtcp_mux_lines {
                     edits[l] = Edit::Drop;
                 }
+            } else if mr.add_rtcp_mux && m.rtcp_mux_lines.is_empty() && !mr.transport.as_ref().is_some_and(|t| t.iter().any(|a| a == "rtcp-mux")) {
+                appended.push((m.last_line, vec![b"a=rtcp-mux".to_vec()]));
             }
             if rw.remove_ice {
                 for &l in &m.ice_lines {

@@ -10,7 +10,7 @@ use crate::bencode::Value;
 use crate::calls::{self, Call, MediaState};
 use mediaplane_control::config::MediaConfig;
 use mediaplane_core::call_quality::{MosTotals, QualitySample, QualitySummary};
-use mediaplane_core::model::{Follow, Leg, Relay, Side};
+use mediaplane_core::model::{DemuxedRtcp, Follow, Leg, Relay, Side};
 use mediaplane_core::reception::ReceptionReport;
 use mediaplane_core::srtp::SrtpSuite;
 use mediaplane_core::Model;
@@ -209,6 +209,9 @@ impl TrafficTotals {
                         self.ended.add(Traffic::relayed(c, leg, false));
                     }
                 }
+                if let Some((d, c)) = r.rtcp_demux.as_ref().and_then(|d| Some((d, streams.get(&d.uid)?))) {
+                    self.ended.add(Traffic::relayed(c, r.leg(d.of), true));
+                }
                 if id == calls::rtp_relay_id(&call.key, i) {
                     match (rx(r.a.uid) > 0, rx(r.b.uid) > 0) {
                         (false, false) => self.zero_way += 1,
@@ -254,6 +257,9 @@ pub fn relays_traffic(relays: &[(&Relay, bool)], streams: &BTreeMap<u32, Counter
             if let Some(c) = streams.get(&leg.uid) {
                 acc.add(f(c, leg, is_rtcp));
             }
+        }
+        if let Some((d, c)) = r.rtcp_demux.as_ref().and_then(|d| Some((d, streams.get(&d.uid)?))) {
+            rtcp.add(f(c, r.leg(d.of), true));
         }
     }
     (rtp, rtcp)
@@ -471,12 +477,16 @@ fn media_value(
             d.push(("stats", Value::dict(stats)));
             list.push(Value::dict(d));
         }
+        if let Some(d) = model.relays.get(&calls::rtp_relay_id(&call.key, i)).and_then(|r| Some((r, r.rtcp_demux.as_ref().filter(|d| d.of == side)?))) {
+            list.push(demuxed_rtcp_value(streams, v, d));
+        }
     }
     let mut flags = vec![];
     if m.active {
         flags.extend([Value::str("initialized"), Value::str("send"), Value::str("recv")]);
     }
-    if m.mux {
+    // Per side: a party whose RTCP is demultiplexed for the other still multiplexes.
+    if m.mux || m.demux.is_some_and(|d| d != side) {
         flags.push(Value::str("rtcp-mux"));
     }
     // What the relay terminates toward this side's party, in rtpengine's order.
@@ -499,6 +509,41 @@ fn media_value(
     d.push(("streams", Value::List(list)));
     d.push(("flags", Value::List(flags)));
     Value::dict(d)
+}
+
+/// The RTCP stream of a party that keeps it apart while the other multiplexes
+/// (`rtcp-mux-demux`): its own address on the RTP relay, as an RTCP relay's leg reads.
+fn demuxed_rtcp_value(streams: &BTreeMap<u32, Counters>, v: &CallView<'_>, (relay, d): (&Relay, &DemuxedRtcp)) -> Value {
+    let leg = relay.leg(d.of);
+    let c = streams.get(&d.uid).copied().unwrap_or_default();
+    let last = if c.last_rx_ns > 0 { v.clock.unix_secs(c.last_rx_ns) } else { unix_secs(v.call.created) };
+    let mut flags = vec![Value::str("RTCP")];
+    if d.peer().is_some() {
+        flags.push(Value::str("filled"));
+    }
+    if d.latched.is_some() {
+        flags.push(Value::str("confirmed"));
+    }
+    let mut out = vec![
+        ("local port", Value::Int(d.local.port() as i64)),
+        ("local address", Value::from(d.local.ip().to_string())),
+        ("family", Value::str(family(d.local.ip()))),
+    ];
+    if let Some(p) = d.peer() {
+        out.push(("endpoint", endpoint(p)));
+    }
+    if let Some(p) = d.remote {
+        out.push(("advertised endpoint", endpoint(p)));
+    }
+    if let Some(s) = leg_suite(leg) {
+        out.push(("crypto suite", Value::str(s.name())));
+    }
+    out.push(("last packet", Value::Int(last)));
+    out.push(("flags", Value::List(flags)));
+    let received = Traffic::received(&c, leg, true);
+    let stats = vec![("packets", int(received.packets)), ("bytes", int(received.bytes)), ("errors", int(received.errors)), ("relayed", int(c.tx_copies))];
+    out.push(("stats", Value::dict(stats)));
+    Value::dict(out)
 }
 
 /// The codec each media section of `sdp` lists first, as rtpengine names it ("PCMA/8000"):

@@ -78,6 +78,7 @@ pub fn entry(id: u32, local: &str, ssrc: Option<u32>, source: SourceRule, rtp: b
                 auto_layer: true,
                 temporal_layer: None,
                 payload_type: None,
+                rtcp: None,
             })
             .collect(),
         rate: None,
