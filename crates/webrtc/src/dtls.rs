@@ -20,8 +20,10 @@ use std::io::{self, Read, Write};
 
 /// The largest datagram a handshake flight is cut into: under any path MTU a media relay meets.
 const DTLS_MTU: u32 = 1200;
-/// The SRTP profiles offered in use_srtp (RFC 5764 §4.1.2), preferred first.
-const SRTP_PROFILES: &str = "SRTP_AEAD_AES_128_GCM:SRTP_AES128_CM_SHA1_80:SRTP_AES128_CM_SHA1_32";
+/// The SRTP profiles offered in use_srtp (RFC 5764 §4.1.2, RFC 7714 §14.2), preferred first:
+/// AES-GCM (one pass, cheaper than AES-CM + HMAC with AES-NI), 128 before 256 (a peer that
+/// offers only AES-256-GCM, as some gateways do, still gets it).
+const SRTP_PROFILES: &str = "SRTP_AEAD_AES_128_GCM:SRTP_AEAD_AES_256_GCM:SRTP_AES128_CM_SHA1_80:SRTP_AES128_CM_SHA1_32";
 /// RFC 5764 §4.2.
 const EXPORTER_LABEL: &str = "EXTRACTOR-dtls_srtp";
 
@@ -96,6 +98,11 @@ impl DtlsContext {
     /// A fresh self-signed ECDSA P-256 certificate (what browsers make for themselves too),
     /// valid for 30 days from now, and a DTLS 1.2 context offering the SRTP profiles.
     pub fn generate() -> Result<DtlsContext, DtlsError> {
+        Self::offering(SRTP_PROFILES)
+    }
+
+    /// [`DtlsContext::generate`] offering these SRTP profiles (OpenSSL's names, `:`-separated).
+    pub fn offering(profiles: &str) -> Result<DtlsContext, DtlsError> {
         let group = EcGroup::from_curve_name(Nid::X9_62_PRIME256V1)?;
         let key = PKey::from_ec_key(EcKey::generate(&group)?)?;
         let cert = self_signed(&key)?;
@@ -105,7 +112,7 @@ impl DtlsContext {
         b.set_certificate(&cert)?;
         b.set_private_key(&key)?;
         b.check_private_key()?;
-        b.set_tlsext_use_srtp(SRTP_PROFILES)?;
+        b.set_tlsext_use_srtp(profiles)?;
         // Peers' certificates are self-signed: OpenSSL asks for one and accepts it; what makes
         // it trusted is its fingerprint matching the SDP's, checked after the handshake.
         b.set_verify_callback(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT, |_, _| true);
@@ -312,12 +319,14 @@ impl DtlsSession {
         }
         let suite = match ssl.selected_srtp_profile().map(|p| p.name().to_string()).as_deref() {
             Some("SRTP_AEAD_AES_128_GCM") => SrtpSuite::AeadAes128Gcm,
+            Some("SRTP_AEAD_AES_256_GCM") => SrtpSuite::AeadAes256Gcm,
             Some("SRTP_AES128_CM_SHA1_80") => SrtpSuite::AesCm128HmacSha1_80,
             Some("SRTP_AES128_CM_SHA1_32") => SrtpSuite::AesCm128HmacSha1_32,
             _ => return Err(DtlsError::NoSrtpProfile),
         };
         // RFC 5764 §4.2: client key, server key, client salt, server salt (RFC 7714: 12-byte salts).
-        let (k, s) = (16, suite.master_len() - 16);
+        let s = if suite.is_aead() { 12 } else { 14 };
+        let k = suite.master_len() - s;
         let mut material = vec![0u8; 2 * (k + s)];
         ssl.export_keying_material(&mut material, EXPORTER_LABEL, None)?;
         let client = [&material[..k], &material[2 * k..2 * k + s]].concat();
@@ -381,6 +390,21 @@ mod tests {
         assert_eq!(ks.inbound.suite, SrtpSuite::AeadAes128Gcm, "AES-GCM first when both offer it");
         assert_eq!(ks.inbound.master.len(), 28, "RFC 7714: a 16-byte key and a 12-byte salt");
         assert_eq!((server.state(), client.state()), (&State::Connected, &State::Connected));
+    }
+
+    /// A peer offering only AES-256-GCM gets it: 32-byte keys, 12-byte salts, mirrored; and the
+    /// SRTP it protects, the relay's side unprotects.
+    #[test]
+    fn a_peer_offering_only_aes_256_gcm_is_keyed_with_it() {
+        let (relay, peer) = (DtlsContext::generate().unwrap(), DtlsContext::offering("SRTP_AEAD_AES_256_GCM").unwrap());
+        let mut server = relay.session(Role::Server, peer.fingerprint().clone()).unwrap();
+        let mut client = peer.session(Role::Client, relay.fingerprint().clone()).unwrap();
+        let (pc, ps) = pump(&mut client, &mut server);
+        let (kc, ks) = (connected(&pc).expect("client connected"), connected(&ps).expect("server connected"));
+        assert_eq!((ks.inbound.suite, ks.inbound.master.len()), (SrtpSuite::AeadAes256Gcm, 44));
+        assert_eq!((kc.outbound.clone(), kc.inbound.clone()), (ks.inbound.clone(), ks.outbound.clone()));
+        // The halves are the exporter's: the client's key is not the server's.
+        assert_ne!(ks.inbound.master[..32], ks.outbound.master[..32]);
     }
 
     #[test]

@@ -164,14 +164,15 @@ fn handshake(session: &mut DtlsSession, sock: &UdpSocket, mut peer: Option<Socke
 fn profile_name(suite: SrtpSuite) -> &'static str {
     match suite {
         SrtpSuite::AeadAes128Gcm => "SRTP_AEAD_AES_128_GCM",
+        SrtpSuite::AeadAes256Gcm => "SRTP_AEAD_AES_256_GCM",
         SrtpSuite::AesCm128HmacSha1_80 => "SRTP_AES128_CM_SHA1_80",
         SrtpSuite::AesCm128HmacSha1_32 => "SRTP_AES128_CM_SHA1_32",
-        // SDES-only here: the DTLS side offers the three profiles above.
+        // SDES-only here: the DTLS side offers the four profiles above.
         other => unreachable!("{} is not a DTLS-SRTP profile mediaplane offers", other.name()),
     }
 }
 
-const SUITES: [SrtpSuite; 3] = [SrtpSuite::AeadAes128Gcm, SrtpSuite::AesCm128HmacSha1_80, SrtpSuite::AesCm128HmacSha1_32];
+const SUITES: [SrtpSuite; 4] = [SrtpSuite::AeadAes128Gcm, SrtpSuite::AeadAes256Gcm, SrtpSuite::AesCm128HmacSha1_80, SrtpSuite::AesCm128HmacSha1_32];
 
 /// The common arguments of one run: DTLS 1.2, the profile, the exporter, the peer's identity.
 fn peer_args(files: &PeerFiles, suite: Option<SrtpSuite>) -> Vec<String> {
@@ -190,7 +191,8 @@ fn unhex(s: &str) -> Vec<u8> {
 
 /// RFC 5764 §4.2: client key, server key, client salt, server salt → (client, server) masters.
 fn split(material: &[u8], suite: SrtpSuite) -> (Vec<u8>, Vec<u8>) {
-    let (k, s) = (16, suite.master_len() - 16);
+    let s = if suite.is_aead() { 12 } else { 14 };
+    let k = suite.master_len() - s;
     assert_eq!(material.len(), 2 * (k + s));
     ([&material[..k], &material[2 * k..2 * k + s]].concat(), [&material[k..2 * k], &material[2 * k + s..]].concat())
 }
