@@ -72,7 +72,9 @@ pub fn learn_sources(manager: Arc<manager::SessionManager>, events: Option<Recei
                 Some(DataplaneEvent::Rtcp { stream, source, at_ns, wall_us, packet }) => manager.on_rtcp(stream, source, at_ns, wall_us, &packet),
                 Some(DataplaneEvent::Handshake { stream, local, source, at_ns, packet }) => manager.on_handshake(stream, local, source, at_ns, &packet),
                 Some(DataplaneEvent::StreamId { transport, ssrc, mid, rid }) => manager.on_stream_id(transport, ssrc, mid.as_deref(), &rid),
-                Some(DataplaneEvent::Dtmf { stream, source, event, wall_us, .. }) => manager.on_dtmf(stream, source, event, wall_us),
+                Some(DataplaneEvent::Dtmf { stream, source, payload_type, event, wall_us, .. }) => {
+                    manager.on_dtmf(stream, source, payload_type, event, wall_us)
+                }
                 None => {}
             }
             if std::time::Instant::now() >= next_close {

@@ -125,6 +125,8 @@ pub struct SessionManager {
     rtsp: std::sync::OnceLock<Arc<dyn crate::rtsp_paths::RtspPaths>>,
     /// Where the DTMF events of relays that report them go ([`SessionManager::report_dtmf_to`]).
     dtmf_reports: std::sync::OnceLock<std::sync::mpsc::SyncSender<DtmfReport>>,
+    /// DTMF reports lost to a full (or gone) reporter queue.
+    dtmf_reports_lost: std::sync::atomic::AtomicU64,
 }
 
 /// An RFC 4733 event a relay's party sent (reported at its end, once), for whoever logs them
@@ -139,9 +141,13 @@ pub struct DtmfReport {
     pub code: u8,
     /// RFC 4733's volume field (dB below 0 dBm0).
     pub volume: u8,
-    /// How long it lasted, in RTP timestamp units of `clock_rate`.
+    /// How long it lasted, in RTP timestamp units of its payload type's clock rate.
     pub duration: u16,
-    /// The leg's clock rate (8000 if unknown).
+    /// Its RTP payload type: the signalling names its clock rate (a `telephone-event/48000`
+    /// beside opus counts in 48 kHz units, one at 8000 in 8 kHz units).
+    pub payload_type: u8,
+    /// The leg's clock rate (8000 if unknown): its first codec's, for a reporter that cannot
+    /// read the payload type's own.
     pub clock_rate: u32,
     /// When its end arrived, µs since the Unix epoch.
     pub wall_us: u64,
@@ -172,6 +178,7 @@ impl SessionManager {
             next_window_close: Mutex::new(None),
             rtsp: std::sync::OnceLock::new(),
             dtmf_reports: std::sync::OnceLock::new(),
+            dtmf_reports_lost: std::sync::atomic::AtomicU64::new(0),
         })
     }
 
@@ -383,7 +390,7 @@ impl SessionManager {
     /// An event's end the slow path saw on `stream` from `source`
     /// ([`DataplaneEvent::Dtmf`](mediaplane_dataplane::DataplaneEvent::Dtmf)): reported if the
     /// stream is a relay leg whose peer is `source` and someone takes reports.
-    pub fn on_dtmf(&self, stream: u32, source: SocketAddr, event: [u8; 4], wall_us: u64) {
+    pub fn on_dtmf(&self, stream: u32, source: SocketAddr, payload_type: u8, event: [u8; 4], wall_us: u64) {
         let Some(reports) = self.dtmf_reports.get() else { return };
         let Some((relay, side, clock_rate)) = self.read(|m, _| {
             let (id, side) = m.relay_leg_by_uid(stream)?;
@@ -401,12 +408,20 @@ impl SessionManager {
             code,
             volume: flags & 0x3f,
             duration: u16::from_be_bytes([d0, d1]),
+            payload_type,
             clock_rate: clock_rate.filter(|r| *r > 0).unwrap_or(8000),
             wall_us,
         };
         if let Err(e) = reports.try_send(report) {
+            self.dtmf_reports_lost.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             tracing::warn!(stream, %source, error = %e, "DTMF event not reported: the reporter is behind or gone");
         }
+    }
+
+    /// DTMF events not reported because the reporter's queue was full or gone
+    /// (`mediaplane_dtmf_reports_lost_total`).
+    pub fn dtmf_reports_lost(&self) -> u64 {
+        self.dtmf_reports_lost.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Every MOS computed since start (rtpengine's `statistics` `mos`).
@@ -599,6 +614,39 @@ mod tests {
         std::thread::sleep(std::time::Duration::from_millis(80));
         assert_eq!(mgr.close_learning().unwrap(), 1, "the near window ended");
         assert!(!open("near") && open("far"));
+    }
+
+    /// A DTMF event the reporter's full queue cannot take is lost, and counted.
+    #[test]
+    fn dtmf_reports_a_full_queue_cannot_take_are_counted_lost() {
+        use mediaplane_core::model::LegSpec;
+        let dp: Arc<dyn Dataplane> = Arc::new(UserspaceDataplane::new(UserspaceConfig { workers: 1, ..Default::default() }, None).unwrap());
+        let mgr = SessionManager::open(Store::in_memory().unwrap(), dp, media(), Limits::default()).unwrap();
+        let leg = |local: &str, remote: &str| LegSpec {
+            local: local.parse().unwrap(),
+            remote: Some(remote.parse().unwrap()),
+            strict: false,
+            rtp: true,
+            follow: Default::default(),
+        };
+        mgr.mutate(|m, _| {
+            m.create_relay("call", leg("127.78.0.1:40002", "127.78.2.1:6000"), leg("127.78.0.1:40004", "127.78.2.2:7000"))?;
+            m.set_report_dtmf("call", true)?;
+            Ok(((), vec![Change::Relay("call".into())]))
+        })
+        .unwrap();
+        let (uid, source) = (mgr.read(|m, _| m.relays["call"].a.uid), "127.78.2.1:6000".parse().unwrap());
+        let (tx, rx) = std::sync::mpsc::sync_channel(1);
+        mgr.report_dtmf_to(tx);
+        let end = [5, 0x8a, 3, 0x20];
+        mgr.on_dtmf(uid, source, 101, end, 1);
+        mgr.on_dtmf(uid, source, 101, end, 2);
+        assert_eq!(mgr.dtmf_reports_lost(), 1);
+        let r = rx.try_recv().unwrap();
+        assert_eq!((r.code, r.duration, r.payload_type, r.wall_us), (5, 800, 101, 1));
+        // A stranger's is not reported at all (nor lost).
+        mgr.on_dtmf(uid, "127.78.2.9:6000".parse().unwrap(), 101, end, 3);
+        assert_eq!((mgr.dtmf_reports_lost(), rx.try_recv().is_err()), (1, true));
     }
 
     /// RTCP of a relay leg is evaluated only from the address the leg follows, and a relay

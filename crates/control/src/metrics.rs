@@ -167,6 +167,7 @@ pub struct RtspMetrics {
     unauthorized: Counter,
     connections_refused: Counter,
     connections_timed_out: Counter,
+    sessions_refused: Counter,
     /// The paths declared (families cannot be listed), for the totals.
     paths: Arc<parking_lot::Mutex<Vec<String>>>,
 }
@@ -192,6 +193,7 @@ pub struct RtspTotals {
     pub unauthorized: u64,
     pub connections_refused: u64,
     pub connections_timed_out: u64,
+    pub sessions_refused: u64,
 }
 
 const RTSP_END_REASONS: [&str; 4] = ["teardown", "timeout", "connection_closed", "replaced"];
@@ -246,6 +248,12 @@ impl RtspMetrics {
         self.connections_refused.inc();
     }
 
+    /// A SETUP refused (453): its client address held `rtsp.max_sessions_per_client` sessions,
+    /// or the server its most.
+    pub fn session_refused(&self) {
+        self.sessions_refused.inc();
+    }
+
     /// A connection closed for holding no session while silent, or for a request it did not
     /// finish in time.
     pub fn connection_timed_out(&self) {
@@ -261,6 +269,7 @@ impl RtspMetrics {
             unauthorized: self.unauthorized.get(),
             connections_refused: self.connections_refused.get(),
             connections_timed_out: self.connections_timed_out.get(),
+            sessions_refused: self.sessions_refused.get(),
             ..self.path_totals()
         }
     }
@@ -382,6 +391,11 @@ impl Metrics {
             "mediaplane_rtsp_connections_timed_out",
             "RTSP connections closed for idling without a session, or for a request not finished in time",
             rtsp.connections_timed_out.clone(),
+        );
+        registry.register(
+            "mediaplane_rtsp_sessions_refused",
+            "RTSP SETUPs refused (453): their client address held rtsp.max_sessions_per_client sessions, or the server its most",
+            rtsp.sessions_refused.clone(),
         );
         registry.register_collector(Box::new(DataplaneCollector { manager, per_stream: cfg.per_stream, per_consumer: cfg.per_consumer }));
         Arc::new(Metrics { registry, http, ng, rtsp, per_consumer: cfg.per_consumer })
@@ -849,6 +863,13 @@ impl Collector for DataplaneCollector {
                 fams.consumer(&c);
             }
         }
+        fams.add(
+            "mediaplane_dtmf_reports_lost",
+            "DTMF events not reported to the DTMF log: its queue (1024) was full",
+            MetricType::Counter,
+            vec![],
+            Num::U(m.dtmf_reports_lost()),
+        );
         if let Some((open, max)) = fds() {
             fams.gauge("mediaplane_open_fds", "Open file descriptors (the user-space plane holds one socket per SFU address per worker)", vec![], open);
             fams.gauge("mediaplane_max_fds", "The soft limit on open file descriptors", vec![], max);

@@ -150,7 +150,7 @@ pub enum Effect<'p> {
     /// ([`crate::table::StreamControl::report_dtmf`]): `event` is its first report (event code,
     /// E/R/volume, duration). A sender repeats the end packet (usually three times, with the
     /// event's timestamp): whoever reports it keeps one per `timestamp`.
-    DtmfEnd { stream: u32, ssrc: u32, timestamp: u32, event: [u8; 4] },
+    DtmfEnd { stream: u32, ssrc: u32, payload_type: u8, timestamp: u32, event: [u8; 4] },
     /// A packet on WebRTC transport `transport` that no stream claims named its simulcast
     /// encoding `rid` (and its section `mid`) in its header extensions: for the control plane,
     /// which learns the layer's SSRC ([`crate::model::Model::learn_layer`]).
@@ -341,7 +341,13 @@ impl Pipeline {
                         let event = &payload[header.payload_offset..header.payload_offset + header.payload_len];
                         if let [code, flags, d0, d1, ..] = *event {
                             if flags & 0x80 != 0 {
-                                out.push(Effect::DtmfEnd { stream: entry.id, ssrc: header.ssrc, timestamp: header.timestamp, event: [code, flags, d0, d1] });
+                                out.push(Effect::DtmfEnd {
+                                    stream: entry.id,
+                                    ssrc: header.ssrc,
+                                    payload_type: header.payload_type,
+                                    timestamp: header.timestamp,
+                                    event: [code, flags, d0, d1],
+                                });
                             }
                         }
                     }

@@ -813,13 +813,13 @@ impl Engine {
                         }));
                     }
                 }
-                Effect::DtmfEnd { stream, ssrc, timestamp, event } => {
+                Effect::DtmfEnd { stream, ssrc, payload_type, timestamp, event } => {
                     if self.dtmf_reported.len() > 65_536 {
                         self.dtmf_reported.clear();
                     }
                     let new = self.dtmf_reported.insert(stream, (ssrc, timestamp)) != Some((ssrc, timestamp));
                     if self.cfg.events && new && rtcp_admit(&mut self.dtmf_budget, stream, received_at) {
-                        out.push(Output::Event(DataplaneEvent::Dtmf { stream, source: src, ssrc, timestamp, event, wall_us: now.wall_us }));
+                        out.push(Output::Event(DataplaneEvent::Dtmf { stream, source: src, ssrc, payload_type, timestamp, event, wall_us: now.wall_us }));
                     }
                 }
                 Effect::StreamId { transport, ssrc, mid, rid } => {

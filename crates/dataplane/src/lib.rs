@@ -66,7 +66,7 @@ pub enum DataplaneEvent {
     /// ([`mediaplane_core::table::StreamControl::report_dtmf`]): once per event (its repeated
     /// end packets are not reported again), at most [`RTCP_REPORTS_PER_SECOND`] per stream.
     /// `event`: the event's report (code, E/R/volume, duration); `wall_us` as for `Rtcp`.
-    Dtmf { stream: u32, source: SocketAddr, ssrc: u32, timestamp: u32, event: [u8; 4], wall_us: u64 },
+    Dtmf { stream: u32, source: SocketAddr, ssrc: u32, payload_type: u8, timestamp: u32, event: [u8; 4], wall_us: u64 },
 }
 
 /// Events queued for the control plane before the data plane drops new ones (counted as

@@ -953,14 +953,14 @@ fn a_browser_watches_the_camera_over_whep() {
 }
 
 /// Sessions are bounded too: at most `max_sessions_per_client` from one address, here two
-/// publishers; a third SETUP is answered 453 (and changes nothing), and once one session is torn
-/// down the address may open another.
+/// publishers; a third SETUP is answered 453 (and changes nothing; counted), and once one
+/// session is torn down the address may open another.
 #[test]
 fn sessions_are_bounded_per_client() {
     let _one = one_at_a_time();
     let tmp = TempDir::new("rtsp-sessions");
     let paths: String = (1..=3).map(|i| format!("[[rtsp.paths]]\nname = \"live{i}\"\nsource = \"publisher\"\npublish_users = [\"pub:pw\"]\n")).collect();
-    let (_d, rtsp) = serve_paths(&tmp, "127.43.0.15", &format!("[rtsp]\nmax_sessions_per_client = 2\n{paths}"), &[]);
+    let (d, rtsp) = serve_paths(&tmp, "127.43.0.15", &format!("[rtsp]\nmax_sessions_per_client = 2\n{paths}"), &[]);
     let mut s = TcpStream::connect(rtsp.trim_start_matches("rtsp://")).unwrap();
     s.set_read_timeout(Some(Duration::from_secs(8))).unwrap();
     let mut cseq = 0;
@@ -997,6 +997,14 @@ fn sessions_are_bounded_per_client() {
     assert!(a.starts_with("RTSP/1.0 200 "), "{a}");
     let again = publish(&mut ask, 3);
     assert!(again.starts_with("RTSP/1.0 200 "), "a session given back may be opened again: {again}");
+    let (_, stats) = d.call("GET", "/v1/stats", None);
+    assert_eq!(stats["rtsp"]["sessions_refused"].as_u64(), Some(1), "{}", stats["rtsp"]);
+    let mut metrics = ureq::get(&format!("{}/metrics", d.api)).timeout(Duration::from_secs(10));
+    if let Some(t) = &d.token {
+        metrics = metrics.set("authorization", &format!("Bearer {t}"));
+    }
+    let text = metrics.call().unwrap().into_string().unwrap();
+    assert!(text.contains("mediaplane_rtsp_sessions_refused_total 1"), "{text}");
 }
 
 /// Connections are bounded: at most `max_connections_per_client` from one address (the next is

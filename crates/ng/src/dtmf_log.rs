@@ -25,7 +25,7 @@ const QUEUE: usize = 1024;
 
 /// The JSON line of `r`, or None if its relay is no NG call's (any more).
 pub fn line(registry: &Registry, r: &DtmfReport) -> Option<String> {
-    let (key, _, _) = parse_relay_id(&r.relay)?;
+    let (key, media, _) = parse_relay_id(&r.relay)?;
     let call = registry.by_key(&key)?;
     let source_tag = match r.side {
         Side::A => call.tag_a.as_deref(),
@@ -33,8 +33,12 @@ pub fn line(registry: &Registry, r: &DtmfReport) -> Option<String> {
     };
     let tags: Vec<&str> = [call.tag_a.as_deref(), call.tag_b.as_deref()].into_iter().flatten().collect();
     let json = |s: &str| serde_json::Value::from(s).to_string();
+    // In units of the event's payload type's rate as its sender's SDP maps it (the leg's first
+    // codec's may be another: opus at 48 kHz beside telephone-event/8000).
+    let formats = call.media.get(media).and_then(|m| m.formats_of[crate::calls::side_index(r.side)].as_ref());
+    let clock_rate = formats.and_then(|f| rtpmap_clock_rate(f, r.payload_type)).unwrap_or(r.clock_rate);
     // rtpengine: (duration * (1000000 / clockrate)) / 1000, in integers.
-    let duration_ms = u64::from(r.duration) * u64::from(1_000_000 / r.clock_rate.max(1)) / 1000;
+    let duration_ms = u64::from(r.duration) * u64::from(1_000_000 / clock_rate.max(1)) / 1000;
     Some(format!(
         "{{\"callid\":{},\"source_tag\":{},\"tags\":[{}],\"type\":\"DTMF\",\"timestamp\":{},\"source_ip\":\"{}\",\"event\":{},\"duration\":{},\"volume\":{}}}",
         json(&call.call_id),
@@ -46,6 +50,13 @@ pub fn line(registry: &Registry, r: &DtmfReport) -> Option<String> {
         duration_ms,
         r.volume,
     ))
+}
+
+/// The clock rate `a=rtpmap:<pt> name/RATE` gives `payload_type`.
+fn rtpmap_clock_rate(formats: &crate::sdp::FormatDescription, payload_type: u8) -> Option<u32> {
+    let prefix = format!("rtpmap:{payload_type} ");
+    let (_, encoding) = formats.attrs.iter().find_map(|a| a.strip_prefix(&prefix))?.split_once('/')?;
+    encoding.split('/').next()?.trim().parse().ok().filter(|r| *r > 0)
 }
 
 /// Take the manager's DTMF reports and send each to `dest`, from a thread of its own (a report
@@ -81,6 +92,7 @@ mod tests {
             code: 11,
             volume: 7,
             duration,
+            payload_type: 101,
             clock_rate,
             wall_us: 1_796_669_578_250_000,
         }
@@ -102,5 +114,32 @@ mod tests {
         let l = line(&registry, &report(&relay, Side::A, 4800, 48_000)).unwrap();
         assert!(l.contains(r#""source_tag":"caller""#) && l.contains(r#""duration":96,"#), "{l}");
         assert_eq!(line(&registry, &report("ng-0000000000000000-0", Side::A, 640, 8000)), None, "no such call");
+    }
+
+    /// Chromium's offer: opus at 48 kHz first, telephone-event at 48000 (110) and 8000 (126).
+    /// The event's own payload type says which units its duration is in.
+    #[test]
+    fn the_duration_is_in_the_events_payload_types_clock_rate() {
+        let mut registry = Registry::default();
+        let mut call = Call::new("webrtc@host", Instant::now());
+        call.tag_a = Some("browser".into());
+        let mut media = crate::calls::media_between("10.77.0.2:6000".parse().unwrap(), "10.77.0.3:6000".parse().unwrap());
+        media.formats_of[0] = Some(crate::sdp::FormatDescription {
+            payload_types: vec![111, 110, 126],
+            attrs: vec![
+                "rtpmap:111 opus/48000/2".into(),
+                "fmtp:111 minptime=10".into(),
+                "rtpmap:110 telephone-event/48000".into(),
+                "rtpmap:126 telephone-event/8000".into(),
+            ],
+        });
+        call.media.push(media);
+        let relay = rtp_relay_id(&call.key, 0);
+        registry.insert(call);
+        let at = |pt: u8, duration: u16| line(&registry, &DtmfReport { payload_type: pt, ..report(&relay, Side::A, duration, 48_000) }).unwrap();
+        assert!(at(126, 800).contains(r#""duration":100,"#), "100 ms at 8 kHz: {}", at(126, 800));
+        assert!(at(110, 4800).contains(r#""duration":96,"#), "{}", at(110, 4800));
+        // A payload type the SDP does not map: the leg's rate.
+        assert!(at(100, 4800).contains(r#""duration":96,"#));
     }
 }

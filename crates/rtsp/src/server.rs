@@ -685,10 +685,12 @@ impl RtspProxy {
     /// Whether `client` may open one more session: 453 past the proxy's or its own limit.
     fn may_open_session(&self, sessions: &HashMap<String, ViewerSession>, client: std::net::IpAddr) -> Result<(), (u16, String)> {
         if sessions.len() >= MAX_SESSIONS {
+            self.metrics.session_refused();
             return Err((453, format!("{MAX_SESSIONS} sessions open")));
         }
         let held = sessions.values().filter(|s| s.client == client).count();
         if held >= self.max_sessions_per_client {
+            self.metrics.session_refused();
             tracing::warn!(%client, held, "RTSP session refused (rtsp.max_sessions_per_client)");
             return Err((453, format!("{held} sessions open from this address (rtsp.max_sessions_per_client)")));
         }
