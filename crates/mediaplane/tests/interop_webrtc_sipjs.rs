@@ -31,6 +31,13 @@
 //! that tag, and the plain party's socket protects what it sends and unprotects what it gets
 //! with those keys (libsrtp, mediaplane's dataplane crate); every packet must unprotect.
 //!
+//! A video call (`webrtc_video_*`): the browser sends and receives audio and VP8 video; the UAS
+//! answers both sections on two plain port pairs. Each section must reach its own pair (no video
+//! on the audio port), both ways, with each section's RTCP demultiplexed to its RTCP port and the
+//! plain party's reports of each reaching the browser. SIP.js asks for the "balanced" bundle
+//! policy, and neither rtpengine 10.5 nor mediaplane answers `a=group:BUNDLE`: the browser runs
+//! one ICE + DTLS transport per section.
+//!
 //! One test per relay: rtpengine 10.5 in user space (the baseline), `mediaplane serve` on the
 //! user-space and on the eBPF plane. Needs root, kamailio with its websocket module, sipp,
 //! chromium, and SIP.js installed by `make deps` (npm); skipped without them, except under
@@ -62,6 +69,7 @@ const UAS_PORT: u16 = 5070;
 /// PCMU packets the plain party sends, one per 20 ms.
 const PACKETS: u16 = 200;
 const PLAIN_SSRC: u32 = 0x51b0_0002;
+const PLAIN_VIDEO_SSRC: u32 = 0x51b0_0003;
 
 /// The page: SIP.js registers, calls `target`, and reports its progress (from its first line,
 /// so a page that stalls still says where) and the peer connection's figures to `/stats` every
@@ -85,6 +93,9 @@ setInterval(async () => {
         // A receiver report about what it sends, and a sender report of what it receives.
         if (r.type === 'remote-inbound-rtp' && r.kind === 'audio') Object.assign(out, {rr_in: true});
         if (r.type === 'remote-outbound-rtp' && r.kind === 'audio') Object.assign(out, {sr_in: true});
+        if (r.type === 'inbound-rtp' && r.kind === 'video') Object.assign(out, {in_video_packets: r.packetsReceived, in_video_ssrc: r.ssrc});
+        if (r.type === 'outbound-rtp' && r.kind === 'video') Object.assign(out, {out_video_packets: r.packetsSent, out_video_ssrc: r.ssrc});
+        if (r.type === 'remote-inbound-rtp' && r.kind === 'video') Object.assign(out, {rr_in_video: true});
         if (r.type === 'transport') Object.assign(out, {dtls: r.dtlsState, srtp_cipher: r.srtpCipher});
       });
     }
@@ -127,7 +138,7 @@ try {
   }));
   await registerer.register();
   await registered;
-  const inviter = new Inviter(ua, UserAgent.makeURI(cfg.target), {extraHeaders: cfg.headers || [], sessionDescriptionHandlerOptions: {constraints: {audio: true, video: false}}});
+  const inviter = new Inviter(ua, UserAgent.makeURI(cfg.target), {extraHeaders: cfg.headers || [], sessionDescriptionHandlerOptions: {constraints: {audio: true, video: !!cfg.video}}});
   inviter.stateChange.addListener(s => events.push('session:' + s));
   call = inviter;
   await inviter.invite();
@@ -156,9 +167,9 @@ const SDES_TAG: &str = "7 AES_CM_128_HMAC_SHA1_80";
 /// a=crypto and no fingerprint declines); it answers PCMU on the plain party's
 /// address (SDES: RTP/SAVP with its own key under the same tag), keeping the route set, and
 /// waits for the BYE.
-fn uas_xml(plain: SocketAddr, callee: Callee) -> String {
+fn uas_xml(plain: SocketAddr, callee: Callee, video: Option<SocketAddr>) -> String {
     use base64::Engine as _;
-    let (m_regexp, proto, crypto, secure) = match callee {
+    let (m_regexp, proto, crypto, mut secure) = match callee {
         Callee::Plain => (
             "m=audio ([0-9]+) RTP/AVP ",
             "RTP/AVP",
@@ -179,7 +190,21 @@ fn uas_xml(plain: SocketAddr, callee: Callee) -> String {
             ),
         ),
     };
-    let refs = if callee == Callee::Plain { "c_line,m_line,webrtc_left" } else { "c_line,m_line,webrtc_left,crypto_line,relay_key" };
+    let mut refs = if callee == Callee::Plain { "c_line,m_line,webrtc_left" } else { "c_line,m_line,webrtc_left,crypto_line,relay_key" }.to_string();
+    // A video call: the video section's relay port is logged as "video 1 IP PORT"; the answer
+    // takes VP8 on the port `video` (its RTCP on the port above).
+    let video_answer = match video {
+        Some(v) => {
+            secure.push_str(
+                r#"
+      <ereg regexp="m=video ([0-9]+) RTP/AVP " search_in="body" check_it="true" assign_to="v_line,video_port"/>
+      <log message="video 1 [$offer_ip] [$video_port]"/>"#,
+            );
+            refs.push_str(",v_line,video_port");
+            format!("      m=video {} RTP/AVP 96\n      a=rtpmap:96 VP8/90000\n      a=sendrecv\n", v.port())
+        }
+        None => String::new(),
+    };
     format!(
         r#"<?xml version="1.0" encoding="ISO-8859-1" ?>
 <!DOCTYPE scenario SYSTEM "sipp.dtd">
@@ -206,7 +231,7 @@ fn uas_xml(plain: SocketAddr, callee: Callee) -> String {
       a=rtpmap:0 PCMU/8000
 {crypto}      a=ptime:20
       a=sendrecv
-
+{video_answer}
   ]]></send>
   <recv request="ACK" crlf="true"/>
 {bye}  <Reference variables="{refs}"/>
@@ -349,18 +374,23 @@ impl Receipts {
 }
 
 fn run_plain(relay: Relay) {
-    run(relay, Callee::Plain);
+    run(relay, Callee::Plain, false);
+}
+
+/// A video call: audio and VP8 video, each section to its own plain port pair.
+fn run_video(relay: Relay) {
+    run(relay, Callee::Plain, true);
 }
 
 /// DTLS-SRTP bridged to SDES-SRTP: the callee's key is fresh per run.
 fn run_sdes(relay: Relay) {
     let mut key = [0u8; 30];
     std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut key)).expect("reading /dev/urandom");
-    run(relay, Callee::Sdes(key));
+    run(relay, Callee::Sdes(key), false);
 }
 
-fn run(relay: Relay, callee: Callee) {
-    let test = format!("interop_webrtc_sipjs ({}, {callee:?})", relay.name());
+fn run(relay: Relay, callee: Callee, video: bool) {
+    let test = format!("interop_webrtc_sipjs ({}, {callee:?}{})", relay.name(), if video { ", video" } else { "" });
     let Some(chromium) = browser::chromium(&test) else { return };
     if !sipjs_dir().join("index.js").exists() {
         assert!(!mediaplane_bench::in_ci(), "{test}: SIP.js is not installed (make deps), and CI=true");
@@ -372,7 +402,11 @@ fn run(relay: Relay, callee: Callee) {
         eprintln!("{test}: skipped: no websocket module (kamailio-websocket-modules)");
         return;
     }
-    let prefix = if callee == Callee::Plain { "webrtc-sipjs" } else { "webrtc-sdes" };
+    let prefix = match (callee, video) {
+        (_, true) => "webrtc-video",
+        (Callee::Plain, false) => "webrtc-sipjs",
+        (Callee::Sdes(_), false) => "webrtc-sdes",
+    };
     let Some(mut bed) = Bed::start_websocket(prefix, relay, BASE_FLAGS) else { return };
     bed.media_in_kernel = false;
     let tb = &bed.tb;
@@ -384,8 +418,16 @@ fn run(relay: Relay, callee: Callee) {
     // Its RTCP: on the port above, as its SDP (no a=rtcp, no a=rtcp-mux) implies.
     let plain_rtcp = tb.udp_socket(&plain_ns, SocketAddr::new(plain_addr.ip(), plain_addr.port() + 1)).unwrap();
     plain_rtcp.set_nonblocking(true).unwrap();
+    // A video call's video section: RTP and RTCP on the next two ports.
+    let video_addr = SocketAddr::new(plain_addr.ip(), plain_addr.port() + 2);
+    let video_sockets = video.then(|| {
+        let [rtp, rtcp] = [0, 1].map(|i| tb.udp_socket(&plain_ns, SocketAddr::new(video_addr.ip(), video_addr.port() + i)).unwrap());
+        rtp.set_nonblocking(true).unwrap();
+        rtcp.set_nonblocking(true).unwrap();
+        (rtp, rtcp)
+    });
 
-    std::fs::write(dir.join("call-uas.xml"), uas_xml(plain_addr, callee)).unwrap();
+    std::fs::write(dir.join("call-uas.xml"), uas_xml(plain_addr, callee, video.then_some(video_addr))).unwrap();
     let mut uas = sip::spawn_group("sipp uas", &mut sipp_command(tb, &dir, "call", "uas", UAS_PORT)).unwrap();
     sip::wait_udp_bound(&mut uas, UAS_PORT, Duration::from_secs(10)).unwrap();
     let mut uas_log = LogTail::new(dir.join("call-uas.log"));
@@ -397,6 +439,7 @@ fn run(relay: Relay, callee: Callee) {
         "aor": "sip:alice@interop.test",
         "target": format!("sip:bob@127.0.0.1:{UAS_PORT}"),
         "headers": if callee == Callee::Plain { vec![] } else { vec!["X-Callee-Protocol: RTP/SAVP"] },
+        "video": video,
     });
     let (stats, hangup) = (Arc::new(Mutex::new(Json::Null)), Arc::new(Mutex::new(false)));
     let served = Arc::new(Served::default());
@@ -414,7 +457,7 @@ fn run(relay: Relay, callee: Callee) {
     // Signalling, then media: the plain party starts once the browser's call is established, its
     // DTLS connected, and the plain party knows where the relay wants its media (the address in
     // the UAS's offer).
-    let mut relay_for_plain = None;
+    let (mut relay_for_plain, mut relay_for_video) = (None, None);
     // An SDES callee: it protects with its own key and unprotects with the relay's (from the
     // offer it received).
     let own_srtp = match callee {
@@ -422,7 +465,7 @@ fn run(relay: Relay, callee: Callee) {
         Callee::Sdes(key) => Some(Arc::new(Context::new(&SrtpKey::new(SrtpSuite::AesCm128HmacSha1_80, key.to_vec()).unwrap(), true).unwrap())),
     };
     let mut relay_srtp: Option<Arc<Context>> = None;
-    let mut receipts = Receipts::default();
+    let (mut receipts, mut video_receipts) = (Receipts::default(), Receipts::default());
     let (mut next, mut media_start, mut reports_sent) = (0u16, None::<Instant>, 0u64);
     let deadline = Instant::now() + Duration::from_secs(40);
     while Instant::now() < deadline {
@@ -430,6 +473,9 @@ fn run(relay: Relay, callee: Callee) {
             if let Some((event, addr)) = parse_sipp_event(&line) {
                 if event == "offered 1" {
                     relay_for_plain = addr;
+                }
+                if event == "video 1" {
+                    relay_for_video = addr;
                 }
             }
             if let Some(b64) = line.strip_prefix("relay-key 1 ") {
@@ -456,11 +502,20 @@ fn run(relay: Relay, callee: Callee) {
                     None => packet,
                 };
                 plain.send_to(&packet, to).unwrap();
+                // VP8 (a descriptor, then bytes no decoder takes): counted by the browser's
+                // getStats all the same.
+                if let (Some((rtp, _)), Some(to)) = (&video_sockets, relay_for_video) {
+                    rtp.send_to(&build_rtp(96, next, next as u32 * 1800, PLAIN_VIDEO_SSRC, &[0x10; 200]), to).unwrap();
+                }
                 next += 1;
             }
         }
         receipts.drain(&plain, relay_srtp.as_ref());
         receipts.drain_rtcp(&plain_rtcp, relay_srtp.as_ref());
+        if let Some((rtp, rtcp)) = &video_sockets {
+            video_receipts.drain(rtp, None);
+            video_receipts.drain_rtcp(rtcp, None);
+        }
         // Once a second, a sender report with a block about the browser's stream, from the RTCP
         // port to the relay's RTCP port (the port above the one offered).
         let browser_ssrc = receipts.ssrcs.iter().next().copied();
@@ -473,13 +528,21 @@ fn run(relay: Relay, callee: Callee) {
                     None => report,
                 };
                 plain_rtcp.send_to(&report, SocketAddr::new(to.ip(), to.port() + 1)).unwrap();
+                // And of the video section, about the browser's video SSRC.
+                if let (Some((_, rtcp)), Some(to), Some(about)) = (&video_sockets, relay_for_video, s["out_video_ssrc"].as_u64()) {
+                    let block = ReportBlock { reporter: PLAIN_VIDEO_SSRC, about: about as u32, highest_seq: 1, ..Default::default() };
+                    rtcp.send_to(&build_report(PLAIN_VIDEO_SSRC, Some(0x1234_5678), &[block]), SocketAddr::new(to.ip(), to.port() + 1)).unwrap();
+                }
                 reports_sent += 1;
             }
         }
         // Done when the media is through and the RTCP has gone both ways (or after 12 s: a
         // browser reports its audio every 5 s on average, the first one sooner).
         let rtcp_through = receipts.rtcp > 0 && s["rr_in"] == true;
-        if next == PACKETS && ((num(&s, "in_packets") >= PACKETS as u64 && rtcp_through) || media_start.is_some_and(|t| t.elapsed() > Duration::from_secs(12)))
+        let video_through = !video || (num(&s, "in_video_packets") >= PACKETS as u64 && video_receipts.rtcp > 0 && s["rr_in_video"] == true);
+        if next == PACKETS
+            && ((num(&s, "in_packets") >= PACKETS as u64 && rtcp_through && video_through)
+                || media_start.is_some_and(|t| t.elapsed() > Duration::from_secs(12)))
         {
             break;
         }
@@ -491,6 +554,10 @@ fn run(relay: Relay, callee: Callee) {
     while drain.elapsed() < Duration::from_millis(600) {
         receipts.drain(&plain, relay_srtp.as_ref());
         receipts.drain_rtcp(&plain_rtcp, relay_srtp.as_ref());
+        if let Some((rtp, rtcp)) = &video_sockets {
+            video_receipts.drain(rtp, None);
+            video_receipts.drain_rtcp(rtcp, None);
+        }
         std::thread::sleep(Duration::from_millis(5));
     }
     let events = s["events"].as_array().map(|e| e.iter().filter_map(Json::as_str).collect::<Vec<_>>().join(", ")).unwrap_or_default();
@@ -526,6 +593,27 @@ fn run(relay: Relay, callee: Callee) {
         format!("the browser's RTCP reached the plain party's RTCP port ({} packets; {} on its RTP port)", receipts.rtcp, receipts.rtcp_on_rtp_port),
     );
     check(s["rr_in"] == true, format!("the plain party's reports ({reports_sent} sent) reached the browser (getStats: remote-inbound-rtp)"));
+    if video {
+        // The video section goes its own way: the plain party's video port pair.
+        check(relay_for_video.is_some(), format!("the UAS was offered a video section at the relay: {relay_for_video:?}"));
+        let (in_video, video_ssrc) = (num(&s, "in_video_packets"), s["in_video_ssrc"].as_u64());
+        check(
+            in_video >= PACKETS as u64 * 95 / 100 && video_ssrc == Some(PLAIN_VIDEO_SSRC as u64),
+            format!("the browser received {in_video} of the plain party's {PACKETS} video packets, SSRC {video_ssrc:?}"),
+        );
+        let (sent, ssrc) = (num(&s, "out_video_packets"), s["out_video_ssrc"].as_u64().map(|v| v as u32));
+        let got = video_receipts.seen.iter().filter(|(x, _)| Some(*x) == ssrc).count() as u64;
+        check(sent > 0 && got + 5 >= sent * 95 / 100, format!("the plain party's video port received {got} of the {sent} video packets the browser sent"));
+        check(!receipts.ssrcs.iter().any(|x| Some(*x) == ssrc), "no video on the audio port".into());
+        check(
+            video_receipts.rtcp > 0 && video_receipts.rtcp_on_rtp_port == 0,
+            format!(
+                "the browser's video RTCP reached the video RTCP port ({} packets; {} on the RTP port)",
+                video_receipts.rtcp, video_receipts.rtcp_on_rtp_port
+            ),
+        );
+        check(s["rr_in_video"] == true, "the plain party's video reports reached the browser (getStats: remote-inbound-rtp)".into());
+    }
 
     if relay != Relay::Rtpengine {
         // (On the eBPF plane the slow path's counters; a counter missing panics, not reads as 0.)
@@ -572,6 +660,11 @@ fn run(relay: Relay, callee: Callee) {
 }
 
 relay_tests!(run_plain, webrtc_sipjs_rtpengine, webrtc_sipjs_mediaplane_userspace, webrtc_sipjs_mediaplane_ebpf);
+
+mod video {
+    use super::*;
+    relay_tests!(run_video, webrtc_video_rtpengine, webrtc_video_mediaplane_userspace, webrtc_video_mediaplane_ebpf);
+}
 
 mod sdes {
     use super::*;
