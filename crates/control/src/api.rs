@@ -978,9 +978,14 @@ fn with_handshake(m: &SessionManager, p: &mut Value) {
     }
 }
 
-/// A relay leg as the API shows it: its SRTP keys by suite only (see [`without_keys`]).
+/// A relay leg as the API shows it: its SRTP keys by suite only (see [`without_keys`]), its
+/// stored ICE credentials not at all.
 fn leg_view(leg: &mediaplane_core::model::Leg) -> serde_json::Value {
-    without_keys(serde_json::to_value(leg).unwrap_or_default())
+    let mut v = without_keys(serde_json::to_value(leg).unwrap_or_default());
+    if let Some(o) = v.as_object_mut() {
+        o.remove("ice_credentials");
+    }
+    v
 }
 
 /// `v` without SRTP key material: every `master` next to a `suite` goes (the keys stay in the

@@ -6,8 +6,11 @@
 //! [`mediaplane_dataplane::Dataplane::send_datagram`]. What they decide goes into the model like
 //! any change: the nominated address becomes the leg's peer, the exported keys its SRTP.
 //!
-//! Not stored: after a restart the keys (stored with the leg) keep media flowing, but the
-//! handshake state is gone, so a peer's consent checks are refused until it re-offers.
+//! After a restart an ICE relay leg is resumed from what the model stores with it (its keys and
+//! [`mediaplane_core::model::Leg::ice_credentials`]): its peer's consent checks are answered
+//! from its nominated address, so media goes on. The DTLS certificate is new, and there is no
+//! DTLS session: a re-offer (with the new fingerprint) is what keys it afresh. A browser's room
+//! participant is not resumed (it is removed at start; the browser joins again).
 
 use crate::manager::{ManagerError, SessionManager};
 use crate::store::Change;
@@ -104,6 +107,36 @@ impl CryptoLegs {
     /// The relay's certificate fingerprint, for `a=fingerprint`.
     pub fn fingerprint(&self) -> &Fingerprint {
         self.dtls.fingerprint()
+    }
+
+    /// The ICE relay legs of a stored `model` (a restart): each one with stored credentials
+    /// answers its peer's checks again, its nominated address (the leg's peer) taken as
+    /// nominated now, keyed if its keys were stored.
+    pub(crate) fn resume(&self, model: &mediaplane_core::Model) {
+        let now_ns = mediaplane_dataplane::monotonic_ns();
+        let mut legs = self.legs.lock();
+        for leg in model.relays.values().flat_map(|r| [&r.a, &r.b]).filter(|l| l.ice) {
+            let Some(c) = &leg.ice_credentials else { continue };
+            let credentials = |(ufrag, pwd): (&String, &String)| Credentials { ufrag: ufrag.clone(), pwd: pwd.clone() };
+            let spec = CryptoLegSpec {
+                local: leg.local,
+                local_ice: credentials((&c.local_ufrag, &c.local_pwd)),
+                remote_ice: c.remote.as_ref().map(|(u, p)| credentials((u, p))),
+                role: if c.dtls_client { Role::Client } else { Role::Server },
+                // A new DTLS handshake needs the peer's re-offer anyway (the certificate is new).
+                remote_fingerprint: None,
+            };
+            let mut agent = LiteAgent::new(spec.local_ice.clone(), spec.remote_ice.clone());
+            if let Some(peer) = leg.remote {
+                agent.resume(peer, now_ns);
+            }
+            let keyed = leg.srtp.as_ref().is_some_and(|s| s.inbound.is_some() && s.outbound.is_some());
+            let resumed = CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed, checked: true, since: std::time::Instant::now() };
+            legs.insert(leg.uid, resumed);
+        }
+        if !legs.is_empty() {
+            tracing::info!(legs = legs.len(), "ICE legs resumed from the store");
+        }
     }
 }
 

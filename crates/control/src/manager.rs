@@ -166,6 +166,8 @@ impl SessionManager {
         }
         let table = Arc::new(compile(&model, 1, &limits));
         dataplane.apply(table.clone())?;
+        let crypto_legs = crate::crypto_legs::CryptoLegs::new()?;
+        crypto_legs.resume(&model);
         Ok(SessionManager {
             store: Mutex::new(store),
             current: ArcSwap::from_pointee(Snapshot { model, table }),
@@ -174,7 +176,7 @@ impl SessionManager {
             limits,
             quality: Mutex::new(HashMap::new()),
             mos_totals: Mutex::new(MosTotals::default()),
-            crypto_legs: crate::crypto_legs::CryptoLegs::new()?,
+            crypto_legs,
             next_window_close: Mutex::new(None),
             rtsp: std::sync::OnceLock::new(),
             dtmf_reports: std::sync::OnceLock::new(),

@@ -500,6 +500,11 @@ pub struct Leg {
     /// one sent to or accepted; nothing is learnt from media.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub ice: bool,
+    /// An ICE leg's credentials (both ends', from the SDPs) and DTLS role: stored with its keys
+    /// so that after a restart the relay still answers its peer's consent checks, and media
+    /// goes on. Secret as the keys are: never in an API view.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ice_credentials: Option<IceCredentials>,
     /// Call control of what this leg's peer sends (directional: NG `block media` and the like
     /// with a `from-tag`); the relay's own [`Relay::control`] adds to it.
     #[serde(default, skip_serializing_if = "MediaControl::is_off")]
@@ -511,6 +516,25 @@ pub struct Leg {
     /// DTMF events to put into what its peer sends (NG `play DTMF`), in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dtmf: Vec<DtmfEvent>,
+}
+
+/// What an ICE leg's handshake state is rebuilt from after a restart ([`Leg::ice_credentials`]).
+#[derive(Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct IceCredentials {
+    pub local_ufrag: String,
+    pub local_pwd: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote: Option<(String, String)>,
+    /// The relay is the DTLS client (`a=setup:active`).
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub dtls_client: bool,
+}
+
+impl std::fmt::Debug for IceCredentials {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        // The passwords stay out of logs.
+        f.debug_struct("IceCredentials").field("local_ufrag", &self.local_ufrag).field("remote_ufrag", &self.remote.as_ref().map(|r| &r.0)).finish()
+    }
 }
 
 /// One RFC 4733 event to put into a party's audio (NG `play DTMF`). The party's own packets
@@ -1579,6 +1603,7 @@ impl Model {
             srtp: None,
             clock_rate: None,
             ice: false,
+            ice_credentials: None,
             control: MediaControl::default(),
             telephone_events: Vec::new(),
             dtmf: Vec::new(),

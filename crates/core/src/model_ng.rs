@@ -55,6 +55,14 @@ impl Model {
     /// Make a leg an ICE + DTLS-SRTP one (a WebRTC party, [`crate::model::Leg::ice`]) or a plain
     /// one again; true if that changed anything. Turning it on forgets the signalled and
     /// latched addresses: only a nomination ([`Model::set_leg_nominated`]) gives it a peer.
+    /// Store an ICE leg's credentials ([`crate::model::Leg::ice_credentials`]); true if changed.
+    pub fn set_leg_ice_credentials(&mut self, id: &str, side: Side, credentials: Option<crate::model::IceCredentials>) -> Result<bool, ModelError> {
+        let leg = self.leg_mut(id, side)?;
+        let changed = leg.ice_credentials != credentials;
+        leg.ice_credentials = credentials;
+        Ok(changed)
+    }
+
     pub fn set_leg_ice(&mut self, id: &str, side: Side, ice: bool) -> Result<bool, ModelError> {
         let leg = self.leg_mut(id, side)?;
         if leg.ice == ice {

@@ -224,6 +224,9 @@ pub struct RelayProc {
     proc: Supervised,
     log: PathBuf,
     pub mediaplane: bool,
+    /// How it was started (program, arguments, environment): [`RelayProc::restart`] runs it
+    /// again.
+    command: (std::ffi::OsString, Vec<std::ffi::OsString>, Vec<(std::ffi::OsString, std::ffi::OsString)>),
 }
 
 impl RelayProc {
@@ -315,10 +318,34 @@ impl RelayProc {
             }
             other => bail!("unknown relay {other:?}: use {}", RELAYS.join(", ")),
         }
+        let command = (
+            cmd.get_program().to_owned(),
+            cmd.get_args().map(|a| a.to_owned()).collect(),
+            cmd.get_envs().filter_map(|(k, v)| Some((k.to_owned(), v?.to_owned()))).collect(),
+        );
         let proc = Supervised::spawn(name, cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(logf))?;
-        let mut me = RelayProc { name: name.to_string(), proc, log, mediaplane: name.starts_with("mediaplane") };
+        let mut me = RelayProc { name: name.to_string(), proc, log, mediaplane: name.starts_with("mediaplane"), command };
         me.wait_ready(tb)?;
         Ok(me)
+    }
+
+    /// Stop mediaplane (SIGTERM, as systemd does) and start it again on its store, as it was
+    /// started but for `--reset`: what it held comes back from the store. Its log goes on in
+    /// the same file.
+    pub fn restart(&mut self, tb: &Testbed) -> anyhow::Result<()> {
+        if !self.mediaplane {
+            bail!("{}: only mediaplane restarts on its store", self.name);
+        }
+        if self.proc.exited()?.is_some() {
+            bail!("{} died before the restart: {}", self.name, self.log_tail());
+        }
+        self.proc.terminate(Duration::from_secs(15))?;
+        let (program, args, envs) = &self.command;
+        let mut cmd = std::process::Command::new(program);
+        cmd.args(args.iter().filter(|a| a.as_os_str() != "--reset")).envs(envs.iter().map(|(k, v)| (k, v)));
+        let logf = std::fs::OpenOptions::new().append(true).open(&self.log)?;
+        self.proc = Supervised::spawn(&self.name, cmd.stdin(Stdio::null()).stdout(Stdio::null()).stderr(logf))?;
+        self.wait_ready(tb)
     }
 
     /// `ip netns exec` execs the relay: the child's pid is the relay's.

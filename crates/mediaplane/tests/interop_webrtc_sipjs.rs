@@ -86,6 +86,7 @@ setInterval(async () => {
     Object.assign(out, {call_id: call.request.callId, state: call.state});
     const pc = call.sessionDescriptionHandler && call.sessionDescriptionHandler.peerConnection;
     if (pc) {
+      out.ice = pc.iceConnectionState;
       out.offer = pc.localDescription && pc.localDescription.sdp;
       (await pc.getStats()).forEach(r => {
         if (r.type === 'inbound-rtp' && r.kind === 'audio') Object.assign(out, {in_packets: r.packetsReceived, in_lost: r.packetsLost, in_ssrc: r.ssrc});
@@ -374,23 +375,32 @@ impl Receipts {
 }
 
 fn run_plain(relay: Relay) {
-    run(relay, Callee::Plain, false);
+    run(relay, Callee::Plain, false, false);
+}
+
+/// The relay restarts mid-call (mediaplane only: rtpengine restarts without its calls unless
+/// it keeps them in Redis, which this bed does not run).
+fn run_restart(relay: Relay) {
+    run(relay, Callee::Plain, false, true);
 }
 
 /// A video call: audio and VP8 video, each section to its own plain port pair.
 fn run_video(relay: Relay) {
-    run(relay, Callee::Plain, true);
+    run(relay, Callee::Plain, true, false);
 }
 
 /// DTLS-SRTP bridged to SDES-SRTP: the callee's key is fresh per run.
 fn run_sdes(relay: Relay) {
     let mut key = [0u8; 30];
     std::fs::File::open("/dev/urandom").and_then(|mut f| std::io::Read::read_exact(&mut f, &mut key)).expect("reading /dev/urandom");
-    run(relay, Callee::Sdes(key), false);
+    run(relay, Callee::Sdes(key), false, false);
 }
 
-fn run(relay: Relay, callee: Callee, video: bool) {
-    let test = format!("interop_webrtc_sipjs ({}, {callee:?}{})", relay.name(), if video { ", video" } else { "" });
+fn run(relay: Relay, callee: Callee, video: bool, restart: bool) {
+    let test = format!("interop_webrtc_sipjs ({}, {callee:?}{}{})", relay.name(), if video { ", video" } else { "" }, if restart { ", restart" } else { "" });
+    // A restarted call: 3 s before the restart, then until 10 s after it (the restart takes a
+    // second or two); the plain party sends throughout.
+    let total = if restart { 5 * PACKETS } else { PACKETS };
     let Some(chromium) = browser::chromium(&test) else { return };
     if !sipjs_dir().join("index.js").exists() {
         assert!(!mediaplane_bench::in_ci(), "{test}: SIP.js is not installed (make deps), and CI=true");
@@ -403,6 +413,7 @@ fn run(relay: Relay, callee: Callee, video: bool) {
         return;
     }
     let prefix = match (callee, video) {
+        _ if restart => "webrtc-restart",
         (_, true) => "webrtc-video",
         (Callee::Plain, false) => "webrtc-sipjs",
         (Callee::Sdes(_), false) => "webrtc-sdes",
@@ -467,6 +478,11 @@ fn run(relay: Relay, callee: Callee, video: bool) {
     let mut relay_srtp: Option<Arc<Context>> = None;
     let (mut receipts, mut video_receipts) = (Receipts::default(), Receipts::default());
     let (mut next, mut media_start, mut reports_sent) = (0u16, None::<Instant>, 0u64);
+    // When the restart was done and how it went; what had arrived (at the plain party, at the
+    // browser) and been sent (by the plain party) by then, and 6 s after.
+    let mut restarted: Option<(Instant, Result<(), String>)> = None;
+    let mut at_restart = (0u64, 0u64);
+    let mut after_restart: Option<(u64, u64, u16)> = None;
     let deadline = Instant::now() + Duration::from_secs(40);
     while Instant::now() < deadline {
         for line in uas_log.lines() {
@@ -495,7 +511,7 @@ fn run(relay: Relay, callee: Callee, video: bool) {
             media_start = Some(Instant::now());
         }
         if let (Some(start), Some(to)) = (media_start, relay_for_plain) {
-            while next < PACKETS && start.elapsed() >= Duration::from_millis(20 * next as u64) {
+            while next < total && start.elapsed() >= Duration::from_millis(20 * next as u64) {
                 let packet = build_rtp(0, next, next as u32 * 160, PLAIN_SSRC, &[0xff; 160]);
                 let packet = match &own_srtp {
                     Some(ctx) => protect(Some(ctx), &packet).expect("SRTP protect"),
@@ -539,10 +555,27 @@ fn run(relay: Relay, callee: Callee, video: bool) {
         // Done when the media is through and the RTCP has gone both ways (or after 12 s: a
         // browser reports its audio every 5 s on average, the first one sooner).
         let rtcp_through = receipts.rtcp > 0 && s["rr_in"] == true;
-        let video_through = !video || (num(&s, "in_video_packets") >= PACKETS as u64 && video_receipts.rtcp > 0 && s["rr_in_video"] == true);
-        if next == PACKETS
-            && ((num(&s, "in_packets") >= PACKETS as u64 && rtcp_through && video_through)
-                || media_start.is_some_and(|t| t.elapsed() > Duration::from_secs(12)))
+        let video_through = !video || (num(&s, "in_video_packets") >= total as u64 && video_receipts.rtcp > 0 && s["rr_in_video"] == true);
+        // The restart: 3 s into the media, mediaplane stops (SIGTERM) and starts again on its
+        // store. What the browser and the plain party receive is read 6 and 10 s after.
+        if restart && restarted.is_none() && media_start.is_some_and(|t| t.elapsed() >= Duration::from_secs(3)) {
+            at_restart = (receipts.packets, num(&s, "in_packets"));
+            let result = bed.restart_relay().map_err(|e| format!("{e:#}"));
+            restarted = Some((Instant::now(), result));
+        }
+        if let Some((at, _)) = &restarted {
+            if at.elapsed() >= Duration::from_secs(6) && after_restart.is_none() {
+                after_restart = Some((receipts.packets, num(&s, "in_packets"), next));
+            }
+        }
+        if restart {
+            if restarted.as_ref().is_some_and(|(at, _)| at.elapsed() >= Duration::from_secs(10))
+                || (next == total && media_start.is_some_and(|t| t.elapsed() > Duration::from_secs(20)))
+            {
+                break;
+            }
+        } else if next == total
+            && ((num(&s, "in_packets") >= total as u64 && rtcp_through && video_through) || media_start.is_some_and(|t| t.elapsed() > Duration::from_secs(12)))
         {
             break;
         }
@@ -576,8 +609,10 @@ fn run(relay: Relay, callee: Callee, video: bool) {
     }
     check(s["dtls"] == "connected", format!("the browser's DTLS is connected ({}, {})", s["dtls"], s["srtp_cipher"]));
     let (in_packets, in_lost) = (num(&s, "in_packets"), num(&s, "in_lost"));
-    check(in_packets >= PACKETS as u64 * 95 / 100, format!("the browser received {in_packets} of the plain party's {PACKETS} packets (getStats)"));
-    check(in_lost <= PACKETS as u64 / 20, format!("the browser counted {in_lost} lost"));
+    // (Across a restart the plain party's packets sent while the relay is down are lost.)
+    let (min_in, max_lost) = if restart { (next as u64 * 3 / 4, next as u64 / 4) } else { (next as u64 * 95 / 100, next as u64 / 20) };
+    check(in_packets >= min_in, format!("the browser received {in_packets} of the plain party's {next} packets (getStats)"));
+    check(in_lost <= max_lost, format!("the browser counted {in_lost} lost"));
     check(s["in_ssrc"].as_u64() == Some(PLAIN_SSRC as u64), format!("from the plain party's SSRC (browser saw {})", s["in_ssrc"]));
     let sent = num(&s, "out_packets");
     check(sent > 0 && receipts.packets + 5 >= sent * 95 / 100, format!("the plain party received {} of the {sent} packets the browser sent", receipts.packets));
@@ -593,13 +628,30 @@ fn run(relay: Relay, callee: Callee, video: bool) {
         format!("the browser's RTCP reached the plain party's RTCP port ({} packets; {} on its RTP port)", receipts.rtcp, receipts.rtcp_on_rtp_port),
     );
     check(s["rr_in"] == true, format!("the plain party's reports ({reports_sent} sent) reached the browser (getStats: remote-inbound-rtp)"));
+    if restart {
+        // The browser's transport outlives the relay's process: its consent checks are answered
+        // by the restarted relay (otherwise Chromium stops sending within seconds), and media
+        // goes both ways from 6 to 10 s after the restart.
+        let restart_result = restarted.as_ref().map(|(_, r)| r.clone());
+        check(matches!(restart_result, Some(Ok(()))), format!("mediaplane restarted on its store mid-call: {restart_result:?}"));
+        let (plain_at_6, browser_at_6, sent_at_6) = after_restart.unwrap_or_default();
+        let (plain_gain, browser_gain, sent) =
+            (receipts.packets.saturating_sub(plain_at_6), in_packets.saturating_sub(browser_at_6), next.saturating_sub(sent_at_6) as u64);
+        // 4 s of a browser's audio is 200 packets; the plain party sends 50 a second too.
+        check(plain_gain >= 150, format!("the plain party received {plain_gain} of the browser's packets 6-10 s after the restart"));
+        check(
+            sent >= 150 && browser_gain + 10 >= sent * 9 / 10,
+            format!("the browser received {browser_gain} of the {sent} packets the plain party sent 6-10 s after the restart"),
+        );
+        check(matches!(s["ice"].as_str(), Some("connected" | "completed")), format!("the browser's ICE is {} at the end", s["ice"]));
+    }
     if video {
         // The video section goes its own way: the plain party's video port pair.
         check(relay_for_video.is_some(), format!("the UAS was offered a video section at the relay: {relay_for_video:?}"));
         let (in_video, video_ssrc) = (num(&s, "in_video_packets"), s["in_video_ssrc"].as_u64());
         check(
-            in_video >= PACKETS as u64 * 95 / 100 && video_ssrc == Some(PLAIN_VIDEO_SSRC as u64),
-            format!("the browser received {in_video} of the plain party's {PACKETS} video packets, SSRC {video_ssrc:?}"),
+            in_video >= total as u64 * 95 / 100 && video_ssrc == Some(PLAIN_VIDEO_SSRC as u64),
+            format!("the browser received {in_video} of the plain party's {total} video packets, SSRC {video_ssrc:?}"),
         );
         let (sent, ssrc) = (num(&s, "out_video_packets"), s["out_video_ssrc"].as_u64().map(|v| v as u32));
         let got = video_receipts.seen.iter().filter(|(x, _)| Some(*x) == ssrc).count() as u64;
@@ -617,7 +669,7 @@ fn run(relay: Relay, callee: Callee, video: bool) {
 
     if relay != Relay::Rtpengine {
         // (On the eBPF plane the slow path's counters; a counter missing panics, not reads as 0.)
-        let st = common::netns::try_api(tb, "GET", "/v1/stats", None);
+        let st = common::netns::try_api(&bed.tb, "GET", "/v1/stats", None);
         let failed: Vec<String> = ["srtp_no_key", "srtp_auth_failed", "srtp_replayed", "srtp_invalid", "srtp_protect_failed"]
             .into_iter()
             .map(|k| (k, common::srtp_counter(&st, k)))
@@ -627,7 +679,7 @@ fn run(relay: Relay, callee: Callee, video: bool) {
         check(failed.is_empty(), format!("the relay counted no SRTP failure {failed:?}"));
         let call_id = s["call_id"].as_str().unwrap_or_default();
         let id = mediaplane_ng::calls::rtp_relay_id(&mediaplane_ng::calls::call_key(call_id), 0);
-        match common::netns::try_api(tb, "GET", &format!("/v1/relays/{id}"), None) {
+        match common::netns::try_api(&bed.tb, "GET", &format!("/v1/relays/{id}"), None) {
             Ok(view) => {
                 let leg = &view["a"];
                 let offer = s["offer"].as_str().unwrap_or_default();
@@ -638,10 +690,11 @@ fn run(relay: Relay, callee: Callee, video: bool) {
                 let suite = leg["srtp"]["inbound"]["suite"].as_str().unwrap_or_default();
                 let keyed = ["AEAD_AES_128_GCM", "AES_CM_128_HMAC_SHA1_80"].contains(&suite) && leg["srtp"]["inbound"].get("master").is_none();
                 check(keyed, format!("keyed by the handshake, no key in the view ({})", leg["srtp"]));
+                check(leg.get("ice_credentials").is_none() && !leg.to_string().contains("pwd"), "nor its stored ICE credentials".into());
             }
             Err(e) => check(false, format!("the call's relay {id} in the API: {e}")),
         }
-        let table = common::netns::try_api(tb, "GET", "/v1/table", None).map(|t| t.to_string()).unwrap_or_default();
+        let table = common::netns::try_api(&bed.tb, "GET", "/v1/table", None).map(|t| t.to_string()).unwrap_or_default();
         check(
             (table.contains("AEAD_AES_128_GCM") || table.contains("AES_CM_128_HMAC_SHA1_80")) && !table.contains("\"master\""),
             "nor in the forwarding table's view".into(),
@@ -656,10 +709,27 @@ fn run(relay: Relay, callee: Callee, video: bool) {
         eprintln!("browser report: {s}\nchromium log:\n{}", chrome.log_tail(20));
     }
     drop(chrome);
-    bed.finish(receipts.packets as usize + in_packets as usize, report, failures);
+    // The eBPF plane's counters start over with the restarted process: held against what arrived
+    // since.
+    let received = receipts.packets + in_packets - if restart { at_restart.0 + at_restart.1 } else { 0 };
+    bed.finish(received as usize, report, failures);
 }
 
 relay_tests!(run_plain, webrtc_sipjs_rtpengine, webrtc_sipjs_mediaplane_userspace, webrtc_sipjs_mediaplane_ebpf);
+
+mod restart {
+    use super::*;
+
+    #[test]
+    fn webrtc_restart_mediaplane_userspace() {
+        run_restart(Relay::MediaplaneUserspace);
+    }
+
+    #[test]
+    fn webrtc_restart_mediaplane_ebpf() {
+        run_restart(Relay::MediaplaneEbpf);
+    }
+}
 
 mod video {
     use super::*;

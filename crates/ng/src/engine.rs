@@ -1683,6 +1683,48 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         assert_eq!(attr(&text(&r, "sdp"), "ice-ufrag"), Some(ufrag));
     }
 
+    /// A restart keeps a browser's call: the ICE leg's credentials are stored with it, so the
+    /// restarted relay answers the browser's consent checks from its nominated address (and
+    /// refuses a check signed otherwise); the stored credentials never show in the API's view.
+    #[test]
+    fn an_ice_leg_answers_consent_checks_after_a_restart() {
+        let dir = std::env::temp_dir().join(format!("mp-ng-ice-restart-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let media = MediaConfig { ip: "203.0.113.5".parse().unwrap(), port_min: 30000, port_max: 30019, ..Default::default() };
+        let open = || SessionManager::open(Store::open(&dir.join("store.db")).unwrap(), Arc::new(NullDataplane), media.clone(), Limits::default()).unwrap();
+        let m = open();
+        let mut e = Engine::new(EngineConfig::default());
+        let mut o = offer(WEBRTC_OFFER);
+        o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
+        send(&mut e, &m, "o1", o);
+        let r = send(&mut e, &m, "a1", answer(ANSWER_SDP));
+        let to_caller = text(&r, "sdp");
+        let (ufrag, pwd) = (attr(&to_caller, "ice-ufrag").unwrap().to_string(), attr(&to_caller, "ice-pwd").unwrap().to_string());
+        use mediaplane_webrtc::stun::{attr as stun_attr, Builder, Class, BINDING};
+        let check = |pwd: &str, nominate: bool, tx: u8| {
+            let b = Builder::new(BINDING, Class::Request, [tx; 12]).attribute(stun_attr::USERNAME, format!("{ufrag}:brws").as_bytes());
+            let b = if nominate { b.attribute(stun_attr::USE_CANDIDATE, &[]) } else { b };
+            b.integrity(pwd.as_bytes()).fingerprint()
+        };
+        let (local, browser): (SocketAddr, SocketAddr) = ("203.0.113.5:30000".parse().unwrap(), "198.51.100.9:50000".parse().unwrap());
+        let uid = m.read(|model, _| model.relays.values().next().unwrap().a.uid);
+        m.on_handshake(uid, local, browser, 1, &check(&pwd, true, 1));
+        assert_eq!(m.crypto_leg(uid).and_then(|v| v.nominated), Some(browser));
+        drop(m);
+
+        let m = open();
+        let view = m.crypto_leg(uid).expect("the leg's ICE state resumed");
+        assert_eq!((view.nominated, view.checks_answered), (Some(browser), 0));
+        m.on_handshake(uid, local, browser, 2, &check(&pwd, false, 2));
+        m.on_handshake(uid, local, browser, 3, &check("not-the-relays-password-x", false, 3));
+        let view = m.crypto_leg(uid).unwrap();
+        assert_eq!((view.checks_answered, view.checks_refused, view.nominated), (1, 1, Some(browser)));
+        assert_eq!(m.read(|model, _| model.relays.values().next().unwrap().a.remote), Some(browser), "still the leg's peer");
+        let stored = m.read(|model, _| model.relays.values().next().unwrap().a.ice_credentials.clone()).unwrap();
+        assert!(stored.local_pwd == pwd && !format!("{stored:?}").contains(&pwd), "kept, and out of Debug");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
     #[test]
     fn generate_mid_and_rtcp_mux_require_are_acted_on_toward_webrtc_only() {
         let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));

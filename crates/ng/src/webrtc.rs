@@ -24,7 +24,7 @@ use crate::sdp::Sdp;
 use mediaplane_control::crypto_legs::CryptoLegSpec;
 use mediaplane_control::manager::{ManagerError, SessionManager};
 use mediaplane_control::store::Change;
-use mediaplane_core::model::Side;
+use mediaplane_core::model::{IceCredentials, Side};
 use mediaplane_core::Model;
 use mediaplane_webrtc::dtls::{Fingerprint, Role};
 use mediaplane_webrtc::ice::Credentials;
@@ -217,6 +217,14 @@ pub fn install(model: &mut Model, call: &mut Call, plans: &[WebrtcPlan], changes
         for (x, side) in [(0, Side::A), (1, Side::B)] {
             let webrtc = m.webrtc[x].is_some();
             changed |= model.set_leg_ice(&id, side, webrtc)?;
+            // Stored with the leg: a restarted relay answers the peer's consent checks.
+            let credentials = m.webrtc[x].as_ref().map(|w| IceCredentials {
+                local_ufrag: w.local_ice.ufrag.clone(),
+                local_pwd: w.local_ice.pwd.clone(),
+                remote: w.remote_ice.as_ref().map(|r| (r.ufrag.clone(), r.pwd.clone())),
+                dtls_client: w.role == Role::Client,
+            });
+            changed |= model.set_leg_ice_credentials(&id, side, credentials)?;
             let leg = match side {
                 Side::A => model.relays.get(&id).map(|r| &r.a),
                 Side::B => model.relays.get(&id).map(|r| &r.b),

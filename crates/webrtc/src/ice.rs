@@ -93,6 +93,14 @@ impl LiteAgent {
         *self = LiteAgent::new(local, remote);
     }
 
+    /// Take `selected` as nominated at `now_ns` (a restarted relay's stored leg): its consent
+    /// checks are answered and timed from here, as if it had just nominated.
+    pub fn resume(&mut self, selected: SocketAddr, now_ns: u64) {
+        self.selected = Some(selected);
+        self.checked = Some(selected);
+        self.last_valid_ns = Some(now_ns);
+    }
+
     /// Handle a datagram from `source` that demultiplexed as STUN.
     pub fn on_stun(&mut self, packet: &[u8], source: SocketAddr, now_ns: u64) -> CheckOutcome {
         let Ok(msg) = Message::parse(packet) else {

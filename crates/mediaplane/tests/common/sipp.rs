@@ -176,6 +176,12 @@ impl Bed {
     /// packets the endpoints counted were forwarded in the kernel, or handed up), print the
     /// report; fail with `failures` and the logs' tails, or stop the relay cleanly.
     /// MP_KEEP_TMP=1 keeps the run's directory.
+    /// Restart mediaplane on its store ([`mediaplane_harness::bench_relay::RelayProc::restart`]).
+    #[allow(dead_code)] // Not every test binary restarts.
+    pub fn restart_relay(&mut self) -> anyhow::Result<()> {
+        self.relay_proc.restart(&self.tb)
+    }
+
     pub fn finish(self, received: usize, mut report: String, mut failures: Vec<String>) {
         self.check_kernel_path(received, &mut report, &mut failures);
         let Bed { relay, tb, tmp, mut relay_proc, kamailio, started, .. } = self;
