@@ -46,6 +46,9 @@ struct CryptoLeg {
     /// DTLS from anywhere but a valid ICE pair's source, or before a fingerprint is known.
     dtls_refused: u64,
     keyed: bool,
+    /// Keyed by a handshake before a restart (the keys stored with the leg): no handshake is
+    /// started for it until signalling changes the peer's fingerprint or the roles.
+    resumed: bool,
     /// The first address an ICE check of it was answered for went to the model (see
     /// [`mediaplane_core::Model::set_participant_checked`]): once is enough.
     checked: bool,
@@ -63,7 +66,8 @@ impl CryptoLeg {
     /// peer nominated an address and its fingerprint is known (in whichever order those came).
     /// True if it started (its first flight waits in the session's output).
     fn start_client(&mut self, ctx: &DtlsContext, stream: u32) -> bool {
-        let (Role::Client, None, Some(fp), Some(_)) = (self.spec.role, &self.dtls, &self.spec.remote_fingerprint, self.agent.selected()) else {
+        let (Role::Client, None, Some(fp), Some(_), false) = (self.spec.role, &self.dtls, &self.spec.remote_fingerprint, self.agent.selected(), self.resumed)
+        else {
             return false;
         };
         match ctx.session(Role::Client, fp.clone()) {
@@ -99,8 +103,29 @@ pub struct CryptoLegs {
 }
 
 impl CryptoLegs {
-    pub fn new() -> Result<CryptoLegs, ManagerError> {
-        let dtls = DtlsContext::generate().map_err(|e| ManagerError::Internal(format!("no DTLS certificate: {e}")))?;
+    /// With the certificate `store` keeps, or a new one it keeps from now on: a restarted relay
+    /// (or one taking over the store) presents the fingerprint its peers' SDP already has, so a
+    /// re-offer after the restart needs no new handshake. One that is unreadable or near its
+    /// end is replaced (and said so).
+    pub fn open(store: &mut crate::store::Store) -> Result<CryptoLegs, ManagerError> {
+        let stored = match store.dtls_identity()?.map(|pem| DtlsContext::from_pem(&pem)) {
+            Some(Ok(dtls)) => Some(dtls),
+            Some(Err(e)) => {
+                tracing::warn!(error = %e, "the stored DTLS certificate is replaced by a new one");
+                None
+            }
+            None => None,
+        };
+        let dtls = match stored {
+            Some(dtls) => dtls,
+            None => {
+                let dtls = DtlsContext::generate().map_err(|e| ManagerError::Internal(format!("no DTLS certificate: {e}")))?;
+                let pem = dtls.to_pem().map_err(|e| ManagerError::Internal(format!("DTLS certificate: {e}")))?;
+                store.set_dtls_identity(&pem)?;
+                dtls
+            }
+        };
+        tracing::info!(fingerprint = %dtls.fingerprint().to_sdp(), "DTLS certificate");
         Ok(CryptoLegs { dtls, legs: Mutex::new(HashMap::new()) })
     }
 
@@ -123,15 +148,17 @@ impl CryptoLegs {
                 local_ice: credentials((&c.local_ufrag, &c.local_pwd)),
                 remote_ice: c.remote.as_ref().map(|(u, p)| credentials((u, p))),
                 role: if c.dtls_client { Role::Client } else { Role::Server },
-                // A new DTLS handshake needs the peer's re-offer anyway (the certificate is new).
-                remote_fingerprint: None,
+                remote_fingerprint: c
+                    .remote_fingerprint
+                    .as_deref()
+                    .and_then(|f| Fingerprint::parse(f).inspect_err(|e| tracing::warn!(uid = leg.uid, error = %e, "stored peer fingerprint not taken")).ok()),
             };
             let mut agent = LiteAgent::new(spec.local_ice.clone(), spec.remote_ice.clone());
             if let Some(peer) = leg.remote {
                 agent.resume(peer, now_ns);
             }
             let keyed = leg.srtp.as_ref().is_some_and(|s| s.inbound.is_some() && s.outbound.is_some());
-            let resumed = CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed, checked: true, since: std::time::Instant::now() };
+            let resumed = CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed, resumed: keyed, checked: true, since: std::time::Instant::now() };
             legs.insert(leg.uid, resumed);
         }
         if !legs.is_empty() {
@@ -170,12 +197,16 @@ impl SessionManager {
                 }
                 if leg.spec.role != spec.role || leg.spec.remote_fingerprint != spec.remote_fingerprint {
                     leg.dtls = None;
+                    leg.resumed = false;
                 }
                 leg.spec = spec;
             }
             None => {
                 let agent = LiteAgent::new(spec.local_ice.clone(), spec.remote_ice.clone());
-                legs.insert(uid, CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed: false, checked: false, since: std::time::Instant::now() });
+                legs.insert(
+                    uid,
+                    CryptoLeg { spec, agent, dtls: None, dtls_refused: 0, keyed: false, resumed: false, checked: false, since: std::time::Instant::now() },
+                );
             }
         }
     }

@@ -166,7 +166,7 @@ impl SessionManager {
         }
         let table = Arc::new(compile(&model, 1, &limits));
         dataplane.apply(table.clone())?;
-        let crypto_legs = crate::crypto_legs::CryptoLegs::new()?;
+        let crypto_legs = crate::crypto_legs::CryptoLegs::open(&mut store)?;
         crypto_legs.resume(&model);
         Ok(SessionManager {
             store: Mutex::new(store),

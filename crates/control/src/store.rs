@@ -60,6 +60,9 @@ pub trait Backend: Send {
     /// Write the bodies given (None: delete) and the next uid, in one transaction.
     fn write(&mut self, rooms: &[(&str, Option<String>)], relays: &[(&str, Option<String>)], next_uid: u32) -> Result<(), StoreError>;
     fn clear(&mut self) -> Result<(), StoreError>;
+    /// A value kept beside the sessions (the DTLS certificate); `clear` forgets it too.
+    fn read_meta(&mut self, key: &str) -> Result<Option<String>, StoreError>;
+    fn write_meta(&mut self, key: &str, value: &str) -> Result<(), StoreError>;
     /// For logs: what it is and where.
     fn describe(&self) -> String;
 }
@@ -135,7 +138,20 @@ impl Store {
     pub fn clear(&mut self) -> Result<(), StoreError> {
         self.backend.clear()
     }
+
+    /// The relay's DTLS certificate and private key (PEM), as [`Store::set_dtls_identity`] kept it.
+    pub fn dtls_identity(&mut self) -> Result<Option<String>, StoreError> {
+        self.backend.read_meta(DTLS_IDENTITY)
+    }
+
+    pub fn set_dtls_identity(&mut self, pem: &str) -> Result<(), StoreError> {
+        self.backend.write_meta(DTLS_IDENTITY, pem)
+    }
 }
+
+/// The meta key of the DTLS certificate: kept so that a restarted relay (or one that takes
+/// over the store) presents the fingerprint its peers' SDP knows.
+const DTLS_IDENTITY: &str = "dtls_identity";
 
 /// The embedded store: one SQLite file, one row per room and per relay.
 pub struct SqliteStore {
@@ -212,6 +228,15 @@ impl Backend for SqliteStore {
 
     fn clear(&mut self) -> Result<(), StoreError> {
         self.conn.execute_batch("DELETE FROM rooms; DELETE FROM relays; DELETE FROM meta WHERE key != 'schema';")?;
+        Ok(())
+    }
+
+    fn read_meta(&mut self, key: &str) -> Result<Option<String>, StoreError> {
+        Ok(self.conn.query_row("SELECT value FROM meta WHERE key = ?1", params![key], |r| r.get(0)).optional()?)
+    }
+
+    fn write_meta(&mut self, key: &str, value: &str) -> Result<(), StoreError> {
+        self.conn.execute("INSERT OR REPLACE INTO meta (key, value) VALUES (?1, ?2)", params![key, value])?;
         Ok(())
     }
 
@@ -307,6 +332,14 @@ impl Backend for RedisStore {
         self.with(|c, k| redis::pipe().atomic().del(&k.rooms).ignore().del(&k.relays).ignore().del(&k.meta).ignore().query::<()>(c))
     }
 
+    fn read_meta(&mut self, key: &str) -> Result<Option<String>, StoreError> {
+        self.with(|c, k| redis::cmd("HGET").arg(&k.meta).arg(key).query(c))
+    }
+
+    fn write_meta(&mut self, key: &str, value: &str) -> Result<(), StoreError> {
+        self.with(|c, k| redis::cmd("HSET").arg(&k.meta).arg(key).arg(value).query::<()>(c))
+    }
+
     fn describe(&self) -> String {
         format!("{} (keys {}:*)", self.url, self.prefix)
     }
@@ -344,12 +377,21 @@ mod tests {
             m.delete_relay("call").unwrap();
             st.save(&m, &[Change::Relay("call".into())]).unwrap();
         }
+        {
+            let mut st = open();
+            assert_eq!(st.dtls_identity().unwrap(), None);
+            st.set_dtls_identity("-----BEGIN PRIVATE KEY-----\n...").unwrap();
+            // A session's save leaves it as it is.
+            st.save(&m, &[Change::Room("r".into())]).unwrap();
+        }
         let mut st = open();
         let loaded = st.load().unwrap();
         assert!(loaded.relays.is_empty());
         assert_eq!(loaded.next_uid(), m.next_uid(), "uids are never reused");
+        assert_eq!(st.dtls_identity().unwrap().as_deref(), Some("-----BEGIN PRIVATE KEY-----\n..."), "{}", st.describe());
         st.clear().unwrap();
         assert!(st.load().unwrap().rooms.is_empty());
+        assert_eq!(st.dtls_identity().unwrap(), None, "--reset makes a new certificate");
     }
 
     #[test]

@@ -528,6 +528,11 @@ pub struct IceCredentials {
     /// The relay is the DTLS client (`a=setup:active`).
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub dtls_client: bool,
+    /// The peer's certificate fingerprint as its SDP gave it (`sha-256 AB:CD:..`): a restarted
+    /// relay checks a new handshake against it, and knows a re-offer that repeats it for one
+    /// that changes nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub remote_fingerprint: Option<String>,
 }
 
 impl std::fmt::Debug for IceCredentials {

@@ -1683,22 +1683,32 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         assert_eq!(attr(&text(&r, "sdp"), "ice-ufrag"), Some(ufrag));
     }
 
+    /// A directory for a store that outlives a manager (a restart), and the media config.
+    fn restart_dir(name: &str) -> (std::path::PathBuf, MediaConfig) {
+        let dir = std::env::temp_dir().join(format!("mp-ng-{name}-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        (dir, MediaConfig { ip: "203.0.113.5".parse().unwrap(), port_min: 30000, port_max: 30019, ..Default::default() })
+    }
+
+    /// A browser's call to a plain callee through `m`: the engine, and the SDP the browser got.
+    fn browser_call(m: &SessionManager) -> (Engine, String) {
+        let mut e = Engine::new(EngineConfig::default());
+        let mut o = offer(WEBRTC_OFFER);
+        o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
+        send(&mut e, m, "o1", o);
+        let to_caller = text(&send(&mut e, m, "a1", answer(ANSWER_SDP)), "sdp");
+        (e, to_caller)
+    }
+
     /// A restart keeps a browser's call: the ICE leg's credentials are stored with it, so the
     /// restarted relay answers the browser's consent checks from its nominated address (and
     /// refuses a check signed otherwise); the stored credentials never show in the API's view.
     #[test]
     fn an_ice_leg_answers_consent_checks_after_a_restart() {
-        let dir = std::env::temp_dir().join(format!("mp-ng-ice-restart-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        let media = MediaConfig { ip: "203.0.113.5".parse().unwrap(), port_min: 30000, port_max: 30019, ..Default::default() };
+        let (dir, media) = restart_dir("ice-restart");
         let open = || SessionManager::open(Store::open(&dir.join("store.db")).unwrap(), Arc::new(NullDataplane), media.clone(), Limits::default()).unwrap();
         let m = open();
-        let mut e = Engine::new(EngineConfig::default());
-        let mut o = offer(WEBRTC_OFFER);
-        o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
-        send(&mut e, &m, "o1", o);
-        let r = send(&mut e, &m, "a1", answer(ANSWER_SDP));
-        let to_caller = text(&r, "sdp");
+        let (mut e, to_caller) = browser_call(&m);
         let (ufrag, pwd) = (attr(&to_caller, "ice-ufrag").unwrap().to_string(), attr(&to_caller, "ice-pwd").unwrap().to_string());
         use mediaplane_webrtc::stun::{attr as stun_attr, Builder, Class, BINDING};
         let check = |pwd: &str, nominate: bool, tx: u8| {
@@ -1710,9 +1720,13 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         let uid = m.read(|model, _| model.relays.values().next().unwrap().a.uid);
         m.on_handshake(uid, local, browser, 1, &check(&pwd, true, 1));
         assert_eq!(m.crypto_leg(uid).and_then(|v| v.nominated), Some(browser));
+        let fingerprint = attr(&to_caller, "fingerprint").unwrap().to_string();
+        assert_eq!(fingerprint, m.dtls_fingerprint().to_sdp());
         drop(m);
 
         let m = open();
+        // The same certificate: the fingerprint the browser checked is still the relay's.
+        assert_eq!(m.dtls_fingerprint().to_sdp(), fingerprint, "the certificate was kept in the store");
         let view = m.crypto_leg(uid).expect("the leg's ICE state resumed");
         assert_eq!((view.nominated, view.checks_answered), (Some(browser), 0));
         m.on_handshake(uid, local, browser, 2, &check(&pwd, false, 2));
@@ -1722,6 +1736,62 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
         assert_eq!(m.read(|model, _| model.relays.values().next().unwrap().a.remote), Some(browser), "still the leg's peer");
         let stored = m.read(|model, _| model.relays.values().next().unwrap().a.ice_credentials.clone()).unwrap();
         assert!(stored.local_pwd == pwd && !format!("{stored:?}").contains(&pwd), "kept, and out of Debug");
+        assert_eq!(stored.remote_fingerprint.as_deref(), attr(WEBRTC_OFFER, "fingerprint"), "the browser's fingerprint kept");
+        // The browser's re-offer after the restart is answered with the same credentials and
+        // fingerprint, and starts no new handshake.
+        let mut o = offer(WEBRTC_OFFER);
+        o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
+        send(&mut e, &m, "o2", o);
+        let again = text(&send(&mut e, &m, "a2", answer(ANSWER_SDP)), "sdp");
+        assert_eq!((attr(&again, "ice-ufrag"), attr(&again, "fingerprint")), (Some(ufrag.as_str()), Some(fingerprint.as_str())));
+        assert_eq!(m.crypto_leg(uid).map(|v| v.dtls), Some("waiting".to_string()));
+        drop(m);
+
+        // --reset forgets the certificate with the sessions.
+        let mut store = Store::open(&dir.join("store.db")).unwrap();
+        store.clear().unwrap();
+        let m = SessionManager::open(store, Arc::new(NullDataplane), media.clone(), Limits::default()).unwrap();
+        assert_ne!(m.dtls_fingerprint().to_sdp(), fingerprint);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    /// A leg the relay keyed as the DTLS client before a restart keeps its keys: the restarted
+    /// relay starts no new handshake when the peer's checks come (the peer has its session),
+    /// until signalling changes the peer's fingerprint.
+    #[test]
+    fn a_resumed_dtls_client_leg_starts_no_new_handshake() {
+        let (dir, media) = restart_dir("dtls-client-restart");
+        let open = || SessionManager::open(Store::open(&dir.join("store.db")).unwrap(), Arc::new(NullDataplane), media.clone(), Limits::default()).unwrap();
+        let m = open();
+        let (_, to_caller) = browser_call(&m);
+        let (ufrag, pwd) = (attr(&to_caller, "ice-ufrag").unwrap().to_string(), attr(&to_caller, "ice-pwd").unwrap().to_string());
+        // As if the relay had been the client (`a=setup:active`) and the handshake had keyed it.
+        let id = m.read(|model, _| model.relays.keys().next().unwrap().clone());
+        let key = mediaplane_core::srtp::SrtpKey { suite: mediaplane_core::srtp::SrtpSuite::AeadAes128Gcm, master: vec![7; 28] };
+        m.mutate(|model, _| {
+            let mut c = model.relays[&id].a.ice_credentials.clone().unwrap();
+            c.dtls_client = true;
+            model.set_leg_ice_credentials(&id, Side::A, Some(c))?;
+            model.set_leg_srtp(&id, Side::A, Some(mediaplane_core::srtp::LegSrtp { inbound: Some(key.clone()), outbound: Some(key.clone()) }))?;
+            Ok(((), vec![Change::Relay(id.clone())]))
+        })
+        .unwrap();
+        let uid = m.read(|model, _| model.relays[&id].a.uid);
+        drop(m);
+
+        let m = open();
+        let view = m.crypto_leg(uid).unwrap();
+        assert_eq!((view.dtls_role, view.keyed, view.dtls.as_str()), ("active", true, "waiting"));
+        use mediaplane_webrtc::stun::{attr as stun_attr, Builder, Class, BINDING};
+        let check = Builder::new(BINDING, Class::Request, [4; 12])
+            .attribute(stun_attr::USERNAME, format!("{ufrag}:brws").as_bytes())
+            .attribute(stun_attr::USE_CANDIDATE, &[])
+            .integrity(pwd.as_bytes())
+            .fingerprint();
+        let (local, browser): (SocketAddr, SocketAddr) = ("203.0.113.5:30000".parse().unwrap(), "198.51.100.9:50000".parse().unwrap());
+        m.on_handshake(uid, local, browser, 1, &check);
+        let view = m.crypto_leg(uid).unwrap();
+        assert_eq!((view.checks_answered, view.keyed, view.dtls.as_str()), (1, true, "waiting"), "no ClientHello to a peer that has its session");
         let _ = std::fs::remove_dir_all(&dir);
     }
 

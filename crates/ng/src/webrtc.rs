@@ -223,6 +223,7 @@ pub fn install(model: &mut Model, call: &mut Call, plans: &[WebrtcPlan], changes
                 local_pwd: w.local_ice.pwd.clone(),
                 remote: w.remote_ice.as_ref().map(|r| (r.ufrag.clone(), r.pwd.clone())),
                 dtls_client: w.role == Role::Client,
+                remote_fingerprint: w.remote_fingerprint.as_ref().map(|f| f.to_sdp()),
             });
             changed |= model.set_leg_ice_credentials(&id, side, credentials)?;
             let leg = match side {

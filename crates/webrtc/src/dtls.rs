@@ -41,6 +41,8 @@ pub enum DtlsError {
     NoSrtpProfile,
     #[error("unsupported fingerprint {0:?}")]
     BadFingerprint(String),
+    #[error("stored certificate not taken: {0}")]
+    Identity(String),
 }
 
 /// A certificate fingerprint as `a=fingerprint` carries it (RFC 8122 §5).
@@ -92,7 +94,16 @@ fn digest_of(algorithm: &str) -> Option<MessageDigest> {
 pub struct DtlsContext {
     ctx: SslContext,
     fingerprint: Fingerprint,
+    key: PKey<Private>,
+    cert: X509,
 }
+
+/// How long a new certificate is valid (as browsers make theirs).
+const CERTIFICATE_DAYS: u32 = 30;
+
+/// A certificate with fewer days left than this is not taken again ([`DtlsContext::from_pem`]):
+/// a new one is made, so a restart never keeps one that expires while the daemon runs on.
+pub const RENEW_DAYS_BEFORE_EXPIRY: u32 = 7;
 
 impl DtlsContext {
     /// A fresh self-signed ECDSA P-256 certificate (what browsers make for themselves too),
@@ -105,7 +116,34 @@ impl DtlsContext {
     pub fn offering(profiles: &str) -> Result<DtlsContext, DtlsError> {
         let group = EcGroup::from_curve_name(Nid::X9_62_PRIME256V1)?;
         let key = PKey::from_ec_key(EcKey::generate(&group)?)?;
-        let cert = self_signed(&key)?;
+        let cert = self_signed(&key, CERTIFICATE_DAYS)?;
+        Self::with_identity(key, cert, profiles)
+    }
+
+    /// The context of a certificate made earlier ([`DtlsContext::to_pem`]: its private key and
+    /// certificate), so that a restarted relay keeps the fingerprint its peers' SDP knows.
+    /// Refused when the two do not match or the certificate has fewer than
+    /// [`RENEW_DAYS_BEFORE_EXPIRY`] days left.
+    pub fn from_pem(pem: &str) -> Result<DtlsContext, DtlsError> {
+        let key = PKey::private_key_from_pem(pem.as_bytes())?;
+        let cert = X509::from_pem(pem.as_bytes())?;
+        if !cert.public_key()?.public_eq(&key) {
+            return Err(DtlsError::Identity("the certificate is not the private key's".into()));
+        }
+        if cert.not_after() < Asn1Time::days_from_now(RENEW_DAYS_BEFORE_EXPIRY)? {
+            return Err(DtlsError::Identity(format!("the certificate expires within {RENEW_DAYS_BEFORE_EXPIRY} days ({})", cert.not_after())));
+        }
+        Self::with_identity(key, cert, SRTP_PROFILES)
+    }
+
+    /// The private key and the certificate, PEM, for [`DtlsContext::from_pem`].
+    pub fn to_pem(&self) -> Result<String, DtlsError> {
+        let key = self.key.private_key_to_pem_pkcs8()?;
+        let cert = self.cert.to_pem()?;
+        Ok(format!("{}{}", String::from_utf8_lossy(&key), String::from_utf8_lossy(&cert)))
+    }
+
+    fn with_identity(key: PKey<Private>, cert: X509, profiles: &str) -> Result<DtlsContext, DtlsError> {
         let fingerprint = Fingerprint::of(&cert, "sha-256")?;
         let mut b = SslContextBuilder::new(SslMethod::dtls())?;
         b.set_min_proto_version(Some(SslVersion::DTLS1_2))?;
@@ -118,7 +156,7 @@ impl DtlsContext {
         b.set_verify_callback(SslVerifyMode::PEER | SslVerifyMode::FAIL_IF_NO_PEER_CERT, |_, _| true);
         // The in-memory channel has no MTU to ask; the session sets it.
         b.set_options(SslOptions::NO_QUERY_MTU);
-        Ok(DtlsContext { ctx: b.build(), fingerprint })
+        Ok(DtlsContext { ctx: b.build(), fingerprint, key, cert })
     }
 
     /// The certificate's SHA-256 fingerprint, for `a=fingerprint`.
@@ -144,7 +182,7 @@ impl DtlsContext {
     }
 }
 
-fn self_signed(key: &PKey<Private>) -> Result<X509, openssl::error::ErrorStack> {
+fn self_signed(key: &PKey<Private>, days: u32) -> Result<X509, openssl::error::ErrorStack> {
     let mut name = X509NameBuilder::new()?;
     name.append_entry_by_nid(Nid::COMMONNAME, "mediaplane")?;
     let name = name.build();
@@ -158,7 +196,7 @@ fn self_signed(key: &PKey<Private>) -> Result<X509, openssl::error::ErrorStack> 
     b.set_issuer_name(&name)?;
     // A day back: a peer whose clock is a little behind still takes it.
     let now = std::time::SystemTime::now().duration_since(std::time::UNIX_EPOCH).map_or(0, |d| d.as_secs() as i64);
-    let (from, until) = (Asn1Time::from_unix(now - 86_400)?, Asn1Time::days_from_now(30)?);
+    let (from, until) = (Asn1Time::from_unix(now - 86_400)?, Asn1Time::days_from_now(days)?);
     b.set_not_before(&from)?;
     b.set_not_after(&until)?;
     b.set_pubkey(key)?;
@@ -405,6 +443,32 @@ mod tests {
         assert_eq!((kc.outbound.clone(), kc.inbound.clone()), (ks.inbound.clone(), ks.outbound.clone()));
         // The halves are the exporter's: the client's key is not the server's.
         assert_ne!(ks.inbound.master[..32], ks.outbound.master[..32]);
+    }
+
+    /// A context made again from its PEM has the same fingerprint and handshakes with a peer
+    /// that knows only that fingerprint; a key that is not the certificate's, a certificate near
+    /// its end, and garbage are refused.
+    #[test]
+    fn a_certificate_kept_as_pem_is_the_same_certificate() {
+        let first = DtlsContext::generate().unwrap();
+        let pem = first.to_pem().unwrap();
+        let again = DtlsContext::from_pem(&pem).unwrap();
+        assert_eq!(again.fingerprint(), first.fingerprint());
+        let peer = DtlsContext::generate().unwrap();
+        let mut server = again.session(Role::Server, peer.fingerprint().clone()).unwrap();
+        let mut client = peer.session(Role::Client, first.fingerprint().clone()).unwrap();
+        let (pc, _) = pump(&mut client, &mut server);
+        assert!(connected(&pc).is_some(), "the peer took the restored certificate for the signalled one");
+
+        let other = DtlsContext::generate().unwrap().to_pem().unwrap();
+        let other_key = &other[..other.find("-----BEGIN CERTIFICATE").unwrap()];
+        let own_cert = &pem[pem.find("-----BEGIN CERTIFICATE").unwrap()..];
+        assert!(matches!(DtlsContext::from_pem(&format!("{other_key}{own_cert}")), Err(DtlsError::Identity(_))));
+
+        let key = PKey::from_ec_key(EcKey::generate(&EcGroup::from_curve_name(Nid::X9_62_PRIME256V1).unwrap()).unwrap()).unwrap();
+        let ending = DtlsContext::with_identity(key.clone(), self_signed(&key, RENEW_DAYS_BEFORE_EXPIRY - 1).unwrap(), SRTP_PROFILES).unwrap();
+        assert!(matches!(DtlsContext::from_pem(&ending.to_pem().unwrap()), Err(DtlsError::Identity(e)) if e.contains("expires")));
+        assert!(DtlsContext::from_pem("not a certificate").is_err());
     }
 
     #[test]
