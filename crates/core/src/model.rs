@@ -516,6 +516,21 @@ pub struct Leg {
     /// DTMF events to put into what its peer sends (NG `play DTMF`), in order.
     #[serde(default, skip_serializing_if = "Vec::is_empty")]
     pub dtmf: Vec<DtmfEvent>,
+    /// This leg is one more media section on another relay's ICE leg's transport (BUNDLE): see
+    /// [`Bundled`] and [`Model::bundle_leg`].
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub bundled: Option<Bundled>,
+}
+
+/// A leg on the transport of `relay`'s leg on the same side (an SDP BUNDLE group, RFC 8843:
+/// several media sections of a WebRTC party on one address, ICE and DTLS association). That
+/// leg (the group's first section) owns the address and its handshake; this one takes what the
+/// party sends with `ssrc` (RTP of that SSRC, RTCP whose sender it is), and its peer and SRTP
+/// keys are that leg's ([`Model::set_leg_nominated`] and [`Model::set_leg_srtp`] set both).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Bundled {
+    pub relay: String,
+    pub ssrc: u32,
 }
 
 /// What an ICE leg's handshake state is rebuilt from after a restart ([`Leg::ice_credentials`]).
@@ -802,6 +817,14 @@ impl Side {
             Side::B => Side::A,
         }
     }
+
+    /// `a` or `b`, as labels and address owners name it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Side::A => "a",
+            Side::B => "b",
+        }
+    }
 }
 
 /// Rooms, relays and the derived indexes live in persistent maps: cloning a model is O(1) and a
@@ -929,8 +952,16 @@ impl Model {
             }
         }
         for (id, r) in &self.relays {
-            fresh.claim(r.a.local, format!("relay {id}/a"))?;
-            fresh.claim(r.b.local, format!("relay {id}/b"))?;
+            for (leg, side) in [(&r.a, Side::A), (&r.b, Side::B)] {
+                match &leg.bundled {
+                    // Claimed by the leg it is bundled with.
+                    Some(b) => match self.relays.get(&b.relay).map(|p| p.leg(side)) {
+                        Some(p) if p.local == leg.local && p.bundled.is_none() => {}
+                        _ => return Err(ModelError::Inconsistent(format!("relay {id}: bundled with {:?}, which is not on its address", b.relay))),
+                    },
+                    None => fresh.claim(leg.local, format!("relay {id}/{}", side.name()))?,
+                }
+            }
             for f in &r.forks {
                 fresh.claim(f.local, format!("relay {id}/fork {}", f.tag))?;
             }
@@ -1612,6 +1643,7 @@ impl Model {
             control: MediaControl::default(),
             telephone_events: Vec::new(),
             dtmf: Vec::new(),
+            bundled: None,
         };
         let a = mk(self, a);
         let b = mk(self, b);
@@ -1623,8 +1655,10 @@ impl Model {
 
     pub fn delete_relay(&mut self, id: &str) -> Result<Relay, ModelError> {
         let r = self.relays.remove(id).ok_or_else(|| not_found("relay", id))?;
-        self.owners.remove(&r.a.local);
-        self.owners.remove(&r.b.local);
+        // A bundled leg's address is its group's first leg's.
+        for leg in [&r.a, &r.b].into_iter().filter(|l| l.bundled.is_none()) {
+            self.owners.remove(&leg.local);
+        }
         for f in &r.forks {
             self.owners.remove(&f.local);
         }

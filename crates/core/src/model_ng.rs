@@ -1,6 +1,6 @@
 //! Model operations the SIP relay (NG protocol) needs beyond the basic ones in `model.rs`.
 
-use crate::model::{DemuxedRtcp, DtmfEvent, Follow, Fork, MediaControl, Model, ModelError, Side};
+use crate::model::{Bundled, DemuxedRtcp, DtmfEvent, Follow, Fork, MediaControl, Model, ModelError, Side};
 use crate::srtp::LegSrtp;
 use std::net::SocketAddr;
 
@@ -92,6 +92,61 @@ impl Model {
         }
         let changed = leg.remote != addr;
         leg.remote = addr;
+        // One transport: the legs bundled with it have its peer.
+        for rid in self.bundled_with(id, side) {
+            self.leg_mut(&rid, side)?.remote = addr;
+        }
+        Ok(changed)
+    }
+
+    /// The relays whose leg on `side` is bundled with relay `id`'s ([`Model::bundle_leg`]):
+    /// what changes with that leg's peer and keys.
+    pub fn bundled_with(&self, id: &str, side: Side) -> Vec<String> {
+        self.relays.iter().filter(|(_, r)| r.leg(side).bundled.as_ref().is_some_and(|b| b.relay == id)).map(|(rid, _)| rid.clone()).collect()
+    }
+
+    /// Put leg `side` of relay `id` on the transport of `with.relay`'s leg on the same side (one
+    /// more media section of a BUNDLE group, see [`Bundled`]): its address becomes that leg's
+    /// (its own is released), it is an ICE leg with that leg's peer and keys, and it takes what
+    /// the party sends with `with.ssrc`. True if that changed anything. Refused: a leg bundled
+    /// with itself, with a leg that is not an ICE leg or is bundled itself, or elsewhere
+    /// already; an SSRC another leg of the group takes.
+    pub fn bundle_leg(&mut self, id: &str, side: Side, with: Bundled) -> Result<bool, ModelError> {
+        let invalid = |why: String| Err(ModelError::Invalid(format!("relay {id}: leg {}: {why}", side.name())));
+        if with.relay == id {
+            return invalid("bundled with itself".into());
+        }
+        let first = self.relays.get(&with.relay).ok_or_else(|| ModelError::NotFound { kind: "relay", id: with.relay.clone() })?.leg(side).clone();
+        if !first.ice || first.bundled.is_some() {
+            return invalid(format!("relay {} is not the first ICE leg of a group", with.relay));
+        }
+        let taken = self
+            .relays
+            .iter()
+            .find(|(rid, r)| rid.as_str() != id && r.leg(side).bundled.as_ref().is_some_and(|b| b.relay == with.relay && b.ssrc == with.ssrc));
+        if let Some((other, _)) = taken {
+            return Err(ModelError::IngressInUse { addr: first.local, ssrc: Some(with.ssrc), owner: format!("relay {other}/{}", side.name()) });
+        }
+        let leg = self.leg_mut(id, side)?;
+        if let Some(b) = leg.bundled.as_ref().filter(|b| b.relay != with.relay) {
+            return invalid(format!("bundled with relay {} already", b.relay));
+        }
+        let before = leg.clone();
+        leg.local = first.local;
+        leg.ice = true;
+        leg.strict = true;
+        leg.held = false;
+        leg.latched = None;
+        leg.remote = first.remote;
+        leg.srtp = first.srtp.clone();
+        // Its handshake is the first leg's: nothing of its own to resume after a restart.
+        leg.ice_credentials = None;
+        leg.bundled = Some(with);
+        let changed = *leg != before;
+        let owner = format!("relay {id}/{}", side.name());
+        if before.local != first.local && self.owner_of(&before.local) == Some(owner.as_str()) {
+            self.owners_remove(before.local);
+        }
         Ok(changed)
     }
 
@@ -104,7 +159,13 @@ impl Model {
             Side::B => &mut r.b,
         };
         let changed = leg.srtp != srtp;
-        leg.srtp = srtp;
+        let ice = leg.ice;
+        leg.srtp = srtp.clone();
+        if ice {
+            for rid in self.bundled_with(id, side) {
+                self.leg_mut(&rid, side)?.srtp = srtp.clone();
+            }
+        }
         Ok(changed)
     }
 }

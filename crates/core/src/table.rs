@@ -534,7 +534,8 @@ fn compile_room_feedback(rid: &str, room: &Room) -> Vec<FeedbackEntry> {
 /// The two entries of a relay: each leg's ingress, a fan-out of one to the other leg's peer.
 fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> Vec<StreamEntry> {
     let legs = [(&r.a, &r.b, "a", "b", Side::A), (&r.b, &r.a, "b", "a", Side::B)].map(|(from_leg, to_leg, side, other, from_side)| {
-        let key = IngressKey { local: from_leg.local, ssrc: None };
+        // A bundled leg shares its group's address: it takes its own SSRC's packets there.
+        let key = IngressKey { local: from_leg.local, ssrc: from_leg.bundled.as_ref().map(|b| b.ssrc) };
         let outbound = to_leg.srtp.as_ref().map_or(Protection::Clear, |s| Protection::Srtp(s.outbound.clone()));
         // The other party keeps its RTCP apart while this one multiplexes: this leg's RTCP
         // goes to that party's RTCP address.
@@ -561,7 +562,8 @@ fn compile_relay(id: &str, r: &Relay, rate: Option<RateLimit>) -> Vec<StreamEntr
             clock_rate: from_leg.clock_rate.unwrap_or(0),
             evaluate_rtcp: from_leg.rtp,
             simulcast: None,
-            handshake: from_leg.ice,
+            // The group's first leg answers the transport's STUN and DTLS.
+            handshake: from_leg.ice && from_leg.bundled.is_none(),
             stream_ids: None,
             publisher_feedback: None,
             reverse: Protection::Clear,
@@ -1189,6 +1191,64 @@ mod tests {
         bad[0] = 0x81;
         bad[3] = 200; // longer than the datagram
         assert!(matches!(t.classify(a("10.0.0.1:30000"), a("10.0.2.1:7000"), &bad), Verdict::Drop { reason: DropReason::Malformed, .. }));
+    }
+
+    /// BUNDLE: the video section's browser leg shares the audio section's ICE leg's address and
+    /// takes its SSRC's RTP and RTCP there; the rest of the address is the audio relay's. The
+    /// nomination and the keys of the first leg are the bundled leg's too; the address stays
+    /// the first leg's when the bundled relay goes.
+    #[test]
+    fn a_bundled_leg_takes_its_ssrc_at_its_groups_address() {
+        use crate::model::{Bundled, ModelError, Side};
+        use crate::srtp::{LegSrtp, SrtpKey, SrtpSuite};
+        let mut m = Model::new();
+        let leg = |l, r| LegSpec { local: a(l), remote: r, strict: false, rtp: true, follow: Default::default() };
+        m.create_relay("audio", leg("10.0.0.1:30000", None), leg("10.0.0.1:30002", Some(a("10.0.3.1:8000")))).unwrap();
+        m.create_relay("video", leg("10.0.0.1:30004", None), leg("10.0.0.1:30006", Some(a("10.0.3.1:8002")))).unwrap();
+        let bundle = |ssrc| Bundled { relay: "audio".into(), ssrc };
+        assert!(matches!(m.bundle_leg("video", Side::A, bundle(0xbeef)), Err(ModelError::Invalid(_))), "the first leg is no ICE leg yet");
+        m.set_leg_ice("audio", Side::A, true).unwrap();
+        assert!(matches!(m.bundle_leg("audio", Side::A, Bundled { relay: "audio".into(), ssrc: 1 }), Err(ModelError::Invalid(_))));
+        assert!(m.bundle_leg("video", Side::A, bundle(0xbeef)).unwrap());
+        assert!(!m.bundle_leg("video", Side::A, bundle(0xbeef)).unwrap(), "again: no change");
+        assert_eq!(m.owner_of(&a("10.0.0.1:30004")), None, "its own address was released");
+        assert_eq!(m.relays["video"].a.local, a("10.0.0.1:30000"));
+        m.create_relay("other", leg("10.0.0.1:30008", None), leg("10.0.0.1:30010", None)).unwrap();
+        assert!(matches!(m.bundle_leg("other", Side::A, bundle(0xbeef)), Err(ModelError::IngressInUse { ssrc: Some(0xbeef), .. })));
+        m.delete_relay("other").unwrap();
+
+        let browser = a("198.51.100.9:50000");
+        let key = SrtpKey::new(SrtpSuite::AeadAes128Gcm, vec![3; 28]).unwrap();
+        m.set_leg_nominated("audio", Side::A, Some(browser)).unwrap();
+        m.set_leg_srtp("audio", Side::A, Some(LegSrtp { inbound: Some(key.clone()), outbound: Some(key.clone()) })).unwrap();
+        assert_eq!((m.relays["video"].a.remote, m.relays["video"].a.srtp.clone()), (Some(browser), m.relays["audio"].a.srtp.clone()));
+
+        let t = ForwardingTable::compile(&m, 1);
+        let bundled = &t.streams[&IngressKey { local: a("10.0.0.1:30000"), ssrc: Some(0xbeef) }];
+        assert_eq!((bundled.id, bundled.handshake, bundled.source), (m.relays["video"].a.uid, false, SourceRule::Fixed(browser)));
+        assert!(t.streams[&IngressKey { local: a("10.0.0.1:30000"), ssrc: None }].handshake, "the first leg answers the transport's handshake");
+        let video_rtp = build_rtp(96, 1, 1, 0xbeef, &[0; 100]);
+        let audio_rtp = build_rtp(111, 1, 1, 0xa0d1, &[0; 100]);
+        let to = |v: Verdict| match v {
+            Verdict::Forward(e) => e.copies.iter().map(|c| c.to).collect::<Vec<_>>(),
+            v => panic!("{v:?}"),
+        };
+        assert_eq!(to(t.classify(a("10.0.0.1:30000"), browser, &video_rtp)), [a("10.0.3.1:8002")]);
+        assert_eq!(to(t.classify(a("10.0.0.1:30000"), browser, &audio_rtp)), [a("10.0.3.1:8000")]);
+        // SRTCP whose sender is the video SSRC goes with the video.
+        let mut srtcp = vec![0x80, 200, 0, 6];
+        srtcp.extend_from_slice(&0xbeef_u32.to_be_bytes());
+        srtcp.extend_from_slice(&[0xa5; 20 + 4 + 16]);
+        assert_eq!(to(t.classify(a("10.0.0.1:30000"), browser, &srtcp)), [a("10.0.3.1:8002")]);
+        // The way back leaves from the group's address, protected with its key.
+        let back = &t.streams[&IngressKey { local: a("10.0.0.1:30006"), ssrc: None }];
+        assert_eq!((back.copies[0].from, back.copies[0].to, &back.copies[0].outbound), (a("10.0.0.1:30000"), browser, &Protection::Srtp(Some(key))));
+
+        // Stored and loaded, it is the same model; deleting the bundled relay keeps the address.
+        let again = Model::from_parts(m.rooms.clone(), m.relays.clone(), m.next_uid()).unwrap();
+        assert_eq!(again, m);
+        m.delete_relay("video").unwrap();
+        assert_eq!(m.owner_of(&a("10.0.0.1:30000")), Some("relay audio/a"));
     }
 
     #[test]
