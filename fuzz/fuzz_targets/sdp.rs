@@ -47,13 +47,18 @@ fuzz_target!(|data: &[u8]| {
             })
             .collect(),
         mark: Some("fuzz1".into()),
-        session_attrs: vec!["ice-lite".into()],
+        session_attrs: vec!["ice-lite".into(), "group:BUNDLE 0 1".into()],
         remove_dtls: true,
+        remove_bundle: data.len() % 5 == 0,
     };
     let out = sdp.rewrite(&rw);
     let back = Sdp::parse(&out).expect("a rewritten SDP parses");
     assert_eq!(back.media.len(), sdp.media.len());
     assert!(back.marked("fuzz1"));
+    // The relay's group only, when the offerer's are removed.
+    if rw.remove_bundle {
+        assert_eq!(back.bundle_groups, vec![vec!["0".to_string(), "1".to_string()]]);
+    }
     let marks = |b: &[u8]| b.split(|&c| c == b'\n').filter(|l| l.strip_suffix(b"\r").unwrap_or(l) == b"a=rtpengine:fuzz1").count();
     assert_eq!(marks(&out), marks(data) + usize::from(!sdp.marked("fuzz1")), "marked once");
     for (i, m) in back.media.iter().enumerate().filter(|(i, _)| i % 4 == 3) {

@@ -389,11 +389,12 @@ impl SessionManager {
                 return Ok((false, vec![]));
             };
             let changed = f(m, &t)?;
-            let change = match t {
-                Transport::RelayLeg(id, _) => Change::Relay(id),
-                Transport::Participant(room, _) => Change::Room(room),
+            let changes = match t {
+                // The legs bundled with it have its peer and keys.
+                Transport::RelayLeg(id, side) => std::iter::once(id.clone()).chain(m.bundled_with(&id, side)).map(Change::Relay).collect(),
+                Transport::Participant(room, _) => vec![Change::Room(room)],
             };
-            Ok((changed, if changed { vec![change] } else { vec![] }))
+            Ok((changed, if changed { changes } else { vec![] }))
         })
     }
 }

@@ -157,8 +157,9 @@ impl SessionManager {
     /// Load the stored sessions and install them: after a restart, media flows again.
     pub fn open(mut store: Store, dataplane: Arc<dyn Dataplane>, media: MediaConfig, limits: Limits) -> Result<SessionManager, ManagerError> {
         let mut model = store.load()?;
-        // A browser's session cannot outlive the daemon: its DTLS certificate and handshake state
-        // are gone, so it could never be keyed again. Its participant goes (the browser re-joins).
+        // A browser's room session cannot outlive the daemon: its handshake state and keys are
+        // not stored, so it could never be keyed again. Its participant goes (the browser
+        // re-joins).
         let rooms = model.remove_webrtc_participants();
         if !rooms.is_empty() {
             tracing::info!(rooms = rooms.len(), "WebRTC participants of the last run removed");

@@ -35,8 +35,11 @@
 //! answers both sections on two plain port pairs. Each section must reach its own pair (no video
 //! on the audio port), both ways, with each section's RTCP demultiplexed to its RTCP port and the
 //! plain party's reports of each reaching the browser. SIP.js asks for the "balanced" bundle
-//! policy, and neither rtpengine 10.5 nor mediaplane answers `a=group:BUNDLE`: the browser runs
-//! one ICE + DTLS transport per section.
+//! policy; mediaplane accepts the browser's `a=group:BUNDLE` (one ICE + DTLS transport for both
+//! sections, the video told apart by its SSRC), rtpengine 10.5 answers none (a transport per
+//! section). `webrtc_max_bundle_*`: the same call from a browser with `bundlePolicy:
+//! max-bundle` (candidates for its first section only), which works only on a relay that
+//! accepts BUNDLE.
 //!
 //! One test per relay: rtpengine 10.5 in user space (the baseline), `mediaplane serve` on the
 //! user-space and on the eBPF plane. Needs root, kamailio with its websocket module, sipp,
@@ -88,7 +91,10 @@ setInterval(async () => {
     if (pc) {
       out.ice = pc.iceConnectionState;
       out.offer = pc.localDescription && pc.localDescription.sdp;
+      out.answer = pc.remoteDescription && pc.remoteDescription.sdp;
+      out.transports = 0;
       (await pc.getStats()).forEach(r => {
+        if (r.type === 'transport') out.transports += 1;
         if (r.type === 'inbound-rtp' && r.kind === 'audio') Object.assign(out, {in_packets: r.packetsReceived, in_lost: r.packetsLost, in_ssrc: r.ssrc});
         if (r.type === 'outbound-rtp' && r.kind === 'audio') Object.assign(out, {out_packets: r.packetsSent, out_ssrc: r.ssrc});
         // A receiver report about what it sends, and a sender report of what it receives.
@@ -128,7 +134,7 @@ try {
     uri: UserAgent.makeURI(cfg.aor),
     transportOptions: {server: cfg.ws},
     logLevel: 'warn',
-    sessionDescriptionHandlerFactoryOptions: {peerConnectionConfiguration: {iceServers: []}, iceGatheringTimeout: 3000},
+    sessionDescriptionHandlerFactoryOptions: {peerConnectionConfiguration: {iceServers: [], bundlePolicy: cfg.bundle_policy || 'balanced'}, iceGatheringTimeout: 3000},
   });
   ua.transport.stateChange.addListener(s => events.push('transport:' + s));
   await ua.start();
@@ -386,7 +392,13 @@ fn run_restart(relay: Relay) {
 
 /// A video call: audio and VP8 video, each section to its own plain port pair.
 fn run_video(relay: Relay) {
-    run(relay, Callee::Plain, true, false);
+    run_with(relay, Callee::Plain, true, false, "balanced");
+}
+
+/// The video call from a browser that bundles everything (`bundlePolicy: max-bundle`): it
+/// gathers for its first section only, so the call works only if the relay accepts BUNDLE.
+fn run_max_bundle(relay: Relay) {
+    run_with(relay, Callee::Plain, true, false, "max-bundle");
 }
 
 /// DTLS-SRTP bridged to SDES-SRTP: the callee's key is fresh per run.
@@ -397,7 +409,17 @@ fn run_sdes(relay: Relay) {
 }
 
 fn run(relay: Relay, callee: Callee, video: bool, restart: bool) {
-    let test = format!("interop_webrtc_sipjs ({}, {callee:?}{}{})", relay.name(), if video { ", video" } else { "" }, if restart { ", restart" } else { "" });
+    run_with(relay, callee, video, restart, "balanced");
+}
+
+/// [`run`] with the browser's `bundlePolicy`.
+fn run_with(relay: Relay, callee: Callee, video: bool, restart: bool, bundle_policy: &str) {
+    let test = format!(
+        "interop_webrtc_sipjs ({}, {callee:?}{}{}, {bundle_policy})",
+        relay.name(),
+        if video { ", video" } else { "" },
+        if restart { ", restart" } else { "" }
+    );
     // A restarted call: 3 s before the restart, then until 10 s after it (the restart takes a
     // second or two); the plain party sends throughout.
     let total = if restart { 5 * PACKETS } else { PACKETS };
@@ -414,6 +436,7 @@ fn run(relay: Relay, callee: Callee, video: bool, restart: bool) {
     }
     let prefix = match (callee, video) {
         _ if restart => "webrtc-restart",
+        _ if bundle_policy == "max-bundle" => "webrtc-bundle",
         (_, true) => "webrtc-video",
         (Callee::Plain, false) => "webrtc-sipjs",
         (Callee::Sdes(_), false) => "webrtc-sdes",
@@ -451,6 +474,7 @@ fn run(relay: Relay, callee: Callee, video: bool, restart: bool) {
         "target": format!("sip:bob@127.0.0.1:{UAS_PORT}"),
         "headers": if callee == Callee::Plain { vec![] } else { vec!["X-Callee-Protocol: RTP/SAVP"] },
         "video": video,
+        "bundle_policy": bundle_policy,
     });
     let (stats, hangup) = (Arc::new(Mutex::new(Json::Null)), Arc::new(Mutex::new(false)));
     let served = Arc::new(Served::default());
@@ -665,6 +689,17 @@ fn run(relay: Relay, callee: Callee, video: bool, restart: bool) {
             ),
         );
         check(s["rr_in_video"] == true, "the plain party's video reports reached the browser (getStats: remote-inbound-rtp)".into());
+        // mediaplane accepts the browser's BUNDLE group: both sections on one transport (one
+        // ICE and DTLS association) whatever the policy; rtpengine 10.5 answers no group, so a
+        // balanced browser runs a transport per section.
+        let answer = s["answer"].as_str().unwrap_or_default();
+        let bundled = answer.lines().any(|l| l.trim_end().starts_with("a=group:BUNDLE ") && l.split_whitespace().count() == 3);
+        let transports = num(&s, "transports");
+        if relay == Relay::Rtpengine {
+            check(!bundled && transports == 2, format!("rtpengine answered no BUNDLE group: {transports} transports"));
+        } else {
+            check(bundled && transports == 1, format!("the relay answered the BUNDLE group and the browser runs one transport ({transports})"));
+        }
     }
 
     if relay != Relay::Rtpengine {
@@ -691,6 +726,16 @@ fn run(relay: Relay, callee: Callee, video: bool, restart: bool) {
                 let keyed = ["AEAD_AES_128_GCM", "AES_CM_128_HMAC_SHA1_80"].contains(&suite) && leg["srtp"]["inbound"].get("master").is_none();
                 check(keyed, format!("keyed by the handshake, no key in the view ({})", leg["srtp"]));
                 check(leg.get("ice_credentials").is_none() && !leg.to_string().contains("pwd"), "nor its stored ICE credentials".into());
+                if video {
+                    // The video section's browser leg is on the audio leg's transport, taking the
+                    // browser's video SSRC.
+                    let id = mediaplane_ng::calls::rtp_relay_id(&mediaplane_ng::calls::call_key(call_id), 1);
+                    let video_leg = common::netns::try_api(&bed.tb, "GET", &format!("/v1/relays/{id}"), None).map(|v| v["a"].clone()).unwrap_or_default();
+                    check(
+                        video_leg["local"] == leg["local"] && video_leg["bundled"]["ssrc"] == s["out_video_ssrc"] && video_leg["remote"] == leg["remote"],
+                        format!("the video leg is bundled on the audio leg's address and peer: {video_leg}"),
+                    );
+                }
             }
             Err(e) => check(false, format!("the call's relay {id} in the API: {e}")),
         }
@@ -734,6 +779,20 @@ mod restart {
 mod video {
     use super::*;
     relay_tests!(run_video, webrtc_video_rtpengine, webrtc_video_mediaplane_userspace, webrtc_video_mediaplane_ebpf);
+}
+
+mod max_bundle {
+    use super::*;
+
+    #[test]
+    fn webrtc_max_bundle_mediaplane_userspace() {
+        run_max_bundle(Relay::MediaplaneUserspace);
+    }
+
+    #[test]
+    fn webrtc_max_bundle_mediaplane_ebpf() {
+        run_max_bundle(Relay::MediaplaneEbpf);
+    }
 }
 
 mod sdes {

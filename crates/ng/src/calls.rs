@@ -109,6 +109,8 @@ pub struct MediaState {
     pub translated: bool,
     /// ICE + DTLS-SRTP the relay terminates toward each party [A, B] (a WebRTC party).
     pub webrtc: [Option<crate::webrtc::WebrtcSide>; 2],
+    /// A section the WebRTC party on `side` bundles onto another section's transport.
+    pub bundle: Option<crate::webrtc::SectionBundle>,
 }
 
 impl MediaState {
@@ -565,6 +567,7 @@ fn inactive(sig: &MediaSignal) -> MediaState {
         sdes: Default::default(),
         translated: false,
         webrtc: Default::default(),
+        bundle: None,
     }
 }
 
@@ -709,6 +712,13 @@ impl Registry {
                     if let Some(c) = model.relays.get(&rtcp_relay_id(&key, i)).filter(|_| rtcp) {
                         m.peer_rtcp = [c.a.remote, c.b.remote];
                     }
+                    // A section on another's transport stays there (answers to its party name
+                    // the group again).
+                    m.bundle = [Side::A, Side::B].into_iter().find_map(|side| {
+                        let b = r.leg(side).bundled.as_ref()?;
+                        let (_, head, _) = parse_relay_id(&b.relay)?;
+                        Some(crate::webrtc::SectionBundle { side, head, ssrc: b.ssrc })
+                    });
                 }
                 call.media.push(m);
             }
@@ -837,6 +847,24 @@ mod tests {
         assert_eq!(adopted.media[0].local, call.media[0].local);
         assert_eq!(adopted.relay_ids(), call.relay_ids());
         assert_eq!(reg.adopt(&model, Instant::now()), 0, "idempotent");
+    }
+
+    /// A section on another's transport (BUNDLE) is adopted as one.
+    #[test]
+    fn adopt_keeps_what_is_bundled() {
+        let mut model = Model::new();
+        let mut call = Call::new("c5", Instant::now());
+        let sigs = [sig("10.1.0.1:6000", true), sig("10.1.0.1:6000", true)];
+        apply_signal(&mut model, &media(), &mut call, Side::A, Phase::Offer, &sigs, &SignalOptions::default()).unwrap();
+        model.set_leg_ice(&rtp_relay_id(&call.key, 0), Side::A, true).unwrap();
+        let with = mediaplane_core::model::Bundled { relay: rtp_relay_id(&call.key, 0), ssrc: 42 };
+        model.bundle_leg(&rtp_relay_id(&call.key, 1), Side::A, with).unwrap();
+        let mut reg = Registry::default();
+        reg.adopt(&model, Instant::now());
+        let adopted = reg.get("c5").unwrap();
+        assert_eq!(adopted.media[0].bundle, None);
+        assert_eq!(adopted.media[1].bundle, Some(crate::webrtc::SectionBundle { side: Side::A, head: 0, ssrc: 42 }));
+        assert_eq!(adopted.media[1].local[0], adopted.media[0].local[0]);
     }
 
     #[test]

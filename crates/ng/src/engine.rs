@@ -1018,8 +1018,15 @@ impl Engine {
             remove_ice,
             media,
             mark,
-            session_attrs: if gives_ice { vec!["ice-lite".into()] } else { Vec::new() },
+            session_attrs: if gives_ice {
+                std::iter::once("ice-lite".to_string()).chain(crate::webrtc::bundle_groups(&call, to)).collect()
+            } else {
+                Vec::new()
+            },
             remove_dtls: terminates_ice,
+            // What is bundled is the relay's to say: toward the bundling party, its groups;
+            // toward the other, none (its sections have ports of their own).
+            remove_bundle: call.media.iter().any(|m| m.bundle.is_some()),
         });
 
         let mut call = call;
@@ -1603,6 +1610,73 @@ a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/4800
 
     fn attr<'a>(sdp: &'a str, name: &str) -> Option<&'a str> {
         sdp.lines().find_map(|l| l.strip_prefix("a=").and_then(|a| a.strip_prefix(name)).and_then(|v| v.strip_prefix(':').or((v.is_empty()).then_some(""))))
+    }
+
+    /// What Chrome offers for a microphone and a camera with `bundlePolicy: max-bundle`
+    /// (trimmed): one transport for both sections, each section's SSRC in `a=ssrc`.
+    const BUNDLED_OFFER: &str = "v=0\r\no=- 4611731400430051337 2 IN IP4 127.0.0.1\r\ns=-\r\nt=0 0\r\na=group:BUNDLE 0 1\r\n\
+a=msid-semantic: WMS\r\nm=audio 50000 UDP/TLS/RTP/SAVPF 111\r\nc=IN IP4 198.51.100.9\r\n\
+a=rtcp:9 IN IP4 0.0.0.0\r\na=candidate:1 1 udp 2122260223 198.51.100.9 50000 typ host generation 0\r\n\
+a=ice-ufrag:brws\r\na=ice-pwd:browserpasswordbrowser12\r\n\
+a=fingerprint:sha-256 AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89\r\n\
+a=setup:actpass\r\na=mid:0\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:111 opus/48000/2\r\na=ssrc:1111 cname:c\r\n\
+m=video 50000 UDP/TLS/RTP/SAVPF 96\r\nc=IN IP4 198.51.100.9\r\na=rtcp:9 IN IP4 0.0.0.0\r\n\
+a=ice-ufrag:brws\r\na=ice-pwd:browserpasswordbrowser12\r\n\
+a=fingerprint:sha-256 AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89:AB:CD:EF:01:23:45:67:89\r\n\
+a=setup:actpass\r\na=mid:1\r\na=sendrecv\r\na=rtcp-mux\r\na=rtpmap:96 VP8/90000\r\n\
+a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n";
+
+    /// A browser bundling audio and video bridged to a plain callee with a port pair per
+    /// section: the callee is offered no BUNDLE; the browser is answered with the group, one
+    /// port and one set of credentials for both sections; its video leg is on the audio leg's
+    /// address, taking SSRC 2222; the nomination the audio leg's handshake makes is both legs'.
+    #[test]
+    fn a_browsers_bundle_is_accepted_on_one_transport() {
+        let (m, mut e) = (manager(), Engine::new(EngineConfig::default()));
+        let mut o = offer(BUNDLED_OFFER);
+        o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
+        let to_callee = text(&send(&mut e, &m, "o1", o), "sdp");
+        assert!(!to_callee.contains("a=group"), "{to_callee}");
+        let ports = |sdp: &str| sdp.lines().filter_map(|l| l.strip_prefix("m=")).map(|l| l.split(' ').nth(1).unwrap().to_string()).collect::<Vec<_>>();
+        let callee_ports = ports(&to_callee);
+        assert_ne!(callee_ports[0], callee_ports[1], "the callee's sections keep ports of their own: {to_callee}");
+        let callee_answer = "v=0\r\no=bob 1 1 IN IP4 198.51.100.2\r\ns=-\r\nc=IN IP4 198.51.100.2\r\nt=0 0\r\n\
+m=audio 3456 RTP/AVP 111\r\na=rtpmap:111 opus/48000/2\r\nm=video 3458 RTP/AVP 96\r\na=rtpmap:96 VP8/90000\r\n";
+        let to_caller = text(&send(&mut e, &m, "a1", answer(callee_answer)), "sdp");
+        assert!(to_caller.contains("\r\na=group:BUNDLE 0 1\r\n"), "{to_caller}");
+        let caller_ports = ports(&to_caller);
+        assert_eq!(caller_ports[0], caller_ports[1], "one transport: {to_caller}");
+        let ufrags: Vec<&str> = to_caller.lines().filter_map(|l| l.strip_prefix("a=ice-ufrag:")).collect();
+        assert!(ufrags.len() == 2 && ufrags[0] == ufrags[1], "{to_caller}");
+
+        let key = calls::call_key("cfBXzDSZqhYNcXM");
+        let (audio, video) = m.read(|model, _| (model.relays[&calls::rtp_relay_id(&key, 0)].clone(), model.relays[&calls::rtp_relay_id(&key, 1)].clone()));
+        assert_eq!(video.a.local, audio.a.local);
+        assert_eq!(video.a.bundled.as_ref().map(|b| b.ssrc), Some(2222));
+        assert_ne!(video.b.local, audio.b.local);
+        let pwd = to_caller.lines().find_map(|l| l.strip_prefix("a=ice-pwd:")).unwrap();
+        use mediaplane_webrtc::stun::{attr as stun_attr, Builder, Class, BINDING};
+        let check = Builder::new(BINDING, Class::Request, [5; 12])
+            .attribute(stun_attr::USERNAME, format!("{}:brws", ufrags[0]).as_bytes())
+            .attribute(stun_attr::USE_CANDIDATE, &[])
+            .integrity(pwd.as_bytes())
+            .fingerprint();
+        let browser: SocketAddr = "198.51.100.9:50000".parse().unwrap();
+        m.on_handshake(audio.a.uid, audio.a.local, browser, 1, &check);
+        let remotes = m.read(|model, _| (0..2).map(|i| model.relays[&calls::rtp_relay_id(&key, i)].a.remote).collect::<Vec<_>>());
+        assert_eq!(remotes, [Some(browser), Some(browser)]);
+        assert!(m.crypto_leg(video.a.uid).is_none(), "the video leg has no handshake of its own");
+
+        // The browser's re-offer keeps the group; one that takes video out of it is refused.
+        let mut o = offer(BUNDLED_OFFER);
+        o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
+        assert_eq!(text(&send(&mut e, &m, "o2", o), "result"), "ok");
+        let mut o = offer(&BUNDLED_OFFER.replace("a=group:BUNDLE 0 1", "a=group:BUNDLE 0"));
+        o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
+        let r = send(&mut e, &m, "o3", o);
+        assert_eq!(text(&r, "result"), "error", "{r:?}");
+        assert!(text(&r, "error-reason").contains("BUNDLE"), "{r:?}");
+        assert_eq!(m.read(|model, _| model.relays[&calls::rtp_relay_id(&key, 1)].a.bundled.clone()), video.a.bundled, "nothing changed");
     }
 
     #[test]

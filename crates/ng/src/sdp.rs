@@ -167,6 +167,9 @@ pub struct Media {
     pub transport_attrs: Vec<(String, String)>,
     /// `a=fingerprint`, `a=setup`, `a=tls-id` lines: replaced when the relay terminates DTLS.
     dtls_lines: Vec<usize>,
+    /// The SSRCs its `a=ssrc` lines name, in order (the first is the media's own; RTX and FEC
+    /// SSRCs follow it).
+    pub ssrcs: Vec<u32>,
     /// The section's last line: new attributes go after it.
     last_line: usize,
 }
@@ -238,6 +241,9 @@ pub struct Sdp {
     /// Session-level ICE and DTLS values (a section's own ones win), as [`Media::transport_attrs`].
     pub session_transport_attrs: Vec<(String, String)>,
     session_dtls_lines: Vec<usize>,
+    /// The mids of each `a=group:BUNDLE` (RFC 8843), and their lines.
+    pub bundle_groups: Vec<Vec<String>>,
+    bundle_lines: Vec<usize>,
     pub media: Vec<Media>,
 }
 
@@ -261,12 +267,24 @@ pub struct Rewrite {
     pub session_attrs: Vec<String>,
     /// Drop the session-level DTLS attributes (the relay terminates DTLS-SRTP toward the sender).
     pub remove_dtls: bool,
+    /// Drop the `a=group:BUNDLE` lines (the relay decides what is bundled toward the receiver).
+    pub remove_bundle: bool,
 }
 
 impl Rewrite {
     /// Advertise `addr` in the `media` sections, changing nothing else.
     pub fn new(addr: IpAddr, media: Vec<MediaRewrite>) -> Rewrite {
-        Rewrite { addr, origin: false, session_connection: false, remove_ice: false, media, mark: None, session_attrs: Vec::new(), remove_dtls: false }
+        Rewrite {
+            addr,
+            origin: false,
+            session_connection: false,
+            remove_ice: false,
+            media,
+            mark: None,
+            session_attrs: Vec::new(),
+            remove_dtls: false,
+            remove_bundle: false,
+        }
     }
 }
 
@@ -384,6 +402,8 @@ impl Sdp {
             marks: Vec::new(),
             session_transport_attrs: Vec::new(),
             session_dtls_lines: Vec::new(),
+            bundle_groups: Vec::new(),
+            bundle_lines: Vec::new(),
             media: Vec::new(),
         };
         for (n, line) in lines.iter().enumerate() {
@@ -423,6 +443,7 @@ impl Sdp {
                         crypto: Vec::new(),
                         transport_attrs: Vec::new(),
                         dtls_lines: Vec::new(),
+                        ssrcs: Vec::new(),
                         last_line: n,
                     });
                 }
@@ -463,12 +484,25 @@ impl Sdp {
                                 sdp.session_ice_lines.push(n);
                             } else if name == b"rtpengine" {
                                 sdp.marks.push(String::from_utf8_lossy(value).trim().to_string());
+                            } else if name == b"group" {
+                                let v = String::from_utf8_lossy(value);
+                                let mut f = v.split_ascii_whitespace();
+                                if f.next() == Some("BUNDLE") {
+                                    sdp.bundle_groups.push(f.map(str::to_string).collect());
+                                    sdp.bundle_lines.push(n);
+                                }
                             }
                         }
                         Some(m) => {
                             if name == b"crypto" {
                                 if let Some(c) = std::str::from_utf8(value).ok().and_then(|v| parse_crypto(n, v)) {
                                     m.crypto.push(c);
+                                }
+                            }
+                            if name == b"ssrc" {
+                                let ssrc = std::str::from_utf8(value).ok().and_then(|v| v.split_ascii_whitespace().next()).and_then(|v| v.parse::<u32>().ok());
+                                if let Some(ssrc) = ssrc.filter(|s| !m.ssrcs.contains(s)) {
+                                    m.ssrcs.push(ssrc);
                                 }
                             }
                             if let Some(pt) = FORMAT_ATTRS.iter().any(|a| a.as_bytes() == name).then(|| attr_pt(value)).flatten() {
@@ -656,6 +690,11 @@ impl Sdp {
                 }
             }
         }
+        if rw.remove_bundle {
+            for &l in &self.bundle_lines {
+                edits[l] = Edit::Drop;
+            }
+        }
         if rw.remove_dtls {
             for &l in &self.session_dtls_lines {
                 edits[l] = Edit::Drop;
@@ -785,7 +824,11 @@ m=video 52540 RTP/AVP 96\r\n\
 c=IN IP4 10.100.1.218\r\n\
 a=candidate:1 1 udp 2122260223 10.100.1.218 52540 typ host\r\n\
 a=mid:video\r\n\
-a=rtpmap:96 VP8/90000\r\n";
+a=rtpmap:96 VP8/90000\r\n\
+a=ssrc-group:FID 2222 3333\r\n\
+a=ssrc:2222 cname:x\r\n\
+a=ssrc:2222 msid:s t\r\n\
+a=ssrc:3333 cname:x\r\n";
 
     fn ip(s: &str) -> IpAddr {
         s.parse().unwrap()
@@ -821,6 +864,7 @@ a=rtpmap:96 VP8/90000\r\n";
         assert!(s.has_ice() && s.media[0].rtcp_mux && !s.media[1].rtcp_mux);
         assert_eq!(s.media[0].rtcp.as_ref().unwrap().port, 52536);
         assert_eq!(s.media_addr(1), Some(&ConnAddr::Ip(ip("10.100.1.218"))));
+        assert_eq!((s.media[0].ssrcs.clone(), s.media[1].ssrcs.clone()), (vec![], vec![2222, 3333]), "each SSRC once, the media's first");
         let rw = Rewrite {
             origin: true,
             session_connection: true,
@@ -849,8 +893,16 @@ a=sendrecv\r\n\
 m=video 30002 RTP/AVP 96\r\n\
 c=IN IP4 192.0.2.7\r\n\
 a=mid:video\r\n\
-a=rtpmap:96 VP8/90000\r\n";
+a=rtpmap:96 VP8/90000\r\n\
+a=ssrc-group:FID 2222 3333\r\n\
+a=ssrc:2222 cname:x\r\n\
+a=ssrc:2222 msid:s t\r\n\
+a=ssrc:3333 cname:x\r\n";
         assert_eq!(out, want);
+        // The offerer's BUNDLE group, and none once the relay decides.
+        assert_eq!(s.bundle_groups, vec![vec!["audio".to_string(), "video".to_string()]]);
+        let unbundled = String::from_utf8(s.rewrite(&Rewrite { remove_bundle: true, ..rw.clone() })).unwrap();
+        assert_eq!(unbundled, want.replace("a=group:BUNDLE audio video\r\n", ""));
         // Without ICE removal the candidates stay byte for byte.
         let keep = String::from_utf8(s.rewrite(&Rewrite { remove_ice: false, ..rw })).unwrap();
         assert!(keep.contains("a=candidate:2609552855 2 udp 2122260222 10.100.1.218 52536 typ host generation 0\r\n"));

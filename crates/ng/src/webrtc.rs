@@ -24,7 +24,7 @@ use crate::sdp::Sdp;
 use mediaplane_control::crypto_legs::CryptoLegSpec;
 use mediaplane_control::manager::{ManagerError, SessionManager};
 use mediaplane_control::store::Change;
-use mediaplane_core::model::{IceCredentials, Side};
+use mediaplane_core::model::{Bundled, IceCredentials, Side};
 use mediaplane_core::Model;
 use mediaplane_webrtc::dtls::{Fingerprint, Role};
 use mediaplane_webrtc::ice::Credentials;
@@ -61,6 +61,18 @@ pub enum Outgoing {
 pub struct WebrtcPlan {
     pub sides: [Option<WebrtcSide>; 2],
     pub outgoing: Outgoing,
+    /// The section goes on another section's transport (BUNDLE).
+    pub bundle: Option<SectionBundle>,
+}
+
+/// A media section of a BUNDLE group (RFC 8843) the relay accepted from a WebRTC offerer on
+/// `side`: its media goes on the transport of section `head` (the group's first), where the
+/// party's packets with `ssrc` (the section's first `a=ssrc`) are this section's.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SectionBundle {
+    pub side: Side,
+    pub head: usize,
+    pub ssrc: u32,
 }
 
 #[derive(Debug, thiserror::Error)]
@@ -71,6 +83,8 @@ pub enum WebrtcError {
     Fingerprint { section: usize, value: String },
     #[error("media section {section}: the answer refuses DTLS-SRTP ({proto}) though the relay offered it {offered}")]
     Refused { section: usize, proto: String, offered: String },
+    #[error("media section {section}: a re-offer that takes a section out of the BUNDLE group the relay accepted, or moves it to another, is not supported (offer the same group, or end the call)")]
+    BundleChanged { section: usize },
 }
 
 /// `DTLS=` of the request: which `a=setup` the relay offers (`passive`, `active`) or asks for.
@@ -199,7 +213,61 @@ pub fn plan(call: &Call, sender: Side, phase: Phase, sdp: &Sdp, secure: &[Sectio
         }
         out.push(p);
     }
+    // What was bundled stays so, but for what the bundling party's own offer changes.
+    for (i, p) in out.iter_mut().enumerate() {
+        p.bundle = call.media.get(i).and_then(|m| m.bundle).filter(|b| phase == Phase::Answer || b.side != sender);
+    }
+    if phase == Phase::Offer {
+        bundle(call, sender, sdp, &mut out)?;
+    }
     Ok(out)
+}
+
+/// Accept the offerer's first BUNDLE group (RFC 8843) for its sections whose DTLS-SRTP the
+/// relay terminates: the first mid's section carries the group's transport, every other
+/// section with an `a=ssrc` goes on it (its media told apart by that SSRC) and is given the
+/// same credentials. A section without one stays on a transport of its own (its packets could
+/// not be told apart). A re-offer must keep the group the relay accepted.
+fn bundle(call: &Call, sender: Side, sdp: &Sdp, plans: &mut [WebrtcPlan]) -> Result<(), WebrtcError> {
+    let s = side_index(sender);
+    let terminated = |i: usize| plans.get(i).is_some_and(|p| p.sides[s].is_some() && p.outgoing == Outgoing::Strip);
+    let section_of = |mid: &str| sdp.media.iter().position(|m| m.port != 0 && m.transport_attr("mid") == Some(mid));
+    let group: Vec<usize> =
+        sdp.bundle_groups.first().map(|g| g.iter().filter_map(|mid| section_of(mid)).filter(|i| terminated(*i)).collect()).unwrap_or_default();
+    if let Some((&head, members)) = group.split_first() {
+        let head_side = plans[head].sides[s].clone().expect("terminated");
+        for &i in members {
+            let Some(&ssrc) = sdp.media[i].ssrcs.first() else { continue };
+            let side = plans[i].sides[s].as_mut().expect("terminated");
+            side.local_ice = head_side.local_ice.clone();
+            side.role = head_side.role;
+            plans[i].bundle = Some(SectionBundle { side: sender, head, ssrc });
+        }
+    }
+    for (i, m) in call.media.iter().enumerate() {
+        let Some(was) = m.bundle.filter(|b| b.side == sender) else { continue };
+        let now = plans.get(i).and_then(|p| p.bundle);
+        if now.map(|b| b.head) != Some(was.head) {
+            return Err(WebrtcError::BundleChanged { section: i + 1 });
+        }
+    }
+    Ok(())
+}
+
+/// The `group:BUNDLE` attribute for the party on `to` (the mids of each group the relay
+/// accepted from it, its first section's first), if any.
+pub fn bundle_groups(call: &Call, to: Side) -> Vec<String> {
+    let mut heads: Vec<usize> = call.media.iter().filter_map(|m| m.bundle.filter(|b| b.side == to).map(|b| b.head)).collect();
+    heads.dedup();
+    let mid = |i: usize| call.media.get(i).and_then(|m| m.webrtc[side_index(to)].as_ref()).map(|w| w.mid.clone());
+    heads
+        .into_iter()
+        .filter_map(|h| {
+            let members = call.media.iter().enumerate().filter(|(_, m)| m.bundle.is_some_and(|b| b.side == to && b.head == h)).map(|(i, _)| i);
+            let mids: Option<Vec<String>> = std::iter::once(h).chain(members).map(mid).collect();
+            mids.map(|m| format!("group:BUNDLE {}", m.join(" ")))
+        })
+        .collect()
 }
 
 /// Write `plans` into `call` and mark its RTP relays' legs (after [`crate::calls::apply_signal`]
@@ -209,6 +277,7 @@ pub fn install(model: &mut Model, call: &mut Call, plans: &[WebrtcPlan], changes
     for (i, p) in plans.iter().enumerate() {
         let Some(m) = call.media.get_mut(i) else { continue };
         m.webrtc = p.sides.clone();
+        m.bundle = p.bundle.filter(|_| m.active);
         if !m.active {
             continue;
         }
@@ -242,6 +311,20 @@ pub fn install(model: &mut Model, call: &mut Call, plans: &[WebrtcPlan], changes
             changes.push(Change::Relay(id));
         }
     }
+    // On its group's transport (once every section's legs are ICE legs): the leg moves to the
+    // first section's address.
+    for (i, m) in call.media.iter_mut().enumerate() {
+        let Some(b) = m.bundle else { continue };
+        let id = rtp_relay_id(&call.key, i);
+        model.bundle_leg(&id, b.side, Bundled { relay: rtp_relay_id(&call.key, b.head), ssrc: b.ssrc })?;
+        // Named whether or not it moved now: its first section's changes are its own too.
+        if !changes.contains(&Change::Relay(id.clone())) {
+            changes.push(Change::Relay(id.clone()));
+        }
+        if let Some(r) = model.relays.get(&id) {
+            m.local[side_index(b.side)] = r.leg(b.side).local;
+        }
+    }
     Ok(())
 }
 
@@ -251,6 +334,10 @@ pub fn hand_over_legs(mgr: &SessionManager, call: &Call) {
         let id = rtp_relay_id(&call.key, i);
         for (x, side) in [(0, Side::A), (1, Side::B)] {
             let Some(w) = &m.webrtc[x] else { continue };
+            // Its handshake is its group's first section's.
+            if m.bundle.is_some_and(|b| b.side == side) {
+                continue;
+            }
             let Some(uid) = mgr.read(|model, _| model.relays.get(&id).map(|r| if side == Side::A { r.a.uid } else { r.b.uid })) else { continue };
             mgr.set_crypto_leg(
                 uid,
