@@ -682,6 +682,15 @@ int sfu_ingress(struct __sk_buff *skb)
 			return drop(sc, CNT_DROP_STRANGER, p.payload_len);
 		learn = 1;
 	}
+	/* What the kernel hands up whole (SRTP, recorded, under call control, too many copies):
+	 * the host's own stack checks it on its way to the slow path's socket (UDP checksum,
+	 * rp_filter), so the checks below, which stand in for the stack on what the kernel
+	 * forwards itself, are not made twice. A learning leg's other sources go the long way. */
+	if (!learn && ((entry->flags & STREAM_F_SLOW) || entry->copies_count > MAX_FANOUT)) {
+		if (!source_admit(p.saddr, p.family, t0, p.payload_len))
+			return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
+		return pass_slow(sc, CNT_PASS_SLOW_STREAM);
+	}
 	/* The reverse-path result is cached per stream for its one source only. */
 	int one_source = !any_source && !learn;
 
@@ -710,8 +719,6 @@ int sfu_ingress(struct __sk_buff *skb)
 		return drop(NULL, CNT_DROP_SOURCE_LIMITED, p.payload_len);
 	if (learn)
 		return pass_in_order(skb, sc, sp, entry->stats_slot, cflags, t0, CNT_PASS_UNLATCHED);
-	if ((entry->flags & STREAM_F_SLOW) || entry->copies_count > MAX_FANOUT)
-		return pass_slow(sc, CNT_PASS_SLOW_STREAM);
 	/* A few packets per second, not held in order: RTP does not wait for them. */
 	if ((entry->flags & STREAM_F_RTCP_UP) && kind == MK_RTCP)
 		return pass_slow(sc, CNT_PASS_RTCP);

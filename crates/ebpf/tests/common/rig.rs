@@ -202,17 +202,23 @@ pub fn reference(t: &ForwardingTable, frame: &[u8]) -> Expect {
         Some(Effect::SlowPath { reason: SlowReason::Handshake, .. }) => Expect::Pass("pass_slow_stream"),
         Some(Effect::Received { stream, .. }) => {
             let e = t.streams.values().find(|e| e.id == *stream).expect("the pipeline's stream is the table's");
+            let k = &kernel_entries(t, None)[&mediaplane_ebpf::maps::KeyRaw::new(e.key.local, e.key.ssrc)];
+            let slow = k.flags & flags::SLOW != 0;
+            let unlatched = effects.iter().any(|e| matches!(e, Effect::Unlatched { .. }));
+            // A stream the kernel hands up whole goes up right after its source check: the
+            // host's stack checks the frame on its way to the slow path's socket.
+            if slow && !unlatched {
+                return Expect::Pass("pass_slow_stream");
+            }
             // Frame-level, after the source check: only what the host would accept (RIG_CONFIG
             // verifies checksums; no interface of the lab has a reverse-path mode).
             if !verify_checksums(frame, &f).ok() {
                 return Expect::Drop("drop_bad_checksum");
             }
             // The kernel hands a learning leg's other sources up; the slow path relays them.
-            if effects.iter().any(|e| matches!(e, Effect::Unlatched { .. })) {
+            if unlatched {
                 return Expect::Pass("pass_unlatched");
             }
-            let k = &kernel_entries(t, None)[&mediaplane_ebpf::maps::KeyRaw::new(e.key.local, e.key.ssrc)];
-            let slow = k.flags & flags::SLOW != 0;
             // A relay leg whose DTMF is reported: its event payload types go up, the rest stays.
             let event_up =
                 k.flags & flags::PT_UP != 0 && demux(payload) == MediaKind::Rtp && payload.get(1).is_some_and(|b| [k.layer.0, k.layer.1].contains(&(b & 0x7f)));
