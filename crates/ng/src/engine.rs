@@ -1667,10 +1667,21 @@ m=audio 3456 RTP/AVP 111\r\na=rtpmap:111 opus/48000/2\r\nm=video 3458 RTP/AVP 96
         assert_eq!(remotes, [Some(browser), Some(browser)]);
         assert!(m.crypto_leg(video.a.uid).is_none(), "the video leg has no handshake of its own");
 
-        // The browser's re-offer keeps the group; one that takes video out of it is refused.
+        // The browser's re-offer keeps the group; one that stops its camera (no a=ssrc in the
+        // video section) keeps the video on the transport; one that takes video out of the
+        // group is refused.
         let mut o = offer(BUNDLED_OFFER);
         o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
         assert_eq!(text(&send(&mut e, &m, "o2", o), "result"), "ok");
+        let camera_off = BUNDLED_OFFER
+            .replace("a=ssrc-group:FID 2222 3333\r\na=ssrc:2222 cname:c\r\na=ssrc:3333 cname:c\r\n", "")
+            .replace("a=mid:1\r\na=sendrecv", "a=mid:1\r\na=recvonly");
+        assert!(!camera_off.contains("2222"));
+        let mut o = offer(&camera_off);
+        o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
+        let r = send(&mut e, &m, "o2b", o);
+        assert_eq!(text(&r, "result"), "ok", "{r:?}");
+        assert_eq!(m.read(|model, _| model.relays[&calls::rtp_relay_id(&key, 1)].a.bundled.clone()), video.a.bundled, "still on the transport");
         let mut o = offer(&BUNDLED_OFFER.replace("a=group:BUNDLE 0 1", "a=group:BUNDLE 0"));
         o.extend([("transport-protocol", "RTP/AVP".into()), ("ICE", "remove".into())]);
         let r = send(&mut e, &m, "o3", o);

@@ -237,7 +237,10 @@ fn bundle(call: &Call, sender: Side, sdp: &Sdp, plans: &mut [WebrtcPlan]) -> Res
     if let Some((&head, members)) = group.split_first() {
         let head_side = plans[head].sides[s].clone().expect("terminated");
         for &i in members {
-            let Some(&ssrc) = sdp.media[i].ssrcs.first() else { continue };
+            // A section bundled before keeps its SSRC when this offer names none (its sender
+            // stopped: `recvonly`); one never bundled needs one.
+            let before = call.media.get(i).and_then(|m| m.bundle).filter(|b| b.side == sender && b.head == head).map(|b| b.ssrc);
+            let Some(ssrc) = sdp.media[i].ssrcs.first().copied().or(before) else { continue };
             let side = plans[i].sides[s].as_mut().expect("terminated");
             side.local_ice = head_side.local_ice.clone();
             side.role = head_side.role;
