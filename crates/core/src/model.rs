@@ -953,13 +953,24 @@ impl Model {
         }
         for (id, r) in &self.relays {
             for (leg, side) in [(&r.a, Side::A), (&r.b, Side::B)] {
+                let owner = format!("relay {id}/{}", side.name());
                 match &leg.bundled {
                     // Claimed by the leg it is bundled with.
-                    Some(b) => match self.relays.get(&b.relay).map(|p| p.leg(side)) {
-                        Some(p) if p.local == leg.local && p.bundled.is_none() => {}
-                        _ => return Err(ModelError::Inconsistent(format!("relay {id}: bundled with {:?}, which is not on its address", b.relay))),
-                    },
-                    None => fresh.claim(leg.local, format!("relay {id}/{}", side.name()))?,
+                    Some(b) if self.relays.get(&b.relay).is_some_and(|p| p.leg(side).local == leg.local && p.leg(side).bundled.is_none()) => {}
+                    // That leg's relay is gone (deleted through the API): the address is held by
+                    // a leg of its group (the first to claim it; see `delete_relay`).
+                    Some(b) => {
+                        let held_by_group = fresh
+                            .owners
+                            .get(&leg.local)
+                            .and_then(|o| o.strip_prefix("relay "))
+                            .and_then(|o| o.rsplit_once('/'))
+                            .is_some_and(|(rid, _)| self.relays.get(rid).and_then(|o| o.leg(side).bundled.as_ref()).is_some_and(|ob| ob.relay == b.relay));
+                        if !held_by_group {
+                            fresh.claim(leg.local, owner)?;
+                        }
+                    }
+                    None => fresh.claim(leg.local, owner)?,
                 }
             }
             for f in &r.forks {
@@ -1655,9 +1666,22 @@ impl Model {
 
     pub fn delete_relay(&mut self, id: &str) -> Result<Relay, ModelError> {
         let r = self.relays.remove(id).ok_or_else(|| not_found("relay", id))?;
-        // A bundled leg's address is its group's first leg's.
-        for leg in [&r.a, &r.b].into_iter().filter(|l| l.bundled.is_none()) {
-            self.owners.remove(&leg.local);
+        for (leg, side) in [(&r.a, Side::A), (&r.b, Side::B)] {
+            // The address goes with its claim: a bundled leg's is its group's first leg's, and a
+            // leg that holds one passes it to a leg still on it (a group whose first relay is
+            // deleted through the API keeps its address claimed while any of it is left).
+            if self.owners.get(&leg.local).map(String::as_str) != Some(format!("relay {id}/{}", side.name()).as_str()) {
+                continue;
+            }
+            let heir = leg.ice.then(|| self.relays.iter().find(|(_, o)| o.leg(side).local == leg.local && o.leg(side).bundled.is_some())).flatten();
+            match heir.map(|(rid, _)| format!("relay {rid}/{}", side.name())) {
+                Some(heir) => {
+                    self.owners.insert(leg.local, heir);
+                }
+                None => {
+                    self.owners.remove(&leg.local);
+                }
+            }
         }
         for f in &r.forks {
             self.owners.remove(&f.local);

@@ -1247,8 +1247,17 @@ mod tests {
         // Stored and loaded, it is the same model; deleting the bundled relay keeps the address.
         let again = Model::from_parts(m.rooms.clone(), m.relays.clone(), m.next_uid()).unwrap();
         assert_eq!(again, m);
+        let mut without_video = m.clone();
+        without_video.delete_relay("video").unwrap();
+        assert_eq!(without_video.owner_of(&a("10.0.0.1:30000")), Some("relay audio/a"));
+        // The first relay deleted (through the API) while a leg is bundled with it: the address
+        // stays claimed by that leg, a restart loads the model, the last one out releases it.
+        m.delete_relay("audio").unwrap();
+        assert_eq!(m.owner_of(&a("10.0.0.1:30000")), Some("relay video/a"));
+        let again = Model::from_parts(m.rooms.clone(), m.relays.clone(), m.next_uid()).expect("loads");
+        assert_eq!(again.owner_of(&a("10.0.0.1:30000")), Some("relay video/a"));
         m.delete_relay("video").unwrap();
-        assert_eq!(m.owner_of(&a("10.0.0.1:30000")), Some("relay audio/a"));
+        assert_eq!(m.owner_of(&a("10.0.0.1:30000")), None);
     }
 
     #[test]
